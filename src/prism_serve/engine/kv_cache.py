@@ -1,0 +1,102 @@
+"""Paged KV cache: the block allocator (integer ids only) and the KV tensors it indexes.
+
+The allocator knows nothing about tensors, so it is trivial to test and can be replaced by the
+elastic-memory pool (which maps pages behind the same ids) without touching the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from prism_serve.engine.models.config import ModelConfig
+
+
+@runtime_checkable
+class BlockAllocator(Protocol):
+    """Hands out KV block ids. ``allocate`` returns None, never raises, when memory is short."""
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Most blocks this allocator can ever grant at once (the KV tensors hold this many)."""
+        ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def allocate(self, num_blocks: int) -> list[int] | None: ...
+
+    def free(self, block_ids: Sequence[int]) -> None: ...
+
+
+class FixedBlockAllocator:
+    """A fixed pool of ``num_blocks`` ids. Freed ids are reused first (their memory is warm)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self._num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._used = bytearray(num_blocks)
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        if num_blocks < 0:
+            raise ValueError(f"cannot allocate {num_blocks} blocks")
+        if num_blocks > len(self._free):
+            return None
+        ids = self._free[len(self._free) - num_blocks :]
+        del self._free[len(self._free) - num_blocks :]
+        for i in ids:
+            self._used[i] = 1
+        return ids
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        for i in block_ids:
+            if not 0 <= i < self._num_blocks or not self._used[i]:
+                raise RuntimeError(f"block {i} freed but not allocated (double free or foreign id)")
+            self._used[i] = 0
+        self._free.extend(reversed(block_ids))
+
+
+class KVCache:
+    """K and V for every layer, in blocks of ``block_size`` tokens.
+
+    Layout ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: one block id owns one
+    contiguous byte range across all layers, so a memory pool can back a block by mapping pages,
+    and freeing a block frees all of its layers at once.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        storage: torch.Tensor | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
+        if storage is None:
+            self.tensor = torch.zeros(shape, dtype=dtype)
+        else:
+            numel = torch.Size(shape).numel()
+            if storage.dtype != dtype or storage.numel() < numel:
+                raise ValueError("KV storage is too small or has the wrong dtype")
+            self.tensor = storage.view(-1)[:numel].view(shape)
+        # Per-layer (K, V) views [num_blocks, block_size, num_kv_heads, head_dim]; strided, no copy.
+        self.layers = [(self.tensor[:, i, 0], self.tensor[:, i, 1]) for i in range(config.num_layers)]
+
+    @staticmethod
+    def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())

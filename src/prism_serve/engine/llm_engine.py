@@ -1,0 +1,259 @@
+"""The engine: one model, one KV cache, and a step that is ``schedule -> run -> postprocess``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from prism_serve.engine.kv_cache import BlockAllocator, FixedBlockAllocator, KVCache
+from prism_serve.engine.models.llama import LlamaForCausalLM
+from prism_serve.engine.runner import ModelRunner
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.scheduler import Scheduler, SchedulerOutput
+from prism_serve.engine.sequence import RequestMetrics, RequestOutput, Sequence
+from prism_serve.engine.tokenizer import IncrementalDetokenizer
+from prism_serve.engine.weights import DEFAULT_MODEL, LoadedWeights, load_weights
+from prism_serve.errors import (
+    DuplicateRequestError,
+    EmptyPromptError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Knobs of one engine. The deployment config (a later layer) fills these per model."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # tokens per step; longer prompts are prefilled in chunks
+    max_model_len: int | None = None  # default: the model's context length, capped at 8192
+    kv_cache_bytes: int = 512 * 2**20  # sizes the fixed pool when num_kv_blocks is not given
+    num_kv_blocks: int | None = None
+    seed: int = 0  # for requests without their own seed, and for random weights
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+            if getattr(self, name) <= 0:
+                raise InvalidRequestError(f"{name} must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise InvalidRequestError("num_kv_blocks must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        weights: LoadedWeights | None = None,
+        allocator: BlockAllocator | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        dtype = config.torch_dtype
+        if weights is None:
+            weights = load_weights(config.model, dtype=dtype, seed=config.seed)
+        self.weights_source = weights.source
+        self.synthetic = weights.synthetic
+        self.model_config = weights.config
+        self.tokenizer = weights.tokenizer
+        self.max_model_len = min(
+            config.max_model_len or min(weights.config.max_position_embeddings, 8192),
+            weights.config.max_position_embeddings,
+        )
+        self.model = LlamaForCausalLM(
+            weights.config, weights.tensors, dtype, self.max_model_len, weights.rope_freq_factors
+        )
+        block_bytes = KVCache.block_bytes(weights.config, config.block_size, dtype)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
+        self.allocator = allocator or FixedBlockAllocator(num_blocks)
+        self.kv_cache = KVCache(weights.config, self.allocator.num_total_blocks, config.block_size, dtype)
+        self.scheduler = Scheduler(
+            self.allocator, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, seed=config.seed)
+        self._clock = clock
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence (prompt + output) that fits both the context and the whole KV cache."""
+        return min(self.max_model_len, self.allocator.num_total_blocks * self.config.block_size)
+
+    def make_sequence(
+        self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None
+    ) -> Sequence:
+        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise EmptyPromptError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if not token_ids:
+            raise EmptyPromptError("prompt has no tokens")
+        if len(token_ids) >= self.max_seq_len:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids)} tokens; this model accepts at most {self.max_seq_len - 1} "
+                f"(context {self.max_model_len}, KV cache {self.allocator.num_total_blocks} blocks of "
+                f"{self.config.block_size} tokens) so that at least one token can be generated"
+            )
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        return Sequence(
+            req_id=req_id if req_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=token_ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+            metrics=RequestMetrics(arrival_time=self._clock()),
+            generator=generator,
+        )
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.req_id in self._requests:
+            raise DuplicateRequestError(f"request id {seq.req_id!r} is already in flight")
+        self._requests[seq.req_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None) -> str:
+        seq = self.make_sequence(prompt, params, req_id)
+        self.add_sequence(seq)
+        return seq.req_id
+
+    def abort_request(self, req_id: str) -> bool:
+        """Stop a request and free its KV blocks. False if it is not in flight."""
+        seq = self._requests.pop(req_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        return True
+
+    def abort_all(self) -> list[str]:
+        """Abort every request in flight; returns their ids."""
+        ids = list(self._requests)
+        for req_id in ids:
+            self.abort_request(req_id)
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = self._clock()
+        for s in sched.scheduled:
+            if s.seq.metrics.first_scheduled_time is None:
+                s.seq.metrics.first_scheduled_time = now
+        sampled = self.runner.execute(sched)
+        return self._postprocess(sched, sampled)
+
+    def _postprocess(self, sched: SchedulerOutput, sampled: list[int | None]) -> list[RequestOutput]:
+        now = self._clock()
+        outputs = []
+        for s, token in zip(sched.scheduled, sampled, strict=True):
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            seq.output_text += seq.detokenizer.push(token)
+            self._check_stop(seq, token)
+            if seq.finished:
+                seq.metrics.finish_time = now
+                del self._requests[seq.req_id]
+            outputs.append(self._make_output(seq))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        reason: str | None = None
+        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason, seq.stop_reason = "stop", token
+        elif p.stop and (hit := _find_stop(seq.output_text, p.stop, seq.num_sent_chars)) is not None:
+            idx, stop = hit
+            seq.output_text = seq.output_text[: idx + len(stop) if p.include_stop_str_in_output else idx]
+            reason, seq.stop_reason = "stop", stop
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
+            reason = "length"
+        if reason is None:
+            return
+        if seq.stop_reason is None or isinstance(seq.stop_reason, int):
+            seq.output_text += seq.detokenizer.flush()
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+
+    def _make_output(self, seq: Sequence) -> RequestOutput:
+        # While streaming, hold back the tail that may still grow into a stop string.
+        visible = len(seq.output_text) if seq.finished else len(seq.output_text) - seq.params.stop_holdback
+        visible = max(visible, seq.num_sent_chars)
+        delta = seq.output_text[seq.num_sent_chars : visible]
+        seq.num_sent_chars = visible
+        delta_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens :]
+        seq.num_sent_tokens = seq.num_output_tokens
+        return RequestOutput(
+            req_id=seq.req_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=seq.output_text[:visible],
+            delta_text=delta,
+            delta_token_ids=delta_ids,
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            metrics=seq.metrics,
+        )
+
+
+def _find_stop(text: str, stops: list[str], searched_upto: int) -> tuple[int, str] | None:
+    """First stop string in ``text``; text before ``searched_upto`` minus the longest stop was
+    already searched, so the scan is incremental."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        idx = text.find(stop, max(0, searched_upto - len(stop) + 1))
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best

@@ -1,0 +1,214 @@
+"""Shape of a Llama-family decoder, read from GGUF metadata, an HF config.json, or a named preset."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from prism_serve.errors import CorruptWeightsError, UnsupportedModelError
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (``rope_type: llama3`` in HF configs)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str  # "llama" or "qwen2"; qwen2 only differs by the q/k/v bias
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def num_params(self) -> int:
+        d, h = self.hidden_size, self.head_dim
+        attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.attention_bias:
+            attn += h * (self.num_heads + 2 * self.num_kv_heads)
+        layer = attn + 3 * d * self.intermediate_size + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + d
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    # ---- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> ModelConfig:
+        arch = meta.get("general.architecture")
+        if arch not in ("llama", "qwen2"):
+            raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+
+        def get(key: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise CorruptWeightsError(f"GGUF metadata lacks {arch}.{key}")
+            return value
+
+        hidden = int(get("embedding_length"))
+        heads = int(get("attention.head_count"))
+        vocab = meta.get(f"{arch}.vocab_size")
+        if vocab is None:
+            vocab = len(meta.get("tokenizer.ggml.tokens") or [])
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=int(get("rope.dimension_count", hidden // heads)),
+            max_position_embeddings=int(get("context_length")),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            attention_bias=arch == "qwen2",
+        )
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2", "mistral"):
+            raise UnsupportedModelError(f"HF model_type {model_type!r} is not supported (llama, qwen2)")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            scaling = None
+            rs = cfg.get("rope_scaling") or None
+            if rs is not None:
+                kind = rs.get("rope_type", rs.get("type"))
+                if kind == "llama3":
+                    scaling = RopeScaling(
+                        factor=float(rs["factor"]),
+                        low_freq_factor=float(rs["low_freq_factor"]),
+                        high_freq_factor=float(rs["high_freq_factor"]),
+                        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                    )
+                elif kind != "default":
+                    raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (llama3)")
+            return cls(
+                architecture="qwen2" if model_type == "qwen2" else "llama",
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                rope_scaling=scaling,
+            )
+        except KeyError as e:
+            raise CorruptWeightsError(f"config.json lacks {e.args[0]!r}") from None
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The same shape as an HF config.json dict (used to save checkpoints and build references)."""
+        cfg: dict[str, Any] = {
+            "model_type": self.architecture,
+            "architectures": ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+        }
+        if self.architecture == "llama":
+            cfg["attention_bias"] = self.attention_bias
+            cfg["mlp_bias"] = False
+        if self.rope_scaling is not None:
+            cfg["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        return cfg
+
+
+_LLAMA3_SCALING = RopeScaling(
+    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+# Real model shapes for synthetic (random-weight) experiments. The weights are random; only the
+# shapes, and so the memory and compute per token, match the named models.
+PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        "llama", 49152, 576, 1536, 30, 9, 3, 64, 8192, 100000.0, 1e-5, tie_word_embeddings=True
+    ),
+    "smollm2-360m": ModelConfig(
+        "llama", 49152, 960, 2560, 32, 15, 5, 64, 8192, 100000.0, 1e-5, tie_word_embeddings=True
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        "qwen2", 151936, 896, 4864, 24, 14, 2, 64, 32768, 1000000.0, 1e-6,
+        tie_word_embeddings=True, attention_bias=True,
+    ),
+    "llama-3.2-1b": ModelConfig(
+        "llama", 128256, 2048, 8192, 16, 32, 8, 64, 131072, 500000.0, 1e-5,
+        tie_word_embeddings=True, rope_scaling=_LLAMA3_SCALING,
+    ),
+    "llama-3.2-3b": ModelConfig(
+        "llama", 128256, 3072, 8192, 28, 24, 8, 128, 131072, 500000.0, 1e-5,
+        tie_word_embeddings=True, rope_scaling=_LLAMA3_SCALING,
+    ),
+    "llama-3.1-8b": ModelConfig(
+        "llama", 128256, 4096, 14336, 32, 32, 8, 128, 131072, 500000.0, 1e-5,
+        rope_scaling=dataclasses.replace(_LLAMA3_SCALING, factor=8.0),
+    ),
+}
+
+
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, hd = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, d)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_out, d)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_out, d)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_out, d)
+        if config.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+        shapes[p + "self_attn.o_proj.weight"] = (d, q_out)
+        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, d)
+        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, d)
+        shapes[p + "mlp.down_proj.weight"] = (d, config.intermediate_size)
+    shapes["model.norm.weight"] = (d,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, d)
+    return shapes

@@ -1,0 +1,198 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2 via ``attention_bias``) over a paged KV cache.
+
+Plain tensors rather than nn.Modules: the forward pass is a short loop and module call overhead is
+measurable at one token per step on a CPU. Q/K/V and gate/up projections are fused into single
+matmuls. Numerics follow HF ``LlamaForCausalLM`` (RMSNorm in fp32, RoPE cos/sin computed in fp32
+then cast), which the tests check logit by logit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from prism_serve.engine.attention import AttentionMetadata, paged_attention
+from prism_serve.engine.kv_cache import KVCache
+from prism_serve.engine.models.config import ModelConfig, RopeScaling, parameter_shapes
+from prism_serve.errors import CorruptWeightsError
+
+
+class Linear:
+    """y = x W^T + b. In fp32 the weight is stored transposed ([in, out]): on x86 CPUs a
+    one-row matmul against that layout streams memory about twice as fast as F.linear
+    (benchmarks/engine_throughput.py), which is what single-stream decode is bound by.
+    bf16 keeps the usual [out, in] layout, where F.linear is the faster kernel."""
+
+    __slots__ = ("bias", "transposed", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.transposed = dtype == torch.float32
+        weight = weight.to(dtype)
+        self.weight = weight.t().contiguous() if self.transposed else weight.contiguous()
+        self.bias = None if bias is None else bias.to(dtype).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return x @ self.weight
+        return torch.addmm(self.bias, x, self.weight)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[1] if self.transposed else self.weight.shape[0]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.float()
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 long-context RoPE: long wavelengths are slowed by ``factor``, short ones kept,
+    and the band between is interpolated smoothly."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotation (HF's rotate_half): dim i pairs with i + head_dim/2. cos/sin: [T, 1, hd/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer:
+    __slots__ = ("down", "gate_up", "input_norm", "o_proj", "post_norm", "qkv")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, config: ModelConfig, dtype: torch.dtype):
+        def t(name: str) -> torch.Tensor:
+            return tensors[prefix + name]
+
+        qkv_bias = None
+        if config.attention_bias:
+            qkv_bias = torch.cat([t("self_attn.q_proj.bias"), t("self_attn.k_proj.bias"), t("self_attn.v_proj.bias")])
+        self.qkv = Linear(
+            torch.cat([t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"), t("self_attn.v_proj.weight")]),
+            qkv_bias,
+            dtype,
+        )
+        self.o_proj = Linear(t("self_attn.o_proj.weight"), None, dtype)
+        self.gate_up = Linear(torch.cat([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")]), None, dtype)
+        self.down = Linear(t("mlp.down_proj.weight"), None, dtype)
+        self.input_norm = t("input_layernorm.weight").to(dtype).contiguous()
+        self.post_norm = t("post_attention_layernorm.weight").to(dtype).contiguous()
+
+
+class LlamaForCausalLM:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        max_positions: int | None = None,
+        rope_freq_factors: torch.Tensor | None = None,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        _check_shapes(config, tensors)
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim**-0.5
+        embed = tensors["model.embed_tokens.weight"]
+        # In fp32 the (tied) embedding is kept only as the lm_head's transposed matrix; a token
+        # lookup then reads a column, which costs nothing next to the matmul it saves.
+        self.lm_head = Linear(tensors.get("lm_head.weight", embed), None, dtype)
+        if c.tie_word_embeddings and self.lm_head.transposed:
+            self.embed = None
+        else:
+            self.embed = embed.to(dtype).contiguous()
+        self.layers = [DecoderLayer(tensors, f"model.layers.{i}.", c, dtype) for i in range(c.num_layers)]
+        self.norm = tensors["model.norm.weight"].to(dtype).contiguous()
+        num_pos = max_positions or c.max_position_embeddings
+        freqs = torch.outer(torch.arange(num_pos, dtype=torch.float32), rope_inv_freq(c, rope_freq_factors))
+        self.cos = freqs.cos().to(dtype)
+        self.sin = freqs.sin().to(dtype)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield self.lm_head.weight
+        if self.embed is not None:
+            yield self.embed
+        yield self.norm
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                yield lin.weight
+                if lin.bias is not None:
+                    yield lin.bias
+            yield layer.input_norm
+            yield layer.post_norm
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is None:
+            return self.lm_head.weight.index_select(1, input_ids).t()
+        return self.embed.index_select(0, input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]."""
+        c = self.config
+        num_tokens = input_ids.shape[0]
+        x = self.embed_tokens(input_ids)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache.layers, strict=True):
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            q, k, v = layer.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            x = x + layer.o_proj(attn)
+            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        return rms_norm(x, self.norm, c.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def _check_shapes(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    for name, shape in parameter_shapes(config).items():
+        t = tensors.get(name)
+        if t is None:
+            raise CorruptWeightsError(f"weights lack tensor {name}")
+        if tuple(t.shape) != shape:
+            raise CorruptWeightsError(f"tensor {name} has shape {tuple(t.shape)}, the config implies {shape}")

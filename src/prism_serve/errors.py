@@ -1,0 +1,60 @@
+"""Named errors shared by every layer.
+
+Each error carries the HTTP status and OpenAI error ``type`` the API layer answers with, so a
+bad request is reported the same way whether it came through Python or HTTP.
+"""
+
+from __future__ import annotations
+
+
+class PrismError(Exception):
+    """Base class of every error prism-serve raises on purpose."""
+
+    status_code: int = 500
+    error_type: str = "internal_error"
+
+
+class InvalidRequestError(PrismError, ValueError):
+    """The request itself is wrong; nothing about the server changed."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class EmptyPromptError(InvalidRequestError):
+    """The prompt has no tokens."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt does not fit the model's context or the engine's KV cache."""
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    """A sampling parameter is out of range (max_tokens <= 0, temperature < 0, ...)."""
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request id that is already in flight was submitted again."""
+
+
+class WeightsError(PrismError):
+    """Model weights or tokenizer could not be loaded."""
+
+
+class WeightsNotFoundError(WeightsError, FileNotFoundError):
+    """The weights file or directory does not exist."""
+
+
+class CorruptWeightsError(WeightsError):
+    """The weights file exists but cannot be parsed or is inconsistent."""
+
+
+class UnsupportedModelError(WeightsError):
+    """The checkpoint is readable but uses an architecture or format we do not implement."""
+
+
+class EngineDeadError(PrismError):
+    """The engine loop stopped; requests in flight were failed with this error."""
+
+    status_code = 503
+    error_type = "service_unavailable"
