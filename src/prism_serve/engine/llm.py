@@ -18,9 +18,19 @@ class LLM:
     >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(self, model: str | None = None, weights: LoadedWeights | None = None, **engine_kwargs: Any):
-        config = EngineConfig(**engine_kwargs) if model is None else EngineConfig(model=model, **engine_kwargs)
-        self.engine = LLMEngine(config, weights=weights)
+    def __init__(
+        self,
+        model: str | None = None,
+        weights: LoadedWeights | None = None,
+        engine: LLMEngine | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        """``model`` and ``engine_kwargs`` fill an EngineConfig; ``weights`` reuses loaded weights;
+        ``engine`` wraps an engine that already exists."""
+        if engine is None:
+            config = EngineConfig(**engine_kwargs) if model is None else EngineConfig(model=model, **engine_kwargs)
+            engine = LLMEngine(config, weights=weights)
+        self.engine = engine
         self.tokenizer = self.engine.tokenizer
 
     def generate(

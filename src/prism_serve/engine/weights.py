@@ -217,8 +217,12 @@ _SYNTHETIC_CHAT_TEMPLATE = (
 def byte_tokenizer() -> Tokenizer:
     """A 256-token byte-level tokenizer for synthetic models: any text encodes, and ids outside the
     byte range (a random model samples them) decode to nothing."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    # Token id == byte value. Byte-level BPE shows printable bytes as themselves and shifts the
+    # others to U+0100 and up, in byte order.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shifted = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+    backend = HFTokenizer(models.BPE(vocab={c: b for b, c in chars.items()}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     return Tokenizer(

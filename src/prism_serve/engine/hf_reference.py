@@ -1,0 +1,31 @@
+"""HF transformers models built from our loaded weights: the reference our logits are tested
+against and the baseline the throughput benchmark compares with. transformers is a test/bench
+dependency only, imported here lazily."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from prism_serve.engine.weights import LoadedWeights
+
+
+def build_hf_model(weights: LoadedWeights, dtype: torch.dtype = torch.float32) -> Any:
+    """An HF ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) holding exactly ``weights.tensors``."""
+    import transformers
+
+    cfg_dict = weights.config.to_hf_config()
+    cls_name = cfg_dict["architectures"][0]
+    config_cls = transformers.Qwen2Config if cls_name.startswith("Qwen2") else transformers.LlamaConfig
+    config = config_cls(**{k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures")})
+    config._attn_implementation = "sdpa"
+    model = getattr(transformers, cls_name)(config)
+    state = {k: v.to(dtype) for k, v in weights.tensors.items()}
+    if weights.config.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if "rotary_emb" not in m]
+    if missing or unexpected:
+        raise RuntimeError(f"HF model does not match our weights: missing={missing} unexpected={unexpected}")
+    return model.to(dtype).eval()

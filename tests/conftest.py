@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
+from prism_serve.engine.weights import LoadedWeights, load_weights
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm() -> LoadedWeights:
+    """The real SmolLM2-135M-Instruct weights, loaded once for the whole session."""
+    return load_weights("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def make_engine(smollm: LoadedWeights):
+    """Build an engine on the shared SmolLM2 weights with any EngineConfig overrides."""
+
+    def make(**overrides) -> LLMEngine:
+        return LLMEngine(EngineConfig(**overrides), weights=smollm)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def engine(make_engine) -> LLMEngine:
+    """A default fp32 engine shared by read-only tests (they must leave it idle)."""
+    return make_engine()
+
+
+def run_to_completion(engine: LLMEngine) -> dict:
+    """Step until idle; the final RequestOutput of each request by id."""
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.req_id] = out
+    return final
