@@ -10,9 +10,12 @@ from prism_serve.errors import PrismError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="smollm2-135m-instruct (default, real weights), random:<preset> (synthetic), "
-                        "a .gguf file, or an HF-layout directory")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="smollm2-135m-instruct (default, real weights), random:<preset> (synthetic), "
+        "a .gguf file, or an HF-layout directory",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -21,12 +24,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
     from prism_serve.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                                    seed=args.seed or 0))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or [],
+    )
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed or 0
+        )
+    )
     if engine.synthetic:
         print(f"[synthetic weights: {engine.weights_source}; the text is meaningless]", file=sys.stderr)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop or [])
     prompt = args.prompt
     if not args.raw and engine.tokenizer.chat_template:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -40,8 +52,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
     if out is not None and args.verbose:
-        print(f"[{out.num_output_tokens} tokens in {elapsed:.2f}s, {out.num_output_tokens / elapsed:.1f} tok/s, "
-              f"finish_reason={out.finish_reason}]", file=sys.stderr)
+        print(
+            f"[{out.num_output_tokens} tokens in {elapsed:.2f}s, "
+            f"{out.num_output_tokens / elapsed:.1f} tok/s, "
+            f"finish_reason={out.finish_reason}]",
+            file=sys.stderr,
+        )
     return 0
 
 

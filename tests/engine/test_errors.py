@@ -104,29 +104,33 @@ def test_corrupt_hf_dirs(tmp_path, smollm):
     model_dir = tmp_path / "m"
     save_hf_dir(smollm, model_dir)
     (model_dir / "model.safetensors").write_bytes(b"\x00" * 64)
-    with pytest.raises(CorruptWeightsError, match="model.safetensors"):
+    with pytest.raises(CorruptWeightsError, match=r"model\.safetensors"):
         load_weights(str(model_dir))
     (model_dir / "model.safetensors").unlink()
     with pytest.raises(WeightsNotFoundError, match="safetensors"):
         load_weights(str(model_dir))
     (model_dir / "config.json").write_text("{not json")
-    with pytest.raises(CorruptWeightsError, match="config.json"):
+    with pytest.raises(CorruptWeightsError, match=r"config\.json"):
         load_weights(str(model_dir))
 
 
 def test_shape_mismatch_is_reported_by_tensor_name(tmp_path, smollm):
     model_dir = tmp_path / "m"
     save_hf_dir(smollm, model_dir)
-    cfg = (model_dir / "config.json").read_text().replace('"intermediate_size": 1536', '"intermediate_size": 1000')
+    cfg = (
+        (model_dir / "config.json")
+        .read_text()
+        .replace('"intermediate_size": 1536', '"intermediate_size": 1000')
+    )
     (model_dir / "config.json").write_text(cfg)
     with pytest.raises(CorruptWeightsError, match=r"gate_proj\.weight has shape"):
         LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=4))
 
 
 def test_unsupported_models(tmp_path):
-    with pytest.raises(UnsupportedModelError, match="llama-3.2-1b"):
+    with pytest.raises(UnsupportedModelError, match=r"llama-3\.2-1b"):
         load_weights("random:gpt-17")
     other = tmp_path / "model.bin"
     shutil.copy(__file__, other)
-    with pytest.raises(UnsupportedModelError, match=".gguf"):
+    with pytest.raises(UnsupportedModelError, match=r"\.gguf"):
         load_weights(str(other))

@@ -96,7 +96,9 @@ def test_top_k_one_is_greedy(engine, prompts, alone):
 
 
 def test_tiny_top_p_is_greedy(engine, prompts, alone):
-    out = generate(engine, [prompts[1]], SamplingParams(temperature=1.5, top_p=1e-6, seed=5, max_tokens=24))[0]
+    out = generate(engine, [prompts[1]], SamplingParams(temperature=1.5, top_p=1e-6, seed=5, max_tokens=24))[
+        0
+    ]
     assert out.token_ids == alone[1]
 
 
@@ -118,7 +120,9 @@ def test_stop_string_cuts_output(engine, prompts, alone):
 
 def test_stop_token_id(engine, prompts, alone):
     stop_id = alone[4][3]
-    out = generate(engine, [prompts[4]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))[0]
+    out = generate(
+        engine, [prompts[4]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id])
+    )[0]
     assert out.finish_reason == "stop"
     assert out.stop_reason == stop_id
     assert out.token_ids == alone[4][: alone[4].index(stop_id) + 1]
@@ -128,8 +132,11 @@ def test_eos_ends_request_and_ignore_eos_continues(engine, prompts):
     out = generate(engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=64))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] in engine.tokenizer.eos_token_ids
     assert "<|im_end|>" not in out.text
-    longer = generate(engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 5,
-                                                          ignore_eos=True))[0]
+    longer = generate(
+        engine,
+        [prompts[0]],
+        SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 5, ignore_eos=True),
+    )[0]
     assert longer.finish_reason == "length"
     assert longer.token_ids[: len(out.token_ids)] == out.token_ids
 

@@ -131,7 +131,9 @@ def test_lone_request_preempts_itself_when_nothing_else_can_go():
     budget=st.integers(1, 64),
     max_seqs=st.integers(1, 6),
 )
-def test_random_workloads_keep_block_invariants_and_finish(prompt_lens, num_blocks, block_size, budget, max_seqs):
+def test_random_workloads_keep_block_invariants_and_finish(
+    prompt_lens, num_blocks, block_size, budget, max_seqs
+):
     max_len = 44  # prompt + output, must fit the cache alone
     num_blocks = max(num_blocks, -(-max_len // block_size))
     alloc = FixedBlockAllocator(num_blocks)

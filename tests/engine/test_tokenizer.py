@@ -46,7 +46,8 @@ def test_chat_template_renders_chatml_with_default_system_prompt(smollm):
     assert text.startswith("<|im_start|>system\n")
     assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
     own_system = smollm.tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], add_generation_prompt=False
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        add_generation_prompt=False,
     )
     assert own_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
 
@@ -56,7 +57,7 @@ def stream(tokenizer, prompt_ids, ids) -> list[str]:
     return [detok.push(t) for t in ids] + [detok.flush()]
 
 
-@pytest.mark.parametrize("text", TEXTS[3:5] + ["€100 — “quoted” ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"])
+@pytest.mark.parametrize("text", [*TEXTS[3:5], "€100 — “quoted” ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"])
 def test_incremental_detokenization_of_multibyte_characters(smollm, text):
     tok = smollm.tokenizer
     prompt = tok.encode("Say:")

@@ -9,6 +9,7 @@ so a bad request raises right there and never reaches the engine thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -40,10 +41,9 @@ class _Sink:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        try:
+        # RuntimeError: the caller's loop is closed; nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed; nobody is listening any more
-            pass
 
 
 class AsyncLLM:

@@ -28,7 +28,9 @@ class LLM:
         """``model`` and ``engine_kwargs`` fill an EngineConfig; ``weights`` reuses loaded weights;
         ``engine`` wraps an engine that already exists."""
         if engine is None:
-            config = EngineConfig(**engine_kwargs) if model is None else EngineConfig(model=model, **engine_kwargs)
+            config = (
+                EngineConfig(**engine_kwargs) if model is None else EngineConfig(model=model, **engine_kwargs)
+            )
             engine = LLMEngine(config, weights=weights)
         self.engine = engine
         self.tokenizer = self.engine.tokenizer

@@ -115,7 +115,9 @@ class LLMEngine:
         else:
             token_ids = list(prompt)
             vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [
+                t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+            ]
             if bad:
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
         if not token_ids:
@@ -142,7 +144,9 @@ class LLMEngine:
         self._requests[seq.req_id] = seq
         self.scheduler.add(seq)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None
+    ) -> str:
         seq = self.make_sequence(prompt, params, req_id)
         self.add_sequence(seq)
         return seq.req_id

@@ -20,7 +20,7 @@ def sample(
     if all(greedy):
         return argmax.tolist()
 
-    n, vocab = logits.shape
+    _n, vocab = logits.shape
     temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
     logits = logits / temps.unsqueeze(1)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]

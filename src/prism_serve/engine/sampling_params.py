@@ -34,13 +34,17 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidSamplingParamsError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise InvalidSamplingParamsError(
+                f"max_tokens must be a positive integer, got {self.max_tokens!r}"
+            )
         if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature <= 100.0:
             raise InvalidSamplingParamsError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise InvalidSamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidSamplingParamsError(f"top_k must be -1, 0 (both disable it) or positive, got {self.top_k!r}")
+            raise InvalidSamplingParamsError(
+                f"top_k must be -1, 0 (both disable it) or positive, got {self.top_k!r}"
+            )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidSamplingParamsError(f"seed must be an integer, got {self.seed!r}")
         for s in self.stop:

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
 
 from prism_serve.engine.models.config import PRESETS, ModelConfig, parameter_shapes
 from prism_serve.engine.tokenizer import Tokenizer
@@ -99,9 +99,7 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     dimension i with i + head_dim/2. Reorder the rows of each head back to the half-split layout."""
     rows = w.shape[0]
     head_dim = rows // num_heads
-    return (
-        w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(rows, *w.shape[1:])
-    )
+    return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(rows, *w.shape[1:])
 
 
 def read_gguf_metadata(reader: Any) -> dict[str, Any]:
@@ -145,7 +143,9 @@ def load_gguf(path: Path) -> LoadedWeights:
                 array = _unpermute_rope(array, config.num_heads)
             elif name.endswith(("k_proj.weight", "k_proj.bias")):
                 array = _unpermute_rope(array, config.num_kv_heads)
-            tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # own, writable copy
+            tensors[name] = torch.from_numpy(
+                np.array(array, dtype=np.float32, order="C")
+            )  # own, writable copy
     except CorruptWeightsError:
         raise
     except Exception as e:

@@ -87,15 +87,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DecoderLayer:
     __slots__ = ("down", "gate_up", "input_norm", "o_proj", "post_norm", "qkv")
 
-    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, config: ModelConfig, dtype: torch.dtype):
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], prefix: str, config: ModelConfig, dtype: torch.dtype
+    ):
         def t(name: str) -> torch.Tensor:
             return tensors[prefix + name]
 
         qkv_bias = None
         if config.attention_bias:
-            qkv_bias = torch.cat([t("self_attn.q_proj.bias"), t("self_attn.k_proj.bias"), t("self_attn.v_proj.bias")])
+            qkv_bias = torch.cat(
+                [t("self_attn.q_proj.bias"), t("self_attn.k_proj.bias"), t("self_attn.v_proj.bias")]
+            )
         self.qkv = Linear(
-            torch.cat([t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"), t("self_attn.v_proj.weight")]),
+            torch.cat(
+                [t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"), t("self_attn.v_proj.weight")]
+            ),
             qkv_bias,
             dtype,
         )
@@ -126,10 +132,11 @@ class LlamaForCausalLM:
         # In fp32 the (tied) embedding is kept only as the lm_head's transposed matrix; a token
         # lookup then reads a column, which costs nothing next to the matmul it saves.
         self.lm_head = Linear(tensors.get("lm_head.weight", embed), None, dtype)
-        if c.tie_word_embeddings and self.lm_head.transposed:
-            self.embed = None
-        else:
+        self.embed: torch.Tensor | None
+        if not c.tie_word_embeddings:
             self.embed = embed.to(dtype).contiguous()
+        else:
+            self.embed = None if self.lm_head.transposed else self.lm_head.weight  # one copy
         self.layers = [DecoderLayer(tensors, f"model.layers.{i}.", c, dtype) for i in range(c.num_layers)]
         self.norm = tensors["model.norm.weight"].to(dtype).contiguous()
         num_pos = max_positions or c.max_position_embeddings
@@ -139,7 +146,7 @@ class LlamaForCausalLM:
 
     def tensors(self) -> Iterator[torch.Tensor]:
         yield self.lm_head.weight
-        if self.embed is not None:
+        if self.embed is not None and self.embed is not self.lm_head.weight:
             yield self.embed
         yield self.norm
         for layer in self.layers:
