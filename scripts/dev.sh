@@ -30,7 +30,7 @@ case "$cmd" in
     if [ $# -eq 0 ]; then set -- "What is the capital of France?"; fi
     exec "$VENV/bin/prism" generate "$@" ;;
   test)
-    "$VENV/bin/ruff" check src tests benchmarks
+    "$VENV/bin/ruff" check --quiet .
     exec "$VENV/bin/python" -m pytest "$@" ;;
   *)
     echo "usage: scripts/dev.sh serve [prompt] | test [pytest args]" >&2; exit 2 ;;

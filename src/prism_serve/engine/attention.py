@@ -61,8 +61,8 @@ def paged_attention(
     if nd:
         # Each KV head's query group acts as a short query sequence: [nd, kv_heads, group, head_dim].
         qd = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        kd = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)  # [nd, kv_heads, L, hd]
-        vd = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        kd = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # [nd, kv_heads, L, hd]
+        vd = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
         if meta.decode_mask is None:
             kd, vd = kd[:, :, : meta.decode_context_len], vd[:, :, : meta.decode_context_len]
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
@@ -70,11 +70,19 @@ def paged_attention(
 
     for p in meta.prefills:
         end = p.query_start + p.query_len
-        kp = k_cache[p.block_table].flatten(0, 1)[: p.context_len].transpose(0, 1)  # [kv_heads, ctx, hd]
-        vp = v_cache[p.block_table].flatten(0, 1)[: p.context_len].transpose(0, 1)
+        kp = _gather(k_cache, p.block_table)[: p.context_len].transpose(0, 1)  # [kv_heads, ctx, hd]
+        vp = _gather(v_cache, p.block_table)[: p.context_len].transpose(0, 1)
         qp = q[p.query_start : end].transpose(0, 1)  # [heads, qlen, hd]
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
         )
         out[p.query_start : end] = op.transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Copy the blocks of ``block_table`` ([..., num_blocks]) out of ``cache`` as one run of tokens:
+    [..., num_blocks * block_size, kv_heads, head_dim]. index_select copies whole blocks; advanced
+    indexing (cache[table]) copies element by element and is ~20x slower on CPU."""
+    blocks = cache.index_select(0, block_table.flatten())
+    return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:])
