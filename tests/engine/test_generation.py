@@ -74,6 +74,12 @@ def test_paris(engine):
     assert out.finish_reason == "stop"
 
 
+def test_paris_in_bf16(make_engine):
+    engine = make_engine(dtype="bfloat16", num_kv_blocks=32)
+    out = LLM(engine=engine).chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)[0]
+    assert "Paris" in out.text
+
+
 def test_max_tokens_gives_length(engine, prompts):
     out = generate(engine, [prompts[2]], SamplingParams(temperature=0, max_tokens=5))[0]
     assert len(out.token_ids) == 5

@@ -95,8 +95,8 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while True:
-                block = not self.engine.has_unfinished_requests()
-                if not self._drain(block):
+                idle = not self.engine.has_unfinished_requests()
+                if not self._drain(block=idle, timeout=0.005 if self.engine.stalled else None):
                     break
                 if not self.engine.has_unfinished_requests():
                     continue
@@ -118,14 +118,15 @@ class AsyncLLM:
         finally:
             self._fail_all(self._error or EngineDeadError("engine shut down"))
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued adds and aborts; False on shutdown."""
+    def _drain(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply queued adds and aborts; False on shutdown. With a timeout, wait that long for the
+        first message even when not blocking (a stalled engine backs off this way)."""
         while True:
             try:
-                msg = self._inbox.get(block=block)
+                msg = self._inbox.get(block=block or timeout is not None, timeout=timeout)
             except queue.Empty:
                 return True
-            block = False
+            block, timeout = False, None
             if msg is None:
                 return False
             if isinstance(msg, _Add):

@@ -94,6 +94,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, seed=config.seed)
         self._clock = clock
         self._requests: dict[str, Sequence] = {}
+        self.stalled = False
         self._ids = itertools.count()
 
     # ---- requests -----------------------------------------------------------------------------
@@ -182,6 +183,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        # Nothing fits while requests wait: only possible when an outside allocator (the shared
+        # device budget) refuses blocks for now. Callers back off instead of spinning.
+        self.stalled = not sched.scheduled and self.has_unfinished_requests()
         if not sched.scheduled:
             return []
         now = self._clock()
