@@ -17,6 +17,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.generator = torch.Generator().manual_seed(seed)
+        self._gather_k = torch.empty(0, dtype=kv_cache.tensor.dtype)
+        self._gather_v = torch.empty(0, dtype=kv_cache.tensor.dtype)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[int | None]:
@@ -91,4 +93,9 @@ class ModelRunner:
                 lens = torch.tensor(decode_lens)
                 keys = torch.arange(max_blocks * bs)
                 meta.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        need = meta.max_gather_blocks * self.kv_cache.layers[0][0][0].numel()
+        if self._gather_k.numel() < need:  # grow (with headroom) and keep for later steps
+            self._gather_k = self._gather_k.new_empty(need * 5 // 4)
+            self._gather_v = self._gather_v.new_empty(need * 5 // 4)
+        meta.gather_k, meta.gather_v = self._gather_k, self._gather_v
         return torch.tensor(ids), positions, meta, last_index
