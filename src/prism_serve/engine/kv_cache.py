@@ -97,6 +97,11 @@ class KVCache:
         # Per-layer (K, V) views [num_blocks, block_size, num_kv_heads, head_dim]; strided, no copy.
         self.layers = [(self.tensor[:, i, 0], self.tensor[:, i, 1]) for i in range(config.num_layers)]
 
+    @property
+    def layer_block_numel(self) -> int:
+        """Elements of one block of K (or V) in one layer."""
+        return self.tensor[0, 0, 0].numel()
+
     @staticmethod
     def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())

@@ -93,7 +93,7 @@ class ModelRunner:
                 lens = torch.tensor(decode_lens)
                 keys = torch.arange(max_blocks * bs)
                 meta.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-        need = meta.max_gather_blocks * self.kv_cache.layers[0][0][0].numel()
+        need = meta.max_gather_blocks * self.kv_cache.layer_block_numel
         if self._gather_k.numel() < need:  # grow (with headroom) and keep for later steps
             self._gather_k = self._gather_k.new_empty(need * 5 // 4)
             self._gather_v = self._gather_v.new_empty(need * 5 // 4)

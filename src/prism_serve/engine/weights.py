@@ -103,13 +103,7 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def read_gguf_metadata(reader: Any) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        value = field.contents()
-        meta[key] = value
-    return meta
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
 def load_gguf(path: Path) -> LoadedWeights:
