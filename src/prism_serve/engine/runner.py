@@ -31,16 +31,13 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
 
         sampling = [j for j, s in enumerate(batch) if s.samples]
-        results: list[int | None] = [None] * len(batch)
+        out: list[int | None] = [None] * len(batch)
         if sampling:
             logits = self.model.compute_logits(hidden[[last_index[j] for j in sampling]])
             seqs = [batch[j].seq for j in sampling]
             tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
             for j, tok in zip(sampling, tokens, strict=True):
-                results[j] = tok
-        out: list[int | None] = [None] * len(batch)
-        for j, i in enumerate(order):
-            out[i] = results[j]
+                out[order[j]] = tok  # back to the position in sched.scheduled
         return out
 
     def _prepare(
