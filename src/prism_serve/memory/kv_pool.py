@@ -1,0 +1,432 @@
+"""The elastic KV block pool: the engine's ``BlockAllocator`` over pages mapped on demand.
+
+KV blocks are laid out back to back in one reserved virtual range (block ``b`` owns bytes
+``[b * block_bytes, (b + 1) * block_bytes)``), so the engine's KV tensor is one ordinary tensor.
+A block may straddle two pages; it is usable ("ready") when every page it touches is mapped, and a
+page may be unmapped only when no allocated block touches it. Physical memory therefore follows
+demand at page granularity whatever the ratio of block to page size.
+
+Where blocks come from, cheapest first:
+1. a free ready block on the most-utilized page that has one (packs blocks, so pages empty out and
+   fewer new pages are needed);
+2. a free ready block on an empty mapped page: the pre-mapped buffer, kept between
+   ``buffer_min_pages`` and ``buffer_max_pages`` by a background thread, so decode rarely maps;
+3. mapping new pages on the caller's thread, each granted by the device ledger first; when the
+   ledger refuses, ``allocate`` returns None and nothing the call took is kept.
+
+Freed blocks make pages empty; empty pages beyond the buffer (or above the engine's limit) are
+unmapped and their bytes go back to the device budget, where any other engine can take them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prism_serve.errors import InvalidRequestError
+from prism_serve.memory.ledger import Account, DeviceLedger
+from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, VirtualRange, reserve
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    """Knobs of the elastic KV pool (the one home of memory knobs; see memory/README.md)."""
+
+    device: str = "cpu:0"
+    page_size: int = DEFAULT_PAGE_SIZE
+    buffer_min_pages: int = 2  # the background thread keeps at least this many empty pages mapped
+    buffer_max_pages: int = 8  # and unmaps empty pages beyond this many
+    prefetch: bool = True  # False: no thread; pages are mapped and unmapped on the caller's thread
+    poll_interval_s: float = 0.05  # the thread also re-reads this engine's limit from the ledger
+    limit_bytes: int | None = None  # this engine's cap in the ledger (changeable at run time)
+    ledger_namespace: str | None = None  # default: $PRISM_LEDGER_NAMESPACE or the user id
+    device_budget_bytes: int | None = None  # budget if this pool creates the device ledger; default: all
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.buffer_min_pages <= self.buffer_max_pages:
+            raise InvalidRequestError("need 0 <= buffer_min_pages <= buffer_max_pages")
+        if self.poll_interval_s <= 0:
+            raise InvalidRequestError("poll_interval_s must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    blocks_allocated: int  # blocks handed out since creation
+    blocks_without_map: int  # of those, blocks whose allocate call mapped no page
+    sync_maps: int  # pages mapped on the allocating thread
+    prefetch_maps: int  # pages mapped by the background thread
+    unmaps: int
+    mapped_pages: int
+    empty_pages: int  # mapped pages no allocated block touches (the buffer)
+    used_blocks: int
+
+
+def device_capacity(device: str) -> int:
+    """Physical memory of ``device``: RAM for cpu devices, total GPU memory for cuda ones."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[1]
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ElasticKVPool:
+    """KV blocks of ``block_bytes`` each in ``vrange``, mapped on demand under ``account``'s ledger."""
+
+    def __init__(
+        self,
+        vrange: VirtualRange,
+        block_bytes: int,
+        account: Account,
+        config: PoolConfig | None = None,
+        owns: bool = False,
+    ) -> None:
+        if block_bytes <= 0:
+            raise InvalidRequestError(f"block_bytes must be positive, got {block_bytes}")
+        self.config = config = config or PoolConfig(page_size=vrange.page_size)
+        self.vrange = vrange
+        self.account = account
+        self.block_bytes = block_bytes
+        self.page_size = P = vrange.page_size
+        self._num_blocks = vrange.size // block_bytes
+        if self._num_blocks == 0:
+            raise InvalidRequestError(f"a {vrange.size}-byte range holds no {block_bytes}-byte block")
+        self._num_pages = -(-self._num_blocks * block_bytes // P)
+        self._owns = owns  # close() also closes the range and leaves the ledger
+        self._lock = threading.Lock()
+        self._users = [0] * self._num_pages  # allocated blocks touching each page
+        self._allocated = bytearray(self._num_blocks)
+        self._num_used = 0
+        # Free blocks whose pages are all mapped, grouped by the page they start on; and those pages
+        # grouped by how many allocated blocks touch them, so the fullest is found without a scan.
+        self._ready: dict[int, dict[int, None]] = {}
+        self._num_ready = 0
+        max_users = -(-P // block_bytes) + 2
+        self._by_users: list[dict[int, None]] = [{} for _ in range(max_users + 1)]
+        self._empty: set[int] = set()
+        self._unmapped = list(range(self._num_pages))  # a min-heap; entries may be stale (mapped)
+        self._limit = config.limit_bytes
+        self._blocks_allocated = self._blocks_without_map = 0
+        self._sync_maps = self._prefetch_maps = self._unmaps = 0
+        self._closed = False
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        if config.prefetch and config.buffer_max_pages > 0:
+            self._thread = threading.Thread(target=self._prefetch_loop, name="prism-kv-prefetch", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def create(
+        cls, block_bytes: int, reserve_bytes: int, name: str, config: PoolConfig | None = None
+    ) -> ElasticKVPool:
+        """Reserve ``reserve_bytes`` of virtual space on ``config.device`` and register ``name`` in the
+        device's ledger (creating the ledger with ``device_budget_bytes`` if there is none)."""
+        config = config or PoolConfig()
+        budget = config.device_budget_bytes
+        ledger = DeviceLedger(
+            config.device,
+            budget if budget is not None else device_capacity(config.device),
+            config.ledger_namespace,
+        )
+        try:
+            account = ledger.account(name, config.limit_bytes)
+        except BaseException:
+            ledger.close()
+            raise
+        try:
+            vrange = reserve(config.device, reserve_bytes, config.page_size)
+        except BaseException:
+            account.close()
+            ledger.close()
+            raise
+        return cls(vrange, block_bytes, account, config, owns=True)
+
+    # ---- BlockAllocator -------------------------------------------------------------------------
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks obtainable now: ready ones plus what the ledger's headroom would map."""
+        entry = self.account.entry()
+        snap_free = self.account.ledger.snapshot().free_bytes
+        headroom = (
+            snap_free if entry.limit_bytes is None else min(snap_free, entry.limit_bytes - entry.mapped_bytes)
+        )
+        with self._lock:
+            unmapped_free = self._num_blocks - self._num_used - self._num_ready
+            return self._num_ready + min(unmapped_free, max(0, headroom) // self.block_bytes)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._num_used
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        if num_blocks < 0:
+            raise ValueError(f"cannot allocate {num_blocks} blocks")
+        with self._lock:
+            self._check_open()
+            got: list[int] = []
+            maps_before = self._sync_maps
+            for _ in range(num_blocks):
+                b = self._pick_ready()
+                if b is None:
+                    b = self._map_for_new_block()
+                if b is None:
+                    for g in got:
+                        self._release(g)
+                    if self._thread is None:
+                        self._trim_locked(self.config.buffer_max_pages)
+                    return None
+                self._take(b)
+                got.append(b)
+            self._blocks_allocated += num_blocks
+            if self._sync_maps == maps_before:
+                self._blocks_without_map += num_blocks
+            low = len(self._empty) < self.config.buffer_min_pages
+        if low and self._thread is not None:
+            self._wake.set()
+        return got
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._check_open()
+            seen = set()
+            for b in block_ids:
+                if not 0 <= b < self._num_blocks or not self._allocated[b] or b in seen:
+                    raise RuntimeError(f"block {b} freed but not allocated (double free or foreign id)")
+                seen.add(b)
+            for b in block_ids:
+                self._release(b)
+            if self._thread is None:
+                self._trim_locked(self.config.buffer_max_pages)
+                return
+            excess = len(self._empty) > self.config.buffer_max_pages or self._over_limit()
+        if excess:
+            self._wake.set()
+
+    # ---- run-time control -----------------------------------------------------------------------
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """Cap this engine's mapped bytes. Shrinking below what is mapped takes effect as pages empty:
+        allocations that need a new page are refused meanwhile, and emptied pages are unmapped."""
+        self.account.set_limit(limit_bytes)
+        with self._lock:
+            self._limit = limit_bytes
+            if self._thread is None:
+                self._trim_locked(self.config.buffer_max_pages)
+        self._wake.set()
+
+    def trim(self, keep_pages: int = 0) -> int:
+        """Unmap empty pages until at most ``keep_pages`` stay mapped; returns how many were unmapped."""
+        with self._lock:
+            self._check_open()
+            return self._trim_locked(keep_pages)
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                blocks_allocated=self._blocks_allocated,
+                blocks_without_map=self._blocks_without_map,
+                sync_maps=self._sync_maps,
+                prefetch_maps=self._prefetch_maps,
+                unmaps=self._unmaps,
+                mapped_pages=self.vrange.num_mapped_pages,
+                empty_pages=len(self._empty),
+                used_blocks=self._num_used,
+            )
+
+    def kv_tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        """All blocks as one flat tensor of ``dtype`` (the engine views it as its KV layout)."""
+        flat = self.vrange.as_tensor()[: self._num_blocks * self.block_bytes]
+        return flat.view(dtype)
+
+    def close(self) -> None:
+        """Stop the thread and unmap every page (allocated or not): the memory goes back at once."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            for p in range(self._num_pages):
+                if self.vrange.is_mapped(p):
+                    self._unmap(p)
+        if self._owns:
+            self.vrange.close()
+            self.account.close()
+            self.account.ledger.close()
+
+    def __enter__(self) -> ElasticKVPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- block and page bookkeeping (lock held) -------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the KV pool is closed")
+
+    def _pages_of(self, b: int) -> range:
+        B, P = self.block_bytes, self.page_size
+        return range(b * B // P, ((b + 1) * B - 1) // P + 1)
+
+    def _blocks_of(self, p: int) -> range:
+        B, P = self.block_bytes, self.page_size
+        return range(p * P // B, min(self._num_blocks - 1, ((p + 1) * P - 1) // B) + 1)
+
+    def _add_ready(self, b: int) -> None:
+        a = b * self.block_bytes // self.page_size
+        group = self._ready.get(a)
+        if group is None:
+            group = self._ready[a] = {}
+            self._by_users[self._users[a]][a] = None
+        group[b] = None
+        self._num_ready += 1
+
+    def _discard_ready(self, b: int) -> None:
+        a = b * self.block_bytes // self.page_size
+        group = self._ready.get(a)
+        if group is None or b not in group:
+            return
+        del group[b]
+        self._num_ready -= 1
+        if not group:
+            del self._ready[a]
+            del self._by_users[self._users[a]][a]
+
+    def _set_users(self, p: int, users: int) -> None:
+        old = self._users[p]
+        if p in self._ready:
+            del self._by_users[old][p]
+            self._by_users[users][p] = None
+        self._users[p] = users
+        if users == 0:
+            self._empty.add(p)
+        elif old == 0:
+            self._empty.discard(p)
+
+    def _pick_ready(self) -> int | None:
+        for bucket in reversed(self._by_users):
+            if bucket:
+                return next(iter(self._ready[next(iter(bucket))]))
+        return None
+
+    def _take(self, b: int) -> None:
+        self._discard_ready(b)
+        self._allocated[b] = 1
+        self._num_used += 1
+        for q in self._pages_of(b):
+            self._set_users(q, self._users[q] + 1)
+
+    def _release(self, b: int) -> None:
+        self._allocated[b] = 0
+        self._num_used -= 1
+        for q in self._pages_of(b):
+            self._set_users(q, self._users[q] - 1)
+        self._add_ready(b)
+
+    def _over_limit(self) -> bool:
+        return self._limit is not None and self.vrange.mapped_bytes > self._limit
+
+    def _map(self, p: int) -> bool:
+        """Map page ``p`` if the ledger grants its bytes; False if it does not."""
+        if self._limit is not None and self.vrange.mapped_bytes + self.page_size > self._limit:
+            return False
+        if not self.account.try_reserve(self.page_size):
+            return False
+        try:
+            self.vrange.map_page(p)
+        except BaseException:
+            self.account.release(self.page_size)
+            raise
+        self._empty.add(p)
+        for b in self._blocks_of(p):
+            if not self._allocated[b] and all(self.vrange.is_mapped(q) for q in self._pages_of(b)):
+                self._add_ready(b)
+        return True
+
+    def _unmap(self, p: int) -> None:
+        for b in self._blocks_of(p):
+            self._discard_ready(b)
+        self._empty.discard(p)
+        self.vrange.unmap_page(p)
+        self.account.release(self.page_size)
+        heapq.heappush(self._unmapped, p)
+        self._unmaps += 1
+
+    def _lowest_unmapped(self) -> int | None:
+        while self._unmapped:
+            p = heapq.heappop(self._unmapped)
+            if not self.vrange.is_mapped(p):
+                return p
+        return None
+
+    def _map_for_new_block(self) -> int | None:
+        """Map the pages of the lowest block on the lowest unmapped page; None if refused or full."""
+        p = self._lowest_unmapped()
+        if p is None:
+            return None
+        b = self._blocks_of(p)[0]
+        for q in self._pages_of(b):
+            if not self.vrange.is_mapped(q):
+                if not self._map(q):
+                    heapq.heappush(self._unmapped, p)
+                    return None
+                self._sync_maps += 1
+        return b
+
+    def _trim_locked(self, keep: int) -> int:
+        """Unmap empty pages, highest first, down to ``keep`` (and below the limit)."""
+        n = 0
+        while self._empty and (len(self._empty) > keep or self._over_limit()):
+            self._unmap(max(self._empty))
+            n += 1
+        return n
+
+    # ---- the prefetch thread ----------------------------------------------------------------------
+
+    def _prefetch_loop(self) -> None:
+        cfg = self.config
+        while True:
+            self._wake.wait(cfg.poll_interval_s)
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                limit = self.account.entry().limit_bytes  # `prism memory --set-limit` from anywhere
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._limit = limit
+                    self._trim_locked(cfg.buffer_max_pages)
+                # One page per lock hold, so an allocating engine thread never waits long.
+                while True:
+                    with self._lock:
+                        if self._closed or len(self._empty) >= cfg.buffer_min_pages:
+                            break
+                        p = self._lowest_unmapped()
+                        if p is None:
+                            break
+                        if not self._map(p):
+                            heapq.heappush(self._unmapped, p)
+                            break
+                        self._prefetch_maps += 1
+            except Exception:  # the engine must keep running; it maps synchronously meanwhile
+                logger.exception("KV prefetch thread failed a round")

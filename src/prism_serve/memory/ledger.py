@@ -1,0 +1,402 @@
+"""The device ledger: one memory budget per device, shared by every process that maps pages on it.
+
+A ledger is a small shared-memory file (``/dev/shm/prism-ledger-<namespace>-<device>``) holding the
+device budget and one entry per engine: its pid, mapped bytes, optional limit and name. Every
+operation takes an exclusive ``flock`` on the file, so a grant is checked and recorded atomically
+across processes; ``flock`` is released by the kernel when its holder dies, so a SIGKILL inside an
+operation cannot wedge the device. Pages are mapped only after their bytes were granted here
+(``Account.try_reserve``), which is what makes double-granting impossible.
+
+Entries of dead processes (no such pid, a zombie, or a pid reused by a newer process, told apart by
+the start time in ``/proc/<pid>/stat``) are reclaimed by the next operation on the ledger: a crashed
+engine's bytes return to the budget without anyone calling ``release``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import re
+import select
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from prism_serve.errors import InvalidRequestError, PrismError
+
+_MAGIC = b"PRISMLG1"
+_NUM_SLOTS = 256
+_HEADER = np.dtype(
+    [("magic", "S8"), ("version", "<u4"), ("num_slots", "<u4"), ("budget", "<i8"), ("ops", "<u8")]
+)
+_ENTRY = np.dtype(
+    [
+        ("pid", "<i8"),
+        ("start_ticks", "<i8"),  # process start time, to detect a reused pid
+        ("mapped", "<i8"),
+        ("limit", "<i8"),  # -1: no limit of its own
+        ("peak", "<i8"),
+        ("registered", "<f8"),  # unix time
+        ("name", "S64"),
+    ]
+)
+_HEADER_BYTES = 64  # header padded so entries are aligned
+_FILE_BYTES = _HEADER_BYTES + _NUM_SLOTS * _ENTRY.itemsize
+NAMESPACE_ENV = "PRISM_LEDGER_NAMESPACE"
+
+
+class LedgerError(PrismError):
+    """The ledger cannot do what was asked (no such ledger, no free entry, bad slot)."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+
+class LedgerNotFoundError(LedgerError):
+    """No ledger exists for the device and no budget was given to create one."""
+
+
+def ledger_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def default_namespace() -> str:
+    """Ledgers are separate per namespace: ``$PRISM_LEDGER_NAMESPACE`` or the user id."""
+    return os.environ.get(NAMESPACE_ENV) or f"uid{os.getuid()}"
+
+
+def ledger_path(device: str, namespace: str | None = None) -> Path:
+    ns = namespace or default_namespace()
+    for part, what in ((ns, "namespace"), (device, "device")):
+        if not re.fullmatch(r"[A-Za-z0-9_.:-]+", part):
+            raise InvalidRequestError(f"ledger {what} {part!r} may only hold letters, digits and _.:-")
+    return ledger_dir() / f"prism-ledger-{ns}-{device.replace(':', '')}"
+
+
+def _proc_start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot; None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: fields resume after the last ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    slot: int
+    pid: int
+    name: str
+    mapped_bytes: int
+    limit_bytes: int | None
+    peak_bytes: int
+    registered: float
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerSnapshot:
+    device: str
+    budget_bytes: int
+    entries: tuple[LedgerEntry, ...]
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(e.mapped_bytes for e in self.entries)
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.used_bytes)
+
+
+class DeviceLedger:
+    """The budget of one device. Open it in every process that maps memory on the device.
+
+    ``budget_bytes`` creates the ledger if it does not exist (and is ignored if it does; use
+    ``set_budget`` to change a live one). Without it, a missing ledger is ``LedgerNotFoundError``.
+    """
+
+    def __init__(self, device: str, budget_bytes: int | None = None, namespace: str | None = None) -> None:
+        self.device = device
+        self.path = ledger_path(device, namespace)
+        if budget_bytes is not None and budget_bytes < 0:
+            raise InvalidRequestError(f"device budget must be non-negative, got {budget_bytes}")
+        flags = os.O_RDWR | (os.O_CREAT if budget_bytes is not None else 0)
+        try:
+            self._fd = os.open(self.path, flags | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            raise LedgerNotFoundError(
+                f"no memory ledger for {device} at {self.path}; start an engine on it first or give a budget"
+            ) from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                if os.fstat(self._fd).st_size == 0:
+                    if budget_bytes is None:
+                        raise LedgerNotFoundError(f"memory ledger {self.path} is empty")
+                    os.ftruncate(self._fd, _FILE_BYTES)
+                    self._open_views()
+                    self._header["magic"] = _MAGIC
+                    self._header["version"] = 1
+                    self._header["num_slots"] = _NUM_SLOTS
+                    self._header["budget"] = budget_bytes
+                else:
+                    self._open_views()
+                    if bytes(self._header["magic"]) != _MAGIC or int(self._header["num_slots"]) != _NUM_SLOTS:
+                        raise LedgerError(f"{self.path} is not a prism memory ledger of this version")
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        except BaseException:
+            self._views_closed()
+            os.close(self._fd)
+            raise
+        self._own_pid = os.getpid()
+        # flock excludes other open files, not threads sharing this one (the pool's prefetch thread).
+        self._thread_lock = threading.Lock()
+        self._pidfds: dict[tuple[int, int], int] = {}
+
+    def _open_views(self) -> None:
+        self._mm = mmap.mmap(self._fd, _FILE_BYTES)
+        self._header = np.ndarray((), dtype=_HEADER, buffer=self._mm)
+        self._entries = np.ndarray((_NUM_SLOTS,), dtype=_ENTRY, buffer=self._mm, offset=_HEADER_BYTES)
+
+    def _views_closed(self) -> None:
+        if hasattr(self, "_mm"):
+            del self._header, self._entries
+            self._mm.close()
+            del self._mm
+
+    # ---- locking and reclaim ----------------------------------------------------------------------
+
+    def __enter__(self) -> DeviceLedger:
+        if self._fd < 0:
+            raise LedgerError(f"the ledger of {self.device} is closed")
+        self._thread_lock.acquire()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                self._reclaim_dead()
+                self._header["ops"] += 1
+            except BaseException:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                raise
+        except BaseException:
+            self._thread_lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._thread_lock.release()
+
+    def _reclaim_dead(self) -> list[int]:
+        reclaimed = []
+        seen = set()
+        for slot in np.flatnonzero(self._entries["pid"]):
+            pid = int(self._entries[slot]["pid"])
+            if pid == self._own_pid:
+                continue
+            key = (pid, int(self._entries[slot]["start_ticks"]))
+            seen.add(key)
+            if not self._alive(key):
+                self._entries[slot] = np.zeros((), dtype=_ENTRY)
+                reclaimed.append(int(slot))
+        for key in self._pidfds.keys() - seen:
+            os.close(self._pidfds.pop(key))
+        return reclaimed
+
+    def _alive(self, key: tuple[int, int]) -> bool:
+        """Is the process that registered ``key = (pid, start_ticks)`` still running (not a zombie)?
+
+        Reading /proc costs ~20 us; a pidfd, opened once and checked against the start time, turns
+        every later check into one poll syscall (readable once the process has exited).
+        """
+        fd = self._pidfds.get(key)
+        if fd is None:
+            try:
+                fd = os.pidfd_open(key[0])
+            except ProcessLookupError:
+                return False
+            except OSError:  # no pidfd support: read /proc every time
+                return _proc_start_ticks(key[0]) == key[1]
+            if _proc_start_ticks(key[0]) != key[1]:
+                os.close(fd)
+                return False
+            self._pidfds[key] = fd
+        return not select.select([fd], [], [], 0)[0]
+
+    def _used(self) -> int:
+        return int(self._entries["mapped"].sum())
+
+    def _slot(self, slot: int) -> np.void:
+        if not 0 <= slot < _NUM_SLOTS or int(self._entries[slot]["pid"]) == 0:
+            raise LedgerError(f"ledger slot {slot} of {self.device} is not registered (reclaimed?)")
+        return self._entries[slot]
+
+    # ---- operations -------------------------------------------------------------------------------
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self._header["budget"])
+
+    def register(self, name: str, limit_bytes: int | None = None, pid: int | None = None) -> int:
+        """Add an engine (by default this process) and return its slot."""
+        pid = pid or os.getpid()
+        ticks = _proc_start_ticks(pid)
+        if ticks is None:
+            raise LedgerError(f"process {pid} does not exist")
+        if limit_bytes is not None and limit_bytes < 0:
+            raise InvalidRequestError(f"limit must be non-negative, got {limit_bytes}")
+        with self:
+            free = np.flatnonzero(self._entries["pid"] == 0)
+            if free.size == 0:
+                raise LedgerError(f"the ledger of {self.device} has no free entry ({_NUM_SLOTS} engines)")
+            slot = int(free[0])
+            e = self._entries[slot]
+            e["name"] = name.encode()[:64]
+            e["mapped"] = 0
+            e["peak"] = 0
+            e["limit"] = -1 if limit_bytes is None else limit_bytes
+            e["registered"] = time.time()
+            e["start_ticks"] = ticks
+            e["pid"] = pid  # last: an entry with a pid is complete
+            return slot
+
+    def unregister(self, slot: int) -> int:
+        """Remove an engine; returns the bytes it still held (now back in the budget)."""
+        with self:
+            held = int(self._slot(slot)["mapped"])
+            self._entries[slot] = np.zeros((), dtype=_ENTRY)
+            return held
+
+    def try_reserve(self, slot: int, num_bytes: int) -> bool:
+        """Grant ``num_bytes`` to ``slot`` if the device budget and its limit allow; never waits."""
+        if num_bytes < 0:
+            raise InvalidRequestError(f"cannot reserve {num_bytes} bytes")
+        with self:
+            e = self._slot(slot)
+            mapped = int(e["mapped"]) + num_bytes
+            limit = int(e["limit"])
+            if self._used() + num_bytes > self.budget_bytes or 0 <= limit < mapped:
+                return False
+            e["mapped"] = mapped
+            e["peak"] = max(int(e["peak"]), mapped)
+            return True
+
+    def release(self, slot: int, num_bytes: int) -> None:
+        with self:
+            e = self._slot(slot)
+            if not 0 <= num_bytes <= int(e["mapped"]):
+                raise LedgerError(
+                    f"slot {slot} of {self.device} releases {num_bytes} bytes but holds {int(e['mapped'])}"
+                )
+            e["mapped"] = int(e["mapped"]) - num_bytes
+
+    def set_limit(self, slot: int, limit_bytes: int | None) -> None:
+        """Cap one engine. A limit below what it holds takes effect as its pages empty."""
+        if limit_bytes is not None and limit_bytes < 0:
+            raise InvalidRequestError(f"limit must be non-negative, got {limit_bytes}")
+        with self:
+            self._slot(slot)["limit"] = -1 if limit_bytes is None else limit_bytes
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Change the device budget. Below current use, new grants wait until engines free memory."""
+        if budget_bytes < 0:
+            raise InvalidRequestError(f"device budget must be non-negative, got {budget_bytes}")
+        with self:
+            self._header["budget"] = budget_bytes
+
+    def find(self, name: str) -> list[int]:
+        """Slots of live engines called ``name``."""
+        return [e.slot for e in self.snapshot().entries if e.name == name]
+
+    def entry(self, slot: int) -> LedgerEntry:
+        with self:
+            return self._entry(slot, self._slot(slot))
+
+    def snapshot(self) -> LedgerSnapshot:
+        with self:
+            entries = tuple(
+                self._entry(int(s), self._entries[s]) for s in np.flatnonzero(self._entries["pid"])
+            )
+            return LedgerSnapshot(self.device, self.budget_bytes, entries)
+
+    @staticmethod
+    def _entry(slot: int, e: np.void) -> LedgerEntry:
+        limit = int(e["limit"])
+        return LedgerEntry(
+            slot=slot,
+            pid=int(e["pid"]),
+            name=bytes(e["name"]).decode(errors="replace"),
+            mapped_bytes=int(e["mapped"]),
+            limit_bytes=None if limit < 0 else limit,
+            peak_bytes=int(e["peak"]),
+            registered=float(e["registered"]),
+        )
+
+    def account(self, name: str, limit_bytes: int | None = None) -> Account:
+        """Register this process as engine ``name`` and return its handle."""
+        return Account(self, self.register(name, limit_bytes))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            for fd in self._pidfds.values():
+                os.close(fd)
+            self._pidfds.clear()
+            self._views_closed()
+            os.close(self._fd)
+            self._fd = -1
+
+    def unlink(self) -> None:
+        """Delete the ledger file (tests; a live server keeps its ledgers)."""
+        self.path.unlink(missing_ok=True)
+
+    @staticmethod
+    def list_devices(namespace: str | None = None) -> list[str]:
+        """Devices that have a ledger in ``namespace``."""
+        prefix = f"prism-ledger-{namespace or default_namespace()}-"
+        out = []
+        for p in sorted(ledger_dir().glob(prefix + "*")):
+            dev = p.name[len(prefix) :]
+            m = re.fullmatch(r"([a-z]+)(\d*)", dev)
+            out.append(f"{m.group(1)}:{m.group(2)}" if m and m.group(2) else dev)
+        return out
+
+
+class Account:
+    """One engine's entry in a device ledger: grant and release bytes under the shared budget."""
+
+    def __init__(self, ledger: DeviceLedger, slot: int) -> None:
+        self.ledger = ledger
+        self.slot = slot
+        self._closed = False
+
+    def try_reserve(self, num_bytes: int) -> bool:
+        return self.ledger.try_reserve(self.slot, num_bytes)
+
+    def release(self, num_bytes: int) -> None:
+        self.ledger.release(self.slot, num_bytes)
+
+    def entry(self) -> LedgerEntry:
+        return self.ledger.entry(self.slot)
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        self.ledger.set_limit(self.slot, limit_bytes)
+
+    def close(self) -> None:
+        """Leave the ledger; any bytes still recorded go back to the budget."""
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(LedgerError):  # already reclaimed
+                self.ledger.unregister(self.slot)
