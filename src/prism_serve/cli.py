@@ -1,4 +1,4 @@
-"""The ``prism`` command. Subcommands arrive with their issues; today: ``generate``."""
+"""The ``prism`` command. Subcommands arrive with their issues; today: ``generate`` and ``memory``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from prism_serve.errors import PrismError
+from prism_serve.errors import InvalidRequestError, PrismError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,9 +32,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop or [],
     )
+    elastic = None
+    if args.elastic_kv:
+        from prism_serve.memory.kv_pool import PoolConfig
+
+        elastic = PoolConfig(device=args.device)
     engine = LLMEngine(
         EngineConfig(
-            model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed or 0
+            model=args.model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            seed=args.seed or 0,
+            elastic_kv=elastic,
         )
     )
     if engine.synthetic:
@@ -58,7 +67,79 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"finish_reason={out.finish_reason}]",
             file=sys.stderr,
         )
+    engine.close()
     return 0
+
+
+def _render_ledgers(namespace: str | None, devices: list[str]) -> str:
+    import datetime
+
+    from prism_serve.memory.ledger import DeviceLedger, ledger_path
+    from prism_serve.memory.vmm import format_size
+
+    if not devices:
+        return f"no memory ledgers in namespace {namespace or '(default)'} (no engine has run)\n"
+    lines = []
+    for device in devices:
+        ledger = DeviceLedger(device, namespace=namespace)
+        try:
+            snap = ledger.snapshot()
+        finally:
+            ledger.close()
+        pct = 100 * snap.used_bytes / snap.budget_bytes if snap.budget_bytes else 0.0
+        lines.append(
+            f"{device}  budget {format_size(snap.budget_bytes)}  used {format_size(snap.used_bytes)} "
+            f"({pct:.1f}%)  free {format_size(snap.free_bytes)}  [{ledger_path(device, namespace)}]"
+        )
+        lines.append(
+            f"  {'SLOT':>4}  {'PID':>7}  {'ENGINE':<28} {'MAPPED':>11} {'PEAK':>11} {'LIMIT':>11}  SINCE"
+        )
+        for e in snap.entries:
+            limit = "-" if e.limit_bytes is None else format_size(e.limit_bytes)
+            since = datetime.datetime.fromtimestamp(e.registered).strftime("%H:%M:%S")
+            lines.append(
+                f"  {e.slot:>4}  {e.pid:>7}  {e.name[:28]:<28} {format_size(e.mapped_bytes):>11} "
+                f"{format_size(e.peak_bytes):>11} {limit:>11}  {since}"
+            )
+        if not snap.entries:
+            lines.append("  (no engines)")
+    return "\n".join(lines) + "\n"
+
+
+def _cmd_memory(args: argparse.Namespace) -> int:
+    from prism_serve.memory.ledger import DeviceLedger
+    from prism_serve.memory.vmm import parse_size
+
+    ns = args.namespace
+    if args.set_budget is not None or args.set_limit is not None:
+        if not args.device:
+            raise InvalidRequestError("--set-budget and --set-limit need --device")
+        ledger = DeviceLedger(args.device, namespace=ns)
+        try:
+            if args.set_budget is not None:
+                ledger.set_budget(parse_size(args.set_budget))
+            if args.set_limit is not None:
+                name, _, size = args.set_limit.rpartition("=")
+                slots = ledger.find(name)
+                if not name or not slots:
+                    raise InvalidRequestError(
+                        f"no live engine called {name!r} on {args.device} (ENGINE=SIZE)"
+                    )
+                for slot in slots:
+                    ledger.set_limit(slot, None if size.lower() == "none" else parse_size(size))
+        finally:
+            ledger.close()
+    devices = [args.device] if args.device else DeviceLedger.list_devices(ns)
+    if args.watch is None:
+        sys.stdout.write(_render_ledgers(ns, devices))
+        return 0
+    while True:  # like `watch`: redraw until Ctrl-C
+        devices = [args.device] if args.device else DeviceLedger.list_devices(ns)
+        sys.stdout.write(
+            "\x1b[H\x1b[2J" + time.strftime("%H:%M:%S  ") + "prism memory\n" + _render_ledgers(ns, devices)
+        )
+        sys.stdout.flush()
+        time.sleep(args.watch)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +156,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("-v", "--verbose", action="store_true", help="print token count and speed to stderr")
+    g.add_argument("--elastic-kv", action="store_true", help="map KV pages on demand under the device ledger")
+    g.add_argument("--device", default="cpu:0", help="device whose ledger the elastic KV pool uses")
     g.set_defaults(func=_cmd_generate)
+
+    m = sub.add_parser(
+        "memory",
+        help="show (and limit) device memory per engine from the shared ledgers",
+        description="Prints each device's budget and every engine's mapped bytes, peak and limit. "
+        "Ledgers live in /dev/shm, one per device and namespace ($PRISM_LEDGER_NAMESPACE).",
+    )
+    m.add_argument("--device", help="only this device (cpu:0, cuda:1, ...)")
+    m.add_argument("--namespace", help="ledger namespace (default: $PRISM_LEDGER_NAMESPACE or uid<N>)")
+    m.add_argument(
+        "--watch", nargs="?", type=float, const=1.0, metavar="SECONDS", help="redraw every SECONDS (1)"
+    )
+    m.add_argument(
+        "--set-budget", metavar="SIZE", help="change the device budget, e.g. 8GiB (needs --device)"
+    )
+    m.add_argument(
+        "--set-limit",
+        metavar="ENGINE=SIZE",
+        help="cap an engine, e.g. llama=2GiB, or llama=none (needs --device)",
+    )
+    m.set_defaults(func=_cmd_memory)
     return parser
 
 

@@ -24,6 +24,7 @@ from prism_serve.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
+from prism_serve.memory.kv_pool import ElasticKVPool, PoolConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # tokens per step; longer prompts are prefilled in chunks
     max_model_len: int | None = None  # default: the model's context length, capped at 8192
-    kv_cache_bytes: int = 512 * 2**20  # sizes the fixed pool when num_kv_blocks is not given
+    kv_cache_bytes: int = 512 * 2**20  # the fixed pool's size, or the elastic pool's virtual reservation
     num_kv_blocks: int | None = None
+    # None: a fixed KV pool, allocated up front. A PoolConfig: KV pages mapped on demand under the
+    # device ledger's shared budget (memory/kv_pool.py); kv_cache_bytes is then only address space.
+    elastic_kv: PoolConfig | None = None
     seed: int = 0  # for requests without their own seed, and for random weights
 
     def __post_init__(self) -> None:
@@ -86,8 +90,22 @@ class LLMEngine:
         )
         block_bytes = KVCache.block_bytes(weights.config, config.block_size, dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
+        self._owned_pool: ElasticKVPool | None = None
+        if allocator is None and config.elastic_kv is not None:
+            allocator = self._owned_pool = ElasticKVPool.create(
+                block_bytes, num_blocks * block_bytes, name=config.model, config=config.elastic_kv
+            )
         self.allocator = allocator or FixedBlockAllocator(num_blocks)
-        self.kv_cache = KVCache(weights.config, self.allocator.num_total_blocks, config.block_size, dtype)
+        storage = None
+        if isinstance(self.allocator, ElasticKVPool):
+            if self.allocator.block_bytes != block_bytes:
+                raise InvalidRequestError(
+                    f"KV pool blocks are {self.allocator.block_bytes} bytes; this model needs {block_bytes}"
+                )
+            storage = self.allocator.kv_tensor(dtype)
+        self.kv_cache = KVCache(
+            weights.config, self.allocator.num_total_blocks, config.block_size, dtype, storage=storage
+        )
         self.scheduler = Scheduler(
             self.allocator, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -96,6 +114,19 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self.stalled = False
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Abort what is in flight and give back KV memory the engine mapped itself (elastic pool)."""
+        self.abort_all()
+        if self._owned_pool is not None:
+            self._owned_pool.close()
+            self._owned_pool = None
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- requests -----------------------------------------------------------------------------
 
