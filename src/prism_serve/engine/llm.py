@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +58,8 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     final[out.req_id] = out
+            if self.engine.stalled:  # a shared device budget refuses blocks: wait for memory, don't spin
+                time.sleep(0.005)
         return [final[s.req_id] for s in seqs]
 
     def chat(

@@ -1,0 +1,270 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prism_serve.engine.kv_cache import BlockAllocator
+from prism_serve.memory.kv_pool import ElasticKVPool, PoolConfig
+from prism_serve.memory.ledger import DeviceLedger
+from prism_serve.memory.vmm import HostVirtualRange
+
+KiB = 1024
+P = 64 * KiB  # small pages keep the tests fast; the logic does not depend on the size
+
+
+def make_pool(
+    ledger: DeviceLedger, block_bytes: int, num_pages: int = 16, name: str = "e", **cfg
+) -> ElasticKVPool:
+    cfg.setdefault("prefetch", False)
+    cfg.setdefault("buffer_min_pages", 0)
+    cfg.setdefault("buffer_max_pages", 0)
+    vrange = HostVirtualRange("cpu:0", num_pages * P, P)
+    return ElasticKVPool(
+        vrange, block_bytes, ledger.account(name), PoolConfig(page_size=P, **cfg), owns=False
+    )
+
+
+def page_of(pool: ElasticKVPool, b: int) -> int:
+    return b * pool.block_bytes // P
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:
+    """Poll a condition the prefetch thread makes true (waiting, not timing: no assertion on speed)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.005)
+
+
+def test_is_a_block_allocator(make_ledger):
+    pool = make_pool(make_ledger(budget_bytes=16 * P), 16 * KiB)
+    assert isinstance(pool, BlockAllocator)
+    assert pool.num_total_blocks == 64 and pool.num_free_blocks == 64
+    pool.close()
+
+
+def test_allocation_prefers_the_most_utilized_partly_filled_page(make_ledger):
+    pool = make_pool(make_ledger(budget_bytes=16 * P), 16 * KiB)  # 4 blocks per page
+    ids = pool.allocate(8)  # pages 0 and 1 full
+    assert sorted(page_of(pool, b) for b in ids) == [0] * 4 + [1] * 4
+    on0 = [b for b in ids if page_of(pool, b) == 0]
+    on1 = [b for b in ids if page_of(pool, b) == 1]
+    pool.free(on0[:1] + on1[:2])  # page 0: 3 used, page 1: 2 used
+    assert [page_of(pool, b) for b in pool.allocate(1)] == [0]
+    assert [page_of(pool, b) for b in pool.allocate(2)] == [1, 1]
+    assert pool.stats().mapped_pages == 2
+    assert pool.stats().sync_maps == 2  # only the first two pages were ever mapped
+    pool.close()
+
+
+def test_empty_pages_are_unmapped_and_their_bytes_return_to_the_ledger(make_ledger):
+    ledger = make_ledger(budget_bytes=16 * P)
+    pool = make_pool(ledger, 16 * KiB)
+    ids = pool.allocate(12)
+    assert pool.vrange.physical_bytes() == 3 * P == ledger.snapshot().used_bytes
+    pool.free([b for b in ids if page_of(pool, b) != 1])
+    assert pool.stats().mapped_pages == 1
+    assert pool.vrange.physical_bytes() == P == ledger.snapshot().used_bytes
+    pool.free([b for b in ids if page_of(pool, b) == 1])
+    assert pool.vrange.physical_bytes() == 0 == ledger.snapshot().used_bytes
+    pool.close()
+
+
+def test_refusal_returns_none_and_keeps_nothing(make_ledger):
+    ledger = make_ledger(budget_bytes=3 * P)
+    other = ledger.account("other")
+    assert other.try_reserve(P)
+    pool = make_pool(ledger, 16 * KiB)
+    first = pool.allocate(5)  # two pages
+    assert first is not None
+    assert pool.allocate(4) is None  # needs a third page of its own: the device is full
+    assert pool.num_used_blocks == 5 and pool.stats().mapped_pages == 2
+    assert ledger.snapshot().used_bytes == 3 * P
+    assert pool.allocate(3) is not None  # what still fits on mapped pages is granted
+    other.release(P)
+    assert pool.allocate(4) is not None  # memory another engine gave back is usable at once
+    pool.close()
+
+
+def test_blocks_that_straddle_pages_need_every_page_they_touch(make_ledger):
+    ledger = make_ledger(budget_bytes=16 * P)
+    pool = make_pool(ledger, 40 * KiB)  # 1.6 blocks per page: most blocks straddle two pages
+    view = pool.kv_tensor(torch.uint8).view(-1, 40 * KiB)
+    ids = pool.allocate(10)
+    for b in ids:
+        assert all(pool.vrange.is_mapped(q) for q in pool._pages_of(b))
+        view[b].fill_(b + 1)
+    pool.free(ids[::2])
+    for b in ids[1::2]:
+        assert bool((view[b] == b + 1).all())
+    pool.free(ids[1::2])
+    assert pool.stats().mapped_pages == 0 and ledger.snapshot().used_bytes == 0
+    pool.close()
+
+
+def test_blocks_larger_than_a_page(make_ledger):
+    ledger = make_ledger(budget_bytes=16 * P)
+    pool = make_pool(ledger, 3 * P // 2)
+    ids = pool.allocate(3)
+    assert ids is not None and pool.stats().mapped_pages == 5  # 4.5 pages, rounded up
+    pool.free(ids)
+    assert pool.stats().mapped_pages == 0
+    pool.close()
+
+
+def test_double_free_and_foreign_ids_raise(make_ledger):
+    pool = make_pool(make_ledger(budget_bytes=16 * P), 16 * KiB)
+    ids = pool.allocate(2)
+    pool.free(ids[:1])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(ids[:1])
+    with pytest.raises(RuntimeError):
+        pool.free([ids[1], ids[1]])
+    with pytest.raises(RuntimeError):
+        pool.free([10_000])
+    pool.free(ids[1:])  # the failed calls changed nothing
+    assert pool.num_used_blocks == 0
+    pool.close()
+
+
+def test_prefetch_thread_keeps_a_buffer_between_min_and_max(make_ledger):
+    ledger = make_ledger(budget_bytes=64 * P)
+    pool = make_pool(ledger, 16 * KiB, num_pages=64, prefetch=True, buffer_min_pages=2, buffer_max_pages=4)
+    wait_for(lambda: pool.stats().empty_pages == 2)
+    ids = pool.allocate(4)  # one page's worth from the buffer: no map on this thread
+    st = pool.stats()
+    assert st.sync_maps == 0 and st.blocks_without_map == 4
+    wait_for(lambda: pool.stats().empty_pages >= 2)  # refilled in the background
+    more = pool.allocate(40)
+    pool.free(ids + more)
+    wait_for(lambda: pool.stats().empty_pages == 4)  # trimmed back to the buffer's max
+    assert ledger.snapshot().used_bytes == 4 * P == pool.vrange.physical_bytes()
+    pool.close()
+    assert ledger.snapshot().used_bytes == 0
+
+
+def test_shrinking_the_limit_waits_for_pages_to_empty(make_ledger):
+    ledger = make_ledger(budget_bytes=64 * P)
+    pool = make_pool(ledger, 16 * KiB, prefetch=True, buffer_min_pages=1, buffer_max_pages=2)
+    ids = pool.allocate(16)  # 4 full pages
+    pool.set_limit(2 * P)
+    assert pool.vrange.mapped_bytes >= 4 * P  # live blocks are never taken away
+    assert pool.allocate(pool.num_free_blocks + 1) is None
+    pool.free(ids[:12])
+    wait_for(lambda: pool.vrange.mapped_bytes <= 2 * P)
+    assert ledger.snapshot().used_bytes <= 2 * P
+    pool.set_limit(None)
+    assert pool.allocate(20) is not None
+    pool.close()
+
+
+def test_a_limit_set_from_another_process_reaches_the_pool(make_ledger):
+    ledger = make_ledger(budget_bytes=64 * P)
+    pool = make_pool(ledger, 16 * KiB, name="target", prefetch=True, buffer_min_pages=2, buffer_max_pages=2)
+    wait_for(lambda: pool.stats().empty_pages == 2)
+    other_view = DeviceLedger("cpu:0", namespace=None)  # e.g. `prism memory --set-limit`
+    other_view.set_limit(other_view.find("target")[0], 0)
+    other_view.close()
+    wait_for(lambda: pool.stats().mapped_pages == 0)
+    assert pool.allocate(1) is None
+    pool.close()
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random alloc/free/trim/limit on one pool against a second engine on the same ledger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger: DeviceLedger | None = None
+
+    @initialize(
+        block_kib=st.sampled_from([16, 24, 40, 64, 100]),
+        budget_pages=st.integers(2, 12),
+        buffer=st.integers(0, 2),
+    )
+    def setup(self, block_kib, budget_pages, buffer):
+        PoolMachine.examples += 1  # a fresh ledger per example: no state carried between examples
+        self.ledger = DeviceLedger(f"cpu:{PoolMachine.examples}", budget_pages * P, namespace=self.ns)
+        self.budget = budget_pages * P
+        self.pool = make_pool(self.ledger, block_kib * KiB, num_pages=16, buffer_max_pages=buffer)
+        self.view = self.pool.kv_tensor(torch.uint8).view(-1, block_kib * KiB)
+        self.other = self.ledger.account("other")
+        self.other_held = 0
+        self.held: set[int] = set()
+
+    @rule(n=st.integers(1, 8))
+    def alloc(self, n):
+        free_before = self.ledger.snapshot().free_bytes
+        ids = self.pool.allocate(n)
+        if ids is None:
+            # Refused only if the missing pages really did not fit: n blocks need at most this much.
+            worst = n * (-(-self.pool.block_bytes // P) + 1) * P
+            assert free_before < worst or self.pool.num_used_blocks + n > self.pool.num_total_blocks
+            return
+        assert len(set(ids)) == n and not self.held & set(ids)
+        for b in ids:
+            self.view[b, ::997].fill_(b % 251)
+        self.held.update(ids)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free(self, data):
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.held)), min_size=1, unique=True))
+        for b in ids:
+            assert bool((self.view[b, ::997] == b % 251).all()), f"block {b} lost its data"
+        self.pool.free(ids)
+        self.held.difference_update(ids)
+
+    @rule(pages=st.integers(0, 3))
+    def other_engine_grabs(self, pages):
+        if self.other.try_reserve(pages * P):
+            self.other_held += pages * P
+
+    @precondition(lambda self: self.other_held)
+    @rule()
+    def other_engine_releases(self):
+        self.other.release(self.other_held)
+        self.other_held = 0
+
+    @rule()
+    def trim(self):
+        self.pool.trim(0)
+        assert self.pool.stats().empty_pages == 0
+
+    @invariant()
+    def accounting_matches_reality(self):
+        if self.ledger is None:
+            return
+        snap = self.ledger.snapshot()
+        assert snap.used_bytes <= self.budget
+        mine = next(e for e in snap.entries if e.name == "e").mapped_bytes
+        assert mine == self.pool.vrange.mapped_bytes == self.pool.vrange.physical_bytes()
+        for b in self.held:
+            assert all(self.pool.vrange.is_mapped(q) for q in self.pool._pages_of(b))
+        assert self.pool.num_used_blocks == len(self.held)
+        assert self.pool.stats().empty_pages <= self.pool.config.buffer_max_pages
+
+    def teardown(self):
+        if self.ledger is None:
+            return
+        self.pool.free(sorted(self.held))
+        self.pool.trim(0)
+        assert self.pool.vrange.physical_bytes() == 0  # no page leaked
+        assert self.ledger.snapshot().used_bytes == self.other_held
+        self.pool.close()
+        self.pool.vrange.close()
+        self.ledger.unlink()
+        self.ledger.close()
+
+
+def test_pool_state_machine(namespace):
+    PoolMachine.ns = namespace
+    PoolMachine.examples = 0
+    PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+    PoolMachine.TestCase().runTest()

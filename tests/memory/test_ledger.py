@@ -1,0 +1,165 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prism_serve.errors import InvalidRequestError
+from prism_serve.memory.ledger import DeviceLedger, LedgerError, LedgerNotFoundError
+
+MiB = 2**20
+
+
+def test_grants_stop_at_the_device_budget(make_ledger):
+    ledger = make_ledger(budget_bytes=10 * MiB)
+    a, b = ledger.account("a"), ledger.account("b")
+    assert a.try_reserve(6 * MiB)
+    assert not b.try_reserve(5 * MiB)  # 11 > 10: refused, nothing recorded
+    assert b.try_reserve(4 * MiB)
+    assert not a.try_reserve(1)
+    snap = ledger.snapshot()
+    assert snap.used_bytes == 10 * MiB and snap.free_bytes == 0
+    assert {e.name: e.mapped_bytes for e in snap.entries} == {"a": 6 * MiB, "b": 4 * MiB}
+    a.release(6 * MiB)
+    assert b.try_reserve(6 * MiB)
+    assert b.entry().peak_bytes == 10 * MiB
+
+
+def test_a_second_process_sees_the_same_budget(make_ledger, namespace):
+    ledger = make_ledger(budget_bytes=10 * MiB)
+    ledger.account("here").try_reserve(7 * MiB)
+    code = (
+        "from prism_serve.memory.ledger import DeviceLedger\n"
+        f"l = DeviceLedger('cpu:0', namespace='{namespace}')\n"
+        "a = l.account('there')\n"
+        "print(a.try_reserve(4 * 2**20), a.try_reserve(3 * 2**20), l.snapshot().used_bytes)\n"
+        "a.close()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True", str(10 * MiB)]
+    assert ledger.snapshot().used_bytes == 7 * MiB  # the child's close gave its 3 MiB back
+
+
+def test_per_engine_limit_and_run_time_changes(make_ledger):
+    ledger = make_ledger(budget_bytes=100 * MiB)
+    a = ledger.account("a", limit_bytes=5 * MiB)
+    assert a.try_reserve(5 * MiB) and not a.try_reserve(1)
+    a.set_limit(None)
+    assert a.try_reserve(10 * MiB)
+    a.set_limit(2 * MiB)  # below what it holds: no new grants, nothing taken away
+    assert a.entry().mapped_bytes == 15 * MiB and not a.try_reserve(1)
+    ledger.set_budget(1 * MiB)
+    a.set_limit(None)
+    assert not a.try_reserve(1)  # the device is over its new budget until memory is freed
+    a.release(15 * MiB)
+    assert a.try_reserve(MiB) and not a.try_reserve(1)
+
+
+def test_bad_calls_raise_named_errors(make_ledger, namespace):
+    with pytest.raises(LedgerNotFoundError):
+        DeviceLedger("cpu:7", namespace=namespace)
+    ledger = make_ledger(budget_bytes=MiB)
+    a = ledger.account("a")
+    with pytest.raises(LedgerError, match="holds 0"):
+        a.release(1)
+    with pytest.raises(InvalidRequestError):
+        a.try_reserve(-1)
+    with pytest.raises(InvalidRequestError):
+        ledger.set_budget(-1)
+    with pytest.raises(LedgerError, match="not registered"):
+        ledger.try_reserve(200, 1)
+    with pytest.raises(InvalidRequestError):
+        DeviceLedger("cpu:0/../x", budget_bytes=1, namespace=namespace)
+    a.close()
+    with pytest.raises(LedgerError, match="not registered"):
+        a.try_reserve(1)
+
+
+def _child_holding(namespace: str, num_bytes: int) -> subprocess.Popen:
+    code = (
+        "import sys, time\n"
+        "from prism_serve.memory.ledger import DeviceLedger\n"
+        f"a = DeviceLedger('cpu:0', namespace='{namespace}').account('doomed')\n"
+        f"assert a.try_reserve({num_bytes})\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+@pytest.mark.parametrize("reap", [False, True], ids=["zombie", "reaped"])
+def test_budget_of_a_sigkilled_process_is_reclaimed_by_the_next_operation(make_ledger, namespace, reap):
+    ledger = make_ledger(budget_bytes=10 * MiB)
+    survivor = ledger.account("survivor")
+    child = _child_holding(namespace, 8 * MiB)
+    assert not survivor.try_reserve(3 * MiB)
+    os.kill(child.pid, signal.SIGKILL)
+    if reap:
+        child.wait()
+    else:  # not waited for: the pid still exists as a zombie, which must count as dead
+        while Path(f"/proc/{child.pid}/stat").read_text().split(")")[-1].split()[0] != "Z":
+            time.sleep(0.01)
+    assert survivor.try_reserve(10 * MiB)  # the very next operation reclaimed the 8 MiB
+    assert [e.name for e in ledger.snapshot().entries] == ["survivor"]
+    child.wait()
+
+
+def test_a_reused_pid_is_not_mistaken_for_the_dead_engine(make_ledger):
+    ledger = make_ledger(budget_bytes=10 * MiB)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        slot = ledger.register("old-engine", pid=sleeper.pid)
+        assert ledger.try_reserve(slot, 5 * MiB)
+        with ledger:  # the entry now claims a start time the live process with this pid does not have
+            ledger._entries[slot]["start_ticks"] -= 1
+        assert ledger.snapshot().used_bytes == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_list_devices_and_unlink(make_ledger, namespace):
+    make_ledger("cpu:0", MiB)
+    make_ledger("cpu:1", MiB)
+    make_ledger("cuda:3", MiB)
+    assert DeviceLedger.list_devices(namespace) == ["cpu:0", "cpu:1", "cuda:3"]
+    make_ledger("cpu:1").unlink()
+    assert DeviceLedger.list_devices(namespace) == ["cpu:0", "cuda:3"]
+
+
+def run_prism(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "prism_serve.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_prism_memory_shows_and_limits_engines(make_ledger):
+    ledger = make_ledger("cpu:1", budget_bytes=8 * 2**30)
+    eng = ledger.account("smollm2-135m", limit_bytes=2**30)
+    assert eng.try_reserve(40 * MiB)
+    res = run_prism("memory")
+    assert res.returncode == 0, res.stderr
+    assert "cpu:1  budget 8.0 GiB  used 40.0 MiB (0.5%)" in res.stdout
+    row = next(line for line in res.stdout.splitlines() if "smollm2-135m" in line)
+    assert str(os.getpid()) in row and "40.0 MiB" in row and "1.0 GiB" in row
+    res = run_prism(
+        "memory", "--device", "cpu:1", "--set-limit", "smollm2-135m=512MiB", "--set-budget", "4GiB"
+    )
+    assert res.returncode == 0, res.stderr
+    assert eng.entry().limit_bytes == 512 * MiB and ledger.budget_bytes == 4 * 2**30
+    res = run_prism("memory", "--device", "cpu:1", "--set-limit", "nobody=1GiB")
+    assert res.returncode == 2 and "no live engine called 'nobody'" in res.stderr
+    res = run_prism("memory", "--set-budget", "1GiB")
+    assert res.returncode == 2 and "need --device" in res.stderr
+
+
+def test_prism_memory_without_ledgers_says_so(namespace):
+    res = run_prism("memory")
+    assert res.returncode == 0 and "no memory ledgers" in res.stdout
