@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -103,9 +102,9 @@ def test_budget_of_a_sigkilled_process_is_reclaimed_by_the_next_operation(make_l
     os.kill(child.pid, signal.SIGKILL)
     if reap:
         child.wait()
-    else:  # not waited for: the pid still exists as a zombie, which must count as dead
-        while Path(f"/proc/{child.pid}/stat").read_text().split(")")[-1].split()[0] != "Z":
-            time.sleep(0.01)
+    else:  # wait for the exit without reaping: the pid still exists as a zombie, which must count as dead
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+        assert Path(f"/proc/{child.pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     assert survivor.try_reserve(10 * MiB)  # the very next operation reclaimed the 8 MiB
     assert [e.name for e in ledger.snapshot().entries] == ["survivor"]
     child.wait()
