@@ -42,7 +42,6 @@ import csv
 import datetime
 import json
 import os
-import platform
 import random
 import statistics
 import time
@@ -52,12 +51,13 @@ from pathlib import Path
 
 import torch
 
+import common
 from prism_serve.engine.hf_reference import build_hf_model
 from prism_serve.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.weights import load_weights
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = common.REPO_ROOT
 TRACE_FILE = "lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
 FIRST_ORDINARY_TOKEN = 17  # ids below are SmolLM2's special tokens
 PAD_ID = 2  # the tokenizer's EOS, HF's pad token here
@@ -88,46 +88,17 @@ class Run:
 def machine_info() -> dict:
     import transformers
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor() or "unknown")
-    m = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-         "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
-         "python": platform.python_version()}
-    m["line"] = (f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
-                 f"transformers {m['transformers']}, Python {m['python']}")
-    return m
-
-
-def _cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    t = os.times()
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), t.user + t.system
-
-
-def other_load_since(start: tuple[float, float], wall: float) -> float:
-    busy, own = _cpu_seconds()
-    return max(0.0, (busy - start[0] - (own - start[1])) / max(wall, 1e-9))
-
-
-def wait_quiet(limit_s: float, threshold: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        start = _cpu_seconds()
-        time.sleep(0.5)
-        if other_load_since(start, 0.5) < threshold:
-            return
+    return common.machine_info(transformers=transformers.__version__)
 
 
 def measured(fn: Callable[[], Run], opts: argparse.Namespace) -> Run:
     """Run ``fn`` once the CPUs are quiet; retry while other processes loaded them; keep the quietest."""
     best = None
     for attempt in range(1, opts.retries + 2):
-        wait_quiet(opts.quiet_wait, opts.max_other_load)
-        start = _cpu_seconds()
+        common.wait_quiet(opts.quiet_wait, opts.max_other_load)
+        start = common.cpu_seconds()
         run = fn()
-        run.other_load, run.attempts = other_load_since(start, run.wall_s), attempt
+        run.other_load, run.attempts = common.other_load_since(start, run.wall_s), attempt
         if best is None or run.other_load < best.other_load:
             best = run
         if run.other_load <= opts.max_other_load:

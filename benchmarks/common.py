@@ -1,0 +1,66 @@
+"""Helpers every benchmark script shares: the machine line and quiet-CPU measurement.
+
+On a shared machine other processes distort CPU timings badly (two torch threads on two cores slow
+down many times over when a third process competes). Measurements wait for the CPUs to be quiet and
+record the CPU time other processes used meanwhile ("other load", in cores, from /proc/stat).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine_info(**extra: str) -> dict:
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        platform.processor() or "unknown",
+    )
+    m = {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        **extra,
+    }
+    m["line"] = (
+        f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+        + "".join(f"{k} {v}, " for k, v in extra.items())
+        + f"Python {m['python']}"
+    )
+    return m
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    t = os.times()
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), t.user + t.system
+
+
+def other_load_since(start: tuple[float, float], wall: float) -> float:
+    """Cores other processes kept busy since ``start`` (a ``cpu_seconds()`` reading) over ``wall`` s."""
+    busy, own = cpu_seconds()
+    return max(0.0, (busy - start[0] - (own - start[1])) / max(wall, 1e-9))
+
+
+def wait_quiet(limit_s: float, threshold: float) -> None:
+    """Wait (up to ``limit_s``) until other processes use fewer than ``threshold`` cores."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        start = cpu_seconds()
+        time.sleep(0.5)
+        if other_load_since(start, 0.5) < threshold:
+            return
