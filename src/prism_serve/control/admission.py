@@ -1,0 +1,452 @@
+"""Device-level admission: Algorithm 2 of the paper (section 6.3), kept up to date incrementally.
+
+One queue per device holds the requests of every model on it. The schedule is Moore-Hodgson: walk
+the requests in deadline order (``arrival + TTFT SLO``), append each to the schedule, and when the
+one just appended would finish after its deadline, drop the request with the longest prefill from
+the schedule. Prefill time is ``prompt tokens / prefill speed`` of the model on this device. The
+kept schedule maximizes the number of requests whose prefill meets its deadline when prefills run
+one after another from ``T0``.
+
+``T0`` is ``max(now, busy_until)``: ``busy_until`` is when the prefills this queue already dispatched
+are predicted to finish, so dispatched work is not scheduled twice.
+
+Dispatch walks the kept schedule in deadline order and starts each request whose engine can start
+it now (see ``capacity.py``). A kept request may start before an earlier kept one that is waiting
+(its engine is still loading, say) only if every earlier request still meets its deadline after
+the extra prefill; a request waiting for the device's shared memory stops later ones from taking
+that memory. Requests the schedule dropped are *deferred*: they stay queued and are scheduled again
+at every call. A request that cannot meet its deadline even if started now is *late*: it leaves the
+schedule and is served, oldest deadline first, when no schedulable request waits. With
+``abort_on_miss`` dropped and late requests are rejected instead, with reason ``DEADLINE_MISS``.
+
+Incremental maintenance. Recomputing the schedule costs O(n log n) per call. The queue keeps the
+last schedule and reuses it as long as it is provably what a fresh run at the current ``T0`` would
+return; all times are integer nanoseconds so the fresh and the incremental sums agree exactly:
+- each position records the latest ``T0`` at which its deadline check still passes; while ``T0``
+  stays at or below the minimum of those, every check and so every removal is unchanged;
+- a request whose deadline is the latest in the queue is folded in as one more Moore-Hodgson step;
+- dispatching a kept request shifts ``T0`` and the later positions' sums by the same amount, so only
+  the checks before it need re-testing, which the dispatch walk does as it goes;
+- a dropped request removed when it was dropped at its own position changes nothing.
+Anything else (a deadline in the middle, a speed change) marks the schedule stale and the next call
+recomputes it. ``replans`` and the other counters in ``stats`` show how often each path ran.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left, insort
+from collections.abc import Mapping, Sequence
+from operator import attrgetter
+
+from prism_serve.control.capacity import DeviceRoom, Fit
+from prism_serve.control.queues import RequestQueue, _reject_never
+from prism_serve.control.types import (
+    Action,
+    DeviceSnapshot,
+    Dispatch,
+    EngineSnapshot,
+    InvalidSnapshotError,
+    Reject,
+    RejectReason,
+    Request,
+)
+
+__all__ = ["NS", "DeadlineQueue", "moore_hodgson", "to_ns"]
+
+NS = 1_000_000_000
+_FAR = 1 << 62  # "never binds": the margin of a position whose check failed (it stays failed)
+_SPEED_TOLERANCE = 0.02  # speed changes below this are noise; re-scheduling for them costs O(n)
+
+
+def to_ns(t: float) -> int:
+    return round(t * NS)
+
+
+def prefill_ns(prompt_tokens: int, tokens_per_s: float) -> int:
+    return math.ceil(prompt_tokens * NS / tokens_per_s)
+
+
+def moore_hodgson(jobs: Sequence[tuple[float, float]], t0: float) -> list[int]:
+    """Algorithm 2 on ``(deadline, prefill_time)`` pairs starting at ``t0``.
+
+    Returns the indices of the kept schedule in the order they run (deadline, then index). Among
+    equally long prefills the lower index is dropped first.
+    """
+    order = sorted(range(len(jobs)), key=lambda i: (jobs[i][0], i))
+    heap: list[tuple[float, int]] = []
+    t = t0
+    for i in order:
+        deadline, p = jobs[i]
+        t += p
+        if t > deadline:
+            t += heapq.heappushpop(heap, (-p, i))[0]
+        else:
+            heapq.heappush(heap, (-p, i))
+    kept = {i for _, i in heap}
+    return [i for i in order if i in kept]
+
+
+class _Entry:
+    __slots__ = ("deadline", "key", "margin", "p", "request", "self_popped", "seq", "sort", "where")
+
+    def __init__(self, request: Request, seq: int, p: int) -> None:
+        self.request = request
+        self.seq = seq
+        self.deadline = to_ns(request.deadline)
+        self.sort = (self.deadline, seq)
+        self.set_p(p)
+        self.margin = _FAR  # latest T0 (minus the queue's offset) at which this position's check passes
+        self.self_popped = False  # dropped at its own position: removing it changes nothing else
+        self.where = "pending"  # pending | cand | late
+
+    def set_p(self, p: int) -> None:
+        self.p = p
+        self.key = (-p, self.seq)  # heap order: longest prefill first, then oldest
+
+
+_SORT = attrgetter("sort")
+
+
+class DeadlineQueue(RequestQueue):
+    """Prism's per-device queue (Algorithm 2). See the module docstring for the rules."""
+
+    def __init__(
+        self,
+        device: str,
+        *,
+        reserve_tokens: int = 0,
+        abort_on_miss: bool = False,
+        default_prefill_tokens_per_s: float = 8000.0,
+    ) -> None:
+        super().__init__(device, reserve_tokens=reserve_tokens)
+        if not default_prefill_tokens_per_s > 0:
+            raise InvalidSnapshotError("default_prefill_tokens_per_s must be > 0")
+        self.abort_on_miss = abort_on_miss
+        self.default_prefill_tokens_per_s = default_prefill_tokens_per_s
+        self._entries: dict[str, _Entry] = {}
+        self._pending: list[_Entry] = []
+        self._cands: list[_Entry] = []  # schedulable, deadline order
+        self._late: list[_Entry] = []  # cannot meet the deadline any more, deadline order
+        self._speed: dict[str, float] = {}
+        self._seq = 0
+        self._busy_until = -_FAR
+        # the schedule: valid for T0 in [_t0, _limit]
+        self._valid = False
+        self._t0 = -_FAR
+        self._limit = -_FAR
+        self._heap: list[tuple[int, int]] = []  # keys of kept requests
+        self._cum = 0  # their total prefill time
+        self._dropped: set[int] = set()  # seqs of deferred requests
+        self._moff = 0
+        self._held: list[Action] = []  # rejections found outside admit, returned by the next admit
+        self.stats = {"replans": 0, "fast_appends": 0, "fast_dispatches": 0, "reused": 0}
+
+    # -- queue contract ------------------------------------------------------------------------
+
+    def _push(self, request: Request) -> None:
+        speed = self._speed.get(request.model, self.default_prefill_tokens_per_s)
+        e = _Entry(request, self._seq, prefill_ns(request.prompt_tokens, speed))
+        self._seq += 1
+        self._entries[request.req_id] = e
+        self._pending.append(e)
+
+    def _cancel(self, req_id: str) -> Request:
+        e = self._entries.pop(req_id)
+        if e.where == "pending":
+            self._pending.remove(e)
+        elif e.where == "late":
+            del self._late[bisect_left(self._late, e.sort, key=_SORT)]
+        else:
+            del self._cands[bisect_left(self._cands, e.sort, key=_SORT)]
+            if not e.self_popped:
+                self._valid = False
+            self._dropped.discard(e.seq)
+        return e.request
+
+    def requests(self) -> list[Request]:
+        return [e.request for e in sorted(self._entries.values(), key=_SORT)]
+
+    def schedule(self, now: float) -> list[Request]:
+        """The kept schedule at ``now`` in run order (brings the schedule up to date; dispatches nothing).
+
+        With ``abort_on_miss`` the rejections this produces are returned by the next ``admit``.
+        """
+        self._refresh(self._t0_at(now), self._held)
+        return [e.request for e in self._cands if e.seq not in self._dropped]
+
+    def start_ns(self, now: float) -> int:
+        """T0 in integer nanoseconds: when the next prefill could start (tests and tracing)."""
+        return self._t0_at(now)
+
+    def deferred(self, now: float) -> list[Request]:
+        """Requests the schedule drops at ``now`` that could still meet their deadline if started now."""
+        t0 = self._t0_at(now)
+        self._refresh(t0, self._held)
+        return [e.request for e in self._cands if e.seq in self._dropped and t0 + e.p <= e.deadline]
+
+    def late(self, now: float) -> list[Request]:
+        """Requests that cannot meet their deadline even if started at ``now``, deadline order."""
+        t0 = self._t0_at(now)
+        self._refresh(t0, self._held)
+        late = [e for e in self._cands if e.seq in self._dropped and t0 + e.p > e.deadline]
+        return [e.request for e in sorted(self._late + late, key=_SORT)]
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def admit(
+        self, now: float, device: DeviceSnapshot, engines: Mapping[str, EngineSnapshot]
+    ) -> list[Action]:
+        out: list[Action] = self._held
+        self._held = []
+        self._sync_speeds(engines)
+        room = DeviceRoom(device, engines, self.reserve_tokens)
+        startable = room.startable()
+        if not startable and not self.abort_on_miss:
+            return out  # nothing can start: leave the work for a call that can dispatch
+        t = self._t0_at(now)
+        self._refresh(t, out)
+        if self._cands and startable:
+            t = self._dispatch_schedule(t, room, startable, out)
+        if self._late and startable:
+            # Late requests only use slack: every schedulable request must still meet its deadline.
+            self._dispatch_late(t, self._limit if self._cands else _FAR, room, out)
+        return out
+
+    def _t0_at(self, now: float) -> int:
+        return max(to_ns(now), self._busy_until)
+
+    def _refresh(self, t0: int, out: list[Action]) -> None:
+        if self._valid and not self._t0 <= t0 <= self._limit:
+            self._valid = False
+        if self._pending:
+            self._absorb_pending(t0, out)
+        if not self._valid:
+            self._replan(t0, out)
+        else:
+            self.stats["reused"] += 1
+            self._t0 = t0
+
+    def _sync_speeds(self, engines: Mapping[str, EngineSnapshot]) -> None:
+        for model, e in engines.items():
+            if e.device != self.device or e.prefill_tokens_per_s is None:
+                continue
+            old = self._speed.get(model, self.default_prefill_tokens_per_s)
+            self._speed[model] = e.prefill_tokens_per_s
+            if abs(e.prefill_tokens_per_s - old) <= _SPEED_TOLERANCE * old:
+                continue
+            self._valid = False
+            for entry in self._entries.values():
+                if entry.request.model == model:
+                    entry.set_p(prefill_ns(entry.request.prompt_tokens, e.prefill_tokens_per_s))
+            # a faster engine can make late requests schedulable again: let the next run re-sort them
+            back = [entry for entry in self._late if entry.request.model == model]
+            if back:
+                self._late = [entry for entry in self._late if entry.request.model != model]
+                for entry in back:
+                    entry.where = "cand"
+                self._cands.extend(back)
+                self._cands.sort(key=_SORT)
+
+    def _absorb_pending(self, t0: int, out: list[Action]) -> None:
+        pending = sorted(self._pending, key=_SORT)
+        self._pending = []
+        if not self._valid or (self._cands and pending[0].sort < self._cands[-1].sort):
+            for e in pending:
+                e.where = "cand"
+            self._cands.extend(pending)
+            self._cands.sort(key=_SORT)
+            self._valid = False
+            return
+        for e in pending:
+            if t0 + e.p > e.deadline:
+                self._make_late(e, out)
+                continue
+            self.stats["fast_appends"] += 1
+            e.where = "cand"
+            c = self._cum + e.p
+            if t0 + c > e.deadline:
+                key = heapq.heappushpop(self._heap, e.key)
+                self._cum = c + key[0]
+                self._dropped.add(key[1])
+                e.margin = _FAR
+                if key[1] == e.seq:
+                    e.self_popped = True
+                    if self.abort_on_miss:
+                        self._reject_miss(e, out, "dropped by the deadline schedule")
+                        continue
+                elif self.abort_on_miss:
+                    self._valid = False  # the one dropped must go; the next schedule must not count it
+            else:
+                heapq.heappush(self._heap, e.key)
+                self._cum = c
+                e.margin = e.deadline - c - self._moff
+                self._limit = min(self._limit, e.deadline - c)
+            self._cands.append(e)
+
+    def _replan(self, t0: int, out: list[Action]) -> None:
+        """A fresh Algorithm 2 run at ``t0`` over every schedulable request."""
+        self.stats["replans"] += 1
+        heap: list[tuple[int, int]] = []
+        push, pushpop = heapq.heappush, heapq.heappushpop
+        dropped: set[int] = set()
+        keep: list[_Entry] = []
+        late: list[_Entry] = []
+        cum = 0
+        limit = _FAR
+        for e in self._cands:
+            p = e.p
+            d = e.deadline
+            if t0 + p > d:
+                late.append(e)
+                continue
+            c = cum + p
+            if t0 + c > d:
+                key = pushpop(heap, e.key)
+                cum = c + key[0]
+                dropped.add(key[1])
+                e.margin = _FAR
+                e.self_popped = key[1] == e.seq
+            else:
+                push(heap, e.key)
+                cum = c
+                e.margin = m = d - c
+                e.self_popped = False
+                if m < limit:
+                    limit = m
+            keep.append(e)
+        for e in late:
+            self._make_late(e, out)
+        if self.abort_on_miss and dropped:
+            for e in keep:
+                if e.seq in dropped:
+                    self._reject_miss(e, out, "dropped by the deadline schedule")
+            keep = [e for e in keep if e.seq not in dropped]
+            dropped = set()
+            cum, limit = 0, _FAR
+            for e in keep:  # the kept set alone: no check fails, only the margins change
+                cum += e.p
+                e.margin = m = e.deadline - cum
+                limit = min(limit, m)
+            heap = [e.key for e in keep]
+            heapq.heapify(heap)
+        self._cands = keep
+        self._heap = heap
+        self._cum = cum
+        self._dropped = dropped
+        self._moff = 0
+        self._t0 = t0
+        self._limit = limit
+        self._valid = True
+
+    def _make_late(self, e: _Entry, out: list[Action]) -> None:
+        if self.abort_on_miss:
+            self._reject_miss(e, out, "cannot meet its TTFT deadline even if started now")
+            return
+        e.where = "late"
+        insort(self._late, e, key=_SORT)
+
+    def _reject_miss(self, e: _Entry, out: list[Action], why: str) -> None:
+        del self._entries[e.request.req_id]
+        self._emit(
+            out,
+            Reject(
+                e.request,
+                RejectReason.DEADLINE_MISS,
+                f"{why} (deadline {e.request.deadline:.3f}s, prefill {e.p / NS:.3f}s)",
+            ),
+        )
+
+    def _dispatch_schedule(self, t0: int, room: DeviceRoom, startable: set[str], out: list[Action]) -> int:
+        """Start kept requests in schedule order; returns the new T0.
+
+        A request may start ahead of earlier kept ones only if they all still meet their deadlines
+        (``kept_min``). If that makes an earlier *deferred* position's check fail (``all_min``), the
+        rest of the schedule is still optimal but may differ from a fresh run's; it is recomputed at
+        the next call.
+        """
+        t = t0
+        shift = 0
+        kept_min = _FAR  # latest T0 at which every kept position walked past meets its deadline
+        all_min = _FAR  # the same over every position walked past
+        walked: list[tuple[_Entry, int]] = []
+        gone: list[int] = []
+        never: list[_Entry] = []
+        dropped = self._dropped
+        base = self._moff
+        for idx, e in enumerate(self._cands):
+            if not startable:
+                break
+            model = e.request.model
+            kept = e.seq not in dropped
+            if kept and model in startable:
+                fit = room.fit(model, e.request.prompt_tokens)
+                if fit is Fit.OK and kept_min >= t + e.p:
+                    room.take(model, e.request.prompt_tokens)
+                    del self._entries[e.request.req_id]
+                    self._emit(out, Dispatch(e.request, self.device))
+                    t += e.p
+                    shift += e.p
+                    self._cum -= e.p
+                    gone.append(idx)
+                    if not room.can_start_any(model):
+                        startable.discard(model)
+                    continue
+                if fit is Fit.NEVER:
+                    never.append(e)
+                elif fit is Fit.NO_MEMORY and room.short_of_shared(model, e.request.prompt_tokens):
+                    room.shared_blocked = True
+                    startable.intersection_update(room.startable())
+                elif fit is not Fit.OK:
+                    startable.discard(model)
+            walked.append((e, shift))
+            m = e.margin + base + shift
+            if m < all_min:
+                all_min = m
+            if kept and m < kept_min:
+                kept_min = m
+        if gone:
+            self.stats["fast_dispatches"] += len(gone)
+            for e, at in walked:
+                e.margin -= shift - at
+            gone_keys = set()
+            for idx in reversed(gone):
+                gone_keys.add(self._cands[idx].key)
+                del self._cands[idx]
+            self._heap = [k for k in self._heap if k not in gone_keys]
+            heapq.heapify(self._heap)
+            self._moff += shift
+            # all_min < t (a deferred position's check now fails) leaves _limit below _t0, so the
+            # next call recomputes the schedule
+            self._limit = min(self._limit + shift, all_min)
+            self._busy_until = self._t0 = t
+        for e in never:
+            self._cancel(e.request.req_id)
+            self._emit(out, _reject_never(e.request))
+        return t
+
+    def _dispatch_late(self, t0: int, limit: int, room: DeviceRoom, out: list[Action]) -> None:
+        t = t0
+        kept: list[_Entry] = []
+        for e in self._late:
+            model = e.request.model
+            fit = room.fit(model, e.request.prompt_tokens)
+            if fit is Fit.OK and t + e.p <= limit:
+                room.take(model, e.request.prompt_tokens)
+                del self._entries[e.request.req_id]
+                self._emit(out, Dispatch(e.request, self.device))
+                t += e.p
+                continue
+            if fit is Fit.NEVER:
+                del self._entries[e.request.req_id]
+                self._emit(out, _reject_never(e.request))
+                continue
+            if fit is Fit.NO_MEMORY and room.short_of_shared(model, e.request.prompt_tokens):
+                room.shared_blocked = True
+            kept.append(e)
+        self._late = kept
+        if t > t0:
+            self._busy_until = t
+            if self._valid:
+                self._t0 = t

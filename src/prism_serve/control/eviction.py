@@ -1,0 +1,159 @@
+"""Idle-model eviction and on-demand activation (paper section 6.2, "Model eviction and activation").
+
+- A model is *idle* when it has no queued or running request and its last request is older than the
+  idle threshold. Pinned models and models still activating are never idle.
+- Idle models are evicted only while a device is *constrained*: mapped memory at or above
+  ``watermark * capacity``. Candidates go in order of larger TTFT SLO first (then larger TPOT SLO,
+  then longest idle, then name), because a relaxed-SLO model tolerates the reactivation delay best.
+- An evicted model that gets a request is activated on the device(s) with the lowest KVPR that can
+  hold its weights while leaving ``min_kv`` for KV. Devices that can hold it as they are always win
+  over devices that would first need idle models evicted ("evicting idle models there if needed");
+  among the latter the KVPR after those evictions decides, then the fewest evictions.
+
+Feasibility counts weights only: KV pages of busy models are transient and the memory layer makes
+an activation wait for them to drain, whereas weights stay until evicted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prism_serve.control.placement import kvpr
+from prism_serve.control.types import ClusterSnapshot, ModelSnapshot, ModelState
+
+__all__ = [
+    "DeviceLoad",
+    "choose_activation",
+    "constrained_evictions",
+    "device_loads",
+    "eviction_key",
+    "is_idle",
+    "never_fits",
+]
+
+
+def eviction_key(m: ModelSnapshot, now: float) -> tuple:
+    return (-m.ttft_slo, -m.tpot_slo, -m.idle_for(now), m.model)
+
+
+def is_idle(m: ModelSnapshot, now: float, idle_threshold_s: float) -> bool:
+    """Evictable: active, not pinned, and idle for longer than the threshold."""
+    return m.state is ModelState.ACTIVE and not m.pinned and m.idle_for(now) > idle_threshold_s
+
+
+def constrained_evictions(
+    cluster: ClusterSnapshot, now: float, idle_threshold_s: float, watermark: float
+) -> list[str]:
+    """Idle models to evict because a device they are on is at or above the memory watermark.
+
+    Walks idle models in eviction order and evicts one while any of its devices is still
+    constrained, crediting back its weights (and, on its engine's device, the KV its engine holds).
+    """
+    projected = {d: dev.mapped_bytes for d, dev in cluster.devices.items()}
+    limit = {d: watermark * dev.capacity_bytes for d, dev in cluster.devices.items()}
+    idle = sorted(
+        (m for m in cluster.models.values() if is_idle(m, now, idle_threshold_s)),
+        key=lambda m: eviction_key(m, now),
+    )
+    evicted = []
+    for m in idle:
+        if not any(projected[d] >= limit[d] for d in m.placement):
+            continue
+        evicted.append(m.model)
+        engine = cluster.engines.get(m.model)
+        for d in m.placement:
+            projected[d] -= m.part_weight_bytes
+        if engine is not None:
+            projected[engine.device] -= engine.free_kv_bytes + engine.used_kv_bytes
+    return evicted
+
+
+@dataclass(slots=True)
+class DeviceLoad:
+    """A device as activation sees it: Algorithm 1's state plus who could be evicted from it."""
+
+    device: str
+    capacity_bytes: int
+    min_kv_bytes: int
+    weighted_rate: float = 0.0
+    shared_kv: float = 0.0
+    idle: list[ModelSnapshot] = field(default_factory=list)  # evictable residents, eviction order
+
+
+def device_loads(
+    cluster: ClusterSnapshot,
+    now: float,
+    idle_threshold_s: float,
+    min_kv_fraction: float,
+    skip: Iterable[str] = (),
+) -> list[DeviceLoad]:
+    """Per-device KVPR state of the resident models, leaving out the models in ``skip``."""
+    skipped = set(skip)
+    loads = {
+        d: DeviceLoad(
+            d,
+            dev.capacity_bytes,
+            math.ceil(min_kv_fraction * dev.capacity_bytes),
+            shared_kv=float(dev.capacity_bytes),
+        )
+        for d, dev in cluster.devices.items()
+    }
+    for m in cluster.models.values():
+        if not m.resident or m.model in skipped:
+            continue
+        idle = is_idle(m, now, idle_threshold_s)
+        for d in m.placement:
+            load = loads[d]
+            load.weighted_rate += m.demand / m.tp_size
+            load.shared_kv -= m.part_weight_bytes
+            if idle:
+                load.idle.append(m)
+    for load in loads.values():
+        load.idle.sort(key=lambda m: eviction_key(m, now))
+    return list(loads.values())
+
+
+def never_fits(model: ModelSnapshot, cluster: ClusterSnapshot, min_kv_fraction: float) -> bool:
+    """True when no set of devices could hold the model even with everything else evicted."""
+    roomy = sum(
+        1
+        for dev in cluster.devices.values()
+        if dev.capacity_bytes - model.part_weight_bytes >= math.ceil(min_kv_fraction * dev.capacity_bytes)
+    )
+    return roomy < model.tp_size
+
+
+def choose_activation(
+    model: ModelSnapshot, loads: list[DeviceLoad]
+) -> tuple[tuple[str, ...], list[str]] | None:
+    """Devices (rank order) to activate ``model`` on, and the idle models to evict first.
+
+    Returns None when no ``tp_size`` distinct devices can hold it, even after evicting idle models.
+    """
+    w = model.part_weight_bytes
+    options = []
+    for idx, load in enumerate(loads):
+        rate, shared = load.weighted_rate, load.shared_kv
+        evict: list[str] = []
+        if shared - w < load.min_kv_bytes:
+            for victim in load.idle:
+                if victim.model == model.model:
+                    continue
+                evict.append(victim.model)
+                rate = max(0.0, rate - victim.demand / victim.tp_size)
+                shared += victim.part_weight_bytes
+                if shared - w >= load.min_kv_bytes:
+                    break
+            else:
+                continue
+        options.append(((bool(evict), kvpr(rate, shared), len(evict), -shared, idx), load.device, evict))
+    if len(options) < model.tp_size:
+        return None
+    options.sort(key=lambda o: o[0])
+    chosen = options[: model.tp_size]
+    evictions: list[str] = []
+    for _, _, evict in chosen:
+        evictions.extend(v for v in evict if v not in evictions)
+    return tuple(device for _, device, _ in chosen), evictions

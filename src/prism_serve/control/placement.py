@@ -1,0 +1,190 @@
+"""KV pressure ratio and global model placement (paper section 6.2, Algorithm 1, Appendix A.1).
+
+KVPR of a device ``g`` holding models ``M_g``::
+
+    KVPR_g = sum_{m in M_g} (r_m / s_m)  /  shared_kv_g
+    shared_kv_g = C_g - sum_{m in M_g} w_m
+
+``r_m`` is the model's request rate (req/s), ``s_m`` its TTFT SLO (s), ``w_m`` the weight bytes it maps on
+``g`` and ``C_g`` the device's capacity. ``r/s`` is the SLO-weighted rate: how much KV memory the model
+claims per unit time, scaled up by how urgently it must get it. ``shared_kv`` is the memory left for
+every colocated model's KV cache once weights are mapped. We measure ``shared_kv`` in GiB so that KVPR
+and the migration threshold tau are human-sized numbers (a device with 40 GiB for KV and models
+totalling 4 req/s at a 0.5 s SLO has KVPR 0.2); a device with no memory left has KVPR = inf.
+
+A tensor-parallel model with ``tp`` ranks is placed as ``tp`` parts, each carrying ``1/tp`` of its
+weight and rate (Appendix A.1.2). Parts of one model sort next to each other and never share a device:
+if the lowest-KVPR device already holds a sibling part, the next lowest is used.
+
+The algorithm re-places every model from empty devices each time it runs, in descending ``r/s``; a
+model leaves its current device only if that device's KVPR exceeds the best device's by more than tau.
+A device is eligible only if the part's weights leave at least ``min_kv_bytes`` for KV; the paper's
+pseudocode omits this check because its devices always fit every model.
+
+Picking the lowest-KVPR device uses a heap with lazy deletion, so one run costs
+O((M + D) log D) for M parts on D devices plus the ineligible devices skipped on the way.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from prism_serve.control.types import InvalidSnapshotError
+
+__all__ = ["GIB", "DeviceBudget", "Part", "PlacementResult", "kvpr", "place_parts"]
+
+GIB = float(1 << 30)
+
+
+def kvpr(weighted_rate: float, shared_kv_bytes: float) -> float:
+    """KV pressure ratio: SLO-weighted request rate per GiB of KV memory left after weights."""
+    if shared_kv_bytes <= 0:
+        return math.inf
+    return weighted_rate * GIB / shared_kv_bytes
+
+
+@dataclass(slots=True, frozen=True)
+class Part:
+    """One TP rank of a model as Algorithm 1 sees it."""
+
+    model: str
+    rank: int
+    demand: float  # r / (s * tp): this part's share of the SLO-weighted rate
+    weight_bytes: int  # this part's weights
+    current: str | None = None  # device it is on now; None for a model being activated
+    fixed: bool = False  # cannot move this round (an activation or migration is in flight)
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceBudget:
+    device: str
+    capacity_bytes: int
+    min_kv_bytes: int = 0  # a part fits only if at least this much KV memory stays free
+
+
+@dataclass(slots=True)
+class PlacementResult:
+    devices: list[str]
+    assignment: dict[tuple[str, int], str | None]  # (model, rank) -> device, None if it fits nowhere
+    weighted_rate: list[float]  # per device, sum of r/s of its parts
+    shared_kv: list[float]  # per device, bytes left for KV
+
+    def kvpr_of(self, device: str) -> float:
+        i = self.devices.index(device)
+        return kvpr(self.weighted_rate[i], self.shared_kv[i])
+
+    def max_kvpr(self) -> float:
+        return max((kvpr(w, s) for w, s in zip(self.weighted_rate, self.shared_kv, strict=True)), default=0.0)
+
+    def placement(self, model: str, tp_size: int) -> tuple[str, ...] | None:
+        devs = tuple(self.assignment.get((model, r)) for r in range(tp_size))
+        return None if any(d is None for d in devs) else devs  # type: ignore[return-value]
+
+
+def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: float) -> PlacementResult:
+    """Algorithm 1 over ``parts`` on ``devices`` with migration threshold ``tau`` (KVPR units).
+
+    Fixed parts are put on their current device first. The others go in descending demand (ties: model
+    name, then rank, so the parts of one model are adjacent and the order is deterministic). A model
+    whose parts cannot all be placed is left out entirely (every rank of it maps to None).
+    """
+    if not (tau >= 0 and math.isfinite(tau)):
+        raise InvalidSnapshotError(f"tau must be finite and >= 0, got {tau}")
+    names = [d.device for d in devices]
+    index = {n: i for i, n in enumerate(names)}
+    if len(index) != len(names):
+        raise InvalidSnapshotError("duplicate device in placement input")
+    n = len(names)
+    W = [0.0] * n
+    S = [float(d.capacity_bytes) for d in devices]
+    min_kv = [d.min_kv_bytes for d in devices]
+    held: list[set[str]] = [set() for _ in range(n)]
+    version = [0] * n
+    assignment: dict[tuple[str, int], str | None] = {}
+
+    movable: list[Part] = []
+    seen: set[tuple[str, int]] = set()
+    for p in parts:
+        if (p.model, p.rank) in seen:
+            raise InvalidSnapshotError(f"part {p.model}#{p.rank} given twice")
+        seen.add((p.model, p.rank))
+        if p.current is not None and p.current not in index:
+            raise InvalidSnapshotError(f"part {p.model}#{p.rank} is on unknown device {p.current!r}")
+        if p.fixed:
+            if p.current is None:
+                raise InvalidSnapshotError(f"fixed part {p.model}#{p.rank} has no device")
+            j = index[p.current]
+            W[j] += p.demand
+            S[j] -= p.weight_bytes
+            held[j].add(p.model)
+            assignment[(p.model, p.rank)] = p.current
+        else:
+            movable.append(p)
+    movable.sort(key=lambda p: (-p.demand, p.model, p.rank))
+
+    heap = [(kvpr(W[j], S[j]), -S[j], j, 0) for j in range(n)]
+    heapq.heapify(heap)
+
+    def touch(j: int) -> None:
+        version[j] += 1
+        heapq.heappush(heap, (kvpr(W[j], S[j]), -S[j], j, version[j]))
+
+    def fits(j: int, p: Part) -> bool:
+        return S[j] - p.weight_bytes >= min_kv[j] and p.model not in held[j]
+
+    def best_for(p: Part) -> int | None:
+        stash = []
+        found = None
+        while heap:
+            entry = heapq.heappop(heap)
+            j = entry[2]
+            if entry[3] != version[j]:
+                continue  # stale: the device changed after this entry was pushed
+            stash.append(entry)
+            if fits(j, p):
+                found = j
+                break
+        for entry in stash:
+            heapq.heappush(heap, entry)
+        return found
+
+    i = 0
+    while i < len(movable):
+        k = i
+        while k < len(movable) and movable[k].model == movable[i].model:
+            k += 1
+        chosen: list[tuple[Part, int | None]] = []
+        for p in movable[i:k]:
+            best = best_for(p)
+            cur = index[p.current] if p.current is not None else None
+            cur_ok = cur is not None and fits(cur, p)
+            if cur_ok and (best is None or kvpr(W[cur], S[cur]) - kvpr(W[best], S[best]) <= tau):
+                j = cur
+            else:
+                j = best
+            if j is None:
+                chosen.append((p, None))
+                break
+            W[j] += p.demand
+            S[j] -= p.weight_bytes
+            held[j].add(p.model)
+            touch(j)
+            chosen.append((p, j))
+        if len(chosen) < k - i or any(j is None for _, j in chosen):
+            # all ranks or none: give back what the placed siblings took
+            for p, j in chosen:
+                if j is not None:
+                    W[j] -= p.demand
+                    S[j] += p.weight_bytes
+                    held[j].discard(p.model)
+                    touch(j)
+            for p in movable[i:k]:
+                assignment[(p.model, p.rank)] = None
+        else:
+            for p, j in chosen:
+                assignment[(p.model, p.rank)] = names[j]
+        i = k
+    return PlacementResult(names, assignment, W, S)

@@ -1,0 +1,111 @@
+"""The policy interface every placement/admission policy implements, and helpers they share.
+
+A policy object holds only its knobs; everything that changes over time comes in through the
+snapshot, the ``now`` argument and the caller-owned queue. Calling a policy twice with equal inputs
+gives equal actions, which is what lets the simulator predict the live runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from prism_serve.control.queues import RequestQueue
+from prism_serve.control.types import (
+    Action,
+    ClusterSnapshot,
+    DeviceSnapshot,
+    EngineSnapshot,
+    Enqueue,
+    InvalidKnobError,
+    ModelSnapshot,
+    Reject,
+    RejectReason,
+    Request,
+)
+
+__all__ = ["Knobs", "Policy", "route_resident", "unknown_model"]
+
+
+@dataclass(slots=True, frozen=True)
+class Knobs:
+    """Base of every policy's knobs. Subclasses check ranges in ``__post_init__``."""
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidKnobError(message)
+
+
+def fraction(name: str, value: float, *, open_low: bool = False) -> None:
+    low_ok = value > 0 if open_low else value >= 0
+    require(
+        low_ok and value <= 1 and math.isfinite(value), f"{name} must be in {'(' if open_low else '['}0, 1]"
+    )
+
+
+class Policy:
+    """Base class. Subclasses set ``name`` and ``knobs_type`` and override what they need.
+
+    - ``place(cluster, now)``: the global tick. Call it periodically and whenever a model finishes
+      activating; apply the returned Evict/Migrate/Activate/SetKVQuota actions in order.
+    - ``on_request(request, cluster, now)``: where a new request goes: ``Enqueue`` (possibly after
+      Evict/Activate), ``Defer`` (hold it and resubmit after the next tick) or ``Reject``.
+    - ``new_queue(device)``: the per-device queue object the caller owns.
+    - ``admit(queue, device, engines, now)``: which queued requests start now on ``device``
+      (``Dispatch``), which are refused (``Reject``), and for time-sharing policies the swap to do.
+      ``engines`` may be the whole cluster's engine map; capacity only counts the device's own.
+    """
+
+    name: ClassVar[str] = ""
+    knobs_type: ClassVar[type[Knobs]] = Knobs
+
+    def __init__(self, knobs: Knobs | None = None) -> None:
+        if knobs is None:
+            knobs = self.knobs_type()
+        if not isinstance(knobs, self.knobs_type):
+            raise InvalidKnobError(
+                f"{self.name} takes {self.knobs_type.__name__}, got {type(knobs).__name__}"
+            )
+        self.knobs = knobs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.knobs!r})"
+
+    def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
+        return []
+
+    def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
+        raise NotImplementedError
+
+    def new_queue(self, device: str) -> RequestQueue:
+        raise NotImplementedError
+
+    def admit(
+        self, queue: RequestQueue, device: DeviceSnapshot, engines: Mapping[str, EngineSnapshot], now: float
+    ) -> list[Action]:
+        return queue.admit(now, device, engines)
+
+
+def unknown_model(request: Request) -> Reject:
+    return Reject(request, RejectReason.UNKNOWN_MODEL, f"model {request.model!r} is not served here")
+
+
+def route_resident(request: Request, m: ModelSnapshot) -> list[Action] | None:
+    """Enqueue on the model's rank-0 device if it is resident, else None."""
+    if m.resident:
+        return [Enqueue(request, m.placement[0])]
+    return None
+
+
+def no_capacity(request: Request, why: str) -> Reject:
+    return Reject(request, RejectReason.NO_CAPACITY, why)
+
+
+def min_kv_bytes(device: DeviceSnapshot, min_kv_fraction: float) -> int:
+    return math.ceil(min_kv_fraction * device.capacity_bytes)

@@ -1,0 +1,75 @@
+"""``dedicated``: every model owns ``tp_size`` whole devices; nothing is shared, evicted or moved.
+
+This is the common practice the paper's section 1 measures against (one model, or one TP group, per
+device). Models are given devices once, most demanding (r/s) first, in device order; a model left
+without free devices is not served and its requests are rejected with ``NO_CAPACITY``. Admission is
+plain arrival order per engine (``FifoQueue``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prism_serve.control.policies.base import (
+    Knobs,
+    Policy,
+    min_kv_bytes,
+    no_capacity,
+    require,
+    route_resident,
+    unknown_model,
+)
+from prism_serve.control.queues import FifoQueue, RequestQueue
+from prism_serve.control.types import Action, Activate, ClusterSnapshot, Defer, Request
+
+__all__ = ["DedicatedKnobs", "DedicatedPolicy"]
+
+
+@dataclass(slots=True, frozen=True)
+class DedicatedKnobs(Knobs):
+    reserve_tokens: int = 256
+    min_kv_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        require(self.reserve_tokens >= 0, "reserve_tokens must be >= 0")
+        require(0 <= self.min_kv_fraction < 1, "min_kv_fraction must be in [0, 1)")
+
+
+class DedicatedPolicy(Policy):
+    name = "dedicated"
+    knobs_type = DedicatedKnobs
+    knobs: DedicatedKnobs
+
+    def new_queue(self, device: str) -> RequestQueue:
+        return FifoQueue(device, reserve_tokens=self.knobs.reserve_tokens)
+
+    def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
+        free = [d for d, dev in cluster.devices.items() if not dev.models]
+        actions: list[Action] = []
+        unplaced = sorted(
+            (m for m in cluster.models.values() if not m.resident), key=lambda m: (-m.demand, m.model)
+        )
+        for m in unplaced:
+            fits = [
+                d
+                for d in free
+                if cluster.devices[d].capacity_bytes - m.part_weight_bytes
+                >= min_kv_bytes(cluster.devices[d], self.knobs.min_kv_fraction)
+            ]
+            if len(fits) < m.tp_size:
+                continue
+            devices = tuple(fits[: m.tp_size])
+            free = [d for d in free if d not in devices]
+            actions.append(Activate(m.model, devices))
+        return actions
+
+    def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
+        m = cluster.models.get(request.model)
+        if m is None:
+            return [unknown_model(request)]
+        routed = route_resident(request, m)
+        if routed is not None:
+            return routed
+        if any(a.model == m.model for a in self.place(cluster, now)):
+            return [Defer(request, f"{m.model} gets its dedicated devices at the next placement tick")]
+        return [no_capacity(request, f"no {m.tp_size} free device(s) left to dedicate to {m.model}")]

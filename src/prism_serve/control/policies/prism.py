@@ -1,0 +1,217 @@
+"""``prism``: the paper's two-level demand-aware scheduling (section 6).
+
+Global tick (``place``), in this order:
+1. evict idle models from devices at or above the memory watermark, larger SLO first
+   (``eviction.constrained_evictions``);
+2. Algorithm 1 over every resident model plus every evicted model that has requests waiting,
+   keeping models where they are unless the KVPR gain exceeds tau (``placement.place_parts``);
+3. an evicted model with waiting requests that Algorithm 1 could not fit is activated where idle
+   models can make room (``eviction.choose_activation``).
+Requests (``on_request``) for a resident model go to its rank-0 device's queue; for an evicted model
+they trigger an activation on the lowest-KVPR device that can hold it. Admission is Algorithm 2
+(``admission.DeadlineQueue``).
+
+The ``rebalance`` and ``deadline_admission`` knobs switch off the global rebalancing and the local
+deadline scheduling, for the ablations of the paper's Figures 10 and 11.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prism_serve.control.admission import DeadlineQueue
+from prism_serve.control.eviction import (
+    DeviceLoad,
+    choose_activation,
+    constrained_evictions,
+    device_loads,
+    eviction_key,
+    is_idle,
+    never_fits,
+)
+from prism_serve.control.placement import DeviceBudget, Part, place_parts
+from prism_serve.control.policies.base import (
+    Knobs,
+    Policy,
+    fraction,
+    min_kv_bytes,
+    no_capacity,
+    require,
+    route_resident,
+    unknown_model,
+)
+from prism_serve.control.queues import FifoQueue, RequestQueue
+from prism_serve.control.types import (
+    Action,
+    Activate,
+    ClusterSnapshot,
+    Defer,
+    Enqueue,
+    Evict,
+    Migrate,
+    ModelSnapshot,
+    ModelState,
+    Request,
+)
+
+__all__ = ["PrismKnobs", "PrismPolicy"]
+
+
+@dataclass(slots=True, frozen=True)
+class PrismKnobs(Knobs):
+    migration_threshold: float = 0.05  # tau: KVPR gain (per GiB, see placement.py) a migration must beat
+    idle_threshold_s: float = 30.0  # a model idle this long may be evicted (paper: from idle-gap data)
+    memory_watermark: float = 0.9  # a device is constrained at mapped >= this fraction of capacity
+    min_kv_fraction: float = 0.05  # never place a model where less than this fraction is left for KV
+    reserve_tokens: int = 256  # per-engine KV reserve admission keeps free (tokens of that model)
+    abort_on_miss: bool = False  # reject requests the deadline schedule drops instead of deferring
+    default_prefill_tokens_per_s: float = 8000.0  # until the engine reports its measured speed
+    rebalance: bool = True  # False: resident models never migrate (global scheduler off)
+    deadline_admission: bool = True  # False: per-engine FIFO admission (local scheduler off)
+
+    def __post_init__(self) -> None:
+        require(
+            self.migration_threshold >= 0 and math.isfinite(self.migration_threshold),
+            "migration_threshold must be finite and >= 0",
+        )
+        require(self.idle_threshold_s >= 0, "idle_threshold_s must be >= 0")
+        fraction("memory_watermark", self.memory_watermark, open_low=True)
+        require(0 <= self.min_kv_fraction < 1, "min_kv_fraction must be in [0, 1)")
+        require(self.reserve_tokens >= 0, "reserve_tokens must be >= 0")
+        require(self.default_prefill_tokens_per_s > 0, "default_prefill_tokens_per_s must be > 0")
+
+
+class PrismPolicy(Policy):
+    name = "prism"
+    knobs_type = PrismKnobs
+    knobs: PrismKnobs
+
+    def new_queue(self, device: str) -> RequestQueue:
+        k = self.knobs
+        if not k.deadline_admission:
+            return FifoQueue(device, reserve_tokens=k.reserve_tokens)
+        return DeadlineQueue(
+            device,
+            reserve_tokens=k.reserve_tokens,
+            abort_on_miss=k.abort_on_miss,
+            default_prefill_tokens_per_s=k.default_prefill_tokens_per_s,
+        )
+
+    def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
+        m = cluster.models.get(request.model)
+        if m is None:
+            return [unknown_model(request)]
+        routed = route_resident(request, m)
+        if routed is not None:
+            return routed
+        k = self.knobs
+        if never_fits(m, cluster, k.min_kv_fraction):
+            return [
+                no_capacity(
+                    request,
+                    f"{m.model} needs {m.tp_size} device(s) with room for "
+                    f"{m.part_weight_bytes} weight bytes plus the KV minimum",
+                )
+            ]
+        loads = device_loads(cluster, now, k.idle_threshold_s, k.min_kv_fraction)
+        choice = choose_activation(m, loads)
+        if choice is None:
+            return [Defer(request, f"{m.model}: every device is full of busy models")]
+        devices, evictions = choice
+        return [*(Evict(v) for v in evictions), Activate(m.model, devices), Enqueue(request, devices[0])]
+
+    def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
+        k = self.knobs
+        evicted = constrained_evictions(cluster, now, k.idle_threshold_s, k.memory_watermark)
+        gone = set(evicted)
+        parts: list[Part] = []
+        waiting: list[ModelSnapshot] = []
+        for m in cluster.models.values():
+            if m.model in gone:
+                continue
+            if m.resident:
+                fixed = m.state is ModelState.ACTIVATING or not k.rebalance
+                parts.extend(
+                    Part(m.model, r, m.demand / m.tp_size, m.part_weight_bytes, m.placement[r], fixed)
+                    for r in range(m.tp_size)
+                )
+            elif m.num_queued > 0:
+                waiting.append(m)
+                parts.extend(
+                    Part(m.model, r, m.demand / m.tp_size, m.part_weight_bytes) for r in range(m.tp_size)
+                )
+        budgets = [
+            DeviceBudget(d, dev.capacity_bytes, min_kv_bytes(dev, k.min_kv_fraction))
+            for d, dev in cluster.devices.items()
+        ]
+        result = place_parts(parts, budgets, k.migration_threshold)
+
+        planned: dict[str, tuple[str, ...]] = {}
+        waiting_names = {m.model for m in waiting}
+        for m in cluster.models.values():
+            if m.model in gone or not (m.resident or m.model in waiting_names):
+                continue
+            where = result.placement(m.model, m.tp_size)
+            # a resident model that no longer fits anywhere in the plan stays put: its memory is real
+            planned[m.model] = where if where is not None else m.placement
+        activations = [m for m in waiting if planned.get(m.model)]
+
+        # evicted models Algorithm 1 could not fit: make room by evicting idle models (section 6.2)
+        unplaced = sorted(
+            (m for m in waiting if not planned.get(m.model)), key=lambda m: (-m.demand, m.model)
+        )
+        if unplaced:
+            loads = self._planned_loads(cluster, result, planned, now)
+            for m in unplaced:
+                del planned[m.model]
+                choice = choose_activation(m, loads)
+                if choice is None:
+                    continue
+                devices, victims = choice
+                for v in victims:
+                    self._unload(loads, cluster.models[v], planned.pop(v))
+                    evicted.append(v)
+                    gone.add(v)
+                for d in devices:
+                    load = next(load for load in loads if load.device == d)
+                    load.weighted_rate += m.demand / m.tp_size
+                    load.shared_kv -= m.part_weight_bytes
+                planned[m.model] = devices
+                activations.append(m)
+
+        actions: list[Action] = [Evict(v) for v in evicted]
+        for m in cluster.models.values():
+            if m.resident and m.model not in gone and planned[m.model] != m.placement:
+                actions.append(Migrate(m.model, m.placement, planned[m.model]))
+        actions.extend(Activate(m.model, planned[m.model]) for m in activations)
+        return actions
+
+    def _planned_loads(
+        self, cluster: ClusterSnapshot, result, planned: dict[str, tuple[str, ...]], now: float
+    ) -> list[DeviceLoad]:
+        k = self.knobs
+        loads = [
+            DeviceLoad(d, dev.capacity_bytes, min_kv_bytes(dev, k.min_kv_fraction), w, s)
+            for (d, dev), w, s in zip(
+                cluster.devices.items(), result.weighted_rate, result.shared_kv, strict=True
+            )
+        ]
+        by_name = {load.device: load for load in loads}
+        for name, devices in planned.items():
+            m = cluster.models[name]
+            if is_idle(m, now, k.idle_threshold_s):
+                for d in devices:
+                    by_name[d].idle.append(m)
+        for load in loads:
+            load.idle.sort(key=lambda m: eviction_key(m, now))
+        return loads
+
+    @staticmethod
+    def _unload(loads: list[DeviceLoad], m: ModelSnapshot, devices: tuple[str, ...]) -> None:
+        for load in loads:
+            if load.device in devices:
+                load.weighted_rate = max(0.0, load.weighted_rate - m.demand / m.tp_size)
+                load.shared_kv += m.part_weight_bytes
+            if m in load.idle:
+                load.idle.remove(m)

@@ -1,0 +1,389 @@
+"""Typed snapshots in, typed actions out, and the control plane's named errors.
+
+Everything here is an immutable value. The runtime and the simulator build snapshots from their own
+state, call a policy, and apply the returned actions in order. Units: bytes for memory, seconds for
+time (``now`` and every SLO), requests per second for rates.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from prism_serve.errors import DuplicateRequestError, PrismError
+
+__all__ = [
+    "Action",
+    "Activate",
+    "ClusterSnapshot",
+    "ControlError",
+    "Defer",
+    "DeviceSnapshot",
+    "Dispatch",
+    "DuplicateRequestError",
+    "EngineSnapshot",
+    "Enqueue",
+    "Evict",
+    "InvalidKnobError",
+    "InvalidSnapshotError",
+    "Migrate",
+    "ModelProfile",
+    "ModelSnapshot",
+    "ModelState",
+    "Reject",
+    "RejectReason",
+    "Request",
+    "SetKVQuota",
+    "UnknownPolicyError",
+    "UnsupportedConfigError",
+]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors. The control plane is called with data the runtime built, so a bad snapshot is a bug on the
+# caller's side (500), while a bad policy name or knob is a configuration error found at start-up.
+
+
+class ControlError(PrismError):
+    """Base class of the control plane's errors."""
+
+
+class InvalidSnapshotError(ControlError, ValueError):
+    """A snapshot, request or queue operation is inconsistent (negative bytes, unknown device, ...)."""
+
+
+class UnknownPolicyError(ControlError, ValueError):
+    """No policy is registered under this name."""
+
+
+class InvalidKnobError(ControlError, ValueError):
+    """A policy knob is unknown or out of range."""
+
+
+class UnsupportedConfigError(ControlError):
+    """The policy cannot serve this deployment (for example a baseline without tensor parallelism)."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidSnapshotError(message)
+
+
+def _finite_nonneg(x: float) -> bool:
+    return math.isfinite(x) and x >= 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Snapshots
+
+
+class ModelState(enum.Enum):
+    EVICTED = "evicted"  # weights in host memory only; no engine
+    ACTIVATING = "activating"  # an Activate or Migrate is being applied; placement is the target
+    ACTIVE = "active"  # weights mapped on every device of `placement`, engine serving
+
+
+@dataclass(slots=True, frozen=True)
+class ModelProfile:
+    """Nominal per-request costs of a model, from the cost model or the runtime's measurements.
+
+    Only the throughput estimate of the ``muxserve`` baseline reads these; admission uses the
+    per-device prefill speed each engine reports.
+    """
+
+    mean_prompt_tokens: float = 512.0
+    mean_output_tokens: float = 256.0
+    prefill_tokens_per_s: float = 8000.0
+    decode_step_s: float = 0.025  # one decode iteration of one request at a typical batch size
+
+    def __post_init__(self) -> None:
+        _check(self.mean_prompt_tokens > 0 and self.mean_output_tokens > 0, f"bad token means in {self}")
+        _check(self.prefill_tokens_per_s > 0 and self.decode_step_s > 0, f"bad speeds in {self}")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSnapshot:
+    """One model as the control plane sees it.
+
+    ``weight_bytes`` and ``kv_bytes_per_token`` are for the whole model; a tensor-parallel model puts
+    ``1/tp_size`` of each on every device of ``placement`` (rank order).
+    """
+
+    model: str
+    rate: float  # requests/s over the forecast window (control.forecast)
+    ttft_slo: float  # s
+    tpot_slo: float  # s
+    weight_bytes: int
+    kv_bytes_per_token: int
+    tp_size: int = 1
+    placement: tuple[str, ...] = ()
+    state: ModelState = ModelState.EVICTED
+    last_request_time: float | None = None  # None: never received a request
+    num_queued: int = 0  # waiting in a device queue or deferred by the runtime
+    num_running: int = 0  # dispatched to an engine and not finished
+    pinned: bool = False  # never evicted (it may still migrate)
+    profile: ModelProfile = field(default_factory=ModelProfile)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model), "model name must not be empty")
+        _check(_finite_nonneg(self.rate), f"{self.model}: rate must be finite and >= 0, got {self.rate}")
+        _check(self.ttft_slo > 0 and math.isfinite(self.ttft_slo), f"{self.model}: ttft_slo must be > 0")
+        _check(self.tpot_slo > 0 and math.isfinite(self.tpot_slo), f"{self.model}: tpot_slo must be > 0")
+        _check(self.weight_bytes >= 0 and self.kv_bytes_per_token > 0, f"{self.model}: bad byte sizes")
+        _check(self.tp_size >= 1, f"{self.model}: tp_size must be >= 1, got {self.tp_size}")
+        _check(self.num_queued >= 0 and self.num_running >= 0, f"{self.model}: negative request counts")
+        if self.state is ModelState.EVICTED:
+            _check(not self.placement, f"{self.model}: an evicted model has no placement")
+        else:
+            _check(
+                len(self.placement) == self.tp_size and len(set(self.placement)) == self.tp_size,
+                f"{self.model}: placement {self.placement} must name {self.tp_size} distinct devices",
+            )
+
+    @property
+    def resident(self) -> bool:
+        """Weights are (or are being) mapped on devices."""
+        return self.state is not ModelState.EVICTED
+
+    @property
+    def demand(self) -> float:
+        """SLO-weighted request rate r/s of the whole model: the numerator of KVPR (paper section 6.2)."""
+        return self.rate / self.ttft_slo
+
+    @property
+    def part_weight_bytes(self) -> int:
+        """Weight bytes one TP rank maps on its device (rounded up so parts never undercount)."""
+        return -(-self.weight_bytes // self.tp_size)
+
+    @property
+    def part_kv_bytes_per_token(self) -> int:
+        return -(-self.kv_bytes_per_token // self.tp_size)
+
+    def idle_for(self, now: float) -> float:
+        """Seconds without queued or running work since the last request (inf if it never had one)."""
+        if self.num_queued or self.num_running:
+            return 0.0
+        if self.last_request_time is None:
+            return math.inf
+        return max(0.0, now - self.last_request_time)
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceSnapshot:
+    """One accelerator (or CPU memory domain) and what is mapped on it."""
+
+    device: str
+    capacity_bytes: int  # memory models may use: weights plus KV
+    mapped_bytes: int = 0  # physically mapped now (weights and KV of every engine on it)
+    models: tuple[str, ...] = ()  # models with a TP rank placed here
+    num_queued: int = 0  # requests in this device's queue (qlm routes by it)
+    queued_models: tuple[str, ...] = ()  # models with requests in this device's queue
+
+    def __post_init__(self) -> None:
+        _check(bool(self.device), "device name must not be empty")
+        _check(self.capacity_bytes > 0, f"{self.device}: capacity_bytes must be > 0")
+        _check(self.mapped_bytes >= 0 and self.num_queued >= 0, f"{self.device}: negative counts")
+        _check(len(set(self.models)) == len(self.models), f"{self.device}: duplicate models {self.models}")
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity_bytes - self.mapped_bytes)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineSnapshot:
+    """The engine serving ``model`` on ``device`` (its rank-0 device for a TP model).
+
+    KV figures are for this device only. ``free_kv_bytes`` is KV already mapped to the engine and
+    unused; the engine may also map pages from the device's free memory, which every engine on the
+    device shares.
+    """
+
+    model: str
+    device: str
+    kv_bytes_per_token: int  # on this device (one TP rank)
+    ready: bool = True  # weights loaded and accepting requests
+    free_kv_bytes: int = 0
+    used_kv_bytes: int = 0
+    kv_quota_bytes: int | None = None  # per-engine cap set by SetKVQuota; None: no cap
+    max_kv_bytes: int | None = None  # most KV the engine could ever hold; None: unknown
+    num_running: int = 0
+    max_num_seqs: int | None = None
+    prefill_tokens_per_s: float | None = None  # measured or from the cost model
+
+    def __post_init__(self) -> None:
+        _check(self.kv_bytes_per_token > 0, f"{self.model}@{self.device}: kv_bytes_per_token must be > 0")
+        _check(
+            self.free_kv_bytes >= 0 and self.used_kv_bytes >= 0 and self.num_running >= 0,
+            f"{self.model}@{self.device}: negative KV or request counts",
+        )
+        _check(
+            self.prefill_tokens_per_s is None or self.prefill_tokens_per_s > 0,
+            f"{self.model}@{self.device}: prefill_tokens_per_s must be > 0",
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterSnapshot:
+    """Every model, device and engine at one instant. Build it with :meth:`build`.
+
+    Devices keep their given order; it is the tie-break wherever two devices are equally good, so
+    the runtime and the simulator see identical decisions for identical snapshots.
+    """
+
+    models: Mapping[str, ModelSnapshot]
+    devices: Mapping[str, DeviceSnapshot]
+    engines: Mapping[str, EngineSnapshot] = field(default_factory=dict)  # by model
+
+    @classmethod
+    def build(
+        cls,
+        models: Iterable[ModelSnapshot],
+        devices: Iterable[DeviceSnapshot],
+        engines: Iterable[EngineSnapshot] = (),
+    ) -> ClusterSnapshot:
+        return cls(_index(models, "model"), _index(devices, "device"), _index(engines, "model"))
+
+    def __post_init__(self) -> None:
+        # Frozen views: a policy must not be able to edit the caller's state through a snapshot.
+        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
+        object.__setattr__(self, "devices", MappingProxyType(dict(self.devices)))
+        object.__setattr__(self, "engines", MappingProxyType(dict(self.engines)))
+        on_device: dict[str, set[str]] = {d: set() for d in self.devices}
+        for m in self.models.values():
+            for d in m.placement:
+                _check(d in on_device, f"{m.model}: placement names unknown device {d!r}")
+                on_device[d].add(m.model)
+        for d, dev in self.devices.items():
+            _check(
+                set(dev.models) == on_device[d],
+                f"{d}: device lists models {sorted(dev.models)} but placements put {sorted(on_device[d])}",
+            )
+        for name, e in self.engines.items():
+            m = self.models.get(name)
+            _check(m is not None and m.resident, f"engine for {name!r}: no such resident model")
+            _check(e.device == m.placement[0], f"engine for {name!r} must be on {m.placement[0]}")
+
+    def device_index(self) -> dict[str, int]:
+        return {d: i for i, d in enumerate(self.devices)}
+
+
+def _index(items: Iterable, attr: str) -> dict:
+    out: dict = {}
+    for item in items:
+        key = getattr(item, attr)
+        _check(key not in out, f"duplicate {attr} {key!r} in snapshot")
+        out[key] = item
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class Request:
+    """A request as admission sees it: only what decides its deadline and its prefill time."""
+
+    req_id: str
+    model: str
+    arrival: float  # s, on the same clock as `now`
+    prompt_tokens: int
+    ttft_slo: float  # s; the deadline is arrival + ttft_slo (paper section 6.3)
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.arrival), f"{self.req_id}: arrival must be finite")
+        _check(self.prompt_tokens >= 0, f"{self.req_id}: prompt_tokens must be >= 0")
+        _check(self.ttft_slo > 0 and math.isfinite(self.ttft_slo), f"{self.req_id}: ttft_slo must be > 0")
+
+    @property
+    def deadline(self) -> float:
+        return self.arrival + self.ttft_slo
+
+
+# ---------------------------------------------------------------------------------------------------
+# Actions. The caller applies them in list order: evictions come before the activations that need
+# their memory.
+
+
+@dataclass(slots=True, frozen=True)
+class Activate:
+    """Load ``model`` onto ``devices`` (one per TP rank, rank order) from host memory."""
+
+    model: str
+    devices: tuple[str, ...]
+
+    @property
+    def device(self) -> str:
+        """The rank-0 device: where the model's engine and its request queue live."""
+        return self.devices[0]
+
+
+@dataclass(slots=True, frozen=True)
+class Evict:
+    """Unload ``model`` from every device it is on; its weights stay in host memory."""
+
+    model: str
+
+
+@dataclass(slots=True, frozen=True)
+class Migrate:
+    """Move ``model`` from ``src`` to ``dst`` (rank order); ranks whose device is unchanged stay."""
+
+    model: str
+    src: tuple[str, ...]
+    dst: tuple[str, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class SetKVQuota:
+    """Cap the KV bytes ``model``'s engine may map on ``device`` (None lifts the cap)."""
+
+    model: str
+    device: str
+    quota_bytes: int | None
+
+
+@dataclass(slots=True, frozen=True)
+class Enqueue:
+    """Put the request into ``device``'s queue (the caller owns the queue objects)."""
+
+    request: Request
+    device: str
+
+
+@dataclass(slots=True, frozen=True)
+class Defer:
+    """No device can take the model now: hold the request, count it in ``ModelSnapshot.num_queued``
+    and submit it again through ``on_request`` after the next ``place`` tick."""
+
+    request: Request
+    detail: str
+
+
+@dataclass(slots=True, frozen=True)
+class Dispatch:
+    """Start ``request`` on its model's engine on ``device`` now."""
+
+    request: Request
+    device: str
+
+    @property
+    def engine(self) -> tuple[str, str]:
+        return (self.request.model, self.device)
+
+
+class RejectReason(enum.Enum):
+    DEADLINE_MISS = "deadline_miss"  # abort-on-miss: the TTFT deadline cannot be (or was not) met
+    NO_CAPACITY = "no_capacity"  # no device can ever hold the model under this policy
+    UNKNOWN_MODEL = "unknown_model"
+    PROMPT_TOO_LONG = "prompt_too_long"  # the prompt's KV exceeds what its engine can ever hold
+
+
+@dataclass(slots=True, frozen=True)
+class Reject:
+    request: Request
+    reason: RejectReason
+    detail: str
+
+
+Action = Activate | Evict | Migrate | SetKVQuota | Enqueue | Defer | Dispatch | Reject

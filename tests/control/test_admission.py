@@ -1,0 +1,272 @@
+"""Algorithm 2: optimality of the pure schedule, and the incremental queue against a fresh run."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prism_serve.control import DeadlineQueue, Dispatch, Reject, RejectReason, moore_hodgson
+from prism_serve.control.admission import NS, prefill_ns, to_ns
+from prism_serve.errors import DuplicateRequestError
+from tests.control.factories import GIB, device, engine, request
+
+
+def on_time_count(jobs: list[tuple[int, int]], subset: tuple[int, ...], t0: int) -> bool:
+    t = t0
+    for i in sorted(subset, key=lambda i: (jobs[i][0], i)):
+        t += jobs[i][1]
+        if t > jobs[i][0]:
+            return False
+    return True
+
+
+def brute_force_best(jobs: list[tuple[int, int]], t0: int) -> int:
+    for size in range(len(jobs), -1, -1):
+        if any(on_time_count(jobs, s, t0) for s in itertools.combinations(range(len(jobs)), size)):
+            return size
+    return 0
+
+
+job_lists = st.lists(st.tuples(st.integers(0, 60), st.integers(0, 25)), min_size=0, max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(jobs=job_lists, t0=st.integers(-5, 10))
+def test_moore_hodgson_matches_brute_force_optimum(jobs, t0):
+    kept = moore_hodgson(jobs, t0)
+    assert on_time_count(jobs, tuple(kept), t0), "the kept schedule must meet every deadline"
+    assert len(kept) == brute_force_best(jobs, t0)
+    assert kept == sorted(kept, key=lambda i: (jobs[i][0], i)), "the schedule runs in deadline order"
+
+
+def test_moore_hodgson_drops_the_longest_prefill():
+    # three jobs share a deadline at 10; only two fit, and the 6-long one is the one to drop
+    assert moore_hodgson([(10, 4), (10, 6), (10, 5)], 0) == [0, 2]
+
+
+# -- the incremental queue -------------------------------------------------------------------------
+
+SPEED = 1000.0  # tokens/s: a prompt of n tokens takes n ms to prefill
+
+
+def fresh_run(q: DeadlineQueue, now: float, speeds: dict[str, float]) -> tuple[list[str], set[str], set[str]]:
+    """Algorithm 2 from scratch over everything queued: (schedule, deferred, late)."""
+    reqs = q.requests()
+    t0 = q.start_ns(now)
+    jobs = [(to_ns(r.deadline), prefill_ns(r.prompt_tokens, speeds.get(r.model, SPEED))) for r in reqs]
+    kept = moore_hodgson(jobs, t0)
+    late = {r.req_id for r, (d, p) in zip(reqs, jobs, strict=True) if t0 + p > d}
+    deferred = {r.req_id for r in reqs} - {reqs[i].req_id for i in kept} - late
+    return [reqs[i].req_id for i in kept], deferred, late
+
+
+def fresh_schedule(q: DeadlineQueue, now: float, speeds: dict[str, float]) -> list[str]:
+    return fresh_run(q, now, speeds)[0]
+
+
+def roomy_engines(slots: dict[str, int], ready: dict[str, bool], speeds: dict[str, float]):
+    return {
+        m: engine(m, free_gib=50, max_seqs=n, ready=ready.get(m, True), speed=speeds.get(m))
+        for m, n in slots.items()
+    }
+
+
+op = st.one_of(
+    st.tuples(
+        st.just("push"), st.sampled_from("ab"), st.integers(0, 400), st.sampled_from([0.2, 0.5, 1.0, 3.0])
+    ),
+    st.tuples(st.just("advance"), st.floats(0, 0.6)),
+    st.tuples(st.just("admit"), st.integers(0, 3), st.integers(0, 3), st.booleans()),
+    st.tuples(st.just("cancel"), st.integers(0, 50)),
+    st.tuples(st.just("speed"), st.sampled_from([500.0, 1000.0, 1010.0, 2000.0])),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(op, max_size=60), abort=st.booleans())
+def test_incremental_queue_equals_a_fresh_algorithm_2_run(ops, abort):
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED, abort_on_miss=abort)
+    now = 0.0
+    speeds: dict[str, float] = {}
+    reported: dict[str, float] = {}
+    n = 0
+    dev = device(cap_gib=80)
+    for o in ops:
+        if o[0] == "push":
+            q.push(request(f"r{n}", o[1], arrival=now, tokens=o[2], slo=o[3]))
+            n += 1
+        elif o[0] == "advance":
+            now += o[1]
+        elif o[0] == "cancel":
+            reqs = q.requests()
+            if reqs:
+                assert q.cancel(reqs[o[1] % len(reqs)].req_id)
+        elif o[0] == "speed":
+            reported["a"] = o[1]
+        else:
+            before, _, late_before = fresh_run(q, now, speeds)
+            before = set(before)
+            engines = roomy_engines({"a": o[1], "b": o[2]}, {"b": o[3]}, reported)
+            out = q.admit(now, dev, engines)
+            speeds.update(reported)  # the queue adopts reported speeds at admit
+            for a in out:
+                if isinstance(a, Dispatch):
+                    assert a.request.req_id in before | late_before
+                else:
+                    assert abort and a.reason is RejectReason.DEADLINE_MISS
+        if o[0] == "speed":
+            continue
+        if abort:
+            # rejections produced outside admit are handed out by the next admit
+            q.schedule(now)
+            held = q.admit(now, dev, {})
+            assert all(isinstance(a, Reject) for a in held)
+            assert not q.deferred(now) and not q.late(now)
+        schedule, deferred, late = fresh_run(q, now, speeds)
+        assert [r.req_id for r in q.schedule(now)] == schedule
+        assert {r.req_id for r in q.deferred(now)} == deferred
+        assert {r.req_id for r in q.late(now)} == late
+
+
+def test_fast_paths_are_used_on_a_steady_stream():
+    # two arrivals per admit, one dispatch per admit: the queue grows to 150 and every request is
+    # on time, so the schedule should be extended and consumed without recomputing it
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    now = 0.0
+    dev = device()
+    one_slot = {"a": engine("a", free_gib=50, max_seqs=1)}
+    for i in range(150):
+        for j in range(2):
+            q.push(request(f"r{i}.{j}", arrival=now, tokens=1 + (i * 37 + j) % 5, slo=2.0))
+        now += 0.005
+        assert len(q.admit(now, dev, one_slot)) == 1
+    assert len(q) == 150 and not q.deferred(now) and not q.late(now)
+    assert q.stats["fast_appends"] == 298  # the first two go through the initial full run
+    assert q.stats["fast_dispatches"] == 150
+    assert q.stats["replans"] == 1
+
+
+def test_dispatch_follows_deadlines_across_models():
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    q.push(request("loose", "a", arrival=0.0, tokens=10, slo=5.0))
+    q.push(request("tight", "b", arrival=0.0, tokens=10, slo=0.5))
+    out = q.admit(0.0, device(), {m: engine(m, free_gib=10) for m in "ab"})
+    assert [a.request.req_id for a in out] == ["tight", "loose"]
+    assert all(isinstance(a, Dispatch) and a.device == "d0" for a in out)
+
+
+def test_dispatches_only_what_the_engine_can_start_now():
+    q = DeadlineQueue("d0", reserve_tokens=100)
+    for i in range(5):
+        q.push(request(f"r{i}", arrival=0.0, tokens=999, slo=10.0))
+    # 1 KiB/token: each request needs 1000 tokens of KV plus the 100-token reserve must stay free
+    room = 3 * 1000 * 1024 + 100 * 1024
+    dev = device(cap_gib=1, mapped_gib=1)  # no shared memory: only the engine's own free KV counts
+    out = q.admit(0.0, dev, {"a": engine("a", free_gib=room / GIB)})
+    assert len(out) == 3 and len(q) == 2
+    out = q.admit(0.0, dev, {"a": engine("a", free_gib=room / GIB, max_seqs=1, running=1)})
+    assert out == []
+    out = q.admit(0.0, dev, {"a": engine("a", free_gib=room / GIB, ready=False)})
+    assert out == []
+
+
+def test_shared_memory_goes_to_the_earliest_deadline_first():
+    q = DeadlineQueue("d0")
+    q.push(request("big", "a", arrival=0.0, tokens=2000, slo=1.0))
+    q.push(request("small", "b", arrival=0.0, tokens=10, slo=2.0))
+    dev = device(cap_gib=1, mapped_gib=1 - 1024 * 1024 / GIB)  # 1 MiB shared: "big" needs ~2 MiB
+    out = q.admit(0.0, dev, {m: engine(m) for m in "ab"})
+    assert out == [], "'small' must not take the memory 'big' is waiting for"
+    # with its own free KV, 'small' does not touch the shared pool and may start
+    out = q.admit(0.0, dev, {"a": engine("a"), "b": engine("b", free_gib=0.01)})
+    assert [a.request.req_id for a in out] == ["small"]
+
+
+def test_waiting_engine_does_not_block_others_unless_its_deadline_would_slip():
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    q.push(request("first", "a", arrival=0.0, tokens=100, slo=0.5))  # deadline 0.5, prefill 0.1
+    q.push(request("second", "b", arrival=0.0, tokens=300, slo=1.0))  # prefill 0.3: first still ends by 0.4
+    q.push(request("third", "b", arrival=0.0, tokens=200, slo=1.0))  # another 0.2 would end first at 0.6
+    engines = {"a": engine("a", free_gib=1, ready=False), "b": engine("b", free_gib=1)}
+    out = q.admit(0.0, device(), engines)
+    assert [a.request.req_id for a in out] == ["second"]
+    out = q.admit(0.0, device(), {"a": engine("a", free_gib=1), "b": engine("b", free_gib=1)})
+    assert [a.request.req_id for a in out] == ["first", "third"]
+
+
+def test_a_request_started_early_never_makes_a_waiting_one_late():
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    q.push(request("x", "b", arrival=0.0, tokens=100, slo=0.5))  # must start by 0.4
+    q.push(request("y", "a", arrival=0.0, tokens=200, slo=1.0))
+    q.push(request("z", "a", arrival=0.0, tokens=300, slo=1.0))
+    engines = {"a": engine("a", free_gib=1, max_seqs=1), "b": engine("b", free_gib=1, ready=False)}
+    assert [a.request.req_id for a in q.admit(0.0, device(), engines)] == ["y"]  # x can still start at 0.2
+    assert q.admit(0.0, device(), engines) == [], "z (0.3 s) would push x's start past 0.4"
+    assert [r.req_id for r in q.schedule(0.0)] == ["x", "z"]
+
+
+def test_dropped_requests_are_deferred_not_lost():
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    q.push(request("long", arrival=0.0, tokens=800, slo=1.0))
+    q.push(request("s1", arrival=0.0, tokens=300, slo=1.0))
+    q.push(request("s2", arrival=0.0, tokens=300, slo=1.0))
+    assert [r.req_id for r in q.schedule(0.0)] == ["s1", "s2"]
+    assert [r.req_id for r in q.deferred(0.0)] == ["long"]
+    one_slot = {"a": engine("a", free_gib=1, max_seqs=1)}
+    assert [a.request.req_id for a in q.admit(0.0, device(), one_slot)] == ["s1"]
+    assert [a.request.req_id for a in q.admit(0.0, device(), one_slot)] == ["s2"]
+    # 'long' cannot finish by 1.0 after both (0.6 + 0.8): it is now late, and served on the slack
+    assert [r.req_id for r in q.late(0.0)] == ["long"]
+    assert [a.request.req_id for a in q.admit(0.0, device(), one_slot)] == ["long"]
+    assert len(q) == 0
+
+
+def test_abort_on_miss_rejects_with_a_clear_reason():
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED, abort_on_miss=True)
+    q.push(request("long", arrival=0.0, tokens=800, slo=1.0))
+    q.push(request("s1", arrival=0.0, tokens=300, slo=1.0))
+    q.push(request("s2", arrival=0.0, tokens=300, slo=1.0))
+    q.push(request("hopeless", arrival=0.0, tokens=3000, slo=1.0))
+    out = q.admit(0.0, device(), {"a": engine("a", free_gib=1, max_seqs=0)})
+    rejected = {a.request.req_id: a for a in out if isinstance(a, Reject)}
+    assert set(rejected) == {"long", "hopeless"}
+    assert all(a.reason is RejectReason.DEADLINE_MISS and "deadline" in a.detail for a in rejected.values())
+    assert {r.req_id for r in q.requests()} == {"s1", "s2"}
+
+
+def test_prompt_that_can_never_fit_is_rejected():
+    q = DeadlineQueue("d0")
+    q.push(request("huge", tokens=10_000))
+    out = q.admit(0.0, device(), {"a": engine("a", free_gib=1, max_kv=1000 * 1024)})
+    assert len(out) == 1 and out[0].reason is RejectReason.PROMPT_TOO_LONG
+    assert len(q) == 0
+
+
+def test_reported_speed_changes_prefill_times():
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=1000.0)
+    q.push(request("x", arrival=0.0, tokens=1500, slo=1.0))  # 1.5 s at the default speed: late
+    assert q.schedule(0.0) == []
+    q.admit(0.0, device(), {"a": engine("a", max_seqs=0, speed=3000.0)})  # 0.5 s at the engine's speed
+    assert [r.req_id for r in q.schedule(0.0)] == ["x"]
+
+
+def test_busy_until_counts_dispatched_prefills():
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    q.push(request("x", arrival=0.0, tokens=400, slo=1.0))
+    q.admit(0.0, device(), {"a": engine("a", free_gib=1)})
+    assert q.start_ns(0.0) == 400 * NS // 1000
+    assert q.start_ns(1.0) == NS
+
+
+def test_queue_bookkeeping():
+    q = DeadlineQueue("d0")
+    q.push(request("x", "a"))
+    q.push(request("y", "b"))
+    with pytest.raises(DuplicateRequestError):
+        q.push(request("x", "a"))
+    assert "x" in q and len(q) == 2 and set(q.models()) == {"a", "b"}
+    assert q.cancel("x") and not q.cancel("x")
+    assert q.models() == ("b",) and len(q) == 1
