@@ -121,3 +121,31 @@ def device(
     name: str = "d0", *, cap_gib: float = 80.0, mapped_gib: float = 0.0, models: tuple[str, ...] = ()
 ) -> DeviceSnapshot:
     return DeviceSnapshot(name, int(cap_gib * GIB), int(mapped_gib * GIB), models)
+
+
+def apply(c: ClusterSnapshot, actions, *, now: float | None = None) -> ClusterSnapshot:
+    """What a runtime would do with placement actions, instantly: the next snapshot.
+
+    Activated and migrated models become ACTIVE at once; mapped bytes become the resident weights.
+    """
+    from dataclasses import replace
+
+    from prism_serve.control import Activate, Evict, Migrate
+
+    models = dict(c.models)
+    for a in actions:
+        if isinstance(a, Activate):
+            models[a.model] = replace(models[a.model], placement=a.devices, state=ModelState.ACTIVE)
+        elif isinstance(a, Evict):
+            models[a.model] = replace(models[a.model], placement=(), state=ModelState.EVICTED)
+        elif isinstance(a, Migrate):
+            models[a.model] = replace(models[a.model], placement=a.dst, state=ModelState.ACTIVE)
+    on = {d: [m.model for m in models.values() if d in m.placement] for d in c.devices}
+    devices = [
+        replace(dev, models=tuple(on[d]), mapped_bytes=sum(models[m].part_weight_bytes for m in on[d]))
+        for d, dev in c.devices.items()
+    ]
+    engines = [
+        e for name, e in c.engines.items() if models[name].resident and models[name].placement[0] == e.device
+    ]
+    return ClusterSnapshot.build(models.values(), devices, engines)

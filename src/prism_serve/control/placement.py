@@ -19,7 +19,10 @@ if the lowest-KVPR device already holds a sibling part, the next lowest is used.
 The algorithm re-places every model from empty devices each time it runs, in descending ``r/s``; a
 model leaves its current device only if that device's KVPR exceeds the best device's by more than tau.
 A device is eligible only if the part's weights leave at least ``min_kv_bytes`` for KV; the paper's
-pseudocode omits this check because its devices always fit every model.
+pseudocode omits this check because its devices always fit every model. Eligibility also counts the
+weights of resident models not yet re-placed (they are physically there until they move), so staying
+put is always feasible and the plan never exceeds a device's capacity. A model that fits nowhere is
+left out whole, unless it is resident: then it stays where it is.
 
 Picking the lowest-KVPR device uses a heap with lazy deletion, so one run costs
 O((M + D) log D) for M parts on D devices plus the ineligible devices skipped on the way.
@@ -89,7 +92,8 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
 
     Fixed parts are put on their current device first. The others go in descending demand (ties: model
     name, then rank, so the parts of one model are adjacent and the order is deterministic). A model
-    whose parts cannot all be placed is left out entirely (every rank of it maps to None).
+    whose parts cannot all be placed is left out entirely (every rank maps to None), unless every part
+    is resident, in which case it stays on its current devices.
     """
     if not (tau >= 0 and math.isfinite(tau)):
         raise InvalidSnapshotError(f"tau must be finite and >= 0, got {tau}")
@@ -107,6 +111,9 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
 
     movable: list[Part] = []
     seen: set[tuple[str, int]] = set()
+    # Weights of resident parts not yet re-placed: they are physically on their device, so a part may
+    # only move into memory that stays free even if they all stay (keeps the plan within capacity).
+    reserved = [0] * n
     for p in parts:
         if (p.model, p.rank) in seen:
             raise InvalidSnapshotError(f"part {p.model}#{p.rank} given twice")
@@ -123,6 +130,8 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
             assignment[(p.model, p.rank)] = p.current
         else:
             movable.append(p)
+            if p.current is not None:
+                reserved[index[p.current]] += p.weight_bytes
     movable.sort(key=lambda p: (-p.demand, p.model, p.rank))
 
     heap = [(kvpr(W[j], S[j]), -S[j], j, 0) for j in range(n)]
@@ -133,9 +142,10 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
         heapq.heappush(heap, (kvpr(W[j], S[j]), -S[j], j, version[j]))
 
     def fits(j: int, p: Part) -> bool:
-        return S[j] - p.weight_bytes >= min_kv[j] and p.model not in held[j]
+        return S[j] - reserved[j] - p.weight_bytes >= min_kv[j] and p.model not in held[j]
 
-    def best_for(p: Part) -> int | None:
+    def best_below(p: Part, bound: float) -> int | None:
+        """The lowest-KVPR device that fits ``p``, if its KVPR is below ``bound``."""
         stash = []
         found = None
         while heap:
@@ -144,6 +154,8 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
             if entry[3] != version[j]:
                 continue  # stale: the device changed after this entry was pushed
             stash.append(entry)
+            if entry[0] >= bound:
+                break
             if fits(j, p):
                 found = j
                 break
@@ -151,40 +163,51 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
             heapq.heappush(heap, entry)
         return found
 
+    def put(p: Part, j: int, sign: int = 1) -> None:
+        W[j] += sign * p.demand
+        S[j] -= sign * p.weight_bytes
+        if sign > 0:
+            held[j].add(p.model)
+        else:
+            held[j].discard(p.model)
+        touch(j)
+
     i = 0
     while i < len(movable):
         k = i
         while k < len(movable) and movable[k].model == movable[i].model:
             k += 1
-        chosen: list[tuple[Part, int | None]] = []
-        for p in movable[i:k]:
-            best = best_for(p)
+        group = movable[i:k]
+        chosen: list[tuple[Part, int]] = []
+        for p in group:
             cur = index[p.current] if p.current is not None else None
-            cur_ok = cur is not None and fits(cur, p)
-            if cur_ok and (best is None or kvpr(W[cur], S[cur]) - kvpr(W[best], S[best]) <= tau):
-                j = cur
+            if cur is not None:
+                reserved[cur] -= p.weight_bytes
+            if cur is not None and fits(cur, p):
+                # move only if the best device beats the current one by more than tau (line 8)
+                best = best_below(p, kvpr(W[cur], S[cur]) - tau)
+                j = cur if best is None else best
             else:
-                j = best
+                j = best_below(p, math.inf)
             if j is None:
-                chosen.append((p, None))
                 break
-            W[j] += p.demand
-            S[j] -= p.weight_bytes
-            held[j].add(p.model)
-            touch(j)
+            put(p, j)
             chosen.append((p, j))
-        if len(chosen) < k - i or any(j is None for _, j in chosen):
-            # all ranks or none: give back what the placed siblings took
-            for p, j in chosen:
-                if j is not None:
-                    W[j] -= p.demand
-                    S[j] += p.weight_bytes
-                    held[j].discard(p.model)
-                    touch(j)
-            for p in movable[i:k]:
-                assignment[(p.model, p.rank)] = None
-        else:
-            for p, j in chosen:
-                assignment[(p.model, p.rank)] = names[j]
+        if len(chosen) < len(group):
+            for p, j in chosen:  # all ranks or none: give back what the placed siblings took
+                put(p, j, -1)
+            for p in group[len(chosen) + 1 :]:
+                if p.current is not None:
+                    reserved[index[p.current]] -= p.weight_bytes
+            chosen = []
+            if all(p.current is not None for p in group):
+                # a resident model the plan cannot fit stays where it is: its memory is real
+                chosen = [(p, index[p.current]) for p in group]  # type: ignore[index]
+                for p, j in chosen:
+                    put(p, j)
+        for p in group:
+            assignment[(p.model, p.rank)] = None
+        for p, j in chosen:
+            assignment[(p.model, p.rank)] = names[j]
         i = k
     return PlacementResult(names, assignment, W, S)

@@ -1,0 +1,134 @@
+"""The prism policy end to end: routing, activation, the global tick, and its ablation knobs."""
+
+from __future__ import annotations
+
+from prism_serve.control import (
+    Activate,
+    DeadlineQueue,
+    Defer,
+    Enqueue,
+    Evict,
+    FifoQueue,
+    Migrate,
+    ModelState,
+    Reject,
+    RejectReason,
+    get_policy,
+)
+from tests.control.factories import apply, cluster, model, request
+
+NOW = 1000.0
+
+
+def test_requests_for_resident_models_go_to_the_rank0_queue():
+    c = cluster([model("tp", tp=2, on=("d1", "d0"), last=NOW)], {"d0": 80, "d1": 80})
+    assert get_policy("prism").on_request(request("r", "tp"), c, NOW) == [Enqueue(request("r", "tp"), "d1")]
+
+
+def test_unknown_model_and_model_that_can_never_fit_are_rejected():
+    c = cluster([model("giant", weight_gib=200)], {"d0": 80})
+    p = get_policy("prism")
+    (out,) = p.on_request(request("r", "nope"), c, NOW)
+    assert isinstance(out, Reject) and out.reason is RejectReason.UNKNOWN_MODEL
+    (out,) = p.on_request(request("r", "giant"), c, NOW)
+    assert isinstance(out, Reject) and out.reason is RejectReason.NO_CAPACITY
+
+
+def test_request_for_evicted_model_activates_it_on_the_lowest_kvpr_device():
+    models = [
+        model("hot", rate=10, on=("d0",), last=NOW),
+        model("warm", rate=1, on=("d1",), last=NOW),
+        model("cold"),
+    ]
+    c = cluster(models, {"d0": 80, "d1": 80})
+    out = get_policy("prism").on_request(request("r", "cold"), c, NOW)
+    assert out == [Activate("cold", ("d1",)), Enqueue(request("r", "cold"), "d1")]
+
+
+def test_activation_evicts_idle_models_first_and_defers_when_everyone_is_busy():
+    models = [model("idle", on=("d0",), weight_gib=70, last=0.0), model("cold", weight_gib=30)]
+    c = cluster(models, {"d0": 80})
+    out = get_policy("prism").on_request(request("r", "cold"), c, NOW)
+    assert out == [Evict("idle"), Activate("cold", ("d0",)), Enqueue(request("r", "cold"), "d0")]
+    busy = cluster(
+        [model("idle", on=("d0",), weight_gib=70, running=1), model("cold", weight_gib=30)], {"d0": 80}
+    )
+    (out,) = get_policy("prism").on_request(request("r", "cold"), busy, NOW)
+    assert isinstance(out, Defer)
+
+
+def test_tick_evicts_idle_models_only_under_memory_pressure():
+    models = [model("idle", ttft=5, on=("d0",), last=0.0), model("live", on=("d0",), last=NOW, running=3)]
+    calm = cluster(models, {"d0": 80}, mapped={"d0": 40})
+    assert get_policy("prism").place(calm, NOW) == []
+    tight = cluster(models, {"d0": 80}, mapped={"d0": 78})
+    assert get_policy("prism").place(tight, NOW) == [Evict("idle")]
+    assert get_policy("prism", memory_watermark=0.99).place(tight, NOW) == []
+
+
+def test_tick_migrates_only_when_the_gain_beats_tau():
+    models = [model("big", rate=4, on=("d0",), last=NOW), model("small", rate=1, on=("d0",), last=NOW)]
+    c = cluster(models, {"d0": 80, "d1": 80})
+    # d0 is at 4/70 = 0.057 for "small" against an empty d1
+    assert get_policy("prism", migration_threshold=0.06).place(c, NOW) == []
+    assert get_policy("prism", migration_threshold=0.05).place(c, NOW) == [Migrate("small", ("d0",), ("d1",))]
+    assert get_policy("prism", migration_threshold=0.0, rebalance=False).place(c, NOW) == []
+
+
+def test_activating_models_are_not_moved():
+    models = [
+        model("big", rate=4, on=("d0",), last=NOW),
+        model("small", rate=1, on=("d0",), last=NOW, state=ModelState.ACTIVATING),
+    ]
+    out = get_policy("prism", migration_threshold=0.0).place(cluster(models, {"d0": 80, "d1": 80}), NOW)
+    assert out == [Migrate("big", ("d0",), ("d1",))], "only the model that is not loading moves"
+
+
+def test_tick_activates_evicted_models_with_waiting_requests():
+    models = [model("hot", rate=5, on=("d0",), last=NOW), model("waiting", queued=2), model("quiet")]
+    out = get_policy("prism").place(cluster(models, {"d0": 80, "d1": 80}), NOW)
+    assert out == [Activate("waiting", ("d1",))]
+
+
+def test_tick_makes_room_for_waiting_models_by_evicting_idle_ones_in_slo_order():
+    models = [
+        model("idle-strict", ttft=0.5, on=("d0",), weight_gib=35, last=0.0),
+        model("idle-relaxed", ttft=5.0, on=("d0",), weight_gib=35, last=0.0),
+        model("waiting", weight_gib=30, queued=1),
+    ]
+    out = get_policy("prism").place(cluster(models, {"d0": 80}, mapped={"d0": 70}), NOW)
+    assert out == [Evict("idle-relaxed"), Activate("waiting", ("d0",))]
+
+
+def test_actions_come_evictions_first_then_migrations_then_activations():
+    models = [
+        model("idle", ttft=9, on=("d0",), weight_gib=30, last=0.0),
+        model("big", rate=4, on=("d1",), weight_gib=10, last=NOW),
+        model("small", rate=1, on=("d1",), weight_gib=10, last=NOW),
+        model("waiting", queued=1, weight_gib=10),
+    ]
+    c = cluster(models, {"d0": 80, "d1": 80}, mapped={"d0": 79})
+    out = get_policy("prism", migration_threshold=0.0).place(c, NOW)
+    kinds = [type(a) for a in out]
+    assert kinds == sorted(kinds, key=[Evict, Migrate, Activate].index)
+    assert Evict("idle") in out and any(isinstance(a, Migrate) for a in out) and Activate in kinds
+
+
+def test_tp_models_are_placed_on_distinct_devices():
+    models = [model("tp", tp=4, queued=1, weight_gib=40), model("x", rate=3, on=("d0",), last=NOW)]
+    (out,) = get_policy("prism").place(cluster(models, {f"d{i}": 80 for i in range(5)}), NOW)
+    assert isinstance(out, Activate) and len(set(out.devices)) == 4 and "d0" not in out.devices
+
+
+def test_placement_settles_and_repeats_nothing():
+    models = [model(f"m{i}", rate=i % 4, on=(f"d{i % 2}",), weight_gib=5, last=NOW) for i in range(8)]
+    c = cluster(models, {"d0": 80, "d1": 80, "d2": 80})
+    p = get_policy("prism", migration_threshold=0.0)
+    first = p.place(c, NOW)
+    assert first and first == p.place(c, NOW), "the policy is a pure function of its inputs"
+    assert p.place(apply(c, first), NOW) == []
+
+
+def test_queue_kind_follows_the_local_scheduling_knob():
+    assert isinstance(get_policy("prism").new_queue("d0"), DeadlineQueue)
+    assert isinstance(get_policy("prism", deadline_admission=False).new_queue("d0"), FifoQueue)

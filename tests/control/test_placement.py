@@ -1,0 +1,174 @@
+"""Algorithm 1: the KVPR formula, the Appendix A.1.1 bound, TP parts, tau and feasibility."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prism_serve.control import DeviceBudget, InvalidSnapshotError, Part, kvpr, place_parts
+
+GIB = 1 << 30
+CAP = 80 * GIB
+
+
+def test_kvpr_is_slo_weighted_rate_per_gib_of_kv_memory():
+    # 2 req/s at a 0.5 s SLO is 4 req/s^2 of demand; 40 GiB left for KV -> 0.1
+    assert kvpr(2 / 0.5, 40 * GIB) == pytest.approx(0.1)
+    assert kvpr(0.0, 40 * GIB) == 0.0
+    assert kvpr(1.0, 0) == math.inf and kvpr(1.0, -5) == math.inf
+
+
+def test_models_go_in_descending_demand_to_the_lowest_kvpr_device():
+    parts = [Part("hot", 0, 10.0, 10 * GIB), Part("b", 0, 1.0, 10 * GIB), Part("c", 0, 1.0, 10 * GIB)]
+    result = place_parts(parts, [DeviceBudget("d0", CAP), DeviceBudget("d1", CAP)], tau=0.0)
+    assert result.assignment == {("hot", 0): "d0", ("b", 0): "d1", ("c", 0): "d1"}
+    assert result.kvpr_of("d0") == pytest.approx(10 / 70)
+    assert result.kvpr_of("d1") == pytest.approx(2 / 60)
+
+
+def test_tau_suppresses_marginal_migrations():
+    # "big" stays on d0; then "small" sees d0 at KVPR 4/70 = 0.057 against an empty d1 (0.0)
+    parts = [Part("big", 0, 4.0, 10 * GIB, current="d0"), Part("small", 0, 1.0, 10 * GIB, current="d0")]
+    devices = [DeviceBudget("d0", CAP), DeviceBudget("d1", CAP)]
+    assert place_parts(parts, devices, tau=0.06).assignment[("small", 0)] == "d0"
+    assert place_parts(parts, devices, tau=0.05).assignment[("small", 0)] == "d1"
+    assert place_parts(parts, devices, tau=0.05).assignment[("big", 0)] == "d0"
+
+
+def test_fixed_parts_stay_and_count():
+    parts = [Part("loading", 0, 50.0, 10 * GIB, current="d1", fixed=True), Part("x", 0, 1.0, 10 * GIB)]
+    result = place_parts(parts, [DeviceBudget("d0", CAP), DeviceBudget("d1", CAP)], tau=0.0)
+    assert result.assignment == {("loading", 0): "d1", ("x", 0): "d0"}
+
+
+def test_a_model_that_fits_nowhere_is_left_out_whole():
+    parts = [Part("tp", 0, 1.0, 60 * GIB), Part("tp", 1, 1.0, 60 * GIB), Part("filler", 0, 9.0, 30 * GIB)]
+    result = place_parts(parts, [DeviceBudget("d0", CAP, 0), DeviceBudget("d1", CAP, 0)], tau=0.0)
+    # filler takes d0; rank 0 fits on d1 but rank 1 has no second device: neither rank is placed
+    assert result.assignment[("tp", 0)] is None and result.assignment[("tp", 1)] is None
+    assert result.placement("tp", 2) is None
+    assert result.shared_kv == [50 * GIB, 80 * GIB], "the rolled-back rank gives its memory back"
+
+
+def test_invalid_inputs_raise_named_errors():
+    with pytest.raises(InvalidSnapshotError):
+        place_parts([Part("a", 0, 1.0, 1)], [DeviceBudget("d0", CAP)], tau=-1)
+    with pytest.raises(InvalidSnapshotError):
+        place_parts([Part("a", 0, 1.0, 1), Part("a", 0, 1.0, 1)], [DeviceBudget("d0", CAP)], tau=0)
+    with pytest.raises(InvalidSnapshotError):
+        place_parts([Part("a", 0, 1.0, 1, current="nope")], [DeviceBudget("d0", CAP)], tau=0)
+
+
+# -- Appendix A.1.1: max KVPR <= OPT * (1 + C / (S_gmax - w_k)) ------------------------------------
+
+
+def brute_force_min_max_kvpr(demands: list[float], weights: list[int], n_devices: int) -> float:
+    """Exhaustive search (identical devices, so a model opens at most one new empty device)."""
+    order = sorted(range(len(demands)), key=lambda i: -demands[i])
+    W = [0.0] * n_devices
+    S = [float(CAP)] * n_devices
+    best = math.inf
+
+    def search(k: int, worst: float, used: int) -> None:
+        nonlocal best
+        if worst >= best:
+            return
+        if k == len(order):
+            best = worst
+            return
+        i = order[k]
+        for j in range(min(used + 1, n_devices)):
+            W[j] += demands[i]
+            S[j] -= weights[i]
+            search(k + 1, max(worst, kvpr(W[j], S[j])), max(used, j + 1))
+            W[j] -= demands[i]
+            S[j] += weights[i]
+
+    search(0, 0.0, 0)
+    return best
+
+
+instances = st.tuples(
+    st.integers(1, 4),
+    st.lists(
+        st.tuples(st.floats(0, 10), st.floats(0.1, 5), st.integers(0, CAP // 8)), min_size=1, max_size=7
+    ),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(instance=instances)
+def test_max_kvpr_stays_within_the_appendix_bound_of_the_optimum(instance):
+    n_devices, specs = instance
+    demands = [rate / slo for rate, slo, _ in specs]
+    weights = [w for _, _, w in specs]
+    parts = [Part(f"m{i}", 0, demands[i], weights[i]) for i in range(len(specs))]
+    result = place_parts(parts, [DeviceBudget(f"d{j}", CAP) for j in range(n_devices)], tau=0.0)
+    assert all(d is not None for d in result.assignment.values())
+    opt = brute_force_min_max_kvpr(demands, weights, n_devices)
+    ours = result.max_kvpr()
+    g = max(range(n_devices), key=lambda j: kvpr(result.weighted_rate[j], result.shared_kv[j]))
+    bound = opt * (1 + CAP / result.shared_kv[g])  # shared_kv after the last model = S_before - w_k
+    assert opt <= ours * (1 + 1e-9) + 1e-12
+    assert ours <= bound * (1 + 1e-9) + 1e-12
+
+
+# -- TP parts and feasibility ----------------------------------------------------------------------
+
+tp_instances = st.tuples(
+    st.lists(st.integers(20, 80), min_size=1, max_size=6),  # device capacities in GiB
+    st.lists(
+        st.tuples(
+            st.integers(1, 4), st.floats(0, 8), st.integers(1, 60), st.booleans()
+        ),  # tp, demand, GiB, cur
+        min_size=1,
+        max_size=8,
+    ),
+    st.floats(0, 0.2),
+    st.floats(0, 0.3),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(instance=tp_instances, data=st.data())
+def test_tp_parts_never_share_a_device_and_devices_never_overflow(instance, data):
+    caps, specs, tau, min_kv_fraction = instance
+    devices = [DeviceBudget(f"d{j}", c * GIB, int(min_kv_fraction * c * GIB)) for j, c in enumerate(caps)]
+    parts = []
+    for i, (tp, demand, gib, placed) in enumerate(specs):
+        current = None
+        if placed and tp <= len(caps):
+            current = data.draw(st.permutations([d.device for d in devices]))[:tp]
+        parts.extend(
+            Part(f"m{i}", r, demand / tp, gib * GIB // tp, None if current is None else current[r])
+            for r in range(tp)
+        )
+    result = place_parts(parts, devices, tau)
+    for i, (tp, *_) in enumerate(specs):
+        ranks = [result.assignment[(f"m{i}", r)] for r in range(tp)]
+        assert all(d is None for d in ranks) or len(set(ranks)) == tp
+    before = dict.fromkeys((d.device for d in devices), 0)
+    load = dict.fromkeys((d.device for d in devices), 0)
+    for p in parts:
+        where = result.assignment[(p.model, p.rank)]
+        if where is not None:
+            load[where] += p.weight_bytes
+        if p.current is not None:
+            before[p.current] += p.weight_bytes
+    for d in devices:
+        # a device the generator overfilled keeps at most what it has; nothing moves in
+        assert load[d.device] <= max(d.capacity_bytes - d.min_kv_bytes, before[d.device])
+        if before[d.device] > d.capacity_bytes - d.min_kv_bytes:
+            assert load[d.device] <= before[d.device]
+
+
+def test_placement_is_deterministic():
+    parts = [Part(f"m{i}", 0, float(i % 3), GIB * (1 + i % 4)) for i in range(40)]
+    devices = [DeviceBudget(f"d{j}", CAP) for j in range(7)]
+    assert (
+        place_parts(parts, devices, 0.01).assignment
+        == place_parts(list(reversed(parts)), devices, 0.01).assignment
+    )
