@@ -1,0 +1,178 @@
+"""Each baseline's defining behaviour: dedicated, static-partition, muxserve, qlm."""
+
+from __future__ import annotations
+
+from prism_serve.control import (
+    Activate,
+    Defer,
+    Dispatch,
+    Enqueue,
+    Evict,
+    FifoQueue,
+    GroupQueue,
+    Migrate,
+    Reject,
+    RejectReason,
+    RoundRobinQueue,
+    SetKVQuota,
+    get_policy,
+)
+from prism_serve.control.policies.muxserve import mesh_groups
+from tests.control.factories import GIB, apply, cluster, device, engine, model, request
+
+NOW = 1000.0
+MOVES = (Evict, Migrate)
+
+
+# -- dedicated ---------------------------------------------------------------------------------------
+
+
+def test_dedicated_gives_each_model_its_own_devices_most_demanding_first():
+    models = [model("low", rate=1), model("high", rate=9), model("tp", rate=5, tp=2), model("late", rate=0.1)]
+    c = cluster(models, {f"d{i}": 80 for i in range(4)})
+    p = get_policy("dedicated")
+    out = p.place(c, NOW)
+    assert out == [Activate("high", ("d0",)), Activate("tp", ("d1", "d2")), Activate("low", ("d3",))]
+    after = apply(c, out)
+    assert all(len(dev.models) == 1 for dev in after.devices.values()), "no device is shared"
+    (rej,) = p.on_request(request("r", "late"), after, NOW)
+    assert isinstance(rej, Reject) and rej.reason is RejectReason.NO_CAPACITY
+    assert p.on_request(request("r", "tp"), after, NOW) == [Enqueue(request("r", "tp"), "d1")]
+
+
+def test_dedicated_defers_until_its_first_placement_and_never_evicts():
+    c = cluster([model("a"), model("b")], {"d0": 80, "d1": 80})
+    p = get_policy("dedicated")
+    assert isinstance(p.on_request(request("r", "a"), c, NOW)[0], Defer)
+    placed = apply(c, p.place(c, NOW))
+    idle_and_tight = cluster([model("a", on=("d0",), last=0.0)], {"d0": 80}, mapped={"d0": 80})
+    assert p.place(placed, NOW) == [] and p.place(idle_and_tight, NOW) == []
+
+
+def test_dedicated_admits_in_arrival_order_not_deadline_order():
+    q = get_policy("dedicated").new_queue("d0")
+    assert isinstance(q, FifoQueue)
+    q.push(request("first", arrival=0.0, slo=10.0))
+    q.push(request("urgent", arrival=0.1, slo=0.1))
+    out = q.admit(1.0, device(), {"a": engine("a", free_gib=1, max_seqs=1)})
+    assert [a.request.req_id for a in out] == ["first"]
+
+
+# -- static-partition --------------------------------------------------------------------------------
+
+
+def test_static_partition_splits_memory_into_fixed_slices():
+    models = [model("a", weight_gib=20), model("b", weight_gib=10), model("c", weight_gib=30)]
+    c = cluster(models, {"d0": 80, "d1": 80})
+    p = get_policy("static-partition", shares=(("a", 3.0),))
+    out = p.place(c, NOW)
+    acts = {a.model: a.devices for a in out if isinstance(a, Activate)}
+    assert acts == {"c": ("d0",), "a": ("d1",), "b": ("d1",)}  # largest first, on the emptiest device
+    quotas = {(a.model, a.device): a.quota_bytes for a in out if isinstance(a, SetKVQuota)}
+    assert quotas[("c", "d0")] == 50 * GIB
+    # d1 has 50 GiB after weights, split 3:1 between a and b
+    assert quotas[("a", "d1")] == int(50 * GIB * 0.75) and quotas[("b", "d1")] == int(50 * GIB * 0.25)
+    assert p.place(apply(c, out), NOW) == [], "slices never change and nothing moves"
+
+
+def test_static_partition_never_evicts_idle_models_under_pressure():
+    models = [model("idle", on=("d0",), last=0.0), model("busy", on=("d0",), last=NOW, running=5)]
+    c = cluster(models, {"d0": 80}, mapped={"d0": 80})
+    assert get_policy("static-partition").place(c, NOW) == []
+
+
+def test_static_partition_engine_cannot_borrow_beyond_its_slice():
+    q = get_policy("static-partition", reserve_tokens=0).new_queue("d0")
+    q.push(request("r", tokens=10_000))  # 10,001 tokens x 1 KiB ~ 9.8 MiB
+    roomy_device = device(cap_gib=80)
+    capped = {"a": engine("a", quota_gib=0.005, used_gib=0.0)}
+    assert q.admit(0.0, roomy_device, capped) == []
+    out = q.admit(0.0, roomy_device, {"a": engine("a", quota_gib=0.02)})
+    assert [type(a) for a in out] == [Dispatch]
+
+
+# -- muxserve ----------------------------------------------------------------------------------------
+
+
+def test_muxserve_places_by_estimated_throughput():
+    # "tail" (30 req/s, 50 GiB) is placed first and leaves d0 with 30 GiB. "pop1" takes d1. Balancing
+    # memory would put "pop2" on d1 too (60 GiB free against 20), but two 100 req/s models sharing
+    # one pool serve less than "pop2" adds next to "tail", so the throughput estimate puts it on d0.
+    models = [model("tail", rate=30, weight_gib=50), model("pop1", rate=100), model("pop2", rate=100)]
+    out = get_policy("muxserve").place(cluster(models, {"d0": 80, "d1": 80}), NOW)
+    where = {a.model: a.devices for a in out if isinstance(a, Activate)}
+    assert where == {"tail": ("d0",), "pop2": ("d0",), "pop1": ("d1",)}
+    quotas = {a.model: a.quota_bytes for a in out if isinstance(a, SetKVQuota) and a.device == "d0"}
+    assert quotas["pop2"] == int(20 * GIB * 100 / 130) and quotas["tail"] == int(20 * GIB * 30 / 130), (
+        "one pool per mesh, quotas proportional to rate-weighted KV need"
+    )
+
+
+def test_muxserve_adapts_quotas_from_idle_to_busy_models_and_never_moves_models():
+    models = [model("idle", on=("d0",), last=0.0), model("busy", on=("d0",), last=NOW, running=8)]
+    engines = [engine("idle", quota_gib=30, used_gib=1), engine("busy", quota_gib=30, used_gib=29)]
+    c = cluster(models, {"d0": 80}, mapped={"d0": 80}, engines=engines)
+    out = get_policy("muxserve", quota_step=0.5).place(c, NOW)
+    assert not any(isinstance(a, MOVES) for a in out), "no eviction or migration, however idle"
+    quotas = {a.model: a.quota_bytes for a in out}
+    assert quotas["idle"] == 30 * GIB - int(0.5 * 29 * GIB)
+    assert quotas["busy"] == 30 * GIB + int(0.5 * 29 * GIB)
+    assert sum(quotas.values()) == 60 * GIB
+
+
+def test_muxserve_admits_round_robin_across_models():
+    q = get_policy("muxserve").new_queue("d0")
+    assert isinstance(q, RoundRobinQueue)
+    for i in range(3):
+        q.push(request(f"a{i}", "a", arrival=i))
+    for i in range(3):
+        q.push(request(f"b{i}", "b", arrival=10 + i))
+    out = q.admit(20.0, device(), {m: engine(m, free_gib=1) for m in "ab"})
+    assert [a.request.req_id for a in out] == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_mesh_groups_cover_every_tp_size():
+    groups = list(mesh_groups([f"d{i}" for i in range(4)], [1, 2], limit=10))
+    assert groups == [[("d0", "d1"), ("d2",), ("d3",)]]  # at least one of each size, no room left
+    assert len(list(mesh_groups([f"d{i}" for i in range(6)], [1, 2], limit=10))) == 2
+
+
+# -- qlm ---------------------------------------------------------------------------------------------
+
+
+def test_qlm_routes_new_groups_to_the_first_empty_queue_ignoring_loaded_models():
+    models = [model("a", on=("d1",), last=NOW), model("b", last=0.0), model("tp", tp=2)]
+    c = cluster(models, {"d0": 80, "d1": 80}, queued={"d0": ("x",)})
+    p = get_policy("qlm")
+    assert p.on_request(request("r", "b"), c, NOW) == [Enqueue(request("r", "b"), "d1")]
+    assert p.on_request(request("r", "a"), c, NOW) == [Enqueue(request("r", "a"), "d1")]
+    with_group = cluster(models, {"d0": 80, "d1": 80}, queued={"d0": ("b",)})
+    assert p.on_request(request("r", "b"), with_group, NOW) == [Enqueue(request("r", "b"), "d0")]
+    (rej,) = p.on_request(request("r", "tp"), c, NOW)
+    assert isinstance(rej, Reject) and rej.reason is RejectReason.NO_CAPACITY
+
+
+def test_qlm_swaps_whole_models_after_the_loaded_one_drains():
+    p = get_policy("qlm")
+    q = p.new_queue("d0")
+    assert isinstance(q, GroupQueue)
+    q.push(request("b1", "b"))
+    loaded = device(models=("a",))
+    assert p.admit(q, loaded, {"a": engine("a", running=2)}, NOW) == [], "a still has requests running"
+    assert p.admit(q, loaded, {"a": engine("a", running=0)}, NOW) == [Evict("a"), Activate("b", ("d0",))]
+    out = p.admit(q, device(models=("b",)), {"b": engine("b", free_gib=1)}, NOW)
+    assert [a.request.req_id for a in out] == ["b1"]
+
+
+def test_qlm_serves_groups_fifo_and_batches_without_a_reserve():
+    p = get_policy("qlm", max_group_size=2)
+    q = p.new_queue("d0")
+    for rid, m in [("a1", "a"), ("a2", "a"), ("a3", "a"), ("b1", "b"), ("a4", "a")]:
+        q.push(request(rid, m))
+    assert [m for m in q.group_models()] == ["a", "a", "b", "a"]
+    dev = device(models=("a",), cap_gib=1, mapped_gib=1)
+    # exactly three requests' KV (101 tokens x 1 KiB each) and no reserve: all three start
+    out = p.admit(q, dev, {"a": engine("a", free_gib=3 * 101 * 1024 / GIB)}, NOW)
+    assert [a.request.req_id for a in out] == ["a1", "a2", "a3"]
+    # the b group is next: a4 waits behind it although a is loaded
+    assert p.admit(q, dev, {"a": engine("a", free_gib=1)}, NOW) == [Evict("a"), Activate("b", ("d0",))]

@@ -1,0 +1,52 @@
+"""Sliding-window rates and the idle-gap threshold."""
+
+from __future__ import annotations
+
+import pytest
+
+from prism_serve.control import (
+    InvalidKnobError,
+    InvalidSnapshotError,
+    RateEstimator,
+    idle_threshold_from_gaps,
+)
+
+
+def test_rate_counts_arrivals_in_the_window():
+    est = RateEstimator(window_s=10.0)
+    est.start("a", 0.0)
+    for t in range(20):
+        est.observe("a", float(t))  # 1 req/s for 20 s
+    assert est.rate("a", 19.5) == pytest.approx(1.0)
+    assert est.rate("a", 25.0) == pytest.approx(0.4)  # only arrivals at 16..19 remain
+    assert est.rate("a", 100.0) == 0.0
+    assert est.rate("never", 5.0) == 0.0
+
+
+def test_young_history_is_not_diluted_by_the_whole_window():
+    est = RateEstimator(window_s=60.0)
+    for t in (0.0, 0.5, 1.0, 1.5):
+        est.observe("a", t)
+    assert est.rate("a", 2.0) == pytest.approx(2.0)  # 4 arrivals over the 2 s seen so far
+
+
+def test_idle_gaps_and_threshold():
+    est = RateEstimator(window_s=60.0, min_gap_s=10.0)
+    for t in (0.0, 5.0, 30.0, 31.0, 100.0):
+        est.observe("a", t)
+    assert est.idle_gaps("a") == [25.0, 69.0]
+    assert est.last_arrival("a") == 100.0
+    assert idle_threshold_from_gaps([25.0, 69.0], quantile=0.5) == pytest.approx(47.0)
+    assert idle_threshold_from_gaps([], floor_s=12.0) == 12.0
+    assert idle_threshold_from_gaps([1.0, 2.0], floor_s=12.0) == 12.0
+
+
+def test_bad_input_raises_named_errors():
+    with pytest.raises(InvalidKnobError):
+        RateEstimator(window_s=0)
+    with pytest.raises(InvalidKnobError):
+        idle_threshold_from_gaps([1.0], quantile=2.0)
+    est = RateEstimator()
+    est.observe("a", 5.0)
+    with pytest.raises(InvalidSnapshotError):
+        est.observe("a", 4.0)
