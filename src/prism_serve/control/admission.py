@@ -58,6 +58,8 @@ __all__ = ["NS", "DeadlineQueue", "moore_hodgson", "to_ns"]
 NS = 1_000_000_000
 _FAR = 1 << 62  # "never binds": the margin of a position whose check failed (it stays failed)
 _SPEED_TOLERANCE = 0.02  # speed changes below this are noise; re-scheduling for them costs O(n)
+_SEQ_BITS = 40  # a queue would need 10^12 pushes before sequence numbers spill into the prefill bits
+_SEQ_MASK = (1 << _SEQ_BITS) - 1
 
 
 def to_ns(t: float) -> int:
@@ -89,7 +91,7 @@ def moore_hodgson(jobs: Sequence[tuple[float, float]], t0: float) -> list[int]:
 
 
 class _Entry:
-    __slots__ = ("deadline", "key", "margin", "p", "request", "self_popped", "seq", "sort", "where")
+    __slots__ = ("deadline", "key", "margin", "p", "request", "seq", "sort", "where")
 
     def __init__(self, request: Request, seq: int, p: int) -> None:
         self.request = request
@@ -98,12 +100,13 @@ class _Entry:
         self.sort = (self.deadline, seq)
         self.set_p(p)
         self.margin = _FAR  # latest T0 (minus the queue's offset) at which this position's check passes
-        self.self_popped = False  # dropped at its own position: removing it changes nothing else
         self.where = "pending"  # pending | cand | late
 
     def set_p(self, p: int) -> None:
         self.p = p
-        self.key = (-p, self.seq)  # heap order: longest prefill first, then oldest
+        # One int instead of a (-p, seq) tuple: heap comparisons are the hot path of every schedule run.
+        # Smallest first = longest prefill first, then oldest; key >> _SEQ_BITS == -p, key & _SEQ_MASK == seq.
+        self.key = (-p << _SEQ_BITS) + self.seq
 
 
 _SORT = attrgetter("sort")
@@ -129,6 +132,7 @@ class DeadlineQueue(RequestQueue):
         self._pending: list[_Entry] = []
         self._cands: list[_Entry] = []  # schedulable, deadline order
         self._late: list[_Entry] = []  # cannot meet the deadline any more, deadline order
+        self._late_min_p = _FAR  # a lower bound on the prefill time of every late request
         self._speed: dict[str, float] = {}
         self._seq = 0
         self._busy_until = -_FAR
@@ -136,9 +140,12 @@ class DeadlineQueue(RequestQueue):
         self._valid = False
         self._t0 = -_FAR
         self._limit = -_FAR
-        self._heap: list[tuple[int, int]] = []  # keys of kept requests
+        self._heap: list[int] = []  # keys of kept requests
         self._cum = 0  # their total prefill time
         self._dropped: set[int] = set()  # seqs of deferred requests
+        self._self_popped: set[int] = set()  # dropped at their own position: removing them changes nothing
+        self._heap_gone: set[int] = set()  # keys of dispatched requests still in _heap (lazy deletion)
+        self._min_p = 0  # a lower bound on every candidate's prefill time
         self._moff = 0
         self._held: list[Action] = []  # rejections found outside admit, returned by the next admit
         self.stats = {"replans": 0, "fast_appends": 0, "fast_dispatches": 0, "reused": 0}
@@ -160,9 +167,10 @@ class DeadlineQueue(RequestQueue):
             del self._late[bisect_left(self._late, e.sort, key=_SORT)]
         else:
             del self._cands[bisect_left(self._cands, e.sort, key=_SORT)]
-            if not e.self_popped:
+            if e.seq not in self._self_popped:
                 self._valid = False
             self._dropped.discard(e.seq)
+            self._self_popped.discard(e.seq)
         return e.request
 
     def requests(self) -> list[Request]:
@@ -209,9 +217,10 @@ class DeadlineQueue(RequestQueue):
         self._refresh(t, out)
         if self._cands and startable:
             t = self._dispatch_schedule(t, room, startable, out)
-        if self._late and startable:
+        limit = self._limit if self._cands else _FAR
+        if self._late and startable and t + self._late_min_p <= limit:
             # Late requests only use slack: every schedulable request must still meet its deadline.
-            self._dispatch_late(t, self._limit if self._cands else _FAR, room, out)
+            self._dispatch_late(t, limit, room, startable, out)
         return out
 
     def _t0_at(self, now: float) -> int:
@@ -250,94 +259,123 @@ class DeadlineQueue(RequestQueue):
                 self._cands.sort(key=_SORT)
 
     def _absorb_pending(self, t0: int, out: list[Action]) -> None:
-        pending = sorted(self._pending, key=_SORT)
-        self._pending = []
-        if not self._valid or (self._cands and pending[0].sort < self._cands[-1].sort):
-            for e in pending:
-                e.where = "cand"
-            self._cands.extend(pending)
-            self._cands.sort(key=_SORT)
-            self._valid = False
-            return
-        for e in pending:
+        pending = []
+        for e in self._pending:
+            # a request that cannot make its deadline even alone is dropped at its own position by
+            # any schedule run, leaving the schedule as it was: file it as late without a re-run
             if t0 + e.p > e.deadline:
                 self._make_late(e, out)
-                continue
+            else:
+                pending.append(e)
+        self._pending = []
+        if not pending:
+            return
+        if len(pending) > 1:
+            pending.sort(key=_SORT)
+        cands = self._cands
+        if not self._valid or (cands and pending[0].sort < cands[-1].sort):
+            for e in pending:
+                e.where = "cand"
+            if len(pending) <= 8:
+                for e in pending:
+                    insort(cands, e, key=_SORT)
+            else:
+                cands.extend(pending)
+                cands.sort(key=_SORT)
+            self._valid = False
+            return
+        heap, gone = self._heap, self._heap_gone
+        for e in pending:
             self.stats["fast_appends"] += 1
             e.where = "cand"
+            self._min_p = min(self._min_p, e.p)
             c = self._cum + e.p
             if t0 + c > e.deadline:
-                key = heapq.heappushpop(self._heap, e.key)
-                self._cum = c + key[0]
-                self._dropped.add(key[1])
+                # dispatched requests leave the heap lazily: only its top must be a real one here
+                while heap and heap[0] in gone:
+                    gone.discard(heapq.heappop(heap))
+                key = heapq.heappushpop(heap, e.key)
+                self._cum = c + (key >> _SEQ_BITS)
+                self._dropped.add(key & _SEQ_MASK)
                 e.margin = _FAR
-                if key[1] == e.seq:
-                    e.self_popped = True
+                if key == e.key:
+                    self._self_popped.add(e.seq)
                     if self.abort_on_miss:
                         self._reject_miss(e, out, "dropped by the deadline schedule")
                         continue
                 elif self.abort_on_miss:
                     self._valid = False  # the one dropped must go; the next schedule must not count it
             else:
-                heapq.heappush(self._heap, e.key)
+                heapq.heappush(heap, e.key)
                 self._cum = c
                 e.margin = e.deadline - c - self._moff
                 self._limit = min(self._limit, e.deadline - c)
-            self._cands.append(e)
+            cands.append(e)
 
     def _replan(self, t0: int, out: list[Action]) -> None:
         """A fresh Algorithm 2 run at ``t0`` over every schedulable request."""
         self.stats["replans"] += 1
-        heap: list[tuple[int, int]] = []
+        heap: list[int] = []
         push, pushpop = heapq.heappush, heapq.heappushpop
         dropped: set[int] = set()
-        keep: list[_Entry] = []
+        self_popped: set[int] = set()
         late: list[_Entry] = []
         cum = 0
-        limit = _FAR
+        far = limit = min_p = _FAR
+        bits, mask = _SEQ_BITS, _SEQ_MASK
+        # the hot loop of admission: locals only, one attribute store per request
         for e in self._cands:
             p = e.p
-            d = e.deadline
-            if t0 + p > d:
+            d = e.deadline - t0
+            if p > d:
                 late.append(e)
                 continue
+            if p < min_p:
+                min_p = p
             c = cum + p
-            if t0 + c > d:
+            if c > d:
                 key = pushpop(heap, e.key)
-                cum = c + key[0]
-                dropped.add(key[1])
-                e.margin = _FAR
-                e.self_popped = key[1] == e.seq
+                cum = c + (key >> bits)
+                dropped.add(key & mask)
+                e.margin = far
+                if key == e.key:
+                    self_popped.add(key & mask)
             else:
                 push(heap, e.key)
                 cum = c
                 e.margin = m = d - c
-                e.self_popped = False
                 if m < limit:
                     limit = m
-            keep.append(e)
-        for e in late:
-            self._make_late(e, out)
+        keep = self._cands
+        if late:
+            gone = {e.seq for e in late}
+            keep = [e for e in keep if e.seq not in gone]
+            for e in late:
+                self._make_late(e, out)
         if self.abort_on_miss and dropped:
             for e in keep:
                 if e.seq in dropped:
                     self._reject_miss(e, out, "dropped by the deadline schedule")
             keep = [e for e in keep if e.seq not in dropped]
-            dropped = set()
+            dropped, self_popped = set(), set()
             cum, limit = 0, _FAR
             for e in keep:  # the kept set alone: no check fails, only the margins change
                 cum += e.p
-                e.margin = m = e.deadline - cum
+                e.margin = m = e.deadline - t0 - cum
                 limit = min(limit, m)
             heap = [e.key for e in keep]
             heapq.heapify(heap)
         self._cands = keep
         self._heap = heap
+        self._heap_gone.clear()
         self._cum = cum
         self._dropped = dropped
-        self._moff = 0
+        self._self_popped = self_popped
+        self._min_p = 0 if min_p == _FAR else min_p
+        # margins were computed relative to t0; store them as "latest T0" by folding t0 into the offset
+        self._moff = t0
         self._t0 = t0
-        self._limit = limit
+        self._limit = limit + t0 if limit < _FAR else _FAR
         self._valid = True
 
     def _make_late(self, e: _Entry, out: list[Action]) -> None:
@@ -346,6 +384,7 @@ class DeadlineQueue(RequestQueue):
             return
         e.where = "late"
         insort(self._late, e, key=_SORT)
+        self._late_min_p = min(self._late_min_p, e.p)
 
     def _reject_miss(self, e: _Entry, out: list[Action], why: str) -> None:
         del self._entries[e.request.req_id]
@@ -370,37 +409,37 @@ class DeadlineQueue(RequestQueue):
         shift = 0
         kept_min = _FAR  # latest T0 at which every kept position walked past meets its deadline
         all_min = _FAR  # the same over every position walked past
-        walked: list[tuple[_Entry, int]] = []
         gone: list[int] = []
         never: list[_Entry] = []
+        cands = self._cands
         dropped = self._dropped
         base = self._moff
-        for idx, e in enumerate(self._cands):
-            if not startable:
-                break
-            model = e.request.model
+        min_p = self._min_p
+        for idx, e in enumerate(cands):
+            if not startable or kept_min < t + min_p:
+                break  # nobody left to start, or no request is short enough to start ahead
+            req = e.request
+            model = req.model
             kept = e.seq not in dropped
             if kept and model in startable:
-                fit = room.fit(model, e.request.prompt_tokens)
+                fit = room.fit(model, req.prompt_tokens)
                 if fit is Fit.OK and kept_min >= t + e.p:
-                    room.take(model, e.request.prompt_tokens)
-                    del self._entries[e.request.req_id]
-                    self._emit(out, Dispatch(e.request, self.device))
+                    room.take(model, req.prompt_tokens)
+                    del self._entries[req.req_id]
+                    self._emit(out, Dispatch(req, self.device))
                     t += e.p
                     shift += e.p
-                    self._cum -= e.p
                     gone.append(idx)
                     if not room.can_start_any(model):
                         startable.discard(model)
                     continue
                 if fit is Fit.NEVER:
                     never.append(e)
-                elif fit is Fit.NO_MEMORY and room.short_of_shared(model, e.request.prompt_tokens):
+                elif fit is Fit.NO_MEMORY and room.short_of_shared(model, req.prompt_tokens):
                     room.shared_blocked = True
                     startable.intersection_update(room.startable())
                 elif fit is not Fit.OK:
                     startable.discard(model)
-            walked.append((e, shift))
             m = e.margin + base + shift
             if m < all_min:
                 all_min = m
@@ -408,14 +447,20 @@ class DeadlineQueue(RequestQueue):
                 kept_min = m
         if gone:
             self.stats["fast_dispatches"] += len(gone)
-            for e, at in walked:
-                e.margin -= shift - at
-            gone_keys = set()
+            # Positions after a dispatched request lose its prefill from their sums while T0 gains it:
+            # their latest-T0 margins rise by it, which the offset below applies to all. Positions
+            # before it keep their margins, so they give back what the offset adds.
+            done, prev = 0, 0
+            for idx in gone:
+                back = shift - done
+                for j in range(prev, idx):
+                    cands[j].margin -= back
+                done += cands[idx].p
+                prev = idx + 1
             for idx in reversed(gone):
-                gone_keys.add(self._cands[idx].key)
-                del self._cands[idx]
-            self._heap = [k for k in self._heap if k not in gone_keys]
-            heapq.heapify(self._heap)
+                self._heap_gone.add(cands[idx].key)
+                del cands[idx]
+            self._cum -= shift
             self._moff += shift
             # all_min < t (a deferred position's check now fails) leaves _limit below _t0, so the
             # next call recomputes the schedule
@@ -426,26 +471,39 @@ class DeadlineQueue(RequestQueue):
             self._emit(out, _reject_never(e.request))
         return t
 
-    def _dispatch_late(self, t0: int, limit: int, room: DeviceRoom, out: list[Action]) -> None:
+    def _dispatch_late(
+        self, t0: int, limit: int, room: DeviceRoom, startable: set[str], out: list[Action]
+    ) -> None:
         t = t0
-        kept: list[_Entry] = []
-        for e in self._late:
+        gone: list[int] = []
+        for idx, e in enumerate(self._late):
+            if not startable:
+                break
             model = e.request.model
+            if model not in startable or t + e.p > limit:
+                continue
             fit = room.fit(model, e.request.prompt_tokens)
-            if fit is Fit.OK and t + e.p <= limit:
+            if fit is Fit.OK:
                 room.take(model, e.request.prompt_tokens)
                 del self._entries[e.request.req_id]
                 self._emit(out, Dispatch(e.request, self.device))
                 t += e.p
-                continue
-            if fit is Fit.NEVER:
+                gone.append(idx)
+                if not room.can_start_any(model):
+                    startable.discard(model)
+            elif fit is Fit.NEVER:
                 del self._entries[e.request.req_id]
                 self._emit(out, _reject_never(e.request))
-                continue
-            if fit is Fit.NO_MEMORY and room.short_of_shared(model, e.request.prompt_tokens):
+                gone.append(idx)
+            elif fit is Fit.NO_MEMORY and room.short_of_shared(model, e.request.prompt_tokens):
                 room.shared_blocked = True
-            kept.append(e)
-        self._late = kept
+                startable.intersection_update(room.startable())
+            else:
+                startable.discard(model)
+        for idx in reversed(gone):
+            del self._late[idx]
+        if not self._late:
+            self._late_min_p = _FAR
         if t > t0:
             self._busy_until = t
             if self._valid:
