@@ -348,8 +348,12 @@ class DeadlineQueue(RequestQueue):
                     limit = m
         keep = self._cands
         if late:
-            gone = {e.seq for e in late}
-            keep = [e for e in keep if e.seq not in gone]
+            if len(late) <= 16:  # a few: cheaper to cut them out than to copy the list
+                for e in late:
+                    del keep[bisect_left(keep, e.sort, key=_SORT)]
+            else:
+                gone = {e.seq for e in late}
+                keep = [e for e in keep if e.seq not in gone]
             for e in late:
                 self._make_late(e, out)
         if self.abort_on_miss and dropped:
