@@ -16,8 +16,9 @@ it now (see ``capacity.py``). A kept request may start before an earlier kept on
 the extra prefill; a request waiting for the device's shared memory stops later ones from taking
 that memory. Requests the schedule dropped are *deferred*: they stay queued and are scheduled again
 at every call. A request that cannot meet its deadline even if started now is *late*: it leaves the
-schedule and is served, oldest deadline first, when no schedulable request waits. With
-``abort_on_miss`` dropped and late requests are rejected instead, with reason ``DEADLINE_MISS``.
+schedule for good and is served, oldest deadline first, only with slack no scheduled request needs
+(its prefill must not push any of them past its deadline). With ``abort_on_miss`` dropped and late
+requests are rejected instead, with reason ``DEADLINE_MISS``.
 
 Incremental maintenance. Recomputing the schedule costs O(n log n) per call. The queue keeps the
 last schedule and reuses it as long as it is provably what a fresh run at the current ``T0`` would
@@ -25,11 +26,13 @@ return; all times are integer nanoseconds so the fresh and the incremental sums 
 - each position records the latest ``T0`` at which its deadline check still passes; while ``T0``
   stays at or below the minimum of those, every check and so every removal is unchanged;
 - a request whose deadline is the latest in the queue is folded in as one more Moore-Hodgson step;
+- a late arrival is dropped at its own position by any run, so it is filed as late directly;
 - dispatching a kept request shifts ``T0`` and the later positions' sums by the same amount, so only
   the checks before it need re-testing, which the dispatch walk does as it goes;
 - a dropped request removed when it was dropped at its own position changes nothing.
-Anything else (a deadline in the middle, a speed change) marks the schedule stale and the next call
-recomputes it. ``replans`` and the other counters in ``stats`` show how often each path ran.
+Anything else (a deadline in the middle of the queue, a speed change) marks the schedule stale and
+the next call that can dispatch recomputes it: O(n) for n schedulable requests, about 0.2 us each
+in CPython. ``replans`` and the other counters in ``stats`` show how often each path ran.
 """
 
 from __future__ import annotations
