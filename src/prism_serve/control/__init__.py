@@ -31,7 +31,6 @@ from prism_serve.control.types import (
     Request,
     SetKVQuota,
     UnknownPolicyError,
-    UnsupportedConfigError,
 )
 
 __all__ = [
@@ -68,7 +67,6 @@ __all__ = [
     "RoundRobinQueue",
     "SetKVQuota",
     "UnknownPolicyError",
-    "UnsupportedConfigError",
     "get_policy",
     "idle_threshold_from_gaps",
     "knobs_for",

@@ -38,7 +38,6 @@ __all__ = [
     "Request",
     "SetKVQuota",
     "UnknownPolicyError",
-    "UnsupportedConfigError",
 ]
 
 
@@ -61,10 +60,6 @@ class UnknownPolicyError(ControlError, ValueError):
 
 class InvalidKnobError(ControlError, ValueError):
     """A policy knob is unknown or out of range."""
-
-
-class UnsupportedConfigError(ControlError):
-    """The policy cannot serve this deployment (for example a baseline without tensor parallelism)."""
 
 
 def _check(ok: bool, message: str) -> None:
@@ -266,9 +261,6 @@ class ClusterSnapshot:
             m = self.models.get(name)
             _check(m is not None and m.resident, f"engine for {name!r}: no such resident model")
             _check(e.device == m.placement[0], f"engine for {name!r} must be on {m.placement[0]}")
-
-    def device_index(self) -> dict[str, int]:
-        return {d: i for i, d in enumerate(self.devices)}
 
 
 def _index(items: Iterable, attr: str) -> dict:

@@ -1,0 +1,47 @@
+"""DeviceRoom: the "dispatch only what an engine can start now" rule."""
+
+from __future__ import annotations
+
+from prism_serve.control.capacity import DeviceRoom, Fit
+from tests.control.factories import GIB, device, engine
+
+KIB = 1024
+
+
+def test_room_is_private_kv_plus_shared_free_memory_minus_the_reserve():
+    dev = device(cap_gib=1, mapped_gib=1 - 100 * KIB / GIB)  # 100 KiB shared
+    room = DeviceRoom(dev, {"a": engine("a", free_gib=50 * KIB / GIB, kvpt=KIB)}, reserve_tokens=10)
+    # (prompt + 1) KiB needed, 150 KiB of room, 10 KiB reserve: a 139-token prompt fits, 140 does not
+    assert room.fit("a", 139) is Fit.OK
+    assert room.fit("a", 140) is Fit.NO_MEMORY
+    room.take("a", 39)  # 40 KiB: all of it from the engine's own free KV
+    assert room.shared == 100 * KIB
+    room.take("a", 29)  # 30 KiB: 10 from its own, 20 from the shared pool
+    assert room.shared == 80 * KIB
+    assert room.fit("a", 69) is Fit.OK and room.fit("a", 70) is Fit.NO_MEMORY
+
+
+def test_quota_caps_the_room_and_is_not_a_shared_memory_wait():
+    dev = device(cap_gib=80)
+    room = DeviceRoom(dev, {"a": engine("a", quota_gib=64 * KIB / GIB, used_gib=32 * KIB / GIB, kvpt=KIB)}, 0)
+    assert room.fit("a", 31) is Fit.OK and room.fit("a", 32) is Fit.NO_MEMORY
+    assert not room.short_of_shared("a", 32), "waiting for its own quota must not hold the shared pool"
+
+
+def test_readiness_slots_and_prompts_that_never_fit():
+    dev = device()
+    engines = {
+        "loading": engine("loading", ready=False, free_gib=1),
+        "full": engine("full", free_gib=1, max_seqs=4, running=4),
+        "small": engine("small", free_gib=1, kvpt=KIB, max_kv=100 * KIB),
+    }
+    room = DeviceRoom(dev, engines, 0)
+    assert room.fit("loading", 1) is Fit.NOT_READY and room.fit("absent", 1) is Fit.NOT_READY
+    assert room.fit("full", 1) is Fit.NO_SLOT
+    assert room.fit("small", 100) is Fit.NEVER and room.fit("small", 99) is Fit.OK
+    assert room.startable() == {"small"}
+
+
+def test_engines_on_other_devices_are_ignored():
+    room = DeviceRoom(device("d0"), {"a": engine("a", "d1", free_gib=1)}, 0)
+    assert room.fit("a", 1) is Fit.NOT_READY
