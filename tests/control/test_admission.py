@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 
 import pytest
@@ -53,7 +54,10 @@ SPEED = 1000.0  # tokens/s: a prompt of n tokens takes n ms to prefill
 
 
 def fresh_run(q: DeadlineQueue, now: float, speeds: dict[str, float]) -> tuple[list[str], set[str], set[str]]:
-    """Algorithm 2 from scratch over everything queued: (schedule, deferred, late)."""
+    """Algorithm 2 from scratch over everything queued: (schedule, deferred, late).
+
+    ``requests()`` lists them in push order, so equal prefills drop the older first, as the queue does.
+    """
     reqs = q.requests()
     t0 = q.start_ns(now)
     jobs = [(to_ns(r.deadline), prefill_ns(r.prompt_tokens, speeds.get(r.model, SPEED))) for r in reqs]
@@ -61,6 +65,26 @@ def fresh_run(q: DeadlineQueue, now: float, speeds: dict[str, float]) -> tuple[l
     late = {r.req_id for r, (d, p) in zip(reqs, jobs, strict=True) if t0 + p > d}
     deferred = {r.req_id for r in reqs} - {reqs[i].req_id for i in kept} - late
     return [reqs[i].req_id for i in kept], deferred, late
+
+
+def fresh_latest_starts(
+    q: DeadlineQueue, now: float, speeds: dict[str, float]
+) -> list[tuple[str, int | None]]:
+    """What a fresh run records per schedulable position: d - (sum so far), None where it drops."""
+    t0 = q.start_ns(now)
+    out, heap, cum = [], [], 0
+    for r in sorted(q.requests(), key=lambda r: to_ns(r.deadline)):
+        d, p = to_ns(r.deadline), prefill_ns(r.prompt_tokens, speeds.get(r.model, SPEED))
+        if t0 + p > d:
+            continue  # late: not a schedulable position
+        cum += p
+        heapq.heappush(heap, -p)
+        if t0 + cum > d:
+            cum += heapq.heappop(heap)
+            out.append((r.req_id, None))
+        else:
+            out.append((r.req_id, d - cum))
+    return out
 
 
 def fresh_schedule(q: DeadlineQueue, now: float, speeds: dict[str, float]) -> list[str]:
@@ -129,6 +153,109 @@ def test_incremental_queue_equals_a_fresh_algorithm_2_run(ops, abort):
         assert [r.req_id for r in q.schedule(now)] == schedule
         assert {r.req_id for r in q.deferred(now)} == deferred
         assert {r.req_id for r in q.late(now)} == late
+
+
+calm_op = st.one_of(
+    st.tuples(
+        st.just("push"), st.sampled_from("ab"), st.integers(0, 300), st.sampled_from([2.0, 5.0, 10.0, 20.0])
+    ),
+    st.tuples(st.just("advance"), st.floats(0, 0.3)),
+    st.tuples(st.just("admit"), st.integers(0, 2), st.integers(0, 2), st.booleans()),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(calm_op, min_size=10, max_size=80), pressure=st.sampled_from([1.0, 0.5, 0.3, 0.2]))
+def test_incremental_queue_equals_a_fresh_run_when_requests_join_mid_queue(ops, pressure):
+    """Interleaved SLOs put most arrivals mid-queue; a lower ``pressure`` shrinks the SLOs so that
+    slack gets tight and the schedule drops requests. It must equal a fresh run after every step."""
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    now, n = 0.0, 0
+    for o in ops:
+        if o[0] == "push":
+            q.push(request(f"r{n}", o[1], arrival=now, tokens=o[2], slo=o[3] * pressure))
+            n += 1
+        elif o[0] == "advance":
+            now += o[1]
+        else:
+            before, _, late_before = fresh_run(q, now, {})
+            out = q.admit(now, device(), roomy_engines({"a": o[1], "b": o[2]}, {"b": o[3]}, {}))
+            assert all(isinstance(a, Dispatch) and a.request.req_id in set(before) | late_before for a in out)
+        schedule, deferred, late = fresh_run(q, now, {})
+        assert [r.req_id for r in q.schedule(now)] == schedule
+        assert {r.req_id for r in q.deferred(now)} == deferred
+        assert {r.req_id for r in q.late(now)} == late
+        # every position whose check passes carries its exact margin (positions that drop someone,
+        # late ones included, are compared through the schedule above)
+        passing = [x for x in q.latest_starts_ns(now) if x[1] is not None]
+        assert passing == [x for x in fresh_latest_starts(q, now, {}) if x[1] is not None]
+
+
+def test_mid_queue_arrivals_join_without_a_rerun():
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    for i, slo in enumerate([20.0, 5.0, 10.0, 2.0, 15.0, 1.0]):
+        q.push(request(f"r{i}", arrival=0.0, tokens=100, slo=slo))
+        q.schedule(0.0)
+    assert q.stats["middle_inserts"] == 5 and q.stats["replans"] == 1  # only the first push re-ran
+    assert [r.req_id for r in q.schedule(0.0)] == ["r5", "r3", "r1", "r2", "r4", "r0"]
+
+
+def test_margins_stay_exact_after_arrivals_that_skipped_a_rerun():
+    # "x" (model b, loading) arrives mid-queue right after a position that dropped a request ("p2"),
+    # then "y" (b) arrives mid-queue without a re-run, and "z" (a, 0.7 s) arrives last. Starting z
+    # ahead of x and y would make them late; a stale margin would let it start.
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    for rid, model, tokens, slo in [("p1", "a", 500, 1.0), ("p2", "a", 600, 1.05), ("p3", "a", 50, 5.0)]:
+        q.push(request(rid, model, arrival=0.0, tokens=tokens, slo=slo))
+        q.schedule(0.0)
+    q.push(request("x", "b", arrival=0.0, tokens=100, slo=1.2))
+    q.schedule(0.0)
+    q.push(request("y", "b", arrival=0.0, tokens=100, slo=1.5))
+    q.schedule(0.0)
+    q.push(request("z", "a", arrival=0.0, tokens=700, slo=9.0))
+    engines = {"a": engine("a", free_gib=1), "b": engine("b", free_gib=1, ready=False)}
+    out = q.admit(0.0, device(), engines)
+    assert [a.request.req_id for a in out] == ["p1", "p3"], "z would make x and y miss their deadlines"
+    assert q.stats["middle_inserts"] >= 1
+    assert [r.req_id for r in q.schedule(0.0)] == fresh_schedule(q, 0.0, {})
+
+
+def test_tail_arrival_after_a_mid_queue_one_gets_its_exact_margin():
+    # e1 joins mid-queue (before p0) without a re-run; then y (b, loading) and z (a, 10 s) arrive
+    # last. Once e1 and p0 start, y still has 10.4 - 0.3 = 10.1 s of slack, so z may go ahead of it.
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    for rid, model, tokens, slo in [("p0", "a", 100, 10.0), ("e1", "a", 200, 5.0), ("y", "b", 100, 10.5)]:
+        q.push(request(rid, model, arrival=0.0, tokens=tokens, slo=slo))
+        q.schedule(0.0)
+    q.push(request("z", "a", arrival=0.0, tokens=10_000, slo=30.0))
+    assert q.stats["middle_inserts"] == 1
+    engines = {"a": engine("a", free_gib=1), "b": engine("b", free_gib=1, ready=False)}
+    assert [a.request.req_id for a in q.admit(0.0, device(), engines)] == ["e1", "p0", "z"]
+
+
+def test_walk_counts_the_prefill_of_requests_that_joined_mid_queue():
+    # E and X join ahead of A without re-runs. Once E and A start, X (loading) must still start by
+    # 2.8 s; Z (2.5 s) would end at 3.1 s, so it must wait.
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    for rid, model, tokens, slo in [("A", "a", 100, 10.0), ("E", "a", 500, 2.0), ("X", "b", 200, 3.0)]:
+        q.push(request(rid, model, arrival=0.0, tokens=tokens, slo=slo))
+        q.schedule(0.0)
+    q.push(request("Z", "a", arrival=0.0, tokens=2500, slo=20.0))
+    assert q.stats["middle_inserts"] == 2
+    engines = {"a": engine("a", free_gib=1), "b": engine("b", free_gib=1, ready=False)}
+    assert [a.request.req_id for a in q.admit(0.0, device(), engines)] == ["E", "A"]
+
+
+def test_time_can_pass_only_as_far_as_the_tightest_margin_after_a_mid_queue_arrival():
+    # X joins between A and B without a re-run and takes 0.3 s of B's slack: B now fails once the
+    # start time passes 0.79 s (not 0.89 s, the limit before X counted)
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    for rid, tokens, slo in [("A", 10, 1.0), ("B", 500, 1.6), ("X", 300, 1.2)]:
+        q.push(request(rid, arrival=0.0, tokens=tokens, slo=slo))
+        q.schedule(0.0)
+    assert q.stats["middle_inserts"] == 1
+    assert [r.req_id for r in q.schedule(0.85)] == ["A", "X"]
+    assert [r.req_id for r in q.deferred(0.85)] == ["B"]
 
 
 def test_fast_paths_are_used_on_a_steady_stream():

@@ -26,18 +26,23 @@ return; all times are integer nanoseconds so the fresh and the incremental sums 
 - each position records the latest ``T0`` at which its deadline check still passes; while ``T0``
   stays at or below the minimum of those, every check and so every removal is unchanged;
 - a request whose deadline is the latest in the queue is folded in as one more Moore-Hodgson step;
+- a request whose deadline falls mid-queue joins the schedule directly when every position has at
+  least its prefill time of slack (then a fresh run would keep it and drop exactly the same ones);
+  the later positions' margins are not rewritten but corrected by an "insert event" list;
 - a late arrival is dropped at its own position by any run, so it is filed as late directly;
 - dispatching a kept request shifts ``T0`` and the later positions' sums by the same amount, so only
   the checks before it need re-testing, which the dispatch walk does as it goes;
 - a dropped request removed when it was dropped at its own position changes nothing.
-Anything else (a deadline in the middle of the queue, a speed change) marks the schedule stale and
-the next call that can dispatch recomputes it: O(n) for n schedulable requests, about 0.2 us each
-in CPython. ``replans`` and the other counters in ``stats`` show how often each path ran.
+Anything else (a mid-queue arrival without that slack, a cancelled kept request, a speed change)
+marks the schedule stale and the next call that can dispatch recomputes it: O(n) for n schedulable
+requests, about 0.2 us each in CPython. ``replans`` and the other counters in ``stats`` show how
+often each path ran.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from bisect import bisect_left, insort
 from collections.abc import Mapping, Sequence
@@ -149,9 +154,16 @@ class DeadlineQueue(RequestQueue):
         self._self_popped: set[int] = set()  # dropped at their own position: removing them changes nothing
         self._heap_gone: set[int] = set()  # keys of dispatched requests still in _heap (lazy deletion)
         self._min_p = 0  # a lower bound on every candidate's prefill time
+        # Requests that joined the schedule in the middle without a re-run ("insert events"): each adds
+        # its prefill to the sums of every later position. Stored margins are not rewritten; the true
+        # margin of an entry is  margin + _moff - (prefill of the events before it).
+        self._ev_keys: list[tuple[int, int]] = []
+        self._ev_p: list[int] = []
+        self._ev_prefix: list[int] = [0]
+        self._ev_dirty = False
         self._moff = 0
         self._held: list[Action] = []  # rejections found outside admit, returned by the next admit
-        self.stats = {"replans": 0, "fast_appends": 0, "fast_dispatches": 0, "reused": 0}
+        self.stats = {"replans": 0, "fast_appends": 0, "middle_inserts": 0, "fast_dispatches": 0, "reused": 0}
 
     # -- queue contract ------------------------------------------------------------------------
 
@@ -177,7 +189,8 @@ class DeadlineQueue(RequestQueue):
         return e.request
 
     def requests(self) -> list[Request]:
-        return [e.request for e in sorted(self._entries.values(), key=_SORT)]
+        """Every queued request, in the order they were pushed."""
+        return [e.request for e in sorted(self._entries.values(), key=attrgetter("seq"))]
 
     def schedule(self, now: float) -> list[Request]:
         """The kept schedule at ``now`` in run order (brings the schedule up to date; dispatches nothing).
@@ -190,6 +203,18 @@ class DeadlineQueue(RequestQueue):
     def start_ns(self, now: float) -> int:
         """T0 in integer nanoseconds: when the next prefill could start (tests and tracing)."""
         return self._t0_at(now)
+
+    def latest_starts_ns(self, now: float) -> list[tuple[str, int | None]]:
+        """Per schedulable request in deadline order: the latest T0 (ns) at which its position's
+        deadline check passes, None where the check fails (tests and tracing)."""
+        self._refresh(self._t0_at(now), self._held)
+        return [
+            (
+                e.request.req_id,
+                None if e.margin >= _FAR // 2 else e.margin + self._moff - self._ev_before(e.sort),
+            )
+            for e in self._cands
+        ]
 
     def deferred(self, now: float) -> list[Request]:
         """Requests the schedule drops at ``now`` that could still meet their deadline if started now."""
@@ -276,19 +301,14 @@ class DeadlineQueue(RequestQueue):
         if len(pending) > 1:
             pending.sort(key=_SORT)
         cands = self._cands
-        if not self._valid or (cands and pending[0].sort < cands[-1].sort):
-            for e in pending:
-                e.where = "cand"
-            if len(pending) <= 8:
-                for e in pending:
-                    insort(cands, e, key=_SORT)
-            else:
-                cands.extend(pending)
-                cands.sort(key=_SORT)
-            self._valid = False
-            return
+        rest = pending if not self._valid else []
         heap, gone = self._heap, self._heap_gone
-        for e in pending:
+        for i, e in enumerate(pending if self._valid else ()):
+            if cands and e.sort < cands[-1].sort:
+                if self._insert_middle(e, t0):
+                    continue
+                rest = pending[i:]
+                break
             self.stats["fast_appends"] += 1
             e.where = "cand"
             self._min_p = min(self._min_p, e.p)
@@ -311,9 +331,63 @@ class DeadlineQueue(RequestQueue):
             else:
                 heapq.heappush(heap, e.key)
                 self._cum = c
-                e.margin = e.deadline - c - self._moff
+                e.margin = e.deadline - c - self._moff + self._ev_before(e.sort)
                 self._limit = min(self._limit, e.deadline - c)
             cands.append(e)
+        if rest:
+            for e in rest:
+                e.where = "cand"
+            if len(rest) <= 8:
+                for e in rest:
+                    insort(cands, e, key=_SORT)
+            else:
+                cands.extend(rest)
+                cands.sort(key=_SORT)
+            self._valid = False
+
+    def _insert_middle(self, e: _Entry, t0: int) -> bool:
+        """Add ``e`` (its deadline is not the latest) to the schedule without a re-run when a fresh
+        run provably keeps it and changes nothing else, which holds if every position's margin is at
+        least ``e``'s prefill: then no later check fails because of it, and at every later drop the
+        request dropped is longer than ``e`` (the position before a failing check has less slack
+        than that request's prefill), so the drops are the same. The same bound makes ``e`` meet its
+        own deadline after the kept requests before it. Returns False, changing nothing, otherwise.
+        """
+        if len(self._ev_keys) >= 512 or self._limit - e.p < t0:
+            return False  # (the event list is capped so a walk never scans a long one; a run clears it)
+        cands = self._cands
+        k = bisect_left(cands, e.sort, key=_SORT)
+        cum = 0
+        if k:
+            prev = cands[k - 1]
+            if prev.margin >= _FAR // 2:
+                return False  # the position before dropped someone: the sum there is not stored
+            cum = prev.deadline - (prev.margin + self._moff - self._ev_before(prev.sort))
+        self.stats["middle_inserts"] += 1
+        e.where = "cand"
+        margin = e.deadline - cum - e.p
+        e.margin = margin - self._moff + self._ev_before(e.sort)
+        cands.insert(k, e)
+        j = bisect_left(self._ev_keys, e.sort)
+        self._ev_keys.insert(j, e.sort)
+        self._ev_p.insert(j, e.p)
+        self._ev_dirty = True
+        heapq.heappush(self._heap, e.key)
+        self._cum += e.p
+        self._min_p = min(self._min_p, e.p)
+        self._limit = min(self._limit - e.p, margin)
+        return True
+
+    def _ev_prefix_sums(self) -> list[int]:
+        if self._ev_dirty:
+            self._ev_prefix = [0, *itertools.accumulate(self._ev_p)]
+            self._ev_dirty = False
+        return self._ev_prefix
+
+    def _ev_before(self, sort: tuple[int, int]) -> int:
+        if not self._ev_keys:
+            return 0
+        return self._ev_prefix_sums()[bisect_left(self._ev_keys, sort)]
 
     def _replan(self, t0: int, out: list[Action]) -> None:
         """A fresh Algorithm 2 run at ``t0`` over every schedulable request."""
@@ -379,6 +453,7 @@ class DeadlineQueue(RequestQueue):
         self._dropped = dropped
         self._self_popped = self_popped
         self._min_p = 0 if min_p == _FAR else min_p
+        self._ev_keys, self._ev_p, self._ev_prefix, self._ev_dirty = [], [], [0], False
         # margins were computed relative to t0; store them as "latest T0" by folding t0 into the offset
         self._moff = t0
         self._t0 = t0
@@ -422,6 +497,8 @@ class DeadlineQueue(RequestQueue):
         dropped = self._dropped
         base = self._moff
         min_p = self._min_p
+        ev_keys, ev_p = self._ev_keys, self._ev_p
+        ev_i = ev_sum = 0  # prefill of the insert events before the current position
         for idx, e in enumerate(cands):
             if not startable or kept_min < t + min_p:
                 break  # nobody left to start, or no request is short enough to start ahead
@@ -447,7 +524,10 @@ class DeadlineQueue(RequestQueue):
                     startable.intersection_update(room.startable())
                 elif fit is not Fit.OK:
                     startable.discard(model)
-            m = e.margin + base + shift
+            while ev_i < len(ev_keys) and ev_keys[ev_i] < e.sort:
+                ev_sum += ev_p[ev_i]
+                ev_i += 1
+            m = e.margin + base + shift - ev_sum
             if m < all_min:
                 all_min = m
             if kept and m < kept_min:
