@@ -28,27 +28,29 @@ return; all times are integer nanoseconds so the fresh and the incremental sums 
 - a request whose deadline is the latest in the queue is folded in as one more Moore-Hodgson step;
 - a request whose deadline falls mid-queue joins the schedule directly when every position has at
   least its prefill time of slack (then a fresh run would keep it and drop exactly the same ones);
-  the later positions' margins are not rewritten but corrected by an "insert event" list;
+  the later positions' margins shrink by its prefill in one C-level pass over a list;
 - a late arrival is dropped at its own position by any run, so it is filed as late directly;
 - dispatching a kept request shifts ``T0`` and the later positions' sums by the same amount, so only
-  the checks before it need re-testing, which the dispatch walk does as it goes;
+  the checks before it need re-testing, which the dispatch walk does as it goes (jumping over the
+  requests of models that cannot start anything with list scans);
 - a dropped request removed when it was dropped at its own position changes nothing.
 Anything else (a mid-queue arrival without that slack, a cancelled kept request, a speed change)
 marks the schedule stale and the next call that can dispatch recomputes it: O(n) for n schedulable
 requests, about 0.2 us each in CPython. ``replans`` and the other counters in ``stats`` show how
-often each path ran.
+often each path ran. The pure algorithm is ``moore_hodgson.moore_hodgson``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
-import itertools
-import math
 from bisect import bisect_left, insort
-from collections.abc import Mapping, Sequence
-from operator import attrgetter
+from collections.abc import Mapping
+from itertools import repeat
+from operator import attrgetter, sub
 
 from prism_serve.control.capacity import DeviceRoom, Fit
+from prism_serve.control.moore_hodgson import NS, moore_hodgson, prefill_ns, to_ns
 from prism_serve.control.queues import RequestQueue, _reject_never
 from prism_serve.control.types import (
     Action,
@@ -61,53 +63,24 @@ from prism_serve.control.types import (
     Request,
 )
 
-__all__ = ["NS", "DeadlineQueue", "moore_hodgson", "to_ns"]
+__all__ = ["NS", "DeadlineQueue", "moore_hodgson", "prefill_ns", "to_ns"]
 
-NS = 1_000_000_000
 _FAR = 1 << 62  # "never binds": the margin of a position whose check failed (it stays failed)
 _SPEED_TOLERANCE = 0.02  # speed changes below this are noise; re-scheduling for them costs O(n)
 _SEQ_BITS = 40  # a queue would need 10^12 pushes before sequence numbers spill into the prefill bits
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 
 
-def to_ns(t: float) -> int:
-    return round(t * NS)
-
-
-def prefill_ns(prompt_tokens: int, tokens_per_s: float) -> int:
-    return math.ceil(prompt_tokens * NS / tokens_per_s)
-
-
-def moore_hodgson(jobs: Sequence[tuple[float, float]], t0: float) -> list[int]:
-    """Algorithm 2 on ``(deadline, prefill_time)`` pairs starting at ``t0``.
-
-    Returns the indices of the kept schedule in the order they run (deadline, then index). Among
-    equally long prefills the lower index is dropped first.
-    """
-    order = sorted(range(len(jobs)), key=lambda i: (jobs[i][0], i))
-    heap: list[tuple[float, int]] = []
-    t = t0
-    for i in order:
-        deadline, p = jobs[i]
-        t += p
-        if t > deadline:
-            t += heapq.heappushpop(heap, (-p, i))[0]
-        else:
-            heapq.heappush(heap, (-p, i))
-    kept = {i for _, i in heap}
-    return [i for i in order if i in kept]
-
-
 class _Entry:
-    __slots__ = ("deadline", "key", "margin", "p", "request", "seq", "sort", "where")
+    __slots__ = ("deadline", "key", "model", "p", "request", "seq", "sort", "where")
 
     def __init__(self, request: Request, seq: int, p: int) -> None:
         self.request = request
+        self.model = request.model
         self.seq = seq
         self.deadline = to_ns(request.deadline)
         self.sort = (self.deadline, seq)
         self.set_p(p)
-        self.margin = _FAR  # latest T0 (minus the queue's offset) at which this position's check passes
         self.where = "pending"  # pending | cand | late
 
     def set_p(self, p: int) -> None:
@@ -118,6 +91,8 @@ class _Entry:
 
 
 _SORT = attrgetter("sort")
+_SEQ = attrgetter("seq")
+_MODEL = attrgetter("model")
 
 
 class DeadlineQueue(RequestQueue):
@@ -154,13 +129,10 @@ class DeadlineQueue(RequestQueue):
         self._self_popped: set[int] = set()  # dropped at their own position: removing them changes nothing
         self._heap_gone: set[int] = set()  # keys of dispatched requests still in _heap (lazy deletion)
         self._min_p = 0  # a lower bound on every candidate's prefill time
-        # Requests that joined the schedule in the middle without a re-run ("insert events"): each adds
-        # its prefill to the sums of every later position. Stored margins are not rewritten; the true
-        # margin of an entry is  margin + _moff - (prefill of the events before it).
-        self._ev_keys: list[tuple[int, int]] = []
-        self._ev_p: list[int] = []
-        self._ev_prefix: list[int] = [0]
-        self._ev_dirty = False
+        # Parallel to _cands, so scans and bulk updates run in C: _margins[i] + _moff is the latest T0
+        # at which position i's deadline check passes (_FAR where it fails); _models[i] its model.
+        self._margins: list[int] = []
+        self._models: list[str] = []
         self._moff = 0
         self._held: list[Action] = []  # rejections found outside admit, returned by the next admit
         self.stats = {"replans": 0, "fast_appends": 0, "middle_inserts": 0, "fast_dispatches": 0, "reused": 0}
@@ -181,7 +153,8 @@ class DeadlineQueue(RequestQueue):
         elif e.where == "late":
             del self._late[bisect_left(self._late, e.sort, key=_SORT)]
         else:
-            del self._cands[bisect_left(self._cands, e.sort, key=_SORT)]
+            i = bisect_left(self._cands, e.sort, key=_SORT)
+            del self._cands[i], self._margins[i], self._models[i]
             if e.seq not in self._self_popped:
                 self._valid = False
             self._dropped.discard(e.seq)
@@ -209,11 +182,8 @@ class DeadlineQueue(RequestQueue):
         deadline check passes, None where the check fails (tests and tracing)."""
         self._refresh(self._t0_at(now), self._held)
         return [
-            (
-                e.request.req_id,
-                None if e.margin >= _FAR // 2 else e.margin + self._moff - self._ev_before(e.sort),
-            )
-            for e in self._cands
+            (e.request.req_id, None if m >= _FAR // 2 else m + self._moff)
+            for e, m in zip(self._cands, self._margins, strict=True)
         ]
 
     def deferred(self, now: float) -> list[Request]:
@@ -270,9 +240,9 @@ class DeadlineQueue(RequestQueue):
             if e.device != self.device or e.prefill_tokens_per_s is None:
                 continue
             old = self._speed.get(model, self.default_prefill_tokens_per_s)
-            self._speed[model] = e.prefill_tokens_per_s
             if abs(e.prefill_tokens_per_s - old) <= _SPEED_TOLERANCE * old:
-                continue
+                continue  # noise: every request of a model keeps being timed at one speed
+            self._speed[model] = e.prefill_tokens_per_s
             self._valid = False
             for entry in self._entries.values():
                 if entry.request.model == model:
@@ -285,6 +255,7 @@ class DeadlineQueue(RequestQueue):
                     entry.where = "cand"
                 self._cands.extend(back)
                 self._cands.sort(key=_SORT)
+                self._realign()
 
     def _absorb_pending(self, t0: int, out: list[Action]) -> None:
         pending = []
@@ -320,10 +291,11 @@ class DeadlineQueue(RequestQueue):
                 key = heapq.heappushpop(heap, e.key)
                 self._cum = c + (key >> _SEQ_BITS)
                 self._dropped.add(key & _SEQ_MASK)
-                e.margin = _FAR
+                self._margins.append(_FAR)
                 if key == e.key:
                     self._self_popped.add(e.seq)
                     if self.abort_on_miss:
+                        self._margins.pop()
                         self._reject_miss(e, out, "dropped by the deadline schedule")
                         continue
                 elif self.abort_on_miss:
@@ -331,19 +303,29 @@ class DeadlineQueue(RequestQueue):
             else:
                 heapq.heappush(heap, e.key)
                 self._cum = c
-                e.margin = e.deadline - c - self._moff + self._ev_before(e.sort)
+                self._margins.append(e.deadline - c - self._moff)
                 self._limit = min(self._limit, e.deadline - c)
             cands.append(e)
+            self._models.append(e.model)
         if rest:
             for e in rest:
                 e.where = "cand"
             if len(rest) <= 8:
                 for e in rest:
-                    insort(cands, e, key=_SORT)
+                    i = bisect_left(cands, e.sort, key=_SORT)
+                    cands.insert(i, e)
+                    self._margins.insert(i, _FAR)
+                    self._models.insert(i, e.model)
             else:
                 cands.extend(rest)
                 cands.sort(key=_SORT)
+                self._realign()
             self._valid = False
+
+    def _realign(self) -> None:
+        """Rebuild the parallel lists after a bulk change; the schedule is stale then anyway."""
+        self._margins = [_FAR] * len(self._cands)
+        self._models = list(map(_MODEL, self._cands))
 
     def _insert_middle(self, e: _Entry, t0: int) -> bool:
         """Add ``e`` (its deadline is not the latest) to the schedule without a re-run when a fresh
@@ -353,41 +335,27 @@ class DeadlineQueue(RequestQueue):
         than that request's prefill), so the drops are the same. The same bound makes ``e`` meet its
         own deadline after the kept requests before it. Returns False, changing nothing, otherwise.
         """
-        if len(self._ev_keys) >= 512 or self._limit - e.p < t0:
-            return False  # (the event list is capped so a walk never scans a long one; a run clears it)
-        cands = self._cands
+        if self._limit - e.p < t0:
+            return False
+        cands, margins = self._cands, self._margins
         k = bisect_left(cands, e.sort, key=_SORT)
         cum = 0
         if k:
-            prev = cands[k - 1]
-            if prev.margin >= _FAR // 2:
+            if margins[k - 1] >= _FAR // 2:
                 return False  # the position before dropped someone: the sum there is not stored
-            cum = prev.deadline - (prev.margin + self._moff - self._ev_before(prev.sort))
+            cum = cands[k - 1].deadline - (margins[k - 1] + self._moff)
         self.stats["middle_inserts"] += 1
         e.where = "cand"
         margin = e.deadline - cum - e.p
-        e.margin = margin - self._moff + self._ev_before(e.sort)
         cands.insert(k, e)
-        j = bisect_left(self._ev_keys, e.sort)
-        self._ev_keys.insert(j, e.sort)
-        self._ev_p.insert(j, e.p)
-        self._ev_dirty = True
+        self._models.insert(k, e.model)
+        margins.insert(k, margin - self._moff)
+        margins[k + 1 :] = map(sub, margins[k + 1 :], repeat(e.p))  # later sums grow by its prefill
         heapq.heappush(self._heap, e.key)
         self._cum += e.p
         self._min_p = min(self._min_p, e.p)
         self._limit = min(self._limit - e.p, margin)
         return True
-
-    def _ev_prefix_sums(self) -> list[int]:
-        if self._ev_dirty:
-            self._ev_prefix = [0, *itertools.accumulate(self._ev_p)]
-            self._ev_dirty = False
-        return self._ev_prefix
-
-    def _ev_before(self, sort: tuple[int, int]) -> int:
-        if not self._ev_keys:
-            return 0
-        return self._ev_prefix_sums()[bisect_left(self._ev_keys, sort)]
 
     def _replan(self, t0: int, out: list[Action]) -> None:
         """A fresh Algorithm 2 run at ``t0`` over every schedulable request."""
@@ -397,10 +365,12 @@ class DeadlineQueue(RequestQueue):
         dropped: set[int] = set()
         self_popped: set[int] = set()
         late: list[_Entry] = []
+        margins: list[int] = []
+        add_margin = margins.append
         cum = 0
         far = limit = min_p = _FAR
         bits, mask = _SEQ_BITS, _SEQ_MASK
-        # the hot loop of admission: locals only, one attribute store per request
+        # the hot loop of admission: locals only
         for e in self._cands:
             p = e.p
             d = e.deadline - t0
@@ -414,13 +384,14 @@ class DeadlineQueue(RequestQueue):
                 key = pushpop(heap, e.key)
                 cum = c + (key >> bits)
                 dropped.add(key & mask)
-                e.margin = far
+                add_margin(far)
                 if key == e.key:
                     self_popped.add(key & mask)
             else:
                 push(heap, e.key)
                 cum = c
-                e.margin = m = d - c
+                m = d - c
+                add_margin(m)
                 if m < limit:
                     limit = m
         keep = self._cands
@@ -439,21 +410,22 @@ class DeadlineQueue(RequestQueue):
                     self._reject_miss(e, out, "dropped by the deadline schedule")
             keep = [e for e in keep if e.seq not in dropped]
             dropped, self_popped = set(), set()
-            cum, limit = 0, _FAR
+            cum, limit, margins = 0, _FAR, []
             for e in keep:  # the kept set alone: no check fails, only the margins change
                 cum += e.p
-                e.margin = m = e.deadline - t0 - cum
-                limit = min(limit, m)
+                margins.append(e.deadline - t0 - cum)
+                limit = min(limit, margins[-1])
             heap = [e.key for e in keep]
             heapq.heapify(heap)
         self._cands = keep
+        self._margins = margins
+        self._models = list(map(_MODEL, keep))
         self._heap = heap
         self._heap_gone.clear()
         self._cum = cum
         self._dropped = dropped
         self._self_popped = self_popped
         self._min_p = 0 if min_p == _FAR else min_p
-        self._ev_keys, self._ev_p, self._ev_prefix, self._ev_dirty = [], [], [0], False
         # margins were computed relative to t0; store them as "latest T0" by folding t0 into the offset
         self._moff = t0
         self._t0 = t0
@@ -485,68 +457,85 @@ class DeadlineQueue(RequestQueue):
         A request may start ahead of earlier kept ones only if they all still meet their deadlines
         (``kept_min``). If that makes an earlier *deferred* position's check fail (``all_min``), the
         rest of the schedule is still optimal but may differ from a fresh run's; it is recomputed at
-        the next call.
+        the next call. Requests of models that cannot start anything only count towards those
+        minimums, so the walk jumps over them with C-level scans.
         """
         t = t0
-        shift = 0
+        shift = 0  # prefill of the requests dispatched so far in this walk
         kept_min = _FAR  # latest T0 at which every kept position walked past meets its deadline
         all_min = _FAR  # the same over every position walked past
         gone: list[int] = []
         never: list[_Entry] = []
-        cands = self._cands
+        cands, margins, models = self._cands, self._margins, self._models
         dropped = self._dropped
         base = self._moff
-        min_p = self._min_p
-        ev_keys, ev_p = self._ev_keys, self._ev_p
-        ev_i = ev_sum = 0  # prefill of the insert events before the current position
-        for idx, e in enumerate(cands):
-            if not startable or kept_min < t + min_p:
+        n = len(cands)
+        idx = 0
+        while idx < n and startable:
+            nxt = n  # the next position whose model could start something
+            for model in startable:
+                with contextlib.suppress(ValueError):  # not in [idx, nxt)
+                    nxt = models.index(model, idx, nxt)
+            if nxt > idx:
+                low = min(margins[idx:nxt]) + base + shift
+                all_min = min(all_min, low)
+                if dropped and not dropped.isdisjoint(map(_SEQ, cands[idx:nxt])):
+                    low = (
+                        min(
+                            (
+                                m
+                                for m, e in zip(margins[idx:nxt], cands[idx:nxt], strict=True)
+                                if e.seq not in dropped
+                            ),
+                            default=_FAR,
+                        )
+                        + base
+                        + shift
+                    )
+                kept_min = min(kept_min, low)
+            if nxt == n or kept_min < t + self._min_p:
                 break  # nobody left to start, or no request is short enough to start ahead
-            req = e.request
-            model = req.model
+            e = cands[nxt]
             kept = e.seq not in dropped
-            if kept and model in startable:
-                fit = room.fit(model, req.prompt_tokens)
+            if kept:
+                req = e.request
+                fit = room.fit(e.model, req.prompt_tokens)
                 if fit is Fit.OK and kept_min >= t + e.p:
-                    room.take(model, req.prompt_tokens)
+                    room.take(e.model, req.prompt_tokens)
                     del self._entries[req.req_id]
                     self._emit(out, Dispatch(req, self.device))
                     t += e.p
                     shift += e.p
-                    gone.append(idx)
-                    if not room.can_start_any(model):
-                        startable.discard(model)
+                    gone.append(nxt)
+                    if not room.can_start_any(e.model):
+                        startable.discard(e.model)
+                    idx = nxt + 1
                     continue
                 if fit is Fit.NEVER:
                     never.append(e)
-                elif fit is Fit.NO_MEMORY and room.short_of_shared(model, req.prompt_tokens):
+                elif fit is Fit.NO_MEMORY and room.short_of_shared(e.model, req.prompt_tokens):
                     room.shared_blocked = True
                     startable.intersection_update(room.startable())
                 elif fit is not Fit.OK:
-                    startable.discard(model)
-            while ev_i < len(ev_keys) and ev_keys[ev_i] < e.sort:
-                ev_sum += ev_p[ev_i]
-                ev_i += 1
-            m = e.margin + base + shift - ev_sum
-            if m < all_min:
-                all_min = m
-            if kept and m < kept_min:
-                kept_min = m
+                    startable.discard(e.model)
+            m = margins[nxt] + base + shift
+            all_min = min(all_min, m)
+            if kept:
+                kept_min = min(kept_min, m)
+            idx = nxt + 1
         if gone:
             self.stats["fast_dispatches"] += len(gone)
             # Positions after a dispatched request lose its prefill from their sums while T0 gains it:
             # their latest-T0 margins rise by it, which the offset below applies to all. Positions
             # before it keep their margins, so they give back what the offset adds.
             done, prev = 0, 0
-            for idx in gone:
-                back = shift - done
-                for j in range(prev, idx):
-                    cands[j].margin -= back
-                done += cands[idx].p
-                prev = idx + 1
-            for idx in reversed(gone):
-                self._heap_gone.add(cands[idx].key)
-                del cands[idx]
+            for i in gone:
+                margins[prev:i] = map(sub, margins[prev:i], repeat(shift - done))
+                done += cands[i].p
+                prev = i + 1
+            for i in reversed(gone):
+                self._heap_gone.add(cands[i].key)
+                del cands[i], margins[i], models[i]
             self._cum -= shift
             self._moff += shift
             # all_min < t (a deferred position's check now fails) leaves _limit below _t0, so the
