@@ -6,6 +6,7 @@ from prism_serve.control import (
     Activate,
     DeadlineQueue,
     Defer,
+    Dispatch,
     Enqueue,
     Evict,
     FifoQueue,
@@ -15,7 +16,7 @@ from prism_serve.control import (
     RejectReason,
     get_policy,
 )
-from tests.control.factories import apply, cluster, model, request
+from tests.control.factories import apply, cluster, engine, model, request
 
 NOW = 1000.0
 
@@ -132,3 +133,26 @@ def test_placement_settles_and_repeats_nothing():
 def test_queue_kind_follows_the_local_scheduling_knob():
     assert isinstance(get_policy("prism").new_queue("d0"), DeadlineQueue)
     assert isinstance(get_policy("prism", deadline_admission=False).new_queue("d0"), FifoQueue)
+
+
+def test_request_for_an_evicted_model_flows_from_routing_to_dispatch():
+    """on_request -> apply (activation) -> queue -> admit, as the runtime and the simulator drive it."""
+    models = [
+        model("busy", on=("d0",), weight_gib=40, last=NOW, running=4),
+        model("idle", on=("d0",), weight_gib=35, last=0.0),
+        model("cold", weight_gib=30),
+    ]
+    c = cluster(models, {"d0": 80})
+    policy = get_policy("prism")
+    queues = {d: policy.new_queue(d) for d in c.devices}
+    req = request("r1", "cold", arrival=NOW, tokens=50, slo=1.0)
+    actions = policy.on_request(req, c, NOW)
+    assert actions == [Evict("idle"), Activate("cold", ("d0",)), Enqueue(req, "d0")]
+    c = apply(c, actions[:-1])
+    queues["d0"].push(actions[-1].request)
+    assert c.models["cold"].placement == ("d0",) and "idle" not in c.devices["d0"].models
+    loading = {"cold": engine("cold", ready=False, free_gib=1)}
+    assert policy.admit(queues["d0"], c.devices["d0"], loading, NOW) == []
+    ready = {"cold": engine("cold", free_gib=1, speed=10_000.0)}
+    assert policy.admit(queues["d0"], c.devices["d0"], ready, NOW + 0.5) == [Dispatch(req, "d0")]
+    assert policy.place(c, NOW + 0.5) == [], "nothing left to move"
