@@ -149,6 +149,32 @@ def test_prefetch_thread_keeps_a_buffer_between_min_and_max(make_ledger):
     assert ledger.snapshot().used_bytes == 0
 
 
+def test_the_refill_target_grows_after_a_burst_and_decays_after(make_ledger):
+    ledger = make_ledger(budget_bytes=64 * P)
+    pool = make_pool(
+        ledger,
+        16 * KiB,
+        num_pages=64,
+        prefetch=True,
+        buffer_min_pages=1,
+        buffer_max_pages=8,
+        buffer_decay_s=0.3,
+    )
+    wait_for(lambda: pool.stats().empty_pages == 1)
+    burst = pool.allocate(12)  # three pages at once: the one-page buffer runs dry
+    assert pool.stats().sync_maps > 0 and pool.stats().refill_target == 2
+    wait_for(lambda: pool.stats().empty_pages == 2)
+    burst += pool.allocate(12)
+    assert pool.stats().refill_target == 4
+    wait_for(lambda: pool.stats().empty_pages == 4)
+    maps = pool.stats().sync_maps
+    burst += pool.allocate(12)  # the same burst again: served from the grown buffer
+    assert pool.stats().sync_maps == maps
+    wait_for(lambda: pool.stats().refill_target == 1)  # no misses for a while: back to the minimum
+    pool.free(burst)
+    pool.close()
+
+
 def test_shrinking_the_limit_waits_for_pages_to_empty(make_ledger):
     ledger = make_ledger(budget_bytes=64 * P)
     pool = make_pool(ledger, 16 * KiB, prefetch=True, buffer_min_pages=1, buffer_max_pages=2)

@@ -10,7 +10,9 @@ Where blocks come from, cheapest first:
 1. a free ready block on the most-utilized page that has one (packs blocks, so pages empty out and
    fewer new pages are needed);
 2. a free ready block on an empty mapped page: the pre-mapped buffer, kept between
-   ``buffer_min_pages`` and ``buffer_max_pages`` by a background thread, so decode rarely maps;
+   ``buffer_min_pages`` and ``buffer_max_pages`` by a background thread, so decode rarely maps
+   (the refill target doubles, up to the max, whenever a burst emptied the buffer, e.g. a batch
+   whose sequences cross a block boundary in the same step, and decays when bursts stop);
 3. mapping new pages on the caller's thread, each granted by the device ledger first; when the
    ledger refuses, ``allocate`` returns None and nothing the call took is kept.
 
@@ -24,6 +26,7 @@ import heapq
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,6 +51,7 @@ class PoolConfig:
     buffer_max_pages: int = 8  # and unmaps empty pages beyond this many
     prefetch: bool = True  # False: no thread; pages are mapped and unmapped on the caller's thread
     poll_interval_s: float = 0.05  # the thread also re-reads this engine's limit from the ledger
+    buffer_decay_s: float = 10.0  # the adaptive refill target drops a page per this long without a miss
     limit_bytes: int | None = None  # this engine's cap in the ledger (changeable at run time)
     ledger_namespace: str | None = None  # default: $PRISM_LEDGER_NAMESPACE or the user id
     device_budget_bytes: int | None = None  # budget if this pool creates the device ledger; default: all
@@ -55,8 +59,8 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.buffer_min_pages <= self.buffer_max_pages:
             raise InvalidRequestError("need 0 <= buffer_min_pages <= buffer_max_pages")
-        if self.poll_interval_s <= 0:
-            raise InvalidRequestError("poll_interval_s must be positive")
+        if self.poll_interval_s <= 0 or self.buffer_decay_s <= 0:
+            raise InvalidRequestError("poll_interval_s and buffer_decay_s must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,7 @@ class PoolStats:
     unmaps: int
     mapped_pages: int
     empty_pages: int  # mapped pages no allocated block touches (the buffer)
+    refill_target: int  # pages the prefetch thread currently keeps ready (adaptive, min..max)
     used_blocks: int
 
 
@@ -124,6 +129,8 @@ class ElasticKVPool:
         self._sync_maps = self._prefetch_maps = self._unmaps = 0
         self._closed = False
         self._wake = threading.Event()
+        self._refill_target = config.buffer_min_pages  # grows on misses (see _note_miss)
+        self._last_miss = 0.0
         self._thread: threading.Thread | None = None
         if config.prefetch and config.buffer_max_pages > 0:
             self._thread = threading.Thread(target=self._prefetch_loop, name="prism-kv-prefetch", daemon=True)
@@ -199,7 +206,9 @@ class ElasticKVPool:
             self._blocks_allocated += num_blocks
             if self._sync_maps == maps_before:
                 self._blocks_without_map += num_blocks
-            low = len(self._empty) < self.config.buffer_min_pages
+            elif self._thread is not None:
+                self._note_miss()
+            low = len(self._empty) < self._refill_target
         if low and self._thread is not None:
             self._wake.set()
         return got
@@ -249,6 +258,7 @@ class ElasticKVPool:
                 unmaps=self._unmaps,
                 mapped_pages=self.vrange.num_mapped_pages,
                 empty_pages=len(self._empty),
+                refill_target=self._refill_target,
                 used_blocks=self._num_used,
             )
 
@@ -436,6 +446,12 @@ class ElasticKVPool:
 
     # ---- the prefetch thread ----------------------------------------------------------------------
 
+    def _note_miss(self) -> None:
+        """The buffer ran dry inside one allocate call: keep twice as many pages ready from now on."""
+        cfg = self.config
+        self._refill_target = min(cfg.buffer_max_pages, max(1, 2 * self._refill_target))
+        self._last_miss = time.monotonic()
+
     def _prefetch_loop(self) -> None:
         cfg = self.config
         while True:
@@ -447,6 +463,13 @@ class ElasticKVPool:
                 limit = self.account.entry().limit_bytes  # `prism memory --set-limit` from anywhere
                 with self._lock:
                     self._limit = limit
+                    now = time.monotonic()
+                    if (
+                        self._refill_target > cfg.buffer_min_pages
+                        and now - self._last_miss > cfg.buffer_decay_s
+                    ):
+                        self._refill_target -= 1
+                        self._last_miss = now  # one page per decay period
                 while self._prefetch_one(unmap=True):
                     pass
                 while self._prefetch_one(unmap=False):
@@ -469,7 +492,7 @@ class ElasticKVPool:
                 p = max(self._empty)
                 self._forget_page(p)
             else:
-                if len(self._empty) >= cfg.buffer_min_pages:
+                if len(self._empty) >= self._refill_target:
                     return False
                 p = self._lowest_unmapped()
                 if p is None:
