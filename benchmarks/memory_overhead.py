@@ -253,12 +253,21 @@ def bench_engine(opts: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {k: [] for k in engines}
     for rep in range(opts.reps):
         for kind in ("fixed", "elastic") if rep % 2 == 0 else ("elastic", "fixed"):
-            common.wait_quiet(opts.quiet_wait, opts.max_other_load)
-            start = common.cpu_seconds()
-            t0 = time.perf_counter()
-            r = decode_run(engines[kind], prompts, opts.tokens)
-            r["other_load"] = common.other_load_since(start, time.perf_counter() - t0)
-            runs[kind].append(r)
+            best = None
+            for attempt in range(opts.retries + 1):  # a run disturbed by other processes is redone
+                common.wait_quiet(opts.quiet_wait, opts.max_other_load)
+                start = common.cpu_seconds()
+                t0 = time.perf_counter()
+                r = decode_run(engines[kind], prompts, opts.tokens)
+                r["other_load"], r["attempts"] = (
+                    common.other_load_since(start, time.perf_counter() - t0),
+                    attempt + 1,
+                )
+                if best is None or r["other_load"] < best["other_load"]:
+                    best = r
+                if r["other_load"] <= opts.max_other_load:
+                    break
+            runs[kind].append(r := best)
             print(
                 f"  rep {rep} {kind:<8} {r['decode_tok_s']:7.1f} tok/s, other load {r['other_load']:.2f}",
                 flush=True,
@@ -293,13 +302,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=256, help="engine: new tokens per request")
     ap.add_argument("--reps", type=int, default=4, help="engine: runs per pool, alternated")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-other-load", type=float, default=0.15)
+    ap.add_argument("--max-other-load", type=float, default=0.15, help="cores; more counts as disturbed")
+    ap.add_argument("--retries", type=int, default=3, help="re-runs of an engine run disturbed by others")
     ap.add_argument("--quiet-wait", type=float, default=60.0)
     ap.add_argument("--out", type=Path, default=common.REPO_ROOT / "results" / "memory_overhead.json")
     ap.add_argument("--quick", action="store_true")
     opts = ap.parse_args()
     if opts.quick:
         opts.pages, opts.steps, opts.tokens, opts.reps, opts.batch, opts.quiet_wait = 50, 300, 32, 2, 4, 5
+        opts.retries = 0
     return opts
 
 
