@@ -36,6 +36,11 @@ class Knobs:
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def _check_shared(self) -> None:
+        """Range checks of the knobs every policy has (``reserve_tokens``, ``min_kv_fraction``)."""
+        require(getattr(self, "reserve_tokens", 0) >= 0, "reserve_tokens must be >= 0")
+        require(0 <= getattr(self, "min_kv_fraction", 0.0) < 1, "min_kv_fraction must be in [0, 1)")
+
 
 def require(ok: bool, message: str) -> None:
     if not ok:

@@ -15,7 +15,6 @@ from prism_serve.control.policies.base import (
     Policy,
     min_kv_bytes,
     no_capacity,
-    require,
     route_resident,
     unknown_model,
 )
@@ -31,8 +30,7 @@ class DedicatedKnobs(Knobs):
     min_kv_fraction: float = 0.05
 
     def __post_init__(self) -> None:
-        require(self.reserve_tokens >= 0, "reserve_tokens must be >= 0")
-        require(0 <= self.min_kv_fraction < 1, "min_kv_fraction must be in [0, 1)")
+        self._check_shared()
 
 
 class DedicatedPolicy(Policy):

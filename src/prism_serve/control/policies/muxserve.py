@@ -57,8 +57,7 @@ class MuxServeKnobs(Knobs):
     high_util: float = 0.9
 
     def __post_init__(self) -> None:
-        require(self.reserve_tokens >= 0, "reserve_tokens must be >= 0")
-        require(0 <= self.min_kv_fraction < 1, "min_kv_fraction must be in [0, 1)")
+        self._check_shared()
         require(self.max_mesh_groups >= 1, "max_mesh_groups must be >= 1")
         fraction("quota_step", self.quota_step)
         fraction("low_util", self.low_util)

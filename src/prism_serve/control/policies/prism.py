@@ -77,8 +77,7 @@ class PrismKnobs(Knobs):
         )
         require(self.idle_threshold_s >= 0, "idle_threshold_s must be >= 0")
         fraction("memory_watermark", self.memory_watermark, open_low=True)
-        require(0 <= self.min_kv_fraction < 1, "min_kv_fraction must be in [0, 1)")
-        require(self.reserve_tokens >= 0, "reserve_tokens must be >= 0")
+        self._check_shared()
         require(self.default_prefill_tokens_per_s > 0, "default_prefill_tokens_per_s must be > 0")
 
 

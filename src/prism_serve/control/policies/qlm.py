@@ -54,8 +54,7 @@ class QLMKnobs(Knobs):
 
     def __post_init__(self) -> None:
         require(self.max_group_size >= 1, "max_group_size must be >= 1")
-        require(self.reserve_tokens >= 0, "reserve_tokens must be >= 0")
-        require(0 <= self.min_kv_fraction < 1, "min_kv_fraction must be in [0, 1)")
+        self._check_shared()
 
 
 class QLMPolicy(Policy):

@@ -36,8 +36,7 @@ class StaticPartitionKnobs(Knobs):
     def __post_init__(self) -> None:
         require(all(s > 0 for _, s in self.shares), "every share must be > 0")
         require(len({m for m, _ in self.shares}) == len(self.shares), "a model is listed twice in shares")
-        require(self.reserve_tokens >= 0, "reserve_tokens must be >= 0")
-        require(0 <= self.min_kv_fraction < 1, "min_kv_fraction must be in [0, 1)")
+        self._check_shared()
 
 
 class StaticPartitionPolicy(Policy):
