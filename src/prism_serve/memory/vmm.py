@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
@@ -95,6 +96,8 @@ class VirtualRange(ABC):
         self.num_pages = -(-num_bytes // page_size)
         self._mapped = bytearray(self.num_pages)
         self._num_mapped = 0
+        # The KV pool's prefetch thread maps pages while the engine thread maps others.
+        self._count_lock = threading.Lock()
         self._closed = False
         self._tensor: torch.Tensor | None = None
         # Phase timings in ns, filled only when record_phases is set (benchmarks).
@@ -127,8 +130,9 @@ class VirtualRange(ABC):
         if self._mapped[page]:
             raise MemoryBackendError(f"page {page} of {self.device} is already mapped")
         self._map(page)
-        self._mapped[page] = 1
-        self._num_mapped += 1
+        with self._count_lock:
+            self._mapped[page] = 1
+            self._num_mapped += 1
 
     def unmap_page(self, page: int) -> None:
         """Unmap ``page`` and give its physical memory back; its contents are lost."""
@@ -136,8 +140,9 @@ class VirtualRange(ABC):
         if not self._mapped[page]:
             raise MemoryBackendError(f"page {page} of {self.device} is not mapped")
         self._unmap(page)
-        self._mapped[page] = 0
-        self._num_mapped -= 1
+        with self._count_lock:
+            self._mapped[page] = 0
+            self._num_mapped -= 1
 
     def as_tensor(self) -> torch.Tensor:
         """The whole range as a flat uint8 tensor (same object every call; view it as KV or weights)."""
