@@ -15,7 +15,9 @@ from typing import ClassVar
 from prism_serve.control.queues import RequestQueue
 from prism_serve.control.types import (
     Action,
+    Activate,
     ClusterSnapshot,
+    Defer,
     DeviceSnapshot,
     EngineSnapshot,
     Enqueue,
@@ -95,6 +97,22 @@ class Policy:
         self, queue: RequestQueue, device: DeviceSnapshot, engines: Mapping[str, EngineSnapshot], now: float
     ) -> list[Action]:
         return queue.admit(now, device, engines)
+
+    def _route_or_wait_for_tick(
+        self, request: Request, cluster: ClusterSnapshot, now: float, *, defer: str, refuse: str
+    ) -> list[Action]:
+        """``on_request`` of the policies that place models only on their tick: enqueue for a resident
+        model, defer when the next ``place()`` would activate the model, refuse otherwise. ``defer`` and
+        ``refuse`` are format strings over the model's snapshot ``m``."""
+        m = cluster.models.get(request.model)
+        if m is None:
+            return [unknown_model(request)]
+        routed = route_resident(request, m)
+        if routed is not None:
+            return routed
+        if any(isinstance(a, Activate) and a.model == m.model for a in self.place(cluster, now)):
+            return [Defer(request, defer.format(m=m))]
+        return [no_capacity(request, refuse.format(m=m))]
 
 
 def unknown_model(request: Request) -> Reject:

@@ -14,12 +14,9 @@ from prism_serve.control.policies.base import (
     Knobs,
     Policy,
     min_kv_bytes,
-    no_capacity,
-    route_resident,
-    unknown_model,
 )
 from prism_serve.control.queues import FifoQueue, RequestQueue
-from prism_serve.control.types import Action, Activate, ClusterSnapshot, Defer, Request
+from prism_serve.control.types import Action, Activate, ClusterSnapshot, Request
 
 __all__ = ["DedicatedKnobs", "DedicatedPolicy"]
 
@@ -62,12 +59,10 @@ class DedicatedPolicy(Policy):
         return actions
 
     def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
-        m = cluster.models.get(request.model)
-        if m is None:
-            return [unknown_model(request)]
-        routed = route_resident(request, m)
-        if routed is not None:
-            return routed
-        if any(a.model == m.model for a in self.place(cluster, now)):
-            return [Defer(request, f"{m.model} gets its dedicated devices at the next placement tick")]
-        return [no_capacity(request, f"no {m.tp_size} free device(s) left to dedicate to {m.model}")]
+        return self._route_or_wait_for_tick(
+            request,
+            cluster,
+            now,
+            defer="{m.model} gets its dedicated devices at the next placement tick",
+            refuse="no {m.tp_size} free device(s) left to dedicate to {m.model}",
+        )

@@ -28,17 +28,13 @@ from prism_serve.control.policies.base import (
     Policy,
     fraction,
     min_kv_bytes,
-    no_capacity,
     require,
-    route_resident,
-    unknown_model,
 )
 from prism_serve.control.queues import RequestQueue, RoundRobinQueue
 from prism_serve.control.types import (
     Action,
     Activate,
     ClusterSnapshot,
-    Defer,
     ModelSnapshot,
     Request,
     SetKVQuota,
@@ -130,15 +126,13 @@ class MuxServePolicy(Policy):
         return RoundRobinQueue(device, reserve_tokens=self.knobs.reserve_tokens)
 
     def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
-        m = cluster.models.get(request.model)
-        if m is None:
-            return [unknown_model(request)]
-        routed = route_resident(request, m)
-        if routed is not None:
-            return routed
-        if any(isinstance(a, Activate) and a.model == m.model for a in self.place(cluster, now)):
-            return [Defer(request, f"{m.model} is placed at the next placement tick")]
-        return [no_capacity(request, f"no mesh can hold {m.model} next to the models already placed")]
+        return self._route_or_wait_for_tick(
+            request,
+            cluster,
+            now,
+            defer="{m.model} is placed at the next placement tick",
+            refuse="no mesh can hold {m.model} next to the models already placed",
+        )
 
     def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
         new = [m for m in cluster.models.values() if not m.resident]

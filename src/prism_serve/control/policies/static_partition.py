@@ -16,13 +16,10 @@ from prism_serve.control.policies.base import (
     Knobs,
     Policy,
     min_kv_bytes,
-    no_capacity,
     require,
-    route_resident,
-    unknown_model,
 )
 from prism_serve.control.queues import FifoQueue, RequestQueue
-from prism_serve.control.types import Action, Activate, ClusterSnapshot, Defer, Request, SetKVQuota
+from prism_serve.control.types import Action, Activate, ClusterSnapshot, Request, SetKVQuota
 
 __all__ = ["StaticPartitionKnobs", "StaticPartitionPolicy"]
 
@@ -85,12 +82,10 @@ class StaticPartitionPolicy(Policy):
         return actions
 
     def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
-        m = cluster.models.get(request.model)
-        if m is None:
-            return [unknown_model(request)]
-        routed = route_resident(request, m)
-        if routed is not None:
-            return routed
-        if any(isinstance(a, Activate) and a.model == m.model for a in self.place(cluster, now)):
-            return [Defer(request, f"{m.model} gets its partition at the next placement tick")]
-        return [no_capacity(request, f"no device has a partition left for {m.model}")]
+        return self._route_or_wait_for_tick(
+            request,
+            cluster,
+            now,
+            defer="{m.model} gets its partition at the next placement tick",
+            refuse="no device has a partition left for {m.model}",
+        )
