@@ -71,12 +71,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _render_ledgers(namespace: str | None, devices: list[str]) -> str:
+def _render_ledgers(namespace: str | None, only: str | None) -> str:
+    """The ledger of device ``only``, or of every device with one in ``namespace``, as a table."""
     import datetime
 
     from prism_serve.memory.ledger import DeviceLedger, ledger_path
     from prism_serve.memory.vmm import format_size
 
+    devices = [only] if only else DeviceLedger.list_devices(namespace)
     if not devices:
         return f"no memory ledgers in namespace {namespace or '(default)'} (no engine has run)\n"
     lines = []
@@ -129,14 +131,15 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                     ledger.set_limit(slot, None if size.lower() == "none" else parse_size(size))
         finally:
             ledger.close()
-    devices = [args.device] if args.device else DeviceLedger.list_devices(ns)
     if args.watch is None:
-        sys.stdout.write(_render_ledgers(ns, devices))
+        sys.stdout.write(_render_ledgers(ns, args.device))
         return 0
     while True:  # like `watch`: redraw until Ctrl-C
-        devices = [args.device] if args.device else DeviceLedger.list_devices(ns)
         sys.stdout.write(
-            "\x1b[H\x1b[2J" + time.strftime("%H:%M:%S  ") + "prism memory\n" + _render_ledgers(ns, devices)
+            "\x1b[H\x1b[2J"
+            + time.strftime("%H:%M:%S  ")
+            + "prism memory\n"
+            + _render_ledgers(ns, args.device)
         )
         sys.stdout.flush()
         time.sleep(args.watch)

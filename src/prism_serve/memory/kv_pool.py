@@ -171,8 +171,9 @@ class ElasticKVPool:
     @property
     def num_free_blocks(self) -> int:
         """Free blocks obtainable now: ready ones plus what the ledger's headroom would map."""
-        entry = self.account.entry()
-        snap_free = self.account.ledger.snapshot().free_bytes
+        snap = self.account.ledger.snapshot()  # one ledger operation for both numbers
+        entry = next(e for e in snap.entries if e.slot == self.account.slot)
+        snap_free = snap.free_bytes
         headroom = (
             snap_free if entry.limit_bytes is None else min(snap_free, entry.limit_bytes - entry.mapped_bytes)
         )
@@ -192,9 +193,7 @@ class ElasticKVPool:
             got: list[int] = []
             maps_before = self._sync_maps
             for _ in range(num_blocks):
-                b = self._pick_ready()
-                if b is None:
-                    b = self._map_for_new_block()
+                b = self._next_block()
                 if b is None:
                     for g in got:
                         self._release(g)
@@ -279,8 +278,7 @@ class ElasticKVPool:
         with self._lock:
             for p in range(self._num_pages):
                 if self.vrange.is_mapped(p):
-                    self._forget_page(p)
-                    self._unmap_page(p)
+                    self._unmap(p)
         if self._owns:
             self.vrange.close()
             self.account.close()
@@ -411,8 +409,9 @@ class ElasticKVPool:
                 return p
         return None
 
-    def _map_for_new_block(self) -> int | None:
-        """Map the pages of the lowest block on the lowest unmapped page; None if refused or full."""
+    def _next_block(self) -> int | None:
+        """A ready free block (fullest page first), else the lowest block on the lowest unmapped page
+        with its pages mapped now; None if the ledger or the limit refuses, or the range is full."""
         while True:
             ready = self._pick_ready()  # the prefetch thread may have just delivered a page
             if ready is not None:
