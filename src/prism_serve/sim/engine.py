@@ -1,0 +1,331 @@
+"""A simulated engine: the live engine's scheduler (engine/scheduler.py) on counts instead of tensors.
+
+Each step takes every running request first (one token per decode, the next chunk of a prefill in
+progress), then waiting requests while the token budget, ``max_num_seqs`` and KV blocks last; a
+running request that cannot get a block preempts the newest running one, which goes back to the
+front of the waiting queue and is recomputed from its prompt plus the tokens it already produced.
+New work is admitted only in steps that preempted nothing. Blocks come from the device ledger
+(``memory.SimDevice``) on every device of the model's tensor-parallel group.
+
+Speed: a step in which every scheduled request decodes is stretched into a *run* of up to
+``max_run_steps`` identical-shaped steps, ending no later than the first request's last token. Its
+blocks are granted up front, so between its start and its end the engine may hold up to
+``max_run_steps`` tokens per request of KV that the live engine would map step by step (2 blocks at
+the defaults); a dispatch or memory freed elsewhere on the device cuts the run at the next step
+boundary, and the blocks not needed then are returned. Step durations inside a run come from the
+cost model one by one (contexts grow every step), so a run's timing equals its steps' timings.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prism_serve.control.types import Request
+from prism_serve.sim.cost import RooflineCostModel
+from prism_serve.sim.memory import SimDevice
+from prism_serve.sim.models import ServedModel
+
+__all__ = ["SimEngine", "SimRequest", "SimSeq"]
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One request's life in the simulator (times in simulated seconds)."""
+
+    req_id: str
+    model: str
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft_slo: float
+    tpot_slo: float
+    control: Request = field(repr=False)
+    first_token: float | None = None
+    finish: float | None = None
+    rejected: str | None = None  # RejectReason value
+    num_preemptions: int = 0
+    num_restarts: int = 0  # engine stopped under it (evicted or migrated) and it started over
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finish is None or self.first_token is None:
+            return None
+        return (self.finish - self.first_token) / max(1, self.output_tokens - 1)
+
+
+class SimSeq:
+    __slots__ = ("generated", "num_blocks", "num_computed", "num_tokens", "req")
+
+    def __init__(self, req: SimRequest) -> None:
+        self.req = req
+        self.generated = 0
+        self.num_tokens = req.prompt_tokens
+        self.num_computed = 0
+        self.num_blocks = 0
+
+
+class SimEngine:
+    """One model's engine on its devices (rank 0 first)."""
+
+    def __init__(
+        self,
+        model: ServedModel,
+        devices: list[SimDevice],
+        cost: RooflineCostModel,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_run_steps: int,
+        quota: int | None = None,
+    ) -> None:
+        self.model = model
+        self.name = model.name
+        self.devices = devices
+        self.cost = cost
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_run_steps = max_run_steps
+        self.quota = quota  # KV bytes per device, None: no cap
+        kvpt = -(-model.spec.kv_bytes_per_token // model.tp_size)
+        self.kv_bytes_per_token = kvpt  # per device
+        self.block_bytes = kvpt * block_size
+        self.used_blocks = 0
+        self.running: list[SimSeq] = []
+        self.waiting: deque[SimSeq] = deque()
+        # the step (or run of decode steps) in flight
+        self.busy = False
+        self.version = 0  # bumps when the in-flight step's end moves; stale StepDone events are dropped
+        self.start = 0.0
+        self.end = 0.0
+        self._scheduled: list[tuple[SimSeq, int]] = []
+        self._run_k = 0  # > 0: a decode run of that many steps
+        self._cum: np.ndarray | None = None
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.dirty = True  # anything EngineSnapshot reports changed since the simulator last read it
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def add(self, req: SimRequest) -> None:
+        self.dirty = True
+        self.waiting.append(SimSeq(req))
+        self._update_claim()
+
+    def drop_all(self) -> list[SimRequest]:
+        """Stop the engine: free every block and hand back its unfinished requests."""
+        out = [s.req for s in self.running] + [s.req for s in self.waiting]
+        self.dirty = True
+        self.running.clear()
+        self.waiting.clear()
+        self.used_blocks = 0
+        for d in self.devices:
+            d.set_kv(self.name, 0)
+            d.claim(self._claim_key, 0)
+        self.busy = False
+        self.version += 1
+        return out
+
+    @property
+    def _claim_key(self) -> str:
+        return f"{self.name}#prompts"
+
+    def _update_claim(self) -> None:
+        # prompts dispatched but not yet holding blocks: promised memory (see memory.py)
+        need = sum(s.num_tokens + 1 for s in self.waiting) * self.kv_bytes_per_token
+        for d in self.devices:
+            d.claim(self._claim_key, need)
+
+    def claimed_bytes(self) -> int:
+        return self.devices[0].claims.get(self._claim_key, 0)
+
+    # -- blocks --------------------------------------------------------------------------------
+
+    def _try_blocks(self, extra: int) -> bool:
+        """Grant ``extra`` more blocks on every device, or nothing."""
+        if extra <= 0:
+            return True
+        new_bytes = (self.used_blocks + extra) * self.block_bytes
+        if self.quota is not None and new_bytes > self.quota:
+            return False
+        for d in self.devices:
+            if d.kv_delta_pages(self.name, new_bytes) > d.free_pages:
+                return False
+        self.used_blocks += extra
+        self.dirty = True
+        for d in self.devices:
+            d.set_kv(self.name, new_bytes)
+        return True
+
+    def _return_blocks(self, n: int) -> None:
+        if n:
+            self.used_blocks -= n
+            self.dirty = True
+            for d in self.devices:
+                d.set_kv(self.name, self.used_blocks * self.block_bytes)
+
+    def _grow(self, seq: SimSeq, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.block_size) - seq.num_blocks
+        if need <= 0:
+            return True
+        if not self._try_blocks(need):
+            return False
+        seq.num_blocks += need
+        return True
+
+    def _release(self, seq: SimSeq) -> None:
+        self._return_blocks(seq.num_blocks)
+        seq.num_blocks = 0
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _schedule(self) -> list[tuple[SimSeq, int]]:
+        scheduled: list[tuple[SimSeq, int]] = []
+        budget = self.max_num_batched_tokens
+        preempted = False
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = running.pop()
+                self._release(victim)
+                victim.num_computed = 0
+                victim.req.num_preemptions += 1
+                self.num_preemptions += 1
+                self.waiting.appendleft(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def start_step(self, now: float) -> float | None:
+        """Schedule the next step (or decode run) at ``now``; its end time, or None if idle."""
+        scheduled = self._schedule()
+        self.dirty = True
+        self._update_claim()
+        if not scheduled:
+            self.busy = False
+            return None
+        spec, tp = self.model.spec, self.model.tp_size
+        self.busy = True
+        self.version += 1
+        self.start = now
+        self._scheduled = scheduled
+        self._cum = None
+        self._run_k = 0
+        decoding = all(n == 1 and s.num_computed == s.num_tokens - 1 for s, n in scheduled)
+        if decoding:
+            k = min(self.max_run_steps, min(s.req.output_tokens - s.generated for s, _ in scheduled))
+            k = self._grant_run(k)
+            context = sum(s.num_computed for s, _ in scheduled)
+            self._cum = np.cumsum(self.cost.decode_steps(spec, tp, len(scheduled), context, k))
+            self._run_k = k
+            self.end = now + float(self._cum[-1])
+            return self.end
+        tokens = 0
+        pairs = 0.0
+        kv_read = 0
+        for s, n in scheduled:
+            b = s.num_computed
+            tokens += n
+            pairs += n * (b + (n + 1) / 2)
+            kv_read += b
+        self.end = now + self.cost.step_time(spec, tp, tokens, pairs, kv_read)
+        return self.end
+
+    def _grant_run(self, k: int) -> int:
+        """The longest run (<= k steps) whose blocks can all be granted now; 1 is already granted."""
+        while k > 1:
+            bs = self.block_size
+            extra = sum(-(-(s.num_computed + k) // bs) - s.num_blocks for s, _ in self._scheduled)
+            if self._try_blocks(extra):
+                for s, _ in self._scheduled:
+                    s.num_blocks = -(-(s.num_computed + k) // bs)
+                return k
+            k //= 2
+        return 1
+
+    def cut(self, now: float) -> float | None:
+        """End a decode run at the first step boundary at or after ``now``; the new end, or None if
+        nothing changed (a single step, or the run ends by then anyway)."""
+        if not self.busy or self._run_k <= 1 or now >= self.end:
+            return None
+        j = int(np.searchsorted(self._cum, now - self.start, side="left"))
+        k = j + 1
+        if k >= self._run_k:
+            return None
+        bs = self.block_size
+        extra = 0
+        for s, _ in self._scheduled:
+            keep = -(-(s.num_computed + k) // bs)
+            extra += s.num_blocks - keep
+            s.num_blocks = keep
+        self._return_blocks(extra)
+        self._run_k = k
+        self.end = self.start + float(self._cum[j])
+        self.version += 1
+        return self.end
+
+    def finish_step(self, now: float) -> tuple[list[SimRequest], bool]:
+        """Apply the step that ends at ``now``: (requests finished, whether blocks were freed)."""
+        self.busy = False
+        self.dirty = True
+        finished: list[SimRequest] = []
+        k = self._run_k
+        if k:
+            self.num_steps += k
+            for s, _ in self._scheduled:
+                s.num_computed += k
+                s.generated += k
+                s.num_tokens += k
+        else:
+            self.num_steps += 1
+            for s, n in self._scheduled:
+                s.num_computed += n
+                if s.num_computed == s.num_tokens:
+                    s.generated += 1
+                    s.num_tokens += 1
+                    if s.req.first_token is None:
+                        s.req.first_token = now
+        freed = False
+        for s, _ in self._scheduled:
+            if s.generated >= s.req.output_tokens:
+                s.req.finish = now
+                finished.append(s.req)
+                self.running.remove(s)
+                if s.num_blocks:
+                    freed = True
+                self._release(s)
+        self._scheduled = []
+        self._run_k = 0
+        self._cum = None
+        return finished, freed

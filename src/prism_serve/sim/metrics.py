@@ -1,0 +1,91 @@
+"""What a simulation run measured, and the summary numbers the CLI prints and plots.
+
+- **TTFT attainment**: share of all requests whose first token came within their TTFT SLO. Rejected
+  requests and requests unfinished when the run stopped count as misses.
+- **TPOT attainment**: share of all requests that finished with (finish - first token) /
+  (output tokens - 1) within their TPOT SLO (a one-token output counts as met once it finished).
+- **Throughput**: output tokens per second of *busy* time, where busy time is the union of the
+  intervals in which at least one request was in the system (the paper excludes idle periods).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prism_serve.sim.engine import SimRequest
+
+__all__ = ["SimResult", "attainment"]
+
+
+def attainment(requests: list[SimRequest]) -> tuple[float, float]:
+    """(TTFT, TPOT) attainment over ``requests`` (1.0 for an empty list)."""
+    if not requests:
+        return 1.0, 1.0
+    ttft_ok = tpot_ok = 0
+    for r in requests:
+        if r.first_token is not None and r.first_token - r.arrival <= r.ttft_slo:
+            ttft_ok += 1
+        if r.finish is not None and (r.output_tokens <= 1 or r.tpot <= r.tpot_slo):
+            tpot_ok += 1
+    n = len(requests)
+    return ttft_ok / n, tpot_ok / n
+
+
+@dataclass(slots=True)
+class SimResult:
+    requests: list[SimRequest]
+    end_time: float  # simulated seconds when the run stopped
+    busy_time: float  # seconds with at least one request in the system
+    in_system_integral: float  # integral over time of the number of requests in the system
+    counters: Counter = field(default_factory=Counter)  # activations, evictions, migrations, ...
+    labels: dict = field(default_factory=dict)  # config echo: hardware, policy, devices, synthetic marks
+
+    @property
+    def mean_in_system(self) -> float:
+        """Time-average number of requests in the system (queued, deferred or running)."""
+        return self.in_system_integral / self.end_time if self.end_time > 0 else 0.0
+
+    def per_model(self) -> dict[str, dict]:
+        by: dict[str, list[SimRequest]] = {}
+        for r in self.requests:
+            by.setdefault(r.model, []).append(r)
+        out = {}
+        for m, rs in sorted(by.items()):
+            ttft, tpot = attainment(rs)
+            out[m] = {"requests": len(rs), "ttft_attainment": ttft, "tpot_attainment": tpot}
+        return out
+
+    def summary(self) -> dict:
+        reqs = self.requests
+        ttft, tpot = attainment(reqs)
+        done = [r for r in reqs if r.finish is not None]
+        ttfts = np.array([r.ttft for r in reqs if r.first_token is not None])
+        out_tokens = sum(r.output_tokens for r in done)
+
+        def pct(a: np.ndarray, q: float) -> float | None:
+            return float(np.percentile(a, q)) if len(a) else None
+
+        return {
+            **self.labels,
+            "num_requests": len(reqs),
+            "num_finished": len(done),
+            "num_rejected": sum(1 for r in reqs if r.rejected is not None),
+            "num_unfinished": sum(1 for r in reqs if r.finish is None and r.rejected is None),
+            "ttft_attainment": ttft,
+            "tpot_attainment": tpot,
+            "throughput_tokens_per_s": out_tokens / self.busy_time if self.busy_time > 0 else 0.0,
+            "throughput_requests_per_s": len(done) / self.busy_time if self.busy_time > 0 else 0.0,
+            "ttft_p50_s": pct(ttfts, 50),
+            "ttft_p95_s": pct(ttfts, 95),
+            "ttft_p99_s": pct(ttfts, 99),
+            "activations": self.counters["activations"],
+            "evictions": self.counters["evictions"],
+            "migrations": self.counters["migrations"],
+            "preemptions": sum(r.num_preemptions for r in reqs),
+            "restarts": sum(r.num_restarts for r in reqs),
+            "simulated_s": self.end_time,
+            "busy_s": self.busy_time,
+        }

@@ -1,0 +1,596 @@
+"""The discrete-event simulator: simulated engines and memory, driven by the control/ policies unchanged.
+
+The loop is ``pop the earliest event -> apply it -> drain admissions``. Arrivals call
+``policy.on_request``, ticks call ``policy.place`` (then deferred requests are submitted again), and
+every device whose queue may be able to start work calls ``policy.admit``; the actions they return
+are applied in order, exactly as control/README.md's caller contract says. What the simulator adds is
+the *effect* of those actions:
+
+- ``Activate``: weights are mapped on every device of the placement once they fit (until then the
+  activation waits and its weights are claimed, so admission stops handing that memory to KV); the
+  engine starts ``cost.activation_time`` later.
+- ``Evict``: the engine stops, its weights and KV are unmapped; requests it was running start over
+  (submitted again through ``on_request``, keeping their arrival time). Queued requests stay queued.
+- ``Migrate``: an eviction from the old devices and an activation on the new ones.
+- ``SetKVQuota``: the engine's KV cap per device (an allocation beyond it fails as if memory were
+  full, like the ledger's per-engine limit).
+- ``Dispatch``: the request joins its engine's waiting queue; the engine's scheduler takes it at its
+  next step boundary. ``Reject`` ends the request as a miss.
+
+Snapshots are rebuilt from the simulator's state before every policy call, so every call sees the
+effects of the previous call's actions. Model rates come from ``control.forecast.RateEstimator``; a
+model's rate is refreshed at its own arrivals and for every model at each tick.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from prism_serve.control import (
+    Activate,
+    ClusterSnapshot,
+    Defer,
+    DeviceSnapshot,
+    Dispatch,
+    EngineSnapshot,
+    Enqueue,
+    Evict,
+    Migrate,
+    ModelProfile,
+    ModelSnapshot,
+    ModelState,
+    RateEstimator,
+    Reject,
+    Request,
+    SetKVQuota,
+    get_policy,
+)
+from prism_serve.sim.cost import COST_MODELS
+from prism_serve.sim.engine import SimEngine, SimRequest
+from prism_serve.sim.errors import SimConfigError, SimStateError
+from prism_serve.sim.events import ActivationDone, Arrival, EventQueue, StepDone, Tick
+from prism_serve.sim.hardware import get_hardware
+from prism_serve.sim.memory import SimDevice
+from prism_serve.sim.metrics import SimResult
+from prism_serve.sim.models import ServedModel
+from prism_serve.workload.format import Workload
+
+__all__ = ["ModelSLO", "SimConfig", "Simulator", "simulate"]
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSLO:
+    ttft_s: float
+    tpot_s: float
+
+    def scaled(self, ttft_scale: float, tpot_scale: float | None = None) -> ModelSLO:
+        return ModelSLO(
+            self.ttft_s * ttft_scale, self.tpot_s * (ttft_scale if tpot_scale is None else tpot_scale)
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class SimConfig:
+    """Every simulator knob (the engine knobs mirror engine.EngineConfig and memory.PoolConfig)."""
+
+    num_devices: int
+    hardware: str = "h100"
+    policy: str = "prism"
+    knobs: tuple[tuple[str, object], ...] = ()  # policy knobs, as get_policy keyword arguments
+    cost_model: str = "roofline"
+    tick_s: float = 1.0  # period of policy.place()
+    block_size: int = 16
+    page_size: int = 2 << 20
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_run_steps: int = 32  # decode steps stretched into one event (engine.py)
+    rate_window_s: float = 60.0
+    drain_s: float = 600.0  # after the last arrival, stop at the latest this much later
+    warmup_s: float = 5.0  # the workload starts this late: up-front loading is not charged to requests
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 1:
+            raise SimConfigError("num_devices must be >= 1")
+        if self.cost_model not in COST_MODELS:
+            raise SimConfigError(f"unknown cost model {self.cost_model!r}")
+        get_hardware(self.hardware)
+        for name in ("block_size", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_run_steps"):
+            if getattr(self, name) < 1:
+                raise SimConfigError(f"{name} must be >= 1")
+        if not (self.tick_s > 0 and self.rate_window_s > 0 and self.drain_s >= 0 and self.warmup_s >= 0):
+            raise SimConfigError("tick_s and rate_window_s must be > 0, drain_s and warmup_s >= 0")
+
+
+@dataclass(slots=True)
+class _Model:
+    served: ServedModel
+    slo: ModelSLO
+    profile: ModelProfile
+    prefill_speed: float
+    state: ModelState = ModelState.EVICTED
+    placement: tuple[str, ...] = ()
+    engine: SimEngine | None = None
+    activation_version: int = 0
+    pending: bool = False  # activation waiting for memory
+    num_queued: int = 0  # in a device queue or deferred
+    num_running: int = 0  # dispatched to its engine
+    quota: dict[str, int | None] = field(default_factory=dict)
+    engine_snapshot: EngineSnapshot | None = None  # cached; rebuilt when the engine is dirty
+
+
+class Simulator:
+    def __init__(
+        self,
+        models: list[ServedModel],
+        workload: Workload,
+        slos: Mapping[str, ModelSLO],
+        config: SimConfig,
+    ) -> None:
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            raise SimConfigError("model names must be unique")
+        missing = set(workload.models) - set(names)
+        if missing:
+            raise SimConfigError(f"workload names models the deployment lacks: {sorted(missing)[:5]}")
+        if set(names) - set(slos):
+            raise SimConfigError(f"no SLO for {sorted(set(names) - set(slos))[:5]}")
+        self.config = config
+        self.hw = get_hardware(config.hardware)
+        self.cost = COST_MODELS[config.cost_model](self.hw)
+        self.workload = workload
+        self.policy = get_policy(config.policy, **dict(config.knobs))
+        width = max(2, len(str(config.num_devices - 1)))
+        self.devices = {
+            f"gpu{i:0{width}d}": SimDevice(f"gpu{i:0{width}d}", self.hw.capacity_bytes, config.page_size)
+            for i in range(config.num_devices)
+        }
+        # models with a rank placed on each device; dicts, not sets, so iteration order is reproducible
+        self.on_device: dict[str, dict[str, None]] = {d: {} for d in self.devices}
+        self.queues = {d: self.policy.new_queue(d) for d in self.devices}
+        self.models: dict[str, _Model] = {}
+        for m in models:
+            self.models[m.name] = self._model_state(m, workload, slos[m.name])
+        self.rates = RateEstimator(config.rate_window_s)
+        for name in self.models:
+            self.rates.start(name, 0.0)
+        self.events = EventQueue()
+        self.requests: list[SimRequest] = []
+        self.where: dict[str, str] = {}  # req_id -> "new" | "queued:<device>" | "deferred" | "engine"
+        self.by_id: dict[str, SimRequest] = {}
+        self.backlog: list[SimRequest] = []
+        self.pending_activations: list[str] = []
+        self.to_admit: set[str] = set()
+        self._resubmit: list[SimRequest] = []  # requests to route again once the current actions are applied
+        self._applying = False
+        self.counters: Counter = Counter()
+        self.now = 0.0
+        self.in_system = 0
+        self._integral = 0.0
+        self._busy = 0.0
+        self._last_t = 0.0
+        self._next_arrival = 0
+        self._names = workload.models
+        self._device_cache: dict[str, tuple[int, DeviceSnapshot]] = {}
+        # Snapshots are rebuilt only for what changed: building every one for every policy call
+        # would dominate the run time.
+        self._model_snaps: dict[str, ModelSnapshot] = {}
+        self._stale: dict[str, None] = dict.fromkeys(self.models)  # models whose snapshot must be rebuilt
+
+    def _model_state(self, m: ServedModel, workload: Workload, slo: ModelSLO) -> _Model:
+        mask = workload.model_index == workload.models.index(m.name) if m.name in workload.models else None
+        n = int(mask.sum()) if mask is not None else 0
+        prompt = float(workload.prompt_tokens[mask].mean()) if n else 512.0
+        output = float(workload.output_tokens[mask].mean()) if n else 256.0
+        speed = self.cost.prefill_tokens_per_s(m.spec, m.tp_size, int(prompt))
+        batch = 16  # a typical decode batch for the muxserve estimator's per-request step time
+        step = float(
+            self.cost.decode_steps(m.spec, m.tp_size, batch, int(batch * (prompt + output / 2)), 1)[0]
+        )
+        return _Model(m, slo, ModelProfile(prompt, output, speed, step), speed)
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        wl = self.workload
+        if len(wl):
+            self.events.push(self._arrival_time(0), Arrival(0))
+        self.events.push(0.0, Tick())
+        stop = self._arrival_time(len(wl) - 1) + self.config.drain_s if len(wl) else 0.0
+        while self.events:
+            t, event = self.events.pop()
+            if t > stop:
+                break
+            self._advance(t)
+            event.apply(self, t)
+            self._drain_admissions(t)
+            if self.in_system == 0 and self._next_arrival >= len(wl):
+                break
+        self._advance(min(self.now, stop))
+        labels = {
+            "policy": self.config.policy,
+            "hardware": self.hw.label,
+            "num_devices": self.config.num_devices,
+            "simulated": True,
+        }
+        return SimResult(self.requests, self.now, self._busy, self._integral, self.counters, labels)
+
+    def _arrival_time(self, i: int) -> float:
+        return self.config.warmup_s + float(self.workload.timestamps[i])
+
+    def _advance(self, t: float) -> None:
+        dt = t - self._last_t
+        if dt > 0:
+            self._integral += self.in_system * dt
+            if self.in_system:
+                self._busy += dt
+        self._last_t = t
+        self.now = t
+
+    # -- event handlers ------------------------------------------------------------------------------
+
+    def on_arrival(self, i: int, now: float) -> None:
+        wl = self.workload
+        model = self._names[wl.model_index[i]]
+        m = self.models[model]
+        prompt, output = int(wl.prompt_tokens[i]), int(wl.output_tokens[i])
+        req_id = str(i)
+        control = Request(req_id, model, now, prompt, m.slo.ttft_s)
+        req = SimRequest(req_id, model, now, prompt, output, m.slo.ttft_s, m.slo.tpot_s, control)
+        self.requests.append(req)
+        self.by_id[req_id] = req
+        self.in_system += 1
+        self.rates.observe(model, now)
+        self._stale[m.served.name] = None
+        self._next_arrival = i + 1
+        if i + 1 < len(wl):
+            self.events.push(self._arrival_time(i + 1), Arrival(i + 1))
+        self._submit(req, now)
+
+    def on_tick(self, now: float) -> None:
+        for m in self.models.values():
+            self._stale[m.served.name] = None  # rates moved
+        self._apply(self.policy.place(self._cluster(now), now), now)
+        backlog, self.backlog = self.backlog, []
+        for req in backlog:
+            self.models[req.model].num_queued -= 1
+            self.where[req.req_id] = "new"
+            self._submit(req, now)
+        self.to_admit.update(d for d, q in self.queues.items() if len(q))
+        if self._next_arrival < len(self.workload) or self.in_system:
+            self.events.push(now + self.config.tick_s, Tick())
+
+    def on_step_done(self, model: str, version: int, now: float) -> None:
+        m = self.models[model]
+        e = m.engine
+        if e is None or not e.busy or e.version != version:
+            return  # the step was cut short or the engine stopped
+        finished, freed = e.finish_step(now)
+        for req in finished:
+            self._leave(req)
+            m.num_running -= 1
+        if finished:
+            self._stale[m.served.name] = None
+        self._start(e, now)
+        if freed:
+            self._memory_freed(e.devices, now)
+
+    def on_activation_done(self, model: str, version: int, now: float) -> None:
+        m = self.models[model]
+        if m.activation_version != version or m.state is not ModelState.ACTIVATING:
+            return
+        devices = [self.devices[d] for d in m.placement]
+        quota = m.quota.get(m.placement[0])
+        c = self.config
+        m.engine = SimEngine(
+            m.served,
+            devices,
+            self.cost,
+            block_size=c.block_size,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_run_steps=c.max_run_steps,
+            quota=quota,
+        )
+        m.state = ModelState.ACTIVE
+        self._stale[m.served.name] = None
+        self.counters["activations"] += 1
+        self._apply(self.policy.place(self._cluster(now), now), now)
+        self.to_admit.add(m.placement[0])
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def _submit(self, req: SimRequest, now: float) -> None:
+        self.where[req.req_id] = "new"
+        self._apply(self.policy.on_request(req.control, self._cluster(now), now), now)
+
+    def _leave(self, req: SimRequest) -> None:
+        self.in_system -= 1
+        self.where.pop(req.req_id, None)
+
+    def _drain_admissions(self, now: float) -> None:
+        guard = 0
+        while self.to_admit:
+            d = min(self.to_admit)  # device order: deterministic
+            self.to_admit.discard(d)
+            q = self.queues[d]
+            if not len(q):
+                continue
+            engines = {
+                name: snap
+                for name in self.on_device[d]
+                if (snap := self._engine_snapshot(name)) is not None and snap.device == d
+            }
+            actions = self.policy.admit(q, self._device_snapshot(d), engines, now)
+            if actions:
+                self.devices[d].touch()
+                self._apply(actions, now)
+            guard += 1
+            if guard > 100_000:
+                raise SimStateError("admission did not settle (a policy keeps returning work)")
+
+    # -- actions -------------------------------------------------------------------------------------
+
+    def _apply(self, actions: list, now: float) -> None:
+        """Apply ``actions`` in order; requests they displaced are routed again afterwards, so every
+        policy call sees a snapshot with the previous call's actions fully applied."""
+        if self._applying:
+            self._apply_each(actions, now)
+            return
+        self._applying = True
+        try:
+            self._apply_each(actions, now)
+        finally:
+            self._applying = False
+        while self._resubmit:
+            self._submit(self._resubmit.pop(0), now)
+
+    def _apply_each(self, actions: list, now: float) -> None:
+        for a in actions:
+            match a:
+                case Enqueue(request=r, device=d):
+                    req = self.by_id[r.req_id]
+                    self.queues[d].push(r)
+                    self.devices[d].touch()
+                    self._count_queued(req, +1)
+                    self.where[r.req_id] = f"queued:{d}"
+                    self.to_admit.add(d)
+                case Dispatch(request=r, device=d):
+                    self._dispatch(self.by_id[r.req_id], d, now)
+                case Defer(request=r):
+                    req = self.by_id[r.req_id]
+                    self.backlog.append(req)
+                    self._count_queued(req, +1)
+                    self.where[r.req_id] = "deferred"
+                case Reject(request=r, reason=reason):
+                    req = self.by_id[r.req_id]
+                    if self.where.get(r.req_id, "new") != "new":
+                        self._count_queued(req, -1)
+                    req.rejected = reason.value
+                    self.counters["rejections"] += 1
+                    self._leave(req)
+                case Activate(model=model, devices=devices):
+                    self._activate(model, devices, now)
+                case Evict(model=model):
+                    self._evict(model, now)
+                    self.counters["evictions"] += 1
+                case Migrate(model=model, dst=dst):
+                    self._evict(model, now)
+                    self._activate(model, dst, now)
+                    self.counters["migrations"] += 1
+                case SetKVQuota(model=model, device=d, quota_bytes=q):
+                    m = self.models[model]
+                    m.quota[d] = q
+                    if m.engine is not None and m.placement and m.placement[0] == d:
+                        m.engine.quota = q
+                        m.engine.dirty = True
+                case _:
+                    raise SimStateError(f"cannot apply {a!r}")
+
+    def _count_queued(self, req: SimRequest, delta: int) -> None:
+        m = self.models[req.model]
+        m.num_queued += delta
+        self._stale[m.served.name] = None
+
+    def _dispatch(self, req: SimRequest, device: str, now: float) -> None:
+        m = self.models[req.model]
+        e = m.engine
+        if e is None or m.placement[0] != device:
+            raise SimStateError(f"dispatch of {req.req_id} to {device}, where {req.model} has no engine")
+        m.num_queued -= 1
+        m.num_running += 1
+        self._stale[m.served.name] = None
+        self.where[req.req_id] = "engine"
+        e.add(req)
+        if e.busy:
+            end = e.cut(now)
+            if end is not None:
+                self.events.push(end, StepDone(e.name, e.version))
+        else:
+            self._start(e, now)
+
+    def _start(self, e: SimEngine, now: float) -> None:
+        end = e.start_step(now)
+        if end is not None:
+            self.events.push(end, StepDone(e.name, e.version))
+
+    def _activate(self, model: str, devices: tuple[str, ...], now: float) -> None:
+        m = self.models[model]
+        if m.state is not ModelState.EVICTED:
+            raise SimStateError(f"activate {model}: it is {m.state.value} on {m.placement}")
+        if len(devices) != m.served.tp_size:
+            raise SimStateError(f"activate {model} on {devices}: tp_size is {m.served.tp_size}")
+        m.state = ModelState.ACTIVATING
+        m.placement = tuple(devices)
+        m.activation_version += 1
+        self._stale[m.served.name] = None
+        for d in devices:
+            self.on_device[d][model] = None
+            self.devices[d].touch()
+        self.pending_activations.append(model)
+        self._try_pending(now)
+        # requests of this model queued on another device would never start there: route them again
+        for req_id, where in list(self.where.items()):
+            if where.startswith("queued:") and where[7:] != devices[0] and self.by_id[req_id].model == model:
+                self.queues[where[7:]].cancel(req_id)
+                self.devices[where[7:]].touch()
+                self._count_queued(self.by_id[req_id], -1)
+                self.where[req_id] = "new"
+                self._resubmit.append(self.by_id[req_id])
+
+    def _try_pending(self, now: float) -> None:
+        still = []
+        for model in self.pending_activations:
+            m = self.models[model]
+            part = -(-m.served.spec.weight_bytes // m.served.tp_size)
+            devs = [self.devices[d] for d in m.placement]
+            key = f"{model}#weights"
+            if all(d.pages_for(part) <= d.free_pages for d in devs):
+                for d in devs:
+                    d.claim(key, 0)
+                    d.map_weights(model, part)
+                m.pending = False
+                self.events.push(
+                    now + self.cost.activation_time(m.served.spec, m.served.tp_size),
+                    ActivationDone(model, m.activation_version),
+                )
+            else:
+                for d in devs:
+                    d.claim(key, part)
+                m.pending = True
+                still.append(model)
+        self.pending_activations = still
+
+    def _evict(self, model: str, now: float) -> None:
+        m = self.models[model]
+        if m.state is ModelState.EVICTED:
+            raise SimStateError(f"evict {model}: not resident")
+        restarted = m.engine.drop_all() if m.engine is not None else []
+        devs = [self.devices[d] for d in m.placement]
+        for d in devs:
+            d.unmap_weights(model)
+            d.claim(f"{model}#weights", 0)
+            self.on_device[d.name].pop(model, None)
+            d.touch()
+        if model in self.pending_activations:
+            self.pending_activations.remove(model)
+        m.engine = None
+        m.state = ModelState.EVICTED
+        m.placement = ()
+        m.pending = False
+        m.activation_version += 1
+        self._stale[m.served.name] = None
+        for req in restarted:
+            m.num_running -= 1
+            req.num_restarts += 1
+            self.where[req.req_id] = "new"
+            self._resubmit.append(req)
+        self._memory_freed(devs, now)
+
+    def _memory_freed(self, devs: list[SimDevice], now: float) -> None:
+        if self.pending_activations:
+            self._try_pending(now)
+        for d in devs:
+            if len(self.queues[d.name]):
+                self.to_admit.add(d.name)
+            for name in self.on_device[d.name]:
+                e = self.models[name].engine
+                if e is None or not e.waiting:
+                    continue
+                if not e.busy:
+                    self._start(e, now)
+                else:
+                    end = e.cut(now)
+                    if end is not None:
+                        self.events.push(end, StepDone(e.name, e.version))
+
+    # -- snapshots -----------------------------------------------------------------------------------
+
+    def _model_snapshot(self, m: _Model, now: float) -> ModelSnapshot:
+        sv = m.served
+        name = sv.name
+        if name in self._stale or name not in self._model_snaps:
+            self._stale.pop(name, None)
+            self._model_snaps[name] = ModelSnapshot(
+                name,
+                self.rates.rate(name, now),
+                m.slo.ttft_s,
+                m.slo.tpot_s,
+                sv.spec.weight_bytes,
+                sv.spec.kv_bytes_per_token,
+                sv.tp_size,
+                m.placement,
+                m.state,
+                self.rates.last_arrival(name),
+                m.num_queued,
+                m.num_running,
+                False,
+                m.profile,
+            )
+        return self._model_snaps[name]
+
+    def _device_snapshot(self, d: str) -> DeviceSnapshot:
+        # every change to memory, placements or the queue bumps the device's version
+        dev = self.devices[d]
+        cached = self._device_cache.get(d)
+        if cached is not None and cached[0] == dev.version:
+            return cached[1]
+        q = self.queues[d]
+        snap = DeviceSnapshot(
+            d, dev.capacity_bytes, dev.mapped_bytes, tuple(self.on_device[d]), len(q), q.models()
+        )
+        self._device_cache[d] = (dev.version, snap)
+        return snap
+
+    def _engine_snapshot(self, name: str) -> EngineSnapshot | None:
+        m = self.models[name]
+        e = m.engine
+        if e is None:
+            return None
+        if not e.dirty and m.engine_snapshot is not None:
+            return m.engine_snapshot
+        e.dirty = False
+        rank0 = e.devices[0]
+        used = e.used_blocks * e.block_bytes
+        limit = rank0.capacity_bytes - rank0.weight_pages.get(name, 0) * rank0.page_size
+        if e.quota is not None:
+            limit = min(limit, e.quota)
+        snap = EngineSnapshot(
+            name,
+            rank0.name,
+            e.kv_bytes_per_token,
+            True,
+            max(0, rank0.kv_mapped_bytes(name) - used),
+            used + e.claimed_bytes(),
+            e.quota,
+            max(0, limit),
+            e.num_requests,
+            e.max_num_seqs,
+            m.prefill_speed,
+        )
+        m.engine_snapshot = snap
+        return snap
+
+    def _cluster(self, now: float) -> ClusterSnapshot:
+        for name in list(self._stale):
+            self._model_snapshot(self.models[name], now)
+        models = self._model_snaps
+        devices = {d: self._device_snapshot(d) for d in self.devices}
+        engines = {}
+        for name, m in self.models.items():
+            if m.engine is not None:
+                engines[name] = self._engine_snapshot(name)
+        return ClusterSnapshot(models, devices, engines)
+
+
+def simulate(
+    models: list[ServedModel], workload: Workload, slos: Mapping[str, ModelSLO], config: SimConfig
+) -> SimResult:
+    """Run one simulation to the end (every request finished, or ``drain_s`` after the last arrival)."""
+    if any(m.tp_size > config.num_devices for m in models):
+        raise SimConfigError(f"a model's tp_size exceeds the {config.num_devices} devices")
+    if not all(math.isfinite(s.ttft_s) and s.ttft_s > 0 for s in slos.values()):
+        raise SimConfigError("SLOs must be finite and > 0")
+    return Simulator(models, workload, slos, config).run()
