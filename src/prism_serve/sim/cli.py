@@ -1,0 +1,235 @@
+"""``prism sim`` and ``prism workload``: argument parsing and handlers (cli.py only registers them).
+
+    prism workload --setup paper-8 --total-rate 5 --duration 1800 --out w.jsonl   # build + statistics
+    prism sim --setup paper-8 --gpus 2 --sweep rate --values 0.5,1,2,4 --out results/sim-8
+    prism sim --setup paper-58 --gpus 32 --find-gpus 0.99 --policies prism,muxserve,static-partition
+
+Outputs of ``prism sim --out DIR``: results.json (every point's summary, the SLOs, the command line),
+slos.json (the unscaled SLOs, reusable with ``--slos``), and PNG plots (sweep.png, gpus_needed.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["add_sim_parser", "add_workload_parser"]
+
+_COMMON_POLICIES = "prism,muxserve,static-partition,qlm"
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    from prism_serve.sim.models import SETUPS
+    from prism_serve.workload.builder import LENGTH_FILES
+
+    p.add_argument(
+        "--setup", default="paper-8", choices=list(SETUPS), help="the served models (sim/models.py)"
+    )
+    p.add_argument("--workload", type=Path, help="read this JSONL workload instead of building one")
+    p.add_argument("--source", default="servegen:m-large", help="servegen:<pool> or azure:conv|code")
+    p.add_argument("--lengths", default="azure:conv", choices=list(LENGTH_FILES))
+    p.add_argument("--duration", type=float, default=1800.0, help="seconds of workload")
+    p.add_argument("--start", type=float, default=None, help="ServeGen start time, s (default day 2 10:00)")
+    p.add_argument("--total-rate", type=float, default=None, help="mean total req/s at rate scale 1")
+    p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--traces", type=Path, default=None, help="trace directory (default $PRISM_TRACES)")
+
+
+def _workload(args: argparse.Namespace, models: list):
+    from prism_serve.workload.builder import WorkloadSpec, build_workload
+    from prism_serve.workload.format import read_jsonl
+
+    names = tuple(m.name for m in models)
+    if args.workload is not None:
+        return read_jsonl(args.workload, names), None
+    extra = {} if args.start is None else {"start_s": args.start}
+    spec = WorkloadSpec(
+        names,
+        source=args.source,
+        lengths=args.lengths,
+        duration_s=args.duration,
+        rate_scale=args.rate_scale,
+        total_rate=args.total_rate,
+        seed=args.seed,
+        traces_dir=args.traces,
+        **extra,
+    )
+    return build_workload(spec), spec
+
+
+def _cmd_workload(args: argparse.Namespace) -> int:
+    from prism_serve.sim.models import get_setup
+    from prism_serve.workload.format import write_jsonl
+    from prism_serve.workload.stats import format_stats, model_stats
+
+    w, spec = _workload(args, get_setup(args.setup))
+    if args.out is not None:
+        write_jsonl(w, args.out)
+        print(f"wrote {len(w)} requests to {args.out}", file=sys.stderr)
+    span = spec.duration_s if spec is not None else None
+    print(format_stats(model_stats(w, span_s=span)))
+    return 0
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from prism_serve.sim.models import get_setup
+    from prism_serve.sim.plot import plot_gpus_needed, plot_sweep
+    from prism_serve.sim.simulator import SimConfig
+    from prism_serve.sim.sweep import Experiment, find_gpus, run_point, sweep
+    from prism_serve.workload.slo import load_slos, measure_slos, save_slos
+
+    _check_sim(args)
+    models = get_setup(args.setup)
+    workload, spec = _workload(args, models)
+    knobs = tuple((k, v) for k, v in (kv.split("=", 1) for kv in args.knob or ()))
+    config = SimConfig(num_devices=args.gpus, hardware=args.hardware, knobs=_typed(knobs), tick_s=args.tick)
+    if args.slos is not None and args.slos.exists():
+        slos = load_slos(args.slos)
+    else:
+        print(
+            f"measuring SLOs: {len(models)} models alone on dedicated {args.hardware} devices",
+            file=sys.stderr,
+        )
+        slos = measure_slos(models, workload, config)
+        if args.slos is not None:
+            save_slos(slos, args.slos, hardware=args.hardware, setup=args.setup)
+    exp = Experiment(models, workload, slos, config, args.slo_scale, args.tpot_scale, spec)
+    policies = [p for p in args.policies.split(",") if p]
+    title = f"{args.setup} on {args.hardware}, {len(workload)} requests"
+    out: dict = {
+        "argv": sys.argv[1:],
+        "simulated": True,
+        "hardware": config.hardware,
+        "setup": args.setup,
+        "num_requests": len(workload),
+        "slos": {m: {"ttft_s": s.ttft_s, "tpot_s": s.tpot_s} for m, s in slos.items()},
+    }
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        save_slos(slos, args.out / "slos.json", hardware=args.hardware, setup=args.setup)
+    if args.find_gpus is not None:
+        steps = len(policies) * (args.gpus.bit_length() + 1)
+        needed: dict[str, int | None] = {}
+        points: list[dict] = []
+        with tqdm(total=steps, desc="find-gpus", unit="sim", file=sys.stderr) as bar:
+            for p in policies:
+                n, tried = find_gpus(
+                    exp, p, args.find_gpus, args.gpus, metric=args.metric, progress=bar.update
+                )
+                needed[p] = n
+                points.extend(tried)
+        out.update(find_gpus=args.find_gpus, metric=args.metric, gpus_needed=needed, points=points)
+        for p, n in needed.items():
+            print(
+                f"{p:>18}: {n if n is not None else str(args.gpus) + '+'} GPUs "
+                f"for {args.metric} >= {args.find_gpus}"
+            )
+        if args.out is not None:
+            plot_gpus_needed(needed, args.gpus, args.out / "gpus_needed.png", title=title)
+    else:
+        values = args.values if args.sweep else [None]
+        with tqdm(
+            total=len(policies) * len(values),
+            desc=f"sweep {args.sweep or 'point'}",
+            unit="sim",
+            file=sys.stderr,
+        ) as bar:
+            if args.sweep:
+                rows = sweep(exp, args.sweep, values, policies, progress=bar.update)
+            else:
+                rows = []
+                for p in policies:
+                    rows.append(run_point(exp, p))
+                    bar.update()
+        out["points"] = rows
+        for r in rows:
+            print(
+                f"{r['policy']:>18} {r['axis'] or '':>5} {r['value'] if r['value'] is not None else '':>6}  "
+                f"TTFT {r['ttft_attainment']:7.2%}  TPOT {r['tpot_attainment']:7.2%}  "
+                f"{r['throughput_tokens_per_s']:9.1f} tok/s  "
+                f"act {r['activations']:5d}  ev {r['evictions']:5d}"
+            )
+        if args.out is not None and args.sweep:
+            plot_sweep(rows, args.out / "sweep.png", title=title)
+    if args.out is not None:
+        (args.out / "results.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
+        print(f"results in {args.out}/ [simulated: {config.hardware} profile]", file=sys.stderr)
+    return 0
+
+
+def _typed(knobs: tuple[tuple[str, str], ...]) -> tuple[tuple[str, object], ...]:
+    out = []
+    for k, v in knobs:
+        low = v.lower()
+        val: object = v
+        if low in ("true", "false"):
+            val = low == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    val = cast(v)
+                    break
+                except ValueError:
+                    continue
+        out.append((k, val))
+    return tuple(out)
+
+
+def add_workload_parser(sub) -> None:
+    w = sub.add_parser(
+        "workload",
+        help="build a multi-model workload from the real traces; print per-model statistics",
+        description="Each model takes one trace source's arrivals (a ServeGen client or an Azure slice). "
+        "Writes JSONL (timestamp, model, prompt_tokens, output_tokens) with --out.",
+    )
+    _add_workload_args(w)
+    w.add_argument("--out", type=Path, help="write the workload here (JSONL)")
+    w.set_defaults(func=_cmd_workload)
+
+
+def add_sim_parser(sub) -> None:
+    from prism_serve.sim.hardware import HARDWARE
+    from prism_serve.sim.sweep import AXES
+
+    s = sub.add_parser(
+        "sim",
+        help="simulate policies on a cluster (results are simulated, from a cost model)",
+        description="Discrete-event simulation of the control/ policies on simulated devices. Sweep the "
+        "rate scale, SLO scale or number of GPUs, or search the fewest GPUs for a target attainment.",
+    )
+    _add_workload_args(s)
+    s.add_argument("--hardware", default="h100", choices=list(HARDWARE))
+    s.add_argument("--gpus", type=int, default=2, help="devices (the maximum for --find-gpus)")
+    s.add_argument("--policies", default=_COMMON_POLICIES, help="comma-separated registry names")
+    s.add_argument("--knob", action="append", metavar="NAME=VALUE", help="policy knob (repeatable)")
+    s.add_argument("--slo-scale", type=float, default=5.0)
+    s.add_argument("--tpot-scale", type=float, default=None, help="default: the SLO scale")
+    s.add_argument("--slos", type=Path, help="SLO file: read if it exists, else measured and written")
+    s.add_argument("--tick", type=float, default=1.0, help="placement tick period, s")
+    s.add_argument("--sweep", choices=AXES, help="axis to sweep over --values")
+    s.add_argument("--values", type=_floats, default=None, help="comma-separated axis values")
+    s.add_argument("--find-gpus", type=float, default=None, metavar="TARGET", help="e.g. 0.99")
+    s.add_argument("--metric", default="ttft_attainment", choices=["ttft_attainment", "tpot_attainment"])
+    s.add_argument("--out", type=Path, help="directory for results.json, slos.json and plots")
+    s.set_defaults(func=_cmd_sim)
+
+
+def _check_sim(args: argparse.Namespace) -> None:
+    from prism_serve.sim.errors import SimConfigError
+
+    if args.sweep and not args.values:
+        raise SimConfigError("--sweep needs --values")
+    if args.sweep and args.find_gpus is not None:
+        raise SimConfigError("choose --sweep or --find-gpus, not both")

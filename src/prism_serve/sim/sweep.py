@@ -1,0 +1,135 @@
+"""Sweeps of the paper's three axes (rate scale, SLO scale, number of GPUs) and the GPU search.
+
+Every point is one full simulation. SLOs are measured once, on the workload at rate scale 1 (the
+base workload), and scaled per point; a rate sweep rebuilds the workload from its spec with the
+point's rate scale, so arrivals and lengths differ between points only by that factor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from prism_serve.sim.errors import SimConfigError
+from prism_serve.sim.models import ServedModel
+from prism_serve.sim.simulator import ModelSLO, SimConfig, simulate
+from prism_serve.workload.builder import WorkloadSpec, build_workload
+from prism_serve.workload.format import Workload
+from prism_serve.workload.slo import scale_slos
+
+__all__ = ["AXES", "Experiment", "find_gpus", "run_point", "sweep"]
+
+AXES = ("rate", "slo", "gpus")
+
+
+@dataclass(slots=True)
+class Experiment:
+    """Everything a point needs besides the axis value and the policy."""
+
+    models: list[ServedModel]
+    workload: Workload
+    base_slos: Mapping[str, ModelSLO]  # unscaled (scale 1)
+    config: SimConfig
+    slo_scale: float = 5.0
+    tpot_scale: float | None = None  # None: the same as slo_scale
+    spec: WorkloadSpec | None = None  # needed to rebuild the workload for a rate sweep
+
+    def workload_at(self, rate_scale: float) -> Workload:
+        if rate_scale == 1.0:
+            return self.workload
+        if self.spec is None:
+            raise SimConfigError("a rate sweep needs a workload built from a spec, not read from a file")
+        return build_workload(dataclasses.replace(self.spec, rate_scale=self.spec.rate_scale * rate_scale))
+
+
+def run_point(exp: Experiment, policy: str, axis: str | None = None, value: float | None = None) -> dict:
+    """One simulation; the summary dict plus the axis value."""
+    config = dataclasses.replace(exp.config, policy=policy)
+    slo_scale, tpot_scale, workload = exp.slo_scale, exp.tpot_scale, exp.workload
+    if axis == "rate":
+        workload = exp.workload_at(value)
+    elif axis == "slo":
+        slo_scale, tpot_scale = (
+            value,
+            None if exp.tpot_scale is None else exp.tpot_scale * value / exp.slo_scale,
+        )
+    elif axis == "gpus":
+        config = dataclasses.replace(config, num_devices=int(value))
+    elif axis is not None:
+        raise SimConfigError(f"unknown axis {axis!r}; choose one of {', '.join(AXES)}")
+    if any(m.tp_size > config.num_devices for m in exp.models):
+        # a TP model wider than the cluster cannot run: every one of its requests misses
+        models = [m for m in exp.models if m.tp_size <= config.num_devices]
+    else:
+        models = exp.models
+    served = {m.name for m in models}
+    dropped = workload.select(_mask_models(workload, served)) if len(served) < len(exp.models) else workload
+    res = simulate(models, dropped, scale_slos(exp.base_slos, slo_scale, tpot_scale), config)
+    out = res.summary()
+    lost = len(workload) - len(dropped)
+    if lost:
+        n = out["num_requests"] + lost
+        out["ttft_attainment"] *= out["num_requests"] / n
+        out["tpot_attainment"] *= out["num_requests"] / n
+        out["num_requests"] = n
+        out["num_rejected"] += lost
+    out.update(axis=axis, value=value, slo_scale=slo_scale, tpot_scale=tpot_scale or slo_scale)
+    return out
+
+
+def _mask_models(workload: Workload, served: set[str]) -> np.ndarray:
+    keep = [i for i, m in enumerate(workload.models) if m in served]
+    return np.isin(workload.model_index, keep)
+
+
+def sweep(
+    exp: Experiment,
+    axis: str,
+    values: Iterable[float],
+    policies: Iterable[str],
+    progress: Callable[[], None] | None = None,
+) -> list[dict]:
+    rows = []
+    for policy in policies:
+        for v in values:
+            rows.append(run_point(exp, policy, axis, v))
+            if progress is not None:
+                progress()
+    return rows
+
+
+def find_gpus(
+    exp: Experiment,
+    policy: str,
+    target: float,
+    max_gpus: int,
+    *,
+    metric: str = "ttft_attainment",
+    progress: Callable[[], None] | None = None,
+) -> tuple[int | None, list[dict]]:
+    """The fewest GPUs (1..max_gpus) at which ``metric`` reaches ``target``, by bisection, assuming
+    attainment does not fall when GPUs are added; None when even ``max_gpus`` falls short. Returns
+    the answer and every point simulated on the way."""
+    low = max(m.tp_size for m in exp.models)  # fewer GPUs than the widest model cannot serve it
+    tried: dict[int, dict] = {}
+
+    def ok(n: int) -> bool:
+        if n not in tried:
+            tried[n] = run_point(exp, policy, "gpus", n)
+            if progress is not None:
+                progress()
+        return tried[n][metric] >= target
+
+    if low > max_gpus or not ok(max_gpus):
+        return None, [tried[k] for k in sorted(tried)]
+    lo, hi = low, max_gpus  # invariant: hi reaches the target
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi, [tried[k] for k in sorted(tried)]
