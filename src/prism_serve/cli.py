@@ -1,4 +1,5 @@
-"""The ``prism`` command. Subcommands arrive with their issues; today: ``generate`` and ``memory``."""
+"""The ``prism`` command. Subcommands arrive with their issues; today: ``generate``, ``memory``, ``sim``
+and ``workload`` (the last two live in sim/cli.py)."""
 
 from __future__ import annotations
 
@@ -183,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap an engine, e.g. llama=2GiB, or llama=none (needs --device)",
     )
     m.set_defaults(func=_cmd_memory)
+
+    from prism_serve.sim.cli import add_sim_parser, add_workload_parser
+
+    add_sim_parser(sub)
+    add_workload_parser(sub)
     return parser
 
 
