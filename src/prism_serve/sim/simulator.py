@@ -297,8 +297,9 @@ class Simulator:
         m.state = ModelState.ACTIVE
         self._stale[m.served.name] = None
         self.counters["activations"] += 1
-        self._apply(self.policy.place(self._cluster(now), now), now)
         self.to_admit.add(m.placement[0])
+        # the contract's "place() right after a model finishes activating" (it may move this model again)
+        self._apply(self.policy.place(self._cluster(now), now), now)
 
     # -- requests ------------------------------------------------------------------------------------
 

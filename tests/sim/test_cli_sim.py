@@ -1,0 +1,68 @@
+"""`prism sim` and `prism workload` end to end on tiny workloads (simulated; seconds, not minutes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prism_serve.cli import main
+from prism_serve.sim import ServedModel, SimConfig, model_spec
+from prism_serve.sim.sweep import Experiment, find_gpus
+from prism_serve.workload import read_jsonl
+from prism_serve.workload.traces import default_traces_dir
+
+from .helpers import loose, poisson
+
+needs_traces = pytest.mark.skipif(not default_traces_dir().exists(), reason="no shared traces")
+
+
+@needs_traces
+def test_workload_command_writes_jsonl_and_prints_stats(tmp_path, capsys):
+    out = tmp_path / "w.jsonl"
+    rc = main(["workload", "--setup", "paper-8", "--duration", "300", "--total-rate", "2", "--out", str(out)])
+    assert rc == 0
+    w = read_jsonl(out)
+    assert 200 < len(w) < 1000 and set(w.models) <= {f"llama-3.2-1b-0{i}" for i in range(3)} | {
+        f"llama-3.2-3b-0{i}" for i in range(3)
+    } | {"llama-3.1-8b-00", "llama-3.1-8b-01"}
+    assert "least popular 60%" in capsys.readouterr().out
+
+
+@needs_traces
+def test_sim_sweep_writes_results_plot_and_slos(tmp_path, capsys):
+    rc = main(
+        [
+            "sim", "--setup", "paper-8", "--gpus", "2", "--duration", "120", "--total-rate", "2",
+            "--policies", "prism,static-partition", "--sweep", "slo", "--values", "2,8",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    body = json.loads((tmp_path / "results.json").read_text())
+    assert body["simulated"] is True and len(body["points"]) == 4
+    assert {p["policy"] for p in body["points"]} == {"prism", "static-partition"}
+    for p in body["points"]:
+        assert 0 <= p["ttft_attainment"] <= 1 and p["axis"] == "slo"
+    # a looser SLO never lowers attainment for the same run
+    prism = sorted((p["value"], p["ttft_attainment"]) for p in body["points"] if p["policy"] == "prism")
+    assert prism[0][1] <= prism[1][1]
+    assert (tmp_path / "sweep.png").stat().st_size < 200_000
+    assert (tmp_path / "slos.json").exists()
+    assert "TTFT" in capsys.readouterr().out
+
+
+def test_sim_rejects_a_sweep_without_values(capsys):
+    assert main(["sim", "--sweep", "rate"]) == 2
+    assert "needs --values" in capsys.readouterr().err
+
+
+def test_find_gpus_bisects_to_the_fewest_devices():
+    ms = [ServedModel(f"m{i}", model_spec("llama-3.1-8b")) for i in range(4)]
+    w = poisson([m.name for m in ms], rate=0.5, duration=60, seed=1)
+    exp = Experiment(ms, w, loose(ms), SimConfig(num_devices=1), slo_scale=1.0)
+    # dedicated needs one GPU per model to serve everything
+    n, tried = find_gpus(exp, "dedicated", 0.99, 8)
+    assert n == 4
+    assert {p["num_devices"] for p in tried} >= {3, 4}
+    assert all(p["ttft_attainment"] < 0.99 for p in tried if p["num_devices"] < 4)
