@@ -141,3 +141,14 @@ def test_cut_returns_the_blocks_of_steps_not_taken():
     assert e.used_blocks < held
     e.finish_step(new_end)
     assert e.running[0].generated == 2  # one decode step happened
+
+
+def test_a_prefill_ending_in_a_one_token_chunk_still_records_its_first_token():
+    e, _ = _engine(pages=64, max_num_batched_tokens=256)
+    r = _req(0, prompt=257, output=20)  # chunks of 256 and 1
+    e.add(r)
+    t = 0.0
+    while (end := e.start_step(t)) is not None:
+        e.finish_step(end)
+        t = end
+    assert r.first_token is not None and r.finish is not None and r.first_token < r.finish

@@ -242,7 +242,8 @@ class SimEngine:
         self._scheduled = scheduled
         self._cum = None
         self._run_k = 0
-        decoding = all(n == 1 and s.num_computed == s.num_tokens - 1 for s, n in scheduled)
+        # generated > 0: a prefill whose last chunk is one token also feeds exactly one token
+        decoding = all(n == 1 and s.generated and s.num_computed == s.num_tokens - 1 for s, n in scheduled)
         if decoding:
             k = min(self.max_run_steps, min(s.req.output_tokens - s.generated for s, _ in scheduled))
             k = self._grant_run(k)
