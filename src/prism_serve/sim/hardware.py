@@ -4,9 +4,10 @@ The GPU rows are **synthetic**: vendor datasheet peaks (dense bf16 FLOP/s, HBM b
 and NVLink bandwidth per direction) times efficiency factors we chose, not measurements of ours.
 The efficiency factors are typical of a well-tuned serving engine (decode reaching ~90% of HBM
 bandwidth, prefill ~60% of peak FLOP/s) and put activation of an 8B model near the 0.7 s the Prism
-paper reports for H100 (its Figure 9). The ``cpu-smollm2`` row is **fitted** to this project's own
-engine running SmolLM2-135M in fp32 on this machine's 2 cores, by ``benchmarks/fit_cpu_profile.py``;
-its constants and the command that produced them are recorded in docs/evaluation.md.
+paper reports for H100 (its Figure 9). The ``cpu-smollm2`` row is meant to be **fitted** to this
+project's own engine (SmolLM2-135M, fp32, 2 cores) by ``benchmarks/fit_cpu_profile.py``; the values
+below are NOT yet fitted: they are rough guesses from docs/benchmarks.md (decode ~24 tok/s at batch 1,
+prefill ~560 tok/s), marked ``synthetic=True`` until the script's output replaces them.
 """
 
 from __future__ import annotations
@@ -75,9 +76,8 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
             HardwareProfile("h200", 989e12, 4.8e12, 64 * GB, 450 * GB, 141 * GB),
             # A100 SXM4 80GB: 312 TFLOP/s dense bf16, 2.04 TB/s HBM2e, PCIe Gen4 x16, NVLink 3
             HardwareProfile("a100", 312e12, 2.039e12, 32 * GB, 300 * GB, 80 * GIB),
-            # Fitted by benchmarks/fit_cpu_profile.py (see docs/evaluation.md): the project's engine,
-            # SmolLM2-135M fp32, 2 cores. "Bandwidth" and "FLOP/s" are the fitted effective rates,
-            # so the efficiencies are 1. Host "activation" is a weights copy in RAM.
+            # To be fitted by benchmarks/fit_cpu_profile.py (placeholders until then, see above):
+            # "bandwidth" and "FLOP/s" are effective rates, so the efficiencies are 1.
             HardwareProfile(
                 "cpu-smollm2",
                 peak_flops=5.46e10,
@@ -92,7 +92,7 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 step_overhead_s=4.0e-3,
                 activation_overhead_s=0.5,
                 overlap=False,
-                synthetic=False,
+                synthetic=True,
             ),
         )
     }
