@@ -152,3 +152,44 @@ def test_a_prefill_ending_in_a_one_token_chunk_still_records_its_first_token():
         e.finish_step(end)
         t = end
     assert r.first_token is not None and r.finish is not None and r.first_token < r.finish
+
+
+def _step(sim, *, admit: bool = True) -> None:
+    t, event = sim.events.pop()
+    sim._advance(t)
+    event.apply(sim, t)
+    if admit:
+        sim._drain_admissions(t)
+
+
+def test_migrate_moves_only_an_idle_model_and_its_queue_like_the_live_controller():
+    from prism_serve.control import Migrate, ModelState
+    from prism_serve.sim import Simulator
+    from prism_serve.sim.events import Arrival, Tick
+
+    m = served()
+    w = poisson([m.name], rate=0.5, duration=20, prompt=256, output=400, seed=3)
+    sim = Simulator([m], w, loose([m]), SimConfig(num_devices=2, policy="dedicated"))
+    state = sim.models[m.name]
+    sim.events.push(sim._arrival_time(0), Arrival(0))  # what run() starts with
+    sim.events.push(0.0, Tick())
+    # up to the first arrival, routed but not admitted: active, one request queued, nothing running
+    while sim.events.peek_time() < sim._arrival_time(0):
+        _step(sim)
+    assert state.state is ModelState.ACTIVE and state.placement == ("gpu00",)
+    _step(sim, admit=False)
+    assert state.num_queued == 1 and state.num_running == 0
+    sim._apply([Migrate(m.name, ("gpu00",), ("gpu01",))], sim.now)
+    assert state.placement == ("gpu01",) and state.state is ModelState.ACTIVATING
+    assert len(sim.queues["gpu01"]) == 1 and not len(sim.queues["gpu00"])
+    assert sim.counters["migrations"] == 1
+    # once it runs, a migration is skipped: no reload, no restart; the next tick may try again
+    while state.num_running == 0:
+        _step(sim)
+    sim._apply([Migrate(m.name, ("gpu01",), ("gpu00",))], sim.now)
+    assert state.placement == ("gpu01",) and state.state is ModelState.ACTIVE
+    assert sim.counters["migrations"] == 1 and sim.counters["migrations_skipped"] == 1
+    while sim.in_system or sim._next_arrival < len(w):
+        _step(sim)
+    assert len(sim.requests) == len(w) and all(r.ttft is not None for r in sim.requests)
+    assert all(r.num_restarts == 0 for r in sim.requests)

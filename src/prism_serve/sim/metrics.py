@@ -84,6 +84,7 @@ class SimResult:
             "activations": self.counters["activations"],
             "evictions": self.counters["evictions"],
             "migrations": self.counters["migrations"],
+            "migrations_skipped": self.counters["migrations_skipped"],  # the model was busy
             "preemptions": sum(r.num_preemptions for r in reqs),
             "restarts": sum(r.num_restarts for r in reqs),
             "simulated_s": self.end_time,

@@ -11,7 +11,10 @@ the *effect* of those actions:
   engine starts ``cost.activation_time`` later.
 - ``Evict``: the engine stops, its weights and KV are unmapped; requests it was running start over
   (submitted again through ``on_request``, keeping their arrival time). Queued requests stay queued.
-- ``Migrate``: an eviction from the old devices and an activation on the new ones.
+- ``Migrate``: as the live controller (runtime/controller.py, ``Controller._migrate``): only a model
+  that is active with no running requests moves (evict, activate on the new devices, its queued
+  requests follow it to the new rank-0 queue); a busy or still-activating model stays where it is
+  and the next tick decides again (counted as ``migrations_skipped``). Nothing restarts.
 - ``SetKVQuota``: the engine's KV cap per device (an allocation beyond it fails as if memory were
   full, like the ledger's per-engine limit).
 - ``Dispatch``: the request joins its engine's waiting queue; the engine's scheduler takes it at its
@@ -378,9 +381,7 @@ class Simulator:
                     self._evict(model, now)
                     self.counters["evictions"] += 1
                 case Migrate(model=model, dst=dst):
-                    self._evict(model, now)
-                    self._activate(model, dst, now)
-                    self.counters["migrations"] += 1
+                    self._migrate(model, dst, now)
                 case SetKVQuota(model=model, device=d, quota_bytes=q):
                     m = self.models[model]
                     m.quota[d] = q
@@ -440,6 +441,26 @@ class Simulator:
                 self._count_queued(self.by_id[req_id], -1)
                 self.where[req_id] = "new"
                 self._resubmit.append(self.by_id[req_id])
+
+    def _migrate(self, model: str, dst: tuple[str, ...], now: float) -> None:
+        """The live controller's rule: only an active model with nothing running moves; its queued
+        requests move to the new rank-0 queue. A busy one stays until the next tick decides again."""
+        m = self.models[model]
+        if m.num_running or m.state is not ModelState.ACTIVE:
+            self.counters["migrations_skipped"] += 1
+            return
+        q = self.queues[dst[0]]
+        for req_id, where in list(self.where.items()):
+            if where.startswith("queued:") and self.by_id[req_id].model == model:
+                self.queues[where[7:]].cancel(req_id)
+                self.devices[where[7:]].touch()
+                q.push(self.by_id[req_id].control)
+                self.where[req_id] = f"queued:{dst[0]}"
+                self.devices[dst[0]].touch()
+                self.to_admit.add(dst[0])
+        self._evict(model, now)
+        self._activate(model, dst, now)
+        self.counters["migrations"] += 1
 
     def _try_pending(self, now: float) -> None:
         still = []
