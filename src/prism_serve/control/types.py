@@ -121,6 +121,9 @@ class ModelSnapshot:
     num_running: int = 0  # dispatched to an engine and not finished
     pinned: bool = False  # never evicted (it may still migrate)
     profile: ModelProfile = field(default_factory=ModelProfile)
+    # when its current placement was decided (activation or migration started, caller's clock);
+    # None: unknown, so prism's migration_cooldown_s does not hold it in place
+    placed_at: float | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model name must not be empty")
@@ -130,6 +133,9 @@ class ModelSnapshot:
         _check(self.weight_bytes >= 0 and self.kv_bytes_per_token > 0, f"{self.model}: bad byte sizes")
         _check(self.tp_size >= 1, f"{self.model}: tp_size must be >= 1, got {self.tp_size}")
         _check(self.num_queued >= 0 and self.num_running >= 0, f"{self.model}: negative request counts")
+        _check(
+            self.placed_at is None or math.isfinite(self.placed_at), f"{self.model}: placed_at must be finite"
+        )
         if self.state is ModelState.EVICTED:
             _check(not self.placement, f"{self.model}: an evicted model has no placement")
         else:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 from prism_serve.control import (
     Activate,
     DeadlineQueue,
@@ -156,3 +159,57 @@ def test_request_for_an_evicted_model_flows_from_routing_to_dispatch():
     ready = {"cold": engine("cold", free_gib=1, speed=10_000.0)}
     assert policy.admit(queues["d0"], c.devices["d0"], ready, NOW + 0.5) == [Dispatch(req, "d0")]
     assert policy.place(c, NOW + 0.5) == [], "nothing left to move"
+
+
+def test_a_recently_placed_model_does_not_migrate_until_its_cooldown_ends():
+    def placed(at):
+        return [
+            model("big", rate=4, on=("d0",), last=NOW),
+            replace(model("small", rate=1, on=("d0",), last=NOW), placed_at=at),
+        ]
+
+    p = get_policy("prism", migration_threshold=0.05)  # default cooldown: 60 s
+    assert p.knobs.migration_cooldown_s == 60.0
+    assert p.place(cluster(placed(NOW - 10), {"d0": 80, "d1": 80}), NOW) == []
+    # the same gain once the cooldown is over, or with no record of when it was placed, moves it
+    moved = [Migrate("small", ("d0",), ("d1",))]
+    assert p.place(cluster(placed(NOW - 60), {"d0": 80, "d1": 80}), NOW) == moved
+    assert p.place(cluster(placed(None), {"d0": 80, "d1": 80}), NOW) == moved
+    assert (
+        get_policy("prism", migration_cooldown_s=0).place(
+            cluster(placed(NOW - 0.5), {"d0": 80, "d1": 80}), NOW
+        )
+        == moved
+    )
+
+
+def test_cooldown_stops_churn_on_noisy_rates_but_keeps_a_lasting_shift():
+    """Three devices, six models whose rate estimates jitter by up to 40% every tick (as a 60 s
+    window's do). Without a cooldown the placement chases the noise; with the default one each model
+    moves at most once a minute, and a real, lasting shift (m0 and m2, both on d0, get 3x busier
+    halfway) still splits them."""
+    rng = random.Random(7)
+
+    def run(cooldown: float, ticks: int = 300) -> tuple[int, dict[str, tuple[str, ...]]]:
+        p = get_policy("prism", migration_threshold=0.05, migration_cooldown_s=cooldown)
+        placed = {f"m{i}": (d,) for i, d in enumerate(["d0", "d1", "d0", "d1", "d2", "d2"])}
+        since = dict.fromkeys(placed, NOW - 100)
+        moves = 0
+        for t in range(ticks):
+            now = NOW + t
+            hot = 3.0 if t >= ticks // 2 else 1.0
+            rates = {m: (hot if m in ("m0", "m2") else 1.0) * rng.uniform(0.6, 1.4) for m in placed}
+            models = [
+                replace(model(m, rate=rates[m], on=placed[m], last=now), placed_at=since[m]) for m in placed
+            ]
+            for a in p.place(cluster(models, {"d0": 60, "d1": 60, "d2": 60}), now):
+                assert isinstance(a, Migrate)
+                placed[a.model], since[a.model] = a.dst, now
+                moves += 1
+        return moves, placed
+
+    churn, _ = run(0.0)
+    calm, placed = run(60.0)
+    assert churn > 40, churn
+    assert calm <= 10, calm
+    assert placed["m0"] != placed["m2"]

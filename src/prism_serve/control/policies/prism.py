@@ -5,6 +5,7 @@ Global tick (``place``), in this order:
    (``eviction.constrained_evictions``);
 2. Algorithm 1 over every resident model plus every evicted model that has requests waiting,
    keeping models where they are unless the KVPR gain exceeds tau (``placement.place_parts``);
+   a model placed less than ``migration_cooldown_s`` ago stays put (``ModelSnapshot.placed_at``);
 3. an evicted model with waiting requests that Algorithm 1 could not fit is activated where idle
    models can make room (``eviction.choose_activation``).
 Requests (``on_request``) for a resident model go to its rank-0 device's queue; for an evicted model
@@ -67,6 +68,9 @@ class PrismKnobs(Knobs):
     reserve_tokens: int = 256  # per-engine KV reserve admission keeps free (tokens of that model)
     abort_on_miss: bool = False  # reject requests the deadline schedule drops instead of deferring
     default_prefill_tokens_per_s: float = 8000.0  # until the engine reports its measured speed
+    # a model placed (activated or migrated) less than this long ago does not migrate: one rate window,
+    # so a move acts on an estimate renewed since the last one rather than on its noise
+    migration_cooldown_s: float = 60.0
     rebalance: bool = True  # False: resident models never migrate (global scheduler off)
     deadline_admission: bool = True  # False: per-engine FIFO admission (local scheduler off)
 
@@ -76,6 +80,10 @@ class PrismKnobs(Knobs):
             "migration_threshold must be finite and >= 0",
         )
         require(self.idle_threshold_s >= 0, "idle_threshold_s must be >= 0")
+        require(
+            self.migration_cooldown_s >= 0 and math.isfinite(self.migration_cooldown_s),
+            "migration_cooldown_s must be finite and >= 0",
+        )
         fraction("memory_watermark", self.memory_watermark, open_low=True)
         self._check_shared()
         require(self.default_prefill_tokens_per_s > 0, "default_prefill_tokens_per_s must be > 0")
@@ -130,7 +138,11 @@ class PrismPolicy(Policy):
             if m.model in gone:
                 continue
             if m.resident:
-                fixed = m.state is ModelState.ACTIVATING or not k.rebalance
+                fixed = (
+                    m.state is ModelState.ACTIVATING
+                    or not k.rebalance
+                    or (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
+                )
                 parts.extend(
                     Part(m.model, r, m.demand / m.tp_size, m.part_weight_bytes, m.placement[r], fixed)
                     for r in range(m.tp_size)
