@@ -121,6 +121,7 @@ class _Model:
     num_queued: int = 0  # in a device queue or deferred
     num_running: int = 0  # dispatched to its engine
     quota: dict[str, int | None] = field(default_factory=dict)
+    placed_at: float | None = None  # when the current placement was decided (ModelSnapshot.placed_at)
     engine_snapshot: EngineSnapshot | None = None  # cached; rebuilt when the engine is dirty
 
 
@@ -426,6 +427,7 @@ class Simulator:
             raise SimStateError(f"activate {model} on {devices}: tp_size is {m.served.tp_size}")
         m.state = ModelState.ACTIVATING
         m.placement = tuple(devices)
+        m.placed_at = now
         m.activation_version += 1
         self._stale[m.served.name] = None
         for d in devices:
@@ -501,6 +503,7 @@ class Simulator:
         m.engine = None
         m.state = ModelState.EVICTED
         m.placement = ()
+        m.placed_at = None
         m.pending = False
         m.activation_version += 1
         self._stale[m.served.name] = None
@@ -550,6 +553,7 @@ class Simulator:
                 m.num_running,
                 False,
                 m.profile,
+                placed_at=m.placed_at,
             )
         return self._model_snaps[name]
 
