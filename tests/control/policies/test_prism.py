@@ -213,3 +213,20 @@ def test_cooldown_stops_churn_on_noisy_rates_but_keeps_a_lasting_shift():
     assert churn > 40, churn
     assert calm <= 10, calm
     assert placed["m0"] != placed["m2"]
+
+
+def test_a_model_with_running_requests_stays_and_the_plan_works_around_it():
+    """Callers migrate only idle models (runtime/controller.py), so prism plans a busy model where
+    it is; otherwise it would move idle models into a plan that never happens."""
+
+    def models(y_running):
+        return [
+            model("x", rate=3, on=("d0",), last=NOW, running=2),
+            model("y", rate=3, on=("d0",), last=NOW, running=y_running),
+            model("z", rate=0.1, on=("d1",), last=NOW),
+        ]
+
+    p = get_policy("prism", migration_threshold=0.0)
+    devices = {"d0": 80, "d1": 80}
+    assert p.place(cluster(models(0), devices), NOW) == [Migrate("y", ("d0",), ("d1",))]
+    assert p.place(cluster(models(2), devices), NOW) == []

@@ -5,7 +5,8 @@ Global tick (``place``), in this order:
    (``eviction.constrained_evictions``);
 2. Algorithm 1 over every resident model plus every evicted model that has requests waiting,
    keeping models where they are unless the KVPR gain exceeds tau (``placement.place_parts``);
-   a model placed less than ``migration_cooldown_s`` ago stays put (``ModelSnapshot.placed_at``);
+   a model placed less than ``migration_cooldown_s`` ago stays put (``ModelSnapshot.placed_at``), and
+   so does a model with running requests (callers migrate only idle models);
 3. an evicted model with waiting requests that Algorithm 1 could not fit is activated where idle
    models can make room (``eviction.choose_activation``).
 Requests (``on_request``) for a resident model go to its rank-0 device's queue; for an evicted model
@@ -138,8 +139,12 @@ class PrismPolicy(Policy):
             if m.model in gone:
                 continue
             if m.resident:
+                # Callers move only a model with nothing running (runtime/controller.py); planning
+                # around a busy model as if it moved would move the others into a plan that never
+                # happens. So it stays put this round, like one activating or cooling down.
                 fixed = (
                     m.state is ModelState.ACTIVATING
+                    or m.num_running > 0
                     or not k.rebalance
                     or (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
                 )
