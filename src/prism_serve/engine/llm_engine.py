@@ -72,7 +72,10 @@ class LLMEngine:
         weights: LoadedWeights | None = None,
         allocator: BlockAllocator | None = None,
         clock: Callable[[], float] = time.monotonic,
+        model: LlamaForCausalLM | None = None,
     ) -> None:
+        """``model``: a decoder already built over its tensors (the runtime activates one from its
+        host weight cache); ``weights`` then supplies only the config and tokenizer."""
         self.config = config = config or EngineConfig()
         dtype = config.torch_dtype
         if weights is None:
@@ -85,7 +88,7 @@ class LLMEngine:
             config.max_model_len or min(weights.config.max_position_embeddings, 8192),
             weights.config.max_position_embeddings,
         )
-        self.model = LlamaForCausalLM(
+        self.model = model or LlamaForCausalLM(
             weights.config, weights.tensors, dtype, self.max_model_len, weights.rope_freq_factors
         )
         block_bytes = KVCache.block_bytes(weights.config, config.block_size, dtype)
@@ -113,6 +116,7 @@ class LLMEngine:
         self._clock = clock
         self._requests: dict[str, Sequence] = {}
         self.stalled = False
+        self.last_step_tokens = 0  # tokens the last step computed (prefill chunks + decodes)
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -202,6 +206,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -217,6 +224,7 @@ class LLMEngine:
         # Nothing fits while requests wait: only possible when an outside allocator (the shared
         # device budget) refuses blocks for now. Callers back off instead of spinning.
         self.stalled = not sched.scheduled and self.has_unfinished_requests()
+        self.last_step_tokens = sum(s.num_new_tokens for s in sched.scheduled)
         if not sched.scheduled:
             return []
         now = self._clock()

@@ -104,6 +104,26 @@ class Tokenizer:
             chat_template=meta.get("tokenizer.chat_template"),
         )
 
+    def to_state(self) -> dict[str, Any]:
+        """Everything needed to rebuild this tokenizer in another process (plain JSON types)."""
+        return {
+            "backend": self.backend.to_str(),
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": list(self.eos_token_ids),
+            "add_bos": self.add_bos,
+            "chat_template": self.chat_template,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Tokenizer:
+        return cls(
+            HFTokenizer.from_str(state["backend"]),
+            bos_token_id=state["bos_token_id"],
+            eos_token_ids=state["eos_token_ids"],
+            add_bos=state["add_bos"],
+            chat_template=state["chat_template"],
+        )
+
     @classmethod
     def from_hf_dir(cls, path: Path) -> Tokenizer:
         tok_file = path / "tokenizer.json"

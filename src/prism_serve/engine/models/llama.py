@@ -34,6 +34,13 @@ class Linear:
         self.weight = weight.t().contiguous() if self.transposed else weight.contiguous()
         self.bias = None if bias is None else bias.to(dtype).contiguous()
 
+    @classmethod
+    def laid_out(cls, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> Linear:
+        """Wrap tensors already in this class's layout (no copy): activation from a weight cache."""
+        lin = cls.__new__(cls)
+        lin.transposed, lin.weight, lin.bias = transposed, weight, bias
+        return lin
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.transposed:
             return F.linear(x, self.weight, self.bias)
@@ -87,6 +94,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+_LAYER_LINEARS = ("qkv", "o_proj", "gate_up", "down")
+_LAYER_NORMS = ("input_norm", "post_norm")
+
+
 class DecoderLayer:
     __slots__ = ("down", "gate_up", "input_norm", "o_proj", "post_norm", "qkv")
 
@@ -116,6 +127,9 @@ class DecoderLayer:
 
 
 class LlamaForCausalLM:
+    """The decoder. Built from HF-named checkpoint tensors (``__init__``: fuses and re-lays them out),
+    or from tensors already in its own layout (``from_packed``: no copy, for activation)."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -142,10 +156,68 @@ class LlamaForCausalLM:
             self.embed = None if self.lm_head.transposed else self.lm_head.weight  # one copy
         self.layers = [DecoderLayer(tensors, f"model.layers.{i}.", c, dtype) for i in range(c.num_layers)]
         self.norm = tensors["model.norm.weight"].to(dtype).contiguous()
-        num_pos = max_positions or c.max_position_embeddings
-        freqs = torch.outer(torch.arange(num_pos, dtype=torch.float32), rope_inv_freq(c, rope_freq_factors))
-        self.cos = freqs.cos().to(dtype)
-        self.sin = freqs.sin().to(dtype)
+        self._init_rope(max_positions, rope_freq_factors)
+
+    def _init_rope(self, max_positions: int | None, rope_freq_factors: torch.Tensor | None) -> None:
+        self.rope_freq_factors = rope_freq_factors
+        num_pos = max_positions or self.config.max_position_embeddings
+        inv_freq = rope_inv_freq(self.config, rope_freq_factors)
+        freqs = torch.outer(torch.arange(num_pos, dtype=torch.float32), inv_freq)
+        self.cos = freqs.cos().to(self.dtype)
+        self.sin = freqs.sin().to(self.dtype)
+
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the forward pass reads, in its final layout (fused, transposed in fp32), by a
+        stable name. ``from_packed`` rebuilds the model over such tensors without copying them; the
+        runtime's host weight cache stores this so an activation is a plain memory copy."""
+        out = {"lm_head": self.lm_head.weight, "norm": self.norm}
+        if self.embed is not None and self.embed is not self.lm_head.weight:
+            out["embed"] = self.embed
+        if self.rope_freq_factors is not None:
+            out["rope_freq_factors"] = self.rope_freq_factors.float().contiguous()
+        for i, layer in enumerate(self.layers):
+            for name in _LAYER_LINEARS:
+                lin = getattr(layer, name)
+                out[f"layers.{i}.{name}"] = lin.weight
+                if lin.bias is not None:
+                    out[f"layers.{i}.{name}.bias"] = lin.bias
+            for name in _LAYER_NORMS:
+                out[f"layers.{i}.{name}"] = getattr(layer, name)
+        return out
+
+    @classmethod
+    def from_packed(
+        cls,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        max_positions: int | None = None,
+    ) -> LlamaForCausalLM:
+        """The model over ``packed_tensors()``-style tensors, used in place (no copy, no check of
+        values: the cache that wrote them built them with ``__init__``)."""
+        missing = [n for n in ("lm_head", "norm", "layers.0.qkv") if n not in tensors]
+        if missing or len([n for n in tensors if n.endswith(".down")]) != config.num_layers:
+            raise CorruptWeightsError(f"packed weights lack {missing or 'layers'} for this config")
+        self = cls.__new__(cls)
+        self.config, self.dtype = config, dtype
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        transposed = dtype == torch.float32
+        self.lm_head = Linear.laid_out(tensors["lm_head"], None, transposed)
+        self.embed = tensors.get("embed", None if transposed else self.lm_head.weight)
+        self.norm = tensors["norm"]
+        self.layers = []
+        for i in range(config.num_layers):
+            layer = DecoderLayer.__new__(DecoderLayer)
+            for name in _LAYER_LINEARS:
+                bias = tensors.get(f"layers.{i}.{name}.bias")
+                setattr(layer, name, Linear.laid_out(tensors[f"layers.{i}.{name}"], bias, transposed))
+            for name in _LAYER_NORMS:
+                setattr(layer, name, tensors[f"layers.{i}.{name}"])
+            self.layers.append(layer)
+        self._init_rope(max_positions, tensors.get("rope_freq_factors"))
+        return self
 
     def tensors(self) -> Iterator[torch.Tensor]:
         yield self.lm_head.weight
