@@ -17,7 +17,9 @@ Where blocks come from, cheapest first:
    ledger refuses, ``allocate`` returns None and nothing the call took is kept.
 
 Freed blocks make pages empty; empty pages beyond the buffer (or above the engine's limit) are
-unmapped and their bytes go back to the device budget, where any other engine can take them.
+unmapped and their bytes go back to the device budget, where any other engine can take them. When
+the device has less than ``buffer_max_pages`` pages free, every pool's thread shrinks its buffer to
+``buffer_min_pages`` within one poll interval, so idle buffers do not starve a neighbour's KV.
 """
 
 from __future__ import annotations
@@ -130,6 +132,9 @@ class ElasticKVPool:
         self._closed = False
         self._wake = threading.Event()
         self._refill_target = config.buffer_min_pages  # grows on misses (see _note_miss)
+        # Empty pages the thread keeps mapped: buffer_max, or buffer_min while the device is short of
+        # memory, so an idle engine's buffer never starves a busy neighbour's KV.
+        self._keep = config.buffer_max_pages
         self._last_miss = 0.0
         self._thread: threading.Thread | None = None
         if config.prefetch and config.buffer_max_pages > 0:
@@ -225,7 +230,7 @@ class ElasticKVPool:
             if self._thread is None:
                 self._trim_locked(self.config.buffer_max_pages)
                 return
-            excess = len(self._empty) > self.config.buffer_max_pages or self._over_limit()
+            excess = len(self._empty) > self._keep or self._over_limit()
         if excess:
             self._wake.set()
 
@@ -246,6 +251,14 @@ class ElasticKVPool:
         with self._lock:
             self._check_open()
             return self._trim_locked(keep_pages)
+
+    def shrink_buffer(self) -> int:
+        """The engine went idle: keep only ``buffer_min_pages`` empty pages (and refill to no more
+        until the next burst), so colocated engines can use the rest. Returns pages unmapped."""
+        with self._lock:
+            self._check_open()
+            self._refill_target = self.config.buffer_min_pages
+            return self._trim_locked(self.config.buffer_min_pages)
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -459,11 +472,16 @@ class ElasticKVPool:
             if self._closed:
                 return
             try:
-                limit = self.account.entry().limit_bytes  # `prism memory --set-limit` from anywhere
+                snap = self.account.ledger.snapshot()  # one ledger operation for both figures
+                entry = next(e for e in snap.entries if e.slot == self.account.slot)
+                pressure = snap.free_bytes < cfg.buffer_max_pages * self.page_size
                 with self._lock:
-                    self._limit = limit
+                    self._limit = entry.limit_bytes  # `prism memory --set-limit` from anywhere
+                    self._keep = cfg.buffer_min_pages if pressure else cfg.buffer_max_pages
                     now = time.monotonic()
-                    if (
+                    if pressure:
+                        self._refill_target = cfg.buffer_min_pages
+                    elif (
                         self._refill_target > cfg.buffer_min_pages
                         and now - self._last_miss > cfg.buffer_decay_s
                     ):
@@ -481,12 +499,11 @@ class ElasticKVPool:
 
         The page is chosen and its bookkeeping done under the lock; the syscalls run without it, so
         the engine thread allocates meanwhile and never waits for a page it does not need."""
-        cfg = self.config
         with self._lock:
             if self._closed:
                 return False
             if unmap:
-                if not self._empty or (len(self._empty) <= cfg.buffer_max_pages and not self._over_limit()):
+                if not self._empty or (len(self._empty) <= self._keep and not self._over_limit()):
                     return False
                 p = max(self._empty)
                 self._forget_page(p)
