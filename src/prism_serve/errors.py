@@ -58,3 +58,28 @@ class EngineDeadError(PrismError):
 
     status_code = 503
     error_type = "service_unavailable"
+
+
+class ModelEvictedError(PrismError):
+    """The model was unloaded (forced eviction) while this request was in flight."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class WorkerDiedError(PrismError):
+    """The worker process serving this request died; the runtime has started a replacement."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+def error_class(name: str) -> type[PrismError]:
+    """The PrismError subclass called ``name`` (errors cross process boundaries by name)."""
+    todo: list[type[PrismError]] = [PrismError]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == name:
+            return cls
+        todo.extend(cls.__subclasses__())
+    return PrismError

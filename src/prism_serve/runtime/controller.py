@@ -1,0 +1,744 @@
+"""The controller: the runtime's body around control/'s brain.
+
+It owns the engine pool, the host weight cache, one request queue per device and the policy. It
+turns the policy's actions into effects (Activate -> an idle worker loads the model, Evict -> the
+worker unmaps it, Dispatch -> the request goes to the model's worker) and effects into the
+snapshots the policy reads (ledger bytes, engine stats, queue contents). Everything runs on one
+asyncio loop, so the state needs no locks; workers are separate processes.
+
+Request path: ``generate`` validates and tokenizes, asks ``policy.on_request`` where the request
+goes (activating the model if it is evicted), and ``policy.admit`` decides when it starts; tokens
+stream back from the worker as the engine produces them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from prism_serve.control import (
+    Activate,
+    ClusterSnapshot,
+    Defer,
+    DeviceSnapshot,
+    Dispatch,
+    EngineSnapshot,
+    Enqueue,
+    Evict,
+    Migrate,
+    ModelSnapshot,
+    ModelState,
+    Reject,
+    RejectReason,
+    Request,
+    SetKVQuota,
+)
+from prism_serve.control.forecast import RateEstimator
+from prism_serve.control.policies import Policy, get_policy
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.tokenizer import Tokenizer
+from prism_serve.errors import (
+    DuplicateRequestError,
+    EmptyPromptError,
+    PrismError,
+    PromptTooLongError,
+    WorkerDiedError,
+    error_class,
+)
+from prism_serve.memory.ledger import DeviceLedger
+from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, format_size
+from prism_serve.runtime import messages as msg
+from prism_serve.runtime.devices import DeviceSpec
+from prism_serve.runtime.loading import DeviceMemoryExhaustedError
+from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
+from prism_serve.runtime.weight_cache import CachedModel, HostWeightCache
+from prism_serve.runtime.workers import WorkerHandle, WorkerPool, WorkerState
+
+logger = logging.getLogger(__name__)
+
+
+class ActivationError(PrismError):
+    """A model could not be activated (it fits no device now, or its worker failed)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class RequestTimeoutError(PrismError):
+    """The request's first token did not come within its timeout (e.g. a long activation queue)."""
+
+    status_code = 504
+    error_type = "timeout"
+
+
+class DeadlineMissError(PrismError):
+    """Admission dropped the request: its TTFT deadline can no longer be met (abort_on_miss)."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+
+
+_REJECT_ERRORS: dict[RejectReason, type[PrismError]] = {
+    RejectReason.DEADLINE_MISS: DeadlineMissError,
+    RejectReason.NO_CAPACITY: ModelTooLargeError,
+    RejectReason.UNKNOWN_MODEL: UnknownModelError,
+    RejectReason.PROMPT_TOO_LONG: PromptTooLongError,
+}
+
+
+@dataclass(eq=False)
+class _Model:
+    spec: ModelSpec
+    cached: CachedModel
+    tokenizer: Tokenizer
+    state: ModelState = ModelState.EVICTED
+    device: str | None = None
+    worker: WorkerHandle | None = None
+    pinned: bool = False
+    kv_quota: int | None = None
+    num_running: int = 0
+    activation: asyncio.Task | None = None
+    last_phases: msg.ActivationPhases | None = None
+    max_kv_bytes: int | None = None
+    num_activations: int = 0
+    num_evictions: int = 0
+    activated_at: float | None = None
+
+
+@dataclass(eq=False)
+class _Req:
+    req_id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: msg.Params
+    control: Request
+    stream: asyncio.Queue = field(default_factory=asyncio.Queue)
+    worker: WorkerHandle | None = None
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    model: str
+    state: str  # "active", "loading" or "evicted"
+    device: str | None
+    worker: str | None
+    pinned: bool
+    weight_bytes: int
+    num_running: int
+    num_queued: int
+    num_activations: int
+    num_evictions: int
+    last_activation: msg.ActivationPhases | None
+
+
+class Controller:
+    def __init__(
+        self,
+        devices: Iterable[DeviceSpec],
+        models: Iterable[ModelSpec],
+        policy: str | Policy = "prism",
+        *,
+        knobs: dict | None = None,
+        namespace: str | None = None,
+        tick_interval_s: float = 0.5,
+        activation_timeout_s: float = 60.0,
+        load_threads: int = 4,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        rate_window_s: float = 60.0,
+    ) -> None:
+        self.devices = {d.name: d for d in devices}
+        self.specs = {m.name: m for m in models}
+        if not self.devices or not self.specs:
+            raise ValueError("need at least one device and one model")
+        self.policy = get_policy(policy, **(knobs or {})) if isinstance(policy, str) else policy
+        self.namespace = namespace
+        self.tick_interval_s = tick_interval_s
+        self.activation_timeout_s = activation_timeout_s
+        self.load_threads = load_threads
+        self.page_size = page_size
+        self.rates = RateEstimator(rate_window_s, min_gap_s=1.0)
+        self.cache = HostWeightCache(namespace)
+        self.models: dict[str, _Model] = {}
+        self.queues = {d: self.policy.new_queue(d) for d in self.devices}
+        self._requests: dict[str, _Req] = {}
+        self._backlog: list[Request] = []
+        self._evictions: dict[str, list[asyncio.Future]] = {d: [] for d in self.devices}
+        self._ledgers: dict[str, DeviceLedger] = {}
+        self._pool: WorkerPool | None = None
+        self._tick_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # evictions in flight (strong references)
+        self._ids = 0
+
+    # ---- life cycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load every model into the host cache (disk read once), refuse models no device can hold,
+        create the device ledgers and start the engine pool."""
+        loop = asyncio.get_running_loop()
+        biggest = max(d.memory_bytes for d in self.devices.values())
+        for spec in self.specs.values():
+            cached = await loop.run_in_executor(None, self.cache.load, spec)
+            if cached.weight_bytes >= biggest:
+                self.cache.drop(spec.name)
+                raise ModelTooLargeError(
+                    f"model {spec.name}: its weights take {format_size(cached.weight_bytes)}, more than "
+                    f"any device's budget (largest {format_size(biggest)}); give a device more memory "
+                    f"or remove the model"
+                )
+            tok = Tokenizer.from_state(_read_json(cached.tokenizer_path))
+            self.models[spec.name] = _Model(spec, cached, tok, pinned=spec.pinned)
+        for d in self.devices.values():
+            ledger = DeviceLedger(d.name, d.memory_bytes, self.namespace)
+            if ledger.budget_bytes != d.memory_bytes:
+                ledger.set_budget(d.memory_bytes)
+            self._ledgers[d.name] = ledger
+        self._pool = WorkerPool(
+            list(self.devices.values()),
+            on_message=self._on_message,
+            on_death=self._on_worker_death,
+            namespace=self.namespace,
+            reserve_bytes={d.name: d.memory_bytes for d in self.devices.values()},
+            page_size=self.page_size,
+            load_threads=self.load_threads,
+        )
+        await self._pool.start()
+        for spec in self.specs.values():
+            self.rates.start(spec.name, self._now())
+        self._tick_task = asyncio.create_task(self._tick_loop())
+
+    async def stop(self) -> None:
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            await asyncio.gather(self._tick_task, return_exceptions=True)
+        for r in list(self._requests.values()):
+            self._fail(r, WorkerDiedError("the server is shutting down"))
+        if self._pool is not None:
+            await self._pool.stop()
+        for ledger in self._ledgers.values():
+            ledger.close()
+        self.cache.close()
+
+    async def __aenter__(self) -> Controller:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def pool(self) -> WorkerPool:
+        if self._pool is None:
+            raise RuntimeError("the controller is not started")
+        return self._pool
+
+    @staticmethod
+    def _now() -> float:
+        return time.monotonic()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def tokenizer(self, model: str) -> Tokenizer:
+        return self._model(model).tokenizer
+
+    async def generate(
+        self,
+        model: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        req_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[msg.TokenDelta]:
+        """Stream ``model``'s output for ``prompt``: one ``TokenDelta`` per engine step, the last with
+        ``finished``. Raises a PrismError (404 unknown model, 400 bad prompt, 503 worker or model
+        gone, 504 no first token within ``timeout_s``). Leaving the loop early aborts the request."""
+        r = self._submit(model, prompt, params or SamplingParams(), req_id)
+        first = True
+        try:
+            while True:
+                if first and timeout_s is not None:
+                    try:
+                        item = await asyncio.wait_for(r.stream.get(), timeout_s)
+                    except TimeoutError:
+                        raise RequestTimeoutError(
+                            f"no token from {model} within {timeout_s} s (still queued or activating)"
+                        ) from None
+                else:
+                    item = await r.stream.get()
+                first = False
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not r.done:
+                self._abort(r)
+
+    def _submit(
+        self, model: str, prompt: str | list[int], params: SamplingParams, req_id: str | None
+    ) -> _Req:
+        m = self._model(model)
+        ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise EmptyPromptError("prompt has no tokens")
+        max_len = m.spec.max_model_len or 8192
+        if len(ids) >= max_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; {model} accepts at most {max_len - 1} so that one token "
+                "can be generated"
+            )
+        if req_id is None:
+            self._ids += 1
+            req_id = f"r{self._ids}"
+        if req_id in self._requests:
+            raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
+        now = self._now()
+        wire = msg.Params(**{f: getattr(params, f) for f in msg.Params.__struct_fields__})
+        control = Request(req_id, model, now, len(ids), m.spec.ttft_slo)
+        r = _Req(req_id, model, ids, wire, control)
+        self._requests[req_id] = r
+        self.rates.observe(model, now)
+        self._route(control, now)
+        return r
+
+    def _route(self, request: Request, now: float) -> None:
+        self._apply(self.policy.on_request(request, self.snapshot(now), now), now)
+        for d in self.devices:
+            self._admit(d, now)
+
+    def _abort(self, r: _Req) -> None:
+        """The client went away: drop the request wherever it is and free its KV."""
+        r.done = True
+        self._requests.pop(r.req_id, None)
+        if r.worker is not None:
+            r.worker.in_flight.discard(r.req_id)
+            self._model(r.model).num_running -= 1
+            with contextlib.suppress(WorkerDiedError):
+                self.pool.send(r.worker, msg.AbortRequest(r.req_id))
+            return
+        for q in self.queues.values():
+            q.cancel(r.req_id)
+        self._backlog = [b for b in self._backlog if b.req_id != r.req_id]
+
+    def _finish(self, r: _Req) -> None:
+        r.done = True
+        self._requests.pop(r.req_id, None)
+        if r.worker is not None:
+            r.worker.in_flight.discard(r.req_id)
+            self._model(r.model).num_running -= 1
+
+    def _fail(self, r: _Req, error: BaseException) -> None:
+        if r.done:
+            return
+        if r.worker is None:
+            for q in self.queues.values():
+                q.cancel(r.req_id)
+        self._finish(r)
+        r.stream.put_nowait(error)
+
+    # ---- snapshots ----------------------------------------------------------------------------
+
+    def snapshot(self, now: float | None = None) -> ClusterSnapshot:
+        now = self._now() if now is None else now
+        queued: dict[str, int] = {}
+        for q in self.queues.values():
+            for req in q.requests():
+                queued[req.model] = queued.get(req.model, 0) + 1
+        for req in self._backlog:
+            queued[req.model] = queued.get(req.model, 0) + 1
+        models, engines = [], []
+        on_device: dict[str, list[str]] = {d: [] for d in self.devices}
+        for name, m in self.models.items():
+            resident = m.state is not ModelState.EVICTED
+            if resident:
+                on_device[m.device].append(name)
+            models.append(
+                ModelSnapshot(
+                    model=name,
+                    rate=self.rates.rate(name, now),
+                    ttft_slo=m.spec.ttft_slo,
+                    tpot_slo=m.spec.tpot_slo,
+                    weight_bytes=m.cached.weight_bytes,
+                    kv_bytes_per_token=m.cached.kv_bytes_per_token,
+                    placement=(m.device,) if resident else (),
+                    state=m.state,
+                    last_request_time=_latest(self.rates.last_arrival(name), m.activated_at),
+                    num_queued=queued.get(name, 0),
+                    num_running=m.num_running,
+                    pinned=m.pinned,
+                )
+            )
+            if resident:
+                stats = m.worker.stats if m.worker is not None else None
+                engines.append(
+                    EngineSnapshot(
+                        model=name,
+                        device=m.device,
+                        kv_bytes_per_token=m.cached.kv_bytes_per_token,
+                        ready=m.state is ModelState.ACTIVE,
+                        free_kv_bytes=max(0, stats.mapped_kv_bytes - stats.used_kv_bytes) if stats else 0,
+                        used_kv_bytes=stats.used_kv_bytes if stats else 0,
+                        kv_quota_bytes=m.kv_quota,
+                        max_kv_bytes=m.max_kv_bytes,
+                        num_running=m.num_running,
+                        max_num_seqs=m.spec.max_num_seqs,
+                        prefill_tokens_per_s=stats.prefill_tokens_per_s if stats else None,
+                    )
+                )
+        devices = []
+        for d, spec in self.devices.items():
+            q = self.queues[d]
+            devices.append(
+                DeviceSnapshot(
+                    device=d,
+                    capacity_bytes=spec.memory_bytes,
+                    mapped_bytes=self._ledgers[d].snapshot().used_bytes,
+                    models=tuple(on_device[d]),
+                    num_queued=len(q),
+                    queued_models=q.models(),
+                )
+            )
+        return ClusterSnapshot.build(models, devices, engines)
+
+    # ---- actions ------------------------------------------------------------------------------
+
+    def _apply(self, actions: Iterable, now: float) -> None:
+        for a in actions:
+            match a:
+                case Enqueue(request, device):
+                    self.queues[device].push(request)
+                case Defer(request, _):
+                    self._backlog.append(request)
+                case Dispatch(request, _):
+                    self._dispatch(request)
+                case Reject(request, reason, detail):
+                    r = self._requests.get(request.req_id)
+                    if r is not None:
+                        self._fail(r, _REJECT_ERRORS[reason](detail))
+                case Evict(model):
+                    self._start_evict(self._model(model), force=False)
+                case Activate(model, devices):
+                    self._start_activate(self._model(model), devices[0])
+                case Migrate(model, _src, dst):
+                    self._migrate(self._model(model), dst[0], now)
+                case SetKVQuota(model, _device, quota):
+                    m = self._model(model)
+                    m.kv_quota = quota
+                    if m.worker is not None and m.state is ModelState.ACTIVE:
+                        self._send(m.worker, msg.SetKVLimit(quota))
+
+    def _admit(self, device: str, now: float) -> None:
+        q = self.queues[device]
+        if not len(q):
+            return
+        snap = self.snapshot(now)
+        self._apply(self.policy.admit(q, snap.devices[device], snap.engines, now), now)
+
+    def _dispatch(self, request: Request) -> None:
+        r = self._requests.get(request.req_id)
+        if r is None or r.done:
+            return
+        m = self._model(r.model)
+        if m.worker is None or m.state is not ModelState.ACTIVE:
+            self._fail(r, ActivationError(f"{r.model} is not active"))
+            return
+        r.worker = m.worker
+        m.worker.in_flight.add(r.req_id)
+        m.num_running += 1
+        self._send(m.worker, msg.AddRequest(r.req_id, r.prompt_token_ids, r.params))
+
+    def _send(self, handle: WorkerHandle, message: msg.Message) -> None:
+        with contextlib.suppress(WorkerDiedError):  # the death handler fails what was in flight
+            self.pool.send(handle, message)
+
+    def _migrate(self, m: _Model, dst: str, now: float) -> None:
+        """Only idle models move (evict, then activate on ``dst``); a busy one stays until the next
+        tick decides again."""
+        if m.num_running or m.state is not ModelState.ACTIVE:
+            return
+        queued = self._take_queued(m.spec.name)
+        self._start_evict(m, force=False)
+        self._start_activate(m, dst)
+        for req in queued:
+            self.queues[dst].push(req)
+
+    def _take_queued(self, model: str) -> list[Request]:
+        """Remove ``model``'s requests from every device queue (to route them again)."""
+        out = []
+        for q in self.queues.values():
+            for req in q.requests():
+                if req.model == model:
+                    q.cancel(req.req_id)
+                    out.append(req)
+        return out
+
+    # ---- activation ---------------------------------------------------------------------------
+
+    def _start_activate(self, m: _Model, device: str) -> None:
+        if m.state is not ModelState.EVICTED:
+            return
+        m.state, m.device = ModelState.ACTIVATING, device
+        m.activation = asyncio.create_task(self._activate(m, device, self._now()))
+
+    async def _activate(self, m: _Model, device: str, decided_at: float) -> msg.ActivationPhases | None:
+        deadline = decided_at + self.activation_timeout_s
+        handle: WorkerHandle | None = None
+        try:
+            # Evictions the policy ordered before this activation free the memory it needs.
+            pending = [f for f in self._evictions[device] if not f.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=max(0.0, deadline - self._now()))
+            handle = await asyncio.wait_for(self.pool.take(device), max(0.0, deadline - self._now()))
+            handle.model = m.spec.name
+            m.worker = handle
+            while True:
+                reply = await self._request(handle, self._activate_message(m, decided_at))
+                if isinstance(reply, msg.ModelActivated):
+                    break
+                retry = reply.error == DeviceMemoryExhaustedError.__name__ and self._now() < deadline
+                if not retry:
+                    raise error_class(reply.error)(f"activating {m.spec.name} on {device}: {reply.message}")
+                await asyncio.sleep(0.05)  # other engines' KV pages drain as their requests finish
+        except Exception as e:  # whatever went wrong, waiting requests must hear about it
+            if isinstance(e, TimeoutError):
+                e = ActivationError(
+                    f"{m.spec.name}: no worker on {device} within {self.activation_timeout_s} s"
+                )
+            elif not isinstance(e, PrismError):
+                logger.exception("activating %s failed", m.spec.name)
+                e = ActivationError(f"activating {m.spec.name}: {type(e).__name__}: {e}")
+            self._activation_failed(m, handle, e)
+            return None
+        handle.state = WorkerState.SERVING
+        handle.stats = reply.stats
+        m.state, m.max_kv_bytes, m.last_phases = ModelState.ACTIVE, reply.max_kv_bytes, reply.phases
+        m.num_activations += 1
+        # Idle time counts from the activation too: a model loaded ahead of its first request (by
+        # an admin, or a migration) is not "idle forever" and evicted on the next tick.
+        m.activated_at = self._now()
+        if m.kv_quota is not None:
+            self._send(handle, msg.SetKVLimit(m.kv_quota))
+        logger.info(
+            "activated %s on %s in %.3f s %s", m.spec.name, device, reply.phases.total_s, reply.phases
+        )
+        now = self._now()
+        self._apply(self.policy.place(self.snapshot(now), now), now)
+        self._admit(device, now)
+        return reply.phases
+
+    def _activate_message(self, m: _Model, decided_at: float) -> msg.ActivateModel:
+        c = m.cached
+        return msg.ActivateModel(
+            model=m.spec.name,
+            cache_path=c.path,
+            tensors=list(c.tensors),
+            weight_bytes=c.weight_bytes,
+            config=c.config,
+            tokenizer_path=c.tokenizer_path,
+            source=c.source,
+            synthetic=c.synthetic,
+            engine=m.spec.engine_args(),
+            sent_at=decided_at,
+            load_threads=self.load_threads,
+        )
+
+    def _activation_failed(self, m: _Model, handle: WorkerHandle | None, error: PrismError) -> None:
+        logger.warning("activation of %s failed: %s", m.spec.name, error)
+        m.state, m.device, m.worker = ModelState.EVICTED, None, None
+        if handle is not None and handle.state is WorkerState.ACTIVATING:
+            handle.state, handle.model = WorkerState.IDLE, None
+        for r in [r for r in self._requests.values() if r.model == m.spec.name and r.worker is None]:
+            self._fail(r, ActivationError(str(error)))
+
+    async def _request(self, handle: WorkerHandle, message: msg.Message) -> msg.Message:
+        """Send an ActivateModel/EvictModel and wait for the worker's reply to it."""
+        handle.reply = asyncio.get_running_loop().create_future()
+        self.pool.send(handle, message)
+        try:
+            return await handle.reply
+        finally:
+            handle.reply = None
+
+    # ---- eviction -----------------------------------------------------------------------------
+
+    def _start_evict(self, m: _Model, force: bool) -> asyncio.Future | None:
+        if m.state is not ModelState.ACTIVE or m.worker is None:
+            return None
+        handle, device = m.worker, m.device
+        done = asyncio.get_running_loop().create_future()
+        self._evictions[device].append(done)
+        # The model leaves the snapshots now; its pages stay in the ledger until the worker is done.
+        m.state, m.device, m.worker = ModelState.EVICTED, None, None
+        handle.state = WorkerState.EVICTING
+        self._tasks.add(task := asyncio.create_task(self._evict(m, handle, device, force, done)))
+        task.add_done_callback(self._tasks.discard)
+        return done
+
+    async def _evict(
+        self, m: _Model, handle: WorkerHandle, device: str, force: bool, done: asyncio.Future
+    ) -> None:
+        try:
+            reply = await self._request(handle, msg.EvictModel(m.spec.name, force))
+        except WorkerDiedError:
+            reply = None
+        finally:
+            self._evictions[device].remove(done)
+        if isinstance(reply, msg.EvictRefused):  # requests arrived meanwhile: it stays
+            handle.state = WorkerState.SERVING
+            m.state, m.device, m.worker = ModelState.ACTIVE, device, handle
+            done.set_result(False)
+            return
+        if handle.state is WorkerState.EVICTING:
+            handle.state, handle.model, handle.stats = WorkerState.IDLE, None, None
+        m.num_evictions += 1
+        done.set_result(True)
+        now = self._now()
+        for d in self.devices:
+            self._admit(d, now)
+
+    # ---- admin --------------------------------------------------------------------------------
+
+    async def load(self, model: str, device: str | None = None) -> msg.ActivationPhases | None:
+        """Activate ``model`` (on ``device`` or where the policy's on-demand rule would put it);
+        returns its phases, or None if it was already active."""
+        m = self._model(model)
+        if m.state is ModelState.ACTIVE:
+            return None
+        if m.state is ModelState.EVICTED:
+            if device is None:
+                probe = Request(f"load-{model}", model, self._now(), 1, m.spec.ttft_slo)
+                now = self._now()
+                for a in self.policy.on_request(probe, self.snapshot(now), now):
+                    if isinstance(a, Evict):
+                        self._start_evict(self._model(a.model), force=False)
+                    elif isinstance(a, Activate):
+                        device = a.device
+                    elif isinstance(a, Reject | Defer):
+                        raise ActivationError(f"cannot load {model} now: {getattr(a, 'detail', '')}")
+            if device not in self.devices:
+                raise ActivationError(f"unknown device {device!r}")
+            self._start_activate(m, device)
+        task = m.activation
+        phases = await task if task is not None else None
+        if m.state is not ModelState.ACTIVE:
+            raise ActivationError(f"{model} did not activate")
+        return phases
+
+    async def unload(self, model: str, force: bool = True) -> bool:
+        """Evict ``model``; with ``force`` its requests in flight end with ModelEvictedError."""
+        m = self._model(model)
+        if m.state is ModelState.ACTIVATING and m.activation is not None:
+            await m.activation
+        done = self._start_evict(m, force)
+        return bool(await done) if done is not None else False
+
+    def pin(self, model: str, pinned: bool = True) -> None:
+        self._model(model).pinned = pinned
+
+    def status(self) -> list[ModelStatus]:
+        snap = self.snapshot()
+        out = []
+        for name, m in self.models.items():
+            state = {"active": "active", "activating": "loading", "evicted": "evicted"}[m.state.value]
+            out.append(
+                ModelStatus(
+                    name, state, m.device, m.worker.worker_id if m.worker else None, m.pinned,
+                    m.cached.weight_bytes, m.num_running, snap.models[name].num_queued,
+                    m.num_activations, m.num_evictions, m.last_phases,
+                )
+            )  # fmt: skip
+        return out
+
+    def ledger(self, device: str) -> DeviceLedger:
+        return self._ledgers[device]
+
+    def _model(self, name: str) -> _Model:
+        m = self.models.get(name)
+        if m is None:
+            raise UnknownModelError(f"model {name!r} is not served here; see /v1/models")
+        return m
+
+    # ---- worker messages ----------------------------------------------------------------------
+
+    def _on_message(self, handle: WorkerHandle, m: msg.Message) -> None:
+        match m:
+            case msg.StepOutputs(outputs, stats):
+                handle.stats = stats
+                finished = False
+                for d in outputs:
+                    r = self._requests.get(d.req_id)
+                    if r is None:
+                        continue
+                    r.stream.put_nowait(d)
+                    if d.finished:
+                        self._finish(r)
+                        finished = True
+                if finished:
+                    self._admit(handle.device.name, self._now())
+            case msg.RequestFailed(req_id, error, message):
+                r = self._requests.get(req_id)
+                if r is not None:
+                    self._fail(r, error_class(error)(message))
+                    self._admit(handle.device.name, self._now())
+            case msg.ModelActivated() | msg.ActivationFailed() | msg.ModelEvicted() | msg.EvictRefused():
+                if handle.reply is not None and not handle.reply.done():
+                    handle.reply.set_result(m)
+
+    def _on_worker_death(self, handle: WorkerHandle) -> None:
+        """Fail what the dead worker was running, forget its model's residency, make the ledger drop
+        its entries, and send the model's queued requests back through the policy."""
+        for req_id in list(handle.in_flight):
+            r = self._requests.get(req_id)
+            if r is not None:
+                self._fail(r, WorkerDiedError(f"worker {handle.worker_id} serving {r.model} died"))
+        model = self.models.get(handle.model or "")
+        if model is not None and model.worker is handle:
+            model.state, model.device, model.worker = ModelState.EVICTED, None, None
+            model.num_running = 0
+        reclaimed = self._ledgers[handle.device.name].snapshot()  # reclaims entries of dead pids
+        logger.warning("%s: ledger now %s mapped", handle.device.name, format_size(reclaimed.used_bytes))
+        if model is not None:
+            now = self._now()
+            waiting = [
+                req for q in self.queues.values() for req in q.requests() if req.model == model.spec.name
+            ]
+            for req in waiting:
+                for q in self.queues.values():
+                    q.cancel(req.req_id)
+                self._route(req, now)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_interval_s)
+            try:
+                self.tick()
+            except Exception:
+                logger.exception("placement tick failed")
+
+    def tick(self) -> None:
+        """One placement tick: ``policy.place``, deferred requests resubmitted, every device admits."""
+        now = self._now()
+        self._apply(self.policy.place(self.snapshot(now), now), now)
+        backlog, self._backlog = self._backlog, []
+        for req in backlog:
+            if req.req_id in self._requests:
+                self._apply(self.policy.on_request(req, self.snapshot(now), now), now)
+        for d in self.devices:
+            self._admit(d, now)
+
+
+def _latest(*times: float | None) -> float | None:
+    known = [t for t in times if t is not None]
+    return max(known) if known else None
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)

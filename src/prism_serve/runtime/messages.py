@@ -1,0 +1,212 @@
+"""Every message between the controller and its workers, in one place.
+
+Messages are msgspec structs, tagged by class name and encoded as MessagePack; one ZeroMQ frame
+holds one message. The controller's ROUTER socket addresses a worker by its id (the DEALER's
+identity). Times are ``time.monotonic()`` seconds, which every process on the machine shares.
+
+Controller -> worker: ActivateModel, EvictModel, AddRequest, AbortRequest, SetKVLimit, Shutdown.
+Worker -> controller: WorkerReady, ModelActivated, ActivationFailed, ModelEvicted, StepOutputs,
+RequestFailed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Message(msgspec.Struct, tag=True, array_like=True, forbid_unknown_fields=True):
+    """Base of every IPC message (tagged, so one decoder reads them all)."""
+
+
+# ---- shared pieces ---------------------------------------------------------------------------
+
+
+class TensorEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor in a host weight cache file; the device copy uses the same offset."""
+
+    name: str
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class EngineArgs(msgspec.Struct, array_like=True, frozen=True):
+    """Per-model engine knobs (what EngineConfig takes, minus the weights source)."""
+
+    dtype: str = "float32"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    seed: int = 0
+    kv_limit_bytes: int | None = None  # cap on this engine's KV pages in the ledger
+
+
+class Params(msgspec.Struct, array_like=True, frozen=True):
+    """SamplingParams on the wire (validated again when the worker builds SamplingParams)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class ActivationPhases(msgspec.Struct, array_like=True, frozen=True):
+    """Seconds spent in each phase of one activation (paper section 5.2)."""
+
+    take_s: float  # controller decision -> the idle worker starts (queueing for a worker + IPC)
+    map_s: float  # ledger grant + mapping the weight pages (and opening the host cache file)
+    copy_s: float  # weight bytes host cache -> device pages, parallel chunks
+    ready_s: float  # model views, tokenizer, KV pool laid out in the reserved range, engine built
+    copy_bytes: int
+    copy_threads: int
+
+    @property
+    def total_s(self) -> float:
+        return self.take_s + self.map_s + self.copy_s + self.ready_s
+
+
+class EngineStats(msgspec.Struct, array_like=True, frozen=True):
+    """What the controller's snapshots need from an engine, sent with every step's outputs."""
+
+    num_running: int
+    num_waiting: int
+    used_kv_bytes: int
+    mapped_kv_bytes: int
+    weight_bytes: int
+    prefill_tokens_per_s: float | None = None
+
+
+class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
+    req_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+# ---- controller -> worker --------------------------------------------------------------------
+
+
+class ActivateModel(Message):
+    model: str
+    cache_path: str  # host weight cache file (shared memory)
+    tensors: list[TensorEntry]
+    weight_bytes: int  # the cache file's size: what the weight pages must hold
+    config: dict[str, Any]  # ModelConfig fields
+    tokenizer_path: str
+    source: str
+    synthetic: bool
+    engine: EngineArgs
+    sent_at: float
+    load_threads: int = 4
+    chunk_bytes: int = 16 * 2**20
+
+
+class EvictModel(Message):
+    model: str
+    force: bool = False  # False: refuse (EvictRefused) while requests are in flight
+
+
+class AddRequest(Message):
+    req_id: str
+    prompt_token_ids: list[int]
+    params: Params
+
+
+class AbortRequest(Message):
+    req_id: str
+
+
+class SetKVLimit(Message):
+    limit_bytes: int | None
+
+
+class Shutdown(Message):
+    pass
+
+
+# ---- worker -> controller --------------------------------------------------------------------
+
+
+class WorkerReady(Message):
+    worker_id: str
+    pid: int
+    device: str
+    reserved_bytes: int  # virtual space reserved for weights and for KV, each
+    startup_s: float
+
+
+class ModelActivated(Message):
+    model: str
+    phases: ActivationPhases
+    kv_bytes_per_token: int
+    max_kv_bytes: int
+    max_model_len: int
+    max_num_seqs: int
+    stats: EngineStats
+
+
+class ActivationFailed(Message):
+    model: str
+    error: str  # class name of a prism_serve error
+    message: str
+
+
+class ModelEvicted(Message):
+    model: str
+    aborted: list[str]
+    released_bytes: int
+
+
+class EvictRefused(Message):
+    model: str
+    num_in_flight: int
+
+
+class StepOutputs(Message):
+    outputs: list[TokenDelta]
+    stats: EngineStats
+
+
+class RequestFailed(Message):
+    req_id: str
+    error: str
+    message: str
+
+
+ToWorker = ActivateModel | EvictModel | AddRequest | AbortRequest | SetKVLimit | Shutdown
+FromWorker = (
+    WorkerReady
+    | ModelActivated
+    | ActivationFailed
+    | ModelEvicted
+    | EvictRefused
+    | StepOutputs
+    | RequestFailed
+)
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Message) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def to_worker_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ToWorker)
+
+
+def from_worker_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(FromWorker)

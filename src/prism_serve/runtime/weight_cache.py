@@ -1,0 +1,240 @@
+"""The host weight cache: each model's weights, read from disk once, kept in shared memory in the
+exact layout the engine computes with, so any worker activates a model with one memory copy and
+nothing passes through the controller.
+
+A cache file is ``/dev/shm/prism-weights-<namespace>-<controller pid>-<n>``: the tensors of
+``LlamaForCausalLM.packed_tensors()`` back to back, each at a 4 KiB-aligned offset. A worker maps
+the file read-only (``SharedWeights``) and copies byte ranges into the model's device pages at the
+same offsets, then builds the model over views of those pages. The tokenizer travels in a JSON file
+next to it. Files of controllers that died are removed when the next cache opens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import mmap
+import os
+import re
+import threading
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prism_serve.engine.llm_engine import DTYPES
+from prism_serve.engine.models.config import ModelConfig, RopeScaling
+from prism_serve.engine.models.llama import LlamaForCausalLM
+from prism_serve.engine.weights import load_weights
+from prism_serve.memory.ledger import default_namespace
+from prism_serve.runtime.messages import TensorEntry
+from prism_serve.runtime.models import ModelSpec
+
+ALIGN = 4096
+_FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json)?$")
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def config_to_dict(config: ModelConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    rs = d.get("rope_scaling")
+    return ModelConfig(**{**d, "rope_scaling": RopeScaling(**rs) if rs else None})
+
+
+@dataclass(frozen=True, slots=True)
+class CachedModel:
+    """One model in the host cache: where its bytes are and what a worker needs to serve it."""
+
+    spec: ModelSpec
+    path: str
+    tensors: tuple[TensorEntry, ...]
+    weight_bytes: int  # the file's size (tensors + alignment): the device pages must hold this
+    config: dict[str, Any]
+    tokenizer_path: str
+    source: str
+    synthetic: bool
+    kv_bytes_per_token: int
+    load_s: float  # disk -> cache, once
+
+
+class HostWeightCache:
+    """Loads each model once and keeps it in shared memory until ``close()`` (or ``drop``)."""
+
+    def __init__(self, namespace: str | None = None, directory: str | Path = "/dev/shm") -> None:
+        self.namespace = namespace or default_namespace()
+        self.directory = Path(directory)
+        self._lock = threading.Lock()
+        self._file_locks: dict[tuple, threading.Lock] = {}
+        self._files: dict[tuple, CachedModel] = {}  # by weights key; spec = the first model's
+        self._models: dict[str, CachedModel] = {}
+        self._counter = 0
+        self._closed = False
+        self.remove_stale()
+
+    # ---- loading ------------------------------------------------------------------------------
+
+    def get(self, name: str) -> CachedModel | None:
+        return self._models.get(name)
+
+    def load(self, spec: ModelSpec) -> CachedModel:
+        """The cached copy of ``spec``'s weights, reading them from disk the first time. Models with
+        the same weights (source, dtype and seed) share one cache file."""
+        key = _weights_key(spec)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the host weight cache is closed")
+            if spec.name in self._models:
+                return self._models[spec.name]
+            lock = self._file_locks.setdefault(key, threading.Lock())
+        with lock:  # one disk read per weights even when several models or requests want them
+            base = self._files.get(key)
+            if base is None:
+                base = self._load(spec)
+                self._files[key] = base
+        cached = dataclasses.replace(base, spec=spec)
+        with self._lock:
+            return self._models.setdefault(spec.name, cached)
+
+    def _load(self, spec: ModelSpec) -> CachedModel:
+        start = time.monotonic()
+        dtype = DTYPES[spec.dtype]
+        weights = load_weights(spec.source, dtype=dtype, seed=spec.seed)
+        # Build the model once here to get the engine's own layout (fused QKV, transposed fp32),
+        # so activations never redo that work. One RoPE position: the tables are not cached.
+        packed = LlamaForCausalLM(
+            weights.config, weights.tensors, dtype, 1, weights.rope_freq_factors
+        ).packed_tensors()
+        weights.tensors.clear()
+        entries, offset = [], 0
+        for name, t in packed.items():
+            nbytes = t.numel() * t.element_size()
+            entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+            offset = _align(offset + nbytes)
+        total = max(offset, ALIGN)
+        with self._lock:
+            self._counter += 1
+            base = self.directory / f"prism-weights-{self.namespace}-{os.getpid()}-{self._counter}"
+        fd = os.open(base, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            with mmap.mmap(fd, total) as mm:
+                flat = torch.frombuffer(mm, dtype=torch.uint8)
+                for e, t in zip(entries, packed.values(), strict=True):
+                    flat[e.offset : e.offset + e.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
+                del flat
+        except BaseException:
+            os.unlink(base)
+            raise
+        finally:
+            os.close(fd)
+        tok_path = Path(f"{base}.tok.json")
+        tok_path.write_text(json.dumps(weights.tokenizer.to_state()))
+        return CachedModel(
+            spec=spec,
+            path=str(base),
+            tensors=tuple(entries),
+            weight_bytes=total,
+            config=config_to_dict(weights.config),
+            tokenizer_path=str(tok_path),
+            source=weights.source,
+            synthetic=weights.synthetic,
+            kv_bytes_per_token=weights.config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()),
+            load_s=time.monotonic() - start,
+        )
+
+    # ---- housekeeping -------------------------------------------------------------------------
+
+    @property
+    def total_bytes(self) -> int:
+        """Host memory the cache files take (shared weights counted once)."""
+        return sum(f.weight_bytes for f in self._files.values())
+
+    def models(self) -> Iterable[CachedModel]:
+        return list(self._models.values())
+
+    def drop(self, name: str) -> None:
+        """Forget one model; its files go when no other model shares them (workers that mapped
+        them keep their mapping until they close it)."""
+        with self._lock:
+            cached = self._models.pop(name, None)
+            if cached is None or any(m.path == cached.path for m in self._models.values()):
+                return
+            self._files = {k: f for k, f in self._files.items() if f.path != cached.path}
+        for p in (cached.path, cached.tokenizer_path):
+            Path(p).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            names = list(self._models)
+        for name in names:
+            self.drop(name)
+
+    def __enter__(self) -> HostWeightCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def remove_stale(self) -> int:
+        """Delete cache files of this namespace whose controller process no longer exists."""
+        removed = 0
+        for p in self.directory.glob(f"prism-weights-{self.namespace}-*"):
+            m = _FILE_RE.match(p.name)
+            if m is None or m["ns"] != self.namespace:
+                continue
+            pid = int(m["pid"])
+            if pid != os.getpid() and not _alive(pid):
+                p.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+
+def _weights_key(spec: ModelSpec) -> tuple:
+    seed = spec.seed if spec.source.startswith("random:") else 0  # the seed only matters there
+    return (spec.source, spec.dtype, seed)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedWeights:
+    """A worker's read-only view of one cache file, pre-faulted so copies run at memory speed."""
+
+    def __init__(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():  # torch warns about read-only buffers; we never write to it
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.path, self.size = path, size
+
+    def close(self) -> None:
+        self.bytes = None  # type: ignore[assignment]
+        with contextlib.suppress(BufferError):  # a view is still alive; the mapping goes with it
+            self._mm.close()

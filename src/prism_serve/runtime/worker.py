@@ -1,0 +1,385 @@
+"""A worker: one pre-started engine process on one device, serving at most one model at a time.
+
+At start-up it pins itself to its device's cores, imports torch, connects to the controller and
+reserves two virtual ranges (weights, KV) of the device's size; then it holds no model and waits.
+``ActivateModel`` maps the weight pages (granted by the device ledger), copies the weights from the
+host cache in parallel chunks, builds the model over views of those pages, lays a KV pool out in the
+reserved KV range, and serves. ``EvictModel`` unmaps every page of the model (weights and KV) and
+leaves the worker idle in the pool again, ranges still reserved.
+
+The loop: drain control messages, run one engine step, send that step's tokens. Run as
+``python -m prism_serve.runtime.worker --worker-id ... --device cpu:0 --endpoint ipc://...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from prism_serve.engine.kv_cache import KVCache
+from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
+from prism_serve.engine.models.llama import LlamaForCausalLM
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.tokenizer import Tokenizer
+from prism_serve.engine.weights import LoadedWeights
+from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError
+from prism_serve.memory.kv_pool import ElasticKVPool, PoolConfig
+from prism_serve.memory.ledger import Account, DeviceLedger
+from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, reserve
+from prism_serve.runtime import messages as msg
+from prism_serve.runtime.devices import DeviceSpec, parse_cores, pin_process
+from prism_serve.runtime.loading import map_weight_pages, parallel_copy, tensor_views, unmap_weight_pages
+from prism_serve.runtime.weight_cache import SharedWeights, config_from_dict
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_IDLE_POLL_MS = 200
+_STALLED_POLL_MS = 5  # the ledger refused KV blocks: retry soon, without spinning
+
+
+@dataclass(slots=True)
+class _Active:
+    model: str
+    engine: LLMEngine
+    pool: ElasticKVPool
+    weight_account: Account
+    kv_account: Account
+    num_weight_pages: int
+    weight_bytes: int
+    prefill_tokens_per_s: float | None = None
+
+
+class Worker:
+    def __init__(
+        self,
+        worker_id: str,
+        device: DeviceSpec,
+        endpoint: str,
+        reserve_bytes: int,
+        namespace: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        load_threads: int = 4,
+    ) -> None:
+        start = time.monotonic()
+        self.worker_id = worker_id
+        self.device = device
+        pin_process(device)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(endpoint)
+        self.decoder = msg.to_worker_decoder()
+        self.ledger = DeviceLedger(device.name, device.memory_bytes, namespace)
+        self.weight_range = reserve(device.name, reserve_bytes, page_size)
+        self.kv_range = reserve(device.name, reserve_bytes, page_size)
+        self.loader = ThreadPoolExecutor(load_threads, thread_name_prefix="prism-load")
+        self.load_threads = load_threads
+        self.page_size = page_size
+        self.namespace = namespace
+        self.shared: dict[str, SharedWeights] = {}  # host cache files this worker has mapped
+        self.tokenizers: dict[str, Tokenizer] = {}  # by tokenizer file
+        self.active: _Active | None = None
+        self.running = True
+        self._send(
+            msg.WorkerReady(worker_id, os.getpid(), device.name, reserve_bytes, time.monotonic() - start)
+        )
+
+    # ---- loop ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while self.running:
+                engine = self.active.engine if self.active else None
+                busy = engine is not None and engine.has_unfinished_requests()
+                timeout = (_STALLED_POLL_MS if engine.stalled else 0) if busy else _IDLE_POLL_MS
+                if self.sock.poll(timeout):
+                    self._drain()
+                if self.active is not None and self.active.engine.has_unfinished_requests():
+                    self._step(self.active)
+        finally:
+            self.close()
+
+    def _drain(self) -> None:
+        while self.running:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(self.decoder.decode(frame))
+
+    def _handle(self, m: msg.ToWorker) -> None:
+        match m:
+            case msg.AddRequest():
+                self._add_request(m)
+            case msg.AbortRequest():
+                if self.active is not None and self.active.engine.abort_request(m.req_id):
+                    if not self.active.engine.has_unfinished_requests():
+                        self.active.pool.shrink_buffer()
+                    self._send(msg.StepOutputs([], self._stats(self.active)))  # its KV is free now
+            case msg.ActivateModel():
+                self._activate(m)
+            case msg.EvictModel():
+                self._evict(m)
+            case msg.SetKVLimit():
+                if self.active is not None:
+                    self.active.pool.set_limit(m.limit_bytes)
+            case msg.Shutdown():
+                self.running = False
+
+    def _send(self, m: msg.Message) -> None:
+        self.sock.send(msg.encode(m))
+
+    def _fail(self, req_id: str, e: BaseException) -> None:
+        name = type(e).__name__ if isinstance(e, PrismError) else "PrismError"
+        self._send(msg.RequestFailed(req_id, name, str(e)))
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def _add_request(self, m: msg.AddRequest) -> None:
+        if self.active is None:
+            self._fail(m.req_id, InvalidRequestError(f"worker {self.worker_id} serves no model"))
+            return
+        try:
+            params = SamplingParams(**{f: getattr(m.params, f) for f in m.params.__struct_fields__})
+            self.active.engine.add_request(m.prompt_token_ids, params, m.req_id)
+        except PrismError as e:
+            self._fail(m.req_id, e)
+
+    def _step(self, a: _Active) -> None:
+        t0 = time.monotonic()
+        outs = a.engine.step()
+        dt = time.monotonic() - t0
+        if a.engine.last_step_tokens >= 64 and dt > 0:  # mostly prefill: a usable speed sample
+            speed = a.engine.last_step_tokens / dt
+            a.prefill_tokens_per_s = (
+                speed if a.prefill_tokens_per_s is None else (0.8 * a.prefill_tokens_per_s + 0.2 * speed)
+            )
+        if not a.engine.has_unfinished_requests():
+            a.pool.shrink_buffer()  # idle: its decode buffer is memory a colocated model may need
+        if not outs:
+            return
+        deltas = [
+            msg.TokenDelta(
+                o.req_id,
+                o.delta_text,
+                o.delta_token_ids,
+                o.finished,
+                o.finish_reason,
+                len(o.prompt_token_ids),
+                len(o.token_ids),
+            )
+            for o in outs
+        ]
+        self._send(msg.StepOutputs(deltas, self._stats(a)))
+
+    def _stats(self, a: _Active) -> msg.EngineStats:
+        used = a.pool.num_used_blocks * a.pool.block_bytes
+        return msg.EngineStats(
+            num_running=a.engine.num_running,
+            num_waiting=a.engine.num_waiting,
+            used_kv_bytes=used,
+            mapped_kv_bytes=self.kv_range.mapped_bytes,
+            weight_bytes=a.weight_bytes,
+            prefill_tokens_per_s=a.prefill_tokens_per_s,
+        )
+
+    # ---- activation and eviction --------------------------------------------------------------
+
+    def _activate(self, m: msg.ActivateModel) -> None:
+        t_take = time.monotonic()
+        if self.active is not None:
+            self._send(msg.ActivationFailed(m.model, "InvalidRequestError", f"busy with {self.active.model}"))
+            return
+        weight_account = self.ledger.account(f"{m.model} weights")
+        kv_account = self.ledger.account(f"{m.model} kv", m.engine.kv_limit_bytes)
+        num_pages = 0
+        try:
+            shared = self.shared.get(m.cache_path)
+            if shared is None:
+                shared = self.shared[m.cache_path] = SharedWeights(m.cache_path, m.weight_bytes)
+            num_pages = map_weight_pages(self.weight_range, weight_account, m.weight_bytes, self.loader)
+            t_map = time.monotonic()
+            flat = self.weight_range.as_tensor()
+            copied = parallel_copy(shared.bytes, flat, m.tensors, self.loader, m.chunk_bytes)
+            t_copy = time.monotonic()
+            engine, pool = self._build_engine(m, flat, kv_account)
+            t_ready = time.monotonic()
+        except BaseException as e:
+            if num_pages:
+                unmap_weight_pages(self.weight_range, weight_account, num_pages)
+            weight_account.close()
+            kv_account.close()
+            logger.warning("activation of %s failed: %s", m.model, e)
+            name = type(e).__name__ if isinstance(e, PrismError) else "PrismError"
+            self._send(msg.ActivationFailed(m.model, name, str(e)))
+            if not isinstance(e, Exception):
+                raise
+            return
+        self.active = a = _Active(
+            m.model, engine, pool, weight_account, kv_account, num_pages, m.weight_bytes
+        )
+        phases = msg.ActivationPhases(
+            take_s=max(0.0, t_take - m.sent_at),
+            map_s=t_map - t_take,
+            copy_s=t_copy - t_map,
+            ready_s=t_ready - t_copy,
+            copy_bytes=copied,
+            copy_threads=self.load_threads,
+        )
+        self._send(
+            msg.ModelActivated(
+                m.model,
+                phases,
+                kv_bytes_per_token=engine.model_config.kv_bytes_per_token(
+                    torch.empty((), dtype=engine.config.torch_dtype).element_size()
+                ),
+                max_kv_bytes=pool.num_total_blocks * pool.block_bytes,
+                max_model_len=engine.max_model_len,
+                max_num_seqs=engine.config.max_num_seqs,
+                stats=self._stats(a),
+            )
+        )
+
+    def _build_engine(
+        self, m: msg.ActivateModel, flat: torch.Tensor, kv_account: Account
+    ) -> tuple[LLMEngine, ElasticKVPool]:
+        config = config_from_dict(m.config)
+        args = m.engine
+        engine_config = EngineConfig(
+            model=m.model,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            kv_cache_bytes=self.kv_range.size,
+            seed=args.seed,
+        )
+        dtype = engine_config.torch_dtype
+        max_len = min(
+            args.max_model_len or min(config.max_position_embeddings, 8192), config.max_position_embeddings
+        )
+        model = LlamaForCausalLM.from_packed(config, tensor_views(flat, m.tensors), dtype, max_len)
+        tokenizer = self.tokenizers.get(m.tokenizer_path)
+        if tokenizer is None:
+            with open(m.tokenizer_path) as f:
+                tokenizer = self.tokenizers[m.tokenizer_path] = Tokenizer.from_state(json.load(f))
+        # The KV layout of this model in the range reserved at start-up (the paper's "aligning the
+        # reserved virtual space to the new model"): blocks of this model's size, back to back.
+        block_bytes = KVCache.block_bytes(config, args.block_size, dtype)
+        pool = ElasticKVPool(
+            self.kv_range,
+            block_bytes,
+            kv_account,
+            PoolConfig(
+                device=self.device.name,
+                page_size=self.page_size,
+                limit_bytes=args.kv_limit_bytes,
+                ledger_namespace=self.namespace,
+            ),
+        )
+        try:
+            weights = LoadedWeights(config, {}, tokenizer, m.source, m.synthetic)
+            engine = LLMEngine(engine_config, weights=weights, allocator=pool, model=model)
+        except BaseException:
+            pool.close()
+            raise
+        return engine, pool
+
+    def _evict(self, m: msg.EvictModel) -> None:
+        a = self.active
+        if a is None or a.model != m.model:
+            self._send(msg.ModelEvicted(m.model, [], 0))
+            return
+        in_flight = a.engine.unfinished_request_ids()
+        if in_flight and not m.force:
+            self._send(msg.EvictRefused(m.model, len(in_flight)))
+            return
+        for req_id in a.engine.abort_all():
+            self._fail(req_id, ModelEvictedError(f"model {m.model} was unloaded while this request ran"))
+        released = self._release(a)
+        self._send(msg.ModelEvicted(m.model, in_flight, released))
+
+    def _release(self, a: _Active) -> int:
+        """Drop the model and give back every page it mapped; the ranges stay reserved."""
+        self.active = None
+        before = self.weight_range.mapped_bytes + self.kv_range.mapped_bytes
+        a.engine.close()
+        a.pool.close()  # unmaps every KV page and returns its bytes to the ledger
+        a.engine = None  # type: ignore[assignment]  # no tensor view over the pages may outlive them
+        unmap_weight_pages(self.weight_range, a.weight_account, a.num_weight_pages)
+        a.weight_account.close()
+        a.kv_account.close()
+        return before
+
+    def close(self) -> None:
+        if self.active is not None:
+            for req_id in self.active.engine.abort_all():
+                self._fail(req_id, ModelEvictedError("the worker is shutting down"))
+            self._release(self.active)
+        for s in self.shared.values():
+            s.close()
+        self.loader.shutdown()
+        self.weight_range.close()
+        self.kv_range.close()
+        self.ledger.close()
+        self.sock.close()
+        self.ctx.term()
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the controller dies, so none is left orphaned."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="prism-worker")
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--device", required=True)
+    p.add_argument("--memory-bytes", type=int, required=True)
+    p.add_argument("--cores", default="")
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--reserve-bytes", type=int, required=True)
+    p.add_argument("--namespace", default=None)
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--load-threads", type=int, default=4)
+    p.add_argument("--parent-pid", type=int, default=None)
+    args = p.parse_args(argv)
+    _die_with_parent()
+    if args.parent_pid is not None and os.getppid() != args.parent_pid:
+        return 1  # the controller died before the death signal was armed
+    logging.basicConfig(level=logging.WARNING, format=f"[worker {args.worker_id}] %(levelname)s %(message)s")
+    device = DeviceSpec(args.device, args.memory_bytes, parse_cores(args.cores))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    worker = Worker(
+        args.worker_id,
+        device,
+        args.endpoint,
+        args.reserve_bytes,
+        args.namespace,
+        args.page_size,
+        args.load_threads,
+    )
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

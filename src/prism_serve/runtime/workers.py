@@ -1,0 +1,272 @@
+"""The engine pool: worker processes per device, the controller's ZeroMQ socket, and the watch
+that notices a dead worker.
+
+Every worker is a real process (``python -m prism_serve.runtime.worker``) started before any model
+needs it; the pool keeps ``DeviceSpec.num_workers`` of them per device at start and at least one idle
+worker per device afterwards, so an activation never waits for a process to start unless many
+models activate on one device at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from prism_serve.errors import PrismError, WorkerDiedError
+from prism_serve.runtime import messages as msg
+from prism_serve.runtime.devices import DeviceSpec
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerStartError(PrismError):
+    """A worker process exited or did not report ready in time."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"
+    IDLE = "idle"  # in the pool, no model
+    ACTIVATING = "activating"
+    SERVING = "serving"
+    EVICTING = "evicting"
+    DEAD = "dead"
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    worker_id: str
+    device: DeviceSpec
+    proc: subprocess.Popen
+    state: WorkerState = WorkerState.STARTING
+    model: str | None = None
+    pid: int | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    ready: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # The reply the controller awaits for an ActivateModel or EvictModel in flight.
+    reply: asyncio.Future | None = None
+    in_flight: set[str] = field(default_factory=set)  # request ids dispatched to this worker
+    stats: msg.EngineStats | None = None
+
+    @property
+    def identity(self) -> bytes:
+        return self.worker_id.encode()
+
+
+OnMessage = Callable[[WorkerHandle, msg.Message], None]
+OnDeath = Callable[[WorkerHandle], None]
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        devices: list[DeviceSpec],
+        *,
+        on_message: OnMessage,
+        on_death: OnDeath,
+        namespace: str | None,
+        reserve_bytes: dict[str, int],
+        page_size: int,
+        load_threads: int,
+        start_timeout_s: float = 120.0,
+        poll_interval_s: float = 0.05,
+    ) -> None:
+        self.devices = {d.name: d for d in devices}
+        self.workers: dict[str, WorkerHandle] = {}
+        self._on_message = on_message
+        self._on_death = on_death
+        self._namespace = namespace
+        self._reserve_bytes = reserve_bytes
+        self._page_size = page_size
+        self._load_threads = load_threads
+        self._start_timeout_s = start_timeout_s
+        self._poll_interval_s = poll_interval_s
+        self._ids = itertools.count()
+        self._tmp = tempfile.TemporaryDirectory(prefix="prism-ipc-")
+        self.endpoint = f"ipc://{Path(self._tmp.name) / 'controller.sock'}"
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone worker raises, not drops
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+        self._decoder = msg.from_worker_decoder()
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_loop())]
+        handles = [self.spawn(d) for d in self.devices.values() for _ in range(d.num_workers)]
+        await asyncio.gather(*(self.wait_ready(h) for h in handles))
+
+    # ---- workers ------------------------------------------------------------------------------
+
+    def spawn(self, device: DeviceSpec) -> WorkerHandle:
+        worker_id = f"{device.name}/w{next(self._ids)}"
+        cmd = [
+            sys.executable, "-m", "prism_serve.runtime.worker",
+            "--worker-id", worker_id,
+            "--device", device.name,
+            "--memory-bytes", str(device.memory_bytes),
+            "--cores", ",".join(map(str, device.cores)),
+            "--endpoint", self.endpoint,
+            "--reserve-bytes", str(self._reserve_bytes[device.name]),
+            "--page-size", str(self._page_size),
+            "--load-threads", str(self._load_threads),
+            "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        if self._namespace:
+            cmd += ["--namespace", self._namespace]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        handle = WorkerHandle(worker_id, device, proc, pid=proc.pid)
+        self.workers[worker_id] = handle
+        return handle
+
+    async def wait_ready(self, handle: WorkerHandle) -> WorkerHandle:
+        try:
+            await asyncio.wait_for(asyncio.shield(handle.ready), self._start_timeout_s)
+        except TimeoutError:
+            handle.proc.kill()
+            raise WorkerStartError(
+                f"worker {handle.worker_id} did not start in {self._start_timeout_s} s"
+            ) from None
+        return handle
+
+    def idle(self, device: str) -> list[WorkerHandle]:
+        return [w for w in self.on_device(device) if w.state is WorkerState.IDLE]
+
+    async def take(self, device: str) -> WorkerHandle:
+        """An idle worker of ``device``, now marked ACTIVATING; the pool refills in the background."""
+        spec = self.devices[device]
+        while True:
+            idle = self.idle(device)
+            if idle:
+                handle = idle[0]
+                handle.state = WorkerState.ACTIVATING
+                if not self.idle(device) and not self._starting(device):
+                    self.spawn(spec)  # keep one idle worker ready for the next activation
+                return handle
+            starting = self._starting(device) or [self.spawn(spec)]
+            await asyncio.wait(
+                [asyncio.shield(h.ready) for h in starting], return_when=asyncio.FIRST_COMPLETED
+            )
+
+    def _starting(self, device: str) -> list[WorkerHandle]:
+        return [w for w in self.on_device(device) if w.state is WorkerState.STARTING]
+
+    def on_device(self, device: str) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.device.name == device]
+
+    def send(self, handle: WorkerHandle, message: msg.Message) -> None:
+        """Send without blocking. A worker whose socket is gone (ROUTER_MANDATORY: EHOSTUNREACH) is
+        handled as dead; the asyncio socket reports that through the send's future."""
+        if handle.state is WorkerState.DEAD:
+            raise WorkerDiedError(f"worker {handle.worker_id} is dead")
+        fut = self._sock.send_multipart([handle.identity, msg.encode(message)], flags=zmq.NOBLOCK)
+
+        def check(f: asyncio.Future) -> None:
+            e = None if f.cancelled() else f.exception()
+            if e is not None:
+                self._died(handle, f"send failed: {e}")
+
+        if fut.done():
+            check(fut)
+            if handle.state is WorkerState.DEAD:
+                raise WorkerDiedError(f"worker {handle.worker_id} is unreachable")
+        else:
+            fut.add_done_callback(check)
+
+    # ---- background loops ---------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            identity, payload = await self._sock.recv_multipart()
+            handle = self.workers.get(identity.decode())
+            if handle is None or handle.state is WorkerState.DEAD:
+                continue
+            try:
+                m = self._decoder.decode(payload)
+            except Exception:
+                logger.exception("undecodable message from %s", handle.worker_id)
+                continue
+            if isinstance(m, msg.WorkerReady):
+                handle.state = WorkerState.IDLE
+                if not handle.ready.done():
+                    handle.ready.set_result(handle)
+                continue
+            try:
+                self._on_message(handle, m)
+            except Exception:  # a bug in one handler must not stop every other message
+                logger.exception("handling %s from %s failed", type(m).__name__, handle.worker_id)
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_interval_s)
+            for handle in list(self.workers.values()):
+                if handle.state is not WorkerState.DEAD and handle.proc.poll() is not None:
+                    self._died(handle, f"exit status {handle.proc.returncode}")
+
+    def _died(self, handle: WorkerHandle, why: str) -> None:
+        if handle.state is WorkerState.DEAD:
+            return
+        was = handle.state
+        handle.state = WorkerState.DEAD
+        self.workers.pop(handle.worker_id, None)
+        if handle.proc.poll() is None:
+            handle.proc.kill()
+        if not self._closing:
+            logger.warning("worker %s (pid %s, %s) died: %s", handle.worker_id, handle.pid, was.value, why)
+        error = WorkerDiedError(f"worker {handle.worker_id} died ({why})")
+        if not handle.ready.done():
+            handle.ready.set_exception(error)
+            handle.ready.exception()  # retrieved: nobody may be waiting on a replacement's start
+        if handle.reply is not None and not handle.reply.done():
+            handle.reply.set_exception(error)
+        if self._closing:
+            return
+        self._on_death(handle)
+        if (
+            len([w for w in self.workers.values() if w.device.name == handle.device.name])
+            < handle.device.num_workers
+        ):
+            self.spawn(handle.device)  # the replacement
+
+    # ---- shutdown -----------------------------------------------------------------------------
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        self._closing = True
+        for handle in list(self.workers.values()):
+            if handle.state is WorkerState.STARTING:  # not connected yet: it cannot hear Shutdown
+                handle.proc.terminate()
+            elif handle.state is not WorkerState.DEAD:
+                with contextlib.suppress(WorkerDiedError):
+                    self.send(handle, msg.Shutdown())
+        deadline = time.monotonic() + timeout_s
+        for handle in list(self.workers.values()):
+            while handle.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if handle.proc.poll() is None:
+                handle.proc.kill()
+                handle.proc.wait()
+            handle.state = WorkerState.DEAD
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.close()
+        self._ctx.term()
+        self._tmp.cleanup()

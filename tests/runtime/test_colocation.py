@@ -1,0 +1,86 @@
+"""Two models sharing one CPU device's budget (synthetic SmolLM2-135M-shaped weights, labelled as
+such): one model's KV grows into memory the other freed, first its KV, then its weights by eviction;
+and a model larger than every device is refused when the runtime loads it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.runtime.devices import DeviceSpec
+from prism_serve.runtime.models import ModelSpec, ModelTooLargeError
+from prism_serve.runtime.weight_cache import HostWeightCache
+
+from .conftest import start_runtime, stop_runtime
+
+MiB = 2**20
+SLACK = 40 * MiB  # memory beyond both models' weights
+SOURCE = "random:smollm2-135m"  # SYNTHETIC weights: realistic sizes, meaningless text
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(length)] for _ in range(n)]
+
+
+async def _run_all(c, model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    async def one(p):
+        return [t for d in [d async for d in c.generate(model, p, params)] for t in d.token_ids]
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def _kv_peak(ledger, model: str) -> int:
+    return max(e.peak_bytes for e in ledger.snapshot().entries if e.name == f"{model} kv")
+
+
+def test_kv_grows_into_memory_the_other_model_freed(tmp_path: Path) -> None:
+    with HostWeightCache(namespace="colo", directory=tmp_path) as probe:
+        weight_bytes = probe.load(ModelSpec("x", source=SOURCE, seed=1)).weight_bytes
+    budget = 2 * weight_bytes + SLACK
+    models = [ModelSpec(n, source=SOURCE, seed=s, max_model_len=1024) for n, s in (("a", 1), ("b", 2))]
+    rt = start_runtime([DeviceSpec("cpu:0", budget, (0,), 1)], models, tick_interval_s=0.2)
+    try:
+        c = rt.c
+        ledger = c.ledger("cpu:0")
+        rt.run(c.load("a", "cpu:0"))
+        rt.run(c.load("b", "cpu:0"))  # both resident: SLACK is all that is left for KV
+        rt.run(_run_all(c, "a", _prompts(3, 250, 0), 8))
+        a_peak = _kv_peak(ledger, "a")
+        rt.run(_run_all(c, "b", _prompts(3, 250, 1), 8))
+        b_peak = _kv_peak(ledger, "b")
+        # Together they mapped more KV than was ever free at once: b used pages a had released.
+        assert a_peak > 16 * MiB and b_peak > SLACK - a_peak
+        assert ledger.snapshot().used_bytes <= budget
+
+        # Evicting a frees its weights and KV; b's KV then grows far beyond SLACK.
+        rt.run(c.unload("a", force=False))  # (the policy may already have evicted idle a itself)
+        assert next(m for m in c.status() if m.model == "a").state == "evicted"
+        assert all(not e.name.startswith("a ") for e in ledger.snapshot().entries)
+        prompts = _prompts(4, 500, 2)
+        got = rt.run(_run_all(c, "b", prompts, 4))
+        assert _kv_peak(ledger, "b") > SLACK  # only possible in memory a's weights had
+    finally:
+        stop_runtime(rt)
+    # Under that pressure b's outputs are exactly what one engine with ample memory produces.
+    with LLMEngine(EngineConfig(model=SOURCE, seed=2, max_model_len=1024)) as ref:
+        ids = [ref.add_request(p, SamplingParams(temperature=0.0, max_tokens=4)) for p in prompts]
+        final = {}
+        while ref.has_unfinished_requests():
+            for out in ref.step():
+                if out.finished:
+                    final[out.req_id] = out.token_ids
+    assert got == [final[i] for i in ids]
+
+
+def test_a_model_larger_than_every_device_is_refused_at_load_time() -> None:
+    models = [ModelSpec("fits", source=SOURCE), ModelSpec("huge", source="random:smollm2-360m")]
+    with pytest.raises(ModelTooLargeError, match=r"model huge: its weights take .* more than any device"):
+        start_runtime([DeviceSpec("cpu:0", 1024 * MiB, (), 1), DeviceSpec("cpu:1", 768 * MiB, (), 1)], models)

@@ -1,0 +1,149 @@
+"""The runtime's parts without worker processes: messages, devices, the host weight cache, chunked
+copies and the model rebuilt over cache bytes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prism_serve.engine.models.llama import LlamaForCausalLM
+from prism_serve.runtime import messages as msg
+from prism_serve.runtime.devices import DeviceConfigError, DeviceSpec, cpu_devices, parse_cores
+from prism_serve.runtime.loading import chunks, parallel_copy, tensor_views
+from prism_serve.runtime.models import ModelSpec
+from prism_serve.runtime.weight_cache import HostWeightCache, SharedWeights, config_from_dict
+
+PHASES = msg.ActivationPhases(0.001, 0.2, 0.05, 0.01, 1 << 20, 4)
+STATS = msg.EngineStats(1, 2, 3, 4, 5, 1000.0)
+SAMPLES: list[msg.Message] = [
+    msg.ActivateModel(
+        "m", "/dev/shm/x", [msg.TensorEntry("norm", "float32", (4,), 0, 16)], 4096, {"a": 1}, "/t",
+        "src", True, msg.EngineArgs(), 1.5,
+    ),
+    msg.EvictModel("m", force=True),
+    msg.AddRequest("r1", [1, 2, 3], msg.Params(max_tokens=5, stop=["x"], seed=3)),
+    msg.AbortRequest("r1"),
+    msg.SetKVLimit(None),
+    msg.SetKVLimit(1 << 30),
+    msg.Shutdown(),
+    msg.WorkerReady("cpu:0/w0", 123, "cpu:0", 1 << 30, 1.2),
+    msg.ModelActivated("m", PHASES, 46080, 1 << 30, 2048, 32, STATS),
+    msg.ActivationFailed("m", "DeviceMemoryExhaustedError", "full"),
+    msg.ModelEvicted("m", ["r1"], 1 << 20),
+    msg.EvictRefused("m", 2),
+    msg.StepOutputs([msg.TokenDelta("r1", "Hi", [5], False, None, 3, 1)], STATS),
+    msg.RequestFailed("r1", "ModelEvictedError", "gone"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("m", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_through_its_direction_decoder(m: msg.Message) -> None:
+    to_worker = isinstance(m, msg.ToWorker.__args__)
+    decoder = msg.to_worker_decoder() if to_worker else msg.from_worker_decoder()
+    assert decoder.decode(msg.encode(m)) == m
+    other = msg.from_worker_decoder() if to_worker else msg.to_worker_decoder()
+    with pytest.raises(msgspec.ValidationError):  # a message never decodes as the other direction
+        other.decode(msg.encode(m))
+
+
+def test_every_message_type_has_a_sample() -> None:
+    kinds = {*msg.ToWorker.__args__, *msg.FromWorker.__args__}
+    assert kinds == {type(m) for m in SAMPLES}
+
+
+def test_phases_total() -> None:
+    assert PHASES.total_s == pytest.approx(0.261)
+
+
+def test_cores_and_cpu_devices() -> None:
+    assert parse_cores("0-2,5") == (0, 1, 2, 5)
+    assert parse_cores([1, 0]) == (1, 0)
+    with pytest.raises(DeviceConfigError):
+        parse_cores("a-b")
+    devices = cpu_devices(2, "1GiB")
+    assert [d.name for d in devices] == ["cpu:0", "cpu:1"]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        assert not set(devices[0].cores) & set(devices[1].cores)  # each device owns its cores
+    with pytest.raises(DeviceConfigError, match="cpu:0 or cuda:0"):
+        DeviceSpec("gpu0", 1)
+    with pytest.raises(DeviceConfigError, match="not available"):
+        DeviceSpec("cpu:0", 1, (10_000,))
+    with pytest.raises(DeviceConfigError, match="positive"):
+        DeviceSpec("cpu:0", 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=8),
+    chunk=st.integers(1, 3000),
+)
+def test_chunks_cover_every_byte_once_and_the_copy_is_exact(sizes: list[int], chunk: int) -> None:
+    entries, offset = [], 0
+    for i, n in enumerate(sizes):
+        entries.append(msg.TensorEntry(f"t{i}", "uint8", (n,), offset, n))
+        offset += n + 7  # gaps between tensors stay untouched
+    pieces = chunks(entries, chunk)
+    covered = sorted(b for off, n in pieces for b in range(off, off + n))
+    assert covered == sorted(b for e in entries for b in range(e.offset, e.offset + e.nbytes))
+    assert all(n <= chunk for _, n in pieces)
+    src = torch.randint(0, 255, (offset,), dtype=torch.uint8)
+    dst = torch.zeros(offset, dtype=torch.uint8)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        assert parallel_copy(src, dst, entries, pool, chunk) == sum(sizes)
+    mask = torch.zeros(offset, dtype=torch.bool)
+    for e in entries:
+        mask[e.offset : e.offset + e.nbytes] = True
+    assert torch.equal(dst[mask], src[mask]) and not dst[~mask].any()
+
+
+@pytest.fixture
+def cache(tmp_path: Path):
+    with HostWeightCache(namespace="unit", directory=tmp_path) as c:
+        yield c
+
+
+def test_cache_loads_once_shares_files_and_rebuilds_the_same_model(cache: HostWeightCache) -> None:
+    spec = ModelSpec("a", source="random:smollm2-135m", seed=3)
+    a = cache.load(spec)
+    b = cache.load(ModelSpec("b", source="random:smollm2-135m", seed=3))
+    c = cache.load(ModelSpec("c", source="random:smollm2-135m", seed=4))
+    assert a.path == b.path != c.path and a.synthetic
+    assert Path(a.path).stat().st_size == a.weight_bytes and a.weight_bytes % 4096 == 0
+    assert all(e.offset % 4096 == 0 for e in a.tensors)
+    # The model over the shared bytes computes exactly what a freshly built model computes.
+    from prism_serve.engine.weights import load_weights
+
+    ref_w = load_weights("random:smollm2-135m", seed=3)
+    ref = LlamaForCausalLM(ref_w.config, ref_w.tensors, torch.float32, 64)
+    shared = SharedWeights(a.path, a.weight_bytes)
+    try:
+        flat = shared.bytes.clone()  # a private copy stands in for the device pages
+        model = LlamaForCausalLM.from_packed(
+            config_from_dict(a.config), tensor_views(flat, a.tensors), torch.float32, 64
+        )
+        for name, t in ref.packed_tensors().items():
+            assert torch.equal(model.packed_tensors()[name], t), name
+    finally:
+        shared.close()
+    cache.drop("a")
+    assert Path(b.path).exists()  # still used by "b"
+    cache.drop("b")
+    assert not Path(b.path).exists() and not Path(b.tokenizer_path).exists()
+
+
+def test_files_of_dead_controllers_are_removed(tmp_path: Path) -> None:
+    stale = tmp_path / "prism-weights-unit-999999999-1"
+    stale.write_bytes(b"x")
+    mine = tmp_path / f"prism-weights-unit-{os.getpid()}-1"
+    mine.write_bytes(b"x")
+    with HostWeightCache(namespace="unit", directory=tmp_path):
+        assert not stale.exists() and mine.exists()

@@ -1,0 +1,204 @@
+"""The multi-model runtime with real worker processes, the real SmolLM2 weights and real ledgers:
+two models on two CPU devices, activation, eviction, aborts and a worker killed mid-request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.errors import (
+    EmptyPromptError,
+    ModelEvictedError,
+    PromptTooLongError,
+    WorkerDiedError,
+)
+from prism_serve.runtime.devices import DeviceSpec
+from prism_serve.runtime.models import ModelSpec, UnknownModelError
+from prism_serve.runtime.workers import WorkerState
+
+from .conftest import Runtime
+
+PARIS = "The capital of France is Paris."
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def rt(runtime_factory) -> Runtime:
+    devices = [DeviceSpec("cpu:0", 3 * GiB // 2, (0,), 1), DeviceSpec("cpu:1", 3 * GiB // 2, (1,), 1)]
+    # Two names for the same real weights: one host cache file, two independent engines.
+    models = [ModelSpec("smol", max_model_len=1024), ModelSpec("smol-b", max_model_len=1024)]
+    return runtime_factory(devices, models, tick_interval_s=0.2)
+
+
+def _wait(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def _model(rt: Runtime, name: str):
+    return next(s for s in rt.c.status() if s.model == name)
+
+
+def _memfd_bytes(pid: int) -> int:
+    """Physical bytes of every memfd a process holds (its weight and KV ranges)."""
+    total = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd).startswith("/memfd:"):
+                total += os.stat(fd).st_blocks * 512
+        except FileNotFoundError:
+            continue
+    return total
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_shared_weights_load_once(rt: Runtime) -> None:
+    a, b = rt.c.cache.get("smol"), rt.c.cache.get("smol-b")
+    assert a.path == b.path and Path(a.path).stat().st_size == a.weight_bytes
+    assert rt.c.cache.total_bytes == a.weight_bytes
+
+
+def test_two_models_stream_at_once_on_two_devices(rt: Runtime) -> None:
+    async def both():
+        from .conftest import collect
+
+        params = SamplingParams(temperature=0.0, max_tokens=12)
+        return await asyncio.gather(
+            collect(rt.c, "smol", rt.chat("smol"), params), collect(rt.c, "smol-b", rt.chat("smol-b"), params)
+        )
+
+    (text_a, deltas_a), (text_b, deltas_b) = rt.run(both())
+    assert text_a == PARIS and text_b == PARIS
+    assert len(deltas_a) > 3 and len(deltas_b) > 3  # streamed token by token, not in one piece
+    assert deltas_a[-1].finished and deltas_a[-1].finish_reason == "stop"
+    sa, sb = _model(rt, "smol"), _model(rt, "smol-b")
+    assert sa.state == sb.state == "active"
+    assert {sa.device, sb.device} == {"cpu:0", "cpu:1"}  # KVPR placement spreads them
+
+
+def test_activation_phases_are_reported(rt: Runtime) -> None:
+    rt.run(rt.c.unload("smol"))
+    assert _model(rt, "smol").state == "evicted"
+    phases = rt.run(rt.c.load("smol", "cpu:0"))
+    cached = rt.c.cache.get("smol")
+    assert phases.copy_bytes == sum(t.nbytes for t in cached.tensors)
+    assert phases.map_s > 0 and phases.copy_s > 0 and phases.ready_s > 0 and phases.take_s >= 0
+    assert _model(rt, "smol").last_activation == phases
+    assert rt.generate("smol", max_tokens=12)[0] == PARIS  # the weights copied from the cache are right
+
+
+def test_50_activate_serve_evict_cycles_leak_nothing(rt: Runtime) -> None:
+    c = rt.c
+    ledger = c.ledger("cpu:0")
+    rt.run(c.unload("smol"))
+    samples = {}
+    for cycle in range(50):
+        rt.run(c.load("smol", "cpu:0"))
+        text, _ = rt.generate("smol", max_tokens=4)
+        assert text  # served
+        assert rt.run(c.unload("smol")) is True
+        snap = ledger.snapshot()
+        assert snap.used_bytes == 0 and snap.entries == ()  # weights and KV both given back
+        if cycle in (9, 49):
+            workers = [w for w in c.pool.on_device("cpu:0") if w.state is WorkerState.IDLE]
+            samples[cycle] = {w.pid: (_rss(w.pid), _memfd_bytes(w.pid)) for w in workers}
+    assert samples[9].keys() == samples[49].keys()  # the pool neither grew nor lost workers
+    for pid, (rss, memfd) in samples[49].items():
+        assert memfd == 0  # no physical page left behind in the reserved ranges
+        assert rss - samples[9][pid][0] < 64 * 2**20, f"worker {pid} RSS grew {rss - samples[9][pid][0]} B"
+
+
+def test_forced_unload_ends_requests_in_flight_with_a_clear_error(rt: Runtime) -> None:
+    c = rt.c
+
+    async def scenario():
+        stream = c.generate("smol", rt.chat("smol"), SamplingParams(max_tokens=400, ignore_eos=True))
+        first = await anext(stream)
+        assert await c.unload("smol", force=False) is False  # busy: refused, keeps serving
+        assert await c.unload("smol", force=True) is True
+        with pytest.raises(ModelEvictedError, match="unloaded"):
+            async for _ in stream:
+                pass
+        return first
+
+    assert rt.run(scenario()).text
+    assert _model(rt, "smol").state == "evicted" and _model(rt, "smol").num_running == 0
+    assert rt.generate("smol", max_tokens=12)[0] == PARIS  # a new request activates it again
+
+
+def test_client_abort_frees_its_kv(rt: Runtime) -> None:
+    c = rt.c
+    rt.generate("smol", max_tokens=2)
+
+    async def abort_after_two():
+        n = 0
+        async for _ in c.generate("smol", rt.chat("smol"), SamplingParams(max_tokens=400, ignore_eos=True)):
+            n += 1
+            if n == 2:
+                break  # leaving the loop aborts the request
+
+    rt.run(abort_after_two())
+    worker = c.models["smol"].worker
+    _wait(lambda: worker.stats.used_kv_bytes == 0 and not worker.in_flight)
+    assert _model(rt, "smol").num_running == 0
+
+
+def test_bad_requests_get_named_errors_and_break_nothing(rt: Runtime) -> None:
+    with pytest.raises(UnknownModelError):
+        rt.generate("nope")
+    with pytest.raises(EmptyPromptError):
+        rt.generate("smol", [])
+    with pytest.raises(PromptTooLongError):
+        rt.generate("smol", [1] * 1024)
+    assert rt.generate("smol", max_tokens=12)[0] == PARIS
+
+
+def test_sigkill_of_a_worker_mid_request(rt: Runtime) -> None:
+    c = rt.c
+    rt.generate("smol", max_tokens=2)
+    rt.generate("smol-b", max_tokens=2)
+    victim = c.models["smol"].worker
+    device = victim.device.name
+    other_before = c.models["smol-b"].worker
+
+    async def scenario():
+        long = c.generate("smol", rt.chat("smol"), SamplingParams(max_tokens=400, ignore_eos=True))
+        await anext(long)
+        other = asyncio.ensure_future(
+            _collect(c.generate("smol-b", rt.chat("smol-b"), SamplingParams(temperature=0.0, max_tokens=12)))
+        )
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError, match="died"):
+            async for _ in long:
+                pass
+        return await other
+
+    assert rt.run(scenario()) == PARIS  # the other model kept serving
+    assert c.models["smol-b"].worker is other_before
+    assert _model(rt, "smol").state == "evicted"
+    ledger = c.ledger(device)
+    snap = ledger.snapshot()
+    assert all(e.pid != victim.pid for e in snap.entries)  # the dead worker's pages are reclaimed
+    assert c.models["smol-b"].device != device
+    assert snap.used_bytes == 0
+    _wait(lambda: len([w for w in c.pool.on_device(device) if w.state is WorkerState.IDLE]) >= 1)
+    assert rt.generate("smol", max_tokens=12)[0] == PARIS  # reactivated on a live worker
+
+
+async def _collect(stream) -> str:
+    return "".join([d.text async for d in stream])
