@@ -99,6 +99,7 @@ def test_activation_phases_are_reported(rt: Runtime) -> None:
     assert phases.copy_bytes == sum(t.nbytes for t in cached.tensors)
     assert phases.map_s > 0 and phases.copy_s > 0 and phases.ready_s > 0 and phases.take_s >= 0
     assert _model(rt, "smol").last_activation == phases
+    assert rt.c.snapshot().models["smol"].placed_at is not None  # prism's migration cooldown sees it
     assert rt.generate("smol", max_tokens=12)[0] == PARIS  # the weights copied from the cache are right
 
 

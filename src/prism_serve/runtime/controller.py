@@ -108,6 +108,7 @@ class _Model:
     num_activations: int = 0
     num_evictions: int = 0
     activated_at: float | None = None
+    placed_at: float | None = None  # when its current placement was decided (prism's migration cooldown)
 
 
 @dataclass(eq=False)
@@ -370,6 +371,7 @@ class Controller:
                     placement=(m.device,) if resident else (),
                     state=m.state,
                     last_request_time=_latest(self.rates.last_arrival(name), m.activated_at),
+                    placed_at=m.placed_at if resident else None,
                     num_queued=queued.get(name, 0),
                     num_running=m.num_running,
                     pinned=m.pinned,
@@ -484,7 +486,7 @@ class Controller:
     def _start_activate(self, m: _Model, device: str) -> None:
         if m.state is not ModelState.EVICTED:
             return
-        m.state, m.device = ModelState.ACTIVATING, device
+        m.state, m.device, m.placed_at = ModelState.ACTIVATING, device, self._now()
         m.activation = asyncio.create_task(self._activate(m, device, self._now()))
 
     async def _activate(self, m: _Model, device: str, decided_at: float) -> msg.ActivationPhases | None:
