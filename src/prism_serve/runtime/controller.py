@@ -19,22 +19,17 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
 
 from prism_serve.control import (
     Activate,
     ClusterSnapshot,
     Defer,
-    DeviceSnapshot,
     Dispatch,
-    EngineSnapshot,
     Enqueue,
     Evict,
     Migrate,
-    ModelSnapshot,
     ModelState,
     Reject,
-    RejectReason,
     Request,
     SetKVQuota,
 )
@@ -56,86 +51,22 @@ from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.loading import DeviceMemoryExhaustedError
 from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
-from prism_serve.runtime.weight_cache import CachedModel, HostWeightCache
+from prism_serve.runtime.state import (
+    REJECT_ERRORS,
+    ActivationError,
+    DeadlineMissError,
+    ModelEntry,
+    ModelStatus,
+    RequestEntry,
+    RequestTimeoutError,
+    cluster_snapshot,
+)
+from prism_serve.runtime.weight_cache import HostWeightCache
 from prism_serve.runtime.workers import WorkerHandle, WorkerPool, WorkerState
 
+__all__ = ["ActivationError", "Controller", "DeadlineMissError", "ModelStatus", "RequestTimeoutError"]
+
 logger = logging.getLogger(__name__)
-
-
-class ActivationError(PrismError):
-    """A model could not be activated (it fits no device now, or its worker failed)."""
-
-    status_code = 503
-    error_type = "service_unavailable"
-
-
-class RequestTimeoutError(PrismError):
-    """The request's first token did not come within its timeout (e.g. a long activation queue)."""
-
-    status_code = 504
-    error_type = "timeout"
-
-
-class DeadlineMissError(PrismError):
-    """Admission dropped the request: its TTFT deadline can no longer be met (abort_on_miss)."""
-
-    status_code = 429
-    error_type = "rate_limit_exceeded"
-
-
-_REJECT_ERRORS: dict[RejectReason, type[PrismError]] = {
-    RejectReason.DEADLINE_MISS: DeadlineMissError,
-    RejectReason.NO_CAPACITY: ModelTooLargeError,
-    RejectReason.UNKNOWN_MODEL: UnknownModelError,
-    RejectReason.PROMPT_TOO_LONG: PromptTooLongError,
-}
-
-
-@dataclass(eq=False)
-class _Model:
-    spec: ModelSpec
-    cached: CachedModel
-    tokenizer: Tokenizer
-    state: ModelState = ModelState.EVICTED
-    device: str | None = None
-    worker: WorkerHandle | None = None
-    pinned: bool = False
-    kv_quota: int | None = None
-    num_running: int = 0
-    activation: asyncio.Task | None = None
-    last_phases: msg.ActivationPhases | None = None
-    max_kv_bytes: int | None = None
-    num_activations: int = 0
-    num_evictions: int = 0
-    activated_at: float | None = None
-    placed_at: float | None = None  # when its current placement was decided (prism's migration cooldown)
-
-
-@dataclass(eq=False)
-class _Req:
-    req_id: str
-    model: str
-    prompt_token_ids: list[int]
-    params: msg.Params
-    control: Request
-    stream: asyncio.Queue = field(default_factory=asyncio.Queue)
-    worker: WorkerHandle | None = None
-    done: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ModelStatus:
-    model: str
-    state: str  # "active", "loading" or "evicted"
-    device: str | None
-    worker: str | None
-    pinned: bool
-    weight_bytes: int
-    num_running: int
-    num_queued: int
-    num_activations: int
-    num_evictions: int
-    last_activation: msg.ActivationPhases | None
 
 
 class Controller:
@@ -165,9 +96,9 @@ class Controller:
         self.page_size = page_size
         self.rates = RateEstimator(rate_window_s, min_gap_s=1.0)
         self.cache = HostWeightCache(namespace)
-        self.models: dict[str, _Model] = {}
+        self.models: dict[str, ModelEntry] = {}
         self.queues = {d: self.policy.new_queue(d) for d in self.devices}
-        self._requests: dict[str, _Req] = {}
+        self._requests: dict[str, RequestEntry] = {}
         self._backlog: list[Request] = []
         self._evictions: dict[str, list[asyncio.Future]] = {d: [] for d in self.devices}
         self._ledgers: dict[str, DeviceLedger] = {}
@@ -193,7 +124,7 @@ class Controller:
                     f"or remove the model"
                 )
             tok = Tokenizer.from_state(_read_json(cached.tokenizer_path))
-            self.models[spec.name] = _Model(spec, cached, tok, pinned=spec.pinned)
+            self.models[spec.name] = ModelEntry(spec, cached, tok, pinned=spec.pinned)
         for d in self.devices.values():
             ledger = DeviceLedger(d.name, d.memory_bytes, self.namespace)
             if ledger.budget_bytes != d.memory_bytes:
@@ -284,7 +215,7 @@ class Controller:
 
     def _submit(
         self, model: str, prompt: str | list[int], params: SamplingParams, req_id: str | None
-    ) -> _Req:
+    ) -> RequestEntry:
         m = self._model(model)
         ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -303,7 +234,7 @@ class Controller:
         now = self._now()
         wire = msg.Params(**{f: getattr(params, f) for f in msg.Params.__struct_fields__})
         control = Request(req_id, model, now, len(ids), m.spec.ttft_slo)
-        r = _Req(req_id, model, ids, wire, control)
+        r = RequestEntry(req_id, model, ids, wire, control)
         self._requests[req_id] = r
         self.rates.observe(model, now)
         self._route(control, now)
@@ -314,7 +245,7 @@ class Controller:
         for d in self.devices:
             self._admit(d, now)
 
-    def _abort(self, r: _Req) -> None:
+    def _abort(self, r: RequestEntry) -> None:
         """The client went away: drop the request wherever it is and free its KV."""
         r.done = True
         self._requests.pop(r.req_id, None)
@@ -328,14 +259,14 @@ class Controller:
             q.cancel(r.req_id)
         self._backlog = [b for b in self._backlog if b.req_id != r.req_id]
 
-    def _finish(self, r: _Req) -> None:
+    def _finish(self, r: RequestEntry) -> None:
         r.done = True
         self._requests.pop(r.req_id, None)
         if r.worker is not None:
             r.worker.in_flight.discard(r.req_id)
             self._model(r.model).num_running -= 1
 
-    def _fail(self, r: _Req, error: BaseException) -> None:
+    def _fail(self, r: RequestEntry, error: BaseException) -> None:
         if r.done:
             return
         if r.worker is None:
@@ -348,66 +279,9 @@ class Controller:
 
     def snapshot(self, now: float | None = None) -> ClusterSnapshot:
         now = self._now() if now is None else now
-        queued: dict[str, int] = {}
-        for q in self.queues.values():
-            for req in q.requests():
-                queued[req.model] = queued.get(req.model, 0) + 1
-        for req in self._backlog:
-            queued[req.model] = queued.get(req.model, 0) + 1
-        models, engines = [], []
-        on_device: dict[str, list[str]] = {d: [] for d in self.devices}
-        for name, m in self.models.items():
-            resident = m.state is not ModelState.EVICTED
-            if resident:
-                on_device[m.device].append(name)
-            models.append(
-                ModelSnapshot(
-                    model=name,
-                    rate=self.rates.rate(name, now),
-                    ttft_slo=m.spec.ttft_slo,
-                    tpot_slo=m.spec.tpot_slo,
-                    weight_bytes=m.cached.weight_bytes,
-                    kv_bytes_per_token=m.cached.kv_bytes_per_token,
-                    placement=(m.device,) if resident else (),
-                    state=m.state,
-                    last_request_time=_latest(self.rates.last_arrival(name), m.activated_at),
-                    placed_at=m.placed_at if resident else None,
-                    num_queued=queued.get(name, 0),
-                    num_running=m.num_running,
-                    pinned=m.pinned,
-                )
-            )
-            if resident:
-                stats = m.worker.stats if m.worker is not None else None
-                engines.append(
-                    EngineSnapshot(
-                        model=name,
-                        device=m.device,
-                        kv_bytes_per_token=m.cached.kv_bytes_per_token,
-                        ready=m.state is ModelState.ACTIVE,
-                        free_kv_bytes=max(0, stats.mapped_kv_bytes - stats.used_kv_bytes) if stats else 0,
-                        used_kv_bytes=stats.used_kv_bytes if stats else 0,
-                        kv_quota_bytes=m.kv_quota,
-                        max_kv_bytes=m.max_kv_bytes,
-                        num_running=m.num_running,
-                        max_num_seqs=m.spec.max_num_seqs,
-                        prefill_tokens_per_s=stats.prefill_tokens_per_s if stats else None,
-                    )
-                )
-        devices = []
-        for d, spec in self.devices.items():
-            q = self.queues[d]
-            devices.append(
-                DeviceSnapshot(
-                    device=d,
-                    capacity_bytes=spec.memory_bytes,
-                    mapped_bytes=self._ledgers[d].snapshot().used_bytes,
-                    models=tuple(on_device[d]),
-                    num_queued=len(q),
-                    queued_models=q.models(),
-                )
-            )
-        return ClusterSnapshot.build(models, devices, engines)
+        return cluster_snapshot(
+            self.models, self.devices, self.queues, self._backlog, self.rates, self._ledgers, now
+        )
 
     # ---- actions ------------------------------------------------------------------------------
 
@@ -423,7 +297,7 @@ class Controller:
                 case Reject(request, reason, detail):
                     r = self._requests.get(request.req_id)
                     if r is not None:
-                        self._fail(r, _REJECT_ERRORS[reason](detail))
+                        self._fail(r, REJECT_ERRORS[reason](detail))
                 case Evict(model):
                     self._start_evict(self._model(model), force=False)
                 case Activate(model, devices):
@@ -460,7 +334,7 @@ class Controller:
         with contextlib.suppress(WorkerDiedError):  # the death handler fails what was in flight
             self.pool.send(handle, message)
 
-    def _migrate(self, m: _Model, dst: str, now: float) -> None:
+    def _migrate(self, m: ModelEntry, dst: str, now: float) -> None:
         """Only idle models move (evict, then activate on ``dst``); a busy one stays until the next
         tick decides again."""
         if m.num_running or m.state is not ModelState.ACTIVE:
@@ -483,13 +357,13 @@ class Controller:
 
     # ---- activation ---------------------------------------------------------------------------
 
-    def _start_activate(self, m: _Model, device: str) -> None:
+    def _start_activate(self, m: ModelEntry, device: str) -> None:
         if m.state is not ModelState.EVICTED:
             return
         m.state, m.device, m.placed_at = ModelState.ACTIVATING, device, self._now()
         m.activation = asyncio.create_task(self._activate(m, device, self._now()))
 
-    async def _activate(self, m: _Model, device: str, decided_at: float) -> msg.ActivationPhases | None:
+    async def _activate(self, m: ModelEntry, device: str, decided_at: float) -> msg.ActivationPhases | None:
         deadline = decided_at + self.activation_timeout_s
         handle: WorkerHandle | None = None
         try:
@@ -535,7 +409,7 @@ class Controller:
         self._admit(device, now)
         return reply.phases
 
-    def _activate_message(self, m: _Model, decided_at: float) -> msg.ActivateModel:
+    def _activate_message(self, m: ModelEntry, decided_at: float) -> msg.ActivateModel:
         c = m.cached
         return msg.ActivateModel(
             model=m.spec.name,
@@ -551,7 +425,7 @@ class Controller:
             load_threads=self.load_threads,
         )
 
-    def _activation_failed(self, m: _Model, handle: WorkerHandle | None, error: PrismError) -> None:
+    def _activation_failed(self, m: ModelEntry, handle: WorkerHandle | None, error: PrismError) -> None:
         logger.warning("activation of %s failed: %s", m.spec.name, error)
         m.state, m.device, m.worker = ModelState.EVICTED, None, None
         if handle is not None and handle.state is WorkerState.ACTIVATING:
@@ -570,7 +444,7 @@ class Controller:
 
     # ---- eviction -----------------------------------------------------------------------------
 
-    def _start_evict(self, m: _Model, force: bool) -> asyncio.Future | None:
+    def _start_evict(self, m: ModelEntry, force: bool) -> asyncio.Future | None:
         if m.state is not ModelState.ACTIVE or m.worker is None:
             return None
         handle, device = m.worker, m.device
@@ -584,7 +458,7 @@ class Controller:
         return done
 
     async def _evict(
-        self, m: _Model, handle: WorkerHandle, device: str, force: bool, done: asyncio.Future
+        self, m: ModelEntry, handle: WorkerHandle, device: str, force: bool, done: asyncio.Future
     ) -> None:
         try:
             reply = await self._request(handle, msg.EvictModel(m.spec.name, force))
@@ -661,7 +535,7 @@ class Controller:
     def ledger(self, device: str) -> DeviceLedger:
         return self._ledgers[device]
 
-    def _model(self, name: str) -> _Model:
+    def _model(self, name: str) -> ModelEntry:
         m = self.models.get(name)
         if m is None:
             raise UnknownModelError(f"model {name!r} is not served here; see /v1/models")
@@ -734,11 +608,6 @@ class Controller:
                 self._apply(self.policy.on_request(req, self.snapshot(now), now), now)
         for d in self.devices:
             self._admit(d, now)
-
-
-def _latest(*times: float | None) -> float | None:
-    known = [t for t in times if t is not None]
-    return max(known) if known else None
 
 
 def _read_json(path: str) -> dict:

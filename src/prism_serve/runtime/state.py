@@ -1,0 +1,182 @@
+"""The controller's bookkeeping: what it knows per model and per request, the errors it raises,
+and the ClusterSnapshot it builds from that state for every policy call."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prism_serve.control import (
+    ClusterSnapshot,
+    DeviceSnapshot,
+    EngineSnapshot,
+    ModelSnapshot,
+    ModelState,
+    RejectReason,
+    Request,
+)
+from prism_serve.control.forecast import RateEstimator
+from prism_serve.control.queues import RequestQueue
+from prism_serve.engine.tokenizer import Tokenizer
+from prism_serve.errors import PrismError, PromptTooLongError
+from prism_serve.memory.ledger import DeviceLedger
+from prism_serve.runtime import messages as msg
+from prism_serve.runtime.devices import DeviceSpec
+from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
+from prism_serve.runtime.weight_cache import CachedModel
+from prism_serve.runtime.workers import WorkerHandle
+
+
+class ActivationError(PrismError):
+    """A model could not be activated (it fits no device now, or its worker failed)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class RequestTimeoutError(PrismError):
+    """The request's first token did not come within its timeout (e.g. a long activation queue)."""
+
+    status_code = 504
+    error_type = "timeout"
+
+
+class DeadlineMissError(PrismError):
+    """Admission dropped the request: its TTFT deadline can no longer be met (abort_on_miss)."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+
+
+REJECT_ERRORS: dict[RejectReason, type[PrismError]] = {
+    RejectReason.DEADLINE_MISS: DeadlineMissError,
+    RejectReason.NO_CAPACITY: ModelTooLargeError,
+    RejectReason.UNKNOWN_MODEL: UnknownModelError,
+    RejectReason.PROMPT_TOO_LONG: PromptTooLongError,
+}
+
+
+@dataclass(eq=False)
+class ModelEntry:
+    spec: ModelSpec
+    cached: CachedModel
+    tokenizer: Tokenizer
+    state: ModelState = ModelState.EVICTED
+    device: str | None = None
+    worker: WorkerHandle | None = None
+    pinned: bool = False
+    kv_quota: int | None = None
+    num_running: int = 0
+    activation: asyncio.Task | None = None
+    last_phases: msg.ActivationPhases | None = None
+    max_kv_bytes: int | None = None
+    num_activations: int = 0
+    num_evictions: int = 0
+    activated_at: float | None = None
+    placed_at: float | None = None  # when its current placement was decided (prism's migration cooldown)
+
+
+@dataclass(eq=False)
+class RequestEntry:
+    req_id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: msg.Params
+    control: Request
+    stream: asyncio.Queue = field(default_factory=asyncio.Queue)
+    worker: WorkerHandle | None = None
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    model: str
+    state: str  # "active", "loading" or "evicted"
+    device: str | None
+    worker: str | None
+    pinned: bool
+    weight_bytes: int
+    num_running: int
+    num_queued: int
+    num_activations: int
+    num_evictions: int
+    last_activation: msg.ActivationPhases | None
+
+
+def _latest(*times: float | None) -> float | None:
+    known = [t for t in times if t is not None]
+    return max(known) if known else None
+
+
+def cluster_snapshot(
+    models: Mapping[str, ModelEntry],
+    devices: Mapping[str, DeviceSpec],
+    queues: Mapping[str, RequestQueue],
+    backlog: Sequence[Request],
+    rates: RateEstimator,
+    ledgers: Mapping[str, DeviceLedger],
+    now: float,
+) -> ClusterSnapshot:
+    """Every model, device and engine as the controller's state shows them at ``now`` (device
+    bytes read from the ledgers, engine KV from the workers' last stats)."""
+    queued: dict[str, int] = {}
+    for q in queues.values():
+        for req in q.requests():
+            queued[req.model] = queued.get(req.model, 0) + 1
+    for req in backlog:
+        queued[req.model] = queued.get(req.model, 0) + 1
+    snaps, engines = [], []
+    on_device: dict[str, list[str]] = {d: [] for d in devices}
+    for name, m in models.items():
+        resident = m.state is not ModelState.EVICTED
+        if resident:
+            on_device[m.device].append(name)
+        snaps.append(
+            ModelSnapshot(
+                model=name,
+                rate=rates.rate(name, now),
+                ttft_slo=m.spec.ttft_slo,
+                tpot_slo=m.spec.tpot_slo,
+                weight_bytes=m.cached.weight_bytes,
+                kv_bytes_per_token=m.cached.kv_bytes_per_token,
+                placement=(m.device,) if resident else (),
+                state=m.state,
+                last_request_time=_latest(rates.last_arrival(name), m.activated_at),
+                placed_at=m.placed_at if resident else None,
+                num_queued=queued.get(name, 0),
+                num_running=m.num_running,
+                pinned=m.pinned,
+            )
+        )
+        if resident:
+            stats = m.worker.stats if m.worker is not None else None
+            engines.append(
+                EngineSnapshot(
+                    model=name,
+                    device=m.device,
+                    kv_bytes_per_token=m.cached.kv_bytes_per_token,
+                    ready=m.state is ModelState.ACTIVE,
+                    free_kv_bytes=max(0, stats.mapped_kv_bytes - stats.used_kv_bytes) if stats else 0,
+                    used_kv_bytes=stats.used_kv_bytes if stats else 0,
+                    kv_quota_bytes=m.kv_quota,
+                    max_kv_bytes=m.max_kv_bytes,
+                    num_running=m.num_running,
+                    max_num_seqs=m.spec.max_num_seqs,
+                    prefill_tokens_per_s=stats.prefill_tokens_per_s if stats else None,
+                )
+            )
+    device_snaps = []
+    for d, spec in devices.items():
+        q = queues[d]
+        device_snaps.append(
+            DeviceSnapshot(
+                device=d,
+                capacity_bytes=spec.memory_bytes,
+                mapped_bytes=ledgers[d].snapshot().used_bytes,
+                models=tuple(on_device[d]),
+                num_queued=len(q),
+                queued_models=q.models(),
+            )
+        )
+    return ClusterSnapshot.build(snaps, device_snaps, engines)
