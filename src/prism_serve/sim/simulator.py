@@ -51,6 +51,7 @@ from prism_serve.control import (
     SetKVQuota,
     get_policy,
 )
+from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.engine import SimEngine, SimRequest
 from prism_serve.sim.errors import SimConfigError, SimStateError
@@ -62,49 +63,6 @@ from prism_serve.sim.models import ServedModel
 from prism_serve.workload.format import Workload
 
 __all__ = ["ModelSLO", "SimConfig", "Simulator", "simulate"]
-
-
-@dataclass(slots=True, frozen=True)
-class ModelSLO:
-    ttft_s: float
-    tpot_s: float
-
-    def scaled(self, ttft_scale: float, tpot_scale: float | None = None) -> ModelSLO:
-        return ModelSLO(
-            self.ttft_s * ttft_scale, self.tpot_s * (ttft_scale if tpot_scale is None else tpot_scale)
-        )
-
-
-@dataclass(slots=True, frozen=True)
-class SimConfig:
-    """Every simulator knob (the engine knobs mirror engine.EngineConfig and memory.PoolConfig)."""
-
-    num_devices: int
-    hardware: str = "h100"
-    policy: str = "prism"
-    knobs: tuple[tuple[str, object], ...] = ()  # policy knobs, as get_policy keyword arguments
-    cost_model: str = "roofline"
-    tick_s: float = 1.0  # period of policy.place()
-    block_size: int = 16
-    page_size: int = 2 << 20
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_run_steps: int = 32  # decode steps stretched into one event (engine.py)
-    rate_window_s: float = 60.0
-    drain_s: float = 600.0  # after the last arrival, stop at the latest this much later
-    warmup_s: float = 5.0  # the workload starts this late: up-front loading is not charged to requests
-
-    def __post_init__(self) -> None:
-        if self.num_devices < 1:
-            raise SimConfigError("num_devices must be >= 1")
-        if self.cost_model not in COST_MODELS:
-            raise SimConfigError(f"unknown cost model {self.cost_model!r}")
-        get_hardware(self.hardware)
-        for name in ("block_size", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_run_steps"):
-            if getattr(self, name) < 1:
-                raise SimConfigError(f"{name} must be >= 1")
-        if not (self.tick_s > 0 and self.rate_window_s > 0 and self.drain_s >= 0 and self.warmup_s >= 0):
-            raise SimConfigError("tick_s and rate_window_s must be > 0, drain_s and warmup_s >= 0")
 
 
 @dataclass(slots=True)

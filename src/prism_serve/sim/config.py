@@ -1,0 +1,54 @@
+"""The simulator's configuration: every knob of one run, and the per-model SLOs it measures against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prism_serve.sim.cost import COST_MODELS
+from prism_serve.sim.errors import SimConfigError
+from prism_serve.sim.hardware import get_hardware
+
+__all__ = ["ModelSLO", "SimConfig"]
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSLO:
+    ttft_s: float
+    tpot_s: float
+
+    def scaled(self, ttft_scale: float, tpot_scale: float | None = None) -> ModelSLO:
+        return ModelSLO(
+            self.ttft_s * ttft_scale, self.tpot_s * (ttft_scale if tpot_scale is None else tpot_scale)
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class SimConfig:
+    """Every simulator knob (the engine knobs mirror engine.EngineConfig and memory.PoolConfig)."""
+
+    num_devices: int
+    hardware: str = "h100"
+    policy: str = "prism"
+    knobs: tuple[tuple[str, object], ...] = ()  # policy knobs, as get_policy keyword arguments
+    cost_model: str = "roofline"
+    tick_s: float = 1.0  # period of policy.place()
+    block_size: int = 16
+    page_size: int = 2 << 20
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_run_steps: int = 32  # decode steps stretched into one event (engine.py)
+    rate_window_s: float = 60.0
+    drain_s: float = 600.0  # after the last arrival, stop at the latest this much later
+    warmup_s: float = 5.0  # the workload starts this late: up-front loading is not charged to requests
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 1:
+            raise SimConfigError("num_devices must be >= 1")
+        if self.cost_model not in COST_MODELS:
+            raise SimConfigError(f"unknown cost model {self.cost_model!r}")
+        get_hardware(self.hardware)
+        for name in ("block_size", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_run_steps"):
+            if getattr(self, name) < 1:
+                raise SimConfigError(f"{name} must be >= 1")
+        if not (self.tick_s > 0 and self.rate_window_s > 0 and self.drain_s >= 0 and self.warmup_s >= 0):
+            raise SimConfigError("tick_s and rate_window_s must be > 0, drain_s and warmup_s >= 0")
