@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from prism_serve.engine.kv_cache import BlockAllocator, FixedBlockAllocator, KVCache
+from prism_serve.engine.models.config import ModelConfig
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.runner import ModelRunner
 from prism_serve.engine.sampling_params import SamplingParams
@@ -61,6 +62,11 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        """``max_model_len``, or the model's context capped at 8192; never beyond the context."""
+        ctx = model.max_position_embeddings
+        return min(self.max_model_len or min(ctx, 8192), ctx)
+
 
 Prompt = str | list[int]
 
@@ -84,10 +90,7 @@ class LLMEngine:
         self.synthetic = weights.synthetic
         self.model_config = weights.config
         self.tokenizer = weights.tokenizer
-        self.max_model_len = min(
-            config.max_model_len or min(weights.config.max_position_embeddings, 8192),
-            weights.config.max_position_embeddings,
-        )
+        self.max_model_len = config.resolve_max_model_len(weights.config)
         self.model = model or LlamaForCausalLM(
             weights.config, weights.tensors, dtype, self.max_model_len, weights.rope_freq_factors
         )

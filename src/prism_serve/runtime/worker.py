@@ -269,9 +269,7 @@ class Worker:
             seed=args.seed,
         )
         dtype = engine_config.torch_dtype
-        max_len = min(
-            args.max_model_len or min(config.max_position_embeddings, 8192), config.max_position_embeddings
-        )
+        max_len = engine_config.resolve_max_model_len(config)
         model = LlamaForCausalLM.from_packed(config, tensor_views(flat, m.tensors), dtype, max_len)
         tokenizer = self.tokenizers.get(m.tokenizer_path)
         if tokenizer is None:
