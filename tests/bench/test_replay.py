@@ -1,0 +1,215 @@
+"""The load generator against a STUB endpoint (tests/bench/stub_server.py; no model runs). What the
+generator sends, what it records, and how it reports errors; never how fast anything was."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from prism_serve.bench import BenchError, BenchSettings, replay
+from prism_serve.workload.format import Workload, WorkloadRequest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+
+def _workload(*rows: tuple[float, str, int, int]) -> Workload:
+    return Workload.from_rows([WorkloadRequest(*r) for r in rows])
+
+
+def _run(workload: Workload, url: str, **kw):
+    settings = kw.pop("settings", None) or BenchSettings(timeout_s=kw.pop("timeout_s", 30.0))
+    return asyncio.run(replay(workload, url, settings, **kw))
+
+
+def test_sends_the_workloads_lengths_and_records_the_streamed_output(fresh_stub):
+    w = _workload((0.0, "m1", 5, 4), (0.0, "m2", 17, 1), (0.01, "m1", 3, 7))
+    res = _run(w, fresh_stub.url, settings=BenchSettings(token_range=(1000, 1010), seed=3))
+    by_model_len = sorted((b["model"], len(b["prompt"]), b["max_tokens"]) for b in fresh_stub.bodies)
+    assert by_model_len == [("m1", 3, 7), ("m1", 5, 4), ("m2", 17, 1)]
+    for body in fresh_stub.bodies:
+        assert all(1000 <= t < 1010 for t in body["prompt"])
+        assert body["ignore_eos"] is True and body["stream"] is True and body["temperature"] == 0
+        assert body["stream_options"] == {"include_usage": True}
+    for rec in res.records:
+        assert rec.ok and rec.usage_reported
+        assert rec.output_tokens == rec.max_tokens
+        assert rec.usage_prompt_tokens == rec.prompt_tokens  # the stub counts the ids it got
+        # the empty-text chunk before the first token counts neither as TTFT nor as a token
+        assert len(rec.token_times_s) == rec.output_tokens
+        assert rec.ttft_s == rec.token_times_s[0] and rec.ttft_s <= rec.e2e_s
+        assert rec.finish_reason == "length"
+    one_token = next(r for r in res.records if r.output_tokens == 1)
+    assert one_token.tpot_s is None
+    seven = next(r for r in res.records if r.output_tokens == 7)
+    assert seven.tpot_s == pytest.approx((seven.e2e_s - seven.ttft_s) / 6)
+    # m1's SLOs come from the stub's /v1/models; m2 has none there and takes the defaults
+    assert (res.slos["m1"].ttft_s, res.slos["m1"].tpot_s, res.slos["m1"].source) == (0.5, 0.05, "server")
+    assert res.slos["m2"].source == "default" and res.slos["m2"].ttft_s == BenchSettings().ttft_slo_s
+    s = res.summary()
+    assert s["overall"]["succeeded"] == 3 and s["overall"]["errors"] == {}
+    assert s["overall"]["output_tokens"] == 12 and s["models"]["m1"]["requests"] == 2
+
+
+def test_the_same_seed_sends_the_same_prompts(fresh_stub):
+    w = _workload((0.0, "m1", 8, 1), (0.0, "m2", 8, 1))
+    _run(w, fresh_stub.url, settings=BenchSettings(seed=7))
+    first = [b["prompt"] for b in fresh_stub.bodies]
+    fresh_stub.reset()
+    _run(w, fresh_stub.url, settings=BenchSettings(seed=7))
+    assert sorted(first) == sorted(b["prompt"] for b in fresh_stub.bodies)
+    assert first[0] != first[1]  # different requests, different prompts (no prefix sharing)
+
+
+def test_text_prompts_have_one_word_per_requested_token(fresh_stub):
+    w = _workload((0.0, "m1", 40, 2))
+    res = _run(w, fresh_stub.url, settings=BenchSettings(prompt="text"))
+    (body,) = fresh_stub.bodies
+    assert isinstance(body["prompt"], str) and len(body["prompt"].split()) == 40
+    assert res.records[0].ok
+
+
+def test_errors_are_recorded_by_kind_and_miss_both_slos(fresh_stub):
+    w = _workload(
+        (0.0, "nope", 4, 2),
+        (0.0, "busy", 4, 2),
+        (0.0, "hang", 4, 2),
+        (0.0, "cut", 4, 2),
+        (0.0, "fail-mid", 4, 2),
+        (0.0, "m1", 4, 2),
+    )
+    res = _run(w, fresh_stub.url, timeout_s=0.5)
+    s = res.summary()
+    assert s["overall"]["errors"] == {
+        "http_404": 1,
+        "http_429": 1,
+        "protocol": 1,
+        "stream_error": 1,
+        "timeout": 1,
+    }
+    recs = {r.model: r for r in res.records}
+    assert recs["nope"].error.status == 404 and "`nope` does not exist" in recs["nope"].error.message
+    assert recs["nope"].error.type == "NotFoundError"
+    busy = recs["busy"].error
+    assert (busy.status, busy.type, busy.retry_after) == (429, "rate_limit_error", "3")
+    assert recs["hang"].ttft_s is not None and recs["hang"].e2e_s is None  # a token came, then nothing
+    assert "[DONE]" in recs["cut"].error.message
+    assert recs["fail-mid"].error.message == "engine died"
+    for m in ("nope", "busy", "hang", "cut", "fail-mid"):
+        assert s["models"][m]["ttft_attainment"] == 0 and s["models"][m]["tpot_attainment"] == 0
+        assert s["models"][m]["ttft_p50_s"] is None  # failures have no latency
+    assert s["overall"]["succeeded"] == 1 and s["overall"]["failed"] == 5
+
+
+def test_without_a_usage_chunk_output_tokens_are_counted_from_chunks(fresh_stub):
+    res = _run(_workload((0.0, "no-usage", 3, 5)), fresh_stub.url)
+    (rec,) = res.records
+    assert rec.ok and not rec.usage_reported and rec.output_tokens == 5
+
+
+def test_rate_scale_compresses_send_times_in_order(fresh_stub):
+    ts = [0.0, 0.04, 0.08, 0.2]
+    w = _workload(*((t, "m1", 2, 1) for t in ts))
+    res = _run(w, fresh_stub.url, settings=BenchSettings(rate_scale=4.0))
+    assert [r.scheduled_s for r in res.records] == pytest.approx([t / 4 for t in ts])
+    sent = [r.sent_s for r in res.records]
+    assert sent == sorted(sent)
+    # never sent before its (scaled) time; the spacing between sends keeps the workload's order
+    assert all(r.sent_s >= r.scheduled_s for r in res.records)
+    lags = [r.sent_s - r.scheduled_s for r in res.records]
+    assert res.summary()["overall"]["send_lag_max_s"] == pytest.approx(max(lags))
+
+
+def test_duration_keeps_the_workloads_first_seconds(fresh_stub):
+    w = _workload((0.0, "m1", 2, 1), (0.05, "m2", 2, 1), (5.0, "m1", 2, 1))
+    res = _run(w, fresh_stub.url, settings=BenchSettings(duration_s=1.0, rate_scale=2.0))
+    assert [r.scheduled_s for r in res.records] == pytest.approx([0.0, 0.025])
+    with pytest.raises(BenchError, match="no requests"):
+        _run(w.select(w.timestamps > 1), fresh_stub.url, settings=BenchSettings(duration_s=1.0))
+
+
+def test_max_concurrency_caps_requests_in_flight(fresh_stub):
+    w = _workload(*((0.0, "slow", 2, 3) for _ in range(4)))
+    res = _run(w, fresh_stub.url, settings=BenchSettings(max_concurrency=1))
+    assert all(r.ok for r in res.records)
+    assert res.peak_in_flight == 1 and fresh_stub.peak_in_flight == 1
+    assert [r.index for r in sorted(res.records, key=lambda r: r.sent_s)] == [0, 1, 2, 3]
+
+
+def test_model_map_renames_what_is_sent_but_reports_the_workload_name(fresh_stub):
+    w = _workload((0.0, "llama-a", 2, 1), (0.0, "llama-b", 2, 1))
+    settings = BenchSettings(model_map=(("llama-a", "m1"), ("llama-b", "m2")))
+    res = _run(w, fresh_stub.url + "/v1/", settings=settings, api_key="sk-test")
+    assert sorted(b["model"] for b in fresh_stub.bodies) == ["m1", "m2"]
+    assert fresh_stub.auth == ["Bearer sk-test"] * 2
+    assert set(res.summary()["models"]) == {"llama-a", "llama-b"}
+    assert res.slos["llama-a"].source == "server"  # looked up under the served name
+    with pytest.raises(BenchError, match="does not have"):
+        _run(w, fresh_stub.url, settings=BenchSettings(model_map=(("typo", "m1"),)))
+
+
+def test_an_unreachable_endpoint_is_a_connect_error_per_request():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    res = _run(_workload((0.0, "m1", 2, 1), (0.0, "m1", 2, 1)), url)
+    assert res.summary()["overall"]["errors"] == {"connect": 2}
+    assert res.slos["m1"].source == "default"  # /v1/models was unreachable too
+
+
+def test_cli_writes_a_json_and_png_report(fresh_stub, tmp_path, capsys):
+    from prism_serve.cli import main
+    from prism_serve.sim.config import ModelSLO
+    from prism_serve.workload.format import write_jsonl
+    from prism_serve.workload.slo import save_slos
+
+    wpath = tmp_path / "w.jsonl"
+    write_jsonl(_workload((0.0, "a", 4, 3), (0.01, "b", 4, 2), (0.02, "busy", 4, 2)), wpath)
+    slos = tmp_path / "slos.json"
+    save_slos({"a": ModelSLO(1.0, 0.5), "b": ModelSLO(2.0, 0.25), "busy": ModelSLO(1.0, 1.0)}, slos)
+    out = tmp_path / "report"
+    argv = ["bench", "--workload", str(wpath), "--url", fresh_stub.url, "--out", str(out), "--no-progress"]
+    argv += ["--model-map", "a=m1,b=m2", "--slos", str(slos), "--slo-scale", "2", "--tpot-scale", "3"]
+    argv += ["--prompt", "text", "--token-times"]
+    assert main(argv) == 0
+    body = json.loads((out / "bench.json").read_text())
+    assert body["slos"]["a"] == {"ttft_s": 2.0, "tpot_s": 1.5, "source": "file"}
+    assert body["settings"]["prompt"] == "text" and body["settings"]["model_map"] == [
+        ["a", "m1"],
+        ["b", "m2"],
+    ]
+    assert body["overall"]["requests"] == 3 and body["overall"]["errors"] == {"http_429": 1}
+    assert set(body["models"]) == {"a", "b", "busy"}
+    assert [r["served_model"] for r in body["requests"]] == ["m1", "m2", "busy"]
+    assert len(body["requests"][0]["token_times_s"]) == 3
+    assert body["machine"]["cpu_count"] >= 1 and body["started_at"]
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out / "bench.png").ndim == 3
+    printed = capsys.readouterr().out
+    assert "(all)" in printed and "http_429 1" in printed
+
+
+def test_cli_fails_when_nothing_succeeds(fresh_stub, tmp_path, capsys):
+    from prism_serve.cli import main
+    from prism_serve.workload.format import write_jsonl
+
+    wpath = tmp_path / "w.jsonl"
+    write_jsonl(_workload((0.0, "nope", 4, 3)), wpath)
+    assert main(["bench", "--workload", str(wpath), "--url", fresh_stub.url, "--no-progress"]) == 1
+    assert "http_404 1" in capsys.readouterr().out
+
+
+def test_token_ids_are_reproducible_from_the_seed():
+    from prism_serve.bench.replay import build_prompt
+
+    a = build_prompt(50, BenchSettings(seed=1), np.random.default_rng(1))
+    b = build_prompt(50, BenchSettings(seed=1), np.random.default_rng(1))
+    assert a == b and len(a) == 50 and min(a) >= 1000 and max(a) < 8000
