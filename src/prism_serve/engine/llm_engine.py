@@ -63,9 +63,13 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
-        """``max_model_len``, or the model's context capped at 8192; never beyond the context."""
-        ctx = model.max_position_embeddings
-        return min(self.max_model_len or min(ctx, 8192), ctx)
+        return resolve_max_model_len(self.max_model_len, model)
+
+
+def resolve_max_model_len(max_model_len: int | None, model: ModelConfig) -> int:
+    """``max_model_len``, or the model's context capped at 8192; never beyond the context."""
+    ctx = model.max_position_embeddings
+    return min(max_model_len or min(ctx, 8192), ctx)
 
 
 Prompt = str | list[int]

@@ -359,7 +359,7 @@ class DeviceLedger:
             self._fd = -1
 
     def unlink(self) -> None:
-        """Delete the ledger file (tests; a live server keeps its ledgers)."""
+        """Delete the ledger file (tests, and a controller leaving a ledger nobody else uses)."""
         self.path.unlink(missing_ok=True)
 
     @staticmethod

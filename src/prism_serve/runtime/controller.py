@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from prism_serve.control import (
     Activate,
@@ -35,6 +35,7 @@ from prism_serve.control import (
 )
 from prism_serve.control.forecast import RateEstimator
 from prism_serve.control.policies import Policy, get_policy
+from prism_serve.engine.llm_engine import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import (
@@ -61,7 +62,7 @@ from prism_serve.runtime.state import (
     RequestTimeoutError,
     cluster_snapshot,
 )
-from prism_serve.runtime.weight_cache import HostWeightCache
+from prism_serve.runtime.weight_cache import HostWeightCache, config_from_dict
 from prism_serve.runtime.workers import WorkerHandle, WorkerPool, WorkerState
 
 __all__ = ["ActivationError", "Controller", "DeadlineMissError", "ModelStatus", "RequestTimeoutError"]
@@ -106,6 +107,9 @@ class Controller:
         self._tick_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # evictions in flight (strong references)
         self._ids = 0
+        self._running = False
+        # Observers of finished activations (model, device, phases): the server's metrics.
+        self.activation_listeners: list[Callable[[str, str, msg.ActivationPhases], None]] = []
 
     # ---- life cycle ---------------------------------------------------------------------------
 
@@ -143,8 +147,10 @@ class Controller:
         for spec in self.specs.values():
             self.rates.start(spec.name, self._now())
         self._tick_task = asyncio.create_task(self._tick_loop())
+        self._running = True
 
     async def stop(self) -> None:
+        self._running = False
         if self._tick_task is not None:
             self._tick_task.cancel()
             await asyncio.gather(self._tick_task, return_exceptions=True)
@@ -153,6 +159,8 @@ class Controller:
         if self._pool is not None:
             await self._pool.stop()
         for ledger in self._ledgers.values():
+            if not ledger.snapshot().entries:  # nobody else on the device: leave no file behind
+                ledger.unlink()
             ledger.close()
         self.cache.close()
 
@@ -162,6 +170,11 @@ class Controller:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    @property
+    def running(self) -> bool:
+        """Between a finished ``start()`` and ``stop()``."""
+        return self._running
 
     @property
     def pool(self) -> WorkerPool:
@@ -177,6 +190,11 @@ class Controller:
 
     def tokenizer(self, model: str) -> Tokenizer:
         return self._model(model).tokenizer
+
+    def max_model_len(self, model: str) -> int:
+        """Prompt plus output tokens one request of ``model`` may have."""
+        m = self._model(model)
+        return resolve_max_model_len(m.spec.max_model_len, config_from_dict(m.cached.config))
 
     async def generate(
         self,
@@ -220,7 +238,7 @@ class Controller:
         ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise EmptyPromptError("prompt has no tokens")
-        max_len = m.spec.max_model_len or 8192
+        max_len = self.max_model_len(model)
         if len(ids) >= max_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; {model} accepts at most {max_len - 1} so that one token "
@@ -404,6 +422,8 @@ class Controller:
         logger.info(
             "activated %s on %s in %.3f s %s", m.spec.name, device, reply.phases.total_s, reply.phases
         )
+        for listener in self.activation_listeners:
+            listener(m.spec.name, device, reply.phases)
         now = self._now()
         self._apply(self.policy.place(self.snapshot(now), now), now)
         self._admit(device, now)
@@ -523,11 +543,13 @@ class Controller:
         out = []
         for name, m in self.models.items():
             state = {"active": "active", "activating": "loading", "evicted": "evicted"}[m.state.value]
+            stats = m.worker.stats if m.worker is not None and m.state is ModelState.ACTIVE else None
             out.append(
                 ModelStatus(
                     name, state, m.device, m.worker.worker_id if m.worker else None, m.pinned,
                     m.cached.weight_bytes, m.num_running, snap.models[name].num_queued,
                     m.num_activations, m.num_evictions, m.last_phases,
+                    stats.used_kv_bytes if stats else 0, m.max_kv_bytes if stats else None,
                 )
             )  # fmt: skip
         return out

@@ -102,6 +102,8 @@ class ModelStatus:
     num_activations: int
     num_evictions: int
     last_activation: msg.ActivationPhases | None
+    used_kv_bytes: int = 0  # the engine's KV in use (worker's last step report)
+    max_kv_bytes: int | None = None  # the most KV the engine could map on its device
 
 
 def _latest(*times: float | None) -> float | None:
