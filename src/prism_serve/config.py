@@ -1,0 +1,305 @@
+"""The deployment config: one YAML file says which devices, which models, which policy and how the
+server listens. Validated with pydantic (``extra="forbid"`` everywhere), so a typo is an error that
+names the key and its line instead of a setting silently ignored.
+
+::
+
+    devices:                      # or: {count: 2, memory: 3GiB}  (CPU devices splitting the cores)
+      - {name: cpu:0, memory: 3GiB, cores: "0", workers: 2}
+      - {name: cpu:1, memory: 3GiB, cores: "1"}
+    models:
+      - {name: smollm2, source: smollm2-135m-instruct, ttft_slo: 2.0, tpot_slo: 0.25, pinned: true}
+      - {name: tiny-360m, source: "random:smollm2-360m", max_model_len: 1024}
+    policy: {name: prism, knobs: {tau: 0.1}}
+    server: {host: 127.0.0.1, port: 8000, api_keys: [sk-local], admin_key: admin-secret}
+
+``load_config(path)`` reads a file, ``default_config()`` is what ``prism serve`` runs with no file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from prism_serve.errors import InvalidRequestError
+from prism_serve.memory.vmm import parse_size
+
+__all__ = [
+    "ConfigError",
+    "DeploymentConfig",
+    "DeviceConfig",
+    "ModelConfig",
+    "PolicyConfig",
+    "ServerConfig",
+    "default_config",
+    "load_config",
+    "parse_config",
+]
+
+
+class ConfigError(InvalidRequestError):
+    """The deployment config is invalid (the message names the key and, for files, the line)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Size = Annotated[int, Field(gt=0)]
+
+
+def _size(value: Any) -> Any:
+    return parse_size(value) if isinstance(value, str) else value
+
+
+class DeviceConfig(_Strict):
+    name: str = Field(pattern=r"^(cpu|cuda):\d+$", description="cpu:N or cuda:N")
+    memory: Size = Field(description="budget shared by every model on the device, e.g. 3GiB")
+    cores: str | list[int] | None = Field(None, description="CPU devices: cores, e.g. '0-3' (default: all)")
+    workers: int = Field(2, ge=1, description="pre-started engine processes")
+
+    _memory = field_validator("memory", mode="before")(_size)
+
+
+class DeviceGroup(_Strict):
+    """``count`` CPU devices that split this machine's cores evenly."""
+
+    count: int = Field(ge=1)
+    memory: Size
+    workers: int = Field(2, ge=1)
+
+    _memory = field_validator("memory", mode="before")(_size)
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1, pattern=r"^\S(.*\S)?$", description="what clients ask for")
+    source: str = Field(
+        "smollm2-135m-instruct",
+        description="smollm2-135m-instruct (real weights), random:<preset> (synthetic), a .gguf file "
+        "or a safetensors (HF layout) directory",
+    )
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    tp: int = Field(1, ge=1, description="tensor parallel degree (the live runtime serves tp=1)")
+    ttft_slo: float = Field(1.0, gt=0, description="seconds")
+    tpot_slo: float = Field(0.2, gt=0, description="seconds")
+    pinned: bool = False
+    max_model_len: int | None = Field(2048, ge=2)
+    max_num_seqs: int = Field(32, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=16)
+    block_size: int = Field(16, ge=1)
+    kv_limit: Size | None = None
+    seed: int = Field(0, ge=0, description="synthetic weights")
+
+    _kv_limit = field_validator("kv_limit", mode="before")(_size)
+
+    @field_validator("tp")
+    @classmethod
+    def _tp_one(cls, tp: int) -> int:
+        if tp != 1:
+            raise ValueError(
+                "the live runtime serves tp=1 only; tensor parallel models are simulated (prism sim)"
+            )
+        return tp
+
+    def spec(self):
+        from prism_serve.runtime.models import ModelSpec
+
+        return ModelSpec(
+            name=self.name, source=self.source, dtype=self.dtype, seed=self.seed,
+            ttft_slo=self.ttft_slo, tpot_slo=self.tpot_slo, pinned=self.pinned,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, block_size=self.block_size,
+            kv_limit_bytes=self.kv_limit,
+        )  # fmt: skip
+
+
+class PolicyConfig(_Strict):
+    name: str = "prism"
+    knobs: dict[str, Any] = Field(default_factory=dict)
+    tick_interval_s: float = Field(0.5, gt=0)
+    activation_timeout_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _known(self) -> PolicyConfig:
+        from prism_serve.control.policies import POLICIES, knobs_for
+
+        if self.name not in POLICIES:
+            raise ValueError(f"unknown policy {self.name!r}; choose one of {', '.join(sorted(POLICIES))}")
+        fields = {f.name for f in dataclasses.fields(knobs_for(self.name))}
+        unknown = sorted(set(self.knobs) - fields)
+        if unknown:
+            raise ValueError(
+                f"unknown knob(s) {', '.join(unknown)} for policy {self.name}; "
+                f"known: {', '.join(sorted(fields))}"
+            )
+        return self
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[str] = Field(default_factory=list, description="empty: no authentication")
+    admin_key: str | None = Field(
+        None, description="needed by /v1/admin/*; unset: admin only without api_keys"
+    )
+    max_waiting_requests: int = Field(256, ge=1, description="requests not yet streaming; beyond: 429")
+    request_timeout_s: float = Field(120.0, gt=0, description="wait for the first token (queue + activation)")
+    namespace: str | None = Field(None, description="ledger / host cache namespace (default per user)")
+
+
+class DeploymentConfig(_Strict):
+    devices: list[DeviceConfig] | DeviceGroup
+    models: list[ModelConfig] = Field(min_length=1)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _unique(self) -> DeploymentConfig:
+        for what, names in (
+            ("model", [m.name for m in self.models]),
+            ("device", [d.name for d in self.devices] if isinstance(self.devices, list) else []),
+        ):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"duplicate {what} name(s): {', '.join(dup)}")
+        if isinstance(self.devices, list) and not self.devices:
+            raise ValueError("devices: need at least one")
+        return self
+
+    def device_specs(self):
+        from prism_serve.runtime.devices import DeviceSpec, cpu_devices, parse_cores
+
+        if isinstance(self.devices, DeviceGroup):
+            return cpu_devices(self.devices.count, self.devices.memory, self.devices.workers)
+        return [
+            DeviceSpec(d.name, d.memory, parse_cores(d.cores) if d.cores is not None else (), d.workers)
+            for d in self.devices
+        ]
+
+    def model_specs(self):
+        return [m.spec() for m in self.models]
+
+    def with_overrides(
+        self, host: str | None = None, port: int | None = None, policy: str | None = None
+    ) -> DeploymentConfig:
+        """This config with command-line overrides (a new policy name starts from its default knobs),
+        validated again."""
+        data = self.model_dump()
+        data["server"].update({k: v for k, v in (("host", host), ("port", port)) if v is not None})
+        if policy is not None:
+            data["policy"].update(name=policy, knobs={})
+        try:
+            return DeploymentConfig.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_describe(e, None, "command line")) from None
+
+
+def default_config() -> DeploymentConfig:
+    """What ``prism serve`` runs with no file: two CPU devices splitting this machine's cores, the
+    real SmolLM2-135M-Instruct under three names (with different SLOs; they share one host copy of
+    the weights) and two synthetic-weight models of real shapes (labelled synthetic in /v1/models)."""
+    return DeploymentConfig(
+        devices=DeviceGroup(count=2, memory=parse_size("2GiB")),
+        models=[
+            ModelConfig(name="smollm2-135m-instruct", ttft_slo=2.0, tpot_slo=0.25),
+            ModelConfig(name="smollm2-chat", ttft_slo=2.0, tpot_slo=0.25),
+            ModelConfig(name="smollm2-batch", ttft_slo=10.0, tpot_slo=1.0),
+            ModelConfig(name="synthetic-smollm2-360m", source="random:smollm2-360m", dtype="bfloat16",
+                        ttft_slo=4.0, tpot_slo=0.5, max_model_len=1024),
+            ModelConfig(name="synthetic-smollm2-135m", source="random:smollm2-135m", seed=1,
+                        ttft_slo=4.0, tpot_slo=0.5, max_model_len=1024),
+        ],
+    )  # fmt: skip
+
+
+def load_config(path: str | os.PathLike) -> DeploymentConfig:
+    """Read and validate a YAML deployment config; ConfigError names the file, key and line."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
+    return parse_config(text, str(path))
+
+
+def parse_config(text: str, where: str = "<config>") -> DeploymentConfig:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: the config must be a mapping with devices, models, policy, server")
+    try:
+        return DeploymentConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, root, where)) from None
+
+
+def _describe(error: ValidationError, root: yaml.Node | None, where: str) -> str:
+    lines = [f"{where}: invalid config"]
+    errors = error.errors()
+    # Of a union (a list of devices or a device group) report only the shape that was meant,
+    # unless no shape fits at all.
+    wrong = [_wrong_shape(e) for e in errors]
+    fits = {_union_base(e["loc"]) for e, w in zip(errors, wrong, strict=True) if not w}
+    shown: set[tuple] = set()
+    for err, w in zip(errors, wrong, strict=True):
+        base = _union_base(err["loc"])
+        if w and (base in fits or base in shown):
+            continue
+        shown.add(base)
+        loc = [p for p in err["loc"] if not _is_union_tag(p)]
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        line = _line_of(root, loc)
+        at = f" (line {line})" if line else ""
+        message = (
+            "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        )
+        if w:
+            message = f"wrong type ({type(err['input']).__name__}); see the example in prism_serve/config.py"
+        lines.append(f"  {key}{at}: {message}")
+    return "\n".join(lines)
+
+
+_WRONG_SHAPE = {"dict_type", "model_type", "list_type", "model_attributes_type"}
+
+
+def _wrong_shape(err: Any) -> bool:
+    return bool(err["loc"]) and _is_union_tag(err["loc"][-1]) and err["type"] in _WRONG_SHAPE
+
+
+def _union_base(loc: tuple) -> tuple:
+    for i, part in enumerate(loc):
+        if _is_union_tag(part):
+            return tuple(loc[:i])
+    return tuple(loc)
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic names the union member it tried ("list[DeviceConfig]", "DeviceGroup"): not a YAML key.
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part)
+
+
+def _line_of(node: yaml.Node | None, loc: list[Any]) -> int | None:
+    """1-based line of the YAML node at ``loc`` (a key's own line for mapping entries)."""
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == str(part):
+                    line, node = k.start_mark.line + 1, v
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line

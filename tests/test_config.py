@@ -1,0 +1,113 @@
+"""The deployment config: YAML -> validated pydantic, errors naming key and line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from prism_serve.cli import main
+from prism_serve.config import ConfigError, default_config, load_config, parse_config
+from prism_serve.runtime.devices import DeviceSpec
+
+GOOD = """\
+devices:
+  - {name: "cpu:0", memory: 1GiB, cores: "0", workers: 1}
+  - name: "cpu:1"
+    memory: 512MiB
+models:
+  - {name: chat, ttft_slo: 2.5, tpot_slo: 0.3, pinned: true, max_model_len: 1024}
+  - {name: synth, source: "random:smollm2-360m", dtype: bfloat16, kv_limit: 64MiB, seed: 3}
+policy:
+  name: prism
+  knobs: {idle_threshold_s: 30}
+server: {port: 9000, api_keys: [a, b], admin_key: root, max_waiting_requests: 10}
+"""
+
+
+def test_good_config_maps_onto_runtime_types():
+    c = parse_config(GOOD)
+    devices = c.device_specs()
+    assert devices[0] == DeviceSpec("cpu:0", 2**30, (0,), 1)
+    assert devices[1].memory_bytes == 512 * 2**20 and devices[1].cores == () and devices[1].num_workers == 2
+    chat, synth = c.model_specs()
+    assert (chat.name, chat.ttft_slo, chat.tpot_slo, chat.pinned, chat.max_model_len) == (
+        "chat",
+        2.5,
+        0.3,
+        True,
+        1024,
+    )
+    assert (synth.source, synth.dtype, synth.kv_limit_bytes, synth.seed) == (
+        "random:smollm2-360m", "bfloat16", 64 * 2**20, 3,
+    )  # fmt: skip
+    assert c.policy.knobs == {"idle_threshold_s": 30}
+    assert c.server.api_keys == ["a", "b"] and c.server.port == 9000
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (GOOD.replace("workers: 1}", "workers: 1, colour: red}"), "devices.0.colour (line 2): unknown key"),
+        (
+            GOOD.replace("    memory: 512MiB", "    memory: 512MiB\n    memroy: 1"),
+            "devices.1.memroy (line 5): unknown key",
+        ),
+        (GOOD.replace("server: {", "sever: {"), "sever (line 11): unknown key"),
+        (
+            GOOD.replace("idle_threshold_s", "idle_treshold_s"),
+            "unknown knob(s) idle_treshold_s for policy prism",
+        ),
+        (GOOD.replace("name: prism", "name: fifo"), "unknown policy 'fifo'"),
+        (GOOD.replace("memory: 1GiB", "memory: lots"), "devices.0.memory (line 2): cannot parse size 'lots'"),
+        (
+            GOOD.replace("ttft_slo: 2.5", "ttft_slo: -1"),
+            "models.0.ttft_slo (line 6): Input should be greater than 0",
+        ),
+        (GOOD.replace("name: synth", "name: chat"), "duplicate model name(s): chat"),
+        (GOOD.replace("dtype: bfloat16", "dtype: fp8"), "models.1.dtype (line 7)"),
+        (GOOD.replace("seed: 3}", "seed: 3, tp: 4}"), "tp=1 only"),
+        (GOOD.replace('"cpu:1"', '"tpu:1"'), "devices.1.name (line 3)"),
+        ("devices: 3\nmodels: [{name: a}]\n", "devices (line 1): wrong type (int)"),
+        ("- just a list\n", "must be a mapping"),
+        ("devices: [\n", "not valid YAML"),
+    ],
+)
+def test_errors_name_the_key_and_line(text, expected):
+    with pytest.raises(ConfigError) as e:
+        parse_config(text, "deploy.yaml")
+    assert expected in str(e.value)
+    assert str(e.value).startswith("deploy.yaml")
+
+
+def test_load_config_file(tmp_path):
+    path = tmp_path / "prism.yaml"
+    path.write_text(GOOD)
+    assert load_config(path).server.port == 9000
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_default_config_serves_real_and_synthetic_models():
+    c = default_config()
+    sources = [m.source for m in c.models]
+    assert sources.count("smollm2-135m-instruct") >= 2
+    assert any(s.startswith("random:") for s in sources)
+    devices = c.device_specs()
+    assert len(devices) == 2
+    assert {core for d in devices for core in d.cores} == set(os.sched_getaffinity(0))
+
+
+def test_overrides_are_validated():
+    c = parse_config(GOOD).with_overrides(port=1234, policy="static-partition")
+    assert c.server.port == 1234 and c.policy.name == "static-partition" and c.policy.knobs == {}
+    with pytest.raises(ConfigError, match="unknown policy"):
+        c.with_overrides(policy="nope")
+
+
+def test_serve_with_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(GOOD.replace("server: {", "servr: {"))
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigError" in err and "servr (line 11): unknown key" in err
