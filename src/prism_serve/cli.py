@@ -1,5 +1,5 @@
-"""The ``prism`` command. Subcommands arrive with their issues; today: ``generate``, ``memory``, ``sim``
-and ``workload`` (the last two live in sim/cli.py)."""
+"""The ``prism`` command: ``serve``, ``generate``, ``memory``, ``sim`` and ``workload`` (sim/cli.py),
+``bench`` (bench/cli.py)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     engine.close()
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from prism_serve.api.server import run_server
+    from prism_serve.config import default_config, load_config
+
+    config = load_config(args.config) if args.config else default_config()
+    config = config.with_overrides(host=args.host, port=args.port, policy=args.policy)
+    server = config.server
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    devices = ", ".join(d.describe() for d in config.device_specs())
+    print(
+        f"prism serve: {len(config.models)} models on {devices}; policy {config.policy.name}", file=sys.stderr
+    )
+    for m in config.models:
+        kind = "synthetic weights" if m.source.startswith("random:") else m.source
+        print(
+            f"  {m.name:<28} {kind:<28} TTFT SLO {m.ttft_slo:g}s  TPOT SLO {m.tpot_slo:g}s", file=sys.stderr
+        )
+    print(f"  OpenAI endpoint: http://{server.host}:{server.port}/v1", file=sys.stderr)
+    run_server(config, log_level=args.log_level)
     return 0
 
 
@@ -149,6 +175,19 @@ def _cmd_memory(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prism", description="prism-serve: many LLMs on few accelerators")
     sub = parser.add_subparsers(dest="command", required=True)
+    sv = sub.add_parser(
+        "serve",
+        help="serve every configured model behind one OpenAI-compatible endpoint",
+        description="Without --config: the built-in default (2 CPU devices, real SmolLM2-135M-Instruct "
+        "under three names, two synthetic-weight models). See prism_serve/config.py for the YAML format.",
+    )
+    sv.add_argument("--config", help="deployment YAML (devices, models, policy, server)")
+    sv.add_argument("--host", help="override server.host")
+    sv.add_argument("--port", type=int, help="override server.port")
+    sv.add_argument("--policy", help="override policy.name (its knobs then take their defaults)")
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sv.set_defaults(func=_cmd_serve)
+
     g = sub.add_parser("generate", help="print a completion of one prompt (streams to stdout)")
     g.add_argument("prompt")
     _add_engine_args(g)

@@ -1,0 +1,88 @@
+"""Admin routes: load, unload, pin and unpin a model by hand (behind the admin key).
+
+    POST /v1/admin/models/{name}/load     {"device": "cpu:1"}   (body optional: the policy picks)
+    POST /v1/admin/models/{name}/unload   {"force": false}      (default force: requests in flight fail)
+    POST /v1/admin/models/{name}/pin      never evicted by the policy
+    POST /v1/admin/models/{name}/unpin
+
+Each answers the model's card (as in /v1/models) plus what happened. With ``server.admin_key`` set,
+only ``Authorization: Bearer <admin_key>`` passes; without it the routes are open only when the
+server has no API keys at all (a local, unauthenticated deployment), and refused otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict
+
+from prism_serve.api.errors import AuthenticationError, PermissionDeniedError, bearer_token
+
+if TYPE_CHECKING:
+    from prism_serve.api.server import PrismServer
+
+__all__ = ["add_admin_routes"]
+
+
+class LoadBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    device: str | None = None
+
+
+class UnloadBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    force: bool = True
+
+
+def add_admin_routes(app: FastAPI, server: PrismServer) -> None:
+    c = server.controller
+
+    def authorize(http: Request) -> None:
+        admin_key = server.config.server.admin_key
+        token = bearer_token(http)
+        if admin_key is None:
+            if server.config.server.api_keys:
+                raise PermissionDeniedError("admin routes are disabled: set server.admin_key in the config")
+            return
+        if token is None:
+            raise AuthenticationError("admin routes need 'Authorization: Bearer <admin key>'")
+        if token != admin_key:
+            raise (PermissionDeniedError if token in server.config.server.api_keys else AuthenticationError)(
+                "this key may not use the admin routes"
+            )
+
+    def card(name: str, **extra: object) -> dict:
+        out = next(m for m in server.model_cards() if m["id"] == name)
+        out.update(extra)
+        return out
+
+    @app.post("/v1/admin/models/{name:path}/load")
+    async def load(name: str, http: Request, body: LoadBody | None = None) -> dict:
+        authorize(http)
+        phases = await c.load(name, body.device if body else None)
+        extra = {"activated": phases is not None}
+        if phases is not None:
+            extra["activation_s"] = {
+                "total": phases.total_s, "take": phases.take_s, "map": phases.map_s,
+                "copy": phases.copy_s, "ready": phases.ready_s,
+            }  # fmt: skip
+        return card(name, **extra)
+
+    @app.post("/v1/admin/models/{name:path}/unload")
+    async def unload(name: str, http: Request, body: UnloadBody | None = None) -> dict:
+        authorize(http)
+        evicted = await c.unload(name, force=body.force if body else True)
+        return card(name, evicted=evicted)
+
+    @app.post("/v1/admin/models/{name:path}/pin")
+    async def pin(name: str, http: Request) -> dict:
+        authorize(http)
+        c.pin(name, True)
+        return card(name)
+
+    @app.post("/v1/admin/models/{name:path}/unpin")
+    async def unpin(name: str, http: Request) -> dict:
+        authorize(http)
+        c.pin(name, False)
+        return card(name)

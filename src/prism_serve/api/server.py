@@ -1,0 +1,398 @@
+"""The OpenAI-compatible HTTP server: one endpoint for every configured model.
+
+Routes: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models[/{id}],
+/health, /metrics, and the admin routes (api/admin.py). The controller runs on uvicorn's event
+loop (started and stopped by the app's lifespan), so a request is a coroutine from HTTP to tokens.
+
+A request for an evicted model activates it and waits, bounded by ``server.request_timeout_s``;
+headers are sent only with the first token, so anything that goes wrong before it (unknown model,
+overload, activation failure, timeout) is a proper HTTP error, not a broken stream. A client that
+disconnects, while waiting or while streaming, aborts its request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from prism_serve.api.errors import (
+    AuthenticationError,
+    OverloadedError,
+    bearer_token,
+    error_body,
+    install_error_handlers,
+)
+from prism_serve.api.metrics import CONTENT_TYPE, ServerMetrics
+from prism_serve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    new_id,
+    usage,
+)
+from prism_serve.config import DeploymentConfig
+from prism_serve.errors import InvalidRequestError, PrismError, PromptTooLongError
+from prism_serve.runtime import messages as msg
+from prism_serve.runtime.controller import Controller
+
+__all__ = ["PrismServer", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request finished (nothing more can be sent)."""
+
+
+@dataclass(slots=True)
+class _Run:
+    """One request in flight: its stream from the controller and its timings (for /metrics)."""
+
+    rid: str
+    model: str
+    arrival: float
+    stream: AsyncIterator[msg.TokenDelta]
+    last: msg.TokenDelta | None = None  # the latest delta
+    first_at: float = 0.0
+    last_at: float = 0.0
+    num_prompt: int = 0
+    num_output: int = 0
+    text: list[str] = field(default_factory=list)
+
+
+class PrismServer:
+    """The app plus the state its routes share (controller, metrics, the waiting-request bound)."""
+
+    def __init__(self, config: DeploymentConfig, controller: Controller | None = None) -> None:
+        self.config = config
+        self.controller = controller or Controller(
+            config.device_specs(),
+            config.model_specs(),
+            policy=config.policy.name,
+            knobs=dict(config.policy.knobs),
+            namespace=config.server.namespace,
+            tick_interval_s=config.policy.tick_interval_s,
+            activation_timeout_s=config.policy.activation_timeout_s,
+        )
+        self.metrics = ServerMetrics(self.controller)
+        self.num_waiting = 0  # requests admitted by the server that have no first token yet
+        self._finished_at: deque[float] = deque(maxlen=512)
+        self.app = self._build()
+
+    # ---- app ----------------------------------------------------------------------------------
+
+    def _build(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI):
+            await self.controller.start()
+            logger.info("serving %s", ", ".join(self.controller.specs))
+            try:
+                yield
+            finally:
+                await self.controller.stop()
+                logger.info("stopped: workers ended, shared memory released")
+
+        app = FastAPI(title="prism-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+        install_error_handlers(app)
+        s = self
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: ChatCompletionRequest, http: Request) -> Response:
+            s.authorize(http)
+            return await s.complete(http, body, chat=True)
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, http: Request) -> Response:
+            s.authorize(http)
+            return await s.complete(http, body, chat=False)
+
+        @app.get("/v1/models")
+        async def models(http: Request) -> dict:
+            s.authorize(http)
+            return {"object": "list", "data": s.model_cards()}
+
+        @app.get("/v1/models/{model:path}")
+        async def model(model: str, http: Request) -> dict:
+            s.authorize(http)
+            s.controller.tokenizer(model)  # UnknownModelError (404) for a name not served
+            return next(c for c in s.model_cards() if c["id"] == model)
+
+        @app.get("/health")
+        async def health() -> Response:
+            ok = s.controller.running
+            return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(s.metrics.render(), media_type=CONTENT_TYPE)
+
+        from prism_serve.api.admin import add_admin_routes
+
+        add_admin_routes(app, self)
+        return app
+
+    def authorize(self, http: Request) -> None:
+        keys = self.config.server.api_keys
+        if not keys:
+            return
+        token = bearer_token(http)
+        if token is None:
+            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
+        if token not in keys and token != self.config.server.admin_key:
+            raise AuthenticationError("invalid API key")
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        created = int(time.time())
+        cards = []
+        for st in self.controller.status():
+            entry = self.controller.models[st.model]
+            spec = entry.spec
+            cards.append({
+                "id": st.model, "object": "model", "created": created, "owned_by": "prism-serve",
+                "state": st.state, "device": st.device, "pinned": st.pinned,
+                "source": entry.cached.source, "synthetic": entry.cached.synthetic,
+                "max_model_len": self.controller.max_model_len(st.model),
+                "ttft_slo": spec.ttft_slo, "tpot_slo": spec.tpot_slo,
+                "weight_bytes": st.weight_bytes, "num_running": st.num_running, "num_queued": st.num_queued,
+                "num_activations": st.num_activations, "num_evictions": st.num_evictions,
+            })  # fmt: skip
+        return cards
+
+    # ---- completions --------------------------------------------------------------------------
+
+    async def complete(
+        self, http: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool
+    ) -> Response:
+        arrival = time.perf_counter()
+        model = body.model
+        try:
+            prompt = self._prompt(body, chat)
+            run = await self._open(http, body, prompt, arrival)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except PrismError as e:
+            self._count_error(model, e)
+            raise
+        if body.stream:
+            return StreamingResponse(
+                self._sse(run, body, chat),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            await _unless_disconnected(http, self._drain(run))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except PrismError as e:
+            self._count_error(model, e)
+            raise
+        finally:
+            await run.stream.aclose()
+        text, last = "".join(run.text), run.last
+        use = usage(run.num_prompt, run.num_output)
+        build = chat_response if chat else completion_response
+        return JSONResponse(build(run.rid, model, text, last.finish_reason, use))
+
+    def _prompt(self, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> str | list[int]:
+        if not chat:
+            return body.prompt
+        tok = self.controller.tokenizer(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        if tok.chat_template:
+            return tok.apply_chat_template(messages)
+        # Synthetic-weight models have no template: a plain transcript keeps the request valid.
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+    async def _open(
+        self,
+        http: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompt: str | list[int],
+        arrival: float,
+    ) -> _Run:
+        """Validate, submit, and wait for the first token (or a disconnect)."""
+        c = self.controller
+        tok = c.tokenizer(body.model)  # 404 first
+        ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        vocab = int(c.models[body.model].cached.config["vocab_size"])
+        if any(t >= vocab for t in ids):
+            raise _with_param(
+                InvalidRequestError(f"token ids must be below the vocabulary size {vocab}"), param
+            )
+        max_len = c.max_model_len(body.model)
+        wanted = body.requested_max_tokens()
+        if len(ids) + (wanted or 1) > max_len:
+            raise _with_param(PromptTooLongError(
+                f"this model's maximum context length is {max_len} tokens; the prompt has {len(ids)} tokens"
+                + (f" and max_tokens is {wanted}" if wanted else "")
+            ), param)  # fmt: skip
+        params = body.sampling_params(wanted or max_len - len(ids))
+        limit = self.config.server.max_waiting_requests
+        if self.num_waiting >= limit:
+            raise OverloadedError(
+                f"{self.num_waiting} requests are waiting for their first token (limit {limit}); retry later",
+                self._retry_after(),
+            )
+        rid = new_id("chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl")
+        stream = c.generate(
+            body.model, ids, params, req_id=rid, timeout_s=self.config.server.request_timeout_s
+        )
+        run = _Run(rid, body.model, arrival, stream, num_prompt=len(ids))
+        self.num_waiting += 1
+        try:
+            first = await _unless_disconnected(http, anext(stream))
+        except BaseException:
+            await stream.aclose()
+            raise
+        finally:
+            self.num_waiting -= 1
+        run.first_at = run.last_at = time.perf_counter()
+        self._take(run, first)
+        return run
+
+    def _take(self, run: _Run, d: msg.TokenDelta) -> None:
+        """Book one delta: text, token counts, inter-token latency; metrics when it is the last."""
+        now = time.perf_counter()
+        if run.last is not None and d.token_ids:
+            gap = (now - run.last_at) / len(d.token_ids)
+            for _ in d.token_ids:
+                self.metrics.itl.labels(run.model).observe(gap)
+        run.last, run.last_at = d, now
+        run.text.append(d.text)
+        run.num_output = d.num_output_tokens
+        run.num_prompt = d.num_prompt_tokens or run.num_prompt
+        if d.finished:
+            spec = self.controller.specs[run.model]
+            self.metrics.on_finished(
+                run.model, d.finish_reason, run.first_at - run.arrival, now - run.arrival,
+                run.num_prompt, run.num_output, spec.ttft_slo, spec.tpot_slo,
+            )  # fmt: skip
+            self._finished_at.append(now)
+
+    async def _drain(self, run: _Run) -> None:
+        while not run.last.finished:
+            self._take(run, await anext(run.stream))
+
+    async def _sse(self, run: _Run, body: ChatCompletionRequest | CompletionRequest, chat: bool):
+        created, rid, model = int(time.time()), run.rid, run.model
+        with_usage = body.include_usage
+        null_usage = None  # OpenAI sends "usage": null on every chunk but the last when usage is on
+
+        def chunk(text: str | None, finish: str | None) -> str:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                data = chat_chunk(rid, model, created, delta, finish, null_usage)
+            else:
+                data = completion_chunk(rid, model, created, text or "", finish, null_usage)
+            if with_usage:
+                data["usage"] = None
+            return _event(data)
+
+        try:
+            out = ""
+            if chat:
+                role = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None)
+                if with_usage:
+                    role["usage"] = None
+                out = _event(role)
+            d = run.last
+            while True:
+                if d.text or d.token_ids:  # one chunk per engine step (text may be held back)
+                    out += chunk(d.text, None)
+                if d.finished:
+                    out += chunk(None, d.finish_reason)
+                    if with_usage:
+                        build = chat_chunk if chat else completion_chunk
+                        out += _event(
+                            build(rid, model, created, None, None, usage(run.num_prompt, run.num_output))
+                        )
+                    yield out + "data: [DONE]\n\n"
+                    return
+                if out:
+                    yield out
+                    out = ""
+                d = await anext(run.stream)
+                self._take(run, d)
+        except PrismError as e:
+            self._count_error(model, e)
+            yield _event(error_body(str(e), e.error_type, e.status_code)) + "data: [DONE]\n\n"
+        finally:
+            await run.stream.aclose()  # a disconnect cancels this generator: the request is aborted
+
+    def _count_error(self, model: str, e: PrismError) -> None:
+        if model in self.controller.specs:
+            self.metrics.on_error(model, e.error_type, e.status_code, judged=e.status_code >= 429)
+
+    def _retry_after(self) -> int:
+        """Seconds until the waiting requests have likely drained, from the recent finish rate."""
+        now = time.perf_counter()
+        recent = [t for t in self._finished_at if now - t <= 30.0]
+        rate = len(recent) / 30.0
+        return int(min(60, max(1, math.ceil(self.num_waiting / rate)))) if rate > 0 else 5
+
+
+def create_app(config: DeploymentConfig) -> FastAPI:
+    return PrismServer(config).app
+
+
+def run_server(config: DeploymentConfig, log_level: str = "info") -> None:
+    """Serve ``config`` with uvicorn until SIGINT/SIGTERM (then requests in flight fail with 503,
+    workers stop and the shared memory is released)."""
+    import uvicorn
+
+    server = PrismServer(config)
+    uvicorn.run(
+        server.app, host=config.server.host, port=config.server.port, log_level=log_level,
+        timeout_graceful_shutdown=5, access_log=log_level == "debug",
+    )  # fmt: skip
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _with_param(e: PrismError, param: str) -> PrismError:
+    e.param = param
+    return e
+
+
+async def _unless_disconnected(http: Request, work: Awaitable) -> Any:
+    """``await work``, unless the client disconnects first: then cancel it (the controller's
+    stream aborts the request) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, PrismError):
+        await task
+    raise ClientDisconnected
+
+
+async def _disconnected(http: Request) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return

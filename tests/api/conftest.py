@@ -1,0 +1,114 @@
+"""A real `prism serve` process for the API tests: real SmolLM2 weights under two names plus a
+synthetic-weight model, two CPU devices, API and admin keys, its own ledger/cache namespace."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "sk-test-key"
+ADMIN_KEY = "admin-test-key"
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    namespace: str
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp: Path, config_text: str, timeout_s: float = 180.0) -> ServerProcess:
+    port = free_port()
+    namespace = f"apitest-{uuid.uuid4().hex[:8]}"
+    config = tmp / "prism.yaml"
+    config.write_text(config_text.replace("{namespace}", namespace))
+    log = tmp / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prism_serve.cli", "serve", "--config", str(config), "--port", str(port),
+         "--log-level", "info"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    server = ServerProcess(f"http://127.0.0.1:{port}", namespace, proc, log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prism serve exited with {proc.returncode}:\n{server.log_text()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"prism serve did not become healthy in {timeout_s} s:\n{server.log_text()}")
+
+
+def stop_server(server: ServerProcess) -> int:
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        return server.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        raise
+
+
+def shm_files(namespace: str) -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if namespace in f]
+
+
+CONFIG = """
+devices:
+  - {{name: "cpu:0", memory: 2GiB, cores: "0", workers: 1}}
+  - {{name: "cpu:1", memory: 2GiB, cores: "{core1}", workers: 1}}
+models:
+  - {{name: smol, ttft_slo: 30.0, tpot_slo: 2.0}}
+  - {{name: smol-b, ttft_slo: 30.0, tpot_slo: 2.0}}
+  - {{name: tiny, source: "random:smollm2-135m", max_model_len: 512, ttft_slo: 30.0, tpot_slo: 2.0}}
+policy: {{name: prism}}
+server:
+  api_keys: [{api_key}]
+  admin_key: {admin_key}
+  max_waiting_requests: 3
+  namespace: "{{namespace}}"
+"""
+
+
+def default_test_config() -> str:
+    cores = sorted(os.sched_getaffinity(0))
+    return CONFIG.format(core1=cores[-1], api_key=API_KEY, admin_key=ADMIN_KEY)
+
+
+@pytest.fixture(scope="package")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    srv = start_server(tmp_path_factory.mktemp("serve"), default_test_config())
+    yield srv
+    code = stop_server(srv)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal (exit status -15)
+    assert code in (0, -signal.SIGTERM), srv.log_text()
+    assert "stopped: workers ended, shared memory released" in srv.log_text()
+    assert "Traceback" not in srv.log_text(), srv.log_text()
+    assert shm_files(srv.namespace) == [], "shared memory left behind after shutdown"
