@@ -12,6 +12,7 @@ Models and what they do:
 - ``hang``: one chunk, then nothing (the client must time out).
 - ``cut``: ends the stream without ``data: [DONE]``.
 - ``fail-mid``: sends an error event mid-stream.
+- ``garbage``: sends an event whose choices are not objects.
 - anything else: 404, OpenAI error shape.
 """
 
@@ -31,7 +32,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
-KNOWN = ("m1", "m2", "slow", "no-usage", "busy", "hang", "cut", "fail-mid")
+KNOWN = ("m1", "m2", "slow", "no-usage", "busy", "hang", "cut", "fail-mid", "garbage")
 M1_SLOS = (0.5, 0.05)  # (ttft_slo, tpot_slo) that /v1/models lists for m1
 
 
@@ -99,6 +100,8 @@ class StubEndpoint:
         try:
             yield ": keep-alive\n\n"
             yield _chunk("")  # no text yet: must not count as the first token
+            if model == "garbage":
+                yield 'data: {"choices": ["x"]}\n\n'
             for i in range(n):
                 if model == "slow":
                     await asyncio.sleep(0.02)

@@ -79,6 +79,7 @@ def test_errors_are_recorded_by_kind_and_miss_both_slos(fresh_stub):
         (0.0, "hang", 4, 2),
         (0.0, "cut", 4, 2),
         (0.0, "fail-mid", 4, 2),
+        (0.0, "garbage", 4, 2),
         (0.0, "m1", 4, 2),
     )
     res = _run(w, fresh_stub.url, timeout_s=0.5)
@@ -86,7 +87,7 @@ def test_errors_are_recorded_by_kind_and_miss_both_slos(fresh_stub):
     assert s["overall"]["errors"] == {
         "http_404": 1,
         "http_429": 1,
-        "protocol": 1,
+        "protocol": 2,
         "stream_error": 1,
         "timeout": 1,
     }
@@ -97,11 +98,12 @@ def test_errors_are_recorded_by_kind_and_miss_both_slos(fresh_stub):
     assert (busy.status, busy.type, busy.retry_after) == (429, "rate_limit_error", "3")
     assert recs["hang"].ttft_s is not None and recs["hang"].e2e_s is None  # a token came, then nothing
     assert "[DONE]" in recs["cut"].error.message
+    assert recs["garbage"].error.kind == "protocol" and "bad SSE event" in recs["garbage"].error.message
     assert recs["fail-mid"].error.message == "engine died"
-    for m in ("nope", "busy", "hang", "cut", "fail-mid"):
+    for m in ("nope", "busy", "hang", "cut", "fail-mid", "garbage"):
         assert s["models"][m]["ttft_attainment"] == 0 and s["models"][m]["tpot_attainment"] == 0
         assert s["models"][m]["ttft_p50_s"] is None  # failures have no latency
-    assert s["overall"]["succeeded"] == 1 and s["overall"]["failed"] == 5
+    assert s["overall"]["succeeded"] == 1 and s["overall"]["failed"] == 6
 
 
 def test_without_a_usage_chunk_output_tokens_are_counted_from_chunks(fresh_stub):

@@ -105,6 +105,26 @@ def _http_error(resp: httpx.Response) -> RequestError:
     )
 
 
+def _apply_event(obj: dict, rec: RequestRecord, now: float) -> RequestError | None:
+    """Record one SSE event's text chunks and usage; an error event ends the request."""
+    if obj.get("error") or obj.get("object") == "error":
+        err = obj["error"] if isinstance(obj.get("error"), dict) else obj
+        return RequestError("stream_error", str(err.get("message", err)), None, err.get("type"))
+    for choice in obj.get("choices") or ():
+        if choice.get("text"):
+            if rec.ttft_s is None:
+                rec.ttft_s = now
+            rec.token_times_s.append(now)
+        if choice.get("finish_reason"):
+            rec.finish_reason = choice["finish_reason"]
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        rec.usage_reported = True
+        rec.output_tokens = int(usage.get("completion_tokens") or 0)
+        rec.usage_prompt_tokens = usage.get("prompt_tokens")
+    return None
+
+
 async def _read_stream(resp: httpx.Response, rec: RequestRecord, sent: float) -> None:
     done = False
     async for line in resp.aiter_lines():
@@ -117,28 +137,13 @@ async def _read_stream(resp: httpx.Response, rec: RequestRecord, sent: float) ->
         now = time.perf_counter() - sent
         try:
             obj = json.loads(data)
-        except ValueError:
-            rec.error = RequestError("protocol", f"an SSE event is not JSON: {data[:200]!r}")
+            if not isinstance(obj, dict):
+                raise TypeError("not an object")
+            rec.error = _apply_event(obj, rec, now)
+        except (AttributeError, TypeError, ValueError) as exc:  # the endpoint's bug, not ours
+            rec.error = RequestError("protocol", f"bad SSE event ({exc}): {data[:200]!r}")
+        if rec.error is not None:
             return
-        if not isinstance(obj, dict):
-            rec.error = RequestError("protocol", f"an SSE event is not an object: {data[:200]!r}")
-            return
-        if obj.get("error") or obj.get("object") == "error":
-            err = obj["error"] if isinstance(obj.get("error"), dict) else obj
-            rec.error = RequestError("stream_error", str(err.get("message", err)), None, err.get("type"))
-            return
-        for choice in obj.get("choices") or ():
-            if choice.get("text"):
-                if rec.ttft_s is None:
-                    rec.ttft_s = now
-                rec.token_times_s.append(now)
-            if choice.get("finish_reason"):
-                rec.finish_reason = choice["finish_reason"]
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            rec.usage_reported = True
-            rec.output_tokens = int(usage.get("completion_tokens") or 0)
-            rec.usage_prompt_tokens = usage.get("prompt_tokens")
     end = time.perf_counter() - sent
     if not done:
         rec.error = RequestError("protocol", "the stream ended without data: [DONE]")

@@ -203,7 +203,9 @@ def _jsonable(obj):
 
 
 def _ms(v: float | None) -> str:
-    return "-" if v is None or math.isnan(v) else f"{1000 * v:.0f}"
+    if v is None or math.isnan(v):
+        return "-"
+    return f"{1000 * v:.1f}" if v < 0.01 else f"{1000 * v:.0f}"  # TPOTs are often a few ms
 
 
 def format_table(summary: dict) -> str:
