@@ -13,6 +13,8 @@ Models and what they do:
 - ``cut``: ends the stream without ``data: [DONE]``.
 - ``fail-mid``: sends an error event mid-stream.
 - ``garbage``: sends an event whose choices are not objects.
+- ``silent``: every token's chunk has empty text (tokens that decode to nothing), usage counts them.
+- ``empty``: ``data: [DONE]`` with no chunk and no usage.
 - anything else: 404, OpenAI error shape.
 """
 
@@ -32,7 +34,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
-KNOWN = ("m1", "m2", "slow", "no-usage", "busy", "hang", "cut", "fail-mid", "garbage")
+KNOWN = ("m1", "m2", "slow", "no-usage", "busy", "hang", "cut", "fail-mid", "garbage", "silent", "empty")
 M1_SLOS = (0.5, 0.05)  # (ttft_slo, tpot_slo) that /v1/models lists for m1
 
 
@@ -99,13 +101,17 @@ class StubEndpoint:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
             yield ": keep-alive\n\n"
+            if model == "empty":
+                yield "data: [DONE]\n\n"
+                return
             yield _chunk("")  # no text yet: must not count as the first token
             if model == "garbage":
                 yield 'data: {"choices": ["x"]}\n\n'
             for i in range(n):
                 if model == "slow":
                     await asyncio.sleep(0.02)
-                yield _chunk(f" t{i}", "length" if i == n - 1 else None)
+                text = "" if model == "silent" else f" t{i}"
+                yield _chunk(text, "length" if i == n - 1 else None)
                 if model == "hang":
                     await asyncio.sleep(3600)
                 if model == "fail-mid":

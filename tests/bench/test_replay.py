@@ -112,6 +112,14 @@ def test_without_a_usage_chunk_output_tokens_are_counted_from_chunks(fresh_stub)
     assert rec.ok and not rec.usage_reported and rec.output_tokens == 5
 
 
+def test_tokens_without_text_still_count_when_usage_reports_them(fresh_stub):
+    res = _run(_workload((0.0, "silent", 3, 4), (0.0, "empty", 3, 4)), fresh_stub.url)
+    silent, empty = res.records
+    assert silent.ok and silent.output_tokens == 4 and silent.token_times_s == []
+    assert silent.ttft_s == silent.first_chunk_s and silent.tpot_s is not None
+    assert empty.error.kind == "no_output"
+
+
 def test_rate_scale_compresses_send_times_in_order(fresh_stub):
     ts = [0.0, 0.04, 0.08, 0.2]
     w = _workload(*((t, "m1", 2, 1) for t in ts))

@@ -26,7 +26,9 @@ def _pyplot():
 
 def _cdf(ax, values: list[float], label: str) -> None:
     xs = np.sort(np.asarray(values)) * 1000
-    ax.step(xs, 100 * np.arange(1, len(xs) + 1) / len(xs), where="post", label=label, lw=1)
+    ys = 100 * np.arange(1, len(xs) + 1) / len(xs)
+    # start from 0% so a model with one request still draws a visible step
+    ax.step(np.r_[xs[0], xs], np.r_[0.0, ys], where="post", label=label, lw=1)
 
 
 def plot_result(result: BenchResult, path: str | Path, *, title: str | None = None) -> None:
@@ -60,6 +62,7 @@ def plot_result(result: BenchResult, path: str | Path, *, title: str | None = No
         targets = {getattr(result.slos[m], attr) for m in models}
         if len(targets) == 1:  # one SLO for every model: draw it; several would clutter the plot
             ax.axvline(1000 * targets.pop(), ls=":", color="0.3", lw=1, label="SLO")
+        ax.set_ylim(0, 102)
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("requests (%)")
         ax.set_title(f"{name} CDF (succeeded requests)", fontsize=9)

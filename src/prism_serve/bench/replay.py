@@ -111,6 +111,8 @@ def _apply_event(obj: dict, rec: RequestRecord, now: float) -> RequestError | No
         err = obj["error"] if isinstance(obj.get("error"), dict) else obj
         return RequestError("stream_error", str(err.get("message", err)), None, err.get("type"))
     for choice in obj.get("choices") or ():
+        if rec.first_chunk_s is None:
+            rec.first_chunk_s = now
         if choice.get("text"):
             if rec.ttft_s is None:
                 rec.ttft_s = now
@@ -147,9 +149,11 @@ async def _read_stream(resp: httpx.Response, rec: RequestRecord, sent: float) ->
     end = time.perf_counter() - sent
     if not done:
         rec.error = RequestError("protocol", "the stream ended without data: [DONE]")
-    elif rec.ttft_s is None:
-        rec.error = RequestError("no_output", "no chunk carried text")
+    elif rec.ttft_s is None and not (rec.output_tokens >= 1 and rec.first_chunk_s is not None):
+        rec.error = RequestError("no_output", "no chunk carried text and usage counted no output token")
     else:
+        if rec.ttft_s is None:  # tokens that decode to no text (see report.py)
+            rec.ttft_s = rec.first_chunk_s
         if not rec.usage_reported:
             rec.output_tokens = len(rec.token_times_s)
         rec.e2e_s = end

@@ -1,6 +1,8 @@
 """What a bench run measured (one RequestRecord per request) and the numbers it reports.
 
-- **TTFT**: from sending the request to the first SSE chunk carrying non-empty text.
+- **TTFT**: from sending the request to the first SSE chunk carrying non-empty text. If no chunk
+  carried text but the usage chunk counts output tokens (synthetic weights at temperature 0 can repeat
+  a token that decodes to nothing), the first chunk with a choice stands in for it.
 - **E2E**: from sending the request to ``data: [DONE]``.
 - **TPOT**: (E2E - TTFT) / (output tokens - 1); undefined for a one-token output.
 - **Attainment** is over *all* requests of a model, as in the simulator (sim/metrics.py): a request
@@ -48,6 +50,7 @@ class RequestRecord:
     max_tokens: int
     sent_s: float | None = None  # seconds from the bench start; None if never sent
     ttft_s: float | None = None
+    first_chunk_s: float | None = None  # the first chunk with a choice, text or not
     e2e_s: float | None = None
     output_tokens: int = 0  # from the usage chunk, else the number of text chunks
     usage_reported: bool = False
@@ -84,6 +87,7 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "max_tokens": self.max_tokens,
             "ttft_s": self.ttft_s,
+            "first_chunk_s": self.first_chunk_s,
             "tpot_s": self.tpot_s,
             "e2e_s": self.e2e_s,
             "output_tokens": self.output_tokens,
