@@ -5,8 +5,8 @@ It stands in for a real server (vLLM, prism serve) and runs no model: POST /v1/c
 this load generator in its own tests; this stub only lets the generator's tests control every answer.
 
 Models and what they do:
-- ``m1``, ``m2``, ``slow``: stream normally (an empty-text chunk first, as servers send before the
-  first token; ``slow`` pauses between chunks); ``m1`` lists SLOs in /v1/models.
+- ``m1``, ``m2``, ``slow``: stream one chunk per token (``slow`` pauses between chunks); ``m1`` lists
+  SLOs in /v1/models.
 - ``no-usage``: streams without the usage chunk.
 - ``busy``: 429 with Retry-After, OpenAI error shape.
 - ``hang``: one chunk, then nothing (the client must time out).
@@ -104,7 +104,6 @@ class StubEndpoint:
             if model == "empty":
                 yield "data: [DONE]\n\n"
                 return
-            yield _chunk("")  # no text yet: must not count as the first token
             if model == "garbage":
                 yield 'data: {"choices": ["x"]}\n\n'
             for i in range(n):

@@ -106,17 +106,17 @@ def _http_error(resp: httpx.Response) -> RequestError:
 
 
 def _apply_event(obj: dict, rec: RequestRecord, now: float) -> RequestError | None:
-    """Record one SSE event's text chunks and usage; an error event ends the request."""
+    """Record one SSE event's completion chunks and usage; an error event ends the request."""
     if obj.get("error") or obj.get("object") == "error":
         err = obj["error"] if isinstance(obj.get("error"), dict) else obj
         return RequestError("stream_error", str(err.get("message", err)), None, err.get("type"))
     for choice in obj.get("choices") or ():
-        if rec.first_chunk_s is None:
-            rec.first_chunk_s = now
-        if choice.get("text"):
-            if rec.ttft_s is None:
-                rec.ttft_s = now
-            rec.token_times_s.append(now)
+        # A completion chunk is one engine step's tokens, even when they decode to no text yet (a
+        # partial UTF-8 character, a held-back stop string, a synthetic model's non-text tokens):
+        # the first one is the first token.
+        if rec.ttft_s is None:
+            rec.ttft_s = now
+        rec.token_times_s.append(now)
         if choice.get("finish_reason"):
             rec.finish_reason = choice["finish_reason"]
     usage = obj.get("usage")
@@ -149,11 +149,9 @@ async def _read_stream(resp: httpx.Response, rec: RequestRecord, sent: float) ->
     end = time.perf_counter() - sent
     if not done:
         rec.error = RequestError("protocol", "the stream ended without data: [DONE]")
-    elif rec.ttft_s is None and not (rec.output_tokens >= 1 and rec.first_chunk_s is not None):
-        rec.error = RequestError("no_output", "no chunk carried text and usage counted no output token")
+    elif rec.ttft_s is None:
+        rec.error = RequestError("no_output", "the stream carried no completion chunk")
     else:
-        if rec.ttft_s is None:  # tokens that decode to no text (see report.py)
-            rec.ttft_s = rec.first_chunk_s
         if not rec.usage_reported:
             rec.output_tokens = len(rec.token_times_s)
         rec.e2e_s = end

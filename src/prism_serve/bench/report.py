@@ -1,8 +1,9 @@
 """What a bench run measured (one RequestRecord per request) and the numbers it reports.
 
-- **TTFT**: from sending the request to the first SSE chunk carrying non-empty text. If no chunk
-  carried text but the usage chunk counts output tokens (synthetic weights at temperature 0 can repeat
-  a token that decodes to nothing), the first chunk with a choice stands in for it.
+- **TTFT**: from sending the request to the first SSE chunk with a choice. Servers stream one
+  /v1/completions chunk per engine step that produced tokens (vLLM and prism serve skip steps without
+  one), and its text may be empty: a partial UTF-8 character, a held-back stop string, or a synthetic
+  model's tokens that decode to nothing. Waiting for text would count those as latency.
 - **E2E**: from sending the request to ``data: [DONE]``.
 - **TPOT**: (E2E - TTFT) / (output tokens - 1); undefined for a one-token output.
 - **Attainment** is over *all* requests of a model, as in the simulator (sim/metrics.py): a request
@@ -50,13 +51,12 @@ class RequestRecord:
     max_tokens: int
     sent_s: float | None = None  # seconds from the bench start; None if never sent
     ttft_s: float | None = None
-    first_chunk_s: float | None = None  # the first chunk with a choice, text or not
     e2e_s: float | None = None
     output_tokens: int = 0  # from the usage chunk, else the number of text chunks
     usage_reported: bool = False
     usage_prompt_tokens: int | None = None  # the endpoint's own count of the prompt
     finish_reason: str | None = None
-    token_times_s: list[float] = field(default_factory=list)  # each text chunk, from the send
+    token_times_s: list[float] = field(default_factory=list)  # each completion chunk, from the send
     error: RequestError | None = None
 
     @property
@@ -87,7 +87,6 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "max_tokens": self.max_tokens,
             "ttft_s": self.ttft_s,
-            "first_chunk_s": self.first_chunk_s,
             "tpot_s": self.tpot_s,
             "e2e_s": self.e2e_s,
             "output_tokens": self.output_tokens,
