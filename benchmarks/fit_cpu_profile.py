@@ -1,84 +1,425 @@
 """Fit the simulator's ``cpu-smollm2`` hardware profile to this project's engine on this machine.
 
-Times real engine steps of SmolLM2-135M (fp32, real weights) -- prefills of several lengths alone and
-decode steps at several batch sizes -- and fits, by least squares,
+Times real engine steps (``LLMEngine.step``: schedule, model, sampling, postprocess) of SmolLM2-135M
+(fp32, real weights) on ONE core with ONE torch thread -- what a live CPU device of one core runs
+(runtime/devices.py: ``cpu_devices`` splits the cores and ``pin_process`` gives a device one thread
+per core; the default config puts two devices on this 2-core machine). Points: prefills alone,
+prefill chunks after a cached prefix, decode batches of 1-32 requests at contexts 16-2048, and
+(held out only) mixed prefill+decode steps and decode batches with unequal contexts.
 
-    step_s = overhead + flops / F + bytes / B        (the cost model's form with overlap=False)
+Contexts are *allocated, not computed*: a request is given its KV blocks and marked as having
+computed its prefix, so its next step attends over that many cached tokens. KV contents do not change
+the step time, and prefilling a 32 x 1024 batch would take minutes at one thread per repetition;
+``--check`` compares one such point against a really prefilled batch.
 
-where flops and bytes are what the cost model charges for that step. Prints the fitted F, B and
-overhead (paste them into sim/hardware.py) and each point's measured vs fitted time. Waits for quiet
-CPUs and prints the other load (see common.py).
+Each point is measured in every round (rounds wait for quiet CPUs and record the other load, see
+common.py) and summarized by its minimum: other processes only ever add time. The fit is a
+non-negative least squares on relative error (numpy; an active-set solver below) of the cost model's
+summed CPU form (sim/cost.py, ``overlap=False``), with the small-batch kernel crossover chosen by
+grid search. Points are split into training and held-out sets up front; the errors printed are
+those of ``RooflineCostModel`` with the fitted profile, i.e. what the simulator will compute.
 
-    python benchmarks/fit_cpu_profile.py
+    python benchmarks/fit_cpu_profile.py                      # measure (about 15 min) and fit
+    python benchmarks/fit_cpu_profile.py --reuse              # refit the saved measurements
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 
-from common import cpu_seconds, machine_info, other_load_since, wait_quiet
-from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
-from prism_serve.engine.sampling_params import SamplingParams
-from prism_serve.sim.models import model_spec
+from common import REPO_ROOT, cpu_seconds, machine_info, other_load_since, wait_quiet
+
+RAW = REPO_ROOT / "results" / "cpu_profile_fit.json"
+
+# (kind, params, held_out). Decode: (batch, context). Prefill: (new tokens, cached prefix).
+# Mixed: (prefill tokens, prefix, decodes, decode context). Ragged: decode contexts.
+TRAIN_DECODE = [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (16, 512, 2048) if b * c <= 32 * 1024]
+HELD_DECODE = [(b, c) for b in (3, 6, 12, 24) for c in (128, 1024)] + [(1, 4096), (5, 64), (32, 1024)]
+TRAIN_PREFILL = [(p, 0) for p in (1, 4, 16, 64, 256, 512)] + [(512, 512), (512, 2048), (128, 1024)]
+HELD_PREFILL = [(p, 0) for p in (2, 8, 32, 128, 384)] + [(512, 1024), (512, 3584), (200, 300)]
+HELD_MIXED = [(128, 0, 8, 256), (480, 512, 16, 512), (32, 0, 2, 64), (256, 0, 4, 1024)]
+HELD_RAGGED = [(64, 256, 512, 1024), tuple(range(64, 2048 + 1, 128))]
 
 
-def features(spec, tokens: int, pairs: float, kv_read: float) -> tuple[float, float, float]:
-    flops = spec.matmul_flops_per_token * tokens + spec.attn_flops_per_pair * pairs
-    nbytes = spec.weight_bytes + spec.kv_bytes_per_token * (kv_read + tokens)
-    return 1.0, flops, nbytes
+def points() -> list[dict]:
+    out = []
+    for held, kind, rows in (
+        (False, "decode", TRAIN_DECODE),
+        (True, "decode", HELD_DECODE),
+        (False, "prefill", TRAIN_PREFILL),
+        (True, "prefill", HELD_PREFILL),
+        (True, "mixed", HELD_MIXED),
+        (True, "ragged", HELD_RAGGED),
+    ):
+        out.extend({"kind": kind, "args": list(r), "held_out": held} for r in rows)
+    return out
+
+
+def label(p: dict) -> str:
+    a = p["args"]
+    if p["kind"] == "decode":
+        return f"decode b={a[0]} ctx={a[1]}"
+    if p["kind"] == "prefill":
+        return f"prefill {a[0]}" + (f" after {a[1]}" if a[1] else "")
+    if p["kind"] == "mixed":
+        return f"prefill {a[0]}" + (f" after {a[1]}" if a[1] else "") + f" + {a[2]} decodes ctx={a[3]}"
+    return f"ragged decode b={len(a)} ctx {min(a)}..{max(a)}"
+
+
+# -- measurement ------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, reps: int, model: str = "smollm2-135m-instruct", dtype: str = "float32") -> None:
+        from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
+
+        # the live runtime's per-model defaults (max_num_batched_tokens 512); room for 32 x 2048
+        config = EngineConfig(model=model, dtype=dtype, max_num_seqs=64, kv_cache_bytes=4 << 30)
+        self.engine = LLMEngine(config)
+        self.rng = np.random.default_rng(0)
+        self.reps = reps
+        self.batches: list[list[tuple[int, int, bool]]] = []
+        sched = self.engine.scheduler
+        schedule = sched.schedule
+
+        def recording_schedule():
+            out = schedule()
+            # (new tokens, cached tokens before them, samples) per scheduled request, as the
+            # simulator sees a step
+            self.batches.append(
+                [(s.num_new_tokens, s.seq.num_computed_tokens, s.samples) for s in out.scheduled]
+            )
+            return out
+
+        sched.schedule = recording_schedule
+
+    def add(self, prompt: int, cached: int, max_tokens: int) -> None:
+        from prism_serve.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        engine = self.engine
+        req = engine.add_request(self.rng.integers(17, 49152, prompt).tolist(), params)
+        if cached:
+            seq = engine._requests[req]
+            if not engine.scheduler._grow(seq, cached):
+                raise RuntimeError("KV cache too small for the point")
+            seq.num_computed_tokens = cached
+
+    def step(self) -> tuple[float, list]:
+        t0 = time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - t0, self.batches[-1]
+
+    def measure(self, p: dict) -> list[tuple[float, list]]:
+        """(seconds, batch) of each measured step of point ``p`` (``reps`` of them)."""
+        kind, a = p["kind"], p["args"]
+        out = []
+        if kind == "prefill":
+            for _ in range(self.reps):
+                self.add(a[1] + a[0], a[1], 1)
+                out.append(self.step())
+                self.engine.abort_all()
+        elif kind in ("decode", "ragged"):
+            contexts = [a[1]] * a[0] if kind == "decode" else list(a)
+            for c in contexts:  # the last prompt token is the first step's decode input
+                self.add(c, c - 1, self.reps + 1)
+            out = [self.step() for _ in range(self.reps)]
+            self.engine.abort_all()
+        else:  # mixed: one prefill chunk joins running decodes
+            for _ in range(self.reps):
+                for _ in range(a[2]):
+                    self.add(a[3], a[3] - 1, 4)
+                self.step()  # the decodes are now running
+                self.add(a[1] + a[0], a[1], 1)
+                out.append(self.step())
+                self.engine.abort_all()
+        return out
+
+    def check(self) -> None:
+        """One decode point with really prefilled contexts against the same with allocated ones."""
+        from prism_serve.engine.sampling_params import SamplingParams
+
+        b, c = 8, 512
+        # many tokens to go: the batch must not shrink while it is timed
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        for _ in range(b):
+            self.engine.add_request(self.rng.integers(17, 49152, c).tolist(), params)
+        while any(s.num_computed_tokens < c for s in self.engine._requests.values()):
+            self.engine.step()  # prefill (the first requests start decoding meanwhile)
+        real = [self.step() for _ in range(self.reps)]
+        self.engine.abort_all()
+        ctxs = [bt for _, bt, _ in real[0][1]]
+        ctx = round(np.mean(ctxs))
+        fake = self.measure({"kind": "decode", "args": [b, ctx + 1]})
+        print(
+            f"check: decode b={b}: prefilled contexts {min(ctxs)}..{max(ctxs)} "
+            f"{min(t for t, _ in real) * 1e3:.1f} ms, allocated contexts {ctx} "
+            f"{min(t for t, _ in fake) * 1e3:.1f} ms"
+        )
+
+
+# Held-out model shapes (random weights: the step time does not depend on their values) and dtypes,
+# to see how far the fit carries beyond the model it was fitted on. Not used by the fit.
+OTHER_SHAPES = [("smollm2-360m", "float32"), ("smollm2-135m", "bfloat16"), ("smollm2-360m", "bfloat16")]
+SHAPE_POINTS = [("decode", [1, 256]), ("decode", [4, 256]), ("decode", [16, 256]), ("prefill", [64, 0])]
+SHAPE_POINTS += [("prefill", [256, 0]), ("prefill", [512, 512])]
+
+
+def measure_shapes(rounds: int, reps: int) -> list[dict]:
+    out = []
+    for shape, dtype in OTHER_SHAPES:
+        bench = Bench(reps, f"random:{shape}", dtype)
+        bench.measure({"kind": "decode", "args": [4, 64]})  # warm-up
+        pts = [{"kind": k, "args": a, "shape": shape, "dtype": dtype, "times": []} for k, a in SHAPE_POINTS]
+        for _ in range(rounds):
+            wait_quiet(60.0, 0.15)
+            for p in pts:
+                steps = bench.measure(p)
+                p["times"] += [t for t, _ in steps]
+                p.setdefault("batch", steps[0][1])
+        bench.engine.close()
+        out += pts
+        print(f"measured {shape} {dtype}", flush=True)
+    return out
+
+
+def pin(core: int) -> dict:
+    """Run on one core with one torch thread, as a live CPU device of one core does."""
+    import torch
+
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    return machine_info(pinned=f"core {core}")
+
+
+def measure(rounds: int, reps: int, core: int, check: bool, shapes: bool) -> dict:
+    info = pin(core)
+    print(info["line"])
+    bench = Bench(reps)
+    bench.measure({"kind": "decode", "args": [4, 64]})  # warm-up
+    if check:
+        bench.check()
+    pts = points()
+    times: list[list[float]] = [[] for _ in pts]
+    batches: list[list | None] = [None] * len(pts)
+    loads = []
+    for r in range(rounds):
+        wait_quiet(120.0, 0.15)
+        start, t0 = cpu_seconds(), time.perf_counter()
+        for i, p in enumerate(pts):
+            for t, batch in bench.measure(p):
+                times[i].append(t)
+                if batches[i] is None:
+                    batches[i] = batch  # the first step: the smallest context of the point
+        loads.append(other_load_since(start, time.perf_counter() - t0))
+        print(
+            f"round {r + 1}/{rounds}: {time.perf_counter() - t0:.0f} s, other load {loads[-1]:.2f} cores",
+            flush=True,
+        )
+    bench.engine.close()
+    for p, ts, b in zip(pts, times, batches, strict=True):
+        p["times"], p["batch"] = ts, b
+    raw = {"machine": info["line"], "other_load": loads, "date": time.strftime("%Y-%m-%d"), "points": pts}
+    if shapes:
+        add_shapes(raw, rounds, reps)
+    return raw
+
+
+def add_shapes(raw: dict, rounds: int, reps: int) -> None:
+    start, t0 = cpu_seconds(), time.perf_counter()
+    raw["shapes"] = measure_shapes(max(1, rounds // 2), reps)
+    raw["shapes_other_load"] = other_load_since(start, time.perf_counter() - t0)
+
+
+# -- fit --------------------------------------------------------------------------------------------
+
+
+def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (Lawson-Hanson active set; a has few columns)."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    for _ in range(iters):
+        w = a.T @ (b - a @ x)
+        if passive.all() or w[~passive].max() <= 1e-12 * max(1.0, np.abs(w).max()):
+            break
+        passive[np.argmax(np.where(passive, -np.inf, w))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if z[passive].min() > 0:
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+    return x
+
+
+def counts(batch: list) -> tuple[int, int, float, float]:
+    """(tokens, sampling sequences, attention pairs, KV tokens read) of a step as the simulator
+    counts them (sim/engine.py), decodes padded to the longest decode context as the engine does."""
+    longest = max((b for n, b, _ in batch if n == 1), default=0)
+    tokens = sum(n for n, _, _ in batch)
+    seqs = sum(1 for _, _, s in batch if s)
+    pairs = sum(n * ((longest if n == 1 else b) + (n + 1) / 2) for n, b, _ in batch)
+    kv_read = sum(longest if n == 1 else b for n, b, _ in batch)
+    return tokens, seqs, pairs, kv_read
+
+
+def features(spec, batch: list, crossover: float) -> np.ndarray:
+    """The summed CPU form of sim/cost.py as a linear model in 1/rates (one row per step):
+    [1, weight passes, matmul FLOPs, small-batch weight rows, sampled sequences, attention FLOPs,
+    KV bytes]. The LM head runs only for sequences that sample, the body for every token; a matmul
+    group of more than ``crossover`` rows is taken as packed, else as streamed per row."""
+    from prism_serve.sim.cost import split_matmul
+
+    tokens, seqs, pairs, kv_read = counts(batch)
+    body_b, body_f, head_b, head_f = split_matmul(spec)
+    passes = rows = flops = 0.0
+    for m, nbytes, f in ((tokens, body_b, body_f), (seqs, head_b, head_f)):
+        if m > crossover:
+            passes, flops = passes + nbytes, flops + f * m
+        elif m:
+            rows += nbytes * m
+    return np.array(
+        [
+            1.0,
+            passes,
+            flops,
+            rows,
+            seqs,
+            spec.attn_flops_per_pair * pairs,
+            spec.kv_bytes_per_token * (kv_read + tokens),
+        ]
+    )
+
+
+def profile_from(coef: np.ndarray):
+    from prism_serve.sim.hardware import HARDWARE
+
+    overhead, inv_b, inv_f, inv_row, per_seq, inv_attn, inv_kv = coef
+    big = 1e15  # a coefficient of 0 means that cost is not visible at this machine's noise
+    return dataclasses.replace(
+        HARDWARE["cpu-smollm2"],
+        step_overhead_s=float(overhead),
+        mem_bandwidth=1 / inv_b if inv_b > 0 else big,
+        peak_flops=1 / inv_f if inv_f > 0 else big,
+        row_bandwidth=1 / inv_row if inv_row > 0 else None,  # None: no small-batch regime
+        seq_overhead_s=float(per_seq),
+        attn_flops=1 / inv_attn if inv_attn > 0 else big,
+        kv_bandwidth=1 / inv_kv if inv_kv > 0 else big,
+        pad_decode_context=True,
+        synthetic=False,
+    )
+
+
+def predict(cm, spec, batch: list) -> float:
+    tokens, seqs, pairs, kv_read = counts(batch)
+    return cm.step_time(spec, 1, tokens, pairs, kv_read, seqs)
+
+
+def fit(raw: dict, quantile: float) -> None:
+    from prism_serve.sim.cost import RooflineCostModel
+    from prism_serve.sim.hardware import HARDWARE
+    from prism_serve.sim.models import model_spec
+
+    spec = model_spec("smollm2-135m", dtype_bytes=4)
+    pts = raw["points"]
+    y = np.array([np.quantile(p["times"], quantile) for p in pts])
+    train = np.array([not p["held_out"] for p in pts])
+    best = None
+    for crossover in np.arange(1.5, 12.6, 1.0):
+        x = np.array([features(spec, p["batch"], crossover) for p in pts])
+        # relative error: a 40 ms decode step matters as much as a 3 s prefill
+        coef = nnls(x[train] / y[train, None], np.ones(int(train.sum())))
+        cm = RooflineCostModel(profile_from(coef))
+        pred = np.array([predict(cm, spec, p["batch"]) for p in pts])
+        err = np.abs(pred[train] / y[train] - 1)
+        if best is None or err.mean() < best[0]:
+            best = (err.mean(), crossover, coef, pred)
+    _, crossover, coef, pred = best
+    hw = profile_from(coef)
+    cm = RooflineCostModel(hw)
+    print(
+        f"machine: {raw['machine']}; measured {raw['date']}; other load per round: "
+        + ", ".join(f"{v:.2f}" for v in raw["other_load"])
+        + " cores"
+    )
+    n = len(pts[0]["times"])
+    print(f"step time = quantile {quantile} of {n} steps per point; small-batch crossover {crossover:g} rows")
+    print("fitted cpu-smollm2 constants (paste into sim/hardware.py):")
+    for name in (
+        "step_overhead_s",
+        "mem_bandwidth",
+        "peak_flops",
+        "row_bandwidth",
+        "seq_overhead_s",
+        "attn_flops",
+        "kv_bandwidth",
+    ):
+        print(f"  {name}={getattr(hw, name):.3e},")
+    rel = pred / y - 1
+    for held in (False, True):
+        print("held-out points:" if held else "training points:")
+        for p, m, f, e in zip(pts, y, pred, rel, strict=True):
+            if p["held_out"] == held:
+                print(f"  {label(p):<42} measured {m * 1e3:8.1f} ms  predicted {f * 1e3:8.1f} ms  ({e:+.1%})")
+    for name, sel in (
+        ("training", train),
+        ("held-out decode", np.array([p["held_out"] and p["kind"] == "decode" for p in pts])),
+        ("held-out prefill", np.array([p["held_out"] and p["kind"] == "prefill" for p in pts])),
+        ("held-out mixed", np.array([p["kind"] == "mixed" for p in pts])),
+        ("held-out unequal contexts", np.array([p["kind"] == "ragged" for p in pts])),
+    ):
+        e = np.abs(rel[sel])
+        print(f"{name:<26} mean |error| {e.mean():6.1%}  max {e.max():6.1%}  ({sel.sum()} points)")
+    registered = RooflineCostModel(HARDWARE["cpu-smollm2"])
+    rel_reg = np.array([predict(registered, spec, p["batch"]) for p in pts]) / y - 1
+    print(
+        "the profile registered in sim/hardware.py on these points: training max |error| "
+        f"{np.abs(rel_reg[train]).max():.1%}, held-out max {np.abs(rel_reg[~train]).max():.1%}"
+    )
+    if raw.get("shapes"):
+        print(f"other shapes and dtypes, not fitted (other load {raw['shapes_other_load']:.2f} cores):")
+        for p in raw["shapes"]:
+            other = model_spec(p["shape"], dtype_bytes=4 if p["dtype"] == "float32" else 2)
+            m, f = min(p["times"]), predict(cm, other, p["batch"])
+            name = f"{p['shape']} {p['dtype']} {label(p)}"
+            print(f"  {name:<48} measured {m * 1e3:8.1f} ms  predicted {f * 1e3:8.1f} ms  ({f / m - 1:+.1%})")
 
 
 def main() -> None:
-    print(machine_info()["line"])
-    spec = model_spec("smollm2-135m", dtype_bytes=4)
-    engine = LLMEngine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048))
-    rng = np.random.default_rng(0)
-    rows, times, labels = [], [], []
-
-    def run(prompts: list[int], max_tokens: int) -> list[float]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for p in prompts:
-            engine.add_request(rng.integers(17, 49152, p).tolist(), params)
-        steps = []
-        while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            engine.step()
-            steps.append(time.perf_counter() - t0)
-        return steps
-
-    run([32], 4)  # warm-up
-    wait_quiet(60.0, 0.15)
-    start, t_all = cpu_seconds(), time.perf_counter()
-    for p in (64, 256, 512, 1024):
-        for _ in range(3):
-            t = run([p], 1)[0]
-            rows.append(features(spec, p, p * (p + 1) / 2, 0))
-            times.append(t)
-            labels.append(f"prefill {p}")
-    for batch in (1, 4, 16, 32):
-        for ctx in (64, 384):
-            steps = run([ctx] * batch, 9)
-            # step 0 prefills every prompt; steps 1..8 decode the whole batch
-            for j, t in enumerate(steps[1:], 1):
-                c = batch * (ctx + j)
-                rows.append(features(spec, batch, c, c))
-                times.append(t)
-                labels.append(f"decode b={batch} ctx={ctx}")
-    load = other_load_since(start, time.perf_counter() - t_all)
-    X, y = np.array(rows), np.array(times)
-    # fit on relative error: small steps matter as much as big ones
-    coef, *_ = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)
-    overhead, inv_f, inv_b = coef
-    fitted = X @ coef
-    print(f"other load during the measurement: {load:.2f} cores")
-    print(f"fit: step_overhead_s={overhead:.3e}  peak_flops={1 / inv_f:.3e}  mem_bandwidth={1 / inv_b:.3e}")
-    for label in dict.fromkeys(labels):
-        idx = [i for i, lb in enumerate(labels) if lb == label]
-        m, f = np.median(y[idx]), np.median(fitted[idx])
-        print(f"  {label:<22} measured {m * 1e3:8.2f} ms  fitted {f * 1e3:8.2f} ms  ({f / m - 1:+.0%})")
-    engine.close()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3, help="steps per point and round")
+    ap.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)), help="the one core to run on")
+    ap.add_argument("--quantile", type=float, default=0.0, help="of each point's steps (0: the minimum)")
+    ap.add_argument("--raw", type=Path, default=RAW, help="measurements are saved here")
+    ap.add_argument("--reuse", action="store_true", help="fit the saved measurements, measure nothing")
+    ap.add_argument("--check", action="store_true", help="compare allocated with prefilled contexts once")
+    ap.add_argument("--shapes", action="store_true", help="also time other shapes and dtypes (not fitted)")
+    args = ap.parse_args()
+    if args.reuse:
+        raw = json.loads(args.raw.read_text())
+        if args.shapes and "shapes" not in raw:  # time only the other shapes, keep the rest
+            pin(args.core)
+            add_shapes(raw, args.rounds, args.reps)
+            args.raw.write_text(json.dumps(raw))
+    else:
+        raw = measure(args.rounds, args.reps, args.core, args.check, args.shapes)
+        args.raw.parent.mkdir(parents=True, exist_ok=True)
+        args.raw.write_text(json.dumps(raw))
+        print(f"measurements saved to {args.raw}")
+    fit(raw, args.quantile)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def test_decode_runs_equal_their_steps_one_by_one():
     run = cm.decode_steps(spec, 1, 7, 7 * 300, 5)
     for j in range(5):
         ctx = 7 * 300 + 7 * j
-        assert run[j] == pytest.approx(cm.step_time(spec, 1, 7, ctx, ctx))
+        assert run[j] == pytest.approx(cm.step_time(spec, 1, 7, ctx, ctx, 7))
 
 
 def test_tensor_parallelism_divides_the_work_and_adds_communication():
@@ -62,3 +62,87 @@ def cm_act(shape: str) -> float:
 def test_bad_profile_is_a_named_error():
     with pytest.raises(SimConfigError):
         HardwareProfile("x", 0, 1, 1, 1, 1)
+
+
+# -- the fitted CPU profile (benchmarks/fit_cpu_profile.py) -------------------------------------------
+
+CPU = HARDWARE["cpu-smollm2"]
+SMOLLM = model_spec("smollm2-135m", dtype_bytes=4)
+
+
+def test_cpu_profile_is_fitted_and_labelled_so():
+    assert not CPU.synthetic and "fitted on this machine" in CPU.label
+    assert all(HARDWARE[g].synthetic for g in ("h100", "h200", "a100"))
+
+
+# Step times the fit measured on this machine (2026-11-21, one core, one thread, minimum of 15 steps;
+# docs/evaluation.md), recorded here as data: this checks the summed CPU form and its constants
+# together, it times nothing. (kind, batch of (new tokens, cached tokens), measured s)
+RECORDED = [
+    ("decode b=1 ctx=16", [(1, 15)], 0.0381),
+    ("decode b=8 ctx=512", [(1, 511)] * 8, 0.1425),
+    ("decode b=32 ctx=1024 (held out)", [(1, 1023)] * 32, 0.6302),
+    ("prefill 512", [(512, 0)], 1.4905),
+    ("prefill 128 after 1024", [(128, 1024)], 0.5319),
+    ("prefill 128 + 8 decodes ctx=256 (held out)", [(128, 0)] + [(1, 255)] * 8, 0.4345),
+]
+
+
+@pytest.mark.parametrize("name, batch, measured", RECORDED, ids=[r[0] for r in RECORDED])
+def test_cpu_profile_reproduces_recorded_engine_steps(name, batch, measured):
+    cm = RooflineCostModel(CPU)
+    tokens = sum(n for n, _ in batch)
+    pairs = sum(n * (b + (n + 1) / 2) for n, b in batch)
+    predicted = cm.step_time(SMOLLM, 1, tokens, pairs, sum(b for _, b in batch), len(batch))
+    assert predicted == pytest.approx(measured, rel=0.15)
+
+
+def test_cpu_form_small_batches_and_the_lm_head():
+    cm = RooflineCostModel(CPU)
+    one, two, eight = (cm.decode_steps(SMOLLM, 1, b, b * 16, 1)[0] for b in (1, 2, 8))
+    # one or two rows stream the weights per row; from three on they are packed once
+    assert 1.3 * one < two < 2 * one and eight < 4 * one
+    # a 64-token prefill samples once, 64 decodes sample 64 times (LM head, sampling)
+    assert cm.prefill_time(SMOLLM, 1, 64) < cm.decode_steps(SMOLLM, 1, 64, 64 * 32, 1)[0]
+    # the GPU roofline ignores sampled sequences (its seq_overhead_s is 0)
+    h100 = RooflineCostModel(HARDWARE["h100"])
+    spec = model_spec("llama-3.1-8b")
+    assert h100.step_time(spec, 1, 64, 64 * 32, 64 * 31, 1) == h100.step_time(
+        spec, 1, 64, 64 * 32, 64 * 31, 64
+    )
+
+
+def test_cpu_decodes_pay_for_the_longest_context_in_the_batch():
+    from prism_serve.sim import ServedModel
+    from prism_serve.sim.engine import SimEngine, SimRequest
+    from prism_serve.sim.memory import SimDevice
+
+    cm = RooflineCostModel(CPU)
+    dev = SimDevice("cpu0", 1 << 30, 2 << 20)
+    e = SimEngine(
+        ServedModel("m", SMOLLM),
+        [dev],
+        cm,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        max_run_steps=4,
+    )
+    for i, prompt in enumerate((16, 300)):
+        e.add(SimRequest(str(i), "m", 0.0, prompt, 50, 1.0, 1.0, control=None))
+    t = 0.0
+    while (end := e.start_step(t)) is not None and e._run_k == 0:  # prefill steps
+        e.finish_step(end)
+        t = end
+    assert e._run_k > 0  # a decode run of both requests
+    longest = max(s.num_computed for s in e.running)
+    run = cm.decode_steps(SMOLLM, 1, 2, 2 * longest, e._run_k)
+    assert end - t == pytest.approx(run.sum())
+    assert run[0] > cm.decode_steps(SMOLLM, 1, 2, sum(s.num_computed for s in e.running), 1)[0]
+
+
+def test_row_bandwidth_needs_the_summed_form():
+    with pytest.raises(SimConfigError, match="row_bandwidth"):
+        HardwareProfile("x", 1e12, 1e12, 1e9, 1e9, 1 << 30, row_bandwidth=1e10)
+    with pytest.raises(SimConfigError, match="kv_bandwidth"):
+        HardwareProfile("x", 1e12, 1e12, 1e9, 1e9, 1 << 30, kv_bandwidth=0.0)

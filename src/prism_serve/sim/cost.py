@@ -1,19 +1,35 @@
 """Step time of one engine iteration from a hardware profile (a roofline with efficiency factors).
 
-For a batch with ``P`` prefill tokens and ``D`` decoding requests on ``tp`` devices:
+For a batch with ``P`` prefill tokens and ``D`` decoding requests on ``tp`` devices, GPU profiles
+(``overlap=True``):
 
     compute = (2 * matmul_params * (P + D) + 4 * L * H * d * attention_pairs) / tp / (peak * eff_f)
     memory  = (weight_bytes + kv_bytes_per_token * (context read + tokens written)) / tp / (bw * eff_m)
-    step    = max(compute, memory) + overhead     (GPU profiles; a fitted CPU profile sums them)
+    step    = max(compute, memory) + overhead + seq_overhead * sampled sequences
             + 2 * L * (allreduce latency + (P + D) * hidden * dtype * 2 (tp-1)/tp / link bw)   if tp > 1
 
 ``attention_pairs`` counts (query, key) pairs: a decode reads its whole context, a prefill chunk of
 ``c`` tokens after ``b`` computed ones attends to ``b + (c + 1) / 2`` keys on average. Weights are
 read once per step whatever the batch, which is why decoding in large batches is cheap.
+
+The fitted CPU profile (``overlap=False``) sums the terms instead, because one CPU thread does one
+thing at a time, and splits the matmuls the way this project's engine runs them: the body for every
+token fed, the LM head only for the sequences that sample a token (a prefill chunk samples at most
+once). Each matmul group of ``m`` rows costs
+
+    min(m * bytes / row_bw,  bytes / bw + flops * m / peak)
+
+because CPU GEMM kernels pick their method by row count: a few rows stream the weights again per
+row (``row_bandwidth``), many rows pack them once and then run at the compute rate (measured at one
+thread: a SmolLM2 decode of 2 sequences costs 1.6x one of 1, of 8 2.5x, of 32 4.7x). Attention has
+its own rate (``attn_flops``) and KV traffic its own bandwidth (``kv_bandwidth``: the engine gathers
+the cached blocks before attending), all as fitted by benchmarks/fit_cpu_profile.py. Where the
+profile says ``pad_decode_context``, the caller counts every decode at the batch's longest context.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -22,7 +38,15 @@ import numpy as np
 from prism_serve.sim.hardware import HardwareProfile
 from prism_serve.sim.models import ModelSpec
 
-__all__ = ["COST_MODELS", "RooflineCostModel"]
+__all__ = ["COST_MODELS", "RooflineCostModel", "split_matmul"]
+
+
+def split_matmul(spec: ModelSpec) -> tuple[float, float, float, float]:
+    """(body bytes, body FLOPs per token, LM-head bytes, LM-head FLOPs per sampled sequence)."""
+    c = spec.config
+    head = c.vocab_size * c.hidden_size
+    body_flops = spec.matmul_flops_per_token - 2.0 * head
+    return body_flops / 2 * spec.dtype_bytes, body_flops, float(head * spec.dtype_bytes), 2.0 * head
 
 
 class RooflineCostModel:
@@ -32,9 +56,12 @@ class RooflineCostModel:
         self.hw = hw
         self._flops_rate = hw.peak_flops * hw.flops_efficiency
         self._mem_rate = hw.mem_bandwidth * hw.mem_efficiency
-        self._consts: dict[tuple[str, int, int], tuple[float, float, float, float, float, float]] = {}
+        # None: attention and KV traffic run at the matmuls' rates (the datasheet profiles)
+        self._attn_rate = hw.attn_flops or self._flops_rate
+        self._kv_rate = hw.kv_bandwidth or self._mem_rate
+        self._consts: dict[tuple[str, int, int], tuple] = {}
 
-    def _c(self, spec: ModelSpec, tp: int) -> tuple[float, float, float, float, float, float]:
+    def _c(self, spec: ModelSpec, tp: int) -> tuple:
         key = (spec.name, spec.dtype_bytes, tp)
         c = self._consts.get(key)
         if c is None:
@@ -46,40 +73,67 @@ class RooflineCostModel:
                 comm_per_token = (
                     2 * layers * spec.config.hidden_size * spec.dtype_bytes * 2 * (tp - 1) / tp
                 ) / hw.link_bandwidth
+            groups = None
+            if not hw.overlap:
+                # (pass, per row when packed, per row when streamed) for the body, then the LM head
+                row = hw.row_bandwidth or 0.0
+                groups = tuple(
+                    (
+                        nbytes / tp / self._mem_rate,
+                        flops / tp / self._flops_rate,
+                        nbytes / tp / row if row else math.inf,
+                    )
+                    for nbytes, flops in zip(split_matmul(spec)[::2], split_matmul(spec)[1::2], strict=True)
+                )
             c = (
                 spec.matmul_flops_per_token / tp / self._flops_rate,  # s per token, compute
-                spec.attn_flops_per_pair / tp / self._flops_rate,  # s per attention pair
+                spec.attn_flops_per_pair / tp / self._attn_rate,  # s per attention pair
                 spec.weight_bytes / tp / self._mem_rate,  # s to stream the weights once
-                spec.kv_bytes_per_token / tp / self._mem_rate,  # s per KV token read or written
+                spec.kv_bytes_per_token / tp / self._kv_rate,  # s per KV token read or written
                 hw.step_overhead_s + comm_fixed,
                 comm_per_token,
+                hw.seq_overhead_s,
+                groups,
             )
             self._consts[key] = c
         return c
 
-    def step_time(self, spec: ModelSpec, tp: int, tokens: int, attn_pairs: float, kv_read: float) -> float:
+    @staticmethod
+    def _matmuls(groups: tuple, tokens: int, num_seqs: int) -> float:
+        total = 0.0
+        for (w, f, row), m in zip(groups, (tokens, num_seqs), strict=True):
+            if m > 0:
+                total += min(row * m, w + f * m)
+        return total
+
+    def step_time(
+        self, spec: ModelSpec, tp: int, tokens: int, attn_pairs: float, kv_read: float, num_seqs: int
+    ) -> float:
         """One step: ``tokens`` fed (prefill chunks plus one per decode), ``attn_pairs`` as above,
-        ``kv_read`` KV tokens read (every decode's context plus earlier chunks of prefills)."""
-        f_tok, f_pair, w, kv, fixed, comm = self._c(spec, tp)
-        compute = f_tok * tokens + f_pair * attn_pairs
-        memory = w + kv * (kv_read + tokens)
-        body = max(compute, memory) if self.hw.overlap else compute + memory
-        return body + fixed + comm * tokens
+        ``kv_read`` KV tokens read (every decode's context plus earlier chunks of prefills),
+        ``num_seqs`` requests that sample a token (decodes and prefills whose last chunk this is)."""
+        f_tok, f_pair, w, kv, fixed, comm, per_seq, groups = self._c(spec, tp)
+        if groups is None:
+            body = max(f_tok * tokens + f_pair * attn_pairs, w + kv * (kv_read + tokens))
+        else:
+            body = self._matmuls(groups, tokens, num_seqs) + f_pair * attn_pairs + kv * (kv_read + tokens)
+        return body + fixed + comm * tokens + per_seq * num_seqs
 
     def decode_steps(self, spec: ModelSpec, tp: int, num_seqs: int, context: int, k: int) -> np.ndarray:
         """Durations of ``k`` consecutive decode-only steps of ``num_seqs`` requests whose contexts
         sum to ``context`` at the first step (every step adds ``num_seqs`` tokens)."""
-        f_tok, f_pair, w, kv, fixed, comm = self._c(spec, tp)
+        f_tok, f_pair, w, kv, fixed, comm, per_seq, groups = self._c(spec, tp)
         ctx = context + num_seqs * np.arange(k, dtype=np.float64)
-        compute = f_tok * num_seqs + f_pair * ctx
-        memory = w + kv * (ctx + num_seqs)
-        body = np.maximum(compute, memory) if self.hw.overlap else compute + memory
-        return body + (fixed + comm * num_seqs)
+        if groups is None:
+            body = np.maximum(f_tok * num_seqs + f_pair * ctx, w + kv * (ctx + num_seqs))
+        else:
+            body = self._matmuls(groups, num_seqs, num_seqs) + f_pair * ctx + kv * (ctx + num_seqs)
+        return body + (fixed + comm * num_seqs + per_seq * num_seqs)
 
     def prefill_time(self, spec: ModelSpec, tp: int, prompt_tokens: int) -> float:
         """One request's whole prompt in one step, alone (what admission's speed estimate means)."""
         p = prompt_tokens
-        return self.step_time(spec, tp, p, p * (p + 1) / 2, 0)
+        return self.step_time(spec, tp, p, p * (p + 1) / 2, 0, 1)
 
     def prefill_tokens_per_s(self, spec: ModelSpec, tp: int, prompt_tokens: int) -> float:
         p = max(1, int(prompt_tokens))

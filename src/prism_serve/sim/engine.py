@@ -247,7 +247,10 @@ class SimEngine:
         if decoding:
             k = min(self.max_run_steps, min(s.req.output_tokens - s.generated for s, _ in scheduled))
             k = self._grant_run(k)
-            context = sum(s.num_computed for s, _ in scheduled)
+            if self.cost.hw.pad_decode_context:
+                context = len(scheduled) * max(s.num_computed for s, _ in scheduled)
+            else:
+                context = sum(s.num_computed for s, _ in scheduled)
             self._cum = np.cumsum(self.cost.decode_steps(spec, tp, len(scheduled), context, k))
             self._run_k = k
             self.end = now + float(self._cum[-1])
@@ -255,12 +258,17 @@ class SimEngine:
         tokens = 0
         pairs = 0.0
         kv_read = 0
+        sampling = 0
+        longest = -1  # the padded decode context, where the engine pads (hardware.py)
+        if self.cost.hw.pad_decode_context:
+            longest = max((s.num_computed for s, n in scheduled if n == 1), default=-1)
         for s, n in scheduled:
-            b = s.num_computed
+            b = longest if n == 1 and longest >= 0 else s.num_computed
             tokens += n
             pairs += n * (b + (n + 1) / 2)
             kv_read += b
-        self.end = now + self.cost.step_time(spec, tp, tokens, pairs, kv_read)
+            sampling += b + n == s.num_tokens
+        self.end = now + self.cost.step_time(spec, tp, tokens, pairs, kv_read, sampling)
         return self.end
 
     def _grant_run(self, k: int) -> int:
