@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from prism_serve.cli import main
 from prism_serve.sim import ServedModel, SimConfig, model_spec
 from prism_serve.sim.sweep import Experiment, find_gpus
 from prism_serve.workload import read_jsonl
-from prism_serve.workload.traces import default_traces_dir
 
 from .helpers import loose, poisson
 
-needs_traces = pytest.mark.skipif(not default_traces_dir().exists(), reason="no shared traces")
 
-
-@needs_traces
-def test_workload_command_writes_jsonl_and_prints_stats(tmp_path, capsys):
+def test_workload_command_writes_jsonl_and_prints_stats(tmp_path, capsys, traces):
     out = tmp_path / "w.jsonl"
-    rc = main(["workload", "--setup", "paper-8", "--duration", "300", "--total-rate", "2", "--out", str(out)])
+    rc = main(
+        ["workload", "--setup", "paper-8", "--duration", "300", "--total-rate", "2", "--out", str(out),
+         "--traces", str(traces.root)]
+    )  # fmt: skip
     assert rc == 0
     w = read_jsonl(out)
     assert 200 < len(w) < 1000 and set(w.models) <= {f"llama-3.2-1b-0{i}" for i in range(3)} | {
@@ -29,13 +26,12 @@ def test_workload_command_writes_jsonl_and_prints_stats(tmp_path, capsys):
     assert "least popular 60%" in capsys.readouterr().out
 
 
-@needs_traces
-def test_sim_sweep_writes_results_plot_and_slos(tmp_path, capsys):
+def test_sim_sweep_writes_results_plot_and_slos(tmp_path, capsys, traces):
     rc = main(
         [
             "sim", "--setup", "paper-8", "--gpus", "2", "--duration", "120", "--total-rate", "2",
             "--policies", "prism,static-partition", "--sweep", "slo", "--values", "2,8",
-            "--out", str(tmp_path),
+            "--out", str(tmp_path), "--traces", str(traces.root),
         ]
     )  # fmt: skip
     assert rc == 0

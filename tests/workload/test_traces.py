@@ -1,7 +1,9 @@
-"""Readers and the multi-model builder on the real traces in ../shared/traces."""
+"""Readers and the multi-model builder on the real traces: the full copies in ../shared/traces when
+present, else the excerpts in tests/data/traces (the ``traces`` fixture, conftest.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,7 +13,6 @@ from hypothesis import strategies as st
 
 from prism_serve.workload import WorkloadError, WorkloadSpec, build_workload, format_stats, model_stats
 from prism_serve.workload.traces import (
-    default_traces_dir,
     read_azure,
     read_lengths,
     read_servegen_client,
@@ -20,28 +21,28 @@ from prism_serve.workload.traces import (
     weibull_shape_for_cv,
 )
 
-ROOT = default_traces_dir()
-pytestmark = pytest.mark.skipif(not ROOT.exists(), reason="the shared traces are not on this machine")
 
-
-def test_azure_readers_match_the_trace_readme():
-    code = read_azure(ROOT / "azure2023_code.csv")
-    conv = read_azure(ROOT / "azure2023_conv.csv")
-    assert len(code.arrivals) == 8819 and len(conv.arrivals) == 19366
-    for t in (code, conv):
+def test_azure_readers_match_the_trace_readme(traces):
+    code = read_azure(traces.root / "azure2023_code.csv")
+    conv = read_azure(traces.root / "azure2023_conv.csv")
+    assert (len(code.arrivals), len(conv.arrivals)) == traces.azure_requests
+    for t, (lo, hi) in zip((code, conv), traces.azure_span_s, strict=True):
         assert t.arrivals[0] == 0 and np.all(np.diff(t.arrivals) >= 0)
-        assert 55 * 60 < t.duration < 60 * 60  # "57-58 min"
+        assert lo < t.duration < hi  # full: "57-58 min"
+        assert t.prompt_tokens.min() >= 1 and t.output_tokens.min() >= 0
 
 
-def test_sharegpt_lengths():
-    p, o = read_lengths(ROOT / "lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
-    assert len(p) == len(o) > 30000 and p.min() >= 1 and o.min() >= 1
+def test_sharegpt_lengths(traces):
+    p, o = read_lengths(traces.root / "lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
+    assert len(p) == len(o) >= traces.min_sharegpt_rows and p.min() >= 1 and o.min() >= 1
 
 
-def test_servegen_client_windows():
-    paths = servegen_clients(ROOT / "servegen/m-mid")
+def test_servegen_client_windows(traces):
+    # the excerpts keep every client file, so the counts are the full set's
+    paths = servegen_clients(traces.root / "servegen/m-mid")
     assert len(paths) == 109 and paths[0].name == "chunk-0-trace.csv"
     c = read_servegen_client(paths[0])
+    assert len(c.ts) == (2016 if traces.full else 3)  # 14 days of 600 s windows, or 30 minutes
     assert np.all(np.diff(c.ts) == 600) and set(c.pattern) <= {"", "Gamma", "Weibull"}
     assert np.all(c.rate[[not p for p in c.pattern]] == 0)
 
@@ -64,9 +65,9 @@ def test_window_sampling_has_the_window_rate_and_cv(pattern, cv):
     assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.15)
 
 
-def test_builder_servegen_is_seeded_long_tailed_and_scaled():
+def test_builder_servegen_is_seeded_long_tailed_and_scaled(traces):
     names = tuple(f"m{i}" for i in range(20))
-    spec = WorkloadSpec(names, duration_s=1200, total_rate=10.0, seed=3)
+    spec = WorkloadSpec(names, duration_s=1200, total_rate=10.0, seed=3, traces_dir=traces.root)
     a, b = build_workload(spec), build_workload(spec)
     assert np.array_equal(a.timestamps, b.timestamps) and np.array_equal(a.prompt_tokens, b.prompt_tokens)
     assert a.models == names and a.timestamps.max() < 1200
@@ -74,29 +75,34 @@ def test_builder_servegen_is_seeded_long_tailed_and_scaled():
     stats = sorted(model_stats(a, span_s=1200), key=lambda s: -s.num_requests)
     top = sum(s.share for s in stats[:8])
     assert top > 0.6  # the 40% most popular models send most requests (Figure 2a's long tail)
-    doubled = build_workload(WorkloadSpec(names, duration_s=1200, total_rate=10.0, seed=3, rate_scale=2.0))
+    doubled = build_workload(dataclasses.replace(spec, rate_scale=2.0))
     assert len(doubled) / len(a) == pytest.approx(2.0, rel=0.2)
     assert "least popular 60%" in format_stats(stats)
 
 
-def test_builder_azure_slices_and_lengths():
+def test_builder_azure_slices_and_lengths(traces):
     names = ("a", "b", "c", "d")
-    w = build_workload(WorkloadSpec(names, source="azure:code", lengths="sharegpt", duration_s=600, seed=1))
+    spec = WorkloadSpec(
+        names, source="azure:code", lengths="sharegpt", duration_s=600, seed=1, traces_dir=traces.root
+    )
+    w = build_workload(spec)
     counts = np.bincount(w.model_index, minlength=4)
     assert sorted(counts)[-1] > 2 * sorted(counts)[0]  # Zipf weights 1, 1/2, 1/3, 1/4
-    p, _ = read_lengths(ROOT / "lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
+    assert w.timestamps.min() >= 0 and w.timestamps.max() < 600
+    p, _ = read_lengths(traces.root / "lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
     assert set(w.prompt_tokens.tolist()) <= set(p.tolist())
 
 
-def test_builder_rejects_bad_specs():
+def test_builder_rejects_bad_specs(traces):
     with pytest.raises(WorkloadError):
         WorkloadSpec(("a", "a"))
     with pytest.raises(WorkloadError):
         WorkloadSpec(("a",), source="nope")
     with pytest.raises(WorkloadError):
         WorkloadSpec(("a",), rate_scale=0)
+    names = tuple(f"m{i}" for i in range(500))
     with pytest.raises(WorkloadError, match="active client"):
-        build_workload(WorkloadSpec(tuple(f"m{i}" for i in range(500)), source="servegen:m-small"))
+        build_workload(WorkloadSpec(names, source="servegen:m-small", traces_dir=traces.root))
 
 
 def test_stats_match_hand_computed_values():
