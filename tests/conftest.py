@@ -5,6 +5,7 @@ import torch
 
 from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
 from prism_serve.engine.weights import LoadedWeights, load_weights
+from tests.workload.trace_data import TraceSet, find_traces
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -46,3 +47,10 @@ def run_to_completion(engine: LLMEngine) -> dict:
             if out.finished:
                 final[out.req_id] = out
     return final
+
+
+@pytest.fixture(scope="session")
+def traces() -> TraceSet:
+    """The full traces when present, else the committed excerpts (tests/data/traces): trace tests
+    never skip for want of trace files."""
+    return find_traces()
