@@ -1,0 +1,302 @@
+"""Live evaluation (issue 7): the real server on 2 CPU devices, several policies, the same bursty
+multi-model workload from the real traces at several rates; TTFT/TPOT attainment per rate.
+
+Setup (printed and stored with the results): 5 models on 2 CPU devices of one core each: the real
+SmolLM2-135M-Instruct under three names and two SYNTHETIC-weight models of real shapes
+(SmolLM2-360M bf16, SmolLM2-135M bf16). Arrivals: the Azure 2023 conversation trace, each model from
+its own offset, thinned to a Zipf popularity (``prism workload`` builder, seeded); lengths from the
+same trace, capped for a one-core CPU. Each policy gets a fresh ``prism serve`` process, one warm-up
+request per model, then the rates in increasing order on it (the same requests, timestamps divided
+by the rate scale), each after the previous one drained.
+
+    python benchmarks/live_eval.py                                  # the recorded run
+    python benchmarks/live_eval.py --rates 1,2 --duration 30 --policies prism   # a quick look
+
+Output: ``--out`` (default docs/evaluation/live) gets live.json and live.png; the last lines printed
+are the highest tested rate at which each policy kept >= 99% TTFT attainment and prism's ratio to
+static-partition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+import common
+from prism_serve.bench.replay import replay
+from prism_serve.bench.settings import BenchSettings
+from prism_serve.workload.builder import WorkloadSpec, build_workload
+
+MODELS = """\
+  - {name: smol-a, ttft_slo: 3.0, tpot_slo: 0.5}
+  - {name: smol-b, ttft_slo: 3.0, tpot_slo: 0.5}
+  - {name: smol-c, ttft_slo: 3.0, tpot_slo: 0.5}
+  - {name: syn-360m, source: "random:smollm2-360m", dtype: bfloat16, ttft_slo: 4.0, tpot_slo: 0.8,
+     max_model_len: 1024}
+  - {name: syn-135m, source: "random:smollm2-135m", dtype: bfloat16, seed: 1, ttft_slo: 3.0, tpot_slo: 0.5,
+     max_model_len: 1024}
+"""
+CONFIG = """\
+devices:
+  - {{name: "cpu:0", memory: {memory}, cores: "{core0}", workers: 2}}
+  - {{name: "cpu:1", memory: {memory}, cores: "{core1}", workers: 2}}
+models:
+{models}server: {{port: {port}, namespace: "{namespace}", max_waiting_requests: 1024, request_timeout_s: 300}}
+"""
+NAMES = ("smol-a", "smol-b", "smol-c", "syn-360m", "syn-135m")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(config: Path, policy: str, port: int, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prism_serve.cli",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prism serve ({policy}) exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"prism serve ({policy}) did not start")
+
+
+def wait_idle(port: int, limit_s: float = 120) -> None:
+    """Until no request runs or waits (so one rate's tail does not spill into the next)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        cards = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
+        if all(c["num_running"] == 0 and c["num_queued"] == 0 for c in cards):
+            return
+        time.sleep(1)
+
+
+def warm_up(port: int) -> None:
+    """One short request per model, one at a time: every policy starts the sweep from a server that
+    has served each model once (a long-running server), not from the first activations after start."""
+    for name in NAMES:
+        body = {"model": name, "prompt": [1000, 1001, 1002], "max_tokens": 2, "ignore_eos": True}
+        httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300).raise_for_status()
+
+
+def threshold_rate(points: list[dict], key: str = "ttft_attainment", target: float = 0.99) -> float | None:
+    """The highest tested rate scale at which attainment >= target and every lower rate met it."""
+    best = None
+    for p in sorted(points, key=lambda p: p["rate_scale"]):
+        if p[key] < target:
+            break
+        best = p["rate_scale"]
+    return best
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "ttft_attainment", "TTFT"), (axes[1], "tpot_attainment", "TPOT")):
+        for policy, points in results["policies"].items():
+            xs = [p["rate_per_s"] for p in points]
+            ax.plot(xs, [100 * p[key] for p in points], marker="o", label=policy)
+        ax.axhline(99, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("request rate (req/s, all models)")
+        ax.set_ylabel(f"{title} SLO attainment (%)")
+        ax.set_title(f"{title} attainment, live, 2 CPU devices")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        "prism serve, 5 models (3 real SmolLM2 names + 2 synthetic), Azure conv arrivals", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+async def run_policy(
+    policy: str, config: Path, workload, rates: list[float], duration: float, out: Path
+) -> list:
+    port = free_port()
+    name, _, knobs = policy.partition(":")  # e.g. prism:deadline_admission=false (an ablation)
+    knob_yaml = ", ".join(k.replace("=", ": ") for k in knobs.split("+") if k)
+    text = config.read_text().replace("PORT", str(port))
+    text += f"policy: {{name: {name}, knobs: {{{knob_yaml}}}}}\n"
+    cfg = out / f"config-{policy.replace(':', '_')}.yaml"
+    cfg.write_text(text)
+    proc = start_server(cfg, policy, port, out / f"server-{policy.replace(':', '_')}.log")
+    points = []
+    try:
+        warm_up(port)
+        for r in rates:
+            wait_idle(port)
+            settings = BenchSettings(rate_scale=r, duration_s=duration * r, prompt="ids", timeout_s=60)
+            start, cpu0 = time.perf_counter(), common.cpu_seconds()
+            res = await replay(workload, f"http://127.0.0.1:{port}", settings, progress=True)
+            s = res.summary()["overall"]
+            wall = time.perf_counter() - start
+            points.append(
+                {
+                    "rate_scale": r,
+                    "rate_per_s": s["requests"] / duration,
+                    "num_requests": s["requests"],
+                    "ttft_attainment": s["ttft_attainment"],
+                    "tpot_attainment": s["tpot_attainment"],
+                    "num_failed": s["failed"], "errors": s["errors"],
+                    "ttft_p50_s": s["ttft_p50_s"],
+                    "ttft_p99_s": s["ttft_p99_s"],
+                    "models": {
+                        m: {"ttft_attainment": v["ttft_attainment"], "num_requests": v["requests"]}
+                        for m, v in res.summary()["models"].items()
+                    },
+                    "busy_cores_besides_the_client": common.other_load_since(cpu0, wall),
+                }
+            )
+            p = points[-1]
+            print(
+                f"{policy:>16} x{r:<5g} {p['rate_per_s']:.2f} req/s: TTFT {100 * p['ttft_attainment']:.1f}%  "
+                f"TPOT {100 * p['tpot_attainment']:.1f}%  failed {p['num_failed']}",
+                flush=True,
+            )
+            if p["ttft_attainment"] < 0.5:  # saturated: higher rates only take longer to drain
+                print(f"{policy:>16}: below 50% TTFT attainment, higher rates skipped", flush=True)
+                break
+        cards = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
+        for p in points:
+            p["final_models"] = {
+                c["id"]: {k: c[k] for k in ("device", "num_activations", "num_evictions")} for c in cards
+            }
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    return points
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--policies",
+        default="prism,static-partition,qlm",
+        help="comma-separated; knobs as name:knob=value+knob=value (e.g. prism:deadline_admission=false)",
+    )
+    ap.add_argument("--rates", default="2,4,6,8,10,12", help="rate scales (x the base rate)")
+    ap.add_argument("--base-rate", type=float, default=0.25, help="req/s of all models together at scale 1")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per rate")
+    ap.add_argument(
+        "--workload-seconds",
+        type=float,
+        default=720.0,
+        help="length of the built workload at scale 1 (fixed, so runs with other rate lists send the same "
+        "requests; must be >= duration x the highest rate scale)",
+    )
+    ap.add_argument("--memory", default="1536MiB", help="budget of each CPU device")
+    ap.add_argument("--max-prompt", type=int, default=128)
+    ap.add_argument("--max-output", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs/evaluation/live")
+    args = ap.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    if args.duration * max(rates) > args.workload_seconds:
+        ap.error("--duration x the highest rate scale exceeds --workload-seconds")
+    cores = sorted(os.sched_getaffinity(0))
+    spec = WorkloadSpec(
+        models=NAMES,
+        source="azure:conv",
+        lengths="azure:conv",
+        duration_s=args.workload_seconds,
+        total_rate=args.base_rate,
+        zipf=1.0,
+        max_prompt_tokens=args.max_prompt,
+        max_output_tokens=args.max_output,
+        seed=args.seed,
+    )
+    workload = build_workload(spec)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="prism-live-"))
+    config = tmp / "base.yaml"
+    config.write_text(
+        CONFIG.format(
+            memory=args.memory,
+            core0=cores[0],
+            core1=cores[-1],
+            models=MODELS,
+            port="PORT",
+            namespace=f"live-{uuid.uuid4().hex[:6]}",
+        )
+    )
+    per_model = {m: int((workload.model_index == i).sum()) for i, m in enumerate(workload.models)}
+    print(f"workload: {len(workload)} requests over {workload.duration:.0f} s at scale 1 ({per_model})")
+    results = {
+        "command": " ".join(["python benchmarks/live_eval.py", *sys.argv[1:]]),
+        "machine": common.machine_info(),
+        "workload": {
+            "spec": {
+                k: getattr(spec, k)
+                for k in (
+                    "source",
+                    "lengths",
+                    "duration_s",
+                    "total_rate",
+                    "zipf",
+                    "max_prompt_tokens",
+                    "max_output_tokens",
+                    "seed",
+                )
+            },
+            "num_requests": len(workload),
+        },
+        "config": config.read_text(),
+        "duration_s_per_rate": args.duration,
+        "policies": {},
+    }
+    for policy in args.policies.split(","):
+        results["policies"][policy] = asyncio.run(
+            run_policy(policy, config, workload, rates, args.duration, tmp)
+        )
+        (args.out / "live.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, args.out / "live.png")
+    thresholds = {p: threshold_rate(pts) for p, pts in results["policies"].items()}
+    results["threshold_rate_scale_99_ttft"] = thresholds
+    (args.out / "live.json").write_text(json.dumps(results, indent=1) + "\n")
+    for p, t in thresholds.items():
+        print(f"{p:>16}: highest rate scale with >= 99% TTFT attainment: {t}")
+    if thresholds.get("prism") and thresholds.get("static-partition"):
+        ratio = thresholds["prism"] / thresholds["static-partition"]
+        print(f"prism / static-partition: {ratio:.2f}x (target >= 2x)")
+
+
+if __name__ == "__main__":
+    main()
