@@ -214,7 +214,7 @@ class PrismServer:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         if tok.chat_template:
             return tok.apply_chat_template(messages)
-        # Synthetic-weight models have no template: a plain transcript keeps the request valid.
+        # A checkpoint without a chat template (some HF directories): a plain transcript keeps it usable.
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
     async def _open(
