@@ -223,6 +223,8 @@ def main() -> None:
         "requests; must be >= duration x the highest rate scale)",
     )
     ap.add_argument("--memory", default="1536MiB", help="budget of each CPU device")
+    ap.add_argument("--kv-limit", help="give every model this KV limit, e.g. 96MiB (an ablation)")
+    ap.add_argument("--swap-cores", action="store_true", help="cpu:0 on the last core, cpu:1 on the first")
     ap.add_argument("--max-prompt", type=int, default=128)
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -232,6 +234,8 @@ def main() -> None:
     if args.duration * max(rates) > args.workload_seconds:
         ap.error("--duration x the highest rate scale exceeds --workload-seconds")
     cores = sorted(os.sched_getaffinity(0))
+    if args.swap_cores:
+        cores.reverse()
     spec = WorkloadSpec(
         models=NAMES,
         source="azure:conv",
@@ -247,12 +251,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="prism-live-"))
     config = tmp / "base.yaml"
+    models = MODELS
+    if args.kv_limit:
+        models = MODELS.replace("{name:", f"{{kv_limit: {args.kv_limit}, name:")
     config.write_text(
         CONFIG.format(
             memory=args.memory,
             core0=cores[0],
             core1=cores[-1],
-            models=MODELS,
+            models=models,
             port="PORT",
             namespace=f"live-{uuid.uuid4().hex[:6]}",
         )
