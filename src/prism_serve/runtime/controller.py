@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
 
 from prism_serve.control import (
     Activate,
@@ -127,7 +128,7 @@ class Controller:
                     f"any device's budget (largest {format_size(biggest)}); give a device more memory "
                     f"or remove the model"
                 )
-            tok = Tokenizer.from_state(_read_json(cached.tokenizer_path))
+            tok = Tokenizer.from_state(json.loads(Path(cached.tokenizer_path).read_text()))
             self.models[spec.name] = ModelEntry(spec, cached, tok, pinned=spec.pinned)
         for d in self.devices.values():
             ledger = DeviceLedger(d.name, d.memory_bytes, self.namespace)
@@ -393,7 +394,7 @@ class Controller:
             handle.model = m.spec.name
             m.worker = handle
             while True:
-                reply = await self._request(handle, self._activate_message(m, decided_at))
+                reply = await self._request(handle, m.activate_message(decided_at, self.load_threads))
                 if isinstance(reply, msg.ModelActivated):
                     break
                 retry = reply.error == DeviceMemoryExhaustedError.__name__ and self._now() < deadline
@@ -428,22 +429,6 @@ class Controller:
         self._apply(self.policy.place(self.snapshot(now), now), now)
         self._admit(device, now)
         return reply.phases
-
-    def _activate_message(self, m: ModelEntry, decided_at: float) -> msg.ActivateModel:
-        c = m.cached
-        return msg.ActivateModel(
-            model=m.spec.name,
-            cache_path=c.path,
-            tensors=list(c.tensors),
-            weight_bytes=c.weight_bytes,
-            config=c.config,
-            tokenizer_path=c.tokenizer_path,
-            source=c.source,
-            synthetic=c.synthetic,
-            engine=m.spec.engine_args(),
-            sent_at=decided_at,
-            load_threads=self.load_threads,
-        )
 
     def _activation_failed(self, m: ModelEntry, handle: WorkerHandle | None, error: PrismError) -> None:
         logger.warning("activation of %s failed: %s", m.spec.name, error)
@@ -540,19 +525,7 @@ class Controller:
 
     def status(self) -> list[ModelStatus]:
         snap = self.snapshot()
-        out = []
-        for name, m in self.models.items():
-            state = {"active": "active", "activating": "loading", "evicted": "evicted"}[m.state.value]
-            stats = m.worker.stats if m.worker is not None and m.state is ModelState.ACTIVE else None
-            out.append(
-                ModelStatus(
-                    name, state, m.device, m.worker.worker_id if m.worker else None, m.pinned,
-                    m.cached.weight_bytes, m.num_running, snap.models[name].num_queued,
-                    m.num_activations, m.num_evictions, m.last_phases,
-                    stats.used_kv_bytes if stats else 0, m.max_kv_bytes if stats else None,
-                )
-            )  # fmt: skip
-        return out
+        return [ModelStatus.of(m, snap.models[name].num_queued) for name, m in self.models.items()]
 
     def ledger(self, device: str) -> DeviceLedger:
         return self._ledgers[device]
@@ -631,7 +604,3 @@ class Controller:
         for d in self.devices:
             self._admit(d, now)
 
-
-def _read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)

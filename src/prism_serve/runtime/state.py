@@ -76,6 +76,23 @@ class ModelEntry:
     activated_at: float | None = None
     placed_at: float | None = None  # when its current placement was decided (prism's migration cooldown)
 
+    def activate_message(self, decided_at: float, load_threads: int) -> msg.ActivateModel:
+        """What a worker needs to activate this model from the host cache."""
+        c = self.cached
+        return msg.ActivateModel(
+            model=self.spec.name,
+            cache_path=c.path,
+            tensors=list(c.tensors),
+            weight_bytes=c.weight_bytes,
+            config=c.config,
+            tokenizer_path=c.tokenizer_path,
+            source=c.source,
+            synthetic=c.synthetic,
+            engine=self.spec.engine_args(),
+            sent_at=decided_at,
+            load_threads=load_threads,
+        )
+
 
 @dataclass(eq=False)
 class RequestEntry:
@@ -104,6 +121,16 @@ class ModelStatus:
     last_activation: msg.ActivationPhases | None
     used_kv_bytes: int = 0  # the engine's KV in use (worker's last step report)
     max_kv_bytes: int | None = None  # the most KV the engine could map on its device
+
+    @classmethod
+    def of(cls, m: ModelEntry, num_queued: int) -> ModelStatus:
+        state = {"active": "active", "activating": "loading", "evicted": "evicted"}[m.state.value]
+        stats = m.worker.stats if m.worker is not None and m.state is ModelState.ACTIVE else None
+        return cls(
+            m.spec.name, state, m.device, m.worker.worker_id if m.worker else None, m.pinned,
+            m.cached.weight_bytes, m.num_running, num_queued, m.num_activations, m.num_evictions,
+            m.last_phases, stats.used_kv_bytes if stats else 0, m.max_kv_bytes if stats else None,
+        )  # fmt: skip
 
 
 def _latest(*times: float | None) -> float | None:
