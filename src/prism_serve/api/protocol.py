@@ -2,7 +2,7 @@
 
 Requests are strict: a parameter we do not implement (``n > 1``, ``logprobs``, tools, a non-zero
 penalty) is a 400 that names it, never silently ignored. vLLM's extras ``top_k``, ``ignore_eos`` and
-``min_tokens``-free ``stop_token_ids`` are accepted, so load generators written for vLLM work.
+``stop_token_ids`` are accepted, so load generators written for vLLM work.
 """
 
 from __future__ import annotations
