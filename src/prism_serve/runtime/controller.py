@@ -62,6 +62,7 @@ from prism_serve.runtime.state import (
     RequestEntry,
     RequestTimeoutError,
     cluster_snapshot,
+    take_queued,
 )
 from prism_serve.runtime.weight_cache import HostWeightCache, config_from_dict
 from prism_serve.runtime.workers import WorkerHandle, WorkerPool, WorkerState
@@ -129,7 +130,8 @@ class Controller:
                     f"or remove the model"
                 )
             tok = Tokenizer.from_state(json.loads(Path(cached.tokenizer_path).read_text()))
-            self.models[spec.name] = ModelEntry(spec, cached, tok, pinned=spec.pinned)
+            max_len = resolve_max_model_len(spec.max_model_len, config_from_dict(cached.config))
+            self.models[spec.name] = ModelEntry(spec, cached, tok, max_len, pinned=spec.pinned)
         for d in self.devices.values():
             ledger = DeviceLedger(d.name, d.memory_bytes, self.namespace)
             if ledger.budget_bytes != d.memory_bytes:
@@ -194,8 +196,7 @@ class Controller:
 
     def max_model_len(self, model: str) -> int:
         """Prompt plus output tokens one request of ``model`` may have."""
-        m = self._model(model)
-        return resolve_max_model_len(m.spec.max_model_len, config_from_dict(m.cached.config))
+        return self._model(model).max_model_len
 
     async def generate(
         self,
@@ -358,21 +359,11 @@ class Controller:
         tick decides again."""
         if m.num_running or m.state is not ModelState.ACTIVE:
             return
-        queued = self._take_queued(m.spec.name)
+        queued = take_queued(self.queues, m.spec.name)
         self._start_evict(m, force=False)
         self._start_activate(m, dst)
         for req in queued:
             self.queues[dst].push(req)
-
-    def _take_queued(self, model: str) -> list[Request]:
-        """Remove ``model``'s requests from every device queue (to route them again)."""
-        out = []
-        for q in self.queues.values():
-            for req in q.requests():
-                if req.model == model:
-                    q.cancel(req.req_id)
-                    out.append(req)
-        return out
 
     # ---- activation ---------------------------------------------------------------------------
 
@@ -577,12 +568,7 @@ class Controller:
         logger.warning("%s: ledger now %s mapped", handle.device.name, format_size(reclaimed.used_bytes))
         if model is not None:
             now = self._now()
-            waiting = [
-                req for q in self.queues.values() for req in q.requests() if req.model == model.spec.name
-            ]
-            for req in waiting:
-                for q in self.queues.values():
-                    q.cancel(req.req_id)
+            for req in take_queued(self.queues, model.spec.name):
                 self._route(req, now)
 
     async def _tick_loop(self) -> None:

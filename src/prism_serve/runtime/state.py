@@ -62,6 +62,7 @@ class ModelEntry:
     spec: ModelSpec
     cached: CachedModel
     tokenizer: Tokenizer
+    max_model_len: int  # prompt plus output tokens of one request (the engine's context rule)
     state: ModelState = ModelState.EVICTED
     device: str | None = None
     worker: WorkerHandle | None = None
@@ -131,6 +132,17 @@ class ModelStatus:
             m.cached.weight_bytes, m.num_running, num_queued, m.num_activations, m.num_evictions,
             m.last_phases, stats.used_kv_bytes if stats else 0, m.max_kv_bytes if stats else None,
         )  # fmt: skip
+
+
+def take_queued(queues: Mapping[str, RequestQueue], model: str) -> list[Request]:
+    """Remove ``model``'s requests from every device queue (to route them again)."""
+    out = []
+    for q in queues.values():
+        for req in q.requests():
+            if req.model == model:
+                q.cancel(req.req_id)
+                out.append(req)
+    return out
 
 
 def _latest(*times: float | None) -> float | None:
