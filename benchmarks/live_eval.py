@@ -23,9 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +32,7 @@ from pathlib import Path
 import httpx
 
 import common
+from prism_serve.api.process import free_port, start_server_process, stop_server_process
 from prism_serve.bench.replay import replay
 from prism_serve.bench.settings import BenchSettings
 from prism_serve.workload.builder import WorkloadSpec, build_workload
@@ -56,43 +54,6 @@ models:
 {models}server: {{port: {port}, namespace: "{namespace}", max_waiting_requests: 1024, request_timeout_s: 300}}
 """
 NAMES = ("smol-a", "smol-b", "smol-c", "syn-360m", "syn-135m")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(config: Path, policy: str, port: int, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "prism_serve.cli",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prism serve ({policy}) exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"prism serve ({policy}) did not start")
 
 
 def wait_idle(port: int, limit_s: float = 120) -> None:
@@ -157,7 +118,7 @@ async def run_policy(
     text += f"policy: {{name: {name}, knobs: {{{knob_yaml}}}}}\n"
     cfg = out / f"config-{policy.replace(':', '_')}.yaml"
     cfg.write_text(text)
-    proc = start_server(cfg, policy, port, out / f"server-{policy.replace(':', '_')}.log")
+    proc = start_server_process(cfg, port, out / f"server-{policy.replace(':', '_')}.log")
     points = []
     try:
         warm_up(port)
@@ -200,8 +161,7 @@ async def run_policy(
                 c["id"]: {k: c[k] for k in ("device", "num_activations", "num_evictions")} for c in cards
             }
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        stop_server_process(proc)
     return points
 
 

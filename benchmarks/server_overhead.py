@@ -30,6 +30,7 @@ import httpx
 import uvicorn
 
 import common
+from prism_serve.api.process import free_port
 from prism_serve.api.server import PrismServer
 from prism_serve.config import parse_config
 from prism_serve.engine.sampling_params import SamplingParams
@@ -100,15 +101,12 @@ async def measure(pairs: int, warmup: int, core: int, port: int) -> dict:
 
 def main() -> None:
     import os
-    import socket
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # The worker gets the last core; this process (server + client) the others.
     cores = sorted(os.sched_getaffinity(0))
     result = asyncio.run(measure(args.pairs, args.warmup, cores[-1], port))

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
+
+from prism_serve.api.process import free_port, start_server_process, stop_server_process
 
 API_KEY = "sk-test-key"
 ADMIN_KEY = "admin-test-key"
@@ -35,45 +33,14 @@ class ServerProcess:
         return self.log.read_text(errors="replace")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(tmp: Path, config_text: str, timeout_s: float = 180.0) -> ServerProcess:
     port = free_port()
     namespace = f"apitest-{uuid.uuid4().hex[:8]}"
     config = tmp / "prism.yaml"
     config.write_text(config_text.replace("{namespace}", namespace))
     log = tmp / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prism_serve.cli", "serve", "--config", str(config), "--port", str(port),
-         "--log-level", "info"],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    server = ServerProcess(f"http://127.0.0.1:{port}", namespace, proc, log)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prism serve exited with {proc.returncode}:\n{server.log_text()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"prism serve did not become healthy in {timeout_s} s:\n{server.log_text()}")
-
-
-def stop_server(server: ServerProcess) -> int:
-    server.proc.send_signal(signal.SIGTERM)
-    try:
-        return server.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        raise
+    proc = start_server_process(config, port, log, log_level="info", timeout_s=timeout_s)
+    return ServerProcess(f"http://127.0.0.1:{port}", namespace, proc, log)
 
 
 def shm_files(namespace: str) -> list[str]:
@@ -106,7 +73,7 @@ def default_test_config() -> str:
 def server(tmp_path_factory: pytest.TempPathFactory):
     srv = start_server(tmp_path_factory.mktemp("serve"), default_test_config())
     yield srv
-    code = stop_server(srv)
+    code = stop_server_process(srv.proc)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal (exit status -15)
     assert code in (0, -signal.SIGTERM), srv.log_text()
     assert "stopped: workers ended, shared memory released" in srv.log_text()
