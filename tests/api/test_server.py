@@ -234,8 +234,12 @@ def test_overload_is_429_with_retry_after(server):
 
 
 def test_metrics_are_prometheus_text(server, client):
+    before = metrics(server)
     client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=4, temperature=0)
     m = metrics(server)
+    # the engine's time: the request's steps took wall time and its worker's CPU
+    for name in ("prism_engine_step_seconds_total", "prism_engine_cpu_seconds_total"):
+        assert sample(m, name, model_name="smol") > sample(before, name, model_name="smol"), name
     assert sample(m, "vllm:time_to_first_token_seconds_count", model_name="smol") >= 1
     assert sample(m, "vllm:e2e_request_latency_seconds_count", model_name="smol") >= 1
     assert sample(m, "vllm:prompt_tokens_total", model_name="smol") > 0

@@ -220,7 +220,20 @@ class _ControllerCollector(Collector):
         weights = GaugeMetricFamily(
             "prism_model_weight_bytes", "Weight bytes of the model", labels=["model_name"]
         )
+        step = CounterMetricFamily(
+            "prism_engine_step_seconds",
+            "Wall seconds the model's engine spent in steps",
+            labels=["model_name"],
+        )
+        cpu = CounterMetricFamily(
+            "prism_engine_cpu_seconds",
+            "CPU seconds the model's worker processes used while serving it (on a CPU device, "
+            "rate(cpu) / rate(step) below 1 means colocated engines took the cores)",
+            labels=["model_name"],
+        )
         for s in c.status():
+            step.add_metric([s.model], s.step_seconds)
+            cpu.add_metric([s.model], s.cpu_seconds)
             running.add_metric([s.model], s.num_running)
             waiting.add_metric([s.model], s.num_queued)
             kv.add_metric([s.model], s.used_kv_bytes / s.max_kv_bytes if s.max_kv_bytes else 0.0)
@@ -247,4 +260,4 @@ class _ControllerCollector(Collector):
         )
         for (model, slo), (met, judged) in sorted(self.slo_counts.items()):
             attainment.add_metric([model, slo], met / judged)
-        yield from (running, waiting, kv, state, acts, evs, weights, mapped, budget, attainment)
+        yield from (running, waiting, kv, state, acts, evs, weights, step, cpu, mapped, budget, attainment)

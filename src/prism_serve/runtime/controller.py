@@ -532,6 +532,9 @@ class Controller:
     def _on_message(self, handle: WorkerHandle, m: msg.Message) -> None:
         match m:
             case msg.StepOutputs(outputs, stats):
+                served = self.models.get(handle.model or "")
+                if served is not None and served.worker is handle:
+                    served.count_engine_time(handle.stats, stats)
                 handle.stats = stats
                 finished = False
                 for d in outputs:

@@ -84,6 +84,11 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     mapped_kv_bytes: int
     weight_bytes: int
     prefill_tokens_per_s: float | None = None
+    # Since the activation: wall seconds the engine spent in steps, and CPU seconds its worker process
+    # used. Their ratio shows contention: a step that takes 1 s of wall time but got 0.4 s of CPU
+    # shared its cores with colocated engines.
+    step_seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
 
 class TokenDelta(msgspec.Struct, array_like=True, frozen=True):

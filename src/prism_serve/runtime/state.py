@@ -76,6 +76,14 @@ class ModelEntry:
     num_evictions: int = 0
     activated_at: float | None = None
     placed_at: float | None = None  # when its current placement was decided (prism's migration cooldown)
+    # engine step (wall) and worker CPU seconds over every activation, from the workers' stats
+    step_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+    def count_engine_time(self, before: msg.EngineStats | None, after: msg.EngineStats) -> None:
+        """Add what the engine used between two stats of one activation (``before`` None: its first)."""
+        self.step_seconds += max(0.0, after.step_seconds - (before.step_seconds if before else 0.0))
+        self.cpu_seconds += max(0.0, after.cpu_seconds - (before.cpu_seconds if before else 0.0))
 
     def activate_message(self, decided_at: float, load_threads: int) -> msg.ActivateModel:
         """What a worker needs to activate this model from the host cache."""
@@ -122,6 +130,8 @@ class ModelStatus:
     last_activation: msg.ActivationPhases | None
     used_kv_bytes: int = 0  # the engine's KV in use (worker's last step report)
     max_kv_bytes: int | None = None  # the most KV the engine could map on its device
+    step_seconds: float = 0.0  # engine step (wall) seconds over all activations
+    cpu_seconds: float = 0.0  # its workers' CPU seconds over all activations
 
     @classmethod
     def of(cls, m: ModelEntry, num_queued: int) -> ModelStatus:
@@ -131,6 +141,7 @@ class ModelStatus:
             m.spec.name, state, m.device, m.worker.worker_id if m.worker else None, m.pinned,
             m.cached.weight_bytes, m.num_running, num_queued, m.num_activations, m.num_evictions,
             m.last_phases, stats.used_kv_bytes if stats else 0, m.max_kv_bytes if stats else None,
+            m.step_seconds, m.cpu_seconds,
         )  # fmt: skip
 
 

@@ -59,6 +59,8 @@ class _Active:
     num_weight_pages: int
     weight_bytes: int
     prefill_tokens_per_s: float | None = None
+    step_seconds: float = 0.0  # wall time spent in engine steps since the activation
+    cpu_start: float = 0.0  # this process's CPU time when the activation finished
 
 
 class Worker:
@@ -162,6 +164,7 @@ class Worker:
         t0 = time.monotonic()
         outs = a.engine.step()
         dt = time.monotonic() - t0
+        a.step_seconds += dt
         if a.engine.last_step_tokens >= 64 and dt > 0:  # mostly prefill: a usable speed sample
             speed = a.engine.last_step_tokens / dt
             a.prefill_tokens_per_s = (
@@ -194,6 +197,8 @@ class Worker:
             mapped_kv_bytes=self.kv_range.mapped_bytes,
             weight_bytes=a.weight_bytes,
             prefill_tokens_per_s=a.prefill_tokens_per_s,
+            step_seconds=a.step_seconds,
+            cpu_seconds=time.process_time() - a.cpu_start,
         )
 
     # ---- activation and eviction --------------------------------------------------------------
@@ -229,7 +234,8 @@ class Worker:
                 raise
             return
         self.active = a = _Active(
-            m.model, engine, pool, weight_account, kv_account, num_pages, m.weight_bytes
+            m.model, engine, pool, weight_account, kv_account, num_pages, m.weight_bytes,
+            cpu_start=time.process_time(),
         )
         phases = msg.ActivationPhases(
             take_s=max(0.0, t_take - m.sent_at),
