@@ -74,6 +74,42 @@ def warm_up(port: int) -> None:
         httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300).raise_for_status()
 
 
+def placement(port: int) -> dict[str, list[str]]:
+    """Device -> the models resident there now (evicted models under "evicted")."""
+    cards = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
+    groups: dict[str, list[str]] = {}
+    for c in cards:
+        groups.setdefault(c["device"] or "evicted", []).append(c["id"])
+    return dict(sorted(groups.items()))
+
+
+def engine_seconds(port: int) -> dict[str, tuple[float, float]]:
+    """Model -> (engine step seconds, worker CPU seconds) so far, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[float]] = {}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for i, name in enumerate(("prism_engine_step_seconds", "prism_engine_cpu_seconds")):
+            if family.name == name:
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        out.setdefault(s.labels["model_name"], [0.0, 0.0])[i] = s.value
+    return {m: (v[0], v[1]) for m, v in out.items()}
+
+
+def place_models(port: int, groups: str) -> None:
+    """Activate models on given devices through the admin API ("cpu:0=a+b,cpu:1=c"), before the
+    warm-up: the policy starts from this placement instead of the one its first requests give."""
+    for part in groups.split(","):
+        device, _, names = part.partition("=")
+        for name in names.split("+"):
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/admin/models/{name}/load", json={"device": device}, timeout=300
+            )
+            r.raise_for_status()
+
+
 def threshold_rate(points: list[dict], key: str = "ttft_attainment", target: float = 0.99) -> float | None:
     """The highest tested rate scale at which attainment >= target and every lower rate met it."""
     best = None
@@ -109,7 +145,13 @@ def plot(results: dict, path: Path) -> None:
 
 
 async def run_policy(
-    policy: str, config: Path, workload, rates: list[float], duration: float, out: Path
+    policy: str,
+    config: Path,
+    workload,
+    rates: list[float],
+    duration: float,
+    out: Path,
+    place: str | None = None,
 ) -> list:
     port = free_port()
     name, _, knobs = policy.partition(":")  # e.g. prism:deadline_admission=false (an ablation)
@@ -121,14 +163,22 @@ async def run_policy(
     proc = start_server_process(cfg, port, out / f"server-{policy.replace(':', '_')}.log")
     points = []
     try:
+        if place:
+            place_models(port, place)
         warm_up(port)
         for r in rates:
             wait_idle(port)
+            groups, seconds0 = placement(port), engine_seconds(port)
             settings = BenchSettings(rate_scale=r, duration_s=duration * r, prompt="ids", timeout_s=60)
             start, cpu0 = time.perf_counter(), common.cpu_seconds()
             res = await replay(workload, f"http://127.0.0.1:{port}", settings, progress=True)
             s = res.summary()["overall"]
             wall = time.perf_counter() - start
+            seconds1 = engine_seconds(port)
+            used = {
+                m: (seconds1[m][0] - seconds0.get(m, (0, 0))[0], seconds1[m][1] - seconds0.get(m, (0, 0))[1])
+                for m in seconds1
+            }
             points.append(
                 {
                     "rate_scale": r,
@@ -136,7 +186,8 @@ async def run_policy(
                     "num_requests": s["requests"],
                     "ttft_attainment": s["ttft_attainment"],
                     "tpot_attainment": s["tpot_attainment"],
-                    "num_failed": s["failed"], "errors": s["errors"],
+                    "num_failed": s["failed"],
+                    "errors": s["errors"],
                     "ttft_p50_s": s["ttft_p50_s"],
                     "ttft_p99_s": s["ttft_p99_s"],
                     "models": {
@@ -144,12 +195,29 @@ async def run_policy(
                         for m, v in res.summary()["models"].items()
                     },
                     "busy_cores_besides_the_client": common.other_load_since(cpu0, wall),
+                    "placement_at_start": groups,
+                    "placement_at_end": placement(port),
+                    # per model over the rate: engine step seconds, worker CPU seconds, and their
+                    # ratio (the share of the device's core its engine got while it had work)
+                    "engine_seconds": {
+                        m: {
+                            "step_s": round(st, 2),
+                            "cpu_s": round(cp, 2),
+                            "cpu_share": round(cp / st, 3) if st else None,
+                        }
+                        for m, (st, cp) in sorted(used.items())
+                    },
                 }
             )
             p = points[-1]
             print(
                 f"{policy:>16} x{r:<5g} {p['rate_per_s']:.2f} req/s: TTFT {100 * p['ttft_attainment']:.1f}%  "
                 f"TPOT {100 * p['tpot_attainment']:.1f}%  failed {p['num_failed']}",
+                flush=True,
+            )
+            print(
+                f"{'':>16} placement {groups}; core share while busy "
+                + ", ".join(f"{m} {v['cpu_share']}" for m, v in p["engine_seconds"].items()),
                 flush=True,
             )
             if p["ttft_attainment"] < 0.5:  # saturated: higher rates only take longer to drain
@@ -185,6 +253,11 @@ def main() -> None:
     ap.add_argument("--memory", default="1536MiB", help="budget of each CPU device")
     ap.add_argument("--kv-limit", help="give every model this KV limit, e.g. 96MiB (an ablation)")
     ap.add_argument("--swap-cores", action="store_true", help="cpu:0 on the last core, cpu:1 on the first")
+    ap.add_argument(
+        "--place",
+        help='activate models on these devices before the warm-up, e.g. "cpu:0=syn-360m+smol-c,'
+        'cpu:1=smol-a+smol-b+syn-135m" (an ablation: the policy starts from this placement)',
+    )
     ap.add_argument("--max-prompt", type=int, default=128)
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -247,11 +320,12 @@ def main() -> None:
         },
         "config": config.read_text(),
         "duration_s_per_rate": args.duration,
+        "place": args.place,
         "policies": {},
     }
     for policy in args.policies.split(","):
         results["policies"][policy] = asyncio.run(
-            run_policy(policy, config, workload, rates, args.duration, tmp)
+            run_policy(policy, config, workload, rates, args.duration, tmp, args.place)
         )
         (args.out / "live.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out / "live.png")
