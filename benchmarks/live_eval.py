@@ -152,6 +152,7 @@ async def run_policy(
     duration: float,
     out: Path,
     place: str | None = None,
+    timeout: float = 60.0,
 ) -> list:
     port = free_port()
     name, _, knobs = policy.partition(":")  # e.g. prism:deadline_admission=false (an ablation)
@@ -169,7 +170,7 @@ async def run_policy(
         for r in rates:
             wait_idle(port)
             groups, seconds0 = placement(port), engine_seconds(port)
-            settings = BenchSettings(rate_scale=r, duration_s=duration * r, prompt="ids", timeout_s=60)
+            settings = BenchSettings(rate_scale=r, duration_s=duration * r, prompt="ids", timeout_s=timeout)
             start, cpu0 = time.perf_counter(), common.cpu_seconds()
             res = await replay(workload, f"http://127.0.0.1:{port}", settings, progress=True)
             s = res.summary()["overall"]
@@ -258,6 +259,9 @@ def main() -> None:
         help='activate models on these devices before the warm-up, e.g. "cpu:0=syn-360m+smol-c,'
         'cpu:1=smol-a+smol-b+syn-135m" (an ablation: the policy starts from this placement)',
     )
+    ap.add_argument(
+        "--timeout", type=float, default=60.0, help="client timeout per request, s (counts as a miss)"
+    )
     ap.add_argument("--max-prompt", type=int, default=128)
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -321,11 +325,12 @@ def main() -> None:
         "config": config.read_text(),
         "duration_s_per_rate": args.duration,
         "place": args.place,
+        "client_timeout_s": args.timeout,
         "policies": {},
     }
     for policy in args.policies.split(","):
         results["policies"][policy] = asyncio.run(
-            run_policy(policy, config, workload, rates, args.duration, tmp, args.place)
+            run_policy(policy, config, workload, rates, args.duration, tmp, args.place, args.timeout)
         )
         (args.out / "live.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out / "live.png")
