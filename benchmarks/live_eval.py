@@ -257,7 +257,8 @@ def main() -> None:
     ap.add_argument(
         "--place",
         help='activate models on these devices before the warm-up, e.g. "cpu:0=syn-360m+smol-c,'
-        'cpu:1=smol-a+smol-b+syn-135m" (an ablation: the policy starts from this placement)',
+        'cpu:1=smol-a+smol-b+syn-135m" (an ablation: the policy starts from this placement; '
+        "static-partition then sets no KV slices, it sizes them only for models it places itself)",
     )
     ap.add_argument(
         "--timeout", type=float, default=60.0, help="client timeout per request, s (counts as a miss)"
