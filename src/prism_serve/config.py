@@ -149,7 +149,12 @@ class ServerConfig(_Strict):
     )
     max_waiting_requests: int = Field(256, ge=1, description="requests not yet streaming; beyond: 429")
     request_timeout_s: float = Field(120.0, gt=0, description="wait for the first token (queue + activation)")
+    max_request_bytes: Size = Field(
+        8 * 2**20, description="largest request body, e.g. 8MiB; larger ones get 413 before being read"
+    )
     namespace: str | None = Field(None, description="ledger / host cache namespace (default per user)")
+
+    _max_request_bytes = field_validator("max_request_bytes", mode="before")(_size)
 
 
 class DeploymentConfig(_Strict):

@@ -14,6 +14,25 @@ class PrismError(Exception):
     error_type: str = "internal_error"
 
 
+def quoted(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: errors name what the client sent without echoing
+    a megabyte of it back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 15]}... ({len(text)} chars)"
+
+
+class ConflictError(PrismError):
+    """The request contradicts the model's current state (e.g. load on one device while it is
+    active on another)."""
+
+    status_code = 409
+    error_type = "conflict"
+
+
+class InternalError(PrismError):
+    """Something failed inside the server (a bug); the request was released, nothing else is affected."""
+
+
 class InvalidRequestError(PrismError, ValueError):
     """The request itself is wrong; nothing about the server changed."""
 

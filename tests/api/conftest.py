@@ -53,13 +53,14 @@ devices:
   - {{name: "cpu:1", memory: 2GiB, cores: "{core1}", workers: 1}}
 models:
   - {{name: smol, ttft_slo: 30.0, tpot_slo: 2.0}}
-  - {{name: smol-b, ttft_slo: 30.0, tpot_slo: 2.0}}
+  - {{name: smol-b, max_model_len: 8192, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: tiny, source: "random:smollm2-135m", max_model_len: 512, ttft_slo: 30.0, tpot_slo: 2.0}}
 policy: {{name: prism}}
 server:
   api_keys: [{api_key}]
   admin_key: {admin_key}
   max_waiting_requests: 3
+  max_request_bytes: 2MiB
   namespace: "{{namespace}}"
 """
 

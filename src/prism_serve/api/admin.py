@@ -18,6 +18,8 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from prism_serve.api.errors import AuthenticationError, PermissionDeniedError, bearer_token
+from prism_serve.api.protocol import Text
+from prism_serve.api.schema import ADMIN
 
 if TYPE_CHECKING:
     from prism_serve.api.server import PrismServer
@@ -26,12 +28,12 @@ __all__ = ["add_admin_routes"]
 
 
 class LoadBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    device: str | None = None
+    model_config = ConfigDict(extra="forbid", strict=True)
+    device: Text | None = None  # one of the configured devices (400 otherwise)
 
 
 class UnloadBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     force: bool = True
 
 
@@ -57,7 +59,7 @@ def add_admin_routes(app: FastAPI, server: PrismServer) -> None:
         out.update(extra)
         return out
 
-    @app.post("/v1/admin/models/{name:path}/load")
+    @app.post("/v1/admin/models/{name:path}/load", responses=ADMIN)
     async def load(name: str, http: Request, body: LoadBody | None = None) -> dict:
         authorize(http)
         phases = await c.load(name, body.device if body else None)
@@ -69,19 +71,19 @@ def add_admin_routes(app: FastAPI, server: PrismServer) -> None:
             }  # fmt: skip
         return card(name, **extra)
 
-    @app.post("/v1/admin/models/{name:path}/unload")
+    @app.post("/v1/admin/models/{name:path}/unload", responses=ADMIN)
     async def unload(name: str, http: Request, body: UnloadBody | None = None) -> dict:
         authorize(http)
         evicted = await c.unload(name, force=body.force if body else True)
         return card(name, evicted=evicted)
 
-    @app.post("/v1/admin/models/{name:path}/pin")
+    @app.post("/v1/admin/models/{name:path}/pin", responses=ADMIN)
     async def pin(name: str, http: Request) -> dict:
         authorize(http)
         c.pin(name, True)
         return card(name)
 
-    @app.post("/v1/admin/models/{name:path}/unpin")
+    @app.post("/v1/admin/models/{name:path}/unpin", responses=ADMIN)
     async def unpin(name: str, http: Request) -> dict:
         authorize(http)
         c.pin(name, False)

@@ -3,15 +3,20 @@
 Requests are strict: a parameter we do not implement (``n > 1``, ``logprobs``, tools, a non-zero
 penalty) is a 400 that names it, never silently ignored. vLLM's extras ``top_k``, ``ignore_eos`` and
 ``stop_token_ids`` are accepted, so load generators written for vLLM work.
+
+Types are checked at the edge, so nothing malformed reaches the tokenizer, the IPC encoder or the
+engine: integers are JSON integers (not ``true`` or ``1.0``) within 64 bits, booleans are JSON
+booleans, and text is valid Unicode (a lone surrogate such as ``"\\ud800"`` is a 400, since no
+tokenizer can encode it).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prism_serve.engine.sampling_params import SamplingParams
 
@@ -20,6 +25,7 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "StreamOptions",
+    "Text",
     "chat_chunk",
     "chat_response",
     "completion_chunk",
@@ -29,8 +35,26 @@ __all__ = [
 ]
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _valid_unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid Unicode at character {e.start} (a lone surrogate)") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON types as declared (no true for 1, no 1.0 for an integer, no 0 for false)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -40,13 +64,13 @@ class StreamOptions(_Body):
 
 class _TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[_TextPart] | None = None
-    name: str | None = None
+    content: Text | list[_TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -59,20 +83,20 @@ class ChatMessage(_Body):
 class _Sampling(_Body):
     """Parameters both endpoints share."""
 
-    model: str = Field(min_length=1)
+    model: Text = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # vLLM extra
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)  # vLLM extra
     n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extra
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None  # vLLM extra
+    seed: Int64 | None = None
     ignore_eos: bool = False  # vLLM extra: generate exactly max_tokens (load generators)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("n")
     @classmethod
@@ -121,13 +145,20 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Literal[False] | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: bool | None = None
     # Accepted only with their "off" values: a client that asks for more hears why.
     tools: None = None
     tool_choice: Literal["none"] | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
 
     @field_validator("response_format")
     @classmethod
@@ -141,8 +172,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    max_tokens: Count | None = 16
     echo: Literal[False] = False
     logprobs: None = None
     suffix: None = None
@@ -157,8 +188,6 @@ class CompletionRequest(_Sampling):
             v = v[0]
         if isinstance(v, list) and not v:
             raise ValueError("prompt is empty")
-        if isinstance(v, list) and any(t < 0 for t in v):
-            raise ValueError("token ids must be non-negative")
         return v
 
     def requested_max_tokens(self) -> int | None:

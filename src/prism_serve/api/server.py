@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from prism_serve.api import schema as api_schema
 from prism_serve.api.errors import (
     AuthenticationError,
     OverloadedError,
@@ -33,6 +34,7 @@ from prism_serve.api.errors import (
     error_body,
     install_error_handlers,
 )
+from prism_serve.api.limits import BodySizeLimit
 from prism_serve.api.metrics import CONTENT_TYPE, ServerMetrics
 from prism_serve.api.protocol import (
     ChatCompletionRequest,
@@ -108,35 +110,37 @@ class PrismServer:
 
         app = FastAPI(title="prism-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
         install_error_handlers(app)
+        api_schema.install_openapi(app)
+        app.add_middleware(BodySizeLimit, max_bytes=self.config.server.max_request_bytes)
         s = self
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", responses=api_schema.CHAT)
         async def chat(body: ChatCompletionRequest, http: Request) -> Response:
             s.authorize(http)
             return await s.complete(http, body, chat=True)
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", responses=api_schema.COMPLETION)
         async def completions(body: CompletionRequest, http: Request) -> Response:
             s.authorize(http)
             return await s.complete(http, body, chat=False)
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", responses=api_schema.MODELS)
         async def models(http: Request) -> dict:
             s.authorize(http)
             return {"object": "list", "data": s.model_cards()}
 
-        @app.get("/v1/models/{model:path}")
+        @app.get("/v1/models/{model:path}", responses=api_schema.MODEL)
         async def model(model: str, http: Request) -> dict:
             s.authorize(http)
             s.controller.tokenizer(model)  # UnknownModelError (404) for a name not served
             return next(c for c in s.model_cards() if c["id"] == model)
 
-        @app.get("/health")
+        @app.get("/health", responses=api_schema.HEALTH)
         async def health() -> Response:
             ok = s.controller.running
             return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
 
-        @app.get("/metrics")
+        @app.get("/metrics", responses=api_schema.METRICS)
         async def metrics() -> Response:
             return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -180,8 +184,11 @@ class PrismServer:
         arrival = time.perf_counter()
         model = body.model
         try:
-            prompt = self._prompt(body, chat)
-            run = await self._open(http, body, prompt, arrival)
+            self.controller.tokenizer(model)  # 404 before any work
+            # Templates and tokenization run in a thread: a long prompt must not stall the event
+            # loop (every other request, /health, token streams) while it is encoded.
+            ids = await asyncio.to_thread(self._tokenize, body, chat)
+            run = await self._open(http, body, ids, arrival)
         except ClientDisconnected:
             return Response(status_code=499)
         except PrismError as e:
@@ -207,40 +214,55 @@ class PrismServer:
         build = chat_response if chat else completion_response
         return JSONResponse(build(run.rid, model, text, last.finish_reason, use))
 
-    def _prompt(self, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> str | list[int]:
-        if not chat:
-            return body.prompt
-        tok = self.controller.tokenizer(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        if tok.chat_template:
-            return tok.apply_chat_template(messages)
-        # A checkpoint without a chat template (some HF directories): a plain transcript keeps it usable.
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-
-    async def _open(
-        self,
-        http: Request,
-        body: ChatCompletionRequest | CompletionRequest,
-        prompt: str | list[int],
-        arrival: float,
-    ) -> _Run:
-        """Validate, submit, and wait for the first token (or a disconnect)."""
+    def _tokenize(self, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> list[int]:
+        """The prompt's token ids, checked against the model's vocabulary and context (400s)."""
         c = self.controller
-        tok = c.tokenizer(body.model)  # 404 first
-        ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
-        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        tok = c.tokenizer(body.model)
+        max_len = c.max_model_len(body.model)
+        wanted = body.requested_max_tokens()
+        param = "messages" if chat else "prompt"
+
+        def too_long(num_tokens: str) -> PrismError:
+            return _with_param(PromptTooLongError(
+                f"this model's maximum context length is {max_len} tokens; the prompt has {num_tokens} tokens"
+                + (f" and max_tokens is {wanted}" if wanted else "")
+            ), param)  # fmt: skip
+
+        if chat:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            if tok.chat_template:
+                prompt = tok.apply_chat_template(messages)
+            else:  # a checkpoint without a chat template (some HF directories): a plain transcript
+                prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        else:
+            prompt = body.prompt
+        if isinstance(prompt, str):
+            at_least = tok.min_tokens(prompt)
+            if at_least + (wanted or 1) > max_len:
+                raise too_long(f"at least {at_least}")  # known without tokenizing it
+            ids = tok.encode(prompt)
+        else:
+            ids = prompt
         vocab = int(c.models[body.model].cached.config["vocab_size"])
         if any(t >= vocab for t in ids):
             raise _with_param(
                 InvalidRequestError(f"token ids must be below the vocabulary size {vocab}"), param
             )
+        if len(ids) + (wanted or 1) > max_len:
+            raise too_long(str(len(ids)))
+        return ids
+
+    async def _open(
+        self,
+        http: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        ids: list[int],
+        arrival: float,
+    ) -> _Run:
+        """Submit and wait for the first token (or a disconnect)."""
+        c = self.controller
         max_len = c.max_model_len(body.model)
         wanted = body.requested_max_tokens()
-        if len(ids) + (wanted or 1) > max_len:
-            raise _with_param(PromptTooLongError(
-                f"this model's maximum context length is {max_len} tokens; the prompt has {len(ids)} tokens"
-                + (f" and max_tokens is {wanted}" if wanted else "")
-            ), param)  # fmt: skip
         params = body.sampling_params(wanted or max_len - len(ids))
         limit = self.config.server.max_waiting_requests
         if self.num_waiting >= limit:

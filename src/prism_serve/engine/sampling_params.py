@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 
 from prism_serve.errors import InvalidSamplingParamsError
 
+# Integers cross the worker boundary as MessagePack int64 and seed a torch.Generator: both stop at 64 bits.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(v: object, lo: int = INT64_MIN, hi: int = INT64_MAX) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -33,7 +40,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not _is_int(self.max_tokens, 1):
             raise InvalidSamplingParamsError(
                 f"max_tokens must be a positive integer, got {self.max_tokens!r}"
             )
@@ -41,18 +48,20 @@ class SamplingParams:
             raise InvalidSamplingParamsError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise InvalidSamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k, -1):
             raise InvalidSamplingParamsError(
                 f"top_k must be -1, 0 (both disable it) or positive, got {self.top_k!r}"
             )
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidSamplingParamsError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise InvalidSamplingParamsError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidSamplingParamsError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidSamplingParamsError(f"stop_token_ids must be non-negative integers, got {t!r}")
+            if not _is_int(t, 0):
+                raise InvalidSamplingParamsError(
+                    f"stop_token_ids must be non-negative 64-bit integers, got {t!r}"
+                )
 
     @property
     def greedy(self) -> bool:

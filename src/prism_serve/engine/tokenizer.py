@@ -69,6 +69,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
+        self._max_token_chars: int | None = None
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -159,6 +160,17 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` that costs no tokenization, so an oversized prompt
+        is refused at once. Each token stands for at most as many characters as its vocabulary
+        string has (byte-level BPE: one character per byte); with a normalizer (which may drop
+        characters) no bound is claimed (0)."""
+        if self.backend.normalizer is not None:
+            return 0
+        if self._max_token_chars is None:
+            self._max_token_chars = max(1, *map(len, self.backend.get_vocab(with_added_tokens=True)))
+        return len(text) // self._max_token_chars
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -21,6 +21,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
+import msgspec
+
 from prism_serve.control import (
     Activate,
     ClusterSnapshot,
@@ -40,12 +42,17 @@ from prism_serve.engine.llm_engine import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import (
+    ConflictError,
     DuplicateRequestError,
     EmptyPromptError,
+    InternalError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
     PrismError,
     PromptTooLongError,
     WorkerDiedError,
     error_class,
+    quoted,
 )
 from prism_serve.memory.ledger import DeviceLedger
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, format_size
@@ -251,13 +258,25 @@ class Controller:
             req_id = f"r{self._ids}"
         if req_id in self._requests:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
-        now = self._now()
+        # Encoded once, here: a value the wire cannot carry (an int beyond 64 bits set on a
+        # SamplingParams after it was built) is this request's 400, before anything is registered.
         wire = msg.Params(**{f: getattr(params, f) for f in msg.Params.__struct_fields__})
+        try:
+            payload = msg.encode(msg.AddRequest(req_id, ids, wire))
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
+            raise InvalidSamplingParamsError(f"the request cannot be sent to a worker: {e}") from None
+        now = self._now()
         control = Request(req_id, model, now, len(ids), m.spec.ttft_slo)
-        r = RequestEntry(req_id, model, ids, wire, control)
+        r = RequestEntry(req_id, model, payload, control)
         self._requests[req_id] = r
-        self.rates.observe(model, now)
-        self._route(control, now)
+        try:
+            self.rates.observe(model, now)
+            self._route(control, now)
+        except BaseException:
+            # Whatever failed (a policy, a queue), nothing of this request may stay registered.
+            logger.exception("routing %s failed", req_id)
+            self._abort(r)
+            raise
         return r
 
     def _route(self, request: Request, now: float) -> None:
@@ -348,7 +367,13 @@ class Controller:
         r.worker = m.worker
         m.worker.in_flight.add(r.req_id)
         m.num_running += 1
-        self._send(m.worker, msg.AddRequest(r.req_id, r.prompt_token_ids, r.params))
+        try:
+            self.pool.send(m.worker, r.payload)
+        except WorkerDiedError:
+            pass  # the death handler fails what was in flight, this request included
+        except Exception as e:  # the request must not stay booked on a worker that never got it
+            logger.exception("sending %s to %s failed", r.req_id, m.worker.worker_id)
+            self._fail(r, InternalError(f"could not hand the request to its worker: {type(e).__name__}"))
 
     def _send(self, handle: WorkerHandle, message: msg.Message) -> None:
         with contextlib.suppress(WorkerDiedError):  # the death handler fails what was in flight
@@ -414,11 +439,14 @@ class Controller:
         logger.info(
             "activated %s on %s in %.3f s %s", m.spec.name, device, reply.phases.total_s, reply.phases
         )
-        for listener in self.activation_listeners:
-            listener(m.spec.name, device, reply.phases)
         now = self._now()
-        self._apply(self.policy.place(self.snapshot(now), now), now)
-        self._admit(device, now)
+        try:
+            for listener in self.activation_listeners:
+                listener(m.spec.name, device, reply.phases)
+            self._apply(self.policy.place(self.snapshot(now), now), now)
+            self._admit(device, now)
+        except Exception:  # the model is active; the next tick admits what this could not
+            logger.exception("placing and admitting after %s's activation failed", m.spec.name)
         return reply.phases
 
     def _activation_failed(self, m: ModelEntry, handle: WorkerHandle | None, error: PrismError) -> None:
@@ -481,6 +509,12 @@ class Controller:
         """Activate ``model`` (on ``device`` or where the policy's on-demand rule would put it);
         returns its phases, or None if it was already active."""
         m = self._model(model)
+        if device is not None and device not in self.devices:
+            raise InvalidRequestError(
+                f"unknown device {quoted(device)}; devices: {', '.join(self.devices)}"
+            )
+        if device is not None and m.state is not ModelState.EVICTED and m.device != device:
+            raise ConflictError(f"{model} is {m.state.value} on {m.device}; unload it first to move it")
         if m.state is ModelState.ACTIVE:
             return None
         if m.state is ModelState.EVICTED:
@@ -524,7 +558,7 @@ class Controller:
     def _model(self, name: str) -> ModelEntry:
         m = self.models.get(name)
         if m is None:
-            raise UnknownModelError(f"model {name!r} is not served here; see /v1/models")
+            raise UnknownModelError(f"model {quoted(name)} is not served here; see /v1/models")
         return m
 
     # ---- worker messages ----------------------------------------------------------------------

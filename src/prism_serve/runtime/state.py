@@ -107,8 +107,7 @@ class ModelEntry:
 class RequestEntry:
     req_id: str
     model: str
-    prompt_token_ids: list[int]
-    params: msg.Params
+    payload: bytes  # the encoded AddRequest, sent as is when the request is dispatched
     control: Request
     stream: asyncio.Queue = field(default_factory=asyncio.Queue)
     worker: WorkerHandle | None = None

@@ -172,12 +172,14 @@ class WorkerPool:
     def on_device(self, device: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.device.name == device]
 
-    def send(self, handle: WorkerHandle, message: msg.Message) -> None:
-        """Send without blocking. A worker whose socket is gone (ROUTER_MANDATORY: EHOSTUNREACH) is
-        handled as dead; the asyncio socket reports that through the send's future."""
+    def send(self, handle: WorkerHandle, message: msg.Message | bytes) -> None:
+        """Send a message (or one already encoded) without blocking. A worker whose socket is gone
+        (ROUTER_MANDATORY: EHOSTUNREACH) is handled as dead; the asyncio socket reports that through
+        the send's future."""
         if handle.state is WorkerState.DEAD:
             raise WorkerDiedError(f"worker {handle.worker_id} is dead")
-        fut = self._sock.send_multipart([handle.identity, msg.encode(message)], flags=zmq.NOBLOCK)
+        data = message if isinstance(message, bytes) else msg.encode(message)
+        fut = self._sock.send_multipart([handle.identity, data], flags=zmq.NOBLOCK)
 
         def check(f: asyncio.Future) -> None:
             e = None if f.cancelled() else f.exception()

@@ -1,0 +1,83 @@
+"""The request size limit (``server.max_request_bytes``), as an ASGI middleware in front of the app.
+
+A body whose ``Content-Length`` says it is too large is answered 413 before a byte of it is read;
+a chunked body is counted as it arrives and refused at the first chunk over the limit. Either way
+the app never parses (or tokenizes) it, so one huge request costs the server almost nothing.
+(uvicorn's h11 and httptools parsers enforce Content-Length, so a body cannot exceed what it said.)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prism_serve.api.errors import error_body
+from prism_serve.memory.vmm import format_size
+
+__all__ = ["BodySizeLimit"]
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+
+
+class BodySizeLimit:
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None and length > self.max_bytes:
+            await self._refuse(send, length)
+            return
+        if length is None and _has_body(scope):
+            # Chunked: read it here, counting, and hand the app the whole body in one message.
+            chunks, seen = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away while sending
+                chunks.append(message.get("body", b""))
+                seen += len(chunks[-1])
+                if seen > self.max_bytes:
+                    await self._refuse(send, None)
+                    return
+                if not message.get("more_body", False):
+                    break
+            replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+            async def replayed() -> Message:
+                return replay.pop() if replay else await receive()  # then disconnects, as before
+
+            await self.app(scope, replayed, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _refuse(self, send: Any, length: int | None) -> None:
+        size = f" ({format_size(length)})" if length is not None else ""
+        body = json.dumps(error_body(
+            f"the request body{size} is larger than this server's limit of {format_size(self.max_bytes)} "
+            "(server.max_request_bytes)",
+            "invalid_request_error", 413,
+        )).encode()  # fmt: skip
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]  # fmt: skip
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _has_body(scope: Scope) -> bool:
+    return any(name == b"transfer-encoding" for name, _ in scope.get("headers", ()))
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

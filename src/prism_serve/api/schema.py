@@ -1,0 +1,177 @@
+"""What the OpenAPI schema (``/openapi.json``) says about each route: the bodies it answers with,
+every status it can send, and the streaming form.
+
+The models here document responses; the routes build their JSON directly (one dict per stream
+chunk is cheaper than a pydantic object), and the schemathesis test in tests/api checks the two
+agree. FastAPI's default 422 is removed: validation errors are 400 in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+
+from prism_serve.api.metrics import CONTENT_TYPE
+
+__all__ = ["ADMIN", "CHAT", "COMPLETION", "HEALTH", "METRICS", "MODEL", "MODELS", "install_openapi"]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx answer (and an error inside a stream, as its last event)."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _Message(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class _ChatChoice(BaseModel):
+    index: int
+    message: _Message
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[_ChatChoice]
+    usage: Usage
+
+
+class _TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[_TextChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    model_config = ConfigDict(extra="allow")  # admin routes add what they did (activated, evicted)
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    state: Literal["active", "loading", "evicted"]
+    device: str | None
+    pinned: bool
+    source: str
+    synthetic: bool
+    max_model_len: int
+    ttft_slo: float
+    tpot_slo: float
+    weight_bytes: int
+    num_running: int
+    num_queued: int
+    num_activations: int
+    num_evictions: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "starting"]
+
+
+_SSE = {
+    "text/event-stream": {
+        "schema": {
+            "type": "string",
+            "description": "with stream: true: 'data: {chunk}' events (chat.completion.chunk or "
+            "text_completion), an error object as the last event if the request fails after its "
+            "first token, then 'data: [DONE]'",
+        }
+    }
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    what = {
+        400: "invalid parameter or prompt (beyond the context, bad token ids, bad Unicode)",
+        401: "missing or wrong API key",
+        403: "the key may not use this route",
+        404: "no such model",
+        409: "the model's state does not allow it (e.g. active on another device)",
+        413: "request body larger than server.max_request_bytes",
+        429: "too many requests waiting for their first token (Retry-After says when to retry)",
+        500: "internal error (the request was released)",
+        503: "the model could not be activated, or its worker died",
+        504: "no first token within server.request_timeout_s",
+    }
+    return {c: {"model": ErrorResponse, "description": what[c]} for c in codes}
+
+
+def _ok(model: type[BaseModel], stream: bool = False) -> dict[int | str, dict[str, Any]]:
+    out: dict[str, Any] = {"model": model, "description": "OK"}
+    if stream:
+        out["content"] = dict(_SSE)
+    return {200: out}
+
+
+_COMPLETE = (400, 401, 404, 413, 429, 500, 503, 504)
+CHAT = {**_ok(ChatCompletion, stream=True), **_errors(*_COMPLETE)}
+COMPLETION = {**_ok(TextCompletion, stream=True), **_errors(*_COMPLETE)}
+MODELS = {**_ok(ModelList), **_errors(401)}
+MODEL = {**_ok(ModelCard), **_errors(401, 404)}
+HEALTH = {**_ok(Health), 503: {"model": Health, "description": "still starting"}}
+METRICS = {200: {"description": "Prometheus text", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}}
+ADMIN = {**_ok(ModelCard), **_errors(400, 401, 403, 404, 409, 413, 500, 503)}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Build the schema once: 422s out, bearer auth and the 400 error shape in."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "server.api_keys (admin "
+                           "routes: server.admin_key); /health and /metrics need none"},
+            }  # fmt: skip
+            metrics_ok = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+            metrics_ok.pop("application/json", None)  # FastAPI's default; /metrics is text only
+            for path, item in schema["paths"].items():
+                for op in item.values():
+                    op["responses"].pop("422", None)
+                    if path not in ("/health", "/metrics"):
+                        op["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
