@@ -1,0 +1,108 @@
+"""Fault injection on the path from accepting a request to handing it to a worker: at each step a
+failure is injected, the request must end with a named error, and everything it registered
+(request table, running counts, worker in-flight sets, device queues, backlog, KV) must be released,
+with the model serving the next request normally."""
+
+from __future__ import annotations
+
+import pytest
+
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.errors import InternalError, InvalidSamplingParamsError, PrismError
+from prism_serve.runtime.devices import DeviceSpec
+from prism_serve.runtime.models import ModelSpec
+from prism_serve.runtime.state import ActivationError, ModelEntry
+
+from .conftest import Runtime, collect
+
+GiB = 2**30
+
+
+class Injected(RuntimeError):
+    """The fault this test injects (a bug or an OS error anywhere on the path)."""
+
+
+@pytest.fixture(scope="module")
+def rt(runtime_factory) -> Runtime:
+    devices = [DeviceSpec("cpu:0", 2 * GiB, (0,), 1)]
+    return runtime_factory(devices, [ModelSpec("tiny", source="random:smollm2-135m", max_model_len=256)],
+                           tick_interval_s=0.2)  # fmt: skip
+
+
+def released(rt: Runtime) -> None:
+    c = rt.c
+    assert not c._requests
+    assert not c._backlog
+    assert all(len(q) == 0 for q in c.queues.values())
+    assert all(m.num_running == 0 for m in c.models.values())
+    assert all(not w.in_flight for w in c.pool.workers.values())
+
+
+def still_serves(rt: Runtime) -> None:
+    _, deltas = rt.run(
+        collect(rt.c, "tiny", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    )
+    assert deltas[-1].finished and deltas[-1].num_output_tokens == 3
+    released(rt)
+    stats = rt.c.models["tiny"].worker.stats
+    assert stats is not None and stats.used_kv_bytes == 0  # the engine freed every block
+
+
+def fail_once(obj, name: str, monkeypatch) -> None:
+    original = getattr(obj, name)
+
+    def boom(*args, **kwargs):
+        monkeypatch.setattr(obj, name, original)
+        raise Injected(f"injected into {name}")
+
+    monkeypatch.setattr(obj, name, boom)
+
+
+def run_one(rt: Runtime, params: SamplingParams | None = None) -> BaseException:
+    params = params or SamplingParams(max_tokens=3, temperature=0)
+    with pytest.raises((PrismError, Injected)) as info:
+        rt.run(collect(rt.c, "tiny", [1, 2, 3], params))
+    return info.value
+
+
+@pytest.mark.parametrize("evicted", [False, True], ids=["active", "evicted"])
+@pytest.mark.parametrize("step", ["on_request", "admit"])
+def test_a_policy_failure_releases_the_request(rt, monkeypatch, step, evicted):
+    if evicted:
+        rt.run(rt.c.unload("tiny"))
+    else:
+        still_serves(rt)
+    fail_once(rt.c.policy, step, monkeypatch)
+    assert isinstance(run_one(rt), Injected)  # the caller sees the failure (the server: a 500)
+    released(rt)
+    still_serves(rt)
+
+
+def test_a_failed_send_releases_the_request(rt, monkeypatch):
+    still_serves(rt)
+    fail_once(rt.c.pool, "send", monkeypatch)
+    assert isinstance(run_one(rt), InternalError)
+    released(rt)
+    still_serves(rt)
+
+
+def test_a_value_the_wire_cannot_carry_is_refused_before_anything_is_registered(rt):
+    params = SamplingParams(max_tokens=3)
+    params.seed = 2**70  # set after validation: only the encoder can notice
+    assert isinstance(run_one(rt, params), InvalidSamplingParamsError)
+    released(rt)
+    still_serves(rt)
+
+
+def test_a_failed_activation_fails_its_waiting_requests_and_the_next_one_activates(rt, monkeypatch):
+    rt.run(rt.c.unload("tiny"))
+    fail_once(ModelEntry, "activate_message", monkeypatch)
+    assert isinstance(run_one(rt), ActivationError)
+    released(rt)
+    still_serves(rt)
+
+
+def test_a_failure_while_placing_after_an_activation_does_not_fail_it(rt, monkeypatch):
+    rt.run(rt.c.unload("tiny"))
+    fail_once(rt.c.policy, "place", monkeypatch)
+    still_serves(rt)  # activation went through; the request was admitted (by then or by a tick)
