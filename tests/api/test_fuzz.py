@@ -43,8 +43,8 @@ def tame(case, rng: random.Random) -> None:
             v = body.get(key)
             if type(v) is int and v > 4:
                 body[key] = rng.randint(1, 4)
-        if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = rng.randint(1, 4)  # else a chat runs to the end of the context
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = rng.randint(1, 4)  # else a request runs to the end of the context
         if isinstance(body.get("model"), str) and body["model"] and rng.random() < 0.5:
             body["model"] = rng.choice(MODELS)
     params = case.path_parameters or {}
