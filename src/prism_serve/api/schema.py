@@ -108,8 +108,10 @@ class Health(BaseModel):
 
 _SSE = {
     "text/event-stream": {
-        "schema": {
-            "type": "string",
+        "schema": {  # one server-sent event (its data is a JSON chunk, or [DONE] at the end)
+            "type": "object",
+            "properties": {"data": {"type": "string"}},
+            "required": ["data"],
             "description": "with stream: true: 'data: {chunk}' events (chat.completion.chunk or "
             "text_completion), an error object as the last event if the request fails after its "
             "first token, then 'data: [DONE]'",
