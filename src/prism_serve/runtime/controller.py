@@ -21,8 +21,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
-import msgspec
-
 from prism_serve.control import (
     Activate,
     ClusterSnapshot,
@@ -42,14 +40,9 @@ from prism_serve.engine.llm_engine import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import (
-    ConflictError,
     DuplicateRequestError,
-    EmptyPromptError,
     InternalError,
-    InvalidRequestError,
-    InvalidSamplingParamsError,
     PrismError,
-    PromptTooLongError,
     WorkerDiedError,
     error_class,
     quoted,
@@ -57,6 +50,7 @@ from prism_serve.errors import (
 from prism_serve.memory.ledger import DeviceLedger
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, format_size
 from prism_serve.runtime import messages as msg
+from prism_serve.runtime.admin import AdminOps
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.loading import DeviceMemoryExhaustedError
 from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
@@ -79,7 +73,7 @@ __all__ = ["ActivationError", "Controller", "DeadlineMissError", "ModelStatus", 
 logger = logging.getLogger(__name__)
 
 
-class Controller:
+class Controller(AdminOps):
     def __init__(
         self,
         devices: Iterable[DeviceSpec],
@@ -244,34 +238,17 @@ class Controller:
         self, model: str, prompt: str | list[int], params: SamplingParams, req_id: str | None
     ) -> RequestEntry:
         m = self._model(model)
-        ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise EmptyPromptError("prompt has no tokens")
-        max_len = self.max_model_len(model)
-        if len(ids) >= max_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; {model} accepts at most {max_len - 1} so that one token "
-                "can be generated"
-            )
         if req_id is None:
             self._ids += 1
             req_id = f"r{self._ids}"
         if req_id in self._requests:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
-        # Encoded once, here: a value the wire cannot carry (an int beyond 64 bits set on a
-        # SamplingParams after it was built) is this request's 400, before anything is registered.
-        wire = msg.Params(**{f: getattr(params, f) for f in msg.Params.__struct_fields__})
-        try:
-            payload = msg.encode(msg.AddRequest(req_id, ids, wire))
-        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
-            raise InvalidSamplingParamsError(f"the request cannot be sent to a worker: {e}") from None
         now = self._now()
-        control = Request(req_id, model, now, len(ids), m.spec.ttft_slo)
-        r = RequestEntry(req_id, model, payload, control)
+        r = RequestEntry.build(req_id, m, prompt, params, now)  # 400s: nothing registered yet
         self._requests[req_id] = r
         try:
             self.rates.observe(model, now)
-            self._route(control, now)
+            self._route(r.control, now)
         except BaseException:
             # Whatever failed (a policy, a queue), nothing of this request may stay registered.
             logger.exception("routing %s failed", req_id)
@@ -367,17 +344,20 @@ class Controller:
         r.worker = m.worker
         m.worker.in_flight.add(r.req_id)
         m.num_running += 1
-        try:
-            self.pool.send(m.worker, r.payload)
-        except WorkerDiedError:
-            pass  # the death handler fails what was in flight, this request included
-        except Exception as e:  # the request must not stay booked on a worker that never got it
-            logger.exception("sending %s to %s failed", r.req_id, m.worker.worker_id)
-            self._fail(r, InternalError(f"could not hand the request to its worker: {type(e).__name__}"))
+        if not self._send(m.worker, r.payload):  # it must not stay booked on a worker that never got it
+            self._fail(r, InternalError("could not hand the request to its worker"))
 
-    def _send(self, handle: WorkerHandle, message: msg.Message) -> None:
-        with contextlib.suppress(WorkerDiedError):  # the death handler fails what was in flight
+    def _send(self, handle: WorkerHandle, message: msg.Message | bytes) -> bool:
+        """Send; False (logged) if the send itself failed. A dead worker counts as sent: its death
+        handler fails what was in flight."""
+        try:
             self.pool.send(handle, message)
+        except WorkerDiedError:
+            pass
+        except Exception:
+            logger.exception("sending to %s failed", handle.worker_id)
+            return False
+        return True
 
     def _migrate(self, m: ModelEntry, dst: str, now: float) -> None:
         """Only idle models move (evict, then activate on ``dst``); a busy one stays until the next
@@ -503,50 +483,7 @@ class Controller:
         for d in self.devices:
             self._admit(d, now)
 
-    # ---- admin --------------------------------------------------------------------------------
-
-    async def load(self, model: str, device: str | None = None) -> msg.ActivationPhases | None:
-        """Activate ``model`` (on ``device`` or where the policy's on-demand rule would put it);
-        returns its phases, or None if it was already active."""
-        m = self._model(model)
-        if device is not None and device not in self.devices:
-            raise InvalidRequestError(
-                f"unknown device {quoted(device)}; devices: {', '.join(self.devices)}"
-            )
-        if device is not None and m.state is not ModelState.EVICTED and m.device != device:
-            raise ConflictError(f"{model} is {m.state.value} on {m.device}; unload it first to move it")
-        if m.state is ModelState.ACTIVE:
-            return None
-        if m.state is ModelState.EVICTED:
-            if device is None:
-                probe = Request(f"load-{model}", model, self._now(), 1, m.spec.ttft_slo)
-                now = self._now()
-                for a in self.policy.on_request(probe, self.snapshot(now), now):
-                    if isinstance(a, Evict):
-                        self._start_evict(self._model(a.model), force=False)
-                    elif isinstance(a, Activate):
-                        device = a.device
-                    elif isinstance(a, Reject | Defer):
-                        raise ActivationError(f"cannot load {model} now: {getattr(a, 'detail', '')}")
-            if device not in self.devices:
-                raise ActivationError(f"unknown device {device!r}")
-            self._start_activate(m, device)
-        task = m.activation
-        phases = await task if task is not None else None
-        if m.state is not ModelState.ACTIVE:
-            raise ActivationError(f"{model} did not activate")
-        return phases
-
-    async def unload(self, model: str, force: bool = True) -> bool:
-        """Evict ``model``; with ``force`` its requests in flight end with ModelEvictedError."""
-        m = self._model(model)
-        if m.state is ModelState.ACTIVATING and m.activation is not None:
-            await m.activation
-        done = self._start_evict(m, force)
-        return bool(await done) if done is not None else False
-
-    def pin(self, model: str, pinned: bool = True) -> None:
-        self._model(model).pinned = pinned
+    # ---- state ----------------------------------------------------------------------------------
 
     def status(self) -> list[ModelStatus]:
         snap = self.snapshot()

@@ -7,6 +7,8 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from prism_serve.control import (
     ClusterSnapshot,
     DeviceSnapshot,
@@ -18,8 +20,9 @@ from prism_serve.control import (
 )
 from prism_serve.control.forecast import RateEstimator
 from prism_serve.control.queues import RequestQueue
+from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
-from prism_serve.errors import PrismError, PromptTooLongError
+from prism_serve.errors import EmptyPromptError, InvalidSamplingParamsError, PrismError, PromptTooLongError
 from prism_serve.memory.ledger import DeviceLedger
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceSpec
@@ -112,6 +115,29 @@ class RequestEntry:
     stream: asyncio.Queue = field(default_factory=asyncio.Queue)
     worker: WorkerHandle | None = None
     done: bool = False
+
+    @classmethod
+    def build(
+        cls, req_id: str, m: ModelEntry, prompt: str | list[int], params: SamplingParams, now: float
+    ) -> RequestEntry:
+        """Tokenize and check the prompt, and encode the AddRequest once, here: a value the wire
+        cannot carry (an int beyond 64 bits set on a SamplingParams after it was built) is this
+        request's 400 before anything of it is registered."""
+        ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise EmptyPromptError("prompt has no tokens")
+        if len(ids) >= m.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; {m.spec.name} accepts at most {m.max_model_len - 1} so "
+                "that one token can be generated"
+            )
+        wire = msg.Params(**{f: getattr(params, f) for f in msg.Params.__struct_fields__})
+        try:
+            payload = msg.encode(msg.AddRequest(req_id, ids, wire))
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
+            raise InvalidSamplingParamsError(f"the request cannot be sent to a worker: {e}") from None
+        control = Request(req_id, m.spec.name, now, len(ids), m.spec.ttft_slo)
+        return cls(req_id, m.spec.name, payload, control)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,63 @@
+"""The controller's by-hand operations (the server's admin routes): load a model (on a device or
+where the policy's on-demand rule puts it), unload it, pin it. A mixin of Controller, kept apart
+from the request path and the control loop it drives."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prism_serve.control import Activate, Defer, Evict, ModelState, Reject, Request
+from prism_serve.errors import ConflictError, InvalidRequestError, quoted
+from prism_serve.runtime import messages as msg
+from prism_serve.runtime.state import ActivationError
+
+if TYPE_CHECKING:
+    from prism_serve.runtime.controller import Controller
+
+__all__ = ["AdminOps"]
+
+
+class AdminOps:
+    async def load(self: Controller, model: str, device: str | None = None) -> msg.ActivationPhases | None:
+        """Activate ``model`` (on ``device`` or where the policy's on-demand rule would put it);
+        returns its phases, or None if it was already active."""
+        m = self._model(model)
+        if device is not None and device not in self.devices:
+            raise InvalidRequestError(
+                f"unknown device {quoted(device)}; devices: {', '.join(self.devices)}"
+            )
+        if device is not None and m.state is not ModelState.EVICTED and m.device != device:
+            raise ConflictError(f"{model} is {m.state.value} on {m.device}; unload it first to move it")
+        if m.state is ModelState.ACTIVE:
+            return None
+        if m.state is ModelState.EVICTED:
+            if device is None:
+                probe = Request(f"load-{model}", model, self._now(), 1, m.spec.ttft_slo)
+                now = self._now()
+                for a in self.policy.on_request(probe, self.snapshot(now), now):
+                    if isinstance(a, Evict):
+                        self._start_evict(self._model(a.model), force=False)
+                    elif isinstance(a, Activate):
+                        device = a.device
+                    elif isinstance(a, Reject | Defer):
+                        raise ActivationError(f"cannot load {model} now: {getattr(a, 'detail', '')}")
+            if device not in self.devices:
+                raise ActivationError(f"unknown device {device!r}")
+            self._start_activate(m, device)
+        task = m.activation
+        phases = await task if task is not None else None
+        if m.state is not ModelState.ACTIVE:
+            raise ActivationError(f"{model} did not activate")
+        return phases
+
+    async def unload(self: Controller, model: str, force: bool = True) -> bool:
+        """Evict ``model``; with ``force`` its requests in flight end with ModelEvictedError."""
+        m = self._model(model)
+        if m.state is ModelState.ACTIVATING and m.activation is not None:
+            await m.activation
+        done = self._start_evict(m, force)
+        return bool(await done) if done is not None else False
+
+    def pin(self: Controller, model: str, pinned: bool = True) -> None:
+        self._model(model).pinned = pinned
+
