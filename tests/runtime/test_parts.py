@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prism_serve.engine.models.llama import LlamaForCausalLM
+from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceConfigError, DeviceSpec, cpu_devices, parse_cores
 from prism_serve.runtime.loading import chunks, parallel_copy, tensor_views
@@ -27,7 +28,7 @@ SAMPLES: list[msg.Message] = [
         "src", True, msg.EngineArgs(), 1.5,
     ),
     msg.EvictModel("m", force=True),
-    msg.AddRequest("r1", [1, 2, 3], msg.Params(max_tokens=5, stop=["x"], seed=3)),
+    msg.AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, stop=["x"], seed=3)),
     msg.AbortRequest("r1"),
     msg.SetKVLimit(None),
     msg.SetKVLimit(1 << 30),
@@ -50,6 +51,20 @@ def test_every_message_round_trips_through_its_direction_decoder(m: msg.Message)
     other = msg.from_worker_decoder() if to_worker else msg.to_worker_decoder()
     with pytest.raises(msgspec.ValidationError):  # a message never decodes as the other direction
         other.decode(msg.encode(m))
+
+
+def test_sampling_params_travel_as_themselves_and_are_checked_when_decoded() -> None:
+    """AddRequest carries the engine's SamplingParams (no wire copy): decoding gives the same struct,
+    validated again, so a value set out of range after construction cannot reach an engine."""
+    params = SamplingParams(max_tokens=5, temperature=0.5, stop="x", stop_token_ids=[7], seed=-3)
+    decoded = msg.to_worker_decoder().decode(msg.encode(msg.AddRequest("r1", [1], params)))
+    assert type(decoded.params) is SamplingParams and decoded.params == params
+    assert decoded.params.stop == ["x"]
+    params.max_tokens = 0
+    with pytest.raises(msgspec.ValidationError, match="max_tokens must be a positive integer"):
+        msg.to_worker_decoder().decode(msg.encode(msg.AddRequest("r1", [1], params)))
+    # array_like: the params are their values, no field names
+    assert b"max_tokens" not in msg.encode(msg.AddRequest("r1", [1], SamplingParams()))
 
 
 def test_every_message_type_has_a_sample() -> None:

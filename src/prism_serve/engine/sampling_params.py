@@ -1,8 +1,14 @@
-"""Per-request sampling parameters, validated when they are built."""
+"""Per-request sampling parameters: one msgspec struct from the HTTP layer to the engine.
+
+The API builds it once from the request body, the controller encodes it inside ``AddRequest``
+(runtime/messages.py) and the worker decodes it straight into the struct the engine samples with.
+It is validated when it is built and again when it is decoded (msgspec runs ``__post_init__``), so
+no layer copies it field by field or keeps its own defaults.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from prism_serve.errors import InvalidSamplingParamsError
 
@@ -14,14 +20,16 @@ def _is_int(v: object, lo: int = INT64_MIN, hi: int = INT64_MAX) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
-@dataclass(slots=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """How one request samples and when it stops.
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``seed`` gives the request its own random stream, so its output does not depend on what else
     is in the batch. ``stop`` strings end the output (and are cut from it unless
     ``include_stop_str_in_output``); ``stop_token_ids`` end it like EOS does.
+
+    Not frozen (like vLLM's): a field set after construction is checked again by ``validate()``,
+    which the controller calls before it encodes the request.
     """
 
     max_tokens: int = 16
@@ -29,13 +37,17 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Normalize ``stop`` (one string -> a list) and raise InvalidSamplingParamsError for a bad value."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -62,6 +74,9 @@ class SamplingParams:
                 raise InvalidSamplingParamsError(
                     f"stop_token_ids must be non-negative 64-bit integers, got {t!r}"
                 )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidSamplingParamsError(f"{name} must be a boolean, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from prism_serve.engine.sampling_params import SamplingParams
+
 
 class Message(msgspec.Struct, tag=True, array_like=True, forbid_unknown_fields=True):
     """Base of every IPC message (tagged, so one decoder reads them all)."""
@@ -43,21 +45,6 @@ class EngineArgs(msgspec.Struct, array_like=True, frozen=True):
     max_model_len: int | None = None
     seed: int = 0
     kv_limit_bytes: int | None = None  # cap on this engine's KV pages in the ledger
-
-
-class Params(msgspec.Struct, array_like=True, frozen=True):
-    """SamplingParams on the wire (validated again when the worker builds SamplingParams)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
 
 
 class ActivationPhases(msgspec.Struct, array_like=True, frozen=True):
@@ -127,7 +114,7 @@ class EvictModel(Message):
 class AddRequest(Message):
     req_id: str
     prompt_token_ids: list[int]
-    params: Params
+    params: SamplingParams  # the engine's own struct: decoding it validates it again
 
 
 class AbortRequest(Message):

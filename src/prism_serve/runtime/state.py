@@ -120,9 +120,9 @@ class RequestEntry:
     def build(
         cls, req_id: str, m: ModelEntry, prompt: str | list[int], params: SamplingParams, now: float
     ) -> RequestEntry:
-        """Tokenize and check the prompt, and encode the AddRequest once, here: a value the wire
-        cannot carry (an int beyond 64 bits set on a SamplingParams after it was built) is this
-        request's 400 before anything of it is registered."""
+        """Tokenize and check the prompt, and encode the AddRequest once, here: a bad value set on a
+        SamplingParams after it was built (out of range, or an int beyond 64 bits the wire cannot
+        carry) is this request's 400 before anything of it is registered."""
         ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise EmptyPromptError("prompt has no tokens")
@@ -131,9 +131,9 @@ class RequestEntry:
                 f"prompt has {len(ids)} tokens; {m.spec.name} accepts at most {m.max_model_len - 1} so "
                 "that one token can be generated"
             )
-        wire = msg.Params(**{f: getattr(params, f) for f in msg.Params.__struct_fields__})
+        params.validate()  # a field set after construction; the worker's decoder would refuse it
         try:
-            payload = msg.encode(msg.AddRequest(req_id, ids, wire))
+            payload = msg.encode(msg.AddRequest(req_id, ids, params))
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
             raise InvalidSamplingParamsError(f"the request cannot be sent to a worker: {e}") from None
         control = Request(req_id, m.spec.name, now, len(ids), m.spec.ttft_slo)

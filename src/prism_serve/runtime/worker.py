@@ -30,7 +30,6 @@ import zmq
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
 from prism_serve.engine.models.llama import LlamaForCausalLM
-from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.engine.weights import LoadedWeights
 from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError
@@ -155,8 +154,7 @@ class Worker:
             self._fail(m.req_id, InvalidRequestError(f"worker {self.worker_id} serves no model"))
             return
         try:
-            params = SamplingParams(**{f: getattr(m.params, f) for f in m.params.__struct_fields__})
-            self.active.engine.add_request(m.prompt_token_ids, params, m.req_id)
+            self.active.engine.add_request(m.prompt_token_ids, m.params, m.req_id)
         except PrismError as e:
             self._fail(m.req_id, e)
 
