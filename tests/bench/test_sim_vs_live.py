@@ -1,0 +1,185 @@
+"""The pure parts of benchmarks/sim_vs_live.py: config -> simulated deployment, the warm-up prefix,
+per-model numbers, errors and the comparison (no server is started)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from prism_serve.config import parse_config
+from prism_serve.workload.format import Workload
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_vs_live.py"
+
+
+@pytest.fixture(scope="module")
+def svl():
+    spec = importlib.util.spec_from_file_location("sim_vs_live", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sim_vs_live"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+CONFIG = """\
+devices:
+  - {name: "cpu:0", memory: 1200MiB, cores: "0"}
+  - {name: "cpu:1", memory: 1000MiB, cores: "1"}
+models:
+  - {name: a, ttft_slo: 3.0, tpot_slo: 0.5, max_num_seqs: 16, max_num_batched_tokens: 256, block_size: 32}
+  - {name: b, ttft_slo: 2.0, tpot_slo: 0.25, max_num_seqs: 16, max_num_batched_tokens: 256, block_size: 32}
+policy: {name: prism, knobs: {idle_threshold_s: 10.0}, tick_interval_s: 0.25}
+"""
+
+
+def test_sim_deployment_mirrors_the_config(svl):
+    dep = svl.sim_deployment(parse_config(CONFIG), warmup_s=1.5)
+    c = dep.config
+    assert (c.num_devices, c.hardware, c.policy) == (2, "cpu-smollm2", "prism")
+    assert dep.budgets == (1200 * 2**20, 1000 * 2**20)
+    assert dep.device_names == ("cpu:0", "cpu:1")
+    assert dict(c.knobs) == {"idle_threshold_s": 10.0}
+    assert (c.tick_s, c.warmup_s, c.page_size) == (0.25, 1.5, 2 * 2**20)
+    assert (c.max_num_seqs, c.max_num_batched_tokens, c.block_size) == (16, 256, 32)
+    assert [m.name for m in dep.models] == ["a", "b"]
+    # the real SmolLM2-135M-Instruct in fp32: the fitted shape at 4 bytes per weight
+    assert {(m.spec.name, m.spec.dtype_bytes) for m in dep.models} == {("smollm2-135m", 4)}
+    assert dep.models[0].spec.weight_bytes == 538060032
+    assert (dep.slos["b"].ttft_s, dep.slos["b"].tpot_s) == (2.0, 0.25)
+    assert dep.warnings == ()
+
+
+def test_sim_deployment_warns_and_refuses(svl):
+    text = CONFIG.replace('cores: "0"', 'cores: "0-1"').replace(
+        "{name: b,", '{name: b, source: "random:smollm2-360m", dtype: bfloat16,'
+    )
+    warnings = svl.sim_deployment(parse_config(text)).warnings
+    assert any("cpu:0 has 2 cores" in w for w in warnings)
+    assert any("b: smollm2-360m in bfloat16" in w for w in warnings)
+    with pytest.raises(svl.MirrorError, match="max_num_seqs"):
+        svl.sim_deployment(parse_config(CONFIG.replace("max_num_seqs: 16,", "", 1)))
+    with pytest.raises(svl.MirrorError, match="simulated shape"):
+        svl.shape_of("/models/x.gguf")
+
+
+def test_presets_are_valid_configs(svl):
+    for name, p in svl.PRESETS.items():
+        cfg = parse_config(svl.preset_config_text(p, (0, 1)), name)
+        dep = svl.sim_deployment(cfg)
+        assert dep.warnings == ()
+        assert [m.name for m in cfg.models] == list(p.models)
+        assert cfg.policy.name == p.policy
+        assert dep.budgets[0] == dep.budgets[1]
+
+
+def test_with_warmup_puts_the_warmup_first_on_the_replay_clock(svl):
+    wl = Workload(np.array([0.0, 2.0]), np.array([1, 0]), np.array([50, 60]), np.array([5, 6]), ["a", "b"])
+    out = svl.with_warmup(wl, [(-3.0, "a"), (-1.5, "b")], 0.25)
+    np.testing.assert_allclose(out.timestamps, [0.0, 1.5, 3.25, 5.25])
+    assert [out.models[i] for i in out.model_index] == ["a", "b", "b", "a"]
+    assert out.prompt_tokens.tolist() == [3, 3, 50, 60]
+    assert out.output_tokens.tolist() == [2, 2, 5, 6]
+    with pytest.raises(svl.MirrorError):
+        svl.with_warmup(wl, [(-1.0, "a"), (-2.0, "b")], 0.0)
+    assert svl.with_warmup(wl, [], 0.0) is wl
+
+
+def _req(model, arrival, first, finish, out):
+    return SimpleNamespace(model=model, arrival=arrival, first_token=first, finish=finish, output_tokens=out)
+
+
+def test_sim_model_stats_counts_like_the_live_report(svl):
+    from prism_serve.sim.config import ModelSLO
+
+    slos = {"a": ModelSLO(1.0, 0.1), "b": ModelSLO(1.0, 0.1)}
+    reqs = [
+        _req("a", 0.0, 0.5, 1.4, 10),  # TTFT 0.5, TPOT 0.1: both met
+        _req("a", 1.0, 2.5, 2.55, 2),  # TTFT 1.5 (miss), TPOT 0.05
+        _req("a", 2.0, 2.2, 2.2, 1),  # one token: TPOT met once finished
+        _req("b", 0.0, None, None, 4),  # never started: misses both
+    ]
+    s = svl.sim_model_stats(reqs, slos)
+    a = s["a"]
+    assert a["requests"] == 3 and a["failed"] == 0
+    assert a["ttft_p50_s"] == pytest.approx(0.5)
+    assert a["tpot_p50_s"] == pytest.approx(0.075)
+    assert (a["ttft_attainment"], a["tpot_attainment"], a["slo_attainment"]) == pytest.approx(
+        (2 / 3, 1, 2 / 3)
+    )
+    assert s["b"]["failed"] == 1 and s["b"]["ttft_p50_s"] is None and s["b"]["slo_attainment"] == 0
+    assert s["(all)"]["requests"] == 4 and s["(all)"]["ttft_attainment"] == pytest.approx(0.5)
+
+
+def test_errors_and_comparison(svl):
+    assert svl.rel_error(1.1, 1.0) == pytest.approx(0.1)
+    assert svl.rel_error(None, 1.0) is None and svl.rel_error(1.0, 0.0) is None
+    assert svl.points(0.97, 1.0) == pytest.approx(-3.0)
+
+    def stats(p50, att, act):
+        row = {"requests": 10, "ttft_p50_s": p50, "ttft_p95_s": 2 * p50, "tpot_p50_s": 0.05,
+               "ttft_attainment": att, "tpot_attainment": 1.0, "slo_attainment": att,
+               "activations": act, "evictions": 0}  # fmt: skip
+        return {"m": row, "(all)": row}
+
+    live = [stats(0.4, 1.0, 2), stats(0.6, 0.9, 4)]
+    rows = svl.compare(live, stats(0.55, 0.97, 2))
+    m = rows["m"]["metrics"]
+    assert m["ttft_p50_s"]["live"] == pytest.approx(0.5)
+    assert (m["ttft_p50_s"]["live_min"], m["ttft_p50_s"]["live_max"]) == (0.4, 0.6)
+    assert m["ttft_p50_s"]["error"] == pytest.approx(0.1) and m["ttft_p50_s"]["within"]
+    assert m["ttft_attainment"]["error"] == pytest.approx(2.0) and m["ttft_attainment"]["within"]
+    assert m["activations"]["error"] == -1 and "within" not in m["activations"]
+    rows = svl.compare(live, stats(0.7, 0.9, 3))
+    assert rows["m"]["metrics"]["ttft_p50_s"]["within"] is False  # +40%
+    assert rows["m"]["metrics"]["ttft_attainment"]["within"] is False  # -5 points
+    assert svl.target_summary(rows)["ttft_p50_s"] == "0/1"
+    text = svl.format_comparison(rows, repeats=2)
+    assert "MISS" in text and "[400..600]" in text
+
+
+def _pair_workload(gap_s: float) -> Workload:
+    # a, b, a, b ... each gap_s apart: two models taking turns
+    n = 6
+    return Workload(np.arange(n) * gap_s, np.arange(n) % 2, np.full(n, 32), np.full(n, 4), ["a", "b"])
+
+
+def _one_device(memory: str, policy: str) -> str:
+    return (
+        f'devices: [{{name: "cpu:0", memory: {memory}, cores: "0"}}]\n'
+        "models: [{name: a, ttft_slo: 5.0}, {name: b, ttft_slo: 5.0}]\n"
+        f"policy: {{name: {policy}}}\n"
+    )
+
+
+def test_run_sim_uses_the_live_budget_and_counts_per_model(svl):
+    wl = _pair_workload(40.0)  # longer than prism's 30 s idle threshold
+    # both models fit in 1200 MiB: each is activated once, nothing is evicted; in 600 MiB only one
+    # fits, so every turn evicts the other (the profile's own 8 GiB would hold both)
+    for memory in ("1200MiB", "600MiB"):
+        dep = svl.sim_deployment(parse_config(_one_device(memory, "prism")))
+        out = svl.run_sim(dep, wl, num_warmup=0)
+        acts = [out["models"][m]["activations"] for m in ("a", "b")]
+        evictions = sum(out["models"][m]["evictions"] for m in ("a", "b"))
+        assert out["models"]["(all)"]["evictions"] == evictions
+        assert out["models"]["(all)"]["requests"] == 6
+        if memory == "1200MiB":
+            assert (acts, evictions) == ([1, 1], 0)
+        else:
+            assert acts == [3, 3] and evictions >= 5
+
+
+def test_run_sim_leaves_the_warmup_out(svl):
+    dep = svl.sim_deployment(parse_config(_one_device("1200MiB", "qlm")))
+    wl = svl.with_warmup(_pair_workload(5.0), [(-4.0, "a"), (-2.0, "b")], 0.0)
+    out = svl.run_sim(dep, wl, num_warmup=2)
+    a, b = out["models"]["a"], out["models"]["b"]
+    assert a["requests"] + b["requests"] == 6
+    assert (a["warmup_activations"], b["warmup_activations"], a["warmup_evictions"]) == (1, 1, 1)
+    # qlm holds one model per device: every later turn is a swap
+    assert a["activations"] + b["activations"] >= 5
+    assert a["evictions"] + b["evictions"] >= a["activations"] + b["activations"] - 1
