@@ -32,8 +32,8 @@ def rt(runtime_factory) -> Runtime:
 def released(rt: Runtime) -> None:
     c = rt.c
     assert not c._requests
-    assert not c._backlog
-    assert all(len(q) == 0 for q in c.queues.values())
+    assert not c.loop.requests and not c.loop.where and not c.loop.backlog
+    assert all(len(q) == 0 for q in c.queues.values()) and not +c.loop.num_queued
     assert all(m.num_running == 0 for m in c.models.values())
     assert all(not w.in_flight for w in c.pool.workers.values())
 

@@ -154,15 +154,14 @@ def test_a_prefill_ending_in_a_one_token_chunk_still_records_its_first_token():
     assert r.first_token is not None and r.finish is not None and r.first_token < r.finish
 
 
-def _step(sim, *, admit: bool = True) -> None:
+def _step(sim) -> None:
     t, event = sim.events.pop()
     sim._advance(t)
     event.apply(sim, t)
-    if admit:
-        sim._drain_admissions(t)
 
 
-def test_migrate_moves_only_an_idle_model_and_its_queue_like_the_live_controller():
+def test_migrate_moves_only_an_idle_model_like_the_live_controller():
+    # the rule lives in control/loop.py (tests/control/test_loop.py); here: its effects on simulated engines
     from prism_serve.control import Migrate, ModelState
     from prism_serve.sim import Simulator
     from prism_serve.sim.events import Arrival, Tick
@@ -173,22 +172,19 @@ def test_migrate_moves_only_an_idle_model_and_its_queue_like_the_live_controller
     state = sim.models[m.name]
     sim.events.push(sim._arrival_time(0), Arrival(0))  # what run() starts with
     sim.events.push(0.0, Tick())
-    # up to the first arrival, routed but not admitted: active, one request queued, nothing running
-    while sim.events.peek_time() < sim._arrival_time(0):
+    while sim.events.peek_time() < sim._arrival_time(0):  # dedicated loads it at the first tick
         _step(sim)
     assert state.state is ModelState.ACTIVE and state.placement == ("gpu00",)
-    _step(sim, admit=False)
-    assert state.num_queued == 1 and state.num_running == 0
-    sim._apply([Migrate(m.name, ("gpu00",), ("gpu01",))], sim.now)
+    sim.loop._apply([Migrate(m.name, ("gpu00",), ("gpu01",))], sim.now)
     assert state.placement == ("gpu01",) and state.state is ModelState.ACTIVATING
-    assert len(sim.queues["gpu01"]) == 1 and not len(sim.queues["gpu00"])
-    assert sim.counters["migrations"] == 1
+    assert not sim.devices["gpu00"].weight_pages and sim.devices["gpu01"].weight_pages
+    assert sim.loop.counters["migrations"] == 1
     # once it runs, a migration is skipped: no reload, no restart; the next tick may try again
     while state.num_running == 0:
         _step(sim)
-    sim._apply([Migrate(m.name, ("gpu01",), ("gpu00",))], sim.now)
+    sim.loop._apply([Migrate(m.name, ("gpu01",), ("gpu00",))], sim.now)
     assert state.placement == ("gpu01",) and state.state is ModelState.ACTIVE
-    assert sim.counters["migrations"] == 1 and sim.counters["migrations_skipped"] == 1
+    assert sim.loop.counters["migrations"] == 1 and sim.loop.counters["migrations_skipped"] == 1
     while sim.in_system or sim._next_arrival < len(w):
         _step(sim)
     assert len(sim.requests) == len(w) and all(r.ttft is not None for r in sim.requests)

@@ -1,13 +1,15 @@
 """The controller: the runtime's body around control/'s brain.
 
-It owns the engine pool, the host weight cache, one request queue per device and the policy. It
-turns the policy's actions into effects (Activate -> an idle worker loads the model, Evict -> the
-worker unmaps it, Dispatch -> the request goes to the model's worker) and effects into the
-snapshots the policy reads (ledger bytes, engine stats, queue contents). Everything runs on one
-asyncio loop, so the state needs no locks; workers are separate processes.
+It owns the engine pool and the host weight cache, and is the body of control/loop.py's
+ControlLoop (the same loop the simulator runs): it hands the loop its events (arrival, tick,
+activation done or failed, requests finished, eviction done, worker died) and carries out the
+effects the loop asks for (activate -> an idle worker loads the model, evict -> the worker unmaps
+it, dispatch -> the request goes to the model's worker), and builds the snapshots the policy reads
+(ledger bytes, engine stats, the loop's queues). Everything runs on one asyncio loop, so the state
+needs no locks; workers are separate processes.
 
-Request path: ``generate`` validates and tokenizes, asks ``policy.on_request`` where the request
-goes (activating the model if it is evicted), and ``policy.admit`` decides when it starts; tokens
+Request path: ``generate`` validates and tokenizes, the loop asks ``policy.on_request`` where the
+request goes (activating the model if it is evicted) and ``policy.admit`` when it starts; tokens
 stream back from the worker as the engine produces them.
 """
 
@@ -22,19 +24,16 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 from prism_serve.control import (
-    Activate,
     ClusterSnapshot,
-    Defer,
-    Dispatch,
-    Enqueue,
-    Evict,
-    Migrate,
+    DeviceSnapshot,
+    EngineSnapshot,
     ModelState,
-    Reject,
+    RejectReason,
     Request,
-    SetKVQuota,
+    RequestQueue,
 )
 from prism_serve.control.forecast import RateEstimator
+from prism_serve.control.loop import ControlLoop
 from prism_serve.control.policies import Policy, get_policy
 from prism_serve.engine.llm_engine import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
@@ -63,7 +62,6 @@ from prism_serve.runtime.state import (
     RequestEntry,
     RequestTimeoutError,
     cluster_snapshot,
-    take_queued,
 )
 from prism_serve.runtime.weight_cache import HostWeightCache, config_from_dict
 from prism_serve.runtime.workers import WorkerHandle, WorkerPool, WorkerState
@@ -98,12 +96,13 @@ class Controller(AdminOps):
         self.activation_timeout_s = activation_timeout_s
         self.load_threads = load_threads
         self.page_size = page_size
-        self.rates = RateEstimator(rate_window_s, min_gap_s=1.0)
         self.cache = HostWeightCache(namespace)
         self.models: dict[str, ModelEntry] = {}
-        self.queues = {d: self.policy.new_queue(d) for d in self.devices}
+        # The policy-driving loop (control/loop.py, shared with the simulator); this class is its body.
+        self.loop = ControlLoop(
+            self.policy, list(self.devices), self, self.specs, self._now(), rate_window_s=rate_window_s
+        )
         self._requests: dict[str, RequestEntry] = {}
-        self._backlog: list[Request] = []
         self._evictions: dict[str, list[asyncio.Future]] = {d: [] for d in self.devices}
         self._ledgers: dict[str, DeviceLedger] = {}
         self._pool: WorkerPool | None = None
@@ -148,8 +147,6 @@ class Controller(AdminOps):
             load_threads=self.load_threads,
         )
         await self._pool.start()
-        for spec in self.specs.values():
-            self.rates.start(spec.name, self._now())
         self._tick_task = asyncio.create_task(self._tick_loop())
         self._running = True
 
@@ -179,6 +176,14 @@ class Controller(AdminOps):
     def running(self) -> bool:
         """Between a finished ``start()`` and ``stop()``."""
         return self._running
+
+    @property
+    def queues(self) -> dict[str, RequestQueue]:
+        return self.loop.queues
+
+    @property
+    def rates(self) -> RateEstimator:
+        return self.loop.rates
 
     @property
     def pool(self) -> WorkerPool:
@@ -247,8 +252,7 @@ class Controller(AdminOps):
         r = RequestEntry.build(req_id, m, prompt, params, now)  # 400s: nothing registered yet
         self._requests[req_id] = r
         try:
-            self.rates.observe(model, now)
-            self._route(r.control, now)
+            self.loop.arrival(r.control, now)
         except BaseException:
             # Whatever failed (a policy, a queue), nothing of this request may stay registered.
             logger.exception("routing %s failed", req_id)
@@ -256,38 +260,28 @@ class Controller(AdminOps):
             raise
         return r
 
-    def _route(self, request: Request, now: float) -> None:
-        self._apply(self.policy.on_request(request, self.snapshot(now), now), now)
-        for d in self.devices:
-            self._admit(d, now)
-
     def _abort(self, r: RequestEntry) -> None:
         """The client went away: drop the request wherever it is and free its KV."""
-        r.done = True
-        self._requests.pop(r.req_id, None)
-        if r.worker is not None:
-            r.worker.in_flight.discard(r.req_id)
-            self._model(r.model).num_running -= 1
+        worker = r.worker
+        self._finish(r)
+        if worker is not None:
             with contextlib.suppress(WorkerDiedError):
-                self.pool.send(r.worker, msg.AbortRequest(r.req_id))
-            return
-        for q in self.queues.values():
-            q.cancel(r.req_id)
-        self._backlog = [b for b in self._backlog if b.req_id != r.req_id]
+                self.pool.send(worker, msg.AbortRequest(r.req_id))
 
     def _finish(self, r: RequestEntry) -> None:
+        """The request leaves the controller and the loop, wherever it is."""
         r.done = True
         self._requests.pop(r.req_id, None)
         if r.worker is not None:
             r.worker.in_flight.discard(r.req_id)
             self._model(r.model).num_running -= 1
+            self.loop.request_left(r.req_id)
+        else:
+            self.loop.abort(r.req_id)
 
     def _fail(self, r: RequestEntry, error: BaseException) -> None:
         if r.done:
             return
-        if r.worker is None:
-            for q in self.queues.values():
-                q.cancel(r.req_id)
         self._finish(r)
         r.stream.put_nowait(error)
 
@@ -296,56 +290,57 @@ class Controller(AdminOps):
     def snapshot(self, now: float | None = None) -> ClusterSnapshot:
         now = self._now() if now is None else now
         return cluster_snapshot(
-            self.models, self.devices, self.queues, self._backlog, self.rates, self._ledgers, now
-        )
+            self.models, self.devices, self.loop.queues, self.loop.num_queued, self.loop.rates,
+            self._ledgers, now,
+        )  # fmt: skip
 
-    # ---- actions ------------------------------------------------------------------------------
+    # ---- effects (the control loop's Body) ----------------------------------------------------
 
-    def _apply(self, actions: Iterable, now: float) -> None:
-        for a in actions:
-            match a:
-                case Enqueue(request, device):
-                    self.queues[device].push(request)
-                case Defer(request, _):
-                    self._backlog.append(request)
-                case Dispatch(request, _):
-                    self._dispatch(request)
-                case Reject(request, reason, detail):
-                    r = self._requests.get(request.req_id)
-                    if r is not None:
-                        self._fail(r, REJECT_ERRORS[reason](detail))
-                case Evict(model):
-                    self._start_evict(self._model(model), force=False)
-                case Activate(model, devices):
-                    self._start_activate(self._model(model), devices[0])
-                case Migrate(model, _src, dst):
-                    self._migrate(self._model(model), dst[0], now)
-                case SetKVQuota(model, _device, quota):
-                    m = self._model(model)
-                    m.kv_quota = quota
-                    if m.worker is not None and m.state is ModelState.ACTIVE:
-                        self._send(m.worker, msg.SetKVLimit(quota))
+    def cluster(self, now: float) -> ClusterSnapshot:
+        return self.snapshot(now)
 
-    def _admit(self, device: str, now: float) -> None:
-        q = self.queues[device]
-        if not len(q):
-            return
+    def admission_view(self, device: str, now: float) -> tuple[DeviceSnapshot, dict[str, EngineSnapshot]]:
         snap = self.snapshot(now)
-        self._apply(self.policy.admit(q, snap.devices[device], snap.engines, now), now)
+        return snap.devices[device], snap.engines
 
-    def _dispatch(self, request: Request) -> None:
+    def model_state(self, model: str) -> tuple[ModelState, int]:
+        m = self._model(model)
+        return m.state, m.num_running
+
+    def reject(self, request: Request, reason: RejectReason, detail: str, now: float) -> None:
+        r = self._requests.get(request.req_id)
+        if r is not None:
+            self._fail(r, REJECT_ERRORS[reason](detail))
+
+    def activate(self, model: str, devices: tuple[str, ...], now: float) -> None:
+        self._start_activate(self._model(model), devices[0])
+
+    def evict(self, model: str, now: float) -> list[Request]:
+        # graceful: a worker with requests in flight refuses (EvictRefused), so nothing restarts
+        self._start_evict(self._model(model), force=False)
+        return []
+
+    def set_kv_quota(self, model: str, device: str, quota_bytes: int | None) -> None:
+        m = self._model(model)
+        m.kv_quota = quota_bytes
+        if m.worker is not None and m.state is ModelState.ACTIVE:
+            self._send(m.worker, msg.SetKVLimit(quota_bytes))
+
+    def dispatch(self, request: Request, device: str, now: float) -> bool:
         r = self._requests.get(request.req_id)
         if r is None or r.done:
-            return
+            return False
         m = self._model(r.model)
         if m.worker is None or m.state is not ModelState.ACTIVE:
             self._fail(r, ActivationError(f"{r.model} is not active"))
-            return
+            return False
         r.worker = m.worker
         m.worker.in_flight.add(r.req_id)
         m.num_running += 1
         if not self._send(m.worker, r.payload):  # it must not stay booked on a worker that never got it
             self._fail(r, InternalError("could not hand the request to its worker"))
+            return False
+        return True
 
     def _send(self, handle: WorkerHandle, message: msg.Message | bytes) -> bool:
         """Send; False (logged) if the send itself failed. A dead worker counts as sent: its death
@@ -358,17 +353,6 @@ class Controller(AdminOps):
             logger.exception("sending to %s failed", handle.worker_id)
             return False
         return True
-
-    def _migrate(self, m: ModelEntry, dst: str, now: float) -> None:
-        """Only idle models move (evict, then activate on ``dst``); a busy one stays until the next
-        tick decides again."""
-        if m.num_running or m.state is not ModelState.ACTIVE:
-            return
-        queued = take_queued(self.queues, m.spec.name)
-        self._start_evict(m, force=False)
-        self._start_activate(m, dst)
-        for req in queued:
-            self.queues[dst].push(req)
 
     # ---- activation ---------------------------------------------------------------------------
 
@@ -423,8 +407,7 @@ class Controller(AdminOps):
         try:
             for listener in self.activation_listeners:
                 listener(m.spec.name, device, reply.phases)
-            self._apply(self.policy.place(self.snapshot(now), now), now)
-            self._admit(device, now)
+            self.loop.activation_done(m.spec.name, device, now)
         except Exception:  # the model is active; the next tick admits what this could not
             logger.exception("placing and admitting after %s's activation failed", m.spec.name)
         return reply.phases
@@ -434,8 +417,10 @@ class Controller(AdminOps):
         m.state, m.device, m.worker = ModelState.EVICTED, None, None
         if handle is not None and handle.state is WorkerState.ACTIVATING:
             handle.state, handle.model = WorkerState.IDLE, None
-        for r in [r for r in self._requests.values() if r.model == m.spec.name and r.worker is None]:
-            self._fail(r, ActivationError(str(error)))
+        for request in self.loop.activation_failed(m.spec.name, self._now()):
+            r = self._requests.get(request.req_id)
+            if r is not None:
+                self._fail(r, ActivationError(str(error)))
 
     async def _request(self, handle: WorkerHandle, message: msg.Message) -> msg.Message:
         """Send an ActivateModel/EvictModel and wait for the worker's reply to it."""
@@ -479,9 +464,7 @@ class Controller(AdminOps):
             handle.state, handle.model, handle.stats = WorkerState.IDLE, None, None
         m.num_evictions += 1
         done.set_result(True)
-        now = self._now()
-        for d in self.devices:
-            self._admit(d, now)
+        self.loop.capacity_freed([device], self._now())
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -517,12 +500,12 @@ class Controller(AdminOps):
                         self._finish(r)
                         finished = True
                 if finished:
-                    self._admit(handle.device.name, self._now())
+                    self.loop.capacity_freed([handle.device.name], self._now())
             case msg.RequestFailed(req_id, error, message):
                 r = self._requests.get(req_id)
                 if r is not None:
                     self._fail(r, error_class(error)(message))
-                    self._admit(handle.device.name, self._now())
+                    self.loop.capacity_freed([handle.device.name], self._now())
             case msg.ModelActivated() | msg.ActivationFailed() | msg.ModelEvicted() | msg.EvictRefused():
                 if handle.reply is not None and not handle.reply.done():
                     handle.reply.set_result(m)
@@ -541,9 +524,7 @@ class Controller(AdminOps):
         reclaimed = self._ledgers[handle.device.name].snapshot()  # reclaims entries of dead pids
         logger.warning("%s: ledger now %s mapped", handle.device.name, format_size(reclaimed.used_bytes))
         if model is not None:
-            now = self._now()
-            for req in take_queued(self.queues, model.spec.name):
-                self._route(req, now)
+            self.loop.worker_died(model.spec.name, self._now())
 
     async def _tick_loop(self) -> None:
         while True:
@@ -555,12 +536,4 @@ class Controller(AdminOps):
 
     def tick(self) -> None:
         """One placement tick: ``policy.place``, deferred requests resubmitted, every device admits."""
-        now = self._now()
-        self._apply(self.policy.place(self.snapshot(now), now), now)
-        backlog, self._backlog = self._backlog, []
-        for req in backlog:
-            if req.req_id in self._requests:
-                self._apply(self.policy.on_request(req, self.snapshot(now), now), now)
-        for d in self.devices:
-            self._admit(d, now)
-
+        self.loop.tick(self._now())

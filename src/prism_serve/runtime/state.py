@@ -4,7 +4,7 @@ and the ClusterSnapshot it builds from that state for every policy call."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -100,9 +100,10 @@ class ModelEntry:
             tokenizer_path=c.tokenizer_path,
             source=c.source,
             synthetic=c.synthetic,
-            engine=self.spec.engine_args(),
+            engine=self.spec.engine_config(),
             sent_at=decided_at,
             load_threads=load_threads,
+            kv_limit_bytes=self.spec.kv_limit_bytes,
         )
 
 
@@ -170,17 +171,6 @@ class ModelStatus:
         )  # fmt: skip
 
 
-def take_queued(queues: Mapping[str, RequestQueue], model: str) -> list[Request]:
-    """Remove ``model``'s requests from every device queue (to route them again)."""
-    out = []
-    for q in queues.values():
-        for req in q.requests():
-            if req.model == model:
-                q.cancel(req.req_id)
-                out.append(req)
-    return out
-
-
 def _latest(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return max(known) if known else None
@@ -190,19 +180,14 @@ def cluster_snapshot(
     models: Mapping[str, ModelEntry],
     devices: Mapping[str, DeviceSpec],
     queues: Mapping[str, RequestQueue],
-    backlog: Sequence[Request],
+    queued: Mapping[str, int],
     rates: RateEstimator,
     ledgers: Mapping[str, DeviceLedger],
     now: float,
 ) -> ClusterSnapshot:
     """Every model, device and engine as the controller's state shows them at ``now`` (device
-    bytes read from the ledgers, engine KV from the workers' last stats)."""
-    queued: dict[str, int] = {}
-    for q in queues.values():
-        for req in q.requests():
-            queued[req.model] = queued.get(req.model, 0) + 1
-    for req in backlog:
-        queued[req.model] = queued.get(req.model, 0) + 1
+    bytes read from the ledgers, engine KV from the workers' last stats; ``queued``: waiting requests
+    per model, queued on a device or deferred)."""
     snaps, engines = [], []
     on_device: dict[str, list[str]] = {d: [] for d in devices}
     for name, m in models.items():

@@ -1,28 +1,21 @@
-"""The discrete-event simulator: simulated engines and memory, driven by the control/ policies unchanged.
+"""The discrete-event simulator: the body of control/loop.py's ControlLoop in simulated time.
 
-The loop is ``pop the earliest event -> apply it -> drain admissions``. Arrivals call
-``policy.on_request``, ticks call ``policy.place`` (then deferred requests are submitted again), and
-every device whose queue may be able to start work calls ``policy.admit``; the actions they return
-are applied in order, exactly as control/README.md's caller contract says. What the simulator adds is
-the *effect* of those actions:
+The loop is ``pop the earliest event -> hand it to the control loop`` (arrival, tick, step done,
+activation done). The control loop (shared with the live runtime) calls the policies and applies
+their actions through this class's effect methods; what the simulator adds is the *effect*:
 
-- ``Activate``: weights are mapped on every device of the placement once they fit (until then the
+- ``activate``: weights are mapped on every device of the placement once they fit (until then the
   activation waits and its weights are claimed, so admission stops handing that memory to KV); the
   engine starts ``cost.activation_time`` later.
-- ``Evict``: the engine stops, its weights and KV are unmapped; requests it was running start over
-  (submitted again through ``on_request``, keeping their arrival time). Queued requests stay queued.
-- ``Migrate``: as the live controller (runtime/controller.py, ``Controller._migrate``): only a model
-  that is active with no running requests moves (evict, activate on the new devices, its queued
-  requests follow it to the new rank-0 queue); a busy or still-activating model stays where it is
-  and the next tick decides again (counted as ``migrations_skipped``). Nothing restarts.
-- ``SetKVQuota``: the engine's KV cap per device (an allocation beyond it fails as if memory were
+- ``evict``: the engine stops, its weights and KV are unmapped; requests it was running start over
+  (the loop routes them again, keeping their arrival time). Queued requests stay queued.
+- ``set_kv_quota``: the engine's KV cap per device (an allocation beyond it fails as if memory were
   full, like the ledger's per-engine limit).
-- ``Dispatch``: the request joins its engine's waiting queue; the engine's scheduler takes it at its
-  next step boundary. ``Reject`` ends the request as a miss.
+- ``dispatch``: the request joins its engine's waiting queue; the engine's scheduler takes it at its
+  next step boundary. ``reject`` ends the request as a miss.
 
-Snapshots are rebuilt from the simulator's state before every policy call, so every call sees the
-effects of the previous call's actions. Model rates come from ``control.forecast.RateEstimator``; a
-model's rate is refreshed at its own arrivals and for every model at each tick.
+Snapshots are rebuilt from the simulator's state before every policy call, but only for what changed
+(the loop's stale marks, the engines' dirty flags, the devices' versions).
 """
 
 from __future__ import annotations
@@ -33,24 +26,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prism_serve.control import (
-    Activate,
     ClusterSnapshot,
-    Defer,
     DeviceSnapshot,
-    Dispatch,
     EngineSnapshot,
-    Enqueue,
-    Evict,
-    Migrate,
     ModelProfile,
     ModelSnapshot,
     ModelState,
-    RateEstimator,
-    Reject,
+    RejectReason,
     Request,
-    SetKVQuota,
+    RequestQueue,
     get_policy,
 )
+from prism_serve.control.loop import ControlLoop
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.engine import SimEngine, SimRequest
@@ -84,6 +71,8 @@ class _Model:
 
 
 class Simulator:
+    """The body of control.loop.ControlLoop in simulated time: simulated engines, memory and events."""
+
     def __init__(
         self,
         models: list[ServedModel],
@@ -103,7 +92,6 @@ class Simulator:
         self.hw = get_hardware(config.hardware)
         self.cost = COST_MODELS[config.cost_model](self.hw)
         self.workload = workload
-        self.policy = get_policy(config.policy, **dict(config.knobs))
         width = max(2, len(str(config.num_devices - 1)))
         self.devices = {
             f"gpu{i:0{width}d}": SimDevice(f"gpu{i:0{width}d}", self.hw.capacity_bytes, config.page_size)
@@ -111,22 +99,17 @@ class Simulator:
         }
         # models with a rank placed on each device; dicts, not sets, so iteration order is reproducible
         self.on_device: dict[str, dict[str, None]] = {d: {} for d in self.devices}
-        self.queues = {d: self.policy.new_queue(d) for d in self.devices}
         self.models: dict[str, _Model] = {}
         for m in models:
             self.models[m.name] = self._model_state(m, workload, slos[m.name])
-        self.rates = RateEstimator(config.rate_window_s)
-        for name in self.models:
-            self.rates.start(name, 0.0)
+        policy = get_policy(config.policy, **dict(config.knobs))
+        self.loop = ControlLoop(
+            policy, list(self.devices), self, self.models, 0.0, rate_window_s=config.rate_window_s
+        )
         self.events = EventQueue()
         self.requests: list[SimRequest] = []
-        self.where: dict[str, str] = {}  # req_id -> "new" | "queued:<device>" | "deferred" | "engine"
         self.by_id: dict[str, SimRequest] = {}
-        self.backlog: list[SimRequest] = []
         self.pending_activations: list[str] = []
-        self.to_admit: set[str] = set()
-        self._resubmit: list[SimRequest] = []  # requests to route again once the current actions are applied
-        self._applying = False
         self.counters: Counter = Counter()
         self.now = 0.0
         self.in_system = 0
@@ -136,10 +119,15 @@ class Simulator:
         self._next_arrival = 0
         self._names = workload.models
         self._device_cache: dict[str, tuple[int, DeviceSnapshot]] = {}
-        # Snapshots are rebuilt only for what changed: building every one for every policy call
-        # would dominate the run time.
+        # Snapshots are rebuilt only for what changed (the loop's stale marks and the engines' dirty
+        # flags): building every one for every policy call would dominate the run time.
         self._model_snaps: dict[str, ModelSnapshot] = {}
-        self._stale: dict[str, None] = dict.fromkeys(self.models)  # models whose snapshot must be rebuilt
+        self._stale = self.loop.stale_models  # models whose snapshot must be rebuilt
+        self._stale.update(dict.fromkeys(self.models))
+
+    @property
+    def queues(self) -> dict[str, RequestQueue]:
+        return self.loop.queues
 
     def _model_state(self, m: ServedModel, workload: Workload, slo: ModelSLO) -> _Model:
         mask = workload.model_index == workload.models.index(m.name) if m.name in workload.models else None
@@ -153,7 +141,7 @@ class Simulator:
         )
         return _Model(m, slo, ModelProfile(prompt, output, speed, step), speed)
 
-    # -- the loop ------------------------------------------------------------------------------------
+    # -- the event loop --------------------------------------------------------------------------------
 
     def run(self) -> SimResult:
         wl = self.workload
@@ -167,7 +155,6 @@ class Simulator:
                 break
             self._advance(t)
             event.apply(self, t)
-            self._drain_admissions(t)
             if self.in_system == 0 and self._next_arrival >= len(wl):
                 break
         self._advance(min(self.now, stop))
@@ -177,7 +164,8 @@ class Simulator:
             "num_devices": self.config.num_devices,
             "simulated": True,
         }
-        return SimResult(self.requests, self.now, self._busy, self._integral, self.counters, labels)
+        counters = self.counters + self.loop.counters
+        return SimResult(self.requests, self.now, self._busy, self._integral, counters, labels)
 
     def _arrival_time(self, i: int) -> float:
         return self.config.warmup_s + float(self.workload.timestamps[i])
@@ -191,7 +179,7 @@ class Simulator:
         self._last_t = t
         self.now = t
 
-    # -- event handlers ------------------------------------------------------------------------------
+    # -- events: each one is handed to the control loop ----------------------------------------------
 
     def on_arrival(self, i: int, now: float) -> None:
         wl = self.workload
@@ -204,23 +192,13 @@ class Simulator:
         self.requests.append(req)
         self.by_id[req_id] = req
         self.in_system += 1
-        self.rates.observe(model, now)
-        self._stale[m.served.name] = None
         self._next_arrival = i + 1
         if i + 1 < len(wl):
             self.events.push(self._arrival_time(i + 1), Arrival(i + 1))
-        self._submit(req, now)
+        self.loop.arrival(control, now)
 
     def on_tick(self, now: float) -> None:
-        for m in self.models.values():
-            self._stale[m.served.name] = None  # rates moved
-        self._apply(self.policy.place(self._cluster(now), now), now)
-        backlog, self.backlog = self.backlog, []
-        for req in backlog:
-            self.models[req.model].num_queued -= 1
-            self.where[req.req_id] = "new"
-            self._submit(req, now)
-        self.to_admit.update(d for d, q in self.queues.items() if len(q))
+        self.loop.tick(now)
         if self._next_arrival < len(self.workload) or self.in_system:
             self.events.push(now + self.config.tick_s, Tick())
 
@@ -233,11 +211,14 @@ class Simulator:
         for req in finished:
             self._leave(req)
             m.num_running -= 1
+            self.loop.request_left(req.req_id)
         if finished:
             self._stale[m.served.name] = None
         self._start(e, now)
         if freed:
             self._memory_freed(e.devices, now)
+        if finished or freed:
+            self.loop.capacity_freed([d.name for d in e.devices], now)
 
     def on_activation_done(self, model: str, version: int, now: float) -> None:
         m = self.models[model]
@@ -259,111 +240,25 @@ class Simulator:
         m.state = ModelState.ACTIVE
         self._stale[m.served.name] = None
         self.counters["activations"] += 1
-        self.to_admit.add(m.placement[0])
-        # the contract's "place() right after a model finishes activating" (it may move this model again)
-        self._apply(self.policy.place(self._cluster(now), now), now)
-
-    # -- requests ------------------------------------------------------------------------------------
-
-    def _submit(self, req: SimRequest, now: float) -> None:
-        self.where[req.req_id] = "new"
-        self._apply(self.policy.on_request(req.control, self._cluster(now), now), now)
+        self.loop.activation_done(model, m.placement[0], now)
 
     def _leave(self, req: SimRequest) -> None:
         self.in_system -= 1
-        self.where.pop(req.req_id, None)
 
-    def _drain_admissions(self, now: float) -> None:
-        guard = 0
-        while self.to_admit:
-            d = min(self.to_admit)  # device order: deterministic
-            self.to_admit.discard(d)
-            q = self.queues[d]
-            if not len(q):
-                continue
-            engines = {
-                name: snap
-                for name in self.on_device[d]
-                if (snap := self._engine_snapshot(name)) is not None and snap.device == d
-            }
-            actions = self.policy.admit(q, self._device_snapshot(d), engines, now)
-            if actions:
-                self.devices[d].touch()
-                self._apply(actions, now)
-            guard += 1
-            if guard > 100_000:
-                raise SimStateError("admission did not settle (a policy keeps returning work)")
+    # -- effects (the control loop's Body) -----------------------------------------------------------
 
-    # -- actions -------------------------------------------------------------------------------------
+    def model_state(self, model: str) -> tuple[ModelState, int]:
+        m = self.models[model]
+        return m.state, m.num_running
 
-    def _apply(self, actions: list, now: float) -> None:
-        """Apply ``actions`` in order; requests they displaced are routed again afterwards, so every
-        policy call sees a snapshot with the previous call's actions fully applied."""
-        if self._applying:
-            self._apply_each(actions, now)
-            return
-        self._applying = True
-        try:
-            self._apply_each(actions, now)
-        finally:
-            self._applying = False
-        while self._resubmit:
-            self._submit(self._resubmit.pop(0), now)
-
-    def _apply_each(self, actions: list, now: float) -> None:
-        for a in actions:
-            match a:
-                case Enqueue(request=r, device=d):
-                    req = self.by_id[r.req_id]
-                    self.queues[d].push(r)
-                    self.devices[d].touch()
-                    self._count_queued(req, +1)
-                    self.where[r.req_id] = f"queued:{d}"
-                    self.to_admit.add(d)
-                case Dispatch(request=r, device=d):
-                    self._dispatch(self.by_id[r.req_id], d, now)
-                case Defer(request=r):
-                    req = self.by_id[r.req_id]
-                    self.backlog.append(req)
-                    self._count_queued(req, +1)
-                    self.where[r.req_id] = "deferred"
-                case Reject(request=r, reason=reason):
-                    req = self.by_id[r.req_id]
-                    if self.where.get(r.req_id, "new") != "new":
-                        self._count_queued(req, -1)
-                    req.rejected = reason.value
-                    self.counters["rejections"] += 1
-                    self._leave(req)
-                case Activate(model=model, devices=devices):
-                    self._activate(model, devices, now)
-                case Evict(model=model):
-                    self._evict(model, now)
-                    self.counters["evictions"] += 1
-                case Migrate(model=model, dst=dst):
-                    self._migrate(model, dst, now)
-                case SetKVQuota(model=model, device=d, quota_bytes=q):
-                    m = self.models[model]
-                    m.quota[d] = q
-                    if m.engine is not None and m.placement and m.placement[0] == d:
-                        m.engine.quota = q
-                        m.engine.dirty = True
-                case _:
-                    raise SimStateError(f"cannot apply {a!r}")
-
-    def _count_queued(self, req: SimRequest, delta: int) -> None:
-        m = self.models[req.model]
-        m.num_queued += delta
-        self._stale[m.served.name] = None
-
-    def _dispatch(self, req: SimRequest, device: str, now: float) -> None:
+    def dispatch(self, request: Request, device: str, now: float) -> bool:
+        req = self.by_id[request.req_id]
         m = self.models[req.model]
         e = m.engine
         if e is None or m.placement[0] != device:
             raise SimStateError(f"dispatch of {req.req_id} to {device}, where {req.model} has no engine")
-        m.num_queued -= 1
         m.num_running += 1
         self._stale[m.served.name] = None
-        self.where[req.req_id] = "engine"
         e.add(req)
         if e.busy:
             end = e.cut(now)
@@ -371,13 +266,26 @@ class Simulator:
                 self.events.push(end, StepDone(e.name, e.version))
         else:
             self._start(e, now)
+        return True
+
+    def reject(self, request: Request, reason: RejectReason, detail: str, now: float) -> None:
+        req = self.by_id[request.req_id]
+        req.rejected = reason.value
+        self._leave(req)
+
+    def set_kv_quota(self, model: str, device: str, quota_bytes: int | None) -> None:
+        m = self.models[model]
+        m.quota[device] = quota_bytes
+        if m.engine is not None and m.placement and m.placement[0] == device:
+            m.engine.quota = quota_bytes
+            m.engine.dirty = True
 
     def _start(self, e: SimEngine, now: float) -> None:
         end = e.start_step(now)
         if end is not None:
             self.events.push(end, StepDone(e.name, e.version))
 
-    def _activate(self, model: str, devices: tuple[str, ...], now: float) -> None:
+    def activate(self, model: str, devices: tuple[str, ...], now: float) -> None:
         m = self.models[model]
         if m.state is not ModelState.EVICTED:
             raise SimStateError(f"activate {model}: it is {m.state.value} on {m.placement}")
@@ -393,34 +301,6 @@ class Simulator:
             self.devices[d].touch()
         self.pending_activations.append(model)
         self._try_pending(now)
-        # requests of this model queued on another device would never start there: route them again
-        for req_id, where in list(self.where.items()):
-            if where.startswith("queued:") and where[7:] != devices[0] and self.by_id[req_id].model == model:
-                self.queues[where[7:]].cancel(req_id)
-                self.devices[where[7:]].touch()
-                self._count_queued(self.by_id[req_id], -1)
-                self.where[req_id] = "new"
-                self._resubmit.append(self.by_id[req_id])
-
-    def _migrate(self, model: str, dst: tuple[str, ...], now: float) -> None:
-        """The live controller's rule: only an active model with nothing running moves; its queued
-        requests move to the new rank-0 queue. A busy one stays until the next tick decides again."""
-        m = self.models[model]
-        if m.num_running or m.state is not ModelState.ACTIVE:
-            self.counters["migrations_skipped"] += 1
-            return
-        q = self.queues[dst[0]]
-        for req_id, where in list(self.where.items()):
-            if where.startswith("queued:") and self.by_id[req_id].model == model:
-                self.queues[where[7:]].cancel(req_id)
-                self.devices[where[7:]].touch()
-                q.push(self.by_id[req_id].control)
-                self.where[req_id] = f"queued:{dst[0]}"
-                self.devices[dst[0]].touch()
-                self.to_admit.add(dst[0])
-        self._evict(model, now)
-        self._activate(model, dst, now)
-        self.counters["migrations"] += 1
 
     def _try_pending(self, now: float) -> None:
         still = []
@@ -445,7 +325,8 @@ class Simulator:
                 still.append(model)
         self.pending_activations = still
 
-    def _evict(self, model: str, now: float) -> None:
+    def evict(self, model: str, now: float) -> list[Request]:
+        """Stop the engine and unmap the model; the requests it was running start over."""
         m = self.models[model]
         if m.state is ModelState.EVICTED:
             raise SimStateError(f"evict {model}: not resident")
@@ -468,16 +349,15 @@ class Simulator:
         for req in restarted:
             m.num_running -= 1
             req.num_restarts += 1
-            self.where[req.req_id] = "new"
-            self._resubmit.append(req)
         self._memory_freed(devs, now)
+        self.loop.wake(d.name for d in devs)
+        return [req.control for req in restarted]
 
     def _memory_freed(self, devs: list[SimDevice], now: float) -> None:
+        """Activations waiting for memory and engines waiting for blocks may go on."""
         if self.pending_activations:
             self._try_pending(now)
         for d in devs:
-            if len(self.queues[d.name]):
-                self.to_admit.add(d.name)
             for name in self.on_device[d.name]:
                 e = self.models[name].engine
                 if e is None or not e.waiting:
@@ -498,7 +378,7 @@ class Simulator:
             self._stale.pop(name, None)
             self._model_snaps[name] = ModelSnapshot(
                 name,
-                self.rates.rate(name, now),
+                self.loop.rates.rate(name, now),
                 m.slo.ttft_s,
                 m.slo.tpot_s,
                 sv.spec.weight_bytes,
@@ -506,8 +386,8 @@ class Simulator:
                 sv.tp_size,
                 m.placement,
                 m.state,
-                self.rates.last_arrival(name),
-                m.num_queued,
+                self.loop.rates.last_arrival(name),
+                self.loop.num_queued[name],
                 m.num_running,
                 False,
                 m.profile,
@@ -516,12 +396,14 @@ class Simulator:
         return self._model_snaps[name]
 
     def _device_snapshot(self, d: str) -> DeviceSnapshot:
-        # every change to memory, placements or the queue bumps the device's version
+        # memory and placement changes bump the device's version; queue changes are the loop's marks
         dev = self.devices[d]
         cached = self._device_cache.get(d)
-        if cached is not None and cached[0] == dev.version:
+        stale = self.loop.stale_devices
+        if cached is not None and cached[0] == dev.version and d not in stale:
             return cached[1]
-        q = self.queues[d]
+        stale.discard(d)
+        q = self.loop.queues[d]
         snap = DeviceSnapshot(
             d, dev.capacity_bytes, dev.mapped_bytes, tuple(self.on_device[d]), len(q), q.models()
         )
@@ -557,7 +439,15 @@ class Simulator:
         m.engine_snapshot = snap
         return snap
 
-    def _cluster(self, now: float) -> ClusterSnapshot:
+    def admission_view(self, device: str, now: float) -> tuple[DeviceSnapshot, dict[str, EngineSnapshot]]:
+        engines = {
+            name: snap
+            for name in self.on_device[device]
+            if (snap := self._engine_snapshot(name)) is not None and snap.device == device
+        }
+        return self._device_snapshot(device), engines
+
+    def cluster(self, now: float) -> ClusterSnapshot:
         for name in list(self._stale):
             self._model_snapshot(self.models[name], now)
         models = self._model_snaps

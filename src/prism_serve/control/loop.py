@@ -1,0 +1,352 @@
+"""The control loop: the one place that turns events into policy calls and policy actions into effects.
+
+The live runtime (runtime/controller.py) and the simulator (sim/simulator.py) both run this loop;
+they differ only in their *body*, the object that carries effects out (worker processes and IPC, or
+simulated engines) and reports the state the policies read (ClusterSnapshot). So a simulated run
+makes the same decisions, in the same order, as a live run that sees the same events.
+
+Events in (each a method; ``now`` on the caller's clock):
+
+- ``arrival``: a new request; the rate estimate moves, ``policy.on_request`` routes it.
+- ``tick``: ``policy.place``; deferred requests are routed again; every device with a queue admits.
+- ``activation_done`` / ``activation_failed``: a model's engine is ready (``place`` runs, as the
+  policy contract says, and its device admits), or its activation failed (its waiting requests are
+  handed back to the body to fail).
+- ``request_left``: a request that was on an engine finished, failed or was aborted.
+- ``capacity_freed``: memory or a sequence slot came free on a device (a step finished requests,
+  an eviction completed); the device admits.
+- ``abort``: a request not yet on an engine goes away.
+- ``worker_died``: the model's engine is gone; its queued requests are routed again.
+
+The loop owns the per-device queues, the backlog of deferred requests, where every request is, the
+per-model count of waiting requests and the rate estimator. Everything else (residency, engines,
+memory) is the body's, and the body builds the snapshots from it and from the loop's public state.
+
+Effects out: the body methods below, called in the order the policy returned its actions. Each
+takes effect before the next policy call, as far as the next snapshot shows (an activation in
+progress shows ``ACTIVATING`` with its placement), which is the caller contract of README.md.
+Rules decided here once for both bodies:
+
+- A request displaced by an action (its model was evicted under it, or activated on another device
+  while it waited in some queue) is routed again through ``on_request`` after the whole action list
+  is applied, keeping its arrival time.
+- ``Migrate`` moves only an active model with nothing running: its queued requests move to the new
+  rank-0 queue, the body evicts and activates it; otherwise it is skipped (counted) and the next
+  tick decides again.
+- Admission runs, after every event, on the devices whose queue or capacity may have changed, in
+  device-name order, until no device has anything new to admit.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+from prism_serve.control.forecast import RateEstimator
+from prism_serve.control.policies import Policy
+from prism_serve.control.queues import RequestQueue
+from prism_serve.control.types import (
+    Activate,
+    ClusterSnapshot,
+    ControlError,
+    Defer,
+    DeviceSnapshot,
+    Dispatch,
+    EngineSnapshot,
+    Enqueue,
+    Evict,
+    Migrate,
+    ModelState,
+    Reject,
+    RejectReason,
+    Request,
+    SetKVQuota,
+)
+
+__all__ = ["ENGINE", "Body", "ControlLoop", "LoopStateError"]
+
+ENGINE = "\0engine"  # where a dispatched request is (no device can have this name)
+_NEW = "\0new"
+_DEFERRED = "\0deferred"
+_MAX_ADMISSION_ROUNDS = 100_000
+
+
+class LoopStateError(ControlError):
+    """The policy returned an action the loop cannot apply (a policy or body bug)."""
+
+
+class Body(Protocol):
+    """What the loop needs from the live runtime or the simulator."""
+
+    def cluster(self, now: float) -> ClusterSnapshot:
+        """Every model, device and engine now (queued counts from ``ControlLoop.num_queued``)."""
+
+    def admission_view(self, device: str, now: float) -> tuple[DeviceSnapshot, Mapping[str, EngineSnapshot]]:
+        """The device and the engines ``policy.admit`` reads for ``device``."""
+
+    def model_state(self, model: str) -> tuple[ModelState, int]:
+        """``model``'s state and its number of requests running on its engine."""
+
+    def dispatch(self, request: Request, device: str, now: float) -> bool:
+        """Hand ``request`` to its model's engine; False if the body failed it instead."""
+
+    def reject(self, request: Request, reason: RejectReason, detail: str, now: float) -> None:
+        """End ``request`` with the policy's reason."""
+
+    def activate(self, model: str, devices: tuple[str, ...], now: float) -> None:
+        """Start loading ``model`` on ``devices`` (rank 0 first); it shows ACTIVATING from now on."""
+
+    def evict(self, model: str, now: float) -> Iterable[Request]:
+        """Stop ``model``'s engine; returns the requests that were running on it and must start over."""
+
+    def set_kv_quota(self, model: str, device: str, quota_bytes: int | None) -> None:
+        """Cap ``model``'s KV bytes on ``device`` (None: no cap)."""
+
+
+class ControlLoop:
+    def __init__(
+        self,
+        policy: Policy,
+        devices: Sequence[str],
+        body: Body,
+        models: Iterable[str],
+        start: float,
+        *,
+        rate_window_s: float = 60.0,
+    ) -> None:
+        self.policy = policy
+        self.body = body
+        self.rates = RateEstimator(rate_window_s)
+        self.queues: dict[str, RequestQueue] = {d: policy.new_queue(d) for d in devices}
+        self.backlog: dict[str, Request] = {}  # deferred requests, in deferral order
+        self.where: dict[str, str] = {}  # req_id -> _NEW, _DEFERRED, ENGINE or the device it queues on
+        self.requests: dict[str, Request] = {}
+        self.num_queued: Counter[str] = Counter()  # per model: in a device queue or deferred
+        self.counters: Counter[str] = Counter()  # evictions, migrations(_skipped), rejections, restarts
+        # What changed since the body last built a snapshot (the simulator rebuilds only these).
+        self.stale_models: dict[str, None] = {}
+        self.stale_devices: set[str] = set(devices)
+        self._to_admit: set[str] = set()
+        self._reroute: list[Request] = []
+        self._applying = False
+        self._models = dict.fromkeys(models)
+        for m in self._models:
+            self.rates.start(m, start)
+
+    # ---- events ---------------------------------------------------------------------------------
+
+    def arrival(self, request: Request, now: float) -> None:
+        if request.req_id in self.requests:
+            raise LoopStateError(f"request {request.req_id!r} is already in the loop")
+        self.requests[request.req_id] = request
+        self.rates.observe(request.model, now)
+        self.stale_models[request.model] = None
+        self._route(request, now)
+        self._admit_changed(now)
+
+    def tick(self, now: float) -> None:
+        self.stale_models.update(self._models)  # every rate moved
+        self._apply(self.policy.place(self.body.cluster(now), now), now)
+        backlog, self.backlog = self.backlog, {}
+        for request in backlog.values():
+            self._set_where(request, _NEW)
+            self._route(request, now)
+        self._to_admit.update(d for d, q in self.queues.items() if len(q))
+        self._admit_changed(now)
+
+    def activation_done(self, model: str, device: str, now: float) -> None:
+        self.stale_models[model] = None
+        self._to_admit.add(device)
+        # the contract's "place() right after a model finishes activating" (it may move it again)
+        self._apply(self.policy.place(self.body.cluster(now), now), now)
+        self._admit_changed(now)
+
+    def activation_failed(self, model: str, now: float) -> list[Request]:
+        """The model's waiting requests leave the loop; the body fails them."""
+        out = [r for r in self.requests.values() if r.model == model and self.where[r.req_id] != ENGINE]
+        for r in out:
+            self.abort(r.req_id)
+        self.stale_models[model] = None
+        self._admit_changed(now)
+        return out
+
+    def request_left(self, req_id: str) -> None:
+        """A request on an engine is done (finished, failed or aborted); admission waits for the
+        body's ``capacity_freed``, so one step's many finishes admit once."""
+        if self.where.get(req_id) == ENGINE:
+            request = self.requests.pop(req_id)
+            del self.where[req_id]
+            self.stale_models[request.model] = None
+
+    def capacity_freed(self, devices: Iterable[str], now: float) -> None:
+        self.wake(devices)
+        self._admit_changed(now)
+
+    def wake(self, devices: Iterable[str]) -> None:
+        """Mark ``devices`` for admission at the end of the event being handled (for a body whose
+        effect, such as an eviction, frees memory while the loop applies actions)."""
+        self._to_admit.update(d for d in devices if len(self.queues[d]))
+
+    def abort(self, req_id: str) -> bool:
+        """Drop a request that is not on an engine; False if the loop does not hold it there."""
+        where = self.where.get(req_id)
+        if where is None or where == ENGINE:
+            return False
+        request = self.requests.pop(req_id)
+        del self.where[req_id]
+        if where == _DEFERRED:
+            del self.backlog[req_id]
+        elif where != _NEW:
+            self.queues[where].cancel(req_id)
+            self.stale_devices.add(where)
+        if where != _NEW:
+            self._count(request, -1)
+        return True
+
+    def worker_died(self, model: str, now: float) -> None:
+        self.stale_models[model] = None
+        for request in self._take_queued(model):
+            self._reroute.append(request)
+        self._drain_reroutes(now)
+        self._admit_changed(now)
+
+    # ---- routing and actions ----------------------------------------------------------------------
+
+    def _route(self, request: Request, now: float) -> None:
+        self.where[request.req_id] = _NEW
+        self._apply(self.policy.on_request(request, self.body.cluster(now), now), now)
+
+    def _apply(self, actions: Iterable, now: float) -> None:
+        """Apply ``actions`` in order; requests they displaced are routed again afterwards, so every
+        policy call sees a snapshot with the previous call's actions fully applied."""
+        if self._applying:
+            self._apply_each(actions, now)
+            return
+        self._applying = True
+        try:
+            self._apply_each(actions, now)
+        finally:
+            self._applying = False
+        self._drain_reroutes(now)
+
+    def _drain_reroutes(self, now: float) -> None:
+        while self._reroute:
+            request = self._reroute.pop(0)
+            if request.req_id in self.requests:  # not failed meanwhile
+                self._route(request, now)
+
+    def _apply_each(self, actions: Iterable, now: float) -> None:
+        body = self.body
+        for a in actions:
+            match a:
+                case Enqueue(request=r, device=d):
+                    self.queues[d].push(r)
+                    self._set_where(r, d)
+                    self._to_admit.add(d)
+                case Dispatch(request=r, device=d):
+                    self._set_where(r, ENGINE)
+                    self.stale_devices.add(d)
+                    if not body.dispatch(r, d, now):
+                        self.request_left(r.req_id)
+                case Defer(request=r):
+                    self.backlog[r.req_id] = r
+                    self._set_where(r, _DEFERRED)
+                case Reject(request=r, reason=reason, detail=detail):
+                    self._forget(r)
+                    self.counters["rejections"] += 1
+                    body.reject(r, reason, detail, now)
+                case Activate(model=model, devices=devices):
+                    body.activate(model, devices, now)
+                    self._displaced_by_activation(model, devices[0])
+                case Evict(model=model):
+                    self.counters["evictions"] += 1
+                    self._evicted(model, body.evict(model, now))
+                case Migrate(model=model, dst=dst):
+                    self._migrate(model, dst, now)
+                case SetKVQuota(model=model, device=d, quota_bytes=q):
+                    body.set_kv_quota(model, d, q)
+                case _:
+                    raise LoopStateError(f"cannot apply {a!r}")
+            if hasattr(a, "model"):
+                self.stale_models[a.model] = None
+
+    def _set_where(self, request: Request, where: str) -> None:
+        old = self.where.get(request.req_id, _NEW)
+        queued_before = old not in (_NEW, ENGINE)
+        queued_after = where not in (_NEW, ENGINE)
+        if queued_before != queued_after:
+            self._count(request, 1 if queued_after else -1)
+        if old not in (_NEW, ENGINE, _DEFERRED):
+            self.stale_devices.add(old)
+        if where not in (_NEW, ENGINE, _DEFERRED):
+            self.stale_devices.add(where)
+        self.where[request.req_id] = where
+
+    def _count(self, request: Request, delta: int) -> None:
+        self.num_queued[request.model] += delta
+        self.stale_models[request.model] = None
+
+    def _forget(self, request: Request) -> None:
+        where = self.where.pop(request.req_id, _NEW)
+        self.requests.pop(request.req_id, None)
+        if where not in (_NEW, ENGINE):
+            self._count(request, -1)
+        if where not in (_NEW, ENGINE, _DEFERRED):
+            self.stale_devices.add(where)
+
+    def _take_queued(self, model: str, keep: str | None = None) -> list[Request]:
+        """Remove ``model``'s requests from every device queue but ``keep``; they become new."""
+        out = []
+        for d, q in self.queues.items():
+            if d == keep or model not in q.models():
+                continue
+            for r in q.requests():
+                if r.model == model:
+                    q.cancel(r.req_id)
+                    self._set_where(r, _NEW)
+                    out.append(r)
+        return out
+
+    def _displaced_by_activation(self, model: str, rank0: str) -> None:
+        # requests of this model queued on another device would never start there
+        self._reroute.extend(self._take_queued(model, keep=rank0))
+
+    def _evicted(self, model: str, restarted: Iterable[Request]) -> None:
+        for r in restarted:
+            self.counters["restarts"] += 1
+            self._set_where(r, _NEW)
+            self._reroute.append(r)
+
+    def _migrate(self, model: str, dst: tuple[str, ...], now: float) -> None:
+        state, num_running = self.body.model_state(model)
+        if num_running or state is not ModelState.ACTIVE:
+            self.counters["migrations_skipped"] += 1
+            return
+        moving = self._take_queued(model, keep=dst[0])
+        self._evicted(model, self.body.evict(model, now))
+        self.body.activate(model, dst, now)
+        for r in moving:
+            self.queues[dst[0]].push(r)
+            self._set_where(r, dst[0])
+        self._to_admit.add(dst[0])
+        self.counters["migrations"] += 1
+
+    # ---- admission --------------------------------------------------------------------------------
+
+    def _admit_changed(self, now: float) -> None:
+        rounds = 0
+        while self._to_admit:
+            d = min(self._to_admit)  # device-name order: reproducible
+            self._to_admit.discard(d)
+            q = self.queues[d]
+            if not len(q):
+                continue
+            device, engines = self.body.admission_view(d, now)
+            actions = self.policy.admit(q, device, engines, now)
+            if actions:
+                self.stale_devices.add(d)
+                self._apply(actions, now)
+            rounds += 1
+            if rounds > _MAX_ADMISSION_ROUNDS:
+                raise LoopStateError("admission did not settle (a policy keeps returning work)")

@@ -1,0 +1,411 @@
+"""The control loop (control/loop.py) driven with a fake body: the one suite for the rules the live
+controller and the simulator share. Their own suites test only how they carry the effects out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prism_serve.control import (
+    Activate,
+    ClusterSnapshot,
+    Defer,
+    DeviceSnapshot,
+    EngineSnapshot,
+    Evict,
+    Migrate,
+    ModelSnapshot,
+    ModelState,
+    Reject,
+    RejectReason,
+    Request,
+    get_policy,
+)
+from prism_serve.control.loop import ENGINE, ControlLoop, LoopStateError
+
+GIB = 1 << 30
+KVPT = 64 * 1024
+
+
+@dataclass
+class FakeModel:
+    name: str
+    weight: int
+    state: ModelState = ModelState.EVICTED
+    placement: tuple[str, ...] = ()
+    running: dict[str, Request] = field(default_factory=dict)
+
+
+class FakeBody:
+    """Devices of ``cap_gib``; activations finish only when a test says so; engines have room for
+    ``max_seqs`` requests. ``restart``: an eviction restarts what ran (the simulator), else the
+    body refuses to evict a busy model, as a live worker does."""
+
+    def __init__(self, models: dict[str, float], devices: dict[str, float], *, max_seqs: int = 2,
+                 restart: bool = True) -> None:  # fmt: skip
+        self.models = {n: FakeModel(n, int(w * GIB)) for n, w in models.items()}
+        self.caps = {d: int(c * GIB) for d, c in devices.items()}
+        self.max_seqs = max_seqs
+        self.restart = restart
+        self.paused = False  # engines report not ready (nothing can be admitted)
+        self.loop: ControlLoop | None = None
+        self.log: list[tuple] = []
+        self.rejected: dict[str, RejectReason] = {}
+
+    def _on(self, device: str) -> list[FakeModel]:
+        return [m for m in self.models.values() if m.placement and device in m.placement]
+
+    # -- the Body protocol --
+    def cluster(self, now: float) -> ClusterSnapshot:
+        loop = self.loop
+        models = [
+            ModelSnapshot(m.name, loop.rates.rate(m.name, now), 1.0, 0.1, m.weight, KVPT, 1, m.placement,
+                          m.state, loop.rates.last_arrival(m.name), loop.num_queued[m.name], len(m.running))
+            for m in self.models.values()
+        ]  # fmt: skip
+        devices = [self._device(d) for d in self.caps]
+        engines = [self._engine(m) for m in self.models.values() if m.state is not ModelState.EVICTED]
+        return ClusterSnapshot.build(models, devices, engines)
+
+    def _device(self, d: str) -> DeviceSnapshot:
+        q = self.loop.queues[d]
+        on = self._on(d)
+        return DeviceSnapshot(d, self.caps[d], sum(m.weight for m in on), tuple(m.name for m in on),
+                              len(q), q.models())  # fmt: skip
+
+    def _engine(self, m: FakeModel) -> EngineSnapshot:
+        free = self.caps[m.placement[0]] - sum(x.weight for x in self._on(m.placement[0]))
+        return EngineSnapshot(m.name, m.placement[0], KVPT, m.state is ModelState.ACTIVE and not self.paused,
+                              free, 0, None,
+                              free, len(m.running), self.max_seqs, 10_000.0)  # fmt: skip
+
+    def admission_view(self, device, now):
+        snap = self.cluster(now)
+        return snap.devices[device], snap.engines
+
+    def model_state(self, model):
+        m = self.models[model]
+        return m.state, len(m.running)
+
+    def dispatch(self, request, device, now):
+        m = self.models[request.model]
+        assert m.state is ModelState.ACTIVE and m.placement[0] == device, (request, m)
+        assert len(m.running) < self.max_seqs
+        m.running[request.req_id] = request
+        self.log.append(("dispatch", request.req_id, device))
+        return True
+
+    def reject(self, request, reason, detail, now):
+        self.rejected[request.req_id] = reason
+        self.log.append(("reject", request.req_id, reason))
+
+    def activate(self, model, devices, now):
+        m = self.models[model]
+        assert m.state is ModelState.EVICTED, m
+        m.state, m.placement = ModelState.ACTIVATING, tuple(devices)
+        self.log.append(("activate", model, devices))
+
+    def evict(self, model, now):
+        m = self.models[model]
+        assert m.state is not ModelState.EVICTED
+        if m.running and not self.restart:
+            self.log.append(("evict-refused", model))
+            return []
+        out = list(m.running.values())
+        m.running.clear()
+        m.state, m.placement = ModelState.EVICTED, ()
+        self.log.append(("evict", model))
+        return out
+
+    def set_kv_quota(self, model, device, quota_bytes):
+        self.log.append(("quota", model, device, quota_bytes))
+
+    # -- what a test does as the engines --
+    def finish(self, req_id: str, now: float) -> None:
+        for m in self.models.values():
+            if m.running.pop(req_id, None) is not None:
+                self.loop.request_left(req_id)
+                self.loop.capacity_freed([m.placement[0]], now)
+                return
+        raise KeyError(req_id)
+
+    def activated(self, model: str, now: float) -> None:
+        m = self.models[model]
+        m.state = ModelState.ACTIVE
+        self.loop.activation_done(model, m.placement[0], now)
+
+
+class Scripted:
+    """A real policy whose next place() / on_request() answers a test can replace."""
+
+    def __init__(self, name: str, **knobs) -> None:
+        self.inner = get_policy(name, **knobs)
+        self.next_place: list | None = None
+        self.next_request: list | None = None
+
+    def new_queue(self, device):
+        return self.inner.new_queue(device)
+
+    def place(self, cluster, now):
+        out, self.next_place = self.next_place, None
+        return self.inner.place(cluster, now) if out is None else out
+
+    def on_request(self, request, cluster, now):
+        out, self.next_request = self.next_request, None
+        return self.inner.on_request(request, cluster, now) if out is None else out
+
+    def admit(self, queue, device, engines, now):
+        return self.inner.admit(queue, device, engines, now)
+
+
+def make(policy="prism", models=None, devices=None, **kw) -> tuple[ControlLoop, FakeBody, Scripted]:
+    body = FakeBody(models or {"a": 1.0, "b": 1.0}, devices or {"d0": 8.0, "d1": 8.0}, **kw)
+    pol = Scripted(policy)
+    body.loop = ControlLoop(pol, list(body.caps), body, body.models, 0.0)
+    return body.loop, body, pol
+
+
+def req(i: int, model: str = "a", t: float = 0.0) -> Request:
+    return Request(f"r{i}", model, t, 16, 1.0)
+
+
+def check_invariants(loop: ControlLoop, body: FakeBody) -> None:
+    """Every request the loop holds is in exactly one place, and the counts agree."""
+    queued = {r.req_id: d for d, q in loop.queues.items() for r in q.requests()}
+    running = {rid for m in body.models.values() for rid in m.running}
+    counts: dict[str, int] = {}
+    for rid, where in loop.where.items():
+        r = loop.requests[rid]
+        if where == ENGINE:
+            assert rid in running
+        elif where in loop.queues:
+            assert queued.get(rid) == where
+        else:
+            assert rid in loop.backlog, (rid, where)
+        if where != ENGINE:
+            counts[r.model] = counts.get(r.model, 0) + 1
+    assert set(loop.where) == set(loop.requests)
+    assert set(queued) <= set(loop.where) and set(loop.backlog) <= set(loop.where)
+    assert running <= set(loop.where)
+    assert {m: n for m, n in loop.num_queued.items() if n} == counts
+
+
+def test_an_arrival_for_an_evicted_model_activates_it_and_dispatches_once_it_is_ready():
+    loop, body, _ = make()
+    loop.arrival(req(1), 0.0)
+    assert body.models["a"].state is ModelState.ACTIVATING and ("activate", "a", ("d0",)) in body.log
+    assert loop.where["r1"] == "d0" and loop.num_queued["a"] == 1  # waits in its device queue
+    body.activated("a", 0.5)
+    assert loop.where["r1"] == ENGINE and ("dispatch", "r1", "d0") in body.log
+    assert loop.num_queued["a"] == 0
+    body.finish("r1", 1.0)
+    assert not loop.requests and not loop.where
+    check_invariants(loop, body)
+
+
+def test_a_full_engine_admits_the_next_request_when_one_leaves():
+    loop, body, _ = make(max_seqs=1)
+    loop.arrival(req(1), 0.0)
+    body.activated("a", 0.1)
+    loop.arrival(req(2, t=0.2), 0.2)
+    assert loop.where["r2"] == "d0"  # no free sequence slot
+    body.finish("r1", 0.3)
+    assert loop.where["r2"] == ENGINE
+    check_invariants(loop, body)
+
+
+def test_migrate_moves_an_idle_model_with_its_queue_and_skips_a_busy_one():
+    loop, body, pol = make(max_seqs=1)
+    loop.arrival(req(1), 0.0)
+    body.activated("a", 0.1)
+    loop.arrival(req(2, t=0.2), 0.2)  # queued behind r1 on d0
+    pol.next_place = [Migrate("a", ("d0",), ("d1",))]
+    loop.tick(0.3)
+    assert loop.counters["migrations_skipped"] == 1 and body.models["a"].placement == ("d0",)
+    body.finish("r1", 0.4)  # r2 starts: still busy
+    body.finish("r2", 0.5)
+    loop.arrival(req(3, t=0.6), 0.6)
+    body.models["a"].running.clear()  # a test's shortcut: r3 done, nothing running, nothing queued
+    loop.request_left("r3")
+    pol.inner = get_policy("dedicated")  # keep other ticks from moving anything
+    pol.next_place = [Migrate("a", ("d0",), ("d1",))]
+    loop.tick(0.7)
+    assert loop.counters["migrations"] == 1
+    assert body.models["a"].placement == ("d1",) and body.models["a"].state is ModelState.ACTIVATING
+    assert ("evict", "a") in body.log
+    check_invariants(loop, body)
+
+
+def test_queued_requests_follow_a_migrating_model_to_its_new_device():
+    loop, body, pol = make(max_seqs=1)
+    body.models["a"].state, body.models["a"].placement = ModelState.ACTIVATING, ("d0",)
+    loop.arrival(req(1), 0.0)  # queued on d0 while a loads
+    body.models["a"].state = ModelState.ACTIVE  # loaded, but its engine cannot start anything yet
+    body.paused = True
+    pol.next_place = [Migrate("a", ("d0",), ("d1",))]
+    loop.tick(0.1)
+    assert loop.where["r1"] == "d1" and "r1" in loop.queues["d1"] and not len(loop.queues["d0"])
+    body.paused = False
+    body.activated("a", 0.2)
+    assert loop.where["r1"] == ENGINE and ("dispatch", "r1", "d1") in body.log
+    check_invariants(loop, body)
+
+
+def test_requests_displaced_by_an_eviction_are_routed_again_after_the_action_list():
+    loop, body, pol = make()
+    loop.arrival(req(1), 0.0)
+    body.activated("a", 0.1)
+    assert loop.where["r1"] == ENGINE
+    seen = []
+    inner = pol.inner.on_request
+
+    def on_request(request, cluster, now):
+        seen.append((request.req_id, cluster.models["a"].state, cluster.models["b"].state))
+        return inner(request, cluster, now)
+
+    pol.inner.on_request = on_request
+    pol.next_place = [Evict("a"), Activate("b", ("d0",))]
+    loop.tick(0.2)
+    # routed once, after both actions: the snapshot shows a evicted and b activating
+    assert seen[0] == ("r1", ModelState.EVICTED, ModelState.ACTIVATING)
+    assert loop.counters["restarts"] == 1 and loop.where["r1"] in loop.queues
+    check_invariants(loop, body)
+
+
+def test_a_live_style_body_that_refuses_to_evict_a_busy_model_restarts_nothing():
+    loop, body, pol = make(restart=False)
+    loop.arrival(req(1), 0.0)
+    body.activated("a", 0.1)
+    pol.next_place = [Evict("a")]
+    loop.tick(0.2)
+    assert loop.where["r1"] == ENGINE and loop.counters["restarts"] == 0
+    assert loop.counters["evictions"] == 1  # ordered; the body decides what it could do
+
+
+def test_activating_elsewhere_reroutes_the_models_requests_queued_on_other_devices():
+    loop, body, pol = make()
+    pol.next_request = [Defer(req(1), "test")]
+    loop.arrival(req(1), 0.0)
+    assert loop.num_queued["a"] == 1 and "r1" in loop.backlog  # deferred requests count as queued
+    loop.queues["d1"].push(r2 := req(2))  # as if a policy queued it on d1 for a model not loaded there
+    loop._set_where(r2, "d1")
+    loop.requests["r2"] = r2
+    pol.next_place = [Activate("a", ("d0",))]
+    loop.tick(0.1)
+    assert not len(loop.queues["d1"]) and loop.where["r2"] == "d0"
+    assert loop.where["r1"] == "d0"  # the backlog went through on_request after place()
+    check_invariants(loop, body)
+
+
+def test_a_failed_activation_hands_back_every_waiting_request_of_that_model():
+    loop, body, _ = make()
+    loop.arrival(req(1), 0.0)
+    loop.arrival(req(2, "b", 0.1), 0.1)
+    out = loop.activation_failed("a", 0.2)
+    assert [r.req_id for r in out] == ["r1"] and "r1" not in loop.where and loop.num_queued["a"] == 0
+    assert "r2" in loop.where
+    check_invariants(loop, body)
+
+
+def test_abort_and_reject_leave_nothing_behind():
+    loop, body, pol = make()
+    loop.arrival(req(1), 0.0)
+    assert loop.abort("r1") and not loop.abort("r1")
+    pol.next_request = [Reject(req(2), RejectReason.PROMPT_TOO_LONG, "too long")]
+    loop.arrival(req(2), 0.1)
+    assert body.rejected == {"r2": RejectReason.PROMPT_TOO_LONG} and loop.counters["rejections"] == 1
+    assert not loop.where and not loop.requests and not +loop.num_queued
+    with pytest.raises(LoopStateError):
+        loop.arrival(req(3), 0.2)
+        loop.arrival(req(3), 0.2)
+
+
+def test_a_dead_worker_sends_its_models_queued_requests_through_the_policy_again():
+    loop, body, _ = make(max_seqs=1)
+    loop.arrival(req(1), 0.0)
+    body.activated("a", 0.1)
+    loop.arrival(req(2, t=0.2), 0.2)
+    assert loop.where["r2"] == "d0"
+    m = body.models["a"]  # the worker died: its request failed, the model is gone
+    m.running.clear()
+    loop.request_left("r1")
+    m.state, m.placement = ModelState.EVICTED, ()
+    loop.worker_died("a", 0.3)
+    assert m.state is ModelState.ACTIVATING and loop.where["r2"] in loop.queues
+    check_invariants(loop, body)
+
+
+def test_a_policy_failure_leaves_a_state_that_abort_cleans():
+    loop, body, pol = make()
+
+    def boom(*a):
+        raise RuntimeError("policy bug")
+
+    pol.inner.admit = boom
+    body.models["a"].state, body.models["a"].placement = ModelState.ACTIVE, ("d0",)
+    with pytest.raises(RuntimeError):
+        loop.arrival(req(1), 0.0)
+    assert loop.abort("r1")  # what the runtime does for a failed submit
+    assert not loop.where and not +loop.num_queued and not len(loop.queues["d0"])
+    pol.inner = get_policy("prism")
+    loop.arrival(req(2, t=0.1), 0.1)
+    assert loop.where["r2"] == ENGINE
+
+
+KINDS = st.sampled_from(["arrive", "tick", "ready", "finish", "abort", "died"])
+EVENTS = st.lists(st.tuples(KINDS, st.integers(0, 2), st.integers(0, 50)), max_size=60)
+
+
+@pytest.mark.parametrize("policy", ["prism", "dedicated", "static-partition", "qlm", "muxserve"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=EVENTS)
+def test_random_event_sequences_keep_every_request_in_exactly_one_place(policy, events):
+    models = {"a": 3.0, "b": 3.0, "c": 3.0}
+    loop, body, _ = make(policy, models, {"d0": 8.0, "d1": 8.0}, max_seqs=2)
+    names = list(models)
+    now, i = 0.0, 0
+    for kind, k, pick in events:
+        now += 0.25
+        model = names[k]
+        if kind == "arrive":
+            i += 1
+            loop.arrival(req(i, model, now), now)
+        elif kind == "tick":
+            loop.tick(now)
+        elif kind == "ready":
+            activating = [m for m in body.models.values() if m.state is ModelState.ACTIVATING]
+            if activating:
+                body.activated(activating[pick % len(activating)].name, now)
+        elif kind == "finish":
+            running = [rid for m in body.models.values() for rid in m.running]
+            if running:
+                body.finish(running[pick % len(running)], now)
+        elif kind == "abort":
+            waiting = [rid for rid, w in loop.where.items() if w != ENGINE]
+            if waiting:
+                assert loop.abort(waiting[pick % len(waiting)])
+        elif kind == "died":
+            m = body.models[model]
+            if m.state is ModelState.ACTIVE:
+                for rid in list(m.running):
+                    m.running.pop(rid)
+                    loop.request_left(rid)
+                m.state, m.placement = ModelState.EVICTED, ()
+                loop.worker_died(model, now)
+        check_invariants(loop, body)
+    # and everything drains: activations finish, requests finish
+    for _ in range(200):
+        now += 0.25
+        for m in list(body.models.values()):
+            if m.state is ModelState.ACTIVATING:
+                body.activated(m.name, now)
+        for rid in [rid for m in body.models.values() for rid in m.running]:
+            body.finish(rid, now)
+        loop.tick(now)
+        check_invariants(loop, body)
+        if not loop.requests:
+            break
+    assert not loop.requests
