@@ -1,0 +1,334 @@
+"""How much slower an engine step gets while 2 or 3 engines on one CPU device are busy at once.
+
+Real engines in real processes: each engine (SmolLM2-135M-Instruct, real weights, fp32, as
+fit_cpu_profile.py loads it) runs in its own process pinned the way a live CPU device runs its
+workers (runtime/devices.py ``pin_process``): a device of ONE core (``--core``, one torch thread) and
+a device of TWO cores (0-1, two torch threads each). For each device, step shape and number of busy
+engines n (1, 2, 3), the first n engines of that device step in a loop from a common start time
+until each has finished ``--min-steps`` steps and ``--window`` seconds passed (``--max-window`` at
+most); only steps that ended before the stop time count, so every counted step ran while all n
+engines had work. Engines that are not part of a point sit blocked on a pipe (no CPU). The baseline
+is n = 1, the same engine alone on the same device, in the same round.
+
+Shapes: a decode batch of 1 and of 8 at context 256 (contexts allocated, not computed, as in
+fit_cpu_profile.py) and a prefill of 256 tokens. Every round measures every point (rounds wait for
+quiet CPUs first); each point records the CPU other processes used meanwhile ("other load", cores),
+and the three points of a shape are measured again once when one of them had more than ``--max-load``
+(the attempt with less load is kept).
+The printed ratio of a point is the mean step time of its n engines over the alone step time of the
+same round; the table gives the median over rounds and the spread (min..max).
+
+    python benchmarks/cpu_sharing.py                 # measure (about 10 min) and print
+    python benchmarks/cpu_sharing.py --reuse         # print the saved measurements again
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common import REPO_ROOT, cpu_seconds, machine_info, wait_quiet
+
+RAW = REPO_ROOT / "results" / "cpu_sharing.json"
+
+# (name, kind, args): decode (batch, context), prefill (tokens,)
+SHAPES = [("decode 1 @256", "decode", (1, 256)), ("decode 8 @256", "decode", (8, 256))]
+SHAPES += [("prefill 256", "prefill", (256,))]
+DECODE_CHUNK = 8  # decode steps per set of requests; then they are aborted and added again
+MAX_BUSY = 3
+
+
+def simd_flags() -> str:
+    """The CPU's vector-extension flags; the fitted profile's machine had AVX-512."""
+    line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    flags = line.split(":", 1)[-1].split()
+    simd = sorted(f for f in flags if f.startswith(("avx", "fma", "amx", "f16c")))
+    return " ".join(simd) + ("" if any(f.startswith("avx512") for f in flags) else " (no AVX-512)")
+
+
+# -- one engine process -----------------------------------------------------------------------------
+
+
+class Engine:
+    """The real engine as fit_cpu_profile.py's Bench sets it up, with a KV pool of 256 MiB (six
+    processes with Bench's 4 GiB would not fit in this machine's memory; the pool size does not
+    change the step time)."""
+
+    def __init__(self) -> None:
+        from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
+
+        config = EngineConfig(
+            model="smollm2-135m-instruct", dtype="float32", max_num_seqs=64, kv_cache_bytes=256 << 20
+        )
+        self.engine = LLMEngine(config)
+        self.rng = np.random.default_rng(0)
+
+    def add(self, prompt: int, cached: int, max_tokens: int) -> None:
+        """A request of ``prompt`` tokens whose first ``cached`` are allocated, not computed."""
+        from prism_serve.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        req = self.engine.add_request(self.rng.integers(17, 49152, prompt).tolist(), params)
+        if cached:
+            seq = self.engine._requests[req]
+            if not self.engine.scheduler._grow(seq, cached):
+                raise RuntimeError("KV cache too small for the point")
+            seq.num_computed_tokens = cached
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - t0
+
+
+def engine_process(name: str, cores: tuple[int, ...], conn, stop, counts, slot: int) -> None:
+    """Pin like a live worker, load the engine, then run the points the parent sends."""
+    import torch
+
+    from prism_serve.runtime.devices import DeviceSpec, pin_process
+
+    pin_process(DeviceSpec(name, 1 << 30, cores, 1))
+    bench = Engine()
+    for _, kind, args in SHAPES:  # warm-up, alone
+        run_steps(bench, kind, args, lambda: False, 2)
+    conn.send(("ready", torch.get_num_threads(), sorted(os.sched_getaffinity(0))))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "exit":
+            break
+        _, kind, args, start_at = msg
+        while time.monotonic() < start_at:
+            time.sleep(max(0.0, min(0.01, start_at - time.monotonic())))
+        cpu0 = time.process_time()
+        steps: list[tuple[float, float]] = []  # (seconds, monotonic end) of each step
+        while not stopped(stop):
+            run_steps(bench, kind, args, lambda: stopped(stop), DECODE_CHUNK, steps, counts, slot)
+        conn.send((steps, time.process_time() - cpu0))
+    bench.engine.close()
+
+
+def stopped(stop) -> bool:
+    return time.monotonic() >= stop.value
+
+
+def run_steps(bench, kind, args, is_stopped, num_steps, steps=None, counts=None, slot=0) -> None:
+    """Up to ``num_steps`` steps of one shape (a decode set of requests; one prefill); each step's
+    (seconds, end) goes to ``steps``, and ``counts[slot]`` counts them for the parent."""
+    if kind == "prefill":
+        bench.add(args[0], 0, 1)
+        num_steps = 1
+    else:
+        batch, context = args
+        for _ in range(batch):  # the last prompt token is the first step's decode input
+            bench.add(context, context - 1, num_steps + 1)
+    for _ in range(num_steps):
+        if is_stopped():
+            break
+        seconds = bench.step()
+        if steps is not None:
+            steps.append((seconds, time.monotonic()))
+            counts[slot] += 1
+    bench.engine.abort_all()
+
+
+# -- the parent: points and rounds ------------------------------------------------------------------
+
+
+class Device:
+    """MAX_BUSY engine processes pinned to ``cores``."""
+
+    def __init__(self, ctx, name: str, cores: tuple[int, ...]) -> None:
+        self.name, self.cores = name, cores
+        self.stop = ctx.Value("d", math.inf, lock=False)
+        self.counts = ctx.Array("i", MAX_BUSY, lock=False)
+        self.conns, self.procs = [], []
+        for slot in range(MAX_BUSY):  # one at a time: loading is not what is measured
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=engine_process, args=(name, cores, child, self.stop, self.counts, slot), daemon=True
+            )
+            p.start()
+            _, threads, affinity = parent.recv()
+            print(
+                f"  {name} engine {slot}: pid {p.pid}, cores {affinity}, {threads} torch threads", flush=True
+            )
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def point(self, kind: str, args: tuple, n: int, min_steps: int, window: float, max_window: float) -> dict:
+        """n engines step at once; each engine's mean step time over the steps that ended in time."""
+        self.stop.value = math.inf
+        for i in range(MAX_BUSY):
+            self.counts[i] = 0
+        start, t0 = cpu_seconds(), time.monotonic()
+        start_at = t0 + 0.1
+        for c in self.conns[:n]:
+            c.send(("run", kind, args, start_at))
+        while True:
+            time.sleep(0.05)
+            elapsed = time.monotonic() - start_at
+            if elapsed >= max_window or (elapsed >= window and min(self.counts[:n]) >= min_steps):
+                self.stop.value = stop_at = time.monotonic()
+                break
+        results = [c.recv() for c in self.conns[:n]]
+        wall = time.monotonic() - t0
+        busy, own = cpu_seconds()
+        engines_cpu = sum(cpu for _, cpu in results)
+        other = max(0.0, (busy - start[0] - (own - start[1]) - engines_cpu) / wall)
+        per_engine = []
+        for steps, _ in results:
+            counted = [s for s, end in steps if end <= stop_at]
+            # an engine that finished no step in the window: its one step took at least the window
+            per_engine.append(float(np.mean(counted)) if counted else stop_at - start_at)
+        return {
+            "step_s": per_engine,
+            "steps": [sum(1 for _, end in steps if end <= stop_at) for steps, _ in results],
+            "window_s": stop_at - start_at,
+            "other_load": other,
+        }
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(("exit",))
+        for p in self.procs:
+            p.join(30)
+
+
+def measure(args) -> dict:
+    ctx = mp.get_context("spawn")
+    info = machine_info(simd=simd_flags())
+    print(info["line"], flush=True)
+    devices = {}
+    for label, cores in (("1 core", (args.core,)), ("2 cores", (0, 1))):
+        print(f"starting the engines of the device of {label} (cores {cores})", flush=True)
+        devices[label] = Device(ctx, f"cpu:{len(devices)}", cores)
+    rounds = []
+    t_all = time.monotonic()
+    for r in range(args.rounds):
+        t0 = time.monotonic()
+        order = range(1, MAX_BUSY + 1) if r % 2 == 0 else range(MAX_BUSY, 0, -1)  # drift cancels
+        points = []
+        for label, dev in devices.items():
+            for name, kind, shape in SHAPES:
+                min_steps = 2 if kind == "prefill" else args.min_steps
+                window = 2 * args.window if kind == "prefill" else args.window
+                attempts = []
+                for attempt in range(args.retries + 1):
+                    wait_quiet(args.quiet_wait, 0.15)
+                    group = []
+                    for n in order:
+                        p = dev.point(kind, shape, n, min_steps, window, args.max_window)
+                        group.append({"device": label, "shape": name, "n": n, "attempt": attempt, **p})
+                        print(
+                            f"  {label} {name} n={n}: step {np.mean(p['step_s']) * 1e3:.1f} ms, "
+                            f"{min(p['steps'])}+ steps in {p['window_s']:.1f} s, "
+                            f"other load {p['other_load']:.2f}",
+                            flush=True,
+                        )
+                    attempts.append(group)
+                    if max(p["other_load"] for p in group) <= args.max_load:
+                        break
+                points += min(attempts, key=lambda g: max(p["other_load"] for p in g))
+        rounds.append(points)
+        loads = [p["other_load"] for p in points]
+        print(
+            f"round {r + 1}/{args.rounds}: {time.monotonic() - t0:.0f} s, other load "
+            f"{min(loads):.2f}..{max(loads):.2f} cores",
+            flush=True,
+        )
+    for dev in devices.values():
+        dev.close()
+    print(f"measured in {time.monotonic() - t_all:.0f} s")
+    return {"machine": info["line"], "date": time.strftime("%Y-%m-%d"), "rounds": rounds}
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def ratios(raw: dict) -> dict[tuple[str, str, int], list[float]]:
+    """(device, shape, n) -> the ratio of each round: mean step of the n engines / the alone step."""
+    out: dict[tuple[str, str, int], list[float]] = {}
+    for points in raw["rounds"]:
+        alone = {(p["device"], p["shape"]): p["step_s"][0] for p in points if p["n"] == 1}
+        for p in points:
+            out.setdefault((p["device"], p["shape"], p["n"]), []).append(
+                float(np.mean(p["step_s"])) / alone[(p["device"], p["shape"])]
+            )
+    return out
+
+
+def fit_interference(rs: dict, device: str) -> float:
+    """``a`` of slowdown(n) = n * (1 + a * (n - 1)), least squares on the median ratios of ``device``."""
+    xs, ys = [], []
+    for (dev, _, n), v in rs.items():
+        if dev == device and n > 1:
+            xs.append(n * (n - 1))
+            ys.append(float(np.median(v)) - n)
+    x, y = np.array(xs, dtype=float), np.array(ys)
+    return float(x @ y / (x @ x))
+
+
+def report(raw: dict) -> None:
+    print(f"machine: {raw['machine']}; measured {raw['date']}; {len(raw['rounds'])} rounds")
+    rs = ratios(raw)
+    steps: dict[tuple[str, str, int], list[float]] = {}
+    loads: dict[tuple[str, str, int], list[float]] = {}
+    counts: dict[tuple[str, str, int], list[int]] = {}
+    for points in raw["rounds"]:
+        for p in points:
+            key = (p["device"], p["shape"], p["n"])
+            steps.setdefault(key, []).append(float(np.mean(p["step_s"])))
+            loads.setdefault(key, []).append(p["other_load"])
+            counts.setdefault(key, []).append(min(p["steps"]))
+    print(
+        f"{'device':<8} {'shape':<14} {'n':>2} {'step ms (median)':>17} {'ratio median':>13} "
+        f"{'min..max':>13} {'ratio / n':>9} {'steps/engine':>12} {'other load':>11}"
+    )
+    for key, v in rs.items():
+        dev, shape, n = key
+        print(
+            f"{dev:<8} {shape:<14} {n:>2} {np.median(steps[key]) * 1e3:>17.1f} {np.median(v):>13.2f} "
+            f"{min(v):>6.2f}..{max(v):<6.2f} {np.median(v) / n:>9.2f} {min(counts[key]):>12} "
+            f"{max(loads[key]):>11.2f}"
+        )
+    for dev in ("1 core", "2 cores"):
+        a = fit_interference(rs, dev)
+        fitted = ", ".join(f"n={n}: {n * (1 + a * (n - 1)):.2f}" for n in range(2, MAX_BUSY + 1))
+        print(f"{dev}: slowdown(n) = n * (1 + a * (n - 1)), a = {a:.3f} ({fitted})")
+    print("steps/engine: the fewest counted steps of one engine in any round; other load: the most")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)), help="the one-core device")
+    ap.add_argument("--min-steps", type=int, default=6, help="decode steps per engine and point (prefill: 2)")
+    ap.add_argument("--window", type=float, default=2.0, help="decode point length at least, s (prefill 2x)")
+    ap.add_argument("--max-window", type=float, default=20.0, help="seconds per point at most")
+    ap.add_argument("--quiet-wait", type=float, default=120.0, help="wait for quiet CPUs, s at most")
+    ap.add_argument("--max-load", type=float, default=0.3, help="other load (cores) that repeats a group")
+    ap.add_argument("--retries", type=int, default=1, help="repeats of a group measured under more load")
+    ap.add_argument("--raw", type=Path, default=RAW, help="measurements are saved here")
+    ap.add_argument("--reuse", action="store_true", help="print the saved measurements, measure nothing")
+    args = ap.parse_args()
+    if args.reuse:
+        raw = json.loads(args.raw.read_text())
+    else:
+        if len(os.sched_getaffinity(0)) < 2:
+            raise SystemExit("needs cores 0 and 1")
+        raw = measure(args)
+        args.raw.parent.mkdir(parents=True, exist_ok=True)
+        args.raw.write_text(json.dumps(raw))
+        print(f"measurements saved to {args.raw}")
+    report(raw)
+
+
+if __name__ == "__main__":
+    main()
