@@ -2,16 +2,19 @@
 
 The allocator knows nothing about tensors, so it is trivial to test and can be replaced by the
 elastic-memory pool (which maps pages behind the same ids) without touching the scheduler.
+Only ``KVCache`` needs torch, and it imports it itself, so the allocator and the scheduler import
+without torch (checked in tests/sim/test_engine_parity.py, next to the simulator they are compared to).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from prism_serve.engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 @runtime_checkable
@@ -84,6 +87,8 @@ class KVCache:
         dtype: torch.dtype,
         storage: torch.Tensor | None = None,
     ) -> None:
+        import torch  # here, not at the top: the allocator above must import without torch
+
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
@@ -104,4 +109,4 @@ class KVCache:
 
     @staticmethod
     def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+        return block_size * config.kv_bytes_per_token(dtype.itemsize)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:  # a sequence only carries a generator; the scheduler imports this without torch
+    import torch
 
 
 class SequenceStatus(enum.Enum):
