@@ -55,6 +55,9 @@ class HardwareProfile:
     # True: batched decode attention reads every decode's context padded to the longest one in the
     # batch, as this project's CPU attention does (engine/attention.py); paged GPU kernels do not
     pad_decode_context: bool = False
+    # Compute shared by engines busy at once on one device (share_slowdown): each step takes
+    # n * (1 + share_interference * (n - 1)) times as long as alone. 0: processor sharing.
+    share_interference: float = 0.0
     synthetic: bool = True  # constants from datasheets and assumptions, not measured here
 
     def __post_init__(self) -> None:
@@ -65,7 +68,13 @@ class HardwareProfile:
         for name in ("usable_fraction", "flops_efficiency", "mem_efficiency", "host_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise SimConfigError(f"hardware {self.name}: {name} must be in (0, 1]")
-        for name in ("step_overhead_s", "allreduce_latency_s", "activation_overhead_s", "seq_overhead_s"):
+        for name in (
+            "step_overhead_s",
+            "allreduce_latency_s",
+            "activation_overhead_s",
+            "seq_overhead_s",
+            "share_interference",
+        ):
             if getattr(self, name) < 0:
                 raise SimConfigError(f"hardware {self.name}: {name} must be >= 0")
         for name in ("attn_flops", "kv_bandwidth", "row_bandwidth"):
@@ -74,6 +83,15 @@ class HardwareProfile:
                 raise SimConfigError(f"hardware {self.name}: {name} must be > 0 or None")
         if self.row_bandwidth is not None and self.overlap:
             raise SimConfigError(f"hardware {self.name}: row_bandwidth needs the summed form (overlap=False)")
+
+    def share_slowdown(self, num_busy: int) -> float:
+        """The factor by which each busy engine's step time is multiplied while ``num_busy`` engines
+        on this device have work (1.0 alone). The GPU profiles are processor sharing (n): their
+        roofline step already saturates compute or memory bandwidth, so n concurrent steps share it.
+        The CPU profile adds what its measured interference costs beyond time slicing."""
+        if num_busy <= 1:
+            return 1.0
+        return num_busy * (1.0 + self.share_interference * (num_busy - 1))
 
     @property
     def capacity_bytes(self) -> int:
