@@ -11,14 +11,20 @@ from prism_serve.errors import InvalidRequestError, PrismError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    # Unset flags leave EngineConfig's defaults (engine/config.py), their one home.
     p.add_argument(
         "--model",
-        default="smollm2-135m-instruct",
         help="smollm2-135m-instruct (default, real weights), random:<preset> (synthetic), "
         "a .gguf file, or an HF-layout directory",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default float32")
+    p.add_argument("--max-model-len", type=int, help="prompt + output tokens (default 2048)")
+
+
+def _engine_knobs(args: argparse.Namespace) -> dict:
+    """The engine flags given on the command line, as EngineConfig keyword arguments."""
+    knobs = {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len}
+    return {k: v for k, v in knobs.items() if v is not None}
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -38,15 +44,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from prism_serve.memory.kv_pool import PoolConfig
 
         elastic = PoolConfig(device=args.device)
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            seed=args.seed or 0,
-            elastic_kv=elastic,
-        )
-    )
+    engine = LLMEngine(EngineConfig(seed=args.seed or 0, elastic_kv=elastic, **_engine_knobs(args)))
     if engine.synthetic:
         print(f"[synthetic weights: {engine.weights_source}; the text is meaningless]", file=sys.stderr)
     prompt = args.prompt

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from prism_serve.engine.config import DEFAULT_MODEL, ENGINE_DEFAULTS
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.vmm import parse_size
 
@@ -79,21 +80,24 @@ class DeviceGroup(_Strict):
 class ModelConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^\S(.*\S)?$", description="what clients ask for")
     source: str = Field(
-        "smollm2-135m-instruct",
+        DEFAULT_MODEL,
         description="smollm2-135m-instruct (real weights), random:<preset> (synthetic), a .gguf file "
         "or a safetensors (HF layout) directory",
     )
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = ENGINE_DEFAULTS.dtype
     tp: int = Field(1, ge=1, description="tensor parallel degree (the live runtime serves tp=1)")
     ttft_slo: float = Field(1.0, gt=0, description="seconds")
     tpot_slo: float = Field(0.2, gt=0, description="seconds")
     pinned: bool = False
-    max_model_len: int | None = Field(2048, ge=2)
-    max_num_seqs: int = Field(32, ge=1)
-    max_num_batched_tokens: int = Field(512, ge=16)
-    block_size: int = Field(16, ge=1)
+    # engine knobs: defaults from engine.config.EngineConfig, their one home
+    max_model_len: int | None = Field(
+        ENGINE_DEFAULTS.max_model_len, ge=2, description="prompt + output; null: the model's context"
+    )
+    max_num_seqs: int = Field(ENGINE_DEFAULTS.max_num_seqs, ge=1)
+    max_num_batched_tokens: int = Field(ENGINE_DEFAULTS.max_num_batched_tokens, ge=16)
+    block_size: int = Field(ENGINE_DEFAULTS.block_size, ge=1)
     kv_limit: Size | None = None
-    seed: int = Field(0, ge=0, description="synthetic weights")
+    seed: int = Field(ENGINE_DEFAULTS.seed, ge=0, description="synthetic weights")
 
     _kv_limit = field_validator("kv_limit", mode="before")(_size)
 

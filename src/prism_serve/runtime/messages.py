@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.sampling_params import SamplingParams
 
 
@@ -33,18 +34,6 @@ class TensorEntry(msgspec.Struct, array_like=True, frozen=True):
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-
-
-class EngineArgs(msgspec.Struct, array_like=True, frozen=True):
-    """Per-model engine knobs (what EngineConfig takes, minus the weights source)."""
-
-    dtype: str = "float32"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    seed: int = 0
-    kv_limit_bytes: int | None = None  # cap on this engine's KV pages in the ledger
 
 
 class ActivationPhases(msgspec.Struct, array_like=True, frozen=True):
@@ -100,10 +89,11 @@ class ActivateModel(Message):
     tokenizer_path: str
     source: str
     synthetic: bool
-    engine: EngineArgs
+    engine: EngineConfig  # the worker fills in the KV reservation (kv_cache_bytes) itself
     sent_at: float
     load_threads: int = 4
     chunk_bytes: int = 16 * 2**20
+    kv_limit_bytes: int | None = None  # cap on this engine's KV pages in the ledger (SetKVLimit moves it)
 
 
 class EvictModel(Message):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prism_serve.engine.llm_engine import DTYPES
+from prism_serve.engine.config import DEFAULT_MODEL, DTYPE_NAMES, ENGINE_DEFAULTS, EngineConfig
 from prism_serve.errors import InvalidRequestError, PrismError
-from prism_serve.runtime.messages import EngineArgs
+
+_E = ENGINE_DEFAULTS
 
 
 class ModelTooLargeError(InvalidRequestError):
@@ -23,33 +24,35 @@ class UnknownModelError(PrismError):
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str  # what clients ask for
-    source: str = "smollm2-135m-instruct"  # weights: default model, random:<preset>, .gguf, HF dir
-    dtype: str = "float32"
-    seed: int = 0  # random weights
+    source: str = DEFAULT_MODEL  # weights: default model, random:<preset>, .gguf, HF dir
+    dtype: str = _E.dtype
+    seed: int = _E.seed  # random weights
     ttft_slo: float = 1.0  # s
     tpot_slo: float = 0.2  # s
     pinned: bool = False  # never evicted by the policy
-    max_model_len: int | None = 2048
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    kv_limit_bytes: int | None = None
+    # engine knobs (EngineConfig's fields, with its defaults)
+    max_model_len: int | None = _E.max_model_len
+    max_num_seqs: int = _E.max_num_seqs
+    max_num_batched_tokens: int = _E.max_num_batched_tokens
+    block_size: int = _E.block_size
+    kv_limit_bytes: int | None = None  # cap on its KV pages in the device ledger (PoolConfig.limit_bytes)
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:
             raise InvalidRequestError(f"bad model name {self.name!r}: empty or surrounded by spaces")
-        if self.dtype not in DTYPES:
-            raise InvalidRequestError(f"{self.name}: dtype must be one of {sorted(DTYPES)}")
+        if self.dtype not in DTYPE_NAMES:
+            raise InvalidRequestError(f"{self.name}: dtype must be one of {sorted(DTYPE_NAMES)}")
         if not (self.ttft_slo > 0 and self.tpot_slo > 0):
             raise InvalidRequestError(f"{self.name}: SLOs must be positive")
 
-    def engine_args(self) -> EngineArgs:
-        return EngineArgs(
+    def engine_config(self) -> EngineConfig:
+        """What the worker's engine runs with (it sets the KV reservation, kv_cache_bytes, itself)."""
+        return EngineConfig(
+            model=self.name,
             dtype=self.dtype,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             seed=self.seed,
-            kv_limit_bytes=self.kv_limit_bytes,
         )

@@ -24,11 +24,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import zmq
 
 from prism_serve.engine.kv_cache import KVCache
-from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
+from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.engine.weights import LoadedWeights
@@ -207,7 +208,7 @@ class Worker:
             self._send(msg.ActivationFailed(m.model, "InvalidRequestError", f"busy with {self.active.model}"))
             return
         weight_account = self.ledger.account(f"{m.model} weights")
-        kv_account = self.ledger.account(f"{m.model} kv", m.engine.kv_limit_bytes)
+        kv_account = self.ledger.account(f"{m.model} kv", m.kv_limit_bytes)
         num_pages = 0
         try:
             shared = self.shared.get(m.cache_path)
@@ -248,7 +249,7 @@ class Worker:
                 m.model,
                 phases,
                 kv_bytes_per_token=engine.model_config.kv_bytes_per_token(
-                    torch.empty((), dtype=engine.config.torch_dtype).element_size()
+                    torch.empty((), dtype=torch_dtype(engine.config)).element_size()
                 ),
                 max_kv_bytes=pool.num_total_blocks * pool.block_bytes,
                 max_model_len=engine.max_model_len,
@@ -261,18 +262,8 @@ class Worker:
         self, m: msg.ActivateModel, flat: torch.Tensor, kv_account: Account
     ) -> tuple[LLMEngine, ElasticKVPool]:
         config = config_from_dict(m.config)
-        args = m.engine
-        engine_config = EngineConfig(
-            model=m.model,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            kv_cache_bytes=self.kv_range.size,
-            seed=args.seed,
-        )
-        dtype = engine_config.torch_dtype
+        engine_config = msgspec.structs.replace(m.engine, kv_cache_bytes=self.kv_range.size)
+        dtype = torch_dtype(engine_config)
         max_len = engine_config.resolve_max_model_len(config)
         model = LlamaForCausalLM.from_packed(config, tensor_views(flat, m.tensors), dtype, max_len)
         tokenizer = self.tokenizers.get(m.tokenizer_path)
@@ -281,7 +272,7 @@ class Worker:
                 tokenizer = self.tokenizers[m.tokenizer_path] = Tokenizer.from_state(json.load(f))
         # The KV layout of this model in the range reserved at start-up (the paper's "aligning the
         # reserved virtual space to the new model"): blocks of this model's size, back to back.
-        block_bytes = KVCache.block_bytes(config, args.block_size, dtype)
+        block_bytes = KVCache.block_bytes(config, engine_config.block_size, dtype)
         pool = ElasticKVPool(
             self.kv_range,
             block_bytes,
@@ -289,7 +280,7 @@ class Worker:
             PoolConfig(
                 device=self.device.name,
                 page_size=self.page_size,
-                limit_bytes=args.kv_limit_bytes,
+                limit_bytes=m.kv_limit_bytes,
                 ledger_namespace=self.namespace,
             ),
         )

@@ -94,7 +94,17 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     models = get_setup(args.setup)
     workload, spec = _workload(args, models)
     knobs = tuple((k, v) for k, v in (kv.split("=", 1) for kv in args.knob or ()))
-    config = SimConfig(num_devices=args.gpus, hardware=args.hardware, knobs=_typed(knobs), tick_s=args.tick)
+    engine = {
+        k: v
+        for k, v in (
+            ("max_num_seqs", args.max_num_seqs),
+            ("max_num_batched_tokens", args.max_num_batched_tokens),
+        )
+        if v is not None
+    }
+    config = SimConfig(
+        num_devices=args.gpus, hardware=args.hardware, knobs=_typed(knobs), tick_s=args.tick, **engine
+    )
     if args.slos is not None and args.slos.exists():
         slos = load_slos(args.slos)
     else:
@@ -218,6 +228,10 @@ def add_sim_parser(sub) -> None:
     s.add_argument("--tpot-scale", type=float, default=None, help="default: the SLO scale")
     s.add_argument("--slos", type=Path, help="SLO file: read if it exists, else measured and written")
     s.add_argument("--tick", type=float, default=1.0, help="placement tick period, s")
+    s.add_argument("--max-num-seqs", type=int, help="requests per engine batch (default 256, a GPU engine's)")
+    s.add_argument(
+        "--max-num-batched-tokens", type=int, help="tokens per engine step (default 8192, a GPU engine's)"
+    )
     s.add_argument("--sweep", choices=AXES, help="axis to sweep over --values")
     s.add_argument("--values", type=_floats, default=None, help="comma-separated axis values")
     s.add_argument("--find-gpus", type=float, default=None, metavar="TARGET", help="e.g. 0.99")

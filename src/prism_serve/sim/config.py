@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prism_serve.engine.config import GPU_ENGINE_DEFAULTS
+from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.hardware import get_hardware
@@ -24,7 +26,9 @@ class ModelSLO:
 
 @dataclass(slots=True, frozen=True)
 class SimConfig:
-    """Every simulator knob (the engine knobs mirror engine.EngineConfig and memory.PoolConfig)."""
+    """Every simulator knob. The engine knobs are engine.EngineConfig's, with the defaults of a GPU
+    engine (engine/config.py GPU_ENGINE_DEFAULTS: the hardware profiles are GPUs; a run that mirrors
+    the live CPU server passes its values); the page is the ledger's (memory.vmm.DEFAULT_PAGE_SIZE)."""
 
     num_devices: int
     hardware: str = "h100"
@@ -32,10 +36,10 @@ class SimConfig:
     knobs: tuple[tuple[str, object], ...] = ()  # policy knobs, as get_policy keyword arguments
     cost_model: str = "roofline"
     tick_s: float = 1.0  # period of policy.place()
-    block_size: int = 16
-    page_size: int = 2 << 20
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    block_size: int = GPU_ENGINE_DEFAULTS.block_size
+    page_size: int = DEFAULT_PAGE_SIZE
+    max_num_seqs: int = GPU_ENGINE_DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = GPU_ENGINE_DEFAULTS.max_num_batched_tokens
     max_run_steps: int = 32  # decode steps stretched into one event (engine.py)
     rate_window_s: float = 60.0
     drain_s: float = 600.0  # after the last arrival, stop at the latest this much later

@@ -1,0 +1,74 @@
+"""``EngineConfig``: the knobs of one engine, and the one home of their defaults.
+
+Every layer that has an engine knob takes its default from here: the deployment config's model
+entries (config.py), the runtime's ``ModelSpec`` (runtime/models.py), the ``ActivateModel`` message
+that carries this struct to a worker (runtime/messages.py), and the simulator's ``SimConfig``
+(sim/config.py). The struct's defaults are the live server's (a CPU device shared by several
+models); ``GPU_ENGINE_DEFAULTS`` is the batch of a GPU engine, which the simulator's GPU profiles use.
+
+No torch here: the deployment config and the simulator import this module without it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from prism_serve.engine.models.config import ModelConfig
+from prism_serve.errors import InvalidRequestError
+from prism_serve.memory.kv_pool import PoolConfig
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DTYPE_NAMES",
+    "ENGINE_DEFAULTS",
+    "GPU_ENGINE_DEFAULTS",
+    "EngineConfig",
+    "resolve_max_model_len",
+]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16")  # llm_engine.DTYPES maps them to torch dtypes
+MAX_DEFAULT_CONTEXT = 8192  # max_model_len=None: the model's context, capped at this
+
+
+class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Knobs of one engine (validated when built, and again when a worker decodes it)."""
+
+    model: str = DEFAULT_MODEL  # weights source when the engine loads them itself
+    dtype: str = "float32"
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 32  # requests in one batch
+    max_num_batched_tokens: int = 512  # tokens per step; longer prompts are prefilled in chunks
+    max_model_len: int | None = 2048  # prompt + output; None: the model's context, capped at 8192
+    kv_cache_bytes: int = 512 * 2**20  # the fixed pool's size, or the elastic pool's virtual reservation
+    num_kv_blocks: int | None = None
+    # None: a fixed KV pool, allocated up front. A PoolConfig: KV pages mapped on demand under the
+    # device ledger's shared budget (memory/kv_pool.py); kv_cache_bytes is then only address space.
+    elastic_kv: PoolConfig | None = None
+    seed: int = 0  # for requests without their own seed, and for random weights
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+            if getattr(self, name) <= 0:
+                raise InvalidRequestError(f"{name} must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise InvalidRequestError("num_kv_blocks must be positive")
+
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        return resolve_max_model_len(self.max_model_len, model)
+
+
+def resolve_max_model_len(max_model_len: int | None, model: ModelConfig) -> int:
+    """``max_model_len``, or the model's context capped at 8192; never beyond the context."""
+    ctx = model.max_position_embeddings
+    return min(max_model_len or min(ctx, MAX_DEFAULT_CONTEXT), ctx)
+
+
+ENGINE_DEFAULTS = EngineConfig()  # read by the layers that mirror a knob (config.py, runtime/models.py)
+
+# A GPU engine's batch (vLLM's defaults): what the simulator's GPU profiles model (sim/config.py).
+# With the CPU values above an H100 runs at most 32 requests a step, and that cap, not the policy,
+# decides the simulated results under load (paper-8 at rate x16: every policy ~40.5% TTFT attainment).
+GPU_ENGINE_DEFAULTS = msgspec.structs.replace(ENGINE_DEFAULTS, max_num_seqs=256, max_num_batched_tokens=8192)
