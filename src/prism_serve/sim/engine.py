@@ -7,8 +7,9 @@ front of the waiting queue and is recomputed from its prompt plus the tokens it 
 New work is admitted only in steps that preempted nothing. Blocks come from the device ledger
 (``memory.SimDevice``) on every device of the model's tensor-parallel group.
 
-Speed: a step in which every scheduled request decodes is stretched into a *run* of up to
-``max_run_steps`` identical-shaped steps, ending no later than the first request's last token. Its
+Speed: a step in which every scheduled request decodes and nothing was preempted is stretched into
+a *run* of up to ``max_run_steps`` identical-shaped steps, ending no later than the first request's
+last token (tests/sim/test_engine_parity.py: the same steps as one at a time). Its
 blocks are granted up front, so between its start and its end the engine may hold up to
 ``max_run_steps`` tokens per request of KV that the live engine would map step by step (2 blocks at
 the defaults); a dispatch or memory freed elsewhere on the device cuts the run at the next step
@@ -111,6 +112,7 @@ class SimEngine:
         self._cum: np.ndarray | None = None
         self.num_steps = 0
         self.num_preemptions = 0
+        self._preempted = False  # the step being scheduled preempted (so it admitted nothing)
         self.dirty = True  # anything EngineSnapshot reports changed since the simulator last read it
 
     # -- requests ----------------------------------------------------------------------------------
@@ -216,6 +218,7 @@ class SimEngine:
                 i += 1
                 continue
             break
+        self._preempted = preempted
         while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -272,7 +275,10 @@ class SimEngine:
         return self.end
 
     def _grant_run(self, k: int) -> int:
-        """The longest run (<= k steps) whose blocks can all be granted now; 1 is already granted."""
+        """The longest run (<= k steps) whose blocks can all be granted now; 1 is already granted.
+        A step that preempted is not stretched: the next step may admit what it sent back."""
+        if self._preempted:
+            return 1
         while k > 1:
             bs = self.block_size
             extra = sum(-(-(s.num_computed + k) // bs) - s.num_blocks for s, _ in self._scheduled)
