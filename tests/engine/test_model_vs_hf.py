@@ -9,7 +9,7 @@ import torch
 
 from prism_serve.engine.hf_reference import build_hf_model
 from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
-from prism_serve.engine.models.config import PRESETS, ModelConfig
+from prism_serve.engine.models.config import PRESETS, ArchConfig
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.scheduler import ScheduledSeq
 from prism_serve.engine.weights import LoadedWeights, random_weights
@@ -73,7 +73,7 @@ def test_smollm_logits_match_hf_bf16(smollm, prompt_ids):
     assert top_agree >= 0.9
 
 
-TINY = ModelConfig("llama", 300, 64, 128, 2, 4, 2, 16, 512, 10000.0, 1e-5, tie_word_embeddings=False)
+TINY = ArchConfig("llama", 300, 64, 128, 2, 4, 2, 16, 512, 10000.0, 1e-5, tie_word_embeddings=False)
 
 
 @pytest.mark.parametrize(

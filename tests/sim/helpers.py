@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from prism_serve.sim import ModelSLO, ServedModel, model_spec
+from prism_serve.sim import ModelSLO, ServedModel, model_shape
 from prism_serve.workload import Workload
 
 
 def served(name: str = "m0", shape: str = "llama-3.1-8b", tp: int = 1) -> ServedModel:
-    return ServedModel(name, model_spec(shape), tp)
+    return ServedModel(name, model_shape(shape), tp)
 
 
 def poisson(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from prism_serve.cli import main
-from prism_serve.sim import ServedModel, SimConfig, model_spec
+from prism_serve.sim import ServedModel, SimConfig, model_shape
 from prism_serve.sim.sweep import Experiment, find_gpus
 from prism_serve.workload import read_jsonl
 
@@ -54,7 +54,7 @@ def test_sim_rejects_a_sweep_without_values(capsys):
 
 
 def test_find_gpus_bisects_to_the_fewest_devices():
-    ms = [ServedModel(f"m{i}", model_spec("llama-3.1-8b")) for i in range(4)]
+    ms = [ServedModel(f"m{i}", model_shape("llama-3.1-8b")) for i in range(4)]
     w = poisson([m.name for m in ms], rate=0.5, duration=60, seed=1)
     exp = Experiment(ms, w, loose(ms), SimConfig(num_devices=1), slo_scale=1.0)
     # dedicated needs one GPU per model to serve everything

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prism_serve.sim import HARDWARE, RooflineCostModel, SimConfigError, model_spec
+from prism_serve.sim import HARDWARE, RooflineCostModel, SimConfigError, model_shape
 from prism_serve.sim.hardware import HardwareProfile
 
 H100_HBM = 3.35e12  # bytes/s, H100 SXM datasheet
@@ -13,7 +13,7 @@ H100_BF16 = 989e12  # dense FLOP/s
 
 @pytest.mark.parametrize("batch, context", [(1, 1024), (32, 1024), (128, 2048)])
 def test_8b_decode_step_on_h100_is_within_20_percent_of_the_roofline(batch, context):
-    spec = model_spec("llama-3.1-8b")
+    spec = model_shape("llama-3.1-8b")
     # Llama-3.1-8B in bf16: ~16.06 GB of weights read once per step, 128 KiB of KV per context token
     weights = spec.num_params * 2
     assert weights == pytest.approx(16.06e9, rel=0.01)
@@ -27,7 +27,7 @@ def test_8b_decode_step_on_h100_is_within_20_percent_of_the_roofline(batch, cont
 
 def test_prefill_is_compute_bound_and_scales_with_tokens():
     cm = RooflineCostModel(HARDWARE["h100"])
-    spec = model_spec("llama-3.1-8b")
+    spec = model_shape("llama-3.1-8b")
     t1, t4 = cm.prefill_time(spec, 1, 1024), cm.prefill_time(spec, 1, 4096)
     assert 2 * 8e9 * 1024 / 989e12 < t1 < 0.05
     assert 4 < t4 / t1 < 5  # linear in tokens plus the quadratic attention term
@@ -35,7 +35,7 @@ def test_prefill_is_compute_bound_and_scales_with_tokens():
 
 def test_decode_runs_equal_their_steps_one_by_one():
     cm = RooflineCostModel(HARDWARE["a100"])
-    spec = model_spec("llama-3.2-3b")
+    spec = model_shape("llama-3.2-3b")
     run = cm.decode_steps(spec, 1, 7, 7 * 300, 5)
     for j in range(5):
         ctx = 7 * 300 + 7 * j
@@ -44,7 +44,7 @@ def test_decode_runs_equal_their_steps_one_by_one():
 
 def test_tensor_parallelism_divides_the_work_and_adds_communication():
     cm = RooflineCostModel(HARDWARE["h100"])
-    spec = model_spec("llama-3.1-70b")
+    spec = model_shape("llama-3.1-70b")
     one, four = cm.decode_steps(spec, 1, 8, 8000, 1)[0], cm.decode_steps(spec, 4, 8, 8000, 1)[0]
     assert one / 4 < four < one / 2
     assert cm.activation_time(spec, 8) < cm.activation_time(spec, 1)
@@ -56,7 +56,7 @@ def test_activation_of_an_8b_model_is_near_the_papers_figure():
 
 
 def cm_act(shape: str) -> float:
-    return RooflineCostModel(HARDWARE["h100"]).activation_time(model_spec(shape), 1)
+    return RooflineCostModel(HARDWARE["h100"]).activation_time(model_shape(shape), 1)
 
 
 def test_bad_profile_is_a_named_error():
@@ -67,7 +67,7 @@ def test_bad_profile_is_a_named_error():
 # -- the fitted CPU profile (benchmarks/fit_cpu_profile.py) -------------------------------------------
 
 CPU = HARDWARE["cpu-smollm2"]
-SMOLLM = model_spec("smollm2-135m", dtype_bytes=4)
+SMOLLM = model_shape("smollm2-135m", dtype_bytes=4)
 
 
 def test_cpu_profile_is_fitted_and_labelled_so():
@@ -106,7 +106,7 @@ def test_cpu_form_small_batches_and_the_lm_head():
     assert cm.prefill_time(SMOLLM, 1, 64) < cm.decode_steps(SMOLLM, 1, 64, 64 * 32, 1)[0]
     # the GPU roofline ignores sampled sequences (its seq_overhead_s is 0)
     h100 = RooflineCostModel(HARDWARE["h100"])
-    spec = model_spec("llama-3.1-8b")
+    spec = model_shape("llama-3.1-8b")
     assert h100.step_time(spec, 1, 64, 64 * 32, 64 * 31, 1) == h100.step_time(
         spec, 1, 64, 64 * 32, 64 * 31, 64
     )

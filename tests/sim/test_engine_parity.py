@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
-from prism_serve.engine.models.config import ModelConfig
+from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.scheduler import SchedulerOutput
@@ -37,7 +37,7 @@ from .helpers import served
 
 TOKEN = 7  # what the fake model samples; the synthetic byte tokenizer has no EOS
 MAX_STEPS = 20_000  # a schedule that runs longer than this is stuck
-TINY = ModelConfig("llama", 256, 16, 32, 1, 2, 1, 8, 8192)  # SYNTHETIC: only the engine's loop matters
+TINY = ArchConfig("llama", 256, 16, 32, 1, 2, 1, 8, 8192)  # SYNTHETIC: only the engine's loop matters
 
 
 @dataclass(frozen=True, slots=True)

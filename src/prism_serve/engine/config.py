@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from prism_serve.engine.models.config import ModelConfig
+from prism_serve.engine.models.config import ArchConfig
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.kv_pool import PoolConfig
 
@@ -56,11 +56,11 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise InvalidRequestError("num_kv_blocks must be positive")
 
-    def resolve_max_model_len(self, model: ModelConfig) -> int:
+    def resolve_max_model_len(self, model: ArchConfig) -> int:
         return resolve_max_model_len(self.max_model_len, model)
 
 
-def resolve_max_model_len(max_model_len: int | None, model: ModelConfig) -> int:
+def resolve_max_model_len(max_model_len: int | None, model: ArchConfig) -> int:
     """``max_model_len``, or the model's context capped at 8192; never beyond the context."""
     ctx = model.max_position_embeddings
     return min(max_model_len or min(ctx, MAX_DEFAULT_CONTEXT), ctx)

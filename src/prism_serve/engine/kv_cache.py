@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from prism_serve.engine.models.config import ModelConfig
+from prism_serve.engine.models.config import ArchConfig
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +81,7 @@ class KVCache:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ArchConfig,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -108,5 +108,5 @@ class KVCache:
         return self.tensor[0, 0, 0].numel()
 
     @staticmethod
-    def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def block_bytes(config: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
         return block_size * config.kv_bytes_per_token(dtype.itemsize)

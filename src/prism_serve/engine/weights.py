@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from prism_serve.engine.config import DEFAULT_MODEL
-from prism_serve.engine.models.config import PRESETS, ModelConfig, parameter_shapes
+from prism_serve.engine.models.config import PRESETS, ArchConfig, parameter_shapes
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import CorruptWeightsError, UnsupportedModelError, WeightsNotFoundError
 
@@ -48,7 +48,7 @@ _GGUF_GLOBAL_NAMES = {
 
 @dataclass(slots=True)
 class LoadedWeights:
-    config: ModelConfig
+    config: ArchConfig
     tensors: dict[str, torch.Tensor]  # HF names, float32 or the requested dtype
     tokenizer: Tokenizer
     source: str  # where the weights came from, for logs and /v1/models
@@ -118,7 +118,7 @@ def load_gguf(path: Path) -> LoadedWeights:
         meta = read_gguf_metadata(reader)
     except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ...
         raise CorruptWeightsError(f"{path} is not a readable GGUF file: {e}") from e
-    config = ModelConfig.from_gguf_metadata(meta)
+    config = ArchConfig.from_gguf_metadata(meta)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     tensors: dict[str, torch.Tensor] = {}
     freq_factors = None
@@ -169,7 +169,7 @@ def load_hf_dir(path: Path) -> LoadedWeights:
     if not cfg_file.is_file():
         raise WeightsNotFoundError(f"{path} has no config.json")
     try:
-        config = ModelConfig.from_hf_config(json.loads(cfg_file.read_text()))
+        config = ArchConfig.from_hf_config(json.loads(cfg_file.read_text()))
     except json.JSONDecodeError as e:
         raise CorruptWeightsError(f"cannot parse {cfg_file}: {e}") from e
     files = sorted(path.glob("*.safetensors"))
@@ -225,7 +225,7 @@ def byte_tokenizer() -> Tokenizer:
 
 
 def random_weights(
-    config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0, name: str = "custom"
+    config: ArchConfig, dtype: torch.dtype = torch.float32, seed: int = 0, name: str = "custom"
 ) -> LoadedWeights:
     """Seeded N(0, 0.02) weights of ``config``'s shape (norm weights 1). SYNTHETIC: realistic memory
     and compute per token, meaningless text."""

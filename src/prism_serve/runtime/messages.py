@@ -85,7 +85,7 @@ class ActivateModel(Message):
     cache_path: str  # host weight cache file (shared memory)
     tensors: list[TensorEntry]
     weight_bytes: int  # the cache file's size: what the weight pages must hold
-    config: dict[str, Any]  # ModelConfig fields
+    config: dict[str, Any]  # ArchConfig fields (engine/models/config.py)
     tokenizer_path: str
     source: str
     synthetic: bool

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from prism_serve.engine.llm_engine import DTYPES
-from prism_serve.engine.models.config import ModelConfig, RopeScaling
+from prism_serve.engine.models.config import ArchConfig, RopeScaling
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.weights import load_weights
 from prism_serve.memory.ledger import default_namespace
@@ -48,13 +48,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def config_to_dict(config: ModelConfig) -> dict[str, Any]:
+def config_to_dict(config: ArchConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def config_from_dict(d: dict[str, Any]) -> ModelConfig:
+def config_from_dict(d: dict[str, Any]) -> ArchConfig:
     rs = d.get("rope_scaling")
-    return ModelConfig(**{**d, "rope_scaling": RopeScaling(**rs) if rs else None})
+    return ArchConfig(**{**d, "rope_scaling": RopeScaling(**rs) if rs else None})
 
 
 @dataclass(frozen=True, slots=True)

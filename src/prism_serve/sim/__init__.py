@@ -7,7 +7,7 @@ from prism_serve.sim.cost import COST_MODELS, RooflineCostModel
 from prism_serve.sim.errors import SimConfigError, SimError, SimStateError
 from prism_serve.sim.hardware import HARDWARE, HardwareProfile, get_hardware
 from prism_serve.sim.metrics import SimResult, attainment
-from prism_serve.sim.models import MODEL_SHAPES, SETUPS, ModelSpec, ServedModel, get_setup, model_spec
+from prism_serve.sim.models import MODEL_SHAPES, SETUPS, ModelShape, ServedModel, get_setup, model_shape
 from prism_serve.sim.simulator import ModelSLO, SimConfig, Simulator, simulate
 
 __all__ = [
@@ -17,7 +17,7 @@ __all__ = [
     "SETUPS",
     "HardwareProfile",
     "ModelSLO",
-    "ModelSpec",
+    "ModelShape",
     "RooflineCostModel",
     "ServedModel",
     "SimConfig",
@@ -29,6 +29,6 @@ __all__ = [
     "attainment",
     "get_hardware",
     "get_setup",
-    "model_spec",
+    "model_shape",
     "simulate",
 ]

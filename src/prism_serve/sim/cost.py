@@ -36,12 +36,12 @@ from types import MappingProxyType
 import numpy as np
 
 from prism_serve.sim.hardware import HardwareProfile
-from prism_serve.sim.models import ModelSpec
+from prism_serve.sim.models import ModelShape
 
 __all__ = ["COST_MODELS", "RooflineCostModel", "split_matmul"]
 
 
-def split_matmul(spec: ModelSpec) -> tuple[float, float, float, float]:
+def split_matmul(spec: ModelShape) -> tuple[float, float, float, float]:
     """(body bytes, body FLOPs per token, LM-head bytes, LM-head FLOPs per sampled sequence)."""
     c = spec.config
     head = c.vocab_size * c.hidden_size
@@ -61,7 +61,7 @@ class RooflineCostModel:
         self._kv_rate = hw.kv_bandwidth or self._mem_rate
         self._consts: dict[tuple[str, int, int], tuple] = {}
 
-    def _c(self, spec: ModelSpec, tp: int) -> tuple:
+    def _c(self, spec: ModelShape, tp: int) -> tuple:
         key = (spec.name, spec.dtype_bytes, tp)
         c = self._consts.get(key)
         if c is None:
@@ -107,7 +107,7 @@ class RooflineCostModel:
         return total
 
     def step_time(
-        self, spec: ModelSpec, tp: int, tokens: int, attn_pairs: float, kv_read: float, num_seqs: int
+        self, spec: ModelShape, tp: int, tokens: int, attn_pairs: float, kv_read: float, num_seqs: int
     ) -> float:
         """One step: ``tokens`` fed (prefill chunks plus one per decode), ``attn_pairs`` as above,
         ``kv_read`` KV tokens read (every decode's context plus earlier chunks of prefills),
@@ -119,7 +119,7 @@ class RooflineCostModel:
             body = self._matmuls(groups, tokens, num_seqs) + f_pair * attn_pairs + kv * (kv_read + tokens)
         return body + fixed + comm * tokens + per_seq * num_seqs
 
-    def decode_steps(self, spec: ModelSpec, tp: int, num_seqs: int, context: int, k: int) -> np.ndarray:
+    def decode_steps(self, spec: ModelShape, tp: int, num_seqs: int, context: int, k: int) -> np.ndarray:
         """Durations of ``k`` consecutive decode-only steps of ``num_seqs`` requests whose contexts
         sum to ``context`` at the first step (every step adds ``num_seqs`` tokens)."""
         f_tok, f_pair, w, kv, fixed, comm, per_seq, groups = self._c(spec, tp)
@@ -130,16 +130,16 @@ class RooflineCostModel:
             body = self._matmuls(groups, num_seqs, num_seqs) + f_pair * ctx + kv * (ctx + num_seqs)
         return body + (fixed + comm * num_seqs + per_seq * num_seqs)
 
-    def prefill_time(self, spec: ModelSpec, tp: int, prompt_tokens: int) -> float:
+    def prefill_time(self, spec: ModelShape, tp: int, prompt_tokens: int) -> float:
         """One request's whole prompt in one step, alone (what admission's speed estimate means)."""
         p = prompt_tokens
         return self.step_time(spec, tp, p, p * (p + 1) / 2, 0, 1)
 
-    def prefill_tokens_per_s(self, spec: ModelSpec, tp: int, prompt_tokens: int) -> float:
+    def prefill_tokens_per_s(self, spec: ModelShape, tp: int, prompt_tokens: int) -> float:
         p = max(1, int(prompt_tokens))
         return p / self.prefill_time(spec, tp, p)
 
-    def activation_time(self, spec: ModelSpec, tp: int) -> float:
+    def activation_time(self, spec: ModelShape, tp: int) -> float:
         """Load one TP rank's weights from host memory (ranks load in parallel over their own links)."""
         hw = self.hw
         return hw.activation_overhead_s + spec.weight_bytes / tp / (hw.host_bandwidth * hw.host_efficiency)

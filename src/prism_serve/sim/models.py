@@ -11,18 +11,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from prism_serve.engine.models.config import PRESETS, ModelConfig
+from prism_serve.engine.models.config import PRESETS, ArchConfig
 from prism_serve.sim.errors import SimConfigError
 
-__all__ = ["MODEL_SHAPES", "SETUPS", "ModelSpec", "ServedModel", "get_setup", "model_spec"]
+__all__ = ["MODEL_SHAPES", "SETUPS", "ModelShape", "ServedModel", "get_setup", "model_shape", "model_spec"]
 
 
 @dataclass(slots=True, frozen=True)
-class ModelSpec:
-    """A model shape at a dtype: what memory and compute one token costs."""
+class ModelShape:
+    """A model shape at a dtype: what memory and compute one token costs (the cost model's view of a
+    model; what the live runtime serves is ``runtime.models.ModelSpec``)."""
 
     name: str
-    config: ModelConfig
+    config: ArchConfig
     dtype_bytes: int = 2  # bf16
 
     @property
@@ -56,7 +57,7 @@ class ServedModel:
     """One model of a deployment: a name requests address, its shape and its tensor-parallel size."""
 
     name: str
-    spec: ModelSpec
+    spec: ModelShape
     tp_size: int = 1
 
     def __post_init__(self) -> None:
@@ -64,8 +65,8 @@ class ServedModel:
             raise SimConfigError(f"{self.name}: tp_size must be a power of two, got {self.tp_size}")
 
 
-def _cfg(arch, vocab, hidden, inter, layers, heads, kv, head_dim, tied=False, bias=False) -> ModelConfig:
-    return ModelConfig(
+def _cfg(arch, vocab, hidden, inter, layers, heads, kv, head_dim, tied=False, bias=False) -> ArchConfig:
+    return ArchConfig(
         arch,
         vocab,
         hidden,
@@ -80,7 +81,7 @@ def _cfg(arch, vocab, hidden, inter, layers, heads, kv, head_dim, tied=False, bi
     )
 
 
-MODEL_SHAPES: Mapping[str, ModelConfig] = MappingProxyType(
+MODEL_SHAPES: Mapping[str, ArchConfig] = MappingProxyType(
     {
         **PRESETS,
         "qwen2.5-14b": _cfg("qwen2", 152064, 5120, 13824, 48, 40, 8, 128, bias=True),
@@ -90,17 +91,20 @@ MODEL_SHAPES: Mapping[str, ModelConfig] = MappingProxyType(
 )
 
 
-def model_spec(shape: str, dtype_bytes: int = 2) -> ModelSpec:
+def model_shape(shape: str, dtype_bytes: int = 2) -> ModelShape:
     try:
-        return ModelSpec(shape, MODEL_SHAPES[shape], dtype_bytes)
+        return ModelShape(shape, MODEL_SHAPES[shape], dtype_bytes)
     except KeyError:
         raise SimConfigError(
             f"unknown model shape {shape!r}; choose one of {', '.join(MODEL_SHAPES)}"
         ) from None
 
 
+model_spec = model_shape  # the old name, still imported by benchmarks/ (fit_cpu_profile.py, sim_vs_live.py)
+
+
 def _family(shape: str, count: int, tp: int = 1, start: int = 0) -> list[ServedModel]:
-    spec = model_spec(shape)
+    spec = model_shape(shape)
     return [ServedModel(f"{shape}-{i:02d}", spec, tp) for i in range(start, start + count)]
 
 
@@ -130,7 +134,7 @@ def _setup_58() -> list[ServedModel]:
 
 def _setup_cpu() -> list[ServedModel]:
     """Two copies of the project's CPU model (fp32), to check the simulator against a live CPU run."""
-    spec = model_spec("smollm2-135m", dtype_bytes=4)
+    spec = model_shape("smollm2-135m", dtype_bytes=4)
     return [ServedModel(f"smollm2-135m-{i:02d}", spec) for i in range(2)]
 
 

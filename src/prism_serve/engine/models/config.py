@@ -20,7 +20,10 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelConfig:
+class ArchConfig:
+    """A checkpoint's architecture (the HF ``config.json`` / GGUF metadata): what the engine builds.
+    Not the deployment's model entry, which is ``prism_serve.config.ModelConfig``."""
+
     architecture: str  # "llama" or "qwen2"; qwen2 only differs by the q/k/v bias
     vocab_size: int
     hidden_size: int
@@ -60,7 +63,7 @@ class ModelConfig:
     # ---- constructors -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> ModelConfig:
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> ArchConfig:
         arch = meta.get("general.architecture")
         if arch not in ("llama", "qwen2"):
             raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
@@ -92,7 +95,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type not in ("llama", "qwen2", "mistral"):
             raise UnsupportedModelError(f"HF model_type {model_type!r} is not supported (llama, qwen2)")
@@ -163,14 +166,14 @@ _LLAMA3_SCALING = RopeScaling(
 
 # Real model shapes for synthetic (random-weight) experiments. The weights are random; only the
 # shapes, and so the memory and compute per token, match the named models.
-PRESETS: dict[str, ModelConfig] = {
-    "smollm2-135m": ModelConfig(
+PRESETS: dict[str, ArchConfig] = {
+    "smollm2-135m": ArchConfig(
         "llama", 49152, 576, 1536, 30, 9, 3, 64, 8192, 100000.0, 1e-5, tie_word_embeddings=True
     ),
-    "smollm2-360m": ModelConfig(
+    "smollm2-360m": ArchConfig(
         "llama", 49152, 960, 2560, 32, 15, 5, 64, 8192, 100000.0, 1e-5, tie_word_embeddings=True
     ),
-    "qwen2.5-0.5b": ModelConfig(
+    "qwen2.5-0.5b": ArchConfig(
         "qwen2",
         151936,
         896,
@@ -185,7 +188,7 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         attention_bias=True,
     ),
-    "llama-3.2-1b": ModelConfig(
+    "llama-3.2-1b": ArchConfig(
         "llama",
         128256,
         2048,
@@ -200,7 +203,7 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         rope_scaling=_LLAMA3_SCALING,
     ),
-    "llama-3.2-3b": ModelConfig(
+    "llama-3.2-3b": ArchConfig(
         "llama",
         128256,
         3072,
@@ -215,7 +218,7 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         rope_scaling=_LLAMA3_SCALING,
     ),
-    "llama-3.1-8b": ModelConfig(
+    "llama-3.1-8b": ArchConfig(
         "llama",
         128256,
         4096,
@@ -232,7 +235,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def parameter_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
     d, hd = config.hidden_size, config.head_dim
     q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, d)}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from prism_serve.engine.attention import AttentionMetadata, paged_attention
 from prism_serve.engine.kv_cache import KVCache
-from prism_serve.engine.models.config import ModelConfig, RopeScaling, parameter_shapes
+from prism_serve.engine.models.config import ArchConfig, RopeScaling, parameter_shapes
 from prism_serve.errors import CorruptWeightsError
 
 
@@ -62,7 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+def rope_inv_freq(config: ArchConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_scaling is not None:
@@ -102,7 +102,7 @@ class DecoderLayer:
     __slots__ = ("down", "gate_up", "input_norm", "o_proj", "post_norm", "qkv")
 
     def __init__(
-        self, tensors: dict[str, torch.Tensor], prefix: str, config: ModelConfig, dtype: torch.dtype
+        self, tensors: dict[str, torch.Tensor], prefix: str, config: ArchConfig, dtype: torch.dtype
     ):
         def t(name: str) -> torch.Tensor:
             return tensors[prefix + name]
@@ -132,7 +132,7 @@ class LlamaForCausalLM:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ArchConfig,
         tensors: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
@@ -188,7 +188,7 @@ class LlamaForCausalLM:
     @classmethod
     def from_packed(
         cls,
-        config: ModelConfig,
+        config: ArchConfig,
         tensors: dict[str, torch.Tensor],
         dtype: torch.dtype,
         max_positions: int | None = None,
@@ -272,7 +272,7 @@ class LlamaForCausalLM:
         return self.lm_head(hidden).float()
 
 
-def _check_shapes(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+def _check_shapes(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> None:
     for name, shape in parameter_shapes(config).items():
         t = tensors.get(name)
         if t is None:
