@@ -8,6 +8,7 @@ import pytest
 
 from prism_serve.cli import main
 from prism_serve.config import ConfigError, default_config, load_config, parse_config
+from prism_serve.runtime.build import device_specs, model_specs
 from prism_serve.runtime.devices import DeviceSpec
 
 GOOD = """\
@@ -27,10 +28,10 @@ server: {port: 9000, api_keys: [a, b], admin_key: root, max_waiting_requests: 10
 
 def test_good_config_maps_onto_runtime_types():
     c = parse_config(GOOD)
-    devices = c.device_specs()
+    devices = device_specs(c)
     assert devices[0] == DeviceSpec("cpu:0", 2**30, (0,), 1)
     assert devices[1].memory_bytes == 512 * 2**20 and devices[1].cores == () and devices[1].num_workers == 2
-    chat, synth = c.model_specs()
+    chat, synth = model_specs(c)
     assert (chat.name, chat.ttft_slo, chat.tpot_slo, chat.pinned, chat.max_model_len) == (
         "chat",
         2.5,
@@ -93,7 +94,7 @@ def test_default_config_serves_real_and_synthetic_models():
     sources = [m.source for m in c.models]
     assert sources.count("smollm2-135m-instruct") >= 2
     assert any(s.startswith("random:") for s in sources)
-    devices = c.device_specs()
+    devices = device_specs(c)
     assert len(devices) == 2
     assert {core for d in devices for core in d.cores} == set(os.sched_getaffinity(0))
 

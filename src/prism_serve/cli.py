@@ -75,6 +75,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from prism_serve.api.server import run_server
     from prism_serve.config import default_config, load_config
+    from prism_serve.runtime.build import device_specs
 
     config = load_config(args.config) if args.config else default_config()
     config = config.with_overrides(host=args.host, port=args.port, policy=args.policy)
@@ -82,7 +83,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    devices = ", ".join(d.describe() for d in config.device_specs())
+    devices = ", ".join(d.describe() for d in device_specs(config))
     print(
         f"prism serve: {len(config.models)} models on {devices}; policy {config.policy.name}", file=sys.stderr
     )

@@ -110,17 +110,6 @@ class ModelConfig(_Strict):
             )
         return tp
 
-    def spec(self):
-        from prism_serve.runtime.models import ModelSpec
-
-        return ModelSpec(
-            name=self.name, source=self.source, dtype=self.dtype, seed=self.seed,
-            ttft_slo=self.ttft_slo, tpot_slo=self.tpot_slo, pinned=self.pinned,
-            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, block_size=self.block_size,
-            kv_limit_bytes=self.kv_limit,
-        )  # fmt: skip
-
 
 class PolicyConfig(_Strict):
     name: str = "prism"
@@ -181,17 +170,12 @@ class DeploymentConfig(_Strict):
         return self
 
     def device_specs(self):
-        from prism_serve.runtime.devices import DeviceSpec, cpu_devices, parse_cores
+        """Deprecated: ``runtime.build.device_specs(config)``. Kept only while
+        benchmarks/sim_vs_live.py calls it; the one runtime import left in this module
+        (tests/test_layers.py marks it)."""
+        from prism_serve.runtime.build import device_specs
 
-        if isinstance(self.devices, DeviceGroup):
-            return cpu_devices(self.devices.count, self.devices.memory, self.devices.workers)
-        return [
-            DeviceSpec(d.name, d.memory, parse_cores(d.cores) if d.cores is not None else (), d.workers)
-            for d in self.devices
-        ]
-
-    def model_specs(self):
-        return [m.spec() for m in self.models]
+        return device_specs(self)
 
     def with_overrides(
         self, host: str | None = None, port: int | None = None, policy: str | None = None

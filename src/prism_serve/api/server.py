@@ -49,6 +49,7 @@ from prism_serve.api.protocol import (
 from prism_serve.config import DeploymentConfig
 from prism_serve.errors import InvalidRequestError, PrismError, PromptTooLongError
 from prism_serve.runtime import messages as msg
+from prism_serve.runtime.build import build_controller
 from prism_serve.runtime.controller import Controller
 
 __all__ = ["PrismServer", "create_app"]
@@ -81,15 +82,7 @@ class PrismServer:
 
     def __init__(self, config: DeploymentConfig, controller: Controller | None = None) -> None:
         self.config = config
-        self.controller = controller or Controller(
-            config.device_specs(),
-            config.model_specs(),
-            policy=config.policy.name,
-            knobs=dict(config.policy.knobs),
-            namespace=config.server.namespace,
-            tick_interval_s=config.policy.tick_interval_s,
-            activation_timeout_s=config.policy.activation_timeout_s,
-        )
+        self.controller = controller or build_controller(config)
         self.metrics = ServerMetrics(self.controller)
         self.num_waiting = 0  # requests admitted by the server that have no first token yet
         self._finished_at: deque[float] = deque(maxlen=512)

@@ -1,0 +1,53 @@
+"""From the deployment config (config.py, user-facing pydantic) to the runtime's own types.
+
+config.py validates what the user wrote and knows nothing of the runtime; this module is the one
+place that turns it into ``DeviceSpec``s, ``ModelSpec``s and a ``Controller``.
+"""
+
+from __future__ import annotations
+
+from prism_serve.config import DeploymentConfig, DeviceGroup, ModelConfig
+from prism_serve.runtime.controller import Controller
+from prism_serve.runtime.devices import DeviceSpec, cpu_devices, parse_cores
+from prism_serve.runtime.models import ModelSpec
+
+__all__ = ["build_controller", "device_specs", "model_spec", "model_specs"]
+
+
+def device_specs(config: DeploymentConfig) -> list[DeviceSpec]:
+    """The configured devices; a device group splits this machine's cores evenly."""
+    devices = config.devices
+    if isinstance(devices, DeviceGroup):
+        return cpu_devices(devices.count, devices.memory, devices.workers)
+    return [
+        DeviceSpec(d.name, d.memory, parse_cores(d.cores) if d.cores is not None else (), d.workers)
+        for d in devices
+    ]
+
+
+def model_spec(m: ModelConfig) -> ModelSpec:
+    """One configured model as the runtime serves it."""
+    return ModelSpec(
+        name=m.name, source=m.source, dtype=m.dtype, seed=m.seed,
+        ttft_slo=m.ttft_slo, tpot_slo=m.tpot_slo, pinned=m.pinned,
+        max_model_len=m.max_model_len, max_num_seqs=m.max_num_seqs,
+        max_num_batched_tokens=m.max_num_batched_tokens, block_size=m.block_size,
+        kv_limit_bytes=m.kv_limit,
+    )  # fmt: skip
+
+
+def model_specs(config: DeploymentConfig) -> list[ModelSpec]:
+    return [model_spec(m) for m in config.models]
+
+
+def build_controller(config: DeploymentConfig) -> Controller:
+    """The controller that serves ``config`` (not started)."""
+    return Controller(
+        device_specs(config),
+        model_specs(config),
+        policy=config.policy.name,
+        knobs=dict(config.policy.knobs),
+        namespace=config.server.namespace,
+        tick_interval_s=config.policy.tick_interval_s,
+        activation_timeout_s=config.policy.activation_timeout_s,
+    )
