@@ -51,6 +51,7 @@ from prism_serve.errors import InvalidRequestError, PrismError, PromptTooLongErr
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.build import build_controller
 from prism_serve.runtime.controller import Controller
+from prism_serve.runtime.state import ModelStatus
 
 __all__ = ["PrismServer", "create_app"]
 
@@ -59,6 +60,21 @@ logger = logging.getLogger(__name__)
 
 class ClientDisconnected(Exception):
     """The client went away before its request finished (nothing more can be sent)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Served:
+    """A served model's fixed facts, taken from its ModelStatus once the controller has started:
+    the request path reads them without building a status (which reads every device's ledger)."""
+
+    ttft_slo: float
+    tpot_slo: float
+    max_model_len: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, st: ModelStatus) -> _Served:
+        return cls(st.ttft_slo, st.tpot_slo, st.max_model_len, st.vocab_size)
 
 
 @dataclass(slots=True)
@@ -84,6 +100,7 @@ class PrismServer:
         self.config = config
         self.controller = controller or build_controller(config)
         self.metrics = ServerMetrics(self.controller)
+        self.served: dict[str, _Served] = {}  # filled when the controller has started
         self.num_waiting = 0  # requests admitted by the server that have no first token yet
         self._finished_at: deque[float] = deque(maxlen=512)
         self.app = self._build()
@@ -94,7 +111,8 @@ class PrismServer:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI):
             await self.controller.start()
-            logger.info("serving %s", ", ".join(self.controller.specs))
+            self.served = {st.model: _Served.of(st) for st in self.controller.status()}
+            logger.info("serving %s", ", ".join(self.served))
             try:
                 yield
             finally:
@@ -156,14 +174,11 @@ class PrismServer:
         created = int(time.time())
         cards = []
         for st in self.controller.status():
-            entry = self.controller.models[st.model]
-            spec = entry.spec
             cards.append({
                 "id": st.model, "object": "model", "created": created, "owned_by": "prism-serve",
                 "state": st.state, "device": st.device, "pinned": st.pinned,
-                "source": entry.cached.source, "synthetic": entry.cached.synthetic,
-                "max_model_len": self.controller.max_model_len(st.model),
-                "ttft_slo": spec.ttft_slo, "tpot_slo": spec.tpot_slo,
+                "source": st.source, "synthetic": st.synthetic, "max_model_len": st.max_model_len,
+                "ttft_slo": st.ttft_slo, "tpot_slo": st.tpot_slo,
                 "weight_bytes": st.weight_bytes, "num_running": st.num_running, "num_queued": st.num_queued,
                 "num_activations": st.num_activations, "num_evictions": st.num_evictions,
             })  # fmt: skip
@@ -209,9 +224,9 @@ class PrismServer:
 
     def _tokenize(self, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> list[int]:
         """The prompt's token ids, checked against the model's vocabulary and context (400s)."""
-        c = self.controller
-        tok = c.tokenizer(body.model)
-        max_len = c.max_model_len(body.model)
+        tok = self.controller.tokenizer(body.model)  # 404 for a model not served
+        served = self.served[body.model]
+        max_len = served.max_model_len
         wanted = body.requested_max_tokens()
         param = "messages" if chat else "prompt"
 
@@ -236,7 +251,7 @@ class PrismServer:
             ids = tok.encode(prompt)
         else:
             ids = prompt
-        vocab = int(c.models[body.model].cached.config["vocab_size"])
+        vocab = served.vocab_size
         if any(t >= vocab for t in ids):
             raise _with_param(
                 InvalidRequestError(f"token ids must be below the vocabulary size {vocab}"), param
@@ -254,7 +269,7 @@ class PrismServer:
     ) -> _Run:
         """Submit and wait for the first token (or a disconnect)."""
         c = self.controller
-        max_len = c.max_model_len(body.model)
+        max_len = self.served[body.model].max_model_len
         wanted = body.requested_max_tokens()
         params = body.sampling_params(wanted or max_len - len(ids))
         limit = self.config.server.max_waiting_requests
@@ -292,10 +307,10 @@ class PrismServer:
         run.num_output = d.num_output_tokens
         run.num_prompt = d.num_prompt_tokens or run.num_prompt
         if d.finished:
-            spec = self.controller.specs[run.model]
+            served = self.served[run.model]
             self.metrics.on_finished(
                 run.model, d.finish_reason, run.first_at - run.arrival, now - run.arrival,
-                run.num_prompt, run.num_output, spec.ttft_slo, spec.tpot_slo,
+                run.num_prompt, run.num_output, served.ttft_slo, served.tpot_slo,
             )  # fmt: skip
             self._finished_at.append(now)
 
@@ -350,7 +365,7 @@ class PrismServer:
             await run.stream.aclose()  # a disconnect cancels this generator: the request is aborted
 
     def _count_error(self, model: str, e: PrismError) -> None:
-        if model in self.controller.specs:
+        if model in self.served:
             self.metrics.on_error(model, e.error_type, e.status_code, judged=e.status_code >= 429)
 
     def _retry_after(self) -> int:

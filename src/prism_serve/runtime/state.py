@@ -143,6 +143,9 @@ class RequestEntry:
 
 @dataclass(frozen=True, slots=True)
 class ModelStatus:
+    """What the API shows of one model (Controller.status()): the server reads the controller's
+    ModelEntry and ModelSpec records only through this."""
+
     model: str
     state: str  # "active", "loading" or "evicted"
     device: str | None
@@ -158,6 +161,13 @@ class ModelStatus:
     max_kv_bytes: int | None = None  # the most KV the engine could map on its device
     step_seconds: float = 0.0  # engine step (wall) seconds over all activations
     cpu_seconds: float = 0.0  # its workers' CPU seconds over all activations
+    # fixed while the server runs
+    source: str = ""  # weights source, as the host cache resolved it
+    synthetic: bool = False  # random weights
+    ttft_slo: float = 0.0  # s
+    tpot_slo: float = 0.0  # s
+    max_model_len: int = 0  # prompt plus output tokens of one request
+    vocab_size: int = 0  # token ids must be below this
 
     @classmethod
     def of(cls, m: ModelEntry, num_queued: int) -> ModelStatus:
@@ -167,7 +177,8 @@ class ModelStatus:
             m.spec.name, state, m.device, m.worker.worker_id if m.worker else None, m.pinned,
             m.cached.weight_bytes, m.num_running, num_queued, m.num_activations, m.num_evictions,
             m.last_phases, stats.used_kv_bytes if stats else 0, m.max_kv_bytes if stats else None,
-            m.step_seconds, m.cpu_seconds,
+            m.step_seconds, m.cpu_seconds, m.cached.source, m.cached.synthetic, m.spec.ttft_slo,
+            m.spec.tpot_slo, m.max_model_len, int(m.cached.config["vocab_size"]),
         )  # fmt: skip
 
 
