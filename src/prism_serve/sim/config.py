@@ -44,6 +44,9 @@ class SimConfig:
     rate_window_s: float = 60.0
     drain_s: float = 600.0  # after the last arrival, stop at the latest this much later
     warmup_s: float = 5.0  # the workload starts this late: up-front loading is not charged to requests
+    # engines with work on one device share its compute (hardware.share_slowdown); False: each steps
+    # as if alone (the simulator before issue 15, kept to compare)
+    compute_sharing: bool = True
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:

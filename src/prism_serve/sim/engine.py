@@ -109,7 +109,13 @@ class SimEngine:
         self.end = 0.0
         self._scheduled: list[tuple[SimSeq, int]] = []
         self._run_k = 0  # > 0: a decode run of that many steps
-        self._cum: np.ndarray | None = None
+        self._cum: np.ndarray | None = None  # a run's cumulative step times, alone on its devices
+        self._work = 0.0  # a single step's time alone on its devices
+        # Compute sharing: the in-flight step runs ``factor`` times slower than alone (the simulator
+        # sets it from the busy engines on the device, hardware.share_slowdown); ``start`` is the
+        # virtual start such that ``end = start + work * factor`` (rescale keeps work done).
+        self.factor = 1.0
+        self.shared = False  # counted among its devices' busy engines (the simulator's bookkeeping)
         self.num_steps = 0
         self.num_preemptions = 0
         self._preempted = False  # the step being scheduled preempted (so it admitted nothing)
@@ -230,8 +236,9 @@ class SimEngine:
             budget -= n
         return scheduled
 
-    def start_step(self, now: float) -> float | None:
-        """Schedule the next step (or decode run) at ``now``; its end time, or None if idle."""
+    def start_step(self, now: float, factor: float = 1.0) -> float | None:
+        """Schedule the next step (or decode run) at ``now``, running ``factor`` times slower than
+        alone (compute shared with other engines); its end time, or None if idle."""
         scheduled = self._schedule()
         self.dirty = True
         self._update_claim()
@@ -242,6 +249,7 @@ class SimEngine:
         self.busy = True
         self.version += 1
         self.start = now
+        self.factor = factor
         self._scheduled = scheduled
         self._cum = None
         self._run_k = 0
@@ -256,7 +264,7 @@ class SimEngine:
                 context = sum(s.num_computed for s, _ in scheduled)
             self._cum = np.cumsum(self.cost.decode_steps(spec, tp, len(scheduled), context, k))
             self._run_k = k
-            self.end = now + float(self._cum[-1])
+            self.end = now + float(self._cum[-1]) * factor
             return self.end
         tokens = 0
         pairs = 0.0
@@ -271,7 +279,8 @@ class SimEngine:
             pairs += n * (b + (n + 1) / 2)
             kv_read += b
             sampling += b + n == s.num_tokens
-        self.end = now + self.cost.step_time(spec, tp, tokens, pairs, kv_read, sampling)
+        self._work = self.cost.step_time(spec, tp, tokens, pairs, kv_read, sampling)
+        self.end = now + self._work * factor
         return self.end
 
     def _grant_run(self, k: int) -> int:
@@ -294,7 +303,7 @@ class SimEngine:
         nothing changed (a single step, or the run ends by then anyway)."""
         if not self.busy or self._run_k <= 1 or now >= self.end:
             return None
-        j = int(np.searchsorted(self._cum, now - self.start, side="left"))
+        j = int(np.searchsorted(self._cum, (now - self.start) / self.factor, side="left"))
         k = j + 1
         if k >= self._run_k:
             return None
@@ -306,7 +315,20 @@ class SimEngine:
             s.num_blocks = keep
         self._return_blocks(extra)
         self._run_k = k
-        self.end = self.start + float(self._cum[j])
+        self.end = self.start + float(self._cum[j]) * self.factor
+        self.version += 1
+        return self.end
+
+    def rescale(self, now: float, factor: float) -> float | None:
+        """From ``now`` on, run the step in flight ``factor`` times slower than alone (processor
+        sharing: the work done so far is kept); the new end, or None if nothing changed."""
+        if not self.busy or factor == self.factor or now >= self.end:
+            return None
+        done = (now - self.start) / self.factor  # work done so far, in seconds alone
+        work = float(self._cum[self._run_k - 1]) if self._run_k else self._work
+        self.start = now - done * factor
+        self.factor = factor
+        self.end = self.start + work * factor
         self.version += 1
         return self.end
 

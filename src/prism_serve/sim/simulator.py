@@ -99,6 +99,8 @@ class Simulator:
         }
         # models with a rank placed on each device; dicts, not sets, so iteration order is reproducible
         self.on_device: dict[str, dict[str, None]] = {d: {} for d in self.devices}
+        self.num_busy: dict[str, int] = dict.fromkeys(self.devices, 0)  # engines with a step in flight
+        self._share = self.hw.share_slowdown if config.compute_sharing else None
         self.models: dict[str, _Model] = {}
         for m in models:
             self.models[m.name] = self._model_state(m, workload, slos[m.name])
@@ -207,7 +209,7 @@ class Simulator:
         e = m.engine
         if e is None or not e.busy or e.version != version:
             return  # the step was cut short or the engine stopped
-        finished, freed = e.finish_step(now)
+        finished, freed = e.finish_step(now)  # not busy: _start below syncs the device's busy count
         for req in finished:
             self._leave(req)
             m.num_running -= 1
@@ -281,9 +283,36 @@ class Simulator:
             m.engine.dirty = True
 
     def _start(self, e: SimEngine, now: float) -> None:
-        end = e.start_step(now)
+        factor = 1.0
+        if self._share is not None:
+            others = max(self.num_busy[d.name] - e.shared for d in e.devices)
+            factor = self._share(others + 1)
+        end = e.start_step(now, factor)
         if end is not None:
             self.events.push(end, StepDone(e.name, e.version))
+        self._sync_busy(e, now)
+
+    # -- compute sharing -----------------------------------------------------------------------------
+
+    def _sync_busy(self, e: SimEngine, now: float) -> None:
+        """Count ``e`` among its devices' busy engines if it has a step in flight; when a device's
+        count changes, every other busy engine there goes on at the new speed (processor sharing:
+        hardware.share_slowdown; exact for the step in flight, not just the next one)."""
+        if self._share is None or e.busy == e.shared:
+            return
+        e.shared = e.busy
+        delta = 1 if e.busy else -1
+        for d in e.devices:
+            self.num_busy[d.name] += delta
+        for d in e.devices:
+            for name in self.on_device[d.name]:
+                other = self.models[name].engine
+                if other is None or other is e or not other.busy:
+                    continue
+                factor = self._share(max(self.num_busy[x.name] for x in other.devices))
+                end = other.rescale(now, factor)
+                if end is not None:
+                    self.events.push(end, StepDone(other.name, other.version))
 
     def activate(self, model: str, devices: tuple[str, ...], now: float) -> None:
         m = self.models[model]
@@ -330,7 +359,10 @@ class Simulator:
         m = self.models[model]
         if m.state is ModelState.EVICTED:
             raise SimStateError(f"evict {model}: not resident")
-        restarted = m.engine.drop_all() if m.engine is not None else []
+        restarted = []
+        if m.engine is not None:
+            restarted = m.engine.drop_all()
+            self._sync_busy(m.engine, now)
         devs = [self.devices[d] for d in m.placement]
         for d in devs:
             d.unmap_weights(model)

@@ -1,0 +1,65 @@
+"""Compute shared between engines on one device (simulator.py _sync_busy, SimEngine.rescale):
+processor sharing is exact for the step in flight, with staggered starts, and for a whole run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prism_serve.sim import HARDWARE, SimConfig, simulate
+from prism_serve.workload import Workload
+
+from .helpers import loose, served
+
+PROMPT = 4096  # several prefill chunks: the requests' steps interleave
+
+
+def _run(arrivals: list[tuple[float, int]], *, devices: int = 1, sharing: bool = True, output: int = 1):
+    ms = [served("a", "llama-3.2-1b"), served("b", "llama-3.2-1b")]
+    times = np.array([t for t, _ in arrivals], dtype=float)
+    w = Workload(times, np.array([i for _, i in arrivals]), np.full(len(arrivals), PROMPT),
+                 np.full(len(arrivals), output), ["a", "b"])  # fmt: skip
+    cfg = SimConfig(num_devices=devices, policy="static-partition", compute_sharing=sharing)
+    return simulate(ms, w, loose(ms, ttft=100.0), cfg).requests
+
+
+def _alone() -> float:
+    (r,) = _run([(0.0, 0)])
+    return r.ttft
+
+
+def test_gpu_profiles_are_processor_sharing():
+    hw = HARDWARE["h100"]
+    assert [hw.share_slowdown(n) for n in (0, 1, 2, 3, 5)] == [1.0, 1.0, 2.0, 3.0, 5.0]
+
+
+def test_two_engines_busy_together_each_take_twice_as_long():
+    t = _alone()
+    a, b = _run([(0.0, 0), (0.0, 1)])
+    assert a.ttft == pytest.approx(2 * t, rel=1e-9) and b.ttft == pytest.approx(2 * t, rel=1e-9)
+
+
+def test_a_late_neighbour_slows_the_step_already_in_flight():
+    t = _alone()
+    a, b = _run([(0.0, 0), (t / 2, 1)])
+    # a: half its work alone, the other half at half speed; b: then alone for its last half
+    assert a.ttft == pytest.approx(1.5 * t, rel=1e-6)
+    assert b.ttft == pytest.approx(1.5 * t, rel=1e-6)
+
+
+def test_engines_on_different_devices_or_with_sharing_off_do_not_slow_each_other():
+    t = _alone()
+    for kw in ({"devices": 2}, {"sharing": False}):
+        a, b = _run([(0.0, 0), (0.0, 1)], **kw)
+        assert a.ttft == pytest.approx(t, rel=1e-9) and b.ttft == pytest.approx(t, rel=1e-9), kw
+
+
+def test_decode_runs_are_rescaled_too():
+    # long outputs: the engines sit in coalesced decode runs while the other starts and stops
+    (alone,) = _run([(0.0, 0)], output=300)
+    d = alone.finish - alone.arrival
+    a, b = _run([(0.0, 0), (0.0, 1)], output=300)
+    assert a.finish - a.arrival == pytest.approx(2 * d, rel=1e-6)
+    a, b = _run([(0.0, 0), (d / 2, 1)], output=300)
+    assert a.finish - a.arrival == pytest.approx(1.5 * d, rel=1e-6)
+    assert b.finish - b.arrival == pytest.approx(1.5 * d, rel=1e-6)
