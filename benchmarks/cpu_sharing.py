@@ -12,13 +12,22 @@ is n = 1, the same engine alone on the same device, in the same round.
 
 Shapes: a decode batch of 1 and of 8 at context 256 (contexts allocated, not computed, as in
 fit_cpu_profile.py) and a prefill of 256 tokens. Every round measures every point (rounds wait for
-quiet CPUs first); each point records the CPU other processes used meanwhile ("other load", cores),
-and the three points of a shape are measured again once when one of them had more than ``--max-load``
-(the attempt with less load is kept).
-The printed ratio of a point is the mean step time of its n engines over the alone step time of the
-same round; the table gives the median over rounds and the spread (min..max).
+quiet CPUs first, ``--quiet-wait`` at most); each point records the CPU other processes used
+meanwhile ("other load", cores); with ``--retries`` the three points of a shape are measured again
+when one had more than ``--max-load`` (the attempt with less load is kept). The wall ratio of a point
+is the mean step time of its n engines over the alone step time of the same round; the table gives
+the median over rounds, the spread (min..max) and the median over quiet rounds only.
 
-    python benchmarks/cpu_sharing.py                 # measure (about 10 min) and print
+Other processes on a shared machine take part of the device's cores too, alone or not, which pulls
+the wall ratio toward 1 (or, when their load changes between points, anywhere). So each step's CPU
+time is recorded as well: on one core under processor sharing a step takes n times its CPU time, and
+the CPU time per step (which other load barely changes) grows only by what sharing costs beyond time
+slicing (caches, switches). ``n x CPU`` is therefore the slowdown a quiet one-core device would show;
+the one-core form n * (1 + a * (n - 1)) (sim/hardware.py ``share_slowdown``) is fitted to it.
+Two-thread engines on two cores spin at OpenMP barriers while a thread waits for a core, so there
+the CPU time itself grows and no such estimate is made: their wall ratios are printed as measured.
+
+    python benchmarks/cpu_sharing.py                 # measure (3-5 min a round: 12-20 min) and print
     python benchmarks/cpu_sharing.py --reuse         # print the saved measurements again
 """
 
@@ -43,6 +52,7 @@ SHAPES = [("decode 1 @256", "decode", (1, 256)), ("decode 8 @256", "decode", (8,
 SHAPES += [("prefill 256", "prefill", (256,))]
 DECODE_CHUNK = 8  # decode steps per set of requests; then they are aborted and added again
 MAX_BUSY = 3
+QUIET = 0.15  # other load (cores) under which a point counts as measured on a quiet machine
 
 
 def simd_flags() -> str:
@@ -82,10 +92,11 @@ class Engine:
                 raise RuntimeError("KV cache too small for the point")
             seq.num_computed_tokens = cached
 
-    def step(self) -> float:
-        t0 = time.perf_counter()
+    def step(self) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process: every torch thread) of one engine step."""
+        t0, c0 = time.perf_counter(), time.process_time()
         self.engine.step()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
 
 def engine_process(name: str, cores: tuple[int, ...], conn, stop, counts, slot: int) -> None:
@@ -99,7 +110,11 @@ def engine_process(name: str, cores: tuple[int, ...], conn, stop, counts, slot: 
     for _, kind, args in SHAPES:  # warm-up, alone
         run_steps(bench, kind, args, lambda: False, 2)
     conn.send(("ready", torch.get_num_threads(), sorted(os.sched_getaffinity(0))))
+    parent = os.getppid()
     while True:
+        while not conn.poll(1.0):
+            if os.getppid() != parent:  # the parent was killed: do not linger
+                return
         msg = conn.recv()
         if msg[0] == "exit":
             break
@@ -107,20 +122,20 @@ def engine_process(name: str, cores: tuple[int, ...], conn, stop, counts, slot: 
         while time.monotonic() < start_at:
             time.sleep(max(0.0, min(0.01, start_at - time.monotonic())))
         cpu0 = time.process_time()
-        steps: list[tuple[float, float]] = []  # (seconds, monotonic end) of each step
-        while not stopped(stop):
-            run_steps(bench, kind, args, lambda: stopped(stop), DECODE_CHUNK, steps, counts, slot)
+        steps: list[tuple[float, float, float]] = []  # (wall s, CPU s, monotonic end) of each step
+
+        def stopped() -> bool:
+            return time.monotonic() >= stop.value or os.getppid() != parent
+
+        while not stopped():
+            run_steps(bench, kind, args, stopped, DECODE_CHUNK, steps, counts, slot)
         conn.send((steps, time.process_time() - cpu0))
     bench.engine.close()
 
 
-def stopped(stop) -> bool:
-    return time.monotonic() >= stop.value
-
-
 def run_steps(bench, kind, args, is_stopped, num_steps, steps=None, counts=None, slot=0) -> None:
     """Up to ``num_steps`` steps of one shape (a decode set of requests; one prefill); each step's
-    (seconds, end) goes to ``steps``, and ``counts[slot]`` counts them for the parent."""
+    (wall, CPU, end) goes to ``steps``, and ``counts[slot]`` counts them for the parent."""
     if kind == "prefill":
         bench.add(args[0], 0, 1)
         num_steps = 1
@@ -131,9 +146,9 @@ def run_steps(bench, kind, args, is_stopped, num_steps, steps=None, counts=None,
     for _ in range(num_steps):
         if is_stopped():
             break
-        seconds = bench.step()
+        wall, cpu = bench.step()
         if steps is not None:
-            steps.append((seconds, time.monotonic()))
+            steps.append((wall, cpu, time.monotonic()))
             counts[slot] += 1
     bench.engine.abort_all()
 
@@ -163,7 +178,8 @@ class Device:
             self.procs.append(p)
 
     def point(self, kind: str, args: tuple, n: int, min_steps: int, window: float, max_window: float) -> dict:
-        """n engines step at once; each engine's mean step time over the steps that ended in time."""
+        """n engines step at once. Per engine, over the steps that ended in time: the mean wall and CPU
+        time of a step, and the cores it got while stepping (CPU / wall)."""
         self.stop.value = math.inf
         for i in range(MAX_BUSY):
             self.counts[i] = 0
@@ -182,17 +198,20 @@ class Device:
         busy, own = cpu_seconds()
         engines_cpu = sum(cpu for _, cpu in results)
         other = max(0.0, (busy - start[0] - (own - start[1]) - engines_cpu) / wall)
-        per_engine = []
+        out: dict = {"step_s": [], "cpu_s": [], "cores": [], "steps": []}
         for steps, _ in results:
-            counted = [s for s, end in steps if end <= stop_at]
-            # an engine that finished no step in the window: its one step took at least the window
-            per_engine.append(float(np.mean(counted)) if counted else stop_at - start_at)
-        return {
-            "step_s": per_engine,
-            "steps": [sum(1 for _, end in steps if end <= stop_at) for steps, _ in results],
-            "window_s": stop_at - start_at,
-            "other_load": other,
-        }
+            counted = np.array([(w, c) for w, c, end in steps if end <= stop_at]).reshape(-1, 2)
+            if len(counted):
+                wall, cpu = counted.mean(axis=0)
+            else:  # no step ended in the window: the step took at least the window (a lower bound)
+                wall, cpu = stop_at - start_at, math.nan
+            out["step_s"].append(float(wall))
+            out["cpu_s"].append(float(cpu))
+            out["cores"].append(
+                float(counted[:, 1].sum() / counted[:, 0].sum()) if len(counted) else math.nan
+            )
+            out["steps"].append(len(counted))
+        return {**out, "window_s": stop_at - start_at, "other_load": other}
 
     def close(self) -> None:
         for c in self.conns:
@@ -227,8 +246,9 @@ def measure(args) -> dict:
                         p = dev.point(kind, shape, n, min_steps, window, args.max_window)
                         group.append({"device": label, "shape": name, "n": n, "attempt": attempt, **p})
                         print(
-                            f"  {label} {name} n={n}: step {np.mean(p['step_s']) * 1e3:.1f} ms, "
-                            f"{min(p['steps'])}+ steps in {p['window_s']:.1f} s, "
+                            f"  {label} {name} n={n}: step {np.mean(p['step_s']) * 1e3:.1f} ms "
+                            f"(CPU {np.mean(p['cpu_s']) * 1e3:.1f} ms), {min(p['steps'])}+ steps in "
+                            f"{p['window_s']:.1f} s, engines got {np.nansum(p['cores']):.2f} cores, "
                             f"other load {p['other_load']:.2f}",
                             flush=True,
                         )
@@ -252,57 +272,81 @@ def measure(args) -> dict:
 # -- report -----------------------------------------------------------------------------------------
 
 
-def ratios(raw: dict) -> dict[tuple[str, str, int], list[float]]:
-    """(device, shape, n) -> the ratio of each round: mean step of the n engines / the alone step."""
-    out: dict[tuple[str, str, int], list[float]] = {}
+def ratios(raw: dict) -> dict[tuple[str, str, int], dict[str, list[float]]]:
+    """(device, shape, n) -> per round: ``wall`` (mean step of the n engines / the alone step),
+    ``cpu`` (the same for CPU time per step), ``cores`` (cores the n engines got together), the
+    alone step ``alone_ms``, ``other`` load (the point's and its baseline's, whichever is more) and the
+    fewest ``steps`` one engine counted."""
+    out: dict = {}
     for points in raw["rounds"]:
-        alone = {(p["device"], p["shape"]): p["step_s"][0] for p in points if p["n"] == 1}
+        alone = {(p["device"], p["shape"]): p for p in points if p["n"] == 1}
         for p in points:
-            out.setdefault((p["device"], p["shape"], p["n"]), []).append(
-                float(np.mean(p["step_s"])) / alone[(p["device"], p["shape"])]
-            )
+            a = alone[(p["device"], p["shape"])]
+            r = out.setdefault((p["device"], p["shape"], p["n"]), {})
+            r.setdefault("wall", []).append(float(np.mean(p["step_s"])) / a["step_s"][0])
+            cpu = [c for c in p["cpu_s"] if not math.isnan(c)]
+            r.setdefault("cpu", []).append(float(np.mean(cpu)) / a["cpu_s"][0] if cpu else math.nan)
+            r.setdefault("cores", []).append(float(np.nansum(p["cores"])))
+            r.setdefault("alone_ms", []).append(a["step_s"][0] * 1e3)
+            r.setdefault("other", []).append(max(p["other_load"], a["other_load"]))
+            r.setdefault("steps", []).append(min(p["steps"]))
     return out
 
 
-def fit_interference(rs: dict, device: str) -> float:
-    """``a`` of slowdown(n) = n * (1 + a * (n - 1)), least squares on the median ratios of ``device``."""
-    xs, ys = [], []
-    for (dev, _, n), v in rs.items():
-        if dev == device and n > 1:
-            xs.append(n * (n - 1))
-            ys.append(float(np.median(v)) - n)
-    x, y = np.array(xs, dtype=float), np.array(ys)
+def fit_interference(values: dict[int, float]) -> float:
+    """``a`` of slowdown(n) = n * (1 + a * (n - 1)), least squares over n -> slowdown."""
+    x = np.array([n * (n - 1) for n in values], dtype=float)
+    y = np.array([v - n for n, v in values.items()])
     return float(x @ y / (x @ x))
 
 
+def spread(v: list[float]) -> str:
+    v = [x for x in v if not math.isnan(x)]
+    return f"{np.median(v):5.2f} ({min(v):.2f}..{max(v):.2f})" if v else "-"
+
+
 def report(raw: dict) -> None:
+    """The table, and the one-core form fitted to the quiet-machine estimates."""
     print(f"machine: {raw['machine']}; measured {raw['date']}; {len(raw['rounds'])} rounds")
     rs = ratios(raw)
-    steps: dict[tuple[str, str, int], list[float]] = {}
-    loads: dict[tuple[str, str, int], list[float]] = {}
-    counts: dict[tuple[str, str, int], list[int]] = {}
-    for points in raw["rounds"]:
-        for p in points:
-            key = (p["device"], p["shape"], p["n"])
-            steps.setdefault(key, []).append(float(np.mean(p["step_s"])))
-            loads.setdefault(key, []).append(p["other_load"])
-            counts.setdefault(key, []).append(min(p["steps"]))
     print(
-        f"{'device':<8} {'shape':<14} {'n':>2} {'step ms (median)':>17} {'ratio median':>13} "
-        f"{'min..max':>13} {'ratio / n':>9} {'steps/engine':>12} {'other load':>11}"
+        f"{'device':<8} {'shape':<14} {'n':>2} {'alone ms':>8} {'wall ratio':>18} {'quiet':>11} "
+        f"{'CPU/step ratio':>17} {'n x CPU':>7} {'got':>5} {'other load':>17} {'steps':>5}"
     )
-    for key, v in rs.items():
-        dev, shape, n = key
+    estimate: dict[int, list[float]] = {}
+    for (dev, shape, n), r in rs.items():
+        est = "-"
+        if dev == "1 core":
+            cpu = [c for c in r["cpu"] if not math.isnan(c)]
+            est = f"{n * np.median(cpu):.2f}"
+            if n > 1:
+                estimate.setdefault(n, []).append(n * float(np.median(cpu)))
+        quiet = [w for w, o in zip(r["wall"], r["other"], strict=True) if o <= QUIET]
         print(
-            f"{dev:<8} {shape:<14} {n:>2} {np.median(steps[key]) * 1e3:>17.1f} {np.median(v):>13.2f} "
-            f"{min(v):>6.2f}..{max(v):<6.2f} {np.median(v) / n:>9.2f} {min(counts[key]):>12} "
-            f"{max(loads[key]):>11.2f}"
+            f"{dev:<8} {shape:<14} {n:>2} {np.median(r['alone_ms']):>8.1f} {spread(r['wall']):>18} "
+            f"{(f'{np.median(quiet):.2f} ({len(quiet)})' if quiet else '-'):>11} {spread(r['cpu']):>17} "
+            f"{est:>7} {np.median(r['cores']):>5.2f} {spread(r['other']):>17} {min(r['steps']):>5}"
         )
-    for dev in ("1 core", "2 cores"):
-        a = fit_interference(rs, dev)
-        fitted = ", ".join(f"n={n}: {n * (1 + a * (n - 1)):.2f}" for n in range(2, MAX_BUSY + 1))
-        print(f"{dev}: slowdown(n) = n * (1 + a * (n - 1)), a = {a:.3f} ({fitted})")
-    print("steps/engine: the fewest counted steps of one engine in any round; other load: the most")
+    print(
+        "wall ratio: mean step of the n engines over the engine alone on the same device in the same\n"
+        f"round, median (min..max) over rounds; quiet: its median over the rounds where other load was\n"
+        f"<= {QUIET} cores (how many); CPU/step ratio: the same for CPU seconds per step; n x CPU: the wall\n"
+        "ratio a quiet one-core device would show under processor sharing (each of n engines gets 1/n of\n"
+        "the core, so a step takes n times its CPU time); got: cores the n engines used together while\n"
+        "stepping (median); other load: cores other processes used (the point's or its baseline's, the\n"
+        "larger); steps: fewest counted steps of one engine in a round (0: the point hit --max-window,\n"
+        "its wall ratio is a lower bound and its CPU time unknown)"
+    )
+    if estimate:
+        per_n = {n: float(np.median(v)) for n, v in estimate.items()}
+        a = fit_interference(per_n)
+        print(
+            "one core, quiet-machine estimate (median over shapes): "
+            + ", ".join(f"n={n}: {v:.2f}" for n, v in per_n.items())
+            + f"; fitted slowdown(n) = n * (1 + a * (n - 1)), a = {a:.3f} ("
+            + ", ".join(f"n={n}: {n * (1 + a * (n - 1)):.2f}" for n in per_n)
+            + ")"
+        )
 
 
 def main() -> None:
@@ -310,11 +354,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)), help="the one-core device")
     ap.add_argument("--min-steps", type=int, default=6, help="decode steps per engine and point (prefill: 2)")
-    ap.add_argument("--window", type=float, default=2.0, help="decode point length at least, s (prefill 2x)")
-    ap.add_argument("--max-window", type=float, default=20.0, help="seconds per point at most")
-    ap.add_argument("--quiet-wait", type=float, default=120.0, help="wait for quiet CPUs, s at most")
+    ap.add_argument("--window", type=float, default=1.5, help="decode point length at least, s (prefill 2x)")
+    ap.add_argument("--max-window", type=float, default=10.0, help="seconds per point at most")
+    ap.add_argument("--quiet-wait", type=float, default=30.0, help="wait for quiet CPUs, s at most")
     ap.add_argument("--max-load", type=float, default=0.3, help="other load (cores) that repeats a group")
-    ap.add_argument("--retries", type=int, default=1, help="repeats of a group measured under more load")
+    ap.add_argument("--retries", type=int, default=0, help="repeats of a group measured under more load")
     ap.add_argument("--raw", type=Path, default=RAW, help="measurements are saved here")
     ap.add_argument("--reuse", action="store_true", help="print the saved measurements, measure nothing")
     args = ap.parse_args()
