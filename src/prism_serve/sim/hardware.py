@@ -136,6 +136,13 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 row_bandwidth=2.60e10,  # 1-2 rows: weights streamed once per row
                 seq_overhead_s=6.4e-4,
                 pad_decode_context=True,
+                # benchmarks/cpu_sharing.py, 2026-11-23 (AVX2 EPYC): 2 / 3 engines on one core step
+                # 2.08x / 3.13x slower (median over decode 1, decode 8, prefill 256), i.e. processor
+                # sharing plus ~2% per extra engine (caches, switches). Devices of several cores
+                # with one thread per core are not modelled: there OpenMP barriers spin while a
+                # thread waits for a core, and 2 / 3 two-thread engines on 2 cores measured 3.4-7x /
+                # 8-12x (docs/evaluation.md, "Compute sharing on one device").
+                share_interference=0.023,
                 synthetic=False,
             ),
         )
