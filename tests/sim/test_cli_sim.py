@@ -62,3 +62,19 @@ def test_find_gpus_bisects_to_the_fewest_devices():
     assert n == 4
     assert {p["num_devices"] for p in tried} >= {3, 4}
     assert all(p["ttft_attainment"] < 0.99 for p in tried if p["num_devices"] < 4)
+
+
+def test_compute_sharing_is_on_by_default_and_the_flag_turns_it_off(tmp_path, traces):
+    def run(*flags):
+        out = tmp_path / ("off" if flags else "on")
+        argv = ["sim", "--setup", "paper-8", "--gpus", "1", "--duration", "60", "--total-rate", "4",
+                "--policies", "prism", "--sweep", "gpus", "--values", "1", "--out", str(out),
+                "--traces", str(traces.root), *flags]  # fmt: skip
+        assert main(argv) == 0
+        (point,) = json.loads((out / "results.json").read_text())["points"]
+        return point
+
+    on, off = run(), run("--no-compute-sharing")
+    assert on["compute_sharing"] is True and off["compute_sharing"] is False
+    # eight models on one GPU: engines overlap, so sharing the device makes requests slower
+    assert on["ttft_p50_s"] > off["ttft_p50_s"]

@@ -103,8 +103,9 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         if v is not None
     }
     config = SimConfig(
-        num_devices=args.gpus, hardware=args.hardware, knobs=_typed(knobs), tick_s=args.tick, **engine
-    )
+        num_devices=args.gpus, hardware=args.hardware, knobs=_typed(knobs), tick_s=args.tick,
+        compute_sharing=not args.no_compute_sharing, **engine,
+    )  # fmt: skip
     if args.slos is not None and args.slos.exists():
         slos = load_slos(args.slos)
     else:
@@ -232,6 +233,10 @@ def add_sim_parser(sub) -> None:
     s.add_argument(
         "--max-num-batched-tokens", type=int, help="tokens per engine step (default 8192, a GPU engine's)"
     )
+    s.add_argument(
+        "--no-compute-sharing", action="store_true",
+        help="each engine steps as if alone on its device (the simulator before compute sharing)",
+    )  # fmt: skip
     s.add_argument("--sweep", choices=AXES, help="axis to sweep over --values")
     s.add_argument("--values", type=_floats, default=None, help="comma-separated axis values")
     s.add_argument("--find-gpus", type=float, default=None, metavar="TARGET", help="e.g. 0.99")

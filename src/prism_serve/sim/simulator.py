@@ -164,6 +164,7 @@ class Simulator:
             "policy": self.config.policy,
             "hardware": self.hw.label,
             "num_devices": self.config.num_devices,
+            "compute_sharing": self.config.compute_sharing,
             "simulated": True,
         }
         counters = self.counters + self.loop.counters
