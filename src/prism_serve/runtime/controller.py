@@ -35,7 +35,7 @@ from prism_serve.control import (
 from prism_serve.control.forecast import RateEstimator
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.policies import Policy, get_policy
-from prism_serve.engine.llm_engine import resolve_max_model_len
+from prism_serve.engine.config import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import (
