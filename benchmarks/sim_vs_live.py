@@ -603,17 +603,34 @@ def _wait_idle(port: int, limit_s: float = 300) -> None:
         time.sleep(0.5)
 
 
-def _mapped_bytes(port: int) -> dict[str, int]:
+def _scrape(port: int) -> dict[str, dict[str, float]]:
+    """From /metrics: device -> mapped bytes, and model -> engine step (wall) and worker CPU seconds
+    so far (their ratio over the replay is the share of its core an engine got while it had work)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {}
+    out: dict[str, dict[str, float]] = {"mapped": {}, "step": {}, "cpu": {}}
+    names = {"prism_device_mapped_bytes": "mapped", "prism_engine_step_seconds": "step",
+             "prism_engine_cpu_seconds": "cpu"}  # fmt: skip
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
-        if family.name == "prism_device_mapped_bytes":
-            for s in family.samples:
-                out[s.labels["device"]] = int(s.value)
+        key = names.get(family.name)
+        for s in family.samples if key else ():
+            out[key][s.labels.get("device") or s.labels.get("model_name")] = s.value
     return out
+
+
+def _core_shares(before: dict, after: dict) -> dict[str, dict]:
+    shares = {}
+    for m, step in sorted(after["step"].items()):
+        st = step - before["step"].get(m, 0.0)
+        cpu = after["cpu"].get(m, 0.0) - before["cpu"].get(m, 0.0)
+        shares[m] = {
+            "step_s": round(st, 2),
+            "cpu_s": round(cpu, 2),
+            "cpu_share": round(cpu / st, 3) if st else None,
+        }
+    return shares
 
 
 async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: str, timeout_s: float) -> dict:
@@ -641,7 +658,7 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
             warmup.append((time.perf_counter(), m.name))
             httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300).raise_for_status()
         warm = _counts(port)
-        mapped = _mapped_bytes(port)
+        scraped = _scrape(port)
         settings = BenchSettings(prompt="ids", timeout_s=timeout_s, slo_scale=1.0)
         cpu0, server0 = common.cpu_seconds(), _proc_tree_cpu(proc.pid)
         replay_start = time.perf_counter()
@@ -652,6 +669,7 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
         other = max(0.0, (busy - cpu0[0] - (own - cpu0[1])) / wall - server_cores)
         _wait_idle(port)
         end = _counts(port)
+        shares = _core_shares(scraped, _scrape(port))
     finally:
         stop_server_process(proc)
     stats = live_model_stats(res.summary())
@@ -667,7 +685,8 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
         "warmup_start_after_healthy_s": round(warmup[0][0] - healthy, 4),
         "placement_after_warmup": _placement(warm),
         "placement_at_end": _placement(end),
-        "mapped_bytes_after_warmup": mapped,
+        "mapped_bytes_after_warmup": {d: int(b) for d, b in scraped["mapped"].items()},
+        "engine_seconds": shares,
         "wall_s": round(wall, 1),
         "server_cores_busy": round(server_cores, 3),
         "other_load_cores": round(other, 3),
@@ -690,6 +709,21 @@ def machine_line() -> dict:
             break
     vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4")))
     return common.machine_info(flags=" ".join(vector) or "unknown")
+
+
+def _wait_quiet(limit_s: float, threshold: float, window_s: float = 10.0) -> float:
+    """Wait (up to ``limit_s``) for ``window_s`` seconds in which other processes used fewer than
+    ``threshold`` cores (a longer window than common.wait_quiet's half second: a live run lasts
+    minutes); returns the last window's load."""
+    import common
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        start = common.cpu_seconds()
+        time.sleep(window_s)
+        load = common.other_load_since(start, window_s)
+        if load < threshold or time.monotonic() > deadline:
+            return load
 
 
 def _wait_quiet_file(path: str | None, limit_s: float) -> None:
@@ -725,8 +759,8 @@ def main() -> None:
         type=float,
         default=0.3,
         metavar="CORES",
-        help="before each live run wait (up to --quiet-limit s) until other processes use fewer cores "
-        "than this (benchmarks/common.py); the load measured during the run is reported either way",
+        help="before each live run wait (up to --quiet-limit s) for 10 s in which other processes used "
+        "fewer cores than this; the load measured during the run is reported either way",
     )
     ap.add_argument("--quiet-limit", type=float, default=300.0)
     ap.add_argument("--out", type=Path, required=True)
@@ -772,23 +806,21 @@ def main() -> None:
     live_runs: list[dict] = []
     if not args.sim_only:
         _wait_quiet_file(args.wait_for, args.wait_limit)
-        import common
 
         for i in range(args.repeat):
-            common.wait_quiet(args.quiet_limit, args.quiet)
-            idle0 = common.cpu_seconds()
-            time.sleep(2.0)
-            print(
-                f"live run {i + 1}/{args.repeat}; other load before it: "
-                f"{common.other_load_since(idle0, 2.0):.2f} cores",
-                flush=True,
-            )
+            load = _wait_quiet(args.quiet_limit, args.quiet)
+            print(f"live run {i + 1}/{args.repeat}; other load before it: {load:.2f} cores", flush=True)
             live_runs.append(asyncio.run(run_live(cfg, workload, args.out, str(i), args.timeout)))
             r = live_runs[-1]
             print(
                 f"  {r['wall_s']} s; server {r['server_cores_busy']} cores busy, other load "
                 f"{r['other_load_cores']} cores; errors {r['errors'] or 'none'}; placement after warm-up "
                 f"{r['placement_after_warmup']}",
+                flush=True,
+            )
+            print(
+                "  core share of each engine while it had work: "
+                + ", ".join(f"{m} {v['cpu_share']}" for m, v in r["engine_seconds"].items()),
                 flush=True,
             )
     # the simulator replays the first live run's warm-up times (a default spacing without one)
