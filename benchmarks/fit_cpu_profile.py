@@ -81,7 +81,8 @@ class Bench:
         from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
 
         # the live runtime's per-model defaults (max_num_batched_tokens 512); room for 32 x 2048
-        config = EngineConfig(model=model, dtype=dtype, max_num_seqs=64, kv_cache_bytes=4 << 30)
+        config = EngineConfig(model=model, dtype=dtype, max_num_seqs=64, kv_cache_bytes=4 << 30,
+                              max_model_len=None)  # contexts up to 4096 (the default caps at 2048)
         self.engine = LLMEngine(config)
         self.rng = np.random.default_rng(0)
         self.reps = reps
