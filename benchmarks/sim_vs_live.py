@@ -81,14 +81,16 @@ SIM_COUNTERS = ("preemptions", "restarts", "migrations", "migrations_skipped", "
                 "num_unfinished", "simulated_s")  # fmt: skip
 
 KNOWN_DIFFERENCES = (
-    "compute sharing: live, colocated busy engines split their device's one core; a simulator without "
-    "a compute-sharing model (sim/README.md says whether it has one) steps each engine as if it had "
-    "the core alone",
+    "compute sharing: modelled as processor sharing with a fitted interference term "
+    "(HardwareProfile.share_slowdown) among engines with a step in flight; live, the server process, "
+    "activations and this client also take CPU from the devices' cores, which the simulator does not "
+    "count (the 'sim, no sharing' column is the simulator with compute_sharing=False)",
     "activation cost: simulated from the profile's activation constants (0.01 s + weights at 1.8 GB/s, "
     "about 0.31 s for SmolLM2-135M fp32) and free for the device's core; live it is page mapping and "
     "copies in the worker, on the device's core, while the colocated engine runs",
-    "worker processes: live, the pool starts a spare engine process in the background when a device's "
-    "last idle one is taken (CPU on that core); the simulator has no processes",
+    "worker processes: live, the pool starts a spare engine process when a device's last idle one is "
+    "taken (seconds of CPU on that core); the presets start 3 per device (at most 2 models fit on one) "
+    "so that none is started during the replay",
     "prefill speed in admission: the live engine reports its measured prefill tokens/s, the simulator "
     "the cost model's (for a mean prompt of the model's requests)",
     "rates: the live controller's RateEstimator ignores gaps < 1 s in its idle-gap statistics "
@@ -99,6 +101,9 @@ KNOWN_DIFFERENCES = (
     "them step by step), which matters only when KV memory is nearly full",
     "latency origin: live TTFT is from the client's send (HTTP, tokenization and SSE included), "
     "simulated TTFT from the arrival",
+    "serving path: the profile is fitted on LLMEngine.step alone; live, every step's outputs also go "
+    "through the worker -> controller IPC and the server's SSE, and the server process (not pinned) "
+    "and this client share the devices' two cores with the workers",
     "per-model engine knobs: the simulator has one engine config, so the config's models must agree on "
     "max_num_seqs, max_num_batched_tokens and block_size; kv_limit, pinned and max_model_len are not "
     "simulated",
@@ -133,8 +138,11 @@ def shape_of(source: str) -> str:
     raise MirrorError(f"source {source!r}: only {REAL_SOURCE} and random:<preset> have a simulated shape")
 
 
-def sim_deployment(cfg: DeploymentConfig, *, warmup_s: float = 0.0) -> SimDeployment:
-    """The simulated deployment that mirrors ``cfg`` on the ``cpu-smollm2`` profile."""
+def sim_deployment(
+    cfg: DeploymentConfig, *, warmup_s: float = 0.0, compute_sharing: bool | None = None
+) -> SimDeployment:
+    """The simulated deployment that mirrors ``cfg`` on the ``cpu-smollm2`` profile
+    (``compute_sharing``: None leaves the simulator's default)."""
     warnings: list[str] = []
     devices = cfg.device_specs()
     for d in devices:
@@ -172,6 +180,7 @@ def sim_deployment(cfg: DeploymentConfig, *, warmup_s: float = 0.0) -> SimDeploy
         rate_window_s=60.0,  # the live controller's default
         warmup_s=warmup_s,
         **engine,
+        **({} if compute_sharing is None else {"compute_sharing": compute_sharing}),
     )
     return SimDeployment(
         models, slos, config, tuple(d.memory_bytes for d in devices), tuple(d.name for d in devices),
@@ -354,23 +363,25 @@ COLUMNS = (
 )
 
 
-def format_comparison(rows: dict[str, dict], repeats: int = 1) -> str:
-    """One block per model: each metric live | sim | error (| live min..max over the repeats)."""
+def format_comparison(variants: dict[str, dict[str, dict]], repeats: int = 1) -> str:
+    """One block per model: each metric live | per simulated variant: value, error (| live min..max
+    over the repeats). ``variants``: label -> ``compare`` rows."""
     lines = []
     spread = repeats > 1
-    head = f"  {'':<16} {'live':>12} {'sim':>8} {'error':>8}" + (
-        f"   live min..max ({repeats} runs)" if spread else ""
-    )
-    for name, row in rows.items():
+    first = next(iter(variants.values()))
+    head = f"  {'':<16} {'live':>9}" + "".join(f" {label[:16]:>16} {'error':>8}     " for label in variants)
+    head += f"live min..max ({repeats} runs)" if spread else ""
+    for name, row in first.items():
         lines.append(f"{name} ({row['requests']} requests)")
-        lines.append(head)
+        lines.append(head.rstrip())
         for key, label in COLUMNS:
-            m = row["metrics"][key]
-            mark = "" if m.get("within") is None else ("  ok" if m["within"] else "  MISS")
-            lines.append(
-                f"  {label:<16} {_fmt(key, m['live']):>12} {_fmt(key, m['sim']):>8} "
-                f"{_fmt_err(key, m['error']):>8}{mark}" + (_spread(key, m) if spread else "")
-            )
+            line = f"  {label:<16} {_fmt(key, row['metrics'][key]['live']):>9}"
+            for rows in variants.values():
+                m = rows[name]["metrics"][key]
+                mark = "" if m.get("within") is None else ("ok" if m["within"] else "MISS")
+                line += f" {_fmt(key, m['sim']):>16} {_fmt_err(key, m['error']):>8} {mark:<4}"
+            line += _spread(key, row["metrics"][key]) if spread else ""
+            lines.append(line.rstrip())
     return "\n".join(lines)
 
 
@@ -437,8 +448,8 @@ def preset_config_text(p: Preset, cores: tuple[int, int]) -> str:
     knobs = ", ".join(f"{k}: {json.dumps(v)}" for k, v in sorted(p.knobs.items()))
     return (
         "devices:\n"
-        f'  - {{name: "cpu:0", memory: {p.memory}, cores: "{cores[0]}", workers: 2}}\n'
-        f'  - {{name: "cpu:1", memory: {p.memory}, cores: "{cores[1]}", workers: 2}}\n'
+        f'  - {{name: "cpu:0", memory: {p.memory}, cores: "{cores[0]}", workers: 3}}\n'
+        f'  - {{name: "cpu:1", memory: {p.memory}, cores: "{cores[1]}", workers: 3}}\n'
         f"models:\n{models}"
         f"policy: {{name: {p.policy}, knobs: {{{knobs}}}}}\n"
         "server: {max_waiting_requests: 1024, request_timeout_s: 300}\n"
@@ -462,6 +473,14 @@ def preset_workload(p: Preset, duration_s: float | None = None) -> tuple[Workloa
     keys = ("source", "lengths", "duration_s", "total_rate", "zipf", "max_prompt_tokens",
             "max_output_tokens", "seed")  # fmt: skip
     return build_workload(spec), {k: getattr(spec, k) for k in keys}
+
+
+def sim_variants() -> list[tuple[str, bool | None]]:
+    """("sim", None): the simulator as it is; plus ("sim, no sharing", False) where SimConfig has
+    ``compute_sharing`` (each engine steps as if alone on its device: the simulator before it)."""
+    if "compute_sharing" in {f.name for f in dataclasses.fields(SimConfig)}:
+        return [("sim", None), ("sim, no sharing", False)]
+    return [("sim", None)]
 
 
 # ---- the simulated run --------------------------------------------------------------------------
@@ -737,6 +756,23 @@ def _wait_quiet_file(path: str | None, limit_s: float) -> None:
         time.sleep(30)
 
 
+def reused_live_runs(path: Path, cfg: DeploymentConfig, workload: Workload) -> list[dict]:
+    """The live runs of an earlier result.json, if it ran this deployment and these requests."""
+    old = json.loads(path.read_text())
+    if old.get("deployment") != cfg.model_dump(mode="json"):
+        sys.exit(f"{path} ran another deployment")
+    sent = [
+        (r["model"], r["scheduled_s"], r["prompt_tokens"], r["max_tokens"])
+        for r in old["live"][0]["requests"]
+    ]
+    here = [(r.model, r.timestamp, r.prompt_tokens, r.output_tokens) for r in workload.rows()]
+    if len(sent) != len(here) or any(
+        a[0] != b[0] or a[2:] != b[2:] or abs(a[1] - b[1]) > 1e-5 for a, b in zip(sent, here, strict=True)
+    ):
+        sys.exit(f"{path} replayed another workload")
+    return old["live"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -751,6 +787,13 @@ def main() -> None:
         "--sim-only",
         action="store_true",
         help="skip the live run (the simulated warm-up then sends one request per model 2 s apart)",
+    )
+    ap.add_argument(
+        "--reuse-live",
+        type=Path,
+        metavar="RESULT_JSON",
+        help="take the live runs from an earlier result.json of the same deployment and workload and "
+        "simulate again (e.g. after a simulator change)",
     )
     ap.add_argument("--wait-for", help="a file to wait for (polled every 30 s) before the live run")
     ap.add_argument("--wait-limit", type=float, default=2400.0)
@@ -804,7 +847,11 @@ def main() -> None:
         print(f"warning: {w}")
 
     live_runs: list[dict] = []
-    if not args.sim_only:
+    if args.reuse_live is not None:
+        live_runs = reused_live_runs(args.reuse_live, cfg, workload)
+        info["live_from"] = str(args.reuse_live)
+        print(f"live runs from {args.reuse_live} ({len(live_runs)})")
+    elif not args.sim_only:
         _wait_quiet_file(args.wait_for, args.wait_limit)
 
         for i in range(args.repeat):
@@ -830,19 +877,23 @@ def main() -> None:
     else:
         warm = [(-2.0 * (len(cfg.models) - i), m.name) for i, m in enumerate(cfg.models)]
         warmup_s = 0.5
-    dep = sim_deployment(cfg, warmup_s=warmup_s)
     sim_wl = with_warmup(workload, warm, 0.0)
-    sim = run_sim(dep, sim_wl, len(warm))
-    rows = compare([r["models"] for r in live_runs], sim["models"])
+    sims, rows = {}, {}
+    for label, sharing in sim_variants():
+        dep = sim_deployment(cfg, warmup_s=warmup_s, compute_sharing=sharing)
+        sims[label] = run_sim(dep, sim_wl, len(warm))
+        rows[label] = compare([r["models"] for r in live_runs], sims[label]["models"])
+    sim = sims["sim"]
 
     print()
-    print(format_comparison(rows, args.repeat))
+    print(format_comparison(rows, len(live_runs)))
     if live_runs:
-        met = target_summary(rows)
-        print(
-            "models within target: "
-            + ", ".join(f"{k} (±{_fmt_err(k, TARGETS[k]).lstrip('+')}) {v}" for k, v in met.items())
-        )
+        for label, r in rows.items():
+            met = target_summary(r)
+            print(
+                f"models within target ({label}): "
+                + ", ".join(f"{k} (±{_fmt_err(k, TARGETS[k]).lstrip('+')}) {v}" for k, v in met.items())
+            )
     for when in ("placement_after_warmup", "placement_at_end"):
         print(f"{when}: live {live_runs[0][when] if live_runs else '-'}, sim {sim[when]}")
     loads = [r["other_load_cores"] for r in live_runs]
@@ -859,7 +910,7 @@ def main() -> None:
         "machine": machine,
         **info,
         "deployment": cfg.model_dump(mode="json"),
-        "sim_config": dataclasses.asdict(dep.config),
+        "sim_config": dataclasses.asdict(sim_deployment(cfg, warmup_s=warmup_s).config),
         "device_budgets": dict(zip(dep.device_names, dep.budgets, strict=True)),
         "warnings": list(dep.warnings),
         "known_differences": list(KNOWN_DIFFERENCES),
@@ -867,8 +918,8 @@ def main() -> None:
         "requests_per_model": per_model,
         "targets": TARGETS,
         "comparison": rows if live_runs else None,
-        "within_target": target_summary(rows) if live_runs else None,
-        "sim": sim,
+        "within_target": {k: target_summary(r) for k, r in rows.items()} if live_runs else None,
+        "sim": sims,
         "live": live_runs,
     }
     (args.out / "result.json").write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -38,6 +38,8 @@ policy: {name: prism, knobs: {idle_threshold_s: 10.0}, tick_interval_s: 0.25}
 
 
 def test_sim_deployment_mirrors_the_config(svl):
+    assert svl.sim_deployment(parse_config(CONFIG), compute_sharing=False).config.compute_sharing is False
+    assert [label for label, _ in svl.sim_variants()] == ["sim", "sim, no sharing"]
     dep = svl.sim_deployment(parse_config(CONFIG), warmup_s=1.5)
     c = dep.config
     assert (c.num_devices, c.hardware, c.policy) == (2, "cpu-smollm2", "prism")
@@ -138,8 +140,9 @@ def test_errors_and_comparison(svl):
     assert rows["m"]["metrics"]["ttft_p50_s"]["within"] is False  # +40%
     assert rows["m"]["metrics"]["ttft_attainment"]["within"] is False  # -5 points
     assert svl.target_summary(rows)["ttft_p50_s"] == "0/1"
-    text = svl.format_comparison(rows, repeats=2)
-    assert "MISS" in text and "[400..600]" in text
+    text = svl.format_comparison({"sim": rows, "other": svl.compare(live, stats(0.5, 1.0, 2))}, repeats=2)
+    assert "MISS" in text and "ok" in text and "[400..600]" in text
+    assert "other" in text.splitlines()[1]
 
 
 def _pair_workload(gap_s: float) -> Workload:
