@@ -67,6 +67,7 @@ class _Model:
     num_running: int = 0  # dispatched to its engine
     quota: dict[str, int | None] = field(default_factory=dict)
     placed_at: float | None = None  # when the current placement was decided (ModelSnapshot.placed_at)
+    activated_at: float | None = None  # idle time counts from here too, as in the live controller
     engine_snapshot: EngineSnapshot | None = None  # cached; rebuilt when the engine is dirty
 
 
@@ -241,6 +242,7 @@ class Simulator:
             quota=quota,
         )
         m.state = ModelState.ACTIVE
+        m.activated_at = now
         self._stale[m.served.name] = None
         self.counters["activations"] += 1
         self.loop.activation_done(model, m.placement[0], now)
@@ -419,7 +421,7 @@ class Simulator:
                 sv.tp_size,
                 m.placement,
                 m.state,
-                self.loop.rates.last_arrival(name),
+                _latest(self.loop.rates.last_arrival(name), m.activated_at),
                 self.loop.num_queued[name],
                 m.num_running,
                 False,
@@ -490,6 +492,10 @@ class Simulator:
             if m.engine is not None:
                 engines[name] = self._engine_snapshot(name)
         return ClusterSnapshot(models, devices, engines)
+
+
+def _latest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 def simulate(
