@@ -76,6 +76,7 @@ TARGETS = {"ttft_p50_s": 0.15, "ttft_p95_s": 0.15, "tpot_p50_s": 0.10, "ttft_att
 LATENCIES = ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s")
 ATTAINMENTS = ("ttft_attainment", "tpot_attainment", "slo_attainment")
 COUNTS = ("activations", "evictions")
+BUSY = "engine_busy_s"  # seconds the model's engine had a step in flight (live: /metrics step seconds)
 OTHER_LOAD_WARN = 0.2  # cores other processes may use during a live run before the output warns
 SIM_COUNTERS = ("preemptions", "restarts", "migrations", "migrations_skipped", "num_rejected",
                 "num_unfinished", "simulated_s")  # fmt: skip
@@ -296,12 +297,12 @@ def compare(live_runs: list[dict[str, dict]], sim: dict[str, dict]) -> dict[str,
     names = [m for m in sim if m != "(all)"] + ["(all)"]
     for name in names:
         row: dict = {"requests": sim[name]["requests"], "metrics": {}}
-        for key in (*LATENCIES, *ATTAINMENTS, *COUNTS):
+        for key in (*LATENCIES, *ATTAINMENTS, *COUNTS, BUSY):
             values = [r[name].get(key) for r in live_runs if name in r]
             values = [v for v in values if v is not None]
             live = float(np.mean(values)) if values else None
             s = sim[name].get(key)
-            if key in LATENCIES:
+            if key in LATENCIES or key == BUSY:
                 err = rel_error(s, live)
             elif key in ATTAINMENTS:
                 err = points(s, live)
@@ -328,13 +329,15 @@ def _fmt(key: str, v: float | None) -> str:
         return f"{1000 * v:.0f}"
     if key in ATTAINMENTS:
         return f"{100 * v:.1f}"
+    if key == BUSY:
+        return f"{v:.1f}"
     return f"{v:g}"
 
 
 def _fmt_err(key: str, e: float | None) -> str:
     if e is None:
         return "-"
-    if key in LATENCIES:
+    if key in LATENCIES or key == BUSY:
         return f"{100 * e:+.1f}%"
     if key in ATTAINMENTS:
         return f"{e:+.1f}pt"
@@ -349,6 +352,8 @@ def _spread(key: str, m: dict) -> str:
         return f" [{1000 * lo:.0f}..{1000 * hi:.0f}]"
     if key in ATTAINMENTS:
         return f" [{100 * lo:.1f}..{100 * hi:.1f}]"
+    if key == BUSY:
+        return f" [{lo:.1f}..{hi:.1f}]"
     return f" [{lo:g}..{hi:g}]"
 
 
@@ -360,6 +365,7 @@ COLUMNS = (
     ("slo_attainment", "TTFT+TPOT att %"),
     ("activations", "activations"),
     ("evictions", "evictions"),
+    (BUSY, "engine busy s"),
 )
 
 
@@ -421,10 +427,11 @@ PRESETS = {
         "prism", ("smol-a", "smol-b", "smol-c"), "1536MiB", total_rate=0.3, zipf=1.0,
     ),
     "heavy-prism": Preset(
-        "about one device's capacity in all (1 req/s), Zipf 1.5 (one hot model, four cold), 1200 MiB "
+        "about one device's capacity in all (0.5 req/s; the hot model alone about 0.7 of a core, each "
+        "request alone), Zipf 1.5 (one hot model, four cold), 1200 MiB "
         "devices: two models per device, so only 4 of the 5 fit at once; idle models may be evicted after "
         "10 s (default 30 s), so activations and evictions happen during the run; prism",
-        "prism", ("smol-a", "smol-b", "smol-c", "smol-d", "smol-e"), "1200MiB", total_rate=1.0, zipf=1.5,
+        "prism", ("smol-a", "smol-b", "smol-c", "smol-d", "smol-e"), "1200MiB", total_rate=0.5, zipf=1.5,
         knobs={"idle_threshold_s": 10.0},
     ),
     "static": Preset(
@@ -475,6 +482,25 @@ def preset_workload(p: Preset, duration_s: float | None = None) -> tuple[Workloa
     return build_workload(spec), {k: getattr(spec, k) for k in keys}
 
 
+def offered_load(dep: SimDeployment, workload: Workload, span_s: float | None = None) -> dict[str, float]:
+    """Per model, the cores its requests would keep busy if each ran alone (prefill, then one decode
+    step per further token; the cost model's times): an upper bound on the work, since batching
+    shares the weight pass. Above about 1 for the models of one device, it is saturated."""
+    from prism_serve.sim.cost import COST_MODELS
+    from prism_serve.sim.hardware import get_hardware
+
+    cost = COST_MODELS[dep.config.cost_model](get_hardware(dep.config.hardware))
+    spec = {m.name: m.spec for m in dep.models}
+    span = span_s or max(workload.duration, 1e-9)
+    out = dict.fromkeys(workload.models, 0.0)
+    for r in workload.rows():
+        t = cost.prefill_time(spec[r.model], 1, r.prompt_tokens)
+        if r.output_tokens > 1:
+            t += float(cost.decode_steps(spec[r.model], 1, 1, r.prompt_tokens, r.output_tokens - 1).sum())
+        out[r.model] += t / span
+    return out
+
+
 def sim_variants() -> list[tuple[str, bool | None]]:
     """("sim", None): the simulator as it is; plus ("sim, no sharing", False) where SimConfig has
     ``compute_sharing`` (each engine steps as if alone on its device: the simulator before it)."""
@@ -504,6 +530,7 @@ def run_sim(dep: SimDeployment, workload: Workload, num_warmup: int) -> dict:
             self.at_replay: dict[str, Counter] | None = None
             self.placement_at_replay: dict[str, list[str]] = {}
             self.live_name = dict(zip(self.devices, dep.device_names, strict=True))
+            self.step_start: dict[str, float] = {}
 
         def placement(self) -> dict[str, list[str]]:
             """Live device name -> models placed there (activating ones included)."""
@@ -518,6 +545,18 @@ def run_sim(dep: SimDeployment, workload: Workload, num_warmup: int) -> dict:
                 self.at_replay = {m: Counter(c) for m, c in self.counts.items()}
                 self.placement_at_replay = self.placement()
             super().on_arrival(i, now)
+
+        # engine busy time: from a step's start to its end (a run cut short ends at the cut)
+        def _start(self, e, now: float) -> None:
+            super()._start(e, now)
+            if e.busy:
+                self.step_start[e.name] = now
+
+        def on_step_done(self, model: str, version: int, now: float) -> None:
+            e = self.models[model].engine
+            if e is not None and e.busy and e.version == version and model in self.step_start:
+                self.counts[model][BUSY] += now - self.step_start.pop(model)
+            super().on_step_done(model, version, now)
 
         def on_activation_done(self, model: str, version: int, now: float) -> None:
             m = self.models[model]
@@ -546,10 +585,10 @@ def run_sim(dep: SimDeployment, workload: Workload, num_warmup: int) -> dict:
     stats = sim_model_stats(replay, dep.slos)
     before = sim.at_replay or {m: Counter() for m in sim.counts}
     for name in dep.slos:
-        for key in COUNTS:
+        for key in (*COUNTS, BUSY):
             stats[name][key] = sim.counts[name][key] - before[name][key]
             stats[name][f"warmup_{key}"] = before[name][key]
-    for key in COUNTS:
+    for key in (*COUNTS, BUSY):
         stats["(all)"][key] = sum(stats[n][key] for n in dep.slos)
     summary = result.summary()
     return {
@@ -696,7 +735,8 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
         for key in COUNTS:
             stats[name][key] = end[name][key] - warm[name][key]
             stats[name][f"warmup_{key}"] = warm[name][key]
-    for key in COUNTS:
+        stats[name][BUSY] = shares.get(name, {}).get("step_s", 0.0)
+    for key in (*COUNTS, BUSY):
         stats["(all)"][key] = sum(stats[n][key] for n in slos)
     return {
         "models": stats,
@@ -770,6 +810,12 @@ def reused_live_runs(path: Path, cfg: DeploymentConfig, workload: Workload) -> l
         a[0] != b[0] or a[2:] != b[2:] or abs(a[1] - b[1]) > 1e-5 for a, b in zip(sent, here, strict=True)
     ):
         sys.exit(f"{path} replayed another workload")
+    for run in old["live"]:  # runs recorded before the engine busy row: from their engine seconds
+        for name, stats in run["models"].items():
+            if name != "(all)" and BUSY not in stats:
+                stats[BUSY] = run.get("engine_seconds", {}).get(name, {}).get("step_s")
+        busy = [s.get(BUSY) for n, s in run["models"].items() if n != "(all)"]
+        run["models"]["(all)"].setdefault(BUSY, sum(busy) if None not in busy else None)
     return old["live"]
 
 
@@ -843,6 +889,12 @@ def main() -> None:
         f"policy {cfg.policy.name} {dict(cfg.policy.knobs) or ''}, {len(cfg.models)} models"
     )
     print(f"workload: {len(workload)} requests over {workload.duration:.0f} s ({per_model})")
+    load = offered_load(dep, workload)
+    print(
+        f"offered work, each request alone ({HARDWARE} cost model): "
+        + ", ".join(f"{m} {v:.2f}" for m, v in load.items())
+        + f" cores ({sum(load.values()):.2f} of {len(dep.budgets)})"
+    )
     for w in dep.warnings:
         print(f"warning: {w}")
 
@@ -866,8 +918,11 @@ def main() -> None:
                 flush=True,
             )
             print(
-                "  core share of each engine while it had work: "
-                + ", ".join(f"{m} {v['cpu_share']}" for m, v in r["engine_seconds"].items()),
+                "  engines, CPU / step seconds (core share while busy): "
+                + ", ".join(
+                    f"{m} {v['cpu_s']:.1f}/{v['step_s']:.1f} ({v['cpu_share']})"
+                    for m, v in r["engine_seconds"].items()
+                ),
                 flush=True,
             )
     # the simulator replays the first live run's warm-up times (a default spacing without one)
@@ -916,6 +971,7 @@ def main() -> None:
         "known_differences": list(KNOWN_DIFFERENCES),
         "num_requests": len(workload),
         "requests_per_model": per_model,
+        "offered_load_cores": load,
         "targets": TARGETS,
         "comparison": rows if live_runs else None,
         "within_target": {k: target_summary(r) for k, r in rows.items()} if live_runs else None,
