@@ -6,6 +6,8 @@ p50, SLO attainment, activations and evictions, and the simulator's error agains
     python benchmarks/sim_vs_live.py --preset heavy-prism --out results/sim-vs-live/heavy-prism
     python benchmarks/sim_vs_live.py --config deploy.yaml --workload w.jsonl --out results/x [--repeat 3]
     python benchmarks/sim_vs_live.py --preset light-prism --duration 30 --out /tmp/smoke   # a smoke run
+    python benchmarks/sim_vs_live.py --preset heavy-prism --reuse-live results/x/result.json --out results/y
+        # simulate again (e.g. after a simulator change) against the live runs recorded earlier
 
 Presets (``--preset``) build the deployment and the workload themselves (Azure 2023 conversation
 arrivals and lengths from the real traces, ``prism workload``'s builder, seeded) and write both to
@@ -31,10 +33,12 @@ are listed in ``KNOWN_DIFFERENCES`` and printed):
   the same way; warm-up requests are left out of every number, and activations/evictions are counted
   from the replay's first request on (the warm-up's own are reported separately).
 
-Output: a table per run (per model and all models), the machine line (CPU, its vector flags, other
-load in cores while the live run ran) and result.json in ``--out`` (both runs' per-model numbers,
-every live repeat, the live request records, the configuration). Numbers from the simulator are
-simulated (a cost model fitted on this machine); live numbers are measured.
+Output: per model and for all models, live | sim | error | sim without compute sharing | error,
+plus each engine's busy seconds (a step in flight; live from /metrics) next to the live engines' CPU
+seconds, the offered work (each request alone, in cores) before the run, the machine line (CPU, its
+vector flags) and the other load in cores while the live run ran; result.json in ``--out`` has both
+runs' per-model numbers, every live repeat and its request records, and the configuration. Numbers
+from the simulator are simulated (a cost model fitted on this machine); live numbers are measured.
 """
 
 from __future__ import annotations
