@@ -98,10 +98,6 @@ KNOWN_DIFFERENCES = (
     "so that none is started during the replay",
     "prefill speed in admission: the live engine reports its measured prefill tokens/s, the simulator "
     "the cost model's (for a mean prompt of the model's requests)",
-    "rates: the live controller's RateEstimator ignores gaps < 1 s in its idle-gap statistics "
-    "(min_gap_s=1), the simulator's uses the default (10 s); the rate itself is the same 60 s window",
-    "idle time: live, a model's last request time is the later of its last arrival and its "
-    "activation; the simulator uses the last arrival only",
     "decode runs: the simulator grants up to 32 steps of KV blocks up front in a decode run (live maps "
     "them step by step), which matters only when KV memory is nearly full",
     "latency origin: live TTFT is from the client's send (HTTP, tokenization and SSE included), "
