@@ -331,9 +331,9 @@ def predict(cm, spec, batch: list) -> float:
 def fit(raw: dict, quantile: float) -> None:
     from prism_serve.sim.cost import RooflineCostModel
     from prism_serve.sim.hardware import HARDWARE
-    from prism_serve.sim.models import model_spec
+    from prism_serve.sim.models import model_shape
 
-    spec = model_spec("smollm2-135m", dtype_bytes=4)
+    spec = model_shape("smollm2-135m", dtype_bytes=4)
     pts = raw["points"]
     y = np.array([np.quantile(p["times"], quantile) for p in pts])
     train = np.array([not p["held_out"] for p in pts])
@@ -392,7 +392,7 @@ def fit(raw: dict, quantile: float) -> None:
     if raw.get("shapes"):
         print(f"other shapes and dtypes, not fitted (other load {raw['shapes_other_load']:.2f} cores):")
         for p in raw["shapes"]:
-            other = model_spec(p["shape"], dtype_bytes=4 if p["dtype"] == "float32" else 2)
+            other = model_shape(p["shape"], dtype_bytes=4 if p["dtype"] == "float32" else 2)
             m, f = min(p["times"]), predict(cm, other, p["batch"])
             name = f"{p['shape']} {p['dtype']} {label(p)}"
             print(f"  {name:<48} measured {m * 1e3:8.1f} ms  predicted {f * 1e3:8.1f} ms  ({f / m - 1:+.1%})")

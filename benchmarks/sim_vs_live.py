@@ -66,8 +66,9 @@ if str(BENCH_DIR) not in sys.path:  # `common` when imported from a test
 
 from prism_serve.config import DeploymentConfig, load_config, parse_config  # noqa: E402
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, format_size  # noqa: E402
+from prism_serve.runtime.build import device_specs  # noqa: E402
 from prism_serve.sim.config import ModelSLO, SimConfig  # noqa: E402
-from prism_serve.sim.models import ServedModel, model_spec  # noqa: E402
+from prism_serve.sim.models import ServedModel, model_shape  # noqa: E402
 from prism_serve.workload.format import Workload, read_jsonl, write_jsonl  # noqa: E402
 
 HARDWARE = "cpu-smollm2"
@@ -145,7 +146,7 @@ def sim_deployment(
     """The simulated deployment that mirrors ``cfg`` on the ``cpu-smollm2`` profile
     (``compute_sharing``: None leaves the simulator's default)."""
     warnings: list[str] = []
-    devices = cfg.device_specs()
+    devices = device_specs(cfg)
     for d in devices:
         if len(d.cores) != 1:
             warnings.append(
@@ -163,7 +164,7 @@ def sim_deployment(
             )
         if m.kv_limit is not None or m.pinned:
             warnings.append(f"{m.name}: kv_limit and pinned are not simulated")
-        models.append(ServedModel(m.name, model_spec(shape, dtype_bytes)))
+        models.append(ServedModel(m.name, model_shape(shape, dtype_bytes)))
         slos[m.name] = ModelSLO(m.ttft_slo, m.tpot_slo)
     engine = {}
     for knob in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

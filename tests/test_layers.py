@@ -33,11 +33,7 @@ RULES: dict[str, tuple[str, ...]] = {
 
 # Known violations, each to be fixed where it lives (strict: the test fails once it is gone, so
 # this entry is removed with it).
-KNOWN = {
-    ("prism_serve.config", "static"): "config.DeploymentConfig.device_specs() still imports "
-    "prism_serve.runtime.build, for benchmarks/sim_vs_live.py (cfg.device_specs()); remove the shim "
-    "once it calls runtime.build.device_specs(cfg)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def modules_of(name: str, root: Path = SRC.parent) -> list[str]:

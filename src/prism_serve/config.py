@@ -169,14 +169,6 @@ class DeploymentConfig(_Strict):
             raise ValueError("devices: need at least one")
         return self
 
-    def device_specs(self):
-        """Deprecated: ``runtime.build.device_specs(config)``. Kept only while
-        benchmarks/sim_vs_live.py calls it; the one runtime import left in this module
-        (tests/test_layers.py marks it)."""
-        from prism_serve.runtime.build import device_specs
-
-        return device_specs(self)
-
     def with_overrides(
         self, host: str | None = None, port: int | None = None, policy: str | None = None
     ) -> DeploymentConfig:

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from prism_serve.engine.models.config import PRESETS, ArchConfig
 from prism_serve.sim.errors import SimConfigError
 
-__all__ = ["MODEL_SHAPES", "SETUPS", "ModelShape", "ServedModel", "get_setup", "model_shape", "model_spec"]
+__all__ = ["MODEL_SHAPES", "SETUPS", "ModelShape", "ServedModel", "get_setup", "model_shape"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,7 +100,6 @@ def model_shape(shape: str, dtype_bytes: int = 2) -> ModelShape:
         ) from None
 
 
-model_spec = model_shape  # the old name, still imported by benchmarks/ (fit_cpu_profile.py, sim_vs_live.py)
 
 
 def _family(shape: str, count: int, tp: int = 1, start: int = 0) -> list[ServedModel]:
