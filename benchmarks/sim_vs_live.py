@@ -141,7 +141,8 @@ def shape_of(source: str) -> str:
 
 
 def sim_deployment(
-    cfg: DeploymentConfig, *, warmup_s: float = 0.0, compute_sharing: bool | None = None
+    cfg: DeploymentConfig, *, warmup_s: float = 0.0, compute_sharing: bool | None = None,
+    step_scale: float = 1.0,
 ) -> SimDeployment:
     """The simulated deployment that mirrors ``cfg`` on the ``cpu-smollm2`` profile
     (``compute_sharing``: None leaves the simulator's default)."""
@@ -181,6 +182,7 @@ def sim_deployment(
         page_size=DEFAULT_PAGE_SIZE,  # the live ledger's page (runtime/controller.py default)
         rate_window_s=60.0,  # the live controller's default
         warmup_s=warmup_s,
+        step_scale=step_scale,
         **engine,
         **({} if compute_sharing is None else {"compute_sharing": compute_sharing}),
     )
@@ -853,6 +855,11 @@ def main() -> None:
         "fewer cores than this; the load measured during the run is reported either way",
     )
     ap.add_argument("--quiet-limit", type=float, default=300.0)
+    ap.add_argument(
+        "--step-scale", type=float, default=1.0,
+        help="simulate every engine step this many times as long as the profile says (SimConfig.step_scale): "
+        "a correction measured on another run, e.g. its live engine busy seconds over the simulated ones",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if args.config is not None and args.workload is None:
@@ -880,7 +887,7 @@ def main() -> None:
     missing = set(workload.models) - {m.name for m in cfg.models}
     if missing:
         sys.exit(f"the workload names models the config lacks: {sorted(missing)}")
-    dep = sim_deployment(cfg)
+    dep = sim_deployment(cfg, step_scale=args.step_scale)
     per_model = {m: int((workload.model_index == i).sum()) for i, m in enumerate(workload.models)}
     machine = machine_line()
     print(f"machine: {machine['line']}")
@@ -936,7 +943,7 @@ def main() -> None:
     sim_wl = with_warmup(workload, warm, 0.0)
     sims, rows = {}, {}
     for label, sharing in sim_variants():
-        dep = sim_deployment(cfg, warmup_s=warmup_s, compute_sharing=sharing)
+        dep = sim_deployment(cfg, warmup_s=warmup_s, compute_sharing=sharing, step_scale=args.step_scale)
         sims[label] = run_sim(dep, sim_wl, len(warm))
         rows[label] = compare([r["models"] for r in live_runs], sims[label]["models"])
     sim = sims["sim"]
@@ -966,7 +973,9 @@ def main() -> None:
         "machine": machine,
         **info,
         "deployment": cfg.model_dump(mode="json"),
-        "sim_config": dataclasses.asdict(sim_deployment(cfg, warmup_s=warmup_s).config),
+        "sim_config": dataclasses.asdict(
+            sim_deployment(cfg, warmup_s=warmup_s, step_scale=args.step_scale).config
+        ),
         "device_budgets": dict(zip(dep.device_names, dep.budgets, strict=True)),
         "warnings": list(dep.warnings),
         "known_differences": list(KNOWN_DIFFERENCES),

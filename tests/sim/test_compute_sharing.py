@@ -63,3 +63,29 @@ def test_decode_runs_are_rescaled_too():
     a, b = _run([(0.0, 0), (d / 2, 1)], output=300)
     assert a.finish - a.arrival == pytest.approx(1.5 * d, rel=1e-6)
     assert b.finish - b.arrival == pytest.approx(1.5 * d, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["cpu-smollm2", "h100"])
+def test_a_slowed_profile_stretches_every_step_and_not_the_activation(name):
+    from prism_serve.sim import RooflineCostModel
+    from prism_serve.sim.models import model_shape
+
+    hw = HARDWARE[name]
+    base, slow = RooflineCostModel(hw), RooflineCostModel(hw.slowed(1.5))
+    spec = model_shape("smollm2-135m", 4)
+    for args in [(1, 16.0, 0, 1), (512, 512 * 256.0, 0, 1), (40, 8000.0, 4000, 8)]:
+        expected = 1.5 * base.step_time(spec, 1, *args)
+        assert slow.step_time(spec, 1, *args) == pytest.approx(expected, rel=1e-12)
+    assert list(slow.decode_steps(spec, 1, 8, 2048, 4)) == pytest.approx(
+        [1.5 * x for x in base.decode_steps(spec, 1, 8, 2048, 4)], rel=1e-12
+    )
+    assert slow.activation_time(spec, 1) == base.activation_time(spec, 1)
+
+
+def test_step_scale_in_the_config_slows_the_run():
+    t = _alone()
+    ms = [served("a", "llama-3.2-1b")]
+    w = Workload(np.array([0.0]), np.array([0]), np.array([PROMPT]), np.array([1]), ["a"])
+    (r,) = simulate(ms, w, loose(ms, ttft=100.0), SimConfig(num_devices=1, policy="static-partition",
+                                                         step_scale=2.0)).requests  # fmt: skip
+    assert r.ttft == pytest.approx(2 * t, rel=1e-9)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prism_serve.engine.config import GPU_ENGINE_DEFAULTS
@@ -47,8 +48,13 @@ class SimConfig:
     # engines with work on one device share its compute (hardware.share_slowdown); False: each steps
     # as if alone (the simulator before issue 15, kept to compare)
     compute_sharing: bool = True
+    # every engine step this many times as long as the hardware profile says (HardwareProfile.slowed):
+    # a measured correction for a live setup, such as live engine step seconds over simulated ones
+    step_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (self.step_scale > 0 and math.isfinite(self.step_scale)):
+            raise SimConfigError(f"step_scale must be a positive number, got {self.step_scale}")
         if self.num_devices < 1:
             raise SimConfigError("num_devices must be >= 1")
         if self.cost_model not in COST_MODELS:

@@ -20,6 +20,8 @@ not from that fit but from the measured pooled activation of SmolLM2 (docs/bench
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -94,6 +96,24 @@ class HardwareProfile:
         if num_busy <= 1:
             return 1.0
         return num_busy * (1.0 + self.share_interference * (num_busy - 1))
+
+    def slowed(self, factor: float) -> HardwareProfile:
+        """This profile with every engine step ``factor`` times as long (activation unchanged): a
+        measured correction, e.g. the live engine's step seconds over the simulated ones."""
+        if not (factor > 0 and math.isfinite(factor)):
+            raise SimConfigError(f"step scale must be a positive number, got {factor}")
+
+        def rate(v: float | None) -> float | None:
+            return None if v is None else v / factor
+
+        return dataclasses.replace(
+            self, name=f"{self.name}-x{factor:g}", peak_flops=self.peak_flops / factor,
+            mem_bandwidth=self.mem_bandwidth / factor, link_bandwidth=self.link_bandwidth / factor,
+            attn_flops=rate(self.attn_flops), kv_bandwidth=rate(self.kv_bandwidth),
+            row_bandwidth=rate(self.row_bandwidth), step_overhead_s=self.step_overhead_s * factor,
+            seq_overhead_s=self.seq_overhead_s * factor,
+            allreduce_latency_s=self.allreduce_latency_s * factor,
+        )  # fmt: skip
 
     @property
     def capacity_bytes(self) -> int:

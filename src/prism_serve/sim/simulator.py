@@ -91,6 +91,8 @@ class Simulator:
             raise SimConfigError(f"no SLO for {sorted(set(names) - set(slos))[:5]}")
         self.config = config
         self.hw = get_hardware(config.hardware)
+        if config.step_scale != 1.0:
+            self.hw = self.hw.slowed(config.step_scale)
         self.cost = COST_MODELS[config.cost_model](self.hw)
         self.workload = workload
         width = max(2, len(str(config.num_devices - 1)))
@@ -166,6 +168,7 @@ class Simulator:
             "hardware": self.hw.label,
             "num_devices": self.config.num_devices,
             "compute_sharing": self.config.compute_sharing,
+            "step_scale": self.config.step_scale,
             "simulated": True,
         }
         counters = self.counters + self.loop.counters
