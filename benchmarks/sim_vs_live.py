@@ -349,15 +349,7 @@ def _fmt_err(key: str, e: float | None) -> str:
 
 def _spread(key: str, m: dict) -> str:
     lo, hi = m["live_min"], m["live_max"]
-    if lo is None or lo == hi:
-        return ""
-    if key in LATENCIES:
-        return f" [{1000 * lo:.0f}..{1000 * hi:.0f}]"
-    if key in ATTAINMENTS:
-        return f" [{100 * lo:.1f}..{100 * hi:.1f}]"
-    if key == BUSY:
-        return f" [{lo:.1f}..{hi:.1f}]"
-    return f" [{lo:g}..{hi:g}]"
+    return "" if lo is None or lo == hi else f" [{_fmt(key, lo)}..{_fmt(key, hi)}]"
 
 
 COLUMNS = (
