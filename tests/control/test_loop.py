@@ -409,3 +409,23 @@ def test_random_event_sequences_keep_every_request_in_exactly_one_place(policy, 
         if not loop.requests:
             break
     assert not loop.requests
+
+
+def test_a_policy_failure_in_a_tick_keeps_the_unrouted_backlog_deferred():
+    loop, body, pol = make()
+    for i in (1, 2, 3):
+        pol.next_request = [Defer(req(i), "test")]
+        loop.arrival(req(i), 0.0)
+    calls = []
+
+    def flaky(request, cluster, now):
+        calls.append(request.req_id)
+        raise RuntimeError("policy bug")
+
+    pol.inner.on_request = flaky
+    with pytest.raises(RuntimeError):
+        loop.tick(1.0)
+    assert calls == ["r1"] and list(loop.backlog) == ["r2", "r3"]
+    assert loop.abort("r1") and loop.abort("r2")  # r1 was being routed, r2 is still deferred
+    assert list(loop.backlog) == ["r3"] and loop.num_queued["a"] == 1
+    check_invariants(loop, body)

@@ -148,10 +148,14 @@ class ControlLoop:
     def tick(self, now: float) -> None:
         self.stale_models.update(self._models)  # every rate moved
         self._apply(self.policy.place(self.body.cluster(now), now), now)
-        backlog, self.backlog = self.backlog, {}
-        for request in backlog.values():
-            self._set_where(request, _NEW)
-            self._route(request, now)
+        pending, self.backlog = list(self.backlog.values()), {}
+        for i, request in enumerate(pending):
+            try:
+                self._set_where(request, _NEW)
+                self._route(request, now)
+            except BaseException:  # a policy failed: what was not routed stays deferred
+                self.backlog.update((r.req_id, r) for r in pending[i + 1 :])
+                raise
         self._to_admit.update(d for d, q in self.queues.items() if len(q))
         self._admit_changed(now)
 
@@ -196,7 +200,7 @@ class ControlLoop:
         request = self.requests.pop(req_id)
         del self.where[req_id]
         if where == _DEFERRED:
-            del self.backlog[req_id]
+            self.backlog.pop(req_id, None)
         elif where != _NEW:
             self.queues[where].cancel(req_id)
             self.stale_devices.add(where)
