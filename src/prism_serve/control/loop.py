@@ -179,9 +179,7 @@ class ControlLoop:
         """A request on an engine is done (finished, failed or aborted); admission waits for the
         body's ``capacity_freed``, so one step's many finishes admit once."""
         if self.where.get(req_id) == ENGINE:
-            request = self.requests.pop(req_id)
-            del self.where[req_id]
-            self.stale_models[request.model] = None
+            self._forget(self.requests[req_id])
 
     def capacity_freed(self, devices: Iterable[str], now: float) -> None:
         self.wake(devices)
@@ -197,15 +195,11 @@ class ControlLoop:
         where = self.where.get(req_id)
         if where is None or where == ENGINE:
             return False
-        request = self.requests.pop(req_id)
-        del self.where[req_id]
         if where == _DEFERRED:
             self.backlog.pop(req_id, None)
         elif where != _NEW:
             self.queues[where].cancel(req_id)
-            self.stale_devices.add(where)
-        if where != _NEW:
-            self._count(request, -1)
+        self._forget(self.requests[req_id])
         return True
 
     def worker_died(self, model: str, now: float) -> None:
@@ -292,12 +286,11 @@ class ControlLoop:
         self.stale_models[request.model] = None
 
     def _forget(self, request: Request) -> None:
-        where = self.where.pop(request.req_id, _NEW)
+        """``request`` leaves the loop (already out of its queue or engine): uncount it."""
+        self._set_where(request, _NEW)
+        del self.where[request.req_id]
         self.requests.pop(request.req_id, None)
-        if where not in (_NEW, ENGINE):
-            self._count(request, -1)
-        if where not in (_NEW, ENGINE, _DEFERRED):
-            self.stale_devices.add(where)
+        self.stale_models[request.model] = None
 
     def _take_queued(self, model: str, keep: str | None = None) -> list[Request]:
         """Remove ``model``'s requests from every device queue but ``keep``; they become new."""

@@ -289,16 +289,19 @@ class Simulator:
             m.engine.dirty = True
 
     def _start(self, e: SimEngine, now: float) -> None:
-        factor = 1.0
-        if self._share is not None:
-            others = max(self.num_busy[d.name] - e.shared for d in e.devices)
-            factor = self._share(others + 1)
+        factor = 1.0 if self._share is None else self._slowdown(e, joining=True)
         end = e.start_step(now, factor)
         if end is not None:
             self.events.push(end, StepDone(e.name, e.version))
         self._sync_busy(e, now)
 
     # -- compute sharing -----------------------------------------------------------------------------
+
+    def _slowdown(self, e: SimEngine, *, joining: bool = False) -> float:
+        """How much slower than alone ``e`` steps: by its most loaded device's busy engines, itself
+        included (``joining``: about to start a step, not counted yet)."""
+        extra = 1 if joining and not e.shared else 0
+        return self._share(max(self.num_busy[d.name] for d in e.devices) + extra)
 
     def _sync_busy(self, e: SimEngine, now: float) -> None:
         """Count ``e`` among its devices' busy engines if it has a step in flight; when a device's
@@ -315,8 +318,7 @@ class Simulator:
                 other = self.models[name].engine
                 if other is None or other is e or not other.busy:
                     continue
-                factor = self._share(max(self.num_busy[x.name] for x in other.devices))
-                end = other.rescale(now, factor)
+                end = other.rescale(now, self._slowdown(other))
                 if end is not None:
                     self.events.push(end, StepDone(other.name, other.version))
 
