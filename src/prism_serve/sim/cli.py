@@ -4,6 +4,9 @@
     prism sim --setup paper-8 --gpus 2 --sweep rate --values 0.5,1,2,4 --out results/sim-8
     prism sim --setup paper-58 --gpus 32 --find-gpus 0.99 --policies prism,muxserve,static-partition
 
+With ``--find-gpus``, a lower bound on the devices any policy needs (sim/bound.py) is printed first
+and every policy's answer is also given as a ratio to it.
+
 Outputs of ``prism sim --out DIR``: results.json (every point's summary, the SLOs, the command line),
 slos.json (the unscaled SLOs, reusable with ``--slos``), and PNG plots (sweep.png, gpus_needed.png).
 """
@@ -131,6 +134,9 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         save_slos(slos, args.out / "slos.json", hardware=args.hardware, setup=args.setup)
     if args.find_gpus is not None:
+        bound = _bound(exp, args)
+        out["lower_bound"] = bound.as_dict()
+        print(_bound_line(bound))
         steps = len(policies) * (args.gpus.bit_length() + 1)
         needed: dict[str, int | None] = {}
         points: list[dict] = []
@@ -141,11 +147,17 @@ def _cmd_sim(args: argparse.Namespace) -> int:
                 )
                 needed[p] = n
                 points.extend(tried)
-        out.update(find_gpus=args.find_gpus, metric=args.metric, gpus_needed=needed, points=points)
+        ratios = {p: bound.ratio(n) for p, n in needed.items()}
+        out.update(
+            find_gpus=args.find_gpus, metric=args.metric, gpus_needed=needed, ratio_to_bound=ratios,
+            points=points,
+        )  # fmt: skip
         for p, n in needed.items():
+            # no answer within --gpus: the policy needs more than that, so its ratio is above this one
+            ratio = f"{ratios[p]:.2f}x" if n is not None else f"more than {bound.ratio(args.gpus):.2f}x"
             print(
                 f"{p:>18}: {n if n is not None else str(args.gpus) + '+'} GPUs "
-                f"for {args.metric} >= {args.find_gpus}"
+                f"for {args.metric} >= {args.find_gpus} ({ratio} the lower bound)"
             )
         if args.out is not None:
             plot_gpus_needed(needed, args.gpus, args.out / "gpus_needed.png", title=title)
@@ -178,6 +190,31 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         (args.out / "results.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
         print(f"results in {args.out}/ [simulated: {config.hardware} profile]", file=sys.stderr)
     return 0
+
+
+def _bound(exp, args: argparse.Namespace):
+    """The device lower bound on the hardware and cost model the simulator itself builds."""
+    from prism_serve.sim.bound import lower_bound
+    from prism_serve.sim.cost import COST_MODELS
+    from prism_serve.sim.hardware import get_hardware
+
+    config = exp.config
+    hw = get_hardware(config.hardware)
+    if config.step_scale != 1.0:
+        hw = hw.slowed(config.step_scale)
+    return lower_bound(
+        exp.models, exp.workload, hw, COST_MODELS[config.cost_model](hw),
+        max_num_seqs=config.max_num_seqs, memory_window_s=args.bound_window,
+        compute_window_s=args.bound_compute_window,
+    )  # fmt: skip
+
+
+def _bound_line(b) -> str:
+    return (
+        f"lower bound: {b.devices} devices (memory {b.memory_devices} in the {b.memory_window_s:g} s "
+        f"window at t={b.memory_peak_start_s:g}, compute {b.compute_devices} in the "
+        f"{b.compute_window_s:g} s window at t={b.compute_peak_start_s:g}, tp {b.tp_devices})"
+    )
 
 
 def _typed(knobs: tuple[tuple[str, str], ...]) -> tuple[tuple[str, object], ...]:
@@ -241,6 +278,16 @@ def add_sim_parser(sub) -> None:
     s.add_argument("--values", type=_floats, default=None, help="comma-separated axis values")
     s.add_argument("--find-gpus", type=float, default=None, metavar="TARGET", help="e.g. 0.99")
     s.add_argument("--metric", default="ttft_attainment", choices=["ttft_attainment", "tpot_attainment"])
+    s.add_argument(
+        "--bound-window", type=float, default=10.0, metavar="S",
+        help="--find-gpus lower bound: memory window, s (models with requests in one window are "
+        "counted resident together; sim/bound.py)",
+    )  # fmt: skip
+    s.add_argument(
+        "--bound-compute-window", type=float, default=60.0, metavar="S",
+        help="--find-gpus lower bound: compute window, s (a window's arrivals' device-seconds must fit "
+        "in it)",
+    )  # fmt: skip
     s.add_argument("--out", type=Path, help="directory for results.json, slos.json and plots")
     s.set_defaults(func=_cmd_sim)
 

@@ -40,6 +40,9 @@ from prism_serve.sim.models import ModelShape
 
 __all__ = ["COST_MODELS", "RooflineCostModel", "split_matmul"]
 
+ArrayOrInt = int | np.ndarray
+ArrayOrFloat = float | np.ndarray
+
 
 def split_matmul(spec: ModelShape) -> tuple[float, float, float, float]:
     """(body bytes, body FLOPs per token, LM-head bytes, LM-head FLOPs per sampled sequence)."""
@@ -129,6 +132,34 @@ class RooflineCostModel:
         else:
             body = self._matmuls(groups, num_seqs, num_seqs) + f_pair * ctx + kv * (ctx + num_seqs)
         return body + (fixed + comm * num_seqs + per_seq * num_seqs)
+
+    def request_floor(
+        self, spec: ModelShape, tp: int, prompt: ArrayOrInt, output: ArrayOrInt, max_num_seqs: int
+    ) -> tuple[ArrayOrFloat, ArrayOrFloat]:
+        """Device-seconds (all ``tp`` ranks) that one request's steps cost at least, as two floors
+        that each hold alone: (its FLOPs at the compute rates, its share of the weight reads).
+
+        FLOPs: the fewest tokens any schedule feeds (the prompt once, then ``output - 1`` decodes;
+        the last sampled token is never fed) and attention pairs ``P(P+1)/2`` for the prompt plus
+        ``P + k - 1`` for the k-th decode (decode_steps' count, one below step_time's). Weights: every
+        step that samples reads them once and samples at most ``max_num_seqs`` tokens, so each of
+        the ``output`` sampled tokens carries ``1 / max_num_seqs`` of a weight read. Overheads,
+        KV traffic and all-reduces only add, so they are left out. Works elementwise on arrays.
+
+        The summed CPU form prices a matmul group of ``m`` rows at ``min(m * row, w + m * f)``, which
+        is at least ``m * min(row, f)`` and, for ``m >= 1``, at least ``min(row, w)``; its LM head runs
+        only for sampled tokens, so the body and head are floored separately."""
+        f_tok, f_pair, w, _, _, _, _, groups = self._c(spec, tp)
+        p, o = prompt, output
+        fed = p + o - 1
+        pairs = p * (p + 1) / 2 + (o - 1) * p + (o - 1) * (o - 2) / 2
+        if groups is None:
+            flops, per_step = f_tok * fed, w
+        else:
+            (body_w, body_f, body_row), (head_w, head_f, head_row) = groups
+            flops = min(body_row, body_f) * fed + min(head_row, head_f) * o
+            per_step = min(body_row, body_w) + min(head_row, head_w)
+        return tp * (flops + f_pair * pairs), tp * o * per_step / max_num_seqs
 
     def prefill_time(self, spec: ModelShape, tp: int, prompt_tokens: int) -> float:
         """One request's whole prompt in one step, alone (what admission's speed estimate means)."""

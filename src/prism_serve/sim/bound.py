@@ -1,0 +1,155 @@
+"""A lower bound on the devices any placement policy needs for a workload (``prism sim --find-gpus``).
+
+The bound is the largest of three counts; each is a floor on devices under the assumptions stated
+with it, so a policy's GPUs-needed divided by the bound says how far it is from the best possible.
+
+**Memory.** Cut the run into windows of ``memory_window_s`` by arrival time (``[k W, (k+1) W)``,
+``W = memory_window_s``, timestamps in seconds from 0). A model with at least one arrival in a window
+needs its weights plus the KV of its largest request of the window (``kv_bytes_per_token * (prompt +
+output - 1)``: the last sampled token is never fed); the window needs the sum over those models,
+and the memory count is ``ceil(max over windows of that sum / hw.capacity_bytes)`` (devices are
+bins of ``capacity_bytes``; packing whole models into them needs at least as many).
+Assumption that makes it a bound: every model with a request in a window is resident, with room for
+its largest request of the window, at one common instant of the window. A policy breaks it only by
+taking turns inside a window: serving one model, evicting it and loading another in its place, which
+puts an activation (0.2 s plus the weight copy: 0.7 s for an 8B model on h100) into the latency of
+the requests that wait for it, once per turn. Windows shorter than an activation leave little room
+for such turns; at the default 10 s the assumption is about policies that meet TTFT SLOs of a second or
+two (a few turns per window at most), not a theorem, and a policy that takes turns faster could
+need fewer devices than the memory count. Pages, claims and the KV of concurrent requests only add,
+so they are left out.
+
+**Compute.** Each request costs at least two device-second floors from the cost model
+(``RooflineCostModel.request_floor``): its FLOPs at the compute rates (prompt once, ``output - 1``
+decodes, the attention pairs of that schedule) and its share of the weight reads of decode (a step
+reads the weights once and samples at most ``max_num_seqs`` tokens). A step is one model's, and costs
+at least both of its parts (the GPU roofline is their max; the CPU form their sum), so a model's
+steps cost at least ``max(sum of FLOP floors, sum of weight-read floors)`` over its requests; a
+window's ``compute_s`` is the sum of that over the models with arrivals in the window (a TP model's
+device-seconds are ``tp`` times one rank's). The compute count is ``ceil(max over windows of
+compute_s / compute_window_s)``. Assumption: the work of requests arriving in a window is done within
+a window's length. Strictly it may spill into the next window (its requests arrived before that
+window ended, but may still be decoding), so a burst at a window's end is spread over up to the
+window plus the longest request's latency; with 60 s windows and latencies of seconds that is a
+small fraction of the window, but not zero. Compute sharing only slows steps, preemption only adds
+recomputation, so neither lowers the floor.
+
+**Tensor parallelism.** A model of ``tp_size`` ranks needs that many devices: the count is the
+largest ``tp_size`` among models with requests.
+
+``devices`` is the largest of the three, and at least 1. Everything here comes from the simulator's
+cost model and hardware profile, so the bound is as synthetic as the simulation it is compared with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from prism_serve.sim.cost import RooflineCostModel
+from prism_serve.sim.errors import SimConfigError
+from prism_serve.sim.hardware import HardwareProfile
+from prism_serve.sim.models import ServedModel
+from prism_serve.workload.format import Workload
+
+__all__ = ["DeviceBound", "lower_bound"]
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceBound:
+    """The bound and its three parts, with the windows where the memory and compute parts peak."""
+
+    devices: int
+    memory_devices: int
+    compute_devices: int
+    tp_devices: int
+    memory_peak_bytes: int  # the fullest memory window's bytes
+    memory_peak_start_s: float  # start of that window (arrival time, s)
+    compute_peak_s: float  # device-seconds of the busiest compute window
+    compute_peak_start_s: float
+    memory_window_s: float
+    compute_window_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def ratio(self, devices: int | None) -> float | None:
+        """``devices`` over the bound; None when the policy found no answer."""
+        return None if devices is None else devices / self.devices
+
+
+def lower_bound(
+    models: list[ServedModel],
+    workload: Workload,
+    hw: HardwareProfile,
+    cost: RooflineCostModel,
+    *,
+    max_num_seqs: int,
+    memory_window_s: float = 10.0,
+    compute_window_s: float = 60.0,
+) -> DeviceBound:
+    """The devices any policy needs for ``workload`` on ``hw`` (module docstring for the definition)."""
+    for name, value in (("memory_window_s", memory_window_s), ("compute_window_s", compute_window_s)):
+        if not (value > 0 and math.isfinite(value)):
+            raise SimConfigError(f"{name} must be a positive number, got {value}")
+    if max_num_seqs < 1:
+        raise SimConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    by_name = {m.name: m for m in models}
+    used = np.unique(workload.model_index) if len(workload) else np.array([], dtype=np.int32)
+    missing = [workload.models[i] for i in used if workload.models[i] not in by_name]
+    if missing:
+        raise SimConfigError(f"workload addresses models not served: {', '.join(missing[:5])}")
+    served = [by_name[workload.models[i]] for i in used]
+    if not served:
+        return DeviceBound(1, 0, 0, 0, 0, 0.0, 0.0, 0.0, memory_window_s, compute_window_s)
+
+    ts, idx = workload.timestamps, workload.model_index
+    prompt, output = workload.prompt_tokens, workload.output_tokens
+    # column j of the per-window tables is served[j]
+    col = np.full(len(workload.models), -1, dtype=np.int64)
+    col[used] = np.arange(len(used))
+    j = col[idx]
+
+    # memory: per (window, model) the largest request; a model with none there contributes nothing
+    mw = (ts // memory_window_s).astype(np.int64)
+    largest = np.zeros((int(mw.max()) + 1, len(served)), dtype=np.int64)
+    np.maximum.at(largest, (mw, j), prompt + output - 1)
+    weights = np.array([m.spec.weight_bytes for m in served], dtype=np.float64)
+    kv = np.array([m.spec.kv_bytes_per_token for m in served], dtype=np.float64)
+    mem_bytes = ((largest > 0) * weights + largest * kv).sum(axis=1)
+    mem_peak = int(np.argmax(mem_bytes))
+    memory_devices = _ceil(mem_bytes[mem_peak] / hw.capacity_bytes)
+
+    # compute: per (window, model) the two floors summed over requests, then max per model
+    cw = (ts // compute_window_s).astype(np.int64)
+    flops = np.zeros((int(cw.max()) + 1, len(served)))
+    reads = np.zeros_like(flops)
+    for k, m in enumerate(served):
+        mine = j == k
+        f, r = cost.request_floor(m.spec, m.tp_size, prompt[mine], output[mine], max_num_seqs)
+        np.add.at(flops, (cw[mine], k), f)
+        np.add.at(reads, (cw[mine], k), r)
+    compute_s = np.maximum(flops, reads).sum(axis=1)
+    compute_peak = int(np.argmax(compute_s))
+    compute_devices = _ceil(compute_s[compute_peak] / compute_window_s)
+
+    tp_devices = max(m.tp_size for m in served)
+    return DeviceBound(
+        devices=max(1, memory_devices, compute_devices, tp_devices),
+        memory_devices=memory_devices,
+        compute_devices=compute_devices,
+        tp_devices=tp_devices,
+        memory_peak_bytes=int(mem_bytes[mem_peak]),
+        memory_peak_start_s=float(mem_peak * memory_window_s),
+        compute_peak_s=float(compute_s[compute_peak]),
+        compute_peak_start_s=float(compute_peak * compute_window_s),
+        memory_window_s=memory_window_s,
+        compute_window_s=compute_window_s,
+    )
+
+
+def _ceil(x: float) -> int:
+    # a sum of floats a hair above an integer must not add a device to a lower bound
+    return math.ceil(x * (1 - 1e-12))
