@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
+import pytest
+
 from prism_serve.control.eviction import (
     choose_activation,
     constrained_evictions,
@@ -9,7 +14,7 @@ from prism_serve.control.eviction import (
     is_idle,
     never_fits,
 )
-from prism_serve.control.types import ModelState
+from prism_serve.control.types import InvalidSnapshotError, ModelProfile, ModelState
 from tests.control.factories import cluster, engine, model
 
 NOW = 1000.0
@@ -87,3 +92,34 @@ def test_tp_activation_uses_distinct_devices():
     devices, evictions = choose_activation(c.models["tp"], device_loads(c, NOW, 30.0, 0.05))
     assert sorted(devices) == ["d0", "d1"] and evictions == []
     assert never_fits(model("tp3", tp=3, weight_gib=60), c, 0.05)
+
+
+def test_busy_fraction_is_measured_or_predicted_from_the_profile():
+    # service alone: 512 / 8000 + 100 * 0.01 = 1.064 s; at 0.5 req/s an M/G/inf engine is busy
+    # with probability 1 - exp(-0.532)
+    p = ModelProfile(512, 100, 8000.0, 0.01)
+    m = replace(model("m", rate=0.5), profile=p)
+    assert m.busy == pytest.approx(1 - math.exp(-0.5 * 1.064))
+    assert replace(m, rate=0.0).busy == 0.0
+    assert replace(m, rate=50.0).busy == pytest.approx(1.0)
+    measured = replace(m, profile=replace(p, busy_s_per_request=0.4))
+    assert measured.busy == pytest.approx(0.2), "rate x measured busy seconds per request"
+    assert replace(measured, rate=10.0).busy == 1.0
+    with pytest.raises(InvalidSnapshotError):
+        ModelProfile(busy_s_per_request=-1.0)
+
+
+def test_activation_weighs_compute_contention_not_kvpr_alone():
+    slow = ModelProfile(512, 256, 8000.0, 0.02)  # 5.2 s per request: busy almost always at 1 req/s
+    quick = ModelProfile(512, 256, 8000.0, 0.0001)  # 0.09 s: rarely computing even at 2 req/s
+    models = [
+        replace(model("hot", rate=1.0, on=("d0",), last=NOW - 1), profile=slow),
+        replace(model("chatty", rate=2.0, on=("d1",), last=NOW - 1), profile=quick),
+        model("new", weight_gib=10),
+    ]
+    c = cluster(models, {"d0": 80, "d1": 80})
+    kv_only = device_loads(c, NOW, 30.0, 0.05, compute=False)
+    assert choose_activation(c.models["new"], kv_only) == (("d0",), []), "lower KVPR: 1/70 < 2/70"
+    loads = device_loads(c, NOW, 30.0, 0.05)
+    assert loads[0].busy == pytest.approx(c.models["hot"].busy) and loads[0].busy > 0.99
+    assert choose_activation(c.models["new"], loads) == (("d1",), []), "d0's engine is always computing"

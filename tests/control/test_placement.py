@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prism_serve.control import DeviceBudget, InvalidSnapshotError, Part, kvpr, place_parts
+from prism_serve.control.placement import contention, pressure
 
 GIB = 1 << 30
 CAP = 80 * GIB
@@ -172,3 +173,42 @@ def test_placement_is_deterministic():
         place_parts(parts, devices, 0.01).assignment
         == place_parts(list(reversed(parts)), devices, 0.01).assignment
     )
+
+
+def test_contention_is_processor_sharing_then_its_tangent():
+    assert contention(0.0) == 1.0 and contention(0.5) == pytest.approx(2.0)
+    assert contention(0.9) == pytest.approx(10.0)
+    # past the knee it keeps rising at the knee's slope (100) instead of blowing up at U = 1
+    assert contention(1.0) == pytest.approx(20.0) and contention(2.0) == pytest.approx(120.0)
+    assert pressure(1.0, 10 * GIB, 0.5) == pytest.approx(2 * kvpr(1.0, 10 * GIB))
+    assert pressure(0.0, 10 * GIB, 0.8) == 0.0, "no demand, no pressure"
+
+
+def test_compute_aware_placement_avoids_the_busy_device_that_kvpr_alone_picks():
+    # d0: one hot model (busy 90% of the time) at low KVPR; d1: a lighter-KVPR-wise busier model
+    # that is rarely computing. KVPR alone puts the newcomer next to the hot one.
+    def parts(busy: bool) -> list[Part]:
+        b = (lambda x: x) if busy else (lambda x: 0.0)
+        return [
+            Part("hot", 0, 1.0, 10 * GIB, current="d0", fixed=True, busy=b(0.9)),
+            Part("light", 0, 1.5, 10 * GIB, current="d1", fixed=True, busy=b(0.1)),
+            Part("new", 0, 1.0, 10 * GIB, busy=b(0.3)),
+        ]
+
+    devices = [DeviceBudget("d0", CAP), DeviceBudget("d1", CAP)]
+    assert place_parts(parts(False), devices, tau=0.0).assignment[("new", 0)] == "d0"
+    result = place_parts(parts(True), devices, tau=0.0)
+    assert result.assignment[("new", 0)] == "d1"
+    assert result.busy_of("d1") == pytest.approx(0.4) and result.busy_of("d0") == pytest.approx(0.9)
+
+
+def test_migration_threshold_is_a_kvpr_gain_at_the_current_contention():
+    # "small" shares d0 with "big"; both busy half the time. d0's pressure for "small" is
+    # (4 / 70) * contention(0.5) = 0.114; an empty d1 is 0. A KVPR gain of 0.057 against tau:
+    parts = [
+        Part("big", 0, 4.0, 10 * GIB, current="d0", busy=0.5),
+        Part("small", 0, 1.0, 10 * GIB, current="d0", busy=0.5),
+    ]
+    devices = [DeviceBudget("d0", CAP), DeviceBudget("d1", CAP)]
+    assert place_parts(parts, devices, tau=0.06).assignment[("small", 0)] == "d0"
+    assert place_parts(parts, devices, tau=0.05).assignment[("small", 0)] == "d1"

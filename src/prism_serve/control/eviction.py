@@ -5,10 +5,11 @@
 - Idle models are evicted only while a device is *constrained*: mapped memory at or above
   ``watermark * capacity``. Candidates go in order of larger TTFT SLO first (then larger TPOT SLO,
   then longest idle, then name), because a relaxed-SLO model tolerates the reactivation delay best.
-- An evicted model that gets a request is activated on the device(s) with the lowest KVPR that can
-  hold its weights while leaving ``min_kv`` for KV. Devices that can hold it as they are always win
-  over devices that would first need idle models evicted ("evicting idle models there if needed");
-  among the latter the KVPR after those evictions decides, then the fewest evictions.
+- An evicted model that gets a request is activated on the device(s) with the lowest effective KVPR
+  (``placement.pressure``: KVPR stretched by the device's compute contention) that can hold its
+  weights while leaving ``min_kv`` for KV. Devices that can hold it as they are always win over
+  devices that would first need idle models evicted ("evicting idle models there if needed"); among
+  the latter the pressure after those evictions decides, then the fewest evictions.
 
 Feasibility counts weights only: KV pages of busy models are transient and the memory layer makes
 an activation wait for them to drain, whereas weights stay until evicted.
@@ -20,7 +21,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from prism_serve.control.placement import kvpr
+from prism_serve.control.placement import pressure
 from prism_serve.control.types import ClusterSnapshot, ModelSnapshot, ModelState
 
 __all__ = [
@@ -80,6 +81,7 @@ class DeviceLoad:
     weighted_rate: float = 0.0
     shared_kv: float = 0.0
     idle: list[ModelSnapshot] = field(default_factory=list)  # evictable residents, eviction order
+    busy: float = 0.0  # summed predicted busy fraction of its models (0 when compute is not weighed)
 
 
 def device_loads(
@@ -88,8 +90,11 @@ def device_loads(
     idle_threshold_s: float,
     min_kv_fraction: float,
     skip: Iterable[str] = (),
+    *,
+    compute: bool = True,
 ) -> list[DeviceLoad]:
-    """Per-device KVPR state of the resident models, leaving out the models in ``skip``."""
+    """Per-device KVPR state of the resident models, leaving out the models in ``skip``
+    (``compute``: also their summed busy fractions)."""
     skipped = set(skip)
     loads = {
         d: DeviceLoad(
@@ -108,6 +113,8 @@ def device_loads(
             load = loads[d]
             load.weighted_rate += m.demand / m.tp_size
             load.shared_kv -= m.part_weight_bytes
+            if compute:
+                load.busy += m.busy
             if idle:
                 load.idle.append(m)
     for load in loads.values():
@@ -135,7 +142,7 @@ def choose_activation(
     w = model.part_weight_bytes
     options = []
     for idx, load in enumerate(loads):
-        rate, shared = load.weighted_rate, load.shared_kv
+        rate, shared, busy = load.weighted_rate, load.shared_kv, load.busy
         evict: list[str] = []
         if shared - w < load.min_kv_bytes:
             for victim in load.idle:
@@ -143,12 +150,15 @@ def choose_activation(
                     continue
                 evict.append(victim.model)
                 rate = max(0.0, rate - victim.demand / victim.tp_size)
+                busy = max(0.0, busy - victim.busy)
                 shared += victim.part_weight_bytes
                 if shared - w >= load.min_kv_bytes:
                     break
             else:
                 continue
-        options.append(((bool(evict), kvpr(rate, shared), len(evict), -shared, idx), load.device, evict))
+        options.append(
+            ((bool(evict), pressure(rate, shared, busy), busy, len(evict), -shared, idx), load.device, evict)
+        )
     if len(options) < model.tp_size:
         return None
     options.sort(key=lambda o: o[0])

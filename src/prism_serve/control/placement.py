@@ -24,7 +24,21 @@ weights of resident models not yet re-placed (they are physically there until th
 put is always feasible and the plan never exceeds a device's capacity. A model that fits nowhere is
 left out whole, unless it is resident: then it stays where it is.
 
-Picking the lowest-KVPR device uses a heap with lazy deletion, so one run costs
+Compute (issue 16): colocated engines share their device's compute, so a device full of busy
+engines serves each of them slower, and every request holds its KV longer by the same factor. Each
+part may carry ``busy``, its model's predicted busy fraction (``ModelSnapshot.busy``; every TP rank
+is busy when the model is), and a device's *effective* KVPR is its KVPR times the slowdown that
+processor sharing at its summed busy fraction ``U`` predicts::
+
+    pressure_g = KVPR_g * contention(U_g)     contention(U) = 1 / (1 - U)  for U < 0.9,
+                                              10 + 100 (U - 0.9)  beyond (the tangent: finite, rising)
+
+Algorithm 1 then runs on ``pressure`` instead of ``KVPR``; a part leaves its device only if the
+gain beats ``tau * contention(U)`` of that device (tau stays a KVPR gain: without the factor, a
+contention of 20 would turn rate noise of a few percent into migrations). With every ``busy`` zero
+it is the paper's algorithm exactly.
+
+Picking the lowest-pressure device uses a heap with lazy deletion, so one run costs
 O((M + D) log D) for M parts on D devices plus the ineligible devices skipped on the way.
 """
 
@@ -37,9 +51,10 @@ from dataclasses import dataclass
 
 from prism_serve.control.types import InvalidSnapshotError
 
-__all__ = ["GIB", "DeviceBudget", "Part", "PlacementResult", "kvpr", "place_parts"]
+__all__ = ["GIB", "DeviceBudget", "Part", "PlacementResult", "contention", "kvpr", "place_parts", "pressure"]
 
 GIB = float(1 << 30)
+_KNEE = 0.9  # busy fraction where contention() leaves 1 / (1 - U) for its tangent
 
 
 def kvpr(weighted_rate: float, shared_kv_bytes: float) -> float:
@@ -47,6 +62,22 @@ def kvpr(weighted_rate: float, shared_kv_bytes: float) -> float:
     if shared_kv_bytes <= 0:
         return math.inf
     return weighted_rate * GIB / shared_kv_bytes
+
+
+def contention(busy: float) -> float:
+    """How much longer work takes on a device whose engines are busy ``busy`` of the time in sum
+    (processor sharing, 1 / (1 - U)); past the knee it rises along its tangent instead of blowing up,
+    so overloaded devices still order by how overloaded they are."""
+    if busy < _KNEE:
+        return 1.0 / (1.0 - max(0.0, busy))
+    slope = 1.0 / (1.0 - _KNEE) ** 2
+    return 1.0 / (1.0 - _KNEE) + slope * (busy - _KNEE)
+
+
+def pressure(weighted_rate: float, shared_kv_bytes: float, busy: float = 0.0) -> float:
+    """Effective KVPR: the KV pressure ratio stretched by the device's compute contention."""
+    k = kvpr(weighted_rate, shared_kv_bytes)
+    return k * contention(busy) if k > 0 else k
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +90,7 @@ class Part:
     weight_bytes: int  # this part's weights
     current: str | None = None  # device it is on now; None for a model being activated
     fixed: bool = False  # cannot move this round (an activation or migration is in flight)
+    busy: float = 0.0  # the model's predicted busy fraction (compute demand on this part's device)
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,10 +106,14 @@ class PlacementResult:
     assignment: dict[tuple[str, int], str | None]  # (model, rank) -> device, None if it fits nowhere
     weighted_rate: list[float]  # per device, sum of r/s of its parts
     shared_kv: list[float]  # per device, bytes left for KV
+    busy: list[float] | None = None  # per device, sum of its parts' busy fractions
 
     def kvpr_of(self, device: str) -> float:
         i = self.devices.index(device)
         return kvpr(self.weighted_rate[i], self.shared_kv[i])
+
+    def busy_of(self, device: str) -> float:
+        return self.busy[self.devices.index(device)] if self.busy is not None else 0.0
 
     def max_kvpr(self) -> float:
         return max((kvpr(w, s) for w, s in zip(self.weighted_rate, self.shared_kv, strict=True)), default=0.0)
@@ -103,6 +139,7 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
         raise InvalidSnapshotError("duplicate device in placement input")
     n = len(names)
     W = [0.0] * n
+    U = [0.0] * n
     S = [float(d.capacity_bytes) for d in devices]
     min_kv = [d.min_kv_bytes for d in devices]
     held: list[set[str]] = [set() for _ in range(n)]
@@ -125,6 +162,7 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
                 raise InvalidSnapshotError(f"fixed part {p.model}#{p.rank} has no device")
             j = index[p.current]
             W[j] += p.demand
+            U[j] += p.busy
             S[j] -= p.weight_bytes
             held[j].add(p.model)
             assignment[(p.model, p.rank)] = p.current
@@ -134,24 +172,24 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
                 reserved[index[p.current]] += p.weight_bytes
     movable.sort(key=lambda p: (-p.demand, p.model, p.rank))
 
-    heap = [(kvpr(W[j], S[j]), -S[j], j, 0) for j in range(n)]
+    heap = [(pressure(W[j], S[j], U[j]), U[j], -S[j], j, 0) for j in range(n)]
     heapq.heapify(heap)
 
     def touch(j: int) -> None:
         version[j] += 1
-        heapq.heappush(heap, (kvpr(W[j], S[j]), -S[j], j, version[j]))
+        heapq.heappush(heap, (pressure(W[j], S[j], U[j]), U[j], -S[j], j, version[j]))
 
     def fits(j: int, p: Part) -> bool:
         return S[j] - reserved[j] - p.weight_bytes >= min_kv[j] and p.model not in held[j]
 
     def best_below(p: Part, bound: float) -> int | None:
-        """The lowest-KVPR device that fits ``p``, if its KVPR is below ``bound``."""
+        """The lowest-pressure device that fits ``p``, if its pressure is below ``bound``."""
         stash = []
         found = None
         while heap:
             entry = heapq.heappop(heap)
-            j = entry[2]
-            if entry[3] != version[j]:
+            j = entry[3]
+            if entry[4] != version[j]:
                 continue  # stale: the device changed after this entry was pushed
             stash.append(entry)
             if entry[0] >= bound:
@@ -165,6 +203,7 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
 
     def put(p: Part, j: int, sign: int = 1) -> None:
         W[j] += sign * p.demand
+        U[j] += sign * p.busy
         S[j] -= sign * p.weight_bytes
         if sign > 0:
             held[j].add(p.model)
@@ -185,7 +224,8 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
                 reserved[cur] -= p.weight_bytes
             if cur is not None and fits(cur, p):
                 # move only if the best device beats the current one by more than tau (line 8)
-                best = best_below(p, kvpr(W[cur], S[cur]) - tau)
+                # tau is a KVPR gain; in pressure it is worth tau at the current device's contention
+                best = best_below(p, pressure(W[cur], S[cur], U[cur]) - tau * contention(U[cur]))
                 j = cur if best is None else best
             else:
                 j = best_below(p, math.inf)
@@ -210,4 +250,4 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
         for p, j in chosen:
             assignment[(p.model, p.rank)] = names[j]
         i = k
-    return PlacementResult(names, assignment, W, S)
+    return PlacementResult(names, assignment, W, S, U)

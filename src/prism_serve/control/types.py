@@ -85,18 +85,33 @@ class ModelState(enum.Enum):
 class ModelProfile:
     """Nominal per-request costs of a model, from the cost model or the runtime's measurements.
 
-    Only the throughput estimate of the ``muxserve`` baseline reads these; admission uses the
-    per-device prefill speed each engine reports.
+    The throughput estimate of the ``muxserve`` baseline and the compute demand that prism's
+    placement balances (:attr:`ModelSnapshot.busy`) read these; admission uses the per-device
+    prefill speed each engine reports.
     """
 
     mean_prompt_tokens: float = 512.0
     mean_output_tokens: float = 256.0
     prefill_tokens_per_s: float = 8000.0
     decode_step_s: float = 0.025  # one decode iteration of one request at a typical batch size
+    # measured engine-busy seconds per request served (step time over requests, batching included);
+    # None: not measured yet, so the busy fraction comes from the token means and speeds above
+    busy_s_per_request: float | None = None
 
     def __post_init__(self) -> None:
         _check(self.mean_prompt_tokens > 0 and self.mean_output_tokens > 0, f"bad token means in {self}")
         _check(self.prefill_tokens_per_s > 0 and self.decode_step_s > 0, f"bad speeds in {self}")
+        _check(
+            self.busy_s_per_request is None or _finite_nonneg(self.busy_s_per_request),
+            f"bad busy_s_per_request in {self}",
+        )
+
+    @property
+    def service_s(self) -> float:
+        """One request alone on the engine: its prefill plus one decode step per output token."""
+        return (
+            self.mean_prompt_tokens / self.prefill_tokens_per_s + self.mean_output_tokens * self.decode_step_s
+        )
 
 
 @dataclass(slots=True, frozen=True)
@@ -153,6 +168,22 @@ class ModelSnapshot:
     def demand(self) -> float:
         """SLO-weighted request rate r/s of the whole model: the numerator of KVPR (paper section 6.2)."""
         return self.rate / self.ttft_slo
+
+    @property
+    def busy(self) -> float:
+        """Predicted fraction of time the model's engine has work, in [0, 1]: its compute demand on
+        each device it is placed on (every TP rank steps whenever the model does).
+
+        Measured (``profile.busy_s_per_request``): rate x busy seconds per request. Otherwise the
+        engine is taken as an M/G/inf system with the profile's service time, so it is busy with
+        probability ``1 - exp(-rate * service_s)`` (overlapping requests share steps by batching).
+        """
+        if self.rate <= 0:
+            return 0.0
+        measured = self.profile.busy_s_per_request
+        if measured is not None:
+            return min(1.0, self.rate * measured)
+        return -math.expm1(-self.rate * self.profile.service_s)
 
     @property
     def part_weight_bytes(self) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
+
 from prism_serve.control import (
     Activate,
     DeadlineQueue,
@@ -14,6 +16,7 @@ from prism_serve.control import (
     Evict,
     FifoQueue,
     Migrate,
+    ModelProfile,
     ModelState,
     Reject,
     RejectReason,
@@ -183,15 +186,20 @@ def test_a_recently_placed_model_does_not_migrate_until_its_cooldown_ends():
     )
 
 
-def test_cooldown_stops_churn_on_noisy_rates_but_keeps_a_lasting_shift():
+@pytest.mark.parametrize("compute_aware", [False, True])
+def test_cooldown_stops_churn_on_noisy_rates_but_keeps_a_lasting_shift(compute_aware):
     """Three devices, six models whose rate estimates jitter by up to 40% every tick (as a 60 s
     window's do). Without a cooldown the placement chases the noise; with the default one each model
     moves at most once a minute, and a real, lasting shift (m0 and m2, both on d0, get 3x busier
-    halfway) still splits them."""
+    halfway) still splits them. The models' engines are busy about half the time at 1 req/s
+    (service 0.7 s), 90% at 3 req/s, so compute-aware pressure has contention to amplify."""
     rng = random.Random(7)
+    profile = ModelProfile(decode_step_s=0.0025)
 
     def run(cooldown: float, ticks: int = 300) -> tuple[int, dict[str, tuple[str, ...]]]:
-        p = get_policy("prism", migration_threshold=0.05, migration_cooldown_s=cooldown)
+        p = get_policy(
+            "prism", migration_threshold=0.05, migration_cooldown_s=cooldown, compute_aware=compute_aware
+        )
         placed = {f"m{i}": (d,) for i, d in enumerate(["d0", "d1", "d0", "d1", "d2", "d2"])}
         since = dict.fromkeys(placed, NOW - 100)
         moves = 0
@@ -200,7 +208,8 @@ def test_cooldown_stops_churn_on_noisy_rates_but_keeps_a_lasting_shift():
             hot = 3.0 if t >= ticks // 2 else 1.0
             rates = {m: (hot if m in ("m0", "m2") else 1.0) * rng.uniform(0.6, 1.4) for m in placed}
             models = [
-                replace(model(m, rate=rates[m], on=placed[m], last=now), placed_at=since[m]) for m in placed
+                replace(model(m, rate=rates[m], on=placed[m], last=now), placed_at=since[m], profile=profile)
+                for m in placed
             ]
             for a in p.place(cluster(models, {"d0": 60, "d1": 60, "d2": 60}), now):
                 assert isinstance(a, Migrate)
@@ -211,7 +220,10 @@ def test_cooldown_stops_churn_on_noisy_rates_but_keeps_a_lasting_shift():
     churn, _ = run(0.0)
     calm, placed = run(60.0)
     assert churn > 40, churn
-    assert calm <= 10, calm
+    # the cooldown alone allows 5 moves per model in these 5 minutes (30 in all); compute-aware
+    # pressure chases the noise more (contention amplifies it), so it gets two per model, not 10 in all
+    assert calm <= (12 if compute_aware else 10), calm
+    assert calm * 8 < churn, (calm, churn)
     assert placed["m0"] != placed["m2"]
 
 

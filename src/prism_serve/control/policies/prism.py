@@ -74,6 +74,9 @@ class PrismKnobs(Knobs):
     migration_cooldown_s: float = 60.0
     rebalance: bool = True  # False: resident models never migrate (global scheduler off)
     deadline_admission: bool = True  # False: per-engine FIFO admission (local scheduler off)
+    # False: placement weighs KV pressure only (the paper's KVPR), not the compute colocated engines
+    # share (placement.pressure); the ablation of issue 16's compute-aware placement
+    compute_aware: bool = True
 
     def __post_init__(self) -> None:
         require(
@@ -122,15 +125,19 @@ class PrismPolicy(Policy):
                     f"{m.part_weight_bytes} weight bytes plus the KV minimum",
                 )
             ]
-        loads = device_loads(cluster, now, k.idle_threshold_s, k.min_kv_fraction)
+        loads = device_loads(cluster, now, k.idle_threshold_s, k.min_kv_fraction, compute=k.compute_aware)
         choice = choose_activation(m, loads)
         if choice is None:
             return [Defer(request, f"{m.model}: every device is full of busy models")]
         devices, evictions = choice
         return [*(Evict(v) for v in evictions), Activate(m.model, devices), Enqueue(request, devices[0])]
 
+    def _busy(self, m: ModelSnapshot) -> float:
+        return m.busy if self.knobs.compute_aware else 0.0
+
     def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
         k = self.knobs
+        busy = self._busy
         evicted = constrained_evictions(cluster, now, k.idle_threshold_s, k.memory_watermark)
         gone = set(evicted)
         parts: list[Part] = []
@@ -149,13 +156,16 @@ class PrismPolicy(Policy):
                     or (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
                 )
                 parts.extend(
-                    Part(m.model, r, m.demand / m.tp_size, m.part_weight_bytes, m.placement[r], fixed)
+                    Part(
+                        m.model, r, m.demand / m.tp_size, m.part_weight_bytes, m.placement[r], fixed, busy(m)
+                    )
                     for r in range(m.tp_size)
                 )
             elif m.num_queued > 0:
                 waiting.append(m)
                 parts.extend(
-                    Part(m.model, r, m.demand / m.tp_size, m.part_weight_bytes) for r in range(m.tp_size)
+                    Part(m.model, r, m.demand / m.tp_size, m.part_weight_bytes, busy=busy(m))
+                    for r in range(m.tp_size)
                 )
         budgets = [
             DeviceBudget(d, dev.capacity_bytes, min_kv_bytes(dev, k.min_kv_fraction))
@@ -192,6 +202,7 @@ class PrismPolicy(Policy):
                 for d in devices:
                     load = next(load for load in loads if load.device == d)
                     load.weighted_rate += m.demand / m.tp_size
+                    load.busy += busy(m)
                     load.shared_kv -= m.part_weight_bytes
                 planned[m.model] = devices
                 activations.append(m)
@@ -208,9 +219,9 @@ class PrismPolicy(Policy):
     ) -> list[DeviceLoad]:
         k = self.knobs
         loads = [
-            DeviceLoad(d, dev.capacity_bytes, min_kv_bytes(dev, k.min_kv_fraction), w, s)
-            for (d, dev), w, s in zip(
-                cluster.devices.items(), result.weighted_rate, result.shared_kv, strict=True
+            DeviceLoad(d, dev.capacity_bytes, min_kv_bytes(dev, k.min_kv_fraction), w, s, busy=u)
+            for (d, dev), w, s, u in zip(
+                cluster.devices.items(), result.weighted_rate, result.shared_kv, result.busy, strict=True
             )
         ]
         by_name = {load.device: load for load in loads}
@@ -223,11 +234,11 @@ class PrismPolicy(Policy):
             load.idle.sort(key=lambda m: eviction_key(m, now))
         return loads
 
-    @staticmethod
-    def _unload(loads: list[DeviceLoad], m: ModelSnapshot, devices: tuple[str, ...]) -> None:
+    def _unload(self, loads: list[DeviceLoad], m: ModelSnapshot, devices: tuple[str, ...]) -> None:
         for load in loads:
             if load.device in devices:
                 load.weighted_rate = max(0.0, load.weighted_rate - m.demand / m.tp_size)
+                load.busy = max(0.0, load.busy - self._busy(m))
                 load.shared_kv += m.part_weight_bytes
             if m in load.idle:
                 load.idle.remove(m)
