@@ -91,6 +91,19 @@ def test_two_models_stream_at_once_on_two_devices(rt: Runtime) -> None:
     assert {sa.device, sb.device} == {"cpu:0", "cpu:1"}  # KVPR placement spreads them
 
 
+def test_snapshot_carries_measured_engine_seconds_per_request(rt: Runtime) -> None:
+    """Compute-aware placement reads ModelSnapshot.busy; live it comes from the engine's own step
+    seconds over the requests it served, not from a default profile."""
+    for _ in range(4):
+        rt.generate("smol-b", max_tokens=6)
+    entry = rt.c.models["smol-b"]
+    assert entry.num_served >= 4 and entry.step_seconds > 0
+    snap = rt.c.snapshot().models["smol-b"]
+    measured = snap.profile.busy_s_per_request
+    assert measured == pytest.approx(entry.step_seconds / entry.num_served)
+    assert 0 < snap.busy <= 1 and snap.busy == pytest.approx(min(1.0, snap.rate * measured))
+
+
 def test_activation_phases_are_reported(rt: Runtime) -> None:
     rt.run(rt.c.unload("smol"))
     assert _model(rt, "smol").state == "evicted"

@@ -23,9 +23,7 @@ class AdminOps:
         returns its phases, or None if it was already active."""
         m = self._model(model)
         if device is not None and device not in self.devices:
-            raise InvalidRequestError(
-                f"unknown device {quoted(device)}; devices: {', '.join(self.devices)}"
-            )
+            raise InvalidRequestError(f"unknown device {quoted(device)}; devices: {', '.join(self.devices)}")
         if device is not None and m.state is not ModelState.EVICTED and m.device != device:
             raise ConflictError(f"{model} is {m.state.value} on {m.device}; unload it first to move it")
         if m.state is ModelState.ACTIVE:
@@ -60,4 +58,3 @@ class AdminOps:
 
     def pin(self: Controller, model: str, pinned: bool = True) -> None:
         self._model(model).pinned = pinned
-

@@ -274,7 +274,9 @@ class Controller(AdminOps):
         self._requests.pop(r.req_id, None)
         if r.worker is not None:
             r.worker.in_flight.discard(r.req_id)
-            self._model(r.model).num_running -= 1
+            served = self._model(r.model)
+            served.num_running -= 1
+            served.num_served += 1
             self.loop.request_left(r.req_id)
         else:
             self.loop.abort(r.req_id)

@@ -13,6 +13,7 @@ from prism_serve.control import (
     ClusterSnapshot,
     DeviceSnapshot,
     EngineSnapshot,
+    ModelProfile,
     ModelSnapshot,
     ModelState,
     RejectReason,
@@ -29,6 +30,9 @@ from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
 from prism_serve.runtime.weight_cache import CachedModel
 from prism_serve.runtime.workers import WorkerHandle
+
+# requests served before a model's measured busy seconds per request replace the default profile
+_MIN_SERVED_FOR_PROFILE = 4
 
 
 class ActivationError(PrismError):
@@ -82,6 +86,14 @@ class ModelEntry:
     # engine step (wall) and worker CPU seconds over every activation, from the workers' stats
     step_seconds: float = 0.0
     cpu_seconds: float = 0.0
+    num_served: int = 0  # requests that left its engine (finished, failed or aborted there)
+
+    def profile(self) -> ModelProfile:
+        """The per-request costs the control plane predicts compute demand from: engine step seconds
+        per request served, measured over every activation, once a few requests make it meaningful."""
+        if self.num_served < _MIN_SERVED_FOR_PROFILE:
+            return ModelProfile()
+        return ModelProfile(busy_s_per_request=self.step_seconds / self.num_served)
 
     def count_engine_time(self, before: msg.EngineStats | None, after: msg.EngineStats) -> None:
         """Add what the engine used between two stats of one activation (``before`` None: its first)."""
@@ -220,6 +232,7 @@ def cluster_snapshot(
                 num_queued=queued.get(name, 0),
                 num_running=m.num_running,
                 pinned=m.pinned,
+                profile=m.profile(),
             )
         )
         if resident:

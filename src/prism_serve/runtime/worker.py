@@ -233,7 +233,13 @@ class Worker:
                 raise
             return
         self.active = a = _Active(
-            m.model, engine, pool, weight_account, kv_account, num_pages, m.weight_bytes,
+            m.model,
+            engine,
+            pool,
+            weight_account,
+            kv_account,
+            num_pages,
+            m.weight_bytes,
             cpu_start=time.process_time(),
         )
         phases = msg.ActivationPhases(
