@@ -189,3 +189,20 @@ def test_migrate_moves_only_an_idle_model_like_the_live_controller():
         _step(sim)
     assert len(sim.requests) == len(w) and all(r.ttft is not None for r in sim.requests)
     assert all(r.num_restarts == 0 for r in sim.requests)
+
+
+def test_misses_split_into_cold_and_warm():
+    """A request that arrives while its model is evicted or activating waits for the activation
+    (cold); the summary counts those misses apart from the ones that waited behind other work."""
+    m = served()
+    w = poisson([m.name], rate=0.5, duration=120, prompt=256, output=16, seed=3)
+    tight = {m.name: ModelSLO(ttft_s=1e-4, tpot_s=1.0)}  # every request misses its TTFT
+    res = simulate([m], w, tight, SimConfig(num_devices=1, policy="prism", warmup_s=0.0))
+    out = res.summary()
+    cold = [r for r in res.requests if r.cold]
+    # prism starts with the model evicted: the first request waits for its activation, later ones do not
+    assert res.requests[0].cold and 1 <= len(cold) < len(res.requests)
+    assert out["ttft_misses_cold"] == len(cold)
+    assert out["ttft_misses_cold"] + out["ttft_misses_warm"] == len(res.requests)
+    relaxed = simulate([m], w, loose([m]), SimConfig(num_devices=1, policy="prism", warmup_s=0.0)).summary()
+    assert relaxed["ttft_misses_cold"] == relaxed["ttft_misses_warm"] == 0

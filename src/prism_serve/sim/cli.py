@@ -182,7 +182,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
                 f"{r['policy']:>18} {r['axis'] or '':>5} {r['value'] if r['value'] is not None else '':>6}  "
                 f"TTFT {r['ttft_attainment']:7.2%}  TPOT {r['tpot_attainment']:7.2%}  "
                 f"{r['throughput_tokens_per_s']:9.1f} tok/s  "
-                f"act {r['activations']:5d}  ev {r['evictions']:5d}"
+                f"act {r['activations']:5d}  ev {r['evictions']:5d}  "
+                f"misses cold {r['ttft_misses_cold']:5d} warm {r['ttft_misses_warm']:5d}"
             )
         if args.out is not None and args.sweep:
             plot_sweep(rows, args.out / "sweep.png", title=title)

@@ -49,6 +49,7 @@ class SimRequest:
     rejected: str | None = None  # RejectReason value
     num_preemptions: int = 0
     num_restarts: int = 0  # engine stopped under it (evicted or migrated) and it started over
+    cold: bool = False  # its model had no ready engine when it arrived (evicted or still activating)
 
     @property
     def ttft(self) -> float | None:

@@ -4,6 +4,9 @@
   requests and requests unfinished when the run stopped count as misses.
 - **TPOT attainment**: share of all requests that finished with (finish - first token) /
   (output tokens - 1) within their TPOT SLO (a one-token output counts as met once it finished).
+- **TTFT misses, cold and warm**: a miss is *cold* when the request's model had no ready engine at
+  its arrival (evicted or still activating: the request waited for an activation), *warm* otherwise
+  (it waited in a queue or behind colocated work). Prewarming can only remove cold misses.
 - **Throughput**: output tokens per second of *busy* time, where busy time is the union of the
   intervals in which at least one request was in the system (the paper excludes idle periods).
 """
@@ -20,13 +23,17 @@ from prism_serve.sim.engine import SimRequest
 __all__ = ["SimResult", "attainment"]
 
 
+def _ttft_met(r: SimRequest) -> bool:
+    return r.first_token is not None and r.first_token - r.arrival <= r.ttft_slo
+
+
 def attainment(requests: list[SimRequest]) -> tuple[float, float]:
     """(TTFT, TPOT) attainment over ``requests`` (1.0 for an empty list)."""
     if not requests:
         return 1.0, 1.0
     ttft_ok = tpot_ok = 0
     for r in requests:
-        if r.first_token is not None and r.first_token - r.arrival <= r.ttft_slo:
+        if _ttft_met(r):
             ttft_ok += 1
         if r.finish is not None and (r.output_tokens <= 1 or r.tpot <= r.tpot_slo):
             tpot_ok += 1
@@ -81,6 +88,8 @@ class SimResult:
             "ttft_p50_s": pct(ttfts, 50),
             "ttft_p95_s": pct(ttfts, 95),
             "ttft_p99_s": pct(ttfts, 99),
+            "ttft_misses_cold": sum(1 for r in reqs if r.cold and not _ttft_met(r)),
+            "ttft_misses_warm": sum(1 for r in reqs if not r.cold and not _ttft_met(r)),
             "activations": self.counters["activations"],
             "evictions": self.counters["evictions"],
             "migrations": self.counters["migrations"],

@@ -196,6 +196,7 @@ class Simulator:
         req_id = str(i)
         control = Request(req_id, model, now, prompt, m.slo.ttft_s)
         req = SimRequest(req_id, model, now, prompt, output, m.slo.ttft_s, m.slo.tpot_s, control)
+        req.cold = m.state is not ModelState.ACTIVE
         self.requests.append(req)
         self.by_id[req_id] = req
         self.in_system += 1
