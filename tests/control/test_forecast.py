@@ -10,6 +10,7 @@ from prism_serve.control import (
     RateEstimator,
     idle_threshold_from_gaps,
 )
+from prism_serve.control.forecast import SeasonalForecaster
 
 
 def test_rate_counts_arrivals_in_the_window():
@@ -50,3 +51,35 @@ def test_bad_input_raises_named_errors():
     est.observe("a", 5.0)
     with pytest.raises(InvalidSnapshotError):
         est.observe("a", 4.0)
+
+
+def test_seasonal_forecast_repeats_last_period_and_corrects_with_recent_errors():
+    # windows of 10 s, a "day" of 4 windows: 0, 20, 0, 20 arrivals, repeated
+    f = SeasonalForecaster(10.0, period_s=40.0, num_periods=2, lookback=4)
+    f.start("m", 0.0)
+    assert f.rate("m", 5.0) is None, "no complete window yet"
+    pattern = [0, 20, 0, 20]
+    for w in range(8):
+        for k in range(pattern[w % 4]):
+            f.observe("m", w * 10.0 + k * 0.4)
+    # window 8 (t=80..90) repeats window 4 and 0 (0 arrivals); errors of the last period were 0
+    assert f.rate("m", 85.0) == pytest.approx(0.0)
+    # window 9 (nothing arrived in window 8, as forecast): seasonal 20, so 2 req/s, which a
+    # persistence forecast (0 in window 8) would have missed
+    assert f.rate("m", 95.0) == pytest.approx(2.0)
+
+
+def test_forecast_without_a_past_period_is_persistence_plus_trend():
+    f = SeasonalForecaster(10.0, period_s=1000.0, lookback=3)
+    f.start("m", 0.0)
+    for w, n in enumerate([5, 10, 15]):
+        for k in range(n):
+            f.observe("m", w * 10.0 + k * 0.5)
+    # seasonal fallback: the last window (15); errors of windows 1 and 2 against their own last
+    # window: +5 and +5 -> correction +5, so 20 arrivals in window 3
+    assert f.rate("m", 31.0) == pytest.approx(2.0)
+    assert f.rate("never-seen", 31.0) is None
+    with pytest.raises(InvalidKnobError):
+        SeasonalForecaster(0.0)
+    with pytest.raises(InvalidKnobError):
+        SeasonalForecaster(10.0, period_s=5.0)

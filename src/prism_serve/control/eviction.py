@@ -1,10 +1,12 @@
 """Idle-model eviction and on-demand activation (paper section 6.2, "Model eviction and activation").
 
 - A model is *idle* when it has no queued or running request and its last request is older than the
-  idle threshold. Pinned models and models still activating are never idle.
+  idle threshold, or when it is *prewarmed* (resident, no request since it was placed): prewarmed
+  memory yields first. Pinned models and models still activating are never idle.
 - Idle models are evicted only while a device is *constrained*: mapped memory at or above
-  ``watermark * capacity``. Candidates go in order of larger TTFT SLO first (then larger TPOT SLO,
-  then longest idle, then name), because a relaxed-SLO model tolerates the reactivation delay best.
+  ``watermark * capacity``. Candidates go prewarmed first, then larger TTFT SLO first (then larger
+  TPOT SLO, then longest idle, then name), because a relaxed-SLO model tolerates the reactivation
+  delay best.
 - An evicted model that gets a request is activated on the device(s) with the lowest effective KVPR
   (``placement.pressure``: KVPR stretched by the device's compute contention) that can hold its
   weights while leaving ``min_kv`` for KV. Devices that can hold it as they are always win over
@@ -36,12 +38,17 @@ __all__ = [
 
 
 def eviction_key(m: ModelSnapshot, now: float) -> tuple:
-    return (-m.ttft_slo, -m.tpot_slo, -m.idle_for(now), m.model)
+    return (not m.prewarmed, -m.ttft_slo, -m.tpot_slo, -m.idle_for(now), m.model)
 
 
 def is_idle(m: ModelSnapshot, now: float, idle_threshold_s: float) -> bool:
-    """Evictable: active, not pinned, and idle for longer than the threshold."""
-    return m.state is ModelState.ACTIVE and not m.pinned and m.idle_for(now) > idle_threshold_s
+    """Evictable: active, not pinned, and idle for longer than the threshold, or prewarmed and
+    still without a request (prewarmed memory yields to real demand first)."""
+    if m.state is not ModelState.ACTIVE or m.pinned:
+        return False
+    if m.prewarmed and not (m.num_queued or m.num_running):
+        return True
+    return m.idle_for(now) > idle_threshold_s
 
 
 def constrained_evictions(

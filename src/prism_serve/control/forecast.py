@@ -11,7 +11,7 @@ from collections import deque
 
 from prism_serve.control.types import InvalidKnobError, InvalidSnapshotError
 
-__all__ = ["RateEstimator", "idle_threshold_from_gaps"]
+__all__ = ["RateEstimator", "SeasonalForecaster", "idle_threshold_from_gaps"]
 
 
 class RateEstimator:
@@ -111,3 +111,101 @@ def idle_threshold_from_gaps(gaps: list[float], quantile: float = 0.5, floor_s: 
     hi = min(lo + 1, len(ordered) - 1)
     value = ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
     return max(floor_s, value)
+
+
+class SeasonalForecaster:
+    """Per-model arrival-rate forecasts for the next window: WarmServe's corrective seasonal
+    predictor (seed 004, section 5.1), fed with the same arrivals as :class:`RateEstimator`.
+
+    Time is cut into windows of ``window_s``; ``L[i]`` is a model's arrival count in window ``i``.
+    The forecast of window ``i`` is a seasonal part plus a correction:
+
+    - seasonal ``P[i]``: the mean of ``L`` in the same window of the last ``num_periods`` periods
+      (``period_s``, a day by default). Without a past period (a server up for less than a day, a
+      short simulation) it falls back to ``L[i-1]``, the last complete window, which makes the
+      predictor a persistence forecast with a trend correction;
+    - correction: the weighted mean of the last ``lookback`` errors ``L[j] - P[j]`` with weights
+      halving into the past. (The paper writes the weights as ``2^(j-1)`` for the ``j``-th window back
+      but says the recent errors count most; we follow the text: the latest error has the largest.)
+
+    ``rate(model, now)`` is the forecast of the window that contains ``now``, from complete windows
+    only, in arrivals per second and never negative. Before a model's first complete window it is
+    None: the caller falls back to its sliding-window rate.
+    """
+
+    def __init__(
+        self,
+        window_s: float = 300.0,
+        *,
+        period_s: float = 86400.0,
+        num_periods: int = 7,
+        lookback: int = 10,
+    ) -> None:
+        if not (window_s > 0 and math.isfinite(window_s)):
+            raise InvalidKnobError(f"window_s must be a positive number of seconds, got {window_s}")
+        if not (period_s >= window_s and math.isfinite(period_s)):
+            raise InvalidKnobError("period_s must be finite and at least one window")
+        if num_periods < 1 or lookback < 1:
+            raise InvalidKnobError("num_periods and lookback must be >= 1")
+        self.window_s = window_s
+        self.num_periods = num_periods
+        self.lookback = lookback
+        self._per_period = max(1, round(period_s / window_s))
+        self._keep = self._per_period * num_periods + lookback + 2
+        self._counts: dict[str, dict[int, int]] = {}
+        self._first: dict[str, int] = {}
+        self._cache: dict[tuple[str, int], float | None] = {}
+
+    def start(self, model: str, t: float) -> None:
+        """Count ``model`` from ``t`` on (windows before it are unknown, not zero)."""
+        self._first.setdefault(model, self._index(t))
+        self._counts.setdefault(model, {})
+
+    def observe(self, model: str, t: float) -> None:
+        self.start(model, t)
+        i = self._index(t)
+        counts = self._counts[model]
+        counts[i] = counts.get(i, 0) + 1
+        if len(counts) > self._keep:
+            for old in sorted(counts)[: len(counts) - self._keep]:
+                del counts[old]
+
+    def rate(self, model: str, now: float) -> float | None:
+        i = self._index(now)
+        first = self._first.get(model)
+        if first is None or i - 1 < first:
+            return None  # no complete window yet
+        key = (model, i)
+        if key not in self._cache:
+            if len(self._cache) > 4 * len(self._first) + 64:
+                self._cache.clear()
+            self._cache[key] = max(0.0, self._predict(model, i)) / self.window_s
+        return self._cache[key]
+
+    def _index(self, t: float) -> int:
+        return math.floor(t / self.window_s)
+
+    def _count(self, model: str, i: int) -> int:
+        return self._counts[model].get(i, 0)
+
+    def _seasonal(self, model: str, i: int) -> float:
+        first = self._first[model]
+        past = [i - k * self._per_period for k in range(1, self.num_periods + 1)]
+        past = [j for j in past if j >= first]
+        if past:
+            return sum(self._count(model, j) for j in past) / len(past)
+        return float(self._count(model, i - 1)) if i - 1 >= first else 0.0
+
+    def _predict(self, model: str, i: int) -> float:
+        first = self._first[model]
+        errors = []
+        for j in range(1, self.lookback + 1):
+            w = i - j
+            if w - 1 < first:  # that window had no complete window before it to predict from
+                break
+            errors.append(self._count(model, w) - self._seasonal(model, w))
+        correction = 0.0
+        if errors:
+            weights = [2.0 ** (len(errors) - 1 - k) for k in range(len(errors))]  # latest first, largest
+            correction = sum(e * wt for e, wt in zip(errors, weights, strict=True)) / sum(weights)
+        return self._seasonal(model, i) + correction

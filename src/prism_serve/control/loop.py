@@ -19,8 +19,9 @@ Events in (each a method; ``now`` on the caller's clock):
 - ``worker_died``: the model's engine is gone; its queued requests are routed again.
 
 The loop owns the per-device queues, the backlog of deferred requests, where every request is, the
-per-model count of waiting requests and the rate estimator. Everything else (residency, engines,
-memory) is the body's, and the body builds the snapshots from it and from the loop's public state.
+per-model count of waiting requests, the rate estimator and the seasonal forecaster. Everything else
+(residency, engines, memory) is the body's, and the body builds the snapshots from it and from the
+loop's public state.
 
 Effects out: the body methods below, called in the order the policy returned its actions. Each
 takes effect before the next policy call, as far as the next snapshot shows (an activation in
@@ -43,7 +44,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from prism_serve.control.forecast import RateEstimator
+from prism_serve.control.forecast import RateEstimator, SeasonalForecaster
 from prism_serve.control.policies import Policy
 from prism_serve.control.queues import RequestQueue
 from prism_serve.control.types import (
@@ -114,10 +115,12 @@ class ControlLoop:
         start: float,
         *,
         rate_window_s: float = 60.0,
+        forecast_window_s: float = 300.0,
     ) -> None:
         self.policy = policy
         self.body = body
         self.rates = RateEstimator(rate_window_s)
+        self.forecast = SeasonalForecaster(forecast_window_s)
         self.queues: dict[str, RequestQueue] = {d: policy.new_queue(d) for d in devices}
         self.backlog: dict[str, Request] = {}  # deferred requests, in deferral order
         self.where: dict[str, str] = {}  # req_id -> _NEW, _DEFERRED, ENGINE or the device it queues on
@@ -133,6 +136,7 @@ class ControlLoop:
         self._models = dict.fromkeys(models)
         for m in self._models:
             self.rates.start(m, start)
+            self.forecast.start(m, start)
 
     # ---- events ---------------------------------------------------------------------------------
 
@@ -141,6 +145,7 @@ class ControlLoop:
             raise LoopStateError(f"request {request.req_id!r} is already in the loop")
         self.requests[request.req_id] = request
         self.rates.observe(request.model, now)
+        self.forecast.observe(request.model, now)
         self.stale_models[request.model] = None
         self._route(request, now)
         self._admit_changed(now)

@@ -139,6 +139,12 @@ class ModelSnapshot:
     # when its current placement was decided (activation or migration started, caller's clock);
     # None: unknown, so prism's migration_cooldown_s does not hold it in place
     placed_at: float | None = None
+    # forecast arrivals/s over the current forecast window (control.forecast.SeasonalForecaster);
+    # None: no complete window yet
+    forecast_rate: float | None = None
+    # resident but no request has arrived since it was placed (prewarmed, or reloaded for nothing):
+    # its memory is the first to yield to real demand
+    prewarmed: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model name must not be empty")
@@ -150,6 +156,10 @@ class ModelSnapshot:
         _check(self.num_queued >= 0 and self.num_running >= 0, f"{self.model}: negative request counts")
         _check(
             self.placed_at is None or math.isfinite(self.placed_at), f"{self.model}: placed_at must be finite"
+        )
+        _check(
+            self.forecast_rate is None or _finite_nonneg(self.forecast_rate),
+            f"{self.model}: forecast_rate must be finite and >= 0",
         )
         if self.state is ModelState.EVICTED:
             _check(not self.placement, f"{self.model}: an evicted model has no placement")
@@ -298,6 +308,14 @@ class ClusterSnapshot:
             m = self.models.get(name)
             _check(m is not None and m.resident, f"engine for {name!r}: no such resident model")
             _check(e.device == m.placement[0], f"engine for {name!r} must be on {m.placement[0]}")
+
+
+def no_request_since_placed(state: ModelState, placed_at: float | None, last_arrival: float | None) -> bool:
+    """``ModelSnapshot.prewarmed`` from a body's state: resident, and no request arrived since its
+    placement was decided."""
+    if state is ModelState.EVICTED or placed_at is None:
+        return False
+    return last_arrival is None or last_arrival < placed_at
 
 
 def _index(items: Iterable, attr: str) -> dict:

@@ -19,8 +19,9 @@ from prism_serve.control import (
     RejectReason,
     Request,
 )
-from prism_serve.control.forecast import RateEstimator
+from prism_serve.control.forecast import RateEstimator, SeasonalForecaster
 from prism_serve.control.queues import RequestQueue
+from prism_serve.control.types import no_request_since_placed
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import EmptyPromptError, InvalidSamplingParamsError, PrismError, PromptTooLongError
@@ -205,6 +206,7 @@ def cluster_snapshot(
     queues: Mapping[str, RequestQueue],
     queued: Mapping[str, int],
     rates: RateEstimator,
+    forecast: SeasonalForecaster,
     ledgers: Mapping[str, DeviceLedger],
     now: float,
 ) -> ClusterSnapshot:
@@ -233,6 +235,10 @@ def cluster_snapshot(
                 num_running=m.num_running,
                 pinned=m.pinned,
                 profile=m.profile(),
+                forecast_rate=forecast.rate(name, now),
+                prewarmed=no_request_since_placed(
+                    m.state, m.placed_at if resident else None, rates.last_arrival(name)
+                ),
             )
         )
         if resident:

@@ -38,6 +38,7 @@ from prism_serve.control import (
     get_policy,
 )
 from prism_serve.control.loop import ControlLoop
+from prism_serve.control.types import no_request_since_placed
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.engine import SimEngine, SimRequest
@@ -433,6 +434,8 @@ class Simulator:
                 False,
                 m.profile,
                 placed_at=m.placed_at,
+                forecast_rate=self.loop.forecast.rate(name, now),
+                prewarmed=no_request_since_placed(m.state, m.placed_at, self.loop.rates.last_arrival(name)),
             )
         return self._model_snaps[name]
 

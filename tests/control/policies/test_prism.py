@@ -242,3 +242,40 @@ def test_a_model_with_running_requests_stays_and_the_plan_works_around_it():
     devices = {"d0": 80, "d1": 80}
     assert p.place(cluster(models(0), devices), NOW) == [Migrate("y", ("d0",), ("d1",))]
     assert p.place(cluster(models(2), devices), NOW) == []
+
+
+def forecast(m, rate):
+    return replace(m, forecast_rate=rate)
+
+
+def test_prewarm_activates_models_the_forecast_expects_into_free_memory_only():
+    models = [
+        model("hot", rate=2, on=("d0",), weight_gib=30, last=NOW),
+        forecast(model("soon", rate=0, weight_gib=10), 0.05),  # 3 requests expected in 60 s
+        forecast(model("rare", rate=0, weight_gib=10), 0.001),  # 0.06: not worth memory
+        model("unknown", rate=0, weight_gib=10),  # no complete forecast window yet
+    ]
+    c = cluster(models, {"d0": 80, "d1": 80})
+    assert get_policy("prism").place(c, NOW) == [Activate("soon", ("d1",))]
+    assert get_policy("prism", prewarm=False).place(c, NOW) == []
+    assert get_policy("prism", prewarm_horizon_s=2000).place(c, NOW) == [
+        Activate("soon", ("d1",)),
+        Activate("rare", ("d1",)),
+    ], "a longer horizon prewarms the rare one too, away from the busy device"
+    # above the watermark nothing is prewarmed: prewarming never causes an eviction
+    full = cluster(models, {"d0": 80, "d1": 80}, mapped={"d0": 70, "d1": 70})
+    assert get_policy("prism").place(full, NOW) == []
+
+
+def test_prewarmed_memory_yields_first_to_a_real_request():
+    models = [
+        replace(model("warm", ttft=0.5, on=("d0",), weight_gib=35, last=NOW - 1), prewarmed=True),
+        model("idle", ttft=5.0, on=("d0",), weight_gib=35, last=0.0),  # idle longer, larger SLO
+        model("cold", weight_gib=30),
+    ]
+    c = cluster(models, {"d0": 80})
+    out = get_policy("prism").on_request(request("r", "cold"), c, NOW)
+    assert out[0] == Evict("warm"), "a prewarmed model without requests goes before an idle one"
+    busy = replace(models[0], num_queued=1)
+    out = get_policy("prism").on_request(request("r", "cold"), cluster([busy, *models[1:]], {"d0": 80}), NOW)
+    assert out[0] == Evict("idle"), "once a request waits for it, it is no longer spare memory"

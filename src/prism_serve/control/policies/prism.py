@@ -20,7 +20,7 @@ deadline scheduling, for the ablations of the paper's Figures 10 and 11.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prism_serve.control.admission import DeadlineQueue
 from prism_serve.control.eviction import (
@@ -77,6 +77,10 @@ class PrismKnobs(Knobs):
     # False: placement weighs KV pressure only (the paper's KVPR), not the compute colocated engines
     # share (placement.pressure); the ablation of issue 16's compute-aware placement
     compute_aware: bool = True
+    # activate evicted models the seasonal forecast expects a request for within prewarm_horizon_s,
+    # into memory below the watermark (WarmServe's prewarming, seed 004); False: activate on demand only
+    prewarm: bool = True
+    prewarm_horizon_s: float = 60.0
 
     def __post_init__(self) -> None:
         require(
@@ -84,6 +88,10 @@ class PrismKnobs(Knobs):
             "migration_threshold must be finite and >= 0",
         )
         require(self.idle_threshold_s >= 0, "idle_threshold_s must be >= 0")
+        require(
+            self.prewarm_horizon_s > 0 and math.isfinite(self.prewarm_horizon_s),
+            "prewarm_horizon_s must be finite and > 0",
+        )
         require(
             self.migration_cooldown_s >= 0 and math.isfinite(self.migration_cooldown_s),
             "migration_cooldown_s must be finite and >= 0",
@@ -187,8 +195,8 @@ class PrismPolicy(Policy):
         unplaced = sorted(
             (m for m in waiting if not planned.get(m.model)), key=lambda m: (-m.demand, m.model)
         )
+        loads = self._planned_loads(cluster, result, planned, now) if unplaced or k.prewarm else []
         if unplaced:
-            loads = self._planned_loads(cluster, result, planned, now)
             for m in unplaced:
                 del planned[m.model]
                 choice = choose_activation(m, loads)
@@ -199,13 +207,11 @@ class PrismPolicy(Policy):
                     self._unload(loads, cluster.models[v], planned.pop(v))
                     evicted.append(v)
                     gone.add(v)
-                for d in devices:
-                    load = next(load for load in loads if load.device == d)
-                    load.weighted_rate += m.demand / m.tp_size
-                    load.busy += busy(m)
-                    load.shared_kv -= m.part_weight_bytes
+                self._load(loads, m, devices)
                 planned[m.model] = devices
                 activations.append(m)
+        if k.prewarm:
+            activations.extend(self._prewarm(cluster, loads, planned, now))
 
         actions: list[Action] = [Evict(v) for v in evicted]
         for m in cluster.models.values():
@@ -213,6 +219,64 @@ class PrismPolicy(Policy):
                 actions.append(Migrate(m.model, m.placement, planned[m.model]))
         actions.extend(Activate(m.model, planned[m.model]) for m in activations)
         return actions
+
+    def _prewarm(
+        self,
+        cluster: ClusterSnapshot,
+        loads: list[DeviceLoad],
+        planned: dict[str, tuple[str, ...]],
+        now: float,
+    ) -> list[ModelSnapshot]:
+        """Evicted models the forecast expects a request for within ``prewarm_horizon_s``, activated
+        (and added to ``planned``) in descending forecast where they fit in memory that stays below the
+        watermark without evicting anything. Their memory yields first (eviction.is_idle)."""
+        k = self.knobs
+        candidates = sorted(
+            (
+                m
+                for m in cluster.models.values()
+                if not m.resident
+                and m.model not in planned
+                and m.forecast_rate is not None
+                and m.forecast_rate * k.prewarm_horizon_s >= 1.0
+            ),
+            key=lambda m: (-(m.forecast_rate or 0.0), m.model),
+        )
+        if not candidates:
+            return []
+        # memory each device can still give without crossing the watermark: what is mapped now, plus
+        # the weights this tick moves or loads there (evictions are not credited: they may not be done)
+        room = {
+            d: k.memory_watermark * dev.capacity_bytes - dev.mapped_bytes
+            for d, dev in cluster.devices.items()
+        }
+        for name, devices in planned.items():
+            m = cluster.models[name]
+            for d in devices:
+                if d not in m.placement:
+                    room[d] -= m.part_weight_bytes
+        out = []
+        for m in candidates:
+            open_loads = [
+                replace(load, idle=[]) for load in loads if room[load.device] >= m.part_weight_bytes
+            ]
+            choice = choose_activation(m, open_loads)
+            if choice is None:
+                continue
+            devices, _ = choice
+            for d in devices:
+                room[d] -= m.part_weight_bytes
+            self._load(loads, m, devices)
+            planned[m.model] = devices
+            out.append(m)
+        return out
+
+    def _load(self, loads: list[DeviceLoad], m: ModelSnapshot, devices: tuple[str, ...]) -> None:
+        for load in loads:
+            if load.device in devices:
+                load.weighted_rate += m.demand / m.tp_size
+                load.busy += self._busy(m)
+                load.shared_kv -= m.part_weight_bytes
 
     def _planned_loads(
         self, cluster: ClusterSnapshot, result, planned: dict[str, tuple[str, ...]], now: float
