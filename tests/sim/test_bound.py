@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from prism_serve.cli import main
-from prism_serve.sim import HARDWARE, RooflineCostModel, SimConfig, SimConfigError, model_shape
-from prism_serve.sim.bound import lower_bound
-from prism_serve.sim.sweep import Experiment, find_gpus
+from prism_serve.sim import HARDWARE, ModelSLO, RooflineCostModel, SimConfig, SimConfigError, model_shape
+from prism_serve.sim.bound import _disjoint_weight, lower_bound
+from prism_serve.sim.sweep import Experiment, find_gpus, run_point
 from prism_serve.workload import Workload
 
 from .helpers import loose, poisson, served
@@ -70,6 +70,41 @@ def test_compute_bound_grows_linearly_with_the_requests_of_a_window():
     assert b40.devices == b40.compute_devices  # one 8B model fits one device: compute decides
 
 
+def test_weight_reads_add_up_only_for_requests_too_far_apart_to_share_a_step():
+    # feasible intervals of 0.5 + (O - 1) * 0.05 s: at most 5 s long, so arrivals 10 s apart never
+    # overlap, while arrivals 0.1 s apart always do
+    m = served("a")
+    slos = {"a": ModelSLO(0.5, 0.05)}
+    cost = RooflineCostModel(H100)
+    read = cost.request_floor(m.spec, 1, 16, 1, 1)[1]  # one weight read
+    outputs = [100, 60, 80]
+    apart = _workload([(10.0 * i, 0, 16, o) for i, o in enumerate(outputs)], ["a"])
+    together = _workload([(0.1 * i, 0, 16, o) for i, o in enumerate(outputs)], ["a"])
+    assert _bound([m], apart, slos=slos).compute_peak_s == pytest.approx(sum(outputs) * read)
+    assert _bound([m], together, slos=slos).compute_peak_s == pytest.approx(max(outputs) * read)
+    # without SLOs: perfect batching (every step shared by max_num_seqs requests) or the FLOPs
+    flops, reads = cost.request_floor(m.spec, 1, 16, np.array(outputs), 256)
+    assert reads.sum() == pytest.approx(sum(outputs) * read / 256)
+    assert _bound([m], apart).compute_peak_s == pytest.approx(max(flops.sum(), reads.sum()))
+    # requests of different models never share a step, whenever they arrive
+    two = [served("a"), served("b")]
+    both = _workload([(0.0, 0, 16, 100), (0.1, 1, 16, 80)], ["a", "b"])
+    b = _bound(two, both, slos={"a": slos["a"], "b": slos["a"]})
+    assert b.compute_peak_s == pytest.approx(180 * read)
+
+
+def test_the_largest_weight_of_disjoint_intervals_not_the_most_intervals():
+    def best(*rows: tuple[float, float, float]) -> float:
+        return _disjoint_weight(*(np.array(c, dtype=np.float64) for c in zip(*rows, strict=True)))
+
+    # two short requests inside a long one: the long one alone outweighs them
+    assert best((0, 10, 10), (1, 2, 3), (3, 4, 3)) == 10
+    assert best((0, 10, 5), (1, 2, 3), (3, 4, 3)) == 6
+    # touching ends cannot hold one step of positive length for both
+    assert best((0, 1, 2), (1, 2, 2), (1.5, 3, 1)) == 4
+    assert best((0, 1, 2)) == 2
+
+
 def test_a_model_with_tp_4_needs_four_devices_even_when_idle_elsewhere():
     big, small = served("big", "qwen2.5-32b", tp=4), served("small", "llama-3.2-1b")
     w = _workload([(0.0, 0, 128, 16), (30.0, 1, 128, 16)], ["big", "small"])
@@ -113,10 +148,31 @@ def test_the_bound_is_at_most_what_a_simulated_policy_needs(policy):
     ms = [served(f"m{i}", "qwen2.5-14b") for i in range(4)]
     w = poisson([m.name for m in ms], rate=0.5, duration=40, prompt=(64, 1024), output=(8, 128), seed=2)
     exp = Experiment(ms, w, loose(ms), SimConfig(num_devices=1), slo_scale=1.0)
-    b = _bound(ms, w, max_num_seqs=exp.config.max_num_seqs)
+    b = _bound(ms, w, max_num_seqs=exp.config.max_num_seqs, slos=loose(ms))
     assert b.devices == b.memory_devices == 2
     n, _ = find_gpus(exp, policy, 0.99, 4)
     assert n is not None and b.devices <= n
+
+
+@pytest.mark.parametrize("policy", ["prism", "static-partition"])
+def test_the_slo_compute_bound_is_at_most_what_a_simulated_policy_needs(policy):
+    # eight 1B models (one device by memory) decoding long outputs against a tight TPOT: their
+    # weight reads add up on a shared device, so compute decides, which perfect batching misses
+    ms = [served(f"m{i}", "llama-3.2-1b") for i in range(8)]
+    w = poisson([m.name for m in ms], rate=2, duration=40, prompt=(16, 256), output=(200, 400), seed=3)
+    slos = {m.name: ModelSLO(0.5, 0.004) for m in ms}
+    exp = Experiment(ms, w, slos, SimConfig(num_devices=1), slo_scale=1.0)
+    b = _bound(ms, w, max_num_seqs=exp.config.max_num_seqs, slos=slos, compute_window_s=20.0)
+    batched = _bound(ms, w, max_num_seqs=exp.config.max_num_seqs, compute_window_s=20.0)
+    assert b.memory_devices == batched.devices == 1 and b.devices == b.compute_devices >= 2
+    # the bound is for serving every request within both SLOs
+    for n in range(1, 2 * b.devices + 1):
+        r = run_point(exp, policy, "gpus", n)
+        if r["ttft_attainment"] == r["tpot_attainment"] == 1.0:
+            break
+    else:
+        pytest.fail(f"{policy} missed SLOs on {n} devices")
+    assert b.devices <= n
 
 
 def test_rejects_bad_windows_and_unknown_models():
@@ -128,6 +184,8 @@ def test_rejects_bad_windows_and_unknown_models():
         _bound([m], w, compute_window_s=float("inf"))
     with pytest.raises(SimConfigError, match="not served"):
         _bound([served("b")], _workload([(0.0, 0, 10, 10)], ["a"]))
+    with pytest.raises(SimConfigError, match="no SLOs"):
+        _bound([m], w, slos={"b": ModelSLO(1.0, 0.1)})
     assert _bound([m], w.select(np.zeros(1, dtype=bool))).devices == 1
 
 

@@ -19,18 +19,38 @@ two (a few turns per window at most), not a theorem, and a policy that takes tur
 need fewer devices than the memory count. Pages, claims and the KV of concurrent requests only add,
 so they are left out.
 
-**Compute.** Each request costs at least two device-second floors from the cost model
-(``RooflineCostModel.request_floor``): its FLOPs at the compute rates (prompt once, ``output - 1``
-decodes, the attention pairs of that schedule) and its share of the weight reads of decode (a step
-reads the weights once and samples at most ``max_num_seqs`` tokens). A step is one model's, and costs
-at least both of its parts (the GPU roofline is their max; the CPU form their sum), so a model's
-steps cost at least ``max(sum of FLOP floors, sum of weight-read floors)`` over its requests; a
-window's ``compute_s`` is the sum of that over the models with arrivals in the window (a TP model's
-device-seconds are ``tp`` times one rank's). The compute count is ``ceil(max over windows of
-compute_s / compute_window_s)``. Assumption: the work of requests arriving in a window is done within
-a window's length. Strictly it may spill into the next window (its requests arrived before that
-window ended, but may still be decoding), so a burst at a window's end is spread over up to the
-window plus the longest request's latency; with 60 s windows and latencies of seconds that is a
+**Compute.** Per model and window, the largest of three device-second floors of the requests of that
+model arriving in the window (a TP model's device-seconds are ``tp`` times one rank's), summed over
+the models; the compute count is ``ceil(max over windows of compute_s / compute_window_s)``.
+
+- *FLOPs* (``RooflineCostModel.request_floor``): each request's FLOPs at the compute rates (its prompt
+  once, ``output - 1`` decodes, the attention pairs of that schedule), summed. A prefill step reads
+  the weights too, but prefills batch, so prompts count only their FLOPs.
+- *Weight reads of decoding, given the SLOs* (``slos``): a request of ``O`` output tokens samples
+  them in ``O`` distinct steps of its model's engine (a step samples at most one token per request)
+  and every step reads the model's weights at least once (``w``: the weight stream time, the floor
+  of one step). All ``O`` steps fall in the request's feasible interval ``[a, a + ttft + (O - 1) *
+  tpot]`` (arrival; first token by the TTFT SLO, last by the TPOT SLO, which the simulator measures
+  as ``(finish - first token) / (O - 1)``), so requests whose intervals are pairwise disjoint never
+  share a step: the model needs ``w`` times the largest sum of ``O`` over a set of pairwise-disjoint
+  feasible intervals (weighted interval scheduling, O(n log n)). Requests spaced far apart add up
+  (sum of ``O``); requests arriving together may share every step (the largest ``O``). This is
+  what limits a many-model workload: most models have a few requests at a time, and colocated
+  engines time-share a device (sim/hardware.py ``share_slowdown`` is at least processor sharing),
+  so their weight reads add up.
+- *Weight reads with perfect batching*: each sampled token carries ``1 / max_num_seqs`` of a read.
+  Larger than the SLO term only for a model with more than a few concurrent requests; the only
+  weight-read term when no SLOs are given.
+
+A step costs at least both its FLOPs and its weight read (the GPU roofline is their max, the CPU
+form their sum), so the max of the three is a floor. With SLOs the count is a bound for a policy
+that serves **every** request within both its SLOs (the scaled ones the simulation uses); a target of
+99% attainment lets a policy drop the costliest 1% (and the default ``--find-gpus`` metric, TTFT
+attainment, does not check TPOT at all), so a policy can come in under the figure, which is the
+bound for serving every request in SLO. Assumption: the work of requests arriving in a window is done
+within a window's length. Strictly it may spill into the next window (its requests arrived before
+that window ended, but may still be decoding), so a burst at a window's end is spread over up to
+the window plus the longest request's latency; with 60 s windows and latencies of seconds that is a
 small fraction of the window, but not zero. Compute sharing only slows steps, preemption only adds
 recomputation, so neither lowers the floor.
 
@@ -44,10 +64,12 @@ cost model and hardware profile, so the bound is as synthetic as the simulation 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from prism_serve.sim.config import ModelSLO
 from prism_serve.sim.cost import RooflineCostModel
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.hardware import HardwareProfile
@@ -87,10 +109,16 @@ def lower_bound(
     cost: RooflineCostModel,
     *,
     max_num_seqs: int,
+    slos: Mapping[str, ModelSLO] | None = None,
     memory_window_s: float = 10.0,
     compute_window_s: float = 60.0,
 ) -> DeviceBound:
-    """The devices any policy needs for ``workload`` on ``hw`` (module docstring for the definition)."""
+    """The devices any policy needs for ``workload`` on ``hw`` (module docstring for the definition).
+
+    ``slos`` are the SLOs the simulation runs with (already scaled, as sweep.run_point passes them to
+    simulate); with them the compute part counts the weight reads that requests too far apart in time
+    to share a step need, and is a bound for policies that meet every request's SLOs. Without them
+    the compute part assumes perfect batching (``max_num_seqs`` tokens per weight read)."""
     for name, value in (("memory_window_s", memory_window_s), ("compute_window_s", compute_window_s)):
         if not (value > 0 and math.isfinite(value)):
             raise SimConfigError(f"{name} must be a positive number, got {value}")
@@ -102,6 +130,10 @@ def lower_bound(
     if missing:
         raise SimConfigError(f"workload addresses models not served: {', '.join(missing[:5])}")
     served = [by_name[workload.models[i]] for i in used]
+    if slos is not None:
+        unknown = [m.name for m in served if m.name not in slos]
+        if unknown:
+            raise SimConfigError(f"no SLOs for models with requests: {', '.join(unknown[:5])}")
     if not served:
         return DeviceBound(1, 0, 0, 0, 0, 0.0, 0.0, 0.0, memory_window_s, compute_window_s)
 
@@ -122,16 +154,28 @@ def lower_bound(
     mem_peak = int(np.argmax(mem_bytes))
     memory_devices = _ceil(mem_bytes[mem_peak] / hw.capacity_bytes)
 
-    # compute: per (window, model) the two floors summed over requests, then max per model
+    # compute: per (window, model) the three floors, then max per model
     cw = (ts // compute_window_s).astype(np.int64)
     flops = np.zeros((int(cw.max()) + 1, len(served)))
-    reads = np.zeros_like(flops)
+    batched = np.zeros_like(flops)
+    serial = np.zeros_like(flops)
     for k, m in enumerate(served):
-        mine = j == k
-        f, r = cost.request_floor(m.spec, m.tp_size, prompt[mine], output[mine], max_num_seqs)
+        mine = np.flatnonzero(j == k)
+        p, o = prompt[mine], output[mine]
+        f, r = cost.request_floor(m.spec, m.tp_size, p, o, max_num_seqs)
         np.add.at(flops, (cw[mine], k), f)
-        np.add.at(reads, (cw[mine], k), r)
-    compute_s = np.maximum(flops, reads).sum(axis=1)
+        np.add.at(batched, (cw[mine], k), r)
+        if slos is not None:
+            # a request's weight reads when it shares no step: one read per sampled token
+            alone = cost.request_floor(m.spec, m.tp_size, p, o, 1)[1]
+            slo = slos[m.name]
+            start = ts[mine]
+            end = start + slo.ttft_s + np.maximum(o - 1, 0) * slo.tpot_s
+            # mine is in arrival order, so each window's requests are one contiguous run
+            windows, first = np.unique(cw[mine], return_index=True)
+            for c, lo, hi in zip(windows, first, [*first[1:], len(mine)], strict=True):
+                serial[c, k] = _disjoint_weight(start[lo:hi], end[lo:hi], alone[lo:hi])
+    compute_s = np.maximum(np.maximum(flops, batched), serial).sum(axis=1)
     compute_peak = int(np.argmax(compute_s))
     compute_devices = _ceil(compute_s[compute_peak] / compute_window_s)
 
@@ -148,6 +192,21 @@ def lower_bound(
         memory_window_s=memory_window_s,
         compute_window_s=compute_window_s,
     )
+
+
+def _disjoint_weight(start: np.ndarray, end: np.ndarray, weight: np.ndarray) -> float:
+    """The largest total weight of intervals ``[start, end]`` that are pairwise disjoint (touching
+    ends count as disjoint: a step has a positive length, so it cannot lie inside both), by weighted
+    interval scheduling: by end, each interval either joins the best set of those ending by its start
+    or is left out."""
+    order = np.argsort(end, kind="stable")
+    s, e, w = start[order], end[order], weight[order]
+    # before[i]: how many intervals (in end order) end at or before interval i starts
+    before = np.minimum(np.searchsorted(e, s, side="right"), np.arange(len(e)))
+    best = [0.0] * (len(e) + 1)
+    for i in range(len(e)):
+        best[i + 1] = max(best[i], w[i] + best[before[i]])
+    return best[-1]
 
 
 def _ceil(x: float) -> int:
