@@ -198,6 +198,7 @@ def _bound(exp, args: argparse.Namespace):
     from prism_serve.sim.bound import lower_bound
     from prism_serve.sim.cost import COST_MODELS
     from prism_serve.sim.hardware import get_hardware
+    from prism_serve.workload.slo import scale_slos
 
     config = exp.config
     hw = get_hardware(config.hardware)
@@ -207,6 +208,7 @@ def _bound(exp, args: argparse.Namespace):
         exp.models, exp.workload, hw, COST_MODELS[config.cost_model](hw),
         max_num_seqs=config.max_num_seqs, memory_window_s=args.bound_window,
         compute_window_s=args.bound_compute_window,
+        slos=scale_slos(exp.base_slos, exp.slo_scale, exp.tpot_scale),
     )  # fmt: skip
 
 
