@@ -149,6 +149,13 @@ class Scripted:
     def new_queue(self, device):
         return self.inner.new_queue(device)
 
+    @property
+    def replica_slots(self):
+        return self.inner.replica_slots
+
+    def pick_replica(self, request, cluster, now):
+        return self.inner.pick_replica(request, cluster, now)
+
     def place(self, cluster, now):
         out, self.next_place = self.next_place, None
         return self.inner.place(cluster, now) if out is None else out

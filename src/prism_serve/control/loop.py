@@ -144,10 +144,7 @@ class ControlLoop:
         if request.req_id in self.requests:
             raise LoopStateError(f"request {request.req_id!r} is already in the loop")
         self.requests[request.req_id] = request
-        self.rates.observe(request.model, now)
-        self.forecast.observe(request.model, now)
-        self.stale_models[request.model] = None
-        self._route(request, now)
+        self._route(request, now, arriving=True)
         self._admit_changed(now)
 
     def tick(self, now: float) -> None:
@@ -216,9 +213,23 @@ class ControlLoop:
 
     # ---- routing and actions ----------------------------------------------------------------------
 
-    def _route(self, request: Request, now: float) -> None:
+    def _route(self, request: Request, now: float, *, arriving: bool = False) -> None:
+        """Pick the request's replica, then let the policy route it. An arrival counts in the rate of
+        the replica it goes to and in the forecast of its served model."""
         self.where[request.req_id] = _NEW
-        self._apply(self.policy.on_request(request, self.body.cluster(now), now), now)
+        cluster = self.body.cluster(now)
+        routed = self.policy.pick_replica(request, cluster, now)
+        if routed is not request:
+            self.requests[routed.req_id] = routed
+        if arriving:
+            snap = cluster.models.get(routed.model)
+            self.rates.observe(routed.model, now)
+            self.forecast.observe(snap.group if snap is not None else routed.model, now)
+            self.stale_models[routed.model] = None
+            if snap is not None:
+                self.stale_models[snap.group] = None
+            cluster = self.body.cluster(now)
+        self._apply(self.policy.on_request(routed, cluster, now), now)
 
     def _apply(self, actions: Iterable, now: float) -> None:
         """Apply ``actions`` in order; requests they displaced are routed again afterwards, so every

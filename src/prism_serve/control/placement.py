@@ -14,7 +14,8 @@ totalling 4 req/s at a 0.5 s SLO has KVPR 0.2); a device with no memory left has
 
 A tensor-parallel model with ``tp`` ranks is placed as ``tp`` parts, each carrying ``1/tp`` of its
 weight and rate (Appendix A.1.2). Parts of one model sort next to each other and never share a device:
-if the lowest-KVPR device already holds a sibling part, the next lowest is used.
+if the lowest-KVPR device already holds a sibling part, the next lowest is used. Replicas of one served
+model (``Part.group``) never share a device either.
 
 The algorithm re-places every model from empty devices each time it runs, in descending ``r/s``; a
 model leaves its current device only if that device's KVPR exceeds the best device's by more than tau.
@@ -91,6 +92,13 @@ class Part:
     current: str | None = None  # device it is on now; None for a model being activated
     fixed: bool = False  # cannot move this round (an activation or migration is in flight)
     busy: float = 0.0  # the model's predicted busy fraction (compute demand on this part's device)
+    # parts with equal groups never share a device: the replicas of one served model (control/
+    # replicas.py) as well as the ranks of one TP model; "" means the part's own model
+    group: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.group or self.model
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,7 +172,7 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
             W[j] += p.demand
             U[j] += p.busy
             S[j] -= p.weight_bytes
-            held[j].add(p.model)
+            held[j].add(p.key)
             assignment[(p.model, p.rank)] = p.current
         else:
             movable.append(p)
@@ -180,7 +188,7 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
         heapq.heappush(heap, (pressure(W[j], S[j], U[j]), U[j], -S[j], j, version[j]))
 
     def fits(j: int, p: Part) -> bool:
-        return S[j] - reserved[j] - p.weight_bytes >= min_kv[j] and p.model not in held[j]
+        return S[j] - reserved[j] - p.weight_bytes >= min_kv[j] and p.key not in held[j]
 
     def best_below(p: Part, bound: float) -> int | None:
         """The lowest-pressure device that fits ``p``, if its pressure is below ``bound``."""
@@ -206,9 +214,9 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
         U[j] += sign * p.busy
         S[j] -= sign * p.weight_bytes
         if sign > 0:
-            held[j].add(p.model)
+            held[j].add(p.key)
         else:
-            held[j].discard(p.model)
+            held[j].discard(p.key)
         touch(j)
 
     i = 0

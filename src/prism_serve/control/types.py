@@ -16,6 +16,7 @@ from types import MappingProxyType
 from prism_serve.errors import DuplicateRequestError, PrismError
 
 __all__ = [
+    "REPLICA_SEPARATOR",
     "Action",
     "Activate",
     "ClusterSnapshot",
@@ -38,6 +39,7 @@ __all__ = [
     "Request",
     "SetKVQuota",
     "UnknownPolicyError",
+    "replica_name",
 ]
 
 
@@ -97,6 +99,10 @@ class ModelProfile:
     # measured engine-busy seconds per request served (step time over requests, batching included);
     # None: not measured yet, so the busy fraction comes from the token means and speeds above
     busy_s_per_request: float | None = None
+    # requests/s one replica serves on its own device within the model's SLOs (the simulator: from
+    # the cost model; live: requests per second of engine stepping, measured). None: unknown, so
+    # prism never gives the model a second replica
+    max_rate: float | None = None
 
     def __post_init__(self) -> None:
         _check(self.mean_prompt_tokens > 0 and self.mean_output_tokens > 0, f"bad token means in {self}")
@@ -105,6 +111,7 @@ class ModelProfile:
             self.busy_s_per_request is None or _finite_nonneg(self.busy_s_per_request),
             f"bad busy_s_per_request in {self}",
         )
+        _check(self.max_rate is None or self.max_rate > 0, f"bad max_rate in {self}")
 
     @property
     def service_s(self) -> float:
@@ -145,6 +152,9 @@ class ModelSnapshot:
     # resident but no request has arrived since it was placed (prewarmed, or reloaded for nothing):
     # its memory is the first to yield to real demand
     prewarmed: bool = False
+    # a replica slot of the served model named here (its own engine on other devices, the same host
+    # weights; see replica_name); None: the served model itself, which is also its replica 0
+    replica_of: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model name must not be empty")
@@ -161,6 +171,12 @@ class ModelSnapshot:
             self.forecast_rate is None or _finite_nonneg(self.forecast_rate),
             f"{self.model}: forecast_rate must be finite and >= 0",
         )
+        if self.replica_of is not None:
+            prefix, _, index = self.model.rpartition(REPLICA_SEPARATOR)
+            _check(
+                prefix == self.replica_of and index.isdigit() and int(index) > 0,
+                f"{self.model}: replica slots of {self.replica_of!r} are named {self.replica_of}#k, k >= 1",
+            )
         if self.state is ModelState.EVICTED:
             _check(not self.placement, f"{self.model}: an evicted model has no placement")
         else:
@@ -168,6 +184,11 @@ class ModelSnapshot:
                 len(self.placement) == self.tp_size and len(set(self.placement)) == self.tp_size,
                 f"{self.model}: placement {self.placement} must name {self.tp_size} distinct devices",
             )
+
+    @property
+    def group(self) -> str:
+        """The served model this snapshot is a replica of (its own name for replica 0)."""
+        return self.replica_of or self.model
 
     @property
     def resident(self) -> bool:
@@ -279,6 +300,8 @@ class ClusterSnapshot:
     models: Mapping[str, ModelSnapshot]
     devices: Mapping[str, DeviceSnapshot]
     engines: Mapping[str, EngineSnapshot] = field(default_factory=dict)  # by model
+    # served model -> its replica slots beyond replica 0, in slot order (built from replica_of)
+    extra_replicas: Mapping[str, tuple[str, ...]] = field(init=False, default_factory=dict)
 
     @classmethod
     def build(
@@ -308,6 +331,37 @@ class ClusterSnapshot:
             m = self.models.get(name)
             _check(m is not None and m.resident, f"engine for {name!r}: no such resident model")
             _check(e.device == m.placement[0], f"engine for {name!r} must be on {m.placement[0]}")
+        extra: dict[str, list[str]] = {}
+        for m in self.models.values():
+            if m.replica_of is not None:
+                base = self.models.get(m.replica_of)
+                _check(
+                    base is not None and base.replica_of is None,
+                    f"{m.model}: replica of {m.replica_of!r}, which is not a served model here",
+                )
+                extra.setdefault(m.replica_of, []).append(m.model)
+        object.__setattr__(
+            self,
+            "extra_replicas",
+            MappingProxyType({k: tuple(sorted(v, key=_replica_index)) for k, v in extra.items()}),
+        )
+
+    def replicas(self, model: str) -> tuple[str, ...]:
+        """The snapshot names of ``model``'s replica slots, replica 0 (``model`` itself) first."""
+        return (model, *self.extra_replicas.get(model, ()))
+
+
+REPLICA_SEPARATOR = "#"
+
+
+def replica_name(model: str, index: int) -> str:
+    """The name replica ``index`` of ``model`` has in snapshots, actions and bodies: ``model`` itself
+    for replica 0, ``model#index`` after it (model names never contain the separator)."""
+    return model if index == 0 else f"{model}{REPLICA_SEPARATOR}{index}"
+
+
+def _replica_index(name: str) -> int:
+    return int(name.rsplit(REPLICA_SEPARATOR, 1)[1])
 
 
 def no_request_since_placed(state: ModelState, placed_at: float | None, last_arrival: float | None) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from prism_serve.control.queues import RequestQueue
+from prism_serve.control.replicas import pick_replica
 from prism_serve.control.types import (
     Action,
     Activate,
@@ -63,6 +64,8 @@ class Policy:
       activating; apply the returned Evict/Migrate/Activate/SetKVQuota actions in order.
     - ``on_request(request, cluster, now)``: where a new request goes: ``Enqueue`` (possibly after
       Evict/Activate), ``Defer`` (hold it and resubmit after the next tick) or ``Reject``.
+    - ``pick_replica(request, cluster, now)``: which replica of its model a request goes to (before
+      ``on_request``); ``replica_slots``: how many replica slots per model the body creates.
     - ``new_queue(device)``: the per-device queue object the caller owns.
     - ``admit(queue, device, engines, now)``: which queued requests start now on ``device``
       (``Dispatch``), which are refused (``Reject``), and for time-sharing policies the swap to do.
@@ -83,6 +86,16 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.knobs!r})"
+
+    @property
+    def replica_slots(self) -> int:
+        """Replica slots the body creates per served model (control/replicas.py); 1: no replicas."""
+        return 1
+
+    def pick_replica(self, request: Request, cluster: ClusterSnapshot, now: float) -> Request:
+        """``request`` addressed to the replica of its model it should go to (the loop calls this
+        before ``on_request``, and again whenever the request is routed anew)."""
+        return pick_replica(request, cluster)
 
     def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
         return []

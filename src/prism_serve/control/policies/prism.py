@@ -44,6 +44,13 @@ from prism_serve.control.policies.base import (
     unknown_model,
 )
 from prism_serve.control.queues import FifoQueue, RequestQueue
+from prism_serve.control.replicas import (
+    group_rate,
+    pick_replica,
+    resident_replicas,
+    surplus,
+    wanted_replicas,
+)
 from prism_serve.control.types import (
     Action,
     Activate,
@@ -81,6 +88,12 @@ class PrismKnobs(Knobs):
     # into memory below the watermark (WarmServe's prewarming, seed 004); False: activate on demand only
     prewarm: bool = True
     prewarm_horizon_s: float = 60.0
+    # replicas of hot models (control/replicas.py): at most this many per served model (1: off, the
+    # ablation); a model wants ceil(rate / (replica_high * max_rate)) of them and gives one up when
+    # the others would stay below replica_low utilization without it
+    max_replicas: int = 4
+    replica_high: float = 0.8
+    replica_low: float = 0.5
 
     def __post_init__(self) -> None:
         require(
@@ -97,6 +110,10 @@ class PrismKnobs(Knobs):
             "migration_cooldown_s must be finite and >= 0",
         )
         fraction("memory_watermark", self.memory_watermark, open_low=True)
+        require(self.max_replicas >= 1, "max_replicas must be >= 1")
+        fraction("replica_high", self.replica_high, open_low=True)
+        fraction("replica_low", self.replica_low)
+        require(self.replica_low < self.replica_high, "replica_low must be below replica_high")
         self._check_shared()
         require(self.default_prefill_tokens_per_s > 0, "default_prefill_tokens_per_s must be > 0")
 
@@ -116,6 +133,18 @@ class PrismPolicy(Policy):
             abort_on_miss=k.abort_on_miss,
             default_prefill_tokens_per_s=k.default_prefill_tokens_per_s,
         )
+
+    @property
+    def replica_slots(self) -> int:
+        return self.knobs.max_replicas
+
+    def pick_replica(self, request: Request, cluster: ClusterSnapshot, now: float) -> Request:
+        """The replica with the lowest predicted TTFT, leaving out a surplus replica (it drains)."""
+        m = cluster.models.get(request.model)
+        if m is None or len(cluster.replicas(m.group)) == 1:
+            return pick_replica(request, cluster)
+        extra = surplus(cluster, m.group, self.knobs.replica_low)
+        return pick_replica(request, cluster, extra.model if extra is not None else None)
 
     def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
         m = cluster.models.get(request.model)
@@ -165,14 +194,21 @@ class PrismPolicy(Policy):
                 )
                 parts.extend(
                     Part(
-                        m.model, r, m.demand / m.tp_size, m.part_weight_bytes, m.placement[r], fixed, busy(m)
+                        m.model,
+                        r,
+                        m.demand / m.tp_size,
+                        m.part_weight_bytes,
+                        m.placement[r],
+                        fixed,
+                        busy(m),
+                        m.group,
                     )
                     for r in range(m.tp_size)
                 )
             elif m.num_queued > 0:
                 waiting.append(m)
                 parts.extend(
-                    Part(m.model, r, m.demand / m.tp_size, m.part_weight_bytes, busy=busy(m))
+                    Part(m.model, r, m.demand / m.tp_size, m.part_weight_bytes, busy=busy(m), group=m.group)
                     for r in range(m.tp_size)
                 )
         budgets = [
@@ -195,8 +231,16 @@ class PrismPolicy(Policy):
         unplaced = sorted(
             (m for m in waiting if not planned.get(m.model)), key=lambda m: (-m.demand, m.model)
         )
-        loads = self._planned_loads(cluster, result, planned, now) if unplaced or k.prewarm else []
+        cached: list[list[DeviceLoad]] = []
+
+        def loads_now() -> list[DeviceLoad]:
+            """The plan's per-device loads, built once and only if an activation needs them."""
+            if not cached:
+                cached.append(self._planned_loads(cluster, result, planned, now))
+            return cached[0]
+
         if unplaced:
+            loads = loads_now()
             for m in unplaced:
                 del planned[m.model]
                 choice = choose_activation(m, loads)
@@ -210,8 +254,10 @@ class PrismPolicy(Policy):
                 self._load(loads, m, devices)
                 planned[m.model] = devices
                 activations.append(m)
+        if cluster.extra_replicas:
+            activations.extend(self._scale_replicas(cluster, loads_now, planned, evicted, gone))
         if k.prewarm:
-            activations.extend(self._prewarm(cluster, loads, planned, now))
+            activations.extend(self._prewarm(cluster, loads_now, planned))
 
         actions: list[Action] = [Evict(v) for v in evicted]
         for m in cluster.models.values():
@@ -220,12 +266,67 @@ class PrismPolicy(Policy):
         actions.extend(Activate(m.model, planned[m.model]) for m in activations)
         return actions
 
+    def _scale_replicas(
+        self,
+        cluster: ClusterSnapshot,
+        loads_now,
+        planned: dict[str, tuple[str, ...]],
+        evicted: list[str],
+        gone: set[str],
+    ) -> list[ModelSnapshot]:
+        """Replica slots to activate (added to ``planned``) for served models whose demand wants more
+        replicas than are resident, one per model per tick, on the lowest-pressure devices holding no
+        replica of it (evicting idle models there if needed); surplus replicas with nothing queued or
+        running are evicted (added to ``evicted``). See control/replicas.py."""
+        k = self.knobs
+        out = []
+        for model in cluster.extra_replicas:
+            resident = [m for m in resident_replicas(cluster, model) if m.model not in gone]
+            if not resident or any(m.state is ModelState.ACTIVATING for m in resident):
+                continue  # nothing to replicate yet, or a replica is still coming up: wait for it
+            tp = resident[0].tp_size
+            slots = min(k.max_replicas, len(cluster.replicas(model)), len(cluster.devices) // tp)
+            n = len(resident)
+            if wanted_replicas(cluster, model, k.replica_high, slots) > n:
+                free = next(
+                    (
+                        cluster.models[s]
+                        for s in cluster.replicas(model)
+                        if not cluster.models[s].resident and s not in planned
+                    ),
+                    None,
+                )
+                if free is None:
+                    continue
+                taken = {d for m in resident for d in planned.get(m.model, m.placement)}
+                # for the plan's loads the new replica carries its share of the model's rate
+                share = replace(free, rate=group_rate(cluster, model) / (n + 1))
+                loads = loads_now()
+                choice = choose_activation(share, [load for load in loads if load.device not in taken])
+                if choice is None:
+                    continue
+                devices, victims = choice
+                for v in victims:
+                    self._unload(loads, cluster.models[v], planned.pop(v))
+                    evicted.append(v)
+                    gone.add(v)
+                self._load(loads, share, devices)
+                planned[free.model] = devices
+                out.append(free)
+                continue
+            extra = surplus(cluster, model, k.replica_low)
+            if extra is not None and not (extra.num_queued or extra.num_running) and extra.model not in gone:
+                if placed := planned.pop(extra.model, None):
+                    self._unload(loads_now(), extra, placed)
+                evicted.append(extra.model)
+                gone.add(extra.model)
+        return out
+
     def _prewarm(
         self,
         cluster: ClusterSnapshot,
-        loads: list[DeviceLoad],
+        loads_now,
         planned: dict[str, tuple[str, ...]],
-        now: float,
     ) -> list[ModelSnapshot]:
         """Evicted models the forecast expects a request for within ``prewarm_horizon_s``, activated
         (and added to ``planned``) in descending forecast where they fit in memory that stays below the
@@ -237,13 +338,17 @@ class PrismPolicy(Policy):
                 for m in cluster.models.values()
                 if not m.resident
                 and m.model not in planned
+                and m.replica_of is None
                 and m.forecast_rate is not None
                 and m.forecast_rate * k.prewarm_horizon_s >= 1.0
             ),
             key=lambda m: (-(m.forecast_rate or 0.0), m.model),
         )
+        # a served model with any replica resident is warm already
+        candidates = [m for m in candidates if not any(n in planned for n in cluster.replicas(m.model)[1:])]
         if not candidates:
             return []
+        loads = loads_now()
         # memory each device can still give without crossing the watermark: what is mapped now, plus
         # the weights this tick moves or loads there (evictions are not credited: they may not be done)
         room = {

@@ -1,0 +1,123 @@
+"""Replicas of hot models: how many each served model needs, and which replica a request goes to.
+
+A served model may run as several *replicas*: data-parallel engines on different devices, each
+with its own KV cache, all loaded from the one host copy of the model's weights. The control plane
+sees each replica as a model of its own (``ModelSnapshot.replica_of`` names the served model;
+:func:`~prism_serve.control.types.replica_name` names the slots), so placement, eviction, admission
+and both bodies treat replicas exactly like models. The body creates the slots up front
+(``Policy.replica_slots``); a slot is EVICTED until a policy activates it.
+
+Demand against capacity. A served model's demand is the sum of its replicas' request rates (each
+replica's rate is what the router sent it), and one replica serves at most ``max_rate`` requests/s
+within the model's SLOs (``ModelProfile.max_rate``: the simulator's cost model, or live the
+requests served per second of engine stepping). The model wants::
+
+    wanted = ceil(rate / (high * max_rate))      clamped to [1, slots]
+
+replicas: scale up while fewer are resident, one per placement tick. It has a *surplus* replica
+when one fewer would still run below ``low`` utilization (``rate < low * max_rate * (n - 1)``):
+the router stops sending the surplus replica requests and the policy evicts it once it has none.
+``low`` < ``high`` is the hysteresis that keeps the count from flapping with rate noise.
+
+Routing. A request goes to the resident replica with the lowest predicted TTFT (:func:`predicted_ttft`):
+requests queued ahead of it on that replica's device and its own prefill, one decode step of the
+replica's running batch, all stretched by the device's compute contention; a replica still
+activating comes after every active one. Ties go to the lower slot, so traffic concentrates on
+replica 0 and a surplus replica drains. With no replica resident the request goes to replica 0,
+whose activation the policy decides as for any evicted model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from prism_serve.control.placement import contention
+from prism_serve.control.types import ClusterSnapshot, ModelSnapshot, ModelState, Request
+
+__all__ = ["device_busy", "group_rate", "pick_replica", "predicted_ttft", "replica_capacity", "surplus"]
+
+_TYPICAL_BATCH = 16  # ModelProfile.decode_step_s is one step at about this many running requests
+
+
+def group_rate(cluster: ClusterSnapshot, model: str) -> float:
+    """Requests/s of the served model ``model`` over all its replicas."""
+    return sum(cluster.models[n].rate for n in cluster.replicas(model))
+
+
+def replica_capacity(cluster: ClusterSnapshot, model: str) -> float | None:
+    """Requests/s one replica of ``model`` serves within its SLOs: the mean ``max_rate`` of its
+    resident replicas that know it, else of any replica; None when no replica knows it."""
+    snaps = [cluster.models[n] for n in cluster.replicas(model)]
+    for pool in ([m for m in snaps if m.resident], snaps):
+        known = [m.profile.max_rate for m in pool if m.profile.max_rate is not None]
+        if known:
+            return sum(known) / len(known)
+    return None
+
+
+def resident_replicas(cluster: ClusterSnapshot, model: str) -> list[ModelSnapshot]:
+    return [m for n in cluster.replicas(model) if (m := cluster.models[n]).resident]
+
+
+def surplus(cluster: ClusterSnapshot, model: str, low: float) -> ModelSnapshot | None:
+    """The replica ``model`` can give up (the highest resident slot), if one fewer would still run
+    below ``low`` utilization; never its last active replica."""
+    resident = resident_replicas(cluster, model)
+    if len(resident) < 2:
+        return None
+    capacity = replica_capacity(cluster, model)
+    if capacity is None or group_rate(cluster, model) >= low * capacity * (len(resident) - 1):
+        return None
+    last = resident[-1]
+    if last.state is ModelState.ACTIVE and not any(m.state is ModelState.ACTIVE for m in resident[:-1]):
+        return None
+    return last
+
+
+def device_busy(cluster: ClusterSnapshot, device: str) -> float:
+    """Summed predicted busy fraction of the models on ``device``."""
+    return sum(cluster.models[n].busy for n in cluster.devices[device].models)
+
+
+def predicted_ttft(m: ModelSnapshot, cluster: ClusterSnapshot) -> float:
+    """Seconds until a new request of replica ``m`` would get its first token, roughly: the queue
+    ahead of it on ``m``'s device and its own prefill, plus one decode step of ``m``'s running batch,
+    stretched by the device's compute contention."""
+    p = m.profile
+    device = cluster.devices[m.placement[0]]
+    prefill_s = p.mean_prompt_tokens / p.prefill_tokens_per_s
+    step_s = p.decode_step_s * max(1.0, m.num_running / _TYPICAL_BATCH)
+    return contention(device_busy(cluster, device.device)) * ((device.num_queued + 1) * prefill_s + step_s)
+
+
+def pick_replica(request: Request, cluster: ClusterSnapshot, draining: str | None = None) -> Request:
+    """``request`` addressed to the replica it should go to (see the module docstring); ``draining``
+    is a replica that gets requests only if no other is resident. Unknown models pass unchanged."""
+    m = cluster.models.get(request.model)
+    if m is None:
+        return request
+    model = m.group
+    if len(cluster.replicas(model)) == 1:
+        return _to(request, model)
+    candidates = [r for r in resident_replicas(cluster, model) if r.model != draining]
+    if not candidates:
+        return _to(request, draining or model)
+    best = min(
+        enumerate(candidates),
+        key=lambda ir: (ir[1].state is not ModelState.ACTIVE, predicted_ttft(ir[1], cluster), ir[0]),
+    )[1]
+    return _to(request, best.model)
+
+
+def wanted_replicas(cluster: ClusterSnapshot, model: str, high: float, slots: int) -> int:
+    """How many replicas ``model``'s demand calls for, in [1, slots]."""
+    capacity = replica_capacity(cluster, model)
+    if capacity is None:
+        return 1
+    need = math.ceil(group_rate(cluster, model) / (high * capacity))
+    return max(1, min(slots, need))
+
+
+def _to(request: Request, model: str) -> Request:
+    return request if request.model == model else replace(request, model=model)

@@ -1,0 +1,157 @@
+"""Replicas of hot models (control/replicas.py and prism's scaling): the routing rule, the replica
+count prism asks for as demand rises and falls, and the rules every placement keeps for replicas."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from prism_serve.control import (
+    Activate,
+    ClusterSnapshot,
+    DeviceBudget,
+    Evict,
+    InvalidSnapshotError,
+    ModelProfile,
+    ModelState,
+    Part,
+    Request,
+    get_policy,
+    place_parts,
+)
+from prism_serve.control.replicas import pick_replica, predicted_ttft, surplus, wanted_replicas
+from prism_serve.control.types import replica_name
+
+from .factories import GIB, cluster, model
+
+CAPACITY = 10.0  # requests/s one replica serves (ModelProfile.max_rate)
+DEVICES = {"d0": 40.0, "d1": 40.0, "d2": 40.0}
+
+
+def hot(name: str = "m", *, k: int = 0, rate: float = 0.0, on=(), running: int = 0, queued: int = 0, **kw):
+    """Replica ``k`` of served model ``name`` with a known capacity."""
+    m = model(replica_name(name, k), rate=rate, on=on, running=running, queued=queued, **kw)
+    profile = ModelProfile(busy_s_per_request=0.05, max_rate=CAPACITY)
+    return replace(m, profile=profile, replica_of=name if k else None)
+
+
+def request(model_name: str = "m", i: int = 0) -> Request:
+    return Request(f"r{i}", model_name, 0.0, 100, 1.0)
+
+
+def test_a_replica_slot_must_name_a_served_model_and_carry_its_name() -> None:
+    with pytest.raises(InvalidSnapshotError, match="replica slots of"):
+        replace(model("x#1"), replica_of="m")
+    with pytest.raises(InvalidSnapshotError, match="not a served model here"):
+        cluster([hot(k=1)], DEVICES)
+    c = cluster([hot(k=2), hot(), hot(k=1)], DEVICES)
+    assert c.replicas("m") == ("m", "m#1", "m#2")
+    assert c.replicas("other") == ("other",)
+
+
+def test_requests_go_to_the_replica_with_the_lowest_predicted_ttft() -> None:
+    # both active; replica 0 has a long queue on its device, replica 1 none
+    c = cluster(
+        [hot(rate=5, on=("d0",), running=40), hot(k=1, rate=5, on=("d1",))],
+        DEVICES,
+        queued={"d0": ("m",) * 6},
+    )
+    assert predicted_ttft(c.models["m#1"], c) < predicted_ttft(c.models["m"], c)
+    assert pick_replica(request("m"), c).model == "m#1"
+    # a request already addressed to a replica is routed again by the same rule
+    assert pick_replica(request("m#1"), c).model == "m#1"
+
+
+def test_ties_go_to_the_lowest_slot_and_an_activating_replica_comes_last() -> None:
+    c = cluster([hot(on=("d0",)), hot(k=1, on=("d1",))], DEVICES)
+    assert pick_replica(request("m"), c).model == "m"
+    loading = cluster(
+        [hot(on=("d0",), running=200), hot(k=1, on=("d1",), state=ModelState.ACTIVATING)],
+        DEVICES,
+        queued={"d0": ("m",) * 50},
+    )
+    assert pick_replica(request("m"), loading).model == "m"
+
+
+def test_without_a_resident_replica_requests_go_to_replica_0() -> None:
+    c = cluster([hot(), hot(k=1)], DEVICES)
+    assert pick_replica(request("m#1"), c).model == "m"
+    assert pick_replica(request("unknown"), c).model == "unknown"
+
+
+def test_the_replica_count_follows_demand_with_hysteresis() -> None:
+    one = cluster([hot(rate=7, on=("d0",)), hot(k=1), hot(k=2)], DEVICES)
+    assert wanted_replicas(one, "m", 0.8, 3) == 1  # 7 < 0.8 * 10
+    hotter = cluster([hot(rate=9, on=("d0",)), hot(k=1), hot(k=2)], DEVICES)
+    assert wanted_replicas(hotter, "m", 0.8, 3) == 2
+    assert wanted_replicas(hotter, "m", 0.8, 1) == 1  # never more than the slots
+    # two replicas at 6 req/s in all: one alone would run at 0.6 >= low 0.5, so both stay
+    two = cluster([hot(rate=3, on=("d0",)), hot(k=1, rate=3, on=("d1",)), hot(k=2)], DEVICES)
+    assert surplus(two, "m", 0.5) is None
+    # at 4 req/s one replica would run at 0.4 < 0.5: the highest slot is surplus
+    cooled = cluster([hot(rate=2, on=("d0",)), hot(k=1, rate=2, on=("d1",)), hot(k=2)], DEVICES)
+    assert surplus(cooled, "m", 0.5).model == "m#1"
+    # the surplus replica gets no new requests while another is resident
+    assert get_policy("prism").pick_replica(request("m"), cooled, 0.0).model == "m"
+
+
+def test_prism_adds_a_replica_on_another_device_when_demand_exceeds_one() -> None:
+    pol = get_policy("prism", prewarm=False)
+    c = cluster([hot(rate=20, on=("d0",), running=8), hot(k=1), hot(k=2)], DEVICES)
+    actions = pol.place(c, 100.0)
+    adds = [a for a in actions if isinstance(a, Activate)]
+    assert adds == [Activate("m#1", adds[0].devices)] and adds[0].devices[0] != "d0"
+    # one per tick: with m#1 still activating nothing more happens
+    c2 = cluster(
+        [
+            hot(rate=20, on=("d0",), running=8),
+            hot(k=1, on=adds[0].devices, state=ModelState.ACTIVATING),
+            hot(k=2),
+        ],
+        DEVICES,
+    )
+    assert not [a for a in pol.place(c2, 101.0) if isinstance(a, Activate)]
+    # once it is active and demand still wants three, the third goes to the device left
+    c3 = cluster(
+        [hot(rate=12, on=("d0",), running=8), hot(k=1, rate=12, on=("d1",), running=8), hot(k=2)], DEVICES
+    )
+    assert [a for a in pol.place(c3, 102.0) if isinstance(a, Activate)] == [Activate("m#2", ("d2",))]
+
+
+def test_prism_never_replicates_a_model_whose_capacity_is_unknown_or_that_is_evicted() -> None:
+    pol = get_policy("prism", prewarm=False)
+    unknown = [replace(m, profile=ModelProfile()) for m in (hot(rate=50, on=("d0",)), hot(k=1))]
+    assert not [a for a in pol.place(cluster(unknown, DEVICES), 0.0) if isinstance(a, Activate)]
+    evicted = cluster([hot(rate=50), hot(k=1)], DEVICES)
+    assert not [a for a in pol.place(evicted, 0.0) if isinstance(a, Activate)]
+    off = get_policy("prism", prewarm=False, max_replicas=1)
+    assert off.replica_slots == 1
+
+
+def test_prism_drops_a_surplus_replica_only_once_it_has_drained() -> None:
+    pol = get_policy("prism", prewarm=False)
+    busy = cluster([hot(rate=1, on=("d0",)), hot(k=1, rate=1, on=("d1",), running=2)], DEVICES)
+    assert Evict("m#1") not in pol.place(busy, 100.0)
+    drained = cluster([hot(rate=1, on=("d0",)), hot(k=1, rate=1, on=("d1",))], DEVICES)
+    assert Evict("m#1") in pol.place(drained, 100.0)
+    assert Evict("m") not in pol.place(drained, 100.0)
+
+
+def test_algorithm_1_never_puts_two_replicas_of_a_model_on_one_device() -> None:
+    budgets = [DeviceBudget("d0", 40 * GIB), DeviceBudget("d1", 40 * GIB)]
+    parts = [
+        Part("m", 0, 5.0, 10 * GIB, group="m"),
+        Part("m#1", 0, 5.0, 10 * GIB, group="m"),
+        Part("other", 0, 0.1, 10 * GIB),
+    ]
+    result = place_parts(parts, budgets, 0.05)
+    assert result.placement("m", 1) != result.placement("m#1", 1)
+    # with one device only one replica fits; the other is left out
+    single = place_parts(parts, budgets[:1], 0.05)
+    assert [single.placement(n, 1) for n in ("m", "m#1")].count(None) == 1
+
+
+def test_snapshots_without_replicas_have_no_index() -> None:
+    c = ClusterSnapshot.build([model("a")], [])
+    assert c.extra_replicas == {} and c.replicas("a") == ("a",)
