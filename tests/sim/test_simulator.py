@@ -206,3 +206,23 @@ def test_misses_split_into_cold_and_warm():
     assert out["ttft_misses_cold"] + out["ttft_misses_warm"] == len(res.requests)
     relaxed = simulate([m], w, loose([m]), SimConfig(num_devices=1, policy="prism", warmup_s=0.0)).summary()
     assert relaxed["ttft_misses_cold"] == relaxed["ttft_misses_warm"] == 0
+
+
+def test_a_model_hotter_than_one_device_gets_a_second_replica():
+    """One 8B model at 90 req/s where one H100 serves about 62 within its SLO (cost model): prism
+    activates replica 1 on the other device and both serve; with replicas off the one engine falls
+    behind for good."""
+    m = served("m")
+    w = poisson(["m"], 90, 60, seed=1)
+    slos = {"m": ModelSLO(1.0, 0.1)}
+    runs = {
+        slots: simulate([m], w, slos, SimConfig(num_devices=2, policy="prism", knobs={"max_replicas": slots}))
+        for slots in (2, 1)
+    }
+    replicated, single = runs[2], runs[1]
+    by_replica = {r.replica for r in replicated.requests}
+    assert by_replica == {"m", "m#1"}
+    assert replicated.counters["replica_activations"] == 1
+    assert {r.replica for r in single.requests} == {"m"} and single.counters["replica_activations"] == 0
+    assert all(r.model == "m" for r in replicated.requests)  # reports keep the served model's name
+    assert replicated.summary()["ttft_attainment"] > single.summary()["ttft_attainment"] + 0.3

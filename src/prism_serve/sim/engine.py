@@ -50,6 +50,7 @@ class SimRequest:
     num_preemptions: int = 0
     num_restarts: int = 0  # engine stopped under it (evicted or migrated) and it started over
     cold: bool = False  # its model had no ready engine when it arrived (evicted or still activating)
+    replica: str = ""  # the replica (model or replica slot name) it was last dispatched to
 
     @property
     def ttft(self) -> float | None:

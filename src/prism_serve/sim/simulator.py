@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prism_serve.control import (
     ClusterSnapshot,
@@ -38,7 +38,7 @@ from prism_serve.control import (
     get_policy,
 )
 from prism_serve.control.loop import ControlLoop
-from prism_serve.control.types import no_request_since_placed
+from prism_serve.control.types import no_request_since_placed, replica_name
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.engine import SimEngine, SimRequest
@@ -105,13 +105,23 @@ class Simulator:
         self.on_device: dict[str, dict[str, None]] = {d: {} for d in self.devices}
         self.num_busy: dict[str, int] = dict.fromkeys(self.devices, 0)  # engines with a step in flight
         self._share = self.hw.share_slowdown if config.compute_sharing else None
-        self.models: dict[str, _Model] = {}
-        for m in models:
-            self.models[m.name] = self._model_state(m, workload, slos[m.name])
         policy = get_policy(config.policy, **dict(config.knobs))
+        self.models: dict[str, _Model] = {}
+        self.replica_of: dict[str, str] = {}  # replica slot -> served model (control/replicas.py)
+        for m in models:
+            state = self._model_state(m, workload, slos[m.name])
+            self.models[m.name] = state
+            # replica slots beyond replica 0: the same model and costs under their own name
+            for k in range(1, min(policy.replica_slots, config.num_devices // m.tp_size)):
+                name = replica_name(m.name, k)
+                self.models[name] = replace(state, served=replace(m, name=name), quota={})
+                self.replica_of[name] = m.name
         self.loop = ControlLoop(
             policy, list(self.devices), self, self.models, 0.0, rate_window_s=config.rate_window_s
         )
+        self._slots: dict[str, list[str]] = {}
+        for name, base in self.replica_of.items():
+            self._slots.setdefault(base, []).append(name)
         self.events = EventQueue()
         self.requests: list[SimRequest] = []
         self.by_id: dict[str, SimRequest] = {}
@@ -145,7 +155,29 @@ class Simulator:
         step = float(
             self.cost.decode_steps(m.spec, m.tp_size, batch, int(batch * (prompt + output / 2)), 1)[0]
         )
-        return _Model(m, slo, ModelProfile(prompt, output, speed, step), speed)
+        profile = ModelProfile(
+            prompt, output, speed, step, max_rate=self._max_rate(m, slo, prompt, output, speed)
+        )
+        return _Model(m, slo, profile, speed)
+
+    def _max_rate(self, m: ServedModel, slo: ModelSLO, prompt: float, output: float, speed: float) -> float:
+        """Requests/s one replica of ``m`` serves alone on its devices within its TPOT SLO, from the cost
+        model: the largest decode batch ``B`` (at most ``max_num_seqs``, its KV within the memory its
+        weights leave) whose step at the mean context takes at most ``tpot_s``, and each request's
+        prefill taking the whole engine: ``1 / (prompt / prefill_speed + output * step(B) / B)``."""
+        c = self.config
+        kv_room = self.hw.capacity_bytes - m.spec.weight_bytes / m.tp_size
+        kv_per_request = (prompt + output) * m.spec.kv_bytes_per_token / m.tp_size
+        top = max(1, min(c.max_num_seqs, int(kv_room // max(1.0, kv_per_request))))
+
+        def step(b: int) -> float:
+            return float(self.cost.decode_steps(m.spec, m.tp_size, b, int(b * (prompt + output / 2)), 1)[0])
+
+        lo, hi = 1, top
+        while lo < hi:  # the step time grows with the batch: the largest B within the SLO
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if step(mid) <= slo.tpot_s else (lo, mid - 1)
+        return 1.0 / (prompt / speed + output * step(lo) / lo)
 
     # -- the event loop --------------------------------------------------------------------------------
 
@@ -197,7 +229,8 @@ class Simulator:
         req_id = str(i)
         control = Request(req_id, model, now, prompt, m.slo.ttft_s)
         req = SimRequest(req_id, model, now, prompt, output, m.slo.ttft_s, m.slo.tpot_s, control)
-        req.cold = m.state is not ModelState.ACTIVE
+        # cold: no replica of the model had a ready engine when the request arrived
+        req.cold = all(self.models[name].state is not ModelState.ACTIVE for name in self._replicas_of(model))
         self.requests.append(req)
         self.by_id[req_id] = req
         self.in_system += 1
@@ -205,6 +238,10 @@ class Simulator:
         if i + 1 < len(wl):
             self.events.push(self._arrival_time(i + 1), Arrival(i + 1))
         self.loop.arrival(control, now)
+
+    def _replicas_of(self, model: str) -> list[str]:
+        """``model`` and its replica slots."""
+        return [model, *self._slots.get(model, ())]
 
     def on_tick(self, now: float) -> None:
         self.loop.tick(now)
@@ -250,6 +287,8 @@ class Simulator:
         m.activated_at = now
         self._stale[m.served.name] = None
         self.counters["activations"] += 1
+        if model in self.replica_of:
+            self.counters["replica_activations"] += 1
         self.loop.activation_done(model, m.placement[0], now)
 
     def _leave(self, req: SimRequest) -> None:
@@ -263,11 +302,12 @@ class Simulator:
 
     def dispatch(self, request: Request, device: str, now: float) -> bool:
         req = self.by_id[request.req_id]
-        m = self.models[req.model]
+        m = self.models[request.model]  # the replica the loop routed it to
         e = m.engine
         if e is None or m.placement[0] != device:
-            raise SimStateError(f"dispatch of {req.req_id} to {device}, where {req.model} has no engine")
+            raise SimStateError(f"dispatch of {req.req_id} to {device}, where {request.model} has no engine")
         m.num_running += 1
+        req.replica = request.model
         self._stale[m.served.name] = None
         e.add(req)
         if e.busy:
@@ -436,6 +476,7 @@ class Simulator:
                 placed_at=m.placed_at,
                 forecast_rate=self.loop.forecast.rate(name, now),
                 prewarmed=no_request_since_placed(m.state, m.placed_at, self.loop.rates.last_arrival(name)),
+                replica_of=self.replica_of.get(name),
             )
         return self._model_snaps[name]
 
