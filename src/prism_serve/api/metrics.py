@@ -231,7 +231,20 @@ class _ControllerCollector(Collector):
             "rate(cpu) / rate(step) below 1 means colocated engines took the cores)",
             labels=["model_name"],
         )
+        replicas = GaugeMetricFamily(
+            "prism_model_replicas",
+            "Resident replicas of the model (loading or active)",
+            labels=["model_name"],
+        )
+        replica_state = GaugeMetricFamily(
+            "prism_replica_state",
+            "1 for each resident replica's state and device",
+            labels=["model_name", "replica", "state", "device"],
+        )
         for s in c.status():
+            replicas.add_metric([s.model], len(s.replicas))
+            for r in s.replicas:
+                replica_state.add_metric([s.model, str(r.replica), r.state, r.device or ""], 1)
             step.add_metric([s.model], s.step_seconds)
             cpu.add_metric([s.model], s.cpu_seconds)
             running.add_metric([s.model], s.num_running)
@@ -260,4 +273,7 @@ class _ControllerCollector(Collector):
         )
         for (model, slo), (met, judged) in sorted(self.slo_counts.items()):
             attainment.add_metric([model, slo], met / judged)
-        yield from (running, waiting, kv, state, acts, evs, weights, step, cpu, mapped, budget, attainment)
+        yield from (
+            running, waiting, kv, state, replicas, replica_state, acts, evs, weights, step, cpu, mapped,
+            budget, attainment,
+        )  # fmt: skip

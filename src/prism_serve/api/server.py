@@ -181,6 +181,12 @@ class PrismServer:
                 "ttft_slo": st.ttft_slo, "tpot_slo": st.tpot_slo,
                 "weight_bytes": st.weight_bytes, "num_running": st.num_running, "num_queued": st.num_queued,
                 "num_activations": st.num_activations, "num_evictions": st.num_evictions,
+                "replicas": [
+                    {"replica": r.replica, "state": r.state, "device": r.device,
+                     "num_running": r.num_running, "num_queued": r.num_queued,
+                     "num_served": r.num_served}
+                    for r in st.replicas
+                ],
             })  # fmt: skip
         return cards
 

@@ -49,12 +49,18 @@ class AdminOps:
         return phases
 
     async def unload(self: Controller, model: str, force: bool = True) -> bool:
-        """Evict ``model``; with ``force`` its requests in flight end with ModelEvictedError."""
-        m = self._model(model)
-        if m.state is ModelState.ACTIVATING and m.activation is not None:
-            await m.activation
-        done = self._start_evict(m, force)
-        return bool(await done) if done is not None else False
+        """Evict ``model`` (every replica of it); with ``force`` its requests in flight end with
+        ModelEvictedError. True if anything was evicted."""
+        self._served(model)
+        evicted = False
+        for name in (model, *self.replicas[model]):
+            m = self._model(name)
+            if m.state is ModelState.ACTIVATING and m.activation is not None:
+                await m.activation
+            done = self._start_evict(m, force)
+            if done is not None and await done:
+                evicted = True
+        return evicted
 
     def pin(self: Controller, model: str, pinned: bool = True) -> None:
-        self._model(model).pinned = pinned
+        self._served(model).pinned = pinned

@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from prism_serve.control import (
@@ -35,6 +36,7 @@ from prism_serve.control import (
 from prism_serve.control.forecast import RateEstimator
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.policies import Policy, get_policy
+from prism_serve.control.types import replica_name
 from prism_serve.engine.config import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
@@ -97,10 +99,20 @@ class Controller(AdminOps):
         self.load_threads = load_threads
         self.page_size = page_size
         self.cache = HostWeightCache(namespace)
-        self.models: dict[str, ModelEntry] = {}
+        self.models: dict[str, ModelEntry] = {}  # served models and their replica slots
+        # replica slots beyond replica 0 per served model (control/replicas.py), at most one per device
+        num_slots = min(self.policy.replica_slots, len(self.devices))
+        self.replicas: dict[str, list[str]] = {
+            name: [replica_name(name, k) for k in range(1, num_slots)] for name in self.specs
+        }
         # The policy-driving loop (control/loop.py, shared with the simulator); this class is its body.
         self.loop = ControlLoop(
-            self.policy, list(self.devices), self, self.specs, self._now(), rate_window_s=rate_window_s
+            self.policy,
+            list(self.devices),
+            self,
+            [n for name in self.specs for n in (name, *self.replicas[name])],
+            self._now(),
+            rate_window_s=rate_window_s,
         )
         self._requests: dict[str, RequestEntry] = {}
         self._evictions: dict[str, list[asyncio.Future]] = {d: [] for d in self.devices}
@@ -132,6 +144,10 @@ class Controller(AdminOps):
             tok = Tokenizer.from_state(json.loads(Path(cached.tokenizer_path).read_text()))
             max_len = resolve_max_model_len(spec.max_model_len, config_from_dict(cached.config))
             self.models[spec.name] = ModelEntry(spec, cached, tok, max_len, pinned=spec.pinned)
+            for slot in self.replicas[spec.name]:  # the same host weights under the slot's name
+                self.models[slot] = ModelEntry(
+                    replace(spec, name=slot), cached, tok, max_len, replica_of=spec.name
+                )
         for d in self.devices.values():
             ledger = DeviceLedger(d.name, d.memory_bytes, self.namespace)
             if ledger.budget_bytes != d.memory_bytes:
@@ -198,11 +214,11 @@ class Controller(AdminOps):
     # ---- requests -----------------------------------------------------------------------------
 
     def tokenizer(self, model: str) -> Tokenizer:
-        return self._model(model).tokenizer
+        return self._served(model).tokenizer
 
     def max_model_len(self, model: str) -> int:
         """Prompt plus output tokens one request of ``model`` may have."""
-        return self._model(model).max_model_len
+        return self._served(model).max_model_len
 
     async def generate(
         self,
@@ -242,7 +258,7 @@ class Controller(AdminOps):
     def _submit(
         self, model: str, prompt: str | list[int], params: SamplingParams, req_id: str | None
     ) -> RequestEntry:
-        m = self._model(model)
+        m = self._served(model)
         if req_id is None:
             self._ids += 1
             req_id = f"r{self._ids}"
@@ -274,7 +290,7 @@ class Controller(AdminOps):
         self._requests.pop(r.req_id, None)
         if r.worker is not None:
             r.worker.in_flight.discard(r.req_id)
-            served = self._model(r.model)
+            served = self._model(r.engine_model)
             served.num_running -= 1
             served.num_served += 1
             self.loop.request_left(r.req_id)
@@ -332,11 +348,11 @@ class Controller(AdminOps):
         r = self._requests.get(request.req_id)
         if r is None or r.done:
             return False
-        m = self._model(r.model)
+        m = self._model(request.model)  # the replica the loop routed it to
         if m.worker is None or m.state is not ModelState.ACTIVE:
-            self._fail(r, ActivationError(f"{r.model} is not active"))
+            self._fail(r, ActivationError(f"{request.model} is not active"))
             return False
-        r.worker = m.worker
+        r.worker, r.replica = m.worker, request.model
         m.worker.in_flight.add(r.req_id)
         m.num_running += 1
         if not self._send(m.worker, r.payload):  # it must not stay booked on a worker that never got it
@@ -471,17 +487,30 @@ class Controller(AdminOps):
     # ---- state ----------------------------------------------------------------------------------
 
     def status(self) -> list[ModelStatus]:
+        """One status per served model, its replicas inside."""
         snap = self.snapshot()
-        return [ModelStatus.of(m, snap.models[name].num_queued) for name, m in self.models.items()]
+        return [
+            ModelStatus.of(
+                [(self.models[n], snap.models[n].num_queued) for n in (name, *self.replicas[name])]
+            )
+            for name in self.specs
+        ]
 
     def ledger(self, device: str) -> DeviceLedger:
         return self._ledgers[device]
 
     def _model(self, name: str) -> ModelEntry:
+        """A served model or a replica slot (the loop's and the workers' names)."""
         m = self.models.get(name)
         if m is None:
             raise UnknownModelError(f"model {quoted(name)} is not served here; see /v1/models")
         return m
+
+    def _served(self, name: str) -> ModelEntry:
+        """A model clients may address (replica slots are internal names)."""
+        if name not in self.specs:
+            raise UnknownModelError(f"model {quoted(name)} is not served here; see /v1/models")
+        return self.models[name]
 
     # ---- worker messages ----------------------------------------------------------------------
 

@@ -88,13 +88,19 @@ class ModelEntry:
     step_seconds: float = 0.0
     cpu_seconds: float = 0.0
     num_served: int = 0  # requests that left its engine (finished, failed or aborted there)
+    # a replica slot of the served model named here (control/replicas.py): the same spec under its
+    # slot name, the same host weights and tokenizer; None for the served model itself
+    replica_of: str | None = None
 
     def profile(self) -> ModelProfile:
         """The per-request costs the control plane predicts compute demand from: engine step seconds
-        per request served, measured over every activation, once a few requests make it meaningful."""
-        if self.num_served < _MIN_SERVED_FOR_PROFILE:
+        per request served, measured over every activation, once a few requests make it meaningful.
+        Its inverse, requests served per second of stepping, is the replica capacity prism scales
+        replicas by (a floor: a busier engine batches more and serves more per step second)."""
+        if self.num_served < _MIN_SERVED_FOR_PROFILE or self.step_seconds <= 0:
             return ModelProfile()
-        return ModelProfile(busy_s_per_request=self.step_seconds / self.num_served)
+        per_request = self.step_seconds / self.num_served
+        return ModelProfile(busy_s_per_request=per_request, max_rate=1.0 / per_request)
 
     def count_engine_time(self, before: msg.EngineStats | None, after: msg.EngineStats) -> None:
         """Add what the engine used between two stats of one activation (``before`` None: its first)."""
@@ -129,6 +135,7 @@ class RequestEntry:
     stream: asyncio.Queue = field(default_factory=asyncio.Queue)
     worker: WorkerHandle | None = None
     done: bool = False
+    replica: str | None = None  # the replica it was dispatched to (control/replicas.py)
 
     @classmethod
     def build(
@@ -152,6 +159,11 @@ class RequestEntry:
             raise InvalidSamplingParamsError(f"the request cannot be sent to a worker: {e}") from None
         control = Request(req_id, m.spec.name, now, len(ids), m.spec.ttft_slo)
         return cls(req_id, m.spec.name, payload, control)
+
+    @property
+    def engine_model(self) -> str:
+        """The replica (a model or replica slot name) whose engine runs it, once dispatched."""
+        return self.replica or self.model
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,17 +193,62 @@ class ModelStatus:
     tpot_slo: float = 0.0  # s
     max_model_len: int = 0  # prompt plus output tokens of one request
     vocab_size: int = 0  # token ids must be below this
+    # every resident replica, replica 0 first if resident (control/replicas.py); the fields above
+    # are the served model's: state the best of its replicas', device and worker its first resident
+    # replica's, counts and seconds summed over replicas
+    replicas: tuple[ReplicaStatus, ...] = ()
 
     @classmethod
-    def of(cls, m: ModelEntry, num_queued: int) -> ModelStatus:
+    def of(cls, entries: list[tuple[ModelEntry, int]]) -> ModelStatus:
+        """The served model ``entries[0][0]`` with its replica slots after it, each with its number
+        of waiting requests."""
+        m = entries[0][0]
+        reps = [
+            ReplicaStatus.of(e, q, i) for i, (e, q) in enumerate(entries) if e.state is not ModelState.EVICTED
+        ]
+        first = reps[0] if reps else None
+        state = min((r.state for r in reps), key=_STATE_ORDER.index, default="evicted")
+        done = [e for e, _ in entries if e.last_phases is not None]
+        last = max(done, key=lambda e: e.activated_at or 0.0).last_phases if done else None
+        kv = [r.max_kv_bytes for r in reps if r.max_kv_bytes is not None]
+        return cls(
+            m.spec.name, state, first.device if first else None, first.worker if first else None,
+            m.pinned, m.cached.weight_bytes, sum(e.num_running for e, _ in entries),
+            sum(q for _, q in entries), sum(e.num_activations for e, _ in entries),
+            sum(e.num_evictions for e, _ in entries), last, sum(r.used_kv_bytes for r in reps),
+            sum(kv) if kv else None, sum(e.step_seconds for e, _ in entries),
+            sum(e.cpu_seconds for e, _ in entries), m.cached.source, m.cached.synthetic,
+            m.spec.ttft_slo, m.spec.tpot_slo, m.max_model_len, int(m.cached.config["vocab_size"]),
+            tuple(reps),
+        )  # fmt: skip
+
+
+_STATE_ORDER = ["active", "loading", "evicted"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    """One resident replica of a served model (ModelStatus.replicas)."""
+
+    replica: int  # slot index; 0 is the served model's own engine
+    name: str  # its name in snapshots and logs (control.types.replica_name)
+    state: str  # "active" or "loading"
+    device: str | None
+    worker: str | None
+    num_running: int
+    num_queued: int
+    used_kv_bytes: int
+    max_kv_bytes: int | None
+    num_served: int  # requests that left this replica's engine, over all its activations
+
+    @classmethod
+    def of(cls, m: ModelEntry, num_queued: int, index: int) -> ReplicaStatus:
         state = {"active": "active", "activating": "loading", "evicted": "evicted"}[m.state.value]
         stats = m.worker.stats if m.worker is not None and m.state is ModelState.ACTIVE else None
         return cls(
-            m.spec.name, state, m.device, m.worker.worker_id if m.worker else None, m.pinned,
-            m.cached.weight_bytes, m.num_running, num_queued, m.num_activations, m.num_evictions,
-            m.last_phases, stats.used_kv_bytes if stats else 0, m.max_kv_bytes if stats else None,
-            m.step_seconds, m.cpu_seconds, m.cached.source, m.cached.synthetic, m.spec.ttft_slo,
-            m.spec.tpot_slo, m.max_model_len, int(m.cached.config["vocab_size"]),
+            index, m.spec.name, state, m.device, m.worker.worker_id if m.worker else None, m.num_running,
+            num_queued, stats.used_kv_bytes if stats else 0, m.max_kv_bytes if stats else None,
+            m.num_served,
         )  # fmt: skip
 
 
@@ -233,8 +290,9 @@ def cluster_snapshot(
                 placed_at=m.placed_at if resident else None,
                 num_queued=queued.get(name, 0),
                 num_running=m.num_running,
-                pinned=m.pinned,
+                pinned=m.pinned and m.replica_of is None,
                 profile=m.profile(),
+                replica_of=m.replica_of,
                 forecast_rate=forecast.rate(name, now),
                 prewarmed=no_request_since_placed(
                     m.state, m.placed_at if resident else None, rates.last_arrival(name)
