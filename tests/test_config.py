@@ -112,3 +112,8 @@ def test_serve_with_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
     assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "ConfigError" in err and "servr (line 11): unknown key" in err
+
+
+def test_model_names_cannot_contain_the_replica_separator():
+    with pytest.raises(ConfigError, match="name"):
+        parse_config("models:\n  - {name: 'a#1'}\n")

@@ -78,7 +78,11 @@ class DeviceGroup(_Strict):
 
 
 class ModelConfig(_Strict):
-    name: str = Field(min_length=1, pattern=r"^\S(.*\S)?$", description="what clients ask for")
+    name: str = Field(
+        min_length=1,
+        pattern=r"^[^\s#]([^#]*[^\s#])?$",
+        description="what clients ask for (no '#': replica slots are named model#k)",
+    )
     source: str = Field(
         DEFAULT_MODEL,
         description="smollm2-135m-instruct (real weights), random:<preset> (synthetic), a .gguf file "

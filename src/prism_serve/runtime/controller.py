@@ -36,7 +36,7 @@ from prism_serve.control import (
 from prism_serve.control.forecast import RateEstimator
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.policies import Policy, get_policy
-from prism_serve.control.types import replica_name
+from prism_serve.control.types import REPLICA_SEPARATOR, replica_name
 from prism_serve.engine.config import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
@@ -92,6 +92,8 @@ class Controller(AdminOps):
         self.specs = {m.name: m for m in models}
         if not self.devices or not self.specs:
             raise ValueError("need at least one device and one model")
+        if bad := [n for n in self.specs if REPLICA_SEPARATOR in n]:
+            raise ValueError(f"model names must not contain {REPLICA_SEPARATOR!r} (replica slots): {bad}")
         self.policy = get_policy(policy, **(knobs or {})) if isinstance(policy, str) else policy
         self.namespace = namespace
         self.tick_interval_s = tick_interval_s

@@ -38,7 +38,7 @@ from prism_serve.control import (
     get_policy,
 )
 from prism_serve.control.loop import ControlLoop
-from prism_serve.control.types import no_request_since_placed, replica_name
+from prism_serve.control.types import REPLICA_SEPARATOR, no_request_since_placed, replica_name
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.engine import SimEngine, SimRequest
@@ -85,6 +85,8 @@ class Simulator:
         names = [m.name for m in models]
         if len(set(names)) != len(names):
             raise SimConfigError("model names must be unique")
+        if bad := [n for n in names if REPLICA_SEPARATOR in n]:
+            raise SimConfigError(f"model names must not contain {REPLICA_SEPARATOR!r} (replica slots): {bad}")
         missing = set(workload.models) - set(names)
         if missing:
             raise SimConfigError(f"workload names models the deployment lacks: {sorted(missing)[:5]}")
