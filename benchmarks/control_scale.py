@@ -6,8 +6,12 @@ Everything is synthetic and seeded: model sizes follow the mix of the Prism pape
 log-uniform in 0.5-10 s, prompts log-normal (median 300 tokens). No accelerator is involved: the
 control plane is pure Python and this measures exactly the code the runtime and the simulator call.
 
-Prints each time and its ratio to the issue's target (placement <= 1 s; admission <= 100 us per
-request at depth 1,000). Nothing is asserted.
+Replicas (issue 16): every model has ``--max-replicas - 1`` replica slots in the snapshot (evicted
+until prism activates them), and a capacity of ``--replica-capacity`` req/s per replica, so the
+hottest models of the Zipf fleet want replicas on the periodic tick.
+
+Prints each time and its ratio to the issue's target (placement <= 1 s, with replicas; admission
+<= 100 us per request at depth 1,000). Nothing is asserted.
 
     python benchmarks/control_scale.py            # the recorded run
     python benchmarks/control_scale.py --quick    # smaller, for a smoke test
@@ -31,11 +35,13 @@ from prism_serve.control import (
     Dispatch,
     EngineSnapshot,
     Migrate,
+    ModelProfile,
     ModelSnapshot,
     ModelState,
     Request,
     get_policy,
 )
+from prism_serve.control.types import replica_name
 
 GIB = 1 << 30
 PLACEMENT_TARGET_S = 1.0
@@ -45,7 +51,25 @@ ADMISSION_TARGET_US = 100.0
 # -- placement -----------------------------------------------------------------------------------
 
 
-def synthetic_models(n: int, rng: random.Random) -> list[ModelSnapshot]:
+def replica_slots(models: list[ModelSnapshot], max_replicas: int) -> list[ModelSnapshot]:
+    """Every model's replica slots 1..max_replicas-1: evicted, no rate, the model's profile."""
+    return [
+        dataclasses.replace(
+            m,
+            model=replica_name(m.model, k),
+            replica_of=m.model,
+            rate=0.0,
+            placement=(),
+            state=ModelState.EVICTED,
+            num_queued=0,
+            last_request_time=None,
+        )
+        for m in models
+        for k in range(1, max_replicas)
+    ]
+
+
+def synthetic_models(n: int, rng: random.Random, capacity: float = 5.0) -> list[ModelSnapshot]:
     """A long-tailed fleet: sizes by the paper's Table 4 mix, Zipf rates, log-uniform SLOs."""
     ranks = list(range(1, n + 1))
     rng.shuffle(ranks)
@@ -73,6 +97,7 @@ def synthetic_models(n: int, rng: random.Random) -> list[ModelSnapshot]:
                 tp,
                 last_request_time=0.0,
                 num_queued=1,
+                profile=ModelProfile(busy_s_per_request=1.0 / capacity, max_rate=capacity),
             )
         )
     return models
@@ -98,13 +123,16 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def bench_placement(n_models: int, n_devices: int, repeats: int, seed: int) -> dict:
+def bench_placement(
+    n_models: int, n_devices: int, repeats: int, seed: int, max_replicas: int = 4, capacity: float = 5.0
+) -> dict:
     rng = random.Random(seed)
-    models = synthetic_models(n_models, rng)
-    policy = get_policy("prism")
+    models = synthetic_models(n_models, rng, capacity)
+    slots = replica_slots(models, max_replicas)
+    policy = get_policy("prism", max_replicas=max_replicas)
     now = 100.0
 
-    build_s, cold = timed(lambda: snapshot(models, n_devices, 80.0), repeats)
+    build_s, cold = timed(lambda: snapshot(models + slots, n_devices, 80.0), repeats)
     cold_s, actions = timed(lambda: policy.place(cold, now), repeats)
     placed = {a.model: a.devices for a in actions if isinstance(a, Activate)}
     n_parts = sum(m.tp_size for m in models)
@@ -122,10 +150,10 @@ def bench_placement(n_models: int, n_devices: int, repeats: int, seed: int) -> d
         for m in models
         if m.model in placed
     ]
-    warm = snapshot(resident, n_devices, 80.0)
+    warm = snapshot(resident + slots, n_devices, 80.0)
     warm_s, moves = timed(lambda: policy.place(warm, now + 10), repeats)
     # tau = 0: every strictly better device is taken, so the tick also pays for many migrations
-    eager = get_policy("prism", migration_threshold=0.0)
+    eager = get_policy("prism", migration_threshold=0.0, max_replicas=max_replicas)
     eager_s, eager_moves = timed(lambda: eager.place(warm, now + 10), repeats)
     return {
         "models": n_models,
@@ -136,6 +164,8 @@ def bench_placement(n_models: int, n_devices: int, repeats: int, seed: int) -> d
         "activated": len(placed),
         "warm_s": warm_s,
         "migrations": sum(isinstance(a, Migrate) for a in moves),
+        "replicas_added": sum(isinstance(a, Activate) and "#" in a.model for a in moves),
+        "slots": len(slots),
         "eager_s": eager_s,
         "eager_migrations": sum(isinstance(a, Migrate) for a in eager_moves),
         "weights_frac": sum(m.weight_bytes for m in resident) / (n_devices * 80 * GIB),
@@ -234,6 +264,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20_000, help="admissions measured per scenario")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is reported")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-replicas", type=int, default=4, help="replicas per model (1: no replica slots)")
+    ap.add_argument("--replica-capacity", type=float, default=5.0, help="req/s one replica serves")
     ap.add_argument(
         "--quick", action="store_true", help="1,000 models / 200 devices, 2,000 admissions, 1 run"
     )
@@ -247,11 +279,13 @@ def main() -> None:
 
     common.wait_quiet(30, opts.max_other_load)
     start, wall0 = common.cpu_seconds(), time.perf_counter()
-    p = bench_placement(opts.models, opts.devices, opts.repeats, opts.seed)
+    p = bench_placement(
+        opts.models, opts.devices, opts.repeats, opts.seed, opts.max_replicas, opts.replica_capacity
+    )
     load = common.other_load_since(start, time.perf_counter() - wall0)
     print(
-        f"placement: {p['models']:,} models ({p['parts']:,} TP parts) on {p['devices']:,} devices, "
-        f"median of {opts.repeats} (other load {load:.2f} cores)"
+        f"placement: {p['models']:,} models ({p['parts']:,} TP parts, {p['slots']:,} replica slots) on "
+        f"{p['devices']:,} devices, median of {opts.repeats} (other load {load:.2f} cores)"
     )
     print(f"  snapshot build           {p['snapshot_s']:.3f} s (runtime/simulator side, not policy)")
     print(
@@ -261,7 +295,7 @@ def main() -> None:
     print(
         f"  place(), periodic tick   {p['warm_s']:.3f} s  -> {p['warm_s'] / PLACEMENT_TARGET_S:.2f}x "
         f"the 1 s target  ({p['migrations']:,} migrations at tau 0.05 after rates drift up to 2x; "
-        f"weights fill {p['weights_frac']:.0%} of memory)"
+        f"weights fill {p['weights_frac']:.0%} of memory; {p['replicas_added']:,} replicas added)"
     )
     print(
         f"  place(), tick at tau 0   {p['eager_s']:.3f} s  -> {p['eager_s'] / PLACEMENT_TARGET_S:.2f}x "
