@@ -243,15 +243,9 @@ class PrismPolicy(Policy):
             loads = loads_now()
             for m in unplaced:
                 del planned[m.model]
-                choice = choose_activation(m, loads)
-                if choice is None:
+                devices = self._make_room(cluster, loads, loads, m, planned, evicted, gone)
+                if devices is None:
                     continue
-                devices, victims = choice
-                for v in victims:
-                    self._unload(loads, cluster.models[v], planned.pop(v))
-                    evicted.append(v)
-                    gone.add(v)
-                self._load(loads, m, devices)
                 planned[m.model] = devices
                 activations.append(m)
         if cluster.extra_replicas:
@@ -265,6 +259,30 @@ class PrismPolicy(Policy):
                 actions.append(Migrate(m.model, m.placement, planned[m.model]))
         actions.extend(Activate(m.model, planned[m.model]) for m in activations)
         return actions
+
+    def _make_room(
+        self,
+        cluster: ClusterSnapshot,
+        loads: list[DeviceLoad],
+        candidates: list[DeviceLoad],
+        m: ModelSnapshot,
+        planned: dict[str, tuple[str, ...]],
+        evicted: list[str],
+        gone: set[str],
+    ) -> tuple[str, ...] | None:
+        """Devices for ``m`` among ``candidates`` (some of the plan's ``loads``) by
+        ``choose_activation``, evicting the idle models it names there; the plan (``loads``,
+        ``planned``, ``evicted``, ``gone``) takes both in. None if no device can hold it."""
+        choice = choose_activation(m, candidates)
+        if choice is None:
+            return None
+        devices, victims = choice
+        for v in victims:
+            self._unload(loads, cluster.models[v], planned.pop(v))
+            evicted.append(v)
+            gone.add(v)
+        self._load(loads, m, devices)
+        return devices
 
     def _scale_replicas(
         self,
@@ -302,15 +320,10 @@ class PrismPolicy(Policy):
                 # for the plan's loads the new replica carries its share of the model's rate
                 share = replace(free, rate=group_rate(cluster, model) / (n + 1))
                 loads = loads_now()
-                choice = choose_activation(share, [load for load in loads if load.device not in taken])
-                if choice is None:
+                others = [load for load in loads if load.device not in taken]
+                devices = self._make_room(cluster, loads, others, share, planned, evicted, gone)
+                if devices is None:
                     continue
-                devices, victims = choice
-                for v in victims:
-                    self._unload(loads, cluster.models[v], planned.pop(v))
-                    evicted.append(v)
-                    gone.add(v)
-                self._load(loads, share, devices)
                 planned[free.model] = devices
                 out.append(free)
                 continue
