@@ -226,3 +226,7 @@ def test_a_model_hotter_than_one_device_gets_a_second_replica():
     assert {r.replica for r in single.requests} == {"m"} and single.counters["replica_activations"] == 0
     assert all(r.model == "m" for r in replicated.requests)  # reports keep the served model's name
     assert replicated.summary()["ttft_attainment"] > single.summary()["ttft_attainment"] + 0.3
+    out = replicated.summary()
+    assert out["replica_activations"] == 1
+    assert out["requests_on_replicas"] == sum(r.replica == "m#1" for r in replicated.requests) > 0
+    assert single.summary()["requests_on_replicas"] == 0

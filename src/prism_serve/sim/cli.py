@@ -183,7 +183,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
                 f"TTFT {r['ttft_attainment']:7.2%}  TPOT {r['tpot_attainment']:7.2%}  "
                 f"{r['throughput_tokens_per_s']:9.1f} tok/s  "
                 f"act {r['activations']:5d}  ev {r['evictions']:5d}  "
-                f"misses cold {r['ttft_misses_cold']:5d} warm {r['ttft_misses_warm']:5d}"
+                f"misses cold {r['ttft_misses_cold']:5d} warm {r['ttft_misses_warm']:5d}  "
+                f"replicas {r['replica_activations']:4d} ({r['requests_on_replicas']} requests)"
             )
         if args.out is not None and args.sweep:
             plot_sweep(rows, args.out / "sweep.png", title=title)

@@ -91,6 +91,8 @@ class SimResult:
             "ttft_misses_cold": sum(1 for r in reqs if r.cold and not _ttft_met(r)),
             "ttft_misses_warm": sum(1 for r in reqs if not r.cold and not _ttft_met(r)),
             "activations": self.counters["activations"],
+            "replica_activations": self.counters["replica_activations"],  # of replica slots >= 1
+            "requests_on_replicas": sum(1 for r in reqs if r.replica and r.replica != r.model),
             "evictions": self.counters["evictions"],
             "migrations": self.counters["migrations"],
             "migrations_skipped": self.counters["migrations_skipped"],  # the model was busy
