@@ -163,10 +163,18 @@ class Simulator:
         return _Model(m, slo, profile, speed)
 
     def _max_rate(self, m: ServedModel, slo: ModelSLO, prompt: float, output: float, speed: float) -> float:
-        """Requests/s one replica of ``m`` serves alone on its devices within its TPOT SLO, from the cost
-        model: the largest decode batch ``B`` (at most ``max_num_seqs``, its KV within the memory its
-        weights leave) whose step at the mean context takes at most ``tpot_s``, and each request's
-        prefill taking the whole engine: ``1 / (prompt / prefill_speed + output * step(B) / B)``."""
+        """Requests/s one replica of ``m`` serves alone on its devices within its SLOs, from the cost
+        model: the smaller of
+
+        - the decode bound: the largest decode batch ``B`` (at most ``max_num_seqs``, its KV within the
+          memory its weights leave) whose step at the mean context takes at most ``tpot_s``, each
+          request's prefill taking the whole engine: ``1 / (p + output * step(B) / B)`` with
+          ``p = prompt / prefill_speed``;
+        - the TTFT bound: prefills queue for the engine one after another, so the load ``rho = rate * p``
+          must keep the queueing delay's tail within the SLO's slack. With the M/D/1 mean wait
+          ``rho p / (2 (1 - rho))`` and an exponential tail (p99 = 4.6 x the mean):
+          ``4.6 rho p / (2 (1 - rho)) <= ttft_s - p``.
+        """
         c = self.config
         kv_room = self.hw.capacity_bytes - m.spec.weight_bytes / m.tp_size
         kv_per_request = (prompt + output) * m.spec.kv_bytes_per_token / m.tp_size
@@ -179,7 +187,11 @@ class Simulator:
         while lo < hi:  # the step time grows with the batch: the largest B within the SLO
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if step(mid) <= slo.tpot_s else (lo, mid - 1)
-        return 1.0 / (prompt / speed + output * step(lo) / lo)
+        p = prompt / speed
+        decode_bound = 1.0 / (p + output * step(lo) / lo)
+        slack = 2.0 * max(0.0, slo.ttft_s - p) / (4.6 * p)
+        rho = max(0.05, slack / (1.0 + slack))  # a prefill longer than the SLO still gets a trickle
+        return min(decode_bound, rho / p)
 
     # -- the event loop --------------------------------------------------------------------------------
 
