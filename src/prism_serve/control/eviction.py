@@ -28,6 +28,7 @@ from prism_serve.control.types import ClusterSnapshot, ModelSnapshot, ModelState
 
 __all__ = [
     "DeviceLoad",
+    "best_move_through_idle",
     "choose_activation",
     "constrained_evictions",
     "device_loads",
@@ -174,3 +175,32 @@ def choose_activation(
     for _, _, evict in chosen:
         evictions.extend(v for v in evict if v not in evictions)
     return tuple(device for _, device, _ in chosen), evictions
+
+
+def best_move_through_idle(
+    model: ModelSnapshot, loads: list[DeviceLoad], bound: float
+) -> tuple[str, list[str]] | None:
+    """The device (other than the ones ``model`` is on) where ``model``'s weights fit only once idle
+    models there are evicted, and whose pressure with ``model`` on it after those evictions is lowest
+    and below ``bound``; with the idle models to evict. None if there is none. (A single-device model;
+    devices where it fits as they are are Algorithm 1's to choose, not this.)"""
+    w = model.part_weight_bytes
+    best: tuple[float, int, str, list[str]] | None = None
+    for idx, load in enumerate(loads):
+        if load.device in model.placement or load.shared_kv - w >= load.min_kv_bytes:
+            continue
+        rate, shared, busy = load.weighted_rate, load.shared_kv, load.busy
+        evict: list[str] = []
+        for victim in load.idle:
+            evict.append(victim.model)
+            rate = max(0.0, rate - victim.demand / victim.tp_size)
+            busy = max(0.0, busy - victim.busy)
+            shared += victim.part_weight_bytes
+            if shared - w >= load.min_kv_bytes:
+                break
+        else:
+            continue
+        after = pressure(rate + model.demand, shared - w, busy + model.busy)
+        if after < bound and (best is None or (after, idx) < best[:2]):
+            best = (after, idx, load.device, evict)
+    return None if best is None else (best[2], best[3])

@@ -279,3 +279,37 @@ def test_prewarmed_memory_yields_first_to_a_real_request():
     busy = replace(models[0], num_queued=1)
     out = get_policy("prism").on_request(request("r", "cold"), cluster([busy, *models[1:]], {"d0": 80}), NOW)
     assert out[0] == Evict("idle"), "once a request waits for it, it is no longer spare memory"
+
+
+def _busy(name: str, on: tuple[str, ...], busy: float, **kw):
+    """A model whose measured engine time makes it ``busy`` of the time at 4 req/s."""
+    return replace(model(name, rate=4.0, on=on, **kw), profile=ModelProfile(busy_s_per_request=busy / 4.0))
+
+
+def test_a_compute_move_blocked_by_memory_goes_through_an_idle_model():
+    # d0: two models busy 0.4 each (contention 5); d1 is full of an idle model, d2 of a busier one
+    # (contention 10) that cannot go anywhere better
+    models = [
+        _busy("hot-a", ("d0",), 0.4),
+        _busy("hot-b", ("d0",), 0.4, weight_gib=12.0),
+        model("idle", on=("d1",), weight_gib=35.0, rate=0.0, last=0.0),
+        _busy("other", ("d2",), 0.9, weight_gib=35.0, last=999.0),
+    ]
+    c = cluster(models, {"d0": 40.0, "d1": 40.0, "d2": 40.0})
+    pol = get_policy("prism", prewarm=False)
+    actions = pol.place(c, 1000.0)
+    # the busier of the two moves to d1, once the idle model there is evicted (evictions first)
+    assert actions == [Evict("idle"), Migrate("hot-b", ("d0",), ("d1",))]
+    # the ablation and a busy neighbour keep it where it is
+    assert get_policy("prism", prewarm=False, compute_aware=False).place(c, 1000.0) == []
+    running = cluster(
+        [replace(m, num_running=1) if m.model.startswith("hot") else m for m in models],
+        {"d0": 40.0, "d1": 40.0, "d2": 40.0},
+    )
+    assert pol.place(running, 1000.0) == []
+    # an idle model that is not idle long enough is not evicted for it
+    recent = cluster(
+        [*models[:2], replace(models[2], last_request_time=990.0), models[3]],
+        {"d0": 40.0, "d1": 40.0, "d2": 40.0},
+    )
+    assert pol.place(recent, 1000.0) == []

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from prism_serve.control.admission import DeadlineQueue
 from prism_serve.control.eviction import (
     DeviceLoad,
+    best_move_through_idle,
     choose_activation,
     constrained_evictions,
     device_loads,
@@ -32,7 +33,7 @@ from prism_serve.control.eviction import (
     is_idle,
     never_fits,
 )
-from prism_serve.control.placement import DeviceBudget, Part, place_parts
+from prism_serve.control.placement import DeviceBudget, Part, contention, place_parts, pressure
 from prism_serve.control.policies.base import (
     Knobs,
     Policy,
@@ -248,6 +249,8 @@ class PrismPolicy(Policy):
                     continue
                 planned[m.model] = devices
                 activations.append(m)
+        if k.compute_aware and k.rebalance:
+            self._move_through_idle(cluster, loads_now, planned, evicted, gone, now)
         if cluster.extra_replicas:
             activations.extend(self._scale_replicas(cluster, loads_now, planned, evicted, gone))
         if k.prewarm:
@@ -259,6 +262,54 @@ class PrismPolicy(Policy):
                 actions.append(Migrate(m.model, m.placement, planned[m.model]))
         actions.extend(Activate(m.model, planned[m.model]) for m in activations)
         return actions
+
+    def _move_through_idle(
+        self,
+        cluster: ClusterSnapshot,
+        loads_now,
+        planned: dict[str, tuple[str, ...]],
+        evicted: list[str],
+        gone: set[str],
+        now: float,
+    ) -> None:
+        """Issue 16's compute balancing where memory blocks Algorithm 1: on the most contended device
+        (contention >= 2, i.e. busy fraction >= 0.5) where it works, the busiest movable model moves
+        to a device that can hold it once idle models there are evicted, if the pressure it lands on
+        beats its current one by tau at the current contention (Algorithm 1's rule). At most one
+        such move per tick: each costs an activation and the evicted models' next requests."""
+        k = self.knobs
+        loads = loads_now()
+        for hot in sorted(loads, key=lambda load: (-load.busy, load.device)):
+            if contention(hot.busy) < 2.0:
+                return
+            movable = [
+                m
+                for m in cluster.models.values()
+                if m.state is ModelState.ACTIVE
+                and m.tp_size == 1
+                and m.model not in gone
+                and planned.get(m.model) == m.placement == (hot.device,)
+                and m.num_running == 0
+                and self._busy(m) > 0
+                and not (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
+            ]
+            if not movable:
+                continue
+            m = max(movable, key=lambda m: (self._busy(m), m.model))
+            current = pressure(hot.weighted_rate, hot.shared_kv, hot.busy)
+            bound = current - k.migration_threshold * contention(hot.busy)
+            move = best_move_through_idle(m, loads, bound)
+            if move is None:
+                continue
+            device, victims = move
+            for v in victims:
+                self._unload(loads, cluster.models[v], planned.pop(v))
+                evicted.append(v)
+                gone.add(v)
+            self._unload(loads, m, m.placement)
+            self._load(loads, m, (device,))
+            planned[m.model] = (device,)
+            return
 
     def _make_room(
         self,
