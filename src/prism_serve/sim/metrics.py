@@ -62,7 +62,17 @@ class SimResult:
         out = {}
         for m, rs in sorted(by.items()):
             ttft, tpot = attainment(rs)
-            out[m] = {"requests": len(rs), "ttft_attainment": ttft, "tpot_attainment": tpot}
+            served: dict[str, int] = {}
+            for r in rs:
+                if r.replica:
+                    served[r.replica] = served.get(r.replica, 0) + 1
+            out[m] = {
+                "requests": len(rs),
+                "ttft_attainment": ttft,
+                "tpot_attainment": tpot,
+                "ttft_misses": sum(1 for r in rs if not _ttft_met(r)),
+                "by_replica": served,  # requests each replica (model or slot name) last served
+            }
         return out
 
     def summary(self) -> dict:

@@ -69,6 +69,7 @@ def run_point(exp: Experiment, policy: str, axis: str | None = None, value: floa
     dropped = workload.select(_mask_models(workload, served)) if len(served) < len(exp.models) else workload
     res = simulate(models, dropped, scale_slos(exp.base_slos, slo_scale, tpot_scale), config)
     out = res.summary()
+    out["per_model"] = res.per_model()
     lost = len(workload) - len(dropped)
     if lost:
         n = out["num_requests"] + lost
