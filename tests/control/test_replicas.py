@@ -20,6 +20,7 @@ from prism_serve.control import (
     get_policy,
     place_parts,
 )
+from prism_serve.control.eviction import is_idle
 from prism_serve.control.replicas import pick_replica, predicted_ttft, surplus, wanted_replicas
 from prism_serve.control.types import replica_name
 
@@ -155,3 +156,14 @@ def test_algorithm_1_never_puts_two_replicas_of_a_model_on_one_device() -> None:
 def test_snapshots_without_replicas_have_no_index() -> None:
     c = ClusterSnapshot.build([model("a")], [])
     assert c.extra_replicas == {} and c.replicas("a") == ("a",)
+
+
+def test_a_new_replica_does_not_yield_its_memory_like_a_prewarmed_model():
+    """A replica slot has no request of its own until the router sends it one: it is not prewarmed
+    memory (evicting it at once would activate and evict it every tick), only idle after the idle
+    threshold like any model."""
+    replica = replace(hot(k=1, on=("d1",)), prewarmed=True)
+    assert not is_idle(replica, 1.0, 30.0)
+    assert is_idle(replica, 100.0, 30.0)
+    prewarmed = replace(hot(on=("d0",)), prewarmed=True)
+    assert is_idle(prewarmed, 1.0, 30.0)

@@ -38,8 +38,14 @@ __all__ = [
 ]
 
 
+def _yields_first(m: ModelSnapshot) -> bool:
+    """Prewarmed memory yields first; a replica slot's does not: it was added for the load its served
+    model already has and gets requests once active (evicting it at once would thrash)."""
+    return m.prewarmed and m.replica_of is None
+
+
 def eviction_key(m: ModelSnapshot, now: float) -> tuple:
-    return (not m.prewarmed, -m.ttft_slo, -m.tpot_slo, -m.idle_for(now), m.model)
+    return (not _yields_first(m), -m.ttft_slo, -m.tpot_slo, -m.idle_for(now), m.model)
 
 
 def is_idle(m: ModelSnapshot, now: float, idle_threshold_s: float) -> bool:
@@ -47,7 +53,7 @@ def is_idle(m: ModelSnapshot, now: float, idle_threshold_s: float) -> bool:
     still without a request (prewarmed memory yields to real demand first)."""
     if m.state is not ModelState.ACTIVE or m.pinned:
         return False
-    if m.prewarmed and not (m.num_queued or m.num_running):
+    if _yields_first(m) and not (m.num_queued or m.num_running):
         return True
     return m.idle_for(now) > idle_threshold_s
 
