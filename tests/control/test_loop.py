@@ -63,7 +63,8 @@ class FakeBody:
         loop = self.loop
         models = [
             ModelSnapshot(m.name, loop.rates.rate(m.name, now), 1.0, 0.1, m.weight, KVPT, 1, m.placement,
-                          m.state, loop.rates.last_arrival(m.name), loop.num_queued[m.name], len(m.running))
+                          m.state, loop.rates.last_arrival(m.name), loop.num_queued[m.name], len(m.running),
+                          replica_of=m.name.split("#")[0] if "#" in m.name else None)
             for m in self.models.values()
         ]  # fmt: skip
         devices = [self._device(d) for d in self.caps]
@@ -314,6 +315,21 @@ def test_a_failed_activation_hands_back_every_waiting_request_of_that_model():
     out = loop.activation_failed("a", 0.2)
     assert [r.req_id for r in out] == ["r1"] and "r1" not in loop.where and loop.num_queued["a"] == 0
     assert "r2" in loop.where
+    check_invariants(loop, body)
+
+
+def test_a_failed_replica_activation_routes_its_requests_again():
+    """A replica slot whose activation failed does not fail its requests: they go to the model's
+    replica 0, which activates."""
+    loop, body, _ = make(models={"a": 1.0, "a#1": 1.0})
+    body.activate("a#1", ("d1",), 0.0)  # a replica coming up while replica 0 is evicted
+    loop.arrival(req(1), 0.0)
+    assert loop.where["r1"] == "d1" and loop.requests["r1"].model == "a#1"  # routed to the replica
+    body.models["a#1"].state, body.models["a#1"].placement = ModelState.EVICTED, ()  # it failed
+    assert loop.activation_failed("a#1", 0.5) == []
+    assert loop.requests["r1"].model == "a" and loop.requests["r1"].arrival == 0.0
+    assert body.models["a"].state is ModelState.ACTIVATING and loop.where["r1"] == "d0"
+    assert not body.rejected
     check_invariants(loop, body)
 
 

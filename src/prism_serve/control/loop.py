@@ -169,13 +169,22 @@ class ControlLoop:
         self._admit_changed(now)
 
     def activation_failed(self, model: str, now: float) -> list[Request]:
-        """The model's waiting requests leave the loop; the body fails them."""
+        """The model's waiting requests leave the loop; the body fails them. A replica slot's
+        (control/replicas.py) are routed again instead: the model has other replicas, or replica 0
+        to activate, and the body fails none of them."""
         out = [r for r in self.requests.values() if r.model == model and self.where[r.req_id] != ENGINE]
+        self.stale_models[model] = None
+        snap = self.body.cluster(now).models.get(model)
+        replica = snap is not None and snap.replica_of is not None
         for r in out:
             self.abort(r.req_id)
-        self.stale_models[model] = None
+            if replica:  # back in as new, keeping its arrival time
+                self.requests[r.req_id] = r
+                self.where[r.req_id] = _NEW
+                self._reroute.append(r)
+        self._drain_reroutes(now)
         self._admit_changed(now)
-        return out
+        return [] if replica else out
 
     def request_left(self, req_id: str) -> None:
         """A request on an engine is done (finished, failed or aborted); admission waits for the
