@@ -35,7 +35,16 @@ from dataclasses import replace
 from prism_serve.control.placement import contention
 from prism_serve.control.types import ClusterSnapshot, ModelSnapshot, ModelState, Request
 
-__all__ = ["device_busy", "group_rate", "pick_replica", "predicted_ttft", "replica_capacity", "surplus"]
+__all__ = [
+    "device_busy",
+    "group_rate",
+    "pick_replica",
+    "predicted_ttft",
+    "replica_capacity",
+    "resident_replicas",
+    "surplus",
+    "wanted_replicas",
+]
 
 _TYPICAL_BATCH = 16  # ModelProfile.decode_step_s is one step at about this many running requests
 
