@@ -153,23 +153,12 @@ def choose_activation(
 
     Returns None when no ``tp_size`` distinct devices can hold it, even after evicting idle models.
     """
-    w = model.part_weight_bytes
     options = []
     for idx, load in enumerate(loads):
-        rate, shared, busy = load.weighted_rate, load.shared_kv, load.busy
-        evict: list[str] = []
-        if shared - w < load.min_kv_bytes:
-            for victim in load.idle:
-                if victim.model == model.model:
-                    continue
-                evict.append(victim.model)
-                rate = max(0.0, rate - victim.demand / victim.tp_size)
-                busy = max(0.0, busy - victim.busy)
-                shared += victim.part_weight_bytes
-                if shared - w >= load.min_kv_bytes:
-                    break
-            else:
-                continue
+        room = _room_after_evictions(load, model)
+        if room is None:
+            continue
+        rate, shared, busy, evict = room
         options.append(
             ((bool(evict), pressure(rate, shared, busy), busy, len(evict), -shared, idx), load.device, evict)
         )
@@ -190,23 +179,38 @@ def best_move_through_idle(
     models there are evicted, and whose pressure with ``model`` on it after those evictions is lowest
     and below ``bound``; with the idle models to evict. None if there is none. (A single-device model;
     devices where it fits as they are are Algorithm 1's to choose, not this.)"""
-    w = model.part_weight_bytes
     best: tuple[float, int, str, list[str]] | None = None
     for idx, load in enumerate(loads):
-        if load.device in model.placement or load.shared_kv - w >= load.min_kv_bytes:
+        if load.device in model.placement:
             continue
-        rate, shared, busy = load.weighted_rate, load.shared_kv, load.busy
-        evict: list[str] = []
-        for victim in load.idle:
-            evict.append(victim.model)
-            rate = max(0.0, rate - victim.demand / victim.tp_size)
-            busy = max(0.0, busy - victim.busy)
-            shared += victim.part_weight_bytes
-            if shared - w >= load.min_kv_bytes:
-                break
-        else:
-            continue
-        after = pressure(rate + model.demand, shared - w, busy + model.busy)
+        room = _room_after_evictions(load, model)
+        if room is None or not room[3]:
+            continue  # no room even then, or room without evicting anything (Algorithm 1's case)
+        rate, shared, busy, evict = room
+        after = pressure(rate + model.demand, shared - model.part_weight_bytes, busy + model.busy)
         if after < bound and (best is None or (after, idx) < best[:2]):
             best = (after, idx, load.device, evict)
     return None if best is None else (best[2], best[3])
+
+
+def _room_after_evictions(
+    load: DeviceLoad, model: ModelSnapshot
+) -> tuple[float, float, float, list[str]] | None:
+    """``load``'s SLO-weighted rate, KV room and busy fraction once enough of its idle models (in
+    eviction order, never ``model`` itself) are evicted for ``model``'s weights to leave
+    ``min_kv_bytes``, with those models; None if evicting all of them is not enough."""
+    w = model.part_weight_bytes
+    rate, shared, busy = load.weighted_rate, load.shared_kv, load.busy
+    evict: list[str] = []
+    if shared - w >= load.min_kv_bytes:
+        return rate, shared, busy, evict
+    for victim in load.idle:
+        if victim.model == model.model:
+            continue
+        evict.append(victim.model)
+        rate = max(0.0, rate - victim.demand / victim.tp_size)
+        busy = max(0.0, busy - victim.busy)
+        shared += victim.part_weight_bytes
+        if shared - w >= load.min_kv_bytes:
+            return rate, shared, busy, evict
+    return None

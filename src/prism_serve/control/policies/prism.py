@@ -302,10 +302,7 @@ class PrismPolicy(Policy):
             if move is None:
                 continue
             device, victims = move
-            for v in victims:
-                self._unload(loads, cluster.models[v], planned.pop(v))
-                evicted.append(v)
-                gone.add(v)
+            self._evict_for(cluster, loads, victims, planned, evicted, gone)
             self._unload(loads, m, m.placement)
             self._load(loads, m, (device,))
             planned[m.model] = (device,)
@@ -328,12 +325,24 @@ class PrismPolicy(Policy):
         if choice is None:
             return None
         devices, victims = choice
+        self._evict_for(cluster, loads, victims, planned, evicted, gone)
+        self._load(loads, m, devices)
+        return devices
+
+    def _evict_for(
+        self,
+        cluster: ClusterSnapshot,
+        loads: list[DeviceLoad],
+        victims: list[str],
+        planned: dict[str, tuple[str, ...]],
+        evicted: list[str],
+        gone: set[str],
+    ) -> None:
+        """Take the idle ``victims`` out of the plan: their loads, ``planned``; into ``evicted``."""
         for v in victims:
             self._unload(loads, cluster.models[v], planned.pop(v))
             evicted.append(v)
             gone.add(v)
-        self._load(loads, m, devices)
-        return devices
 
     def _scale_replicas(
         self,
@@ -380,10 +389,7 @@ class PrismPolicy(Policy):
                 continue
             extra = surplus(cluster, model, k.replica_low)
             if extra is not None and not (extra.num_queued or extra.num_running) and extra.model not in gone:
-                if placed := planned.pop(extra.model, None):
-                    self._unload(loads_now(), extra, placed)
-                evicted.append(extra.model)
-                gone.add(extra.model)
+                self._evict_for(cluster, loads_now(), [extra.model], planned, evicted, gone)
         return out
 
     def _prewarm(
