@@ -46,7 +46,7 @@ def test_a_replica_slot_must_name_a_served_model_and_carry_its_name() -> None:
         replace(model("x#1"), replica_of="m")
     with pytest.raises(InvalidSnapshotError, match="not a served model here"):
         cluster([hot(k=1)], DEVICES)
-    c = cluster([hot(k=2), hot(), hot(k=1)], DEVICES)
+    c = cluster([hot(), hot(k=1), hot(k=2)], DEVICES)
     assert c.replicas("m") == ("m", "m#1", "m#2")
     assert c.replicas("other") == ("other",)
 

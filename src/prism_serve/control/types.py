@@ -300,7 +300,8 @@ class ClusterSnapshot:
     models: Mapping[str, ModelSnapshot]
     devices: Mapping[str, DeviceSnapshot]
     engines: Mapping[str, EngineSnapshot] = field(default_factory=dict)  # by model
-    # served model -> its replica slots beyond replica 0, in slot order (built from replica_of)
+    # served model -> its replica slots beyond replica 0, in the order the snapshot lists them (the
+    # bodies list them in slot order; routing breaks ties by this order), built from replica_of
     extra_replicas: Mapping[str, tuple[str, ...]] = field(init=False, default_factory=dict)
 
     @classmethod
@@ -343,7 +344,7 @@ class ClusterSnapshot:
         object.__setattr__(
             self,
             "extra_replicas",
-            MappingProxyType({k: tuple(sorted(v, key=_replica_index)) for k, v in extra.items()}),
+            MappingProxyType({k: tuple(v) for k, v in extra.items()}),
         )
 
     def replicas(self, model: str) -> tuple[str, ...]:
@@ -358,10 +359,6 @@ def replica_name(model: str, index: int) -> str:
     """The name replica ``index`` of ``model`` has in snapshots, actions and bodies: ``model`` itself
     for replica 0, ``model#index`` after it (model names never contain the separator)."""
     return model if index == 0 else f"{model}{REPLICA_SEPARATOR}{index}"
-
-
-def _replica_index(name: str) -> int:
-    return int(name.rsplit(REPLICA_SEPARATOR, 1)[1])
 
 
 def no_request_since_placed(state: ModelState, placed_at: float | None, last_arrival: float | None) -> bool:
