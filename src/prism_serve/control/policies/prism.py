@@ -67,6 +67,9 @@ from prism_serve.control.types import (
 
 __all__ = ["PrismKnobs", "PrismPolicy"]
 
+# a device this contended (busy fraction 0.5) is worth a compute-balancing move through idle models
+_CONTENDED = 2.0
+
 
 @dataclass(slots=True, frozen=True)
 class PrismKnobs(Knobs):
@@ -249,7 +252,10 @@ class PrismPolicy(Policy):
                     continue
                 planned[m.model] = devices
                 activations.append(m)
-        if k.compute_aware and k.rebalance:
+        # the plan's loads carry Algorithm 1's busy fractions until an activation changes them, so
+        # without a contended device in either there is nothing to move and no loads to build
+        peak = max((load.busy for load in cached[0]) if cached else (result.busy or ()), default=0.0)
+        if k.compute_aware and k.rebalance and contention(peak) >= _CONTENDED:
             self._move_through_idle(cluster, loads_now, planned, evicted, gone, now)
         if cluster.extra_replicas:
             activations.extend(self._scale_replicas(cluster, loads_now, planned, evicted, gone))
@@ -280,7 +286,7 @@ class PrismPolicy(Policy):
         k = self.knobs
         loads = loads_now()
         for hot in sorted(loads, key=lambda load: (-load.busy, load.device)):
-            if contention(hot.busy) < 2.0:
+            if contention(hot.busy) < _CONTENDED:
                 return
             movable = [
                 m
