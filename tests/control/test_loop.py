@@ -64,7 +64,8 @@ class FakeBody:
         models = [
             ModelSnapshot(m.name, loop.rates.rate(m.name, now), 1.0, 0.1, m.weight, KVPT, 1, m.placement,
                           m.state, loop.rates.last_arrival(m.name), loop.num_queued[m.name], len(m.running),
-                          replica_of=m.name.split("#")[0] if "#" in m.name else None)
+                          replica_of=m.name.split("#")[0] if "#" in m.name else None,
+                          forecast_rate=loop.forecast_rate(m.name, now))
             for m in self.models.values()
         ]  # fmt: skip
         devices = [self._device(d) for d in self.caps]
@@ -331,6 +332,32 @@ def test_a_failed_replica_activation_routes_its_requests_again():
     assert body.models["a"].state is ModelState.ACTIVATING and loop.where["r1"] == "d0"
     assert not body.rejected
     check_invariants(loop, body)
+
+
+def test_a_held_model_is_not_prewarmed_until_a_request_for_it_arrives():
+    """An operator's unload holds the model: the forecast (busy in the last window) would prewarm it
+    at the next tick; held, it stays evicted until its next arrival, which releases the hold."""
+
+    def busy_then_unloaded(held: bool) -> tuple[ControlLoop, FakeBody]:
+        loop, body, _ = make()
+        for i in range(20):
+            loop.arrival(req(i, t=i), float(i))
+            if i == 0:
+                body.activated("a", 0.5)
+            body.finish(f"r{i}", i + 0.5)
+        body.evict("a", 100.0)  # what the runtime's admin unload does, beside the loop
+        if held:
+            loop.hold("a")
+        loop.tick(310.0)  # the next forecast window: window 0 saw 20 arrivals
+        return loop, body
+
+    loop, body = busy_then_unloaded(held=False)
+    assert body.models["a"].state is ModelState.ACTIVATING  # prewarmed
+    loop, body = busy_then_unloaded(held=True)
+    assert body.models["a"].state is ModelState.EVICTED and loop.forecast_rate("a", 310.0) is None
+    loop.arrival(req(99, t=320.0), 320.0)  # real demand activates it and ends the hold
+    assert body.models["a"].state is ModelState.ACTIVATING and "a" not in loop.held
+    assert loop.forecast_rate("a", 320.0) > 0
 
 
 def test_abort_and_reject_leave_nothing_behind():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from prism_serve.control import ModelState
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.errors import (
     EmptyPromptError,
@@ -152,7 +153,46 @@ def test_forced_unload_ends_requests_in_flight_with_a_clear_error(rt: Runtime) -
 
     assert rt.run(scenario()).text
     assert _model(rt, "smol").state == "evicted" and _model(rt, "smol").num_running == 0
+    # an unloaded model stays unloaded: the forecast does not prewarm it at the next ticks
+    assert "smol" in c.loop.held
+    time.sleep(1.0)
+    assert _model(rt, "smol").state == "evicted"
     assert rt.generate("smol", max_tokens=12)[0] == PARIS  # a new request activates it again
+
+
+def test_a_busy_model_is_never_shown_evicted_nor_held_by_two_engines(rt: Runtime) -> None:
+    """A graceful eviction of a model with requests in flight is refused on the spot: the model stays
+    ACTIVE throughout, so no placement can start a second engine for it meanwhile. If the engine
+    refuses anyway (the controller's view lags it) after the model was placed again, the new
+    placement stands and the old engine is evicted by force."""
+    c = rt.c
+    rt.generate("smol", max_tokens=2)
+
+    async def scenario():
+        stream = c.generate("smol", rt.chat("smol"), SamplingParams(max_tokens=400, ignore_eos=True))
+        await anext(stream)
+        m = c.models["smol"]
+        handle, device = m.worker, m.device
+        done = c._start_evict(m, force=False)
+        assert done.done() and done.result() is False and m.state is ModelState.ACTIVE
+
+        in_flight = set(handle.in_flight)
+        handle.in_flight.clear()  # the controller's view lags the engine's, as with an abort on its way
+        done = c._start_evict(m, force=False)
+        handle.in_flight |= in_flight
+        assert m.state is ModelState.EVICTED
+        other = next(d for d in c.devices if d != device)
+        c._start_activate(m, other)  # placed again while the refusal is on its way
+        assert await done is True  # the old engine went, by force
+        with pytest.raises(ModelEvictedError):
+            async for _ in stream:
+                pass
+        await m.activation
+        assert m.state is ModelState.ACTIVE and m.device == other and m.worker is not handle
+        assert {e.pid for e in c.ledger(device).snapshot().entries}.isdisjoint({handle.pid})
+
+    rt.run(scenario())
+    assert rt.generate("smol", max_tokens=12)[0] == PARIS
 
 
 def test_client_abort_frees_its_kv(rt: Runtime) -> None:
@@ -204,15 +244,47 @@ def test_sigkill_of_a_worker_mid_request(rt: Runtime) -> None:
 
     assert rt.run(scenario()) == PARIS  # the other model kept serving
     assert c.models["smol-b"].worker is other_before
-    assert _model(rt, "smol").state == "evicted"
-    ledger = c.ledger(device)
-    snap = ledger.snapshot()
-    assert all(e.pid != victim.pid for e in snap.entries)  # the dead worker's pages are reclaimed
-    assert c.models["smol-b"].device != device
-    assert snap.used_bytes == 0
+    # smol lost its engine: evicted, unless a tick has prewarmed it again since (its forecast is busy)
+    smol = c.models["smol"]
+    assert smol.worker is not victim
+    snap = c.ledger(device).snapshot()
+    # the dead worker's pages are reclaimed: the device holds only the engines of resident models
+    owners = {
+        m.worker.pid for m in c.models.values() if m.worker is not None and m.device == device
+    }
+    assert {e.pid for e in snap.entries} <= owners and victim.pid not in owners
     _wait(lambda: len([w for w in c.pool.on_device(device) if w.state is WorkerState.IDLE]) >= 1)
     assert rt.generate("smol", max_tokens=12)[0] == PARIS  # reactivated on a live worker
 
 
 async def _collect(stream) -> str:
     return "".join([d.text async for d in stream])
+
+
+def test_unload_without_force_is_refused_while_any_replica_is_busy(runtime_factory) -> None:
+    """``unload`` covers every replica: without ``force`` it reports a refusal when one of them has
+    requests in flight, even though the idle one goes. (``replica_low`` 0: prism never drops the
+    idle replica itself, so it is there when ``unload`` runs.)"""
+    devices = [DeviceSpec("cpu:0", 3 * GiB // 2, (0,), 1), DeviceSpec("cpu:1", 3 * GiB // 2, (1,), 1)]
+    rt = runtime_factory(
+        devices, [ModelSpec("smol", max_model_len=1024)], tick_interval_s=0.2, knobs={"replica_low": 0.0}
+    )
+    c = rt.c
+
+    async def scenario():
+        stream = c.generate("smol", rt.chat("smol"), SamplingParams(max_tokens=400, ignore_eos=True))
+        await anext(stream)
+        base, slot = c.models["smol"], c.models["smol#1"]
+        if slot.state is ModelState.EVICTED:
+            c._start_activate(slot, next(d for d in c.devices if d != base.device))
+        await slot.activation
+        assert slot.state is ModelState.ACTIVE
+        assert await c.unload("smol", force=False) is False
+        assert slot.state is ModelState.EVICTED and base.state is ModelState.ACTIVE
+        assert await c.unload("smol", force=True) is True
+        with pytest.raises(ModelEvictedError):
+            async for _ in stream:
+                pass
+
+    rt.run(scenario())
+    assert _model(rt, "smol").state == "evicted" and _model(rt, "smol").replicas == ()

@@ -48,6 +48,7 @@ from prism_serve.control.forecast import RateEstimator, SeasonalForecaster
 from prism_serve.control.policies import Policy
 from prism_serve.control.queues import RequestQueue
 from prism_serve.control.types import (
+    REPLICA_SEPARATOR,
     Activate,
     ClusterSnapshot,
     ControlError,
@@ -133,7 +134,14 @@ class ControlLoop:
         self._to_admit: set[str] = set()
         self._reroute: list[Request] = []
         self._applying = False
+        # served models an operator unloaded: no forecast (so no prewarming) until their next arrival
+        self.held: set[str] = set()
         self._models = dict.fromkeys(models)
+        # served models that have replica slots (named model#k): only their arrivals need a snapshot
+        # to pick a replica before the rate update
+        self._replicated = {
+            m.rpartition(REPLICA_SEPARATOR)[0] for m in self._models if REPLICA_SEPARATOR in m
+        }
         for m in self._models:
             self.rates.start(m, start)
             self.forecast.start(m, start)
@@ -220,25 +228,46 @@ class ControlLoop:
         self._drain_reroutes(now)
         self._admit_changed(now)
 
+    def hold(self, model: str, held: bool = True) -> None:
+        """An operator unloaded the served ``model``: it stays evicted until a request for it arrives
+        or ``hold(model, False)`` (the forecast would otherwise prewarm it again at the next tick)."""
+        if held:
+            self.held.add(model)
+        else:
+            self.held.discard(model)
+        self.stale_models[model] = None
+
+    def forecast_rate(self, model: str, now: float) -> float | None:
+        """``ModelSnapshot.forecast_rate``: the seasonal forecast, None while ``model`` is held."""
+        return None if model in self.held else self.forecast.rate(model, now)
+
     # ---- routing and actions ----------------------------------------------------------------------
 
     def _route(self, request: Request, now: float, *, arriving: bool = False) -> None:
         """Pick the request's replica, then let the policy route it. An arrival counts in the rate of
         the replica it goes to and in the forecast of its served model."""
         self.where[request.req_id] = _NEW
+        if arriving and request.model not in self._replicated:
+            # one replica: it is the request's own model, so its arrival counts before the snapshot
+            self._observe(request.model, request.model, now)
         cluster = self.body.cluster(now)
         routed = self.policy.pick_replica(request, cluster, now)
         if routed is not request:
             self.requests[routed.req_id] = routed
-        if arriving:
+        if arriving and request.model in self._replicated:
             snap = cluster.models.get(routed.model)
-            self.rates.observe(routed.model, now)
-            self.forecast.observe(snap.group if snap is not None else routed.model, now)
-            self.stale_models[routed.model] = None
-            if snap is not None:
-                self.stale_models[snap.group] = None
+            self._observe(routed.model, snap.group if snap is not None else routed.model, now)
             cluster = self.body.cluster(now)
         self._apply(self.policy.on_request(routed, cluster, now), now)
+
+    def _observe(self, replica: str, model: str, now: float) -> None:
+        """An arrival for ``replica`` of the served ``model``: rates are per replica, the forecast
+        per served model."""
+        self.rates.observe(replica, now)
+        self.forecast.observe(model, now)
+        self.held.discard(model)
+        self.stale_models[replica] = None
+        self.stale_models[model] = None
 
     def _apply(self, actions: Iterable, now: float) -> None:
         """Apply ``actions`` in order; requests they displaced are routed again afterwards, so every

@@ -22,6 +22,7 @@ class AdminOps:
         """Activate ``model`` (on ``device`` or where the policy's on-demand rule would put it);
         returns its phases, or None if it was already active."""
         m = self._model(model)
+        self.loop.hold(m.replica_of or model, False)
         if device is not None and device not in self.devices:
             raise InvalidRequestError(f"unknown device {quoted(device)}; devices: {', '.join(self.devices)}")
         if device is not None and m.state is not ModelState.EVICTED and m.device != device:
@@ -49,18 +50,21 @@ class AdminOps:
         return phases
 
     async def unload(self: Controller, model: str, force: bool = True) -> bool:
-        """Evict ``model`` (every replica of it); with ``force`` its requests in flight end with
-        ModelEvictedError. True if anything was evicted."""
+        """Evict ``model``, every replica of it; with ``force`` its requests in flight end with
+        ModelEvictedError. True if every resident replica was evicted; False if none was resident or
+        one with requests in flight refused (without ``force``; idle replicas are still evicted).
+        An unloaded model stays evicted (no prewarming) until a request for it arrives."""
         self._served(model)
-        evicted = False
-        for name in (model, *self.replicas[model]):
-            m = self._model(name)
+        replicas = [self._model(name) for name in (model, *self.replicas[model])]
+        for m in replicas:
             if m.state is ModelState.ACTIVATING and m.activation is not None:
                 await m.activation
-            done = self._start_evict(m, force)
-            if done is not None and await done:
-                evicted = True
-        return evicted
+        # every eviction starts before any is awaited: no tick can slip in between
+        pending = [done for m in replicas if (done := self._start_evict(m, force)) is not None]
+        results = [bool(await done) for done in pending]
+        if all(m.state is ModelState.EVICTED for m in replicas):
+            self.loop.hold(model)
+        return bool(results) and all(results)
 
     def pin(self: Controller, model: str, pinned: bool = True) -> None:
         self._served(model).pinned = pinned

@@ -311,7 +311,7 @@ class Controller(AdminOps):
         now = self._now() if now is None else now
         return cluster_snapshot(
             self.models, self.devices, self.loop.queues, self.loop.num_queued, self.loop.rates,
-            self.loop.forecast, self._ledgers, now,
+            self.loop.forecast_rate, self._ledgers, now,
         )  # fmt: skip
 
     # ---- effects (the control loop's Body) ----------------------------------------------------
@@ -458,6 +458,11 @@ class Controller(AdminOps):
             return None
         handle, device = m.worker, m.device
         done = asyncio.get_running_loop().create_future()
+        if handle.in_flight and not force:
+            # The worker would refuse. Refusing here keeps the model ACTIVE throughout: shown evicted
+            # while a refusal is on its way, it could be activated a second time meanwhile.
+            done.set_result(False)
+            return done
         self._evictions[device].append(done)
         # The model leaves the snapshots now; its pages stay in the ledger until the worker is done.
         m.state, m.device, m.worker = ModelState.EVICTED, None, None
@@ -471,11 +476,19 @@ class Controller(AdminOps):
     ) -> None:
         try:
             reply = await self._request(handle, msg.EvictModel(m.spec.name, force))
+            if isinstance(reply, msg.EvictRefused) and m.state is not ModelState.EVICTED:
+                # placed again while the refusal was on its way: that placement stands and this
+                # engine goes, so no model ever holds two engines
+                logger.warning(
+                    "%s was placed again while its engine on %s refused to go", m.spec.name, device
+                )
+                reply = await self._request(handle, msg.EvictModel(m.spec.name, True))
         except WorkerDiedError:
             reply = None
         finally:
             self._evictions[device].remove(done)
-        if isinstance(reply, msg.EvictRefused):  # requests arrived meanwhile: it stays
+        if isinstance(reply, msg.EvictRefused):
+            # requests the controller had finished were still in the engine (an abort on its way)
             handle.state = WorkerState.SERVING
             m.state, m.device, m.worker = ModelState.ACTIVE, device, handle
             done.set_result(False)

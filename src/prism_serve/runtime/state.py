@@ -4,7 +4,7 @@ and the ClusterSnapshot it builds from that state for every policy call."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -19,7 +19,7 @@ from prism_serve.control import (
     RejectReason,
     Request,
 )
-from prism_serve.control.forecast import RateEstimator, SeasonalForecaster
+from prism_serve.control.forecast import RateEstimator
 from prism_serve.control.queues import RequestQueue
 from prism_serve.control.types import no_request_since_placed
 from prism_serve.engine.sampling_params import SamplingParams
@@ -263,7 +263,7 @@ def cluster_snapshot(
     queues: Mapping[str, RequestQueue],
     queued: Mapping[str, int],
     rates: RateEstimator,
-    forecast: SeasonalForecaster,
+    forecast_rate: Callable[[str, float], float | None],
     ledgers: Mapping[str, DeviceLedger],
     now: float,
 ) -> ClusterSnapshot:
@@ -293,7 +293,7 @@ def cluster_snapshot(
                 pinned=m.pinned and m.replica_of is None,
                 profile=m.profile(),
                 replica_of=m.replica_of,
-                forecast_rate=forecast.rate(name, now),
+                forecast_rate=forecast_rate(name, now),
                 prewarmed=no_request_since_placed(
                     m.state, m.placed_at if resident else None, rates.last_arrival(name)
                 ),

@@ -488,7 +488,7 @@ class Simulator:
                 False,
                 m.profile,
                 placed_at=m.placed_at,
-                forecast_rate=self.loop.forecast.rate(name, now),
+                forecast_rate=self.loop.forecast_rate(name, now),
                 prewarmed=no_request_since_placed(m.state, m.placed_at, self.loop.rates.last_arrival(name)),
                 replica_of=self.replica_of.get(name),
             )
