@@ -14,20 +14,17 @@ from pathlib import Path
 
 import torch
 
+from prism_serve.engine.machine import cpu_model, native_bf16, vector_flags
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def machine_info(**extra: str) -> dict:
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor() or "unknown",
-    )
+    """The CPU model and vector flags (whether bf16 matmuls are native: dtype auto), cores, torch and
+    Python versions, and ``extra``; ``line`` is all of it on one line for a benchmark's output."""
+    extra = {"flags": vector_flags(), "native bf16": "yes" if native_bf16() else "no", **extra}
     m = {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cores": len(os.sched_getaffinity(0)),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

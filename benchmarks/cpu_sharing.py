@@ -55,14 +55,6 @@ MAX_BUSY = 3
 QUIET = 0.15  # other load (cores) under which a point counts as measured on a quiet machine
 
 
-def simd_flags() -> str:
-    """The CPU's vector-extension flags; the fitted profile's machine had AVX-512."""
-    line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    flags = line.split(":", 1)[-1].split()
-    simd = sorted(f for f in flags if f.startswith(("avx", "fma", "amx", "f16c")))
-    return " ".join(simd) + ("" if any(f.startswith("avx512") for f in flags) else " (no AVX-512)")
-
-
 # -- one engine process -----------------------------------------------------------------------------
 
 
@@ -222,7 +214,7 @@ class Device:
 
 def measure(args) -> dict:
     ctx = mp.get_context("spawn")
-    info = machine_info(simd=simd_flags())
+    info = machine_info()
     print(info["line"], flush=True)
     devices = {}
     for label, cores in (("1 core", (args.core,)), ("2 cores", (0, 1))):

@@ -35,6 +35,7 @@ import common
 from prism_serve.api.process import free_port, start_server_process, stop_server_process
 from prism_serve.bench.replay import replay
 from prism_serve.bench.settings import BenchSettings
+from prism_serve.engine.machine import resolve_dtype
 from prism_serve.workload.builder import WorkloadSpec, build_workload
 
 MODELS = """\
@@ -295,14 +296,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="prism-live-"))
     config = tmp / "base.yaml"
-    dtype = args.synthetic_dtype
-    if dtype == "auto":  # bf16 only where the CPU has bf16 matrix instructions (6x slower without)
-        flags = set(
-            " ".join(
-                ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
-            ).split()
-        )
-        dtype = "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+    # auto: bf16 only where the CPU has bf16 matrix instructions (6x slower without)
+    dtype = resolve_dtype(args.synthetic_dtype)
     print(f"synthetic models in {dtype}")
     models = MODELS.replace("dtype: bfloat16", f"dtype: {dtype}")
     if args.kv_limit:

@@ -753,18 +753,6 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
 # ---- main ---------------------------------------------------------------------------------------
 
 
-def machine_line() -> dict:
-    import common
-
-    flags = set()
-    for ln in Path("/proc/cpuinfo").read_text().splitlines():
-        if ln.startswith("flags"):
-            flags = set(ln.split(":", 1)[1].split())
-            break
-    vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4")))
-    return common.machine_info(flags=" ".join(vector) or "unknown")
-
-
 def _wait_quiet(limit_s: float, threshold: float, window_s: float = 10.0) -> float:
     """Wait (up to ``limit_s``) for ``window_s`` seconds in which other processes used fewer than
     ``threshold`` cores (a longer window than common.wait_quiet's half second: a live run lasts
@@ -881,7 +869,9 @@ def main() -> None:
         sys.exit(f"the workload names models the config lacks: {sorted(missing)}")
     dep = sim_deployment(cfg, step_scale=args.step_scale)
     per_model = {m: int((workload.model_index == i).sum()) for i, m in enumerate(workload.models)}
-    machine = machine_line()
+    import common
+
+    machine = common.machine_info()
     print(f"machine: {machine['line']}")
     budgets = ", ".join(f"{n} {format_size(b)}" for n, b in zip(dep.device_names, dep.budgets, strict=True))
     print(

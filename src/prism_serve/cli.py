@@ -17,7 +17,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="smollm2-135m-instruct (default, real weights), random:<preset> (synthetic), "
         "a .gguf file, or an HF-layout directory",
     )
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default float32")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        help="default auto: bfloat16 where the CPU has native bf16 matmuls (AVX512_BF16, AMX), else float32",
+    )
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens (default 2048)")
 
 

@@ -88,7 +88,9 @@ class ModelConfig(_Strict):
         description="smollm2-135m-instruct (real weights), random:<preset> (synthetic), a .gguf file "
         "or a safetensors (HF layout) directory",
     )
-    dtype: Literal["float32", "bfloat16"] = ENGINE_DEFAULTS.dtype
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        ENGINE_DEFAULTS.dtype, description="auto: bfloat16 on CPUs with native bf16 matmuls, else float32"
+    )
     tp: int = Field(1, ge=1, description="tensor parallel degree (the live runtime serves tp=1)")
     ttft_slo: float = Field(1.0, gt=0, description="seconds")
     tpot_slo: float = Field(0.2, gt=0, description="seconds")
@@ -198,7 +200,7 @@ def default_config() -> DeploymentConfig:
             ModelConfig(name="smollm2-135m-instruct", ttft_slo=2.0, tpot_slo=0.25),
             ModelConfig(name="smollm2-chat", ttft_slo=2.0, tpot_slo=0.25),
             ModelConfig(name="smollm2-batch", ttft_slo=10.0, tpot_slo=1.0),
-            ModelConfig(name="synthetic-smollm2-360m", source="random:smollm2-360m", dtype="bfloat16",
+            ModelConfig(name="synthetic-smollm2-360m", source="random:smollm2-360m",
                         ttft_slo=4.0, tpot_slo=0.5, max_model_len=1024),
             ModelConfig(name="synthetic-smollm2-135m", source="random:smollm2-135m", seed=1,
                         ttft_slo=4.0, tpot_slo=0.5, max_model_len=1024),

@@ -9,6 +9,7 @@ import pytest
 from prism_serve.config import ModelConfig
 from prism_serve.engine.config import DTYPE_NAMES, ENGINE_DEFAULTS, GPU_ENGINE_DEFAULTS, EngineConfig
 from prism_serve.engine.llm_engine import DTYPES
+from prism_serve.engine.machine import resolve_dtype
 from prism_serve.errors import InvalidRequestError
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.models import ModelSpec
@@ -21,17 +22,21 @@ def test_every_layer_takes_its_engine_defaults_from_engine_config():
     yaml_entry = ModelConfig(name="m")
     spec = ModelSpec("m")
     for knob in KNOBS:
-        assert getattr(yaml_entry, knob) == getattr(spec, knob) == getattr(ENGINE_DEFAULTS, knob), knob
+        # the spec resolves dtype auto to what this machine runs (engine/machine.py)
+        want = getattr(ENGINE_DEFAULTS, knob)
+        assert getattr(yaml_entry, knob) == want, knob
+        assert getattr(spec, knob) == (resolve_dtype(want) if knob == "dtype" else want), knob
     assert yaml_entry.source == spec.source == ENGINE_DEFAULTS.model
     sim = SimConfig(num_devices=1)  # simulated GPUs: a GPU engine's batch
     for knob in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         assert getattr(sim, knob) == getattr(GPU_ENGINE_DEFAULTS, knob), knob
     # what the runtime sends a worker is the same struct, filled from the spec
-    assert spec.engine_config() == EngineConfig(model="m")
+    assert spec.engine_config() == EngineConfig(model="m", dtype=resolve_dtype("auto"))
 
 
 def test_every_dtype_name_has_a_torch_dtype():
-    assert set(DTYPES) == set(DTYPE_NAMES)
+    assert set(DTYPES) == set(DTYPE_NAMES) - {"auto"}
+    assert all(resolve_dtype(name) in DTYPES for name in DTYPE_NAMES)
 
 
 @pytest.mark.parametrize(
@@ -53,7 +58,7 @@ def test_engine_config_travels_to_a_worker_as_itself():
     m = msg.ActivateModel("m", "/dev/shm/x", [], 0, {}, "/t", "src", False, config, 0.0)
     decoded = msg.to_worker_decoder().decode(msg.encode(m))
     assert decoded.engine == config and decoded.engine.max_model_len is None
-    bad = msgspec.msgpack.encode(msgspec.structs.replace(m, engine=EngineConfig()))
+    bad = msgspec.msgpack.encode(msgspec.structs.replace(m, engine=EngineConfig(dtype="float32")))
     bad = bad.replace(b"float32", b"float64")  # a dtype no engine has: refused when decoded
     with pytest.raises(msgspec.ValidationError, match="dtype must be one of"):
         msg.to_worker_decoder().decode(bad)

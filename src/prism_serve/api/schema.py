@@ -87,6 +87,7 @@ class ModelCard(BaseModel):
     pinned: bool
     source: str
     synthetic: bool
+    dtype: Literal["float32", "bfloat16"]
     max_model_len: int
     ttft_slo: float
     tpot_slo: float

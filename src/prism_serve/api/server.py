@@ -177,7 +177,8 @@ class PrismServer:
             cards.append({
                 "id": st.model, "object": "model", "created": created, "owned_by": "prism-serve",
                 "state": st.state, "device": st.device, "pinned": st.pinned,
-                "source": st.source, "synthetic": st.synthetic, "max_model_len": st.max_model_len,
+                "source": st.source, "synthetic": st.synthetic, "dtype": st.dtype,
+                "max_model_len": st.max_model_len,
                 "ttft_slo": st.ttft_slo, "tpot_slo": st.tpot_slo,
                 "weight_bytes": st.weight_bytes, "num_running": st.num_running, "num_queued": st.num_queued,
                 "num_activations": st.num_activations, "num_evictions": st.num_evictions,

@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16")  # llm_engine.DTYPES maps them to torch dtypes
+DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16")  # engine.machine.resolve_dtype reads them
 MAX_DEFAULT_CONTEXT = 8192  # max_model_len=None: the model's context, capped at this
 
 
@@ -35,7 +35,7 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     """Knobs of one engine (validated when built, and again when a worker decodes it)."""
 
     model: str = DEFAULT_MODEL  # weights source when the engine loads them itself
-    dtype: str = "float32"
+    dtype: str = "auto"  # bf16 where the CPU has native bf16 matmuls, else fp32 (engine/machine.py)
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 32  # requests in one batch
     max_num_batched_tokens: int = 512  # tokens per step; longer prompts are prefilled in chunks

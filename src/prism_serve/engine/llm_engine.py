@@ -12,6 +12,7 @@ import torch
 from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.config import resolve_max_model_len as resolve_max_model_len  # re-exported
 from prism_serve.engine.kv_cache import BlockAllocator, FixedBlockAllocator, KVCache
+from prism_serve.engine.machine import resolve_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.runner import ModelRunner
 from prism_serve.engine.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def torch_dtype(config: EngineConfig) -> torch.dtype:
-    return DTYPES[config.dtype]
+    return DTYPES[resolve_dtype(config.dtype)]
 
 
 Prompt = str | list[int]

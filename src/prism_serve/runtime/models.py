@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prism_serve.engine.config import DEFAULT_MODEL, DTYPE_NAMES, ENGINE_DEFAULTS, EngineConfig
+from prism_serve.engine.machine import resolve_dtype
 from prism_serve.errors import InvalidRequestError, PrismError
 
 _E = ENGINE_DEFAULTS
@@ -42,6 +43,8 @@ class ModelSpec:
             raise InvalidRequestError(f"bad model name {self.name!r}: empty or surrounded by spaces")
         if self.dtype not in DTYPE_NAMES:
             raise InvalidRequestError(f"{self.name}: dtype must be one of {sorted(DTYPE_NAMES)}")
+        # auto becomes what this machine runs fast, once, so status and the weight cache show it
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
         if not (self.ttft_slo > 0 and self.tpot_slo > 0):
             raise InvalidRequestError(f"{self.name}: SLOs must be positive")
 

@@ -197,6 +197,7 @@ class ModelStatus:
     # are the served model's: state the best of its replicas', device and worker its first resident
     # replica's, counts and seconds summed over replicas
     replicas: tuple[ReplicaStatus, ...] = ()
+    dtype: str = ""  # float32 or bfloat16 (dtype auto resolved on this machine)
 
     @classmethod
     def of(cls, entries: list[tuple[ModelEntry, int]]) -> ModelStatus:
@@ -219,7 +220,7 @@ class ModelStatus:
             sum(kv) if kv else None, sum(e.step_seconds for e, _ in entries),
             sum(e.cpu_seconds for e, _ in entries), m.cached.source, m.cached.synthetic,
             m.spec.ttft_slo, m.spec.tpot_slo, m.max_model_len, int(m.cached.config["vocab_size"]),
-            tuple(reps),
+            tuple(reps), m.spec.dtype,
         )  # fmt: skip
 
 
