@@ -228,11 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_cmd_memory)
 
     from prism_serve.bench.cli import add_bench_parser
+    from prism_serve.ops_cli import add_ops_parsers
     from prism_serve.sim.cli import add_sim_parser, add_workload_parser
 
     add_sim_parser(sub)
     add_workload_parser(sub)
     add_bench_parser(sub)
+    add_ops_parsers(sub)
     return parser
 
 

@@ -9,9 +9,10 @@ names the key and its line instead of a setting silently ignored.
       - {name: cpu:1, memory: 3GiB, cores: "1"}
     models:
       - {name: smollm2, source: smollm2-135m-instruct, ttft_slo: 2.0, tpot_slo: 0.25, pinned: true}
-      - {name: tiny-360m, source: "random:smollm2-360m", max_model_len: 1024}
+      - {name: tiny-360m, source: "random:smollm2-360m", max_model_len: 1024, keep_alive: 5m}
     policy: {name: prism, knobs: {tau: 0.1}}
-    server: {host: 127.0.0.1, port: 8000, api_keys: [sk-local], admin_key: admin-secret}
+    server: {host: 127.0.0.1, port: 8000, api_keys: [sk-local], admin_key: admin-secret,
+             cors: {allow_origins: ["https://ui.example"]}}
 
 ``load_config(path)`` reads a file, ``default_config()`` is what ``prism serve`` runs with no file.
 """
@@ -19,6 +20,7 @@ names the key and its line instead of a setting silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -94,7 +96,12 @@ class ModelConfig(_Strict):
     tp: int = Field(1, ge=1, description="tensor parallel degree (the live runtime serves tp=1)")
     ttft_slo: float = Field(1.0, gt=0, description="seconds")
     tpot_slo: float = Field(0.2, gt=0, description="seconds")
-    pinned: bool = False
+    pinned: bool = Field(False, description="activated at start-up and never evicted by the policy")
+    keep_alive: float | None = Field(
+        None,
+        description="evict after this long idle, whatever the policy: seconds or 30s / 5m / 1h; "
+        "-1: never for being idle; unset: the policy decides",
+    )
     # engine knobs: defaults from engine.config.EngineConfig, their one home
     max_model_len: int | None = Field(
         ENGINE_DEFAULTS.max_model_len, ge=2, description="prompt + output; null: the model's context"
@@ -106,6 +113,18 @@ class ModelConfig(_Strict):
     seed: int = Field(ENGINE_DEFAULTS.seed, ge=0, description="synthetic weights")
 
     _kv_limit = field_validator("kv_limit", mode="before")(_size)
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> Any:
+        return parse_duration(v) if isinstance(v, str) else v
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _keep_alive(cls, v: float | None) -> float | None:
+        if v is not None and (math.isnan(v) or (v < 0 and v != -1)):
+            raise ValueError("keep_alive must be >= 0 seconds, or -1 for never")
+        return v
 
     @field_validator("tp")
     @classmethod
@@ -139,6 +158,15 @@ class PolicyConfig(_Strict):
         return self
 
 
+class CorsConfig(_Strict):
+    """Cross-origin access for browser clients (Open WebUI's direct connections, web playgrounds)."""
+
+    allow_origins: list[str] = Field(default_factory=lambda: ["*"], description='e.g. ["https://ui.example"]')
+    allow_credentials: bool = False
+    allow_methods: list[str] = Field(default_factory=lambda: ["*"])
+    allow_headers: list[str] = Field(default_factory=lambda: ["*"])
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -152,6 +180,7 @@ class ServerConfig(_Strict):
         8 * 2**20, description="largest request body, e.g. 8MiB; larger ones get 413 before being read"
     )
     namespace: str | None = Field(None, description="ledger / host cache namespace (default per user)")
+    cors: CorsConfig | None = Field(None, description="CORS for browser clients; unset: no CORS headers")
 
     _max_request_bytes = field_validator("max_request_bytes", mode="before")(_size)
 
@@ -188,6 +217,16 @@ class DeploymentConfig(_Strict):
             return DeploymentConfig.model_validate(data)
         except ValidationError as e:
             raise ConfigError(_describe(e, None, "command line")) from None
+
+
+def parse_duration(text: str) -> float:
+    """'90', '30s', '5m', '1.5h' (or '-1') as seconds."""
+    t = text.strip().lower()
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(t[-1:]) if t else None
+    try:
+        return float(t[:-1]) * scale if scale else float(t)
+    except ValueError:
+        raise ValueError(f"not a duration: {text!r} (seconds, or a number with s, m or h)") from None
 
 
 def default_config() -> DeploymentConfig:

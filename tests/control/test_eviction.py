@@ -12,6 +12,7 @@ from prism_serve.control.eviction import (
     constrained_evictions,
     device_loads,
     is_idle,
+    keep_alive_expired,
     never_fits,
 )
 from prism_serve.control.types import InvalidSnapshotError, ModelProfile, ModelState
@@ -123,3 +124,19 @@ def test_activation_weighs_compute_contention_not_kvpr_alone():
     loads = device_loads(c, NOW, 30.0, 0.05)
     assert loads[0].busy == pytest.approx(c.models["hot"].busy) and loads[0].busy > 0.99
     assert choose_activation(c.models["new"], loads) == (("d1",), []), "d0's engine is always computing"
+
+
+def test_a_models_own_keep_alive_overrides_the_policy_threshold_and_expires_without_pressure():
+    models = [
+        model("short", on=("d0",), last=NOW - 20),  # idle 20 s
+        model("forever", on=("d0",), last=0.0),  # idle 1000 s
+        model("default", on=("d0",), last=NOW - 20),
+        model("busy", on=("d0",), last=0.0, running=1),
+    ]
+    keep = {"short": 10.0, "forever": -1.0, "busy": 0.0}
+    models = [replace(m, keep_alive_s=keep.get(m.model)) for m in models]
+    c = cluster(models, {"d0": 80}, mapped={"d0": 1})  # far below the watermark
+    assert {m for m, s in c.models.items() if is_idle(s, NOW, 30.0)} == {"short"}
+    assert {m for m, s in c.models.items() if is_idle(s, NOW, 5.0)} == {"short", "default"}
+    assert keep_alive_expired(c, NOW) == ["short"]  # "forever" never; "busy" is serving
+    assert constrained_evictions(c, NOW, 30.0, 0.9) == []  # no memory pressure: only keep_alive evicts

@@ -1,7 +1,7 @@
 """Admin routes: load, unload, pin and unpin a model by hand (behind the admin key).
 
     POST /v1/admin/models/{name}/load     {"device": "cpu:1"}   (body optional: the policy picks)
-    POST /v1/admin/models/{name}/unload   {"force": false}      (default force: requests in flight fail)
+    POST /v1/admin/models/{name}/unload   {"force": true}       (default: requests in flight finish first)
     POST /v1/admin/models/{name}/pin      never evicted by the policy
     POST /v1/admin/models/{name}/unpin
 
@@ -34,7 +34,8 @@ class LoadBody(BaseModel):
 
 class UnloadBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    force: bool = True
+    # False: requests in flight finish first (up to server.request_timeout_s); True: they end now
+    force: bool = False
 
 
 def add_admin_routes(app: FastAPI, server: PrismServer) -> None:
@@ -74,7 +75,8 @@ def add_admin_routes(app: FastAPI, server: PrismServer) -> None:
     @app.post("/v1/admin/models/{name:path}/unload", responses=ADMIN)
     async def unload(name: str, http: Request, body: UnloadBody | None = None) -> dict:
         authorize(http)
-        evicted = await c.unload(name, force=body.force if body else True)
+        force = body.force if body else False
+        evicted = await c.unload(name, force=force, drain_s=server.config.server.request_timeout_s)
         return card(name, evicted=evicted)
 
     @app.post("/v1/admin/models/{name:path}/pin", responses=ADMIN)

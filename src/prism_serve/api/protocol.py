@@ -1,8 +1,11 @@
 """OpenAI request bodies (pydantic) and the response / stream-chunk JSON we answer with.
 
-Requests are strict: a parameter we do not implement (``n > 1``, ``logprobs``, tools, a non-zero
-penalty) is a 400 that names it, never silently ignored. vLLM's extras ``top_k``, ``ignore_eos`` and
-``stop_token_ids`` are accepted, so load generators written for vLLM work.
+Requests are lenient about names, strict about effects (as vLLM is since strict 400s broke
+clients): a field we do not know is accepted, logged once by the server and ignored; a known field
+at its neutral value is accepted whatever it is; a field whose effect the server cannot honour
+(``n > 1``, tools to call, an image part) is a 400 that names it. vLLM's extras (``top_k``,
+``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) are accepted,
+so load generators written for vLLM work.
 
 Types are checked at the edge, so nothing malformed reaches the tokenizer, the IPC encoder or the
 engine: integers are JSON integers (not ``true`` or ``1.0``) within 64 bits, booleans are JSON
@@ -24,8 +27,10 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
     "StreamOptions",
     "Text",
+    "TokenizeRequest",
     "chat_chunk",
     "chat_response",
     "completion_chunk",
@@ -36,6 +41,7 @@ __all__ = [
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOPS = 32  # stop strings per request (OpenAI allows 4; vLLM sets no limit)
 
 
 def _valid_unicode(s: str) -> str:
@@ -53,8 +59,19 @@ Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
 
 
 class _Body(BaseModel):
-    # strict: JSON types as declared (no true for 1, no 1.0 for an integer, no 0 for false)
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # strict: JSON types as declared (no true for 1, no 1.0 for an integer, no 0 for false); keys
+    # of nested objects we do not know (a message's tool_calls, refusal, ...) are ignored
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _Request(_Body):
+    """A request body: its unknown top-level fields are kept in ``model_extra`` for the server to
+    log (once per name), then ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
 
 class StreamOptions(_Body):
@@ -63,12 +80,19 @@ class StreamOptions(_Body):
 
 
 class _TextPart(_Body):
-    type: Literal["text"]
-    text: Text
+    type: str
+    text: Text = ""
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"content parts of type {v[:32]!r} are not supported: text only (no images)")
+        return v
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Text | list[_TextPart] | None = None
     name: Text | None = None
 
@@ -80,7 +104,7 @@ class ChatMessage(_Body):
         return "".join(p.text for p in self.content)
 
 
-class _Sampling(_Body):
+class _Sampling(_Request):
     """Parameters both endpoints share."""
 
     model: Text = Field(min_length=1)
@@ -94,8 +118,13 @@ class _Sampling(_Body):
     stop_token_ids: list[TokenId] | None = None  # vLLM extra
     seed: Int64 | None = None
     ignore_eos: bool = False  # vLLM extra: generate exactly max_tokens (load generators)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # penalties and filters; each at its default leaves sampling as it is
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)  # vLLM extra
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM extra
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)  # vLLM extra
+    logit_bias: dict[str, float] | None = None
     user: Text | None = None
 
     @field_validator("n")
@@ -105,20 +134,23 @@ class _Sampling(_Body):
             raise ValueError("only n=1 is supported")
         return n
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported (only 0)")
-        return v
-
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str]:
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isascii() or not key.isdigit() or int(key) > INT64_MAX:
+                raise ValueError(f"logit_bias keys are token ids, got {key[:32]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return v
 
     @model_validator(mode="after")
     def _options_need_stream(self) -> _Sampling:
@@ -131,6 +163,15 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        # only what differs from the neutral value travels: the engine's defaults are the same
+        extra: dict[str, Any] = {
+            name: getattr(self, name)
+            for name, neutral in _NEUTRAL.items()
+            if getattr(self, name) != neutral
+        }
+        if self.logit_bias:
+            extra["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        extra.update(self._output_options())
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -140,7 +181,19 @@ class _Sampling(_Body):
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            **extra,
         )
+
+    def _output_options(self) -> dict[str, Any]:
+        """SamplingParams fields the endpoint adds (logprobs)."""
+        return {}
+
+
+_NEUTRAL = {
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+    "min_tokens": 0,
+}  # fmt: skip
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -148,17 +201,25 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
-    # Accepted only with their "off" values: a client that asks for more hears why.
-    tools: None = None
-    tool_choice: Literal["none"] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Tools may be listed (clients send their tool list with every turn), not called: a request
+    # that lets the model call one hears why.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
+    @model_validator(mode="after")
+    def _no_tool_calls(self) -> ChatCompletionRequest:
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tool calling is not supported: send tool_choice 'none' or no tools")
+        if isinstance(self.tool_choice, dict):
+            raise ValueError("tool calling is not supported (tool_choice names a tool)")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def _output_options(self) -> dict[str, Any]:
+        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
 
     @field_validator("response_format")
     @classmethod
@@ -174,10 +235,18 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     max_tokens: Count | None = 16
-    echo: Literal[False] = False
-    logprobs: None = None
-    suffix: None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: Literal[""] | None = None
     best_of: Literal[1] | None = None
+
+    def _output_options(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+            if self.echo:  # the prompt's tokens come back with their logprobs (lm-eval loglikelihood)
+                out["prompt_logprobs"] = self.logprobs
+        return out
 
     @field_validator("prompt")
     @classmethod
@@ -192,6 +261,27 @@ class CompletionRequest(_Sampling):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the model's template."""
+
+    model: Text = Field(min_length=1)
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: Text = Field(min_length=1)
+    tokens: list[TokenId]
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -82,6 +82,8 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str  # the weights' origin (HF id, synthetic preset, or file name; never a server path)
+    parent: str | None
     state: Literal["active", "loading", "evicted"]
     device: str | None
     pinned: bool
@@ -92,6 +94,7 @@ class ModelCard(BaseModel):
     ttft_slo: float
     tpot_slo: float
     weight_bytes: int
+    used_kv_bytes: int  # KV the engine(s) hold now
     num_running: int
     num_queued: int
     num_activations: int
@@ -101,6 +104,20 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class Tokenized(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class Detokenized(BaseModel):
+    prompt: str
+
+
+class Version(BaseModel):
+    version: str
 
 
 class Health(BaseModel):
@@ -149,6 +166,9 @@ CHAT = {**_ok(ChatCompletion, stream=True), **_errors(*_COMPLETE)}
 COMPLETION = {**_ok(TextCompletion, stream=True), **_errors(*_COMPLETE)}
 MODELS = {**_ok(ModelList), **_errors(401)}
 MODEL = {**_ok(ModelCard), **_errors(401, 404)}
+TOKENIZE = {**_ok(Tokenized), **_errors(400, 401, 404, 413)}
+DETOKENIZE = {**_ok(Detokenized), **_errors(400, 401, 404, 413)}
+VERSION = _ok(Version)
 HEALTH = {**_ok(Health), 503: {"model": Health, "description": "still starting"}}
 METRICS = {200: {"description": "Prometheus text", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}}
 ADMIN = {**_ok(ModelCard), **_errors(400, 401, 403, 404, 409, 413, 500, 503)}

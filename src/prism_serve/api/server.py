@@ -21,11 +21,14 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from prism_serve import __version__
 from prism_serve.api import schema as api_schema
 from prism_serve.api.errors import (
     AuthenticationError,
@@ -34,11 +37,14 @@ from prism_serve.api.errors import (
     error_body,
     install_error_handlers,
 )
+from prism_serve.api.headers import RequestIdHeader
 from prism_serve.api.limits import BodySizeLimit
 from prism_serve.api.metrics import CONTENT_TYPE, ServerMetrics
 from prism_serve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_chunk,
     chat_response,
     completion_chunk,
@@ -47,6 +53,7 @@ from prism_serve.api.protocol import (
     usage,
 )
 from prism_serve.config import DeploymentConfig
+from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID
 from prism_serve.errors import InvalidRequestError, PrismError, PromptTooLongError
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.build import build_controller
@@ -103,6 +110,8 @@ class PrismServer:
         self.served: dict[str, _Served] = {}  # filled when the controller has started
         self.num_waiting = 0  # requests admitted by the server that have no first token yet
         self._finished_at: deque[float] = deque(maxlen=512)
+        self._ignored: set[str] = set()  # unknown request fields already logged
+        self._roots = {m.name: public_source(m.source) for m in config.models}
         self.app = self._build()
 
     # ---- app ----------------------------------------------------------------------------------
@@ -123,6 +132,14 @@ class PrismServer:
         install_error_handlers(app)
         api_schema.install_openapi(app)
         app.add_middleware(BodySizeLimit, max_bytes=self.config.server.max_request_bytes)
+        cors = self.config.server.cors
+        if cors is not None:
+            app.add_middleware(
+                CORSMiddleware, allow_origins=cors.allow_origins, allow_credentials=cors.allow_credentials,
+                allow_methods=cors.allow_methods, allow_headers=cors.allow_headers,
+                expose_headers=["x-request-id"],
+            )  # fmt: skip
+        app.add_middleware(RequestIdHeader)  # outermost: errors from the others carry the id too
         s = self
 
         @app.post("/v1/chat/completions", responses=api_schema.CHAT)
@@ -145,6 +162,23 @@ class PrismServer:
             s.authorize(http)
             s.controller.tokenizer(model)  # UnknownModelError (404) for a name not served
             return next(c for c in s.model_cards() if c["id"] == model)
+
+        @app.post("/tokenize", responses=api_schema.TOKENIZE)
+        async def tokenize(body: TokenizeRequest, http: Request) -> dict:
+            s.authorize(http)
+            ids = await asyncio.to_thread(s._tokenize_only, body)
+            return {"count": len(ids), "max_model_len": s.served[body.model].max_model_len, "tokens": ids}
+
+        @app.post("/detokenize", responses=api_schema.DETOKENIZE)
+        async def detokenize(body: DetokenizeRequest, http: Request) -> dict:
+            s.authorize(http)
+            tok = s.controller.tokenizer(body.model)
+            s._check_vocab(body.model, body.tokens, "tokens")
+            return {"prompt": await asyncio.to_thread(tok.decode, body.tokens, False)}
+
+        @app.get("/version", responses=api_schema.VERSION)
+        async def version() -> dict:
+            return {"version": __version__}
 
         @app.get("/health", responses=api_schema.HEALTH)
         async def health() -> Response:
@@ -176,11 +210,13 @@ class PrismServer:
         for st in self.controller.status():
             cards.append({
                 "id": st.model, "object": "model", "created": created, "owned_by": "prism-serve",
+                "root": self._roots.get(st.model, st.model), "parent": None,
                 "state": st.state, "device": st.device, "pinned": st.pinned,
-                "source": st.source, "synthetic": st.synthetic, "dtype": st.dtype,
+                "source": self._roots.get(st.model, st.model), "synthetic": st.synthetic, "dtype": st.dtype,
                 "max_model_len": st.max_model_len,
                 "ttft_slo": st.ttft_slo, "tpot_slo": st.tpot_slo,
-                "weight_bytes": st.weight_bytes, "num_running": st.num_running, "num_queued": st.num_queued,
+                "weight_bytes": st.weight_bytes, "used_kv_bytes": st.used_kv_bytes,
+                "num_running": st.num_running, "num_queued": st.num_queued,
                 "num_activations": st.num_activations, "num_evictions": st.num_evictions,
                 "replicas": [
                     {"replica": r.replica, "state": r.state, "device": r.device,
@@ -198,6 +234,7 @@ class PrismServer:
     ) -> Response:
         arrival = time.perf_counter()
         model = body.model
+        self._note_ignored(body)
         try:
             self.controller.tokenizer(model)  # 404 before any work
             # Templates and tokenization run in a thread: a long prompt must not stall the event
@@ -229,6 +266,13 @@ class PrismServer:
         build = chat_response if chat else completion_response
         return JSONResponse(build(run.rid, model, text, last.finish_reason, use))
 
+    def _note_ignored(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        """Unknown fields are accepted and ignored (vLLM's leniency); each name is logged once."""
+        new = [f for f in body.unknown_fields() if f not in self._ignored]
+        if new and len(self._ignored) < 1024:  # bounded: names come from clients
+            self._ignored.update(new)
+            logger.warning("ignoring unknown request field(s): %s", ", ".join(f[:64] for f in new))
+
     def _tokenize(self, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> list[int]:
         """The prompt's token ids, checked against the model's vocabulary and context (400s)."""
         tok = self.controller.tokenizer(body.model)  # 404 for a model not served
@@ -243,14 +287,7 @@ class PrismServer:
                 + (f" and max_tokens is {wanted}" if wanted else "")
             ), param)  # fmt: skip
 
-        if chat:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            if tok.chat_template:
-                prompt = tok.apply_chat_template(messages)
-            else:  # a checkpoint without a chat template (some HF directories): a plain transcript
-                prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        else:
-            prompt = body.prompt
+        prompt = self._render(body.model, body.messages) if chat else body.prompt
         if isinstance(prompt, str):
             at_least = tok.min_tokens(prompt)
             if at_least + (wanted or 1) > max_len:
@@ -258,14 +295,35 @@ class PrismServer:
             ids = tok.encode(prompt)
         else:
             ids = prompt
-        vocab = served.vocab_size
+        self._check_vocab(body.model, ids, param)
+        if len(ids) + (wanted or 1) > max_len:
+            raise too_long(str(len(ids)))
+        return ids
+
+    def _render(self, model: str, messages: list, add_generation_prompt: bool = True) -> str:
+        """Chat messages as the model's prompt text (its template, or a plain transcript for a
+        checkpoint without one, as some HF directories are)."""
+        tok = self.controller.tokenizer(model)
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        if tok.chat_template:
+            return tok.apply_chat_template(plain, add_generation_prompt)
+        transcript = "".join(f"{m['role']}: {m['content']}\n" for m in plain)
+        return transcript + ("assistant:" if add_generation_prompt else "")
+
+    def _check_vocab(self, model: str, ids: list[int], param: str) -> None:
+        vocab = self.served[model].vocab_size
         if any(t >= vocab for t in ids):
             raise _with_param(
                 InvalidRequestError(f"token ids must be below the vocabulary size {vocab}"), param
             )
-        if len(ids) + (wanted or 1) > max_len:
-            raise too_long(str(len(ids)))
-        return ids
+
+    def _tokenize_only(self, body: TokenizeRequest) -> list[int]:
+        """/tokenize: the ids a completion would see for this prompt or these messages."""
+        tok = self.controller.tokenizer(body.model)  # 404 for a model not served
+        if body.messages is not None:
+            # encoded as the chat route encodes it, so the count is what a completion will see
+            return tok.encode(self._render(body.model, body.messages, body.add_generation_prompt))
+        return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
     async def _open(
         self,
@@ -381,6 +439,17 @@ class PrismServer:
         recent = [t for t in self._finished_at if now - t <= 30.0]
         rate = len(recent) / 30.0
         return int(min(60, max(1, math.ceil(self.num_waiting / rate)))) if rate > 0 else 5
+
+
+def public_source(source: str) -> str:
+    """Where a model's weights come from, as /v1/models shows it: the Hugging Face id of the default
+    model, a synthetic preset as configured, a file or directory by its name only (an absolute path
+    tells clients about the server's filesystem and nothing they can use)."""
+    if source == DEFAULT_MODEL:
+        return DEFAULT_MODEL_HF_ID
+    if source.startswith("random:"):
+        return source
+    return Path(source).name or source
 
 
 def create_app(config: DeploymentConfig) -> FastAPI:

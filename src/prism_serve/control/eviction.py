@@ -34,6 +34,7 @@ __all__ = [
     "device_loads",
     "eviction_key",
     "is_idle",
+    "keep_alive_expired",
     "never_fits",
 ]
 
@@ -49,13 +50,31 @@ def eviction_key(m: ModelSnapshot, now: float) -> tuple:
 
 
 def is_idle(m: ModelSnapshot, now: float, idle_threshold_s: float) -> bool:
-    """Evictable: active, not pinned, and idle for longer than the threshold, or prewarmed and
-    still without a request (prewarmed memory yields to real demand first)."""
+    """Evictable: active, not pinned, and idle for longer than the threshold (the model's own
+    ``keep_alive_s`` where it has one; negative: never), or prewarmed and still without a request
+    (prewarmed memory yields to real demand first)."""
     if m.state is not ModelState.ACTIVE or m.pinned:
+        return False
+    threshold = idle_threshold_s if m.keep_alive_s is None else m.keep_alive_s
+    if threshold < 0:
         return False
     if _yields_first(m) and not (m.num_queued or m.num_running):
         return True
-    return m.idle_for(now) > idle_threshold_s
+    return m.idle_for(now) > threshold
+
+
+def keep_alive_expired(cluster: ClusterSnapshot, now: float) -> list[str]:
+    """Models idle for longer than their own ``keep_alive_s``: evicted at the tick, under any
+    policy and without memory pressure (Ollama's and llama-swap's per-model ttl)."""
+    return [
+        m.model
+        for m in cluster.models.values()
+        if m.keep_alive_s is not None
+        and m.keep_alive_s >= 0
+        and m.state is ModelState.ACTIVE
+        and not m.pinned
+        and m.idle_for(now) > m.keep_alive_s
+    ]
 
 
 def constrained_evictions(

@@ -44,6 +44,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+from prism_serve.control.eviction import keep_alive_expired
 from prism_serve.control.forecast import RateEstimator, SeasonalForecaster
 from prism_serve.control.policies import Policy
 from prism_serve.control.queues import RequestQueue
@@ -157,7 +158,12 @@ class ControlLoop:
 
     def tick(self, now: float) -> None:
         self.stale_models.update(self._models)  # every rate moved
-        self._apply(self.policy.place(self.body.cluster(now), now), now)
+        cluster = self.body.cluster(now)
+        expired = keep_alive_expired(cluster, now)
+        if expired:  # the models' own keep-alive comes before the policy
+            self._apply([Evict(m) for m in expired], now)
+            cluster = self.body.cluster(now)
+        self._apply(self.policy.place(cluster, now), now)
         pending, self.backlog = list(self.backlog.values()), {}
         for i, request in enumerate(pending):
             try:

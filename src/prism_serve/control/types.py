@@ -155,9 +155,14 @@ class ModelSnapshot:
     # a replica slot of the served model named here (its own engine on other devices, the same host
     # weights; see replica_name); None: the served model itself, which is also its replica 0
     replica_of: str | None = None
+    # the model's own keep-alive (YAML keep_alive): idle this long, it is evicted whatever the
+    # policy and the memory pressure; negative: never evicted for being idle; None: the policy decides
+    keep_alive_s: float | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model name must not be empty")
+        nan_keep_alive = self.keep_alive_s is not None and math.isnan(self.keep_alive_s)
+        _check(not nan_keep_alive, f"{self.model}: keep_alive_s must not be NaN")
         _check(_finite_nonneg(self.rate), f"{self.model}: rate must be finite and >= 0, got {self.rate}")
         _check(self.ttft_slo > 0 and math.isfinite(self.ttft_slo), f"{self.model}: ttft_slo must be > 0")
         _check(self.tpot_slo > 0 and math.isfinite(self.tpot_slo), f"{self.model}: tpot_slo must be > 0")

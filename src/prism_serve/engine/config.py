@@ -19,6 +19,7 @@ from prism_serve.memory.kv_pool import PoolConfig
 
 __all__ = [
     "DEFAULT_MODEL",
+    "DEFAULT_MODEL_HF_ID",
     "DTYPE_NAMES",
     "ENGINE_DEFAULTS",
     "GPU_ENGINE_DEFAULTS",
@@ -27,6 +28,7 @@ __all__ = [
 ]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its weights' home on the Hugging Face hub
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16")  # engine.machine.resolve_dtype reads them
 MAX_DEFAULT_CONTEXT = 8192  # max_model_len=None: the model's context, capped at this
 

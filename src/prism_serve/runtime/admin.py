@@ -4,6 +4,7 @@ from the request path and the control loop it drives."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from prism_serve.control import Activate, Defer, Evict, ModelState, Reject, Request
@@ -49,11 +50,24 @@ class AdminOps:
             raise ActivationError(f"{model} did not activate")
         return phases
 
-    async def unload(self: Controller, model: str, force: bool = True) -> bool:
+    async def unload(self: Controller, model: str, force: bool = True, drain_s: float = 0.0) -> bool:
         """Evict ``model``, every replica of it; with ``force`` its requests in flight end with
         ModelEvictedError. True if every resident replica was evicted; False if none was resident or
         one with requests in flight refused (without ``force``; idle replicas are still evicted).
+        Without ``force``, ``drain_s`` > 0 waits up to that long for the requests in flight to
+        finish (requests arriving meanwhile are served too) and evicts each replica as it empties.
         An unloaded model stays evicted (no prewarming) until a request for it arrives."""
+        deadline = self._now() + drain_s
+        while True:
+            evicted = await self._unload_once(model, force)
+            if evicted or force or self._now() >= deadline or self._all_evicted(model):
+                return evicted
+            await asyncio.sleep(0.05)  # a replica with requests in flight: wait for them
+
+    def _all_evicted(self: Controller, model: str) -> bool:
+        return all(self._model(n).state is ModelState.EVICTED for n in (model, *self.replicas[model]))
+
+    async def _unload_once(self: Controller, model: str, force: bool) -> bool:
         self._served(model)
         replicas = [self._model(name) for name in (model, *self.replicas[model])]
         for m in replicas:

@@ -32,7 +32,7 @@ def model_spec(m: ModelConfig) -> ModelSpec:
         ttft_slo=m.ttft_slo, tpot_slo=m.tpot_slo, pinned=m.pinned,
         max_model_len=m.max_model_len, max_num_seqs=m.max_num_seqs,
         max_num_batched_tokens=m.max_num_batched_tokens, block_size=m.block_size,
-        kv_limit_bytes=m.kv_limit,
+        kv_limit_bytes=m.kv_limit, keep_alive_s=m.keep_alive,
     )  # fmt: skip
 
 

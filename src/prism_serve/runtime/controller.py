@@ -167,6 +167,17 @@ class Controller(AdminOps):
         await self._pool.start()
         self._tick_task = asyncio.create_task(self._tick_loop())
         self._running = True
+        await self._load_pinned()
+
+    async def _load_pinned(self) -> None:
+        """Pinned models are activated at start-up, one after the other (where the policy's
+        on-demand rule puts them); one that cannot be is logged and loads on its first request."""
+        for spec in self.specs.values():
+            if spec.pinned:
+                try:
+                    await self.load(spec.name)
+                except PrismError as e:
+                    logger.warning("pinned model %s was not activated at start-up: %s", spec.name, e)
 
     async def stop(self) -> None:
         self._running = False

@@ -37,6 +37,7 @@ class ModelSpec:
     max_num_batched_tokens: int = _E.max_num_batched_tokens
     block_size: int = _E.block_size
     kv_limit_bytes: int | None = None  # cap on its KV pages in the device ledger (PoolConfig.limit_bytes)
+    keep_alive_s: float | None = None  # evicted after this long idle; negative: never; None: the policy's
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:

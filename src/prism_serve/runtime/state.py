@@ -294,6 +294,7 @@ def cluster_snapshot(
                 pinned=m.pinned and m.replica_of is None,
                 profile=m.profile(),
                 replica_of=m.replica_of,
+                keep_alive_s=m.spec.keep_alive_s,
                 forecast_rate=forecast_rate(name, now),
                 prewarmed=no_request_since_placed(
                     m.state, m.placed_at if resident else None, rates.last_arrival(name)

@@ -1,0 +1,124 @@
+"""Operator commands against a running server: ``prism ps`` and ``prism load|unload|pin|unpin MODEL``.
+
+They speak the server's HTTP API (GET /v1/models, POST /v1/admin/models/{name}/...), so they work
+against any prism server the operator can reach, local or not. The URL and keys come from flags or
+the environment: PRISM_URL (default http://127.0.0.1:8000), PRISM_API_KEY (or OPENAI_API_KEY) for
+``ps``, PRISM_ADMIN_KEY for the admin commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from prism_serve.errors import PrismError
+
+__all__ = ["add_ops_parsers"]
+
+
+class ServerError(PrismError):
+    """The server could not be reached or answered with an error."""
+
+
+def _request(args: argparse.Namespace, method: str, path: str, key: str | None, body: dict | None = None):
+    import httpx
+
+    url = args.url.rstrip("/") + path
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = httpx.request(method, url, headers=headers, json=body, timeout=args.timeout)
+    except httpx.HTTPError as e:
+        raise ServerError(
+            f"cannot reach {args.url}: {e or type(e).__name__} (is `prism serve` running?)"
+        ) from None
+    if r.status_code >= 400:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text[:200]
+        raise ServerError(f"{method} {path}: HTTP {r.status_code}: {message}")
+    return r.json()
+
+
+def _table(cards: list[dict]) -> str:
+    from prism_serve.memory.vmm import format_size
+
+    rows = [("MODEL", "STATE", "DEVICE", "WEIGHTS", "KV", "RUN", "WAIT", "REPLICAS", "PINNED", "SOURCE")]
+    for c in cards:
+        replicas = c.get("replicas") or []
+        devices = ",".join(r["device"] for r in replicas if r.get("device")) or (c.get("device") or "-")
+        rows.append((
+            c["id"], c["state"], devices, format_size(c["weight_bytes"]),
+            format_size(c["used_kv_bytes"]) if c.get("used_kv_bytes") is not None else "-",
+            str(c["num_running"]), str(c["num_queued"]), str(len(replicas)),
+            "yes" if c["pinned"] else "", c.get("root", ""),
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return (
+        "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows) + "\n"
+    )
+
+
+def _cmd_ps(args: argparse.Namespace) -> int:
+    cards = _request(args, "GET", "/v1/models", args.api_key)["data"]
+    sys.stdout.write(json.dumps(cards, indent=2) + "\n" if args.json else _table(cards))
+    return 0
+
+
+def _cmd_admin(args: argparse.Namespace) -> int:
+    body: dict | None = None
+    if args.action == "load" and args.device:
+        body = {"device": args.device}
+    elif args.action == "unload":
+        body = {"force": args.force}
+    card = _request(args, "POST", f"/v1/admin/models/{args.model}/{args.action}", args.admin_key, body)
+    if args.json:
+        sys.stdout.write(json.dumps(card, indent=2) + "\n")
+        return 0
+    loaded = f"activated in {card['activation_s']['total']:.2f} s" if card.get("activated") else None
+    done = {
+        "load": loaded or "already active",
+        "unload": "evicted" if card.get("evicted") else "not evicted (not resident, or still busy)",
+        "pin": "pinned", "unpin": "unpinned",
+    }[args.action]  # fmt: skip
+    print(
+        f"{card['id']}: {done}; state {card['state']}"
+        + (f" on {card['device']}" if card.get("device") else "")
+    )
+    return 0 if args.action != "unload" or card.get("evicted") else 1
+
+
+def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
+    def common(p: argparse.ArgumentParser, key: str) -> None:
+        p.add_argument("--url", default=os.environ.get("PRISM_URL", "http://127.0.0.1:8000"),
+                       help="the server (default $PRISM_URL or http://127.0.0.1:8000)")  # fmt: skip
+        if key == "api":
+            key_env = os.environ.get("PRISM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+            p.add_argument("--api-key", default=key_env,
+                           help="API key (default $PRISM_API_KEY or $OPENAI_API_KEY)")  # fmt: skip
+        else:
+            p.add_argument("--admin-key", default=os.environ.get("PRISM_ADMIN_KEY"),
+                           help="admin key (default $PRISM_ADMIN_KEY)")  # fmt: skip
+        p.add_argument("--json", action="store_true", help="print the server's JSON")
+        p.add_argument("--timeout", type=float, default=300.0, help="seconds (an unload may drain first)")
+
+    ps = sub.add_parser("ps", help="models of a running server: state, device, memory, replicas")
+    common(ps, "api")
+    ps.set_defaults(func=_cmd_ps)
+    helps = {
+        "load": "activate a model now (where the policy would, or --device)",
+        "unload": "evict a model (its requests in flight finish first unless --force)",
+        "pin": "never evict a model",
+        "unpin": "let the policy evict a model again",
+    }
+    for action, text in helps.items():
+        p = sub.add_parser(action, help=text)
+        p.add_argument("model")
+        common(p, "admin")
+        if action == "load":
+            p.add_argument("--device", help="e.g. cpu:1")
+        if action == "unload":
+            p.add_argument("--force", action="store_true", help="end its requests in flight now")
+        p.set_defaults(func=_cmd_admin, action=action)

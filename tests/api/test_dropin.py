@@ -1,0 +1,190 @@
+"""What existing clients and tools send and expect, against a real `prism serve` process: vLLM-style
+leniency, /tokenize, /detokenize, /version, X-Request-Id, CORS, a draining admin unload, and the
+operator CLI (`prism ps`, `prism load|unload|pin|unpin`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from prism_serve.api.server import PrismServer
+from prism_serve.cli import main as prism_main
+from prism_serve.config import CorsConfig, DeploymentConfig, ServerConfig
+from tests.api.conftest import ADMIN_KEY, API_KEY
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_unknown_fields_and_neutral_values_are_accepted_and_logged_once(client, server):
+    # what `vllm bench serve` and other clients send along: neutral values and fields we do not know
+    extra = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "logit_bias": {},
+             "presence_penalty": 0.0, "frequency_penalty": 0.0, "no_such_field_xyz": {"a": 1},
+             "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}  # fmt: skip
+    for _ in range(2):
+        r = client.chat.completions.create(
+            model="smol", messages=QUESTION, max_tokens=8, temperature=0, extra_body=extra
+        )
+        assert "Paris" in r.choices[0].message.content
+    log = server.log_text()
+    assert log.count("ignoring unknown request field(s): no_such_field_xyz") == 1
+    r = client.completions.create(
+        model="smol", prompt="Hi", max_tokens=2, extra_body={"no_such_field_xyz": 1}
+    )
+    assert r.usage.completion_tokens == 2
+
+
+def test_what_cannot_be_honoured_is_still_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError, match="tool calling"):
+        client.chat.completions.create(
+            model="smol", messages=QUESTION, tools=[{"type": "function", "function": {"name": "f"}}]
+        )
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model="smol", messages=QUESTION, n=3)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smol", messages=QUESTION, extra_body={"repetition_penalty": -1})
+    assert e.value.body["param"] == "repetition_penalty"
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.chat.completions.create(model="smol", messages=QUESTION, logit_bias={"abc": 1})
+    with pytest.raises(openai.BadRequestError, match="image"):
+        client.chat.completions.create(model="smol", messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+        ])  # fmt: skip
+
+
+def test_models_show_root_and_context_and_no_server_paths(client):
+    cards = {m.id: m.model_dump() for m in client.models.list().data}
+    assert cards["smol"]["root"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert cards["tiny"]["root"] == "random:smollm2-135m"
+    assert cards["tiny"]["max_model_len"] == 512 and cards["smol-b"]["max_model_len"] == 8192
+    for card in cards.values():
+        assert not card["source"].startswith("/") and not card["root"].startswith("/")
+        assert card["dtype"] in ("float32", "bfloat16")
+
+
+def test_tokenize_and_detokenize_agree_with_the_completion_routes(client, server):
+    post = lambda path, body: httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=60)  # noqa: E731
+    r = post("/tokenize", {"model": "smol", "prompt": "The capital of France is"})
+    assert r.status_code == 200, r.text
+    tok = r.json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > tok["count"]
+    done = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=1)
+    assert done.usage.prompt_tokens == tok["count"]
+    back = post("/detokenize", {"model": "smol", "tokens": tok["tokens"]}).json()["prompt"]
+    assert back.endswith("The capital of France is")
+
+    chat = post("/tokenize", {"model": "smol", "messages": QUESTION}).json()
+    done = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=1)
+    assert done.usage.prompt_tokens == chat["count"]
+
+    assert post("/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
+    bad = post("/detokenize", {"model": "smol", "tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert post("/tokenize", {"model": "smol"}).status_code == 400  # neither prompt nor messages
+    assert httpx.post(f"{server.url}/tokenize", json={"model": "smol", "prompt": "x"}).status_code == 401
+
+
+def test_version_and_request_ids(server):
+    v = httpx.get(f"{server.url}/version")
+    assert v.status_code == 200 and v.json()["version"]
+    assert len(v.headers["x-request-id"]) >= 16  # generated when the client sends none
+    mine = {"x-request-id": "trace-42", **AUTH}
+    ok = httpx.get(f"{server.base_url}/models", headers=mine)
+    assert ok.headers["x-request-id"] == "trace-42"
+    err = httpx.post(f"{server.base_url}/completions", json={"model": "nope", "prompt": "x"}, headers=mine)
+    assert err.status_code == 404 and err.headers["x-request-id"] == "trace-42"
+    body = {"model": "smol", "prompt": "Hi", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, headers=mine, timeout=60) as s:
+        assert s.headers["x-request-id"] == "trace-42" and "[DONE]" in s.read().decode()
+
+
+def _app(cors: CorsConfig | None) -> TestClient:
+    config = DeploymentConfig(devices={"count": 1, "memory": "1GiB"}, models=[{"name": "m"}],
+                              server=ServerConfig(cors=cors))  # fmt: skip
+    return TestClient(PrismServer(config).app)  # no lifespan: the controller never starts
+
+
+def test_cors_only_when_configured():
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}  # fmt: skip
+    on = _app(CorsConfig(allow_origins=["https://ui.example"]))
+    r = on.options("/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+    r = on.get("/version", headers={"Origin": "https://ui.example"})
+    assert r.headers["access-control-allow-origin"] == "https://ui.example"
+    assert "x-request-id" in r.headers["access-control-expose-headers"]
+    r = on.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    off = _app(None)
+    assert (
+        "access-control-allow-origin"
+        not in off.get("/version", headers={"Origin": "https://ui.example"}).headers
+    )
+
+
+def test_admin_unload_drains_running_requests_unless_forced(server):
+    async def main(force: bool):
+        async with httpx.AsyncClient(base_url=server.base_url, headers=AUTH, timeout=120) as c:
+            body = {
+                "model": "smol-b",
+                "prompt": "Count:",
+                "max_tokens": 48,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with c.stream("POST", "/completions", json=body) as s:
+                lines = s.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break  # streaming
+                unload = asyncio.ensure_future(c.post(
+                    "/admin/models/smol-b/unload", json={"force": force},
+                    headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                ))  # fmt: skip
+                rest = [line async for line in lines]
+            return (await unload).json(), "".join(rest)
+
+    card, rest = asyncio.run(main(force=False))
+    assert card["evicted"] is True and card["state"] == "evicted"
+    assert '"finish_reason":"length"' in rest and '{"error":' not in rest  # it finished first
+    card, rest = asyncio.run(main(force=True))
+    assert card["evicted"] is True and '{"error":' in rest and "unloaded" in rest
+
+
+def _cli(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = prism_main(list(argv))
+    return code, out.getvalue()
+
+
+def test_operator_cli_against_the_running_server(server):
+    keys = ["--url", server.url]
+    code, out = _cli("load", "tiny", *keys, "--admin-key", ADMIN_KEY)
+    assert code == 0 and out.startswith("tiny: ") and "state active" in out
+    code, out = _cli("ps", *keys, "--api-key", API_KEY)
+    assert code == 0
+    header, *rows = out.splitlines()
+    assert header.split()[:3] == ["MODEL", "STATE", "DEVICE"]
+    by_name = {r.split()[0]: r.split() for r in rows}
+    assert set(by_name) == {"smol", "smol-b", "tiny"} and by_name["tiny"][1] == "active"
+    assert _cli("pin", "tiny", *keys, "--admin-key", ADMIN_KEY)[0] == 0
+    cards = {c["id"]: c for c in json.loads(_cli("ps", *keys, "--api-key", API_KEY, "--json")[1])}
+    assert cards["tiny"]["pinned"] is True and cards["smol"]["pinned"] is False
+    assert _cli("unpin", "tiny", *keys, "--admin-key", ADMIN_KEY)[0] == 0
+    code, out = _cli("unload", "tiny", *keys, "--admin-key", ADMIN_KEY)
+    assert code == 0 and "evicted" in out
+    assert _cli("pin", "nope", *keys, "--admin-key", ADMIN_KEY)[0] == 2  # the server's 404, said
+    assert _cli("ps", "--url", "http://127.0.0.1:9", "--api-key", API_KEY)[0] == 2  # nothing there
