@@ -24,6 +24,7 @@ from prism_serve.errors import (
     DuplicateRequestError,
     EmptyPromptError,
     InvalidRequestError,
+    InvalidSamplingParamsError,
     PromptTooLongError,
 )
 from prism_serve.memory.kv_pool import ElasticKVPool
@@ -84,7 +85,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.allocator, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, seed=config.seed)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, seed=config.seed, eos_token_ids=self.tokenizer.eos_token_ids
+        )
         self._clock = clock
         self._requests: dict[str, Sequence] = {}
         self.stalled = False
@@ -116,13 +119,18 @@ class LLMEngine:
     ) -> Sequence:
         """Validate and tokenize a request without touching engine state (safe from any thread)."""
         params = params or SamplingParams()
+        vocab = self.model_config.vocab_size
+        for t in params.logit_bias:
+            if t >= vocab:
+                raise InvalidSamplingParamsError(
+                    f"logit_bias token id {t} is out of range: this model's vocabulary has {vocab} tokens"
+                )
         if isinstance(prompt, str):
             if not prompt:
                 raise EmptyPromptError("prompt is empty")
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
             bad = [
                 t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
             ]
@@ -228,11 +236,17 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
         reason: str | None = None
-        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+        if seq.num_output_tokens < p.min_tokens:
+            # The sampler masks EOS and stop_token_ids until min_tokens; stop strings that end in
+            # this text do not count either, not even once min_tokens is reached.
+            seq.num_min_tokens_chars = len(seq.output_text)
+            if seq.num_tokens >= self.max_seq_len:
+                reason = "length"
+        elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             reason = "stop"
         elif token in p.stop_token_ids:
             reason, seq.stop_reason = "stop", token
-        elif p.stop and (hit := _find_stop(seq.output_text, p.stop, seq.num_sent_chars)) is not None:
+        elif p.stop and (hit := _find_stop(seq.output_text, p.stop, seq.stop_search_start)) is not None:
             idx, stop = hit
             seq.output_text = seq.output_text[: idx + len(stop) if p.include_stop_str_in_output else idx]
             reason, seq.stop_reason = "stop", stop
@@ -252,6 +266,8 @@ class LLMEngine:
         delta = seq.output_text[seq.num_sent_chars : visible]
         seq.num_sent_chars = visible
         delta_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens :]
+        logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_sent_tokens :]
+        prompt_logprobs = seq.prompt_logprobs if seq.num_sent_tokens == 0 else None
         seq.num_sent_tokens = seq.num_output_tokens
         return RequestOutput(
             req_id=seq.req_id,
@@ -264,6 +280,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             metrics=seq.metrics,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -1,4 +1,8 @@
-"""Turns a SchedulerOutput into model inputs, runs the model, samples."""
+"""Turns a SchedulerOutput into model inputs, runs the model, samples.
+
+Logprobs are recorded on the sequences here, where the logits are (one entry per sampled token,
+and prompt entries as prefill chunks pass); the engine appends the sampled tokens themselves.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,21 @@ import torch
 from prism_serve.engine.attention import AttentionMetadata, PrefillChunk, causal_chunk_mask
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.models.llama import LlamaForCausalLM
-from prism_serve.engine.sampler import sample
+from prism_serve.engine.sampler import sample, token_logprobs
 from prism_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from prism_serve.engine.sequence import TokenLogprob
+
+# Prompt positions whose logits are computed at once for prompt_logprobs: [rows, vocab] fp32 twice
+# (logits and log_softmax), about 100 MB for a 49k vocabulary, whatever the chunk length.
+PROMPT_LOGITS_ROWS = 256
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, seed: int = 0) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: KVCache, seed: int = 0, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
         self.model = model
+        self.eos_token_ids = eos_token_ids  # what min_tokens forbids besides a request's stop_token_ids
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.generator = torch.Generator().manual_seed(seed)
@@ -30,15 +42,51 @@ class ModelRunner:
         input_ids, positions, meta, last_index = self._prepare(batch)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
 
+        for s, last in zip(batch, last_index, strict=True):
+            if s.seq.prompt_logprobs is not None:
+                self._prompt_logprobs(hidden, s, last, s.seq.prompt_logprobs)
+
         sampling = [j for j, s in enumerate(batch) if s.samples]
         out: list[int | None] = [None] * len(batch)
         if sampling:
             logits = self.model.compute_logits(hidden[[last_index[j] for j in sampling]])
             seqs = [batch[j].seq for j in sampling]
-            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
+            tokens = sample(
+                logits,
+                [s.params for s in seqs],
+                [s.generator for s in seqs],
+                self.generator,
+                seqs,
+                self.eos_token_ids,
+            )
+            want = [r for r, s in enumerate(seqs) if s.logprobs is not None]
+            if want:
+                entries = token_logprobs(
+                    logits[want], [tokens[r] for r in want], [seqs[r].params.logprobs or 0 for r in want]
+                )
+                for r, entry in zip(want, entries, strict=True):
+                    seqs[r].logprobs.append(entry)  # type: ignore[union-attr]
             for j, tok in zip(sampling, tokens, strict=True):
                 out[order[j]] = tok  # back to the position in sched.scheduled
         return out
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, s: ScheduledSeq, last: int, entries: list[TokenLogprob | None]
+    ) -> None:
+        """Score the prompt tokens this chunk reaches that have no entry yet: the hidden state at
+        position p predicts token p + 1. A prompt recomputed after preemption finds its entries
+        there already and adds none; the last prompt position predicts the first output token,
+        which is sampled, not scored here."""
+        seq = s.seq
+        start = seq.num_computed_tokens
+        first_row = last - s.num_new_tokens + 1  # hidden row of position `start`
+        begin = max(start, len(entries) - 1)
+        end = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+        k = seq.params.prompt_logprobs or 0
+        for a in range(begin, end, PROMPT_LOGITS_ROWS):
+            b = min(a + PROMPT_LOGITS_ROWS, end)
+            logits = self.model.compute_logits(hidden[first_row + a - start : first_row + b - start])
+            entries.extend(token_logprobs(logits, seq.token_ids[a + 1 : b + 1], [k] * (b - a)))
 
     def _prepare(
         self, batch: list[ScheduledSeq]

@@ -8,6 +8,8 @@ no layer copies it field by field or keeps its own defaults.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from prism_serve.errors import InvalidSamplingParamsError
@@ -16,8 +18,16 @@ from prism_serve.errors import InvalidSamplingParamsError
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+MAX_LOGPROBS = 20  # alternatives per token, OpenAI's top_logprobs limit
+
+
 def _is_int(v: object, lo: int = INT64_MIN, hi: int = INT64_MAX) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_float(v: object, lo: float, hi: float) -> bool:
+    """A real number in [lo, hi]; NaN fails every comparison and so is refused too."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and lo <= v <= hi
 
 
 class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -42,6 +52,15 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Appended after the fields above: the struct is array_like, so a field's position is its name.
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = {}
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,10 +96,56 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParamsError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        self._validate_processing()
+
+    def _validate_processing(self) -> None:
+        if not _is_int(self.min_tokens, 0, self.max_tokens):
+            raise InvalidSamplingParamsError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        rp = self.repetition_penalty
+        if not _is_float(rp, 0.0, math.inf) or rp == 0.0 or not math.isfinite(rp):
+            raise InvalidSamplingParamsError(f"repetition_penalty must be finite and > 0, got {rp!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_float(getattr(self, name), -2.0, 2.0):
+                raise InvalidSamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not _is_float(self.min_p, 0.0, 1.0):
+            raise InvalidSamplingParamsError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidSamplingParamsError(
+                f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}"
+            )
+        for t, bias in self.logit_bias.items():
+            if not _is_int(t, 0):
+                raise InvalidSamplingParamsError(
+                    f"logit_bias keys must be non-negative integer token ids, got {t!r}"
+                )
+            if not _is_float(bias, -100.0, 100.0):
+                raise InvalidSamplingParamsError(
+                    f"logit_bias values must be in [-100, 100], got {bias!r} for token {t}"
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not _is_int(v, 0, MAX_LOGPROBS):
+                raise InvalidSamplingParamsError(
+                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits change before temperature (bias, penalties, min_tokens): changes that
+        can move the argmax. A greedy batch where no request has them is a plain argmax."""
+        return bool(
+            self.min_tokens
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+        )
 
     @property
     def stop_holdback(self) -> int:

@@ -6,11 +6,25 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:  # a sequence only carries a generator; the scheduler imports this without torch
     import torch
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """A token's logprob under the model's raw distribution and the most likely alternatives.
+
+    A msgspec struct because it crosses the worker boundary as is: runtime/messages.py re-exports
+    it inside ``TokenDelta``, so the engine, the worker and the API share one type.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []  # the top alternatives (token_id, logprob), most likely first
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +49,10 @@ class Sequence:
     ``token_ids`` holds prompt and output. ``num_computed_tokens`` counts the tokens whose KV is in
     the cache; the scheduler feeds the rest to the model, in chunks. Preemption drops the KV and
     sets it back to 0, so the tokens are recomputed later (outputs are kept).
+
+    ``logprobs`` has one entry per output token (when requested); ``prompt_logprobs`` one per prompt
+    token, ``None`` for the first, filled as prefill chunks pass and never twice (a recomputed
+    prompt skips the entries it already has).
     """
 
     req_id: str
@@ -52,10 +70,18 @@ class Sequence:
     num_sent_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # Output characters made before min_tokens was reached: no stop string may end inside them.
+    num_min_tokens_chars: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has no prefix to be scored on
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +100,12 @@ class Sequence:
         return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
+    def stop_search_start(self) -> int:
+        """Stop strings must end after this many output characters: the text before was streamed
+        (it was searched already) or made before min_tokens was reached."""
+        return max(self.num_sent_chars, self.num_min_tokens_chars)
+
+    @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -81,7 +113,11 @@ class Sequence:
 @dataclass(slots=True)
 class RequestOutput:
     """A request's state after an engine step. ``text`` and ``token_ids`` are everything so far;
-    ``delta_text`` and ``delta_token_ids`` are what is new since the previous output."""
+    ``delta_text`` and ``delta_token_ids`` are what is new since the previous output.
+
+    ``logprobs`` (when requested) has one entry per ``delta_token_ids`` entry; ``prompt_logprobs``
+    (when requested) comes whole in the first output, which always carries a token, and is None after.
+    """
 
     req_id: str
     prompt_token_ids: list[int]
@@ -93,6 +129,8 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: str | int | None
     metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,6 +17,7 @@ import msgspec
 
 from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.sequence import TokenLogprob as TokenLogprob  # re-exported: the engine fills it
 
 
 class Message(msgspec.Struct, tag=True, array_like=True, forbid_unknown_fields=True):
@@ -68,6 +69,13 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
 
 
 class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
+    """What one engine step added to one request's output.
+
+    ``logprobs``: one TokenLogprob per ``token_ids`` entry, when the request asked for them.
+    ``prompt_logprobs``: once, in the first delta, one entry per prompt token (index 0 is None: the
+    first token has no prefix). Both are the model's raw distribution (see SamplingParams).
+    """
+
     req_id: str
     text: str
     token_ids: list[int]
@@ -75,6 +83,8 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 # ---- controller -> worker --------------------------------------------------------------------

@@ -182,6 +182,8 @@ class Worker:
                 o.finish_reason,
                 len(o.prompt_token_ids),
                 len(o.token_ids),
+                o.logprobs,
+                o.prompt_logprobs,
             )
             for o in outs
         ]
