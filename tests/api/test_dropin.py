@@ -188,3 +188,74 @@ def test_operator_cli_against_the_running_server(server):
     assert code == 0 and "evicted" in out
     assert _cli("pin", "nope", *keys, "--admin-key", ADMIN_KEY)[0] == 2  # the server's 404, said
     assert _cli("ps", "--url", "http://127.0.0.1:9", "--api-key", API_KEY)[0] == 2  # nothing there
+
+
+def test_chat_logprobs_streamed_and_not(client):
+    r = client.chat.completions.create(
+        model="smol", messages=QUESTION, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and "".join(c.token for c in content).strip()
+    for c in content:
+        assert c.logprob <= 0 and len(c.top_logprobs) == 3
+        tops = [t.logprob for t in c.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob  # greedy
+    stream = client.chat.completions.create(
+        model="smol", messages=QUESTION, max_tokens=6, temperature=0, logprobs=True, stream=True
+    )
+    streamed = [
+        t for ch in stream if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content
+    ]
+    assert [t.token for t in streamed] == [c.token for c in content]
+    assert [t.logprob for t in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
+    plain = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_echo_with_logprobs_scores_the_prompt(client):
+    """What lm-eval-harness's loglikelihood tasks send: echo + logprobs, max_tokens 1 (0 in some)."""
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=1, echo=True, logprobs=2, temperature=0
+    )
+    choice = r.choices[0]
+    lp = choice.logprobs
+    n = r.usage.prompt_tokens + r.usage.completion_tokens
+    assert choice.text.startswith(prompt) and len(lp.tokens) == len(lp.token_logprobs) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first token has no prefix
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == choice.text and lp.text_offset == sorted(lp.text_offset)
+    assert all(tok in top for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True))
+    # " Paris" after "The capital of France is" is likely; " banana" is not
+    other = (
+        client.completions.create(
+            model="smol", prompt="The capital of France is banana", max_tokens=1, echo=True, logprobs=0
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert lp.token_logprobs[r.usage.prompt_tokens - 1] > other.token_logprobs[-2]
+    again = dict(model="smol", prompt=prompt, max_tokens=1, echo=True, logprobs=2, temperature=0)
+    streamed = list(client.completions.create(**again, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices).startswith(prompt)
+    toks = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert toks == lp.tokens
+
+
+def test_logit_bias_and_penalties_reach_the_engine(client, server):
+    ids = httpx.post(
+        f"{server.url}/tokenize", json={"model": "smol", "prompt": " banana"}, headers=AUTH
+    ).json()
+    forced = ids["tokens"][-1]
+    r = client.completions.create(model="smol", prompt="Hello", max_tokens=5, temperature=0, logprobs=0,
+                                  logit_bias={str(forced): 100})  # fmt: skip
+    banana = httpx.post(f"{server.url}/detokenize", json={"model": "smol", "tokens": [forced]}, headers=AUTH)
+    assert r.choices[0].logprobs.tokens == [banana.json()["prompt"]] * 5
+    base = dict(model="smol", messages=QUESTION, max_tokens=24, temperature=0)
+    plain = client.chat.completions.create(**base).choices[0].message.content
+    penalised = client.chat.completions.create(**base, frequency_penalty=2.0, presence_penalty=2.0,
+                                               extra_body={"repetition_penalty": 1.5})  # fmt: skip
+    assert penalised.choices[0].message.content != plain
+    short = client.chat.completions.create(**base, extra_body={"min_tokens": 20})
+    assert short.usage.completion_tokens >= 20

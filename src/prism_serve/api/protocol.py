@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.sequence import TokenLogprob
 
 __all__ = [
     "ChatCompletionRequest",
@@ -32,8 +34,10 @@ __all__ = [
     "Text",
     "TokenizeRequest",
     "chat_chunk",
+    "chat_logprobs",
     "chat_response",
     "completion_chunk",
+    "completion_logprobs",
     "completion_response",
     "new_id",
     "usage",
@@ -306,32 +310,83 @@ def _envelope(rid: str, obj: str, model: str, created: int, choices: list, use: 
     return out
 
 
-def chat_response(rid: str, model: str, text: str, finish: str | None, use: dict) -> dict:
+def chat_response(
+    rid: str, model: str, text: str, finish: str | None, use: dict, logprobs: dict | None = None
+) -> dict:
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish,
     }
     return _envelope(rid, "chat.completion", model, int(time.time()), [choice], use)
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, delta: dict | None, finish: str | None, use: dict | None = None
-) -> dict:
+    rid: str, model: str, created: int, delta: dict | None, finish: str | None, use: dict | None = None,
+    logprobs: dict | None = None,
+) -> dict:  # fmt: skip
     choices = (
-        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     )
     return _envelope(rid, "chat.completion.chunk", model, created, choices, use)
 
 
-def completion_response(rid: str, model: str, text: str, finish: str | None, use: dict) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+def completion_response(
+    rid: str, model: str, text: str, finish: str | None, use: dict, logprobs: dict | None = None
+) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return _envelope(rid, "text_completion", model, int(time.time()), [choice], use)
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, text: str | None, finish: str | None, use: dict | None = None
-) -> dict:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    rid: str, model: str, created: int, text: str | None, finish: str | None, use: dict | None = None,
+    logprobs: dict | None = None,
+) -> dict:  # fmt: skip
+    choices = (
+        [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+    )
     return _envelope(rid, "text_completion", model, created, choices, use)
+
+
+# ---- logprobs -----------------------------------------------------------------------------------
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str]) -> dict:
+    """OpenAI chat ``logprobs``: per output token its text, bytes, logprob and top alternatives."""
+
+    def one(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries
+        ]
+    }
+
+
+def completion_logprobs(
+    entries: list[TokenLogprob | None],
+    token_ids: list[int],
+    token_text: Callable[[int], str],
+    offset: int = 0,
+) -> dict:
+    """OpenAI (legacy) completions ``logprobs`` for ``token_ids``, ``entries`` their logprobs (None:
+    unknown, the first prompt token of an echo); ``offset``: characters of text before the first
+    token in the choice's text. The sampled token is in its own ``top_logprobs``, as vLLM does."""
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for token_id, e in zip(token_ids, entries, strict=True):
+        text = token_text(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if e is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        logprobs.append(e.logprob)
+        top = {token_text(t): lp for t, lp in e.top}
+        top.setdefault(text, e.logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}

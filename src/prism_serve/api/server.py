@@ -46,14 +46,17 @@ from prism_serve.api.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     chat_chunk,
+    chat_logprobs,
     chat_response,
     completion_chunk,
+    completion_logprobs,
     completion_response,
     new_id,
     usage,
 )
 from prism_serve.config import DeploymentConfig
 from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID
+from prism_serve.engine.sequence import TokenLogprob
 from prism_serve.errors import InvalidRequestError, PrismError, PromptTooLongError
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.build import build_controller
@@ -98,6 +101,52 @@ class _Run:
     num_prompt: int = 0
     num_output: int = 0
     text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the output tokens', if asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's (completions with echo)
+
+
+class _Output:
+    """How one request's output is shown: the echoed prompt (completions ``echo``) and logprobs in
+    OpenAI's chat or completions shape, token texts decoded once per token id."""
+
+    def __init__(self, server: PrismServer, body: ChatCompletionRequest | CompletionRequest, ids: list[int]):
+        self.tok = server.controller.tokenizer(body.model)
+        chat = isinstance(body, ChatCompletionRequest)
+        self.chat_logprobs = chat and bool(body.logprobs)
+        self.completion_logprobs = not chat and body.logprobs is not None
+        self.prompt_ids = ids
+        self.echo = ""
+        if not chat and body.echo:
+            self.echo = body.prompt if isinstance(body.prompt, str) else self.tok.decode(ids, False)
+        self._pending_echo = self.echo
+        self._offset = 0  # characters of the choice's text before the next token
+        self._texts: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tok.decode([token_id], False)
+        return text
+
+    def take_echo(self) -> str:
+        """The echoed prompt, once (the first chunk of a stream carries it)."""
+        echo, self._pending_echo = self._pending_echo, ""
+        return echo
+
+    def chat(self, entries: list[TokenLogprob]) -> dict | None:
+        return chat_logprobs(entries, self.token_text) if self.chat_logprobs else None
+
+    def completion(
+        self, entries: list[TokenLogprob], prompt_entries: list[TokenLogprob | None] | None
+    ) -> dict | None:
+        if not self.completion_logprobs:
+            return None
+        ids, all_entries = [e.token_id for e in entries], list(entries)
+        if self.echo and prompt_entries is not None:  # the first delta: the prompt's tokens lead
+            ids, all_entries = self.prompt_ids + ids, [*prompt_entries, *all_entries]
+        out = completion_logprobs(all_entries, ids, self.token_text, self._offset)
+        self._offset += sum(len(t) for t in out["tokens"])
+        return out
 
 
 class PrismServer:
@@ -248,7 +297,7 @@ class PrismServer:
             raise
         if body.stream:
             return StreamingResponse(
-                self._sse(run, body, chat),
+                self._sse(run, body, chat, _Output(self, body, ids)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -263,8 +312,14 @@ class PrismServer:
             await run.stream.aclose()
         text, last = "".join(run.text), run.last
         use = usage(run.num_prompt, run.num_output)
-        build = chat_response if chat else completion_response
-        return JSONResponse(build(run.rid, model, text, last.finish_reason, use))
+        out = _Output(self, body, ids)
+        if chat:
+            logprobs = out.chat(run.logprobs)
+            return JSONResponse(chat_response(run.rid, model, text, last.finish_reason, use, logprobs))
+        logprobs = out.completion(run.logprobs, run.prompt_logprobs)
+        return JSONResponse(
+            completion_response(run.rid, model, out.echo + text, last.finish_reason, use, logprobs)
+        )
 
     def _note_ignored(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         """Unknown fields are accepted and ignored (vLLM's leniency); each name is logged once."""
@@ -369,6 +424,10 @@ class PrismServer:
                 self.metrics.itl.labels(run.model).observe(gap)
         run.last, run.last_at = d, now
         run.text.append(d.text)
+        if d.logprobs:
+            run.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            run.prompt_logprobs = d.prompt_logprobs
         run.num_output = d.num_output_tokens
         run.num_prompt = d.num_prompt_tokens or run.num_prompt
         if d.finished:
@@ -383,44 +442,49 @@ class PrismServer:
         while not run.last.finished:
             self._take(run, await anext(run.stream))
 
-    async def _sse(self, run: _Run, body: ChatCompletionRequest | CompletionRequest, chat: bool):
+    async def _sse(
+        self, run: _Run, body: ChatCompletionRequest | CompletionRequest, chat: bool, out: _Output
+    ):
         created, rid, model = int(time.time()), run.rid, run.model
         with_usage = body.include_usage
         null_usage = None  # OpenAI sends "usage": null on every chunk but the last when usage is on
 
-        def chunk(text: str | None, finish: str | None) -> str:
+        def chunk(text: str | None, finish: str | None, d: msg.TokenDelta | None = None) -> str:
             if chat:
                 delta = {} if text is None else {"content": text}
-                data = chat_chunk(rid, model, created, delta, finish, null_usage)
+                logprobs = out.chat(d.logprobs or []) if d is not None else None
+                data = chat_chunk(rid, model, created, delta, finish, null_usage, logprobs)
             else:
-                data = completion_chunk(rid, model, created, text or "", finish, null_usage)
+                logprobs = out.completion(d.logprobs or [], d.prompt_logprobs) if d is not None else None
+                data = completion_chunk(rid, model, created, out.take_echo() + (text or ""), finish,
+                                        null_usage, logprobs)  # fmt: skip
             if with_usage:
                 data["usage"] = None
             return _event(data)
 
         try:
-            out = ""
+            sse = ""
             if chat:
                 role = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None)
                 if with_usage:
                     role["usage"] = None
-                out = _event(role)
+                sse = _event(role)
             d = run.last
             while True:
                 if d.text or d.token_ids:  # one chunk per engine step (text may be held back)
-                    out += chunk(d.text, None)
+                    sse += chunk(d.text, None, d)
                 if d.finished:
-                    out += chunk(None, d.finish_reason)
+                    sse += chunk(None, d.finish_reason)
                     if with_usage:
                         build = chat_chunk if chat else completion_chunk
-                        out += _event(
+                        sse += _event(
                             build(rid, model, created, None, None, usage(run.num_prompt, run.num_output))
                         )
-                    yield out + "data: [DONE]\n\n"
+                    yield sse + "data: [DONE]\n\n"
                     return
-                if out:
-                    yield out
-                    out = ""
+                if sse:
+                    yield sse
+                    sse = ""
                 d = await anext(run.stream)
                 self._take(run, d)
         except PrismError as e:
