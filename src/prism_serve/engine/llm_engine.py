@@ -18,6 +18,7 @@ from prism_serve.engine.runner import ModelRunner
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.scheduler import Scheduler, SchedulerOutput
 from prism_serve.engine.sequence import RequestMetrics, RequestOutput, Sequence
+from prism_serve.engine.structured import GrammarCompiler
 from prism_serve.engine.tokenizer import IncrementalDetokenizer
 from prism_serve.engine.weights import LoadedWeights, load_weights
 from prism_serve.errors import (
@@ -88,6 +89,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, seed=config.seed, eos_token_ids=self.tokenizer.eos_token_ids
         )
+        self.grammars = GrammarCompiler(self.tokenizer, weights.config.vocab_size)
         self._clock = clock
         self._requests: dict[str, Sequence] = {}
         self.stalled = False
@@ -145,6 +147,7 @@ class LLMEngine:
                 f"{self.config.block_size} tokens) so that at least one token can be generated"
             )
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        matcher = None if params.structured is None else self.grammars.matcher(params.structured)
         return Sequence(
             req_id=req_id if req_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=token_ids,
@@ -152,6 +155,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
             metrics=RequestMetrics(arrival_time=self._clock()),
             generator=generator,
+            matcher=matcher,
         )
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -226,6 +230,8 @@ class LLMEngine:
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             seq.output_text += seq.detokenizer.push(token)
+            if seq.matcher is not None:
+                seq.matcher.consume_token(token)  # masked to what it accepts, so this succeeds
             self._check_stop(seq, token)
             if seq.finished:
                 seq.metrics.finish_time = now
@@ -236,7 +242,9 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
         reason: str | None = None
-        if seq.num_output_tokens < p.min_tokens:
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "stop"  # the grammar is complete (or allows only EOS): nothing may follow
+        elif seq.num_output_tokens < p.min_tokens:
             # The sampler masks EOS and stop_token_ids until min_tokens; stop strings that end in
             # this text do not count either, not even once min_tokens is reached.
             seq.num_min_tokens_chars = len(seq.output_text)

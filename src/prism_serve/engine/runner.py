@@ -14,6 +14,7 @@ from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.sampler import sample, token_logprobs
 from prism_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from prism_serve.engine.sequence import TokenLogprob
+from prism_serve.engine.structured import allowed_tokens
 
 # Prompt positions whose logits are computed at once for prompt_logprobs: [rows, vocab] fp32 twice
 # (logits and log_softmax), about 100 MB for a 49k vocabulary, whatever the chunk length.
@@ -51,6 +52,11 @@ class ModelRunner:
         if sampling:
             logits = self.model.compute_logits(hidden[[last_index[j] for j in sampling]])
             seqs = [batch[j].seq for j in sampling]
+            constrained = [r for r, s in enumerate(seqs) if s.matcher is not None]
+            allowed = None
+            if constrained:
+                matchers = [seqs[r].matcher for r in constrained]
+                allowed = (constrained, allowed_tokens(matchers, logits.shape[1]))  # type: ignore[arg-type]
             tokens = sample(
                 logits,
                 [s.params for s in seqs],
@@ -58,6 +64,7 @@ class ModelRunner:
                 self.generator,
                 seqs,
                 self.eos_token_ids,
+                allowed,
             )
             want = [r for r, s in enumerate(seqs) if s.logprobs is not None]
             if want:

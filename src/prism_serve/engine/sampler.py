@@ -44,13 +44,20 @@ def sample(
     default_generator: torch.Generator,
     histories: Sequence[TokenHistory] | None = None,
     eos_token_ids: Sequence[int] = (),
+    allowed: tuple[list[int], torch.Tensor] | None = None,
 ) -> list[int]:
     """One token per row. ``histories`` feed the penalties and min_tokens (rows without one count as
     having no tokens); ``eos_token_ids`` are what min_tokens masks besides ``stop_token_ids``.
-    ``logits`` is left untouched, so the caller can still take raw logprobs from it."""
+    ``allowed`` (rows, [len(rows), vocab] bool) restricts those rows to the tokens a grammar
+    accepts, after every other change. ``logits`` is left untouched, so the caller can still take
+    raw logprobs from it."""
     greedy = [p.greedy for p in params]
     if any(p.processes_logits for p in params):
         logits = process_logits(logits, params, histories or [_NoHistory()] * len(params), eos_token_ids)
+    if allowed is not None:
+        rows, mask = allowed
+        logits = logits.clone()
+        logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
     argmax = logits.argmax(dim=-1)
     if all(greedy):
         return argmax.tolist()

@@ -8,6 +8,7 @@ no layer copies it field by field or keeps its own defaults.
 
 from __future__ import annotations
 
+import json
 import math
 
 import msgspec
@@ -28,6 +29,43 @@ def _is_int(v: object, lo: int = INT64_MIN, hi: int = INT64_MAX) -> bool:
 def _is_float(v: object, lo: float, hi: float) -> bool:
     """A real number in [lo, hi]; NaN fails every comparison and so is refused too."""
     return isinstance(v, int | float) and not isinstance(v, bool) and lo <= v <= hi
+
+
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "grammar")
+
+
+class StructuredOutput(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """Output constrained to a language: at every step the engine masks the tokens that cannot
+    continue it (engine/structured.py compiles it with llguidance) and ends the request when the
+    language allows nothing more.
+
+    ``kind``: ``json_object`` (any JSON object, ``spec`` unused), ``json_schema`` (``spec`` is the
+    schema's JSON text), ``regex`` (``spec`` is the pattern, Rust regex syntax) or ``grammar``
+    (``spec`` in Lark or GBNF).
+    """
+
+    kind: str
+    spec: str = ""
+
+    def validate(self) -> None:
+        """What can be checked without a tokenizer; the engine compiles the rest when the request is added."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidSamplingParamsError(
+                f"structured.kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}"
+            )
+        if not isinstance(self.spec, str):
+            raise InvalidSamplingParamsError(f"structured.spec must be a string, got {self.spec!r:.80}")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as e:
+                raise InvalidSamplingParamsError(f"structured.spec is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise InvalidSamplingParamsError("structured.spec must be a JSON schema object")
+        elif self.kind in ("regex", "grammar") and not self.spec:
+            raise InvalidSamplingParamsError(
+                f"structured.spec must hold the {self.kind} for kind {self.kind}"
+            )
 
 
 class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -61,6 +99,7 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -124,6 +163,12 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
                 raise InvalidSamplingParamsError(
                     f"logit_bias values must be in [-100, 100], got {bias!r} for token {t}"
                 )
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise InvalidSamplingParamsError(
+                    f"structured must be a StructuredOutput, got {type(self.structured).__name__}"
+                )
+            self.structured.validate()
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not _is_int(v, 0, MAX_LOGPROBS):

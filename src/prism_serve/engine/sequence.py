@@ -11,7 +11,8 @@ import msgspec
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import IncrementalDetokenizer
 
-if TYPE_CHECKING:  # a sequence only carries a generator; the scheduler imports this without torch
+if TYPE_CHECKING:  # a sequence only carries these; the scheduler imports this without torch
+    import llguidance
     import torch
 
 
@@ -74,6 +75,7 @@ class Sequence:
     num_min_tokens_chars: int = 0
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    matcher: llguidance.LLMatcher | None = None  # structured output: which tokens may come next
 
     def __post_init__(self) -> None:
         if not self.token_ids:
