@@ -65,6 +65,7 @@ if str(BENCH_DIR) not in sys.path:  # `common` when imported from a test
     sys.path.insert(0, str(BENCH_DIR))
 
 from prism_serve.config import DeploymentConfig, load_config, parse_config  # noqa: E402
+from prism_serve.engine.machine import resolve_dtype  # noqa: E402
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, format_size  # noqa: E402
 from prism_serve.runtime.build import device_specs  # noqa: E402
 from prism_serve.sim.config import ModelSLO, SimConfig  # noqa: E402
@@ -157,14 +158,15 @@ def sim_deployment(
     models, slos = [], {}
     for m in cfg.models:
         shape = shape_of(m.source)
-        dtype_bytes = {"float32": 4, "bfloat16": 2}[m.dtype]
-        if (shape, m.dtype) != ("smollm2-135m", "float32"):
+        dtype = resolve_dtype(m.dtype)  # auto: what the live server on this machine runs
+        dtype_bytes = {"float32": 4, "bfloat16": 2}[dtype]
+        if (shape, dtype) != ("smollm2-135m", "float32"):
             warnings.append(
-                f"{m.name}: {shape} in {m.dtype} is not what {HARDWARE} is fitted for (SmolLM2-135M fp32); "
+                f"{m.name}: {shape} in {dtype} is not what {HARDWARE} is fitted for (SmolLM2-135M fp32); "
                 "docs/evaluation.md gives its errors"
             )
-        if m.kv_limit is not None or m.pinned:
-            warnings.append(f"{m.name}: kv_limit and pinned are not simulated")
+        if m.kv_limit is not None or m.pinned or m.keep_alive is not None:
+            warnings.append(f"{m.name}: kv_limit, pinned and keep_alive are not simulated")
         models.append(ServedModel(m.name, model_shape(shape, dtype_bytes)))
         slos[m.name] = ModelSLO(m.ttft_slo, m.tpot_slo)
     engine = {}
