@@ -259,3 +259,32 @@ def test_logit_bias_and_penalties_reach_the_engine(client, server):
     assert penalised.choices[0].message.content != plain
     short = client.chat.completions.create(**base, extra_body={"min_tokens": 20})
     assert short.usage.completion_tokens >= 20
+
+
+def test_structured_output_parses_as_the_openai_client_expects(client):
+    from pydantic import BaseModel, ConfigDict
+
+    class City(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str
+        country: str
+
+    r = client.beta.chat.completions.parse(
+        model="smol", messages=[{"role": "user", "content": "Name a city in France as JSON."}],
+        response_format=City, max_tokens=64, temperature=0,
+    )  # fmt: skip
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and city.name and r.choices[0].finish_reason == "stop"
+    anything = client.chat.completions.create(
+        model="smol", messages=QUESTION, response_format={"type": "json_object"}, max_tokens=48, temperature=0
+    )
+    # an open object may run to max_tokens: what the grammar guarantees is that it is one
+    assert anything.choices[0].message.content.lstrip().startswith("{")
+    with pytest.raises(openai.BadRequestError, match=r"json_schema\.schema"):
+        client.chat.completions.create(
+            model="smol",
+            messages=QUESTION,
+            response_format={"type": "json_schema", "json_schema": {"name": "x"}},
+        )
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        client.chat.completions.create(model="smol", messages=QUESTION, response_format={"type": "xml"})

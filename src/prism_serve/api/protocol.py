@@ -15,6 +15,7 @@ tokenizer can encode it).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.sampling_params import SamplingParams, StructuredOutput
 from prism_serve.engine.sequence import TokenLogprob
 
 __all__ = [
@@ -223,17 +224,37 @@ class ChatCompletionRequest(_Sampling):
         return self
 
     def _output_options(self) -> dict[str, Any]:
-        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
+        out: dict[str, Any] = {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
+        structured = _structured(self.response_format)
+        if structured is not None:
+            out["structured"] = structured
+        return out
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
+    def _known_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        _structured(v)  # a 400 naming what is wrong, before any work
         return v
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def _structured(fmt: dict[str, Any] | None) -> StructuredOutput | None:
+    """``response_format`` as the engine's constrained decoding (llguidance): text (none),
+    json_object, or json_schema with its ``json_schema.schema``."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON Schema object")
+        return StructuredOutput("json_schema", json.dumps(schema))
+    raise ValueError(f"response_format {str(kind)[:32]!r} is not supported: text, json_object, json_schema")
 
 
 class CompletionRequest(_Sampling):
