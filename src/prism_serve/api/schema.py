@@ -185,14 +185,14 @@ def install_openapi(app: FastAPI) -> None:
                 schemas.pop(name, None)
             schema.setdefault("components", {})["securitySchemes"] = {
                 "bearer": {"type": "http", "scheme": "bearer", "description": "server.api_keys (admin "
-                           "routes: server.admin_key); /health and /metrics need none"},
+                           "routes: server.admin_key); /health, /metrics and /version need none"},
             }  # fmt: skip
             metrics_ok = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
             metrics_ok.pop("application/json", None)  # FastAPI's default; /metrics is text only
             for path, item in schema["paths"].items():
                 for op in item.values():
                     op["responses"].pop("422", None)
-                    if path not in ("/health", "/metrics"):
+                    if path not in ("/health", "/metrics", "/version"):
                         op["security"] = [{"bearer": []}]
             app.openapi_schema = schema
         return app.openapi_schema

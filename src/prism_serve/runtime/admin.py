@@ -73,11 +73,12 @@ class AdminOps:
         for m in replicas:
             if m.state is ModelState.ACTIVATING and m.activation is not None:
                 await m.activation
+        # Held before anything goes: a tick while the workers let go would otherwise prewarm it
+        # again (a model that stays resident is not affected; its next request ends the hold).
+        self.loop.hold(model)
         # every eviction starts before any is awaited: no tick can slip in between
         pending = [done for m in replicas if (done := self._start_evict(m, force)) is not None]
         results = [bool(await done) for done in pending]
-        if all(m.state is ModelState.EVICTED for m in replicas):
-            self.loop.hold(model)
         return bool(results) and all(results)
 
     def pin(self: Controller, model: str, pinned: bool = True) -> None:
