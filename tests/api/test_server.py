@@ -235,8 +235,29 @@ def test_overload_is_429_with_retry_after(server):
 
 def test_metrics_are_prometheus_text(server, client):
     before = metrics(server)
-    client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=4, temperature=0)
+    out = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=4, temperature=0)
     m = metrics(server)
+
+    def grew(name: str) -> float:
+        return sample(m, name, model_name="smol") - sample(before, name, model_name="smol")
+
+    # vLLM's per-request histograms: this one request, once each, with its own token counts
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "time_to_first_token_seconds"):  # fmt: skip
+        assert grew(f"vllm:{name}_count") == 1, name
+    assert grew("vllm:request_prompt_tokens_sum") == out.usage.prompt_tokens
+    assert grew("vllm:request_generation_tokens_sum") == out.usage.completion_tokens == 4
+    for le, n in (("2.0", 0), ("5.0", 1)):  # vLLM's 1-2-5 buckets: 4 tokens are in le=5, not le=2
+        bucket = ("vllm:request_generation_tokens_bucket", (("le", le), ("model_name", "smol")))
+        assert m[bucket] - before.get(bucket, 0.0) == n, le
+    queue = grew("vllm:request_queue_time_seconds_sum")
+    prefill = grew("vllm:request_prefill_time_seconds_sum")
+    decode = grew("vllm:request_decode_time_seconds_sum")
+    assert prefill > 0 and decode > 0 and queue >= 0  # 4 tokens: a prefill step, then decode steps
+    assert queue + prefill == pytest.approx(grew("vllm:time_to_first_token_seconds_sum"))  # the TTFT, split
+    assert grew("vllm:request_inference_time_seconds_sum") == pytest.approx(prefill + decode)
+    assert prefill + decode <= grew("vllm:e2e_request_latency_seconds_sum")
     # the engine's time: the request's steps took wall time and its worker's CPU
     for name in ("prism_engine_step_seconds_total", "prism_engine_cpu_seconds_total"):
         assert sample(m, name, model_name="smol") > sample(before, name, model_name="smol"), name

@@ -5,11 +5,39 @@ Latency histograms and token counters are fed by the HTTP layer as requests stre
 what the client sees, activation and queueing included); gauges and per-model activation counts are
 read from the controller and the device ledgers at scrape time, so they are never stale.
 Every metric has its own registry per server (no global state), so tests can run several servers.
+
+The request-phase histograms carry vLLM's names and split a finished request's time as vLLM does
+(queue + prefill = TTFT, prefill + decode = inference), with what a multi-model server can see:
+
+- ``vllm:request_queue_time_seconds``: the request's arrival at the HTTP server to the first engine
+  step that ran it. In vLLM this is the engine's waiting queue; here it also holds the server's own
+  admission queue and, for an evicted model, its activation. Measured as the server's TTFT minus the
+  engine's prefill seconds (so the IPC of the first token, well under a millisecond, counts here).
+- ``vllm:request_prefill_time_seconds``: first engine step with the request to its first token, on
+  the worker's clock (``RequestTimings`` in the finished TokenDelta; a preemption's recompute
+  included, as in vLLM).
+- ``vllm:request_decode_time_seconds``: first token to last, on the worker's clock.
+- ``vllm:request_inference_time_seconds``: prefill plus decode.
+
+A request whose engine sent no timings (none does today) is left out of these four. vLLM's
+``vllm:request_params_max_tokens`` and ``vllm:request_params_n`` are not exported: the HTTP layer
+books a request from its token stream, which does not carry the request's parameters.
+Bucket bounds: token counts use vLLM's 1-2-5 series (to a million tokens: one histogram serves
+models of every context length); the four phases use the latency buckets prism's TTFT and e2e
+histograms use (5 ms up; vLLM starts at 0.3 s, too coarse for a CPU prefill of a small model).
+
+Scrape-time reads shared with the /dashboard page (api/dashboard.py): ``device_memory`` splits each
+device's ledger by model, ``kv_usage`` is a model's KV fill, ``ServerMetrics.attainment`` and
+``ServerMetrics.recent`` the SLO counts since start and over the last ``RECENT_WINDOW_S``.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,54 +49,48 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from prism_serve.control.types import REPLICA_SEPARATOR
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.controller import Controller
+from prism_serve.runtime.state import ModelStatus
 
-__all__ = ["CONTENT_TYPE", "ServerMetrics"]
+__all__ = [
+    "CONTENT_TYPE",
+    "RECENT_WINDOW_S",
+    "DeviceMemory",
+    "MemoryUse",
+    "RecentSummary",
+    "ServerMetrics",
+    "device_memory",
+    "kv_usage",
+]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RECENT_WINDOW_S = 60.0  # what "recent" means on the dashboard (TTFT percentiles, attainment)
+_RECENT_MAX = 2048  # outcomes kept per model for the window (a bound: a busy model keeps the newest)
+_SLOS = ("ttft", "tpot")
 
 _LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
 _TOKEN_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 _ACTIVATION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+
+
+def _one_two_five(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's bucket series for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+_COUNT_BUCKETS = _one_two_five(1_000_000)
 
 
 class ServerMetrics:
@@ -76,34 +98,47 @@ class ServerMetrics:
         disable_created_metrics()  # no *_created series: half the output, and vLLM has none
         self.registry = r = CollectorRegistry()
         self.slo_counts: dict[tuple[str, str], list[int]] = {}  # (model, slo) -> [met, judged]
+        # per model: (monotonic time, ttft or None for a failed request, met ttft, met tpot)
+        self._recent: dict[str, deque[tuple[float, float | None, bool, bool]]] = {}
         label = ["model_name"]
-        self.ttft = Histogram(
+
+        def histogram(name: str, doc: str, buckets: tuple, labels: list[str] = label) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token (queueing and activation included)",
-            label,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Time between output tokens",
-            label,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens", _TOKEN_BUCKETS)
+        self.tpot = histogram(
             "vllm:request_time_per_output_token_seconds",
             "Per request: (e2e - ttft) / (output tokens - 1)",
-            label,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
+            _TOKEN_BUCKETS,
         )
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Arrival to last token",
-            label,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token", _LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Arrival to the first engine step that ran the request (server queue, activation and the "
+            "engine's waiting queue)",
+            _LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "First engine step with the request to its first token (worker clock)",
+            _LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "First token to last token (worker clock)", _LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds", "Prefill plus decode time", _LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request", _COUNT_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per finished request", _COUNT_BUCKETS
         )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens", label, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", label, registry=r)
@@ -125,12 +160,11 @@ class ServerMetrics:
             [*label, "slo"],
             registry=r,
         )
-        self.activation = Histogram(
+        self.activation = histogram(
             "prism_activation_seconds",
             "Model activation time (decision to ready)",
+            _ACTIVATION_BUCKETS,
             [*label, "device"],
-            buckets=_ACTIVATION_BUCKETS,
-            registry=r,
         )
         self.activation_phase = Counter(
             "prism_activation_phase_seconds",
@@ -138,7 +172,7 @@ class ServerMetrics:
             [*label, "phase"],
             registry=r,
         )
-        r.register(_ControllerCollector(controller, self.slo_counts))
+        r.register(_ControllerCollector(controller, self))
         controller.activation_listeners.append(self.on_activation)
 
     def on_activation(self, model: str, device: str, phases: msg.ActivationPhases) -> None:
@@ -156,25 +190,38 @@ class ServerMetrics:
         num_output: int,
         ttft_slo: float,
         tpot_slo: float,
+        timings: msg.RequestTimings | None = None,
     ) -> None:
+        """A finished request: ``ttft`` and ``e2e`` from its arrival at the server, ``timings`` the
+        engine's (the finished TokenDelta's)."""
         self.ttft.labels(model).observe(ttft)
         self.e2e.labels(model).observe(e2e)
         self.prompt_tokens.labels(model).inc(num_prompt)
         self.generation_tokens.labels(model).inc(num_output)
+        self.request_prompt_tokens.labels(model).observe(num_prompt)
+        self.request_generation_tokens.labels(model).observe(num_output)
         self.success.labels(model, reason or "unknown").inc()
+        if timings is not None:
+            self.queue_time.labels(model).observe(max(0.0, ttft - timings.prefill_s))
+            self.prefill_time.labels(model).observe(timings.prefill_s)
+            self.decode_time.labels(model).observe(timings.decode_s)
+            self.inference_time.labels(model).observe(timings.prefill_s + timings.decode_s)
         tpot = (e2e - ttft) / (num_output - 1) if num_output > 1 else 0.0
         if num_output > 1:
             self.tpot.labels(model).observe(tpot)
-        for slo, ok in (("ttft", ttft <= ttft_slo), ("tpot", tpot <= tpot_slo)):
+        met_ttft, met_tpot = ttft <= ttft_slo, tpot <= tpot_slo
+        for slo, ok in zip(_SLOS, (met_ttft, met_tpot), strict=True):
             self._judge(model, slo, ok)
+        self._remember(model, ttft, met_ttft, met_tpot)
 
     def on_error(self, model: str, error_type: str, status: int, judged: bool) -> None:
         """A request that failed; ``judged``: it counts against the SLOs (server-side failures and
         overload do, a client's own bad request does not)."""
         self.errors.labels(model, error_type, str(status)).inc()
         if judged:
-            for slo in ("ttft", "tpot"):
+            for slo in _SLOS:
                 self._judge(model, slo, False)
+            self._remember(model, None, False, False)
 
     def _judge(self, model: str, slo: str, ok: bool) -> None:
         counts = self.slo_counts.setdefault((model, slo), [0, 0])
@@ -184,16 +231,114 @@ class ServerMetrics:
             counts[0] += 1
             self.slo_met.labels(model, slo).inc()
 
+    def _remember(self, model: str, ttft: float | None, met_ttft: bool, met_tpot: bool) -> None:
+        recent = self._recent.get(model)
+        if recent is None:
+            recent = self._recent[model] = deque(maxlen=_RECENT_MAX)
+        recent.append((time.monotonic(), ttft, met_ttft, met_tpot))
+
+    def attainment(self) -> dict[tuple[str, str], float]:
+        """(model, slo) -> share of judged requests that met it since the server started."""
+        return {key: met / judged for key, (met, judged) in sorted(self.slo_counts.items())}
+
+    def recent(self, model: str, window_s: float = RECENT_WINDOW_S) -> RecentSummary:
+        """``model``'s requests judged in the last ``window_s`` seconds: TTFT percentiles of the
+        finished ones (nearest rank, exact), SLO attainment of all (failed ones count as missed)."""
+        since = time.monotonic() - window_s
+        outcomes = [o for o in self._recent.get(model, ()) if o[0] >= since]
+        ttfts = sorted(o[1] for o in outcomes if o[1] is not None)
+        n = len(outcomes)
+        return RecentSummary(
+            window_s=window_s,
+            num_judged=n,
+            num_finished=len(ttfts),
+            ttft_p50=_rank(ttfts, 0.5),
+            ttft_p95=_rank(ttfts, 0.95),
+            ttft_attainment=sum(o[2] for o in outcomes) / n if n else None,
+            tpot_attainment=sum(o[3] for o in outcomes) / n if n else None,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True, slots=True)
+class RecentSummary:
+    window_s: float
+    num_judged: int  # finished plus failed-and-judged
+    num_finished: int
+    ttft_p50: float | None  # None: nothing finished in the window
+    ttft_p95: float | None
+    ttft_attainment: float | None  # None: nothing judged in the window
+    tpot_attainment: float | None
+
+
+def _rank(values: list[float], q: float) -> float | None:
+    return values[max(0, math.ceil(q * len(values)) - 1)] if values else None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryUse:
+    """Bytes one engine has mapped on a device for one purpose (one ledger entry, or several of the
+    same name summed)."""
+
+    model: str | None  # the served model, None for an entry that is none of this server's
+    replica: int  # 0: the served model's own engine, k: its replica slot k
+    kind: str  # "weights", "kv", "spare" (a worker's pages no model uses), or "other" (unknown)
+    name: str  # the ledger entry's name
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """One device's budget as its ledger splits it, read at once."""
+
+    device: str
+    budget_bytes: int
+    used_bytes: int  # every entry's mapped bytes
+    uses: tuple[MemoryUse, ...]
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.used_bytes)
+
+
+def device_memory(controller: Controller) -> list[DeviceMemory]:
+    """Every device's ledger, split by model and purpose. Workers name their entries
+    "<engine> weights" and "<engine> kv" (runtime/worker.py), the engine being a served model or
+    its replica slot "<model>#<k>", and their spare pages "<worker id> spare"."""
+    out = []
+    for device in controller.devices:
+        snap = controller.ledger(device).snapshot()
+        summed: dict[str, int] = {}
+        for e in snap.entries:
+            summed[e.name] = summed.get(e.name, 0) + e.mapped_bytes
+        uses = [_memory_use(name, nbytes, controller.specs) for name, nbytes in summed.items()]
+        out.append(DeviceMemory(device, snap.budget_bytes, snap.used_bytes, tuple(uses)))
+    return out
+
+
+def _memory_use(name: str, nbytes: int, served: dict) -> MemoryUse:
+    engine, _, kind = name.rpartition(" ")
+    model, _, replica = engine.partition(REPLICA_SEPARATOR)
+    if kind in ("weights", "kv") and model in served and (not replica or replica.isdigit()):
+        return MemoryUse(model, int(replica or 0), kind, name, nbytes)
+    if kind == "spare":  # a worker's mapped pages that no model uses (memory/spare.py): reclaimable
+        return MemoryUse(None, 0, "spare", name, nbytes)
+    return MemoryUse(None, 0, "other", name, nbytes)
+
+
+def kv_usage(s: ModelStatus) -> float:
+    """KV in use / the most the model's engines can map (0 when none is active)."""
+    return s.used_kv_bytes / s.max_kv_bytes if s.max_kv_bytes else 0.0
 
 
 class _ControllerCollector(Collector):
     """Gauges and counters the controller already keeps, read at scrape time."""
 
-    def __init__(self, controller: Controller, slo_counts: dict[tuple[str, str], list[int]]) -> None:
+    def __init__(self, controller: Controller, metrics: ServerMetrics) -> None:
         self.controller = controller
-        self.slo_counts = slo_counts
+        self.metrics = metrics
 
     def collect(self) -> Iterator:
         c = self.controller
@@ -249,7 +394,7 @@ class _ControllerCollector(Collector):
             cpu.add_metric([s.model], s.cpu_seconds)
             running.add_metric([s.model], s.num_running)
             waiting.add_metric([s.model], s.num_queued)
-            kv.add_metric([s.model], s.used_kv_bytes / s.max_kv_bytes if s.max_kv_bytes else 0.0)
+            kv.add_metric([s.model], kv_usage(s))
             state.add_metric([s.model, s.state, s.device or ""], 1)
             acts.add_metric([s.model], s.num_activations)
             evs.add_metric([s.model], s.num_evictions)
@@ -262,17 +407,16 @@ class _ControllerCollector(Collector):
         budget = GaugeMetricFamily(
             "prism_device_budget_bytes", "The device's memory budget", labels=["device"]
         )
-        for name in c.devices:
-            snap = c.ledger(name).snapshot()
-            mapped.add_metric([name], snap.used_bytes)
-            budget.add_metric([name], snap.budget_bytes)
+        for d in device_memory(c):
+            mapped.add_metric([d.device], d.used_bytes)
+            budget.add_metric([d.device], d.budget_bytes)
         attainment = GaugeMetricFamily(
             "prism_slo_attainment",
             "Share of judged requests that met the model's SLO since the server started",
             labels=["model_name", "slo"],
         )
-        for (model, slo), (met, judged) in sorted(self.slo_counts.items()):
-            attainment.add_metric([model, slo], met / judged)
+        for (model, slo), share in self.metrics.attainment().items():
+            attainment.add_metric([model, slo], share)
         yield from (
             running, waiting, kv, state, replicas, replica_state, acts, evs, weights, step, cpu, mapped,
             budget, attainment,

@@ -434,7 +434,7 @@ class PrismServer:
             served = self.served[run.model]
             self.metrics.on_finished(
                 run.model, d.finish_reason, run.first_at - run.arrival, now - run.arrival,
-                run.num_prompt, run.num_output, served.ttft_slo, served.tpot_slo,
+                run.num_prompt, run.num_output, served.ttft_slo, served.tpot_slo, d.timings,
             )  # fmt: skip
             self._finished_at.append(now)
 

@@ -68,12 +68,23 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     cpu_seconds: float = 0.0
 
 
+class RequestTimings(msgspec.Struct, array_like=True, frozen=True):
+    """Where a finished request's time went inside its engine, as durations on the worker's clock
+    (durations, so no two processes' clocks need to agree). ``prefill_s``: the engine's first step
+    with the request to its first token (recomputation after a preemption included, as vLLM counts
+    it); ``decode_s``: first token to the last."""
+
+    prefill_s: float
+    decode_s: float
+
+
 class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     """What one engine step added to one request's output.
 
     ``logprobs``: one TokenLogprob per ``token_ids`` entry, when the request asked for them.
     ``prompt_logprobs``: once, in the first delta, one entry per prompt token (index 0 is None: the
     first token has no prefix). Both are the model's raw distribution (see SamplingParams).
+    ``timings``: in the finished delta only (for /metrics).
     """
 
     req_id: str
@@ -85,6 +96,7 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    timings: RequestTimings | None = None
 
 
 # ---- controller -> worker --------------------------------------------------------------------

@@ -31,6 +31,7 @@ import zmq
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
+from prism_serve.engine.sequence import RequestMetrics
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.engine.weights import LoadedWeights
 from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError
@@ -184,6 +185,7 @@ class Worker:
                 len(o.token_ids),
                 o.logprobs,
                 o.prompt_logprobs,
+                _timings(o.metrics) if o.finished else None,
             )
             for o in outs
         ]
@@ -339,6 +341,13 @@ class Worker:
         self.ledger.close()
         self.sock.close()
         self.ctx.term()
+
+
+def _timings(m: RequestMetrics) -> msg.RequestTimings | None:
+    """A finished request's prefill and decode seconds on this process's clock."""
+    if m.first_scheduled_time is None or m.first_token_time is None or m.finish_time is None:
+        return None
+    return msg.RequestTimings(m.first_token_time - m.first_scheduled_time, m.finish_time - m.first_token_time)
 
 
 def _die_with_parent() -> None:
