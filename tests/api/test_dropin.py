@@ -51,8 +51,11 @@ def test_what_cannot_be_honoured_is_still_400_naming_it(client):
         client.chat.completions.create(
             model="smol", messages=QUESTION, tools=[{"type": "function", "function": {"name": "f"}}]
         )
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model="smol", messages=QUESTION, n=3)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smol", messages=QUESTION, n=17)  # above MAX_CHOICES
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="smol", prompt="Hi", best_of=2)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="smol", messages=QUESTION, extra_body={"repetition_penalty": -1})
     assert e.value.body["param"] == "repetition_penalty"
@@ -288,3 +291,55 @@ def test_structured_output_parses_as_the_openai_client_expects(client):
         )
     with pytest.raises(openai.BadRequestError, match="not supported"):
         client.chat.completions.create(model="smol", messages=QUESTION, response_format={"type": "xml"})
+
+
+def test_n_choices_non_streamed_and_streamed(client, server):
+    """n > 1: each choice its own sample (seed + index, as vLLM does), the prompt counted once."""
+    base = dict(model="smol", messages=QUESTION, max_tokens=12, temperature=1.0, seed=7)
+    one = client.chat.completions.create(**base)
+    three = client.chat.completions.create(**base, n=3, logprobs=True)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.choices[0].message.content == one.choices[0].message.content  # choice 0: the same seed
+    assert len({c.message.content for c in three.choices}) > 1  # sampled apart
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == sum(len(c.logprobs.content) for c in three.choices)
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    stream = client.chat.completions.create(**base, n=3, stream=True, stream_options={"include_usage": True})
+    usage = None
+    for ch in stream:
+        usage = ch.usage or usage
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert texts == {c.index: c.message.content for c in three.choices}
+    assert set(finished) == {0, 1, 2} and usage.completion_tokens == three.usage.completion_tokens
+    # completions, streamed, with echo: every choice starts with the prompt
+    r = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=6, n=2, echo=True,
+                                  temperature=0, stream=True)  # fmt: skip
+    by_index: dict[int, str] = {}
+    for ch in r:
+        for c in ch.choices:
+            by_index[c.index] = by_index.get(c.index, "") + c.text
+    assert sorted(by_index) == [0, 1] and by_index[0] == by_index[1]  # greedy: the same text
+    assert by_index[0].startswith("Once upon a time") and len(by_index[0]) > len("Once upon a time")
+
+
+def test_a_dropped_stream_of_n_choices_aborts_every_choice(server):
+    body = {"model": "smol", "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True, "n": 3,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        seen: set[int] = set()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+            if seen == {0, 1, 2}:
+                break  # hang up with every choice running
+    for _ in range(100):
+        card = httpx.get(f"{server.url}/v1/models/smol", headers=AUTH).json()
+        if card["num_running"] == 0 and card["num_queued"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert card["num_running"] == 0 and card["num_queued"] == 0

@@ -3,7 +3,7 @@
 Requests are lenient about names, strict about effects (as vLLM is since strict 400s broke
 clients): a field we do not know is accepted, logged once by the server and ignored; a known field
 at its neutral value is accepted whatever it is; a field whose effect the server cannot honour
-(``n > 1``, tools to call, an image part) is a 400 that names it. vLLM's extras (``top_k``,
+(tools to call, an image part, ``best_of`` > 1) is a 400 that names it. vLLM's extras (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) are accepted,
 so load generators written for vLLM work.
 
@@ -34,9 +34,11 @@ __all__ = [
     "StreamOptions",
     "Text",
     "TokenizeRequest",
+    "chat_choice",
     "chat_chunk",
     "chat_logprobs",
     "chat_response",
+    "completion_choice",
     "completion_chunk",
     "completion_logprobs",
     "completion_response",
@@ -47,6 +49,7 @@ __all__ = [
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOPS = 32  # stop strings per request (OpenAI allows 4; vLLM sets no limit)
+MAX_CHOICES = 16  # n: each choice is one sequence in the engine (OpenAI allows 128; vLLM sets no limit)
 
 
 def _valid_unicode(s: str) -> str:
@@ -118,7 +121,7 @@ class _Sampling(_Request):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=INT64_MAX)  # vLLM extra
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices: n independent samples of one prompt
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None  # vLLM extra
     seed: Int64 | None = None
@@ -131,13 +134,6 @@ class _Sampling(_Request):
     min_tokens: int = Field(0, ge=0, le=INT64_MAX)  # vLLM extra
     logit_bias: dict[str, float] | None = None
     user: Text | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -167,7 +163,9 @@ class _Sampling(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for one choice. With ``n`` > 1 and a seed, choice i samples with
+        seed + i (as vLLM does): reproducible, and the choices differ."""
         # only what differs from the neutral value travels: the engine's defaults are the same
         extra: dict[str, Any] = {
             name: getattr(self, name)
@@ -182,7 +180,7 @@ class _Sampling(_Request):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
+            seed=_choice_seed(self.seed, choice),
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
@@ -192,6 +190,13 @@ class _Sampling(_Request):
     def _output_options(self) -> dict[str, Any]:
         """SamplingParams fields the endpoint adds (logprobs)."""
         return {}
+
+
+def _choice_seed(seed: int | None, choice: int) -> int | None:
+    if seed is None or choice == 0:
+        return seed
+    seed += choice
+    return seed - 2**64 if seed > INT64_MAX else seed  # stays a 64-bit integer
 
 
 _NEUTRAL = {
@@ -331,42 +336,43 @@ def _envelope(rid: str, obj: str, model: str, created: int, choices: list, use: 
     return out
 
 
-def chat_response(
-    rid: str, model: str, text: str, finish: str | None, use: dict, logprobs: dict | None = None
-) -> dict:
-    choice = {
-        "index": 0,
+def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+    return {
+        "index": index,
         "message": {"role": "assistant", "content": text},
         "logprobs": logprobs,
         "finish_reason": finish,
     }
-    return _envelope(rid, "chat.completion", model, int(time.time()), [choice], use)
+
+
+def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return _envelope(rid, "chat.completion", model, int(time.time()), choices, use)
 
 
 def chat_chunk(
     rid: str, model: str, created: int, delta: dict | None, finish: str | None, use: dict | None = None,
-    logprobs: dict | None = None,
+    logprobs: dict | None = None, index: int = 0,
 ) -> dict:  # fmt: skip
     choices = (
-        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
-    )
+        [] if delta is None
+        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+    )  # fmt: skip
     return _envelope(rid, "chat.completion.chunk", model, created, choices, use)
 
 
-def completion_response(
-    rid: str, model: str, text: str, finish: str | None, use: dict, logprobs: dict | None = None
-) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    return _envelope(rid, "text_completion", model, int(time.time()), [choice], use)
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return _envelope(rid, "text_completion", model, int(time.time()), choices, use)
 
 
 def completion_chunk(
     rid: str, model: str, created: int, text: str | None, finish: str | None, use: dict | None = None,
-    logprobs: dict | None = None,
+    logprobs: dict | None = None, index: int = 0,
 ) -> dict:  # fmt: skip
-    choices = (
-        [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
-    )
+    choices = [] if text is None else [completion_choice(index, text, finish, logprobs)]
     return _envelope(rid, "text_completion", model, created, choices, use)
 
 

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,9 +45,11 @@ from prism_serve.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    chat_choice,
     chat_chunk,
     chat_logprobs,
     chat_response,
+    completion_choice,
     completion_chunk,
     completion_logprobs,
     completion_response,
@@ -89,12 +91,14 @@ class _Served:
 
 @dataclass(slots=True)
 class _Run:
-    """One request in flight: its stream from the controller and its timings (for /metrics)."""
+    """One choice of a request in flight (``n`` > 1 runs one per choice, each its own sequence in
+    the engine): its stream from the controller and its timings (for /metrics)."""
 
     rid: str
     model: str
     arrival: float
     stream: AsyncIterator[msg.TokenDelta]
+    index: int = 0  # the choice's index
     last: msg.TokenDelta | None = None  # the latest delta
     first_at: float = 0.0
     last_at: float = 0.0
@@ -289,37 +293,43 @@ class PrismServer:
             # Templates and tokenization run in a thread: a long prompt must not stall the event
             # loop (every other request, /health, token streams) while it is encoded.
             ids = await asyncio.to_thread(self._tokenize, body, chat)
-            run = await self._open(http, body, ids, arrival)
+            runs = await self._open(http, body, ids, arrival)
         except ClientDisconnected:
             return Response(status_code=499)
         except PrismError as e:
             self._count_error(model, e)
             raise
+        outs = [_Output(self, body, ids) for _ in runs]
         if body.stream:
             return StreamingResponse(
-                self._sse(run, body, chat, _Output(self, body, ids)),
+                self._sse(runs, body, chat, outs),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            await _unless_disconnected(http, self._drain(run))
+            await _unless_disconnected(http, _all(self._drain(run) for run in runs))
         except ClientDisconnected:
             return Response(status_code=499)
         except PrismError as e:
             self._count_error(model, e)
             raise
         finally:
-            await run.stream.aclose()
-        text, last = "".join(run.text), run.last
-        use = usage(run.num_prompt, run.num_output)
-        out = _Output(self, body, ids)
+            for run in runs:
+                await run.stream.aclose()
+        # the prompt is counted once, as OpenAI does; each choice's tokens count
+        use = usage(runs[0].num_prompt, sum(run.num_output for run in runs))
         if chat:
-            logprobs = out.chat(run.logprobs)
-            return JSONResponse(chat_response(run.rid, model, text, last.finish_reason, use, logprobs))
-        logprobs = out.completion(run.logprobs, run.prompt_logprobs)
-        return JSONResponse(
-            completion_response(run.rid, model, out.echo + text, last.finish_reason, use, logprobs)
-        )
+            choices = [
+                chat_choice(run.index, "".join(run.text), run.last.finish_reason, out.chat(run.logprobs))
+                for run, out in zip(runs, outs, strict=True)
+            ]
+            return JSONResponse(chat_response(runs[0].rid, model, choices, use))
+        choices = [
+            completion_choice(run.index, out.echo + "".join(run.text), run.last.finish_reason,
+                              out.completion(run.logprobs, run.prompt_logprobs))
+            for run, out in zip(runs, outs, strict=True)
+        ]  # fmt: skip
+        return JSONResponse(completion_response(runs[0].rid, model, choices, use))
 
     def _note_ignored(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         """Unknown fields are accepted and ignored (vLLM's leniency); each name is logged once."""
@@ -386,34 +396,43 @@ class PrismServer:
         body: ChatCompletionRequest | CompletionRequest,
         ids: list[int],
         arrival: float,
-    ) -> _Run:
-        """Submit and wait for the first token (or a disconnect)."""
+    ) -> list[_Run]:
+        """Submit the request's ``n`` choices and wait for the first token of each (or a disconnect,
+        or an error: then every choice is aborted)."""
         c = self.controller
         max_len = self.served[body.model].max_model_len
         wanted = body.requested_max_tokens()
-        params = body.sampling_params(wanted or max_len - len(ids))
-        limit = self.config.server.max_waiting_requests
-        if self.num_waiting >= limit:
+        n, limit = body.n, self.config.server.max_waiting_requests
+        if self.num_waiting + n > limit:
             raise OverloadedError(
                 f"{self.num_waiting} requests are waiting for their first token (limit {limit}); retry later",
                 self._retry_after(),
             )
         rid = new_id("chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl")
-        stream = c.generate(
-            body.model, ids, params, req_id=rid, timeout_s=self.config.server.request_timeout_s
-        )
-        run = _Run(rid, body.model, arrival, stream, num_prompt=len(ids))
-        self.num_waiting += 1
+        runs = []
+        for i in range(n):
+            params = body.sampling_params(wanted or max_len - len(ids), choice=i)
+            stream = c.generate(
+                body.model, ids, params, req_id=rid if n == 1 else f"{rid}-{i}",
+                timeout_s=self.config.server.request_timeout_s,
+            )  # fmt: skip
+            runs.append(_Run(rid, body.model, arrival, stream, index=i, num_prompt=len(ids)))
+
+        async def first(run: _Run) -> None:
+            d = await anext(run.stream)
+            run.first_at = run.last_at = time.perf_counter()
+            self._take(run, d)
+
+        self.num_waiting += n
         try:
-            first = await _unless_disconnected(http, anext(stream))
+            await _unless_disconnected(http, _all(first(run) for run in runs))
         except BaseException:
-            await stream.aclose()
+            for run in runs:
+                await run.stream.aclose()
             raise
         finally:
-            self.num_waiting -= 1
-        run.first_at = run.last_at = time.perf_counter()
-        self._take(run, first)
-        return run
+            self.num_waiting -= n
+        return runs
 
     def _take(self, run: _Run, d: msg.TokenDelta) -> None:
         """Book one delta: text, token counts, inter-token latency; metrics when it is the last."""
@@ -442,56 +461,101 @@ class PrismServer:
         while not run.last.finished:
             self._take(run, await anext(run.stream))
 
+    async def _deltas(self, runs: list[_Run]) -> AsyncIterator[tuple[_Run, msg.TokenDelta]]:
+        """The unfinished choices' next deltas, booked, as they come (merged over the choices)."""
+        if len(runs) == 1:
+            run = runs[0]
+            while not run.last.finished:
+                d = await anext(run.stream)
+                self._take(run, d)
+                yield run, d
+            return
+        queue: asyncio.Queue[tuple[_Run, msg.TokenDelta | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(run: _Run) -> None:
+            try:
+                while not run.last.finished:
+                    d = await anext(run.stream)
+                    self._take(run, d)
+                    queue.put_nowait((run, d, None))
+            except Exception as e:  # handed to the reader, which ends every choice
+                queue.put_nowait((run, None, e))
+
+        pumps = [asyncio.ensure_future(pump(run)) for run in runs if not run.last.finished]
+        try:
+            for _ in range(len(pumps)):
+                while True:
+                    run, d, error = await queue.get()
+                    if error is not None:
+                        raise error
+                    yield run, d
+                    if d.finished:
+                        break
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
     async def _sse(
-        self, run: _Run, body: ChatCompletionRequest | CompletionRequest, chat: bool, out: _Output
-    ):
-        created, rid, model = int(time.time()), run.rid, run.model
+        self, runs: list[_Run], body: ChatCompletionRequest | CompletionRequest, chat: bool,
+        outs: list[_Output],
+    ):  # fmt: skip
+        created, rid, model = int(time.time()), runs[0].rid, runs[0].model
         with_usage = body.include_usage
         null_usage = None  # OpenAI sends "usage": null on every chunk but the last when usage is on
 
-        def chunk(text: str | None, finish: str | None, d: msg.TokenDelta | None = None) -> str:
+        def chunk(run: _Run, text: str | None, finish: str | None, d: msg.TokenDelta | None = None) -> str:
+            out, i = outs[run.index], run.index
             if chat:
                 delta = {} if text is None else {"content": text}
                 logprobs = out.chat(d.logprobs or []) if d is not None else None
-                data = chat_chunk(rid, model, created, delta, finish, null_usage, logprobs)
+                data = chat_chunk(rid, model, created, delta, finish, null_usage, logprobs, i)
             else:
                 logprobs = out.completion(d.logprobs or [], d.prompt_logprobs) if d is not None else None
                 data = completion_chunk(rid, model, created, out.take_echo() + (text or ""), finish,
-                                        null_usage, logprobs)  # fmt: skip
+                                        null_usage, logprobs, i)  # fmt: skip
             if with_usage:
                 data["usage"] = None
             return _event(data)
 
+        def chunks(run: _Run, d: msg.TokenDelta) -> str:
+            sse = chunk(run, d.text, None, d) if d.text or d.token_ids else ""  # one per engine step
+            return sse + (chunk(run, None, d.finish_reason) if d.finished else "")
+
         try:
             sse = ""
-            if chat:
-                role = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None)
-                if with_usage:
-                    role["usage"] = None
-                sse = _event(role)
-            d = run.last
-            while True:
-                if d.text or d.token_ids:  # one chunk per engine step (text may be held back)
-                    sse += chunk(d.text, None, d)
-                if d.finished:
-                    sse += chunk(None, d.finish_reason)
+            for run in runs:
+                if chat:
+                    role = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
+                                      index=run.index)  # fmt: skip
                     if with_usage:
-                        build = chat_chunk if chat else completion_chunk
-                        sse += _event(
-                            build(rid, model, created, None, None, usage(run.num_prompt, run.num_output))
-                        )
-                    yield sse + "data: [DONE]\n\n"
-                    return
-                if sse:
-                    yield sse
-                    sse = ""
-                d = await anext(run.stream)
-                self._take(run, d)
+                        role["usage"] = None
+                    sse += _event(role)
+                sse += chunks(run, run.last)
+            left = sum(not run.last.finished for run in runs)
+            if left:
+                yield sse
+                sse = ""
+                async with contextlib.aclosing(self._deltas(runs)) as deltas:
+                    async for run, d in deltas:
+                        sse = chunks(run, d)
+                        left -= d.finished
+                        if not left:
+                            break  # the last chunk goes out with the usage and [DONE]
+                        if sse:
+                            yield sse
+                            sse = ""
+            if with_usage:
+                build = chat_chunk if chat else completion_chunk
+                use = usage(runs[0].num_prompt, sum(run.num_output for run in runs))
+                sse += _event(build(rid, model, created, None, None, use))
+            yield sse + "data: [DONE]\n\n"
         except PrismError as e:
             self._count_error(model, e)
             yield _event(error_body(str(e), e.error_type, e.status_code)) + "data: [DONE]\n\n"
         finally:
-            await run.stream.aclose()  # a disconnect cancels this generator: the request is aborted
+            for run in runs:  # a disconnect cancels this generator: the requests are aborted
+                await run.stream.aclose()
 
     def _count_error(self, model: str, e: PrismError) -> None:
         if model in self.served:
@@ -539,6 +603,19 @@ def _event(data: dict) -> str:
 def _with_param(e: PrismError, param: str) -> PrismError:
     e.param = param
     return e
+
+
+async def _all(work: Iterable[Awaitable]) -> list:
+    """``asyncio.gather``, except that a failure (or a cancellation) cancels and awaits the rest
+    before it propagates: nothing is left reading a stream that is about to be closed."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _unless_disconnected(http: Request, work: Awaitable) -> Any:
