@@ -16,7 +16,19 @@ from pydantic import BaseModel, ConfigDict
 
 from prism_serve.api.metrics import CONTENT_TYPE
 
-__all__ = ["ADMIN", "CHAT", "COMPLETION", "HEALTH", "METRICS", "MODEL", "MODELS", "install_openapi"]
+__all__ = [
+    "ADMIN",
+    "CHAT",
+    "COMPLETION",
+    "DASHBOARD",
+    "DASHBOARD_STATE",
+    "HEALTH",
+    "METRICS",
+    "MODEL",
+    "MODELS",
+    "OPEN_PATHS",
+    "install_openapi",
+]
 
 
 class ErrorDetail(BaseModel):
@@ -124,6 +136,70 @@ class Health(BaseModel):
     status: Literal["ok", "starting"]
 
 
+class _MemoryUse(BaseModel):
+    model: str | None  # None: a ledger entry that is none of this server's models
+    replica: int
+    kind: Literal["weights", "kv", "spare", "other"]
+    name: str  # the ledger entry's name
+    bytes: int
+
+
+class _DeviceState(BaseModel):
+    name: str
+    budget_bytes: int
+    used_bytes: int
+    free_bytes: int
+    uses: list[_MemoryUse]
+
+
+class _ReplicaState(BaseModel):
+    replica: int
+    state: Literal["active", "loading"]
+    device: str | None
+    num_running: int
+    num_queued: int
+
+
+class _Recent(BaseModel):
+    window_s: float
+    num_judged: int
+    num_finished: int
+    ttft_p50: float | None
+    ttft_p95: float | None
+    ttft_attainment: float | None
+    tpot_attainment: float | None
+
+
+class _ModelState(BaseModel):
+    id: str
+    state: Literal["active", "loading", "evicted"]
+    pinned: bool
+    device: str | None
+    weight_bytes: int
+    used_kv_bytes: int
+    max_kv_bytes: int | None
+    kv_usage: float
+    num_running: int
+    num_queued: int
+    num_activations: int
+    num_evictions: int
+    ttft_slo: float
+    tpot_slo: float
+    replicas: list[_ReplicaState]
+    recent: _Recent
+    slo_attainment: dict[str, float]  # "ttft", "tpot": since the server started (once judged)
+
+
+class DashboardState(BaseModel):
+    """What /dashboard shows, polled by the page (api/dashboard.py)."""
+
+    object: Literal["dashboard.state"]
+    version: str
+    created: float
+    devices: list[_DeviceState]
+    models: list[_ModelState]
+
+
 _SSE = {
     "text/event-stream": {
         "schema": {  # one server-sent event (its data is a JSON chunk, or [DONE] at the end)
@@ -172,6 +248,9 @@ VERSION = _ok(Version)
 HEALTH = {**_ok(Health), 503: {"model": Health, "description": "still starting"}}
 METRICS = {200: {"description": "Prometheus text", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}}
 ADMIN = {**_ok(ModelCard), **_errors(400, 401, 403, 404, 409, 413, 500, 503)}
+DASHBOARD_STATE = {**_ok(DashboardState), **_errors(401)}
+DASHBOARD = {200: {"description": "the dashboard page (HTML; it asks for a key to read /dashboard/state)"}}
+OPEN_PATHS = ("/health", "/metrics", "/version", "/dashboard")  # routes that need no key
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -185,14 +264,14 @@ def install_openapi(app: FastAPI) -> None:
                 schemas.pop(name, None)
             schema.setdefault("components", {})["securitySchemes"] = {
                 "bearer": {"type": "http", "scheme": "bearer", "description": "server.api_keys (admin "
-                           "routes: server.admin_key); /health, /metrics and /version need none"},
+                           "routes: server.admin_key); /health, /metrics, /version and /dashboard need none"},
             }  # fmt: skip
             metrics_ok = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
             metrics_ok.pop("application/json", None)  # FastAPI's default; /metrics is text only
             for path, item in schema["paths"].items():
                 for op in item.values():
                     op["responses"].pop("422", None)
-                    if path not in ("/health", "/metrics", "/version"):
+                    if path not in OPEN_PATHS:
                         op["security"] = [{"bearer": []}]
             app.openapi_schema = schema
         return app.openapi_schema

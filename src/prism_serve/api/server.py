@@ -243,8 +243,10 @@ class PrismServer:
             return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
         from prism_serve.api.admin import add_admin_routes
+        from prism_serve.api.dashboard import add_dashboard_routes
 
         add_admin_routes(app, self)
+        add_dashboard_routes(app, self)
         return app
 
     def authorize(self, http: Request) -> None:
