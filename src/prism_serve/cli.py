@@ -121,7 +121,9 @@ def _render_ledgers(namespace: str | None, only: str | None) -> str:
         pct = 100 * snap.used_bytes / snap.budget_bytes if snap.budget_bytes else 0.0
         lines.append(
             f"{device}  budget {format_size(snap.budget_bytes)}  used {format_size(snap.used_bytes)} "
-            f"({pct:.1f}%)  free {format_size(snap.free_bytes)}  [{ledger_path(device, namespace)}]"
+            f"({pct:.1f}%)  free {format_size(snap.free_bytes)}"
+            + (f"  spare {format_size(snap.spare_bytes)} (reclaimable)" if snap.spare_bytes else "")
+            + f"  [{ledger_path(device, namespace)}]"
         )
         lines.append(
             f"  {'SLOT':>4}  {'PID':>7}  {'ENGINE':<28} {'MAPPED':>11} {'PEAK':>11} {'LIMIT':>11}  SINCE"

@@ -141,6 +141,11 @@ class PolicyConfig(_Strict):
     knobs: dict[str, Any] = Field(default_factory=dict)
     tick_interval_s: float = Field(0.5, gt=0)
     activation_timeout_s: float = Field(60.0, gt=0)
+    spare_pages: bool = Field(
+        True,
+        description="keep weight pages mapped between models and make them ahead of time, so an "
+        "activation copies instead of creating pages (memory/spare.py); reclaimable, counted as free",
+    )
 
     @model_validator(mode="after")
     def _known(self) -> PolicyConfig:

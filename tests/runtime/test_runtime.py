@@ -121,20 +121,28 @@ def test_50_activate_serve_evict_cycles_leak_nothing(rt: Runtime) -> None:
     c = rt.c
     ledger = c.ledger("cpu:0")
     rt.run(c.unload("smol"))
+    page = c.page_size
+    weight_pages = -(-c.cache.get("smol").weight_bytes // page) * page
     samples = {}
     for cycle in range(50):
-        rt.run(c.load("smol", "cpu:0"))
+        phases = rt.run(c.load("smol", "cpu:0"))
         text, _ = rt.generate("smol", max_tokens=4)
         assert text  # served
         assert rt.run(c.unload("smol")) is True
         snap = ledger.snapshot()
-        assert snap.used_bytes == 0 and snap.entries == ()  # weights and KV both given back
+        # weights and KV both given back: what stays is spare weight pages (memory/spare.py),
+        # never more than one model's worth per worker, each byte of them in the ledger
+        assert all(e.spare for e in snap.entries) and snap.used_bytes == snap.spare_bytes
+        assert snap.spare_bytes <= len(c.pool.on_device("cpu:0")) * weight_pages
         if cycle in (9, 49):
             workers = [w for w in c.pool.on_device("cpu:0") if w.state is WorkerState.IDLE]
-            samples[cycle] = {w.pid: (_rss(w.pid), _memfd_bytes(w.pid)) for w in workers}
+            spare = {e.pid: e.mapped_bytes for e in snap.entries}
+            samples[cycle] = {w.pid: (_rss(w.pid), _memfd_bytes(w.pid), spare.get(w.pid, 0)) for w in workers}
+        if cycle > 0:  # the worker that served it kept the pages: nothing created again
+            assert phases.created_pages == 0 and phases.reused_pages == weight_pages // page
     assert samples[9].keys() == samples[49].keys()  # the pool neither grew nor lost workers
-    for pid, (rss, memfd) in samples[49].items():
-        assert memfd == 0  # no physical page left behind in the reserved ranges
+    for pid, (rss, memfd, spare) in samples[49].items():
+        assert memfd == spare  # no physical page left behind beyond the spare pages the ledger counts
         assert rss - samples[9][pid][0] < 64 * 2**20, f"worker {pid} RSS grew {rss - samples[9][pid][0]} B"
 
 
@@ -189,7 +197,9 @@ def test_a_busy_model_is_never_shown_evicted_nor_held_by_two_engines(rt: Runtime
                 pass
         await m.activation
         assert m.state is ModelState.ACTIVE and m.device == other and m.worker is not handle
-        assert {e.pid for e in c.ledger(device).snapshot().entries}.isdisjoint({handle.pid})
+        # the old engine holds nothing any more (its worker may keep spare pages, no model's)
+        held = {e.pid for e in c.ledger(device).snapshot().entries if not e.spare}
+        assert held.isdisjoint({handle.pid})
 
     rt.run(scenario())
     assert rt.generate("smol", max_tokens=12)[0] == PARIS
@@ -252,7 +262,8 @@ def test_sigkill_of_a_worker_mid_request(rt: Runtime) -> None:
     owners = {
         m.worker.pid for m in c.models.values() if m.worker is not None and m.device == device
     }
-    assert {e.pid for e in snap.entries} <= owners and victim.pid not in owners
+    assert {e.pid for e in snap.entries if not e.spare} <= owners and victim.pid not in owners
+    assert victim.pid not in {e.pid for e in snap.entries}  # its spare pages too
     _wait(lambda: len([w for w in c.pool.on_device(device) if w.state is WorkerState.IDLE]) >= 1)
     assert rt.generate("smol", max_tokens=12)[0] == PARIS  # reactivated on a live worker
 

@@ -7,6 +7,15 @@ across processes; ``flock`` is released by the kernel when its holder dies, so a
 operation cannot wedge the device. Pages are mapped only after their bytes were granted here
 (``Account.try_reserve``), which is what makes double-granting impossible.
 
+Spare pages: a process may keep pages mapped that no model uses (an evicted model's weight pages,
+or pages made ahead of time) so that its next activation copies into them instead of creating
+pages (``memory/spare.py``). Their bytes stay granted, to an entry registered as ``spare``, since
+they are real memory; they are counted as reclaimable (``LedgerSnapshot.spare_bytes``). A grant
+refused for lack of budget while spare pages exist asks their holders to give them back
+(``reclaim_wanted``): the holders unmap them within a poll interval and the requester retries.
+Bytes move between two entries of one process with ``move`` (no moment where both or neither hold
+them).
+
 Entries of dead processes (no such pid, a zombie, or a pid reused by a newer process, told apart by
 the start time in ``/proc/<pid>/stat``) are reclaimed by the next operation on the ledger: a crashed
 engine's bytes return to the budget without anyone calling ``release``.
@@ -30,10 +39,18 @@ import numpy as np
 
 from prism_serve.errors import InvalidRequestError, PrismError
 
-_MAGIC = b"PRISMLG1"
+_MAGIC = b"PRISMLG2"
 _NUM_SLOTS = 256
 _HEADER = np.dtype(
-    [("magic", "S8"), ("version", "<u4"), ("num_slots", "<u4"), ("budget", "<i8"), ("ops", "<u8")]
+    [
+        ("magic", "S8"),
+        ("version", "<u4"),
+        ("num_slots", "<u4"),
+        ("budget", "<i8"),
+        ("ops", "<u8"),
+        ("reclaim", "<i8"),  # spare bytes a refused grant asked their holders to give back
+        ("reclaim_until", "<f8"),  # unix time; the request lapses then
+    ]
 )
 _ENTRY = np.dtype(
     [
@@ -43,12 +60,14 @@ _ENTRY = np.dtype(
         ("limit", "<i8"),  # -1: no limit of its own
         ("peak", "<i8"),
         ("registered", "<f8"),  # unix time
+        ("spare", "<i8"),  # 1: pages kept mapped for a next activation, reclaimable
         ("name", "S64"),
     ]
 )
 _HEADER_BYTES = 64  # header padded so entries are aligned
 _FILE_BYTES = _HEADER_BYTES + _NUM_SLOTS * _ENTRY.itemsize
 NAMESPACE_ENV = "PRISM_LEDGER_NAMESPACE"
+RECLAIM_WINDOW_S = 2.0  # how long a request for spare pages stands unless asked again
 
 
 class LedgerError(PrismError):
@@ -103,6 +122,7 @@ class LedgerEntry:
     limit_bytes: int | None
     peak_bytes: int
     registered: float
+    spare: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +130,18 @@ class LedgerSnapshot:
     device: str
     budget_bytes: int
     entries: tuple[LedgerEntry, ...]
+    reclaim_bytes: int = 0  # spare bytes asked back now
+    reclaim_until: float = 0.0  # unix time the last request lapses: no spare pages are made before
 
     @property
     def used_bytes(self) -> int:
+        """Every granted byte, spare pages included (they are physical memory)."""
         return sum(e.mapped_bytes for e in self.entries)
+
+    @property
+    def spare_bytes(self) -> int:
+        """Granted to spare pages: held now, given back when a grant needs them."""
+        return sum(e.mapped_bytes for e in self.entries if e.spare)
 
     @property
     def free_bytes(self) -> int:
@@ -148,7 +176,7 @@ class DeviceLedger:
                     os.ftruncate(self._fd, _FILE_BYTES)
                     self._open_views()
                     self._header["magic"] = _MAGIC
-                    self._header["version"] = 1
+                    self._header["version"] = 2
                     self._header["num_slots"] = _NUM_SLOTS
                     self._header["budget"] = budget_bytes
                 else:
@@ -250,8 +278,11 @@ class DeviceLedger:
     def budget_bytes(self) -> int:
         return int(self._header["budget"])
 
-    def register(self, name: str, limit_bytes: int | None = None, pid: int | None = None) -> int:
-        """Add an engine (by default this process) and return its slot."""
+    def register(
+        self, name: str, limit_bytes: int | None = None, pid: int | None = None, spare: bool = False
+    ) -> int:
+        """Add an engine (by default this process) and return its slot; ``spare``: an entry for
+        pages kept mapped between models (reclaimable)."""
         pid = pid or os.getpid()
         ticks = _proc_start_ticks(pid)
         if ticks is None:
@@ -269,6 +300,7 @@ class DeviceLedger:
             e["peak"] = 0
             e["limit"] = -1 if limit_bytes is None else limit_bytes
             e["registered"] = time.time()
+            e["spare"] = int(spare)
             e["start_ticks"] = ticks
             e["pid"] = pid  # last: an entry with a pid is complete
             return slot
@@ -280,19 +312,48 @@ class DeviceLedger:
             self._entries[slot] = np.zeros((), dtype=_ENTRY)
             return held
 
-    def try_reserve(self, slot: int, num_bytes: int) -> bool:
-        """Grant ``num_bytes`` to ``slot`` if the device budget and its limit allow; never waits."""
+    def try_reserve(self, slot: int, num_bytes: int, reclaim: bool = True) -> bool:
+        """Grant ``num_bytes`` to ``slot`` if the device budget and its limit allow; never waits.
+        Refused for lack of budget while other entries hold spare pages, it asks for them back
+        (unless ``reclaim`` is false): a retry a poll interval later may succeed."""
         if num_bytes < 0:
             raise InvalidRequestError(f"cannot reserve {num_bytes} bytes")
         with self:
             e = self._slot(slot)
             mapped = int(e["mapped"]) + num_bytes
             limit = int(e["limit"])
-            if self._used() + num_bytes > self.budget_bytes or 0 <= limit < mapped:
+            if 0 <= limit < mapped:
+                return False
+            short = self._used() + num_bytes - self.budget_bytes
+            if short > 0:
+                if reclaim:
+                    self._ask_reclaim(short, exclude=slot)
                 return False
             e["mapped"] = mapped
             e["peak"] = max(int(e["peak"]), mapped)
             return True
+
+    def _ask_reclaim(self, num_bytes: int, exclude: int) -> None:
+        spare = self._entries["spare"] != 0
+        spare[exclude] = False
+        held = int(self._entries["mapped"][spare].sum())
+        if held < num_bytes:
+            return  # even every spare page would not make room: ask for none
+        now = time.time()
+        pending = int(self._header["reclaim"]) if float(self._header["reclaim_until"]) > now else 0
+        # the largest shortfall asked for, not their sum: one requester retries the same shortfall
+        self._header["reclaim"] = min(held, max(pending, num_bytes))
+        self._header["reclaim_until"] = now + RECLAIM_WINDOW_S
+
+    def reclaim_wanted(self) -> int:
+        """Spare bytes that refused grants are waiting for now (0: none)."""
+        with self:
+            return self._reclaim_pending()
+
+    def _reclaim_pending(self) -> int:
+        if float(self._header["reclaim_until"]) <= time.time():
+            return 0
+        return max(0, int(self._header["reclaim"]))
 
     def release(self, slot: int, num_bytes: int) -> None:
         with self:
@@ -302,6 +363,27 @@ class DeviceLedger:
                     f"slot {slot} of {self.device} releases {num_bytes} bytes but holds {int(e['mapped'])}"
                 )
             e["mapped"] = int(e["mapped"]) - num_bytes
+            if int(e["spare"]):
+                self._header["reclaim"] = max(0, int(self._header["reclaim"]) - num_bytes)
+
+    def move(self, src: int, dst: int, num_bytes: int) -> bool:
+        """Move ``num_bytes`` granted to ``src`` over to ``dst`` (pages change owner, not memory);
+        both entries must belong to one process. False if ``dst``'s limit does not allow it."""
+        with self:
+            a, b = self._slot(src), self._slot(dst)
+            if int(a["pid"]) != int(b["pid"]):
+                raise LedgerError(f"slots {src} and {dst} of {self.device} belong to different processes")
+            if not 0 <= num_bytes <= int(a["mapped"]):
+                raise LedgerError(
+                    f"slot {src} of {self.device} moves {num_bytes} bytes but holds {int(a['mapped'])}"
+                )
+            mapped = int(b["mapped"]) + num_bytes
+            if 0 <= int(b["limit"]) < mapped:
+                return False
+            a["mapped"] = int(a["mapped"]) - num_bytes
+            b["mapped"] = mapped
+            b["peak"] = max(int(b["peak"]), mapped)
+            return True
 
     def set_limit(self, slot: int, limit_bytes: int | None) -> None:
         """Cap one engine. A limit below what it holds takes effect as its pages empty."""
@@ -330,7 +412,10 @@ class DeviceLedger:
             entries = tuple(
                 self._entry(int(s), self._entries[s]) for s in np.flatnonzero(self._entries["pid"])
             )
-            return LedgerSnapshot(self.device, self.budget_bytes, entries)
+            return LedgerSnapshot(
+                self.device, self.budget_bytes, entries, self._reclaim_pending(),
+                float(self._header["reclaim_until"]),
+            )  # fmt: skip
 
     @staticmethod
     def _entry(slot: int, e: np.void) -> LedgerEntry:
@@ -343,11 +428,12 @@ class DeviceLedger:
             limit_bytes=None if limit < 0 else limit,
             peak_bytes=int(e["peak"]),
             registered=float(e["registered"]),
+            spare=bool(int(e["spare"])),
         )
 
-    def account(self, name: str, limit_bytes: int | None = None) -> Account:
+    def account(self, name: str, limit_bytes: int | None = None, spare: bool = False) -> Account:
         """Register this process as engine ``name`` and return its handle."""
-        return Account(self, self.register(name, limit_bytes))
+        return Account(self, self.register(name, limit_bytes, spare=spare))
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -382,8 +468,11 @@ class Account:
         self.slot = slot
         self._closed = False
 
-    def try_reserve(self, num_bytes: int) -> bool:
-        return self.ledger.try_reserve(self.slot, num_bytes)
+    def try_reserve(self, num_bytes: int, reclaim: bool = True) -> bool:
+        return self.ledger.try_reserve(self.slot, num_bytes, reclaim)
+
+    def move_to(self, other: Account, num_bytes: int) -> bool:
+        return self.ledger.move(self.slot, other.slot, num_bytes)
 
     def release(self, num_bytes: int) -> None:
         self.ledger.release(self.slot, num_bytes)

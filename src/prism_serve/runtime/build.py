@@ -50,4 +50,5 @@ def build_controller(config: DeploymentConfig) -> Controller:
         namespace=config.server.namespace,
         tick_interval_s=config.policy.tick_interval_s,
         activation_timeout_s=config.policy.activation_timeout_s,
+        spare_pages=config.policy.spare_pages,
     )

@@ -87,6 +87,7 @@ class Controller(AdminOps):
         load_threads: int = 4,
         page_size: int = DEFAULT_PAGE_SIZE,
         rate_window_s: float = 60.0,
+        spare_pages: bool = True,
     ) -> None:
         self.devices = {d.name: d for d in devices}
         self.specs = {m.name: m for m in models}
@@ -100,6 +101,7 @@ class Controller(AdminOps):
         self.activation_timeout_s = activation_timeout_s
         self.load_threads = load_threads
         self.page_size = page_size
+        self.spare_pages = spare_pages
         self.cache = HostWeightCache(namespace)
         self.models: dict[str, ModelEntry] = {}  # served models and their replica slots
         # replica slots beyond replica 0 per served model (control/replicas.py), at most one per device
@@ -163,6 +165,9 @@ class Controller(AdminOps):
             reserve_bytes={d.name: d.memory_bytes for d in self.devices.values()},
             page_size=self.page_size,
             load_threads=self.load_threads,
+            # each worker keeps weight pages for the largest model ready (memory/spare.py)
+            spare_bytes=max(m.cached.weight_bytes for m in self.models.values()) if self.spare_pages else 0,
+            spare_of=self._spare_bytes,
         )
         await self._pool.start()
         self._tick_task = asyncio.create_task(self._tick_loop())
@@ -524,6 +529,12 @@ class Controller(AdminOps):
 
     def ledger(self, device: str) -> DeviceLedger:
         return self._ledgers[device]
+
+    def _spare_bytes(self, handle: WorkerHandle) -> int:
+        """Weight pages the worker keeps ready (its spare entry in the device ledger)."""
+        name = f"{handle.worker_id} spare"
+        snap = self._ledgers[handle.device.name].snapshot()
+        return sum(e.mapped_bytes for e in snap.entries if e.spare and e.name == name)
 
     def _model(self, name: str) -> ModelEntry:
         """A served model or a replica slot (the loop's and the workers' names)."""

@@ -16,6 +16,7 @@ import torch
 
 from prism_serve.errors import PrismError
 from prism_serve.memory.ledger import Account
+from prism_serve.memory.spare import SparePages, grant_waiting
 from prism_serve.memory.vmm import VirtualRange
 from prism_serve.runtime.messages import TensorEntry
 
@@ -27,30 +28,51 @@ class DeviceMemoryExhaustedError(PrismError):
     error_type = "service_unavailable"
 
 
-def map_weight_pages(vrange: VirtualRange, account: Account, num_bytes: int, pool: ThreadPoolExecutor) -> int:
-    """Grant ``num_bytes`` (rounded up to pages) from the ledger in one operation and map pages
-    ``0..n-1`` of ``vrange`` in parallel. Returns the number of pages; on any failure nothing stays
-    mapped or granted."""
+def map_weight_pages(
+    vrange: VirtualRange,
+    account: Account,
+    num_bytes: int,
+    pool: ThreadPoolExecutor,
+    spare: SparePages | None = None,
+) -> tuple[int, int]:
+    """Pages ``0..n-1`` of ``vrange`` for ``num_bytes`` of weights, their bytes held by ``account``:
+    spare pages already mapped there are taken in place, the others granted in one ledger operation
+    (waiting briefly for other workers' spare pages if the budget is short) and mapped in parallel.
+    Returns (pages, pages reused); on any failure nothing stays mapped or granted."""
     page = vrange.page_size
     num_pages = -(-num_bytes // page)
     if num_pages * page > vrange.size:
         raise DeviceMemoryExhaustedError(
             f"weights need {num_pages * page} bytes of address space; the worker reserved {vrange.size}"
         )
-    if not account.try_reserve(num_pages * page):
+    reused, missing = spare.take(num_pages, account) if spare else (0, list(range(num_pages)))
+    if missing and not grant_waiting(account, len(missing) * page):
+        if spare is not None:
+            spare.give_back(num_pages, account)  # the pages it took go back to the spare set
         raise DeviceMemoryExhaustedError(
-            f"the {vrange.device} ledger cannot grant {num_pages * page} bytes for weights now"
+            f"the {vrange.device} ledger cannot grant {len(missing) * page} bytes for weights now"
         )
     try:
-        list(pool.map(vrange.map_page, range(num_pages)))
+        list(pool.map(vrange.map_page, missing))
     except BaseException:
-        unmap_weight_pages(vrange, account, num_pages)
+        for p in missing:  # the pages this call granted: all of them go, mapped or not
+            if vrange.is_mapped(p):
+                vrange.unmap_page(p)
+        account.release(len(missing) * page)
+        if spare is not None:
+            spare.give_back(num_pages, account)
         raise
-    return num_pages
+    return num_pages, reused
 
 
-def unmap_weight_pages(vrange: VirtualRange, account: Account, num_pages: int) -> None:
-    """Unmap pages ``0..num_pages-1`` that are mapped and give all their bytes back to the ledger."""
+def unmap_weight_pages(
+    vrange: VirtualRange, account: Account, num_pages: int, spare: SparePages | None = None
+) -> None:
+    """The model's pages ``0..num_pages-1`` (all mapped, ``account`` holds their bytes) leave it:
+    kept as spare pages where ``spare`` wants them, the others unmapped and their bytes released."""
+    if spare is not None:
+        spare.give_back(num_pages, account)
+        return
     for p in range(num_pages):
         if vrange.is_mapped(p):
             vrange.unmap_page(p)

@@ -46,6 +46,8 @@ class ActivationPhases(msgspec.Struct, array_like=True, frozen=True):
     ready_s: float  # model views, tokenizer, KV pool laid out in the reserved range, engine built
     copy_bytes: int
     copy_threads: int
+    reused_pages: int = 0  # weight pages that were spare, already mapped (memory/spare.py)
+    created_pages: int = 0  # weight pages created and mapped on this activation's path
 
     @property
     def total_s(self) -> float:

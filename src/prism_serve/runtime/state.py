@@ -25,7 +25,7 @@ from prism_serve.control.types import no_request_since_placed
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import EmptyPromptError, InvalidSamplingParamsError, PrismError, PromptTooLongError
-from prism_serve.memory.ledger import DeviceLedger
+from prism_serve.memory.ledger import DeviceLedger, LedgerSnapshot
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
@@ -258,6 +258,11 @@ def _latest(*times: float | None) -> float | None:
     return max(known) if known else None
 
 
+def _held(snap: LedgerSnapshot) -> int:
+    """Bytes a placement cannot use: spare pages are not among them (given back on demand)."""
+    return snap.used_bytes - snap.spare_bytes
+
+
 def cluster_snapshot(
     models: Mapping[str, ModelEntry],
     devices: Mapping[str, DeviceSpec],
@@ -325,7 +330,7 @@ def cluster_snapshot(
             DeviceSnapshot(
                 device=d,
                 capacity_bytes=spec.memory_bytes,
-                mapped_bytes=ledgers[d].snapshot().used_bytes,
+                mapped_bytes=_held(ledgers[d].snapshot()),
                 models=tuple(on_device[d]),
                 num_queued=len(q),
                 queued_models=q.models(),

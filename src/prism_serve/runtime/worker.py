@@ -37,6 +37,7 @@ from prism_serve.engine.weights import LoadedWeights
 from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError
 from prism_serve.memory.kv_pool import ElasticKVPool, PoolConfig
 from prism_serve.memory.ledger import Account, DeviceLedger
+from prism_serve.memory.spare import SparePages
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, reserve
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceSpec, parse_cores, pin_process
@@ -74,6 +75,7 @@ class Worker:
         namespace: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         load_threads: int = 4,
+        spare_bytes: int = 0,
     ) -> None:
         start = time.monotonic()
         self.worker_id = worker_id
@@ -88,6 +90,10 @@ class Worker:
         self.ledger = DeviceLedger(device.name, device.memory_bytes, namespace)
         self.weight_range = reserve(device.name, reserve_bytes, page_size)
         self.kv_range = reserve(device.name, reserve_bytes, page_size)
+        # weight pages kept mapped between models and made ahead of time (0: off)
+        self.spare = SparePages(
+            self.weight_range, self.ledger, f"{worker_id} spare", target_bytes=spare_bytes
+        )
         self.loader = ThreadPoolExecutor(load_threads, thread_name_prefix="prism-load")
         self.load_threads = load_threads
         self.page_size = page_size
@@ -218,7 +224,9 @@ class Worker:
             shared = self.shared.get(m.cache_path)
             if shared is None:
                 shared = self.shared[m.cache_path] = SharedWeights(m.cache_path, m.weight_bytes)
-            num_pages = map_weight_pages(self.weight_range, weight_account, m.weight_bytes, self.loader)
+            num_pages, reused = map_weight_pages(
+                self.weight_range, weight_account, m.weight_bytes, self.loader, self.spare
+            )
             t_map = time.monotonic()
             flat = self.weight_range.as_tensor()
             copied = parallel_copy(shared.bytes, flat, m.tensors, self.loader, m.chunk_bytes)
@@ -227,7 +235,7 @@ class Worker:
             t_ready = time.monotonic()
         except BaseException as e:
             if num_pages:
-                unmap_weight_pages(self.weight_range, weight_account, num_pages)
+                unmap_weight_pages(self.weight_range, weight_account, num_pages, self.spare)
             weight_account.close()
             kv_account.close()
             logger.warning("activation of %s failed: %s", m.model, e)
@@ -253,6 +261,8 @@ class Worker:
             ready_s=t_ready - t_copy,
             copy_bytes=copied,
             copy_threads=self.load_threads,
+            reused_pages=reused,
+            created_pages=num_pages - reused,
         )
         self._send(
             msg.ModelActivated(
@@ -323,7 +333,7 @@ class Worker:
         a.engine.close()
         a.pool.close()  # unmaps every KV page and returns its bytes to the ledger
         a.engine = None  # type: ignore[assignment]  # no tensor view over the pages may outlive them
-        unmap_weight_pages(self.weight_range, a.weight_account, a.num_weight_pages)
+        unmap_weight_pages(self.weight_range, a.weight_account, a.num_weight_pages, self.spare)
         a.weight_account.close()
         a.kv_account.close()
         return before
@@ -336,6 +346,7 @@ class Worker:
         for s in self.shared.values():
             s.close()
         self.loader.shutdown()
+        self.spare.close()
         self.weight_range.close()
         self.kv_range.close()
         self.ledger.close()
@@ -371,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--load-threads", type=int, default=4)
     p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--spare-bytes", type=int, default=0, help="weight pages to keep ready (0: none)")
     args = p.parse_args(argv)
     _die_with_parent()
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
@@ -386,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         args.namespace,
         args.page_size,
         args.load_threads,
+        args.spare_bytes,
     )
     worker.run()
     return 0

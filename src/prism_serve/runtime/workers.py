@@ -84,6 +84,8 @@ class WorkerPool:
         reserve_bytes: dict[str, int],
         page_size: int,
         load_threads: int,
+        spare_bytes: int = 0,
+        spare_of: Callable[[WorkerHandle], int] | None = None,
         start_timeout_s: float = 120.0,
         poll_interval_s: float = 0.05,
     ) -> None:
@@ -95,6 +97,8 @@ class WorkerPool:
         self._reserve_bytes = reserve_bytes
         self._page_size = page_size
         self._load_threads = load_threads
+        self._spare_bytes = spare_bytes
+        self._spare_of = spare_of
         self._start_timeout_s = start_timeout_s
         self._poll_interval_s = poll_interval_s
         self._ids = itertools.count()
@@ -128,6 +132,7 @@ class WorkerPool:
             "--reserve-bytes", str(self._reserve_bytes[device.name]),
             "--page-size", str(self._page_size),
             "--load-threads", str(self._load_threads),
+            "--spare-bytes", str(self._spare_bytes),
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         if self._namespace:
@@ -151,12 +156,13 @@ class WorkerPool:
         return [w for w in self.on_device(device) if w.state is WorkerState.IDLE]
 
     async def take(self, device: str) -> WorkerHandle:
-        """An idle worker of ``device``, now marked ACTIVATING; the pool refills in the background."""
+        """An idle worker of ``device``, now marked ACTIVATING (the one with the most spare weight
+        pages: its activation creates the fewest); the pool refills in the background."""
         spec = self.devices[device]
         while True:
             idle = self.idle(device)
             if idle:
-                handle = idle[0]
+                handle = max(idle, key=self._spare_of) if self._spare_of and len(idle) > 1 else idle[0]
                 handle.state = WorkerState.ACTIVATING
                 if not self.idle(device) and not self._starting(device):
                     self.spawn(spec)  # keep one idle worker ready for the next activation

@@ -1,0 +1,224 @@
+"""Spare pages: physical pages a worker keeps mapped while no model uses them, so that the next
+activation copies weights into pages that exist instead of creating them.
+
+Creating a page is what makes an activation slow: on the host backend ``fallocate`` allocates and
+zeroes it and ``mmap(MAP_POPULATE)`` builds its page tables (about 2 GB/s here, against 12 GB/s
+for the copy); on CUDA ``cuMemCreate`` costs about 0.2 ms per 2 MiB page (1.6 s for an 8B model).
+So the pages of an evicted model's weights stay mapped where they are (pages ``0..n-1`` of the
+worker's weight range), and pages are made ahead of time by a background thread while the device
+has room; the next activation on that worker takes them in place: no create, no map, only the copy.
+
+Accounting stays exact. Spare pages are physical memory, so their bytes stay granted in the device
+ledger, to an entry of their own registered as spare. Taking them moves their bytes to the model's
+weight entry and giving them back moves them back (``DeviceLedger.move``: one operation, so the
+bytes are never counted twice nor dropped). Pages belong to one process and one range, so no two
+engines can hold the same page. The controller counts spare bytes as free (they are reclaimable),
+and any grant the ledger refuses for lack of budget while spare pages exist asks their holders for
+them back: this thread unmaps them within a poll interval and the requester retries (weights wait
+up to ``DEFAULT_RECLAIM_WAIT_S``; a KV page is simply asked for again at the next step).
+
+The same code drives the CUDA backend: a spare page there is a ``cuMemCreate`` handle left mapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from prism_serve.memory.ledger import Account, DeviceLedger, LedgerError
+from prism_serve.memory.vmm import VirtualRange
+
+__all__ = ["DEFAULT_RECLAIM_WAIT_S", "SparePages", "SpareStats", "grant_waiting"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RECLAIM_WAIT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class SpareStats:
+    spare_pages: int  # mapped, used by no model, now
+    made_ahead: int  # pages created by the thread ahead of an activation
+    kept: int  # pages an eviction left spare
+    reused: int  # spare pages an activation took
+    given_back: int  # spare pages unmapped for a refused grant elsewhere (or over the target)
+
+
+class SparePages:
+    """Spare pages of one ``VirtualRange`` in this process. Pages ``0..n-1`` of the range belong to
+    the active model (``take``) or are spare; the thread makes pages ahead of time up to
+    ``target_bytes`` (the largest model this worker may receive) while the device keeps
+    ``headroom`` of its budget free and no other worker holds that much spare already, and gives
+    pages back when a refused grant asks for them. ``target_bytes`` 0 turns all of it off."""
+
+    def __init__(
+        self,
+        vrange: VirtualRange,
+        ledger: DeviceLedger,
+        name: str,
+        *,
+        target_bytes: int = 0,
+        headroom: float = 0.25,
+        poll_interval_s: float = 0.02,
+        thread: bool = True,
+    ) -> None:
+        self.vrange = vrange
+        self.ledger = ledger
+        self.page_size = vrange.page_size
+        self.account = ledger.account(name, spare=True)
+        self.target_pages = min(vrange.num_pages, -(-target_bytes // self.page_size))
+        self.headroom = headroom
+        self.poll_interval_s = poll_interval_s
+        self._spare: set[int] = set()
+        self._model_pages = 0  # pages 0..n-1 of the active model (off limits to the thread)
+        self._lock = threading.Lock()  # held for each page the thread maps or unmaps
+        self._made = self._kept = self._reused = self._given_back = 0
+        self._closed = False
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        if thread and self.target_pages:
+            self._thread = threading.Thread(target=self._loop, name="prism-spare", daemon=True)
+            self._thread.start()
+
+    # ---- activation and eviction ------------------------------------------------------------------
+
+    def take(self, num_pages: int, account: Account) -> tuple[int, list[int]]:
+        """Pages ``0..num_pages-1`` for a model whose bytes ``account`` holds: the spare ones among
+        them are handed over in place (their bytes move in the ledger). Returns how many were
+        reused and the pages that still have to be granted and mapped."""
+        with self._lock:
+            reuse = [p for p in self._spare if p < num_pages]
+            if reuse and not self.account.move_to(account, len(reuse) * self.page_size):
+                reuse = []  # the model's entry has a limit that refuses them: map afresh
+            self._spare.difference_update(reuse)
+            self._reused += len(reuse)
+            self._model_pages = num_pages
+        return len(reuse), [p for p in range(num_pages) if not self.vrange.is_mapped(p)]
+
+    def give_back(self, num_pages: int, account: Account) -> int:
+        """The model's mapped pages among ``0..num_pages-1`` (``account`` holds their bytes) become
+        spare, up to the target and unless a grant elsewhere waits for memory; the rest are
+        unmapped and released. Returns the pages kept."""
+        mapped = [p for p in range(num_pages) if self.vrange.is_mapped(p)]
+        with self._lock:
+            keep: list[int] = []
+            if not self._closed and not self.ledger.reclaim_wanted():
+                keep = mapped[: max(0, self.target_pages - len(self._spare))]
+                if keep and not account.move_to(self.account, len(keep) * self.page_size):
+                    keep = []
+            self._spare.update(keep)
+            self._kept += len(keep)
+            self._model_pages = 0
+        kept = set(keep)
+        for p in mapped:
+            if p not in kept:
+                self.vrange.unmap_page(p)
+                account.release(self.page_size)
+        return len(keep)
+
+    # ---- the thread -------------------------------------------------------------------------------
+
+    def tend(self) -> None:
+        """One round: give pages back if a refused grant waits for them (or above the target),
+        else make one page ahead of time if the device has room."""
+        wanted = self.ledger.reclaim_wanted()
+        if wanted > 0 or len(self._spare) > self.target_pages:
+            count = -(-wanted // self.page_size) if wanted > 0 else len(self._spare) - self.target_pages
+            for _ in range(count):
+                if not self._give_one():
+                    break
+            return
+        while not self._closed and self._make_one():
+            pass
+
+    def _give_one(self) -> bool:
+        with self._lock:
+            if not self._spare:
+                return False
+            p = max(self._spare)
+            self._spare.discard(p)
+            self.vrange.unmap_page(p)
+            self.account.release(self.page_size)
+            self._given_back += 1
+            return True
+
+    def _make_one(self) -> bool:
+        if len(self._spare) + self._model_pages >= self.target_pages:
+            return False
+        snap = self.ledger.snapshot()
+        if time.time() < snap.reclaim_until:
+            return False  # memory was wanted elsewhere lately: make nothing it would have to ask back
+        if snap.spare_bytes + self.page_size > self.target_pages * self.page_size:
+            return False  # the device already keeps enough spare pages
+        if snap.free_bytes - self.page_size < self.headroom * snap.budget_bytes:
+            return False
+        with self._lock:
+            if self._closed:
+                return False
+            p = next((q for q in range(self._model_pages, self.vrange.num_pages)
+                      if not self.vrange.is_mapped(q)), None)  # fmt: skip
+            if p is None or p >= self.target_pages:
+                return False
+            if not self.account.try_reserve(self.page_size, reclaim=False):
+                return False
+            try:
+                self.vrange.map_page(p)
+            except BaseException:
+                self.account.release(self.page_size)
+                raise
+            self._spare.add(p)
+            self._made += 1
+            return True
+
+    def _loop(self) -> None:
+        while not self._closed:
+            self._wake.wait(self.poll_interval_s)
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                self.tend()
+            except Exception:  # the worker keeps serving; activations then create their pages
+                logger.exception("spare-page thread failed a round")
+
+    # ---- status and life cycle --------------------------------------------------------------------
+
+    @property
+    def spare_bytes(self) -> int:
+        return len(self._spare) * self.page_size
+
+    def stats(self) -> SpareStats:
+        return SpareStats(len(self._spare), self._made, self._kept, self._reused, self._given_back)
+
+    def close(self) -> None:
+        """Unmap every spare page and leave the ledger."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            for p in sorted(self._spare):
+                self.vrange.unmap_page(p)
+            self._spare.clear()
+        with contextlib.suppress(LedgerError):
+            self.account.close()
+
+
+def grant_waiting(account: Account, num_bytes: int, wait_s: float = DEFAULT_RECLAIM_WAIT_S) -> bool:
+    """Grant ``num_bytes``; refused while other workers hold spare pages, wait (up to ``wait_s``)
+    for them to give those back. False if the budget still does not allow it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if account.try_reserve(num_bytes):
+            return True
+        snap = account.ledger.snapshot()
+        if snap.budget_bytes - snap.used_bytes + snap.spare_bytes < num_bytes:
+            return False  # not even with every spare page given back
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
