@@ -346,9 +346,11 @@ class DeviceLedger:
         self._header["reclaim_until"] = now + RECLAIM_WINDOW_S
 
     def reclaim_wanted(self) -> int:
-        """Spare bytes that refused grants are waiting for now (0: none)."""
-        with self:
-            return self._reclaim_pending()
+        """Spare bytes that refused grants are waiting for now (0: none). Read without the lock:
+        holders poll it often, and a stale answer only delays or repeats one round of giving back."""
+        if self._fd < 0:
+            raise LedgerError(f"the ledger of {self.device} is closed")
+        return self._reclaim_pending()
 
     def _reclaim_pending(self) -> int:
         if float(self._header["reclaim_until"]) <= time.time():
