@@ -101,3 +101,12 @@ def test_litellm_text_completion(server, litellm):
     r = litellm.text_completion(model=f"openai/{MODEL}", api_base=server.base_url, api_key=API_KEY,
                                 prompt="The capital of France is", max_tokens=4, temperature=0)  # fmt: skip
     assert "Paris" in r.choices[0].text
+
+
+def test_litellm_several_choices(server, litellm):
+    """n > 1 through LiteLLM: n independent samples of one prompt, by index."""
+    r = litellm.completion(model=f"openai/{MODEL}", api_base=server.base_url, api_key=API_KEY, n=2,
+                           max_tokens=8, temperature=1.0, seed=7,
+                           messages=[{"role": "user", "content": "Say a colour."}])  # fmt: skip
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.message.content for c in r.choices) and r.usage.completion_tokens > 0
