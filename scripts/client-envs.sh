@@ -32,7 +32,9 @@ stamp="$VENV/.prism-setup"
 if [ ! -x "$BASE/bin/python" ]; then
   echo "client-envs: no base venv at $BASE: run scripts/dev.sh first" >&2; exit 1
 fi
-want=$(cat scripts/client-envs.sh "$BASE/.prism-setup" 2>/dev/null | sha256sum | cut -d' ' -f1)
+# redone when this script changes, or the base venv moves or is set up again (its stamp, from dev.sh)
+want=$({ cat scripts/client-envs.sh; (cd "$BASE" && pwd); cat "$BASE/.prism-setup" 2>/dev/null || true; } \
+  | sha256sum | cut -d' ' -f1)
 if [ "${1:-}" != "--force" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
