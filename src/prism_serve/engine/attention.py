@@ -1,8 +1,11 @@
 """Attention over the paged KV cache, for a batch that mixes decodes and prefill chunks.
 
-Decodes (one new token each) come first in the batch and run as one batched SDPA call over their
-block tables, gathered and padded to the longest context. Prefill chunks follow, one SDPA call
-each, attending to their cached prefix plus themselves (causal).
+Decodes (one new token each) come first in the batch and run as batched SDPA calls over their
+block tables, gathered and padded to the longest context of their group: decodes are grouped by
+context length (``group_decodes``) so that a short context is not padded to the longest one of a
+mixed batch, which cost gather copies and attention over masked keys. Prefill chunks follow, one SDPA call
+each, attending to their cached prefix plus themselves (causal); a chunk that is its whole context
+(a prompt prefilled in one step) attends to the K and V it just computed, with no gather.
 """
 
 from __future__ import annotations
@@ -23,13 +26,38 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes attended in one SDPA call: their rows of the batch, block tables padded to the
+    group's longest context, and a mask hiding the padding (None when all have one length)."""
+
+    rows: torch.Tensor | None  # [n] rows of the batch; None: every decode, in batch order
+    block_tables: torch.Tensor  # [n, max_blocks]
+    mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size]
+    context_len: int  # keys attended when there is no mask
+
+
+GROUP_RATIO = 0.6  # a decode joins the group of longer contexts while it has >= this share of its keys
+MAX_GROUPS = 4  # SDPA calls per layer for the decodes, at most
+
+
+def group_decodes(lens: list[int]) -> list[list[int]]:
+    """Decode rows (indices into ``lens``) in groups of similar context length: longest first, a
+    new group starts where a context is shorter than ``GROUP_RATIO`` of its group's longest."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (lens[i] >= GROUP_RATIO * lens[groups[-1][0]] or len(groups) == MAX_GROUPS):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
-    slot_blocks: torch.Tensor  # [T] block id where each new token's K/V goes
-    slot_offsets: torch.Tensor  # [T] offset inside that block
+    slot_rows: torch.Tensor  # [T] row of KVCache.layer_rows where each new token's K/V goes
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]; None = no padding
-    decode_context_len: int = 0  # keys attended by every decode row (padded length)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Scratch for gathered K and V, reused by every layer and step: allocating ~10 MB per layer
     # costs page faults that showed up as a third of a batched fp32 decode step.
@@ -39,8 +67,8 @@ class AttentionMetadata:
     @property
     def max_gather_blocks(self) -> int:
         """Most blocks any one attention call of this batch gathers."""
-        most = 0 if self.decode_block_tables is None else self.decode_block_tables.numel()
-        return max([most, *(p.block_table.numel() for p in self.prefills)])
+        return max([0, *(g.block_tables.numel() for g in self.decode_groups),
+                    *(p.block_table.numel() for p in self.prefills)])  # fmt: skip
 
 
 def causal_chunk_mask(query_len: int, context_len: int) -> torch.Tensor | None:
@@ -58,32 +86,42 @@ def paged_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
+    rows: tuple[torch.Tensor, torch.Tensor],  # the same caches as token rows (KVCache.layer_rows)
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    k_cache[meta.slot_blocks, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, meta.slot_offsets] = v
     num_tokens, num_heads, head_dim = q.shape
+    rows[0].index_copy_(0, meta.slot_rows, k.reshape(num_tokens, -1))
+    rows[1].index_copy_(0, meta.slot_rows, v.reshape(num_tokens, -1))
     num_kv_heads = k.shape[1]
     out = q.new_empty(num_tokens, num_heads, head_dim)
 
     nd = meta.num_decodes
-    if nd:
-        # Each KV head's query group acts as a short query sequence: [nd, kv_heads, group, head_dim].
-        qd = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        kd = _gather(k_cache, meta.decode_block_tables, meta.gather_k).transpose(1, 2)  # [nd, kvh, L, hd]
-        vd = _gather(v_cache, meta.decode_block_tables, meta.gather_v).transpose(1, 2)
-        if meta.decode_mask is None:
-            kd, vd = kd[:, :, : meta.decode_context_len], vd[:, :, : meta.decode_context_len]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = od.reshape(nd, num_heads, head_dim)
+    for g in meta.decode_groups:
+        n = g.block_tables.shape[0]
+        # Each KV head's query group acts as a short query sequence: [n, kv_heads, group, head_dim].
+        qg = q[:nd] if g.rows is None else q.index_select(0, g.rows)
+        qd = qg.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        kd = _gather(k_cache, g.block_tables, meta.gather_k).transpose(1, 2)  # [n, kvh, L, hd]
+        vd = _gather(v_cache, g.block_tables, meta.gather_v).transpose(1, 2)
+        if g.mask is None:
+            kd, vd = kd[:, :, : g.context_len], vd[:, :, : g.context_len]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+        if g.rows is None:
+            out[:nd] = od.reshape(n, num_heads, head_dim)
+        else:
+            out.index_copy_(0, g.rows, od.reshape(n, num_heads, head_dim))
 
     for p in meta.prefills:
         end = p.query_start + p.query_len
         # A leading batch dimension of 1: with 3-D inputs torch picks a generic CPU kernel that
         # is ~3x slower than the flash kernel it uses for 4-D ones.
-        kp = _gather(k_cache, p.block_table, meta.gather_k)[: p.context_len].transpose(0, 1)[None]
-        vp = _gather(v_cache, p.block_table, meta.gather_v)[: p.context_len].transpose(0, 1)[None]
+        if p.query_len == p.context_len:  # nothing cached before it: its own K and V are all of it
+            kp = k[p.query_start : end].transpose(0, 1)[None]
+            vp = v[p.query_start : end].transpose(0, 1)[None]
+        else:
+            kp = _gather(k_cache, p.block_table, meta.gather_k)[: p.context_len].transpose(0, 1)[None]
+            vp = _gather(v_cache, p.block_table, meta.gather_v)[: p.context_len].transpose(0, 1)[None]
         qp = q[p.query_start : end].transpose(0, 1)[None]  # [1, heads, qlen, hd]
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True

@@ -101,6 +101,25 @@ class KVCache:
             self.tensor = storage.view(-1)[:numel].view(shape)
         # Per-layer (K, V) views [num_blocks, block_size, num_kv_heads, head_dim]; strided, no copy.
         self.layers = [(self.tensor[:, i, 0], self.tensor[:, i, 1]) for i in range(config.num_layers)]
+        # The same per layer as rows of one token's K (or V), [rows, num_kv_heads * head_dim]: token
+        # ``offset`` of block ``b`` is row ``b * rows_per_block + offset`` (``slot_rows``). New
+        # tokens are written with one index_copy_ of whole rows, which on CPU is ~100x faster than
+        # the element-wise scatter of indexing by (block, offset).
+        self.rows_per_block = config.num_layers * 2 * block_size
+        row = config.num_kv_heads * config.head_dim
+        num_rows = (num_blocks - 1) * self.rows_per_block + block_size
+        base = self.tensor.storage_offset()
+        self.layer_rows = [
+            tuple(
+                self.tensor.as_strided((num_rows, row), (row, 1), base + (2 * i + kv) * block_size * row)
+                for kv in (0, 1)
+            )
+            for i in range(config.num_layers)
+        ]
+
+    def slot_rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows of ``layer_rows`` for tokens at ``offsets`` in ``blocks``."""
+        return blocks * self.rows_per_block + offsets
 
     @property
     def layer_block_numel(self) -> int:

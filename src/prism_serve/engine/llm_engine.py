@@ -12,7 +12,7 @@ import torch
 from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.config import resolve_max_model_len as resolve_max_model_len  # re-exported
 from prism_serve.engine.kv_cache import BlockAllocator, FixedBlockAllocator, KVCache
-from prism_serve.engine.machine import resolve_dtype
+from prism_serve.engine.machine import keep_freed_buffers, resolve_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.runner import ModelRunner
 from prism_serve.engine.sampling_params import SamplingParams
@@ -54,6 +54,7 @@ class LLMEngine:
         """``model``: a decoder already built over its tensors (the runtime activates one from its
         host weight cache); ``weights`` then supplies only the config and tokenizer."""
         self.config = config = config or EngineConfig()
+        keep_freed_buffers()  # activation buffers reused across steps, not page-faulted afresh
         dtype = torch_dtype(config)
         if weights is None:
             weights = load_weights(config.model, dtype=dtype, seed=config.seed)

@@ -12,7 +12,15 @@ import functools
 import platform
 from pathlib import Path
 
-__all__ = ["BF16_FLAGS", "cpu_flags", "cpu_model", "native_bf16", "resolve_dtype", "vector_flags"]
+__all__ = [
+    "BF16_FLAGS",
+    "cpu_flags",
+    "cpu_model",
+    "keep_freed_buffers",
+    "native_bf16",
+    "resolve_dtype",
+    "vector_flags",
+]
 
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo names of native bf16 matmuls
 _CONCRETE = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -57,3 +65,30 @@ def resolve_dtype(dtype: str, device_kind: str = "cpu", flags: frozenset[str] | 
         return _CONCRETE[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; one of auto, {', '.join(_CONCRETE)}") from None
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+
+
+@functools.cache
+def keep_freed_buffers() -> bool:
+    """Let this process reuse the memory of freed activation buffers instead of getting fresh
+    pages for every one (glibc only; a no-op elsewhere). Returns whether it took effect.
+
+    A forward step allocates and frees buffers of a few MB per op (a 512-token chunk's MLP
+    activations are 6 MB in fp32). glibc serves anything above its mmap threshold with a fresh
+    mmap, which the kernel zero-fills page by page on first touch, and hands it back on free, so
+    every step pays those page faults again. Raising the mmap threshold to its maximum (32 MiB) and
+    the trim threshold to 256 MiB keeps those buffers in the heap for the next step. Called once by
+    every engine; it changes only where the process's malloc gets memory, never a result.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, 256 * 2**20))

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from prism_serve.engine.attention import AttentionMetadata, PrefillChunk, causal_chunk_mask
+from prism_serve.engine.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+    causal_chunk_mask,
+    group_decodes,
+)
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.sampler import sample, token_logprobs
@@ -131,20 +137,22 @@ class ModelRunner:
 
         positions = torch.tensor(pos)
         meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks), slot_offsets=positions % bs, prefills=prefills
+            slot_rows=self.kv_cache.slot_rows(torch.tensor(slot_blocks), positions % bs), prefills=prefills
         )
-        if decode_tables:
-            max_blocks = max(len(t) for t in decode_tables)
+        meta.num_decodes = len(decode_tables)
+        groups = group_decodes(decode_lens)
+        for g in groups:
+            tables, lens = [decode_tables[i] for i in g], [decode_lens[i] for i in g]
+            max_blocks = max(len(t) for t in tables)
             # Pad short tables with their own first block: a valid id whose keys the mask hides.
-            padded = [t + [t[0]] * (max_blocks - len(t)) for t in decode_tables]
-            meta.num_decodes = len(decode_tables)
-            meta.decode_block_tables = torch.tensor(padded)
-            if min(decode_lens) == max(decode_lens):
-                meta.decode_context_len = decode_lens[0]
+            padded = torch.tensor([t + [t[0]] * (max_blocks - len(t)) for t in tables])
+            rows = None if len(groups) == 1 else torch.tensor(g)
+            if min(lens) == max(lens):
+                meta.decode_groups.append(DecodeGroup(rows, padded, None, lens[0]))
             else:
-                lens = torch.tensor(decode_lens)
                 keys = torch.arange(max_blocks * bs)
-                meta.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+                mask = (keys.unsqueeze(0) < torch.tensor(lens).unsqueeze(1))[:, None, None, :]
+                meta.decode_groups.append(DecodeGroup(rows, padded, mask, max(lens)))
         need = meta.max_gather_blocks * self.kv_cache.layer_block_numel
         if self._gather_k.numel() < need:  # grow (with headroom) and keep for later steps
             self._gather_k = self._gather_k.new_empty(need * 5 // 4)

@@ -254,18 +254,20 @@ class LlamaForCausalLM:
         x = self.embed_tokens(input_ids)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache.layers, strict=True):
+        caches = zip(kv_cache.layers, kv_cache.layer_rows, strict=True)
+        for i, (layer, ((k_cache, v_cache), rows)) in enumerate(zip(self.layers, caches, strict=True)):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             qk, v = layer.qkv(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # Q and K heads sit side by side in the fused output: rotate them in one pass.
             qk = apply_rope(qk.view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            x = x + layer.o_proj(attn)
+            attn = paged_attention(q, k, v, k_cache, v_cache, rows, meta, self.scale)
+            # in place where nothing else reads the operand: fewer fresh buffers per layer
+            x = x.add_(layer.o_proj(attn)) if i else x + layer.o_proj(attn)  # x: the embedding at 0
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x.add_(layer.down(F.silu(gate, inplace=True).mul_(up)))
         return rms_norm(x, self.norm, c.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
