@@ -343,3 +343,51 @@ def test_a_dropped_stream_of_n_choices_aborts_every_choice(server):
             break
         asyncio.run(asyncio.sleep(0.1))
     assert card["num_running"] == 0 and card["num_queued"] == 0
+
+
+def test_several_prompts_in_one_completion_request(client):
+    """lm-eval batches prompts (token id lists) into one request: choice i * n + j is sample j of
+    prompt i, each prompt counted once in usage."""
+    one = client.completions.create(
+        model="smol", prompt="The capital of France is", max_tokens=5, temperature=0
+    )
+    two = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=5, temperature=0)
+    both = client.completions.create(
+        model="smol",
+        prompt=["The capital of France is", "Once upon a time"],
+        max_tokens=5,
+        temperature=0,
+        n=2,
+    )
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [one.choices[0].text] * 2 + [two.choices[0].text] * 2
+    assert both.usage.prompt_tokens == one.usage.prompt_tokens + two.usage.prompt_tokens
+    assert both.usage.completion_tokens == 4 * 5
+    ids = [[504, 3575, 282, 4649, 314], [9470, 2724, 253, 655]]
+    streamed = client.completions.create(model="smol", prompt=ids, max_tokens=3, temperature=0, stream=True)
+    texts: dict[int, str] = {}
+    for ch in streamed:
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert sorted(texts) == [0, 1] and all(texts.values())
+    with pytest.raises(openai.BadRequestError, match="prompt is empty"):
+        client.completions.create(model="smol", prompt=[[1, 2], []], max_tokens=2)
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(client):
+    prompt = "The capital of France is Paris"
+    scored = client.completions.create(model="smol", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    assert (
+        len(choice.logprobs.tokens) == scored.usage.prompt_tokens
+        and choice.logprobs.token_logprobs[0] is None
+    )
+    with_one = client.completions.create(model="smol", prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+    # the prompt's logprobs are the same as when one token is generated after it
+    n = scored.usage.prompt_tokens
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        with_one.choices[0].logprobs.token_logprobs[1:n]
+    )
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="smol", prompt=prompt, max_tokens=0)

@@ -74,10 +74,14 @@ def test_lm_eval_local_completions_loglikelihood(server, tokenizer_dir, tmp_path
 
 def test_lm_eval_batched_prompts(server, tokenizer_dir, tmp_path):
     """lm-eval's documented local-completions setup batches: batch_size=N puts N token lists in one
-    request's `prompt` and reads N choices back by index. Until the server takes several prompts in
-    one request this is an expected failure, and only for that reason."""
-    done = run_lm_eval(server, tokenizer_dir, tmp_path, batch_size=4)
-    if done.returncode != 0 and "only one prompt per request is supported" in done.stdout + done.stderr:
-        pytest.xfail("the server takes one prompt per request; lm-eval's batch_size > 1 sends several")
-    results, samples = read_outputs(done, tmp_path)
+    request's `prompt` and reads N choices back by index; the scores match those of one prompt per
+    request."""
+    done = run_lm_eval(server, tokenizer_dir, tmp_path / "batched", batch_size=4)
+    results, samples = read_outputs(done, tmp_path / "batched")
     assert 0.0 <= results["results"][TASK]["acc,none"] <= 1.0 and len(samples) == LIMIT
+    _, one_by_one = read_outputs(run_lm_eval(server, tokenizer_dir, tmp_path / "single"), tmp_path / "single")
+
+    def scores(docs: list[dict]) -> list[float]:
+        return [float(r[0]) for d in sorted(docs, key=lambda d: d["doc_id"]) for r in d["filtered_resps"]]
+
+    assert scores(samples) == pytest.approx(scores(one_by_one), abs=1e-4)

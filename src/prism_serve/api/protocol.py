@@ -50,6 +50,7 @@ __all__ = [
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOPS = 32  # stop strings per request (OpenAI allows 4; vLLM sets no limit)
 MAX_CHOICES = 16  # n: each choice is one sequence in the engine (OpenAI allows 128; vLLM sets no limit)
+MAX_PROMPTS = 64  # prompts in one completions request (lm-eval batches 16 by default)
 
 
 def _valid_unicode(s: str) -> str:
@@ -263,8 +264,12 @@ def _structured(fmt: dict[str, Any] | None) -> StructuredOutput | None:
 
 
 class CompletionRequest(_Sampling):
+    """``prompt`` may be several prompts (texts or token id lists): choice ``i * n + j`` is sample
+    ``j`` of prompt ``i``, as OpenAI and vLLM number them. ``max_tokens`` 0 with ``echo`` scores the
+    prompt only (lm-eval's loglikelihood): its tokens and logprobs come back, nothing is generated."""
+
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
-    max_tokens: Count | None = 16
+    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 16
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Literal[""] | None = None
@@ -280,17 +285,34 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], str | list):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            v = v[0]
-        if isinstance(v, list) and not v:
+    def _prompts(cls, v: Any) -> Any:
+        many = isinstance(v, list) and v and isinstance(v[0], str | list)
+        if many and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        if isinstance(v, list) and (not v or (many and any(isinstance(p, list) and not p for p in v))):
             raise ValueError("prompt is empty")
         return v
 
+    @model_validator(mode="after")
+    def _scoring_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it is allowed with echo (to score the prompt)")
+        if len(self.prompts) * self.n > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} choices per request (prompts x n)")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one or several."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
+
+    @property
+    def score_only(self) -> bool:
+        return self.max_tokens == 0
+
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.max_tokens == 0 else self.max_tokens  # scoring runs one step, shown as none
 
 
 class TokenizeRequest(_Request):

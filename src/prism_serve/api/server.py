@@ -99,6 +99,7 @@ class _Run:
     arrival: float
     stream: AsyncIterator[msg.TokenDelta]
     index: int = 0  # the choice's index
+    prompt: int = 0  # which of the request's prompts (completions may send several)
     last: msg.TokenDelta | None = None  # the latest delta
     first_at: float = 0.0
     last_at: float = 0.0
@@ -113,15 +114,19 @@ class _Output:
     """How one request's output is shown: the echoed prompt (completions ``echo``) and logprobs in
     OpenAI's chat or completions shape, token texts decoded once per token id."""
 
-    def __init__(self, server: PrismServer, body: ChatCompletionRequest | CompletionRequest, ids: list[int]):
+    def __init__(
+        self, server: PrismServer, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
+        prompt: str | list[int] | None = None,
+    ):  # fmt: skip
         self.tok = server.controller.tokenizer(body.model)
         chat = isinstance(body, ChatCompletionRequest)
         self.chat_logprobs = chat and bool(body.logprobs)
         self.completion_logprobs = not chat and body.logprobs is not None
+        self.score_only = not chat and body.score_only  # max_tokens 0: the prompt, nothing generated
         self.prompt_ids = ids
         self.echo = ""
         if not chat and body.echo:
-            self.echo = body.prompt if isinstance(body.prompt, str) else self.tok.decode(ids, False)
+            self.echo = prompt if isinstance(prompt, str) else self.tok.decode(ids, False)
         self._pending_echo = self.echo
         self._offset = 0  # characters of the choice's text before the next token
         self._texts: dict[int, str] = {}
@@ -145,6 +150,8 @@ class _Output:
     ) -> dict | None:
         if not self.completion_logprobs:
             return None
+        if self.score_only:
+            entries = []
         ids, all_entries = [e.token_id for e in entries], list(entries)
         if self.echo and prompt_entries is not None:  # the first delta: the prompt's tokens lead
             ids, all_entries = self.prompt_ids + ids, [*prompt_entries, *all_entries]
@@ -294,17 +301,18 @@ class PrismServer:
             self.controller.tokenizer(model)  # 404 before any work
             # Templates and tokenization run in a thread: a long prompt must not stall the event
             # loop (every other request, /health, token streams) while it is encoded.
-            ids = await asyncio.to_thread(self._tokenize, body, chat)
-            runs = await self._open(http, body, ids, arrival)
+            prompts = await asyncio.to_thread(self._tokenize, body, chat)
+            runs = await self._open(http, body, prompts, arrival)
         except ClientDisconnected:
             return Response(status_code=499)
         except PrismError as e:
             self._count_error(model, e)
             raise
-        outs = [_Output(self, body, ids) for _ in runs]
+        texts = [None] if chat else body.prompts
+        outs = [_Output(self, body, prompts[run.prompt], texts[run.prompt]) for run in runs]
         if body.stream:
             return StreamingResponse(
-                self._sse(runs, body, chat, outs),
+                self._sse(runs, body, chat, outs, prompts),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -318,8 +326,7 @@ class PrismServer:
         finally:
             for run in runs:
                 await run.stream.aclose()
-        # the prompt is counted once, as OpenAI does; each choice's tokens count
-        use = usage(runs[0].num_prompt, sum(run.num_output for run in runs))
+        use = self._usage(runs, prompts, outs[0].score_only)
         if chat:
             choices = [
                 chat_choice(run.index, "".join(run.text), run.last.finish_reason, out.chat(run.logprobs))
@@ -327,8 +334,8 @@ class PrismServer:
             ]
             return JSONResponse(chat_response(runs[0].rid, model, choices, use))
         choices = [
-            completion_choice(run.index, out.echo + "".join(run.text), run.last.finish_reason,
-                              out.completion(run.logprobs, run.prompt_logprobs))
+            completion_choice(run.index, out.echo + ("" if out.score_only else "".join(run.text)),
+                              run.last.finish_reason, out.completion(run.logprobs, run.prompt_logprobs))
             for run, out in zip(runs, outs, strict=True)
         ]  # fmt: skip
         return JSONResponse(completion_response(runs[0].rid, model, choices, use))
@@ -340,13 +347,27 @@ class PrismServer:
             self._ignored.update(new)
             logger.warning("ignoring unknown request field(s): %s", ", ".join(f[:64] for f in new))
 
-    def _tokenize(self, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> list[int]:
-        """The prompt's token ids, checked against the model's vocabulary and context (400s)."""
+    @staticmethod
+    def _usage(runs: list[_Run], prompts: list[list[int]], score_only: bool) -> dict[str, int]:
+        """Each prompt counted once (as OpenAI does, whatever ``n``), each choice's tokens."""
+        generated = 0 if score_only else sum(run.num_output for run in runs)
+        return usage(sum(len(ids) for ids in prompts), generated)
+
+    def _tokenize(self, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> list[list[int]]:
+        """The token ids of each prompt (one, or several for completions), checked against the
+        model's vocabulary and context (400s)."""
+        if chat:
+            return [self._prompt_ids(body, self._render(body.model, body.messages))]
+        return [self._prompt_ids(body, p) for p in body.prompts]
+
+    def _prompt_ids(
+        self, body: ChatCompletionRequest | CompletionRequest, prompt: str | list[int]
+    ) -> list[int]:
         tok = self.controller.tokenizer(body.model)  # 404 for a model not served
         served = self.served[body.model]
         max_len = served.max_model_len
         wanted = body.requested_max_tokens()
-        param = "messages" if chat else "prompt"
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
 
         def too_long(num_tokens: str) -> PrismError:
             return _with_param(PromptTooLongError(
@@ -354,7 +375,6 @@ class PrismServer:
                 + (f" and max_tokens is {wanted}" if wanted else "")
             ), param)  # fmt: skip
 
-        prompt = self._render(body.model, body.messages) if chat else body.prompt
         if isinstance(prompt, str):
             at_least = tok.min_tokens(prompt)
             if at_least + (wanted or 1) > max_len:
@@ -396,29 +416,31 @@ class PrismServer:
         self,
         http: Request,
         body: ChatCompletionRequest | CompletionRequest,
-        ids: list[int],
+        prompts: list[list[int]],
         arrival: float,
     ) -> list[_Run]:
-        """Submit the request's ``n`` choices and wait for the first token of each (or a disconnect,
-        or an error: then every choice is aborted)."""
+        """Submit ``n`` choices of every prompt and wait for the first token of each (or a
+        disconnect, or an error: then every choice is aborted)."""
         c = self.controller
         max_len = self.served[body.model].max_model_len
         wanted = body.requested_max_tokens()
-        n, limit = body.n, self.config.server.max_waiting_requests
-        if self.num_waiting + n > limit:
+        n, limit = body.n * len(prompts), self.config.server.max_waiting_requests
+        if self.num_waiting and self.num_waiting + n > limit:  # alone, a request of many choices goes
             raise OverloadedError(
                 f"{self.num_waiting} requests are waiting for their first token (limit {limit}); retry later",
                 self._retry_after(),
             )
         rid = new_id("chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl")
         runs = []
-        for i in range(n):
-            params = body.sampling_params(wanted or max_len - len(ids), choice=i)
-            stream = c.generate(
-                body.model, ids, params, req_id=rid if n == 1 else f"{rid}-{i}",
-                timeout_s=self.config.server.request_timeout_s,
-            )  # fmt: skip
-            runs.append(_Run(rid, body.model, arrival, stream, index=i, num_prompt=len(ids)))
+        for p, ids in enumerate(prompts):
+            for j in range(body.n):
+                i = p * body.n + j
+                params = body.sampling_params(wanted or max_len - len(ids), choice=j)
+                stream = c.generate(
+                    body.model, ids, params, req_id=rid if n == 1 else f"{rid}-{i}",
+                    timeout_s=self.config.server.request_timeout_s,
+                )  # fmt: skip
+                runs.append(_Run(rid, body.model, arrival, stream, index=i, prompt=p, num_prompt=len(ids)))
 
         async def first(run: _Run) -> None:
             d = await anext(run.stream)
@@ -500,7 +522,7 @@ class PrismServer:
 
     async def _sse(
         self, runs: list[_Run], body: ChatCompletionRequest | CompletionRequest, chat: bool,
-        outs: list[_Output],
+        outs: list[_Output], prompts: list[list[int]],
     ):  # fmt: skip
         created, rid, model = int(time.time()), runs[0].rid, runs[0].model
         with_usage = body.include_usage
@@ -514,8 +536,8 @@ class PrismServer:
                 data = chat_chunk(rid, model, created, delta, finish, null_usage, logprobs, i)
             else:
                 logprobs = out.completion(d.logprobs or [], d.prompt_logprobs) if d is not None else None
-                data = completion_chunk(rid, model, created, out.take_echo() + (text or ""), finish,
-                                        null_usage, logprobs, i)  # fmt: skip
+                text = out.take_echo() + ("" if out.score_only else (text or ""))
+                data = completion_chunk(rid, model, created, text, finish, null_usage, logprobs, i)
             if with_usage:
                 data["usage"] = None
             return _event(data)
@@ -549,7 +571,7 @@ class PrismServer:
                             sse = ""
             if with_usage:
                 build = chat_chunk if chat else completion_chunk
-                use = usage(runs[0].num_prompt, sum(run.num_output for run in runs))
+                use = self._usage(runs, prompts, outs[0].score_only)
                 sse += _event(build(rid, model, created, None, None, use))
             yield sse + "data: [DONE]\n\n"
         except PrismError as e:
