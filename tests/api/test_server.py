@@ -245,8 +245,10 @@ def test_metrics_are_prometheus_text(server, client):
     # vLLM's per-request histograms: this one request, once each, with its own token counts
     for name in ("request_prompt_tokens", "request_generation_tokens", "request_queue_time_seconds",
                  "request_prefill_time_seconds", "request_decode_time_seconds",
-                 "request_inference_time_seconds", "time_to_first_token_seconds"):  # fmt: skip
+                 "request_inference_time_seconds", "time_to_first_token_seconds",
+                 "request_params_max_tokens", "request_params_n"):  # fmt: skip
         assert grew(f"vllm:{name}_count") == 1, name
+    assert grew("vllm:request_params_max_tokens_sum") == 4 and grew("vllm:request_params_n_sum") == 1
     assert grew("vllm:request_prompt_tokens_sum") == out.usage.prompt_tokens
     assert grew("vllm:request_generation_tokens_sum") == out.usage.completion_tokens == 4
     for le, n in (("2.0", 0), ("5.0", 1)):  # vLLM's 1-2-5 buckets: 4 tokens are in le=5, not le=2

@@ -140,6 +140,13 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Generated tokens per finished request", _COUNT_BUCKETS
         )
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "max_tokens a request asked for (its limit when none)",
+            _COUNT_BUCKETS,
+        )  # fmt: skip
+        self.params_n = histogram(
+            "vllm:request_params_n", "Choices (n) a request asked for", (1, 2, 5, 10, 20)
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens", label, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", label, registry=r)
         self.success = Counter(
@@ -179,6 +186,11 @@ class ServerMetrics:
         self.activation.labels(model, device).observe(phases.total_s)
         for phase in ("take", "map", "copy", "ready"):
             self.activation_phase.labels(model, phase).inc(getattr(phases, f"{phase}_s"))
+
+    def on_request(self, model: str, max_tokens: int, n: int) -> None:
+        """A request admitted to the engine (once, whatever its number of prompts and choices)."""
+        self.params_max_tokens.labels(model).observe(max_tokens)
+        self.params_n.labels(model).observe(n)
 
     def on_finished(
         self,

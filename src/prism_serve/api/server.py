@@ -100,6 +100,7 @@ class _Run:
     stream: AsyncIterator[msg.TokenDelta]
     index: int = 0  # the choice's index
     prompt: int = 0  # which of the request's prompts (completions may send several)
+    max_tokens: int = 0  # the engine's limit for it
     last: msg.TokenDelta | None = None  # the latest delta
     first_at: float = 0.0
     last_at: float = 0.0
@@ -303,6 +304,7 @@ class PrismServer:
             # loop (every other request, /health, token streams) while it is encoded.
             prompts = await asyncio.to_thread(self._tokenize, body, chat)
             runs = await self._open(http, body, prompts, arrival)
+            self.metrics.on_request(model, runs[0].max_tokens, body.n)
         except ClientDisconnected:
             return Response(status_code=499)
         except PrismError as e:
@@ -440,7 +442,8 @@ class PrismServer:
                     body.model, ids, params, req_id=rid if n == 1 else f"{rid}-{i}",
                     timeout_s=self.config.server.request_timeout_s,
                 )  # fmt: skip
-                runs.append(_Run(rid, body.model, arrival, stream, index=i, prompt=p, num_prompt=len(ids)))
+                runs.append(_Run(rid, body.model, arrival, stream, index=i, prompt=p,
+                                 max_tokens=params.max_tokens, num_prompt=len(ids)))  # fmt: skip
 
         async def first(run: _Run) -> None:
             d = await anext(run.stream)
