@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 import httpx
 
 import common
+from prism_serve.api.process import free_port, start_server_process, stop_server_process
 
 REPO_ROOT = common.REPO_ROOT
 MODEL = "smollm2-135m-instruct"
@@ -43,13 +43,8 @@ main(parser.parse_args(sys.argv[1:]))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_up(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """vLLM's server answering /v1/models (prism's own start: api/process.py)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -111,19 +106,16 @@ def run_prism(tokenizer: Path, tmp: Path, args: argparse.Namespace) -> dict:
         f"models: [{{name: {MODEL}, source: {MODEL}, dtype: float32, max_model_len: 2048, "
         f"max_num_seqs: {args.concurrency}, ttft_slo: 60, tpot_slo: 5}}]\n"
     )
-    proc = subprocess.Popen([sys.executable, "-m", "prism_serve.cli", "serve", "--config", str(cfg),
-                             "--port", str(port), "--log-level", "warning"])  # fmt: skip
+    proc = start_server_process(cfg, port, tmp / "prism.log")
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_up(url, proc, 300)
         httpx.post(
             f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=300
         )
         common.wait_quiet(30, 0.3)
         return bench(url, tokenizer, tmp / "prism", args)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_server_process(proc)
 
 
 def run_vllm(python: str, tokenizer: Path, tmp: Path, args: argparse.Namespace) -> dict:
