@@ -136,7 +136,8 @@ def run_vllm(python: str, tokenizer: Path, tmp: Path, args: argparse.Namespace) 
 
 
 def run_engine(r: dict, args: argparse.Namespace) -> dict:
-    """The same prompt/output lengths through LLMEngine alone, 32 at a time, as one batch stream."""
+    """The same prompt/output lengths through LLMEngine alone, 32 at a time, as one batch stream,
+    sampled at temperature 1 as the served requests are."""
     from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
     from prism_serve.engine.sampling_params import SamplingParams
 
@@ -146,7 +147,9 @@ def run_engine(r: dict, args: argparse.Namespace) -> dict:
     lens = list(zip(r["input_lens"], r["output_lens"], strict=True))
     for i, (n_in, n_out) in enumerate(lens):
         ids = [rng.randrange(1000, 40000) for _ in range(n_in)]
-        engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True), f"r{i}")
+        # temperature 1, as the served requests get it (vllm bench serve sends none: the default)
+        params = SamplingParams(temperature=1.0, max_tokens=n_out, ignore_eos=True, seed=i)
+        engine.add_request(ids, params, f"r{i}")
     common.wait_quiet(30, 0.3)
     t0 = time.perf_counter()
     first: dict[str, float] = {}
