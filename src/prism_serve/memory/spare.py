@@ -124,12 +124,14 @@ class SparePages:
     def tend(self) -> None:
         """One round: give pages back if a refused grant waits for them (or above the target),
         else make one page ahead of time if the device has room."""
-        wanted = self.ledger.reclaim_wanted()
-        if wanted > 0 or len(self._spare) > self.target_pages:
-            count = -(-wanted // self.page_size) if wanted > 0 else len(self._spare) - self.target_pages
-            for _ in range(count):
-                if not self._give_one():
-                    break
+        if self.ledger.reclaim_wanted() > 0:
+            # page by page, reading the request again: other holders may be answering it too
+            while self.ledger.reclaim_wanted() > 0 and self._give_one():
+                pass
+            return
+        if len(self._spare) > self.target_pages:
+            for _ in range(len(self._spare) - self.target_pages):
+                self._give_one()
             return
         while not self._closed and self._make_one():
             pass
