@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prism_serve import __version__
 from prism_serve.api import schema as api_schema
+from prism_serve.api.choices import (
+    Choice,
+    ChoiceOutput,
+    ClientDisconnected,
+    gather_or_cancel,
+    merged,
+    sse_event,
+    unless_disconnected,
+)
 from prism_serve.api.errors import (
     AuthenticationError,
     OverloadedError,
@@ -47,18 +54,15 @@ from prism_serve.api.protocol import (
     TokenizeRequest,
     chat_choice,
     chat_chunk,
-    chat_logprobs,
     chat_response,
     completion_choice,
     completion_chunk,
-    completion_logprobs,
     completion_response,
     new_id,
     usage,
 )
 from prism_serve.config import DeploymentConfig
 from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID
-from prism_serve.engine.sequence import TokenLogprob
 from prism_serve.errors import InvalidRequestError, PrismError, PromptTooLongError
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.build import build_controller
@@ -68,10 +72,6 @@ from prism_serve.runtime.state import ModelStatus
 __all__ = ["PrismServer", "create_app"]
 
 logger = logging.getLogger(__name__)
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its request finished (nothing more can be sent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,78 +87,6 @@ class _Served:
     @classmethod
     def of(cls, st: ModelStatus) -> _Served:
         return cls(st.ttft_slo, st.tpot_slo, st.max_model_len, st.vocab_size)
-
-
-@dataclass(slots=True)
-class _Run:
-    """One choice of a request in flight (``n`` > 1 runs one per choice, each its own sequence in
-    the engine): its stream from the controller and its timings (for /metrics)."""
-
-    rid: str
-    model: str
-    arrival: float
-    stream: AsyncIterator[msg.TokenDelta]
-    index: int = 0  # the choice's index
-    prompt: int = 0  # which of the request's prompts (completions may send several)
-    max_tokens: int = 0  # the engine's limit for it
-    last: msg.TokenDelta | None = None  # the latest delta
-    first_at: float = 0.0
-    last_at: float = 0.0
-    num_prompt: int = 0
-    num_output: int = 0
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # the output tokens', if asked for
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's (completions with echo)
-
-
-class _Output:
-    """How one request's output is shown: the echoed prompt (completions ``echo``) and logprobs in
-    OpenAI's chat or completions shape, token texts decoded once per token id."""
-
-    def __init__(
-        self, server: PrismServer, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
-        prompt: str | list[int] | None = None,
-    ):  # fmt: skip
-        self.tok = server.controller.tokenizer(body.model)
-        chat = isinstance(body, ChatCompletionRequest)
-        self.chat_logprobs = chat and bool(body.logprobs)
-        self.completion_logprobs = not chat and body.logprobs is not None
-        self.score_only = not chat and body.score_only  # max_tokens 0: the prompt, nothing generated
-        self.prompt_ids = ids
-        self.echo = ""
-        if not chat and body.echo:
-            self.echo = prompt if isinstance(prompt, str) else self.tok.decode(ids, False)
-        self._pending_echo = self.echo
-        self._offset = 0  # characters of the choice's text before the next token
-        self._texts: dict[int, str] = {}
-
-    def token_text(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tok.decode([token_id], False)
-        return text
-
-    def take_echo(self) -> str:
-        """The echoed prompt, once (the first chunk of a stream carries it)."""
-        echo, self._pending_echo = self._pending_echo, ""
-        return echo
-
-    def chat(self, entries: list[TokenLogprob]) -> dict | None:
-        return chat_logprobs(entries, self.token_text) if self.chat_logprobs else None
-
-    def completion(
-        self, entries: list[TokenLogprob], prompt_entries: list[TokenLogprob | None] | None
-    ) -> dict | None:
-        if not self.completion_logprobs:
-            return None
-        if self.score_only:
-            entries = []
-        ids, all_entries = [e.token_id for e in entries], list(entries)
-        if self.echo and prompt_entries is not None:  # the first delta: the prompt's tokens lead
-            ids, all_entries = self.prompt_ids + ids, [*prompt_entries, *all_entries]
-        out = completion_logprobs(all_entries, ids, self.token_text, self._offset)
-        self._offset += sum(len(t) for t in out["tokens"])
-        return out
 
 
 class PrismServer:
@@ -299,7 +227,7 @@ class PrismServer:
         model = body.model
         self._note_ignored(body)
         try:
-            self.controller.tokenizer(model)  # 404 before any work
+            tok = self.controller.tokenizer(model)  # 404 before any work
             # Templates and tokenization run in a thread: a long prompt must not stall the event
             # loop (every other request, /health, token streams) while it is encoded.
             prompts = await asyncio.to_thread(self._tokenize, body, chat)
@@ -311,7 +239,7 @@ class PrismServer:
             self._count_error(model, e)
             raise
         texts = [None] if chat else body.prompts
-        outs = [_Output(self, body, prompts[run.prompt], texts[run.prompt]) for run in runs]
+        outs = [ChoiceOutput(tok, body, prompts[run.prompt], texts[run.prompt]) for run in runs]
         if body.stream:
             return StreamingResponse(
                 self._sse(runs, body, chat, outs, prompts),
@@ -319,7 +247,7 @@ class PrismServer:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            await _unless_disconnected(http, _all(self._drain(run) for run in runs))
+            await unless_disconnected(http, gather_or_cancel(self._drain(run) for run in runs))
         except ClientDisconnected:
             return Response(status_code=499)
         except PrismError as e:
@@ -350,7 +278,7 @@ class PrismServer:
             logger.warning("ignoring unknown request field(s): %s", ", ".join(f[:64] for f in new))
 
     @staticmethod
-    def _usage(runs: list[_Run], prompts: list[list[int]], score_only: bool) -> dict[str, int]:
+    def _usage(runs: list[Choice], prompts: list[list[int]], score_only: bool) -> dict[str, int]:
         """Each prompt counted once (as OpenAI does, whatever ``n``), each choice's tokens."""
         generated = 0 if score_only else sum(run.num_output for run in runs)
         return usage(sum(len(ids) for ids in prompts), generated)
@@ -420,7 +348,7 @@ class PrismServer:
         body: ChatCompletionRequest | CompletionRequest,
         prompts: list[list[int]],
         arrival: float,
-    ) -> list[_Run]:
+    ) -> list[Choice]:
         """Submit ``n`` choices of every prompt and wait for the first token of each (or a
         disconnect, or an error: then every choice is aborted)."""
         c = self.controller
@@ -442,17 +370,17 @@ class PrismServer:
                     body.model, ids, params, req_id=rid if n == 1 else f"{rid}-{i}",
                     timeout_s=self.config.server.request_timeout_s,
                 )  # fmt: skip
-                runs.append(_Run(rid, body.model, arrival, stream, index=i, prompt=p,
+                runs.append(Choice(rid, body.model, arrival, stream, index=i, prompt=p,
                                  max_tokens=params.max_tokens, num_prompt=len(ids)))  # fmt: skip
 
-        async def first(run: _Run) -> None:
+        async def first(run: Choice) -> None:
             d = await anext(run.stream)
             run.first_at = run.last_at = time.perf_counter()
             self._take(run, d)
 
         self.num_waiting += n
         try:
-            await _unless_disconnected(http, _all(first(run) for run in runs))
+            await unless_disconnected(http, gather_or_cancel(first(run) for run in runs))
         except BaseException:
             for run in runs:
                 await run.stream.aclose()
@@ -461,7 +389,7 @@ class PrismServer:
             self.num_waiting -= n
         return runs
 
-    def _take(self, run: _Run, d: msg.TokenDelta) -> None:
+    def _take(self, run: Choice, d: msg.TokenDelta) -> None:
         """Book one delta: text, token counts, inter-token latency; metrics when it is the last."""
         now = time.perf_counter()
         if run.last is not None and d.token_ids:
@@ -484,54 +412,19 @@ class PrismServer:
             )  # fmt: skip
             self._finished_at.append(now)
 
-    async def _drain(self, run: _Run) -> None:
+    async def _drain(self, run: Choice) -> None:
         while not run.last.finished:
             self._take(run, await anext(run.stream))
 
-    async def _deltas(self, runs: list[_Run]) -> AsyncIterator[tuple[_Run, msg.TokenDelta]]:
-        """The unfinished choices' next deltas, booked, as they come (merged over the choices)."""
-        if len(runs) == 1:
-            run = runs[0]
-            while not run.last.finished:
-                d = await anext(run.stream)
-                self._take(run, d)
-                yield run, d
-            return
-        queue: asyncio.Queue[tuple[_Run, msg.TokenDelta | None, BaseException | None]] = asyncio.Queue()
-
-        async def pump(run: _Run) -> None:
-            try:
-                while not run.last.finished:
-                    d = await anext(run.stream)
-                    self._take(run, d)
-                    queue.put_nowait((run, d, None))
-            except Exception as e:  # handed to the reader, which ends every choice
-                queue.put_nowait((run, None, e))
-
-        pumps = [asyncio.ensure_future(pump(run)) for run in runs if not run.last.finished]
-        try:
-            for _ in range(len(pumps)):
-                while True:
-                    run, d, error = await queue.get()
-                    if error is not None:
-                        raise error
-                    yield run, d
-                    if d.finished:
-                        break
-        finally:
-            for task in pumps:
-                task.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-
     async def _sse(
-        self, runs: list[_Run], body: ChatCompletionRequest | CompletionRequest, chat: bool,
-        outs: list[_Output], prompts: list[list[int]],
+        self, runs: list[Choice], body: ChatCompletionRequest | CompletionRequest, chat: bool,
+        outs: list[ChoiceOutput], prompts: list[list[int]],
     ):  # fmt: skip
         created, rid, model = int(time.time()), runs[0].rid, runs[0].model
         with_usage = body.include_usage
         null_usage = None  # OpenAI sends "usage": null on every chunk but the last when usage is on
 
-        def chunk(run: _Run, text: str | None, finish: str | None, d: msg.TokenDelta | None = None) -> str:
+        def chunk(run: Choice, text: str | None, finish: str | None, d: msg.TokenDelta | None = None) -> str:
             out, i = outs[run.index], run.index
             if chat:
                 delta = {} if text is None else {"content": text}
@@ -543,9 +436,9 @@ class PrismServer:
                 data = completion_chunk(rid, model, created, text, finish, null_usage, logprobs, i)
             if with_usage:
                 data["usage"] = None
-            return _event(data)
+            return sse_event(data)
 
-        def chunks(run: _Run, d: msg.TokenDelta) -> str:
+        def chunks(run: Choice, d: msg.TokenDelta) -> str:
             sse = chunk(run, d.text, None, d) if d.text or d.token_ids else ""  # one per engine step
             return sse + (chunk(run, None, d.finish_reason) if d.finished else "")
 
@@ -557,13 +450,13 @@ class PrismServer:
                                       index=run.index)  # fmt: skip
                     if with_usage:
                         role["usage"] = None
-                    sse += _event(role)
+                    sse += sse_event(role)
                 sse += chunks(run, run.last)
             left = sum(not run.last.finished for run in runs)
             if left:
                 yield sse
                 sse = ""
-                async with contextlib.aclosing(self._deltas(runs)) as deltas:
+                async with contextlib.aclosing(merged(runs, self._take)) as deltas:
                     async for run, d in deltas:
                         sse = chunks(run, d)
                         left -= d.finished
@@ -575,11 +468,11 @@ class PrismServer:
             if with_usage:
                 build = chat_chunk if chat else completion_chunk
                 use = self._usage(runs, prompts, outs[0].score_only)
-                sse += _event(build(rid, model, created, None, None, use))
+                sse += sse_event(build(rid, model, created, None, None, use))
             yield sse + "data: [DONE]\n\n"
         except PrismError as e:
             self._count_error(model, e)
-            yield _event(error_body(str(e), e.error_type, e.status_code)) + "data: [DONE]\n\n"
+            yield sse_event(error_body(str(e), e.error_type, e.status_code)) + "data: [DONE]\n\n"
         finally:
             for run in runs:  # a disconnect cancels this generator: the requests are aborted
                 await run.stream.aclose()
@@ -623,50 +516,6 @@ def run_server(config: DeploymentConfig, log_level: str = "info") -> None:
     )  # fmt: skip
 
 
-def _event(data: dict) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
 def _with_param(e: PrismError, param: str) -> PrismError:
     e.param = param
     return e
-
-
-async def _all(work: Iterable[Awaitable]) -> list:
-    """``asyncio.gather``, except that a failure (or a cancellation) cancels and awaits the rest
-    before it propagates: nothing is left reading a stream that is about to be closed."""
-    tasks = [asyncio.ensure_future(w) for w in work]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-async def _unless_disconnected(http: Request, work: Awaitable) -> Any:
-    """``await work``, unless the client disconnects first: then cancel it (the controller's
-    stream aborts the request) and raise ClientDisconnected."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(http))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, PrismError):
-        await task
-    raise ClientDisconnected
-
-
-async def _disconnected(http: Request) -> None:
-    while True:
-        message = await http.receive()
-        if message["type"] == "http.disconnect":
-            return
