@@ -318,25 +318,25 @@ class DeviceMemory:
 def device_memory(controller: Controller) -> list[DeviceMemory]:
     """Every device's ledger, split by model and purpose. Workers name their entries
     "<engine> weights" and "<engine> kv" (runtime/worker.py), the engine being a served model or
-    its replica slot "<model>#<k>", and their spare pages "<worker id> spare"."""
+    its replica slot "<model>#<k>"; entries the ledger flags spare are a worker's spare pages."""
     out = []
     for device in controller.devices:
         snap = controller.ledger(device).snapshot()
-        summed: dict[str, int] = {}
+        summed: dict[tuple[str, bool], int] = {}
         for e in snap.entries:
-            summed[e.name] = summed.get(e.name, 0) + e.mapped_bytes
-        uses = [_memory_use(name, nbytes, controller.specs) for name, nbytes in summed.items()]
+            summed[e.name, e.spare] = summed.get((e.name, e.spare), 0) + e.mapped_bytes
+        uses = [_memory_use(name, spare, n, controller.specs) for (name, spare), n in summed.items()]
         out.append(DeviceMemory(device, snap.budget_bytes, snap.used_bytes, tuple(uses)))
     return out
 
 
-def _memory_use(name: str, nbytes: int, served: dict) -> MemoryUse:
+def _memory_use(name: str, spare: bool, nbytes: int, served: dict) -> MemoryUse:
+    if spare:  # a worker's mapped pages that no model uses (memory/spare.py): reclaimable
+        return MemoryUse(None, 0, "spare", name, nbytes)
     engine, _, kind = name.rpartition(" ")
     model, _, replica = engine.partition(REPLICA_SEPARATOR)
     if kind in ("weights", "kv") and model in served and (not replica or replica.isdigit()):
         return MemoryUse(model, int(replica or 0), kind, name, nbytes)
-    if kind == "spare":  # a worker's mapped pages that no model uses (memory/spare.py): reclaimable
-        return MemoryUse(None, 0, "spare", name, nbytes)
     return MemoryUse(None, 0, "other", name, nbytes)
 
 

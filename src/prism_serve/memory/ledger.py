@@ -144,6 +144,11 @@ class LedgerSnapshot:
         return sum(e.mapped_bytes for e in self.entries if e.spare)
 
     @property
+    def engine_bytes(self) -> int:
+        """Granted to engines (weights and KV): what a placement cannot count as free."""
+        return self.used_bytes - self.spare_bytes
+
+    @property
     def free_bytes(self) -> int:
         return max(0, self.budget_bytes - self.used_bytes)
 

@@ -28,10 +28,17 @@ import threading
 import time
 from dataclasses import dataclass
 
-from prism_serve.memory.ledger import Account, DeviceLedger, LedgerError
+from prism_serve.memory.ledger import Account, DeviceLedger, LedgerError, LedgerSnapshot
 from prism_serve.memory.vmm import VirtualRange
 
-__all__ = ["DEFAULT_RECLAIM_WAIT_S", "SparePages", "SpareStats", "grant_waiting"]
+__all__ = [
+    "DEFAULT_RECLAIM_WAIT_S",
+    "SparePages",
+    "SpareStats",
+    "grant_waiting",
+    "spare_bytes",
+    "spare_entry",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +216,17 @@ class SparePages:
             self._spare.clear()
         with contextlib.suppress(LedgerError):
             self.account.close()
+
+
+def spare_entry(owner: str) -> str:
+    """The name of ``owner``'s (a worker's) spare-page entry in the device ledger."""
+    return f"{owner} spare"
+
+
+def spare_bytes(snap: LedgerSnapshot, owner: str) -> int:
+    """Bytes of spare pages ``owner`` keeps, as the ledger snapshot ``snap`` shows them."""
+    name = spare_entry(owner)
+    return sum(e.mapped_bytes for e in snap.entries if e.spare and e.name == name)
 
 
 def grant_waiting(account: Account, num_bytes: int, wait_s: float = DEFAULT_RECLAIM_WAIT_S) -> bool:

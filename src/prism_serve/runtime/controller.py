@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import replace
-from pathlib import Path
 
 from prism_serve.control import (
     ClusterSnapshot,
@@ -37,7 +34,6 @@ from prism_serve.control.forecast import RateEstimator
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.policies import Policy, get_policy
 from prism_serve.control.types import REPLICA_SEPARATOR, replica_name
-from prism_serve.engine.config import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import (
@@ -49,6 +45,7 @@ from prism_serve.errors import (
     quoted,
 )
 from prism_serve.memory.ledger import DeviceLedger
+from prism_serve.memory.spare import spare_bytes
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, format_size
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.admin import AdminOps
@@ -64,8 +61,9 @@ from prism_serve.runtime.state import (
     RequestEntry,
     RequestTimeoutError,
     cluster_snapshot,
+    model_entries,
 )
-from prism_serve.runtime.weight_cache import HostWeightCache, config_from_dict
+from prism_serve.runtime.weight_cache import HostWeightCache
 from prism_serve.runtime.workers import WorkerHandle, WorkerPool, WorkerState
 
 __all__ = ["ActivationError", "Controller", "DeadlineMissError", "ModelStatus", "RequestTimeoutError"]
@@ -145,13 +143,7 @@ class Controller(AdminOps):
                     f"any device's budget (largest {format_size(biggest)}); give a device more memory "
                     f"or remove the model"
                 )
-            tok = Tokenizer.from_state(json.loads(Path(cached.tokenizer_path).read_text()))
-            max_len = resolve_max_model_len(spec.max_model_len, config_from_dict(cached.config))
-            self.models[spec.name] = ModelEntry(spec, cached, tok, max_len, pinned=spec.pinned)
-            for slot in self.replicas[spec.name]:  # the same host weights under the slot's name
-                self.models[slot] = ModelEntry(
-                    replace(spec, name=slot), cached, tok, max_len, replica_of=spec.name
-                )
+            self.models.update(model_entries(spec, cached, self.replicas[spec.name]))
         for d in self.devices.values():
             ledger = DeviceLedger(d.name, d.memory_bytes, self.namespace)
             if ledger.budget_bytes != d.memory_bytes:
@@ -167,7 +159,7 @@ class Controller(AdminOps):
             load_threads=self.load_threads,
             # each worker keeps weight pages for the largest model ready (memory/spare.py)
             spare_bytes=max(m.cached.weight_bytes for m in self.models.values()) if self.spare_pages else 0,
-            spare_of=self._spare_bytes,
+            spare_of=lambda w: spare_bytes(self._ledgers[w.device.name].snapshot(), w.worker_id),
         )
         await self._pool.start()
         self._tick_task = asyncio.create_task(self._tick_loop())
@@ -529,12 +521,6 @@ class Controller(AdminOps):
 
     def ledger(self, device: str) -> DeviceLedger:
         return self._ledgers[device]
-
-    def _spare_bytes(self, handle: WorkerHandle) -> int:
-        """Weight pages the worker keeps ready (its spare entry in the device ledger)."""
-        name = f"{handle.worker_id} spare"
-        snap = self._ledgers[handle.device.name].snapshot()
-        return sum(e.mapped_bytes for e in snap.entries if e.spare and e.name == name)
 
     def _model(self, name: str) -> ModelEntry:
         """A served model or a replica slot (the loop's and the workers' names)."""

@@ -4,8 +4,10 @@ and the ClusterSnapshot it builds from that state for every policy call."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import msgspec
 
@@ -22,14 +24,15 @@ from prism_serve.control import (
 from prism_serve.control.forecast import RateEstimator
 from prism_serve.control.queues import RequestQueue
 from prism_serve.control.types import no_request_since_placed
+from prism_serve.engine.config import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import EmptyPromptError, InvalidSamplingParamsError, PrismError, PromptTooLongError
-from prism_serve.memory.ledger import DeviceLedger, LedgerSnapshot
+from prism_serve.memory.ledger import DeviceLedger
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
-from prism_serve.runtime.weight_cache import CachedModel
+from prism_serve.runtime.weight_cache import CachedModel, config_from_dict
 from prism_serve.runtime.workers import WorkerHandle
 
 # requests served before a model's measured busy seconds per request replace the default profile
@@ -258,9 +261,15 @@ def _latest(*times: float | None) -> float | None:
     return max(known) if known else None
 
 
-def _held(snap: LedgerSnapshot) -> int:
-    """Bytes a placement cannot use: spare pages are not among them (given back on demand)."""
-    return snap.used_bytes - snap.spare_bytes
+def model_entries(spec: ModelSpec, cached: CachedModel, replica_slots: list[str]) -> dict[str, ModelEntry]:
+    """The entries of a model whose weights are in the host cache: itself and each of its replica
+    slots, under the slot's name over the same host weights and tokenizer."""
+    tok = Tokenizer.from_state(json.loads(Path(cached.tokenizer_path).read_text()))
+    max_len = resolve_max_model_len(spec.max_model_len, config_from_dict(cached.config))
+    out = {spec.name: ModelEntry(spec, cached, tok, max_len, pinned=spec.pinned)}
+    for slot in replica_slots:
+        out[slot] = ModelEntry(replace(spec, name=slot), cached, tok, max_len, replica_of=spec.name)
+    return out
 
 
 def cluster_snapshot(
@@ -330,7 +339,7 @@ def cluster_snapshot(
             DeviceSnapshot(
                 device=d,
                 capacity_bytes=spec.memory_bytes,
-                mapped_bytes=_held(ledgers[d].snapshot()),
+                mapped_bytes=ledgers[d].snapshot().engine_bytes,  # spare pages are given back on demand
                 models=tuple(on_device[d]),
                 num_queued=len(q),
                 queued_models=q.models(),

@@ -37,7 +37,7 @@ from prism_serve.engine.weights import LoadedWeights
 from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError
 from prism_serve.memory.kv_pool import ElasticKVPool, PoolConfig
 from prism_serve.memory.ledger import Account, DeviceLedger
-from prism_serve.memory.spare import SparePages
+from prism_serve.memory.spare import SparePages, spare_entry
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, reserve
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceSpec, parse_cores, pin_process
@@ -92,7 +92,7 @@ class Worker:
         self.kv_range = reserve(device.name, reserve_bytes, page_size)
         # weight pages kept mapped between models and made ahead of time (0: off)
         self.spare = SparePages(
-            self.weight_range, self.ledger, f"{worker_id} spare", target_bytes=spare_bytes
+            self.weight_range, self.ledger, spare_entry(worker_id), target_bytes=spare_bytes
         )
         self.loader = ThreadPoolExecutor(load_threads, thread_name_prefix="prism-load")
         self.load_threads = load_threads
