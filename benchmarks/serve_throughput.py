@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 import common
-from prism_serve.api.process import free_port, start_server_process, stop_server_process
+from prism_serve.api.process import free_port, start_server_process, stop_server_process, wait_answering
 
 REPO_ROOT = common.REPO_ROOT
 MODEL = "smollm2-135m-instruct"
@@ -41,21 +41,6 @@ parser = FlexibleArgumentParser()
 add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))
 """
-
-
-def wait_up(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """vLLM's server answering /v1/models (prism's own start: api/process.py)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server at {url} did not come up in {timeout_s} s")
 
 
 def export_tokenizer(out: Path) -> Path:
@@ -127,7 +112,9 @@ def run_vllm(python: str, tokenizer: Path, tmp: Path, args: argparse.Namespace) 
                              "--max-num-seqs", str(args.concurrency), "--max-model-len", "2048"])  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_up(url, proc, 900)
+        why = wait_answering(proc, f"{url}/v1/models", 900)
+        if why is not None:
+            raise RuntimeError(f"vLLM's server {why}")
         common.wait_quiet(30, 0.3)
         return bench(url, tokenizer, tmp / "vllm", args)
     finally:

@@ -15,7 +15,7 @@ import httpx
 
 from prism_serve.errors import PrismError
 
-__all__ = ["ServerStartError", "free_port", "start_server_process", "stop_server_process"]
+__all__ = ["ServerStartError", "free_port", "start_server_process", "stop_server_process", "wait_answering"]
 
 
 class ServerStartError(PrismError):
@@ -38,18 +38,27 @@ def start_server_process(
          "--log-level", log_level],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
+    why = wait_answering(proc, f"http://127.0.0.1:{port}/health", timeout_s)
+    if why is None:
+        return proc
+    proc.kill()
+    raise ServerStartError(f"prism serve {why}:\n{log.read_text()[-4000:]}")
+
+
+def wait_answering(proc: subprocess.Popen, url: str, timeout_s: float) -> str | None:
+    """Poll ``url`` until it answers 200 (None), or say why not: the server process exited, or it
+    did not answer within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ServerStartError(f"prism serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            return f"exited with {proc.returncode}"
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
+            if httpx.get(url, timeout=2).status_code == 200:
+                return None
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
-    raise ServerStartError(f"prism serve did not become healthy in {timeout_s} s:\n{log.read_text()[-4000:]}")
+    return f"did not answer {url} in {timeout_s} s"
 
 
 def stop_server_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
