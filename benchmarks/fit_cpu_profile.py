@@ -267,12 +267,16 @@ def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
 
 def counts(batch: list) -> tuple[int, int, float, float]:
     """(tokens, sampling sequences, attention pairs, KV tokens read) of a step as the simulator
-    counts them (sim/engine.py), decodes padded to the longest decode context as the engine does."""
-    longest = max((b for n, b, _ in batch if n == 1), default=0)
+    counts them (sim/engine.py): decodes padded to the longest context of their group, as the
+    engine's attention groups them (engine/grouping.py)."""
+    from prism_serve.engine.grouping import padded_decode_context
+
+    decodes = [b + 1 for n, b, _ in batch if n == 1]
+    padded = padded_decode_context(decodes)
     tokens = sum(n for n, _, _ in batch)
     seqs = sum(1 for _, _, s in batch if s)
-    pairs = sum(n * ((longest if n == 1 else b) + (n + 1) / 2) for n, b, _ in batch)
-    kv_read = sum(longest if n == 1 else b for n, b, _ in batch)
+    pairs = padded + sum(n * (b + (n + 1) / 2) for n, b, _ in batch if n != 1)
+    kv_read = padded - len(decodes) + sum(b for n, b, _ in batch if n != 1)
     return tokens, seqs, pairs, kv_read
 
 
@@ -328,35 +332,25 @@ def predict(cm, spec, batch: list) -> float:
     return cm.step_time(spec, 1, tokens, pairs, kv_read, seqs)
 
 
-def fit(raw: dict, quantile: float) -> None:
+def best_fit(spec, batches: list, y: np.ndarray, train: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """(small-batch crossover, coefficients, predictions of every step) of the fit with the lowest
+    mean relative error on the training steps, the crossover chosen by grid search."""
     from prism_serve.sim.cost import RooflineCostModel
-    from prism_serve.sim.hardware import HARDWARE
-    from prism_serve.sim.models import model_shape
 
-    spec = model_shape("smollm2-135m", dtype_bytes=4)
-    pts = raw["points"]
-    y = np.array([np.quantile(p["times"], quantile) for p in pts])
-    train = np.array([not p["held_out"] for p in pts])
     best = None
     for crossover in np.arange(1.5, 12.6, 1.0):
-        x = np.array([features(spec, p["batch"], crossover) for p in pts])
+        x = np.array([features(spec, b, crossover) for b in batches])
         # relative error: a 40 ms decode step matters as much as a 3 s prefill
         coef = nnls(x[train] / y[train, None], np.ones(int(train.sum())))
         cm = RooflineCostModel(profile_from(coef))
-        pred = np.array([predict(cm, spec, p["batch"]) for p in pts])
+        pred = np.array([predict(cm, spec, b) for b in batches])
         err = np.abs(pred[train] / y[train] - 1)
         if best is None or err.mean() < best[0]:
             best = (err.mean(), crossover, coef, pred)
-    _, crossover, coef, pred = best
-    hw = profile_from(coef)
-    cm = RooflineCostModel(hw)
-    print(
-        f"machine: {raw['machine']}; measured {raw['date']}; other load per round: "
-        + ", ".join(f"{v:.2f}" for v in raw["other_load"])
-        + " cores"
-    )
-    n = len(pts[0]["times"])
-    print(f"step time = quantile {quantile} of {n} steps per point; small-batch crossover {crossover:g} rows")
+    return best[1], best[2], best[3]
+
+
+def print_constants(hw) -> None:
     print("fitted cpu-smollm2 constants (paste into sim/hardware.py):")
     for name in (
         "step_overhead_s",
@@ -368,6 +362,85 @@ def fit(raw: dict, quantile: float) -> None:
         "kv_bandwidth",
     ):
         print(f"  {name}={getattr(hw, name):.3e},")
+
+
+def step_kind(batch: list) -> str:
+    if all(n == 1 for n, _, _ in batch):
+        return "decode"
+    return "prefill" if all(n > 1 for n, _, _ in batch) else "mixed"
+
+
+def fit_trace(train_dirs: list[Path], held_dirs: list[Path], held_share: float) -> None:
+    """Fit the profile to live steps (``PRISM_STEP_TRACE`` of a ``prism serve`` run): each step's
+    CPU seconds is its cost alone on its one core. Held out: the steps of ``held_dirs``, or else a
+    random ``held_share`` of the training runs' steps."""
+    from prism_serve.engine.step_trace import read_step_traces
+    from prism_serve.sim.cost import RooflineCostModel
+    from prism_serve.sim.hardware import HARDWARE
+    from prism_serve.sim.models import model_shape
+
+    spec = model_shape("smollm2-135m", dtype_bytes=4)
+    steps = [(r, False) for r in read_step_traces(train_dirs)]
+    steps += [(r, True) for r in read_step_traces(held_dirs)]
+    if not steps:
+        raise SystemExit("no steps in the traces")
+    held = np.array([h for _, h in steps])
+    if not held_dirs:
+        held = np.random.default_rng(0).random(len(steps)) < held_share
+    batches = [[tuple(b) for b in r.batch] for r, _ in steps]
+    y = np.array([r.cpu for r, _ in steps])
+    wall = np.array([r.dt for r, _ in steps])
+    crossover, coef, pred = best_fit(spec, batches, y, ~held)
+    hw = profile_from(coef)
+    print(machine_info()["line"])
+    print(
+        f"{len(steps)} live steps ({int((~held).sum())} training, {int(held.sum())} held out) from "
+        + ", ".join(str(d) for d in train_dirs + held_dirs)
+    )
+    share = y / np.maximum(wall, 1e-9)
+    print(
+        "CPU / wall per step (1: the step had its core): "
+        + ", ".join(f"p{q} {np.percentile(share, q):.2f}" for q in (5, 25, 50, 75, 95))
+    )
+    print(f"target: CPU seconds per step; small-batch crossover {crossover:g} rows")
+    print_constants(hw)
+    kinds = np.array([step_kind(b) for b in batches])
+    registered = RooflineCostModel(HARDWARE["cpu-smollm2"])
+    reg = np.array([predict(registered, spec, b) for b in batches])
+    for name, p in (("fit", pred), ("registered profile", reg)):
+        print(f"{name}:")
+        for sel_name, sel in (("training", ~held), ("held out", held)):
+            for kind in ("decode", "prefill", "mixed", "all"):
+                m = sel & ((kinds == kind) if kind != "all" else True)
+                if not m.any():
+                    continue
+                e = np.abs(p[m] / y[m] - 1)
+                print(
+                    f"  {sel_name:<9} {kind:<8} {int(m.sum()):6d} steps  |error| mean {e.mean():6.1%} "
+                    f"p90 {np.percentile(e, 90):6.1%}  sum of steps {p[m].sum() / y[m].sum() - 1:+6.1%}"
+                )
+
+
+def fit(raw: dict, quantile: float) -> None:
+    from prism_serve.sim.cost import RooflineCostModel
+    from prism_serve.sim.hardware import HARDWARE
+    from prism_serve.sim.models import model_shape
+
+    spec = model_shape("smollm2-135m", dtype_bytes=4)
+    pts = raw["points"]
+    y = np.array([np.quantile(p["times"], quantile) for p in pts])
+    train = np.array([not p["held_out"] for p in pts])
+    crossover, coef, pred = best_fit(spec, [p["batch"] for p in pts], y, train)
+    hw = profile_from(coef)
+    cm = RooflineCostModel(hw)
+    print(
+        f"machine: {raw['machine']}; measured {raw['date']}; other load per round: "
+        + ", ".join(f"{v:.2f}" for v in raw["other_load"])
+        + " cores"
+    )
+    n = len(pts[0]["times"])
+    print(f"step time = quantile {quantile} of {n} steps per point; small-batch crossover {crossover:g} rows")
+    print_constants(hw)
     rel = pred / y - 1
     for held in (False, True):
         print("held-out points:" if held else "training points:")
@@ -408,7 +481,13 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="fit the saved measurements, measure nothing")
     ap.add_argument("--check", action="store_true", help="compare allocated with prefilled contexts once")
     ap.add_argument("--shapes", action="store_true", help="also time other shapes and dtypes (not fitted)")
+    ap.add_argument("--trace", type=Path, nargs="+", help="fit live steps (PRISM_STEP_TRACE dirs) instead")
+    ap.add_argument("--held-out", type=Path, nargs="*", default=[], help="trace dirs kept out of the fit")
+    ap.add_argument("--held-share", type=float, default=0.25, help="random share held out without --held-out")
     args = ap.parse_args()
+    if args.trace:
+        fit_trace(args.trace, args.held_out, args.held_share)
+        return
     if args.reuse:
         raw = json.loads(args.raw.read_text())
         if args.shapes and "shapes" not in raw:  # time only the other shapes, keep the rest

@@ -8,14 +8,16 @@ import random
 
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prism_serve.engine.attention import (
     AttentionMetadata,
     DecodeGroup,
     PrefillChunk,
-    group_decodes,
     paged_attention,
 )
+from prism_serve.engine.grouping import group_decodes, padded_decode_context
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.models.config import ArchConfig
 
@@ -39,6 +41,16 @@ def test_groups_split_where_contexts_differ_most():
         longest = max(lens[i] for i in g)
         assert all(lens[i] >= 0.6 * longest for i in g)
     assert len(group_decodes(list(range(1, 200, 3)))) <= 4  # at most MAX_GROUPS calls per layer
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 5000), max_size=40))
+def test_padded_context_counts_the_keys_of_the_groups(lens):
+    """The simulator's count (no torch) is the keys the runner's groups attend: each decode padded
+    to its group's longest context."""
+    want = sum(len(g) * max(lens[i] for i in g) for g in group_decodes(lens))
+    assert padded_decode_context(lens) == want
+    assert padded_decode_context(lens) >= sum(lens)
 
 
 def test_rows_are_the_blocks_and_offsets_of_every_layer():

@@ -13,6 +13,8 @@ import pytest
 
 from prism_serve.control import ModelState
 from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.step_trace import ENV_VAR as STEP_TRACE_ENV
+from prism_serve.engine.step_trace import read_step_traces
 from prism_serve.errors import (
     EmptyPromptError,
     ModelEvictedError,
@@ -30,11 +32,24 @@ GiB = 2**30
 
 
 @pytest.fixture(scope="module")
-def rt(runtime_factory) -> Runtime:
+def step_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("steps")
+
+
+@pytest.fixture(scope="module")
+def rt(runtime_factory, step_dir: Path):
     devices = [DeviceSpec("cpu:0", 3 * GiB // 2, (0,), 1), DeviceSpec("cpu:1", 3 * GiB // 2, (1,), 1)]
     # Two names for the same real weights: one host cache file, two independent engines.
     models = [ModelSpec("smol", max_model_len=1024), ModelSpec("smol-b", max_model_len=1024)]
-    return runtime_factory(devices, models, tick_interval_s=0.2)
+    before = os.environ.get(STEP_TRACE_ENV)
+    os.environ[STEP_TRACE_ENV] = str(step_dir)  # the workers (spawned now and later) trace their steps
+    try:
+        yield runtime_factory(devices, models, tick_interval_s=0.2)
+    finally:
+        if before is None:
+            del os.environ[STEP_TRACE_ENV]
+        else:
+            os.environ[STEP_TRACE_ENV] = before
 
 
 def _wait(predicate, timeout: float = 30.0) -> None:
@@ -103,6 +118,19 @@ def test_snapshot_carries_measured_engine_seconds_per_request(rt: Runtime) -> No
     measured = snap.profile.busy_s_per_request
     assert measured == pytest.approx(entry.step_seconds / entry.num_served)
     assert 0 < snap.busy <= 1 and snap.busy == pytest.approx(min(1.0, snap.rate * measured))
+
+
+def test_workers_trace_every_step_with_its_shape(rt: Runtime, step_dir: Path) -> None:
+    """PRISM_STEP_TRACE: each step of a request as the simulator counts it (the prompt in one
+    chunk, then one decode per token over a growing context), with its wall and CPU seconds."""
+    start = time.time()
+    prompt = rt.c.tokenizer("smol-b").encode(rt.chat("smol-b"))
+    rt.generate("smol-b", prompt, max_tokens=6, ignore_eos=True)
+    steps = [r for r in read_step_traces([step_dir]) if r.model == "smol-b" and r.t >= start - 0.01]
+    p = len(prompt)
+    assert [r.batch for r in steps] == [[(p, 0, True)]] + [[(1, p + k, True)] for k in range(5)]
+    for r in steps:
+        assert r.dt > 0 and 0 < r.cpu <= r.dt + 0.005
 
 
 def test_activation_phases_are_reported(rt: Runtime) -> None:

@@ -112,7 +112,10 @@ def test_cpu_form_small_batches_and_the_lm_head():
     )
 
 
-def test_cpu_decodes_pay_for_the_longest_context_in_the_batch():
+@pytest.mark.parametrize(("prompts", "padded"), [((200, 300), True), ((16, 300), False)])
+def test_cpu_decodes_pay_for_the_longest_context_of_their_group(prompts, padded):
+    """As the engine's attention (engine/grouping.py): decodes of similar contexts are padded to
+    the longest of them; a context under 0.6 of it is attended in its own group, unpadded."""
     from prism_serve.sim import ServedModel
     from prism_serve.sim.engine import SimEngine, SimRequest
     from prism_serve.sim.memory import SimDevice
@@ -128,17 +131,18 @@ def test_cpu_decodes_pay_for_the_longest_context_in_the_batch():
         max_num_batched_tokens=512,
         max_run_steps=4,
     )
-    for i, prompt in enumerate((16, 300)):
+    for i, prompt in enumerate(prompts):
         e.add(SimRequest(str(i), "m", 0.0, prompt, 50, 1.0, 1.0, control=None))
     t = 0.0
     while (end := e.start_step(t)) is not None and e._run_k == 0:  # prefill steps
         e.finish_step(end)
         t = end
     assert e._run_k > 0  # a decode run of both requests
-    longest = max(s.num_computed for s in e.running)
-    run = cm.decode_steps(SMOLLM, 1, 2, 2 * longest, e._run_k)
-    assert end - t == pytest.approx(run.sum())
-    assert run[0] > cm.decode_steps(SMOLLM, 1, 2, sum(s.num_computed for s in e.running), 1)[0]
+    contexts = [s.num_computed for s in e.running]
+    exact = cm.decode_steps(SMOLLM, 1, 2, sum(contexts), e._run_k)
+    want = cm.decode_steps(SMOLLM, 1, 2, 2 * max(contexts), e._run_k) if padded else exact
+    assert end - t == pytest.approx(want.sum())
+    assert (want[0] > exact[0]) == padded
 
 
 def test_row_bandwidth_needs_the_summed_form():

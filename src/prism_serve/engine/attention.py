@@ -36,23 +36,6 @@ class DecodeGroup:
     context_len: int  # keys attended when there is no mask
 
 
-GROUP_RATIO = 0.6  # a decode joins the group of longer contexts while it has >= this share of its keys
-MAX_GROUPS = 4  # SDPA calls per layer for the decodes, at most
-
-
-def group_decodes(lens: list[int]) -> list[list[int]]:
-    """Decode rows (indices into ``lens``) in groups of similar context length: longest first, a
-    new group starts where a context is shorter than ``GROUP_RATIO`` of its group's longest."""
-    order = sorted(range(len(lens)), key=lambda i: -lens[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and (lens[i] >= GROUP_RATIO * lens[groups[-1][0]] or len(groups) == MAX_GROUPS):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return [sorted(g) for g in groups]
-
-
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_rows: torch.Tensor  # [T] row of KVCache.layer_rows where each new token's K/V goes

@@ -13,8 +13,8 @@ from prism_serve.engine.attention import (
     DecodeGroup,
     PrefillChunk,
     causal_chunk_mask,
-    group_decodes,
 )
+from prism_serve.engine.grouping import group_decodes
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.sampler import sample, token_logprobs

@@ -32,6 +32,7 @@ from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.sequence import RequestMetrics
+from prism_serve.engine.step_trace import StepRecord, StepTrace
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.engine.weights import LoadedWeights
 from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError
@@ -101,6 +102,7 @@ class Worker:
         self.shared: dict[str, SharedWeights] = {}  # host cache files this worker has mapped
         self.tokenizers: dict[str, Tokenizer] = {}  # by tokenizer file
         self.active: _Active | None = None
+        self.trace = StepTrace.from_env(worker_id)  # PRISM_STEP_TRACE: every step's shape and time
         self.running = True
         self._send(
             msg.WorkerReady(worker_id, os.getpid(), device.name, reserve_bytes, time.monotonic() - start)
@@ -167,10 +169,13 @@ class Worker:
             self._fail(m.req_id, e)
 
     def _step(self, a: _Active) -> None:
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.thread_time()
         outs = a.engine.step()
         dt = time.monotonic() - t0
         a.step_seconds += dt
+        if self.trace is not None and a.engine.last_step_batch:
+            cpu = time.thread_time() - c0
+            self.trace.write(StepRecord(a.model, time.time() - dt, dt, cpu, a.engine.last_step_batch))
         if a.engine.last_step_tokens >= 64 and dt > 0:  # mostly prefill: a usable speed sample
             speed = a.engine.last_step_tokens / dt
             a.prefill_tokens_per_s = (
@@ -178,6 +183,8 @@ class Worker:
             )
         if not a.engine.has_unfinished_requests():
             a.pool.shrink_buffer()  # idle: its decode buffer is memory a colocated model may need
+            if self.trace is not None:
+                self.trace.flush()
         if not outs:
             return
         deltas = [
@@ -346,6 +353,8 @@ class Worker:
         for s in self.shared.values():
             s.close()
         self.loader.shutdown()
+        if self.trace is not None:
+            self.trace.close()
         self.spare.close()
         self.weight_range.close()
         self.kv_range.close()

@@ -24,7 +24,8 @@ row (``row_bandwidth``), many rows pack them once and then run at the compute ra
 thread: a SmolLM2 decode of 2 sequences costs 1.6x one of 1, of 8 2.5x, of 32 4.7x). Attention has
 its own rate (``attn_flops``) and KV traffic its own bandwidth (``kv_bandwidth``: the engine gathers
 the cached blocks before attending), all as fitted by benchmarks/fit_cpu_profile.py. Where the
-profile says ``pad_decode_context``, the caller counts every decode at the batch's longest context.
+profile says ``pad_decode_context``, the caller counts every decode at the longest context of its
+group (engine/grouping.py: the engine's decode attention pads each group of similar contexts).
 """
 
 from __future__ import annotations

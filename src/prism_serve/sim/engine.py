@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prism_serve.control.types import Request
+from prism_serve.engine.grouping import padded_decode_context
 from prism_serve.sim.cost import RooflineCostModel
 from prism_serve.sim.memory import SimDevice
 from prism_serve.sim.models import ServedModel
@@ -261,7 +262,7 @@ class SimEngine:
             k = min(self.max_run_steps, min(s.req.output_tokens - s.generated for s, _ in scheduled))
             k = self._grant_run(k)
             if self.cost.hw.pad_decode_context:
-                context = len(scheduled) * max(s.num_computed for s, _ in scheduled)
+                context = padded_decode_context([s.num_computed + 1 for s, _ in scheduled]) - len(scheduled)
             else:
                 context = sum(s.num_computed for s, _ in scheduled)
             self._cum = np.cumsum(self.cost.decode_steps(spec, tp, len(scheduled), context, k))
@@ -272,15 +273,20 @@ class SimEngine:
         pairs = 0.0
         kv_read = 0
         sampling = 0
-        longest = -1  # the padded decode context, where the engine pads (hardware.py)
-        if self.cost.hw.pad_decode_context:
-            longest = max((s.num_computed for s, n in scheduled if n == 1), default=-1)
+        pad = self.cost.hw.pad_decode_context  # decodes read their group's longest context (hardware.py)
+        decodes = []
         for s, n in scheduled:
-            b = longest if n == 1 and longest >= 0 else s.num_computed
             tokens += n
-            pairs += n * (b + (n + 1) / 2)
-            kv_read += b
-            sampling += b + n == s.num_tokens
+            sampling += s.num_computed + n == s.num_tokens
+            if pad and n == 1:
+                decodes.append(s.num_computed + 1)
+                continue
+            pairs += n * (s.num_computed + (n + 1) / 2)
+            kv_read += s.num_computed
+        if decodes:  # a decode of context b costs b + 1 pairs and b KV reads, b padded
+            padded = padded_decode_context(decodes)
+            pairs += padded
+            kv_read += padded - len(decodes)
         self._work = self.cost.step_time(spec, tp, tokens, pairs, kv_read, sampling)
         self.end = now + self._work * factor
         return self.end

@@ -56,8 +56,8 @@ class HardwareProfile:
     kv_bandwidth: float | None = None  # bytes/s of KV reads and writes; None: mem_bandwidth * mem_efficiency
     row_bandwidth: float | None = None  # overlap=False only: weights streamed per row by small-batch GEMMs
     seq_overhead_s: float = 0.0  # per sequence that samples a token (sampling, detokenizing, bookkeeping)
-    # True: batched decode attention reads every decode's context padded to the longest one in the
-    # batch, as this project's CPU attention does (engine/attention.py); paged GPU kernels do not
+    # True: batched decode attention reads every decode's context padded to the longest one of its
+    # group, as this project's CPU attention does (engine/grouping.py); paged GPU kernels do not
     pad_decode_context: bool = False
     # Compute shared by engines busy at once on one device (share_slowdown): each step takes
     # n * (1 + share_interference * (n - 1)) times as long as alone. 0: processor sharing.
