@@ -697,6 +697,7 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
     from prism_serve.api.process import free_port, start_server_process, stop_server_process
     from prism_serve.bench.replay import replay
     from prism_serve.bench.settings import BenchSettings
+    from prism_serve.engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 
     port = free_port()
     data = cfg.model_dump(mode="json")
@@ -704,7 +705,9 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
     path = out / f"serve-{tag}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     slos = {m.name: ModelSLO(m.ttft_slo, m.tpot_slo) for m in cfg.models}
-    proc = start_server_process(path, port, out / f"server-{tag}.log")
+    # every engine step's shape and seconds, for fit_cpu_profile.py --trace
+    trace = {STEP_TRACE_ENV: str(out / f"steps-{tag}")}
+    proc = start_server_process(path, port, out / f"server-{tag}.log", env=trace)
     try:
         healthy = time.perf_counter()
         warmup: list[tuple[float, str]] = []

@@ -29,14 +29,21 @@ def free_port() -> int:
 
 
 def start_server_process(
-    config: Path, port: int, log: Path, *, log_level: str = "warning", timeout_s: float = 300.0
+    config: Path,
+    port: int,
+    log: Path,
+    *,
+    log_level: str = "warning",
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
-    """Start ``prism serve --config config --port port`` (output to ``log``) and return once
-    ``/health`` answers 200."""
+    """Start ``prism serve --config config --port port`` (output to ``log``, ``env`` added to this
+    process's environment) and return once ``/health`` answers 200."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "prism_serve.cli", "serve", "--config", str(config), "--port", str(port),
          "--log-level", log_level],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=log.open("w"), stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )  # fmt: skip
     why = wait_answering(proc, f"http://127.0.0.1:{port}/health", timeout_s)
     if why is None:

@@ -212,7 +212,9 @@ class LLMEngine:
         self.stalled = not sched.scheduled and self.has_unfinished_requests()
         self.last_step_tokens = sum(s.num_new_tokens for s in sched.scheduled)
         # (new tokens, cached tokens before them, samples) per request: the step's shape
-        self.last_step_batch = [(s.num_new_tokens, s.seq.num_computed_tokens, s.samples) for s in sched.scheduled]
+        self.last_step_batch = [
+            (s.num_new_tokens, s.seq.num_computed_tokens, s.samples) for s in sched.scheduled
+        ]
         if not sched.scheduled:
             return []
         now = self._clock()

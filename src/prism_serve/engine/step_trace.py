@@ -1,9 +1,10 @@
 """Engine steps as they ran, for fitting the simulator's step-time profile to live runs.
 
 A worker started with ``PRISM_STEP_TRACE=DIR`` in its environment appends one JSON line per engine
-step to ``DIR/<worker id>.jsonl`` (``/`` in the id becomes ``_``): the model, the step's start (``time.time()``), its wall seconds,
-the CPU seconds of the stepping thread, and its batch as ``[new tokens, cached tokens before them,
-samples]`` per scheduled request (the simulator's view of a step, sim/engine.py). On a device of one
+step to ``DIR/<worker id>.jsonl`` (``/`` in the id becomes ``_``): the model, the step's start
+(``time.time()``), its wall seconds, the CPU seconds of the stepping thread, and its batch as
+``[new tokens, cached tokens before them, samples]`` per scheduled request (the simulator's view of
+a step, sim/engine.py). On a device of one
 core the CPU seconds are what the step costs alone; wall seconds above them are time the core gave
 to other processes. ``benchmarks/fit_cpu_profile.py --trace DIR`` fits a profile to these steps.
 """
