@@ -143,10 +143,11 @@ def shape_of(source: str) -> str:
 
 def sim_deployment(
     cfg: DeploymentConfig, *, warmup_s: float = 0.0, compute_sharing: bool | None = None,
-    step_scale: float = 1.0,
+    step_scale: float = 1.0, profiles: str = "live",
 ) -> SimDeployment:
     """The simulated deployment that mirrors ``cfg`` on the ``cpu-smollm2`` profile
-    (``compute_sharing``: None leaves the simulator's default)."""
+    (``compute_sharing``: None leaves the simulator's default; ``profiles``: SimConfig.profiles, by
+    default what the live controller knows of each model's demand)."""
     warnings: list[str] = []
     devices = device_specs(cfg)
     for d in devices:
@@ -185,6 +186,7 @@ def sim_deployment(
         rate_window_s=60.0,  # the live controller's default
         warmup_s=warmup_s,
         step_scale=step_scale,
+        profiles=profiles,
         **engine,
         **({} if compute_sharing is None else {"compute_sharing": compute_sharing}),
     )
@@ -527,7 +529,6 @@ def run_sim(dep: SimDeployment, workload: Workload, num_warmup: int) -> dict:
             self.at_replay: dict[str, Counter] | None = None
             self.placement_at_replay: dict[str, list[str]] = {}
             self.live_name = dict(zip(self.devices, dep.device_names, strict=True))
-            self.step_start: dict[str, float] = {}
 
         def placement(self) -> dict[str, list[str]]:
             """Live device name -> models placed there (activating ones included)."""
@@ -539,21 +540,11 @@ def run_sim(dep: SimDeployment, workload: Workload, num_warmup: int) -> dict:
 
         def on_arrival(self, i: int, now: float) -> None:
             if i == num_warmup:
+                for name, m in self.models.items():
+                    self.counts[name][BUSY] = m.step_seconds  # engine busy (wall) seconds so far
                 self.at_replay = {m: Counter(c) for m, c in self.counts.items()}
                 self.placement_at_replay = self.placement()
             super().on_arrival(i, now)
-
-        # engine busy time: from a step's start to its end (a run cut short ends at the cut)
-        def _start(self, e, now: float) -> None:
-            super()._start(e, now)
-            if e.busy:
-                self.step_start[e.name] = now
-
-        def on_step_done(self, model: str, version: int, now: float) -> None:
-            e = self.models[model].engine
-            if e is not None and e.busy and e.version == version and model in self.step_start:
-                self.counts[model][BUSY] += now - self.step_start.pop(model)
-            super().on_step_done(model, version, now)
 
         def on_activation_done(self, model: str, version: int, now: float) -> None:
             m = self.models[model]
@@ -578,6 +569,8 @@ def run_sim(dep: SimDeployment, workload: Workload, num_warmup: int) -> dict:
     sim = MirrorSimulator(dep.models, workload, dep.slos, dep.config)
     result = sim.run()
     wall = time.perf_counter() - start
+    for name, m in sim.models.items():
+        sim.counts[name][BUSY] = m.step_seconds
     replay = [r for r in result.requests if int(r.req_id) >= num_warmup]
     stats = sim_model_stats(replay, dep.slos)
     before = sim.at_replay or {m: Counter() for m in sim.counts}
@@ -664,14 +657,27 @@ def _scrape(port: int) -> dict[str, dict[str, float]]:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, dict[str, float]] = {"mapped": {}, "step": {}, "cpu": {}}
-    names = {"prism_device_mapped_bytes": "mapped", "prism_engine_step_seconds": "step",
-             "prism_engine_cpu_seconds": "cpu"}  # fmt: skip
+    out: dict[str, dict[str, float]] = {"mapped": {}, "step": {}, "cpu": {}, "act_s": {}, "act_n": {}}
+    names = {"prism_device_mapped_bytes": "mapped", "prism_engine_step_seconds_total": "step",
+             "prism_engine_cpu_seconds_total": "cpu", "prism_activation_seconds_sum": "act_s",
+             "prism_activation_seconds_count": "act_n"}  # fmt: skip
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
-        key = names.get(family.name)
-        for s in family.samples if key else ():
-            out[key][s.labels.get("device") or s.labels.get("model_name")] = s.value
+        for s in family.samples:
+            key = names.get(s.name)
+            if key is None:
+                continue
+            where = s.labels.get("device") if key == "mapped" else s.labels.get("model_name")
+            out[key][where] = out[key].get(where, 0.0) + s.value  # activations: every device
+    return out
+
+
+def _activation_means(before: dict, after: dict) -> dict[str, float | None]:
+    """Mean activation seconds (decision to ready) per model over the replay."""
+    out: dict[str, float | None] = {}
+    for m, n in after["act_n"].items():
+        k = n - before["act_n"].get(m, 0.0)
+        out[m] = round((after["act_s"][m] - before["act_s"].get(m, 0.0)) / k, 4) if k else None
     return out
 
 
@@ -727,7 +733,8 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
         other = max(0.0, (busy - cpu0[0] - (own - cpu0[1])) / wall - server_cores)
         _wait_idle(port)
         end = _counts(port)
-        shares = _core_shares(scraped, _scrape(port))
+        final = _scrape(port)
+        shares, activation_s = _core_shares(scraped, final), _activation_means(scraped, final)
     finally:
         stop_server_process(proc)
     stats = live_model_stats(res.summary())
@@ -746,6 +753,7 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
         "placement_at_end": _placement(end),
         "mapped_bytes_after_warmup": {d: int(b) for d, b in scraped["mapped"].items()},
         "engine_seconds": shares,
+        "activation_mean_s": activation_s,
         "wall_s": round(wall, 1),
         "server_cores_busy": round(server_cores, 3),
         "other_load_cores": round(other, 3),
@@ -825,9 +833,10 @@ def main() -> None:
     ap.add_argument(
         "--reuse-live",
         type=Path,
+        nargs="+",
         metavar="RESULT_JSON",
-        help="take the live runs from an earlier result.json of the same deployment and workload and "
-        "simulate again (e.g. after a simulator change)",
+        help="take the live runs from earlier result.json files of the same deployment and workload and "
+        "simulate again (e.g. after a simulator change); several files: all their runs, for the spread",
     )
     ap.add_argument("--wait-for", help="a file to wait for (polled every 30 s) before the live run")
     ap.add_argument("--wait-limit", type=float, default=2400.0)
@@ -844,6 +853,11 @@ def main() -> None:
         "--step-scale", type=float, default=1.0,
         help="simulate every engine step this many times as long as the profile says (SimConfig.step_scale): "
         "a correction measured on another run, e.g. its live engine busy seconds over the simulated ones",
+    )  # fmt: skip
+    ap.add_argument(
+        "--profiles", choices=("live", "cost-model"), default="live",
+        help="what the simulated policies know of each model's demand (SimConfig.profiles): live, as the "
+        "live controller (measured engine seconds per request); cost-model, the simulator's default",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -872,7 +886,8 @@ def main() -> None:
     missing = set(workload.models) - {m.name for m in cfg.models}
     if missing:
         sys.exit(f"the workload names models the config lacks: {sorted(missing)}")
-    dep = sim_deployment(cfg, step_scale=args.step_scale)
+    mirror = {"step_scale": args.step_scale, "profiles": args.profiles}  # every simulated variant
+    dep = sim_deployment(cfg, **mirror)
     per_model = {m: int((workload.model_index == i).sum()) for i, m in enumerate(workload.models)}
     import common
 
@@ -895,9 +910,9 @@ def main() -> None:
 
     live_runs: list[dict] = []
     if args.reuse_live is not None:
-        live_runs = reused_live_runs(args.reuse_live, cfg, workload)
-        info["live_from"] = str(args.reuse_live)
-        print(f"live runs from {args.reuse_live} ({len(live_runs)})")
+        live_runs = [run for p in args.reuse_live for run in reused_live_runs(p, cfg, workload)]
+        info["live_from"] = [str(p) for p in args.reuse_live]
+        print(f"live runs from {', '.join(map(str, args.reuse_live))} ({len(live_runs)})")
     elif not args.sim_only:
         _wait_quiet_file(args.wait_for, args.wait_limit)
 
@@ -930,7 +945,7 @@ def main() -> None:
     sim_wl = with_warmup(workload, warm, 0.0)
     sims, rows = {}, {}
     for label, sharing in sim_variants():
-        dep = sim_deployment(cfg, warmup_s=warmup_s, compute_sharing=sharing, step_scale=args.step_scale)
+        dep = sim_deployment(cfg, warmup_s=warmup_s, compute_sharing=sharing, **mirror)
         sims[label] = run_sim(dep, sim_wl, len(warm))
         rows[label] = compare([r["models"] for r in live_runs], sims[label]["models"])
     sim = sims["sim"]
@@ -961,7 +976,7 @@ def main() -> None:
         **info,
         "deployment": cfg.model_dump(mode="json"),
         "sim_config": dataclasses.asdict(
-            sim_deployment(cfg, warmup_s=warmup_s, step_scale=args.step_scale).config
+            sim_deployment(cfg, warmup_s=warmup_s, **mirror).config
         ),
         "device_budgets": dict(zip(dep.device_names, dep.budgets, strict=True)),
         "warnings": list(dep.warnings),

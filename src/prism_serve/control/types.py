@@ -10,12 +10,13 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from prism_serve.errors import DuplicateRequestError, PrismError
 
 __all__ = [
+    "MIN_SERVED_FOR_PROFILE",
     "REPLICA_SEPARATOR",
     "Action",
     "Activate",
@@ -39,6 +40,7 @@ __all__ = [
     "Request",
     "SetKVQuota",
     "UnknownPolicyError",
+    "measured_profile",
     "replica_name",
 ]
 
@@ -119,6 +121,21 @@ class ModelProfile:
         return (
             self.mean_prompt_tokens / self.prefill_tokens_per_s + self.mean_output_tokens * self.decode_step_s
         )
+
+
+# requests a model's engine serves before its measured busy seconds per request replace the prior
+MIN_SERVED_FOR_PROFILE = 4
+
+
+def measured_profile(prior: ModelProfile, step_seconds: float, num_served: int) -> ModelProfile:
+    """The profile the control plane predicts a model's compute demand from, as both bodies build it:
+    ``prior`` until its engine has served ``MIN_SERVED_FOR_PROFILE`` requests, then the measured
+    engine step seconds per request served (batching included) and, as its inverse, the requests
+    one replica serves per second of stepping (a floor: a busier engine batches more)."""
+    if num_served < MIN_SERVED_FOR_PROFILE or step_seconds <= 0:
+        return prior
+    per_request = step_seconds / num_served
+    return replace(prior, busy_s_per_request=per_request, max_rate=1.0 / per_request)
 
 
 @dataclass(slots=True, frozen=True)

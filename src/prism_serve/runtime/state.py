@@ -23,7 +23,7 @@ from prism_serve.control import (
 )
 from prism_serve.control.forecast import RateEstimator
 from prism_serve.control.queues import RequestQueue
-from prism_serve.control.types import no_request_since_placed
+from prism_serve.control.types import measured_profile, no_request_since_placed
 from prism_serve.engine.config import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
@@ -34,9 +34,6 @@ from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
 from prism_serve.runtime.weight_cache import CachedModel, config_from_dict
 from prism_serve.runtime.workers import WorkerHandle
-
-# requests served before a model's measured busy seconds per request replace the default profile
-_MIN_SERVED_FOR_PROFILE = 4
 
 
 class ActivationError(PrismError):
@@ -100,10 +97,7 @@ class ModelEntry:
         per request served, measured over every activation, once a few requests make it meaningful.
         Its inverse, requests served per second of stepping, is the replica capacity prism scales
         replicas by (a floor: a busier engine batches more and serves more per step second)."""
-        if self.num_served < _MIN_SERVED_FOR_PROFILE or self.step_seconds <= 0:
-            return ModelProfile()
-        per_request = self.step_seconds / self.num_served
-        return ModelProfile(busy_s_per_request=per_request, max_rate=1.0 / per_request)
+        return measured_profile(ModelProfile(), self.step_seconds, self.num_served)
 
     def count_engine_time(self, before: msg.EngineStats | None, after: msg.EngineStats) -> None:
         """Add what the engine used between two stats of one activation (``before`` None: its first)."""

@@ -51,8 +51,15 @@ class SimConfig:
     # every engine step this many times as long as the hardware profile says (HardwareProfile.slowed):
     # a measured correction for a live setup, such as live engine step seconds over simulated ones
     step_scale: float = 1.0
+    # what the policies know of each model's compute demand (ModelSnapshot.profile): "cost-model",
+    # the profile the cost model gives for the workload's mean request (and its max_rate); "live",
+    # what the live controller knows: control.measured_profile over the simulated engine's step
+    # seconds and requests served, the default ModelProfile before (benchmarks/sim_vs_live.py)
+    profiles: str = "cost-model"
 
     def __post_init__(self) -> None:
+        if self.profiles not in ("cost-model", "live"):
+            raise SimConfigError(f"profiles must be 'cost-model' or 'live', got {self.profiles!r}")
         if not (self.step_scale > 0 and math.isfinite(self.step_scale)):
             raise SimConfigError(f"step_scale must be a positive number, got {self.step_scale}")
         if self.num_devices < 1:

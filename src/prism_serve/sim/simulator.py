@@ -38,7 +38,12 @@ from prism_serve.control import (
     get_policy,
 )
 from prism_serve.control.loop import ControlLoop
-from prism_serve.control.types import REPLICA_SEPARATOR, no_request_since_placed, replica_name
+from prism_serve.control.types import (
+    REPLICA_SEPARATOR,
+    measured_profile,
+    no_request_since_placed,
+    replica_name,
+)
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.engine import SimEngine, SimRequest
@@ -70,6 +75,11 @@ class _Model:
     placed_at: float | None = None  # when the current placement was decided (ModelSnapshot.placed_at)
     activated_at: float | None = None  # idle time counts from here too, as in the live controller
     engine_snapshot: EngineSnapshot | None = None  # cached; rebuilt when the engine is dirty
+    # engine step seconds (as stretched by sharing) and requests served, over every activation:
+    # the live controller's measured profile (SimConfig.profiles == "live")
+    step_seconds: float = 0.0
+    num_served: int = 0
+    step_started: float | None = None
 
 
 class Simulator:
@@ -107,6 +117,7 @@ class Simulator:
         self.on_device: dict[str, dict[str, None]] = {d: {} for d in self.devices}
         self.num_busy: dict[str, int] = dict.fromkeys(self.devices, 0)  # engines with a step in flight
         self._share = self.hw.share_slowdown if config.compute_sharing else None
+        self._live_profiles = config.profiles == "live"
         policy = get_policy(config.policy, **dict(config.knobs))
         self.models: dict[str, _Model] = {}
         self.replica_of: dict[str, str] = {}  # replica slot -> served model (control/replicas.py)
@@ -268,6 +279,10 @@ class Simulator:
         if e is None or not e.busy or e.version != version:
             return  # the step was cut short or the engine stopped
         finished, freed = e.finish_step(now)  # not busy: _start below syncs the device's busy count
+        if m.step_started is not None:
+            m.step_seconds += now - m.step_started
+            m.step_started = None
+        m.num_served += len(finished)
         for req in finished:
             self._leave(req)
             m.num_running -= 1
@@ -349,6 +364,7 @@ class Simulator:
         end = e.start_step(now, factor)
         if end is not None:
             self.events.push(end, StepDone(e.name, e.version))
+            self.models[e.name].step_started = now
         self._sync_busy(e, now)
 
     # -- compute sharing -----------------------------------------------------------------------------
@@ -486,13 +502,18 @@ class Simulator:
                 self.loop.num_queued[name],
                 m.num_running,
                 False,
-                m.profile,
+                self._profile(m),
                 placed_at=m.placed_at,
                 forecast_rate=self.loop.forecast_rate(name, now),
                 prewarmed=no_request_since_placed(m.state, m.placed_at, self.loop.rates.last_arrival(name)),
                 replica_of=self.replica_of.get(name),
             )
         return self._model_snaps[name]
+
+    def _profile(self, m: _Model) -> ModelProfile:
+        if self._live_profiles:  # what the live controller knows: measured, or the default before
+            return measured_profile(ModelProfile(), m.step_seconds, m.num_served)
+        return m.profile
 
     def _device_snapshot(self, d: str) -> DeviceSnapshot:
         # memory and placement changes bump the device's version; queue changes are the loop's marks
