@@ -332,21 +332,24 @@ def predict(cm, spec, batch: list) -> float:
     return cm.step_time(spec, 1, tokens, pairs, kv_read, seqs)
 
 
-def best_fit(spec, batches: list, y: np.ndarray, train: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+def best_fit(
+    spec, batches: list, y: np.ndarray, train: np.ndarray, weights: np.ndarray | None = None
+) -> tuple[float, np.ndarray, np.ndarray]:
     """(small-batch crossover, coefficients, predictions of every step) of the fit with the lowest
-    mean relative error on the training steps, the crossover chosen by grid search."""
+    mean (weighted) relative error on the training steps, the crossover chosen by grid search."""
     from prism_serve.sim.cost import RooflineCostModel
 
+    w = np.sqrt(np.ones(len(y)) if weights is None else weights)[train]
     best = None
     for crossover in np.arange(1.5, 12.6, 1.0):
         x = np.array([features(spec, b, crossover) for b in batches])
         # relative error: a 40 ms decode step matters as much as a 3 s prefill
-        coef = nnls(x[train] / y[train, None], np.ones(int(train.sum())))
+        coef = nnls(x[train] / y[train, None] * w[:, None], w)
         cm = RooflineCostModel(profile_from(coef))
         pred = np.array([predict(cm, spec, b) for b in batches])
-        err = np.abs(pred[train] / y[train] - 1)
-        if best is None or err.mean() < best[0]:
-            best = (err.mean(), crossover, coef, pred)
+        err = np.average(np.abs(pred[train] / y[train] - 1), weights=w**2)
+        if best is None or err < best[0]:
+            best = (err, crossover, coef, pred)
     return best[1], best[2], best[3]
 
 
@@ -370,10 +373,19 @@ def step_kind(batch: list) -> str:
     return "prefill" if all(n > 1 for n, _, _ in batch) else "mixed"
 
 
-def fit_trace(train_dirs: list[Path], held_dirs: list[Path], held_share: float) -> None:
+def fit_trace(
+    train_dirs: list[Path],
+    held_dirs: list[Path],
+    held_share: float,
+    points: Path | None,
+    points_weight: float,
+) -> None:
     """Fit the profile to live steps (``PRISM_STEP_TRACE`` of a ``prism serve`` run): each step's
     CPU seconds is its cost alone on its one core. Held out: the steps of ``held_dirs``, or else a
-    random ``held_share`` of the training runs' steps."""
+    random ``held_share`` of the training runs' steps. ``points``: also fit the measured points of
+    an earlier run of this script (its raw file; each point's minimum), which reach the large
+    batches and long contexts a light live run never steps; its training points together carry
+    ``points_weight`` of the training weight, its held-out points stay held out."""
     from prism_serve.engine.step_trace import read_step_traces
     from prism_serve.sim.cost import RooflineCostModel
     from prism_serve.sim.hardware import HARDWARE
@@ -390,17 +402,37 @@ def fit_trace(train_dirs: list[Path], held_dirs: list[Path], held_share: float) 
     batches = [[tuple(b) for b in r.batch] for r, _ in steps]
     y = np.array([r.cpu for r, _ in steps])
     wall = np.array([r.dt for r, _ in steps])
-    crossover, coef, pred = best_fit(spec, batches, y, ~held)
+    weights = np.ones(len(steps))
+    source = np.array(["live"] * len(steps), dtype=object)
+    if points is not None:
+        pts = json.loads(points.read_text())["points"]
+        p_held = np.array([p["held_out"] for p in pts])
+        batches += [[tuple(b) for b in p["batch"]] for p in pts]
+        y = np.concatenate([y, [min(p["times"]) for p in pts]])
+        wall = np.concatenate([wall, y[len(steps):]])
+        share = points_weight / (1.0 - points_weight)  # the points' total weight over the steps'
+        per_point = share * (~held).sum() / max(1, (~p_held).sum())
+        weights = np.concatenate([weights, np.full(len(pts), per_point)])
+        held = np.concatenate([held, p_held])
+        source = np.concatenate([source, np.array(["points"] * len(pts), dtype=object)])
+        print(f"with {len(pts)} measured points from {points} ({int((~p_held).sum())} training)")
+    crossover, coef, pred = best_fit(spec, batches, y, ~held, weights)
     hw = profile_from(coef)
     print(machine_info()["line"])
     print(
         f"{len(steps)} live steps ({int((~held).sum())} training, {int(held.sum())} held out) from "
         + ", ".join(str(d) for d in train_dirs + held_dirs)
     )
-    share = y / np.maximum(wall, 1e-9)
+    share = (y / np.maximum(wall, 1e-9))[source == "live"]
     print(
         "CPU / wall per step (1: the step had its core): "
         + ", ".join(f"p{q} {np.percentile(share, q):.2f}" for q in (5, 25, 50, 75, 95))
+    )
+    alone = np.median(share[share >= 0.8])
+    print(
+        f"steps with no other engine busy on the core (CPU / wall >= 0.8): median share {alone:.3f}; the "
+        f"rest went to the serving path and other processes, i.e. a live step lasts {1 / alone:.3f}x its "
+        "CPU seconds (sim_vs_live.py --step-scale)"
     )
     print(f"target: CPU seconds per step; small-batch crossover {crossover:g} rows")
     print_constants(hw)
@@ -409,16 +441,18 @@ def fit_trace(train_dirs: list[Path], held_dirs: list[Path], held_share: float) 
     reg = np.array([predict(registered, spec, b) for b in batches])
     for name, p in (("fit", pred), ("registered profile", reg)):
         print(f"{name}:")
-        for sel_name, sel in (("training", ~held), ("held out", held)):
-            for kind in ("decode", "prefill", "mixed", "all"):
-                m = sel & ((kinds == kind) if kind != "all" else True)
-                if not m.any():
-                    continue
-                e = np.abs(p[m] / y[m] - 1)
-                print(
-                    f"  {sel_name:<9} {kind:<8} {int(m.sum()):6d} steps  |error| mean {e.mean():6.1%} "
-                    f"p90 {np.percentile(e, 90):6.1%}  sum of steps {p[m].sum() / y[m].sum() - 1:+6.1%}"
-                )
+        for src in ("live", "points"):
+            for sel_name, sel in (("training", ~held), ("held out", held)):
+                for kind in ("decode", "prefill", "mixed", "all"):
+                    m = sel & (source == src) & ((kinds == kind) if kind != "all" else True)
+                    if not m.any():
+                        continue
+                    e = np.abs(p[m] / y[m] - 1)
+                    total = p[m].sum() / y[m].sum() - 1
+                    print(
+                        f"  {src:<6} {sel_name:<9} {kind:<8} {int(m.sum()):5d}  |error| mean {e.mean():6.1%} "
+                        f"p90 {np.percentile(e, 90):6.1%} max {e.max():6.1%}  sum {total:+6.1%}"
+                    )
 
 
 def fit(raw: dict, quantile: float) -> None:
@@ -484,9 +518,11 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, nargs="+", help="fit live steps (PRISM_STEP_TRACE dirs) instead")
     ap.add_argument("--held-out", type=Path, nargs="*", default=[], help="trace dirs kept out of the fit")
     ap.add_argument("--held-share", type=float, default=0.25, help="random share held out without --held-out")
+    ap.add_argument("--points", type=Path, help="with --trace: also fit the points of this raw file (--raw)")
+    ap.add_argument("--points-weight", type=float, default=0.25, help="their share of the training weight")
     args = ap.parse_args()
     if args.trace:
-        fit_trace(args.trace, args.held_out, args.held_share)
+        fit_trace(args.trace, args.held_out, args.held_share, args.points, args.points_weight)
         return
     if args.reuse:
         raw = json.loads(args.raw.read_text())

@@ -9,13 +9,16 @@ paper reports for H100 (its Figure 9).
 The ``cpu-smollm2`` row is **fitted on this machine** (2-vCPU AMD EPYC VM with AVX2, no AVX-512;
 torch 2.13 CPU) to this project's own engine running SmolLM2-135M in fp32 on ONE core with ONE torch
 thread, the way a live CPU device of one core runs (runtime/devices.py; ``prism serve``'s default
-config splits this 2-core machine into two such devices). Step constants: ``python
-benchmarks/fit_cpu_profile.py --check --rounds 3``, 2026-11-23 (the 2026-11-21 fit, on an AVX-512
-EPYC, predicted this machine's steps 10-40% too fast), held-out errors in docs/evaluation.md; its
-compute sharing: ``python benchmarks/cpu_sharing.py``, the same day. Its activation constants are
-not from that fit but from the measured pooled activation of SmolLM2 (docs/benchmarks.md, issue 4:
-0.31 s for 0.50 GiB, mostly page mapping). Other models, dtypes or thread counts are not fitted
-(docs/evaluation.md gives the errors for SmolLM2-360M and bf16, measured with the AVX-512 fit).
+config splits this 2-core machine into two such devices). Step constants, refitted 2026-11-23 on
+the engine of issue 17 (grouped decode attention): ``python benchmarks/fit_cpu_profile.py --trace
+<light and heavy live runs' step traces> --held-out <two other runs'> --points <a --rounds 2
+measurement>`` (the points carry 25% of the weight), i.e. jointly on 3,962 live worker steps
+(each step's CPU seconds, PRISM_STEP_TRACE) and 26 measured points that reach the batches and
+contexts a light live run never steps; held-out errors in docs/evaluation.md. Its compute
+sharing: ``python benchmarks/cpu_sharing.py``, the same day. Its activation constants are the live
+activation into a pooled worker with spare pages (a copy; ~0.085 s for 0.50 GiB). Other models,
+dtypes or thread counts are not fitted (docs/evaluation.md gives the errors for SmolLM2-360M and
+bf16, measured with an earlier fit).
 """
 
 from __future__ import annotations
@@ -141,22 +144,24 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
             # efficiencies are 1; the summed form adds the terms (one thread does one thing at a time).
             HardwareProfile(
                 "cpu-smollm2",
-                peak_flops=6.85e10,  # packed GEMMs (3+ rows)
-                mem_bandwidth=6.23e9,  # the one weight pass of a packed GEMM
-                host_bandwidth=1.8 * GB,  # activation: page mapping + copy (0.30 s for 538 MB)
+                peak_flops=8.37e10,  # packed GEMMs (3+ rows)
+                mem_bandwidth=1.19e10,  # the one weight pass of a packed GEMM
+                # activation into a pooled worker with spare pages (memory/spare.py): a copy, no
+                # page creation; live mean 0.076-0.091 s over 14 activations (sim_vs_live heavy-prism)
+                host_bandwidth=7.0 * GB,
                 link_bandwidth=2.0 * GB,  # unused: no tensor parallelism on CPU devices
                 memory_bytes=8 * GIB,
                 usable_fraction=1.0,
                 flops_efficiency=1.0,
                 mem_efficiency=1.0,
                 host_efficiency=1.0,
-                step_overhead_s=2.06e-2,  # Python and the small ops of 30 layers
+                step_overhead_s=1.96e-2,  # Python and the small ops of 30 layers
                 activation_overhead_s=0.01,
                 overlap=False,
-                attn_flops=5.23e10,
-                kv_bandwidth=2.98e9,  # the gather of cached blocks before attention, then the read
-                row_bandwidth=2.31e10,  # 1-2 rows: weights streamed once per row
-                seq_overhead_s=5.1e-4,
+                attn_flops=6.44e10,
+                kv_bandwidth=4.39e9,  # the gather of cached blocks before attention, then the read
+                row_bandwidth=2.90e10,  # 1-2 rows: weights streamed once per row
+                seq_overhead_s=5.56e-4,
                 pad_decode_context=True,
                 # benchmarks/cpu_sharing.py, 2026-11-23 (AVX2 EPYC): 2 / 3 engines on one core step
                 # 2.08x / 3.13x slower (median over decode 1, decode 8, prefill 256), i.e. processor
