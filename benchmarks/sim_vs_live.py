@@ -92,9 +92,10 @@ KNOWN_DIFFERENCES = (
     "(HardwareProfile.share_slowdown) among engines with a step in flight; live, the server process, "
     "activations and this client also take CPU from the devices' cores, which the simulator does not "
     "count (the 'sim, no sharing' column is the simulator with compute_sharing=False)",
-    "activation cost: simulated from the profile's activation constants (0.01 s + weights at 1.8 GB/s, "
-    "about 0.31 s for SmolLM2-135M fp32) and free for the device's core; live it is page mapping and "
-    "copies in the worker, on the device's core, while the colocated engine runs",
+    "activation cost: simulated from the profile's activation constants (0.01 s + weights at 7 GB/s, "
+    "about 0.087 s for SmolLM2-135M fp32: a copy into spare pages) and free for the device's core; live "
+    "it is a copy (pages created only when no spare ones are left) in the worker, on the device's core, "
+    "while the colocated engine runs",
     "worker processes: live, the pool starts a spare engine process when a device's last idle one is "
     "taken (seconds of CPU on that core); the presets start 3 per device (at most 2 models fit on one) "
     "so that none is started during the replay",
@@ -104,9 +105,10 @@ KNOWN_DIFFERENCES = (
     "them step by step), which matters only when KV memory is nearly full",
     "latency origin: live TTFT is from the client's send (HTTP, tokenization and SSE included), "
     "simulated TTFT from the arrival",
-    "serving path: the profile is fitted on LLMEngine.step alone; live, every step's outputs also go "
-    "through the worker -> controller IPC and the server's SSE, and the server process (not pinned) "
-    "and this client share the devices' two cores with the workers",
+    "serving path: the profile is fitted on live worker steps' CPU seconds (and measured points); live, "
+    "the server process (not pinned) and this client share the devices' two cores with the workers "
+    "(--step-scale 1.04 is their measured share), and every token also crosses the worker -> "
+    "controller IPC and the server's SSE, which the simulated TTFT and TPOT do not include",
     "per-model engine knobs: the simulator has one engine config, so the config's models must agree on "
     "max_num_seqs, max_num_batched_tokens and block_size; kv_limit, pinned and max_model_len are not "
     "simulated",
