@@ -29,18 +29,4 @@ def group_decodes(lens: list[int]) -> list[list[int]]:
 def padded_decode_context(lens: list[int]) -> int:
     """Keys the engine's decode attention reads for decodes of these context lengths: each decode
     is padded to the longest context of its group (``group_decodes``)."""
-    if not lens:
-        return 0
-    longest = sorted(lens, reverse=True)
-    total, groups, i = 0, 0, 0
-    while i < len(longest):  # the same groups as group_decodes, on the sorted lengths
-        head, j = longest[i], i + 1
-        groups += 1
-        if groups == MAX_GROUPS:
-            j = len(longest)
-        else:
-            while j < len(longest) and longest[j] >= GROUP_RATIO * head:
-                j += 1
-        total += head * (j - i)
-        i = j
-    return total
+    return sum(len(g) * max(lens[i] for i in g) for g in group_decodes(lens))
