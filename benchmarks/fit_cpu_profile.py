@@ -86,20 +86,9 @@ class Bench:
         self.engine = LLMEngine(config)
         self.rng = np.random.default_rng(0)
         self.reps = reps
-        self.batches: list[list[tuple[int, int, bool]]] = []
-        sched = self.engine.scheduler
-        schedule = sched.schedule
-
-        def recording_schedule():
-            out = schedule()
-            # (new tokens, cached tokens before them, samples) per scheduled request, as the
-            # simulator sees a step
-            self.batches.append(
-                [(s.num_new_tokens, s.seq.num_computed_tokens, s.samples) for s in out.scheduled]
-            )
-            return out
-
-        sched.schedule = recording_schedule
+        # (new tokens, cached tokens before them, samples) per scheduled request, as the simulator
+        # sees a step
+        self.engine.record_step_batches = True
 
     def add(self, prompt: int, cached: int, max_tokens: int) -> None:
         from prism_serve.engine.sampling_params import SamplingParams
@@ -116,7 +105,7 @@ class Bench:
     def step(self) -> tuple[float, list]:
         t0 = time.perf_counter()
         self.engine.step()
-        return time.perf_counter() - t0, self.batches[-1]
+        return time.perf_counter() - t0, self.engine.last_step_batch
 
     def measure(self, p: dict) -> list[tuple[float, list]]:
         """(seconds, batch) of each measured step of point ``p`` (``reps`` of them)."""

@@ -95,6 +95,8 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self.stalled = False
         self.last_step_tokens = 0  # tokens the last step computed (prefill chunks + decodes)
+        # set True to have step() record last_step_batch (step traces, the CPU-profile fit)
+        self.record_step_batches = False
         self.last_step_batch: list[tuple[int, int, bool]] = []
         self._ids = itertools.count()
 
@@ -212,9 +214,10 @@ class LLMEngine:
         self.stalled = not sched.scheduled and self.has_unfinished_requests()
         self.last_step_tokens = sum(s.num_new_tokens for s in sched.scheduled)
         # (new tokens, cached tokens before them, samples) per request: the step's shape
-        self.last_step_batch = [
-            (s.num_new_tokens, s.seq.num_computed_tokens, s.samples) for s in sched.scheduled
-        ]
+        if self.record_step_batches:
+            self.last_step_batch = [
+                (s.num_new_tokens, s.seq.num_computed_tokens, s.samples) for s in sched.scheduled
+            ]
         if not sched.scheduled:
             return []
         now = self._clock()

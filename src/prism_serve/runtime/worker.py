@@ -173,7 +173,7 @@ class Worker:
         outs = a.engine.step()
         dt = time.monotonic() - t0
         a.step_seconds += dt
-        if self.trace is not None and a.engine.last_step_batch:
+        if self.trace is not None and a.engine.last_step_tokens:
             cpu = time.thread_time() - c0
             self.trace.write(StepRecord(a.model, time.time() - dt, dt, cpu, a.engine.last_step_batch))
         if a.engine.last_step_tokens >= 64 and dt > 0:  # mostly prefill: a usable speed sample
@@ -314,6 +314,7 @@ class Worker:
         try:
             weights = LoadedWeights(config, {}, tokenizer, m.source, m.synthetic)
             engine = LLMEngine(engine_config, weights=weights, allocator=pool, model=model)
+            engine.record_step_batches = self.trace is not None
         except BaseException:
             pool.close()
             raise
