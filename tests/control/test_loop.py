@@ -65,7 +65,8 @@ class FakeBody:
             ModelSnapshot(m.name, loop.rates.rate(m.name, now), 1.0, 0.1, m.weight, KVPT, 1, m.placement,
                           m.state, loop.rates.last_arrival(m.name), loop.num_queued[m.name], len(m.running),
                           replica_of=m.name.split("#")[0] if "#" in m.name else None,
-                          forecast_rate=loop.forecast_rate(m.name, now))
+                          forecast_rate=loop.forecast_rate(m.name, now),
+                          prewarmed=m.state is not ModelState.EVICTED and m.name in loop.prewarmed)
             for m in self.models.values()
         ]  # fmt: skip
         devices = [self._device(d) for d in self.caps]
@@ -358,6 +359,39 @@ def test_a_held_model_is_not_prewarmed_until_a_request_for_it_arrives():
     loop.arrival(req(99, t=320.0), 320.0)  # real demand activates it and ends the hold
     assert body.models["a"].state is ModelState.ACTIVATING and "a" not in loop.held
     assert loop.forecast_rate("a", 320.0) > 0
+
+
+def test_a_model_activated_for_a_request_is_not_prewarmed_after_serving_it():
+    """Prewarmed memory yields first (eviction.is_idle); a model the loop activated because a request
+    of it was arriving, or waited deferred, served real demand and keeps its idle threshold. Only a
+    placement with no request waiting (the forecast's) is prewarmed, until its first arrival."""
+    loop, body, pol = make(devices={"d0": 8.0})
+    loop.arrival(req(1, "a"), 0.0)  # on_request: Evict..., Activate(a), Enqueue(r1)
+    assert body.models["a"].state is ModelState.ACTIVATING and "a" not in loop.prewarmed
+    body.activated("a", 0.1)
+    body.finish("r1", 0.3)
+    snap = body.cluster(0.4).models["a"]
+    assert not snap.prewarmed and snap.idle_for(0.4) < 1.0
+    # a request deferred first and activated by a later tick's place() is demand as well
+    pol.next_request = [Defer(req(2, "b"), "test")]
+    loop.arrival(req(2, "b"), 1.0)
+    pol.next_place = [Activate("b", ("d0",))]
+    loop.tick(2.0)
+    assert body.models["b"].state is ModelState.ACTIVATING and "b" not in loop.prewarmed
+    # an activation with nothing waiting is a prewarm: it yields first until its model gets a request
+    body.activated("b", 2.1)
+    body.finish("r2", 2.2)
+    body.evict("a", 3.0)
+    pol.next_place = [Activate("a", ("d0",))]
+    loop.tick(4.0)
+    assert "a" in loop.prewarmed and body.cluster(4.0).models["a"].prewarmed
+    body.activated("a", 4.1)
+    loop.arrival(req(3, "a", t=5.0), 5.0)
+    assert "a" not in loop.prewarmed and not body.cluster(5.0).models["a"].prewarmed
+    pol.next_place = [Evict("a")]
+    loop.tick(6.0)
+    assert "a" not in loop.prewarmed
+    check_invariants(loop, body)
 
 
 def test_abort_and_reject_leave_nothing_behind():

@@ -34,6 +34,12 @@ Rules decided here once for both bodies:
 - ``Migrate`` moves only an active model with nothing running: its queued requests move to the new
   rank-0 queue, the body evicts and activates it; otherwise it is skipped (counted) and the next
   tick decides again.
+- ``prewarmed`` (``ModelSnapshot.prewarmed``, whose memory yields first): a model is prewarmed when
+  an ``Activate`` for it is applied while none of its requests waits (queued or deferred) or is
+  being routed, until its next arrival or eviction; a model activated for a request is not, even
+  after that request finishes. (Before, each body derived it from "no arrival since the placement
+  time"; the runtime stamped that time a moment after the triggering arrival, so every model it
+  activated on demand counted as prewarmed and was the first evicted, and the simulator did not.)
 - Admission runs, after every event, on the devices whose queue or capacity may have changed, in
   device-name order, until no device has anything new to admit.
 """
@@ -137,6 +143,11 @@ class ControlLoop:
         self._applying = False
         # served models an operator unloaded: no forecast (so no prewarming) until their next arrival
         self.held: set[str] = set()
+        # ModelSnapshot.prewarmed: models activated while no request of theirs was waiting or being
+        # routed, and without an arrival since (cleared by an arrival or an eviction; a migration
+        # keeps it). Decided here, once, so that the runtime and the simulator cannot disagree.
+        self.prewarmed: set[str] = set()
+        self._routing: Counter[str] = Counter()  # models with a request being routed right now
         self._models = dict.fromkeys(models)
         # served models that have replica slots (named model#k): only their arrivals need a snapshot
         # to pick a replica before the rate update
@@ -264,7 +275,11 @@ class ControlLoop:
             snap = cluster.models.get(routed.model)
             self._observe(routed.model, snap.group if snap is not None else routed.model, now)
             cluster = self.body.cluster(now)
-        self._apply(self.policy.on_request(routed, cluster, now), now)
+        self._routing[routed.model] += 1
+        try:
+            self._apply(self.policy.on_request(routed, cluster, now), now)
+        finally:
+            self._routing[routed.model] -= 1
 
     def _observe(self, replica: str, model: str, now: float) -> None:
         """An arrival for ``replica`` of the served ``model``: rates are per replica, the forecast
@@ -272,6 +287,8 @@ class ControlLoop:
         self.rates.observe(replica, now)
         self.forecast.observe(model, now)
         self.held.discard(model)
+        self.prewarmed.discard(replica)
+        self.prewarmed.discard(model)
         self.stale_models[replica] = None
         self.stale_models[model] = None
 
@@ -315,9 +332,14 @@ class ControlLoop:
                     self.counters["rejections"] += 1
                     body.reject(r, reason, detail, now)
                 case Activate(model=model, devices=devices):
+                    if self.num_queued[model] or self._routing[model]:
+                        self.prewarmed.discard(model)  # activated for demand
+                    else:
+                        self.prewarmed.add(model)  # ahead of any request (the forecast, a replica slot)
                     body.activate(model, devices, now)
                     self._displaced_by_activation(model, devices[0])
                 case Evict(model=model):
+                    self.prewarmed.discard(model)
                     self.counters["evictions"] += 1
                     self._evicted(model, body.evict(model, now))
                 case Migrate(model=model, dst=dst):

@@ -166,8 +166,8 @@ class ModelSnapshot:
     # forecast arrivals/s over the current forecast window (control.forecast.SeasonalForecaster);
     # None: no complete window yet
     forecast_rate: float | None = None
-    # resident but no request has arrived since it was placed (prewarmed, or reloaded for nothing):
-    # its memory is the first to yield to real demand
+    # resident, activated while no request of it was waiting, and none has arrived since
+    # (control.loop decides it): its memory is the first to yield to real demand
     prewarmed: bool = False
     # a replica slot of the served model named here (its own engine on other devices, the same host
     # weights; see replica_name); None: the served model itself, which is also its replica 0
@@ -381,14 +381,6 @@ def replica_name(model: str, index: int) -> str:
     """The name replica ``index`` of ``model`` has in snapshots, actions and bodies: ``model`` itself
     for replica 0, ``model#index`` after it (model names never contain the separator)."""
     return model if index == 0 else f"{model}{REPLICA_SEPARATOR}{index}"
-
-
-def no_request_since_placed(state: ModelState, placed_at: float | None, last_arrival: float | None) -> bool:
-    """``ModelSnapshot.prewarmed`` from a body's state: resident, and no request arrived since its
-    placement was decided."""
-    if state is ModelState.EVICTED or placed_at is None:
-        return False
-    return last_arrival is None or last_arrival < placed_at
 
 
 def _index(items: Iterable, attr: str) -> dict:

@@ -319,7 +319,7 @@ class Controller(AdminOps):
         now = self._now() if now is None else now
         return cluster_snapshot(
             self.models, self.devices, self.loop.queues, self.loop.num_queued, self.loop.rates,
-            self.loop.forecast_rate, self._ledgers, now,
+            self.loop.forecast_rate, self.loop.prewarmed, self._ledgers, now,
         )  # fmt: skip
 
     # ---- effects (the control loop's Body) ----------------------------------------------------

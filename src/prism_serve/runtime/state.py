@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from prism_serve.control import (
 )
 from prism_serve.control.forecast import RateEstimator
 from prism_serve.control.queues import RequestQueue
-from prism_serve.control.types import measured_profile, no_request_since_placed
+from prism_serve.control.types import measured_profile
 from prism_serve.engine.config import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
@@ -273,6 +273,7 @@ def cluster_snapshot(
     queued: Mapping[str, int],
     rates: RateEstimator,
     forecast_rate: Callable[[str, float], float | None],
+    prewarmed: Collection[str],
     ledgers: Mapping[str, DeviceLedger],
     now: float,
 ) -> ClusterSnapshot:
@@ -304,9 +305,7 @@ def cluster_snapshot(
                 replica_of=m.replica_of,
                 keep_alive_s=m.spec.keep_alive_s,
                 forecast_rate=forecast_rate(name, now),
-                prewarmed=no_request_since_placed(
-                    m.state, m.placed_at if resident else None, rates.last_arrival(name)
-                ),
+                prewarmed=resident and name in prewarmed,
             )
         )
         if resident:

@@ -41,7 +41,6 @@ from prism_serve.control.loop import ControlLoop
 from prism_serve.control.types import (
     REPLICA_SEPARATOR,
     measured_profile,
-    no_request_since_placed,
     replica_name,
 )
 from prism_serve.sim.config import ModelSLO, SimConfig
@@ -505,7 +504,7 @@ class Simulator:
                 self._profile(m),
                 placed_at=m.placed_at,
                 forecast_rate=self.loop.forecast_rate(name, now),
-                prewarmed=no_request_since_placed(m.state, m.placed_at, self.loop.rates.last_arrival(name)),
+                prewarmed=m.state is not ModelState.EVICTED and name in self.loop.prewarmed,
                 replica_of=self.replica_of.get(name),
             )
         return self._model_snaps[name]
