@@ -1,0 +1,315 @@
+"""The simulated side of benchmarks/sim_vs_live.py (pure): a live deployment config mirrored in the
+simulator (``sim_deployment``: the same devices, budgets, models, SLOs, policy and engine settings
+on the ``cpu-smollm2`` profile), the live warm-up prepended to the workload, the simulated run, and
+the per-model numbers both sides report. See sim_vs_live.py for how the mirror works."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BENCH_DIR = Path(__file__).resolve().parent
+if str(BENCH_DIR) not in sys.path:  # `common` when imported from a test
+    sys.path.insert(0, str(BENCH_DIR))
+
+from prism_serve.config import DeploymentConfig  # noqa: E402
+from prism_serve.engine.machine import resolve_dtype  # noqa: E402
+from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE  # noqa: E402
+from prism_serve.runtime.build import device_specs  # noqa: E402
+from prism_serve.sim.config import ModelSLO, SimConfig  # noqa: E402
+from prism_serve.sim.models import ServedModel, model_shape  # noqa: E402
+from prism_serve.workload.format import Workload  # noqa: E402
+
+HARDWARE = "cpu-smollm2"
+REAL_SOURCE = "smollm2-135m-instruct"  # the default model's real weights: the SmolLM2-135M shape
+WARMUP_PROMPT = [1000, 1001, 1002]  # token ids of each warm-up request
+WARMUP_OUTPUT = 2
+LATENCIES = ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s")
+ATTAINMENTS = ("ttft_attainment", "tpot_attainment", "slo_attainment")
+COUNTS = ("activations", "evictions")
+BUSY = "engine_busy_s"  # seconds the model's engine had a step in flight (live: /metrics step seconds)
+SIM_COUNTERS = ("preemptions", "restarts", "migrations", "migrations_skipped", "num_rejected",
+                "num_unfinished", "simulated_s")  # fmt: skip
+
+
+# ---- the deployment in the simulator (pure) ------------------------------------------------------
+
+
+class MirrorError(ValueError):
+    """The config cannot be mirrored in the simulator (the message says why)."""
+
+
+@dataclass(slots=True, frozen=True)
+class SimDeployment:
+    """What ``simulate`` needs to mirror a live config, plus the live device budgets."""
+
+    models: list[ServedModel]
+    slos: dict[str, ModelSLO]
+    config: SimConfig
+    budgets: tuple[int, ...]  # bytes, one per device, in the config's device order
+    device_names: tuple[str, ...]  # the live names (the simulator's are gpu00, gpu01, ...)
+    warnings: tuple[str, ...] = ()
+
+
+def shape_of(source: str) -> str:
+    """The simulator's model shape for a config ``source``."""
+    if source == REAL_SOURCE:
+        return "smollm2-135m"
+    if source.startswith("random:"):
+        return source.split(":", 1)[1]
+    raise MirrorError(f"source {source!r}: only {REAL_SOURCE} and random:<preset> have a simulated shape")
+
+
+def sim_deployment(
+    cfg: DeploymentConfig,
+    *,
+    warmup_s: float = 0.0,
+    compute_sharing: bool | None = None,
+    step_scale: float = 1.0,
+    profiles: str = "live",
+) -> SimDeployment:
+    """The simulated deployment that mirrors ``cfg`` on the ``cpu-smollm2`` profile
+    (``compute_sharing``: None leaves the simulator's default; ``profiles``: SimConfig.profiles, by
+    default what the live controller knows of each model's demand)."""
+    warnings: list[str] = []
+    devices = device_specs(cfg)
+    for d in devices:
+        if len(d.cores) != 1:
+            warnings.append(
+                f"{d.name} has {len(d.cores) or 'all'} cores; the {HARDWARE} profile is fitted for one core "
+                "with one torch thread"
+            )
+    models, slos = [], {}
+    for m in cfg.models:
+        shape = shape_of(m.source)
+        dtype = resolve_dtype(m.dtype)  # auto: what the live server on this machine runs
+        dtype_bytes = {"float32": 4, "bfloat16": 2}[dtype]
+        if (shape, dtype) != ("smollm2-135m", "float32"):
+            warnings.append(
+                f"{m.name}: {shape} in {dtype} is not what {HARDWARE} is fitted for (SmolLM2-135M fp32); "
+                "docs/evaluation.md gives its errors"
+            )
+        if m.kv_limit is not None or m.pinned or m.keep_alive is not None:
+            warnings.append(f"{m.name}: kv_limit, pinned and keep_alive are not simulated")
+        models.append(ServedModel(m.name, model_shape(shape, dtype_bytes)))
+        slos[m.name] = ModelSLO(m.ttft_slo, m.tpot_slo)
+    engine = {}
+    for knob in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        values = {getattr(m, knob) for m in cfg.models}
+        if len(values) != 1:
+            raise MirrorError(f"models differ in {knob} ({sorted(values)}); the simulator has one value")
+        engine[knob] = values.pop()
+    config = SimConfig(
+        num_devices=len(devices),
+        hardware=HARDWARE,
+        policy=cfg.policy.name,
+        knobs=tuple(sorted((k, _hashable(v)) for k, v in cfg.policy.knobs.items())),
+        tick_s=cfg.policy.tick_interval_s,
+        page_size=DEFAULT_PAGE_SIZE,  # the live ledger's page (runtime/controller.py default)
+        rate_window_s=60.0,  # the live controller's default
+        warmup_s=warmup_s,
+        step_scale=step_scale,
+        profiles=profiles,
+        **engine,
+        **({} if compute_sharing is None else {"compute_sharing": compute_sharing}),
+    )
+    return SimDeployment(
+        models, slos, config, tuple(d.memory_bytes for d in devices), tuple(d.name for d in devices),
+        tuple(warnings),
+    )  # fmt: skip
+
+
+def _hashable(v):
+    if isinstance(v, list | tuple):
+        return tuple(_hashable(x) for x in v)
+    return v
+
+
+def with_warmup(workload: Workload, warmup: list[tuple[float, str]], replay_start: float) -> Workload:
+    """``workload`` preceded by the warm-up requests: ``warmup`` is (send time, model) and
+    ``replay_start`` the replay's start, both on one clock; the first warm-up request is at 0."""
+    if not warmup:
+        return workload
+    t0 = warmup[0][0]
+    times = [t for t, _ in warmup]
+    if times[-1] > replay_start or any(b < a for a, b in itertools.pairwise(times)):
+        raise MirrorError("warm-up requests must be in order and before the replay")
+    names = list(workload.models)
+    index = {m: i for i, m in enumerate(names)}
+    for _, m in warmup:
+        if m not in index:
+            index[m] = len(names)
+            names.append(m)
+    k = len(warmup)
+    return Workload(
+        np.concatenate([[t - t0 for t, _ in warmup], workload.timestamps + (replay_start - t0)]),
+        np.concatenate([[index[m] for _, m in warmup], workload.model_index]),
+        np.concatenate([np.full(k, len(WARMUP_PROMPT)), workload.prompt_tokens]),
+        np.concatenate([np.full(k, WARMUP_OUTPUT), workload.output_tokens]),
+        names,
+    )
+
+
+# ---- numbers (pure) -----------------------------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
+
+
+def sim_model_stats(requests, slos: dict[str, ModelSLO]) -> dict[str, dict]:
+    """Per model (and "(all)"), the live report's numbers from simulated requests (SimRequest-like:
+    model, arrival, first_token, finish, output_tokens). Percentiles over the requests that got a
+    first token (TTFT) or finished with more than one output token (TPOT); attainment over all, as
+    bench/report.py and sim/metrics.py count them."""
+    by: dict[str, list] = {m: [] for m in slos}
+    for r in requests:
+        by.setdefault(r.model, []).append(r)
+    out = {}
+    for name, rs in [*sorted(by.items()), ("(all)", list(requests))]:
+        ttfts = [r.first_token - r.arrival for r in rs if r.first_token is not None]
+        tpots = [
+            (r.finish - r.first_token) / (r.output_tokens - 1)
+            for r in rs
+            if r.finish is not None and r.first_token is not None and r.output_tokens > 1
+        ]
+        ttft_ok = tpot_ok = both = 0
+        for r in rs:
+            slo = slos[r.model]
+            t = r.first_token is not None and r.first_token - r.arrival <= slo.ttft_s
+            p = r.finish is not None and (
+                r.output_tokens <= 1 or (r.finish - r.first_token) / (r.output_tokens - 1) <= slo.tpot_s
+            )
+            ttft_ok += t
+            tpot_ok += p
+            both += t and p
+        n = len(rs)
+        out[name] = {
+            "requests": n,
+            "failed": sum(1 for r in rs if r.finish is None),
+            "ttft_p50_s": _pct(ttfts, 50),
+            "ttft_p95_s": _pct(ttfts, 95),
+            "tpot_p50_s": _pct(tpots, 50),
+            "ttft_attainment": ttft_ok / n if n else 1.0,
+            "tpot_attainment": tpot_ok / n if n else 1.0,
+            "slo_attainment": both / n if n else 1.0,
+        }
+    return out
+
+
+def offered_load(dep: SimDeployment, workload: Workload, span_s: float | None = None) -> dict[str, float]:
+    """Per model, the cores its requests would keep busy if each ran alone (prefill, then one decode
+    step per further token; the cost model's times): an upper bound on the work, since batching
+    shares the weight pass. Above about 1 for the models of one device, it is saturated."""
+    from prism_serve.sim.cost import COST_MODELS
+    from prism_serve.sim.hardware import get_hardware
+
+    cost = COST_MODELS[dep.config.cost_model](get_hardware(dep.config.hardware))
+    spec = {m.name: m.spec for m in dep.models}
+    span = span_s or max(workload.duration, 1e-9)
+    out = dict.fromkeys(workload.models, 0.0)
+    for r in workload.rows():
+        t = cost.prefill_time(spec[r.model], 1, r.prompt_tokens)
+        if r.output_tokens > 1:
+            t += float(cost.decode_steps(spec[r.model], 1, 1, r.prompt_tokens, r.output_tokens - 1).sum())
+        out[r.model] += t / span
+    return out
+
+
+def sim_variants() -> list[tuple[str, bool | None]]:
+    """("sim", None): the simulator as it is; plus ("sim, no sharing", False) where SimConfig has
+    ``compute_sharing`` (each engine steps as if alone on its device: the simulator before it)."""
+    if "compute_sharing" in {f.name for f in dataclasses.fields(SimConfig)}:
+        return [("sim", None), ("sim, no sharing", False)]
+    return [("sim", None)]
+
+
+# ---- the simulated run --------------------------------------------------------------------------
+
+
+def run_sim(dep: SimDeployment, workload: Workload, num_warmup: int) -> dict:
+    """Simulate ``workload`` (its first ``num_warmup`` requests are the warm-up) on ``dep``; per-model
+    numbers over the other requests, activations/evictions from the first of them on."""
+    from prism_serve.control import ModelState
+    from prism_serve.sim.simulator import Simulator
+
+    class MirrorSimulator(Simulator):
+        """The simulator with the live budgets and per-model activation/eviction counts (the
+        simulator's own counters are totals)."""
+
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            for dev, budget in zip(self.devices.values(), dep.budgets, strict=True):
+                dev.capacity_bytes = budget
+            self.counts: dict[str, Counter] = {m: Counter() for m in self.models}
+            self.at_replay: dict[str, Counter] | None = None
+            self.placement_at_replay: dict[str, list[str]] = {}
+            self.live_name = dict(zip(self.devices, dep.device_names, strict=True))
+
+        def placement(self) -> dict[str, list[str]]:
+            """Live device name -> models placed there (activating ones included)."""
+            out: dict[str, list[str]] = {}
+            for name, m in self.models.items():
+                if m.placement:
+                    out.setdefault(self.live_name[m.placement[0]], []).append(name)
+            return dict(sorted(out.items()))
+
+        def on_arrival(self, i: int, now: float) -> None:
+            if i == num_warmup:
+                for name, m in self.models.items():
+                    self.counts[name][BUSY] = m.step_seconds  # engine busy (wall) seconds so far
+                self.at_replay = {m: Counter(c) for m, c in self.counts.items()}
+                self.placement_at_replay = self.placement()
+            super().on_arrival(i, now)
+
+        def on_activation_done(self, model: str, version: int, now: float) -> None:
+            m = self.models[model]
+            if m.activation_version == version and m.state is ModelState.ACTIVATING:
+                self.counts[model]["activations"] += 1
+            super().on_activation_done(model, version, now)
+
+        # the effect is ``evict`` since the simulator runs control.loop (``_evict`` before it)
+        def evict(self, model: str, now: float):
+            self._count_eviction(model)
+            return super().evict(model, now)
+
+        def _evict(self, model: str, now: float):
+            self._count_eviction(model)
+            return super()._evict(model, now)
+
+        def _count_eviction(self, model: str) -> None:
+            if self.models[model].state is not ModelState.EVICTED:
+                self.counts[model]["evictions"] += 1
+
+    start = time.perf_counter()
+    sim = MirrorSimulator(dep.models, workload, dep.slos, dep.config)
+    result = sim.run()
+    wall = time.perf_counter() - start
+    for name, m in sim.models.items():
+        sim.counts[name][BUSY] = m.step_seconds
+    replay = [r for r in result.requests if int(r.req_id) >= num_warmup]
+    stats = sim_model_stats(replay, dep.slos)
+    before = sim.at_replay or {m: Counter() for m in sim.counts}
+    for name in dep.slos:
+        for key in (*COUNTS, BUSY):
+            stats[name][key] = sim.counts[name][key] - before[name][key]
+            stats[name][f"warmup_{key}"] = before[name][key]
+    for key in (*COUNTS, BUSY):
+        stats["(all)"][key] = sum(stats[n][key] for n in dep.slos)
+    summary = result.summary()
+    return {
+        "models": stats,
+        "summary": {k: summary[k] for k in SIM_COUNTERS},
+        "placement_after_warmup": sim.placement_at_replay,
+        "placement_at_end": sim.placement(),
+        "wall_s": round(wall, 2),
+        "simulated": True,
+        "hardware": result.labels.get("hardware"),
+    }
