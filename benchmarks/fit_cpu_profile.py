@@ -368,13 +368,17 @@ def fit_trace(
     held_share: float,
     points: Path | None,
     points_weight: float,
+    balance_kinds: bool = True,
 ) -> None:
     """Fit the profile to live steps (``PRISM_STEP_TRACE`` of a ``prism serve`` run): each step's
     CPU seconds is its cost alone on its one core. Held out: the steps of ``held_dirs``, or else a
     random ``held_share`` of the training runs' steps. ``points``: also fit the measured points of
     an earlier run of this script (its raw file; each point's minimum), which reach the large
     batches and long contexts a light live run never steps; its training points together carry
-    ``points_weight`` of the training weight, its held-out points stay held out."""
+    ``points_weight`` of the training weight, its held-out points stay held out. ``balance_kinds``:
+    the live training steps of each kind (decode, prefill, mixed) carry the same total weight; a live
+    run is almost all decode steps (96% in the presets of sim_vs_live.py), and unweighted they would
+    let the fit trade the prefill steps, on which every TTFT hangs, for a slightly better decode."""
     from prism_serve.engine.step_trace import read_step_traces
     from prism_serve.sim.cost import RooflineCostModel
     from prism_serve.sim.hardware import HARDWARE
@@ -392,6 +396,12 @@ def fit_trace(
     y = np.array([r.cpu for r, _ in steps])
     wall = np.array([r.dt for r, _ in steps])
     weights = np.ones(len(steps))
+    if balance_kinds:
+        live_kinds = np.array([step_kind(b) for b in batches])
+        present = [k for k in ("decode", "prefill", "mixed") if (~held & (live_kinds == k)).any()]
+        for k in present:  # each kind's training steps together weigh len(steps) / len(present)
+            sel = live_kinds == k
+            weights[sel] = (~held).sum() / len(present) / max(1, (~held & sel).sum())
     source = np.array(["live"] * len(steps), dtype=object)
     if points is not None:
         pts = json.loads(points.read_text())["points"]
@@ -423,7 +433,10 @@ def fit_trace(
         f"rest went to the serving path and other processes, i.e. a live step lasts {1 / alone:.3f}x its "
         "CPU seconds (sim_vs_live.py --step-scale)"
     )
-    print(f"target: CPU seconds per step; small-batch crossover {crossover:g} rows")
+    print(
+        f"target: CPU seconds per step{', step kinds weighted equally' if balance_kinds else ''}; "
+        f"small-batch crossover {crossover:g} rows"
+    )
     print_constants(hw)
     kinds = np.array([step_kind(b) for b in batches])
     registered = RooflineCostModel(HARDWARE["cpu-smollm2"])
@@ -509,9 +522,16 @@ def main() -> None:
     ap.add_argument("--held-share", type=float, default=0.25, help="random share held out without --held-out")
     ap.add_argument("--points", type=Path, help="with --trace: also fit the points of this raw file (--raw)")
     ap.add_argument("--points-weight", type=float, default=0.25, help="their share of the training weight")
+    ap.add_argument(
+        "--by-step", action="store_true",
+        help="with --trace: weigh every live step alike (default: each step kind, decode / prefill / mixed, "
+        "carries the same total weight)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.trace:
-        fit_trace(args.trace, args.held_out, args.held_share, args.points, args.points_weight)
+        fit_trace(
+            args.trace, args.held_out, args.held_share, args.points, args.points_weight, not args.by_step
+        )
         return
     if args.reuse:
         raw = json.loads(args.raw.read_text())
