@@ -112,6 +112,34 @@ def test_pages_are_made_ahead_of_time_within_the_headroom(make_ledger, vrange, l
     spare.close()
 
 
+def test_one_idle_worker_per_device_makes_the_pages_ahead(make_ledger, loader):
+    """Each worker's thread makes pages ahead, but the device keeps one model's worth: they go to
+    one idle worker (the most spare, then the lowest slot), so the activation the pool hands it
+    reuses them all instead of finding a share in each worker."""
+    ledger = make_ledger(budget_bytes=64 * MiB)
+    r0, r1 = HostVirtualRange("cpu:0", 32 * MiB, PAGE), HostVirtualRange("cpu:0", 32 * MiB, PAGE)
+    w0 = SparePages(r0, ledger, "w0 spare", target_bytes=12 * MiB, headroom=0.1, thread=False)
+    w1 = SparePages(r1, ledger, "w1 spare", target_bytes=12 * MiB, headroom=0.1, thread=False)
+    try:
+        w1.tend()  # a tie at nothing: the lower slot (w0) leads, w1 waits
+        assert w1.spare_bytes == 0
+        w0.tend()
+        w1.tend()
+        assert (w0.spare_bytes, w1.spare_bytes) == (12 * MiB, 0)
+        a = ledger.account("a weights")  # w0 becomes an engine: its pages are the model's
+        n, reused = map_weight_pages(r0, a, 12 * MiB, loader, w0)
+        assert (n, reused) == (6, 6)
+        w1.tend()  # now w1 is the idle worker with the most spare: it makes the next model's pages
+        assert w1.spare_bytes == 12 * MiB
+        unmap_weight_pages(r0, a, n, w0)  # w0's model pages become spare again, up to the target
+        assert w0.spare_bytes + w1.spare_bytes <= 24 * MiB
+    finally:
+        w0.close()
+        w1.close()
+        r0.close()
+        r1.close()
+
+
 def test_spare_pages_yield_to_a_grant_that_needs_them(make_ledger, vrange, loader):
     ledger = make_ledger(budget_bytes=16 * MiB)
     spare = SparePages(vrange, ledger, "w0 spare", target_bytes=12 * MiB, headroom=0.0, poll_interval_s=0.005)

@@ -164,6 +164,8 @@ class SparePages:
             return False  # the device already keeps enough spare pages
         if snap.free_bytes - self.page_size < self.headroom * snap.budget_bytes:
             return False
+        if not self._leads(snap):
+            return False  # another worker of the device is the one making pages ahead
         with self._lock:
             if self._closed:
                 return False
@@ -181,6 +183,22 @@ class SparePages:
             self._spare.add(p)
             self._made += 1
             return True
+
+    def _leads(self, snap: LedgerSnapshot) -> bool:
+        """Whether this worker makes the device's pages ahead of time: of the idle workers (no
+        process whose other entries map bytes: an active engine is not handed the next activation),
+        the one whose spare entry holds the most bytes, ties to the lowest ledger slot. One holder
+        per device, so the worker the pool hands the next activation (the idle one with the most
+        spare pages) finds a whole model's pages made. When every worker's thread made pages, the
+        device-wide limit left each a share, and that activation created most of its pages itself
+        (SmolLM2-135M fp32: 111 of 257 reused, 1.0 s of map instead of 0.05 s)."""
+        busy = {e.pid for e in snap.entries if not e.spare and e.mapped_bytes > 0}
+        mine = (-len(self._spare) * self.page_size, self.account.slot)
+        return all(
+            mine < (-e.mapped_bytes, e.slot)
+            for e in snap.entries
+            if e.spare and e.slot != self.account.slot and e.pid not in busy
+        )
 
     def _loop(self) -> None:
         while not self._closed:
