@@ -394,6 +394,25 @@ def test_a_model_activated_for_a_request_is_not_prewarmed_after_serving_it():
     check_invariants(loop, body)
 
 
+def test_a_replica_added_to_a_model_with_one_resident_is_not_prewarmed():
+    """Replica 0 re-activated by replica scaling while replica 1 serves the model's requests: it
+    serves that demand, so its memory does not yield first (it did, and prism activated and evicted
+    it every tick). Replica 0 activated with no replica resident and nothing waiting is a prewarm."""
+    loop, body, pol = make(models={"a": 1.0, "a#1": 1.0})
+    body.activate("a#1", ("d1",), 0.0)
+    body.activated("a#1", 0.1)
+    pol.next_place = [Activate("a", ("d0",))]
+    loop.tick(1.0)
+    assert body.models["a"].state is ModelState.ACTIVATING and "a" not in loop.prewarmed
+    body.activated("a", 1.1)
+    pol.next_place = [Evict("a"), Evict("a#1")]
+    loop.tick(2.0)
+    pol.next_place = [Activate("a", ("d0",))]
+    loop.tick(3.0)
+    assert "a" in loop.prewarmed
+    check_invariants(loop, body)
+
+
 def test_abort_and_reject_leave_nothing_behind():
     loop, body, pol = make()
     loop.arrival(req(1), 0.0)

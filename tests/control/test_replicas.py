@@ -158,12 +158,11 @@ def test_snapshots_without_replicas_have_no_index() -> None:
     assert c.extra_replicas == {} and c.replicas("a") == ("a",)
 
 
-def test_a_new_replica_does_not_yield_its_memory_like_a_prewarmed_model():
-    """A replica slot has no request of its own until the router sends it one: it is not prewarmed
-    memory (evicting it at once would activate and evict it every tick), only idle after the idle
-    threshold like any model."""
-    replica = replace(hot(k=1, on=("d1",)), prewarmed=True)
-    assert not is_idle(replica, 1.0, 30.0)
-    assert is_idle(replica, 100.0, 30.0)
+def test_prewarmed_memory_yields_first_and_other_idle_memory_after_the_threshold():
     prewarmed = replace(hot(on=("d0",)), prewarmed=True)
     assert is_idle(prewarmed, 1.0, 30.0)
+    busy_prewarmed = replace(prewarmed, num_queued=1)
+    assert not is_idle(busy_prewarmed, 1.0, 30.0)
+    replica = hot(k=1, on=("d1",))
+    assert not is_idle(replica, 1.0, 30.0) and is_idle(replica, 100.0, 30.0)
+

@@ -40,9 +40,9 @@ __all__ = [
 
 
 def _yields_first(m: ModelSnapshot) -> bool:
-    """Prewarmed memory yields first; a replica slot's does not: it was added for the load its served
-    model already has and gets requests once active (evicting it at once would thrash)."""
-    return m.prewarmed and m.replica_of is None
+    """Prewarmed memory yields first. (A replica added for its served model's load is never
+    prewarmed: control/loop.py.)"""
+    return m.prewarmed
 
 
 def eviction_key(m: ModelSnapshot, now: float) -> tuple:

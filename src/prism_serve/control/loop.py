@@ -37,9 +37,12 @@ Rules decided here once for both bodies:
 - ``prewarmed`` (``ModelSnapshot.prewarmed``, whose memory yields first): a model is prewarmed when
   an ``Activate`` for it is applied while none of its requests waits (queued or deferred) or is
   being routed, until its next arrival or eviction; a model activated for a request is not, even
-  after that request finishes. (Before, each body derived it from "no arrival since the placement
-  time"; the runtime stamped that time a moment after the triggering arrival, so every model it
-  activated on demand counted as prewarmed and was the first evicted, and the simulator did not.)
+  after that request finishes, and neither is a replica added to a served model that has one
+  resident (it serves that model's demand; replica 0 re-added that way once counted as prewarmed,
+  was evicted first at the next tick and asked for again, every tick). (Before, each body derived
+  it from "no arrival since the placement time"; the runtime stamped that time a moment after the
+  triggering arrival, so every model it activated on demand counted as prewarmed and was the first
+  evicted, and the simulator did not.)
 - Admission runs, after every event, on the devices whose queue or capacity may have changed, in
   device-name order, until no device has anything new to admit.
 """
@@ -292,6 +295,16 @@ class ControlLoop:
         self.stale_models[replica] = None
         self.stale_models[model] = None
 
+    def _scales_out(self, model: str, now: float) -> bool:
+        """Whether activating ``model`` adds a replica to a served model that has one resident: the
+        demand it serves is that model's, so it is not prewarmed (its memory would yield first, and
+        the next tick would ask for it again)."""
+        group = model.rpartition(REPLICA_SEPARATOR)[0] if REPLICA_SEPARATOR in model else model
+        if group not in self._replicated:
+            return False
+        cluster = self.body.cluster(now)
+        return any(cluster.models[r].resident for r in cluster.replicas(group) if r != model)
+
     def _apply(self, actions: Iterable, now: float) -> None:
         """Apply ``actions`` in order; requests they displaced are routed again afterwards, so every
         policy call sees a snapshot with the previous call's actions fully applied."""
@@ -332,10 +345,10 @@ class ControlLoop:
                     self.counters["rejections"] += 1
                     body.reject(r, reason, detail, now)
                 case Activate(model=model, devices=devices):
-                    if self.num_queued[model] or self._routing[model]:
+                    if self.num_queued[model] or self._routing[model] or self._scales_out(model, now):
                         self.prewarmed.discard(model)  # activated for demand
                     else:
-                        self.prewarmed.add(model)  # ahead of any request (the forecast, a replica slot)
+                        self.prewarmed.add(model)  # ahead of any request (the forecast)
                     body.activate(model, devices, now)
                     self._displaced_by_activation(model, devices[0])
                 case Evict(model=model):
