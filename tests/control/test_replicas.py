@@ -166,3 +166,53 @@ def test_prewarmed_memory_yields_first_and_other_idle_memory_after_the_threshold
     replica = hot(k=1, on=("d1",))
     assert not is_idle(replica, 1.0, 30.0) and is_idle(replica, 100.0, 30.0)
 
+
+def _starving(replica_running: int = 0, waiting: int = 1) -> ClusterSnapshot:
+    """Two full devices: m on d0 next to busy c, its second replica m#1 on d1 next to busy b, and w
+    evicted with ``waiting`` requests queued; nothing is idle at t = 10, and d0 has a queue."""
+    devices = {"d0": 25.0, "d1": 25.0}
+    return cluster(
+        [
+            hot(rate=6, on=("d0",), running=2, last=9.0),  # 12 req/s of capacity 10 each: two wanted
+            hot(k=1, rate=6, on=("d1",), running=replica_running, last=9.0),
+            model("c", on=("d0",), running=1, last=9.0),
+            model("b", on=("d1",), running=1, last=9.0),
+            model("w", queued=waiting, last=9.0),
+        ],
+        devices,
+        queued={"d0": ("r90", "r91")},  # requests queued at d0: m#1 is the one to predict a faster start
+    )
+
+
+def test_a_second_copy_of_a_model_yields_its_memory_to_a_model_with_none() -> None:
+    pol = get_policy("prism", prewarm=False)
+    c = _starving()
+    assert c.starved == ("w",)
+    actions = pol.place(c, 10.0)
+    assert Evict("m#1") in actions and Activate("w", ("d1",)) in actions
+    assert Evict("m") not in actions and Evict("b") not in actions and Evict("c") not in actions
+    first = pol.on_request(request("w", 7), c, 10.0)
+    assert first[:2] == [Evict("m#1"), Activate("w", ("d1",))]
+    # with nothing waiting, both replicas stay and m#1, the less loaded, gets the next request
+    calm = _starving(waiting=0)
+    assert calm.starved == ()
+    assert not [a for a in pol.place(calm, 10.0) if isinstance(a, Evict)]
+    assert pol.pick_replica(request("m"), calm, 10.0).model == "m#1"
+
+
+def test_a_busy_second_copy_drains_while_a_model_waits_with_none() -> None:
+    pol = get_policy("prism", prewarm=False)
+    c = _starving(replica_running=1)
+    actions = pol.place(c, 10.0)
+    assert not [a for a in actions if isinstance(a, Evict | Activate)]  # nothing evicted under a request
+    assert pol.on_request(request("w", 7), c, 10.0)[0].__class__.__name__ == "Defer"
+    # the router sends m#1 nothing new, so it drains and the next tick can take its memory
+    assert pol.pick_replica(request("m"), c, 10.0).model == "m"
+    assert pol.pick_replica(request("m"), _starving(replica_running=1, waiting=0), 10.0).model == "m#1"
+
+
+def test_a_model_with_a_copy_resident_is_not_starved() -> None:
+    """Requests queued on an evicted replica slot while another replica is resident are that
+    replica's to serve: nothing yields for them."""
+    c = cluster([hot(rate=2, on=("d0",)), hot(k=1, queued=1)], DEVICES)
+    assert c.starved == ()

@@ -19,6 +19,13 @@ when one fewer would still run below ``low`` utilization (``rate < low * max_rat
 the router stops sending the surplus replica requests and the policy evicts it once it has none.
 ``low`` < ``high`` is the hysteresis that keeps the count from flapping with rate noise.
 
+Replicas yield to models with no copy. While a model waits with no resident copy because no
+device has room (``ClusterSnapshot.starved``), a second copy of another model is worth less than
+its first: each replicated model's highest resident slot drains (the router sends it nothing, as a
+surplus) and, once it has nothing queued or running, its memory counts as evictable for the waiting
+model after the idle models (:func:`spare_replicas`). Replica scaling takes only idle models'
+memory, so the replica comes back only once the model it made room for is idle again.
+
 Routing. A request goes to the resident replica with the lowest predicted TTFT (:func:`predicted_ttft`):
 requests queued ahead of it on that replica's device and its own prefill, one decode step of the
 replica's running batch, all stretched by the device's compute contention; a replica still
@@ -42,8 +49,10 @@ __all__ = [
     "predicted_ttft",
     "replica_capacity",
     "resident_replicas",
+    "spare_replicas",
     "surplus",
     "wanted_replicas",
+    "yielding_replica",
 ]
 
 _TYPICAL_BATCH = 16  # ModelProfile.decode_step_s is one step at about this many running requests
@@ -69,19 +78,41 @@ def resident_replicas(cluster: ClusterSnapshot, model: str) -> list[ModelSnapsho
     return [m for n in cluster.replicas(model) if (m := cluster.models[n]).resident]
 
 
-def surplus(cluster: ClusterSnapshot, model: str, low: float) -> ModelSnapshot | None:
-    """The replica ``model`` can give up (the highest resident slot), if one fewer would still run
-    below ``low`` utilization; never its last active replica."""
+def yielding_replica(cluster: ClusterSnapshot, model: str) -> ModelSnapshot | None:
+    """The replica ``model`` would give up first: its highest resident slot, if it has two or more
+    resident and that is not its last active one."""
     resident = resident_replicas(cluster, model)
     if len(resident) < 2:
-        return None
-    capacity = replica_capacity(cluster, model)
-    if capacity is None or group_rate(cluster, model) >= low * capacity * (len(resident) - 1):
         return None
     last = resident[-1]
     if last.state is ModelState.ACTIVE and not any(m.state is ModelState.ACTIVE for m in resident[:-1]):
         return None
     return last
+
+
+def surplus(cluster: ClusterSnapshot, model: str, low: float) -> ModelSnapshot | None:
+    """The replica ``model`` can give up (:func:`yielding_replica`), if one fewer would still run
+    below ``low`` utilization."""
+    last = yielding_replica(cluster, model)
+    if last is None:
+        return None
+    capacity = replica_capacity(cluster, model)
+    n = len(resident_replicas(cluster, model))
+    if capacity is None or group_rate(cluster, model) >= low * capacity * (n - 1):
+        return None
+    return last
+
+
+def spare_replicas(cluster: ClusterSnapshot) -> list[ModelSnapshot]:
+    """Replicas a model with no resident copy may have evicted for its memory (after the idle
+    models): each replicated model's :func:`yielding_replica`, once active with nothing queued or
+    running and not pinned."""
+    out = []
+    for model in cluster.extra_replicas:
+        r = yielding_replica(cluster, model)
+        if r is not None and r.state is ModelState.ACTIVE and not (r.num_queued or r.num_running or r.pinned):
+            out.append(r)
+    return out
 
 
 def device_busy(cluster: ClusterSnapshot, device: str) -> float:

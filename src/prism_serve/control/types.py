@@ -325,6 +325,9 @@ class ClusterSnapshot:
     # served model -> its replica slots beyond replica 0, in the order the snapshot lists them (the
     # bodies list them in slot order; routing breaks ties by this order), built from replica_of
     extra_replicas: Mapping[str, tuple[str, ...]] = field(init=False, default_factory=dict)
+    # models with requests waiting and no copy resident or activating (deferred for room, or waiting
+    # for the tick), by name
+    starved: tuple[str, ...] = field(init=False, default=())
 
     @classmethod
     def build(
@@ -355,7 +358,10 @@ class ClusterSnapshot:
             _check(m is not None and m.resident, f"engine for {name!r}: no such resident model")
             _check(e.device == m.placement[0], f"engine for {name!r} must be on {m.placement[0]}")
         extra: dict[str, list[str]] = {}
+        starved = []
         for m in self.models.values():
+            if m.num_queued and not m.resident:
+                starved.append(m.model)
             if m.replica_of is not None:
                 base = self.models.get(m.replica_of)
                 _check(
@@ -368,6 +374,10 @@ class ClusterSnapshot:
             "extra_replicas",
             MappingProxyType({k: tuple(v) for k, v in extra.items()}),
         )
+        # a replica slot's requests go to a resident replica of its model when there is one
+        models = self.models
+        starved = [n for n in starved if not any(models[r].resident for r in self.replicas(models[n].group))]
+        object.__setattr__(self, "starved", tuple(starved))
 
     def replicas(self, model: str) -> tuple[str, ...]:
         """The snapshot names of ``model``'s replica slots, replica 0 (``model`` itself) first."""

@@ -49,8 +49,10 @@ from prism_serve.control.replicas import (
     group_rate,
     pick_replica,
     resident_replicas,
+    spare_replicas,
     surplus,
     wanted_replicas,
+    yielding_replica,
 )
 from prism_serve.control.types import (
     Action,
@@ -143,11 +145,14 @@ class PrismPolicy(Policy):
         return self.knobs.max_replicas
 
     def pick_replica(self, request: Request, cluster: ClusterSnapshot, now: float) -> Request:
-        """The replica with the lowest predicted TTFT, leaving out a surplus replica (it drains)."""
+        """The replica with the lowest predicted TTFT, leaving out a surplus replica, or while a model
+        waits with no copy resident the replica that yields to it (either drains)."""
         m = cluster.models.get(request.model)
         if m is None or len(cluster.replicas(m.group)) == 1:
             return pick_replica(request, cluster)
         extra = surplus(cluster, m.group, self.knobs.replica_low)
+        if extra is None and cluster.starved:
+            extra = yielding_replica(cluster, m.group)
         return pick_replica(request, cluster, extra.model if extra is not None else None)
 
     def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
@@ -168,6 +173,8 @@ class PrismPolicy(Policy):
             ]
         loads = device_loads(cluster, now, k.idle_threshold_s, k.min_kv_fraction, compute=k.compute_aware)
         choice = choose_activation(m, loads)
+        if choice is None:
+            choice = choose_activation(m, _with_spare_replicas(cluster, loads, set()))
         if choice is None:
             return [Defer(request, f"{m.model}: every device is full of busy models")]
         devices, evictions = choice
@@ -248,6 +255,9 @@ class PrismPolicy(Policy):
             for m in unplaced:
                 del planned[m.model]
                 devices = self._make_room(cluster, loads, loads, m, planned, evicted, gone)
+                if devices is None:  # a second copy of another model yields to this model's first
+                    spare = _with_spare_replicas(cluster, loads, gone)
+                    devices = self._make_room(cluster, loads, spare, m, planned, evicted, gone)
                 if devices is None:
                     continue
                 planned[m.model] = devices
@@ -487,3 +497,19 @@ class PrismPolicy(Policy):
                 load.shared_kv += m.part_weight_bytes
             if m in load.idle:
                 load.idle.remove(m)
+
+
+def _with_spare_replicas(
+    cluster: ClusterSnapshot, loads: list[DeviceLoad], gone: set[str]
+) -> list[DeviceLoad]:
+    """``loads`` (copies) whose evictable models end with the replicas that yield to a model with no
+    copy resident (replicas.spare_replicas), for choosing where such a model goes; the plan's own
+    ``loads`` stay as they are."""
+    spare: dict[str, list[ModelSnapshot]] = {}
+    for r in spare_replicas(cluster):
+        if r.model not in gone:
+            for d in r.placement:
+                spare.setdefault(d, []).append(r)
+    if not spare:
+        return loads
+    return [replace(load, idle=[*load.idle, *spare.get(load.device, ())]) for load in loads]
