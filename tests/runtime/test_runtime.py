@@ -120,6 +120,33 @@ def test_snapshot_carries_measured_engine_seconds_per_request(rt: Runtime) -> No
     assert 0 < snap.busy <= 1 and snap.busy == pytest.approx(min(1.0, snap.rate * measured))
 
 
+def test_the_controller_fits_decode_step_time_against_the_batch_from_the_workers(rt: Runtime) -> None:
+    """Requests that overlap on one engine batch their decode steps; the worker sums every decode
+    step (batch, CPU seconds) and the controller adds the deltas, so the profile's capacity credits
+    the batching: above the step-seconds floor, and a power law the real engine's steps follow."""
+
+    async def overlapping():
+        from .conftest import collect
+
+        lengths = (4, 8, 12, 16, 24, 32)  # they finish one by one: batches from 6 down to 1
+        return await asyncio.gather(
+            *(
+                collect(rt.c, "smol-b", [1000 + i, 1001, 1002], SamplingParams(max_tokens=n, ignore_eos=True))
+                for i, n in enumerate(lengths)
+            )
+        )
+
+    before = rt.c.models["smol-b"].decode
+    rt.run(overlapping())
+    entry = rt.c.models["smol-b"]
+    added = entry.decode - before
+    assert added.steps >= 16 and added.batch > added.steps  # batched decode steps were counted
+    fit = entry.decode.fit()
+    assert fit is not None and fit[0] > 0 and 0 <= fit[1] <= 1
+    snap = rt.c.snapshot().models["smol-b"]
+    assert snap.profile.max_rate > entry.num_served / entry.step_seconds
+
+
 def test_workers_trace_every_step_with_its_shape(rt: Runtime, step_dir: Path) -> None:
     """PRISM_STEP_TRACE: each step of a request as the simulator counts it (the prompt in one
     chunk, then one decode per token over a growing context), with its wall and CPU seconds."""

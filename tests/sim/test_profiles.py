@@ -43,7 +43,32 @@ def test_live_profiles_measure_the_simulated_engine():
     assert m.step_seconds == pytest.approx(sum(r.finish - r.arrival for r in sim.requests), rel=1e-6)
     profile = sim._model_snapshot(m, 100.0).profile
     assert profile.busy_s_per_request == pytest.approx(m.step_seconds / 6)
-    assert profile.max_rate == pytest.approx(6 / m.step_seconds)
+    # every decode step had one sequence: how the step grows with the batch is unknown, and so is
+    # what one replica could serve by batching (no replica is asked for on that evidence)
+    assert m.steps.steps > 0 and m.steps.batch == m.steps.steps and m.steps.fit() is None
+    assert profile.max_rate is None
+
+
+def test_live_profiles_fit_the_step_time_of_a_batching_engine_and_credit_the_batching():
+    """Requests that overlap batch their decode steps: the fit of step time against the batch
+    follows the cost model, and the capacity a replica is judged by is above the step-seconds
+    floor (requests served per second of stepping) by the batching the TPOT SLO leaves room for."""
+    ms = [served("a", "llama-3.2-1b")]
+    n = 24
+    w = Workload(np.arange(n) * 0.02, np.zeros(n, int), np.full(n, 300), np.full(n, 100), ["a"])
+    cfg = SimConfig(num_devices=1, policy="static-partition", profiles="live")
+    sim = Simulator(ms, w, loose(ms), cfg)
+    sim.run()
+    m = sim.models["a"]
+    fit = m.steps.fit()
+    assert fit is not None and m.steps.batch > m.steps.steps  # it batched
+    t1, p = fit
+    spec = ms[0].spec
+    for b in (1, 4):  # the power law is close to the cost model's steps over the batches it saw
+        ctx = b * 350
+        assert t1 * b**p == pytest.approx(float(sim.cost.decode_steps(spec, 1, b, ctx, 1)[0]), rel=0.25)
+    profile = sim._model_snapshot(m, 100.0).profile
+    assert profile.max_rate > m.num_served / m.step_seconds
 
 
 def test_live_profiles_start_from_the_default_and_cost_model_profiles_never_measure():

@@ -10,7 +10,8 @@ and both bodies treat replicas exactly like models. The body creates the slots u
 Demand against capacity. A served model's demand is the sum of its replicas' request rates (each
 replica's rate is what the router sent it), and one replica serves at most ``max_rate`` requests/s
 within the model's SLOs (``ModelProfile.max_rate``: the simulator's cost model, or live the
-requests served per second of engine stepping). The model wants::
+requests served per second of engine stepping times the batching its TPOT SLO leaves room for,
+``types.measured_profile``). The model wants::
 
     wanted = ceil(rate / (high * max_rate))      clamped to [1, slots]
 

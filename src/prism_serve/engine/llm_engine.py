@@ -95,6 +95,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self.stalled = False
         self.last_step_tokens = 0  # tokens the last step computed (prefill chunks + decodes)
+        self.last_step_seqs = 0  # sequences in the last step
         # set True to have step() record last_step_batch (step traces, the CPU-profile fit)
         self.record_step_batches = False
         self.last_step_batch: list[tuple[int, int, bool]] = []
@@ -213,6 +214,7 @@ class LLMEngine:
         # device budget) refuses blocks for now. Callers back off instead of spinning.
         self.stalled = not sched.scheduled and self.has_unfinished_requests()
         self.last_step_tokens = sum(s.num_new_tokens for s in sched.scheduled)
+        self.last_step_seqs = len(sched.scheduled)  # == last_step_tokens: a pure decode step
         # (new tokens, cached tokens before them, samples) per request: the step's shape
         if self.record_step_batches:
             self.last_step_batch = [

@@ -23,7 +23,7 @@ from prism_serve.control import (
 )
 from prism_serve.control.forecast import RateEstimator
 from prism_serve.control.queues import RequestQueue
-from prism_serve.control.types import measured_profile
+from prism_serve.control.types import StepSums, measured_profile
 from prism_serve.engine.config import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
@@ -88,6 +88,8 @@ class ModelEntry:
     step_seconds: float = 0.0
     cpu_seconds: float = 0.0
     num_served: int = 0  # requests that left its engine (finished, failed or aborted there)
+    # its engines' decode steps over every activation (the profile's step-time fit)
+    decode: StepSums = field(default_factory=StepSums)
     # a replica slot of the served model named here (control/replicas.py): the same spec under its
     # slot name, the same host weights and tokenizer; None for the served model itself
     replica_of: str | None = None
@@ -97,11 +99,21 @@ class ModelEntry:
         per request served, measured over every activation, once a few requests make it meaningful.
         Its inverse, requests served per second of stepping, is the replica capacity prism scales
         replicas by (a floor: a busier engine batches more and serves more per step second)."""
-        return measured_profile(ModelProfile(), self.step_seconds, self.num_served)
+        return measured_profile(
+            ModelProfile(),
+            self.step_seconds,
+            self.num_served,
+            self.decode,
+            self.spec.tpot_slo,
+            self.spec.max_num_seqs,
+        )
 
     def count_engine_time(self, before: msg.EngineStats | None, after: msg.EngineStats) -> None:
         """Add what the engine used between two stats of one activation (``before`` None: its first)."""
         self.step_seconds += max(0.0, after.step_seconds - (before.step_seconds if before else 0.0))
+        if after.decode_sums:
+            was = StepSums(*before.decode_sums) if before is not None and before.decode_sums else StepSums()
+            self.decode = self.decode + (StepSums(*after.decode_sums) - was)
         self.cpu_seconds += max(0.0, after.cpu_seconds - (before.cpu_seconds if before else 0.0))
 
     def activate_message(self, decided_at: float, load_threads: int) -> msg.ActivateModel:

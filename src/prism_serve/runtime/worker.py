@@ -22,12 +22,13 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, field
 
 import msgspec
 import torch
 import zmq
 
+from prism_serve.control.types import StepSums
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
@@ -63,6 +64,7 @@ class _Active:
     weight_bytes: int
     prefill_tokens_per_s: float | None = None
     step_seconds: float = 0.0  # wall time spent in engine steps since the activation
+    decode: StepSums = field(default_factory=StepSums)  # decode steps since the activation, CPU-timed
     cpu_start: float = 0.0  # this process's CPU time when the activation finished
 
 
@@ -169,10 +171,15 @@ class Worker:
             self._fail(m.req_id, e)
 
     def _step(self, a: _Active) -> None:
-        t0, c0 = time.monotonic(), time.thread_time()
+        t0, c0, p0 = time.monotonic(), time.thread_time(), time.process_time()
         outs = a.engine.step()
         dt = time.monotonic() - t0
         a.step_seconds += dt
+        seqs = a.engine.last_step_seqs
+        if seqs and a.engine.last_step_tokens == seqs:
+            # a decode step, timed by this process's CPU (a colocated engine's share of the core is
+            # not a cost of batching), at most its wall time (several threads each use CPU time)
+            a.decode = a.decode.plus(seqs, min(dt, time.process_time() - p0))
         if self.trace is not None and a.engine.last_step_tokens:
             cpu = time.thread_time() - c0
             self.trace.write(StepRecord(a.model, time.time() - dt, dt, cpu, a.engine.last_step_batch))
@@ -215,6 +222,7 @@ class Worker:
             prefill_tokens_per_s=a.prefill_tokens_per_s,
             step_seconds=a.step_seconds,
             cpu_seconds=time.process_time() - a.cpu_start,
+            decode_sums=astuple(a.decode) if a.decode.steps else (),
         )
 
     # ---- activation and eviction --------------------------------------------------------------

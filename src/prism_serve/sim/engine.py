@@ -340,6 +340,14 @@ class SimEngine:
         self.version += 1
         return self.end
 
+    @property
+    def decode_shape(self) -> tuple[int, int, float]:
+        """(sequences, steps, seconds alone on its devices) of the decode step or run in flight;
+        (0, 0, 0.0) for a step with a prefill."""
+        if self._cum is None:
+            return 0, 0, 0.0
+        return len(self._scheduled), self._run_k, float(self._cum[self._run_k - 1])
+
     def finish_step(self, now: float) -> tuple[list[SimRequest], bool]:
         """Apply the step that ends at ``now``: (requests finished, whether blocks were freed)."""
         self.busy = False

@@ -40,6 +40,7 @@ from prism_serve.control import (
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.types import (
     REPLICA_SEPARATOR,
+    StepSums,
     measured_profile,
     replica_name,
 )
@@ -79,6 +80,7 @@ class _Model:
     step_seconds: float = 0.0
     num_served: int = 0
     step_started: float | None = None
+    steps: StepSums = field(default_factory=StepSums)  # its decode steps (measured_profile's fit)
 
 
 class Simulator:
@@ -277,9 +279,12 @@ class Simulator:
         e = m.engine
         if e is None or not e.busy or e.version != version:
             return  # the step was cut short or the engine stopped
+        batch, steps, alone = e.decode_shape
         finished, freed = e.finish_step(now)  # not busy: _start below syncs the device's busy count
         if m.step_started is not None:
             m.step_seconds += now - m.step_started
+            if steps:  # decode steps, timed alone: what StepSums fits (the live worker: CPU time)
+                m.steps = m.steps.plus(batch, alone, steps)
             m.step_started = None
         m.num_served += len(finished)
         for req in finished:
@@ -511,7 +516,9 @@ class Simulator:
 
     def _profile(self, m: _Model) -> ModelProfile:
         if self._live_profiles:  # what the live controller knows: measured, or the default before
-            return measured_profile(ModelProfile(), m.step_seconds, m.num_served)
+            return measured_profile(
+                ModelProfile(), m.step_seconds, m.num_served, m.steps, m.slo.tpot_s, self.config.max_num_seqs
+            )
         return m.profile
 
     def _device_snapshot(self, d: str) -> DeviceSnapshot:
