@@ -216,3 +216,20 @@ def test_a_model_with_a_copy_resident_is_not_starved() -> None:
     replica's to serve: nothing yields for them."""
     c = cluster([hot(rate=2, on=("d0",)), hot(k=1, queued=1)], DEVICES)
     assert c.starved == ()
+
+
+def test_a_replica_does_not_take_the_memory_of_a_model_the_forecast_expects() -> None:
+    """Replica scaling evicts idle models for a second copy, but not one whose forecast expects a
+    request within the prewarm horizon: its next request would wait for the second copy to drain."""
+    pol = get_policy("prism", prewarm=False)
+    devices = {"d0": 40.0, "d1": 20.0}
+
+    def with_idle(forecast: float | None) -> ClusterSnapshot:
+        idle = replace(model("x", on=("d1",), last=0.0), forecast_rate=forecast)
+        return cluster([hot(rate=20, on=("d0",), running=8, last=99.0), hot(k=1), idle], devices)
+
+    unexpected = pol.place(with_idle(None), 100.0)
+    assert Evict("x") in unexpected and Activate("m#1", ("d1",)) in unexpected
+    assert pol.place(with_idle(0.001), 100.0) == pol.place(with_idle(None), 100.0)  # 0.06 expected
+    expected = pol.place(with_idle(0.1), 100.0)  # 6 requests expected in the next 60 s
+    assert not [a for a in expected if isinstance(a, Evict | Activate)]

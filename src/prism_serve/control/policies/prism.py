@@ -180,6 +180,12 @@ class PrismPolicy(Policy):
         devices, evictions = choice
         return [*(Evict(v) for v in evictions), Activate(m.model, devices), Enqueue(request, devices[0])]
 
+    def _expected(self, m: ModelSnapshot) -> bool:
+        """Whether the forecast expects a request for ``m`` within the prewarm horizon (the prewarm
+        rule's test)."""
+        rate = m.forecast_rate
+        return rate is not None and rate * self.knobs.prewarm_horizon_s >= 1.0
+
     def _busy(self, m: ModelSnapshot) -> float:
         return m.busy if self.knobs.compute_aware else 0.0
 
@@ -370,8 +376,10 @@ class PrismPolicy(Policy):
     ) -> list[ModelSnapshot]:
         """Replica slots to activate (added to ``planned``) for served models whose demand wants more
         replicas than are resident, one per model per tick, on the lowest-pressure devices holding no
-        replica of it (evicting idle models there if needed); surplus replicas with nothing queued or
-        running are evicted (added to ``evicted``). See control/replicas.py."""
+        replica of it (evicting idle models there if needed, but not those the forecast expects a
+        request for within ``prewarm_horizon_s``: a second copy is not worth a first copy's
+        reactivation); surplus replicas with nothing queued or running are evicted (added to
+        ``evicted``). See control/replicas.py."""
         k = self.knobs
         out = []
         for model in cluster.extra_replicas:
@@ -396,7 +404,13 @@ class PrismPolicy(Policy):
                 # for the plan's loads the new replica carries its share of the model's rate
                 share = replace(free, rate=group_rate(cluster, model) / (n + 1))
                 loads = loads_now()
-                others = [load for load in loads if load.device not in taken]
+                # a second copy takes the memory of idle models the forecast does not expect soon
+                # (or of idle second copies)
+                others = [
+                    replace(load, idle=[m for m in load.idle if m.replica_of or not self._expected(m)])
+                    for load in loads
+                    if load.device not in taken
+                ]
                 devices = self._make_room(cluster, loads, others, share, planned, evicted, gone)
                 if devices is None:
                     continue
@@ -422,11 +436,7 @@ class PrismPolicy(Policy):
             (
                 m
                 for m in cluster.models.values()
-                if not m.resident
-                and m.model not in planned
-                and m.replica_of is None
-                and m.forecast_rate is not None
-                and m.forecast_rate * k.prewarm_horizon_s >= 1.0
+                if not m.resident and m.model not in planned and m.replica_of is None and self._expected(m)
             ),
             key=lambda m: (-(m.forecast_rate or 0.0), m.model),
         )
