@@ -11,10 +11,17 @@ by the rate scale), each after the previous one drained.
 
     python benchmarks/live_eval.py                                  # the recorded run
     python benchmarks/live_eval.py --rates 1,2 --duration 30 --policies prism   # a quick look
+    python benchmarks/live_eval.py --sim                            # the same sweep, simulated
 
-Output: ``--out`` (default docs/evaluation/live) gets live.json and live.png; the last lines printed
-are the highest tested rate at which each policy kept >= 99% TTFT attainment and prism's ratio to
-static-partition.
+``--sim`` runs the sweep in the simulator instead (benchmarks/sim_mirror.py: the same devices,
+budgets, models, SLOs and policy on the fitted ``cpu-smollm2`` profile; each rate ``--sim-gap``
+seconds after the previous one, where live waits until the server is idle) in seconds, to see
+what a live sweep will show and why (it prints each model's attainment per rate).
+
+Output: ``--out`` (default docs/evaluation/live) gets live.json, live.png and, with ``--requests``,
+each rate's request records (requests-POLICY-xRATE.json: every request's TTFT, TPOT, error); the
+last lines printed are the highest tested rate at which each policy kept >= 99% TTFT attainment and
+prism's ratio to static-partition.
 """
 
 from __future__ import annotations
@@ -154,15 +161,14 @@ async def run_policy(
     out: Path,
     place: str | None = None,
     timeout: float = 60.0,
+    records: Path | None = None,
+    log_level: str = "warning",
 ) -> list:
     port = free_port()
-    name, _, knobs = policy.partition(":")  # e.g. prism:deadline_admission=false (an ablation)
-    knob_yaml = ", ".join(k.replace("=", ": ") for k in knobs.split("+") if k)
-    text = config.read_text().replace("PORT", str(port))
-    text += f"policy: {{name: {name}, knobs: {{{knob_yaml}}}}}\n"
     cfg = out / f"config-{policy.replace(':', '_')}.yaml"
-    cfg.write_text(text)
-    proc = start_server_process(cfg, port, out / f"server-{policy.replace(':', '_')}.log")
+    cfg.write_text(policy_config(config.read_text(), policy, port))
+    log = out / f"server-{policy.replace(':', '_')}.log"
+    proc = start_server_process(cfg, port, log, log_level=log_level)
     points = []
     try:
         if place:
@@ -174,6 +180,8 @@ async def run_policy(
             settings = BenchSettings(rate_scale=r, duration_s=duration * r, prompt="ids", timeout_s=timeout)
             start, cpu0 = time.perf_counter(), common.cpu_seconds()
             res = await replay(workload, f"http://127.0.0.1:{port}", settings, progress=True)
+            if records is not None:  # every request's TTFT, TPOT and error, for a look at the misses
+                res.write_json(records / f"requests-{policy.replace(':', '_')}-x{r:g}.json")
             s = res.summary()["overall"]
             wall = time.perf_counter() - start
             seconds1 = engine_seconds(port)
@@ -235,6 +243,52 @@ async def run_policy(
     return points
 
 
+def policy_config(config_text: str, policy: str, port: int) -> str:
+    """The deployment YAML for one policy (``name:knob=value+knob=value``) on ``port``."""
+    name, _, knobs = policy.partition(":")  # e.g. prism:deadline_admission=false (an ablation)
+    knob_yaml = ", ".join(k.replace("=", ": ") for k in knobs.split("+") if k)
+    return config_text.replace("PORT", str(port)) + f"policy: {{name: {name}, knobs: {{{knob_yaml}}}}}\n"
+
+
+def simulate_policy(
+    policy: str, config_text: str, workload, rates: list[float], duration: float, gap_s: float
+):
+    """The sweep of ``run_policy`` in the simulator: one point per rate, as run_policy records them
+    (attainments over all models and per model), plus the run's activation counters."""
+    from prism_serve.config import parse_config
+    from sim_mirror import run_sweep, sim_deployment, sweep_workload
+
+    dep = sim_deployment(parse_config(policy_config(config_text, policy, 8000)))
+    combined, segments = sweep_workload(workload, rates, duration, list(NAMES), gap_s)
+    per_rate, counters = run_sweep(dep, combined, segments)
+    points = []
+    for p in per_rate:
+        stats = p["models"]
+        s = stats["(all)"]
+        points.append(
+            {
+                "rate_scale": p["rate_scale"],
+                "rate_per_s": s["requests"] / duration,
+                "num_requests": s["requests"],
+                "ttft_attainment": s["ttft_attainment"],
+                "tpot_attainment": s["tpot_attainment"],
+                "models": {
+                    m: {"ttft_attainment": v["ttft_attainment"], "num_requests": v["requests"],
+                        "ttft_p95_s": v["ttft_p95_s"]}
+                    for m, v in stats.items() if m != "(all)"
+                },
+            }
+        )  # fmt: skip
+        print(
+            f"{policy:>16} x{p['rate_scale']:<5g} {s['requests'] / duration:.2f} req/s (simulated): TTFT "
+            f"{100 * s['ttft_attainment']:.1f}%  TPOT {100 * s['tpot_attainment']:.1f}%  per model TTFT "
+            + ", ".join(f"{m} {100 * v['ttft_attainment']:.0f}%" for m, v in points[-1]["models"].items()),
+            flush=True,
+        )
+    print(f"{policy:>16}: {counters}", flush=True)
+    return points, counters
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -274,6 +328,15 @@ def main() -> None:
         help="dtype of the two synthetic models; auto: bfloat16 only with AVX512_BF16 or AMX",
     )
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs/evaluation/live")
+    ap.add_argument(
+        "--server-log-level",
+        default="warning",
+        choices=["debug", "info", "warning"],
+        help="info: each activation and its phases in the server log (in a temporary directory, printed)",
+    )
+    ap.add_argument("--requests", action="store_true", help="also write every request's record per rate")
+    ap.add_argument("--sim", action="store_true", help="simulate the sweep instead (writes sim.json)")
+    ap.add_argument("--sim-gap", type=float, default=30.0, help="--sim: idle seconds between two rates")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     if args.duration * max(rates) > args.workload_seconds:
@@ -295,6 +358,7 @@ def main() -> None:
     workload = build_workload(spec)
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="prism-live-"))
+    print(f"configs and server logs in {tmp}")
     config = tmp / "base.yaml"
     # auto: bf16 only where the CPU has bf16 matrix instructions (6x slower without)
     dtype = resolve_dtype(args.synthetic_dtype)
@@ -339,9 +403,34 @@ def main() -> None:
         "client_timeout_s": args.timeout,
         "policies": {},
     }
+    if args.sim:
+        results["simulated"] = {"hardware": "cpu-smollm2", "gap_s": args.sim_gap}
+        for policy in args.policies.split(","):
+            points, counters = simulate_policy(
+                policy, config.read_text(), workload, rates, args.duration, args.sim_gap
+            )
+            results["policies"][policy] = points
+            results["simulated"][policy] = counters
+        thresholds = {p: threshold_rate(pts) for p, pts in results["policies"].items()}
+        results["threshold_rate_scale_99_ttft"] = thresholds
+        (args.out / "sim.json").write_text(json.dumps(results, indent=1) + "\n")
+        for p, t in thresholds.items():
+            print(f"{p:>16}: highest rate scale with >= 99% TTFT attainment (simulated): {t}")
+        return
     for policy in args.policies.split(","):
         results["policies"][policy] = asyncio.run(
-            run_policy(policy, config, workload, rates, args.duration, tmp, args.place, args.timeout)
+            run_policy(
+                policy,
+                config,
+                workload,
+                rates,
+                args.duration,
+                tmp,
+                args.place,
+                args.timeout,
+                args.out if args.requests else None,
+                args.server_log_level,
+            )
         )
         (args.out / "live.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out / "live.png")

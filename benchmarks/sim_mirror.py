@@ -313,3 +313,57 @@ def run_sim(dep: SimDeployment, workload: Workload, num_warmup: int) -> dict:
         "simulated": True,
         "hardware": result.labels.get("hardware"),
     }
+
+
+# ---- a rate sweep (benchmarks/live_eval.py --sim) -----------------------------------------------
+
+
+def sweep_workload(
+    workload: Workload, rates: list[float], duration_s: float, warmup: list[str], gap_s: float
+) -> tuple[Workload, list[tuple[float, int, int]]]:
+    """live_eval's sweep as one simulated workload: one warm-up request per model in ``warmup``
+    (1 s apart, as the live warm-up sends them one after another), then for each rate scale ``r``
+    the requests of the first ``duration_s * r`` seconds with their times divided by ``r``, each
+    segment ``gap_s`` after the previous one's last second (live waits until the server is idle).
+    Returns the workload and, per rate, (rate, index of its first request, number of requests)."""
+    names = list(workload.models)
+    for m in warmup:
+        if m not in names:
+            names.append(m)
+    times, models, prompts, outputs = [], [], [], []
+    for i, m in enumerate(warmup):
+        times.append(float(i))
+        models.append(names.index(m))
+        prompts.append(len(WARMUP_PROMPT))
+        outputs.append(WARMUP_OUTPUT)
+    t = float(len(warmup)) + 5.0
+    segments = []
+    for r in rates:
+        h = workload.head(duration_s * r)
+        segments.append((r, len(times), len(h)))
+        times.extend((t + h.timestamps / r).tolist())
+        models.extend(h.model_index.tolist())
+        prompts.extend(h.prompt_tokens.tolist())
+        outputs.extend(h.output_tokens.tolist())
+        t += duration_s + gap_s
+    return Workload(np.array(times), np.array(models), np.array(prompts), np.array(outputs), names), segments
+
+
+def run_sweep(
+    dep: SimDeployment, workload: Workload, segments: list[tuple[float, int, int]]
+) -> tuple[list[dict], dict]:
+    """Simulate a ``sweep_workload`` on ``dep``: per segment, its rate scale and per-model numbers
+    (``sim_model_stats``); and the run's summary counters (activations, evictions, ...)."""
+    from prism_serve.sim.simulator import Simulator
+
+    sim = Simulator(dep.models, workload, dep.slos, dep.config)
+    for dev, budget in zip(sim.devices.values(), dep.budgets, strict=True):
+        dev.capacity_bytes = budget  # the live budgets (the hardware profile's is a GPU's or a core's)
+    result = sim.run()
+    by_id = {int(r.req_id): r for r in result.requests}
+    out = []
+    for r, first, n in segments:
+        stats = sim_model_stats([by_id[i] for i in range(first, first + n) if i in by_id], dep.slos)
+        out.append({"rate_scale": r, "models": stats})
+    summary = result.summary()
+    return out, {k: summary[k] for k in ("activations", "replica_activations", "evictions", "migrations")}

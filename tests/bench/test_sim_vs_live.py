@@ -186,3 +186,37 @@ def test_run_sim_leaves_the_warmup_out(svl):
     # qlm holds one model per device: every later turn is a swap
     assert a["activations"] + b["activations"] >= 5
     assert a["evictions"] + b["evictions"] >= a["activations"] + b["activations"] - 1
+
+
+def test_a_sweep_is_one_workload_of_warm_up_and_rate_segments(svl):
+    from sim_mirror import WARMUP_OUTPUT, sweep_workload
+
+    w = Workload(
+        np.array([0.0, 10.0, 20.0, 50.0]), np.array([0, 1, 0, 1]), np.full(4, 8), np.full(4, 4), ["a", "b"]
+    )
+    combined, segments = sweep_workload(w, [1.0, 2.0], 30.0, ["a", "b", "c"], 40.0)
+    assert combined.models == ("a", "b", "c")
+    # warm-up: one short request per model, 1 s apart; x1 from t = 8 (its first 30 s: 3 requests),
+    # x2 70 s later (30 s of traffic + the gap) with the first 60 s at twice the speed (3 requests)
+    assert segments == [(1.0, 3, 3), (2.0, 6, 3)]
+    assert combined.timestamps.tolist() == [0.0, 1.0, 2.0, 8.0, 18.0, 28.0, 78.0, 83.0, 88.0]
+    assert combined.output_tokens[:3].tolist() == [WARMUP_OUTPUT] * 3
+    assert [combined.models[i] for i in combined.model_index[3:]] == ["a", "b", "a", "a", "b", "a"]
+
+
+def test_the_simulated_sweep_reports_each_rate_and_every_request(svl):
+    from sim_mirror import run_sweep, sim_deployment, sweep_workload
+
+    dep = sim_deployment(parse_config(CONFIG))
+    rng = np.random.default_rng(0)
+    n = 40
+    w = Workload(
+        np.sort(rng.uniform(0, 60, n)), rng.integers(0, 2, n), np.full(n, 32), np.full(n, 16), ["a", "b"]
+    )
+    combined, segments = sweep_workload(w, [1.0, 2.0], 30.0, ["a", "b"], 20.0)
+    points, counters = run_sweep(dep, combined, segments)
+    assert [p["rate_scale"] for p in points] == [1.0, 2.0]
+    for p, (_, _, count) in zip(points, segments, strict=True):
+        assert p["models"]["(all)"]["requests"] == count
+        assert p["models"]["(all)"]["failed"] == 0
+    assert counters["activations"] >= 2  # both models served
