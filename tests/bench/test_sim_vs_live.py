@@ -197,11 +197,11 @@ def test_a_sweep_is_one_workload_of_warm_up_and_rate_segments(svl):
     combined, segments = sweep_workload(w, [1.0, 2.0], 30.0, ["a", "b", "c"], 40.0)
     assert combined.models == ("a", "b", "c")
     # warm-up: one short request per model, 1 s apart; x1 from t = 8 (its first 30 s: 3 requests),
-    # x2 70 s later (30 s of traffic + the gap) with the first 60 s at twice the speed (3 requests)
-    assert segments == [(1.0, 3, 3), (2.0, 6, 3)]
-    assert combined.timestamps.tolist() == [0.0, 1.0, 2.0, 8.0, 18.0, 28.0, 78.0, 83.0, 88.0]
+    # x2 70 s later (30 s of traffic + the gap) with the first 60 s at twice the speed (4 requests)
+    assert segments == [(1.0, 3, 3), (2.0, 6, 4)]
+    assert combined.timestamps.tolist() == [0.0, 1.0, 2.0, 8.0, 18.0, 28.0, 78.0, 83.0, 88.0, 103.0]
     assert combined.output_tokens[:3].tolist() == [WARMUP_OUTPUT] * 3
-    assert [combined.models[i] for i in combined.model_index[3:]] == ["a", "b", "a", "a", "b", "a"]
+    assert [combined.models[i] for i in combined.model_index[3:]] == ["a", "b", "a", "a", "b", "a", "b"]
 
 
 def test_the_simulated_sweep_reports_each_rate_and_every_request(svl):
