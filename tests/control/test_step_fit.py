@@ -1,4 +1,4 @@
-"""The step-time fit behind a replica's capacity (control.types.StepSums, batching_gain,
+"""The step-time fit behind a replica's capacity (control.profiles.StepSums, batching_gain,
 measured_profile): a power law of the batch recovered from running sums, and the capacity credit it
 gives an engine that ran below the batch its TPOT SLO allows."""
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prism_serve.control import ModelProfile
-from prism_serve.control.types import StepSums, batching_gain, measured_profile
+from prism_serve.control.profiles import StepSums, batching_gain, measured_profile
 
 
 def sums(t1: float, p: float, batches: list[int], steps_each: int = 10) -> StepSums:

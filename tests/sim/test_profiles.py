@@ -1,5 +1,5 @@
 """What the simulated policies know of a model's compute demand (SimConfig.profiles): the cost
-model's profile, or the live controller's rule (control.measured_profile over the simulated engine's
+model's profile, or the live controller's rule (control.profiles.measured_profile over the simulated engine's
 step seconds and requests served, the default profile before)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from prism_serve.control import ModelProfile
-from prism_serve.control.types import MIN_SERVED_FOR_PROFILE, measured_profile
+from prism_serve.control.profiles import MIN_SERVED_FOR_PROFILE, measured_profile
 from prism_serve.sim import SimConfig
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.simulator import Simulator

@@ -11,7 +11,7 @@ Demand against capacity. A served model's demand is the sum of its replicas' req
 replica's rate is what the router sent it), and one replica serves at most ``max_rate`` requests/s
 within the model's SLOs (``ModelProfile.max_rate``: the simulator's cost model, or live the
 requests served per second of engine stepping times the batching its TPOT SLO leaves room for,
-``types.measured_profile``). The model wants::
+``profiles.measured_profile``). The model wants::
 
     wanted = ceil(rate / (high * max_rate))      clamped to [1, slots]
 
@@ -82,7 +82,10 @@ def resident_replicas(cluster: ClusterSnapshot, model: str) -> list[ModelSnapsho
 def yielding_replica(cluster: ClusterSnapshot, model: str) -> ModelSnapshot | None:
     """The replica ``model`` would give up first: its highest resident slot, if it has two or more
     resident and that is not its last active one."""
-    resident = resident_replicas(cluster, model)
+    return _last_to_go(resident_replicas(cluster, model))
+
+
+def _last_to_go(resident: list[ModelSnapshot]) -> ModelSnapshot | None:
     if len(resident) < 2:
         return None
     last = resident[-1]
@@ -94,12 +97,12 @@ def yielding_replica(cluster: ClusterSnapshot, model: str) -> ModelSnapshot | No
 def surplus(cluster: ClusterSnapshot, model: str, low: float) -> ModelSnapshot | None:
     """The replica ``model`` can give up (:func:`yielding_replica`), if one fewer would still run
     below ``low`` utilization."""
-    last = yielding_replica(cluster, model)
+    resident = resident_replicas(cluster, model)
+    last = _last_to_go(resident)
     if last is None:
         return None
     capacity = replica_capacity(cluster, model)
-    n = len(resident_replicas(cluster, model))
-    if capacity is None or group_rate(cluster, model) >= low * capacity * (n - 1):
+    if capacity is None or group_rate(cluster, model) >= low * capacity * (len(resident) - 1):
         return None
     return last
 

@@ -68,7 +68,7 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     # shared its cores with colocated engines.
     step_seconds: float = 0.0
     cpu_seconds: float = 0.0
-    # control.types.StepSums of the engine's decode steps since the activation, as its fields in order
+    # control.profiles.StepSums of the engine's decode steps since the activation, as its fields in order
     # (empty: none yet); the controller fits step time against batch size from their deltas
     decode_sums: tuple[float, ...] = ()
 

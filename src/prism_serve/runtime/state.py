@@ -22,8 +22,8 @@ from prism_serve.control import (
     Request,
 )
 from prism_serve.control.forecast import RateEstimator
+from prism_serve.control.profiles import StepSums, measured_profile
 from prism_serve.control.queues import RequestQueue
-from prism_serve.control.types import StepSums, measured_profile
 from prism_serve.engine.config import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
@@ -96,9 +96,10 @@ class ModelEntry:
 
     def profile(self) -> ModelProfile:
         """The per-request costs the control plane predicts compute demand from: engine step seconds
-        per request served, measured over every activation, once a few requests make it meaningful.
-        Its inverse, requests served per second of stepping, is the replica capacity prism scales
-        replicas by (a floor: a busier engine batches more and serves more per step second)."""
+        per request served, measured over every activation, once a few requests make it meaningful,
+        and the replica capacity prism scales replicas by: its inverse, requests served per second
+        of stepping, times the batching the decode-step fit leaves room for within the TPOT SLO
+        (control/profiles.py)."""
         return measured_profile(
             ModelProfile(),
             self.step_seconds,

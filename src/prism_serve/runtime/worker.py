@@ -22,13 +22,13 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
 import zmq
 
-from prism_serve.control.types import StepSums
+from prism_serve.control.profiles import StepSums
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
@@ -222,7 +222,7 @@ class Worker:
             prefill_tokens_per_s=a.prefill_tokens_per_s,
             step_seconds=a.step_seconds,
             cpu_seconds=time.process_time() - a.cpu_start,
-            decode_sums=astuple(a.decode) if a.decode.steps else (),
+            decode_sums=a.decode.values() if a.decode.steps else (),
         )
 
     # ---- activation and eviction --------------------------------------------------------------

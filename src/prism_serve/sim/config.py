@@ -53,7 +53,7 @@ class SimConfig:
     step_scale: float = 1.0
     # what the policies know of each model's compute demand (ModelSnapshot.profile): "cost-model",
     # the profile the cost model gives for the workload's mean request (and its max_rate); "live",
-    # what the live controller knows: control.measured_profile over the simulated engine's step
+    # what the live controller knows: control.profiles.measured_profile over the simulated engine's step
     # seconds and requests served, the default ModelProfile before (benchmarks/sim_vs_live.py)
     profiles: str = "cost-model"
 

@@ -38,12 +38,8 @@ from prism_serve.control import (
     get_policy,
 )
 from prism_serve.control.loop import ControlLoop
-from prism_serve.control.types import (
-    REPLICA_SEPARATOR,
-    StepSums,
-    measured_profile,
-    replica_name,
-)
+from prism_serve.control.profiles import StepSums, measured_profile
+from prism_serve.control.types import REPLICA_SEPARATOR, replica_name
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.engine import SimEngine, SimRequest
