@@ -64,11 +64,6 @@ class InvalidKnobError(ControlError, ValueError):
     """A policy knob is unknown or out of range."""
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise InvalidSnapshotError(message)
-
-
 def _finite_nonneg(x: float) -> bool:
     return math.isfinite(x) and x >= 0
 
@@ -105,13 +100,14 @@ class ModelProfile:
     max_rate: float | None = None
 
     def __post_init__(self) -> None:
-        _check(self.mean_prompt_tokens > 0 and self.mean_output_tokens > 0, f"bad token means in {self}")
-        _check(self.prefill_tokens_per_s > 0 and self.decode_step_s > 0, f"bad speeds in {self}")
-        _check(
-            self.busy_s_per_request is None or _finite_nonneg(self.busy_s_per_request),
-            f"bad busy_s_per_request in {self}",
-        )
-        _check(self.max_rate is None or self.max_rate > 0, f"bad max_rate in {self}")
+        if not (self.mean_prompt_tokens > 0 and self.mean_output_tokens > 0):
+            raise InvalidSnapshotError(f"bad token means in {self}")
+        if not (self.prefill_tokens_per_s > 0 and self.decode_step_s > 0):
+            raise InvalidSnapshotError(f"bad speeds in {self}")
+        if not (self.busy_s_per_request is None or _finite_nonneg(self.busy_s_per_request)):
+            raise InvalidSnapshotError(f"bad busy_s_per_request in {self}")
+        if not (self.max_rate is None or self.max_rate > 0):
+            raise InvalidSnapshotError(f"bad max_rate in {self}")
 
     @property
     def service_s(self) -> float:
@@ -160,35 +156,42 @@ class ModelSnapshot:
     keep_alive_s: float | None = None
 
     def __post_init__(self) -> None:
-        _check(bool(self.model), "model name must not be empty")
+        if not self.model:
+            raise InvalidSnapshotError("model name must not be empty")
         nan_keep_alive = self.keep_alive_s is not None and math.isnan(self.keep_alive_s)
-        _check(not nan_keep_alive, f"{self.model}: keep_alive_s must not be NaN")
-        _check(_finite_nonneg(self.rate), f"{self.model}: rate must be finite and >= 0, got {self.rate}")
-        _check(self.ttft_slo > 0 and math.isfinite(self.ttft_slo), f"{self.model}: ttft_slo must be > 0")
-        _check(self.tpot_slo > 0 and math.isfinite(self.tpot_slo), f"{self.model}: tpot_slo must be > 0")
-        _check(self.weight_bytes >= 0 and self.kv_bytes_per_token > 0, f"{self.model}: bad byte sizes")
-        _check(self.tp_size >= 1, f"{self.model}: tp_size must be >= 1, got {self.tp_size}")
-        _check(self.num_queued >= 0 and self.num_running >= 0, f"{self.model}: negative request counts")
-        _check(
-            self.placed_at is None or math.isfinite(self.placed_at), f"{self.model}: placed_at must be finite"
-        )
-        _check(
-            self.forecast_rate is None or _finite_nonneg(self.forecast_rate),
-            f"{self.model}: forecast_rate must be finite and >= 0",
-        )
+        if nan_keep_alive:
+            raise InvalidSnapshotError(f"{self.model}: keep_alive_s must not be NaN")
+        if not _finite_nonneg(self.rate):
+            raise InvalidSnapshotError(f"{self.model}: rate must be finite and >= 0, got {self.rate}")
+        if not (self.ttft_slo > 0 and math.isfinite(self.ttft_slo)):
+            raise InvalidSnapshotError(f"{self.model}: ttft_slo must be > 0")
+        if not (self.tpot_slo > 0 and math.isfinite(self.tpot_slo)):
+            raise InvalidSnapshotError(f"{self.model}: tpot_slo must be > 0")
+        if not (self.weight_bytes >= 0 and self.kv_bytes_per_token > 0):
+            raise InvalidSnapshotError(f"{self.model}: bad byte sizes")
+        if not self.tp_size >= 1:
+            raise InvalidSnapshotError(f"{self.model}: tp_size must be >= 1, got {self.tp_size}")
+        if not (self.num_queued >= 0 and self.num_running >= 0):
+            raise InvalidSnapshotError(f"{self.model}: negative request counts")
+        if not (self.placed_at is None or math.isfinite(self.placed_at)):
+            raise InvalidSnapshotError(f"{self.model}: placed_at must be finite")
+        if not (self.forecast_rate is None or _finite_nonneg(self.forecast_rate)):
+            raise InvalidSnapshotError(f"{self.model}: forecast_rate must be finite and >= 0")
         if self.replica_of is not None:
             prefix, _, index = self.model.rpartition(REPLICA_SEPARATOR)
-            _check(
-                prefix == self.replica_of and index.isdigit() and int(index) > 0,
-                f"{self.model}: replica slots of {self.replica_of!r} are named {self.replica_of}#k, k >= 1",
-            )
+            if not (prefix == self.replica_of and index.isdigit() and int(index) > 0):
+                raise InvalidSnapshotError(
+                    f"{self.model}: replica slots of {self.replica_of!r} are named "
+                    f"{self.replica_of}#k, k >= 1"
+                )
         if self.state is ModelState.EVICTED:
-            _check(not self.placement, f"{self.model}: an evicted model has no placement")
+            if self.placement:
+                raise InvalidSnapshotError(f"{self.model}: an evicted model has no placement")
         else:
-            _check(
-                len(self.placement) == self.tp_size and len(set(self.placement)) == self.tp_size,
-                f"{self.model}: placement {self.placement} must name {self.tp_size} distinct devices",
-            )
+            if not (len(self.placement) == self.tp_size and len(set(self.placement)) == self.tp_size):
+                raise InvalidSnapshotError(
+                    f"{self.model}: placement {self.placement} must name {self.tp_size} distinct devices"
+                )
 
     @property
     def group(self) -> str:
@@ -251,10 +254,14 @@ class DeviceSnapshot:
     queued_models: tuple[str, ...] = ()  # models with requests in this device's queue
 
     def __post_init__(self) -> None:
-        _check(bool(self.device), "device name must not be empty")
-        _check(self.capacity_bytes > 0, f"{self.device}: capacity_bytes must be > 0")
-        _check(self.mapped_bytes >= 0 and self.num_queued >= 0, f"{self.device}: negative counts")
-        _check(len(set(self.models)) == len(self.models), f"{self.device}: duplicate models {self.models}")
+        if not self.device:
+            raise InvalidSnapshotError("device name must not be empty")
+        if not self.capacity_bytes > 0:
+            raise InvalidSnapshotError(f"{self.device}: capacity_bytes must be > 0")
+        if not (self.mapped_bytes >= 0 and self.num_queued >= 0):
+            raise InvalidSnapshotError(f"{self.device}: negative counts")
+        if len(set(self.models)) != len(self.models):
+            raise InvalidSnapshotError(f"{self.device}: duplicate models {self.models}")
 
     @property
     def free_bytes(self) -> int:
@@ -283,15 +290,12 @@ class EngineSnapshot:
     prefill_tokens_per_s: float | None = None  # measured or from the cost model
 
     def __post_init__(self) -> None:
-        _check(self.kv_bytes_per_token > 0, f"{self.model}@{self.device}: kv_bytes_per_token must be > 0")
-        _check(
-            self.free_kv_bytes >= 0 and self.used_kv_bytes >= 0 and self.num_running >= 0,
-            f"{self.model}@{self.device}: negative KV or request counts",
-        )
-        _check(
-            self.prefill_tokens_per_s is None or self.prefill_tokens_per_s > 0,
-            f"{self.model}@{self.device}: prefill_tokens_per_s must be > 0",
-        )
+        if not self.kv_bytes_per_token > 0:
+            raise InvalidSnapshotError(f"{self.model}@{self.device}: kv_bytes_per_token must be > 0")
+        if not (self.free_kv_bytes >= 0 and self.used_kv_bytes >= 0 and self.num_running >= 0):
+            raise InvalidSnapshotError(f"{self.model}@{self.device}: negative KV or request counts")
+        if not (self.prefill_tokens_per_s is None or self.prefill_tokens_per_s > 0):
+            raise InvalidSnapshotError(f"{self.model}@{self.device}: prefill_tokens_per_s must be > 0")
 
 
 @dataclass(slots=True, frozen=True)
@@ -323,44 +327,55 @@ class ClusterSnapshot:
 
     def __post_init__(self) -> None:
         # Frozen views: a policy must not be able to edit the caller's state through a snapshot.
-        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
-        object.__setattr__(self, "devices", MappingProxyType(dict(self.devices)))
-        object.__setattr__(self, "engines", MappingProxyType(dict(self.engines)))
-        on_device: dict[str, set[str]] = {d: set() for d in self.devices}
-        for m in self.models.values():
-            for d in m.placement:
-                _check(d in on_device, f"{m.model}: placement names unknown device {d!r}")
-                on_device[d].add(m.model)
-        for d, dev in self.devices.items():
-            _check(
-                set(dev.models) == on_device[d],
-                f"{d}: device lists models {sorted(dev.models)} but placements put {sorted(on_device[d])}",
-            )
-        for name, e in self.engines.items():
-            m = self.models.get(name)
-            _check(m is not None and m.resident, f"engine for {name!r}: no such resident model")
-            _check(e.device == m.placement[0], f"engine for {name!r} must be on {m.placement[0]}")
+        models = dict(self.models)
+        devices = dict(self.devices)
+        engines = dict(self.engines)
+        object.__setattr__(self, "models", MappingProxyType(models))
+        object.__setattr__(self, "devices", MappingProxyType(devices))
+        object.__setattr__(self, "engines", MappingProxyType(engines))
+        # One pass over the models (the simulator builds a snapshot per arrival, so this is a hot
+        # path): messages are formatted only on failure.
+        on_device: dict[str, list[str]] = {d: [] for d in devices}
         extra: dict[str, list[str]] = {}
         starved = []
-        for m in self.models.values():
-            if m.num_queued and not m.resident:
-                starved.append(m.model)
+        for m in models.values():
+            for d in m.placement:
+                placed = on_device.get(d)
+                if placed is None:
+                    raise InvalidSnapshotError(f"{m.model}: placement names unknown device {d!r}")
+                placed.append(m.model)
+            if m.num_queued and m.state is ModelState.EVICTED:
+                starved.append(m)
             if m.replica_of is not None:
-                base = self.models.get(m.replica_of)
-                _check(
-                    base is not None and base.replica_of is None,
-                    f"{m.model}: replica of {m.replica_of!r}, which is not a served model here",
-                )
+                base = models.get(m.replica_of)
+                if base is None or base.replica_of is not None:
+                    raise InvalidSnapshotError(
+                        f"{m.model}: replica of {m.replica_of!r}, which is not a served model here"
+                    )
                 extra.setdefault(m.replica_of, []).append(m.model)
+        for d, dev in devices.items():
+            # a device's models have no duplicates (DeviceSnapshot) nor do its placed ones (names
+            # are unique, a model's devices distinct): equal lengths and containment mean equal sets
+            placed = on_device[d]
+            if len(placed) != len(dev.models) or not set(dev.models).issuperset(placed):
+                raise InvalidSnapshotError(
+                    f"{d}: device lists models {sorted(dev.models)} but placements put {sorted(placed)}"
+                )
+        for name, e in engines.items():
+            m = models.get(name)
+            if m is None or m.state is ModelState.EVICTED:
+                raise InvalidSnapshotError(f"engine for {name!r}: no such resident model")
+            if e.device != m.placement[0]:
+                raise InvalidSnapshotError(f"engine for {name!r} must be on {m.placement[0]}")
         object.__setattr__(
             self,
             "extra_replicas",
             MappingProxyType({k: tuple(v) for k, v in extra.items()}),
         )
         # a replica slot's requests go to a resident replica of its model when there is one
-        models = self.models
-        starved = [n for n in starved if not any(models[r].resident for r in self.replicas(models[n].group))]
-        object.__setattr__(self, "starved", tuple(starved))
+        if starved:
+            starved = [m for m in starved if not any(models[r].resident for r in self.replicas(m.group))]
+        object.__setattr__(self, "starved", tuple(m.model for m in starved))
 
     def replicas(self, model: str) -> tuple[str, ...]:
         """The snapshot names of ``model``'s replica slots, replica 0 (``model`` itself) first."""
@@ -380,7 +395,8 @@ def _index(items: Iterable, attr: str) -> dict:
     out: dict = {}
     for item in items:
         key = getattr(item, attr)
-        _check(key not in out, f"duplicate {attr} {key!r} in snapshot")
+        if not key not in out:
+            raise InvalidSnapshotError(f"duplicate {attr} {key!r} in snapshot")
         out[key] = item
     return out
 
@@ -396,9 +412,12 @@ class Request:
     ttft_slo: float  # s; the deadline is arrival + ttft_slo (paper section 6.3)
 
     def __post_init__(self) -> None:
-        _check(math.isfinite(self.arrival), f"{self.req_id}: arrival must be finite")
-        _check(self.prompt_tokens >= 0, f"{self.req_id}: prompt_tokens must be >= 0")
-        _check(self.ttft_slo > 0 and math.isfinite(self.ttft_slo), f"{self.req_id}: ttft_slo must be > 0")
+        if not math.isfinite(self.arrival):
+            raise InvalidSnapshotError(f"{self.req_id}: arrival must be finite")
+        if not self.prompt_tokens >= 0:
+            raise InvalidSnapshotError(f"{self.req_id}: prompt_tokens must be >= 0")
+        if not (self.ttft_slo > 0 and math.isfinite(self.ttft_slo)):
+            raise InvalidSnapshotError(f"{self.req_id}: ttft_slo must be > 0")
 
     @property
     def deadline(self) -> float:
