@@ -41,7 +41,7 @@ def test_live_profiles_measure_the_simulated_engine():
     assert m.num_served == 6
     # each request ran alone: the engine stepped from its arrival to its finish
     assert m.step_seconds == pytest.approx(sum(r.finish - r.arrival for r in sim.requests), rel=1e-6)
-    profile = sim._model_snapshot(m, 100.0).profile
+    profile = sim.snapshots.model(m, 100.0).profile
     assert profile.busy_s_per_request == pytest.approx(m.step_seconds / 6)
     # every decode step had one sequence: how the step grows with the batch is unknown, and so is
     # what one replica could serve by batching (no replica is asked for on that evidence)
@@ -67,17 +67,17 @@ def test_live_profiles_fit_the_step_time_of_a_batching_engine_and_credit_the_bat
     for b in (1, 4):  # the power law is close to the cost model's steps over the batches it saw
         ctx = b * 350
         assert t1 * b**p == pytest.approx(float(sim.cost.decode_steps(spec, 1, b, ctx, 1)[0]), rel=0.25)
-    profile = sim._model_snapshot(m, 100.0).profile
+    profile = sim.snapshots.model(m, 100.0).profile
     assert profile.max_rate > m.num_served / m.step_seconds
 
 
 def test_live_profiles_start_from_the_default_and_cost_model_profiles_never_measure():
     few = _sim("live", MIN_SERVED_FOR_PROFILE - 1)
-    assert few._model_snapshot(few.models["a"], 100.0).profile == ModelProfile()
+    assert few.snapshots.model(few.models["a"], 100.0).profile == ModelProfile()
     cm = _sim("cost-model", 6)
     m = cm.models["a"]
     assert m.step_seconds > 0  # measured all the same, but the policies see the cost model's
-    assert cm._model_snapshot(m, 100.0).profile is m.profile
+    assert cm.snapshots.model(m, 100.0).profile is m.profile
     assert m.profile.busy_s_per_request is None and m.profile.max_rate is not None
 
 

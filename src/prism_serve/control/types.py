@@ -372,10 +372,71 @@ class ClusterSnapshot:
             "extra_replicas",
             MappingProxyType({k: tuple(v) for k, v in extra.items()}),
         )
+        object.__setattr__(self, "starved", self._starved(starved))
+
+    def _starved(self, evicted_queued: list[ModelSnapshot]) -> tuple[str, ...]:
         # a replica slot's requests go to a resident replica of its model when there is one
-        if starved:
-            starved = [m for m in starved if not any(models[r].resident for r in self.replicas(m.group))]
-        object.__setattr__(self, "starved", tuple(m.model for m in starved))
+        models = self.models
+        return tuple(
+            m.model for m in evicted_queued if not any(models[r].resident for r in self.replicas(m.group))
+        )
+
+    def updated(
+        self,
+        models: Iterable[ModelSnapshot] = (),
+        devices: Iterable[DeviceSnapshot] = (),
+        engines: Iterable[EngineSnapshot] = (),
+        gone_engines: Iterable[str] = (),
+    ) -> ClusterSnapshot:
+        """This snapshot with the given entries replaced or added (by name) and ``gone_engines``
+        removed: the snapshot a fresh build of the result would be, validated as strictly, in time
+        proportional to the change when the layout (placements, residency, replica links, each
+        device's model list) is unchanged, because then every cross-check a build makes still
+        holds. Anything else is rebuilt from scratch. For a body that rebuilds its snapshot often
+        and changes a few entries in between (the simulator, once or twice per arrival)."""
+        new_models, new_devices, new_engines = dict(self.models), dict(self.devices), dict(self.engines)
+        same = True
+        queued_evicted = False  # an evicted model's queue changed: starved may change
+        for m in models:
+            old = new_models.get(m.model)
+            new_models[m.model] = m
+            evicted = m.state is ModelState.EVICTED
+            if (
+                old is None
+                or old.placement != m.placement
+                or old.replica_of != m.replica_of
+                or (old.state is ModelState.EVICTED) is not evicted
+            ):
+                same = False
+            elif evicted and old.num_queued != m.num_queued:
+                queued_evicted = True
+        for d in devices:
+            old = new_devices.get(d.device)
+            new_devices[d.device] = d
+            same = same and old is not None and old.models == d.models
+        for name in gone_engines:
+            del new_engines[name]
+        for e in engines:
+            new_engines[e.model] = e
+            m = new_models.get(e.model)
+            same = same and m is not None and m.state is not ModelState.EVICTED and e.device == m.placement[0]
+        if not same:
+            return ClusterSnapshot(new_models, new_devices, new_engines)
+        snap = object.__new__(ClusterSnapshot)
+        for name, value in (
+            ("models", MappingProxyType(new_models)),
+            ("devices", MappingProxyType(new_devices)),
+            ("engines", MappingProxyType(new_engines)),
+            ("extra_replicas", self.extra_replicas),
+            ("starved", self.starved),
+        ):
+            object.__setattr__(snap, name, value)
+        if queued_evicted:
+            evicted_queued = [
+                m for m in new_models.values() if m.num_queued and m.state is ModelState.EVICTED
+            ]
+            object.__setattr__(snap, "starved", snap._starved(evicted_queued))
+        return snap
 
     def replicas(self, model: str) -> tuple[str, ...]:
         """The snapshot names of ``model``'s replica slots, replica 0 (``model`` itself) first."""

@@ -14,8 +14,8 @@ their actions through this class's effect methods; what the simulator adds is th
 - ``dispatch``: the request joins its engine's waiting queue; the engine's scheduler takes it at its
   next step boundary. ``reject`` ends the request as a miss.
 
-Snapshots are rebuilt from the simulator's state before every policy call, but only for what changed
-(the loop's stale marks, the engines' dirty flags, the devices' versions).
+Snapshots of this state for every policy call come from sim/snapshots.py, which rebuilds only
+what changed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from prism_serve.control import (
     DeviceSnapshot,
     EngineSnapshot,
     ModelProfile,
-    ModelSnapshot,
     ModelState,
     RejectReason,
     Request,
@@ -38,7 +37,7 @@ from prism_serve.control import (
     get_policy,
 )
 from prism_serve.control.loop import ControlLoop
-from prism_serve.control.profiles import StepSums, measured_profile
+from prism_serve.control.profiles import StepSums
 from prism_serve.control.types import REPLICA_SEPARATOR, replica_name
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
@@ -49,6 +48,7 @@ from prism_serve.sim.hardware import get_hardware
 from prism_serve.sim.memory import SimDevice
 from prism_serve.sim.metrics import SimResult
 from prism_serve.sim.models import ServedModel
+from prism_serve.sim.snapshots import SnapshotBuilder
 from prism_serve.workload.format import Workload
 
 __all__ = ["ModelSLO", "SimConfig", "Simulator", "simulate"]
@@ -144,12 +144,7 @@ class Simulator:
         self._last_t = 0.0
         self._next_arrival = 0
         self._names = workload.models
-        self._device_cache: dict[str, tuple[int, DeviceSnapshot]] = {}
-        # Snapshots are rebuilt only for what changed (the loop's stale marks and the engines' dirty
-        # flags): building every one for every policy call would dominate the run time.
-        self._model_snaps: dict[str, ModelSnapshot] = {}
-        self._stale = self.loop.stale_models  # models whose snapshot must be rebuilt
-        self._stale.update(dict.fromkeys(self.models))
+        self.snapshots = SnapshotBuilder(self)
 
     @property
     def queues(self) -> dict[str, RequestQueue]:
@@ -288,7 +283,7 @@ class Simulator:
             m.num_running -= 1
             self.loop.request_left(req.req_id)
         if finished:
-            self._stale[m.served.name] = None
+            self.loop.stale_models[m.served.name] = None
         self._start(e, now)
         if freed:
             self._memory_freed(e.devices, now)
@@ -314,7 +309,7 @@ class Simulator:
         )
         m.state = ModelState.ACTIVE
         m.activated_at = now
-        self._stale[m.served.name] = None
+        self.loop.stale_models[m.served.name] = None
         self.counters["activations"] += 1
         if model in self.replica_of:
             self.counters["replica_activations"] += 1
@@ -337,7 +332,7 @@ class Simulator:
             raise SimStateError(f"dispatch of {req.req_id} to {device}, where {request.model} has no engine")
         m.num_running += 1
         req.replica = request.model
-        self._stale[m.served.name] = None
+        self.loop.stale_models[m.served.name] = None
         e.add(req)
         if e.busy:
             end = e.cut(now)
@@ -404,7 +399,7 @@ class Simulator:
         m.placement = tuple(devices)
         m.placed_at = now
         m.activation_version += 1
-        self._stale[m.served.name] = None
+        self.loop.stale_models[m.served.name] = None
         for d in devices:
             self.on_device[d][model] = None
             self.devices[d].touch()
@@ -457,7 +452,7 @@ class Simulator:
         m.placed_at = None
         m.pending = False
         m.activation_version += 1
-        self._stale[m.served.name] = None
+        self.loop.stale_models[m.served.name] = None
         for req in restarted:
             m.num_running -= 1
             req.num_restarts += 1
@@ -481,108 +476,13 @@ class Simulator:
                     if end is not None:
                         self.events.push(end, StepDone(e.name, e.version))
 
-    # -- snapshots -----------------------------------------------------------------------------------
-
-    def _model_snapshot(self, m: _Model, now: float) -> ModelSnapshot:
-        sv = m.served
-        name = sv.name
-        if name in self._stale or name not in self._model_snaps:
-            self._stale.pop(name, None)
-            self._model_snaps[name] = ModelSnapshot(
-                name,
-                self.loop.rates.rate(name, now),
-                m.slo.ttft_s,
-                m.slo.tpot_s,
-                sv.spec.weight_bytes,
-                sv.spec.kv_bytes_per_token,
-                sv.tp_size,
-                m.placement,
-                m.state,
-                _latest(self.loop.rates.last_arrival(name), m.activated_at),
-                self.loop.num_queued[name],
-                m.num_running,
-                False,
-                self._profile(m),
-                placed_at=m.placed_at,
-                forecast_rate=self.loop.forecast_rate(name, now),
-                prewarmed=m.state is not ModelState.EVICTED and name in self.loop.prewarmed,
-                replica_of=self.replica_of.get(name),
-            )
-        return self._model_snaps[name]
-
-    def _profile(self, m: _Model) -> ModelProfile:
-        if self._live_profiles:  # what the live controller knows: measured, or the default before
-            return measured_profile(
-                ModelProfile(), m.step_seconds, m.num_served, m.steps, m.slo.tpot_s, self.config.max_num_seqs
-            )
-        return m.profile
-
-    def _device_snapshot(self, d: str) -> DeviceSnapshot:
-        # memory and placement changes bump the device's version; queue changes are the loop's marks
-        dev = self.devices[d]
-        cached = self._device_cache.get(d)
-        stale = self.loop.stale_devices
-        if cached is not None and cached[0] == dev.version and d not in stale:
-            return cached[1]
-        stale.discard(d)
-        q = self.loop.queues[d]
-        snap = DeviceSnapshot(
-            d, dev.capacity_bytes, dev.mapped_bytes, tuple(self.on_device[d]), len(q), q.models()
-        )
-        self._device_cache[d] = (dev.version, snap)
-        return snap
-
-    def _engine_snapshot(self, name: str) -> EngineSnapshot | None:
-        m = self.models[name]
-        e = m.engine
-        if e is None:
-            return None
-        if not e.dirty and m.engine_snapshot is not None:
-            return m.engine_snapshot
-        e.dirty = False
-        rank0 = e.devices[0]
-        used = e.used_blocks * e.block_bytes
-        limit = rank0.capacity_bytes - rank0.weight_pages.get(name, 0) * rank0.page_size
-        if e.quota is not None:
-            limit = min(limit, e.quota)
-        snap = EngineSnapshot(
-            name,
-            rank0.name,
-            e.kv_bytes_per_token,
-            True,
-            max(0, rank0.kv_mapped_bytes(name) - used),
-            used + e.claimed_bytes(),
-            e.quota,
-            max(0, limit),
-            e.num_requests,
-            e.max_num_seqs,
-            m.prefill_speed,
-        )
-        m.engine_snapshot = snap
-        return snap
+    # -- snapshots (the control loop's view of this state: sim/snapshots.py) ---------------------------
 
     def admission_view(self, device: str, now: float) -> tuple[DeviceSnapshot, dict[str, EngineSnapshot]]:
-        engines = {
-            name: snap
-            for name in self.on_device[device]
-            if (snap := self._engine_snapshot(name)) is not None and snap.device == device
-        }
-        return self._device_snapshot(device), engines
+        return self.snapshots.admission_view(device, now)
 
     def cluster(self, now: float) -> ClusterSnapshot:
-        for name in list(self._stale):
-            self._model_snapshot(self.models[name], now)
-        models = self._model_snaps
-        devices = {d: self._device_snapshot(d) for d in self.devices}
-        engines = {}
-        for name, m in self.models.items():
-            if m.engine is not None:
-                engines[name] = self._engine_snapshot(name)
-        return ClusterSnapshot(models, devices, engines)
-
-
-def _latest(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else max(a, b)
+        return self.snapshots.cluster(now)
 
 
 def simulate(

@@ -1,0 +1,165 @@
+"""The simulator's state as the control loop sees it: model, device, engine and cluster snapshots.
+
+The loop asks for a ClusterSnapshot before every policy call (once or twice per arrival), so
+building one from scratch would dominate a run. Every snapshot is cached and rebuilt only when what
+it reports changed: a model's when the loop marks it stale (``ControlLoop.stale_models``), a
+device's when its memory version moves or the loop marks its queue changed, an engine's when the
+engine is dirty. The cluster snapshot is the previous one updated with the entries rebuilt since
+(``ClusterSnapshot.updated``: as strictly validated as a fresh build, in time proportional to the
+change while placements stay put).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prism_serve.control import ClusterSnapshot, DeviceSnapshot, EngineSnapshot, ModelProfile, ModelSnapshot
+from prism_serve.control.profiles import measured_profile
+from prism_serve.control.types import ModelState
+
+if TYPE_CHECKING:
+    from prism_serve.sim.simulator import Simulator, _Model
+
+__all__ = ["SnapshotBuilder"]
+
+
+class SnapshotBuilder:
+    """Snapshots of one Simulator's state, cached per entry (see the module docstring)."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        self._live_profiles = sim.config.profiles == "live"
+        self._models: dict[str, ModelSnapshot] = {}
+        self._rebuilt: dict[str, None] = {}  # models whose snapshot changed since the last cluster()
+        self._devices: dict[str, tuple[int, DeviceSnapshot]] = {}  # by device: (memory version, snap)
+        self._last: ClusterSnapshot | None = None
+        self._stale = sim.loop.stale_models  # models whose snapshot must be rebuilt
+        self._stale.update(dict.fromkeys(sim.models))
+
+    def model(self, m: _Model, now: float) -> ModelSnapshot:
+        sv = m.served
+        name = sv.name
+        if name in self._stale or name not in self._models:
+            self._stale.pop(name, None)
+            self._rebuilt[name] = None
+            loop = self.sim.loop
+            self._models[name] = ModelSnapshot(
+                name,
+                loop.rates.rate(name, now),
+                m.slo.ttft_s,
+                m.slo.tpot_s,
+                sv.spec.weight_bytes,
+                sv.spec.kv_bytes_per_token,
+                sv.tp_size,
+                m.placement,
+                m.state,
+                _latest(loop.rates.last_arrival(name), m.activated_at),
+                loop.num_queued[name],
+                m.num_running,
+                False,
+                self.profile(m),
+                placed_at=m.placed_at,
+                forecast_rate=loop.forecast_rate(name, now),
+                prewarmed=m.state is not ModelState.EVICTED and name in loop.prewarmed,
+                replica_of=self.sim.replica_of.get(name),
+            )
+        return self._models[name]
+
+    def profile(self, m: _Model) -> ModelProfile:
+        if self._live_profiles:  # what the live controller knows: measured, or the default before
+            return measured_profile(
+                ModelProfile(),
+                m.step_seconds,
+                m.num_served,
+                m.steps,
+                m.slo.tpot_s,
+                self.sim.config.max_num_seqs,
+            )
+        return m.profile
+
+    def device(self, d: str) -> DeviceSnapshot:
+        # memory and placement changes bump the device's version; queue changes are the loop's marks
+        dev = self.sim.devices[d]
+        cached = self._devices.get(d)
+        stale = self.sim.loop.stale_devices
+        if cached is not None and cached[0] == dev.version and d not in stale:
+            return cached[1]
+        stale.discard(d)
+        q = self.sim.loop.queues[d]
+        snap = DeviceSnapshot(
+            d, dev.capacity_bytes, dev.mapped_bytes, tuple(self.sim.on_device[d]), len(q), q.models()
+        )
+        self._devices[d] = (dev.version, snap)
+        return snap
+
+    def engine(self, name: str) -> EngineSnapshot | None:
+        m = self.sim.models[name]
+        e = m.engine
+        if e is None:
+            return None
+        if not e.dirty and m.engine_snapshot is not None:
+            return m.engine_snapshot
+        e.dirty = False
+        rank0 = e.devices[0]
+        used = e.used_blocks * e.block_bytes
+        limit = rank0.capacity_bytes - rank0.weight_pages.get(name, 0) * rank0.page_size
+        if e.quota is not None:
+            limit = min(limit, e.quota)
+        snap = EngineSnapshot(
+            name,
+            rank0.name,
+            e.kv_bytes_per_token,
+            True,
+            max(0, rank0.kv_mapped_bytes(name) - used),
+            used + e.claimed_bytes(),
+            e.quota,
+            max(0, limit),
+            e.num_requests,
+            e.max_num_seqs,
+            m.prefill_speed,
+        )
+        m.engine_snapshot = snap
+        return snap
+
+    def admission_view(self, device: str, now: float) -> tuple[DeviceSnapshot, dict[str, EngineSnapshot]]:
+        engines = {
+            name: snap
+            for name in self.sim.on_device[device]
+            if (snap := self.engine(name)) is not None and snap.device == device
+        }
+        return self.device(device), engines
+
+    def cluster(self, now: float) -> ClusterSnapshot:
+        models = self.sim.models
+        for name in list(self._stale):
+            self.model(models[name], now)
+        changed = [self._models[name] for name in self._rebuilt]
+        self._rebuilt.clear()
+        last = self._last
+        if last is None:
+            devices = {d: self.device(d) for d in self.sim.devices}
+            engines = {n: self.engine(n) for n, m in models.items() if m.engine is not None}
+            snap = ClusterSnapshot(self._models, devices, engines)
+        else:  # a cached entry is the same object as in the last snapshot: pass only the others
+            ld, le, stale, cache = last.devices, last.engines, self.sim.loop.stale_devices, self._devices
+            snap = last.updated(
+                changed,
+                [
+                    self.device(d)
+                    for d, dev in self.sim.devices.items()
+                    if (c := cache.get(d)) is None or c[0] != dev.version or d in stale or c[1] is not ld[d]
+                ],
+                [
+                    self.engine(n)
+                    for n, m in models.items()
+                    if m.engine is not None
+                    and (m.engine.dirty or (s := m.engine_snapshot) is None or s is not le.get(n))
+                ],
+                [n for n in le if models[n].engine is None],
+            )
+        self._last = snap
+        return snap
+
+
+def _latest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
