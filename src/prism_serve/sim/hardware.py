@@ -9,13 +9,14 @@ paper reports for H100 (its Figure 9).
 The ``cpu-smollm2`` row is **fitted on this machine** (2-vCPU AMD EPYC VM with AVX2, no AVX-512;
 torch 2.13 CPU) to this project's own engine running SmolLM2-135M in fp32 on ONE core with ONE torch
 thread, the way a live CPU device of one core runs (runtime/devices.py; ``prism serve``'s default
-config splits this 2-core machine into two such devices). Step constants, refitted 2026-11-23 on
-the engine of issue 17 (grouped decode attention): ``python benchmarks/fit_cpu_profile.py --trace
-<light and heavy live runs' step traces> --held-out <two other runs'> --points <a --rounds 2
-measurement>`` (the points carry 25% of the weight; decode, prefill and mixed steps one third of
-the live weight each, since every TTFT hangs on the few prefill steps), i.e. jointly on 3,962 live
-worker steps (each step's CPU seconds, PRISM_STEP_TRACE) and 26 measured points that reach the
-batches and contexts a light live run never steps; held out: 30,432 steps of 14 other live runs
+config splits this 2-core machine into two such devices). Step constants, refitted 2026-11-24 on
+the host of that day, whose steps ran 11-15% slower than the 2026-11-23 fit (same CPU model and
+flags; VMs of one type differ): ``python benchmarks/fit_cpu_profile.py --trace <light and heavy
+live runs' step traces> --held-out <three other runs'> --points <a --rounds 2 measurement>`` (the
+points carry 25% of the weight; decode, prefill and mixed steps one third of the live weight
+each, since every TTFT hangs on the few prefill steps), i.e. jointly on 3,776 live worker steps
+(each step's CPU seconds, PRISM_STEP_TRACE) and 26 measured points that reach the batches and
+contexts a light live run never steps; held out: 5,932 steps of three qlm runs of the day before
 (errors in docs/evaluation.md). Its compute
 sharing: ``python benchmarks/cpu_sharing.py``, the same day. Its activation constants are the live
 activation into a pooled worker with spare pages (a copy; ~0.085 s for 0.50 GiB). Other models,
@@ -146,8 +147,8 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
             # efficiencies are 1; the summed form adds the terms (one thread does one thing at a time).
             HardwareProfile(
                 "cpu-smollm2",
-                peak_flops=7.89e10,  # packed GEMMs (3+ rows)
-                mem_bandwidth=1.22e10,  # the one weight pass of a packed GEMM
+                peak_flops=6.73e10,  # packed GEMMs (4+ rows)
+                mem_bandwidth=1.00e10,  # the one weight pass of a packed GEMM
                 # activation into a pooled worker with spare pages (memory/spare.py): a copy, no
                 # page creation; live mean 0.076-0.091 s over 14 activations (sim_vs_live heavy-prism)
                 host_bandwidth=7.0 * GB,
@@ -157,13 +158,13 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 flops_efficiency=1.0,
                 mem_efficiency=1.0,
                 host_efficiency=1.0,
-                step_overhead_s=2.01e-2,  # Python and the small ops of 30 layers
+                step_overhead_s=2.08e-2,  # Python and the small ops of 30 layers
                 activation_overhead_s=0.01,
                 overlap=False,
-                attn_flops=7.21e10,
-                kv_bandwidth=4.30e9,  # the gather of cached blocks before attention, then the read
-                row_bandwidth=3.01e10,  # 1-2 rows: weights streamed once per row
-                seq_overhead_s=3.51e-4,
+                attn_flops=6.04e10,
+                kv_bandwidth=3.97e9,  # the gather of cached blocks before attention, then the read
+                row_bandwidth=2.38e10,  # 1-3 rows: weights streamed once per row
+                seq_overhead_s=1.30e-5,
                 pad_decode_context=True,
                 # benchmarks/cpu_sharing.py, 2026-11-23 (AVX2 EPYC): 2 / 3 engines on one core step
                 # 2.08x / 3.13x slower (median over decode 1, decode 8, prefill 256), i.e. processor
