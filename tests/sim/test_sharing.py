@@ -33,9 +33,9 @@ def test_cpu_profile_follows_its_fitted_form():
         assert hw.share_slowdown(n) == pytest.approx(n * (1 + a * (n - 1)))
 
 
-# The one-core slowdowns benchmarks/cpu_sharing.py measured (2026-11-23; median over decode 1,
+# The one-core slowdowns benchmarks/cpu_sharing.py measured (2026-11-24; median over decode 1,
 # decode 8 and prefill 256 of n x the CPU time per step shared / alone), recorded here as data.
-MEASURED_ONE_CORE = {2: 2.08, 3: 3.13}
+MEASURED_ONE_CORE = {2: 2.10, 3: 3.32}
 
 
 @pytest.mark.parametrize("n, measured", MEASURED_ONE_CORE.items())

@@ -18,7 +18,7 @@ each, since every TTFT hangs on the few prefill steps), i.e. jointly on 3,776 li
 (each step's CPU seconds, PRISM_STEP_TRACE) and 26 measured points that reach the batches and
 contexts a light live run never steps; held out: 5,932 steps of three qlm runs of the day before
 (errors in docs/evaluation.md). Its compute
-sharing: ``python benchmarks/cpu_sharing.py``, the same day. Its activation constants are the live
+sharing: ``python benchmarks/cpu_sharing.py`` on the same host. Its activation constants are the live
 activation into a pooled worker with spare pages (a copy; ~0.085 s for 0.50 GiB). Other models,
 dtypes or thread counts are not fitted (docs/evaluation.md gives the errors for SmolLM2-360M and
 bf16, measured with an earlier fit).
@@ -166,13 +166,14 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 row_bandwidth=2.38e10,  # 1-3 rows: weights streamed once per row
                 seq_overhead_s=1.30e-5,
                 pad_decode_context=True,
-                # benchmarks/cpu_sharing.py, 2026-11-23 (AVX2 EPYC): 2 / 3 engines on one core step
-                # 2.08x / 3.13x slower (median over decode 1, decode 8, prefill 256), i.e. processor
-                # sharing plus ~2% per extra engine (caches, switches). Devices of several cores
+                # benchmarks/cpu_sharing.py, 2026-11-24 on the host of the step constants: 2 / 3
+                # engines on one core step 2.10x / 3.32x slower (median over decode 1, decode 8,
+                # prefill 256; 2.08x / 3.13x on the 2026-11-23 host, a = 0.023), i.e. processor
+                # sharing plus ~5% per extra engine (caches, switches). Devices of several cores
                 # with one thread per core are not modelled: there OpenMP barriers spin while a
                 # thread waits for a core, and 2 / 3 two-thread engines on 2 cores measured 3.4-7x /
                 # 8-12x (docs/evaluation.md, "Compute sharing on one device").
-                share_interference=0.023,
+                share_interference=0.053,
                 synthetic=False,
             ),
         )
