@@ -98,3 +98,22 @@ def httpx_unpin(server, model: str) -> None:
     r = httpx.post(f"{server.base_url}/admin/models/{model}/unpin",
                    headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)  # fmt: skip
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                                  "top_logprobs": 2}),
+        ("/v1/completions", {"prompt": "The capital of France is", "logprobs": 2, "echo": True}),
+    ],
+    ids=["chat", "completion"],
+)  # fmt: skip
+def test_logprobs_answers_match_the_schema(server, api_schema, path, body):
+    """The schema documents the logprobs the routes send (it once said they were always null; the
+    fuzzer found it only when it happened to ask for logprobs)."""
+    case = api_schema[path]["POST"].Case(body={"model": "smol", "max_tokens": 3, **body})
+    response = case.call(base_url=server.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"]  # really there, not null
+    case.validate_response(response, checks=[status_code_conformance, response_schema_conformance])

@@ -55,10 +55,36 @@ class _Message(BaseModel):
     content: str
 
 
+class _TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class _ChatTokenLogprob(_TopLogprob):
+    top_logprobs: list[_TopLogprob]
+
+
+class _ChatLogprobs(BaseModel):
+    """``logprobs: true`` on a chat completion (protocol.chat_logprobs)."""
+
+    content: list[_ChatTokenLogprob]
+
+
+class _CompletionLogprobs(BaseModel):
+    """``logprobs: k`` on a completion, OpenAI's legacy shape (protocol.completion_logprobs); None
+    entries are the first prompt token of an ``echo``, which has no logprob."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class _ChatChoice(BaseModel):
     index: int
     message: _Message
-    logprobs: None
+    logprobs: _ChatLogprobs | None
     finish_reason: str | None
 
 
@@ -74,7 +100,7 @@ class ChatCompletion(BaseModel):
 class _TextChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: _CompletionLogprobs | None
     finish_reason: str | None
 
 
