@@ -163,5 +163,7 @@ def test_updated_reuses_the_layout_and_tracks_starved_models():
     assert waiting.updated([_snap("a", (), 0, 1.0)]).starved == ()
     with pytest.raises(InvalidSnapshotError, match="placements put"):  # moved without its device
         prev.updated([_snap("a", ("d0",), 0, 1.0)])
+    with pytest.raises(InvalidSnapshotError, match="to drop"):
+        prev.updated(gone_engines=["b"])  # b has no engine here
     with pytest.raises(TypeError):
         waiting.models["c"] = a  # type: ignore[index]

@@ -415,7 +415,8 @@ class ClusterSnapshot:
             new_devices[d.device] = d
             same = same and old is not None and old.models == d.models
         for name in gone_engines:
-            del new_engines[name]
+            if new_engines.pop(name, None) is None:
+                raise InvalidSnapshotError(f"engine for {name!r} to drop is not in the snapshot")
         for e in engines:
             new_engines[e.model] = e
             m = new_models.get(e.model)
