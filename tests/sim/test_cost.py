@@ -75,10 +75,11 @@ def test_cpu_profile_is_fitted_and_labelled_so():
     assert all(HARDWARE[g].synthetic for g in ("h100", "h200", "a100"))
 
 
-# Step times the fit measured on this machine (2026-11-24, AVX2 EPYC, one core, one thread, the engine
-# of issue 17, minimum of 6 steps over 2 rounds; docs/evaluation.md), recorded here as data: this checks the summed
-# CPU form and its constants together, it times nothing. (kind, batch of (new tokens, cached
-# tokens), measured s). Every decode here has one context, so grouping pads nothing.
+# Step times the fit measured on this machine (2026-11-24, AVX2 EPYC, one core, one thread, the
+# engine of issue 17, minimum of 6 steps over 2 rounds; docs/evaluation.md), recorded here as data:
+# this checks the summed CPU form and its constants together, it times nothing. (kind, batch of
+# (new tokens, cached tokens), measured s). Every decode here has one context, so grouping pads
+# nothing.
 RECORDED = [
     ("decode b=1 ctx=16", [(1, 15)], 0.0420),
     ("decode b=8 ctx=512", [(1, 511)] * 8, 0.1469),
