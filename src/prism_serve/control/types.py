@@ -333,19 +333,16 @@ class ClusterSnapshot:
         object.__setattr__(self, "models", MappingProxyType(models))
         object.__setattr__(self, "devices", MappingProxyType(devices))
         object.__setattr__(self, "engines", MappingProxyType(engines))
-        # One pass over the models (the simulator builds a snapshot per arrival, so this is a hot
-        # path): messages are formatted only on failure.
+        # The layout is checked in one pass over the models (a body may build many snapshots, see
+        # ``updated``); messages are formatted only on failure.
         on_device: dict[str, list[str]] = {d: [] for d in devices}
         extra: dict[str, list[str]] = {}
-        starved = []
         for m in models.values():
             for d in m.placement:
                 placed = on_device.get(d)
                 if placed is None:
                     raise InvalidSnapshotError(f"{m.model}: placement names unknown device {d!r}")
                 placed.append(m.model)
-            if m.num_queued and m.state is ModelState.EVICTED:
-                starved.append(m)
             if m.replica_of is not None:
                 base = models.get(m.replica_of)
                 if base is None or base.replica_of is not None:
@@ -363,22 +360,27 @@ class ClusterSnapshot:
                 )
         for name, e in engines.items():
             m = models.get(name)
-            if m is None or m.state is ModelState.EVICTED:
-                raise InvalidSnapshotError(f"engine for {name!r}: no such resident model")
-            if e.device != m.placement[0]:
+            if not _engine_fits(e, m):
+                if m is None or m.state is ModelState.EVICTED:
+                    raise InvalidSnapshotError(f"engine for {name!r}: no such resident model")
                 raise InvalidSnapshotError(f"engine for {name!r} must be on {m.placement[0]}")
         object.__setattr__(
             self,
             "extra_replicas",
             MappingProxyType({k: tuple(v) for k, v in extra.items()}),
         )
-        object.__setattr__(self, "starved", self._starved(starved))
+        object.__setattr__(self, "starved", self._starved())
 
-    def _starved(self, evicted_queued: list[ModelSnapshot]) -> tuple[str, ...]:
-        # a replica slot's requests go to a resident replica of its model when there is one
+    def _starved(self) -> tuple[str, ...]:
+        """The models with requests waiting and no copy resident: evicted with a queue, and no
+        resident replica of their served model (a replica slot's requests go to one when there is)."""
         models = self.models
         return tuple(
-            m.model for m in evicted_queued if not any(models[r].resident for r in self.replicas(m.group))
+            m.model
+            for m in models.values()
+            if m.num_queued
+            and m.state is ModelState.EVICTED
+            and not any(models[r].resident for r in self.replicas(m.group))
         )
 
     def updated(
@@ -420,7 +422,7 @@ class ClusterSnapshot:
         for e in engines:
             new_engines[e.model] = e
             m = new_models.get(e.model)
-            same = same and m is not None and m.state is not ModelState.EVICTED and e.device == m.placement[0]
+            same = same and _engine_fits(e, m)
         if not same:
             return ClusterSnapshot(new_models, new_devices, new_engines)
         snap = object.__new__(ClusterSnapshot)
@@ -433,15 +435,17 @@ class ClusterSnapshot:
         ):
             object.__setattr__(snap, name, value)
         if queued_evicted:
-            evicted_queued = [
-                m for m in new_models.values() if m.num_queued and m.state is ModelState.EVICTED
-            ]
-            object.__setattr__(snap, "starved", snap._starved(evicted_queued))
+            object.__setattr__(snap, "starved", snap._starved())
         return snap
 
     def replicas(self, model: str) -> tuple[str, ...]:
         """The snapshot names of ``model``'s replica slots, replica 0 (``model`` itself) first."""
         return (model, *self.extra_replicas.get(model, ()))
+
+
+def _engine_fits(e: EngineSnapshot, m: ModelSnapshot | None) -> bool:
+    """An engine belongs to a resident model and runs on its rank-0 device."""
+    return m is not None and m.state is not ModelState.EVICTED and e.device == m.placement[0]
 
 
 REPLICA_SEPARATOR = "#"
@@ -457,7 +461,7 @@ def _index(items: Iterable, attr: str) -> dict:
     out: dict = {}
     for item in items:
         key = getattr(item, attr)
-        if not key not in out:
+        if key in out:
             raise InvalidSnapshotError(f"duplicate {attr} {key!r} in snapshot")
         out[key] = item
     return out
