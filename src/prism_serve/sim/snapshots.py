@@ -77,14 +77,19 @@ class SnapshotBuilder:
             )
         return m.profile
 
-    def device(self, d: str) -> DeviceSnapshot:
-        # memory and placement changes bump the device's version; queue changes are the loop's marks
-        dev = self.sim.devices[d]
+    def _cached_device(self, d: str) -> DeviceSnapshot | None:
+        """The device's cached snapshot if still current: memory and placement changes bump the
+        device's version, queue changes are the loop's marks."""
         cached = self._devices.get(d)
-        stale = self.sim.loop.stale_devices
-        if cached is not None and cached[0] == dev.version and d not in stale:
-            return cached[1]
-        stale.discard(d)
+        if cached is None or cached[0] != self.sim.devices[d].version or d in self.sim.loop.stale_devices:
+            return None
+        return cached[1]
+
+    def device(self, d: str) -> DeviceSnapshot:
+        if (cached := self._cached_device(d)) is not None:
+            return cached
+        self.sim.loop.stale_devices.discard(d)
+        dev = self.sim.devices[d]
         q = self.sim.loop.queues[d]
         snap = DeviceSnapshot(
             d, dev.capacity_bytes, dev.mapped_bytes, tuple(self.sim.on_device[d]), len(q), q.models()
@@ -92,13 +97,18 @@ class SnapshotBuilder:
         self._devices[d] = (dev.version, snap)
         return snap
 
+    @staticmethod
+    def _cached_engine(m: _Model) -> EngineSnapshot | None:
+        """The model's cached engine snapshot if its engine has not changed since."""
+        return None if m.engine is None or m.engine.dirty else m.engine_snapshot
+
     def engine(self, name: str) -> EngineSnapshot | None:
         m = self.sim.models[name]
         e = m.engine
         if e is None:
             return None
-        if not e.dirty and m.engine_snapshot is not None:
-            return m.engine_snapshot
+        if (cached := self._cached_engine(m)) is not None:
+            return cached
         e.dirty = False
         rank0 = e.devices[0]
         used = e.used_blocks * e.block_bytes
@@ -141,19 +151,14 @@ class SnapshotBuilder:
             engines = {n: self.engine(n) for n, m in models.items() if m.engine is not None}
             snap = ClusterSnapshot(self._models, devices, engines)
         else:  # a cached entry is the same object as in the last snapshot: pass only the others
-            ld, le, stale, cache = last.devices, last.engines, self.sim.loop.stale_devices, self._devices
+            ld, le = last.devices, last.engines
             snap = last.updated(
                 changed,
-                [
-                    self.device(d)
-                    for d, dev in self.sim.devices.items()
-                    if (c := cache.get(d)) is None or c[0] != dev.version or d in stale or c[1] is not ld[d]
-                ],
+                [self.device(d) for d in self.sim.devices if self._cached_device(d) is not ld[d]],
                 [
                     self.engine(n)
                     for n, m in models.items()
-                    if m.engine is not None
-                    and (m.engine.dirty or (s := m.engine_snapshot) is None or s is not le.get(n))
+                    if m.engine is not None and ((c := self._cached_engine(m)) is None or c is not le.get(n))
                 ],
                 [n for n in le if models[n].engine is None],
             )
