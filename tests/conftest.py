@@ -25,10 +25,12 @@ def smollm() -> LoadedWeights:
 
 @pytest.fixture(scope="session")
 def make_engine(smollm: LoadedWeights):
-    """Build an engine on the shared SmolLM2 weights with any EngineConfig overrides."""
+    """Build an engine on the shared SmolLM2 weights with any EngineConfig overrides: float32 unless
+    they say otherwise (``auto`` is bfloat16 on a CPU with native bf16 matmuls, and greedy outputs
+    compared across batch shapes are exact only in float32)."""
 
     def make(**overrides) -> LLMEngine:
-        return LLMEngine(EngineConfig(**overrides), weights=smollm)
+        return LLMEngine(EngineConfig(**{"dtype": "float32", **overrides}), weights=smollm)
 
     return make
 

@@ -103,6 +103,7 @@ def live_engine(tiny: Tiny, lim: Limits, *, real_model: bool = False) -> LLMEngi
         max_num_batched_tokens=lim.max_num_batched_tokens,
         num_kv_blocks=lim.num_blocks,
         max_model_len=TINY.max_position_embeddings,  # so max_seq_len is the whole KV cache
+        dtype="float32",  # the tiny model's (auto is bfloat16 on a CPU with native bf16 matmuls)
     )
     engine = LLMEngine(config, weights=tiny.weights, model=tiny.model)
     if not real_model:
