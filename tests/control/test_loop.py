@@ -171,9 +171,11 @@ class Scripted:
         return self.inner.admit(queue, device, engines, now)
 
 
-def make(policy="prism", models=None, devices=None, **kw) -> tuple[ControlLoop, FakeBody, Scripted]:
+def make(
+    policy="prism", models=None, devices=None, knobs=None, **kw
+) -> tuple[ControlLoop, FakeBody, Scripted]:
     body = FakeBody(models or {"a": 1.0, "b": 1.0}, devices or {"d0": 8.0, "d1": 8.0}, **kw)
-    pol = Scripted(policy)
+    pol = Scripted(policy, **(knobs or {}))
     body.loop = ControlLoop(pol, list(body.caps), body, body.models, 0.0)
     return body.loop, body, pol
 
@@ -265,7 +267,7 @@ def test_queued_requests_follow_a_migrating_model_to_its_new_device():
 
 
 def test_requests_displaced_by_an_eviction_are_routed_again_after_the_action_list():
-    loop, body, pol = make()
+    loop, body, pol = make(knobs={"prewarm": False})  # the test scripts every activation
     loop.arrival(req(1), 0.0)
     body.activated("a", 0.1)
     assert loop.where["r1"] == ENGINE
@@ -355,7 +357,7 @@ def test_a_held_model_is_not_prewarmed_until_a_request_for_it_arrives():
     loop, body = busy_then_unloaded(held=False)
     assert body.models["a"].state is ModelState.ACTIVATING  # prewarmed
     loop, body = busy_then_unloaded(held=True)
-    assert body.models["a"].state is ModelState.EVICTED and loop.forecast_rate("a", 310.0) is None
+    assert body.models["a"].state is ModelState.EVICTED and loop.forecast_rate("a", 310.0) == 0.0
     loop.arrival(req(99, t=320.0), 320.0)  # real demand activates it and ends the hold
     assert body.models["a"].state is ModelState.ACTIVATING and "a" not in loop.held
     assert loop.forecast_rate("a", 320.0) > 0
@@ -365,7 +367,7 @@ def test_a_model_activated_for_a_request_is_not_prewarmed_after_serving_it():
     """Prewarmed memory yields first (eviction.is_idle); a model the loop activated because a request
     of it was arriving, or waited deferred, served real demand and keeps its idle threshold. Only a
     placement with no request waiting (the forecast's) is prewarmed, until its first arrival."""
-    loop, body, pol = make(devices={"d0": 8.0})
+    loop, body, pol = make(devices={"d0": 8.0}, knobs={"prewarm": False})  # activations scripted
     loop.arrival(req(1, "a"), 0.0)  # on_request: Evict..., Activate(a), Enqueue(r1)
     assert body.models["a"].state is ModelState.ACTIVATING and "a" not in loop.prewarmed
     body.activated("a", 0.1)

@@ -11,6 +11,7 @@ from prism_serve.control import (
     Activate,
     ClusterSnapshot,
     DeviceBudget,
+    EngineSnapshot,
     Evict,
     InvalidSnapshotError,
     ModelProfile,
@@ -21,7 +22,13 @@ from prism_serve.control import (
     place_parts,
 )
 from prism_serve.control.eviction import is_idle
-from prism_serve.control.replicas import pick_replica, predicted_ttft, surplus, wanted_replicas
+from prism_serve.control.replicas import (
+    backlogged,
+    pick_replica,
+    predicted_ttft,
+    surplus,
+    wanted_replicas,
+)
 from prism_serve.control.types import replica_name
 
 from .factories import GIB, cluster, model
@@ -233,3 +240,37 @@ def test_a_replica_does_not_take_the_memory_of_a_model_the_forecast_expects() ->
     assert pol.place(with_idle(0.001), 100.0) == pol.place(with_idle(None), 100.0)  # 0.06 expected
     expected = pol.place(with_idle(0.1), 100.0)  # 6 requests expected in the next 60 s
     assert not [a for a in expected if isinstance(a, Evict | Activate)]
+
+
+def _burst(waiting: int, *, replica_waiting: int | None = None):
+    """Replica 0 of ``m`` (60 s rate 1 req/s, far below its capacity) holding ``waiting`` requests
+    its engine has not started; with ``replica_waiting`` a second replica is active on d1."""
+    models = [hot(rate=1.0, on=("d0",), running=waiting), hot(k=1), hot(k=2)]
+    engines = [EngineSnapshot("m", "d0", 1024, num_running=waiting, num_waiting=waiting)]
+    if replica_waiting is not None:
+        models[1] = hot(k=1, on=("d1",), running=replica_waiting)
+        engines.append(
+            EngineSnapshot("m#1", "d1", 1024, num_running=replica_waiting, num_waiting=replica_waiting)
+        )
+    return cluster(models, DEVICES, engines=engines)
+
+
+def test_a_burst_its_replicas_cannot_absorb_wants_another_replica_whatever_the_rate() -> None:
+    """The 60 s rate lags a burst; requests waiting in the engine make the predicted TTFT pass the
+    SLO on every replica, and the model wants one replica more (prism activates it)."""
+    calm, burst = _burst(0), _burst(40)
+    assert predicted_ttft(burst.models["m"], burst) > 1.0 > predicted_ttft(calm.models["m"], calm)
+    assert not backlogged(calm, "m") and wanted_replicas(calm, "m", 0.8, 3) == 1
+    assert backlogged(burst, "m") and wanted_replicas(burst, "m", 0.8, 3) == 2
+    actions = get_policy("prism", prewarm=False).place(burst, 100.0)
+    assert [a for a in actions if isinstance(a, Activate)] == [Activate("m#1", ("d1",))]
+    assert get_policy("prism", prewarm=False, max_replicas=1).place(burst, 100.0) == []
+    # the new replica starts empty: the model is not backlogged on it, yet it is no surplus while
+    # replica 0 still works the burst off, and new requests go to it
+    both = _burst(40, replica_waiting=0)
+    assert not backlogged(both, "m") and surplus(both, "m", 0.5) is None
+    assert pick_replica(request("m"), both).model == "m#1"
+    # once the burst is worked off the rate decides again: the second replica is surplus
+    assert surplus(_burst(0, replica_waiting=0), "m", 0.5).model == "m#1"
+    # backlogged on both: a third
+    assert wanted_replicas(_burst(40, replica_waiting=40), "m", 0.8, 3) == 3

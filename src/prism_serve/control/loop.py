@@ -258,8 +258,9 @@ class ControlLoop:
         self.stale_models[model] = None
 
     def forecast_rate(self, model: str, now: float) -> float | None:
-        """``ModelSnapshot.forecast_rate``: the seasonal forecast, None while ``model`` is held."""
-        return None if model in self.held else self.forecast.rate(model, now)
+        """``ModelSnapshot.forecast_rate``: the seasonal forecast (None before its first complete
+        window), 0.0 while ``model`` is held: an operator's unload says no request is expected."""
+        return 0.0 if model in self.held else self.forecast.rate(model, now)
 
     # ---- routing and actions ----------------------------------------------------------------------
 

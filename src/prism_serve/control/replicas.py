@@ -20,6 +20,15 @@ when one fewer would still run below ``low`` utilization (``rate < low * max_rat
 the router stops sending the surplus replica requests and the policy evicts it once it has none.
 ``low`` < ``high`` is the hysteresis that keeps the count from flapping with rate noise.
 
+Bursts. The rate is a 60 s average, and a burst (hundreds of requests within seconds, as in the
+Azure code trace) is over before it moves the average. So a model is also *backlogged* when every
+active replica's predicted TTFT (below) already exceeds the model's TTFT SLO with requests of it
+waiting (in a device queue or in its engine's waiting queue): a new request would miss wherever it
+went. A backlogged model wants one replica more than it has (one per tick, the
+capacity need not be known), and has no surplus while any of its replicas still predicts a TTFT
+above half the SLO: the replica added for a burst starts empty and is not drained while the
+others still work the burst off.
+
 Replicas yield to models with no copy. While a model waits with no resident copy because no
 device has room (``ClusterSnapshot.starved``), a second copy of another model is worth less than
 its first: each replicated model's highest resident slot drains (the router sends it nothing, as a
@@ -44,6 +53,7 @@ from prism_serve.control.placement import contention
 from prism_serve.control.types import ClusterSnapshot, ModelSnapshot, ModelState, Request
 
 __all__ = [
+    "backlogged",
     "device_busy",
     "group_rate",
     "pick_replica",
@@ -96,7 +106,8 @@ def _last_to_go(resident: list[ModelSnapshot]) -> ModelSnapshot | None:
 
 def surplus(cluster: ClusterSnapshot, model: str, low: float) -> ModelSnapshot | None:
     """The replica ``model`` can give up (:func:`yielding_replica`), if one fewer would still run
-    below ``low`` utilization."""
+    below ``low`` utilization and no replica of it predicts a TTFT above half its SLO with requests
+    waiting (it is still working a burst off)."""
     resident = resident_replicas(cluster, model)
     last = _last_to_go(resident)
     if last is None:
@@ -104,7 +115,30 @@ def surplus(cluster: ClusterSnapshot, model: str, low: float) -> ModelSnapshot |
     capacity = replica_capacity(cluster, model)
     if capacity is None or group_rate(cluster, model) >= low * capacity * (len(resident) - 1):
         return None
+    if _backlog(cluster, model, slack=0.5, every=False):
+        return None
     return last
+
+
+def backlogged(cluster: ClusterSnapshot, model: str) -> bool:
+    """Whether a new request of the served ``model`` would wait past its TTFT SLO on every active
+    replica (:func:`predicted_ttft`), with requests of it waiting: a burst that its replicas cannot
+    absorb, whatever its average rate says. False without an active replica."""
+    return _backlog(cluster, model, slack=1.0, every=True)
+
+
+def _backlog(cluster: ClusterSnapshot, model: str, slack: float, every: bool) -> bool:
+    """Whether requests of ``model`` wait (in a device queue or an engine's waiting queue) and every
+    (``every``) or any active replica's predicted TTFT exceeds ``slack`` x the TTFT SLO."""
+    active = [m for m in resident_replicas(cluster, model) if m.state is ModelState.ACTIVE]
+    if not active or not any(
+        cluster.models[n].num_queued or ((e := cluster.engines.get(n)) is not None and e.num_waiting)
+        for n in cluster.replicas(model)
+    ):
+        return False
+    limit = slack * active[0].ttft_slo
+    late = (predicted_ttft(m, cluster) > limit for m in active)
+    return all(late) if every else any(late)
 
 
 def spare_replicas(cluster: ClusterSnapshot) -> list[ModelSnapshot]:
@@ -126,13 +160,16 @@ def device_busy(cluster: ClusterSnapshot, device: str) -> float:
 
 def predicted_ttft(m: ModelSnapshot, cluster: ClusterSnapshot) -> float:
     """Seconds until a new request of replica ``m`` would get its first token, roughly: the queue
-    ahead of it on ``m``'s device and its own prefill, plus one decode step of ``m``'s running batch,
-    stretched by the device's compute contention."""
+    ahead of it on ``m``'s device, the requests its engine holds but has not started, and its own
+    prefill, plus one decode step of ``m``'s running batch, stretched by the device's compute
+    contention."""
     p = m.profile
     device = cluster.devices[m.placement[0]]
+    engine = cluster.engines.get(m.model)
+    ahead = device.num_queued + (engine.num_waiting if engine is not None else 0)
     prefill_s = p.mean_prompt_tokens / p.prefill_tokens_per_s
     step_s = p.decode_step_s * max(1.0, m.num_running / _TYPICAL_BATCH)
-    return contention(device_busy(cluster, device.device)) * ((device.num_queued + 1) * prefill_s + step_s)
+    return contention(device_busy(cluster, device.device)) * ((ahead + 1) * prefill_s + step_s)
 
 
 def pick_replica(request: Request, cluster: ClusterSnapshot, draining: str | None = None) -> Request:
@@ -155,11 +192,14 @@ def pick_replica(request: Request, cluster: ClusterSnapshot, draining: str | Non
 
 
 def wanted_replicas(cluster: ClusterSnapshot, model: str, high: float, slots: int) -> int:
-    """How many replicas ``model``'s demand calls for, in [1, slots]."""
+    """How many replicas ``model``'s demand calls for, in [1, slots]: by its rate against one
+    replica's capacity, and one more than it has while it is :func:`backlogged`."""
+    need = 1
     capacity = replica_capacity(cluster, model)
-    if capacity is None:
-        return 1
-    need = math.ceil(group_rate(cluster, model) / (high * capacity))
+    if capacity is not None:
+        need = math.ceil(group_rate(cluster, model) / (high * capacity))
+    if backlogged(cluster, model):
+        need = max(need, len(resident_replicas(cluster, model)) + 1)
     return max(1, min(slots, need))
 
 

@@ -143,7 +143,7 @@ class ModelSnapshot:
     # None: unknown, so prism's migration_cooldown_s does not hold it in place
     placed_at: float | None = None
     # forecast arrivals/s over the current forecast window (control.forecast.SeasonalForecaster);
-    # None: no complete window yet
+    # None: no complete window yet (nothing known: prism prewarms such models into free memory)
     forecast_rate: float | None = None
     # resident, activated while no request of it was waiting, and none has arrived since
     # (control.loop decides it): its memory is the first to yield to real demand
@@ -288,12 +288,17 @@ class EngineSnapshot:
     num_running: int = 0
     max_num_seqs: int | None = None
     prefill_tokens_per_s: float | None = None  # measured or from the cost model
+    # of num_running, those the engine holds but has not started yet (its waiting queue): the
+    # prefill backlog a new request of this engine queues behind
+    num_waiting: int = 0
 
     def __post_init__(self) -> None:
         if not self.kv_bytes_per_token > 0:
             raise InvalidSnapshotError(f"{self.model}@{self.device}: kv_bytes_per_token must be > 0")
         if not (self.free_kv_bytes >= 0 and self.used_kv_bytes >= 0 and self.num_running >= 0):
             raise InvalidSnapshotError(f"{self.model}@{self.device}: negative KV or request counts")
+        if not 0 <= self.num_waiting <= self.num_running:
+            raise InvalidSnapshotError(f"{self.model}@{self.device}: num_waiting must be in [0, num_running]")
         if not (self.prefill_tokens_per_s is None or self.prefill_tokens_per_s > 0):
             raise InvalidSnapshotError(f"{self.model}@{self.device}: prefill_tokens_per_s must be > 0")
 

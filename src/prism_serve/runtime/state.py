@@ -336,6 +336,8 @@ def cluster_snapshot(
                     num_running=m.num_running,
                     max_num_seqs=m.spec.max_num_seqs,
                     prefill_tokens_per_s=stats.prefill_tokens_per_s if stats else None,
+                    # the worker's count is one step old: never more than the requests booked on it
+                    num_waiting=min(stats.num_waiting, m.num_running) if stats else 0,
                 )
             )
     device_snaps = []

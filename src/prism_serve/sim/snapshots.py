@@ -127,6 +127,7 @@ class SnapshotBuilder:
             e.num_requests,
             e.max_num_seqs,
             m.prefill_speed,
+            len(e.waiting),
         )
         m.engine_snapshot = snap
         return snap

@@ -92,7 +92,12 @@ def test_activating_models_are_not_moved():
 
 
 def test_tick_activates_evicted_models_with_waiting_requests():
-    models = [model("hot", rate=5, on=("d0",), last=NOW), model("waiting", queued=2), model("quiet")]
+    # quiet: its forecast expects nothing (one with no forecast yet would be prewarmed as well)
+    models = [
+        model("hot", rate=5, on=("d0",), last=NOW),
+        model("waiting", queued=2),
+        forecast(model("quiet"), 0.0),
+    ]
     out = get_policy("prism").place(cluster(models, {"d0": 80, "d1": 80}), NOW)
     assert out == [Activate("waiting", ("d1",))]
 
@@ -253,7 +258,7 @@ def test_prewarm_activates_models_the_forecast_expects_into_free_memory_only():
         model("hot", rate=2, on=("d0",), weight_gib=30, last=NOW),
         forecast(model("soon", rate=0, weight_gib=10), 0.05),  # 3 requests expected in 60 s
         forecast(model("rare", rate=0, weight_gib=10), 0.001),  # 0.06: not worth memory
-        model("unknown", rate=0, weight_gib=10),  # no complete forecast window yet
+        forecast(model("held", rate=0, weight_gib=10), 0.0),  # an operator unloaded it
     ]
     c = cluster(models, {"d0": 80, "d1": 80})
     assert get_policy("prism").place(c, NOW) == [Activate("soon", ("d1",))]
@@ -264,6 +269,28 @@ def test_prewarm_activates_models_the_forecast_expects_into_free_memory_only():
     ], "a longer horizon prewarms the rare one too, away from the busy device"
     # above the watermark nothing is prewarmed: prewarming never causes an eviction
     full = cluster(models, {"d0": 80, "d1": 80}, mapped={"d0": 70, "d1": 70})
+    assert get_policy("prism").place(full, NOW) == []
+
+
+def test_models_without_a_forecast_fill_free_memory_after_the_expected_ones():
+    """Before a model's first complete forecast window nothing says it is unwanted: prism loads
+    such models into memory below the watermark (at start, as the baselines load everything), after
+    the models the forecast expects, those with arrivals so far first, then the smallest."""
+    models = [
+        forecast(model("soon", rate=0, weight_gib=30), 0.05),
+        model("big", rate=0, weight_gib=40),  # no complete forecast window yet
+        model("small", rate=0, weight_gib=10),
+        model("asked", rate=0.5, weight_gib=35, last=NOW - 1),  # one arrival so far, served and left
+    ]
+    c = cluster(models, {"d0": 80, "d1": 80})
+    assert get_policy("prism").place(c, NOW) == [
+        Activate("soon", ("d0",)),
+        Activate("asked", ("d1",)),
+        Activate("small", ("d0",)),
+    ], "big no longer fits below the 0.9 watermark of either device"
+    assert get_policy("prism", prewarm=False).place(c, NOW) == []
+    # the fill never evicts: with the devices at the watermark nothing is loaded
+    full = cluster(models, {"d0": 80, "d1": 80}, mapped={"d0": 72, "d1": 72})
     assert get_policy("prism").place(full, NOW) == []
 
 

@@ -186,6 +186,20 @@ class PrismPolicy(Policy):
         rate = m.forecast_rate
         return rate is not None and rate * self.knobs.prewarm_horizon_s >= 1.0
 
+    def _prewarm_rank(self, m: ModelSnapshot) -> tuple | None:
+        """Where an evicted ``m`` stands in the prewarm order, or None if it is not prewarmed: first
+        the models the forecast expects (highest forecast first), then those with no forecast yet
+        (``forecast_rate`` None: no complete window since the start), by their rate so far and then
+        the smallest weights, so that free memory holds as many of them as it can. Without a
+        forecast nothing says a model is unwanted, and memory nobody uses serves nothing: at start
+        the models fill it as the baselines' up-front loading does, instead of every model's first
+        request waiting for its activation."""
+        if m.forecast_rate is None:
+            return (1, -m.rate, m.weight_bytes, m.model)
+        if self._expected(m):
+            return (0, -m.forecast_rate, 0, m.model)
+        return None
+
     def _busy(self, m: ModelSnapshot) -> float:
         return m.busy if self.knobs.compute_aware else 0.0
 
@@ -379,7 +393,7 @@ class PrismPolicy(Policy):
         replica of it (evicting idle models there if needed, but not those the forecast expects a
         request for within ``prewarm_horizon_s``: a second copy is not worth a first copy's
         reactivation); surplus replicas with nothing queued or running are evicted (added to
-        ``evicted``). See control/replicas.py."""
+        ``evicted``). A model backlogged by a burst wants one replica more (replicas.py)."""
         k = self.knobs
         out = []
         for model in cluster.extra_replicas:
@@ -428,18 +442,20 @@ class PrismPolicy(Policy):
         loads_now,
         planned: dict[str, tuple[str, ...]],
     ) -> list[ModelSnapshot]:
-        """Evicted models the forecast expects a request for within ``prewarm_horizon_s``, activated
-        (and added to ``planned``) in descending forecast where they fit in memory that stays below the
-        watermark without evicting anything. Their memory yields first (eviction.is_idle)."""
+        """Evicted models the forecast expects a request for within ``prewarm_horizon_s``, then those
+        with no forecast yet (``_prewarm_rank``), activated (and added to ``planned``) in that order
+        where they fit in memory that stays below the watermark without evicting anything. Their
+        memory yields first (eviction.is_idle)."""
         k = self.knobs
-        candidates = sorted(
-            (
-                m
-                for m in cluster.models.values()
-                if not m.resident and m.model not in planned and m.replica_of is None and self._expected(m)
-            ),
-            key=lambda m: (-(m.forecast_rate or 0.0), m.model),
+        ranked = sorted(
+            (rank, m)
+            for m in cluster.models.values()
+            if not m.resident
+            and m.model not in planned
+            and m.replica_of is None
+            and (rank := self._prewarm_rank(m)) is not None
         )
+        candidates = [m for _, m in ranked]
         # a served model with any replica resident is warm already
         candidates = [m for m in candidates if not any(n in planned for n in cluster.replicas(m.model)[1:])]
         if not candidates:
