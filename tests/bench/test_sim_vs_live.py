@@ -31,8 +31,10 @@ devices:
   - {name: "cpu:0", memory: 1200MiB, cores: "0"}
   - {name: "cpu:1", memory: 1000MiB, cores: "1"}
 models:
-  - {name: a, ttft_slo: 3.0, tpot_slo: 0.5, max_num_seqs: 16, max_num_batched_tokens: 256, block_size: 32}
-  - {name: b, ttft_slo: 2.0, tpot_slo: 0.25, max_num_seqs: 16, max_num_batched_tokens: 256, block_size: 32}
+  - {name: a, ttft_slo: 3.0, tpot_slo: 0.5, max_num_seqs: 16, max_num_batched_tokens: 256, block_size: 32,
+     dtype: float32}
+  - {name: b, ttft_slo: 2.0, tpot_slo: 0.25, max_num_seqs: 16, max_num_batched_tokens: 256, block_size: 32,
+     dtype: float32}
 policy: {name: prism, knobs: {idle_threshold_s: 10.0}, tick_interval_s: 0.25}
 """
 
@@ -58,8 +60,10 @@ def test_sim_deployment_mirrors_the_config(svl):
 
 def test_sim_deployment_warns_and_refuses(svl):
     text = CONFIG.replace('cores: "0"', 'cores: "0-1"').replace(
-        "{name: b,", '{name: b, source: "random:smollm2-360m", dtype: bfloat16,'
+        "{name: b,", '{name: b, source: "random:smollm2-360m",'
     )
+    head, _, tail = text.rpartition("dtype: float32")  # b's
+    text = head + "dtype: bfloat16" + tail
     warnings = svl.sim_deployment(parse_config(text)).warnings
     assert any("cpu:0 has 2 cores" in w for w in warnings)
     assert any("b: smollm2-360m in bfloat16" in w for w in warnings)
@@ -154,7 +158,7 @@ def _pair_workload(gap_s: float) -> Workload:
 def _one_device(memory: str, policy: str) -> str:
     return (
         f'devices: [{{name: "cpu:0", memory: {memory}, cores: "0"}}]\n'
-        "models: [{name: a, ttft_slo: 5.0}, {name: b, ttft_slo: 5.0}]\n"
+        "models: [{name: a, ttft_slo: 5.0, dtype: float32}, {name: b, ttft_slo: 5.0, dtype: float32}]\n"
         f"policy: {{name: {policy}}}\n"
     )
 
