@@ -24,10 +24,10 @@ Bursts. The rate is a 60 s average, and a burst (hundreds of requests within sec
 Azure code trace) is over before it moves the average. So a model is also *backlogged* when every
 active replica's predicted TTFT (below) already exceeds the model's TTFT SLO with requests of it
 waiting (in a device queue or in its engine's waiting queue): a new request would miss wherever it
-went. A backlogged model wants one replica more than it has (one per tick, the
-capacity need not be known), and has no surplus while any of its replicas still predicts a TTFT
-above half the SLO: the replica added for a burst starts empty and is not drained while the
-others still work the burst off.
+went. A backlogged model wants one replica more than it has (one per tick; the capacity need not
+be known, but without it no replica is ever surplus), and has no surplus while any of its
+replicas still predicts a TTFT above half the SLO: the replica added for a burst starts empty and
+is not drained while the others still work the burst off.
 
 Replicas yield to models with no copy. While a model waits with no resident copy because no
 device has room (``ClusterSnapshot.starved``), a second copy of another model is worth less than
