@@ -93,7 +93,7 @@ def test_synthetic_shapes_match_hf(config):
         if name.endswith("bias"):
             t.normal_(0, 1.0)
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    engine = LLMEngine(EngineConfig(block_size=4, num_kv_blocks=64), weights=weights)
+    engine = LLMEngine(EngineConfig(block_size=4, num_kv_blocks=64, dtype="float32"), weights=weights)
     ref = hf_logits(weights, ids, torch.float32)
     for chunk in (40, 7, 1):
         torch.testing.assert_close(our_logits(engine, ids, chunk), ref, atol=1e-4, rtol=1e-4)

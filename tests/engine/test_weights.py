@@ -26,7 +26,7 @@ def test_hf_layout_round_trip_gives_identical_outputs(tmp_path, smollm, engine):
     assert loaded.config == smollm.config
     assert loaded.tokenizer.eos_token_ids == smollm.tokenizer.eos_token_ids
     assert loaded.tokenizer.encode("Hello world 123") == smollm.tokenizer.encode("Hello world 123")
-    hf_engine = LLMEngine(EngineConfig(num_kv_blocks=32), weights=loaded)
+    hf_engine = LLMEngine(EngineConfig(num_kv_blocks=32, dtype="float32"), weights=loaded)
     params = SamplingParams(temperature=0, max_tokens=10)
     prompt = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "Name a fruit."}])
     ra = engine.add_request(prompt, params)

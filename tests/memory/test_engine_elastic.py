@@ -25,12 +25,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def fixed_outputs(smollm):
-    engine = LLMEngine(EngineConfig(), weights=smollm)
+    engine = LLMEngine(EngineConfig(dtype="float32"), weights=smollm)
     return [o.token_ids for o in LLM(engine=engine).generate(PROMPTS, GREEDY)]
 
 
 def test_greedy_outputs_match_the_fixed_pool(smollm, fixed_outputs, namespace):
-    engine = LLMEngine(EngineConfig(elastic_kv=PoolConfig(device_budget_bytes=2**30)), weights=smollm)
+    config = EngineConfig(dtype="float32", elastic_kv=PoolConfig(device_budget_bytes=2**30))
+    engine = LLMEngine(config, weights=smollm)
     assert isinstance(engine.allocator, ElasticKVPool)
     outs = LLM(engine=engine).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == fixed_outputs
@@ -48,7 +49,7 @@ def test_a_tight_device_budget_preempts_but_changes_no_token(smollm, fixed_outpu
     ledger = DeviceLedger("cpu:0", budget_bytes=16 * MiB)  # ~22 blocks of 737 KB for six sequences
     squatter = ledger.account("another-model")
     assert squatter.try_reserve(6 * MiB)  # another model holds part of the device
-    config = EngineConfig(elastic_kv=PoolConfig(buffer_min_pages=1, buffer_max_pages=1))
+    config = EngineConfig(dtype="float32", elastic_kv=PoolConfig(buffer_min_pages=1, buffer_max_pages=1))
     with LLMEngine(config, weights=smollm) as engine:
         outs = LLM(engine=engine).generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == fixed_outputs
@@ -67,6 +68,6 @@ def test_an_outside_pool_with_the_wrong_block_size_is_refused(smollm, namespace)
     )
     try:
         with pytest.raises(InvalidRequestError, match="KV pool blocks are 1000 bytes"):
-            LLMEngine(EngineConfig(), weights=smollm, allocator=pool)
+            LLMEngine(EngineConfig(dtype="float32"), weights=smollm, allocator=pool)
     finally:
         pool.close()

@@ -21,6 +21,7 @@ from .conftest import start_runtime, stop_runtime
 MiB = 2**20
 SLACK = 40 * MiB  # memory beyond both models' weights
 SOURCE = "random:smollm2-135m"  # SYNTHETIC weights: realistic sizes, meaningless text
+FP32 = "float32"  # the sizes below are fp32's (dtype auto is bf16 on a CPU with native bf16)
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -43,9 +44,11 @@ def _kv_peak(ledger, model: str) -> int:
 
 def test_kv_grows_into_memory_the_other_model_freed(tmp_path: Path) -> None:
     with HostWeightCache(namespace="colo", directory=tmp_path) as probe:
-        weight_bytes = probe.load(ModelSpec("x", source=SOURCE, seed=1)).weight_bytes
+        weight_bytes = probe.load(ModelSpec("x", source=SOURCE, seed=1, dtype=FP32)).weight_bytes
     budget = 2 * weight_bytes + SLACK
-    models = [ModelSpec(n, source=SOURCE, seed=s, max_model_len=1024) for n, s in (("a", 1), ("b", 2))]
+    models = [
+        ModelSpec(n, source=SOURCE, seed=s, max_model_len=1024, dtype=FP32) for n, s in (("a", 1), ("b", 2))
+    ]
     rt = start_runtime([DeviceSpec("cpu:0", budget, (0,), 1)], models, tick_interval_s=0.2)
     try:
         c = rt.c
@@ -70,7 +73,7 @@ def test_kv_grows_into_memory_the_other_model_freed(tmp_path: Path) -> None:
     finally:
         stop_runtime(rt)
     # Under that pressure b's outputs are exactly what one engine with ample memory produces.
-    with LLMEngine(EngineConfig(model=SOURCE, seed=2, max_model_len=1024)) as ref:
+    with LLMEngine(EngineConfig(model=SOURCE, seed=2, max_model_len=1024, dtype=FP32)) as ref:
         ids = [ref.add_request(p, SamplingParams(temperature=0.0, max_tokens=4)) for p in prompts]
         final = {}
         while ref.has_unfinished_requests():
@@ -81,6 +84,9 @@ def test_kv_grows_into_memory_the_other_model_freed(tmp_path: Path) -> None:
 
 
 def test_a_model_larger_than_every_device_is_refused_at_load_time() -> None:
-    models = [ModelSpec("fits", source=SOURCE), ModelSpec("huge", source="random:smollm2-360m")]
+    models = [
+        ModelSpec("fits", source=SOURCE, dtype=FP32),
+        ModelSpec("huge", source="random:smollm2-360m", dtype=FP32),
+    ]
     with pytest.raises(ModelTooLargeError, match=r"model huge: its weights take .* more than any device"):
         start_runtime([DeviceSpec("cpu:0", 1024 * MiB, (), 1), DeviceSpec("cpu:1", 768 * MiB, (), 1)], models)
