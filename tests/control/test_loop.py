@@ -54,6 +54,7 @@ class FakeBody:
         self.loop: ControlLoop | None = None
         self.log: list[tuple] = []
         self.rejected: dict[str, RejectReason] = {}
+        self.keep_alive: dict[str, float] = {}  # ModelSnapshot.keep_alive_s by model
 
     def _on(self, device: str) -> list[FakeModel]:
         return [m for m in self.models.values() if m.placement and device in m.placement]
@@ -66,7 +67,8 @@ class FakeBody:
                           m.state, loop.rates.last_arrival(m.name), loop.num_queued[m.name], len(m.running),
                           replica_of=m.name.split("#")[0] if "#" in m.name else None,
                           forecast_rate=loop.forecast_rate(m.name, now),
-                          prewarmed=m.state is not ModelState.EVICTED and m.name in loop.prewarmed)
+                          prewarmed=m.state is not ModelState.EVICTED and m.name in loop.prewarmed,
+                          keep_alive_s=self.keep_alive.get(m.name))
             for m in self.models.values()
         ]  # fmt: skip
         devices = [self._device(d) for d in self.caps]
@@ -533,4 +535,21 @@ def test_a_policy_failure_in_a_tick_keeps_the_unrouted_backlog_deferred():
     assert calls == ["r1"] and list(loop.backlog) == ["r2", "r3"]
     assert loop.abort("r1") and loop.abort("r2")  # r1 was being routed, r2 is still deferred
     assert list(loop.backlog) == ["r3"] and loop.num_queued["a"] == 1
+    check_invariants(loop, body)
+
+
+def test_a_keep_alive_eviction_holds_the_model_until_its_next_request():
+    """prism fills free memory with models that have no forecast yet; a model its own keep-alive
+    evicted must not come back at the next tick (it would be loaded and evicted again every tick)."""
+    loop, body, _ = make()
+    body.keep_alive["a"] = 1.0
+    loop.arrival(req(1, t=0.0), 0.0)
+    body.activated("a", 0.1)
+    body.finish("r1", 0.2)
+    loop.tick(5.0)  # idle 4.8 s > 1 s: evicted, and held
+    assert body.models["a"].state is ModelState.EVICTED and "a" in loop.held
+    loop.tick(6.0)
+    assert body.models["a"].state is ModelState.EVICTED, "prewarmed back after its keep-alive"
+    loop.arrival(req(2, t=7.0), 7.0)
+    assert body.models["a"].state is ModelState.ACTIVATING and "a" not in loop.held
     check_invariants(loop, body)

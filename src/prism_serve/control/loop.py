@@ -144,7 +144,8 @@ class ControlLoop:
         self._to_admit: set[str] = set()
         self._reroute: list[Request] = []
         self._applying = False
-        # served models an operator unloaded: no forecast (so no prewarming) until their next arrival
+        # served models an operator unloaded, or their keep-alive evicted: no forecast (so no prewarming)
+        # until their next arrival
         self.held: set[str] = set()
         # ModelSnapshot.prewarmed: models activated while no request of theirs was waiting or being
         # routed, and without an arrival since (cleared by an arrival or an eviction; a migration
@@ -176,6 +177,11 @@ class ControlLoop:
         expired = keep_alive_expired(cluster, now)
         if expired:  # the models' own keep-alive comes before the policy
             self._apply([Evict(m) for m in expired], now)
+            # and holds until the model's next request: prewarming it again would undo what its
+            # configuration asked for, at every tick
+            for m in expired:
+                if cluster.models[m].replica_of is None:
+                    self.hold(m)
             cluster = self.body.cluster(now)
         self._apply(self.policy.place(cluster, now), now)
         pending, self.backlog = list(self.backlog.values()), {}
@@ -249,8 +255,9 @@ class ControlLoop:
         self._admit_changed(now)
 
     def hold(self, model: str, held: bool = True) -> None:
-        """An operator unloaded the served ``model``: it stays evicted until a request for it arrives
-        or ``hold(model, False)`` (the forecast would otherwise prewarm it again at the next tick)."""
+        """An operator unloaded the served ``model`` (or its keep-alive did, at a tick): it stays
+        evicted until a request for it arrives or ``hold(model, False)`` (the forecast would
+        otherwise prewarm it again at the next tick)."""
         if held:
             self.held.add(model)
         else:
