@@ -112,6 +112,34 @@ def test_tick_makes_room_for_waiting_models_by_evicting_idle_ones_in_slo_order()
     assert out == [Evict("idle-relaxed"), Activate("waiting", ("d0",))]
 
 
+def test_a_waiting_model_that_idle_models_cannot_make_room_for_evicts_quiet_ones_lowest_rate_first():
+    # nothing on d0 is idle (requests 5 s ago), nothing runs; "w" has requests waiting and the
+    # highest rate: the quiet model asked for least goes, not the one the paper's rule would wait for
+    models = [
+        model("often", rate=0.5, on=("d0",), weight_gib=35, last=NOW - 5),
+        model("seldom", rate=0.2, on=("d0",), weight_gib=35, last=NOW - 5),
+        model("w", rate=1.0, weight_gib=30, queued=3),
+    ]
+    c = cluster(models, {"d0": 80}, mapped={"d0": 70})
+    assert get_policy("prism").place(c, NOW) == [Evict("seldom"), Activate("w", ("d0",))]
+    assert get_policy("prism", evict_quiet=False).place(c, NOW) == []
+    # a model asked for less often than the quiet ones waits for one to turn idle
+    rare = [*models[:2], replace(models[2], rate=0.1)]
+    assert get_policy("prism").place(cluster(rare, {"d0": 80}, mapped={"d0": 70}), NOW) == []
+    # running, queued, pinned and keep-alive models are not quiet
+    for busy in (
+        {"running": 1},
+        {"queued": 1},
+        {"pinned": True},
+    ):
+        held = [model("seldom", rate=0.2, on=("d0",), weight_gib=35, last=NOW - 5, **busy), *models[::2]]
+        out = get_policy("prism").place(cluster(held, {"d0": 80}, mapped={"d0": 70}), NOW)
+        assert out == [Evict("often"), Activate("w", ("d0",))], busy
+    kept = [replace(models[1], keep_alive_s=600.0), *models[::2]]
+    out = get_policy("prism").place(cluster(kept, {"d0": 80}, mapped={"d0": 70}), NOW)
+    assert out == [Evict("often"), Activate("w", ("d0",))]
+
+
 def test_actions_come_evictions_first_then_migrations_then_activations():
     models = [
         model("idle", ttft=9, on=("d0",), weight_gib=30, last=0.0),

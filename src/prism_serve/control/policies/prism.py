@@ -8,7 +8,9 @@ Global tick (``place``), in this order:
    a model placed less than ``migration_cooldown_s`` ago stays put (``ModelSnapshot.placed_at``), and
    so does a model with running requests (callers migrate only idle models);
 3. an evicted model with waiting requests that Algorithm 1 could not fit is activated where idle
-   models can make room (``eviction.choose_activation``).
+   models can make room (``eviction.choose_activation``), else where replicas yielding to it can,
+   else where *quiet* models can (nothing queued or running, a lower rate than it; knob
+   ``evict_quiet``).
 Requests (``on_request``) for a resident model go to its rank-0 device's queue; for an evicted model
 they trigger an activation on the lowest-KVPR device that can hold it. Admission is Algorithm 2
 (``admission.DeadlineQueue``).
@@ -98,6 +100,10 @@ class PrismKnobs(Knobs):
     # ablation); a model wants ceil(rate / (replica_high * max_rate)) of them and gives one up when
     # the others would stay below replica_low utilization without it
     max_replicas: int = 4
+    # an evicted model with requests waiting that no device can take even after its idle models go
+    # may evict models with nothing queued or running that are not idle yet, asked for less often than
+    # it (lowest rate first); False: it waits until enough models turn idle (the paper's rule)
+    evict_quiet: bool = True
     replica_high: float = 0.8
     replica_low: float = 0.5
 
@@ -278,6 +284,9 @@ class PrismPolicy(Policy):
                 if devices is None:  # a second copy of another model yields to this model's first
                     spare = _with_spare_replicas(cluster, loads, gone)
                     devices = self._make_room(cluster, loads, spare, m, planned, evicted, gone)
+                if devices is None and k.evict_quiet:  # then models with no work now, least used first
+                    quiet = _with_quiet_models(cluster, loads, planned, m, now)
+                    devices = self._make_room(cluster, loads, quiet, m, planned, evicted, gone)
                 if devices is None:
                     continue
                 planned[m.model] = devices
@@ -539,3 +548,39 @@ def _with_spare_replicas(
     if not spare:
         return loads
     return [replace(load, idle=[*load.idle, *spare.get(load.device, ())]) for load in loads]
+
+
+def _with_quiet_models(
+    cluster: ClusterSnapshot,
+    loads: list[DeviceLoad],
+    planned: dict[str, tuple[str, ...]],
+    waiting: ModelSnapshot,
+    now: float,
+) -> list[DeviceLoad]:
+    """``loads`` (copies) whose evictable models end with the *quiet* ones, for the evicted model
+    ``waiting`` with requests queued: active, unpinned, with no keep-alive of their own, nothing
+    queued or running, staying where they are this tick, and asked for less often than ``waiting``
+    (lower rate), lowest rate first (then longest without a request). Without them such a model
+    waits until enough models turn idle (tens of seconds at the idle threshold, every request of it
+    missing its SLO meanwhile), while a quiet model costs at most its next request's activation."""
+    extra: dict[str, list[ModelSnapshot]] = {}
+    quiet = sorted(
+        (
+            m
+            for name, where in planned.items()
+            if (m := cluster.models[name]).state is ModelState.ACTIVE
+            and where == m.placement
+            and not (m.pinned or m.num_queued or m.num_running or m.keep_alive_s is not None)
+            and m.rate < waiting.rate
+        ),
+        key=lambda m: (m.rate, -m.idle_for(now), m.model),
+    )
+    for m in quiet:
+        for d in m.placement:
+            extra.setdefault(d, []).append(m)
+    if not extra:
+        return loads
+    return [
+        replace(load, idle=[*load.idle, *(m for m in extra.get(load.device, ()) if m not in load.idle)])
+        for load in loads
+    ]
