@@ -24,6 +24,7 @@ from prism_serve.control import (
 from prism_serve.control.eviction import is_idle
 from prism_serve.control.replicas import (
     backlogged,
+    misplaced,
     pick_replica,
     predicted_ttft,
     surplus,
@@ -274,3 +275,60 @@ def test_a_burst_its_replicas_cannot_absorb_wants_another_replica_whatever_the_r
     assert surplus(_burst(0, replica_waiting=0), "m", 0.5).model == "m#1"
     # backlogged on both: a third
     assert wanted_replicas(_burst(40, replica_waiting=40), "m", 0.8, 3) == 3
+
+
+def _neighbour(name: str, on: tuple[str, ...], busy: float):
+    """A model with requests running whose predicted busy fraction is ``busy``."""
+    m = model(name, rate=1.0, on=on, running=2)
+    return replace(m, profile=ModelProfile(busy_s_per_request=busy))
+
+
+def test_a_busy_model_slowed_by_its_neighbours_moves_make_before_break() -> None:
+    pol = get_policy("prism", prewarm=False)
+    # m runs requests (Algorithm 1 cannot move it) next to a neighbour busy 0.8 of the time
+    # (contention 5); d1 and d2 are free: a replica goes there, the old copy stays for now
+    slowed = [hot(rate=2, on=("d0",), running=3), hot(k=1), _neighbour("n", ("d0",), 0.8)]
+    actions = pol.place(cluster(slowed, DEVICES), 100.0)
+    assert actions == [Activate("m#1", ("d1",))]
+    off = get_policy("prism", prewarm=False, relocate_busy=False)
+    assert off.place(cluster(slowed, DEVICES), 100.0) == []
+    # once the new replica is active the old one is misplaced: it gets no requests, is evicted
+    # once empty, and the new one is never the one to go
+    moved = [hot(rate=2, on=("d0",), running=3), hot(k=1, on=("d1",)), _neighbour("n", ("d0",), 0.8)]
+    c = cluster(moved, DEVICES)
+    assert misplaced(c, "m", 2.0).model == "m"
+    assert surplus(c, "m", 0.5).model == "m"
+    assert pol.pick_replica(request("m"), c, 101.0).model == "m#1"
+    assert not [a for a in pol.place(c, 101.0) if isinstance(a, Evict)]
+    drained = cluster([replace(moved[0], num_running=0), *moved[1:]], DEVICES)
+    assert [a for a in pol.place(drained, 102.0) if isinstance(a, Evict)] == [Evict("m")]
+
+
+def test_a_busy_model_does_not_move_for_a_small_gain_or_when_two_copies_are_needed() -> None:
+    pol = get_policy("prism", prewarm=False)
+    # a neighbour busy 0.3 of the time slows it by 1.4x only
+    light = [hot(rate=2, on=("d0",), running=3), hot(k=1), _neighbour("n", ("d0",), 0.3)]
+    assert pol.place(cluster(light, DEVICES), 100.0) == []
+    # every other device is as slow: the move would gain nothing
+    everywhere = [
+        hot(rate=2, on=("d0",), running=3),
+        hot(k=1),
+        *(_neighbour(f"n{i}", (d,), 0.8) for i, d in enumerate(DEVICES)),
+    ]
+    assert pol.place(cluster(everywhere, DEVICES), 100.0) == []
+    # at 6 req/s of a capacity of 10 the pair would not be surplus: the replica scaling decides it
+    needed = [hot(rate=6, on=("d0",), running=3), hot(k=1), _neighbour("n", ("d0",), 0.8)]
+    assert pol.place(cluster(needed, DEVICES), 100.0) == []
+    # within its migration cooldown it stays
+    recent = [replace(light[0], placed_at=90.0), hot(k=1), _neighbour("n", ("d0",), 0.8)]
+    assert pol.place(cluster(recent, DEVICES), 100.0) == []
+    # two active replicas equally slowed: neither is misplaced, the highest slot is surplus as before
+    both = [
+        hot(rate=1, on=("d0",)),
+        hot(k=1, rate=1, on=("d1",)),
+        _neighbour("n0", ("d0",), 0.8),
+        _neighbour("n1", ("d1",), 0.8),
+    ]
+    c = cluster(both, DEVICES)
+    assert misplaced(c, "m", 2.0) is None
+    assert surplus(c, "m", 0.5).model == "m#1"

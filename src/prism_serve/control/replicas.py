@@ -36,6 +36,13 @@ surplus) and, once it has nothing queued or running, its memory counts as evicta
 model after the idle models (:func:`spare_replicas`). Replica scaling takes only idle models'
 memory, so the replica comes back only once the model it made room for is idle again.
 
+Moving a busy model. The replica that yields (to surplus, or to a model with no copy) is the
+*misplaced* one if there is one: an active replica whose neighbours slow it at least
+``MISPLACED_FACTOR`` times as much as another active replica's (:func:`misplaced`); else the
+highest slot. prism moves a busy model (one that is never idle, so Algorithm 1 leaves it where it
+is) by activating a replica on less contended devices: once it is active, the old replica is
+misplaced and drains.
+
 Routing. A request goes to the resident replica with the lowest predicted TTFT (:func:`predicted_ttft`):
 requests queued ahead of it on that replica's device and its own prefill, one decode step of the
 replica's running batch, all stretched by the device's compute contention; a replica still
@@ -56,6 +63,8 @@ __all__ = [
     "backlogged",
     "device_busy",
     "group_rate",
+    "misplaced",
+    "neighbours_busy",
     "pick_replica",
     "predicted_ttft",
     "replica_capacity",
@@ -67,6 +76,8 @@ __all__ = [
 ]
 
 _TYPICAL_BATCH = 16  # ModelProfile.decode_step_s is one step at about this many running requests
+# a replica whose neighbours slow it this many times as much as another replica's is misplaced
+MISPLACED_FACTOR = 2.0
 
 
 def group_rate(cluster: ClusterSnapshot, model: str) -> float:
@@ -90,14 +101,39 @@ def resident_replicas(cluster: ClusterSnapshot, model: str) -> list[ModelSnapsho
 
 
 def yielding_replica(cluster: ClusterSnapshot, model: str) -> ModelSnapshot | None:
-    """The replica ``model`` would give up first: its highest resident slot, if it has two or more
-    resident and that is not its last active one."""
-    return _last_to_go(resident_replicas(cluster, model))
+    """The replica ``model`` would give up first: a :func:`misplaced` one, else its highest resident
+    slot, if it has two or more resident and that is not its last active one."""
+    return _last_to_go(cluster, resident_replicas(cluster, model))
 
 
-def _last_to_go(resident: list[ModelSnapshot]) -> ModelSnapshot | None:
+def neighbours_busy(cluster: ClusterSnapshot, m: ModelSnapshot) -> float:
+    """The summed predicted busy fraction of the other models on ``m``'s busiest device: the compute
+    ``m``'s steps share (a TP model steps at the pace of its slowest rank)."""
+    return max(device_busy(cluster, d) - m.busy for d in m.placement)
+
+
+def misplaced(cluster: ClusterSnapshot, model: str, factor: float) -> ModelSnapshot | None:
+    """The active replica of ``model`` whose neighbours slow it at least ``factor`` times as much as
+    another active replica's slow that one (``contention`` of :func:`neighbours_busy`), the most
+    slowed first; None if there is none. A replica added to move a busy model off contended devices
+    (policies/prism.py, make-before-break) makes the old one misplaced, so it drains rather than
+    the new one."""
+    active = [m for m in resident_replicas(cluster, model) if m.state is ModelState.ACTIVE]
+    if len(active) < 2:
+        return None
+    slowed = sorted(
+        ((contention(neighbours_busy(cluster, m)), i, m) for i, m in enumerate(active)), key=lambda t: t[:2]
+    )
+    best, worst = slowed[0][0], slowed[-1]
+    return worst[2] if worst[0] >= factor * best else None
+
+
+def _last_to_go(cluster: ClusterSnapshot, resident: list[ModelSnapshot]) -> ModelSnapshot | None:
     if len(resident) < 2:
         return None
+    moved = misplaced(cluster, resident[0].group, MISPLACED_FACTOR)
+    if moved is not None:
+        return moved
     last = resident[-1]
     if last.state is ModelState.ACTIVE and not any(m.state is ModelState.ACTIVE for m in resident[:-1]):
         return None
@@ -109,7 +145,7 @@ def surplus(cluster: ClusterSnapshot, model: str, low: float) -> ModelSnapshot |
     below ``low`` utilization and no replica of it predicts a TTFT above half its SLO with requests
     waiting (it is still working a burst off)."""
     resident = resident_replicas(cluster, model)
-    last = _last_to_go(resident)
+    last = _last_to_go(cluster, resident)
     if last is None:
         return None
     capacity = replica_capacity(cluster, model)

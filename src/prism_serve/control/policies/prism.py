@@ -10,7 +10,10 @@ Global tick (``place``), in this order:
 3. an evicted model with waiting requests that Algorithm 1 could not fit is activated where idle
    models can make room (``eviction.choose_activation``), else where replicas yielding to it can,
    else where *quiet* models can (nothing queued or running, a lower rate than it; knob
-   ``evict_quiet``).
+   ``evict_quiet``);
+4. issue 16's additions: a compute-balancing move through idle models, replicas of hot models (and
+   of models backlogged by a burst), make-before-break moves of busy models slowed by their
+   neighbours (``relocate_busy``), and prewarming (forecast, then the startup fill).
 Requests (``on_request``) for a resident model go to its rank-0 device's queue; for an evicted model
 they trigger an activation on the lowest-KVPR device that can hold it. Admission is Algorithm 2
 (``admission.DeadlineQueue``).
@@ -48,8 +51,11 @@ from prism_serve.control.policies.base import (
 )
 from prism_serve.control.queues import FifoQueue, RequestQueue
 from prism_serve.control.replicas import (
+    MISPLACED_FACTOR,
     group_rate,
+    neighbours_busy,
     pick_replica,
+    replica_capacity,
     resident_replicas,
     spare_replicas,
     surplus,
@@ -104,6 +110,10 @@ class PrismKnobs(Knobs):
     # may evict models with nothing queued or running that are not idle yet, asked for less often than
     # it (lowest rate first); False: it waits until enough models turn idle (the paper's rule)
     evict_quiet: bool = True
+    # a busy model (never idle, so Algorithm 1 cannot move it) whose neighbours slow it is moved
+    # make-before-break: a replica on devices whose neighbours slow it at most half as much, then the
+    # old replica drains (replicas.misplaced); needs max_replicas >= 2
+    relocate_busy: bool = True
     replica_high: float = 0.8
     replica_low: float = 0.5
 
@@ -298,6 +308,8 @@ class PrismPolicy(Policy):
             self._move_through_idle(cluster, loads_now, planned, evicted, gone, now)
         if cluster.extra_replicas:
             activations.extend(self._scale_replicas(cluster, loads_now, planned, evicted, gone))
+            if k.compute_aware and k.rebalance and k.relocate_busy:
+                activations.extend(self._relocate_busy(cluster, loads_now, planned, evicted, gone, now))
         if k.prewarm:
             activations.extend(self._prewarm(cluster, loads_now, planned))
 
@@ -413,14 +425,7 @@ class PrismPolicy(Policy):
             slots = min(k.max_replicas, len(cluster.replicas(model)), len(cluster.devices) // tp)
             n = len(resident)
             if wanted_replicas(cluster, model, k.replica_high, slots) > n:
-                free = next(
-                    (
-                        cluster.models[s]
-                        for s in cluster.replicas(model)
-                        if not cluster.models[s].resident and s not in planned
-                    ),
-                    None,
-                )
+                free = _free_slot(cluster, model, planned)
                 if free is None:
                     continue
                 taken = {d for m in resident for d in planned.get(m.model, m.placement)}
@@ -444,6 +449,75 @@ class PrismPolicy(Policy):
             if extra is not None and not (extra.num_queued or extra.num_running) and extra.model not in gone:
                 self._evict_for(cluster, loads_now(), [extra.model], planned, evicted, gone)
         return out
+
+    def _relocate_busy(
+        self,
+        cluster: ClusterSnapshot,
+        loads_now,
+        planned: dict[str, tuple[str, ...]],
+        evicted: list[str],
+        gone: set[str],
+        now: float,
+    ) -> list[ModelSnapshot]:
+        """Make-before-break moves of busy models (at most one per tick, each costs an activation).
+
+        A served model with one resident replica that is running requests, placed at least
+        ``migration_cooldown_s`` ago, whose neighbours' summed busy fraction slows it (contention >=
+        2 on its busiest device), and whose demand one replica serves below ``replica_low``, gets a
+        second replica on the devices :func:`choose_activation` picks among the others (evicting idle
+        models there that the forecast does not expect soon) if its neighbours there would slow it
+        at most half as much (:data:`replicas.MISPLACED_FACTOR`). Once the new replica is active
+        the old one is :func:`replicas.misplaced`: the router sends it nothing and it is evicted
+        once it has nothing queued or running, as a surplus replica is."""
+        k = self.knobs
+        candidates = []
+        for model in cluster.extra_replicas:
+            resident = [m for m in resident_replicas(cluster, model) if m.model not in gone]
+            if len(resident) != 1:
+                continue
+            (m,) = resident
+            capacity = replica_capacity(cluster, model)
+            if (
+                m.state is not ModelState.ACTIVE
+                or m.num_running == 0  # an idle model is Algorithm 1's to move
+                or planned.get(m.model) != m.placement
+                or (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
+                or capacity is None
+                or group_rate(cluster, model) >= k.replica_low * capacity
+            ):
+                continue
+            slowed = contention(neighbours_busy(cluster, m))
+            if slowed >= _CONTENDED:
+                candidates.append((-slowed, m.model, m))
+        for neg_slowed, _, m in sorted(candidates):
+            free = _free_slot(cluster, m.group, planned)
+            if free is None:
+                continue
+            loads = loads_now()
+            others = [
+                replace(load, idle=[v for v in load.idle if v.replica_of or not self._expected(v)])
+                for load in loads
+                if load.device not in m.placement
+            ]
+            moved = replace(free, rate=m.rate)
+            choice = choose_activation(moved, others)
+            if choice is None:
+                continue
+            devices, victims = choice
+            gone_busy = {d: 0.0 for d in devices}
+            for v in victims:
+                for d in cluster.models[v].placement:
+                    if d in gone_busy:
+                        gone_busy[d] += self._busy(cluster.models[v])
+            by_name = {load.device: load for load in loads}
+            after = max(max(0.0, by_name[d].busy - gone_busy[d]) for d in devices)
+            if contention(after) * MISPLACED_FACTOR > -neg_slowed:
+                continue
+            self._evict_for(cluster, loads, victims, planned, evicted, gone)
+            self._load(loads, moved, devices)
+            planned[free.model] = devices
+            return [free]
+        return []
 
     def _prewarm(
         self,
@@ -584,3 +658,17 @@ def _with_quiet_models(
         replace(load, idle=[*load.idle, *(m for m in extra.get(load.device, ()) if m not in load.idle)])
         for load in loads
     ]
+
+
+def _free_slot(
+    cluster: ClusterSnapshot, model: str, planned: dict[str, tuple[str, ...]]
+) -> ModelSnapshot | None:
+    """A replica slot of the served ``model`` that is evicted and not in this tick's plan."""
+    return next(
+        (
+            cluster.models[s]
+            for s in cluster.replicas(model)
+            if not cluster.models[s].resident and s not in planned
+        ),
+        None,
+    )
