@@ -332,3 +332,44 @@ def test_a_busy_model_does_not_move_for_a_small_gain_or_when_two_copies_are_need
     c = cluster(both, DEVICES)
     assert misplaced(c, "m", 2.0) is None
     assert surplus(c, "m", 0.5).model == "m#1"
+
+
+def test_a_copy_for_a_burst_goes_only_where_there_is_spare_compute_and_memory_now() -> None:
+    pol = get_policy("prism", prewarm=False)
+
+    def burst_with(neighbours, mapped=None):
+        c = _burst(40)
+        models = [*c.models.values(), *neighbours]
+        engines = list(c.engines.values())
+        return cluster(models, DEVICES, engines=engines, mapped=mapped)
+
+    def added(c):
+        return [a for a in pol.place(c, 100.0) if isinstance(a, Activate)]
+
+    # d1 and d2 are busy 0.6 of the time: a copy there would run at under half speed, and the
+    # burst is over before it pays; none is added
+    busy = [_neighbour("n1", ("d1",), 0.6), _neighbour("n2", ("d2",), 0.6)]
+    assert added(burst_with(busy)) == []
+    # d2 quiet: the copy goes there
+    assert added(burst_with(busy[:1])) == [Activate("m#1", ("d2",))]
+    # a model whose rate needs a second replica gets one even next to busy models
+    hot_rate = [replace(m, rate=20.0) if m.model == "m" else m for m in burst_with(busy).models.values()]
+    assert [a.model for a in added(cluster(hot_rate, DEVICES))] == ["m#1"]
+    # d1 holds the weights on paper but its memory is full of KV now: not there (the activation
+    # would wait for that KV to drain while its claim stops admission on d1)
+    assert added(burst_with([], mapped={"d1": 39.5})) == [Activate("m#1", ("d2",))]
+
+
+def test_a_busy_model_does_not_move_where_it_would_make_the_device_busier_than_it_leaves() -> None:
+    pol = get_policy("prism", prewarm=False)
+    heavy = replace(
+        hot(rate=2, on=("d0",), running=3), profile=ModelProfile(busy_s_per_request=0.45, max_rate=CAPACITY)
+    )
+    # m (busy 0.9) next to a neighbour busy 0.8; d1's neighbours are busy 0.45 and d2's too: with m
+    # there a device would be busy 1.35, against 1.7 now, not half the contention; it stays
+    models = [heavy, hot(k=1), _neighbour("n", ("d0",), 0.8)]
+    models += [_neighbour("n1", ("d1",), 0.45), _neighbour("n2", ("d2",), 0.45)]
+    assert pol.place(cluster(models, DEVICES), 100.0) == []
+    # with d2 quiet it moves there
+    quiet = [*models[:4], _neighbour("n2", ("d2",), 0.05)]
+    assert pol.place(cluster(quiet, DEVICES), 100.0) == [Activate("m#1", ("d2",))]

@@ -68,6 +68,7 @@ __all__ = [
     "pick_replica",
     "predicted_ttft",
     "replica_capacity",
+    "replicas_for_rate",
     "resident_replicas",
     "spare_replicas",
     "surplus",
@@ -227,13 +228,18 @@ def pick_replica(request: Request, cluster: ClusterSnapshot, draining: str | Non
     return _to(request, best.model)
 
 
+def replicas_for_rate(cluster: ClusterSnapshot, model: str, high: float) -> int:
+    """Replicas ``model``'s rate calls for at ``high`` utilization of one replica's capacity (1
+    while the capacity is unknown)."""
+    capacity = replica_capacity(cluster, model)
+    return 1 if capacity is None else math.ceil(group_rate(cluster, model) / (high * capacity))
+
+
 def wanted_replicas(cluster: ClusterSnapshot, model: str, high: float, slots: int) -> int:
     """How many replicas ``model``'s demand calls for, in [1, slots]: by its rate against one
-    replica's capacity, and one more than it has while it is :func:`backlogged`."""
-    need = 1
-    capacity = replica_capacity(cluster, model)
-    if capacity is not None:
-        need = math.ceil(group_rate(cluster, model) / (high * capacity))
+    replica's capacity (:func:`replicas_for_rate`), and one more than it has while it is
+    :func:`backlogged`."""
+    need = replicas_for_rate(cluster, model, high)
     if backlogged(cluster, model):
         need = max(need, len(resident_replicas(cluster, model)) + 1)
     return max(1, min(slots, need))

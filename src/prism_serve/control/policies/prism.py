@@ -56,6 +56,7 @@ from prism_serve.control.replicas import (
     neighbours_busy,
     pick_replica,
     replica_capacity,
+    replicas_for_rate,
     resident_replicas,
     spare_replicas,
     surplus,
@@ -439,6 +440,15 @@ class PrismPolicy(Policy):
                     for load in loads
                     if load.device not in taken
                 ]
+                others = _with_room_now(cluster, others, planned, share)
+                if replicas_for_rate(cluster, model, k.replica_high) <= n:
+                    # a copy for a burst only where it has spare compute: the device busy less than
+                    # half the time with it. Next to busier models it would run at half speed or less
+                    # and slow them as much, and the burst is over before that pays for its
+                    # activation (the decode-heavy CPU sweep: 17 such copies, TTFT 39% at x3)
+                    others = [
+                        load for load in others if contention(load.busy + self._busy(share)) < _CONTENDED
+                    ]
                 devices = self._make_room(cluster, loads, others, share, planned, evicted, gone)
                 if devices is None:
                     continue
@@ -464,9 +474,10 @@ class PrismPolicy(Policy):
         A served model with one resident replica that is running requests, placed at least
         ``migration_cooldown_s`` ago, whose neighbours' summed busy fraction slows it (contention >=
         2 on its busiest device), and whose demand one replica serves below ``replica_low``, gets a
-        second replica on the devices :func:`choose_activation` picks among the others (evicting idle
-        models there that the forecast does not expect soon) if its neighbours there would slow it
-        at most half as much (:data:`replicas.MISPLACED_FACTOR`). Once the new replica is active
+        second replica on the devices :func:`choose_activation` picks among the others that have
+        memory for it now (evicting idle models there that the forecast does not expect soon) if
+        the device it lands on, itself included, would be at most half as contended as the one it
+        leaves, itself included (:data:`replicas.MISPLACED_FACTOR`). Once the new replica is active
         the old one is :func:`replicas.misplaced`: the router sends it nothing and it is evicted
         once it has nothing queued or running, as a surplus replica is."""
         k = self.knobs
@@ -489,7 +500,7 @@ class PrismPolicy(Policy):
             slowed = contention(neighbours_busy(cluster, m))
             if slowed >= _CONTENDED:
                 candidates.append((-slowed, m.model, m))
-        for neg_slowed, _, m in sorted(candidates):
+        for _, _, m in sorted(candidates):
             free = _free_slot(cluster, m.group, planned)
             if free is None:
                 continue
@@ -500,7 +511,7 @@ class PrismPolicy(Policy):
                 if load.device not in m.placement
             ]
             moved = replace(free, rate=m.rate)
-            choice = choose_activation(moved, others)
+            choice = choose_activation(moved, _with_room_now(cluster, others, planned, moved))
             if choice is None:
                 continue
             devices, victims = choice
@@ -510,8 +521,10 @@ class PrismPolicy(Policy):
                     if d in gone_busy:
                         gone_busy[d] += self._busy(cluster.models[v])
             by_name = {load.device: load for load in loads}
-            after = max(max(0.0, by_name[d].busy - gone_busy[d]) for d in devices)
-            if contention(after) * MISPLACED_FACTOR > -neg_slowed:
+            # the whole device counts, ``m`` included, on both sides: the move must halve the
+            # contention ``m`` steps under without making its new neighbours' worse than that
+            after = max(max(0.0, by_name[d].busy - gone_busy[d]) for d in devices) + self._busy(m)
+            if contention(after) * MISPLACED_FACTOR > contention(neighbours_busy(cluster, m) + self._busy(m)):
                 continue
             self._evict_for(cluster, loads, victims, planned, evicted, gone)
             self._load(loads, moved, devices)
@@ -546,15 +559,7 @@ class PrismPolicy(Policy):
         loads = loads_now()
         # memory each device can still give without crossing the watermark: what is mapped now, plus
         # the weights this tick moves or loads there (evictions are not credited: they may not be done)
-        room = {
-            d: k.memory_watermark * dev.capacity_bytes - dev.mapped_bytes
-            for d, dev in cluster.devices.items()
-        }
-        for name, devices in planned.items():
-            m = cluster.models[name]
-            for d in devices:
-                if d not in m.placement:
-                    room[d] -= m.part_weight_bytes
+        room = _room_now(cluster, planned, k.memory_watermark)
         out = []
         for m in candidates:
             open_loads = [
@@ -672,3 +677,35 @@ def _free_slot(
         ),
         None,
     )
+
+
+def _room_now(
+    cluster: ClusterSnapshot, planned: dict[str, tuple[str, ...]], fraction: float
+) -> dict[str, float]:
+    """Bytes each device can still map below ``fraction`` of its capacity: what is mapped now (KV
+    and claims included) and the weights this tick's plan moves or loads there are taken; evictions
+    are not credited (they may not be done)."""
+    room = {d: fraction * dev.capacity_bytes - dev.mapped_bytes for d, dev in cluster.devices.items()}
+    for name, devices in planned.items():
+        m = cluster.models[name]
+        for d in devices:
+            if d not in m.placement:
+                room[d] -= m.part_weight_bytes
+    return room
+
+
+def _with_room_now(
+    cluster: ClusterSnapshot, loads: list[DeviceLoad], planned: dict[str, tuple[str, ...]], m: ModelSnapshot
+) -> list[DeviceLoad]:
+    """The ``loads`` where a second copy ``m`` fits now: in memory not mapped (:func:`_room_now`)
+    plus the weights of the idle models there. Feasibility elsewhere counts weights only, since an
+    activation waits for busy engines' KV to drain; but while it waits its claim counts as mapped,
+    so admission on that device stops, and the busy engines there serve minutes of long decodes.
+    A first copy (a model with requests waiting and none resident) must take that wait; an extra
+    one is not worth it."""
+    room = _room_now(cluster, planned, 1.0)
+    return [
+        load
+        for load in loads
+        if room[load.device] + sum(v.part_weight_bytes for v in load.idle) >= m.part_weight_bytes
+    ]
