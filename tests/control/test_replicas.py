@@ -373,3 +373,22 @@ def test_a_busy_model_does_not_move_where_it_would_make_the_device_busier_than_i
     # with d2 quiet it moves there
     quiet = [*models[:4], _neighbour("n2", ("d2",), 0.05)]
     assert pol.place(cluster(quiet, DEVICES), 100.0) == [Activate("m#1", ("d2",))]
+
+
+def test_a_busy_model_moves_before_its_capacity_is_known_and_the_old_copy_then_drains() -> None:
+    """Live, a replica's capacity is unknown until its engine has batched enough to fit it; a model
+    placed blind at start (the startup fill) must still be able to leave a contended device."""
+    pol = get_policy("prism", prewarm=False)
+
+    def unknown(m):
+        return replace(m, profile=ModelProfile(busy_s_per_request=0.05))
+
+    slowed = [unknown(hot(rate=2, on=("d0",), running=3)), unknown(hot(k=1)), _neighbour("n", ("d0",), 0.8)]
+    assert pol.place(cluster(slowed, DEVICES), 100.0) == [Activate("m#1", ("d1",))]
+    moved = [unknown(hot(rate=2, on=("d0",))), unknown(hot(k=1, on=("d1",))), _neighbour("n", ("d0",), 0.8)]
+    c = cluster(moved, DEVICES)
+    assert surplus(c, "m", 0.5).model == "m"
+    assert Evict("m") in pol.place(c, 101.0)
+    # without a misplaced copy nothing is surplus while the capacity is unknown (as before)
+    even = [*moved[:2], _neighbour("n", ("d0",), 0.8), _neighbour("n1", ("d1",), 0.8)]
+    assert surplus(cluster(even, DEVICES), "m", 0.5) is None

@@ -143,14 +143,19 @@ def _last_to_go(cluster: ClusterSnapshot, resident: list[ModelSnapshot]) -> Mode
 
 def surplus(cluster: ClusterSnapshot, model: str, low: float) -> ModelSnapshot | None:
     """The replica ``model`` can give up (:func:`yielding_replica`), if one fewer would still run
-    below ``low`` utilization and no replica of it predicts a TTFT above half its SLO with requests
-    waiting (it is still working a burst off)."""
+    below ``low`` utilization (while the capacity is unknown: if it is :func:`misplaced`, the end of
+    a move) and no replica of it predicts a TTFT above half its SLO with requests waiting (it is
+    still working a burst off)."""
     resident = resident_replicas(cluster, model)
     last = _last_to_go(cluster, resident)
     if last is None:
         return None
     capacity = replica_capacity(cluster, model)
-    if capacity is None or group_rate(cluster, model) >= low * capacity * (len(resident) - 1):
+    if capacity is None:
+        # nothing says how many replicas the rate needs: only a move (a misplaced replica) gives one up
+        if last is not misplaced(cluster, model, MISPLACED_FACTOR):
+            return None
+    elif group_rate(cluster, model) >= low * capacity * (len(resident) - 1):
         return None
     if _backlog(cluster, model, slack=0.5, every=False):
         return None

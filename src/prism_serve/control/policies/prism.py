@@ -473,7 +473,8 @@ class PrismPolicy(Policy):
 
         A served model with one resident replica that is running requests, placed at least
         ``migration_cooldown_s`` ago, whose neighbours' summed busy fraction slows it (contention >=
-        2 on its busiest device), and whose demand one replica serves below ``replica_low``, gets a
+        2 on its busiest device), and whose demand one replica serves below ``replica_low`` (or whose
+        capacity is not known yet, as live before the engine has batched enough to fit it), gets a
         second replica on the devices :func:`choose_activation` picks among the others that have
         memory for it now (evicting idle models there that the forecast does not expect soon) if
         the device it lands on, itself included, would be at most half as contended as the one it
@@ -493,8 +494,7 @@ class PrismPolicy(Policy):
                 or m.num_running == 0  # an idle model is Algorithm 1's to move
                 or planned.get(m.model) != m.placement
                 or (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
-                or capacity is None
-                or group_rate(cluster, model) >= k.replica_low * capacity
+                or (capacity is not None and group_rate(cluster, model) >= k.replica_low * capacity)
             ):
                 continue
             slowed = contention(neighbours_busy(cluster, m))
