@@ -67,6 +67,18 @@ def test_the_gain_is_the_batching_the_tpot_slo_leaves_room_for() -> None:
     assert batching_gain(StepSums(), 0.2, 8) is None
 
 
+def test_a_nearly_flat_step_gives_the_batch_limit_instead_of_overflowing() -> None:
+    """A fitted p just above 0 (steps that hardly grow with the batch, seen live on a CPU) once made
+    (tpot / t1) ** (1 / p) overflow: every tick of the control loop and /metrics raised
+    OverflowError. The largest batch within the SLO is then the batch limit."""
+    s = sums(0.01, 0.001, [1, 2, 4, 8])
+    t1, p = s.fit()
+    assert 0 < p < 0.01 and t1 < 0.5
+    now = s.batch / s.seconds
+    assert batching_gain(s, 0.5, 256) == pytest.approx((256 / (t1 * 256**p)) / now)
+    assert measured_profile(ModelProfile(), 10.0, 100, s, 0.5, 256).max_rate > 0
+
+
 def test_measured_profile_scales_the_floor_by_the_gain() -> None:
     s = sums(0.04, 0.5, [1, 1, 1, 2])
     p = measured_profile(ModelProfile(), 10.0, 5, s, 0.2, 256)

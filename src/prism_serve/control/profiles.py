@@ -94,7 +94,15 @@ def batching_gain(steps: StepSums, tpot_s: float, max_num_seqs: int) -> float | 
     t1, p = fit
     if t1 >= tpot_s:
         return 1.0
-    top = float(max_num_seqs) if p <= 0 else min(float(max_num_seqs), (tpot_s / t1) ** (1.0 / p))
+    # the largest B with t1 * B**p <= tpot_s, in logs: with p near 0 (a step that hardly grows with
+    # the batch) (tpot_s / t1) ** (1 / p) overflows a float, and a tick that raised here stopped
+    # the control loop and /metrics with it
+    limit = math.log(max_num_seqs)
+    top = (
+        float(max_num_seqs)
+        if p <= 0 or math.log(tpot_s / t1) / p >= limit
+        else math.exp(math.log(tpot_s / t1) / p)
+    )
     top = max(1.0, math.floor(top))
     now = steps.batch / steps.seconds  # sequences per second of stepping at the mean batch
     return max(1.0, (top / (t1 * top**p)) / now)
