@@ -24,8 +24,7 @@ deadline scheduling, for the ablations of the paper's Figures 10 and 11.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from prism_serve.control.admission import DeadlineQueue
 from prism_serve.control.eviction import (
@@ -40,14 +39,19 @@ from prism_serve.control.eviction import (
 )
 from prism_serve.control.placement import DeviceBudget, Part, contention, place_parts, pressure
 from prism_serve.control.policies.base import (
-    Knobs,
     Policy,
-    fraction,
     min_kv_bytes,
     no_capacity,
-    require,
     route_resident,
     unknown_model,
+)
+from prism_serve.control.policies.prism_knobs import PrismKnobs
+from prism_serve.control.policies.prism_room import (
+    free_slot,
+    room_now,
+    with_quiet_models,
+    with_room_now,
+    with_spare_replicas,
 )
 from prism_serve.control.queues import FifoQueue, RequestQueue
 from prism_serve.control.replicas import (
@@ -58,7 +62,6 @@ from prism_serve.control.replicas import (
     replica_capacity,
     replicas_for_rate,
     resident_replicas,
-    spare_replicas,
     surplus,
     wanted_replicas,
     yielding_replica,
@@ -80,65 +83,6 @@ __all__ = ["PrismKnobs", "PrismPolicy"]
 
 # a device this contended (busy fraction 0.5) is worth a compute-balancing move through idle models
 _CONTENDED = 2.0
-
-
-@dataclass(slots=True, frozen=True)
-class PrismKnobs(Knobs):
-    migration_threshold: float = 0.05  # tau: KVPR gain (per GiB, see placement.py) a migration must beat
-    idle_threshold_s: float = 30.0  # a model idle this long may be evicted (paper: from idle-gap data)
-    memory_watermark: float = 0.9  # a device is constrained at mapped >= this fraction of capacity
-    min_kv_fraction: float = 0.05  # never place a model where less than this fraction is left for KV
-    reserve_tokens: int = 256  # per-engine KV reserve admission keeps free (tokens of that model)
-    abort_on_miss: bool = False  # reject requests the deadline schedule drops instead of deferring
-    default_prefill_tokens_per_s: float = 8000.0  # until the engine reports its measured speed
-    # a model placed (activated or migrated) less than this long ago does not migrate: one rate window,
-    # so a move acts on an estimate renewed since the last one rather than on its noise
-    migration_cooldown_s: float = 60.0
-    rebalance: bool = True  # False: resident models never migrate (global scheduler off)
-    deadline_admission: bool = True  # False: per-engine FIFO admission (local scheduler off)
-    # False: placement weighs KV pressure only (the paper's KVPR), not the compute colocated engines
-    # share (placement.pressure); the ablation of issue 16's compute-aware placement
-    compute_aware: bool = True
-    # activate evicted models the seasonal forecast expects a request for within prewarm_horizon_s,
-    # into memory below the watermark (WarmServe's prewarming, seed 004); False: activate on demand only
-    prewarm: bool = True
-    prewarm_horizon_s: float = 60.0
-    # replicas of hot models (control/replicas.py): at most this many per served model (1: off, the
-    # ablation); a model wants ceil(rate / (replica_high * max_rate)) of them and gives one up when
-    # the others would stay below replica_low utilization without it
-    max_replicas: int = 4
-    # an evicted model with requests waiting that no device can take even after its idle models go
-    # may evict models with nothing queued or running that are not idle yet, asked for less often than
-    # it (lowest rate first); False: it waits until enough models turn idle (the paper's rule)
-    evict_quiet: bool = True
-    # a busy model (never idle, so Algorithm 1 cannot move it) whose neighbours slow it is moved
-    # make-before-break: a replica on devices whose neighbours slow it at most half as much, then the
-    # old replica drains (replicas.misplaced); needs max_replicas >= 2
-    relocate_busy: bool = True
-    replica_high: float = 0.8
-    replica_low: float = 0.5
-
-    def __post_init__(self) -> None:
-        require(
-            self.migration_threshold >= 0 and math.isfinite(self.migration_threshold),
-            "migration_threshold must be finite and >= 0",
-        )
-        require(self.idle_threshold_s >= 0, "idle_threshold_s must be >= 0")
-        require(
-            self.prewarm_horizon_s > 0 and math.isfinite(self.prewarm_horizon_s),
-            "prewarm_horizon_s must be finite and > 0",
-        )
-        require(
-            self.migration_cooldown_s >= 0 and math.isfinite(self.migration_cooldown_s),
-            "migration_cooldown_s must be finite and >= 0",
-        )
-        fraction("memory_watermark", self.memory_watermark, open_low=True)
-        require(self.max_replicas >= 1, "max_replicas must be >= 1")
-        fraction("replica_high", self.replica_high, open_low=True)
-        fraction("replica_low", self.replica_low)
-        require(self.replica_low < self.replica_high, "replica_low must be below replica_high")
-        self._check_shared()
-        require(self.default_prefill_tokens_per_s > 0, "default_prefill_tokens_per_s must be > 0")
 
 
 class PrismPolicy(Policy):
@@ -191,7 +135,7 @@ class PrismPolicy(Policy):
         loads = device_loads(cluster, now, k.idle_threshold_s, k.min_kv_fraction, compute=k.compute_aware)
         choice = choose_activation(m, loads)
         if choice is None:
-            choice = choose_activation(m, _with_spare_replicas(cluster, loads, set()))
+            choice = choose_activation(m, with_spare_replicas(cluster, loads, set()))
         if choice is None:
             return [Defer(request, f"{m.model}: every device is full of busy models")]
         devices, evictions = choice
@@ -293,10 +237,10 @@ class PrismPolicy(Policy):
                 del planned[m.model]
                 devices = self._make_room(cluster, loads, loads, m, planned, evicted, gone)
                 if devices is None:  # a second copy of another model yields to this model's first
-                    spare = _with_spare_replicas(cluster, loads, gone)
+                    spare = with_spare_replicas(cluster, loads, gone)
                     devices = self._make_room(cluster, loads, spare, m, planned, evicted, gone)
                 if devices is None and k.evict_quiet:  # then models with no work now, least used first
-                    quiet = _with_quiet_models(cluster, loads, planned, m, now)
+                    quiet = with_quiet_models(cluster, loads, planned, m, now)
                     devices = self._make_room(cluster, loads, quiet, m, planned, evicted, gone)
                 if devices is None:
                     continue
@@ -426,7 +370,7 @@ class PrismPolicy(Policy):
             slots = min(k.max_replicas, len(cluster.replicas(model)), len(cluster.devices) // tp)
             n = len(resident)
             if wanted_replicas(cluster, model, k.replica_high, slots) > n:
-                free = _free_slot(cluster, model, planned)
+                free = free_slot(cluster, model, planned)
                 if free is None:
                     continue
                 taken = {d for m in resident for d in planned.get(m.model, m.placement)}
@@ -440,7 +384,7 @@ class PrismPolicy(Policy):
                     for load in loads
                     if load.device not in taken
                 ]
-                others = _with_room_now(cluster, others, planned, share)
+                others = with_room_now(cluster, others, planned, share)
                 if replicas_for_rate(cluster, model, k.replica_high) <= n:
                     # a copy for a burst only where it has spare compute: the device busy less than
                     # half the time with it. Next to busier models it would run at half speed or less
@@ -501,7 +445,7 @@ class PrismPolicy(Policy):
             if slowed >= _CONTENDED:
                 candidates.append((-slowed, m.model, m))
         for _, _, m in sorted(candidates):
-            free = _free_slot(cluster, m.group, planned)
+            free = free_slot(cluster, m.group, planned)
             if free is None:
                 continue
             loads = loads_now()
@@ -511,7 +455,7 @@ class PrismPolicy(Policy):
                 if load.device not in m.placement
             ]
             moved = replace(free, rate=m.rate)
-            choice = choose_activation(moved, _with_room_now(cluster, others, planned, moved))
+            choice = choose_activation(moved, with_room_now(cluster, others, planned, moved))
             if choice is None:
                 continue
             devices, victims = choice
@@ -559,7 +503,7 @@ class PrismPolicy(Policy):
         loads = loads_now()
         # memory each device can still give without crossing the watermark: what is mapped now, plus
         # the weights this tick moves or loads there (evictions are not credited: they may not be done)
-        room = _room_now(cluster, planned, k.memory_watermark)
+        room = room_now(cluster, planned, k.memory_watermark)
         out = []
         for m in candidates:
             open_loads = [
@@ -611,101 +555,3 @@ class PrismPolicy(Policy):
                 load.shared_kv += m.part_weight_bytes
             if m in load.idle:
                 load.idle.remove(m)
-
-
-def _with_spare_replicas(
-    cluster: ClusterSnapshot, loads: list[DeviceLoad], gone: set[str]
-) -> list[DeviceLoad]:
-    """``loads`` (copies) whose evictable models end with the replicas that yield to a model with no
-    copy resident (replicas.spare_replicas), for choosing where such a model goes; the plan's own
-    ``loads`` stay as they are."""
-    spare: dict[str, list[ModelSnapshot]] = {}
-    for r in spare_replicas(cluster):
-        if r.model not in gone:
-            for d in r.placement:
-                spare.setdefault(d, []).append(r)
-    if not spare:
-        return loads
-    return [replace(load, idle=[*load.idle, *spare.get(load.device, ())]) for load in loads]
-
-
-def _with_quiet_models(
-    cluster: ClusterSnapshot,
-    loads: list[DeviceLoad],
-    planned: dict[str, tuple[str, ...]],
-    waiting: ModelSnapshot,
-    now: float,
-) -> list[DeviceLoad]:
-    """``loads`` (copies) whose evictable models end with the *quiet* ones, for the evicted model
-    ``waiting`` with requests queued: active, unpinned, with no keep-alive of their own, nothing
-    queued or running, staying where they are this tick, and asked for less often than ``waiting``
-    (lower rate), lowest rate first (then longest without a request). Without them such a model
-    waits until enough models turn idle (tens of seconds at the idle threshold, every request of it
-    missing its SLO meanwhile), while a quiet model costs at most its next request's activation."""
-    extra: dict[str, list[ModelSnapshot]] = {}
-    quiet = sorted(
-        (
-            m
-            for name, where in planned.items()
-            if (m := cluster.models[name]).state is ModelState.ACTIVE
-            and where == m.placement
-            and not (m.pinned or m.num_queued or m.num_running or m.keep_alive_s is not None)
-            and m.rate < waiting.rate
-        ),
-        key=lambda m: (m.rate, -m.idle_for(now), m.model),
-    )
-    for m in quiet:
-        for d in m.placement:
-            extra.setdefault(d, []).append(m)
-    if not extra:
-        return loads
-    return [
-        replace(load, idle=[*load.idle, *(m for m in extra.get(load.device, ()) if m not in load.idle)])
-        for load in loads
-    ]
-
-
-def _free_slot(
-    cluster: ClusterSnapshot, model: str, planned: dict[str, tuple[str, ...]]
-) -> ModelSnapshot | None:
-    """A replica slot of the served ``model`` that is evicted and not in this tick's plan."""
-    return next(
-        (
-            cluster.models[s]
-            for s in cluster.replicas(model)
-            if not cluster.models[s].resident and s not in planned
-        ),
-        None,
-    )
-
-
-def _room_now(
-    cluster: ClusterSnapshot, planned: dict[str, tuple[str, ...]], fraction: float
-) -> dict[str, float]:
-    """Bytes each device can still map below ``fraction`` of its capacity: what is mapped now (KV
-    and claims included) and the weights this tick's plan moves or loads there are taken; evictions
-    are not credited (they may not be done)."""
-    room = {d: fraction * dev.capacity_bytes - dev.mapped_bytes for d, dev in cluster.devices.items()}
-    for name, devices in planned.items():
-        m = cluster.models[name]
-        for d in devices:
-            if d not in m.placement:
-                room[d] -= m.part_weight_bytes
-    return room
-
-
-def _with_room_now(
-    cluster: ClusterSnapshot, loads: list[DeviceLoad], planned: dict[str, tuple[str, ...]], m: ModelSnapshot
-) -> list[DeviceLoad]:
-    """The ``loads`` where a second copy ``m`` fits now: in memory not mapped (:func:`_room_now`)
-    plus the weights of the idle models there. Feasibility elsewhere counts weights only, since an
-    activation waits for busy engines' KV to drain; but while it waits its claim counts as mapped,
-    so admission on that device stops, and the busy engines there serve minutes of long decodes.
-    A first copy (a model with requests waiting and none resident) must take that wait; an extra
-    one is not worth it."""
-    room = _room_now(cluster, planned, 1.0)
-    return [
-        load
-        for load in loads
-        if room[load.device] + sum(v.part_weight_bytes for v in load.idle) >= m.part_weight_bytes
-    ]
