@@ -297,13 +297,13 @@ def features(spec, batch: list, crossover: float) -> np.ndarray:
     )
 
 
-def profile_from(coef: np.ndarray):
-    from prism_serve.sim.hardware import HARDWARE
-
+def profile_from(coef: np.ndarray, base):
+    """``base`` (a HardwareProfile) with the fitted step constants; its other fields (memory,
+    activation, compute sharing) are kept."""
     overhead, inv_b, inv_f, inv_row, per_seq, inv_attn, inv_kv = coef
     big = 1e15  # a coefficient of 0 means that cost is not visible at this machine's noise
     return dataclasses.replace(
-        HARDWARE["cpu-smollm2"],
+        base,
         step_overhead_s=float(overhead),
         mem_bandwidth=1 / inv_b if inv_b > 0 else big,
         peak_flops=1 / inv_f if inv_f > 0 else big,
@@ -322,7 +322,7 @@ def predict(cm, spec, batch: list) -> float:
 
 
 def best_fit(
-    spec, batches: list, y: np.ndarray, train: np.ndarray, weights: np.ndarray | None = None
+    spec, batches: list, y: np.ndarray, train: np.ndarray, base, weights: np.ndarray | None = None
 ) -> tuple[float, np.ndarray, np.ndarray]:
     """(small-batch crossover, coefficients, predictions of every step) of the fit with the lowest
     mean (weighted) relative error on the training steps, the crossover chosen by grid search."""
@@ -334,7 +334,7 @@ def best_fit(
         x = np.array([features(spec, b, crossover) for b in batches])
         # relative error: a 40 ms decode step matters as much as a 3 s prefill
         coef = nnls(x[train] / y[train, None] * w[:, None], w)
-        cm = RooflineCostModel(profile_from(coef))
+        cm = RooflineCostModel(profile_from(coef, base))
         pred = np.array([predict(cm, spec, b) for b in batches])
         err = np.average(np.abs(pred[train] / y[train] - 1), weights=w**2)
         if best is None or err < best[0]:
@@ -343,7 +343,7 @@ def best_fit(
 
 
 def print_constants(hw) -> None:
-    print("fitted cpu-smollm2 constants (paste into sim/hardware.py):")
+    print(f"fitted {hw.name} constants (the profile file --write saves; or paste into sim/hardware.py):")
     for name in (
         "step_overhead_s",
         "mem_bandwidth",
@@ -368,8 +368,10 @@ def fit_trace(
     held_share: float,
     points: Path | None,
     points_weight: float,
+    base,
+    compare,
     balance_kinds: bool = True,
-) -> None:
+):
     """Fit the profile to live steps (``PRISM_STEP_TRACE`` of a ``prism serve`` run): each step's
     CPU seconds is its cost alone on its one core. Held out: the steps of ``held_dirs``, or else a
     random ``held_share`` of the training runs' steps. ``points``: also fit the measured points of
@@ -378,10 +380,11 @@ def fit_trace(
     ``points_weight`` of the training weight, its held-out points stay held out. ``balance_kinds``:
     the live training steps of each kind (decode, prefill, mixed) carry the same total weight; a live
     run is almost all decode steps (96% in the presets of sim_vs_live.py), and unweighted they would
-    let the fit trade the prefill steps, on which every TTFT hangs, for a slightly better decode."""
+    let the fit trade the prefill steps, on which every TTFT hangs, for a slightly better decode.
+    ``base``: the profile whose other fields the fit keeps; ``compare``: the profile whose errors are
+    printed beside the fit's. Returns the fitted profile."""
     from prism_serve.engine.step_trace import read_step_traces
     from prism_serve.sim.cost import RooflineCostModel
-    from prism_serve.sim.hardware import HARDWARE
     from prism_serve.sim.models import model_shape
 
     spec = model_shape("smollm2-135m", dtype_bytes=4)
@@ -415,8 +418,8 @@ def fit_trace(
         held = np.concatenate([held, p_held])
         source = np.concatenate([source, np.array(["points"] * len(pts), dtype=object)])
         print(f"with {len(pts)} measured points from {points} ({int((~p_held).sum())} training)")
-    crossover, coef, pred = best_fit(spec, batches, y, ~held, weights)
-    hw = profile_from(coef)
+    crossover, coef, pred = best_fit(spec, batches, y, ~held, base, weights)
+    hw = profile_from(coef, base)
     print(machine_info()["line"])
     print(
         f"{len(steps)} live steps ({int((~held).sum())} training, {int(held.sum())} held out) from "
@@ -439,9 +442,9 @@ def fit_trace(
     )
     print_constants(hw)
     kinds = np.array([step_kind(b) for b in batches])
-    registered = RooflineCostModel(HARDWARE["cpu-smollm2"])
+    registered = RooflineCostModel(compare)
     reg = np.array([predict(registered, spec, b) for b in batches])
-    for name, p in (("fit", pred), ("registered profile", reg)):
+    for name, p in (("fit", pred), (f"profile {compare.name}", reg)):
         print(f"{name}:")
         for src in ("live", "points"):
             for sel_name, sel in (("training", ~held), ("held out", held)):
@@ -455,19 +458,20 @@ def fit_trace(
                         f"  {src:<6} {sel_name:<9} {kind:<8} {int(m.sum()):5d}  |error| mean {e.mean():6.1%} "
                         f"p90 {np.percentile(e, 90):6.1%} max {e.max():6.1%}  sum {total:+6.1%}"
                     )
+    return hw
 
 
-def fit(raw: dict, quantile: float) -> None:
+def fit(raw: dict, quantile: float, base, compare):
+    """Fit the measured points; ``base`` and ``compare`` as in ``fit_trace``. Returns the profile."""
     from prism_serve.sim.cost import RooflineCostModel
-    from prism_serve.sim.hardware import HARDWARE
     from prism_serve.sim.models import model_shape
 
     spec = model_shape("smollm2-135m", dtype_bytes=4)
     pts = raw["points"]
     y = np.array([np.quantile(p["times"], quantile) for p in pts])
     train = np.array([not p["held_out"] for p in pts])
-    crossover, coef, pred = best_fit(spec, [p["batch"] for p in pts], y, train)
-    hw = profile_from(coef)
+    crossover, coef, pred = best_fit(spec, [p["batch"] for p in pts], y, train, base)
+    hw = profile_from(coef, base)
     cm = RooflineCostModel(hw)
     print(
         f"machine: {raw['machine']}; measured {raw['date']}; other load per round: "
@@ -492,10 +496,10 @@ def fit(raw: dict, quantile: float) -> None:
     ):
         e = np.abs(rel[sel])
         print(f"{name:<26} mean |error| {e.mean():6.1%}  max {e.max():6.1%}  ({sel.sum()} points)")
-    registered = RooflineCostModel(HARDWARE["cpu-smollm2"])
+    registered = RooflineCostModel(compare)
     rel_reg = np.array([predict(registered, spec, p["batch"]) for p in pts]) / y - 1
     print(
-        "the profile registered in sim/hardware.py on these points: training max |error| "
+        f"profile {compare.name} on these points: training max |error| "
         f"{np.abs(rel_reg[train]).max():.1%}, held-out max {np.abs(rel_reg[~train]).max():.1%}"
     )
     if raw.get("shapes"):
@@ -505,6 +509,7 @@ def fit(raw: dict, quantile: float) -> None:
             m, f = min(p["times"]), predict(cm, other, p["batch"])
             name = f"{p['shape']} {p['dtype']} {label(p)}"
             print(f"  {name:<48} measured {m * 1e3:8.1f} ms  predicted {f * 1e3:8.1f} ms  ({f / m - 1:+.1%})")
+    return hw
 
 
 def main() -> None:
@@ -527,24 +532,50 @@ def main() -> None:
         help="with --trace: weigh every live step alike (default: each step kind, decode / prefill / mixed, "
         "carries the same total weight)",
     )  # fmt: skip
+    ap.add_argument(
+        "--base", default="cpu-smollm2",
+        help="the profile (registered name or file) whose other fields the fit keeps: memory, "
+        "activation, compute sharing (benchmarks/cpu_sharing.py measures share_interference)",
+    )  # fmt: skip
+    ap.add_argument("--compare", help="print this profile's errors beside the fit's (default: the one "
+                    "sim_mirror.py picks for this machine)")  # fmt: skip
+    ap.add_argument("--name", help="the fitted profile's name (default: cpu-smollm2-<vector class>)")
+    ap.add_argument(
+        "--write", type=Path, metavar="FILE.json",
+        help="save the fitted profile; `prism sim --hardware FILE.json` and the --hardware option of "
+        "sim_vs_live.py and live_eval.py use it",
+    )  # fmt: skip
     args = ap.parse_args()
+    from prism_serve.sim.hardware import dump_hardware, get_hardware
+    from sim_mirror import host_profile_name
+
+    name = args.name or host_profile_name()
+    base = dataclasses.replace(get_hardware(args.base), name=name)
+    from sim_mirror import HARDWARE
+
+    compare = get_hardware(args.compare or HARDWARE)
     if args.trace:
-        fit_trace(
-            args.trace, args.held_out, args.held_share, args.points, args.points_weight, not args.by_step
-        )
-        return
-    if args.reuse:
-        raw = json.loads(args.raw.read_text())
-        if args.shapes and "shapes" not in raw:  # time only the other shapes, keep the rest
-            pin(args.core)
-            add_shapes(raw, args.rounds, args.reps)
-            args.raw.write_text(json.dumps(raw))
+        hw = fit_trace(
+            args.trace, args.held_out, args.held_share, args.points, args.points_weight, base, compare,
+            not args.by_step,
+        )  # fmt: skip
     else:
-        raw = measure(args.rounds, args.reps, args.core, args.check, args.shapes)
-        args.raw.parent.mkdir(parents=True, exist_ok=True)
-        args.raw.write_text(json.dumps(raw))
-        print(f"measurements saved to {args.raw}")
-    fit(raw, args.quantile)
+        if args.reuse:
+            raw = json.loads(args.raw.read_text())
+            if args.shapes and "shapes" not in raw:  # time only the other shapes, keep the rest
+                pin(args.core)
+                add_shapes(raw, args.rounds, args.reps)
+                args.raw.write_text(json.dumps(raw))
+        else:
+            raw = measure(args.rounds, args.reps, args.core, args.check, args.shapes)
+            args.raw.parent.mkdir(parents=True, exist_ok=True)
+            args.raw.write_text(json.dumps(raw))
+            print(f"measurements saved to {args.raw}")
+        hw = fit(raw, args.quantile, base, compare)
+    if args.write:
+        dump_hardware(hw, args.write)
+        print(f"profile {hw.name} written to {args.write} (prism sim --hardware {args.write})")
+
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from prism_serve.bench.replay import replay
 from prism_serve.bench.settings import BenchSettings
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.workload.builder import WorkloadSpec, build_workload
+from sim_mirror import HARDWARE
 
 MODELS = """\
   - {name: smol-a, ttft_slo: 3.0, tpot_slo: 0.5}
@@ -251,14 +252,14 @@ def policy_config(config_text: str, policy: str, port: int) -> str:
 
 
 def simulate_policy(
-    policy: str, config_text: str, workload, rates: list[float], duration: float, gap_s: float
+    policy: str, config_text: str, workload, rates: list[float], duration: float, gap_s: float, hardware: str
 ):
     """The sweep of ``run_policy`` in the simulator: one point per rate, as run_policy records them
     (attainments over all models and per model), plus the run's activation counters."""
     from prism_serve.config import parse_config
     from sim_mirror import run_sweep, sim_deployment, sweep_workload
 
-    dep = sim_deployment(parse_config(policy_config(config_text, policy, 8000)))
+    dep = sim_deployment(parse_config(policy_config(config_text, policy, 8000)), hardware=hardware)
     combined, segments = sweep_workload(workload, rates, duration, list(NAMES), gap_s)
     per_rate, counters = run_sweep(dep, combined, segments)
     points = []
@@ -337,6 +338,11 @@ def main() -> None:
     ap.add_argument("--requests", action="store_true", help="also write every request's record per rate")
     ap.add_argument("--sim", action="store_true", help="simulate the sweep instead (writes sim.json)")
     ap.add_argument("--sim-gap", type=float, default=30.0, help="--sim: idle seconds between two rates")
+    ap.add_argument(
+        "--hardware", default=HARDWARE,
+        help="--sim: the devices' profile, a registered name or a profile file fit_cpu_profile.py --write "
+        "fitted on this machine",
+    )  # fmt: skip
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     if args.duration * max(rates) > args.workload_seconds:
@@ -404,10 +410,10 @@ def main() -> None:
         "policies": {},
     }
     if args.sim:
-        results["simulated"] = {"hardware": "cpu-smollm2", "gap_s": args.sim_gap}
+        results["simulated"] = {"hardware": args.hardware, "gap_s": args.sim_gap}
         for policy in args.policies.split(","):
             points, counters = simulate_policy(
-                policy, config.read_text(), workload, rates, args.duration, args.sim_gap
+                policy, config.read_text(), workload, rates, args.duration, args.sim_gap, args.hardware
             )
             results["policies"][policy] = points
             results["simulated"][policy] = counters

@@ -27,7 +27,30 @@ from prism_serve.sim.config import ModelSLO, SimConfig  # noqa: E402
 from prism_serve.sim.models import ServedModel, model_shape  # noqa: E402
 from prism_serve.workload.format import Workload  # noqa: E402
 
-HARDWARE = "cpu-smollm2"
+
+def host_profile_name() -> str:
+    """cpu-smollm2-avx512bf16, cpu-smollm2-avx512 or cpu-smollm2-avx2: the vector class of this CPU,
+    which decides how fast its matmuls are (VMs sold as one CPU model come with either)."""
+    from prism_serve.engine.machine import cpu_flags
+
+    flags = cpu_flags()
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        return "cpu-smollm2-avx512bf16"
+    if "avx512f" in flags:
+        return "cpu-smollm2-avx512"
+    return "cpu-smollm2-avx2" if "avx2" in flags else "cpu-smollm2-other"
+
+
+def default_hardware() -> str:
+    """The registered CPU profile fitted on a CPU of this machine's vector class, else cpu-smollm2
+    (fitted on an AVX2-only host; on another class, refit: fit_cpu_profile.py --write)."""
+    from prism_serve.sim.hardware import HARDWARE as REGISTERED
+
+    name = host_profile_name()
+    return name if name in REGISTERED else "cpu-smollm2"
+
+
+HARDWARE = default_hardware()
 REAL_SOURCE = "smollm2-135m-instruct"  # the default model's real weights: the SmolLM2-135M shape
 WARMUP_PROMPT = [1000, 1001, 1002]  # token ids of each warm-up request
 WARMUP_OUTPUT = 2
@@ -74,8 +97,10 @@ def sim_deployment(
     compute_sharing: bool | None = None,
     step_scale: float = 1.0,
     profiles: str = "live",
+    hardware: str = HARDWARE,
 ) -> SimDeployment:
-    """The simulated deployment that mirrors ``cfg`` on the ``cpu-smollm2`` profile
+    """The simulated deployment that mirrors ``cfg`` on the ``hardware`` profile (default
+    ``cpu-smollm2``; a profile file that fit_cpu_profile.py --write fitted on this machine is better)
     (``compute_sharing``: None leaves the simulator's default; ``profiles``: SimConfig.profiles, by
     default what the live controller knows of each model's demand)."""
     warnings: list[str] = []
@@ -83,7 +108,7 @@ def sim_deployment(
     for d in devices:
         if len(d.cores) != 1:
             warnings.append(
-                f"{d.name} has {len(d.cores) or 'all'} cores; the {HARDWARE} profile is fitted for one core "
+                f"{d.name} has {len(d.cores) or 'all'} cores; the {hardware} profile is fitted for one core "
                 "with one torch thread"
             )
     models, slos = [], {}
@@ -93,7 +118,7 @@ def sim_deployment(
         dtype_bytes = {"float32": 4, "bfloat16": 2}[dtype]
         if (shape, dtype) != ("smollm2-135m", "float32"):
             warnings.append(
-                f"{m.name}: {shape} in {dtype} is not what {HARDWARE} is fitted for (SmolLM2-135M fp32); "
+                f"{m.name}: {shape} in {dtype} is not what {hardware} is fitted for (SmolLM2-135M fp32); "
                 "docs/evaluation.md gives its errors"
             )
         if m.kv_limit is not None or m.pinned or m.keep_alive is not None:
@@ -108,7 +133,7 @@ def sim_deployment(
         engine[knob] = values.pop()
     config = SimConfig(
         num_devices=len(devices),
-        hardware=HARDWARE,
+        hardware=hardware,
         policy=cfg.policy.name,
         knobs=tuple(sorted((k, _hashable(v)) for k, v in cfg.policy.knobs.items())),
         tick_s=cfg.policy.tick_interval_s,

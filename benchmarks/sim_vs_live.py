@@ -362,6 +362,11 @@ def main() -> None:
         help="what the simulated policies know of each model's demand (SimConfig.profiles): live, as the "
         "live controller (measured engine seconds per request); cost-model, the simulator's default",
     )  # fmt: skip
+    ap.add_argument(
+        "--hardware", default=HARDWARE,
+        help="the simulated devices' profile: a registered name or a profile file that "
+        "fit_cpu_profile.py --write fitted on this machine (the registered one was fitted on another)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if args.config is not None and args.workload is None:
@@ -389,7 +394,8 @@ def main() -> None:
     missing = set(workload.models) - {m.name for m in cfg.models}
     if missing:
         sys.exit(f"the workload names models the config lacks: {sorted(missing)}")
-    mirror = {"step_scale": args.step_scale, "profiles": args.profiles}  # every simulated variant
+    # every simulated variant
+    mirror = {"step_scale": args.step_scale, "profiles": args.profiles, "hardware": args.hardware}
     dep = sim_deployment(cfg, **mirror)
     per_model = {m: int((workload.model_index == i).sum()) for i, m in enumerate(workload.models)}
     import common
@@ -404,7 +410,7 @@ def main() -> None:
     print(f"workload: {len(workload)} requests over {workload.duration:.0f} s ({per_model})")
     load = offered_load(dep, workload)
     print(
-        f"offered work, each request alone ({HARDWARE} cost model): "
+        f"offered work, each request alone ({args.hardware} cost model): "
         + ", ".join(f"{m} {v:.2f}" for m, v in load.items())
         + f" cores ({sum(load.values()):.2f} of {len(dep.budgets)})"
     )

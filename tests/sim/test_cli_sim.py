@@ -78,3 +78,61 @@ def test_compute_sharing_is_on_by_default_and_the_flag_turns_it_off(tmp_path, tr
     assert on["compute_sharing"] is True and off["compute_sharing"] is False
     # eight models on one GPU: engines overlap, so sharing the device makes requests slower
     assert on["ttft_p50_s"] > off["ttft_p50_s"]
+
+
+def test_hardware_profile_files_load_back_equal_and_drive_prism_sim(tmp_path, capsys, traces):
+    """A profile file (what fit_cpu_profile.py --write saves for the machine it ran on) is read back
+    equal, and `prism sim --hardware FILE.json` simulates on it: a dump of h100 gives h100's results,
+    the same profile 100x slower gives lower attainment."""
+    import dataclasses
+
+    from prism_serve.sim.hardware import HARDWARE, dump_hardware, get_hardware
+
+    same, slow = tmp_path / "same.json", tmp_path / "slow.json"
+    dump_hardware(HARDWARE["h100"], same)
+    assert get_hardware(str(same)) == HARDWARE["h100"]
+    dump_hardware(dataclasses.replace(HARDWARE["h100"].slowed(100.0), name="slow"), slow)
+    assert get_hardware(str(slow)).peak_flops == HARDWARE["h100"].peak_flops / 100
+    ttft = {}
+    for hw in ("h100", str(same), str(slow)):
+        out = tmp_path / f"out-{len(ttft)}"
+        rc = main(
+            ["sim", "--setup", "paper-8", "--gpus", "2", "--duration", "120", "--total-rate", "4",
+             "--policies", "static-partition", "--hardware", hw, "--out", str(out),
+             "--traces", str(traces.root)]
+        )  # fmt: skip
+        assert rc == 0
+        (point,) = json.loads((out / "results.json").read_text())["points"]
+        ttft[hw] = point["ttft_attainment"]
+    assert ttft["h100"] == ttft[str(same)]
+    assert ttft[str(slow)] < ttft["h100"]
+
+
+def test_bad_hardware_profiles_are_named_errors(tmp_path, capsys):
+    import pytest
+
+    from prism_serve.sim.errors import SimConfigError
+    from prism_serve.sim.hardware import get_hardware
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["sim", "--hardware", "h900"])
+    assert exit_.value.code == 2
+    assert "unknown hardware 'h900'" in capsys.readouterr().err
+    cases = {
+        "missing.json": (None, "No such file"),
+        "text.json": ("not json", "is not JSON"),
+        "list.json": ("[1, 2]", "must be a JSON object"),
+        "extra.json": ('{"name": "x", "warp_drive": 1}', "unknown fields warp_drive"),
+        "short.json": ('{"name": "x"}', "missing"),
+        "negative.json": (
+            '{"name": "x", "peak_flops": -1, "mem_bandwidth": 1, "host_bandwidth": 1, "link_bandwidth": 1, '
+            '"memory_bytes": 1}',
+            "peak_flops must be > 0",
+        ),
+    }
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SimConfigError, match=message):
+            get_hardware(str(path))

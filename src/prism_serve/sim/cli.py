@@ -251,6 +251,18 @@ def add_workload_parser(sub) -> None:
     w.set_defaults(func=_cmd_workload)
 
 
+def _hardware_name(value: str) -> str:
+    """--hardware: checked here (a clear usage error), passed on as given."""
+    from prism_serve.sim.errors import SimConfigError
+    from prism_serve.sim.hardware import get_hardware
+
+    try:
+        get_hardware(value)
+    except SimConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def add_sim_parser(sub) -> None:
     from prism_serve.sim.hardware import HARDWARE
     from prism_serve.sim.sweep import AXES
@@ -262,7 +274,13 @@ def add_sim_parser(sub) -> None:
         "rate scale, SLO scale or number of GPUs, or search the fewest GPUs for a target attainment.",
     )
     _add_workload_args(s)
-    s.add_argument("--hardware", default="h100", choices=list(HARDWARE))
+    s.add_argument(
+        "--hardware",
+        default="h100",
+        type=_hardware_name,
+        help=f"a registered profile ({', '.join(HARDWARE)}) or a profile file (*.json, e.g. one "
+        "benchmarks/fit_cpu_profile.py --write fitted on your machine)",
+    )
     s.add_argument("--gpus", type=int, default=2, help="devices (the maximum for --find-gpus)")
     s.add_argument("--policies", default=_COMMON_POLICIES, help="comma-separated registry names")
     s.add_argument("--knob", action="append", metavar="NAME=VALUE", help="policy knob (repeatable)")

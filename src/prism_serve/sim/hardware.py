@@ -27,14 +27,16 @@ bf16, measured with an earlier fit).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 
 from prism_serve.sim.errors import SimConfigError
 
-__all__ = ["HARDWARE", "HardwareProfile", "get_hardware"]
+__all__ = ["HARDWARE", "HardwareProfile", "dump_hardware", "get_hardware", "load_hardware"]
 
 GB = 1e9
 GIB = 1 << 30
@@ -176,13 +178,70 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 share_interference=0.053,
                 synthetic=False,
             ),
+            # The same engine, model and fit on a host of the same VM type with AVX-512 and native
+            # bf16 (2026-11-26): fp32 steps there take 0.69x the AVX2 host's CPU time. Fitted like
+            # cpu-smollm2 (two live training runs + 26 measured points, `fit_cpu_profile.py --trace
+            # ... --points ... --write`); memory, activation and compute sharing kept from it.
+            HardwareProfile(
+                "cpu-smollm2-avx512bf16",
+                peak_flops=9.256e10,
+                mem_bandwidth=1.811e10,
+                host_bandwidth=7.0 * GB,
+                link_bandwidth=2.0 * GB,
+                memory_bytes=8 * GIB,
+                usable_fraction=1.0,
+                flops_efficiency=1.0,
+                mem_efficiency=1.0,
+                host_efficiency=1.0,
+                step_overhead_s=1.253e-2,
+                activation_overhead_s=0.01,
+                overlap=False,
+                attn_flops=8.750e10,
+                kv_bandwidth=6.432e9,
+                row_bandwidth=3.222e10,
+                seq_overhead_s=0.0,
+                pad_decode_context=True,
+                share_interference=0.053,
+                synthetic=False,
+            ),
         )
     }
 )
 
 
 def get_hardware(name: str) -> HardwareProfile:
-    try:
+    """A registered profile by name, or a profile file (a path ending in ``.json``: what
+    ``benchmarks/fit_cpu_profile.py --write`` produces for the machine it ran on)."""
+    if name in HARDWARE:
         return HARDWARE[name]
-    except KeyError:
-        raise SimConfigError(f"unknown hardware {name!r}; choose one of {', '.join(HARDWARE)}") from None
+    if name.endswith(".json"):
+        return load_hardware(Path(name))
+    raise SimConfigError(
+        f"unknown hardware {name!r}; choose one of {', '.join(HARDWARE)} or give a profile file (*.json)"
+    )
+
+
+def load_hardware(path: Path) -> HardwareProfile:
+    """A profile written as JSON (``dataclasses.asdict`` of a HardwareProfile). Every field is
+    checked as for a registered profile; a missing required field or an unknown one is an error."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise SimConfigError(f"hardware profile {str(path)!r}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise SimConfigError(f"hardware profile {str(path)!r} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise SimConfigError(f"hardware profile {str(path)!r} must be a JSON object")
+    fields = {f.name for f in dataclasses.fields(HardwareProfile)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise SimConfigError(f"hardware profile {str(path)!r}: unknown fields {', '.join(unknown)}")
+    try:
+        return HardwareProfile(**data)
+    except TypeError as e:  # a required field missing
+        raise SimConfigError(f"hardware profile {str(path)!r}: {e}") from None
+
+
+def dump_hardware(profile: HardwareProfile, path: Path) -> None:
+    """Write ``profile`` as a file that ``get_hardware(str(path))`` reads back equal."""
+    path.write_text(json.dumps(dataclasses.asdict(profile), indent=1) + "\n")
