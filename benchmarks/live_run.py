@@ -12,6 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from prism_serve.config import DeploymentConfig
@@ -196,7 +197,40 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
         "errors": res.summary()["overall"]["errors"],
         "send_lag_p99_s": res.summary()["overall"]["send_lag_p99_s"],
         "requests": [r.to_json() for r in res.records],
+        "serving_path": serving_path_s([r.to_json() for r in res.records], out / f"steps-{tag}"),
     }
+
+
+def serving_path_s(requests: list[dict], steps_dir: Path) -> dict[str, float | int]:
+    """What the serving path (HTTP, tokenization, the controller-worker hop, SSE) adds to a time to
+    first token: each request's TTFT minus the wall seconds of its own prefill step, over the
+    requests whose prefill step held no other request (nothing else of that model ran). Requests
+    are matched to their model's fresh prefill steps (no cached tokens, more than the warm-up's
+    tokens) in order; a model whose counts differ is left out. HardwareProfile.request_overhead_s
+    is this median."""
+    from collections import defaultdict
+
+    from prism_serve.engine.step_trace import read_step_traces
+
+    prefills: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for step in sorted(read_step_traces([steps_dir]), key=lambda s: s.t):
+        for new, cached, _ in step.batch:
+            if cached == 0 and new > len(WARMUP_PROMPT):
+                prefills[step.model].append((step.dt, len(step.batch)))
+    by_model: dict[str, list[dict]] = defaultdict(list)
+    for r in sorted(requests, key=lambda r: r["sent_s"]):
+        if r.get("error") is None:
+            by_model[r["served_model"]].append(r)
+    diffs = []
+    for model, reqs in by_model.items():
+        steps = prefills.get(model, [])
+        if len(steps) != len(reqs):
+            continue
+        diffs += [r["ttft_s"] - dt for r, (dt, width) in zip(reqs, steps, strict=True) if width == 1]
+    if not diffs:
+        return {"requests": 0}
+    q = np.percentile(diffs, [50, 90])
+    return {"requests": len(diffs), "median_s": round(float(q[0]), 5), "p90_s": round(float(q[1]), 5)}
 
 
 def wait_quiet_window(limit_s: float, threshold: float, window_s: float = 10.0) -> float:

@@ -73,6 +73,7 @@ from sim_mirror import (  # noqa: E402, F401  (re-exported: tests/bench/test_sim
     REAL_SOURCE,
     MirrorError,
     SimDeployment,
+    host_profile_name,
     offered_load,
     run_sim,
     shape_of,
@@ -102,9 +103,10 @@ KNOWN_DIFFERENCES = (
     "decode runs: the simulator grants up to 32 steps of KV blocks up front in a decode run (live maps "
     "them step by step), which matters only when KV memory is nearly full",
     "latency origin: live TTFT is from the client's send (HTTP, routing, IPC to the worker, the first "
-    "token back through the server's SSE), simulated TTFT from the arrival; on this machine that path "
-    "adds about 8 ms to an unqueued request (its live TTFT minus its prefill step's wall time in the "
-    "step trace, light preset: median 7.9 ms, p90 14 ms), not simulated",
+    "token back through the server's SSE), simulated TTFT from the arrival plus the profile's "
+    "request_overhead_s, the median of that path measured live (each live run prints it: TTFT minus "
+    "its own prefill step's wall time in the step trace); its spread (p90 a few ms above) is not "
+    "simulated",
     "serving path: the profile is fitted on live worker steps' CPU seconds (and measured points); live, "
     "the server process (not pinned) and this client share the devices' two cores with the workers "
     "(--step-scale 1.04 is their measured share while a step runs). A worker starts its next step "
@@ -444,6 +446,14 @@ def main() -> None:
                 ),
                 flush=True,
             )
+            path = r["serving_path"]
+            if path["requests"]:
+                print(
+                    f"  serving path (TTFT minus its own prefill step, {path['requests']} requests whose "
+                    f"prefill ran alone): median {1e3 * path['median_s']:.1f} ms, "
+                    f"p90 {1e3 * path['p90_s']:.1f} ms (HardwareProfile.request_overhead_s)",
+                    flush=True,
+                )
     # the simulator replays the first live run's warm-up times (a default spacing without one)
     if live_runs:
         warm = [(t, m) for t, m in live_runs[0]["warmup"]]

@@ -44,7 +44,10 @@ def test_sim_deployment_mirrors_the_config(svl):
     assert [label for label, _ in svl.sim_variants()] == ["sim", "sim, no sharing"]
     dep = svl.sim_deployment(parse_config(CONFIG), warmup_s=1.5)
     c = dep.config
-    assert (c.num_devices, c.hardware, c.policy) == (2, "cpu-smollm2", "prism")
+    # the registered CPU fit of this machine's vector class (cpu-smollm2 where none is registered)
+    assert (c.num_devices, c.hardware, c.policy) == (2, svl.HARDWARE, "prism")
+    assert svl.HARDWARE in {"cpu-smollm2", svl.host_profile_name()}
+    assert svl.sim_deployment(parse_config(CONFIG), hardware="cpu-smollm2").config.hardware == "cpu-smollm2"
     assert dep.budgets == (1200 * 2**20, 1000 * 2**20)
     assert dep.device_names == ("cpu:0", "cpu:1")
     assert dict(c.knobs) == {"idle_threshold_s": 10.0}

@@ -26,6 +26,29 @@ def test_low_load_ttft_is_the_prefill_time():
     assert ttfts.min() >= prefill * 0.999
 
 
+def test_the_serving_path_overhead_delays_every_first_token_and_finish_and_nothing_else(tmp_path):
+    """HardwareProfile.request_overhead_s (the serving path outside the engine, measured live on
+    the CPU profiles) shifts each request's first token and finish by exactly that much: TPOT, the
+    schedule and every other request stay as they were."""
+    import dataclasses
+
+    from prism_serve.sim.hardware import dump_hardware
+
+    slow_path = tmp_path / "h100-path.json"
+    dump_hardware(dataclasses.replace(HARDWARE["h100"], request_overhead_s=0.25), slow_path)
+    m = served()
+    w = poisson([m.name], rate=2.0, duration=120, prompt=(64, 1024), output=(8, 64), seed=4)
+    runs = [
+        simulate([m], w, loose([m]), SimConfig(num_devices=1, policy="dedicated", hardware=hw)).requests
+        for hw in ("h100", str(slow_path))
+    ]
+    assert len(runs[0]) == len(runs[1]) == len(w) > 100
+    for a, b in zip(*runs, strict=True):
+        assert b.ttft == pytest.approx(a.ttft + 0.25, abs=1e-9)
+        assert b.finish == pytest.approx(a.finish + 0.25, abs=1e-9)
+        assert b.tpot == pytest.approx(a.tpot, abs=1e-9)
+
+
 def test_littles_law_on_a_steady_run():
     m = served(shape="llama-3.2-3b")
     w = poisson([m.name], rate=4.0, duration=600, prompt=(64, 2048), output=(16, 512), seed=2)

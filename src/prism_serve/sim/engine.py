@@ -99,6 +99,8 @@ class SimEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_run_steps = max_run_steps
         self.quota = quota  # KV bytes per device, None: no cap
+        # what the serving path adds to a request's first token and finish outside the engine
+        self._reply_s = cost.hw.request_overhead_s
         kvpt = -(-model.spec.kv_bytes_per_token // model.tp_size)
         self.kv_bytes_per_token = kvpt  # per device
         self.block_bytes = kvpt * block_size
@@ -368,11 +370,11 @@ class SimEngine:
                     s.generated += 1
                     s.num_tokens += 1
                     if s.req.first_token is None:
-                        s.req.first_token = now
+                        s.req.first_token = now + self._reply_s
         freed = False
         for s, _ in self._scheduled:
             if s.generated >= s.req.output_tokens:
-                s.req.finish = now
+                s.req.finish = now + self._reply_s
                 finished.append(s.req)
                 self.running.remove(s)
                 if s.num_blocks:

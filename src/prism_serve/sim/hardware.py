@@ -70,6 +70,10 @@ class HardwareProfile:
     # Compute shared by engines busy at once on one device (share_slowdown): each step takes
     # n * (1 + share_interference * (n - 1)) times as long as alone. 0: processor sharing.
     share_interference: float = 0.0
+    # The serving path's part of every time to first token outside the engine (HTTP, tokenization,
+    # the controller-worker hop, SSE framing), added to each simulated first token and finish; the
+    # fitted CPU profiles measure it (sim_vs_live.py prints it for each live run), the GPU ones leave it 0
+    request_overhead_s: float = 0.0
     synthetic: bool = True  # constants from datasheets and assumptions, not measured here
 
     def __post_init__(self) -> None:
@@ -86,6 +90,7 @@ class HardwareProfile:
             "activation_overhead_s",
             "seq_overhead_s",
             "share_interference",
+            "request_overhead_s",
         ):
             if getattr(self, name) < 0:
                 raise SimConfigError(f"hardware {self.name}: {name} must be >= 0")
@@ -176,6 +181,9 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 # thread waits for a core, and 2 / 3 two-thread engines on 2 cores measured 3.4-7x /
                 # 8-12x (docs/evaluation.md, "Compute sharing on one device").
                 share_interference=0.053,
+                # live TTFT minus the request's own prefill step wall, requests whose prefill ran
+                # alone: median 7.9 ms (p90 14 ms) on that host's light runs (docs/evaluation.md)
+                request_overhead_s=7.9e-3,
                 synthetic=False,
             ),
             # The same engine, model and fit on a host of the same VM type with AVX-512 and native
@@ -202,6 +210,8 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 seq_overhead_s=0.0,
                 pad_decode_context=True,
                 share_interference=0.053,
+                # the same measure on this host's light training run: median 6.3 ms (p90 9.6 ms)
+                request_overhead_s=6.3e-3,
                 synthetic=False,
             ),
         )
