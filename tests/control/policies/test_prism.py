@@ -322,6 +322,30 @@ def test_models_without_a_forecast_fill_free_memory_after_the_expected_ones():
     assert get_policy("prism").place(full, NOW) == []
 
 
+def test_the_startup_fill_chooses_smallest_first_and_places_largest_first():
+    """With no rate known, weights are the only hint of compute: the fill picks as many models as
+    memory holds (smallest first) and places them largest first where most memory is free, so the
+    big model gets a device of its own instead of landing next to the small ones it came after
+    (the live decode-heavy run: SmolLM2-360M next to two 135M models on one core)."""
+    sizes = {"a": 1, "b": 1, "c": 1, "mid": 2, "big": 5}
+    models = [model(n, rate=0, weight_gib=w) for n, w in sizes.items()]
+    c = cluster(models, {"d0": 10, "d1": 10})
+
+    def where(actions):
+        return {a.model: a.devices[0] for a in actions}
+
+    new = where(get_policy("prism").place(c, NOW))
+    assert new == {"big": "d0", "mid": "d1", "a": "d1", "b": "d1", "c": "d1"}
+    # the old order, smallest first each where most memory is free, puts big next to a and c
+    old = where(get_policy("prism", fill_largest_first=False).place(c, NOW))
+    assert old == {"a": "d0", "b": "d1", "c": "d0", "mid": "d1", "big": "d0"}
+    # which models still follows the smallest-first choice: with room for 8 GiB (of 9.5 below the
+    # watermark) on one device and 3 on the other, big does not make it, the four others all do
+    tight = cluster(models, {"d0": 8, "d1": 4})
+    placed = where(get_policy("prism").place(tight, NOW))
+    assert set(placed) == {"a", "b", "c", "mid"} and placed["mid"] == "d0"
+
+
 def test_prewarmed_memory_yields_first_to_a_real_request():
     models = [
         replace(model("warm", ttft=0.5, on=("d0",), weight_gib=35, last=NOW - 1), prewarmed=True),

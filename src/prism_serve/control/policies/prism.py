@@ -484,8 +484,9 @@ class PrismPolicy(Policy):
     ) -> list[ModelSnapshot]:
         """Evicted models the forecast expects a request for within ``prewarm_horizon_s``, then those
         with no forecast yet (``_prewarm_rank``), activated (and added to ``planned``) in that order
-        where they fit in memory that stays below the watermark without evicting anything. Their
-        memory yields first (eviction.is_idle)."""
+        where they fit in memory that stays below the watermark without evicting anything; those
+        with no forecast are chosen in that order and placed largest first (``fill_largest_first``).
+        Their memory yields first (eviction.is_idle)."""
         k = self.knobs
         ranked = sorted(
             (rank, m)
@@ -504,8 +505,31 @@ class PrismPolicy(Policy):
         # memory each device can still give without crossing the watermark: what is mapped now, plus
         # the weights this tick moves or loads there (evictions are not credited: they may not be done)
         room = room_now(cluster, planned, k.memory_watermark)
+        blind = [m for m in candidates if m.forecast_rate is None]
+        if not (k.fill_largest_first and len(blind) > 1):
+            return self._place_prewarm(candidates, loads, room, planned)
+        expected = [m for m in candidates if m.forecast_rate is not None]
+        out = self._place_prewarm(expected, loads, room, planned)
+        # the startup fill: which models, smallest first (as many as fit; a trial on copies), then
+        # where, largest first: with no rate known, weights are the only hint of compute, and placing
+        # the big ones first spreads them (smallest first left the largest for whichever device the
+        # small ones had left emptiest, next to them)
+        trial = [replace(load) for load in loads]
+        chosen = self._place_prewarm(blind, trial, dict(room), dict(planned))
+        chosen.sort(key=lambda m: (-m.part_weight_bytes * m.tp_size, m.model))
+        return out + self._place_prewarm(chosen, loads, room, planned)
+
+    def _place_prewarm(
+        self,
+        models: list[ModelSnapshot],
+        loads: list[DeviceLoad],
+        room: dict[str, float],
+        planned: dict[str, tuple[str, ...]],
+    ) -> list[ModelSnapshot]:
+        """Activate ``models`` in this order, each by ``choose_activation`` among the devices whose
+        ``room`` holds it, evicting nothing; the plan (``loads``, ``room``, ``planned``) takes each in."""
         out = []
-        for m in candidates:
+        for m in models:
             open_loads = [
                 replace(load, idle=[]) for load in loads if room[load.device] >= m.part_weight_bytes
             ]

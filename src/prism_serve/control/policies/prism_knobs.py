@@ -31,6 +31,11 @@ class PrismKnobs(Knobs):
     # into memory below the watermark (WarmServe's prewarming, seed 004); False: activate on demand only
     prewarm: bool = True
     prewarm_horizon_s: float = 60.0
+    # the models prewarmed with no forecast yet (the startup fill) are chosen smallest first (as many
+    # as memory holds) and then placed largest first, each where most memory is free (worst-fit
+    # decreasing: weights spread evenly, as a compute prior while no rate is known); False: placed in
+    # the order they are chosen (smallest first)
+    fill_largest_first: bool = True
     # replicas of hot models (control/replicas.py): at most this many per served model (1: off, the
     # ablation); a model wants ceil(rate / (replica_high * max_rate)) of them and gives one up when
     # the others would stay below replica_low utilization without it
