@@ -84,3 +84,22 @@ def test_live_profiles_start_from_the_default_and_cost_model_profiles_never_meas
 def test_unknown_profiles_are_refused():
     with pytest.raises(SimConfigError, match="profiles"):
         SimConfig(num_devices=1, profiles="oracle")
+
+
+def test_live_profiles_count_steps_alone_when_engines_share_a_device():
+    """Two busy models on one device: each engine's steps stretch by the compute sharing, and the
+    measured demand (what a policy adds contention to) is the steps as they take alone."""
+    ms = [served("a", "llama-3.2-1b"), served("b", "llama-3.2-1b")]
+    n = 40
+    w = Workload(np.arange(n) * 0.05, np.arange(n) % 2, np.full(n, 300), np.full(n, 100), ["a", "b"])
+    runs = {}
+    for sharing in (True, False):
+        cfg = SimConfig(num_devices=1, policy="static-partition", profiles="live", compute_sharing=sharing)
+        sim = Simulator(ms, w, loose(ms), cfg)
+        sim.run()
+        runs[sharing] = sim
+    shared, apart = runs[True].models["a"], runs[False].models["a"]
+    assert shared.step_seconds > 1.5 * shared.busy_seconds  # stretched by its busy neighbour
+    assert apart.step_seconds == pytest.approx(apart.busy_seconds)
+    profile = runs[True].snapshots.model(shared, 100.0).profile
+    assert profile.busy_s_per_request == pytest.approx(shared.busy_seconds / shared.num_served)

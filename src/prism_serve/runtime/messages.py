@@ -68,6 +68,9 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     # shared its cores with colocated engines.
     step_seconds: float = 0.0
     cpu_seconds: float = 0.0
+    # the steps' seconds as each would take alone: CPU-timed, each at most its wall time (the
+    # control plane's compute demand; step_seconds counts what neighbours took from them too)
+    busy_seconds: float = 0.0
     # control.profiles.StepSums of the engine's decode steps since the activation, as its fields in order
     # (empty: none yet); the controller fits step time against batch size from their deltas
     decode_sums: tuple[float, ...] = ()

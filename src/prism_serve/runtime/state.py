@@ -87,6 +87,7 @@ class ModelEntry:
     # engine step (wall) and worker CPU seconds over every activation, from the workers' stats
     step_seconds: float = 0.0
     cpu_seconds: float = 0.0
+    busy_seconds: float = 0.0  # the steps as each would take alone (EngineStats.busy_seconds)
     num_served: int = 0  # requests that left its engine (finished, failed or aborted there)
     # its engines' decode steps over every activation (the profile's step-time fit)
     decode: StepSums = field(default_factory=StepSums)
@@ -96,13 +97,16 @@ class ModelEntry:
 
     def profile(self) -> ModelProfile:
         """The per-request costs the control plane predicts compute demand from: engine step seconds
-        per request served, measured over every activation, once a few requests make it meaningful,
+        per request served, each step as it would take alone (CPU-timed, ``busy_seconds``: on a
+        shared core the wall time also holds the neighbours' slices, and the policies add the
+        contention of a placement themselves), measured over every activation, once a few requests
+        make it meaningful,
         and the replica capacity prism scales replicas by: its inverse, requests served per second
         of stepping, times the batching the decode-step fit leaves room for within the TPOT SLO
         (control/profiles.py)."""
         return measured_profile(
             ModelProfile(),
-            self.step_seconds,
+            self.busy_seconds,
             self.num_served,
             self.decode,
             self.spec.tpot_slo,
@@ -116,6 +120,7 @@ class ModelEntry:
             was = StepSums(*before.decode_sums) if before is not None and before.decode_sums else StepSums()
             self.decode = self.decode + (StepSums(*after.decode_sums) - was)
         self.cpu_seconds += max(0.0, after.cpu_seconds - (before.cpu_seconds if before else 0.0))
+        self.busy_seconds += max(0.0, after.busy_seconds - (before.busy_seconds if before else 0.0))
 
     def activate_message(self, decided_at: float, load_threads: int) -> msg.ActivateModel:
         """What a worker needs to activate this model from the host cache."""

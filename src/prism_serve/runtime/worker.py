@@ -64,6 +64,9 @@ class _Active:
     weight_bytes: int
     prefill_tokens_per_s: float | None = None
     step_seconds: float = 0.0  # wall time spent in engine steps since the activation
+    # the same steps timed by this process's CPU, each at most its wall time: what they cost alone
+    # (on a shared core a step's wall time also holds the slices its neighbours ran in)
+    busy_seconds: float = 0.0
     decode: StepSums = field(default_factory=StepSums)  # decode steps since the activation, CPU-timed
     cpu_start: float = 0.0  # this process's CPU time when the activation finished
 
@@ -174,12 +177,14 @@ class Worker:
         t0, c0, p0 = time.monotonic(), time.thread_time(), time.process_time()
         outs = a.engine.step()
         dt = time.monotonic() - t0
+        # timed by this process's CPU (a colocated engine's share of the core is not this model's
+        # cost), at most its wall time (several threads each use CPU time)
+        alone = min(dt, time.process_time() - p0)
         a.step_seconds += dt
+        a.busy_seconds += alone
         seqs = a.engine.last_step_seqs
-        if seqs and a.engine.last_step_tokens == seqs:
-            # a decode step, timed by this process's CPU (a colocated engine's share of the core is
-            # not a cost of batching), at most its wall time (several threads each use CPU time)
-            a.decode = a.decode.plus(seqs, min(dt, time.process_time() - p0))
+        if seqs and a.engine.last_step_tokens == seqs:  # a decode step: the batching fit's sample
+            a.decode = a.decode.plus(seqs, alone)
         if self.trace is not None and a.engine.last_step_tokens:
             cpu = time.thread_time() - c0
             self.trace.write(StepRecord(a.model, time.time() - dt, dt, cpu, a.engine.last_step_batch))
@@ -221,6 +226,7 @@ class Worker:
             weight_bytes=a.weight_bytes,
             prefill_tokens_per_s=a.prefill_tokens_per_s,
             step_seconds=a.step_seconds,
+            busy_seconds=a.busy_seconds,
             cpu_seconds=time.process_time() - a.cpu_start,
             decode_sums=a.decode.values() if a.decode.steps else (),
         )

@@ -335,12 +335,19 @@ class SimEngine:
         if not self.busy or factor == self.factor or now >= self.end:
             return None
         done = (now - self.start) / self.factor  # work done so far, in seconds alone
-        work = float(self._cum[self._run_k - 1]) if self._run_k else self._work
+        work = self.work_alone
         self.start = now - done * factor
         self.factor = factor
         self.end = self.start + work * factor
         self.version += 1
         return self.end
+
+    @property
+    def work_alone(self) -> float:
+        """Seconds the step or run in flight takes alone on its devices (0.0 when idle)."""
+        if not self.busy:
+            return 0.0
+        return float(self._cum[self._run_k - 1]) if self._run_k else self._work
 
     @property
     def decode_shape(self) -> tuple[int, int, float]:

@@ -71,9 +71,11 @@ class _Model:
     placed_at: float | None = None  # when the current placement was decided (ModelSnapshot.placed_at)
     activated_at: float | None = None  # idle time counts from here too, as in the live controller
     engine_snapshot: EngineSnapshot | None = None  # cached; rebuilt when the engine is dirty
-    # engine step seconds (as stretched by sharing) and requests served, over every activation:
-    # the live controller's measured profile (SimConfig.profiles == "live")
+    # engine step seconds (as stretched by sharing), the same steps alone (the live worker's
+    # CPU-timed busy_seconds), and requests served, over every activation: the live controller's
+    # measured profile (SimConfig.profiles == "live") is built from the alone seconds
     step_seconds: float = 0.0
+    busy_seconds: float = 0.0
     num_served: int = 0
     step_started: float | None = None
     steps: StepSums = field(default_factory=StepSums)  # its decode steps (measured_profile's fit)
@@ -271,9 +273,11 @@ class Simulator:
         if e is None or not e.busy or e.version != version:
             return  # the step was cut short or the engine stopped
         batch, steps, alone = e.decode_shape
+        work = e.work_alone
         finished, freed = e.finish_step(now)  # not busy: _start below syncs the device's busy count
         if m.step_started is not None:
             m.step_seconds += now - m.step_started
+            m.busy_seconds += work
             if steps:  # decode steps, timed alone: what StepSums fits (the live worker: CPU time)
                 m.steps = m.steps.plus(batch, alone, steps)
             m.step_started = None

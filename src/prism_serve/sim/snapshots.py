@@ -69,7 +69,7 @@ class SnapshotBuilder:
         if self._live_profiles:  # what the live controller knows: measured, or the default before
             return measured_profile(
                 ModelProfile(),
-                m.step_seconds,
+                m.busy_seconds,
                 m.num_served,
                 m.steps,
                 m.slo.tpot_s,
