@@ -344,6 +344,12 @@ def test_the_startup_fill_chooses_smallest_first_and_places_largest_first():
     tight = cluster(models, {"d0": 8, "d1": 4})
     placed = where(get_policy("prism").place(tight, NOW))
     assert set(placed) == {"a", "b", "c", "mid"} and placed["mid"] == "d0"
+    # where by room, not by pressure: a model that has had one request (a rate of 1/s this early)
+    # does not push every model with none onto the other device
+    served_once = [model("hot", rate=1.0, on=("d0",), weight_gib=1, last=NOW)]
+    served_once += [model(n, rate=0, weight_gib=w) for n, w in (("big", 5), ("mid", 2))]
+    placed = where(get_policy("prism").place(cluster(served_once, {"d0": 10, "d1": 10}), NOW))
+    assert placed == {"big": "d1", "mid": "d0"}
 
 
 def test_prewarmed_memory_yields_first_to_a_real_request():

@@ -511,13 +511,15 @@ class PrismPolicy(Policy):
         expected = [m for m in candidates if m.forecast_rate is not None]
         out = self._place_prewarm(expected, loads, room, planned)
         # the startup fill: which models, smallest first (as many as fit; a trial on copies), then
-        # where, largest first: with no rate known, weights are the only hint of compute, and placing
-        # the big ones first spreads them (smallest first left the largest for whichever device the
-        # small ones had left emptiest, next to them)
+        # where, largest first, each on the devices with the most room (worst-fit decreasing): with
+        # no rate known, weights are the only hint of compute, and placing the big ones first spreads
+        # them (smallest first left the largest for whichever device the small ones had left
+        # emptiest, next to them). Not by pressure: right after start one request makes a rate of
+        # 1/s, and every model with none would pile up away from the device that served it
         trial = [replace(load) for load in loads]
         chosen = self._place_prewarm(blind, trial, dict(room), dict(planned))
         chosen.sort(key=lambda m: (-m.part_weight_bytes * m.tp_size, m.model))
-        return out + self._place_prewarm(chosen, loads, room, planned)
+        return out + self._place_prewarm(chosen, loads, room, planned, by_room=True)
 
     def _place_prewarm(
         self,
@@ -525,18 +527,26 @@ class PrismPolicy(Policy):
         loads: list[DeviceLoad],
         room: dict[str, float],
         planned: dict[str, tuple[str, ...]],
+        by_room: bool = False,
     ) -> list[ModelSnapshot]:
         """Activate ``models`` in this order, each by ``choose_activation`` among the devices whose
-        ``room`` holds it, evicting nothing; the plan (``loads``, ``room``, ``planned``) takes each in."""
+        ``room`` holds it (``by_room``: on the devices with the most room, worst fit), evicting
+        nothing; the plan (``loads``, ``room``, ``planned``) takes each in."""
         out = []
         for m in models:
             open_loads = [
                 replace(load, idle=[]) for load in loads if room[load.device] >= m.part_weight_bytes
             ]
-            choice = choose_activation(m, open_loads)
-            if choice is None:
-                continue
-            devices, _ = choice
+            if by_room:
+                if len(open_loads) < m.tp_size:
+                    continue
+                ranked = sorted(open_loads, key=lambda load: -room[load.device])
+                devices = tuple(load.device for load in ranked[: m.tp_size])
+            else:
+                choice = choose_activation(m, open_loads)
+                if choice is None:
+                    continue
+                devices, _ = choice
             for d in devices:
                 room[d] -= m.part_weight_bytes
             self._load(loads, m, devices)
