@@ -232,8 +232,8 @@ def test_a_replica_does_not_take_the_memory_of_a_model_the_forecast_expects() ->
     pol = get_policy("prism", prewarm=False)
     devices = {"d0": 40.0, "d1": 20.0}
 
-    def with_idle(forecast: float | None) -> ClusterSnapshot:
-        idle = replace(model("x", on=("d1",), last=0.0), forecast_rate=forecast)
+    def with_idle(forecast: float | None, rate: float = 0.0) -> ClusterSnapshot:
+        idle = replace(model("x", rate=rate, on=("d1",), last=0.0), forecast_rate=forecast)
         return cluster([hot(rate=20, on=("d0",), running=8, last=99.0), hot(k=1), idle], devices)
 
     unexpected = pol.place(with_idle(None), 100.0)
@@ -241,6 +241,8 @@ def test_a_replica_does_not_take_the_memory_of_a_model_the_forecast_expects() ->
     assert pol.place(with_idle(0.001), 100.0) == pol.place(with_idle(None), 100.0)  # 0.06 expected
     expected = pol.place(with_idle(0.1), 100.0)  # 6 requests expected in the next 60 s
     assert not [a for a in expected if isinstance(a, Evict | Activate)]
+    # before its forecast has a complete window, a model's rate so far says it (8 a minute)
+    assert pol.place(with_idle(None, rate=0.133), 100.0) == expected
 
 
 def _burst(waiting: int, *, replica_waiting: int | None = None):
@@ -352,9 +354,18 @@ def test_a_copy_for_a_burst_goes_only_where_there_is_spare_compute_and_memory_no
     assert added(burst_with(busy)) == []
     # d2 quiet: the copy goes there
     assert added(burst_with(busy[:1])) == [Activate("m#1", ("d2",))]
-    # a model whose rate needs a second replica gets one even next to busy models
-    hot_rate = [replace(m, rate=20.0) if m.model == "m" else m for m in burst_with(busy).models.values()]
-    assert [a.model for a in added(cluster(hot_rate, DEVICES))] == ["m#1"]
+
+    # a model whose rate needs a second replica (busy 1.0 now, 0.5 per copy) gets one next to a
+    # busy model only if that copy runs less contended than the model does now: not beside 0.6
+    # (1.1 with it), but beside 0.3 (0.8)
+    def with_rate(neighbours):
+        return cluster(
+            [replace(m, rate=20.0) if m.model == "m" else m for m in burst_with(neighbours).models.values()],
+            DEVICES,
+        )
+
+    assert added(with_rate(busy)) == []
+    assert added(with_rate([busy[0], _neighbour("n2", ("d2",), 0.3)])) == [Activate("m#1", ("d2",))]
     # d1 holds the weights on paper but its memory is full of KV now: not there (the activation
     # would wait for that KV to drain while its claim stops admission on d1)
     assert added(burst_with([], mapped={"d1": 39.5})) == [Activate("m#1", ("d2",))]

@@ -142,10 +142,11 @@ class PrismPolicy(Policy):
         return [*(Evict(v) for v in evictions), Activate(m.model, devices), Enqueue(request, devices[0])]
 
     def _expected(self, m: ModelSnapshot) -> bool:
-        """Whether the forecast expects a request for ``m`` within the prewarm horizon (the prewarm
-        rule's test)."""
-        rate = m.forecast_rate
-        return rate is not None and rate * self.knobs.prewarm_horizon_s >= 1.0
+        """Whether a request for ``m`` is expected within the prewarm horizon (the prewarm rule's
+        test): by its forecast, or before the forecast has a complete window by its rate so far
+        (a model asked for 8 times a minute is expected, forecast or not)."""
+        rate = m.rate if m.forecast_rate is None else m.forecast_rate
+        return rate * self.knobs.prewarm_horizon_s >= 1.0
 
     def _prewarm_rank(self, m: ModelSnapshot) -> tuple | None:
         """Where an evicted ``m`` stands in the prewarm order, or None if it is not prewarmed: first
@@ -385,6 +386,19 @@ class PrismPolicy(Policy):
                     if load.device not in taken
                 ]
                 others = with_room_now(cluster, others, planned, share)
+                # a copy only where it runs less contended than the model's busiest copy does now:
+                # next to models as busy, it serves at their expense and takes memory (the
+                # overloaded decode-heavy CPU sweep: SmolLM2-360M's second copy on the other busy
+                # core pushed the small models there out, TTFT 49% at x5 against static's 79%)
+                # (the idle models the copy may evict there do not count)
+                by_name = {load.device: load for load in loads}
+                now_busy = max((by_name[d].busy for m in resident for d in m.placement), default=0.0)
+                others = [
+                    load
+                    for load in others
+                    if contention(load.busy - sum(map(self._busy, load.idle)) + self._busy(share))
+                    < contention(now_busy)
+                ]
                 if replicas_for_rate(cluster, model, k.replica_high) <= n:
                     # a copy for a burst only where it has spare compute: the device busy less than
                     # half the time with it. Next to busier models it would run at half speed or less
