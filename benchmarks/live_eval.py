@@ -328,6 +328,12 @@ def main() -> None:
         default="auto",
         help="dtype of the two synthetic models; auto: bfloat16 only with AVX512_BF16 or AMX",
     )
+    ap.add_argument(
+        "--real-dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="dtype of the three real SmolLM2-135M models (float32: what the CPU profiles are fitted on)",
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs/evaluation/live")
     ap.add_argument(
         "--server-log-level",
@@ -370,6 +376,10 @@ def main() -> None:
     dtype = resolve_dtype(args.synthetic_dtype)
     print(f"synthetic models in {dtype}")
     models = MODELS.replace("dtype: bfloat16", f"dtype: {dtype}")
+    real = resolve_dtype(args.real_dtype)
+    print(f"SmolLM2-135M-Instruct (real weights) in {real}")
+    for name in ("smol-a", "smol-b", "smol-c"):
+        models = models.replace(f"{{name: {name},", f"{{name: {name}, dtype: {real},")
     if args.kv_limit:
         models = models.replace("{name:", f"{{kv_limit: {args.kv_limit}, name:")
     config.write_text(
