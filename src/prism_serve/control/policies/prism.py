@@ -376,7 +376,10 @@ class PrismPolicy(Policy):
                     continue
                 taken = {d for m in resident for d in planned.get(m.model, m.placement)}
                 # for the plan's loads the new replica carries its share of the model's rate
-                share = replace(free, rate=group_rate(cluster, model) / (n + 1))
+                # the slot has served nothing yet: its demand is the model's measured one
+                share = replace(
+                    free, rate=group_rate(cluster, model) / (n + 1), profile=resident[0].profile
+                )
                 loads = loads_now()
                 # a second copy takes the memory of idle models the forecast does not expect soon
                 # (or of idle second copies)
@@ -468,7 +471,7 @@ class PrismPolicy(Policy):
                 for load in loads
                 if load.device not in m.placement
             ]
-            moved = replace(free, rate=m.rate)
+            moved = replace(free, rate=m.rate, profile=m.profile)
             choice = choose_activation(moved, with_room_now(cluster, others, planned, moved))
             if choice is None:
                 continue
