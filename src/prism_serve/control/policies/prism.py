@@ -33,8 +33,6 @@ from prism_serve.control.eviction import (
     choose_activation,
     constrained_evictions,
     device_loads,
-    eviction_key,
-    is_idle,
     never_fits,
 )
 from prism_serve.control.placement import DeviceBudget, Part, contention, place_parts, pressure
@@ -48,6 +46,7 @@ from prism_serve.control.policies.base import (
 from prism_serve.control.policies.prism_knobs import PrismKnobs
 from prism_serve.control.policies.prism_room import (
     free_slot,
+    planned_loads,
     room_now,
     with_quiet_models,
     with_room_now,
@@ -229,7 +228,9 @@ class PrismPolicy(Policy):
         def loads_now() -> list[DeviceLoad]:
             """The plan's per-device loads, built once and only if an activation needs them."""
             if not cached:
-                cached.append(self._planned_loads(cluster, result, planned, now))
+                cached.append(
+                    planned_loads(cluster, result, planned, now, k.idle_threshold_s, k.min_kv_fraction)
+                )
             return cached[0]
 
         if unplaced:
@@ -577,26 +578,6 @@ class PrismPolicy(Policy):
                 load.weighted_rate += m.demand / m.tp_size
                 load.busy += self._busy(m)
                 load.shared_kv -= m.part_weight_bytes
-
-    def _planned_loads(
-        self, cluster: ClusterSnapshot, result, planned: dict[str, tuple[str, ...]], now: float
-    ) -> list[DeviceLoad]:
-        k = self.knobs
-        loads = [
-            DeviceLoad(d, dev.capacity_bytes, min_kv_bytes(dev, k.min_kv_fraction), w, s, busy=u)
-            for (d, dev), w, s, u in zip(
-                cluster.devices.items(), result.weighted_rate, result.shared_kv, result.busy, strict=True
-            )
-        ]
-        by_name = {load.device: load for load in loads}
-        for name, devices in planned.items():
-            m = cluster.models[name]
-            if is_idle(m, now, k.idle_threshold_s):
-                for d in devices:
-                    by_name[d].idle.append(m)
-        for load in loads:
-            load.idle.sort(key=lambda m: eviction_key(m, now))
-        return loads
 
     def _unload(self, loads: list[DeviceLoad], m: ModelSnapshot, devices: tuple[str, ...]) -> None:
         for load in loads:

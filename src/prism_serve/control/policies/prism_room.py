@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from prism_serve.control.eviction import DeviceLoad
+from prism_serve.control.eviction import DeviceLoad, eviction_key, is_idle
+from prism_serve.control.policies.base import min_kv_bytes
 from prism_serve.control.replicas import spare_replicas
 from prism_serve.control.types import ClusterSnapshot, ModelSnapshot, ModelState
 
@@ -110,3 +111,30 @@ def with_room_now(
         for load in loads
         if room[load.device] + sum(v.part_weight_bytes for v in load.idle) >= m.part_weight_bytes
     ]
+
+
+def planned_loads(
+    cluster: ClusterSnapshot,
+    result,
+    planned: dict[str, tuple[str, ...]],
+    now: float,
+    idle_threshold_s: float,
+    min_kv_fraction: float,
+) -> list[DeviceLoad]:
+    """Per-device loads of Algorithm 1's ``result`` (its weighted rates, KV room and busy
+    fractions), with the idle models of the plan ``planned`` on each device in eviction order."""
+    loads = [
+        DeviceLoad(d, dev.capacity_bytes, min_kv_bytes(dev, min_kv_fraction), w, s, busy=u)
+        for (d, dev), w, s, u in zip(
+            cluster.devices.items(), result.weighted_rate, result.shared_kv, result.busy, strict=True
+        )
+    ]
+    by_name = {load.device: load for load in loads}
+    for name, devices in planned.items():
+        m = cluster.models[name]
+        if is_idle(m, now, idle_threshold_s):
+            for d in devices:
+                by_name[d].idle.append(m)
+    for load in loads:
+        load.idle.sort(key=lambda m: eviction_key(m, now))
+    return loads
