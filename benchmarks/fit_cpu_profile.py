@@ -547,12 +547,9 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     from prism_serve.sim.hardware import dump_hardware, get_hardware
-    from sim_mirror import host_profile_name
+    from sim_mirror import HARDWARE, host_profile_name
 
-    name = args.name or host_profile_name()
-    base = dataclasses.replace(get_hardware(args.base), name=name)
-    from sim_mirror import HARDWARE
-
+    base = dataclasses.replace(get_hardware(args.base), name=args.name or host_profile_name())
     compare = get_hardware(args.compare or HARDWARE)
     if args.trace:
         hw = fit_trace(
@@ -575,7 +572,6 @@ def main() -> None:
     if args.write:
         dump_hardware(hw, args.write)
         print(f"profile {hw.name} written to {args.write} (prism sim --hardware {args.write})")
-
 
 
 if __name__ == "__main__":

@@ -31,10 +31,10 @@ from prism_serve.workload.format import Workload  # noqa: E402
 def host_profile_name() -> str:
     """cpu-smollm2-avx512bf16, cpu-smollm2-avx512 or cpu-smollm2-avx2: the vector class of this CPU,
     which decides how fast its matmuls are (VMs sold as one CPU model come with either)."""
-    from prism_serve.engine.machine import cpu_flags
+    from prism_serve.engine.machine import cpu_flags, native_bf16
 
     flags = cpu_flags()
-    if "avx512_bf16" in flags or "amx_bf16" in flags:
+    if native_bf16(flags):
         return "cpu-smollm2-avx512bf16"
     if "avx512f" in flags:
         return "cpu-smollm2-avx512"
