@@ -175,6 +175,7 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
     finally:
         stop_server_process(proc)
     stats = live_model_stats(res.summary())
+    records = [r.to_json() for r in res.records]
     for name in slos:
         for key in COUNTS:
             stats[name][key] = end[name][key] - warm[name][key]
@@ -196,8 +197,8 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
         "other_load_cores": round(other, 3),
         "errors": res.summary()["overall"]["errors"],
         "send_lag_p99_s": res.summary()["overall"]["send_lag_p99_s"],
-        "requests": [r.to_json() for r in res.records],
-        "serving_path": serving_path_s([r.to_json() for r in res.records], out / f"steps-{tag}"),
+        "requests": records,
+        "serving_path": serving_path_s(records, out / f"steps-{tag}"),
     }
 
 
