@@ -146,6 +146,11 @@ class PolicyConfig(_Strict):
         description="keep weight pages mapped between models and make them ahead of time, so an "
         "activation copies instead of creating pages (memory/spare.py); reclaimable, counted as free",
     )
+    prepare_workers: bool = Field(
+        True,
+        description="idle pooled workers map the host cache files and parse the tokenizers ahead of "
+        "any activation, so a fresh worker's first activation is only a copy (runtime/workers.py)",
+    )
 
     @model_validator(mode="after")
     def _known(self) -> PolicyConfig:

@@ -28,6 +28,8 @@ SAMPLES: list[msg.Message] = [
         "m", "/dev/shm/x", [msg.TensorEntry("norm", "float32", (4,), 0, 16)], 4096, {"a": 1}, "/t",
         "src", True, EngineConfig(model="m", max_num_seqs=8), 1.5, kv_limit_bytes=1 << 28,
     ),
+    msg.Prepare([msg.CacheFile("/dev/shm/x", 4096)], ["/t"]),
+    msg.Prepare([], []),
     msg.EvictModel("m", force=True),
     msg.AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, stop=["x"], seed=3)),
     msg.AbortRequest("r1"),
@@ -35,6 +37,7 @@ SAMPLES: list[msg.Message] = [
     msg.SetKVLimit(1 << 30),
     msg.Shutdown(),
     msg.WorkerReady("cpu:0/w0", 123, "cpu:0", 1 << 30, 1.2),
+    msg.Prepared(["/dev/shm/x"], ["/t"], 0.25),
     msg.ModelActivated("m", PHASES, 46080, 1 << 30, 2048, 32, STATS),
     msg.ActivationFailed("m", "DeviceMemoryExhaustedError", "full"),
     msg.ModelEvicted("m", ["r1"], 1 << 20),
@@ -151,10 +154,25 @@ def test_cache_loads_once_shares_files_and_rebuilds_the_same_model(cache: HostWe
             assert torch.equal(model.packed_tensors()[name], t), name
     finally:
         shared.close()
+    assert c.tokenizer_path == a.tokenizer_path  # other weights, the same tokenizer: one file
     cache.drop("a")
     assert Path(b.path).exists()  # still used by "b"
     cache.drop("b")
-    assert not Path(b.path).exists() and not Path(b.tokenizer_path).exists()
+    assert not Path(b.path).exists() and Path(c.tokenizer_path).exists()  # "c" still uses it
+    cache.drop("c")
+    assert not Path(c.path).exists() and not Path(c.tokenizer_path).exists()
+
+
+def test_prepare_lists_every_file_once_and_caps_the_tokenizers(cache: HostWeightCache) -> None:
+    a = cache.load(ModelSpec("a", source="random:smollm2-135m", seed=1, dtype="float32"))
+    cache.load(ModelSpec("a2", source="random:smollm2-135m", seed=1, dtype="float32"))  # a's file
+    b = cache.load(ModelSpec("b", source="random:smollm2-135m", seed=2, dtype="float32"))
+    m = cache.prepare_message()
+    assert m.files == [msg.CacheFile(a.path, a.weight_bytes), msg.CacheFile(b.path, b.weight_bytes)]
+    assert m.tokenizers == [a.tokenizer_path]
+    size = Path(a.tokenizer_path).stat().st_size
+    assert cache.prepare_message(tokenizer_bytes=size).tokenizers == [a.tokenizer_path]
+    assert cache.prepare_message(tokenizer_bytes=size - 1).tokenizers == []
 
 
 def test_files_of_dead_controllers_are_removed(tmp_path: Path) -> None:

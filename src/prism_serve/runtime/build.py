@@ -51,4 +51,5 @@ def build_controller(config: DeploymentConfig) -> Controller:
         tick_interval_s=config.policy.tick_interval_s,
         activation_timeout_s=config.policy.activation_timeout_s,
         spare_pages=config.policy.spare_pages,
+        prepare_workers=config.policy.prepare_workers,
     )

@@ -86,6 +86,7 @@ class Controller(AdminOps):
         page_size: int = DEFAULT_PAGE_SIZE,
         rate_window_s: float = 60.0,
         spare_pages: bool = True,
+        prepare_workers: bool = True,
     ) -> None:
         self.devices = {d.name: d for d in devices}
         self.specs = {m.name: m for m in models}
@@ -100,6 +101,7 @@ class Controller(AdminOps):
         self.load_threads = load_threads
         self.page_size = page_size
         self.spare_pages = spare_pages
+        self.prepare_workers = prepare_workers
         self.cache = HostWeightCache(namespace)
         self.models: dict[str, ModelEntry] = {}  # served models and their replica slots
         # replica slots beyond replica 0 per served model (control/replicas.py), at most one per device
@@ -160,6 +162,7 @@ class Controller(AdminOps):
             # each worker keeps weight pages for the largest model ready (memory/spare.py)
             spare_bytes=max(m.cached.weight_bytes for m in self.models.values()) if self.spare_pages else 0,
             spare_of=lambda w: spare_bytes(self._ledgers[w.device.name].snapshot(), w.worker_id),
+            prepare=self.cache.prepare_message if self.prepare_workers else None,
         )
         await self._pool.start()
         self._tick_task = asyncio.create_task(self._tick_loop())

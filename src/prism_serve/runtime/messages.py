@@ -4,9 +4,10 @@ Messages are msgspec structs, tagged by class name and encoded as MessagePack; o
 holds one message. The controller's ROUTER socket addresses a worker by its id (the DEALER's
 identity). Times are ``time.monotonic()`` seconds, which every process on the machine shares.
 
-Controller -> worker: ActivateModel, EvictModel, AddRequest, AbortRequest, SetKVLimit, Shutdown.
-Worker -> controller: WorkerReady, ModelActivated, ActivationFailed, ModelEvicted, StepOutputs,
-RequestFailed.
+Controller -> worker: Prepare, ActivateModel, EvictModel, AddRequest, AbortRequest, SetKVLimit,
+Shutdown.
+Worker -> controller: WorkerReady, Prepared, ModelActivated, ActivationFailed, ModelEvicted,
+StepOutputs, RequestFailed.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class ActivationPhases(msgspec.Struct, array_like=True, frozen=True):
     copy_threads: int
     reused_pages: int = 0  # weight pages that were spare, already mapped (memory/spare.py)
     created_pages: int = 0  # weight pages created and mapped on this activation's path
+    # the host cache file and the tokenizer were opened before (Prepare, or an earlier model)
+    prepared: bool = False
 
     @property
     def total_s(self) -> float:
@@ -110,6 +113,22 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
 # ---- controller -> worker --------------------------------------------------------------------
 
 
+class CacheFile(msgspec.Struct, array_like=True, frozen=True):
+    """One host weight cache file (shared memory) and its size."""
+
+    path: str
+    size: int
+
+
+class Prepare(Message):
+    """What an idle worker opens ahead of any activation, in this order, one item at a time between
+    messages: the host cache files (mapped and pre-faulted) and the tokenizers (parsed). An
+    activation then starts with the copy; without this, a fresh worker's first one also pays those."""
+
+    files: list[CacheFile]
+    tokenizers: list[str]
+
+
 class ActivateModel(Message):
     model: str
     cache_path: str  # host weight cache file (shared memory)
@@ -160,6 +179,14 @@ class WorkerReady(Message):
     startup_s: float
 
 
+class Prepared(Message):
+    """The worker finished its Prepare: what it holds open now (failures are logged and skipped)."""
+
+    files: list[str]
+    tokenizers: list[str]
+    seconds: float
+
+
 class ModelActivated(Message):
     model: str
     phases: ActivationPhases
@@ -198,9 +225,10 @@ class RequestFailed(Message):
     message: str
 
 
-ToWorker = ActivateModel | EvictModel | AddRequest | AbortRequest | SetKVLimit | Shutdown
+ToWorker = Prepare | ActivateModel | EvictModel | AddRequest | AbortRequest | SetKVLimit | Shutdown
 FromWorker = (
     WorkerReady
+    | Prepared
     | ModelActivated
     | ActivationFailed
     | ModelEvicted

@@ -6,7 +6,8 @@ A cache file is ``/dev/shm/prism-weights-<namespace>-<controller pid>-<n>``: the
 ``LlamaForCausalLM.packed_tensors()`` back to back, each at a 4 KiB-aligned offset. A worker maps
 the file read-only (``SharedWeights``) and copies byte ranges into the model's device pages at the
 same offsets, then builds the model over views of those pages. The tokenizer travels in a JSON file
-next to it. Files of controllers that died are removed when the next cache opens.
+next to it, one file per distinct tokenizer (fine-tunes of one base share it, and a worker parses it
+once for all of them). Files of controllers that died are removed when the next cache opens.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import hashlib
 import json
 import mmap
 import os
@@ -33,10 +35,14 @@ from prism_serve.engine.models.config import ArchConfig, RopeScaling
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.weights import load_weights
 from prism_serve.memory.ledger import default_namespace
-from prism_serve.runtime.messages import TensorEntry
+from prism_serve.runtime.messages import CacheFile, Prepare, TensorEntry
 from prism_serve.runtime.models import ModelSpec
 
 ALIGN = 4096
+# What a pooled worker parses ahead of activations: tokenizers up to this many bytes of JSON (a
+# 49k-token BPE tokenizer is 2.1 MB and ~15 MB parsed); the cache files are mapped whatever their size
+# (a mapping costs page tables only, ~0.2% of the file).
+PREPARE_TOKENIZER_BYTES = 64 * 2**20
 _FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json)?$")
 
 
@@ -83,6 +89,7 @@ class HostWeightCache:
         self._file_locks: dict[tuple, threading.Lock] = {}
         self._files: dict[tuple, CachedModel] = {}  # by weights key; spec = the first model's
         self._models: dict[str, CachedModel] = {}
+        self._tokenizers: dict[str, str] = {}  # tokenizer JSON digest -> its file
         self._counter = 0
         self._closed = False
         self.remove_stale()
@@ -144,20 +151,30 @@ class HostWeightCache:
             raise
         finally:
             os.close(fd)
-        tok_path = Path(f"{base}.tok.json")
-        tok_path.write_text(json.dumps(weights.tokenizer.to_state()))
+        tok_path = self._tokenizer_file(json.dumps(weights.tokenizer.to_state()), base)
         return CachedModel(
             spec=spec,
             path=str(base),
             tensors=tuple(entries),
             weight_bytes=total,
             config=config_to_dict(weights.config),
-            tokenizer_path=str(tok_path),
+            tokenizer_path=tok_path,
             source=weights.source,
             synthetic=weights.synthetic,
             kv_bytes_per_token=weights.config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()),
             load_s=time.monotonic() - start,
         )
+
+    def _tokenizer_file(self, text: str, base: Path) -> str:
+        """The file holding this tokenizer: the one an earlier model wrote, or a new one next to
+        ``base``."""
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        with self._lock:
+            path = self._tokenizers.get(digest)
+            if path is None:
+                path = self._tokenizers[digest] = f"{base}.tok.json"
+                Path(path).write_text(text)
+        return path
 
     # ---- housekeeping -------------------------------------------------------------------------
 
@@ -169,15 +186,38 @@ class HostWeightCache:
     def models(self) -> Iterable[CachedModel]:
         return list(self._models.values())
 
+    def prepare_message(self, tokenizer_bytes: int = PREPARE_TOKENIZER_BYTES) -> Prepare:
+        """What an idle worker opens ahead of any activation: every cache file, and the tokenizers
+        in the order of the models up to ``tokenizer_bytes`` of JSON (each file once)."""
+        files: dict[str, CacheFile] = {}
+        tokenizers: list[str] = []
+        budget = tokenizer_bytes
+        for m in self.models():
+            files.setdefault(m.path, CacheFile(m.path, m.weight_bytes))
+            if m.tokenizer_path in tokenizers:
+                continue
+            with contextlib.suppress(OSError):
+                size = os.path.getsize(m.tokenizer_path)
+                if size <= budget:
+                    tokenizers.append(m.tokenizer_path)
+                    budget -= size
+        return Prepare(list(files.values()), tokenizers)
+
     def drop(self, name: str) -> None:
         """Forget one model; its files go when no other model shares them (workers that mapped
         them keep their mapping until they close it)."""
         with self._lock:
             cached = self._models.pop(name, None)
-            if cached is None or any(m.path == cached.path for m in self._models.values()):
+            if cached is None:
                 return
-            self._files = {k: f for k, f in self._files.items() if f.path != cached.path}
-        for p in (cached.path, cached.tokenizer_path):
+            gone = []
+            if not any(m.path == cached.path for m in self._models.values()):
+                self._files = {k: f for k, f in self._files.items() if f.path != cached.path}
+                gone.append(cached.path)
+            if not any(m.tokenizer_path == cached.tokenizer_path for m in self._models.values()):
+                self._tokenizers = {k: p for k, p in self._tokenizers.items() if p != cached.tokenizer_path}
+                gone.append(cached.tokenizer_path)
+        for p in gone:
             Path(p).unlink(missing_ok=True)
 
     def close(self) -> None:

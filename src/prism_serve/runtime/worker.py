@@ -2,6 +2,8 @@
 
 At start-up it pins itself to its device's cores, imports torch, connects to the controller and
 reserves two virtual ranges (weights, KV) of the device's size; then it holds no model and waits.
+While it waits it works through the controller's ``Prepare``: it maps the host cache files and parses
+the tokenizers, one item between two polls of its socket, so that an activation finds them open.
 ``ActivateModel`` maps the weight pages (granted by the device ledger), copies the weights from the
 host cache in parallel chunks, builds the model over views of those pages, lays a KV pool out in the
 reserved KV range, and serves. ``EvictModel`` unmaps every page of the model (weights and KV) and
@@ -21,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -106,6 +109,8 @@ class Worker:
         self.namespace = namespace
         self.shared: dict[str, SharedWeights] = {}  # host cache files this worker has mapped
         self.tokenizers: dict[str, Tokenizer] = {}  # by tokenizer file
+        self.to_prepare: deque[msg.CacheFile | str] = deque()  # Prepare's items not yet opened
+        self.prepare_s = 0.0
         self.active: _Active | None = None
         self.trace = StepTrace.from_env(worker_id)  # PRISM_STEP_TRACE: every step's shape and time
         self.running = True
@@ -121,8 +126,12 @@ class Worker:
                 engine = self.active.engine if self.active else None
                 busy = engine is not None and engine.has_unfinished_requests()
                 timeout = (_STALLED_POLL_MS if engine.stalled else 0) if busy else _IDLE_POLL_MS
+                if self.to_prepare and self.active is None:
+                    timeout = 0
                 if self.sock.poll(timeout):
                     self._drain()
+                elif self.to_prepare and self.active is None:
+                    self._prepare_one()
                 if self.active is not None and self.active.engine.has_unfinished_requests():
                     self._step(self.active)
         finally:
@@ -145,6 +154,10 @@ class Worker:
                     if not self.active.engine.has_unfinished_requests():
                         self.active.pool.shrink_buffer()
                     self._send(msg.StepOutputs([], self._stats(self.active)))  # its KV is free now
+            case msg.Prepare():
+                self.to_prepare.extend([*m.files, *m.tokenizers])
+                if not self.to_prepare:
+                    self._send(msg.Prepared([], [], 0.0))
             case msg.ActivateModel():
                 self._activate(m)
             case msg.EvictModel():
@@ -161,6 +174,37 @@ class Worker:
     def _fail(self, req_id: str, e: BaseException) -> None:
         name = type(e).__name__ if isinstance(e, PrismError) else "PrismError"
         self._send(msg.RequestFailed(req_id, name, str(e)))
+
+    # ---- ahead of activations ------------------------------------------------------------------
+
+    def _prepare_one(self) -> None:
+        """Open the next item of the Prepare; after the last, report what is open."""
+        item = self.to_prepare.popleft()
+        start = time.monotonic()
+        try:
+            if isinstance(item, msg.CacheFile):
+                self._shared(item.path, item.size)
+            else:
+                self._tokenizer(item)
+        except Exception as e:  # a file dropped meanwhile: the activation that needs it says so
+            logger.warning("preparing %s failed: %s", item, e)
+        self.prepare_s += time.monotonic() - start
+        if not self.to_prepare:
+            self._send(msg.Prepared(sorted(self.shared), sorted(self.tokenizers), self.prepare_s))
+
+    def _shared(self, path: str, size: int) -> SharedWeights:
+        """A host cache file mapped and pre-faulted, once per worker."""
+        shared = self.shared.get(path)
+        if shared is None:
+            shared = self.shared[path] = SharedWeights(path, size)
+        return shared
+
+    def _tokenizer(self, path: str) -> Tokenizer:
+        tokenizer = self.tokenizers.get(path)
+        if tokenizer is None:
+            with open(path) as f:
+                tokenizer = self.tokenizers[path] = Tokenizer.from_state(json.load(f))
+        return tokenizer
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -241,10 +285,9 @@ class Worker:
         weight_account = self.ledger.account(f"{m.model} weights")
         kv_account = self.ledger.account(f"{m.model} kv", m.kv_limit_bytes)
         num_pages = 0
+        prepared = m.cache_path in self.shared and m.tokenizer_path in self.tokenizers
         try:
-            shared = self.shared.get(m.cache_path)
-            if shared is None:
-                shared = self.shared[m.cache_path] = SharedWeights(m.cache_path, m.weight_bytes)
+            shared = self._shared(m.cache_path, m.weight_bytes)
             num_pages, reused = map_weight_pages(
                 self.weight_range, weight_account, m.weight_bytes, self.loader, self.spare
             )
@@ -284,6 +327,7 @@ class Worker:
             copy_threads=self.load_threads,
             reused_pages=reused,
             created_pages=num_pages - reused,
+            prepared=prepared,
         )
         self._send(
             msg.ModelActivated(
@@ -307,10 +351,7 @@ class Worker:
         dtype = torch_dtype(engine_config)
         max_len = engine_config.resolve_max_model_len(config)
         model = LlamaForCausalLM.from_packed(config, tensor_views(flat, m.tensors), dtype, max_len)
-        tokenizer = self.tokenizers.get(m.tokenizer_path)
-        if tokenizer is None:
-            with open(m.tokenizer_path) as f:
-                tokenizer = self.tokenizers[m.tokenizer_path] = Tokenizer.from_state(json.load(f))
+        tokenizer = self._tokenizer(m.tokenizer_path)
         # The KV layout of this model in the range reserved at start-up (the paper's "aligning the
         # reserved virtual space to the new model"): blocks of this model's size, back to back.
         block_bytes = KVCache.block_bytes(config, engine_config.block_size, dtype)

@@ -4,7 +4,8 @@ that notices a dead worker.
 Every worker is a real process (``python -m prism_serve.runtime.worker``) started before any model
 needs it; the pool keeps ``DeviceSpec.num_workers`` of them per device at start and at least one idle
 worker per device afterwards, so an activation never waits for a process to start unless many
-models activate on one device at once.
+models activate on one device at once. A worker that reports ready is sent ``prepare()`` (the host
+cache files and tokenizers to open while it waits), so its first activation costs what later ones do.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class WorkerHandle:
     reply: asyncio.Future | None = None
     in_flight: set[str] = field(default_factory=set)  # request ids dispatched to this worker
     stats: msg.EngineStats | None = None
+    prepared: msg.Prepared | None = None  # what it opened ahead of activations, once it finished
 
     @property
     def identity(self) -> bytes:
@@ -86,6 +88,7 @@ class WorkerPool:
         load_threads: int,
         spare_bytes: int = 0,
         spare_of: Callable[[WorkerHandle], int] | None = None,
+        prepare: Callable[[], msg.Prepare] | None = None,
         start_timeout_s: float = 120.0,
         poll_interval_s: float = 0.05,
     ) -> None:
@@ -99,6 +102,7 @@ class WorkerPool:
         self._load_threads = load_threads
         self._spare_bytes = spare_bytes
         self._spare_of = spare_of
+        self._prepare = prepare
         self._start_timeout_s = start_timeout_s
         self._poll_interval_s = poll_interval_s
         self._ids = itertools.count()
@@ -214,8 +218,14 @@ class WorkerPool:
                 continue
             if isinstance(m, msg.WorkerReady):
                 handle.state = WorkerState.IDLE
+                if self._prepare is not None:
+                    with contextlib.suppress(WorkerDiedError):
+                        self.send(handle, self._prepare())
                 if not handle.ready.done():
                     handle.ready.set_result(handle)
+                continue
+            if isinstance(m, msg.Prepared):
+                handle.prepared = m
                 continue
             try:
                 self._on_message(handle, m)
