@@ -5,14 +5,16 @@ also one made by another process."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from prism_serve.memory.spare import SparePages
+from prism_serve.memory.spare import BACKGROUND_NICE, SparePages
 from prism_serve.memory.vmm import HostVirtualRange
 from prism_serve.runtime.loading import DeviceMemoryExhaustedError, map_weight_pages, unmap_weight_pages
 
@@ -162,6 +164,22 @@ def test_spare_pages_yield_to_a_grant_that_needs_them(make_ledger, vrange, loade
     spare.close()
 
 
+def test_the_thread_that_makes_pages_runs_at_the_lowest_priority(make_ledger, vrange):
+    """Pages are made on the device's cores while other engines step there: the thread is nice 19
+    (the worker's main thread, which serves, keeps its priority)."""
+    ledger = make_ledger(budget_bytes=16 * MiB)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    spare = SparePages(vrange, ledger, "w0 spare", target_bytes=4 * MiB, headroom=0.0, poll_interval_s=0.005)
+    try:
+        deadline = time.monotonic() + 10
+        while spare.thread_nice is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert spare.thread_nice == BACKGROUND_NICE == 19
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    finally:
+        spare.close()
+
+
 def test_weights_wait_for_another_processes_spare_pages(make_ledger, namespace, vrange, loader):
     """A worker in another process holds the device's free memory as spare pages; an activation
     here needs more than is free: the ledger asks, the other process unmaps, the activation goes on."""
@@ -169,7 +187,7 @@ def test_weights_wait_for_another_processes_spare_pages(make_ledger, namespace, 
     code = (
         "import sys, time\n"
         "from prism_serve.memory.ledger import DeviceLedger\n"
-        "from prism_serve.memory.spare import SparePages\n"
+        "from prism_serve.memory.spare import BACKGROUND_NICE, SparePages\n"
         "from prism_serve.memory.vmm import HostVirtualRange\n"
         f"l = DeviceLedger('cpu:0', namespace='{namespace}')\n"
         "r = HostVirtualRange('cpu:0', 32 * 2**20)\n"
