@@ -86,15 +86,19 @@ from sim_mirror import (  # noqa: E402, F401  (re-exported: tests/bench/test_sim
 TARGETS = {"ttft_p50_s": 0.15, "ttft_p95_s": 0.15, "tpot_p50_s": 0.10, "ttft_attainment": 3.0,
            "slo_attainment": 3.0}  # fmt: skip
 OTHER_LOAD_WARN = 0.2  # cores other processes may use during a live run before the output warns
+# The sensitivity check simulates again with every step this much slower and faster: about the
+# fitted profile's error on held-out live steps and the run-to-run speed of one VM (docs/evaluation.md).
+SPEED_SPREAD = 0.04
+BISTABLE = 0.25  # a model whose activations change by more than this fraction between the speeds
 KNOWN_DIFFERENCES = (
     "compute sharing: modelled as processor sharing with a fitted interference term "
     "(HardwareProfile.share_slowdown) among engines with a step in flight; live, the server process, "
     "activations and this client also take CPU from the devices' cores, which the simulator does not "
     "count (the 'sim, no sharing' column is the simulator with compute_sharing=False)",
-    "activation cost: simulated from the profile's activation constants (0.01 s + weights at 7 GB/s, "
-    "about 0.087 s for SmolLM2-135M fp32: a copy into spare pages) and free for the device's core; live "
-    "it is a copy (pages created only when no spare ones are left) in the worker, on the device's core, "
-    "while the colocated engine runs",
+    "activation cost: simulated from the profile's activation constants (activation_overhead_s + "
+    "weights at host_bandwidth: a copy into spare pages) and free for the device's core; live it is a "
+    "copy (pages created only when no spare ones are left; the next activation's spare pages are made "
+    "at nice 19) in the worker, on the device's core, while the colocated engine runs",
     "worker processes: live, the pool starts a spare engine process when a device's last idle one is "
     "taken (seconds of CPU on that core); the presets start 3 per device (at most 2 models fit on one) "
     "so that none is started during the replay",
@@ -223,6 +227,54 @@ def format_comparison(variants: dict[str, dict[str, dict]], repeats: int = 1) ->
                 line += f" {_fmt(key, m['sim']):>16} {_fmt_err(key, m['error']):>8} {mark:<4}"
             line += _spread(key, row["metrics"][key]) if spread else ""
             lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def sensitivity(cfg, sim_wl, num_warmup: int, warmup_s: float, mirror: dict) -> dict[str, dict]:
+    """The simulation again with every step ``SPEED_SPREAD`` slower and faster: per model, its
+    activations and TTFT p50 / p95 at each speed. A policy's decisions can hinge on whether a queue
+    is empty at an arrival, and then a few percent of speed (the fit's error, or a VM that runs
+    slower today) sends a run down another path; this says whether this workload is such a case."""
+    out = {}
+    for f in (1 - SPEED_SPREAD, 1 + SPEED_SPREAD):
+        dep = sim_deployment(cfg, warmup_s=warmup_s, **{**mirror, "step_scale": mirror["step_scale"] * f})
+        r = run_sim(dep, sim_wl, num_warmup)
+        out[f"x{f:g}"] = {
+            m: {k: v[k] for k in ("activations", "ttft_p50_s", "ttft_p95_s")} for m, v in r["models"].items()
+        }
+    return out
+
+
+def bistable_models(speeds: dict[str, dict], sim: dict) -> list[str]:
+    """Models whose activations at another speed differ from the simulation's by more than BISTABLE."""
+    out = []
+    for m, v in sim["models"].items():
+        base = v["activations"]
+        if any(abs(s[m]["activations"] - base) > BISTABLE * max(base, 1) for s in speeds.values()):
+            out.append(m)
+    return out
+
+
+def format_sensitivity(speeds: dict[str, dict], sim: dict, live_runs: list[dict]) -> str:
+    labels = [*speeds][:1] + ["x1"] + [*speeds][1:]
+    rows = {**speeds, "x1": {m: v for m, v in sim["models"].items()}}
+    lines = [
+        f"speed sensitivity (the simulation with every step {' / '.join(labels)} as long): activations, "
+        "TTFT p50 / p95 ms per model" + ("; live runs' activations" if live_runs else "")
+    ]
+    for m in sim["models"]:
+        acts = " / ".join(str(rows[k][m]["activations"]) for k in labels)
+        p50 = " / ".join(_fmt("ttft_p50_s", rows[k][m]["ttft_p50_s"]) for k in labels)
+        p95 = " / ".join(_fmt("ttft_p95_s", rows[k][m]["ttft_p95_s"]) for k in labels)
+        live = " / ".join(str(r["models"][m]["activations"]) for r in live_runs if m in r["models"])
+        lines.append(f"  {m:<14} {acts:>14}   p50 {p50:>20}   p95 {p95:>20}" + (f"   live {live}" if live else ""))
+    flip = [m for m in bistable_models(speeds, sim) if m != "(all)"]
+    if flip:
+        lines.append(
+            f"  BISTABLE: {', '.join(flip)}: {SPEED_SPREAD:.0%} of step speed changes the activations by "
+            f"more than {BISTABLE:.0%}; a live run may follow either path, so compare it with the "
+            "simulation at the speed whose activations it matches"
+        )
     return "\n".join(lines)
 
 
@@ -468,6 +520,7 @@ def main() -> None:
         sims[label] = run_sim(dep, sim_wl, len(warm))
         rows[label] = compare([r["models"] for r in live_runs], sims[label]["models"])
     sim = sims["sim"]
+    speeds = sensitivity(cfg, sim_wl, len(warm), warmup_s, mirror)
 
     print()
     print(format_comparison(rows, len(live_runs)))
@@ -480,13 +533,14 @@ def main() -> None:
             )
     for when in ("placement_after_warmup", "placement_at_end"):
         print(f"{when}: live {live_runs[0][when] if live_runs else '-'}, sim {sim[when]}")
+    print(format_sensitivity(speeds, sim, live_runs))
     loads = [r["other_load_cores"] for r in live_runs]
     if loads and max(loads) > OTHER_LOAD_WARN:
         print(
             f"WARNING: other processes kept {max(loads):.2f} cores busy during a live run (of "
             f"{machine['cores']}): the live numbers are distorted, run again on a quiet machine"
         )
-    print("simulated: cpu-smollm2 profile (fitted on this machine); differences the mirror cannot remove:")
+    print(f"simulated: the {args.hardware} profile; differences the mirror cannot remove:")
     for d in KNOWN_DIFFERENCES:
         print(f"  - {d}")
     result = {
@@ -505,6 +559,7 @@ def main() -> None:
         "comparison": rows if live_runs else None,
         "within_target": {k: target_summary(r) for k, r in rows.items()} if live_runs else None,
         "sim": sims,
+        "speed_sensitivity": speeds,
         "live": live_runs,
     }
     (args.out / "result.json").write_text(json.dumps(result, indent=1, default=str) + "\n")

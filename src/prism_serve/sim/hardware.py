@@ -189,12 +189,15 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
             # The same engine, model and fit on a host of the same VM type with AVX-512 and native
             # bf16 (2026-11-26): fp32 steps there take 0.69x the AVX2 host's CPU time. Fitted like
             # cpu-smollm2 (two live training runs + 26 measured points, `fit_cpu_profile.py --trace
-            # ... --points ... --write`); memory, activation and compute sharing kept from it.
+            # ... --points ... --write`); memory and compute sharing kept from it. Activation: the
+            # copy at 16 GB/s (benchmarks/activation.py: 22-35 ms for SmolLM2's 0.50 GiB into spare
+            # pages) plus 9 ms, the mean of 140 live activations in the qlm and heavy-prism runs
+            # (decision to ready, 42.9 ms; pooled workers prepared, spare pages made at nice 19)
             HardwareProfile(
                 "cpu-smollm2-avx512bf16",
                 peak_flops=9.256e10,
                 mem_bandwidth=1.811e10,
-                host_bandwidth=7.0 * GB,
+                host_bandwidth=16.0 * GB,
                 link_bandwidth=2.0 * GB,
                 memory_bytes=8 * GIB,
                 usable_fraction=1.0,
@@ -202,7 +205,7 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 mem_efficiency=1.0,
                 host_efficiency=1.0,
                 step_overhead_s=1.253e-2,
-                activation_overhead_s=0.01,
+                activation_overhead_s=9e-3,
                 overlap=False,
                 attn_flops=8.750e10,
                 kv_bandwidth=6.432e9,
