@@ -234,8 +234,8 @@ def test_the_speed_sensitivity_flags_a_model_whose_path_flips(svl):
         return {"activations": acts, "ttft_p50_s": 0.4, "ttft_p95_s": p95}
 
     sim = {"models": {"a": stats(3, 0.45), "b": stats(15, 1.5), "(all)": stats(18, 1.4)}}
-    speeds = {"x0.96": {"a": stats(12, 1.7), "b": stats(16, 1.4), "(all)": stats(28, 1.6)},
-              "x1.04": {"a": stats(3, 0.46), "b": stats(15, 1.6), "(all)": stats(18, 1.5)}}  # fmt: skip
+    speeds = {"x0.92": {"a": stats(12, 1.7), "b": stats(16, 1.4), "(all)": stats(28, 1.6)},
+              "x1.08": {"a": stats(3, 0.46), "b": stats(15, 1.6), "(all)": stats(18, 1.5)}}  # fmt: skip
     assert svl.bistable_models(speeds, sim) == ["a", "(all)"]  # b: 16 vs 15 is within a quarter
     live = [{"models": {"a": {"activations": 12}, "b": {"activations": 18}}}]
     text = svl.format_sensitivity(speeds, sim, live)
