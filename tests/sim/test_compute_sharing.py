@@ -89,3 +89,36 @@ def test_step_scale_in_the_config_slows_the_run():
     (r,) = simulate(ms, w, loose(ms, ttft=100.0), SimConfig(num_devices=1, policy="static-partition",
                                                          step_scale=2.0)).requests  # fmt: skip
     assert r.ttft == pytest.approx(2 * t, rel=1e-9)
+
+
+def test_on_a_cpu_device_an_activations_copy_shares_the_core_with_the_engines_there(tmp_path):
+    """cpu-smollm2 (activation_threads 4): b's weight copy runs on the core where a decodes, as 4
+    threads beside a's one. While it runs, a steps share(1 + 4) times slower, and the copy takes
+    T * (1 + 4) / 4 (T: the activation alone), so a loses T * 5/4 * (1 - 1 / share(5)) of progress
+    and b's first token comes T / 4 later. With 0 threads (the GPU profiles' DMA copy) the
+    activation leaves a alone."""
+    import dataclasses
+
+    from prism_serve.sim import RooflineCostModel
+    from prism_serve.sim.hardware import dump_hardware
+    from prism_serve.sim.models import ServedModel, model_shape
+
+    hw = HARDWARE["cpu-smollm2"]
+    assert hw.activation_threads == 4 and HARDWARE["h100"].activation_threads == 0
+    dma = tmp_path / "dma.json"
+    dump_hardware(dataclasses.replace(hw, name="cpu-dma", activation_threads=0), dma)
+    ms = [ServedModel(n, model_shape("smollm2-135m", 4)) for n in ("a", "b")]  # fp32, as fitted
+    w = Workload(np.array([0.0, 1.0]), np.array([0, 1]), np.array([64, 64]), np.array([400, 2]), ["a", "b"])
+
+    def run(hardware: str):
+        cfg = SimConfig(num_devices=1, hardware=hardware, policy="prism", knobs=(("prewarm", False),),
+                        warmup_s=0.0)  # fmt: skip
+        return {r.model: r for r in simulate(ms, w, loose(ms, ttft=100.0, tpot=100.0), cfg).requests}
+
+    shared, apart = run("cpu-smollm2"), run(str(dma))
+    t = RooflineCostModel(hw).activation_time(ms[1].spec, 1)
+    copy = t * 5 / 4
+    assert apart["a"].finish > 2.0 and apart["a"].first_token < 1.0  # a decodes through b's activation
+    lost = copy * (1 - 1 / hw.share_slowdown(5))
+    assert shared["a"].finish - apart["a"].finish == pytest.approx(lost, rel=1e-6)
+    assert shared["b"].first_token - apart["b"].first_token == pytest.approx(copy - t, rel=1e-6)

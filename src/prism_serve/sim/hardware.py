@@ -74,6 +74,12 @@ class HardwareProfile:
     # the controller-worker hop, SSE framing), added to each simulated first token and finish; the
     # fitted CPU profiles measure it (sim_vs_live.py prints it for each live run), the GPU ones leave it 0
     request_overhead_s: float = 0.0
+    # Threads that copy an activation's weights on the device's own compute (CPU devices: the
+    # worker's loader threads, runtime load_threads, 4, on the device's cores). Each takes a busy
+    # engine's share of the device while the copy runs (the OS schedules threads, not processes), so
+    # the engines there slow down and the copy takes (busy engines + k) / k times its time alone.
+    # 0: the copy leaves the device's compute to the engines (a GPU's copy is DMA over the host link).
+    activation_threads: int = 0
     synthetic: bool = True  # constants from datasheets and assumptions, not measured here
 
     def __post_init__(self) -> None:
@@ -184,6 +190,7 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 # live TTFT minus the request's own prefill step wall, requests whose prefill ran
                 # alone: median 7.9 ms (p90 14 ms) on that host's light runs (docs/evaluation.md)
                 request_overhead_s=7.9e-3,
+                activation_threads=4,  # the runtime's load_threads
                 synthetic=False,
             ),
             # The same engine, model and fit on a host of the same VM type with AVX-512 and native
@@ -215,6 +222,7 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 share_interference=0.053,
                 # the same measure on this host's light training run: median 6.3 ms (p90 9.6 ms)
                 request_overhead_s=6.3e-3,
+                activation_threads=4,  # the runtime's load_threads
                 synthetic=False,
             ),
         )

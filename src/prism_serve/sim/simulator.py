@@ -65,6 +65,7 @@ class _Model:
     engine: SimEngine | None = None
     activation_version: int = 0
     pending: bool = False  # activation waiting for memory
+    copying: int = 0  # busy units its activation's copy holds on its devices (activation_threads)
     num_queued: int = 0  # in a device queue or deferred
     num_running: int = 0  # dispatched to its engine
     quota: dict[str, int | None] = field(default_factory=dict)
@@ -298,6 +299,7 @@ class Simulator:
         m = self.models[model]
         if m.activation_version != version or m.state is not ModelState.ACTIVATING:
             return
+        self._copy_done(m, now)
         devices = [self.devices[d] for d in m.placement]
         quota = m.quota.get(m.placement[0])
         c = self.config
@@ -381,17 +383,27 @@ class Simulator:
         if self._share is None or e.busy == e.shared:
             return
         e.shared = e.busy
-        delta = 1 if e.busy else -1
-        for d in e.devices:
-            self.num_busy[d.name] += delta
-        for d in e.devices:
-            for name in self.on_device[d.name]:
+        self._device_busy([d.name for d in e.devices], 1 if e.busy else -1, now, e)
+
+    def _device_busy(self, devices, delta: int, now: float, joined: SimEngine | None = None) -> None:
+        """``delta`` more busy sharers on ``devices``: every busy engine there other than ``joined``
+        goes on at the new speed."""
+        for d in devices:
+            self.num_busy[d] += delta
+        for d in devices:
+            for name in self.on_device[d]:
                 other = self.models[name].engine
-                if other is None or other is e or not other.busy:
+                if other is None or other is joined or not other.busy:
                     continue
                 end = other.rescale(now, self._slowdown(other))
                 if end is not None:
                     self.events.push(end, StepDone(other.name, other.version))
+
+    def _copy_done(self, m: _Model, now: float) -> None:
+        """An activation's copy that counted as busy on its devices ended (done or cancelled)."""
+        if m.copying:
+            self._device_busy(m.placement, -m.copying, now)
+            m.copying = 0
 
     def activate(self, model: str, devices: tuple[str, ...], now: float) -> None:
         m = self.models[model]
@@ -422,10 +434,15 @@ class Simulator:
                     d.claim(key, 0)
                     d.map_weights(model, part)
                 m.pending = False
-                self.events.push(
-                    now + self.cost.activation_time(m.served.spec, m.served.tp_size),
-                    ActivationDone(model, m.activation_version),
-                )
+                took = self.cost.activation_time(m.served.spec, m.served.tp_size)
+                k = self.hw.activation_threads
+                if self._share is not None and k:
+                    # the copy's k threads share the cores with the engines stepping there (for
+                    # as long as the count at its start says: it is short), and they with it
+                    took *= (max(self.num_busy[d] for d in m.placement) + k) / k
+                    m.copying = k
+                    self._device_busy(m.placement, k, now)
+                self.events.push(now + took, ActivationDone(model, m.activation_version))
             else:
                 for d in devs:
                     d.claim(key, part)
@@ -450,6 +467,7 @@ class Simulator:
             d.touch()
         if model in self.pending_activations:
             self.pending_activations.remove(model)
+        self._copy_done(m, now)
         m.engine = None
         m.state = ModelState.EVICTED
         m.placement = ()
