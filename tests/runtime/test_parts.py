@@ -182,3 +182,27 @@ def test_files_of_dead_controllers_are_removed(tmp_path: Path) -> None:
     mine.write_bytes(b"x")
     with HostWeightCache(namespace="unit", directory=tmp_path):
         assert not stale.exists() and mine.exists()
+
+
+def test_a_cache_file_is_prefaulted_piece_by_piece_and_reads_the_same(cache: HostWeightCache) -> None:
+    """A pooled worker maps a cache file without populating it and pre-faults it one piece per poll
+    (Prepare); the bytes it reads are the file's either way."""
+    from prism_serve.runtime.weight_cache import PREFAULT_CHUNK_BYTES
+
+    a = cache.load(ModelSpec("a", source="random:smollm2-135m", seed=1, dtype="float32"))
+    whole = SharedWeights(a.path, a.weight_bytes)
+    lazy = SharedWeights(a.path, a.weight_bytes, populate=False)
+    try:
+        assert whole.complete and not lazy.complete and lazy.faulted == 0
+        piece = 64 * 4096
+        steps = 0
+        while not lazy.prefault(piece):
+            steps += 1
+            assert lazy.faulted == steps * piece
+        assert lazy.faulted == a.weight_bytes and steps == -(-a.weight_bytes // piece) - 1
+        assert lazy.prefault(piece) and lazy.faulted == a.weight_bytes  # done stays done
+        assert torch.equal(lazy.bytes, whole.bytes)
+        assert PREFAULT_CHUNK_BYTES % 4096 == 0  # every piece starts on a page
+    finally:
+        whole.close()
+        lazy.close()

@@ -43,6 +43,10 @@ ALIGN = 4096
 # 49k-token BPE tokenizer is 2.1 MB and ~15 MB parsed); the cache files are mapped whatever their size
 # (a mapping costs page tables only, ~0.2% of the file).
 PREPARE_TOKENIZER_BYTES = 64 * 2**20
+# A pooled worker pre-faults a cache file this much between two polls of its socket (~35 ms here),
+# so an activation that arrives meanwhile waits for one piece, not a whole 16 GB file.
+PREFAULT_CHUNK_BYTES = 256 * 2**20
+_MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range's page tables in now (mmap lacks the name)
 _FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json)?$")
 
 
@@ -272,18 +276,37 @@ def _alive(pid: int) -> bool:
 
 
 class SharedWeights:
-    """A worker's read-only view of one cache file, pre-faulted so copies run at memory speed."""
+    """A worker's read-only view of one cache file, pre-faulted so copies run at memory speed:
+    at once (``populate``), or piece by piece with ``prefault`` (a pooled worker between polls)."""
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, populate: bool = True) -> None:
         fd = os.open(path, os.O_RDONLY)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         try:
-            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+            self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         with warnings.catch_warnings():  # torch warns about read-only buffers; we never write to it
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.path, self.size = path, size
+        self.faulted = size if populate else 0  # bytes from the start whose page tables are built
+
+    @property
+    def complete(self) -> bool:
+        return self.faulted >= self.size
+
+    def prefault(self, num_bytes: int) -> bool:
+        """Build the page tables of the next ``num_bytes`` (from where the last call stopped; a
+        multiple of 4 KiB keeps every call page-aligned); True once the whole file is done."""
+        start, end = self.faulted, min(self.size, self.faulted + num_bytes)
+        if end > start:
+            try:
+                self._mm.madvise(_MADV_POPULATE_READ, start, end - start)
+            except (OSError, ValueError):  # before Linux 5.14: read one byte of every page
+                self.bytes[start:end:mmap.PAGESIZE].sum()
+            self.faulted = end
+        return self.complete
 
     def close(self) -> None:
         self.bytes = None  # type: ignore[assignment]

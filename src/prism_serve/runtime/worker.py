@@ -2,8 +2,9 @@
 
 At start-up it pins itself to its device's cores, imports torch, connects to the controller and
 reserves two virtual ranges (weights, KV) of the device's size; then it holds no model and waits.
-While it waits it works through the controller's ``Prepare``: it maps the host cache files and parses
-the tokenizers, one item between two polls of its socket, so that an activation finds them open.
+While it waits it works through the controller's ``Prepare``: it maps the host cache files (pre-faulted
+in pieces of ``PREFAULT_CHUNK_BYTES``) and parses the tokenizers, one piece between two polls of its
+socket, so that an activation finds them open.
 ``ActivateModel`` maps the weight pages (granted by the device ledger), copies the weights from the
 host cache in parallel chunks, builds the model over views of those pages, lays a KV pool out in the
 reserved KV range, and serves. ``EvictModel`` unmaps every page of the model (weights and KV) and
@@ -47,7 +48,7 @@ from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, reserve
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceSpec, parse_cores, pin_process
 from prism_serve.runtime.loading import map_weight_pages, parallel_copy, tensor_views, unmap_weight_pages
-from prism_serve.runtime.weight_cache import SharedWeights, config_from_dict
+from prism_serve.runtime.weight_cache import PREFAULT_CHUNK_BYTES, SharedWeights, config_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -183,20 +184,27 @@ class Worker:
         start = time.monotonic()
         try:
             if isinstance(item, msg.CacheFile):
-                self._shared(item.path, item.size)
+                shared = self.shared.get(item.path)
+                if shared is None:
+                    shared = self.shared[item.path] = SharedWeights(item.path, item.size, populate=False)
+                if not shared.prefault(PREFAULT_CHUNK_BYTES):
+                    self.to_prepare.appendleft(item)  # the rest of it after the next poll
             else:
                 self._tokenizer(item)
         except Exception as e:  # a file dropped meanwhile: the activation that needs it says so
             logger.warning("preparing %s failed: %s", item, e)
         self.prepare_s += time.monotonic() - start
         if not self.to_prepare:
-            self._send(msg.Prepared(sorted(self.shared), sorted(self.tokenizers), self.prepare_s))
+            files = sorted(path for path, f in self.shared.items() if f.complete)
+            self._send(msg.Prepared(files, sorted(self.tokenizers), self.prepare_s))
 
     def _shared(self, path: str, size: int) -> SharedWeights:
-        """A host cache file mapped and pre-faulted, once per worker."""
+        """A host cache file mapped and pre-faulted, once per worker (what Prepare left undone
+        of it, now)."""
         shared = self.shared.get(path)
         if shared is None:
             shared = self.shared[path] = SharedWeights(path, size)
+        shared.prefault(shared.size)
         return shared
 
     def _tokenizer(self, path: str) -> Tokenizer:
@@ -285,7 +293,8 @@ class Worker:
         weight_account = self.ledger.account(f"{m.model} weights")
         kv_account = self.ledger.account(f"{m.model} kv", m.kv_limit_bytes)
         num_pages = 0
-        prepared = m.cache_path in self.shared and m.tokenizer_path in self.tokenizers
+        open_file = self.shared.get(m.cache_path)
+        prepared = open_file is not None and open_file.complete and m.tokenizer_path in self.tokenizers
         try:
             shared = self._shared(m.cache_path, m.weight_bytes)
             num_pages, reused = map_weight_pages(
