@@ -121,9 +121,9 @@ class CacheFile(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Prepare(Message):
-    """What an idle worker opens ahead of any activation, in this order, one item at a time between
-    messages: the host cache files (mapped and pre-faulted) and the tokenizers (parsed). An
-    activation then starts with the copy; without this, a fresh worker's first one also pays those."""
+    """What an idle worker opens ahead of any activation, in this order, one piece at a time between
+    messages: the host cache files (mapped, then pre-faulted in pieces) and the tokenizers (parsed).
+    An activation then starts with the copy; without this, a fresh worker's first one also pays those."""
 
     files: list[CacheFile]
     tokenizers: list[str]

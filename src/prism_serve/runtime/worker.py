@@ -127,11 +127,10 @@ class Worker:
                 engine = self.active.engine if self.active else None
                 busy = engine is not None and engine.has_unfinished_requests()
                 timeout = (_STALLED_POLL_MS if engine.stalled else 0) if busy else _IDLE_POLL_MS
-                if self.to_prepare and self.active is None:
-                    timeout = 0
-                if self.sock.poll(timeout):
+                preparing = bool(self.to_prepare) and self.active is None
+                if self.sock.poll(0 if preparing else timeout):
                     self._drain()
-                elif self.to_prepare and self.active is None:
+                elif preparing:
                     self._prepare_one()
                 if self.active is not None and self.active.engine.has_unfinished_requests():
                     self._step(self.active)
@@ -184,10 +183,7 @@ class Worker:
         start = time.monotonic()
         try:
             if isinstance(item, msg.CacheFile):
-                shared = self.shared.get(item.path)
-                if shared is None:
-                    shared = self.shared[item.path] = SharedWeights(item.path, item.size, populate=False)
-                if not shared.prefault(PREFAULT_CHUNK_BYTES):
+                if not self._shared(item.path, item.size, populate=False).prefault(PREFAULT_CHUNK_BYTES):
                     self.to_prepare.appendleft(item)  # the rest of it after the next poll
             else:
                 self._tokenizer(item)
@@ -198,13 +194,12 @@ class Worker:
             files = sorted(path for path, f in self.shared.items() if f.complete)
             self._send(msg.Prepared(files, sorted(self.tokenizers), self.prepare_s))
 
-    def _shared(self, path: str, size: int) -> SharedWeights:
-        """A host cache file mapped and pre-faulted, once per worker (what Prepare left undone
-        of it, now)."""
+    def _shared(self, path: str, size: int, populate: bool = True) -> SharedWeights:
+        """A host cache file mapped once per worker (pre-faulted at once with ``populate``, else
+        by ``prefault``)."""
         shared = self.shared.get(path)
         if shared is None:
-            shared = self.shared[path] = SharedWeights(path, size)
-        shared.prefault(shared.size)
+            shared = self.shared[path] = SharedWeights(path, size, populate)
         return shared
 
     def _tokenizer(self, path: str) -> Tokenizer:
@@ -297,6 +292,7 @@ class Worker:
         prepared = open_file is not None and open_file.complete and m.tokenizer_path in self.tokenizers
         try:
             shared = self._shared(m.cache_path, m.weight_bytes)
+            shared.prefault(shared.size)  # what a Prepare left undone of it
             num_pages, reused = map_weight_pages(
                 self.weight_range, weight_account, m.weight_bytes, self.loader, self.spare
             )
