@@ -97,9 +97,10 @@ KNOWN_DIFFERENCES = (
     "activations and this client also take CPU from the devices' cores, which the simulator does not "
     "count (the 'sim, no sharing' column is the simulator with compute_sharing=False)",
     "activation cost: simulated from the profile's activation constants (activation_overhead_s + "
-    "weights at host_bandwidth: a copy into spare pages) and free for the device's core; live it is a "
-    "copy (pages created only when no spare ones are left; the next activation's spare pages are made "
-    "at nice 19) in the worker, on the device's core, while the colocated engine runs",
+    "weights at host_bandwidth: a copy into spare pages), the copy counting as activation_threads busy "
+    "engines on the device's core while it runs (processor sharing by thread); live it is a copy (pages "
+    "created only when no spare ones are left; the next activation's spare pages are made at nice 19) "
+    "by the worker's loader threads, on the device's core, while the colocated engine runs",
     "worker processes: live, the pool starts a spare engine process when a device's last idle one is "
     "taken (seconds of CPU on that core); the presets start 3 per device (at most 2 models fit on one) "
     "so that none is started during the replay",
