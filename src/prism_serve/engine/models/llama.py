@@ -9,6 +9,7 @@ then cast), which the tests check logit by logit.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 
 import torch
@@ -20,11 +21,33 @@ from prism_serve.engine.models.config import ArchConfig, RopeScaling, parameter_
 from prism_serve.errors import CorruptWeightsError
 
 
+def _onednn_linear():
+    """torch's oneDNN linear (``mkldnn._linear_pointwise``, the kernel torch's own compiler emits for
+    CPU linears) where this torch build has it, else None. fp32 matmuls go through it unless
+    ``PRISM_CPU_GEMM=blas``: the BLAS path (``x @ W``, MKL) runs AVX2 kernels on AMD CPUs, and on an
+    AVX-512 EPYC oneDNN was 1.4-3x faster at 8-256 rows and as fast at one row
+    (docs/benchmarks.md, "oneDNN for fp32 matmuls"). The results differ from BLAS only in
+    summation order (about 1e-4 absolute on this model's activations)."""
+    choice = os.environ.get("PRISM_CPU_GEMM", "auto")
+    if choice not in ("auto", "onednn", "blas"):
+        raise ValueError(f"PRISM_CPU_GEMM must be auto, onednn or blas, got {choice!r}")
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if choice == "blas" or not torch.backends.mkldnn.is_available() or op is None:
+        if choice == "onednn":
+            raise RuntimeError("PRISM_CPU_GEMM=onednn, but this torch build has no oneDNN linear")
+        return None
+    return op
+
+
+_ONEDNN_LINEAR = _onednn_linear()
+
+
 class Linear:
-    """y = x W^T + b. In fp32 the weight is stored transposed ([in, out]): with torch's CPU
+    """y = x W^T + b. In fp32 the weight is stored transposed ([in, out]): with torch's BLAS
     kernels a one-row matmul against that layout is up to 2x faster for wide outputs (the
-    49152-row lm_head: 4.8 vs 9.7 ms) and about equal at 8+ rows. Single-stream decode is one
-    row at a time. bf16 keeps the usual [out, in] layout, where F.linear is the faster kernel."""
+    49152-row lm_head: 4.8 vs 9.7 ms) and about equal at 8+ rows, and oneDNN reads the same
+    buffer through a transposed view at its full speed. bf16 keeps the usual [out, in] layout,
+    where F.linear (oneDNN already) is the faster kernel."""
 
     __slots__ = ("bias", "transposed", "weight")
 
@@ -44,6 +67,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.transposed:
             return F.linear(x, self.weight, self.bias)
+        if _ONEDNN_LINEAR is not None and x.dtype == torch.float32 and not x.requires_grad:
+            return _ONEDNN_LINEAR(x, self.weight.t(), self.bias, "none", [], "")
         if self.bias is None:
             return x @ self.weight
         return torch.addmm(self.bias, x, self.weight)
