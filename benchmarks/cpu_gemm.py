@@ -55,6 +55,17 @@ def main() -> None:
             print(f"| {name} {k}x{n} | {m} | {blas * 1e6:.0f} us | {view * 1e6:.0f} us "
                   f"| {plain * 1e6:.0f} us "
                   f"| {pre * 1e6:.0f} us | {blas / view:.2f}x | {diff:.1e} |")  # fmt: skip
+    # what one step's weight pass streams at on a one-core device (fit_cpu_profile.py --mem-bandwidth):
+    # one thread, 1-4 rows through a weight far larger than the caches, as a decode step reads its model
+    torch.set_num_threads(1)
+    k, n = SHAPES["lm_head"]
+    wt = torch.randn(8 * n, k).t().contiguous()  # 906 MB
+    for m in (1, 4):
+        x = torch.randn(m, k)
+        common.wait_quiet(10, 0.3)
+        t = timed(lambda: lp(x, wt.t(), None, "none", [], ""), 1.0)  # noqa: B023
+        print(f"one thread, oneDNN, {m} row(s) x {wt.numel() * 4 / 1e6:.0f} MB of fp32 weights: "
+              f"{t * 1e3:.1f} ms, {wt.numel() * 4 / t / 1e9:.1f} GB/s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -81,8 +81,9 @@ class Bench:
         from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
 
         # the live runtime's per-model defaults (max_num_batched_tokens 512); room for 32 x 2048
-        config = EngineConfig(model=model, dtype=dtype, max_num_seqs=64, kv_cache_bytes=4 << 30,
-                              max_model_len=None)  # contexts up to 4096 (the default caps at 2048)
+        config = EngineConfig(
+            model=model, dtype=dtype, max_num_seqs=64, kv_cache_bytes=4 << 30, max_model_len=None
+        )  # contexts up to 4096 (the default caps at 2048)
         self.engine = LLMEngine(config)
         self.rng = np.random.default_rng(0)
         self.reps = reps
@@ -322,18 +323,37 @@ def predict(cm, spec, batch: list) -> float:
 
 
 def best_fit(
-    spec, batches: list, y: np.ndarray, train: np.ndarray, base, weights: np.ndarray | None = None
+    spec,
+    batches: list,
+    y: np.ndarray,
+    train: np.ndarray,
+    base,
+    weights: np.ndarray | None = None,
+    mem_bandwidth: float | None = None,
 ) -> tuple[float, np.ndarray, np.ndarray]:
     """(small-batch crossover, coefficients, predictions of every step) of the fit with the lowest
-    mean (weighted) relative error on the training steps, the crossover chosen by grid search."""
+    mean (weighted) relative error on the training steps, the crossover chosen by grid search.
+
+    ``mem_bandwidth`` fixes the weight pass instead of fitting it: every step reads the weights once
+    at that rate, whatever its rows (crossover 0.5, so no small-batch regime). Steps of one model
+    cannot tell a per-step constant from its weight pass (both are the same seconds in every step),
+    and a fit of them may put the whole pass into ``step_overhead_s``, which then prices a model of
+    another size as if it had SmolLM2-135M's weights."""
     from prism_serve.sim.cost import RooflineCostModel
 
     w = np.sqrt(np.ones(len(y)) if weights is None else weights)[train]
     best = None
-    for crossover in np.arange(1.5, 12.6, 1.0):
+    grid = [0.5] if mem_bandwidth else np.arange(1.5, 12.6, 1.0)
+    for crossover in grid:
         x = np.array([features(spec, b, crossover) for b in batches])
         # relative error: a 40 ms decode step matters as much as a 3 s prefill
-        coef = nnls(x[train] / y[train, None] * w[:, None], w)
+        if mem_bandwidth:
+            fixed = x[:, 1] / mem_bandwidth
+            free = [0, 2, 3, 4, 5, 6]
+            sub = nnls(x[train][:, free] / y[train, None] * w[:, None], (1 - fixed[train] / y[train]) * w)
+            coef = np.insert(sub, 1, 1 / mem_bandwidth)
+        else:
+            coef = nnls(x[train] / y[train, None] * w[:, None], w)
         cm = RooflineCostModel(profile_from(coef, base))
         pred = np.array([predict(cm, spec, b) for b in batches])
         err = np.average(np.abs(pred[train] / y[train] - 1), weights=w**2)
@@ -353,7 +373,8 @@ def print_constants(hw) -> None:
         "attn_flops",
         "kv_bandwidth",
     ):
-        print(f"  {name}={getattr(hw, name):.3e},")
+        value = getattr(hw, name)
+        print(f"  {name}={value:.3e}," if value is not None else f"  {name}=None,")
 
 
 def step_kind(batch: list) -> str:
@@ -371,6 +392,7 @@ def fit_trace(
     base,
     compare,
     balance_kinds: bool = True,
+    mem_bandwidth: float | None = None,
 ):
     """Fit the profile to live steps (``PRISM_STEP_TRACE`` of a ``prism serve`` run): each step's
     CPU seconds is its cost alone on its one core. Held out: the steps of ``held_dirs``, or else a
@@ -411,14 +433,14 @@ def fit_trace(
         p_held = np.array([p["held_out"] for p in pts])
         batches += [[tuple(b) for b in p["batch"]] for p in pts]
         y = np.concatenate([y, [min(p["times"]) for p in pts]])
-        wall = np.concatenate([wall, y[len(steps):]])
+        wall = np.concatenate([wall, y[len(steps) :]])
         share = points_weight / (1.0 - points_weight)  # the points' total weight over the steps'
         per_point = share * (~held).sum() / max(1, (~p_held).sum())
         weights = np.concatenate([weights, np.full(len(pts), per_point)])
         held = np.concatenate([held, p_held])
         source = np.concatenate([source, np.array(["points"] * len(pts), dtype=object)])
         print(f"with {len(pts)} measured points from {points} ({int((~p_held).sum())} training)")
-    crossover, coef, pred = best_fit(spec, batches, y, ~held, base, weights)
+    crossover, coef, pred = best_fit(spec, batches, y, ~held, base, weights, mem_bandwidth)
     hw = profile_from(coef, base)
     print(machine_info()["line"])
     print(
@@ -461,7 +483,7 @@ def fit_trace(
     return hw
 
 
-def fit(raw: dict, quantile: float, base, compare):
+def fit(raw: dict, quantile: float, base, compare, mem_bandwidth: float | None = None):
     """Fit the measured points; ``base`` and ``compare`` as in ``fit_trace``. Returns the profile."""
     from prism_serve.sim.cost import RooflineCostModel
     from prism_serve.sim.models import model_shape
@@ -470,7 +492,7 @@ def fit(raw: dict, quantile: float, base, compare):
     pts = raw["points"]
     y = np.array([np.quantile(p["times"], quantile) for p in pts])
     train = np.array([not p["held_out"] for p in pts])
-    crossover, coef, pred = best_fit(spec, [p["batch"] for p in pts], y, train, base)
+    crossover, coef, pred = best_fit(spec, [p["batch"] for p in pts], y, train, base, None, mem_bandwidth)
     hw = profile_from(coef, base)
     cm = RooflineCostModel(hw)
     print(
@@ -541,6 +563,11 @@ def main() -> None:
                     "sim_mirror.py picks for this machine)")  # fmt: skip
     ap.add_argument("--name", help="the fitted profile's name (default: cpu-smollm2-<vector class>)")
     ap.add_argument(
+        "--mem-bandwidth", type=float, metavar="BYTES_PER_S",
+        help="fix the weight pass at this rate (one read of the weights per step) instead of fitting it; "
+        "benchmarks/cpu_gemm.py prints one thread's rate through a weight larger than the caches",
+    )  # fmt: skip
+    ap.add_argument(
         "--write", type=Path, metavar="FILE.json",
         help="save the fitted profile; `prism sim --hardware FILE.json` and the --hardware option of "
         "sim_vs_live.py and live_eval.py use it",
@@ -554,7 +581,7 @@ def main() -> None:
     if args.trace:
         hw = fit_trace(
             args.trace, args.held_out, args.held_share, args.points, args.points_weight, base, compare,
-            not args.by_step,
+            not args.by_step, args.mem_bandwidth,
         )  # fmt: skip
     else:
         if args.reuse:
@@ -568,7 +595,7 @@ def main() -> None:
             args.raw.parent.mkdir(parents=True, exist_ok=True)
             args.raw.write_text(json.dumps(raw))
             print(f"measurements saved to {args.raw}")
-        hw = fit(raw, args.quantile, base, compare)
+        hw = fit(raw, args.quantile, base, compare, args.mem_bandwidth)
     if args.write:
         dump_hardware(hw, args.write)
         print(f"profile {hw.name} written to {args.write} (prism sim --hardware {args.write})")
