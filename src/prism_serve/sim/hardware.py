@@ -158,6 +158,8 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
             HardwareProfile("a100", 312e12, 2.039e12, 32 * GB, 300 * GB, 80 * GIB),
             # Fitted (see above). "Bandwidth" and "FLOP/s" are effective rates of one core, so the
             # efficiencies are 1; the summed form adds the terms (one thread does one thing at a time).
+            # Fitted on the engine before its fp32 linears moved to oneDNN (c5a0890): on an AVX2
+            # host that change is not measured, so refit there (fit_cpu_profile.py).
             HardwareProfile(
                 "cpu-smollm2",
                 peak_flops=6.73e10,  # packed GEMMs (4+ rows)
@@ -193,17 +195,23 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 activation_threads=4,  # the runtime's load_threads
                 synthetic=False,
             ),
-            # The same engine, model and fit on a host of the same VM type with AVX-512 and native
-            # bf16 (2026-11-26): fp32 steps there take 0.69x the AVX2 host's CPU time. Fitted like
-            # cpu-smollm2 (two live training runs + 26 measured points, `fit_cpu_profile.py --trace
-            # ... --points ... --write`); memory and compute sharing kept from it. Activation: the
+            # The same engine and model on a host of the same VM type with AVX-512 and native bf16,
+            # refitted 2026-11-26 after the engine's fp32 linears moved to oneDNN (c5a0890; prefill
+            # steps 1.8x faster, decode steps about the same): two live training runs + 26
+            # measured points (`fit_cpu_profile.py --trace ... --points ... --mem-bandwidth 1.95e10
+            # --write`). Steps of one model cannot separate a per-step constant from the weight
+            # pass, so the pass is fixed at one thread's oneDNN rate through weights larger than
+            # the caches (19.5 GB/s, benchmarks/cpu_gemm.py), and the fit leaves no constant
+            # beside it. Held-out live steps: mean |error| 6.8%, sum -3.8%. The fit before
+            # (MKL kernels): peak_flops 9.256e10, mem_bandwidth 1.811e10, step_overhead_s 1.253e-2,
+            # attn_flops 8.750e10, kv_bandwidth 6.432e9, row_bandwidth 3.222e10. Activation: the
             # copy at 16 GB/s (benchmarks/activation.py: 22-35 ms for SmolLM2's 0.50 GiB into spare
             # pages) plus 9 ms, the mean of 140 live activations in the qlm and heavy-prism runs
             # (decision to ready, 42.9 ms; pooled workers prepared, spare pages made at nice 19)
             HardwareProfile(
                 "cpu-smollm2-avx512bf16",
-                peak_flops=9.256e10,
-                mem_bandwidth=1.811e10,
+                peak_flops=1.908e11,
+                mem_bandwidth=1.95e10,
                 host_bandwidth=16.0 * GB,
                 link_bandwidth=2.0 * GB,
                 memory_bytes=8 * GIB,
@@ -211,17 +219,21 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 flops_efficiency=1.0,
                 mem_efficiency=1.0,
                 host_efficiency=1.0,
-                step_overhead_s=1.253e-2,
+                step_overhead_s=0.0,
                 activation_overhead_s=9e-3,
                 overlap=False,
-                attn_flops=8.750e10,
-                kv_bandwidth=6.432e9,
-                row_bandwidth=3.222e10,
+                attn_flops=7.716e10,
+                kv_bandwidth=7.190e9,
+                row_bandwidth=None,
                 seq_overhead_s=0.0,
                 pad_decode_context=True,
-                share_interference=0.053,
-                # the same measure on this host's light training run: median 6.3 ms (p90 9.6 ms)
-                request_overhead_s=6.3e-3,
+                # benchmarks/cpu_sharing.py --rounds 2 on this host after the refit: 2 / 3 engines on
+                # one core step 2.32x / 3.50x slower (median over decode 1, decode 8, prefill 256),
+                # a = 0.090 (0.053 with the MKL kernels): oneDNN's steps lose more to a neighbour
+                share_interference=0.090,
+                # the same measure on this host's light training runs: median 6.3 ms (p90 9.6 ms)
+                # before the refit, 7.5 ms (p90 12.0 ms) after it
+                request_overhead_s=7.5e-3,
                 activation_threads=4,  # the runtime's load_threads
                 synthetic=False,
             ),
