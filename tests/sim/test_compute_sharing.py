@@ -14,12 +14,22 @@ from .helpers import loose, served
 PROMPT = 4096  # several prefill chunks: the requests' steps interleave
 
 
-def _run(arrivals: list[tuple[float, int]], *, devices: int = 1, sharing: bool = True, output: int = 1):
-    ms = [served("a", "llama-3.2-1b"), served("b", "llama-3.2-1b")]
+def _run(
+    arrivals: list[tuple[float, int]],
+    *,
+    devices: int = 1,
+    sharing: bool = True,
+    output: int = 1,
+    hardware: str = "h100",
+    models: int = 2,
+):
+    ms = [served(n, "llama-3.2-1b") for n in "abc"[:models]]
     times = np.array([t for t, _ in arrivals], dtype=float)
     w = Workload(times, np.array([i for _, i in arrivals]), np.full(len(arrivals), PROMPT),
-                 np.full(len(arrivals), output), ["a", "b"])  # fmt: skip
-    cfg = SimConfig(num_devices=devices, policy="static-partition", compute_sharing=sharing)
+                 np.full(len(arrivals), output), [m.name for m in ms])  # fmt: skip
+    cfg = SimConfig(
+        num_devices=devices, policy="static-partition", compute_sharing=sharing, hardware=hardware
+    )
     return simulate(ms, w, loose(ms, ttft=100.0), cfg).requests
 
 
@@ -122,3 +132,63 @@ def test_on_a_cpu_device_an_activations_copy_shares_the_core_with_the_engines_th
     lost = copy * (1 - 1 / hw.share_slowdown(5))
     assert shared["a"].finish - apart["a"].finish == pytest.approx(lost, rel=1e-6)
     assert shared["b"].first_token - apart["b"].first_token == pytest.approx(copy - t, rel=1e-6)
+
+
+def _host_shared(tmp_path, cross: float) -> str:
+    """The h100 profile with devices that share one memory system (as CPU cores do)."""
+    import dataclasses
+
+    from prism_serve.sim.hardware import dump_hardware
+
+    path = tmp_path / "shared-host.json"
+    dump_hardware(dataclasses.replace(HARDWARE["h100"], name="shared-host", cross_interference=cross), path)
+    return str(path)
+
+
+def test_gpu_profiles_have_independent_devices():
+    assert all(hw.cross_interference == 0.0 for name, hw in HARDWARE.items() if not name.startswith("cpu"))
+    assert HARDWARE["h100"].cross_slowdown(3) == 1.0
+
+
+def test_devices_sharing_a_host_slow_each_other_by_the_cross_term(tmp_path):
+    """Two devices busy at once: each step 1 + c times as long; with sharing off, as alone."""
+    hw = _host_shared(tmp_path, 0.25)
+    (alone,) = _run([(0.0, 0)], devices=2, hardware=hw)
+    assert alone.ttft == pytest.approx(_alone(), rel=1e-9)  # alone, the term costs nothing
+    a, b = _run([(0.0, 0), (0.0, 1)], devices=2, hardware=hw)
+    assert a.ttft == pytest.approx(1.25 * alone.ttft, rel=1e-9)
+    assert b.ttft == pytest.approx(1.25 * alone.ttft, rel=1e-9)
+    a, b = _run([(0.0, 0), (0.0, 1)], devices=2, hardware=hw, sharing=False)
+    assert a.ttft == pytest.approx(alone.ttft, rel=1e-9) and b.ttft == pytest.approx(alone.ttft, rel=1e-9)
+
+
+def test_a_device_that_starts_work_slows_the_step_in_flight_elsewhere(tmp_path):
+    """b starts on the other device halfway through a's step: a's second half runs 1 + c slower;
+    b's first half too, then b runs alone."""
+    c = 0.25
+    hw = _host_shared(tmp_path, c)
+    (alone,) = _run([(0.0, 0)], devices=2, hardware=hw)
+    t = alone.ttft
+    a, b = _run([(0.0, 0), (t / 2, 1)], devices=2, hardware=hw)
+    assert a.ttft == pytest.approx(t / 2 + (1 + c) * t / 2, rel=1e-6)
+    # b: while a runs (c * t / 2 more of wall), b does c*t/2 / (1 + c) of its work at the slow rate
+    overlap = (1 + c) * t / 2
+    assert b.ttft == pytest.approx(overlap + (t - overlap / (1 + c)), rel=1e-6)
+
+
+def test_the_cross_term_counts_devices_not_engines(tmp_path):
+    """a and b on device 0 (processor sharing: 2x), c on device 1: a and b take 2 * (1 + c), c
+    takes (1 + c) while they run; two engines on one device count as one other busy device."""
+    cross = 0.25
+    hw = _host_shared(tmp_path, cross)
+    (alone,) = _run([(0.0, 0)], devices=2, hardware=hw, models=3)
+    t = alone.ttft
+    reqs = {r.model: r for r in _run([(0.0, 0), (0.0, 1), (0.0, 2)], devices=2, hardware=hw, models=3)}
+    pair = [m for m in "abc" if reqs[m].ttft > 1.5 * t]
+    single = [m for m in "abc" if m not in pair]
+    assert len(pair) == 2 and len(single) == 1, {m: r.ttft / t for m, r in reqs.items()}
+    # the single one runs at 1 + cross while the pair is busy (the whole of its step)
+    assert reqs[single[0]].ttft == pytest.approx((1 + cross) * t, rel=1e-6)
+    # the pair: (1 + cross) * 2 slower until the single one ends, then 2x
+    done = (1 + cross) * t / ((1 + cross) * 2)  # work each of the pair did by then
+    assert reqs[pair[0]].ttft == pytest.approx((1 + cross) * t + 2 * (t - done), rel=1e-6)

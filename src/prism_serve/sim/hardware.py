@@ -70,6 +70,11 @@ class HardwareProfile:
     # Compute shared by engines busy at once on one device (share_slowdown): each step takes
     # n * (1 + share_interference * (n - 1)) times as long as alone. 0: processor sharing.
     share_interference: float = 0.0
+    # Devices of one host that share its memory system (CPU devices are cores of one socket: one
+    # memory bandwidth and last-level cache): each step takes (1 + cross_interference * k) times as
+    # long while k other devices of the simulation have an engine step or activation copy in flight
+    # (cross_slowdown). 0: devices do not slow each other (GPUs, each with its own memory).
+    cross_interference: float = 0.0
     # The serving path's part of every time to first token outside the engine (HTTP, tokenization,
     # the controller-worker hop, SSE framing), added to each simulated first token and finish; the
     # fitted CPU profiles measure it (sim_vs_live.py prints it for each live run), the GPU ones leave it 0
@@ -96,6 +101,7 @@ class HardwareProfile:
             "activation_overhead_s",
             "seq_overhead_s",
             "share_interference",
+            "cross_interference",
             "request_overhead_s",
         ):
             if getattr(self, name) < 0:
@@ -115,6 +121,11 @@ class HardwareProfile:
         if num_busy <= 1:
             return 1.0
         return num_busy * (1.0 + self.share_interference * (num_busy - 1))
+
+    def cross_slowdown(self, other_busy_devices: int) -> float:
+        """The factor by which a step is multiplied while ``other_busy_devices`` other devices of the
+        host have work (the memory system they share); 1.0 for devices that share nothing."""
+        return 1.0 + self.cross_interference * max(0, other_busy_devices)
 
     def slowed(self, factor: float) -> HardwareProfile:
         """This profile with every engine step ``factor`` times as long (activation unchanged): a
@@ -202,7 +213,10 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
             # --write`). Steps of one model cannot separate a per-step constant from the weight
             # pass, so the pass is fixed at one thread's oneDNN rate through weights larger than
             # the caches (19.5 GB/s, benchmarks/cpu_gemm.py), and the fit leaves no constant
-            # beside it. Held-out live steps: mean |error| 6.8%, sum -3.8%. The fit before
+            # beside it. Held-out live steps: mean |error| 6.8%, sum -3.8%; refitted the same day
+            # on the steps that ran while the other core was idle (cross_interference below prices
+            # the rest): 5.0%, -0.7% (peak_flops was 1.908e11, attn_flops 7.716e10, kv_bandwidth
+            # 7.190e9). The fit before
             # (MKL kernels): peak_flops 9.256e10, mem_bandwidth 1.811e10, step_overhead_s 1.253e-2,
             # attn_flops 8.750e10, kv_bandwidth 6.432e9, row_bandwidth 3.222e10. Activation: the
             # copy at 16 GB/s (benchmarks/activation.py: 22-35 ms for SmolLM2's 0.50 GiB into spare
@@ -210,7 +224,7 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
             # (decision to ready, 42.9 ms; pooled workers prepared, spare pages made at nice 19)
             HardwareProfile(
                 "cpu-smollm2-avx512bf16",
-                peak_flops=1.908e11,
+                peak_flops=1.919e11,
                 mem_bandwidth=1.95e10,
                 host_bandwidth=16.0 * GB,
                 link_bandwidth=2.0 * GB,
@@ -222,8 +236,8 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 step_overhead_s=0.0,
                 activation_overhead_s=9e-3,
                 overlap=False,
-                attn_flops=7.716e10,
-                kv_bandwidth=7.190e9,
+                attn_flops=7.666e10,
+                kv_bandwidth=7.230e9,
                 row_bandwidth=None,
                 seq_overhead_s=0.0,
                 pad_decode_context=True,
@@ -231,6 +245,11 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 # one core step 2.32x / 3.50x slower (median over decode 1, decode 8, prefill 256),
                 # a = 0.090 (0.053 with the MKL kernels): oneDNN's steps lose more to a neighbour
                 share_interference=0.090,
+                # its two cores share one memory system: fit_cpu_profile.py --trace on the light and
+                # heavy training runs, steps that had their core but ran while the other core stepped
+                # cost 1.146x the CPU of those with it idle (decode 1.160x, prefill 1.088x; 798 / 3,333
+                # steps); those steps are left out of the constants above
+                cross_interference=0.146,
                 # the same measure on this host's light training runs: median 6.3 ms (p90 9.6 ms)
                 # before the refit, 7.5 ms (p90 12.0 ms) after it
                 request_overhead_s=7.5e-3,

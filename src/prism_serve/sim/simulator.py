@@ -117,6 +117,9 @@ class Simulator:
         self.on_device: dict[str, dict[str, None]] = {d: {} for d in self.devices}
         self.num_busy: dict[str, int] = dict.fromkeys(self.devices, 0)  # engines with a step in flight
         self._share = self.hw.share_slowdown if config.compute_sharing else None
+        # devices with a step or copy in flight, for the host-wide term (hardware.cross_slowdown)
+        self._cross = config.compute_sharing and self.hw.cross_interference > 0
+        self._busy_devices = 0
         self._live_profiles = config.profiles == "live"
         policy = get_policy(config.policy, **dict(config.knobs))
         self.models: dict[str, _Model] = {}
@@ -374,7 +377,11 @@ class Simulator:
         """How much slower than alone ``e`` steps: by its most loaded device's busy engines, itself
         included (``joining``: about to start a step, not counted yet)."""
         extra = 1 if joining and not e.shared else 0
-        return self._share(max(self.num_busy[d.name] for d in e.devices) + extra)
+        factor = self._share(max(self.num_busy[d.name] for d in e.devices) + extra)
+        if self._cross:  # the other devices with work: the memory system they share with e's
+            own = sum(1 for d in e.devices if self.num_busy[d.name] > 0)
+            factor *= self.hw.cross_slowdown(self._busy_devices - own)
+        return factor
 
     def _sync_busy(self, e: SimEngine, now: float) -> None:
         """Count ``e`` among its devices' busy engines if it has a step in flight; when a device's
@@ -387,9 +394,15 @@ class Simulator:
 
     def _device_busy(self, devices, delta: int, now: float, joined: SimEngine | None = None) -> None:
         """``delta`` more busy sharers on ``devices``: every busy engine there other than ``joined``
-        goes on at the new speed."""
+        goes on at the new speed; when a device starts or stops having work and devices share the
+        host's memory system (hardware.cross_interference), every busy engine does."""
+        was = self._busy_devices
         for d in devices:
+            before = self.num_busy[d] > 0
             self.num_busy[d] += delta
+            self._busy_devices += (self.num_busy[d] > 0) - before
+        if self._cross and self._busy_devices != was:
+            devices = self.devices
         for d in devices:
             for name in self.on_device[d]:
                 other = self.models[name].engine
