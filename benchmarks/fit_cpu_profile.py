@@ -393,6 +393,7 @@ def fit_trace(
     compare,
     balance_kinds: bool = True,
     mem_bandwidth: float | None = None,
+    keep_crossed: bool = False,
 ):
     """Fit the profile to live steps (``PRISM_STEP_TRACE`` of a ``prism serve`` run): each step's
     CPU seconds is its cost alone on its one core. Held out: the steps of ``held_dirs``, or else a
@@ -404,14 +405,29 @@ def fit_trace(
     run is almost all decode steps (96% in the presets of sim_vs_live.py), and unweighted they would
     let the fit trade the prefill steps, on which every TTFT hangs, for a slightly better decode.
     ``base``: the profile whose other fields the fit keeps; ``compare``: the profile whose errors are
-    printed beside the fit's. Returns the fitted profile."""
-    from prism_serve.engine.step_trace import read_step_traces
+    printed beside the fit's. ``keep_crossed``: also fit the steps that ran while another device
+    stepped (by default they are left out: they carry the host-wide interference, which the
+    profile's ``cross_interference`` prices, estimated from them here). Returns the fitted profile."""
     from prism_serve.sim.cost import RooflineCostModel
     from prism_serve.sim.models import model_shape
+    from step_overlap import IDLE, cross_estimate, device_steps, other_device_overlap
 
     spec = model_shape("smollm2-135m", dtype_bytes=4)
-    steps = [(r, False) for r in read_step_traces(train_dirs)]
-    steps += [(r, True) for r in read_step_traces(held_dirs)]
+    dirs = [(d, False) for d in train_dirs] + [(d, True) for d in held_dirs]
+    traced, run, from_held = [], [], []
+    for i, (d, is_held) in enumerate(dirs):
+        part = device_steps([d])
+        traced += part
+        run += [i] * len(part)
+        from_held += [is_held] * len(part)
+    overlap = other_device_overlap(traced, run)
+    solo = overlap <= IDLE
+    steps = [(r, h) for (_, r), h, ok in zip(traced, from_held, solo, strict=True) if keep_crossed or ok]
+    crossed = [r for (_, r), ok in zip(traced, solo, strict=True) if not ok]
+    print(
+        f"{len(crossed)} of {len(traced)} live steps overlapped another device's steps (> {IDLE:.0%} of "
+        f"their wall time): {'fitted too' if keep_crossed else 'left out of the fit'}"
+    )
     if not steps:
         raise SystemExit("no steps in the traces")
     held = np.array([h for _, h in steps])
@@ -464,6 +480,23 @@ def fit_trace(
     )
     print_constants(hw)
     kinds = np.array([step_kind(b) for b in batches])
+    # the host-wide term, from every live step that had its own core (CPU / wall >= 0.8)
+    fitted = RooflineCostModel(hw)
+    own = np.array([r.cpu / max(r.dt, 1e-9) >= 0.8 for _, r in traced])
+    all_cpu = np.array([r.cpu for _, r in traced])
+    all_pred = np.array([predict(fitted, spec, [tuple(b) for b in r.batch]) for _, r in traced])
+    all_kinds = np.array([step_kind([tuple(b) for b in r.batch]) for _, r in traced])
+    for kind in ("decode", "prefill", "all"):
+        sel = own & ((all_kinds == kind) if kind != "all" else True)
+        est = cross_estimate(all_cpu[sel], all_pred[sel], overlap[sel])
+        if est is not None:
+            print(
+                f"host-wide interference, {kind} steps: with another device stepping throughout they cost "
+                f"{1 + est[0]:.3f}x the CPU of steps with it idle ({est[1]} / {est[2]} steps): "
+                f"cross_interference {est[0]:.3f}"
+            )
+        if kind == "all" and est is not None and not keep_crossed:
+            hw = dataclasses.replace(hw, cross_interference=round(max(0.0, est[0]), 3))
     registered = RooflineCostModel(compare)
     reg = np.array([predict(registered, spec, b) for b in batches])
     for name, p in (("fit", pred), (f"profile {compare.name}", reg)):
@@ -555,6 +588,11 @@ def main() -> None:
         "carries the same total weight)",
     )  # fmt: skip
     ap.add_argument(
+        "--keep-crossed", action="store_true",
+        help="with --trace: also fit the steps that overlapped another device's steps (default: leave them "
+        "out and set cross_interference from them)",
+    )  # fmt: skip
+    ap.add_argument(
         "--base", default="cpu-smollm2",
         help="the profile (registered name or file) whose other fields the fit keeps: memory, "
         "activation, compute sharing (benchmarks/cpu_sharing.py measures share_interference)",
@@ -581,7 +619,7 @@ def main() -> None:
     if args.trace:
         hw = fit_trace(
             args.trace, args.held_out, args.held_share, args.points, args.points_weight, base, compare,
-            not args.by_step, args.mem_bandwidth,
+            not args.by_step, args.mem_bandwidth, args.keep_crossed,
         )  # fmt: skip
     else:
         if args.reuse:

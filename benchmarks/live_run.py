@@ -198,6 +198,7 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
         "errors": res.summary()["overall"]["errors"],
         "send_lag_p99_s": res.summary()["overall"]["send_lag_p99_s"],
         "requests": records,
+        "steps_dir": str(out / f"steps-{tag}"),
         "serving_path": serving_path_s(records, out / f"steps-{tag}"),
     }
 
@@ -274,7 +275,8 @@ def reused_live_runs(path: Path, cfg: DeploymentConfig, workload: Workload) -> l
         a[0] != b[0] or a[2:] != b[2:] or abs(a[1] - b[1]) > 1e-5 for a, b in zip(sent, here, strict=True)
     ):
         sys.exit(f"{path} replayed another workload")
-    for run in old["live"]:  # runs recorded before the engine busy row: from their engine seconds
+    for i, run in enumerate(old["live"]):  # runs before the engine busy row: from their engine seconds
+        run.setdefault("steps_dir", str(path.parent / f"steps-{i}"))
         for name, stats in run["models"].items():
             if name != "(all)" and BUSY not in stats:
                 stats[BUSY] = run.get("engine_seconds", {}).get(name, {}).get("step_s")

@@ -34,7 +34,8 @@ live_run.py's ``run_live``; the differences the mirror cannot remove are listed 
   the same way; warm-up requests are left out of every number, and activations/evictions are counted
   from the replay's first request on (the warm-up's own are reported separately).
 
-Output: per model and for all models, live | sim | error | sim without compute sharing | error,
+Output: per model and for all models, live | sim | error | sim without compute sharing | error |
+sim at the live runs' measured host speed | error (the runs' step traces: step_overlap.host_speed),
 plus each engine's busy seconds (a step in flight; live from /metrics) next to the live engines' CPU
 seconds, the offered work (each request alone, in cores) before the run, the machine line (CPU, its
 vector flags) and the other load in cores while the live run ran; result.json in ``--out`` has both
@@ -82,6 +83,7 @@ from sim_mirror import (  # noqa: E402, F401  (re-exported: tests/bench/test_sim
     sim_variants,
     with_warmup,
 )
+from step_overlap import host_speeds  # noqa: E402
 
 TARGETS = {"ttft_p50_s": 0.15, "ttft_p95_s": 0.15, "tpot_p50_s": 0.10, "ttft_attainment": 3.0,
            "slo_attainment": 3.0}  # fmt: skip
@@ -95,7 +97,14 @@ KNOWN_DIFFERENCES = (
     "compute sharing: modelled as processor sharing with a fitted interference term "
     "(HardwareProfile.share_slowdown) among engines with a step in flight; live, the server process, "
     "activations and this client also take CPU from the devices' cores, which the simulator does not "
-    "count (the 'sim, no sharing' column is the simulator with compute_sharing=False)",
+    "count (the 'sim, no sharing' column is the simulator with compute_sharing=False); devices of one "
+    "host slow each other by the profile's cross_interference while several have a step in flight "
+    "(cores share the socket's memory bandwidth)",
+    "host speed: the profile is one fixed speed; live, this machine's uncontended decode steps cost "
+    "several percent more or less CPU from one run to the next (the host's memory and its other tenants). "
+    "Each live run prints its speed against the profile, and the 'sim, host speed' column is the "
+    "simulator with --step-scale times their mean: what is left there is the simulator's error, not "
+    "the host's",
     "activation cost: simulated from the profile's activation constants (activation_overhead_s + "
     "weights at host_bandwidth: a copy into spare pages), the copy counting as activation_threads busy "
     "engines on the device's core while it runs (processor sharing by thread); live it is a copy (pages "
@@ -280,6 +289,9 @@ def format_sensitivity(speeds: dict[str, dict], sim: dict, live_runs: list[dict]
             "simulation at the speed whose activations it matches"
         )
     return "\n".join(lines)
+
+
+HOST_SPEED_LABEL = "sim, host speed"  # the profile at the live runs' measured speed (host_speeds)
 
 
 def target_summary(rows: dict[str, dict]) -> dict[str, str]:
@@ -518,9 +530,23 @@ def main() -> None:
         warm = [(-2.0 * (len(cfg.models) - i), m.name) for i, m in enumerate(cfg.models)]
         warmup_s = 0.5
     sim_wl = with_warmup(workload, warm, 0.0)
+    variants = [(label, sharing, args.step_scale) for label, sharing in sim_variants()]
+    speeds_of_runs = host_speeds(live_runs, {m.name: m.spec for m in dep.models}, args.hardware)
+    if speeds_of_runs:
+        print(
+            "host speed in each live run (decode steps with their core and the other devices idle, CPU "
+            "seconds over the profile's): "
+            + ", ".join(
+                f"run {i + 1} {s['ratio']:.3f} ({s['steps']} steps)" for i, s in speeds_of_runs.items()
+            )
+        )
+        mean = float(np.mean([s["ratio"] for s in speeds_of_runs.values()]))
+        variants.append((HOST_SPEED_LABEL, None, round(args.step_scale * mean, 4)))
     sims, rows = {}, {}
-    for label, sharing in sim_variants():
-        dep = sim_deployment(cfg, warmup_s=warmup_s, compute_sharing=sharing, **mirror)
+    for label, sharing, scale in variants:
+        dep = sim_deployment(
+            cfg, warmup_s=warmup_s, compute_sharing=sharing, **{**mirror, "step_scale": scale}
+        )
         sims[label] = run_sim(dep, sim_wl, len(warm))
         rows[label] = compare([r["models"] for r in live_runs], sims[label]["models"])
     sim = sims["sim"]
@@ -560,6 +586,7 @@ def main() -> None:
         "requests_per_model": per_model,
         "offered_load_cores": load,
         "targets": TARGETS,
+        "host_speed_per_run": speeds_of_runs,
         "comparison": rows if live_runs else None,
         "within_target": {k: target_summary(r) for k, r in rows.items()} if live_runs else None,
         "sim": sims,

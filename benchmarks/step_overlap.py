@@ -1,0 +1,138 @@
+"""Which live engine steps ran while another CPU device was stepping (the host-wide interference).
+
+CPU devices are cores of one socket: they share its memory bandwidth and last-level cache, so a
+step on one core costs more CPU time while another core steps too. ``PRISM_STEP_TRACE`` files are
+named after the worker (``cpu:0_w3.jsonl`` for worker ``cpu:0/w3``), which gives each step's device;
+this module measures, for every step, the share of its wall time during which a step of another
+device was in flight, and from steps of one kind that ran with and without such a neighbour the
+simulator's ``cross_interference`` (sim/hardware.py): CPU seconds over the cost model's, with the
+other device busy throughout, divided by the same with it idle throughout, minus one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from prism_serve.engine.step_trace import StepRecord, read_step_traces
+
+__all__ = ["cross_estimate", "device_of", "device_steps", "host_speed", "host_speeds", "other_device_overlap"]
+
+BUSY = 0.9  # share of a step overlapped by other devices' steps above which it counts as crossed
+IDLE = 0.05  # ... below which it ran with the other devices idle
+
+
+def device_of(path: Path) -> str:
+    """The device of a step-trace file: ``cpu:0_w3.jsonl`` -> ``cpu:0``."""
+    stem = path.stem
+    return stem.rsplit("_w", 1)[0] if "_w" in stem else stem
+
+
+def device_steps(paths: Iterable[Path]) -> list[tuple[str, StepRecord]]:
+    """(device, step) for every step of the given trace files or directories, in file order."""
+    out: list[tuple[str, StepRecord]] = []
+    for p in paths:
+        files = sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
+        for f in files:
+            out += [(device_of(f), r) for r in read_step_traces([f])]
+    return out
+
+
+def _union(intervals: np.ndarray) -> np.ndarray:
+    """Disjoint [start, end) intervals covering the given ones (rows), sorted."""
+    if not len(intervals):
+        return intervals.reshape(0, 2)
+    iv = intervals[np.argsort(intervals[:, 0])]
+    merged = [list(iv[0])]
+    for s, e in iv[1:]:
+        if s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return np.array(merged)
+
+
+def other_device_overlap(
+    steps: Sequence[tuple[str, StepRecord]], run: Sequence[int] | None = None
+) -> np.ndarray:
+    """Per step, the share of its wall time during which a step of another device of the same run
+    was in flight (0..1). ``run``: a run label per step (the default: one run); steps of different
+    runs never overlap, whatever their clocks say."""
+    run = np.zeros(len(steps), dtype=int) if run is None else np.asarray(run)
+    out = np.zeros(len(steps))
+    for label in np.unique(run):
+        idx = np.flatnonzero(run == label)
+        devices = sorted({steps[i][0] for i in idx})
+        for dev in devices:
+            mine = [i for i in idx if steps[i][0] == dev]
+            others = np.array(
+                [(r.t, r.t + r.dt) for i in idx if steps[i][0] != dev for r in (steps[i][1],)]
+            ).reshape(-1, 2)
+            cover = _union(others)
+            starts, ends = cover[:, 0], cover[:, 1]
+            for i in mine:
+                r = steps[i][1]
+                t0, t1 = r.t, r.t + r.dt
+                lo, hi = np.searchsorted(ends, t0), np.searchsorted(starts, t1)
+                seg = np.clip(np.minimum(ends[lo:hi], t1) - np.maximum(starts[lo:hi], t0), 0, None)
+                out[i] = min(1.0, float(seg.sum()) / r.dt) if r.dt > 0 else 0.0
+    return out
+
+
+def cross_estimate(
+    cpu: np.ndarray, predicted: np.ndarray, overlap: np.ndarray
+) -> tuple[float, int, int] | None:
+    """(cross_interference, crossed steps, solo steps) from steps that each ran alone on their own
+    core: the CPU-over-predicted ratio of steps with other devices busy (overlap >= BUSY) over that of
+    steps with them idle (overlap <= IDLE), minus one; None without both kinds of step."""
+    crossed, solo = overlap >= BUSY, overlap <= IDLE
+    if not crossed.any() or not solo.any():
+        return None
+    ratio = (cpu[crossed].sum() / predicted[crossed].sum()) / (cpu[solo].sum() / predicted[solo].sum())
+    return float(ratio - 1.0), int(crossed.sum()), int(solo.sum())
+
+
+def host_speed(steps_dir: Path, predict: Callable[[StepRecord], float | None]) -> dict | None:
+    """How fast the host ran during one live run, against a profile: the CPU seconds of the run's
+    decode steps that had their core and no other device stepping (overlap <= IDLE), over what
+    ``predict`` gives for them (None: a step of a model it cannot price, left out). A host whose
+    memory or neighbours change between runs moves this by several percent; the simulator has one
+    fixed profile. None when the run has no such steps."""
+    steps = device_steps([steps_dir]) if steps_dir.is_dir() else []
+    if not steps:
+        return None
+    overlap = other_device_overlap(steps)
+    cpu = pred = 0.0
+    n = 0
+    for (_, r), o in zip(steps, overlap, strict=True):
+        if o > IDLE or r.cpu < 0.8 * r.dt or any(new != 1 for new, _, _ in r.batch):
+            continue
+        p = predict(r)
+        if p is None:
+            continue
+        cpu, pred, n = cpu + r.cpu, pred + p, n + 1
+    return {"ratio": round(cpu / pred, 4), "steps": n} if n else None
+
+
+def host_speeds(live_runs: list[dict], specs: dict, hardware: str) -> dict[int, dict]:
+    """Per live run (index), step_overlap.host_speed against the ``hardware`` profile: how much
+    more (> 1) or less CPU than the profile the run's uncontended decode steps took. ``specs``: model
+    name -> its simulated shape; ``live_runs``: live_run.py's runs (each with its ``steps_dir``)."""
+    from fit_cpu_profile import predict
+    from prism_serve.control.types import REPLICA_SEPARATOR
+    from prism_serve.sim.cost import RooflineCostModel
+    from prism_serve.sim.hardware import get_hardware
+
+    cm = RooflineCostModel(get_hardware(hardware))
+
+    def price(step) -> float | None:
+        spec = specs.get(step.model.split(REPLICA_SEPARATOR)[0])
+        return None if spec is None else predict(cm, spec, [tuple(b) for b in step.batch])
+
+    out = {}
+    for i, run in enumerate(live_runs):
+        if run.get("steps_dir") and (speed := host_speed(Path(run["steps_dir"]), price)) is not None:
+            out[i] = speed
+    return out
