@@ -24,11 +24,16 @@ time is recorded as well: on one core under processor sharing a step takes n tim
 the CPU time per step (which other load barely changes) grows only by what sharing costs beyond time
 slicing (caches, switches). ``n x CPU`` is therefore the slowdown a quiet one-core device would show;
 the one-core form n * (1 + a * (n - 1)) (sim/hardware.py ``share_slowdown``) is fitted to it.
+The ``cross`` group puts one engine on each of two one-core devices (``--core`` and the other
+core) and compares the first one's CPU time per step with its steps while the other core is idle:
+the cores share the socket's memory bandwidth and last-level cache, which the simulator prices with
+``cross_interference`` (sim/hardware.py ``cross_slowdown``).
 Two-thread engines on two cores spin at OpenMP barriers while a thread waits for a core, so there
 the CPU time itself grows and no such estimate is made: their wall ratios are printed as measured.
 
     python benchmarks/cpu_sharing.py                 # measure (3-5 min a round: 12-20 min) and print
     python benchmarks/cpu_sharing.py --reuse         # print the saved measurements again
+    python benchmarks/cpu_sharing.py --groups cross  # only the two-device points (4 min a round)
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ SHAPES = [("decode 1 @256", "decode", (1, 256)), ("decode 8 @256", "decode", (8,
 SHAPES += [("prefill 256", "prefill", (256,))]
 DECODE_CHUNK = 8  # decode steps per set of requests; then they are aborted and added again
 MAX_BUSY = 3
+CROSS = "cross"  # the group of points with one busy engine on each of two one-core devices
 QUIET = 0.15  # other load (cores) under which a point counts as measured on a quiet machine
 
 
@@ -151,12 +157,12 @@ def run_steps(bench, kind, args, is_stopped, num_steps, steps=None, counts=None,
 class Device:
     """MAX_BUSY engine processes pinned to ``cores``."""
 
-    def __init__(self, ctx, name: str, cores: tuple[int, ...]) -> None:
+    def __init__(self, ctx, name: str, cores: tuple[int, ...], slots: int = MAX_BUSY) -> None:
         self.name, self.cores = name, cores
         self.stop = ctx.Value("d", math.inf, lock=False)
         self.counts = ctx.Array("i", MAX_BUSY, lock=False)
         self.conns, self.procs = [], []
-        for slot in range(MAX_BUSY):  # one at a time: loading is not what is measured
+        for slot in range(slots):  # one at a time: loading is not what is measured
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=engine_process, args=(name, cores, child, self.stop, self.counts, slot), daemon=True
@@ -169,26 +175,37 @@ class Device:
             self.conns.append(parent)
             self.procs.append(p)
 
-    def point(self, kind: str, args: tuple, n: int, min_steps: int, window: float, max_window: float) -> dict:
-        """n engines step at once. Per engine, over the steps that ended in time: the mean wall and CPU
+    def point(
+        self, kind: str, args: tuple, n: int, min_steps: int, window: float, max_window: float,
+        partner: Device | None = None,
+    ) -> dict:  # fmt: skip
+        """n engines step at once (and, with ``partner``, that device's first engine too, on its own
+        cores). Per engine of this device, over the steps that ended in time: the mean wall and CPU
         time of a step, and the cores it got while stepping (CPU / wall)."""
-        self.stop.value = math.inf
-        for i in range(MAX_BUSY):
-            self.counts[i] = 0
+        both = [self] + ([partner] if partner else [])
+        for dev in both:
+            dev.stop.value = math.inf
+            for i in range(MAX_BUSY):
+                dev.counts[i] = 0
         start, t0 = cpu_seconds(), time.monotonic()
         start_at = t0 + 0.1
-        for c in self.conns[:n]:
+        conns = self.conns[:n] + (partner.conns[:1] if partner else [])
+        for c in conns:
             c.send(("run", kind, args, start_at))
         while True:
             time.sleep(0.05)
             elapsed = time.monotonic() - start_at
-            if elapsed >= max_window or (elapsed >= window and min(self.counts[:n]) >= min_steps):
-                self.stop.value = stop_at = time.monotonic()
+            done = min(self.counts[:n]) >= min_steps and (partner is None or partner.counts[0] >= min_steps)
+            if elapsed >= max_window or (elapsed >= window and done):
+                stop_at = time.monotonic()
+                for dev in both:
+                    dev.stop.value = stop_at
                 break
-        results = [c.recv() for c in self.conns[:n]]
+        everything = [c.recv() for c in conns]
+        results = everything[:n]
         wall = time.monotonic() - t0
         busy, own = cpu_seconds()
-        engines_cpu = sum(cpu for _, cpu in results)
+        engines_cpu = sum(cpu for _, cpu in everything)
         other = max(0.0, (busy - start[0] - (own - start[1]) - engines_cpu) / wall)
         out: dict = {"step_s": [], "cpu_s": [], "cores": [], "steps": []}
         for steps, _ in results:
@@ -217,16 +234,29 @@ def measure(args) -> dict:
     info = machine_info()
     print(info["line"], flush=True)
     devices = {}
+    groups = [g.strip() for g in args.groups.split(",")]
     for label, cores in (("1 core", (args.core,)), ("2 cores", (0, 1))):
-        print(f"starting the engines of the device of {label} (cores {cores})", flush=True)
-        devices[label] = Device(ctx, f"cpu:{len(devices)}", cores)
+        if label in groups or (label == "1 core" and CROSS in groups):
+            print(f"starting the engines of the device of {label} (cores {cores})", flush=True)
+            devices[label] = Device(ctx, f"cpu:{len(devices)}", cores)
+    partner = None
+    if CROSS in groups:  # one engine on the other core: a second one-core device of this host
+        other = 1 - args.core if args.core in (0, 1) else 0
+        print(f"starting the engine of a second one-core device (core {other})", flush=True)
+        partner = Device(ctx, f"cpu:{len(devices) + 1}", (other,), slots=1)
     rounds = []
     t_all = time.monotonic()
     for r in range(args.rounds):
         t0 = time.monotonic()
         order = range(1, MAX_BUSY + 1) if r % 2 == 0 else range(MAX_BUSY, 0, -1)  # drift cancels
         points = []
-        for label, dev in devices.items():
+        plan = [(label, dev, None) for label, dev in devices.items() if label in groups]
+        if partner is not None:
+            plan.append((CROSS, devices["1 core"], partner))
+        for label, dev, other_dev in plan:
+            # cross: the one-core device's first engine alone (n=1) and with the other core's engine
+            # stepping the same shape (n=2); the number is the engines busy on the host
+            ns = (1, 2) if other_dev else range(1, MAX_BUSY + 1)
             for name, kind, shape in SHAPES:
                 min_steps = 2 if kind == "prefill" else args.min_steps
                 window = 2 * args.window if kind == "prefill" else args.window
@@ -234,8 +264,19 @@ def measure(args) -> dict:
                 for attempt in range(args.retries + 1):
                     wait_quiet(args.quiet_wait, 0.15)
                     group = []
-                    for n in order:
-                        p = dev.point(kind, shape, n, min_steps, window, args.max_window)
+                    for n in order if not other_dev else (ns if r % 2 == 0 else ns[::-1]):
+                        if other_dev:
+                            p = dev.point(
+                                kind,
+                                shape,
+                                1,
+                                min_steps,
+                                window,
+                                args.max_window,
+                                other_dev if n == 2 else None,
+                            )
+                        else:
+                            p = dev.point(kind, shape, n, min_steps, window, args.max_window)
                         group.append({"device": label, "shape": name, "n": n, "attempt": attempt, **p})
                         print(
                             f"  {label} {name} n={n}: step {np.mean(p['step_s']) * 1e3:.1f} ms "
@@ -255,7 +296,7 @@ def measure(args) -> dict:
             f"{min(loads):.2f}..{max(loads):.2f} cores",
             flush=True,
         )
-    for dev in devices.values():
+    for dev in [*devices.values(), *([partner] if partner else [])]:
         dev.close()
     print(f"measured in {time.monotonic() - t_all:.0f} s")
     return {"machine": info["line"], "date": time.strftime("%Y-%m-%d"), "rounds": rounds}
@@ -339,6 +380,16 @@ def report(raw: dict) -> None:
             + ", ".join(f"n={n}: {n * (1 + a * (n - 1)):.2f}" for n in per_n)
             + ")"
         )
+    cross = {shape: r for (dev, shape, n), r in rs.items() if dev == CROSS and n == 2}
+    if cross:
+        per_shape = {shape: float(np.nanmedian(r["cpu"])) for shape, r in cross.items()}
+        c = float(np.median(list(per_shape.values()))) - 1.0
+        print(
+            f"{CROSS}: one engine on each of two one-core devices; the CPU time per step of the first, over "
+            "the same engine alone (the other core idle), by shape: "
+            + ", ".join(f"{shape} {v:.3f}" for shape, v in per_shape.items())
+            + f"; cross_interference (median over shapes) {c:.3f}"
+        )
 
 
 def main() -> None:
@@ -353,6 +404,11 @@ def main() -> None:
     ap.add_argument("--retries", type=int, default=0, help="repeats of a group measured under more load")
     ap.add_argument("--raw", type=Path, default=RAW, help="measurements are saved here")
     ap.add_argument("--reuse", action="store_true", help="print the saved measurements, measure nothing")
+    ap.add_argument(
+        "--groups", default=f"1 core,2 cores,{CROSS}",
+        help="which points: '1 core' and '2 cores' (1-3 engines on that device), "
+        f"'{CROSS}' (one engine on each of two one-core devices); comma-separated",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.reuse:
         raw = json.loads(args.raw.read_text())
