@@ -9,7 +9,9 @@ In one run, for the real SmolLM2-135M-Instruct in fp32 (the GGUF written as an H
   real weights for comparison;
 - the built-in engine: its pooled activation from the host weight cache (benchmarks/activation.py's
   measurement, the same run);
-- greedy outputs of both engines on the same prompts, 16 tokens each.
+- greedy outputs of both engines on the same prompts, 16 tokens each;
+- a second vLLM activation path: swapping in a model's state captured in vLLM's kernel format
+  (its packed linears), between two models, each swap checked by its greedy outputs.
 
 Prints the ratios issue 18 targets: vLLM activation / built-in activation (target <= 2x) and vLLM's
 own start / vLLM activation (target >= 20x; here the start is eager, without torch.compile, so the
@@ -95,6 +97,7 @@ def main() -> None:
     builtin = measure(MODEL, MODEL, "float32", args.repeats, 4 * GiB, memcpy_bandwidth())
     ours = builtin_greedy(prompts, args.max_tokens)
     reload_s = statistics.median(v["reload_s"][1:] or v["reload_s"])
+    swap_s = statistics.median(v["swap_s"][2:] or v["swap_s"])  # the first two touch fresh memory
     own_start = v["import_s"] + v["cold_init_s"]
     same = sum(a == b for a, b in zip(v["tokens"], ours, strict=True))
     same_cold = sum(a == b for a, b in zip(v["cold_tokens"], ours, strict=True))
@@ -107,6 +110,8 @@ def main() -> None:
         "activation_vs_builtin": reload_s / builtin["pooled_s"],
         "own_start_s": own_start,
         "own_start_vs_activation": own_start / reload_s,
+        "vllm_swap_s": swap_s,
+        "swap_vs_builtin": swap_s / builtin["pooled_s"],
         "greedy_equal": same,
         "greedy_equal_cold": same_cold,
     }
@@ -115,10 +120,14 @@ def main() -> None:
         f"{v['init_dummy_s']:.1f} s (once per pooled worker), weights read {v['read_s'] * 1e3:.0f} ms\n"
         f"  activation (reload_weights of the real weights): median {reload_s * 1e3:.0f} ms "
         f"(all: {', '.join(f'{s * 1e3:.0f}' for s in v['reload_s'])} ms)\n"
+        f"  activation by swapping in a state captured in vLLM's kernel format: median {swap_s * 1e3:.1f} ms "
+        f"(all: {', '.join(f'{x * 1e3:.1f}' for x in v['swap_s'])} ms); greedy outputs right after "
+        f"{v['swap_outputs_right']}/{v['swaps']} swaps between two models "
+        f"(their outputs differ: {v['other_differs']})\n"
         f"  its own start, in-process and eager (import + engine over the real weights): {own_start:.1f} s\n"
         f"built-in engine, pooled activation from the host weight cache: {builtin['pooled_s'] * 1e3:.0f} ms\n"
         f"vLLM activation / built-in activation: {result['activation_vs_builtin']:.1f}x "
-        "(issue 18 target <= 2x)\n"
+        f"(issue 18 target <= 2x); by swap {result['swap_vs_builtin']:.2f}x\n"
         f"vLLM's own start / vLLM activation: {result['own_start_vs_activation']:.0f}x (target >= 20x; "
         "against an eager start, a lower bound)\n"
         f"greedy outputs equal to the built-in engine's: {same}/{len(prompts)} after the reload, "

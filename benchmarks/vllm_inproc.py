@@ -4,8 +4,10 @@ engine in this process (no engine-core process, no API server), as a prism worke
 Times importing vLLM, building the engine over *dummy* weights (what a pooled worker would do once
 per model shape), and each activation: ``reload_weights`` with the real weights from a safetensors
 file (vLLM's in-place reload, which runs its weight post-processing again). Then the greedy tokens
-of the given prompts, and, for comparison, the same engine built over the real weights directly
-(the cold in-process start). Prints one JSON object on the last line.
+of the given prompts; a second activation path, swapping in a model's state captured in vLLM's
+kernel format (``capture`` / ``swap``), between the real model and a perturbed copy, each swap
+checked by its greedy outputs; and, for comparison, the same engine built over the real weights
+directly (the cold in-process start). Prints one JSON object on the last line.
 
     .venv-vllm-server/bin/python benchmarks/vllm_inproc.py HF_DIR PROMPTS_JSON [--reloads 5]
 """
@@ -51,6 +53,38 @@ def real_weights(path: str) -> dict:
     return sd
 
 
+def capture(model) -> dict:
+    """The model's state in vLLM's kernel format: per module its ``cpu_linear`` (the closure over the
+    packed weight that CPU post-processing made) and copies of its non-empty parameters and
+    buffers. Taken once per model after a reload, it is what a host cache would keep."""
+    state = {}
+    for name, m in model.named_modules():
+        entry = {}
+        if hasattr(m, "cpu_linear"):
+            entry["cpu_linear"] = m.cpu_linear
+        for pn, p in m.named_parameters(recurse=False):
+            entry[pn] = p.data.clone() if p.numel() else p.data
+        for bn, b in m.named_buffers(recurse=False):
+            entry["buffer:" + bn] = b.clone()
+        if entry:
+            state[name] = entry
+    return state
+
+
+def swap(model, state: dict) -> None:
+    """Activate a captured state: closures and parameter data by reference, buffers copied."""
+    modules = dict(model.named_modules())
+    for name, entry in state.items():
+        m = modules[name]
+        for key, value in entry.items():
+            if key == "cpu_linear":
+                m.cpu_linear = value
+            elif key.startswith("buffer:"):
+                getattr(m, key.removeprefix("buffer:")).copy_(value)
+            else:
+                getattr(m, key).data = value
+
+
 def greedy(eng, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -92,7 +126,26 @@ def main() -> None:
         runner.reload_weights(weights_iterator=iter(sd.items()), is_checkpoint_format=True)
         reloads.append(time.perf_counter() - t0)
     tokens = greedy(eng, prompts, args.max_tokens)
-    del eng, runner
+    # the packed-state swap: capture the real model's kernel-format state and a second model's
+    # (the real weights perturbed), then switch between them; each must give its own outputs
+    import torch
+
+    model = runner.get_model()
+    real = capture(model)
+    gen = torch.Generator().manual_seed(0)
+    other_sd = {k: v + 0.02 * torch.randn(v.shape, generator=gen, dtype=v.dtype) if v.dim() == 2 else v
+                for k, v in sd.items()}  # fmt: skip
+    runner.reload_weights(weights_iterator=iter(other_sd.items()), is_checkpoint_format=True)
+    other_tokens = greedy(eng, prompts, args.max_tokens)
+    other = capture(model)
+    swaps, swap_ok = [], []
+    for _ in range(args.reloads):
+        for state, expected in ((real, tokens), (other, other_tokens)):
+            t0 = time.perf_counter()
+            swap(model, state)
+            swaps.append(time.perf_counter() - t0)
+            swap_ok.append(greedy(eng, prompts, args.max_tokens) == expected)
+    del eng, runner, model, real, other
     t0 = time.perf_counter()
     cold = engine(args.model_dir, "safetensors")
     cold_s = time.perf_counter() - t0
@@ -100,6 +153,8 @@ def main() -> None:
     result = {
         "vllm": vllm.__version__, "import_s": import_s, "init_dummy_s": init_s, "read_s": read_s,
         "reload_s": reloads, "tokens": tokens, "cold_init_s": cold_s, "cold_tokens": cold_tokens,
+        "swap_s": swaps, "swap_outputs_right": sum(swap_ok), "swaps": len(swap_ok),
+        "other_differs": other_tokens != tokens,
     }  # fmt: skip
     print(json.dumps(result), flush=True)
     sys.stdout.flush()
