@@ -64,6 +64,7 @@ if str(BENCH_DIR) not in sys.path:  # `common`, `sim_mirror`, `live_run` when im
 from live_run import reused_live_runs, run_live, wait_for_file, wait_quiet_window  # noqa: E402
 from prism_serve.config import load_config, parse_config  # noqa: E402
 from prism_serve.memory.vmm import format_size  # noqa: E402
+from prism_serve.sim.hardware import dump_hardware, get_hardware  # noqa: E402
 from prism_serve.workload.format import Workload, read_jsonl, write_jsonl  # noqa: E402
 from sim_mirror import (  # noqa: E402, F401  (re-exported: tests/bench/test_sim_vs_live.py)
     ATTAINMENTS,
@@ -83,7 +84,7 @@ from sim_mirror import (  # noqa: E402, F401  (re-exported: tests/bench/test_sim
     sim_variants,
     with_warmup,
 )
-from step_overlap import host_speeds  # noqa: E402
+from step_overlap import host_speed_profile, host_speeds  # noqa: E402
 
 TARGETS = {"ttft_p50_s": 0.15, "ttft_p95_s": 0.15, "tpot_p50_s": 0.10, "ttft_attainment": 3.0,
            "slo_attainment": 3.0}  # fmt: skip
@@ -102,9 +103,10 @@ KNOWN_DIFFERENCES = (
     "(cores share the socket's memory bandwidth)",
     "host speed: the profile is one fixed speed; live, this machine's uncontended decode steps cost "
     "several percent more or less CPU from one run to the next (the host's memory and its other tenants). "
-    "Each live run prints its speed against the profile, and the 'sim, host speed' column is the "
-    "simulator with --step-scale times their mean: what is left there is the simulator's error, not "
-    "the host's",
+    "Each live run prints its speed against the profile (its memory and compute speeds apart, from "
+    "its decode and prefill steps), and the 'sim, host speed' column is the simulator with the "
+    "profile's memory and compute rates at the runs' mean speeds: what is left there is the "
+    "simulator's error, not the host's",
     "activation cost: simulated from the profile's activation constants (activation_overhead_s + "
     "weights at host_bandwidth: a copy into spare pages), the copy counting as activation_threads busy "
     "engines on the device's core while it runs (processor sharing by thread); live it is a copy (pages "
@@ -291,7 +293,7 @@ def format_sensitivity(speeds: dict[str, dict], sim: dict, live_runs: list[dict]
     return "\n".join(lines)
 
 
-HOST_SPEED_LABEL = "sim, host speed"  # the profile at the live runs' measured speed (host_speeds)
+HOST_SPEED_LABEL = "sim, host speed"  # the profile at the live runs' measured speeds (host_speed_profile)
 
 
 def target_summary(rows: dict[str, dict]) -> dict[str, str]:
@@ -530,22 +532,28 @@ def main() -> None:
         warm = [(-2.0 * (len(cfg.models) - i), m.name) for i, m in enumerate(cfg.models)]
         warmup_s = 0.5
     sim_wl = with_warmup(workload, warm, 0.0)
-    variants = [(label, sharing, args.step_scale) for label, sharing in sim_variants()]
+    variants = [(label, sharing, args.hardware) for label, sharing in sim_variants()]
     speeds_of_runs = host_speeds(live_runs, {m.name: m.spec for m in dep.models}, args.hardware)
     if speeds_of_runs:
+
+        def speed(s: dict) -> str:
+            split = f", memory {s['memory']:.3f} / compute {s['compute']:.3f}" if "memory" in s else ""
+            return f"decode {s['ratio']:.3f} ({s['steps']} steps){split}"
+
         print(
-            "host speed in each live run (decode steps with their core and the other devices idle, CPU "
+            "host speed in each live run (steps with their core and the other devices idle, CPU "
             "seconds over the profile's): "
-            + ", ".join(
-                f"run {i + 1} {s['ratio']:.3f} ({s['steps']} steps)" for i, s in speeds_of_runs.items()
-            )
+            + "; ".join(f"run {i + 1} {speed(s)}" for i, s in speeds_of_runs.items())
         )
-        mean = float(np.mean([s["ratio"] for s in speeds_of_runs.values()]))
-        variants.append((HOST_SPEED_LABEL, None, round(args.step_scale * mean, 4)))
+        at_speed = host_speed_profile(get_hardware(args.hardware), speeds_of_runs)
+        path = args.out / "host-speed-profile.json"
+        args.out.mkdir(parents=True, exist_ok=True)
+        dump_hardware(at_speed, path)
+        variants.append((HOST_SPEED_LABEL, None, str(path)))
     sims, rows = {}, {}
-    for label, sharing, scale in variants:
+    for label, sharing, hardware in variants:
         dep = sim_deployment(
-            cfg, warmup_s=warmup_s, compute_sharing=sharing, **{**mirror, "step_scale": scale}
+            cfg, warmup_s=warmup_s, compute_sharing=sharing, **{**mirror, "hardware": hardware}
         )
         sims[label] = run_sim(dep, sim_wl, len(warm))
         rows[label] = compare([r["models"] for r in live_runs], sims[label]["models"])

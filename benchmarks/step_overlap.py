@@ -18,7 +18,10 @@ import numpy as np
 
 from prism_serve.engine.step_trace import StepRecord, read_step_traces
 
-__all__ = ["cross_estimate", "device_of", "device_steps", "host_speed", "host_speeds", "other_device_overlap"]
+__all__ = [
+    "cross_estimate", "device_of", "device_steps", "host_speed", "host_speed_profile", "host_speeds",
+    "other_device_overlap",
+]  # fmt: skip
 
 BUSY = 0.9  # share of a step overlapped by other devices' steps above which it counts as crossed
 IDLE = 0.05  # ... below which it ran with the other devices idle
@@ -94,45 +97,104 @@ def cross_estimate(
     return float(ratio - 1.0), int(crossed.sum()), int(solo.sum())
 
 
-def host_speed(steps_dir: Path, predict: Callable[[StepRecord], float | None]) -> dict | None:
+def host_speed(
+    steps_dir: Path,
+    predict: Callable[[StepRecord], float | None],
+    memory_part: Callable[[StepRecord], float | None] | None = None,
+) -> dict | None:
     """How fast the host ran during one live run, against a profile: the CPU seconds of the run's
     decode steps that had their core and no other device stepping (overlap <= IDLE), over what
     ``predict`` gives for them (None: a step of a model it cannot price, left out). A host whose
     memory or neighbours change between runs moves this by several percent; the simulator has one
-    fixed profile. None when the run has no such steps."""
+    fixed profile. None when the run has no such steps.
+
+    With ``memory_part`` (the part of ``predict`` spent on memory traffic: weights and KV), the
+    prefill steps count too, and the two speeds are solved for separately: ``memory`` and
+    ``compute`` such that each kind's CPU seconds = memory x its memory part + compute x the rest
+    (decode steps are mostly memory, prefill steps mostly compute; the host's memory bandwidth and
+    its cores' speed need not drift together)."""
     steps = device_steps([steps_dir]) if steps_dir.is_dir() else []
     if not steps:
         return None
     overlap = other_device_overlap(steps)
-    cpu = pred = 0.0
-    n = 0
+    sums = {"decode": np.zeros(4), "prefill": np.zeros(4)}  # CPU, predicted, memory part, steps
     for (_, r), o in zip(steps, overlap, strict=True):
-        if o > IDLE or r.cpu < 0.8 * r.dt or any(new != 1 for new, _, _ in r.batch):
+        if o > IDLE or r.cpu < 0.8 * r.dt:
+            continue
+        kind = "decode" if all(new == 1 for new, _, _ in r.batch) else "prefill"
+        if kind == "prefill" and memory_part is None:
             continue
         p = predict(r)
-        if p is None:
+        m = memory_part(r) if memory_part is not None else 0.0
+        if p is None or m is None:
             continue
-        cpu, pred, n = cpu + r.cpu, pred + p, n + 1
-    return {"ratio": round(cpu / pred, 4), "steps": n} if n else None
+        sums[kind] += (r.cpu, p, m, 1)
+    cpu, pred, _, n = sums["decode"]
+    if not n:
+        return None
+    out = {"ratio": round(cpu / pred, 4), "steps": int(n)}
+    if memory_part is not None and sums["prefill"][3]:
+        # [memory part, compute part] . [memory, compute] = CPU, one row per kind
+        a = np.array([[s[2], s[1] - s[2]] for s in sums.values()])
+        b = np.array([s[0] for s in sums.values()])
+        if abs(np.linalg.det(a)) > 1e-12 * np.abs(a).max() ** 2:
+            memory, compute = np.linalg.solve(a, b)
+            if memory > 0 and compute > 0:
+                out |= {"memory": round(float(memory), 4), "compute": round(float(compute), 4),
+                        "prefill_steps": int(sums["prefill"][3])}  # fmt: skip
+    return out
 
 
 def host_speeds(live_runs: list[dict], specs: dict, hardware: str) -> dict[int, dict]:
-    """Per live run (index), step_overlap.host_speed against the ``hardware`` profile: how much
-    more (> 1) or less CPU than the profile the run's uncontended decode steps took. ``specs``: model
-    name -> its simulated shape; ``live_runs``: live_run.py's runs (each with its ``steps_dir``)."""
+    """Per live run (index), ``host_speed`` against the ``hardware`` profile, with the memory and
+    compute speeds apart: how much more (> 1) or less CPU than the profile the run's uncontended
+    steps took. ``specs``: model name -> its simulated shape; ``live_runs``: live_run.py's runs
+    (each with its ``steps_dir``)."""
+    import dataclasses
+
     from fit_cpu_profile import predict
     from prism_serve.control.types import REPLICA_SEPARATOR
     from prism_serve.sim.cost import RooflineCostModel
     from prism_serve.sim.hardware import get_hardware
 
-    cm = RooflineCostModel(get_hardware(hardware))
+    hw = get_hardware(hardware)
+    cm = RooflineCostModel(hw)
+    # the same steps with free compute: what is left is the memory traffic (the CPU form is a sum)
+    memory_only = RooflineCostModel(dataclasses.replace(hw, peak_flops=1e30, attn_flops=1e30))
 
-    def price(step) -> float | None:
-        spec = specs.get(step.model.split(REPLICA_SEPARATOR)[0])
-        return None if spec is None else predict(cm, spec, [tuple(b) for b in step.batch])
+    def priced(model):
+        def price(step) -> float | None:
+            spec = specs.get(step.model.split(REPLICA_SEPARATOR)[0])
+            return None if spec is None else predict(model, spec, [tuple(b) for b in step.batch])
+
+        return price
 
     out = {}
     for i, run in enumerate(live_runs):
-        if run.get("steps_dir") and (speed := host_speed(Path(run["steps_dir"]), price)) is not None:
+        steps_dir = run.get("steps_dir")
+        memory = priced(memory_only) if not hw.overlap else None  # a roofline max does not split
+        if steps_dir and (speed := host_speed(Path(steps_dir), priced(cm), memory)) is not None:
             out[i] = speed
     return out
+
+
+def host_speed_profile(hw, speeds: dict[int, dict]):
+    """``hw`` at the runs' mean speeds: its memory rates divided by the mean memory speed and its
+    compute rates by the mean compute speed (the decode-only ratio for both where a run has no split);
+    None without runs."""
+    import dataclasses
+
+    if not speeds:
+        return None
+    memory = float(np.mean([s.get("memory", s["ratio"]) for s in speeds.values()]))
+    compute = float(np.mean([s.get("compute", s["ratio"]) for s in speeds.values()]))
+
+    def rate(v: float | None, f: float) -> float | None:
+        return None if v is None else v / f
+
+    return dataclasses.replace(
+        hw, name=f"{hw.name}-at-host-speed", peak_flops=hw.peak_flops / compute,
+        attn_flops=rate(hw.attn_flops, compute), mem_bandwidth=hw.mem_bandwidth / memory,
+        kv_bandwidth=rate(hw.kv_bandwidth, memory), row_bandwidth=rate(hw.row_bandwidth, memory),
+        step_overhead_s=hw.step_overhead_s * memory, seq_overhead_s=hw.seq_overhead_s * memory,
+    )  # fmt: skip

@@ -93,3 +93,41 @@ def test_host_speed_prices_the_uncontended_decode_steps_only(so, tmp_path):
     assert so.host_speed(tmp_path, lambda r: prices.get(r.t, 1.0)) == {"ratio": 1.1, "steps": 2}
     assert so.host_speed(tmp_path, lambda r: None) is None
     assert so.host_speed(tmp_path / "missing", lambda r: 1.0) is None
+
+
+def test_host_speed_solves_memory_and_compute_speeds_apart(so, tmp_path):
+    """Decode steps priced 1.0 s (0.9 memory), prefill steps 2.0 s (0.4 memory); the run's memory is
+    1.2x slower than the profile and its compute 0.9x: each step's CPU is 1.2 x memory + 0.9 x the
+    rest, and host_speed recovers both."""
+    trace = StepTrace(tmp_path / "cpu:0_w0.jsonl")
+    decode, prefill = [(1, 10, True)], [(64, 0, True)]
+    t = 0.0
+    for batch, price, memory in ((decode, 1.0, 0.9), (prefill, 2.0, 0.4)) * 3:
+        cpu = 1.2 * memory + 0.9 * (price - memory)
+        trace.write(StepRecord(model="m", t=t, dt=cpu, cpu=cpu, batch=batch))
+        t += 10.0
+    trace.close()
+
+    def price(r):
+        return 1.0 if r.batch[0][0] == 1 else 2.0
+
+    def memory(r):
+        return 0.9 if r.batch[0][0] == 1 else 0.4
+
+    got = so.host_speed(tmp_path, price, memory)
+    assert got["memory"] == pytest.approx(1.2, abs=1e-4) and got["compute"] == pytest.approx(0.9, abs=1e-4)
+    assert got["ratio"] == pytest.approx(1.17, abs=1e-4) and got["steps"] == 3 and got["prefill_steps"] == 3
+    assert "memory" not in so.host_speed(tmp_path, price)  # decode steps only without the split
+
+
+def test_the_host_speed_profile_scales_memory_and_compute_rates_apart(so):
+    from prism_serve.sim.hardware import HARDWARE
+
+    hw = HARDWARE["cpu-smollm2-avx512bf16"]
+    at = so.host_speed_profile(hw, {0: {"ratio": 1.1, "memory": 1.2, "compute": 0.8}, 1: {"ratio": 1.0}})
+    assert at.mem_bandwidth == pytest.approx(hw.mem_bandwidth / 1.1)  # mean of 1.2 and 1.0
+    assert at.kv_bandwidth == pytest.approx(hw.kv_bandwidth / 1.1)
+    assert at.peak_flops == pytest.approx(hw.peak_flops / 0.9)  # mean of 0.8 and 1.0
+    assert at.attn_flops == pytest.approx(hw.attn_flops / 0.9)
+    assert at.cross_interference == hw.cross_interference and at.share_interference == hw.share_interference
+    assert so.host_speed_profile(hw, {}) is None
