@@ -3,9 +3,6 @@ per-model numbers, errors and the comparison (no server is started)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,16 +11,12 @@ import pytest
 from prism_serve.config import parse_config
 from prism_serve.workload.format import Workload
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_vs_live.py"
+from .conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def svl():
-    spec = importlib.util.spec_from_file_location("sim_vs_live", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sim_vs_live"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("sim_vs_live")
 
 
 CONFIG = """\

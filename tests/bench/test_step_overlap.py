@@ -3,8 +3,6 @@ host-wide interference estimated from them (the simulator's cross_interference).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,16 +10,12 @@ import pytest
 
 from prism_serve.engine.step_trace import StepRecord, StepTrace
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "step_overlap.py"
+from .conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def so():
-    spec = importlib.util.spec_from_file_location("step_overlap", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["step_overlap"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("step_overlap")
 
 
 def _write(directory: Path, worker: str, steps: list[tuple[float, float]]) -> None:
