@@ -169,32 +169,21 @@ def host_speeds(live_runs: list[dict], specs: dict, hardware: str) -> dict[int, 
 
         return price
 
+    memory = priced(memory_only) if not hw.overlap else None  # a roofline max does not split
     out = {}
     for i, run in enumerate(live_runs):
         steps_dir = run.get("steps_dir")
-        memory = priced(memory_only) if not hw.overlap else None  # a roofline max does not split
         if steps_dir and (speed := host_speed(Path(steps_dir), priced(cm), memory)) is not None:
             out[i] = speed
     return out
 
 
 def host_speed_profile(hw, speeds: dict[int, dict]):
-    """``hw`` at the runs' mean speeds: its memory rates divided by the mean memory speed and its
-    compute rates by the mean compute speed (the decode-only ratio for both where a run has no split);
-    None without runs."""
-    import dataclasses
-
+    """``hw`` at the runs' mean speeds (``HardwareProfile.slowed``): its memory traffic slowed by the
+    mean memory speed and its compute by the mean compute speed (the decode-only ratio for both where
+    a run has no split); None without runs."""
     if not speeds:
         return None
     memory = float(np.mean([s.get("memory", s["ratio"]) for s in speeds.values()]))
     compute = float(np.mean([s.get("compute", s["ratio"]) for s in speeds.values()]))
-
-    def rate(v: float | None, f: float) -> float | None:
-        return None if v is None else v / f
-
-    return dataclasses.replace(
-        hw, name=f"{hw.name}-at-host-speed", peak_flops=hw.peak_flops / compute,
-        attn_flops=rate(hw.attn_flops, compute), mem_bandwidth=hw.mem_bandwidth / memory,
-        kv_bandwidth=rate(hw.kv_bandwidth, memory), row_bandwidth=rate(hw.row_bandwidth, memory),
-        step_overhead_s=hw.step_overhead_s * memory, seq_overhead_s=hw.seq_overhead_s * memory,
-    )  # fmt: skip
+    return hw.slowed(memory, compute_factor=compute)

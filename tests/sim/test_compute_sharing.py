@@ -3,10 +3,13 @@ processor sharing is exact for the step in flight, with staggered starts, and fo
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from prism_serve.sim import HARDWARE, SimConfig, simulate
+from prism_serve.sim.errors import SimConfigError
 from prism_serve.workload import Workload
 
 from .helpers import loose, served
@@ -90,6 +93,30 @@ def test_a_slowed_profile_stretches_every_step_and_not_the_activation(name):
         [1.5 * x for x in base.decode_steps(spec, 1, 8, 2048, 4)], rel=1e-12
     )
     assert slow.activation_time(spec, 1) == base.activation_time(spec, 1)
+
+
+def test_a_profile_slowed_apart_prices_memory_and_compute_by_their_own_factors():
+    """cpu-smollm2-avx512bf16 sums compute and memory time (overlap=False): a batch-1 decode step is
+    nearly all weight read, a 512-token prefill nearly all FLOPs, so each follows its own factor."""
+    from prism_serve.sim import RooflineCostModel
+    from prism_serve.sim.models import model_shape
+
+    hw = HARDWARE["cpu-smollm2-avx512bf16"]
+    both = hw.slowed(1.2, compute_factor=0.9)
+    assert both.mem_bandwidth == pytest.approx(hw.mem_bandwidth / 1.2)
+    assert both.kv_bandwidth == pytest.approx(hw.kv_bandwidth / 1.2)
+    assert both.peak_flops == pytest.approx(hw.peak_flops / 0.9)
+    assert both.attn_flops == pytest.approx(hw.attn_flops / 0.9)
+    base, slow = RooflineCostModel(hw), RooflineCostModel(both)
+    spec = model_shape("smollm2-135m", 4)
+    decode_step, prefill_step = (1, 16.0, 16, 1), (512, 512 * 256.0, 0, 1)
+    decode = slow.step_time(spec, 1, *decode_step) / base.step_time(spec, 1, *decode_step)
+    prefill = slow.step_time(spec, 1, *prefill_step) / base.step_time(spec, 1, *prefill_step)
+    assert 1.15 < decode <= 1.2 and 0.9 <= prefill < 0.97
+    same = hw.slowed(1.3, compute_factor=1.3)  # one factor for both: slowed(1.3) under another name
+    assert same == dataclasses.replace(hw.slowed(1.3), name=same.name)
+    with pytest.raises(SimConfigError):
+        hw.slowed(1.0, compute_factor=0.0)
 
 
 def test_step_scale_in_the_config_slows_the_run():

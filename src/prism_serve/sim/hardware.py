@@ -127,19 +127,25 @@ class HardwareProfile:
         host have work (the memory system they share); 1.0 for devices that share nothing."""
         return 1.0 + self.cross_interference * max(0, other_busy_devices)
 
-    def slowed(self, factor: float) -> HardwareProfile:
+    def slowed(self, factor: float, compute_factor: float | None = None) -> HardwareProfile:
         """This profile with every engine step ``factor`` times as long (activation unchanged): a
-        measured correction, e.g. the live engine's step seconds over the simulated ones."""
-        if not (factor > 0 and math.isfinite(factor)):
-            raise SimConfigError(f"step scale must be a positive number, got {factor}")
+        measured correction, e.g. the live engine's step seconds over the simulated ones. With
+        ``compute_factor``, the compute rates (``peak_flops``, ``attn_flops``) are slowed by that
+        instead, and ``factor`` slows the rest (memory and link traffic, per-step overheads): a host
+        whose memory and cores run at different speeds (benchmarks/step_overlap.py measures both)."""
+        compute = factor if compute_factor is None else compute_factor
+        for f in (factor, compute):
+            if not (f > 0 and math.isfinite(f)):
+                raise SimConfigError(f"step scale must be a positive number, got {f}")
 
-        def rate(v: float | None) -> float | None:
-            return None if v is None else v / factor
+        def rate(v: float | None, f: float = factor) -> float | None:
+            return None if v is None else v / f
 
+        name = f"{self.name}-x{factor:g}" + ("" if compute_factor is None else f"-compute-x{compute:g}")
         return dataclasses.replace(
-            self, name=f"{self.name}-x{factor:g}", peak_flops=self.peak_flops / factor,
+            self, name=name, peak_flops=self.peak_flops / compute,
             mem_bandwidth=self.mem_bandwidth / factor, link_bandwidth=self.link_bandwidth / factor,
-            attn_flops=rate(self.attn_flops), kv_bandwidth=rate(self.kv_bandwidth),
+            attn_flops=rate(self.attn_flops, compute), kv_bandwidth=rate(self.kv_bandwidth),
             row_bandwidth=rate(self.row_bandwidth), step_overhead_s=self.step_overhead_s * factor,
             seq_overhead_s=self.seq_overhead_s * factor,
             allreduce_latency_s=self.allreduce_latency_s * factor,
