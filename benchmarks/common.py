@@ -61,3 +61,12 @@ def wait_quiet(limit_s: float, threshold: float) -> None:
         time.sleep(0.5)
         if other_load_since(start, 0.5) < threshold:
             return
+
+
+def vllm_server_python() -> Path:
+    """The Python of the full vLLM CPU build's venv (.venv-vllm-server), set up first if it is
+    missing or stale (scripts/vllm-server-env.sh: once, about 100 s and 3.5 GiB)."""
+    import subprocess
+
+    subprocess.run(["bash", str(REPO_ROOT / "scripts" / "vllm-server-env.sh")], check=True)
+    return REPO_ROOT / ".venv-vllm-server" / "bin" / "python"

@@ -149,8 +149,7 @@ def vllm_python(args: argparse.Namespace) -> str | None:
         return args.vllm_python
     if not args.vllm:
         return None
-    subprocess.run(["bash", str(REPO_ROOT / "scripts" / "vllm-server-env.sh")], check=True)
-    return str(REPO_ROOT / ".venv-vllm-server" / "bin" / "python")
+    return str(common.vllm_server_python())
 
 
 def hf_model_dir(tmp: Path) -> Path:

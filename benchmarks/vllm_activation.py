@@ -32,7 +32,6 @@ import tempfile
 from pathlib import Path
 
 import common
-from common import REPO_ROOT
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = [
@@ -42,20 +41,16 @@ PROMPTS = [
 ]
 
 
-def builtin_greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
+def builtin_greedy(weights, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from prism_serve.engine.llm import LLM
     from prism_serve.engine.sampling_params import SamplingParams
 
-    eng = LLMEngine(EngineConfig(model=MODEL, dtype="float32", kv_cache_bytes=64 << 20))
+    llm = LLM(MODEL, weights=weights, dtype="float32", kv_cache_bytes=64 << 20)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ids = [eng.add_request(p, params) for p in prompts]
-    out: dict = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                out[o.req_id] = list(o.token_ids)
-    eng.close()
-    return [out[i] for i in ids]
+    try:
+        return [list(o.token_ids) for o in llm.generate(prompts, params)]
+    finally:
+        llm.engine.close()
 
 
 def main() -> None:
@@ -68,8 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     info = common.machine_info()
     print(info["line"], flush=True)
-    subprocess.run(["bash", str(REPO_ROOT / "scripts" / "vllm-server-env.sh")], check=True)
-    python = REPO_ROOT / ".venv-vllm-server" / "bin" / "python"
+    python = common.vllm_server_python()
 
     from activation import GiB, measure, memcpy_bandwidth
     from prism_serve.engine.weights import load_weights, save_hf_dir
@@ -79,6 +73,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="prism-vllm-") as tmp:
         hf = Path(tmp) / "hf-model"
         save_hf_dir(weights, hf)
+        ours = builtin_greedy(weights, prompts, args.max_tokens)
         del weights
         (Path(tmp) / "prompts.json").write_text(json.dumps(prompts))
         common.wait_quiet(30, 0.3)
@@ -95,7 +90,6 @@ def main() -> None:
             sys.exit(f"the vLLM child failed (rc {child.returncode}):\n{child.stderr[-4000:]}")
         v = json.loads(lines[-1])
     builtin = measure(MODEL, MODEL, "float32", args.repeats, 4 * GiB, memcpy_bandwidth())
-    ours = builtin_greedy(prompts, args.max_tokens)
     reload_s = statistics.median(v["reload_s"][1:] or v["reload_s"])
     swap_s = statistics.median(v["swap_s"][2:] or v["swap_s"])  # the first two touch fresh memory
     own_start = v["import_s"] + v["cold_init_s"]
