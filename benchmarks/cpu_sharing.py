@@ -248,7 +248,6 @@ def measure(args) -> dict:
     t_all = time.monotonic()
     for r in range(args.rounds):
         t0 = time.monotonic()
-        order = range(1, MAX_BUSY + 1) if r % 2 == 0 else range(MAX_BUSY, 0, -1)  # drift cancels
         points = []
         plan = [(label, dev, None) for label, dev in devices.items() if label in groups]
         if partner is not None:
@@ -256,7 +255,8 @@ def measure(args) -> dict:
         for label, dev, other_dev in plan:
             # cross: the one-core device's first engine alone (n=1) and with the other core's engine
             # stepping the same shape (n=2); the number is the engines busy on the host
-            ns = (1, 2) if other_dev else range(1, MAX_BUSY + 1)
+            ns = (1, 2) if other_dev else tuple(range(1, MAX_BUSY + 1))
+            order = ns if r % 2 == 0 else ns[::-1]  # alternate rounds go down: drift cancels
             for name, kind, shape in SHAPES:
                 min_steps = 2 if kind == "prefill" else args.min_steps
                 window = 2 * args.window if kind == "prefill" else args.window
@@ -264,19 +264,10 @@ def measure(args) -> dict:
                 for attempt in range(args.retries + 1):
                     wait_quiet(args.quiet_wait, 0.15)
                     group = []
-                    for n in order if not other_dev else (ns if r % 2 == 0 else ns[::-1]):
-                        if other_dev:
-                            p = dev.point(
-                                kind,
-                                shape,
-                                1,
-                                min_steps,
-                                window,
-                                args.max_window,
-                                other_dev if n == 2 else None,
-                            )
-                        else:
-                            p = dev.point(kind, shape, n, min_steps, window, args.max_window)
+                    for n in order:
+                        # cross: this device's one engine, with the partner stepping at n = 2
+                        engines, partner_now = (1, other_dev if n == 2 else None) if other_dev else (n, None)
+                        p = dev.point(kind, shape, engines, min_steps, window, args.max_window, partner_now)
                         group.append({"device": label, "shape": name, "n": n, "attempt": attempt, **p})
                         print(
                             f"  {label} {name} n={n}: step {np.mean(p['step_s']) * 1e3:.1f} ms "

@@ -149,7 +149,8 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     slos = {m.name: ModelSLO(m.ttft_slo, m.tpot_slo) for m in cfg.models}
     # every engine step's shape and seconds, for fit_cpu_profile.py --trace
-    trace = {STEP_TRACE_ENV: str(out / f"steps-{tag}")}
+    steps_dir = out / f"steps-{tag}"
+    trace = {STEP_TRACE_ENV: str(steps_dir)}
     proc = start_server_process(path, port, out / f"server-{tag}.log", env=trace)
     try:
         healthy = time.perf_counter()
@@ -198,8 +199,8 @@ async def run_live(cfg: DeploymentConfig, workload: Workload, out: Path, tag: st
         "errors": res.summary()["overall"]["errors"],
         "send_lag_p99_s": res.summary()["overall"]["send_lag_p99_s"],
         "requests": records,
-        "steps_dir": str(out / f"steps-{tag}"),
-        "serving_path": serving_path_s(records, out / f"steps-{tag}"),
+        "steps_dir": str(steps_dir),
+        "serving_path": serving_path_s(records, steps_dir),
     }
 
 
