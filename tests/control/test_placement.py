@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prism_serve.control import DeviceBudget, InvalidSnapshotError, Part, kvpr, place_parts
-from prism_serve.control.placement import contention, pressure
+from prism_serve.control.placement import SAFE_LOAD, contention, overloads, pressure, worst_load
 
 GIB = 1 << 30
 CAP = 80 * GIB
@@ -212,3 +212,45 @@ def test_migration_threshold_is_a_kvpr_gain_at_the_current_contention():
     devices = [DeviceBudget("d0", CAP), DeviceBudget("d1", CAP)]
     assert place_parts(parts, devices, tau=0.06).assignment[("small", 0)] == "d0"
     assert place_parts(parts, devices, tau=0.05).assignment[("small", 0)] == "d1"
+
+
+def test_worst_load_is_each_engine_slowed_by_its_neighbours():
+    # alone an engine's load is its busy fraction; beside others busy 0.5 in sum it steps 1.5x slower
+    assert worst_load([0.4]) == pytest.approx(0.4)
+    assert worst_load([0.4, 0.25, 0.25]) == pytest.approx(0.4 * 1.5)
+    assert worst_load([]) == 0.0
+
+
+def test_a_light_model_does_not_move_beside_an_engine_near_its_limit():
+    # d1 holds one hot engine busy 98% of the time; d0 four light engines busy 1.11 in sum, with less
+    # KV memory. By pressure "light" (busy 0.10) belongs on d1, and moving it there would make
+    # the hot engine's load 0.98 * 1.10 = 1.08: the move that cost the decode-heavy CPU sweep 10 points
+    def parts(hot_busy: float) -> list[Part]:
+        return [
+            Part("hot", 0, 0.33, 10 * GIB, current="d1", fixed=True, busy=hot_busy),
+            Part("a", 0, 0.20, 5 * GIB, current="d0", busy=0.44),
+            Part("b", 0, 0.17, 5 * GIB, current="d0", busy=0.29),
+            Part("c", 0, 0.12, 5 * GIB, current="d0", busy=0.28),
+            Part("light", 0, 0.02, 5 * GIB, current="d0", busy=0.10),
+        ]
+
+    devices = [DeviceBudget("d0", 48 * GIB), DeviceBudget("d1", 48 * GIB)]
+    assert overloads([0.44, 0.29, 0.28, 0.10], [0.98], 0.10)
+    assert place_parts(parts(0.98), devices, tau=0.0).assignment[("light", 0)] == "d0"
+    # with the hot engine at 0.3 the same move leaves every engine below SAFE_LOAD: pressure decides
+    assert not overloads([0.44, 0.29, 0.28, 0.10], [0.3], 0.10)
+    assert place_parts(parts(0.3), devices, tau=0.0).assignment[("light", 0)] == "d1"
+
+
+busy_lists = st.lists(st.floats(0.01, 1.0), min_size=0, max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(busy_lists, busy_lists, st.floats(0.01, 1.0))
+def test_above_safe_load_a_move_and_its_reverse_are_not_both_allowed(a, b, p):
+    # a and b are the two devices without the moving engine (busy p): moving it a -> b and then
+    # b -> a with the same inputs would be a ping-pong; above SAFE_LOAD only an exact tie allows both
+    forth = not overloads([*a, p], b, p)
+    back = not overloads([*b, p], a, p)
+    if worst_load([*a, p]) > SAFE_LOAD and worst_load([*b, p]) > SAFE_LOAD and forth and back:
+        assert worst_load([*a, p]) == pytest.approx(worst_load([*b, p]))

@@ -403,3 +403,19 @@ def test_a_busy_model_moves_before_its_capacity_is_known_and_the_old_copy_then_d
     # without a misplaced copy nothing is surplus while the capacity is unknown (as before)
     even = [*moved[:2], _neighbour("n", ("d0",), 0.8), _neighbour("n1", ("d1",), 0.8)]
     assert surplus(cluster(even, DEVICES), "m", 0.5) is None
+
+
+def test_a_light_busy_model_does_not_move_beside_an_engine_near_its_limit() -> None:
+    """The live decode-heavy sweep: a model with a few requests a minute, slowed by four light
+    neighbours, was moved beside the one engine near its limit and back, over and over."""
+    pol = get_policy("prism", prewarm=False)
+    light = hot(rate=2, on=("d0",), running=3)  # busy 2 x 0.05 = 0.1
+    crowd = [_neighbour(f"n{i}", ("d0",), 0.3) for i in range(4)]  # 1.3 in sum: contention 50
+    # d1 and d2 each hold one engine busy 0.7: with m there it would have work 0.7 x 1.1 = 0.77 of
+    # the time, more than any engine on d0 now (0.3 x 2.0 = 0.6); contention alone (5 there against
+    # 50) would move it
+    models = [light, hot(k=1), *crowd, _neighbour("h1", ("d1",), 0.7), _neighbour("h2", ("d2",), 0.7)]
+    assert pol.place(cluster(models, DEVICES), 100.0) == []
+    # d2's engine busy 0.3: the move leaves every engine there below SAFE_LOAD, and it goes
+    quiet = [*models[:-1], _neighbour("h2", ("d2",), 0.3)]
+    assert pol.place(cluster(quiet, DEVICES), 100.0) == [Activate("m#1", ("d2",))]

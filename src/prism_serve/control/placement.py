@@ -39,6 +39,19 @@ gain beats ``tau * contention(U)`` of that device (tau stays a KVPR gain: withou
 contention of 20 would turn rate noise of a few percent into migrations). With every ``busy`` zero
 it is the paper's algorithm exactly.
 
+A move must also not overload the engines it lands next to (:func:`overloads`). Pressure is one
+number per device, so it cannot tell a device of several light engines, each with plenty of slack,
+from one whose single engine is near its limit: both read as busy. Engine ``j``, busy ``b_j`` alone
+with neighbours busy ``U - b_j`` of the time, steps at about ``1 / (1 + U - b_j)`` of its speed alone
+(processor sharing with the expected number of neighbours stepping), so it has work
+``load_j = b_j (1 + U - b_j)`` of the time and its queue grows without bound as that nears 1. A move
+is refused if the destination's most loaded engine would end more loaded than the most loaded engine
+of either device was before (and than ``SAFE_LOAD``). Above ``SAFE_LOAD`` a move and its reverse
+are then both allowed only if they tie (each needs its destination to end no more loaded than the
+other side), so with unchanged inputs the next run does not undo it. (The decode-heavy CPU sweep: a
+light model moved by pressure onto the core of the one model at 98% of its limit, and back when the
+rates turned, every 60 s, and that model's TTFT attainment fell from 95% to 85%.)
+
 Picking the lowest-pressure device uses a heap with lazy deletion, so one run costs
 O((M + D) log D) for M parts on D devices plus the ineligible devices skipped on the way.
 """
@@ -52,10 +65,25 @@ from dataclasses import dataclass
 
 from prism_serve.control.types import InvalidSnapshotError
 
-__all__ = ["GIB", "DeviceBudget", "Part", "PlacementResult", "contention", "kvpr", "place_parts", "pressure"]
+__all__ = [
+    "GIB",
+    "SAFE_LOAD",
+    "DeviceBudget",
+    "Part",
+    "PlacementResult",
+    "contention",
+    "kvpr",
+    "overloads",
+    "place_parts",
+    "pressure",
+    "worst_load",
+]
 
 GIB = float(1 << 30)
 _KNEE = 0.9  # busy fraction where contention() leaves 1 / (1 - U) for its tangent
+# an engine with work less than half the time, neighbours' slowdown included, has ample slack: moves
+# below this load are pressure's to decide (the busy fraction 0.5 where contention() reaches 2)
+SAFE_LOAD = 0.5
 
 
 def kvpr(weighted_rate: float, shared_kv_bytes: float) -> float:
@@ -73,6 +101,22 @@ def contention(busy: float) -> float:
         return 1.0 / (1.0 - max(0.0, busy))
     slope = 1.0 / (1.0 - _KNEE) ** 2
     return 1.0 / (1.0 - _KNEE) + slope * (busy - _KNEE)
+
+
+def worst_load(busy: Iterable[float]) -> float:
+    """The most loaded engine's share of time with work among engines busy ``busy`` alone on one
+    device, each slowed by its neighbours: ``max_j b_j (1 + U - b_j)`` (module docstring)."""
+    busy = list(busy)
+    total = sum(busy)
+    return max((b * (1.0 + total - b) for b in busy), default=0.0)
+
+
+def overloads(source: Sequence[float], destination: Sequence[float], busy: float) -> bool:
+    """Whether moving an engine busy ``busy`` from a device whose engines are busy ``source`` (it
+    included) onto one with ``destination`` leaves the destination's most loaded engine above
+    ``SAFE_LOAD`` and above the most loaded engine of either device before the move."""
+    after = worst_load([*destination, busy])
+    return after > max(SAFE_LOAD, worst_load(source), worst_load(destination))
 
 
 def pressure(weighted_rate: float, shared_kv_bytes: float, busy: float = 0.0) -> float:
@@ -148,6 +192,7 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
     n = len(names)
     W = [0.0] * n
     U = [0.0] * n
+    on: list[list[float]] = [[] for _ in range(n)]  # busy fractions of the parts placed on each device
     S = [float(d.capacity_bytes) for d in devices]
     min_kv = [d.min_kv_bytes for d in devices]
     held: list[set[str]] = [set() for _ in range(n)]
@@ -171,6 +216,7 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
             j = index[p.current]
             W[j] += p.demand
             U[j] += p.busy
+            on[j].append(p.busy)
             S[j] -= p.weight_bytes
             held[j].add(p.key)
             assignment[(p.model, p.rank)] = p.current
@@ -215,8 +261,10 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
         S[j] -= sign * p.weight_bytes
         if sign > 0:
             held[j].add(p.key)
+            on[j].append(p.busy)
         else:
             held[j].discard(p.key)
+            on[j].remove(p.busy)
         touch(j)
 
     i = 0
@@ -234,6 +282,8 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
                 # move only if the best device beats the current one by more than tau (line 8)
                 # tau is a KVPR gain; in pressure it is worth tau at the current device's contention
                 best = best_below(p, pressure(W[cur], S[cur], U[cur]) - tau * contention(U[cur]))
+                if best is not None and p.busy > 0 and overloads([*on[cur], p.busy], on[best], p.busy):
+                    best = None
                 j = cur if best is None else best
             else:
                 j = best_below(p, math.inf)

@@ -35,7 +35,15 @@ from prism_serve.control.eviction import (
     device_loads,
     never_fits,
 )
-from prism_serve.control.placement import DeviceBudget, Part, contention, place_parts, pressure
+from prism_serve.control.placement import (
+    DeviceBudget,
+    Part,
+    contention,
+    overloads,
+    place_parts,
+    pressure,
+    worst_load,
+)
 from prism_serve.control.policies.base import (
     Policy,
     min_kv_bytes,
@@ -279,7 +287,8 @@ class PrismPolicy(Policy):
         """Issue 16's compute balancing where memory blocks Algorithm 1: on the most contended device
         (contention >= 2, i.e. busy fraction >= 0.5) where it works, the busiest movable model moves
         to a device that can hold it once idle models there are evicted, if the pressure it lands on
-        beats its current one by tau at the current contention (Algorithm 1's rule). At most one
+        beats its current one by tau at the current contention (Algorithm 1's rule) and it overloads
+        no engine there (:func:`placement.overloads`). At most one
         such move per tick: each costs an activation and the evicted models' next requests."""
         k = self.knobs
         loads = loads_now()
@@ -306,6 +315,8 @@ class PrismPolicy(Policy):
             if move is None:
                 continue
             device, victims = move
+            if self._overloads(cluster, m, (device,), set(victims) | gone):
+                continue
             self._evict_for(cluster, loads, victims, planned, evicted, gone)
             self._unload(loads, m, m.placement)
             self._load(loads, m, (device,))
@@ -440,7 +451,10 @@ class PrismPolicy(Policy):
         second replica on the devices :func:`choose_activation` picks among the others that have
         memory for it now (evicting idle models there that the forecast does not expect soon) if
         the device it lands on, itself included, would be at most half as contended as the one it
-        leaves, itself included (:data:`replicas.MISPLACED_FACTOR`). Once the new replica is active
+        leaves, itself included (:data:`replicas.MISPLACED_FACTOR`), and no engine there ends more
+        loaded than the most loaded engine of either side was (:func:`placement.overloads`: the live
+        decode-heavy sweep moved a model with 1-3 requests a minute back and forth beside the one
+        model near its limit). Once the new replica is active
         the old one is :func:`replicas.misplaced`: the router sends it nothing and it is evicted
         once it has nothing queued or running, as a surplus replica is."""
         k = self.knobs
@@ -487,6 +501,10 @@ class PrismPolicy(Policy):
             # contention ``m`` steps under without making its new neighbours' worse than that
             after = max(max(0.0, by_name[d].busy - gone_busy[d]) for d in devices) + self._busy(m)
             if contention(after) * MISPLACED_FACTOR > contention(neighbours_busy(cluster, m) + self._busy(m)):
+                continue
+            # nor may it overload an engine already there (a light model beside one near its limit
+            # slows that one more than the move saves; placement.overloads)
+            if self._overloads(cluster, m, devices, set(victims) | gone):
                 continue
             self._evict_for(cluster, loads, victims, planned, evicted, gone)
             self._load(loads, moved, devices)
@@ -571,6 +589,22 @@ class PrismPolicy(Policy):
             planned[m.model] = devices
             out.append(m)
         return out
+
+    def _overloads(
+        self, cluster: ClusterSnapshot, m: ModelSnapshot, devices: tuple[str, ...], leaving: set[str]
+    ) -> bool:
+        """Whether moving ``m`` from its devices onto ``devices`` overloads an engine there
+        (``placement.overloads``, each destination against ``m``'s most loaded device), the models in
+        ``leaving`` gone from both sides."""
+
+        def busies(d: str) -> list[float]:
+            return [self._busy(cluster.models[n]) for n in cluster.devices[d].models if n not in leaving]
+
+        b = self._busy(m)
+        if b <= 0:
+            return False
+        source = max((busies(d) for d in m.placement), key=worst_load)
+        return any(overloads(source, busies(d), b) for d in devices)
 
     def _load(self, loads: list[DeviceLoad], m: ModelSnapshot, devices: tuple[str, ...]) -> None:
         for load in loads:
