@@ -3,6 +3,7 @@ controller and the simulator share. Their own suites test only how they carry th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import pytest
@@ -553,3 +554,16 @@ def test_a_keep_alive_eviction_holds_the_model_until_its_next_request():
     loop.arrival(req(2, t=7.0), 7.0)
     assert body.models["a"].state is ModelState.ACTIVATING and "a" not in loop.held
     check_invariants(loop, body)
+
+
+def test_a_tick_logs_each_move_with_the_busy_fractions_it_read(caplog):
+    loop, body, pol = make(max_seqs=1)
+    loop.arrival(req(1), 0.0)
+    body.activated("a", 0.1)
+    pol.next_place = [Migrate("a", ("d0",), ("d1",))]
+    with caplog.at_level(logging.INFO, logger="prism_serve.control.loop"):
+        loop.tick(0.3)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("moving")]
+    # each device's models with their busy fraction / request rate: a has had one request within
+    # the rate estimator's shortest span (1 req/s; busy 1 by its profile here), b on d1 none
+    assert line == "moving a ('d0',) -> ('d1',) (busy/rate d0: a 1.00/1.000 | d1: b 0.00/0.000)"

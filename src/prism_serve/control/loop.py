@@ -49,6 +49,7 @@ Rules decided here once for both bodies:
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
@@ -75,6 +76,8 @@ from prism_serve.control.types import (
     Request,
     SetKVQuota,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ENGINE", "Body", "ControlLoop", "LoopStateError"]
 
@@ -183,7 +186,10 @@ class ControlLoop:
                 if cluster.models[m].replica_of is None:
                     self.hold(m)
             cluster = self.body.cluster(now)
-        self._apply(self.policy.place(cluster, now), now)
+        actions = self.policy.place(cluster, now)
+        if logger.isEnabledFor(logging.INFO):
+            _log_moves(actions, cluster)
+        self._apply(actions, now)
         pending, self.backlog = list(self.backlog.values()), {}
         for i, request in enumerate(pending):
             try:
@@ -450,3 +456,40 @@ class ControlLoop:
             rounds += 1
             if rounds > _MAX_ADMISSION_ROUNDS:
                 raise LoopStateError("admission did not settle (a policy keeps returning work)")
+
+
+def _log_moves(actions: Sequence, cluster: ClusterSnapshot) -> None:
+    """One info line per move a tick decides, with what the policy saw on both sides: each model's
+    predicted busy fraction and request rate (the inputs of placement's compute rules)."""
+
+    def side(devices: Iterable[str]) -> str:
+        return "; ".join(
+            f"{d}: "
+            + ", ".join(
+                f"{n} {cluster.models[n].busy:.2f}/{cluster.models[n].rate:.3f}"
+                for n in cluster.devices[d].models
+            )
+            for d in devices
+        )
+
+    for a in actions:
+        if isinstance(a, Migrate):
+            logger.info(
+                "moving %s %s -> %s (busy/rate %s | %s)",
+                a.model,
+                a.src,
+                a.dst,
+                side(a.src),
+                side(a.dst),
+            )
+        elif isinstance(a, Activate) and cluster.models[a.model].replica_of is not None:
+            group = cluster.models[a.model].replica_of
+            copies = [r for r in cluster.replicas(group) if cluster.models[r].resident]
+            logger.info(
+                "adding %s on %s beside %s (busy/rate %s | %s)",
+                a.model,
+                a.devices,
+                copies,
+                side(sorted({d for r in copies for d in cluster.models[r].placement})),
+                side(a.devices),
+            )
