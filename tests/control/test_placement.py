@@ -254,3 +254,17 @@ def test_above_safe_load_a_move_and_its_reverse_are_not_both_allowed(a, b, p):
     back = not overloads([*b, p], a, p)
     if worst_load([*a, p]) > SAFE_LOAD and worst_load([*b, p]) > SAFE_LOAD and forth and back:
         assert worst_load([*a, p]) == pytest.approx(worst_load([*b, p]))
+
+
+def test_no_move_beside_an_engine_busier_alone_than_every_engine_it_relieves():
+    # the live decode-heavy log: smol-c (busy 0.10) left smol-a 0.50, smol-b 0.24 and syn-135m 0.61
+    # for SmolLM2-360M's core (1.00 alone). By load the source's worst (syn-135m, 0.61 x 1.84 = 1.12)
+    # exceeds the destination's after the move (1.0 x 1.1 = 1.10), yet syn-135m met every SLO and
+    # SmolLM2-360M missed 15%: the engine busiest alone is the one with the least slack
+    source, destination = [0.50, 0.24, 0.10, 0.61], [1.0]
+    assert worst_load([*destination, 0.10]) < worst_load(source)
+    assert overloads(source, destination, 0.10)
+    # the other way the load test refuses it (1.12 against 1.10): smol-c stays where it is
+    assert overloads([1.0, 0.10], [0.50, 0.24, 0.61], 0.10)
+    # beside engines all lighter alone than the one it leaves, with slack, it may go
+    assert not overloads([1.0, 0.10], [0.30, 0.20], 0.10)

@@ -45,10 +45,17 @@ from one whose single engine is near its limit: both read as busy. Engine ``j``,
 with neighbours busy ``U - b_j`` of the time, steps at about ``1 / (1 + U - b_j)`` of its speed alone
 (processor sharing with the expected number of neighbours stepping), so it has work
 ``load_j = b_j (1 + U - b_j)`` of the time and its queue grows without bound as that nears 1. A move
-is refused if the destination's most loaded engine would end more loaded than the most loaded engine
-of either device was before (and than ``SAFE_LOAD``). Above ``SAFE_LOAD`` a move and its reverse
-are then both allowed only if they tie (each needs its destination to end no more loaded than the
-other side), so with unchanged inputs the next run does not undo it. (The decode-heavy CPU sweep: a
+that leaves every engine at the destination below ``SAFE_LOAD`` is pressure's to decide. Above it,
+a move is refused if the destination's most loaded engine would end more loaded than the most
+loaded engine of either device was before, or if the destination holds an engine busier alone than
+every engine on the source, the moved one included. The loads are rough (busy fractions measured
+over a minute, each engine's alone, summing past 1 on a crowded core), and the second test does not
+depend on their scale: a light model leaves four light engines with slack for one engine that
+alone is near its limit only if the measured loads happen to rank them that way (live, they did:
+syn-135m's load read 1.12 beside three small models, SmolLM2-360M's 1.0 alone, and syn-135m met
+every SLO while SmolLM2-360M missed 15%). Above ``SAFE_LOAD`` a move and its reverse are both
+allowed only if they tie (each needs its destination to end no more loaded than the other side),
+so with unchanged inputs the next run does not undo it. (The decode-heavy CPU sweep: a
 light model moved by pressure onto the core of the one model at 98% of its limit, and back when the
 rates turned, every 60 s, and that model's TTFT attainment fell from 95% to 85%.)
 
@@ -114,9 +121,14 @@ def worst_load(busy: Iterable[float]) -> float:
 def overloads(source: Sequence[float], destination: Sequence[float], busy: float) -> bool:
     """Whether moving an engine busy ``busy`` from a device whose engines are busy ``source`` (it
     included) onto one with ``destination`` leaves the destination's most loaded engine above
-    ``SAFE_LOAD`` and above the most loaded engine of either device before the move."""
+    ``SAFE_LOAD`` and either above the most loaded engine of either device before the move, or
+    beside an engine busier alone than every engine on the source."""
     after = worst_load([*destination, busy])
-    return after > max(SAFE_LOAD, worst_load(source), worst_load(destination))
+    if after <= SAFE_LOAD:
+        return False
+    if after > max(worst_load(source), worst_load(destination)):
+        return True
+    return max(destination, default=0.0) > max(source, default=0.0)
 
 
 def pressure(weighted_rate: float, shared_kv_bytes: float, busy: float = 0.0) -> float:

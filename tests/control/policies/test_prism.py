@@ -222,7 +222,7 @@ def test_a_recently_placed_model_does_not_migrate_until_its_cooldown_ends():
 @pytest.mark.parametrize("compute_aware", [False, True])
 def test_cooldown_stops_churn_on_noisy_rates_but_keeps_a_lasting_shift(compute_aware):
     """Three devices, six models whose rate estimates jitter by up to 40% every tick (as a 60 s
-    window's do). Without a cooldown the placement chases the noise; with the default one each model
+    window's do). Without a cooldown KVPR alone chases the noise; with the default one each model
     moves at most once a minute, and a real, lasting shift (m0 and m2, both on d0, get 3x busier
     halfway) still splits them. The models' engines are busy about half the time at 1 req/s
     (service 0.7 s), 90% at 3 req/s, so compute-aware pressure has contention to amplify."""
@@ -252,11 +252,15 @@ def test_cooldown_stops_churn_on_noisy_rates_but_keeps_a_lasting_shift(compute_a
 
     churn, _ = run(0.0)
     calm, placed = run(60.0)
-    assert churn > 40, churn
-    # the cooldown alone allows 5 moves per model in these 5 minutes (30 in all); compute-aware
-    # pressure chases the noise more (contention amplifies it), so it gets two per model, not 10 in all
-    assert calm <= (12 if compute_aware else 10), calm
-    assert calm * 8 < churn, (calm, churn)
+    if compute_aware:
+        # compute-aware, the overload check (placement.overloads) stops the chase even without a
+        # cooldown: with the engines this loaded a move and its reverse are not both allowed
+        assert churn <= 6, churn
+    else:
+        assert churn > 40, churn
+        assert calm * 8 < churn, (calm, churn)
+    # the cooldown alone allows 5 moves per model in these 5 minutes (30 in all)
+    assert calm <= (6 if compute_aware else 10), calm
     assert placed["m0"] != placed["m2"]
 
 
