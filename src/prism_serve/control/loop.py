@@ -186,10 +186,7 @@ class ControlLoop:
                 if cluster.models[m].replica_of is None:
                     self.hold(m)
             cluster = self.body.cluster(now)
-        actions = self.policy.place(cluster, now)
-        if logger.isEnabledFor(logging.INFO):
-            _log_moves(actions, cluster)
-        self._apply(actions, now)
+        self._place(cluster, now)
         pending, self.backlog = list(self.backlog.values()), {}
         for i, request in enumerate(pending):
             try:
@@ -205,8 +202,14 @@ class ControlLoop:
         self.stale_models[model] = None
         self._to_admit.add(device)
         # the contract's "place() right after a model finishes activating" (it may move it again)
-        self._apply(self.policy.place(self.body.cluster(now), now), now)
+        self._place(self.body.cluster(now), now)
         self._admit_changed(now)
+
+    def _place(self, cluster: ClusterSnapshot, now: float) -> None:
+        actions = self.policy.place(cluster, now)
+        if logger.isEnabledFor(logging.INFO):
+            _log_moves(actions, cluster)
+        self._apply(actions, now)
 
     def activation_failed(self, model: str, now: float) -> list[Request]:
         """The model's waiting requests leave the loop; the body fails them. A replica slot's
