@@ -419,26 +419,3 @@ def test_a_light_busy_model_does_not_move_beside_an_engine_near_its_limit() -> N
     # d2's engine busy 0.3: the move leaves every engine there below SAFE_LOAD, and it goes
     quiet = [*models[:-1], _neighbour("h2", ("d2",), 0.3)]
     assert pol.place(cluster(quiet, DEVICES), 100.0) == [Activate("m#1", ("d2",))]
-
-
-def test_the_copy_a_move_adds_is_not_the_one_that_drains() -> None:
-    """relocate_busy adds a copy where the model's work runs at least twice as fast (its own busy
-    fraction counted on both sides); misplaced() must judge the two copies the same way, or the new
-    one is the surplus and the move starts over every tick (live: smol-b's copy, three times in 1 s)."""
-    pol = get_policy("prism", prewarm=False)
-    m = hot(rate=4.4, on=("d0",), running=3)  # busy 4.4 x 0.05 = 0.22
-    before = [
-        m,
-        hot(k=1),
-        _neighbour("n0", ("d0",), 0.6),
-        _neighbour("n1", ("d1",), 0.33),
-        _neighbour("n2", ("d2",), 0.6),
-    ]
-    # with it on d0 the device is busy 0.82 (contention 5.6), on d1 0.55 (2.2): it moves to d1
-    assert pol.place(cluster(before, DEVICES), 100.0) == [Activate("m#1", ("d1",))]
-    # the copy is up: the old one is misplaced (neighbours alone, 2.5 against 1.5, would say neither)
-    after = [m, hot(k=1, on=("d1",)), *before[2:]]
-    c = cluster(after, DEVICES)
-    assert misplaced(c, "m", 2.0).model == "m"
-    assert surplus(c, "m", 0.5).model == "m"
-    assert not [a for a in pol.place(c, 101.0) if isinstance(a, (Evict, Activate))]

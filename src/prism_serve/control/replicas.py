@@ -114,21 +114,16 @@ def neighbours_busy(cluster: ClusterSnapshot, m: ModelSnapshot) -> float:
 
 
 def misplaced(cluster: ClusterSnapshot, model: str, factor: float) -> ModelSnapshot | None:
-    """The active replica of ``model`` whose device would run the model's work at least ``factor``
-    times slower than another active replica's (``contention`` of :func:`neighbours_busy` plus the
-    model's summed busy fraction, the work a replica serving all of it would add), the most slowed
-    first; None if there is none. A replica added to move a busy model off contended devices
-    (policies/prism.py ``relocate_busy``, make-before-break, which asks the same of the new device)
-    makes the old one misplaced, so it drains rather than the new one. (With neighbours alone the
-    two disagreed: live, a copy of smol-b was added beside neighbours busy 0.33 to leave one busy
-    0.6, found not misplaced, evicted as surplus, and added again, every tick.)"""
+    """The active replica of ``model`` whose neighbours slow it at least ``factor`` times as much as
+    another active replica's slow that one (``contention`` of :func:`neighbours_busy`), the most
+    slowed first; None if there is none. A replica added to move a busy model off contended devices
+    (policies/prism.py, make-before-break) makes the old one misplaced, so it drains rather than
+    the new one."""
     active = [m for m in resident_replicas(cluster, model) if m.state is ModelState.ACTIVE]
     if len(active) < 2:
         return None
-    own = sum(m.busy for m in active)
     slowed = sorted(
-        ((contention(neighbours_busy(cluster, m) + own), i, m) for i, m in enumerate(active)),
-        key=lambda t: t[:2],
+        ((contention(neighbours_busy(cluster, m)), i, m) for i, m in enumerate(active)), key=lambda t: t[:2]
     )
     best, worst = slowed[0][0], slowed[-1]
     return worst[2] if worst[0] >= factor * best else None
