@@ -268,3 +268,18 @@ def test_no_move_beside_an_engine_busier_alone_than_every_engine_it_relieves():
     assert overloads([1.0, 0.10], [0.50, 0.24, 0.61], 0.10)
     # beside engines all lighter alone than the one it leaves, with slack, it may go
     assert not overloads([1.0, 0.10], [0.30, 0.20], 0.10)
+
+
+def test_a_model_idle_this_minute_does_not_move_beside_an_engine_near_its_limit():
+    # live: smol-c, one request every 40 s, read busy 0 and moved beside SmolLM2-360M at 0.92
+    source, destination = [0.32, 0.20, 0.0, 0.47], [0.92]
+    assert overloads(source, destination, 0.0)
+    parts = [
+        Part("hot", 0, 0.40, 10 * GIB, current="d1", fixed=True, busy=0.92),
+        Part("a", 0, 0.30, 5 * GIB, current="d0", busy=0.47),
+        Part("b", 0, 0.17, 5 * GIB, current="d0", busy=0.32),
+        Part("c", 0, 0.08, 5 * GIB, current="d0", busy=0.20),
+        Part("idle", 0, 0.0, 5 * GIB, current="d0", busy=0.0),
+    ]
+    devices = [DeviceBudget("d0", 24 * GIB), DeviceBudget("d1", 48 * GIB)]
+    assert place_parts(parts, devices, tau=0.0).assignment[("idle", 0)] == "d0"

@@ -294,7 +294,9 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
                 # move only if the best device beats the current one by more than tau (line 8)
                 # tau is a KVPR gain; in pressure it is worth tau at the current device's contention
                 best = best_below(p, pressure(W[cur], S[cur], U[cur]) - tau * contention(U[cur]))
-                if best is not None and p.busy > 0 and overloads([*on[cur], p.busy], on[best], p.busy):
+                # an idle part too: idle this minute is not idle for good (live, smol-c, one request
+                # every 40 s, read busy 0 and moved beside SmolLM2-360M at 0.92)
+                if best is not None and overloads([*on[cur], p.busy], on[best], p.busy):
                     best = None
                 j = cur if best is None else best
             else:

@@ -601,8 +601,6 @@ class PrismPolicy(Policy):
             return [self._busy(cluster.models[n]) for n in cluster.devices[d].models if n not in leaving]
 
         b = self._busy(m)
-        if b <= 0:
-            return False
         source = max((busies(d) for d in m.placement), key=worst_load)
         return any(overloads(source, busies(d), b) for d in devices)
 
