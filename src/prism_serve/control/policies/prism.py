@@ -389,9 +389,7 @@ class PrismPolicy(Policy):
                 taken = {d for m in resident for d in planned.get(m.model, m.placement)}
                 # for the plan's loads the new replica carries its share of the model's rate
                 # the slot has served nothing yet: its demand is the model's measured one
-                share = replace(
-                    free, rate=group_rate(cluster, model) / (n + 1), profile=resident[0].profile
-                )
+                share = replace(free, rate=group_rate(cluster, model) / (n + 1), profile=resident[0].profile)
                 loads = loads_now()
                 # a second copy takes the memory of idle models the forecast does not expect soon
                 # (or of idle second copies)
@@ -451,10 +449,10 @@ class PrismPolicy(Policy):
         second replica on the devices :func:`choose_activation` picks among the others that have
         memory for it now (evicting idle models there that the forecast does not expect soon) if
         the device it lands on, itself included, would be at most half as contended as the one it
-        leaves, itself included (:data:`replicas.MISPLACED_FACTOR`), and no engine there ends more
-        loaded than the most loaded engine of either side was (:func:`placement.overloads`: the live
-        decode-heavy sweep moved a model with 1-3 requests a minute back and forth beside the one
-        model near its limit). Once the new replica is active
+        leaves, itself included (:data:`replicas.MISPLACED_FACTOR`), and the move overloads no
+        engine there (:func:`placement.overloads`: the live decode-heavy sweep moved a model with
+        1-3 requests a minute back and forth beside the one model near its limit). Once the new
+        replica is active
         the old one is :func:`replicas.misplaced`: the router sends it nothing and it is evicted
         once it has nothing queued or running, as a surplus replica is."""
         k = self.knobs
