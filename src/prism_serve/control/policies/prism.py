@@ -35,15 +35,7 @@ from prism_serve.control.eviction import (
     device_loads,
     never_fits,
 )
-from prism_serve.control.placement import (
-    DeviceBudget,
-    Part,
-    contention,
-    overloads,
-    place_parts,
-    pressure,
-    worst_load,
-)
+from prism_serve.control.placement import DeviceBudget, Part, contention, place_parts, pressure
 from prism_serve.control.policies.base import (
     Policy,
     min_kv_bytes,
@@ -54,6 +46,9 @@ from prism_serve.control.policies.base import (
 from prism_serve.control.policies.prism_knobs import PrismKnobs
 from prism_serve.control.policies.prism_room import (
     free_slot,
+    move_overloads,
+    plan_load,
+    plan_unload,
     planned_loads,
     room_now,
     with_quiet_models,
@@ -315,11 +310,11 @@ class PrismPolicy(Policy):
             if move is None:
                 continue
             device, victims = move
-            if self._overloads(cluster, m, (device,), set(victims) | gone):
+            if move_overloads(cluster, m, (device,), set(victims) | gone, self._busy):
                 continue
             self._evict_for(cluster, loads, victims, planned, evicted, gone)
-            self._unload(loads, m, m.placement)
-            self._load(loads, m, (device,))
+            plan_unload(loads, m, m.placement, self._busy(m))
+            plan_load(loads, m, (device,), self._busy(m))
             planned[m.model] = (device,)
             return
 
@@ -341,7 +336,7 @@ class PrismPolicy(Policy):
             return None
         devices, victims = choice
         self._evict_for(cluster, loads, victims, planned, evicted, gone)
-        self._load(loads, m, devices)
+        plan_load(loads, m, devices, self._busy(m))
         return devices
 
     def _evict_for(
@@ -355,7 +350,7 @@ class PrismPolicy(Policy):
     ) -> None:
         """Take the idle ``victims`` out of the plan: their loads, ``planned``; into ``evicted``."""
         for v in victims:
-            self._unload(loads, cluster.models[v], planned.pop(v))
+            plan_unload(loads, cluster.models[v], planned.pop(v), self._busy(cluster.models[v]))
             evicted.append(v)
             gone.add(v)
 
@@ -502,10 +497,10 @@ class PrismPolicy(Policy):
                 continue
             # nor may it overload an engine already there (a light model beside one near its limit
             # slows that one more than the move saves; placement.overloads)
-            if self._overloads(cluster, m, devices, set(victims) | gone):
+            if move_overloads(cluster, m, devices, set(victims) | gone, self._busy):
                 continue
             self._evict_for(cluster, loads, victims, planned, evicted, gone)
-            self._load(loads, moved, devices)
+            plan_load(loads, moved, devices, self._busy(moved))
             planned[free.model] = devices
             return [free]
         return []
@@ -583,37 +578,7 @@ class PrismPolicy(Policy):
                 devices, _ = choice
             for d in devices:
                 room[d] -= m.part_weight_bytes
-            self._load(loads, m, devices)
+            plan_load(loads, m, devices, self._busy(m))
             planned[m.model] = devices
             out.append(m)
         return out
-
-    def _overloads(
-        self, cluster: ClusterSnapshot, m: ModelSnapshot, devices: tuple[str, ...], leaving: set[str]
-    ) -> bool:
-        """Whether moving ``m`` from its devices onto ``devices`` overloads an engine there
-        (``placement.overloads``, each destination against ``m``'s most loaded device), the models in
-        ``leaving`` gone from both sides."""
-
-        def busies(d: str) -> list[float]:
-            return [self._busy(cluster.models[n]) for n in cluster.devices[d].models if n not in leaving]
-
-        b = self._busy(m)
-        source = max((busies(d) for d in m.placement), key=worst_load)
-        return any(overloads(source, busies(d), b) for d in devices)
-
-    def _load(self, loads: list[DeviceLoad], m: ModelSnapshot, devices: tuple[str, ...]) -> None:
-        for load in loads:
-            if load.device in devices:
-                load.weighted_rate += m.demand / m.tp_size
-                load.busy += self._busy(m)
-                load.shared_kv -= m.part_weight_bytes
-
-    def _unload(self, loads: list[DeviceLoad], m: ModelSnapshot, devices: tuple[str, ...]) -> None:
-        for load in loads:
-            if load.device in devices:
-                load.weighted_rate = max(0.0, load.weighted_rate - m.demand / m.tp_size)
-                load.busy = max(0.0, load.busy - self._busy(m))
-                load.shared_kv += m.part_weight_bytes
-            if m in load.idle:
-                load.idle.remove(m)

@@ -1,18 +1,31 @@
 """Where prism finds memory for a model: which resident models may yield theirs beyond the idle
 ones (replicas that yield to a model with no copy, quiet models), the free replica slot of a served
-model, and the memory a device can give now (for prewarming and for second copies). Pure helpers
-over a tick's plan (``planned``: model -> devices) for ``policies/prism.py``."""
+model, and the memory a device can give now (for prewarming and for second copies); a model taken
+into or out of the plan's device loads, and the overload check of a move. Pure helpers over a
+tick's plan (``planned``: model -> devices) for ``policies/prism.py``; ``busy`` is the busy
+fraction the policy reads (0 when it does not weigh compute)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from prism_serve.control.eviction import DeviceLoad, eviction_key, is_idle
+from prism_serve.control.placement import overloads, worst_load
 from prism_serve.control.policies.base import min_kv_bytes
 from prism_serve.control.replicas import spare_replicas
 from prism_serve.control.types import ClusterSnapshot, ModelSnapshot, ModelState
 
-__all__ = ["free_slot", "room_now", "with_quiet_models", "with_room_now", "with_spare_replicas"]
+__all__ = [
+    "free_slot",
+    "move_overloads",
+    "plan_load",
+    "plan_unload",
+    "room_now",
+    "with_quiet_models",
+    "with_room_now",
+    "with_spare_replicas",
+]
 
 
 def with_spare_replicas(
@@ -138,3 +151,41 @@ def planned_loads(
     for load in loads:
         load.idle.sort(key=lambda m: eviction_key(m, now))
     return loads
+
+
+def plan_load(loads: list[DeviceLoad], m: ModelSnapshot, devices: tuple[str, ...], busy: float) -> None:
+    """``m`` (busy ``busy``) placed on ``devices`` in the plan's ``loads``."""
+    for load in loads:
+        if load.device in devices:
+            load.weighted_rate += m.demand / m.tp_size
+            load.busy += busy
+            load.shared_kv -= m.part_weight_bytes
+
+
+def plan_unload(loads: list[DeviceLoad], m: ModelSnapshot, devices: tuple[str, ...], busy: float) -> None:
+    """``m`` (busy ``busy``) taken off ``devices`` in the plan's ``loads``, and out of every idle list."""
+    for load in loads:
+        if load.device in devices:
+            load.weighted_rate = max(0.0, load.weighted_rate - m.demand / m.tp_size)
+            load.busy = max(0.0, load.busy - busy)
+            load.shared_kv += m.part_weight_bytes
+        if m in load.idle:
+            load.idle.remove(m)
+
+
+def move_overloads(
+    cluster: ClusterSnapshot,
+    m: ModelSnapshot,
+    devices: tuple[str, ...],
+    leaving: set[str],
+    busy: Callable[[ModelSnapshot], float],
+) -> bool:
+    """Whether moving ``m`` from its devices onto ``devices`` overloads an engine there
+    (``placement.overloads``, each destination against ``m``'s most loaded device), the models in
+    ``leaving`` gone from both sides."""
+
+    def busies(d: str) -> list[float]:
+        return [busy(cluster.models[n]) for n in cluster.devices[d].models if n not in leaving]
+
+    source = max((busies(d) for d in m.placement), key=worst_load)
+    return any(overloads(source, busies(d), busy(m)) for d in devices)
