@@ -169,11 +169,12 @@ def host_speeds(live_runs: list[dict], specs: dict, hardware: str) -> dict[int, 
 
         return price
 
+    price = priced(cm)
     memory = priced(memory_only) if not hw.overlap else None  # a roofline max does not split
     out = {}
     for i, run in enumerate(live_runs):
         steps_dir = run.get("steps_dir")
-        if steps_dir and (speed := host_speed(Path(steps_dir), priced(cm), memory)) is not None:
+        if steps_dir and (speed := host_speed(Path(steps_dir), price, memory)) is not None:
             out[i] = speed
     return out
 
