@@ -1,11 +1,13 @@
 """Attention over the paged KV cache, for a batch that mixes decodes and prefill chunks.
 
-Decodes (one new token each) come first in the batch and run as batched SDPA calls over their
-block tables, gathered and padded to the longest context of their group: decodes are grouped by
-context length (``group_decodes``) so that a short context is not padded to the longest one of a
-mixed batch, which cost gather copies and attention over masked keys. Prefill chunks follow, one SDPA call
-each, attending to their cached prefix plus themselves (causal); a chunk that is its whole context
-(a prompt prefilled in one step) attends to the K and V it just computed, with no gather.
+Decodes (one new token each) come first in the batch. On CPU they are attended by one call of the
+paged decode kernel (``cpu_kernels.paged_decode``), which reads each decode's own context in place
+in the cache. Elsewhere (another device, or ``PRISM_CPU_ATTENTION=sdpa``) they run as batched SDPA
+calls over their block tables, gathered and padded to the longest context of their group: decodes
+are grouped by context length (``group_decodes``) so that a short context is not padded to the
+longest one of a mixed batch. Prefill chunks follow, one SDPA call each, attending to their cached
+prefix plus themselves (causal); a chunk that is its whole context (a prompt prefilled in one
+step) attends to the K and V it just computed, with no gather.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from prism_serve.engine.cpu_kernels import paged_decode
 
 
 @dataclass(slots=True)
@@ -37,10 +41,20 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class PagedDecodes:
+    """Every decode of the batch for the paged kernel: block tables (short ones padded with a
+    valid id the kernel never reads) and the keys each attends to."""
+
+    block_tables: torch.Tensor  # [n, max_blocks] int64
+    lens: torch.Tensor  # [n] int64
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_rows: torch.Tensor  # [T] row of KVCache.layer_rows where each new token's K/V goes
     num_decodes: int = 0
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # SDPA over gathered blocks
+    paged_decodes: PagedDecodes | None = None  # or the kernel that reads the cache in place
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Scratch for gathered K and V, reused by every layer and step: allocating ~10 MB per layer
     # costs page faults that showed up as a third of a batched fp32 decode step.
@@ -80,6 +94,9 @@ def paged_attention(
     out = q.new_empty(num_tokens, num_heads, head_dim)
 
     nd = meta.num_decodes
+    if meta.paged_decodes is not None:
+        pd = meta.paged_decodes
+        paged_decode(q[:nd], k_cache, v_cache, pd.block_tables, pd.lens, scale, out=out[:nd])
     for g in meta.decode_groups:
         n = g.block_tables.shape[0]
         # Each KV head's query group acts as a short query sequence: [n, kv_heads, group, head_dim].

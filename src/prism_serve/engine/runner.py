@@ -11,9 +11,11 @@ import torch
 from prism_serve.engine.attention import (
     AttentionMetadata,
     DecodeGroup,
+    PagedDecodes,
     PrefillChunk,
     causal_chunk_mask,
 )
+from prism_serve.engine.cpu_kernels import decode_kernel
 from prism_serve.engine.grouping import group_decodes
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.models.llama import LlamaForCausalLM
@@ -38,6 +40,8 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self._gather_k = torch.empty(0, dtype=kv_cache.tensor.dtype)
         self._gather_v = torch.empty(0, dtype=kv_cache.tensor.dtype)
+        # decodes through the paged kernel (reads the cache in place) or gathered for SDPA
+        self.paged_decodes = kv_cache.tensor.device.type == "cpu" and decode_kernel()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[int | None]:
@@ -140,7 +144,11 @@ class ModelRunner:
             slot_rows=self.kv_cache.slot_rows(torch.tensor(slot_blocks), positions % bs), prefills=prefills
         )
         meta.num_decodes = len(decode_tables)
-        groups = group_decodes(decode_lens)
+        if self.paged_decodes and decode_tables:
+            max_blocks = max(len(t) for t in decode_tables)
+            padded = torch.tensor([t + [t[0]] * (max_blocks - len(t)) for t in decode_tables])
+            meta.paged_decodes = PagedDecodes(padded, torch.tensor(decode_lens))
+        groups = [] if self.paged_decodes else group_decodes(decode_lens)
         for g in groups:
             tables, lens = [decode_tables[i] for i in g], [decode_lens[i] for i in g]
             max_blocks = max(len(t) for t in tables)

@@ -1,0 +1,166 @@
+// Decode attention that reads K and V where they lie in the paged cache.
+//
+// One new query token per sequence attends to its sequence's first `lens[i]` cached tokens,
+// found through its block table. Nothing is gathered into a contiguous buffer and nothing is
+// padded to a longer context: each K and V row is read once, straight from its block, and the
+// query heads that share a KV head (GQA) are attended together so each row is loaded once for
+// all of them.
+//
+// Built at run time by prism_serve/engine/cpu_kernels.py (plain C ABI, called through ctypes,
+// OpenMP from the runtime torch has loaded). Scores and sums are fp32 whatever the cache dtype.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+
+namespace {
+
+inline float load(float x) { return x; }
+
+inline float load(uint16_t x) {  // bfloat16: the high half of an fp32
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline void store(float* p, float x) { *p = x; }
+
+inline void store(uint16_t* p, float x) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+    *p = static_cast<uint16_t>((u >> 16) | 0x40u);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *p = static_cast<uint16_t>(u >> 16);
+}
+
+// Per-thread scratch lives on the stack (about 80 KB at the limits).
+constexpr int kMaxHeads = 64;  // query heads
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxHidden = 8192;  // query heads x head_dim
+constexpr int kMaxBlock = 64;  // tokens per block
+
+template <typename T>
+int paged_decode(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride,
+                 int64_t token_stride, const int64_t* tables, const int64_t* lens, int64_t n,
+                 int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t block_size, float scale, T* out) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+  const int64_t group = num_heads / num_kv_heads;
+  if (num_heads > kMaxHeads || head_dim > kMaxHeadDim || num_heads * head_dim > kMaxHidden ||
+      block_size <= 0 || block_size > kMaxBlock)
+    return 2;
+  for (int64_t i = 0; i < n; ++i)
+    if (lens[i] <= 0 || lens[i] > max_blocks * block_size) return 3;
+
+  // One work item reads a sequence's blocks front to back, K then V of each block (they are
+  // neighbours in the cache), with a running softmax. With few sequences, items split the
+  // sequence's KV heads so that every thread has work.
+  const int64_t threads = omp_get_max_threads();
+  const int64_t splits = n >= 2 * threads ? 1 : num_kv_heads;
+  const int64_t heads_per_item = num_kv_heads / splits;
+  const int64_t items = n * splits;
+
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t i = item / splits;
+    const int64_t h0 = (item % splits) * heads_per_item;
+    const int64_t qh0 = h0 * group, nq = heads_per_item * group;  // query heads of this item
+    const int64_t len = lens[i];
+    const int64_t* table = tables + i * max_blocks;
+    float qf[kMaxHidden];
+    float acc[kMaxHidden];
+    float p[kMaxHeads * kMaxBlock];
+    float m[kMaxHeads], l[kMaxHeads];
+    const T* qi = q + (i * num_heads + qh0) * head_dim;
+    for (int64_t x = 0; x < nq * head_dim; ++x) qf[x] = load(qi[x]) * scale;
+    std::memset(acc, 0, sizeof(float) * nq * head_dim);
+    for (int64_t g = 0; g < nq; ++g) m[g] = -INFINITY, l[g] = 0.f;
+
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+      const int64_t cnt = t0 + block_size < len ? block_size : len - t0;
+      const T* kb = k_cache + table[b] * block_stride + h0 * head_dim;
+      const T* vb = v_cache + table[b] * block_stride + h0 * head_dim;
+      if (t0 + block_size < len) {  // the next block lies elsewhere: start fetching it now
+        const char* nk = reinterpret_cast<const char*>(k_cache + table[b + 1] * block_stride);
+        for (int64_t x = 0; x < 4; ++x) __builtin_prefetch(nk + 64 * x);
+      }
+      for (int64_t o = 0; o < cnt; ++o) {  // scores of this block's tokens
+        const T* kt = kb + o * token_stride;
+        for (int64_t g = 0; g < nq; ++g) {
+          const float* qg = qf + g * head_dim;
+          const T* kh = kt + (g / group) * head_dim;
+          float sc = 0.f;
+#pragma omp simd reduction(+ : sc)
+          for (int64_t d = 0; d < head_dim; ++d) sc += qg[d] * load(kh[d]);
+          p[g * kMaxBlock + o] = sc;
+        }
+      }
+      for (int64_t g = 0; g < nq; ++g) {  // running softmax: rescale what came before
+        float* pg = p + g * kMaxBlock;
+        float bm = pg[0];
+        for (int64_t o = 1; o < cnt; ++o) bm = pg[o] > bm ? pg[o] : bm;
+        const float nm = bm > m[g] ? bm : m[g];
+        const float corr = std::exp(m[g] - nm);  // 0 on the first block (m = -inf)
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t o = 0; o < cnt; ++o) {
+          pg[o] = std::exp(pg[o] - nm);
+          sum += pg[o];
+        }
+        l[g] = l[g] * corr + sum;
+        m[g] = nm;
+        if (corr != 1.f) {
+          float* ag = acc + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= corr;
+        }
+      }
+      for (int64_t o = 0; o < cnt; ++o) {  // values
+        const T* vt = vb + o * token_stride;
+        for (int64_t g = 0; g < nq; ++g) {
+          const float pr = p[g * kMaxBlock + o];
+          const T* vh = vt + (g / group) * head_dim;
+          float* ag = acc + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += pr * load(vh[d]);
+        }
+      }
+    }
+    T* oi = out + (i * num_heads + qh0) * head_dim;
+    for (int64_t g = 0; g < nq; ++g) {
+      const float inv = 1.f / l[g];
+      for (int64_t d = 0; d < head_dim; ++d) store(oi + g * head_dim + d, acc[g * head_dim + d] * inv);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or a nonzero code for arguments the kernel cannot take (checked before any work).
+int prism_paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
+                           int64_t block_stride, int64_t token_stride, const int64_t* tables,
+                           const int64_t* lens, int64_t n, int64_t max_blocks, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                           float* out) {
+  return paged_decode(q, k_cache, v_cache, block_stride, token_stride, tables, lens, n, max_blocks,
+                      num_heads, num_kv_heads, head_dim, block_size, scale, out);
+}
+
+int prism_paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                            int64_t block_stride, int64_t token_stride, const int64_t* tables,
+                            const int64_t* lens, int64_t n, int64_t max_blocks, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                            uint16_t* out) {
+  return paged_decode(q, k_cache, v_cache, block_stride, token_stride, tables, lens, n, max_blocks,
+                      num_heads, num_kv_heads, head_dim, block_size, scale, out);
+}
+
+}  // extern "C"
