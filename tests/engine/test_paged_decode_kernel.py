@@ -49,9 +49,19 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
     "heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 4)]
 )
 @pytest.mark.parametrize("num_seqs", [1, 3, 24])
+@pytest.mark.parametrize("threads", [1, 2])  # 2: few sequences split their blocks over the threads
 def test_kernel_matches_sdpa_over_gathered_blocks(
-    dtype, tol, heads, kv_heads, head_dim, block_size, num_seqs
+    dtype, tol, heads, kv_heads, head_dim, block_size, num_seqs, threads
 ):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_against_reference(dtype, tol, heads, kv_heads, head_dim, block_size, num_seqs)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_against_reference(dtype, tol, heads, kv_heads, head_dim, block_size, num_seqs):
     rng = random.Random(num_seqs * 100 + heads)
     cache = _cache(heads, kv_heads, head_dim, block_size, 160, dtype)
     layer = cache.layers[1]  # a middle layer: blocks are num_layers * 2 * block_size rows apart

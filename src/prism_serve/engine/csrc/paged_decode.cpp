@@ -14,6 +14,8 @@
 #include <cstring>
 #include <omp.h>
 
+#include <vector>
+
 namespace {
 
 inline float load(float x) { return x; }
@@ -38,11 +40,75 @@ inline void store(uint16_t* p, float x) {  // round to nearest even, as torch do
   *p = static_cast<uint16_t>(u >> 16);
 }
 
-// Per-thread scratch lives on the stack (about 80 KB at the limits).
+// Per-thread scratch lives on the stack (about 100 KB at the limits).
 constexpr int kMaxHeads = 64;  // query heads
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxHidden = 8192;  // query heads x head_dim
 constexpr int kMaxBlock = 64;  // tokens per block
+
+// Attends query token i to the tokens of blocks [b0, b1) of its table, all heads, with a running
+// softmax: leaves each query head's running max m, sum of weights l and weighted sum of values
+// acc (not yet divided by l).
+template <typename T>
+void attend_blocks(const float* qf, const T* k_cache, const T* v_cache, int64_t block_stride,
+                   int64_t token_stride, const int64_t* table, int64_t len, int64_t b0, int64_t b1,
+                   int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                   float* m, float* l, float* acc) {
+  float p[kMaxHeads * kMaxBlock];
+  std::memset(acc, 0, sizeof(float) * num_heads * head_dim);
+  for (int64_t g = 0; g < num_heads; ++g) m[g] = -INFINITY, l[g] = 0.f;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t t0 = b * block_size;
+    const int64_t cnt = t0 + block_size < len ? block_size : len - t0;
+    const T* kb = k_cache + table[b] * block_stride;
+    const T* vb = v_cache + table[b] * block_stride;
+    if (b + 1 < b1) {  // the next block lies elsewhere: start fetching it now
+      const char* nk = reinterpret_cast<const char*>(k_cache + table[b + 1] * block_stride);
+      for (int64_t x = 0; x < 4; ++x) __builtin_prefetch(nk + 64 * x);
+    }
+    for (int64_t o = 0; o < cnt; ++o) {  // scores of this block's tokens
+      const T* kt = kb + o * token_stride;
+      for (int64_t g = 0; g < num_heads; ++g) {
+        const float* qg = qf + g * head_dim;
+        const T* kh = kt + (g / group) * head_dim;
+        float sc = 0.f;
+#pragma omp simd reduction(+ : sc)
+        for (int64_t d = 0; d < head_dim; ++d) sc += qg[d] * load(kh[d]);
+        p[g * kMaxBlock + o] = sc;
+      }
+    }
+    for (int64_t g = 0; g < num_heads; ++g) {  // running softmax: rescale what came before
+      float* pg = p + g * kMaxBlock;
+      float bm = pg[0];
+      for (int64_t o = 1; o < cnt; ++o) bm = pg[o] > bm ? pg[o] : bm;
+      const float nm = bm > m[g] ? bm : m[g];
+      const float corr = std::exp(m[g] - nm);  // 0 on the first block (m = -inf)
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t o = 0; o < cnt; ++o) {
+        pg[o] = std::exp(pg[o] - nm);
+        sum += pg[o];
+      }
+      l[g] = l[g] * corr + sum;
+      m[g] = nm;
+      if (corr != 1.f) {
+        float* ag = acc + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] *= corr;
+      }
+    }
+    for (int64_t o = 0; o < cnt; ++o) {  // values
+      const T* vt = vb + o * token_stride;
+      for (int64_t g = 0; g < num_heads; ++g) {
+        const float pr = p[g * kMaxBlock + o];
+        const T* vh = vt + (g / group) * head_dim;
+        float* ag = acc + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] += pr * load(vh[d]);
+      }
+    }
+  }
+}
 
 template <typename T>
 int paged_decode(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride,
@@ -54,87 +120,73 @@ int paged_decode(const T* q, const T* k_cache, const T* v_cache, int64_t block_s
   if (num_heads > kMaxHeads || head_dim > kMaxHeadDim || num_heads * head_dim > kMaxHidden ||
       block_size <= 0 || block_size > kMaxBlock)
     return 2;
-  for (int64_t i = 0; i < n; ++i)
+  int64_t most_blocks = 1;
+  for (int64_t i = 0; i < n; ++i) {
     if (lens[i] <= 0 || lens[i] > max_blocks * block_size) return 3;
+    const int64_t nb = (lens[i] + block_size - 1) / block_size;
+    most_blocks = nb > most_blocks ? nb : most_blocks;
+  }
+  const int64_t hd = num_heads * head_dim;
 
-  // One work item reads a sequence's blocks front to back, K then V of each block (they are
-  // neighbours in the cache), with a running softmax. With few sequences, items split the
-  // sequence's KV heads so that every thread has work.
+  // A work item reads a run of a sequence's blocks front to back, K then V of each block (they
+  // are neighbours in the cache). With fewer sequences than two per thread, each sequence's
+  // blocks are split into `parts` runs so that every thread has work, and the runs' partial
+  // softmax states are merged after (a split by heads would read every row strided, slower).
   const int64_t threads = omp_get_max_threads();
-  const int64_t splits = n >= 2 * threads ? 1 : num_kv_heads;
-  const int64_t heads_per_item = num_kv_heads / splits;
-  const int64_t items = n * splits;
-
+  int64_t parts = n >= 2 * threads ? 1 : (2 * threads + n - 1) / n;
+  if (parts > most_blocks) parts = most_blocks;
+  if (parts == 1) {
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t i = item / splits;
-    const int64_t h0 = (item % splits) * heads_per_item;
-    const int64_t qh0 = h0 * group, nq = heads_per_item * group;  // query heads of this item
-    const int64_t len = lens[i];
-    const int64_t* table = tables + i * max_blocks;
-    float qf[kMaxHidden];
-    float acc[kMaxHidden];
-    float p[kMaxHeads * kMaxBlock];
-    float m[kMaxHeads], l[kMaxHeads];
-    const T* qi = q + (i * num_heads + qh0) * head_dim;
-    for (int64_t x = 0; x < nq * head_dim; ++x) qf[x] = load(qi[x]) * scale;
-    std::memset(acc, 0, sizeof(float) * nq * head_dim);
-    for (int64_t g = 0; g < nq; ++g) m[g] = -INFINITY, l[g] = 0.f;
-
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-      const int64_t cnt = t0 + block_size < len ? block_size : len - t0;
-      const T* kb = k_cache + table[b] * block_stride + h0 * head_dim;
-      const T* vb = v_cache + table[b] * block_stride + h0 * head_dim;
-      if (t0 + block_size < len) {  // the next block lies elsewhere: start fetching it now
-        const char* nk = reinterpret_cast<const char*>(k_cache + table[b + 1] * block_stride);
-        for (int64_t x = 0; x < 4; ++x) __builtin_prefetch(nk + 64 * x);
-      }
-      for (int64_t o = 0; o < cnt; ++o) {  // scores of this block's tokens
-        const T* kt = kb + o * token_stride;
-        for (int64_t g = 0; g < nq; ++g) {
-          const float* qg = qf + g * head_dim;
-          const T* kh = kt + (g / group) * head_dim;
-          float sc = 0.f;
-#pragma omp simd reduction(+ : sc)
-          for (int64_t d = 0; d < head_dim; ++d) sc += qg[d] * load(kh[d]);
-          p[g * kMaxBlock + o] = sc;
-        }
-      }
-      for (int64_t g = 0; g < nq; ++g) {  // running softmax: rescale what came before
-        float* pg = p + g * kMaxBlock;
-        float bm = pg[0];
-        for (int64_t o = 1; o < cnt; ++o) bm = pg[o] > bm ? pg[o] : bm;
-        const float nm = bm > m[g] ? bm : m[g];
-        const float corr = std::exp(m[g] - nm);  // 0 on the first block (m = -inf)
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t o = 0; o < cnt; ++o) {
-          pg[o] = std::exp(pg[o] - nm);
-          sum += pg[o];
-        }
-        l[g] = l[g] * corr + sum;
-        m[g] = nm;
-        if (corr != 1.f) {
-          float* ag = acc + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= corr;
-        }
-      }
-      for (int64_t o = 0; o < cnt; ++o) {  // values
-        const T* vt = vb + o * token_stride;
-        for (int64_t g = 0; g < nq; ++g) {
-          const float pr = p[g * kMaxBlock + o];
-          const T* vh = vt + (g / group) * head_dim;
-          float* ag = acc + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += pr * load(vh[d]);
-        }
+    for (int64_t i = 0; i < n; ++i) {
+      float qf[kMaxHidden], acc[kMaxHidden], m[kMaxHeads], l[kMaxHeads];
+      for (int64_t x = 0; x < hd; ++x) qf[x] = load(q[i * hd + x]) * scale;
+      const int64_t nb = (lens[i] + block_size - 1) / block_size;
+      attend_blocks(qf, k_cache, v_cache, block_stride, token_stride, tables + i * max_blocks,
+                    lens[i], 0, nb, num_heads, group, head_dim, block_size, m, l, acc);
+      for (int64_t g = 0; g < num_heads; ++g) {
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < head_dim; ++d)
+          store(out + i * hd + g * head_dim + d, acc[g * head_dim + d] * inv);
       }
     }
-    T* oi = out + (i * num_heads + qh0) * head_dim;
-    for (int64_t g = 0; g < nq; ++g) {
-      const float inv = 1.f / l[g];
-      for (int64_t d = 0; d < head_dim; ++d) store(oi + g * head_dim + d, acc[g * head_dim + d] * inv);
+    return 0;
+  }
+  // per (sequence, part): m and l of each head, then acc
+  std::vector<float> state(static_cast<size_t>(n * parts * num_heads * (head_dim + 2)));
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t item = 0; item < n * parts; ++item) {
+    const int64_t i = item / parts, part = item % parts;
+    const int64_t nb = (lens[i] + block_size - 1) / block_size;
+    const int64_t b0 = nb * part / parts, b1 = nb * (part + 1) / parts;
+    float* st = state.data() + item * num_heads * (head_dim + 2);
+    float qf[kMaxHidden];
+    for (int64_t x = 0; x < hd; ++x) qf[x] = load(q[i * hd + x]) * scale;
+    if (b0 == b1) {  // a short sequence: nothing in this run
+      for (int64_t g = 0; g < num_heads; ++g) st[g] = -INFINITY, st[num_heads + g] = 0.f;
+      continue;
+    }
+    attend_blocks(qf, k_cache, v_cache, block_stride, token_stride, tables + i * max_blocks,
+                  lens[i], b0, b1, num_heads, group, head_dim, block_size, st, st + num_heads,
+                  st + 2 * num_heads);
+  }
+  for (int64_t i = 0; i < n; ++i) {  // merge the runs of each sequence
+    for (int64_t g = 0; g < num_heads; ++g) {
+      float mx = -INFINITY;
+      for (int64_t part = 0; part < parts; ++part) {
+        const float mp = state[(i * parts + part) * num_heads * (head_dim + 2) + g];
+        mx = mp > mx ? mp : mx;
+      }
+      float acc[kMaxHeadDim] = {0.f};
+      float l = 0.f;
+      for (int64_t part = 0; part < parts; ++part) {
+        const float* st = state.data() + (i * parts + part) * num_heads * (head_dim + 2);
+        if (st[num_heads + g] == 0.f) continue;  // an empty run
+        const float w = std::exp(st[g] - mx);
+        l += st[num_heads + g] * w;
+        const float* ap = st + 2 * num_heads + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] += ap[d] * w;
+      }
+      for (int64_t d = 0; d < head_dim; ++d) store(out + i * hd + g * head_dim + d, acc[d] / l);
     }
   }
   return 0;
