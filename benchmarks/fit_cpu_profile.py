@@ -214,10 +214,12 @@ def measure(rounds: int, reps: int, core: int, check: bool, shapes: bool) -> dic
             f"round {r + 1}/{rounds}: {time.perf_counter() - t0:.0f} s, other load {loads[-1]:.2f} cores",
             flush=True,
         )
+    attention = "kernel" if bench.engine.runner.paged_decodes else "sdpa"
     bench.engine.close()
     for p, ts, b in zip(pts, times, batches, strict=True):
         p["times"], p["batch"] = ts, b
-    raw = {"machine": info["line"], "other_load": loads, "date": time.strftime("%Y-%m-%d"), "points": pts}
+    raw = {"machine": info["line"], "other_load": loads, "date": time.strftime("%Y-%m-%d"), "points": pts,
+           "decode_attention": attention}  # fmt: skip
     if shapes:
         add_shapes(raw, rounds, reps)
     return raw
@@ -255,14 +257,15 @@ def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
     return x
 
 
-def counts(batch: list) -> tuple[int, int, float, float]:
+def counts(batch: list, pad: bool) -> tuple[int, int, float, float]:
     """(tokens, sampling sequences, attention pairs, KV tokens read) of a step as the simulator
-    counts them (sim/engine.py): decodes padded to the longest context of their group, as the
-    engine's attention groups them (engine/grouping.py)."""
+    counts them (sim/engine.py): with ``pad``, decodes padded to the longest context of their
+    group, as the engine's gathered SDPA attention groups them (engine/grouping.py); without, each
+    decode reads its own context (the paged decode kernel)."""
     from prism_serve.engine.grouping import padded_decode_context
 
     decodes = [b + 1 for n, b, _ in batch if n == 1]
-    padded = padded_decode_context(decodes)
+    padded = padded_decode_context(decodes) if pad else sum(decodes)
     tokens = sum(n for n, _, _ in batch)
     seqs = sum(1 for _, _, s in batch if s)
     pairs = padded + sum(n * (b + (n + 1) / 2) for n, b, _ in batch if n != 1)
@@ -270,14 +273,14 @@ def counts(batch: list) -> tuple[int, int, float, float]:
     return tokens, seqs, pairs, kv_read
 
 
-def features(spec, batch: list, crossover: float) -> np.ndarray:
+def features(spec, batch: list, crossover: float, pad: bool) -> np.ndarray:
     """The summed CPU form of sim/cost.py as a linear model in 1/rates (one row per step):
     [1, weight passes, matmul FLOPs, small-batch weight rows, sampled sequences, attention FLOPs,
     KV bytes]. The LM head runs only for sequences that sample, the body for every token; a matmul
     group of more than ``crossover`` rows is taken as packed, else as streamed per row."""
     from prism_serve.sim.cost import split_matmul
 
-    tokens, seqs, pairs, kv_read = counts(batch)
+    tokens, seqs, pairs, kv_read = counts(batch, pad)
     body_b, body_f, head_b, head_f = split_matmul(spec)
     passes = rows = flops = 0.0
     for m, nbytes, f in ((tokens, body_b, body_f), (seqs, head_b, head_f)):
@@ -312,13 +315,12 @@ def profile_from(coef: np.ndarray, base):
         seq_overhead_s=float(per_seq),
         attn_flops=1 / inv_attn if inv_attn > 0 else big,
         kv_bandwidth=1 / inv_kv if inv_kv > 0 else big,
-        pad_decode_context=True,
         synthetic=False,
     )
 
 
 def predict(cm, spec, batch: list) -> float:
-    tokens, seqs, pairs, kv_read = counts(batch)
+    tokens, seqs, pairs, kv_read = counts(batch, cm.hw.pad_decode_context)
     return cm.step_time(spec, 1, tokens, pairs, kv_read, seqs)
 
 
@@ -345,7 +347,7 @@ def best_fit(
     best = None
     grid = [0.5] if mem_bandwidth else np.arange(1.5, 12.6, 1.0)
     for crossover in grid:
-        x = np.array([features(spec, b, crossover) for b in batches])
+        x = np.array([features(spec, b, crossover, base.pad_decode_context) for b in batches])
         # relative error: a 40 ms decode step matters as much as a 3 s prefill
         if mem_bandwidth:
             fixed = x[:, 1] / mem_bandwidth
@@ -434,6 +436,42 @@ def fit(raw: dict, quantile: float, base, compare, mem_bandwidth: float | None =
     return hw
 
 
+def refit_kv(raw: dict, quantile: float, compare, pad: bool):
+    """``compare`` with only its KV term refitted: every other constant kept, ``pad_decode_context``
+    set to ``pad``, and ``kv_bandwidth`` chosen by least squares on the relative error of the
+    training decode points (closed form: one coefficient). For an engine change that moves only
+    decode attention, where the live traces behind the other constants still hold."""
+    from prism_serve.sim.cost import RooflineCostModel
+    from prism_serve.sim.models import model_shape
+
+    spec = model_shape("smollm2-135m", dtype_bytes=4)
+    pts = raw["points"]
+    y = np.array([np.quantile(p["times"], quantile) for p in pts])
+    without = RooflineCostModel(dataclasses.replace(compare, pad_decode_context=pad, kv_bandwidth=1e30))
+    rest = np.array([predict(without, spec, p["batch"]) for p in pts])
+    x = np.array([spec.kv_bytes_per_token * (c[3] + c[0]) for c in (counts(p["batch"], pad) for p in pts)])
+    sel = np.array([not p["held_out"] and p["kind"] == "decode" for p in pts])
+    inv = np.sum((y - rest)[sel] * x[sel] / y[sel] ** 2) / np.sum(x[sel] ** 2 / y[sel] ** 2)
+    if not inv > 0:
+        raise SystemExit(f"the decode points leave no time for KV reads (coefficient {inv:.3e})")
+    hw = dataclasses.replace(compare, pad_decode_context=pad, kv_bandwidth=float(1 / inv))
+    print(f"machine: {raw['machine']}; measured {raw['date']}; decode attention "
+          f"{raw.get('decode_attention', 'sdpa')}")  # fmt: skip
+    print(f"{compare.name}: kv_bandwidth {compare.kv_bandwidth:.3e} (pad {compare.pad_decode_context}) -> "
+          f"{hw.kv_bandwidth:.3e} (pad {pad}); every other constant kept")  # fmt: skip
+    old, new = RooflineCostModel(compare), RooflineCostModel(hw)
+    rel_old = np.array([predict(old, spec, p["batch"]) for p in pts]) / y - 1
+    rel_new = np.array([predict(new, spec, p["batch"]) for p in pts]) / y - 1
+    for p, m, a, b in zip(pts, y, rel_old, rel_new, strict=True):
+        tag = " (held out)" if p["held_out"] else ""
+        print(f"  {label(p) + tag:<54} measured {m * 1e3:8.1f} ms  before {a:+7.1%}  refitted {b:+7.1%}")
+    for kind in ("decode", "prefill", "mixed", "ragged"):
+        k = np.array([p["kind"] == kind for p in pts])
+        print(f"{kind:<8} mean |error| before {np.abs(rel_old[k]).mean():6.1%}  refitted "
+              f"{np.abs(rel_new[k]).mean():6.1%}  ({k.sum()} points)")  # fmt: skip
+    return hw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=4)
@@ -473,19 +511,32 @@ def main() -> None:
         "benchmarks/cpu_gemm.py prints one thread's rate through a weight larger than the caches",
     )  # fmt: skip
     ap.add_argument(
+        "--decode-attention", choices=["kernel", "sdpa"],
+        help="the engine's decode attention the fitted steps ran with (default: what the measurements "
+        "record, else what this machine's engine uses now); sdpa reads contexts padded by group",
+    )  # fmt: skip
+    ap.add_argument(
+        "--refit-kv", action="store_true",
+        help="keep --compare's constants and refit only its KV term on the decode points (an engine "
+        "change that moves only decode attention)",
+    )  # fmt: skip
+    ap.add_argument(
         "--write", type=Path, metavar="FILE.json",
         help="save the fitted profile; `prism sim --hardware FILE.json` and the --hardware option of "
         "sim_vs_live.py and live_eval.py use it",
     )  # fmt: skip
     args = ap.parse_args()
+    from prism_serve.engine.cpu_kernels import decode_kernel
     from prism_serve.sim.hardware import dump_hardware, get_hardware
     from sim_mirror import HARDWARE, host_profile_name
 
-    base = dataclasses.replace(get_hardware(args.base), name=args.name or host_profile_name())
     compare = get_hardware(args.compare or HARDWARE)
+    base = dataclasses.replace(get_hardware(args.base), name=args.name or host_profile_name())
+    now = "kernel" if decode_kernel() else "sdpa"
     if args.trace:
         from fit_trace import fit_trace
 
+        base = dataclasses.replace(base, pad_decode_context=(args.decode_attention or now) == "sdpa")
         hw = fit_trace(
             args.trace, args.held_out, args.held_share, args.points, args.points_weight, base, compare,
             not args.by_step, args.mem_bandwidth, args.keep_crossed,
@@ -502,7 +553,12 @@ def main() -> None:
             args.raw.parent.mkdir(parents=True, exist_ok=True)
             args.raw.write_text(json.dumps(raw))
             print(f"measurements saved to {args.raw}")
-        hw = fit(raw, args.quantile, base, compare, args.mem_bandwidth)
+        pad = (args.decode_attention or raw.get("decode_attention", "sdpa")) == "sdpa"
+        if args.refit_kv:
+            hw = refit_kv(raw, args.quantile, compare, pad)
+        else:
+            hw = fit(raw, args.quantile, dataclasses.replace(base, pad_decode_context=pad), compare,
+                     args.mem_bandwidth)  # fmt: skip
     if args.write:
         dump_hardware(hw, args.write)
         print(f"profile {hw.name} written to {args.write} (prism sim --hardware {args.write})")

@@ -197,6 +197,8 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 kv_bandwidth=3.97e9,  # the gather of cached blocks before attention, then the read
                 row_bandwidth=2.38e10,  # 1-3 rows: weights streamed once per row
                 seq_overhead_s=1.30e-5,
+                # the engine before its paged decode kernel (decodes gathered and padded by group);
+                # not refitted on an AVX2 host since
                 pad_decode_context=True,
                 # benchmarks/cpu_sharing.py, 2026-11-24 on the host of the step constants: 2 / 3
                 # engines on one core step 2.10x / 3.32x slower (median over decode 1, decode 8,
@@ -243,10 +245,15 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 activation_overhead_s=9e-3,
                 overlap=False,
                 attn_flops=7.666e10,
-                kv_bandwidth=7.230e9,
+                # decode attention reads each context in place (engine/csrc/paged_decode.cpp, from
+                # 2026-11-26): its KV term alone refitted on 28 measured decode points, every other
+                # constant kept (`fit_cpu_profile.py --rounds 2 --refit-kv`; decode points' mean
+                # |error| 16.5% -> 3.4%). Before, with decodes gathered and padded by group for
+                # SDPA: kv_bandwidth 7.230e9, pad_decode_context True
+                kv_bandwidth=1.217e10,
                 row_bandwidth=None,
                 seq_overhead_s=0.0,
-                pad_decode_context=True,
+                pad_decode_context=False,
                 # benchmarks/cpu_sharing.py --rounds 2 on this host after the refit: 2 / 3 engines on
                 # one core step 2.32x / 3.50x slower (median over decode 1, decode 8, prefill 256),
                 # a = 0.090 (0.053 with the MKL kernels): oneDNN's steps lose more to a neighbour
