@@ -526,13 +526,13 @@ def main() -> None:
         "sim_vs_live.py and live_eval.py use it",
     )  # fmt: skip
     args = ap.parse_args()
-    from prism_serve.engine.cpu_kernels import decode_kernel
+    from prism_serve.engine.cpu_kernels import kernels_enabled
     from prism_serve.sim.hardware import dump_hardware, get_hardware
     from sim_mirror import HARDWARE, host_profile_name
 
     compare = get_hardware(args.compare or HARDWARE)
     base = dataclasses.replace(get_hardware(args.base), name=args.name or host_profile_name())
-    now = "kernel" if decode_kernel() else "sdpa"
+    now = "kernel" if kernels_enabled() else "sdpa"
     if args.trace:
         from fit_trace import fit_trace
 

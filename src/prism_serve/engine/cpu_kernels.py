@@ -1,17 +1,20 @@
 """CPU kernels the engine builds from its own C++ source at first use (``csrc/``).
 
-Today there is one: decode attention that reads K and V in place in the paged cache
-(``csrc/paged_decode.cpp``), which replaces gathering every decode's blocks into a padded buffer
-and running SDPA over it. The library is compiled with the machine's C++ compiler for this CPU
-(``-march=native``) into a cache directory keyed by the source, the compiler and the CPU's flags,
-so a second process, or a later run, loads it without compiling. It is called through ctypes (the
-GIL is released during the call) and its OpenMP threads are torch's: the library links
+- ``paged_decode``: decode attention that reads K and V in place in the paged cache
+  (``csrc/paged_decode.cpp``), instead of gathering every decode's blocks into a padded buffer
+  and running SDPA over it;
+- ``add_rms_norm`` and ``rope``: a layer's residual add + RMSNorm, and its rotary embedding, one
+  pass each instead of a chain of torch ops (``csrc/layer_ops.cpp``), rounded as those ops round.
+
+The library is compiled with the machine's C++ compiler for this CPU (``-march=native``) into a
+cache directory keyed by the sources, the compiler and the CPU's flags, so a second process, or a
+later run, loads it without compiling (about a second the first time). It is called through
+ctypes (the GIL is released during a call) and its OpenMP threads are torch's: the library links
 ``libgomp.so.1``, which resolves to the copy torch has already loaded.
 
-``PRISM_CPU_ATTENTION`` picks the decode attention: ``auto`` (default: the kernel where it builds,
-else SDPA, with one warning), ``kernel`` (the kernel or an error) or ``sdpa``.
-``PRISM_KERNEL_CACHE`` overrides where the built library goes (default
-``~/.cache/prism-serve/kernels``).
+``PRISM_CPU_KERNELS``: ``auto`` (default: the kernels where they build, else torch ops, with one
+warning), ``on`` (the kernels or an error) or ``off`` (torch ops only). ``PRISM_KERNEL_CACHE``
+overrides where the built library goes (default ``~/.cache/prism-serve/kernels``).
 """
 
 from __future__ import annotations
@@ -29,48 +32,53 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KernelBuildError", "attention_mode", "decode_kernel", "paged_decode"]
+__all__ = ["KernelBuildError", "add_rms_norm", "kernels_enabled", "kernels_mode", "paged_decode", "rope"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "kernel", "sdpa")
-SOURCE = "paged_decode.cpp"
+MODES = ("auto", "on", "off")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-fno-math-errno"]
-# Vectorized expf (glibc's libmvec) needs fast-math at compile time. It is kept out of the link
-# step: linking a shared library with -ffast-math adds crtfastmath.o, which would turn on
-# flush-to-zero for the whole process when the library loads.
-COMPILE_ONLY = ["-ffast-math"]
+# Each source with its own flags. Vectorized expf (glibc's libmvec) needs fast-math at compile
+# time; it is kept out of the link step: linking a shared library with -ffast-math adds
+# crtfastmath.o, which would turn on flush-to-zero for the whole process when the library loads.
+# The layer ops must round as torch does: no fused multiply-adds.
+SOURCES = {"paged_decode.cpp": ["-ffast-math"], "layer_ops.cpp": ["-ffp-contract=off"]}
 
 
 class KernelBuildError(RuntimeError):
     """The C++ kernel could not be compiled or loaded on this machine."""
 
 
-def attention_mode() -> str:
-    mode = os.environ.get("PRISM_CPU_ATTENTION", "auto").strip().lower() or "auto"
+def kernels_mode() -> str:
+    mode = os.environ.get("PRISM_CPU_KERNELS", "auto").strip().lower() or "auto"
     if mode not in MODES:
-        raise ValueError(f"PRISM_CPU_ATTENTION={mode!r}: expected one of {', '.join(MODES)}")
+        raise ValueError(f"PRISM_CPU_KERNELS={mode!r}: expected one of {', '.join(MODES)}")
     return mode
 
 
-def decode_kernel() -> bool:
-    """Whether the engine's decode attention uses the paged kernel (``PRISM_CPU_ATTENTION``)."""
-    mode = attention_mode()
-    if mode == "sdpa":
+def kernels_enabled() -> bool:
+    """Whether a CPU engine uses these kernels (``PRISM_CPU_KERNELS``); builds them if needed."""
+    mode = kernels_mode()
+    if mode == "off":
         return False
-    try:
-        _library()
-    except KernelBuildError as e:
-        if mode == "kernel":
-            raise
-        _warn_fallback(str(e))
-        return False
-    return True
+    error = _build_error()
+    if error is None:
+        return True
+    if mode == "on":
+        raise error
+    return False
 
 
 @functools.cache
-def _warn_fallback(reason: str) -> None:
-    log.warning("paged decode kernel unavailable, decode attention uses SDPA: %s", reason)
+def _build_error() -> KernelBuildError | None:
+    """Why the library cannot be had here (None: it loads). Tried once per process: a machine
+    without a compiler does not try again at every forward pass."""
+    try:
+        _library()
+    except KernelBuildError as e:
+        log.warning("CPU kernels unavailable, the engine uses torch ops (slower): %s", e)
+        return e
+    return None
 
 
 def _cpu_flags() -> str:
@@ -95,46 +103,53 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "prism-serve" / "kernels"
 
 
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {  # (argument types, result type) of every exported function, f32 and bf16 alike
+    "prism_paged_decode": ([_P] * 3 + [_I] * 2 + [_P] * 2 + [_I] * 6 + [_F, _P], ctypes.c_int),
+    "prism_add_rms_norm": ([_P] * 4 + [_I] * 2 + [_F], None),
+    "prism_rope": ([_P] + [_I] * 4 + [_P] * 3, None),
+}
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
-    source = files("prism_serve.engine").joinpath("csrc", SOURCE).read_bytes()
+    sources = {name: files("prism_serve.engine").joinpath("csrc", name).read_bytes() for name in SOURCES}
     cxx = _compiler()
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{cxx} --version failed: {e}") from e
-    key = hashlib.sha256(
-        b"\0".join(
-            [source, version.encode(), " ".join(CFLAGS + COMPILE_ONLY).encode(), _cpu_flags().encode()]
-        )
-    ).hexdigest()[:16]
-    path = _cache_dir() / f"paged_decode-{key}.so"
+    parts = [version.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()]
+    for name, source in sources.items():
+        parts += [name.encode(), " ".join(SOURCES[name]).encode(), source]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    path = _cache_dir() / f"prism_cpu-{key}.so"
     if not path.exists():
-        _build(cxx, source, path)
+        _build(cxx, sources, path)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelBuildError(f"cannot load {path}: {e}") from e
-    args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
-    args += [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
-    for name in ("prism_paged_decode_f32", "prism_paged_decode_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = ctypes.c_int
+    for stem, (args, result) in _SIGNATURES.items():
+        for suffix in ("_f32", "_bf16"):
+            fn = getattr(lib, stem + suffix)
+            fn.argtypes, fn.restype = args, result
     return lib
 
 
-def _build(cxx: str, source: bytes, path: Path) -> None:
+def _build(cxx: str, sources: dict[str, bytes], path: Path) -> None:
     """Compile into a private directory, then rename into place: processes that build at once
     each finish with a whole library, and the last rename wins."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, obj, lib = Path(tmp) / SOURCE, Path(tmp) / "k.o", Path(tmp) / "k.so"
-        src.write_bytes(source)
-        steps = [
-            [cxx, *CFLAGS, *COMPILE_ONLY, "-c", str(src), "-o", str(obj)],
-            [cxx, "-shared", "-fopenmp", str(obj), "-o", str(lib)],
-        ]
+        objects, lib = [], Path(tmp) / "k.so"
+        steps = []
+        for name, source in sources.items():
+            src, obj = Path(tmp) / name, Path(tmp) / f"{Path(name).stem}.o"
+            src.write_bytes(source)
+            steps.append([cxx, *CFLAGS, *SOURCES[name], "-c", str(src), "-o", str(obj)])
+            objects.append(str(obj))
+        steps.append([cxx, "-shared", "-fopenmp", *objects, "-o", str(lib)])
         for cmd in steps:
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -143,10 +158,19 @@ def _build(cxx: str, source: bytes, path: Path) -> None:
             if done.returncode != 0:
                 raise KernelBuildError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
         os.replace(lib, path)
-    log.info("built the paged decode kernel: %s", path)
+    log.info("built the CPU kernels: %s", path)
 
 
-_DTYPES = {torch.float32: "prism_paged_decode_f32", torch.bfloat16: "prism_paged_decode_bf16"}
+_SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
+
+
+def _fn(stem: str, *tensors: torch.Tensor):
+    """The kernel ``stem`` for the tensors' one dtype (float32 or bfloat16)."""
+    dtype = tensors[0].dtype
+    if dtype not in _SUFFIX or any(t.dtype != dtype for t in tensors):
+        got = ", ".join(str(t.dtype) for t in tensors)
+        raise TypeError(f"{stem[6:]} takes float32 or bfloat16 tensors of one dtype, got {got}")
+    return getattr(_library(), stem + _SUFFIX[dtype])
 
 
 def paged_decode(
@@ -159,10 +183,7 @@ def paged_decode(
     out: torch.Tensor | None = None,  # [n, num_heads, head_dim]
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its first ``lens[i]`` cached tokens."""
-    name = _DTYPES.get(q.dtype)
-    if name is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"paged_decode takes float32 or bfloat16 tensors of one dtype, got {q.dtype}, "
-                        f"{k_cache.dtype}, {v_cache.dtype}")  # fmt: skip
+    fn = _fn("prism_paged_decode", q, k_cache, v_cache)
     if k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape:
         raise ValueError("K and V caches must have the same shape and strides")
     n, num_heads, head_dim = q.shape
@@ -184,7 +205,7 @@ def paged_decode(
     lo, hi = torch.aminmax(tables)
     if lo < 0 or hi >= k_cache.shape[0]:
         raise ValueError(f"block ids {int(lo)}..{int(hi)} outside the cache's {k_cache.shape[0]} blocks")
-    rc = getattr(_library(), name)(
+    rc = fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
         tables.data_ptr(), lens.data_ptr(), n, tables.shape[1], num_heads, num_kv_heads, head_dim,
         block_size, scale, out.data_ptr(),
@@ -194,3 +215,57 @@ def paged_decode(
                          f"1..max_blocks*block_size, heads a multiple of KV heads and at most 64, "
                          f"head_dim <= 256, heads x head_dim <= 8192, block_size <= 64")  # fmt: skip
     return out
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += y`` in place (when ``y`` is given), then RMSNorm(x) * weight as a new tensor.
+    x, y: [rows, hidden] contiguous; weight: [hidden]."""
+    fn = _fn("prism_add_rms_norm", x, weight, *([] if y is None else [y]))
+    if x.dim() != 2 or not x.is_contiguous() or weight.shape != x.shape[1:] or not weight.is_contiguous():
+        raise ValueError(
+            f"add_rms_norm takes a contiguous [rows, hidden] x and a [hidden] weight, got "
+            f"{tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if y is not None and (y.shape != x.shape or not y.is_contiguous()):
+        raise ValueError(f"y must be contiguous and shaped like x {tuple(x.shape)}, got {tuple(y.shape)}")
+    out = torch.empty_like(x)
+    y_ptr = 0 if y is None else y.data_ptr()
+    fn(x.data_ptr(), y_ptr, weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ([tokens, heads, head_dim], heads contiguous, rows any distance apart) in place
+    by the half-split rotary embedding at ``positions`` (rows of ``cos`` and ``sin``, each
+    [max_positions, head_dim / 2]). Returns ``x``."""
+    fn = _fn("prism_rope", x, cos, sin)
+    tokens, heads, head_dim = x.shape
+    if x.stride()[1:] != (head_dim, 1) or head_dim % 2 or (tokens > 1 and x.stride(0) < heads * head_dim):
+        raise ValueError(
+            f"rope takes [tokens, heads, head_dim] with contiguous heads, got stride {x.stride()}"
+        )
+    half = head_dim // 2
+    if (
+        cos.shape != sin.shape
+        or cos.shape[1:] != (half,)
+        or not (cos.is_contiguous() and sin.is_contiguous())
+    ):
+        raise ValueError(f"cos and sin must be contiguous [positions, {half}], got {tuple(cos.shape)}")
+    positions = positions.to(torch.int64).contiguous()
+    if positions.shape != (tokens,):
+        raise ValueError(f"one position per token: {tokens} tokens, positions {tuple(positions.shape)}")
+    if tokens:
+        lo, hi = torch.aminmax(positions)
+        if lo < 0 or hi >= cos.shape[0]:
+            raise ValueError(f"positions {int(lo)}..{int(hi)} outside the {cos.shape[0]} rows of cos and sin")
+        fn(
+            x.data_ptr(),
+            tokens,
+            heads,
+            head_dim,
+            x.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            positions.data_ptr(),
+        )
+    return x

@@ -15,7 +15,7 @@ from prism_serve.engine.attention import (
     PrefillChunk,
     causal_chunk_mask,
 )
-from prism_serve.engine.cpu_kernels import decode_kernel
+from prism_serve.engine.cpu_kernels import kernels_enabled
 from prism_serve.engine.grouping import group_decodes
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.models.llama import LlamaForCausalLM
@@ -41,7 +41,7 @@ class ModelRunner:
         self._gather_k = torch.empty(0, dtype=kv_cache.tensor.dtype)
         self._gather_v = torch.empty(0, dtype=kv_cache.tensor.dtype)
         # decodes through the paged kernel (reads the cache in place) or gathered for SDPA
-        self.paged_decodes = kv_cache.tensor.device.type == "cpu" and decode_kernel()
+        self.paged_decodes = kv_cache.tensor.device.type == "cpu" and kernels_enabled()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[int | None]:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from prism_serve.engine import cpu_kernels
 from prism_serve.engine.attention import AttentionMetadata, paged_attention
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.models.config import ArchConfig, RopeScaling, parameter_shapes
@@ -112,6 +113,28 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def add_rms_norm(
+    x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float, kernel: bool
+) -> torch.Tensor:
+    """``x += y`` in place (the residual add; x unchanged when y is None), then ``rms_norm(x)``:
+    with ``kernel`` one pass of the CPU kernel (cpu_kernels.add_rms_norm), else torch ops."""
+    if kernel:
+        return cpu_kernels.add_rms_norm(x, y, weight, eps)
+    if y is not None:
+        x.add_(y)
+    return rms_norm(x, weight, eps)
+
+
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, kernel: bool
+) -> torch.Tensor:
+    """``apply_rope`` at ``positions`` (rows of the cos/sin tables): with ``kernel`` in place by the
+    CPU kernel (cpu_kernels.rope), else into a new tensor by torch ops."""
+    if kernel:
+        return cpu_kernels.rope(x, cos, sin, positions)
+    return apply_rope(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split rotation (HF's rotate_half): dim i pairs with i + head_dim/2. cos/sin: [T, 1, hd/2]."""
     half = x.shape[-1] // 2
@@ -126,9 +149,7 @@ _LAYER_NORMS = ("input_norm", "post_norm")
 class DecoderLayer:
     __slots__ = ("down", "gate_up", "input_norm", "o_proj", "post_norm", "qkv")
 
-    def __init__(
-        self, tensors: dict[str, torch.Tensor], prefix: str, config: ArchConfig, dtype: torch.dtype
-    ):
+    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, config: ArchConfig, dtype: torch.dtype):
         def t(name: str) -> torch.Tensor:
             return tensors[prefix + name]
 
@@ -275,25 +296,27 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         c = self.config
+        eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
-        x = self.embed_tokens(input_ids)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        # the residual stream, added to in place (a fresh tensor: the lookup's own, or its copy)
+        x = self.embed_tokens(input_ids).contiguous()
+        kernel = x.device.type == "cpu" and cpu_kernels.kernels_enabled()
         caches = zip(kv_cache.layers, kv_cache.layer_rows, strict=True)
+        h = add_rms_norm(x, None, self.layers[0].input_norm, eps, kernel)
         for i, (layer, ((k_cache, v_cache), rows)) in enumerate(zip(self.layers, caches, strict=True)):
-            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             qk, v = layer.qkv(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # Q and K heads sit side by side in the fused output: rotate them in one pass.
-            qk = apply_rope(qk.view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            qk = qk.view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
+            qk = rotate(qk, self.cos, self.sin, positions, kernel)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, rows, meta, self.scale)
-            # in place where nothing else reads the operand: fewer fresh buffers per layer
-            x = x.add_(layer.o_proj(attn)) if i else x + layer.o_proj(attn)  # x: the embedding at 0
-            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            h = add_rms_norm(x, layer.o_proj(attn), layer.post_norm, eps, kernel)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x.add_(layer.down(F.silu(gate, inplace=True).mul_(up)))
-        return rms_norm(x, self.norm, c.rms_norm_eps)
+            # the MLP's output is added, then normed for the next layer (or the final norm)
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            h = add_rms_norm(x, layer.down(F.silu(gate, inplace=True).mul_(up)), after, eps, kernel)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
