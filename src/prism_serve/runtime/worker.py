@@ -33,6 +33,7 @@ import torch
 import zmq
 
 from prism_serve.control.profiles import StepSums
+from prism_serve.engine.cpu_kernels import kernels_enabled
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
@@ -114,6 +115,10 @@ class Worker:
         self.prepare_s = 0.0
         self.active: _Active | None = None
         self.trace = StepTrace.from_env(worker_id)  # PRISM_STEP_TRACE: every step's shape and time
+        if device.name.startswith("cpu"):
+            # the engine's CPU kernels, loaded (built once per machine, ~1 s) before this worker
+            # is ready rather than on its first model's first step
+            kernels_enabled()
         self.running = True
         self._send(
             msg.WorkerReady(worker_id, os.getpid(), device.name, reserve_bytes, time.monotonic() - start)
