@@ -45,6 +45,9 @@ constexpr int kMaxHeads = 64;  // query heads
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxHidden = 8192;  // query heads x head_dim
 constexpr int kMaxBlock = 64;  // tokens per block
+// The running max before any score: finite, because -ffast-math lets the compiler assume that no
+// value is infinite; exp(kNoScore - score) is 0 for any real score.
+constexpr float kNoScore = -1e30f;
 
 // Attends query token i to the tokens of blocks [b0, b1) of its table, all heads, with a running
 // softmax: leaves each query head's running max m, sum of weights l and weighted sum of values
@@ -56,7 +59,7 @@ void attend_blocks(const float* qf, const T* k_cache, const T* v_cache, int64_t 
                    float* m, float* l, float* acc) {
   float p[kMaxHeads * kMaxBlock];
   std::memset(acc, 0, sizeof(float) * num_heads * head_dim);
-  for (int64_t g = 0; g < num_heads; ++g) m[g] = -INFINITY, l[g] = 0.f;
+  for (int64_t g = 0; g < num_heads; ++g) m[g] = kNoScore, l[g] = 0.f;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t t0 = b * block_size;
     const int64_t cnt = t0 + block_size < len ? block_size : len - t0;
@@ -82,7 +85,7 @@ void attend_blocks(const float* qf, const T* k_cache, const T* v_cache, int64_t 
       float bm = pg[0];
       for (int64_t o = 1; o < cnt; ++o) bm = pg[o] > bm ? pg[o] : bm;
       const float nm = bm > m[g] ? bm : m[g];
-      const float corr = std::exp(m[g] - nm);  // 0 on the first block (m = -inf)
+      const float corr = std::exp(m[g] - nm);  // 0 on the first block (m = kNoScore)
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t o = 0; o < cnt; ++o) {
@@ -162,7 +165,7 @@ int paged_decode(const T* q, const T* k_cache, const T* v_cache, int64_t block_s
     float qf[kMaxHidden];
     for (int64_t x = 0; x < hd; ++x) qf[x] = load(q[i * hd + x]) * scale;
     if (b0 == b1) {  // a short sequence: nothing in this run
-      for (int64_t g = 0; g < num_heads; ++g) st[g] = -INFINITY, st[num_heads + g] = 0.f;
+      for (int64_t g = 0; g < num_heads; ++g) st[g] = kNoScore, st[num_heads + g] = 0.f;
       continue;
     }
     attend_blocks(qf, k_cache, v_cache, block_stride, token_stride, tables + i * max_blocks,
@@ -171,7 +174,7 @@ int paged_decode(const T* q, const T* k_cache, const T* v_cache, int64_t block_s
   }
   for (int64_t i = 0; i < n; ++i) {  // merge the runs of each sequence
     for (int64_t g = 0; g < num_heads; ++g) {
-      float mx = -INFINITY;
+      float mx = kNoScore;
       for (int64_t part = 0; part < parts; ++part) {
         const float mp = state[(i * parts + part) * num_heads * (head_dim + 2) + g];
         mx = mp > mx ? mp : mx;
