@@ -54,6 +54,21 @@ def test_no_compiler_falls_back_to_torch_ops_or_fails_when_asked(monkeypatch, tm
     assert list(tmp_path.iterdir()) == []  # no half-built library left behind
 
 
+def test_unwritable_cache_falls_back_to_torch_ops(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("PRISM_KERNEL_CACHE", str(blocker / "kernels"))  # cannot be made
+    monkeypatch.setenv("PRISM_CPU_KERNELS", "auto")
+    _forget_library()
+    try:
+        assert kernels_enabled() is False
+        monkeypatch.setenv("PRISM_CPU_KERNELS", "on")
+        with pytest.raises(KernelBuildError, match="cannot build into"):
+            kernels_enabled()
+    finally:
+        _forget_library()
+
+
 def test_build_lands_in_the_cache_and_is_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("PRISM_KERNEL_CACHE", str(tmp_path))
     _forget_library()

@@ -2,7 +2,7 @@
 
 Decodes (one new token each) come first in the batch. On CPU they are attended by one call of the
 paged decode kernel (``cpu_kernels.paged_decode``), which reads each decode's own context in place
-in the cache. Elsewhere (another device, or ``PRISM_CPU_ATTENTION=sdpa``) they run as batched SDPA
+in the cache. Elsewhere (another device, or ``PRISM_CPU_KERNELS=off``) they run as batched SDPA
 calls over their block tables, gathered and padded to the longest context of their group: decodes
 are grouped by context length (``group_decodes``) so that a short context is not padded to the
 longest one of a mixed batch. Prefill chunks follow, one SDPA call each, attending to their cached

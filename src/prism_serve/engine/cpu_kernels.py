@@ -46,7 +46,7 @@ SOURCES = {"paged_decode.cpp": ["-ffast-math"], "layer_ops.cpp": ["-ffp-contract
 
 
 class KernelBuildError(RuntimeError):
-    """The C++ kernel could not be compiled or loaded on this machine."""
+    """The C++ kernels could not be compiled or loaded on this machine."""
 
 
 def kernels_mode() -> str:
@@ -94,7 +94,7 @@ def _cpu_flags() -> str:
 def _compiler() -> str:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
-        raise KernelBuildError("no C++ compiler (c++ or g++) on PATH; set CXX or PRISM_CPU_ATTENTION=sdpa")
+        raise KernelBuildError("no C++ compiler (c++ or g++) on PATH; set CXX, or PRISM_CPU_KERNELS=off")
     return cxx
 
 
@@ -125,7 +125,10 @@ def _library() -> ctypes.CDLL:
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     path = _cache_dir() / f"prism_cpu-{key}.so"
     if not path.exists():
-        _build(cxx, sources, path)
+        try:
+            _build(cxx, sources, path)
+        except OSError as e:  # the cache directory cannot be made or written
+            raise KernelBuildError(f"cannot build into {path.parent}: {e}") from e
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:

@@ -125,16 +125,6 @@ def add_rms_norm(
     return rms_norm(x, weight, eps)
 
 
-def rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, kernel: bool
-) -> torch.Tensor:
-    """``apply_rope`` at ``positions`` (rows of the cos/sin tables): with ``kernel`` in place by the
-    CPU kernel (cpu_kernels.rope), else into a new tensor by torch ops."""
-    if kernel:
-        return cpu_kernels.rope(x, cos, sin, positions)
-    return apply_rope(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split rotation (HF's rotate_half): dim i pairs with i + head_dim/2. cos/sin: [T, 1, hd/2]."""
     half = x.shape[-1] // 2
@@ -301,13 +291,16 @@ class LlamaForCausalLM:
         # the residual stream, added to in place (a fresh tensor: the lookup's own, or its copy)
         x = self.embed_tokens(input_ids).contiguous()
         kernel = x.device.type == "cpu" and cpu_kernels.kernels_enabled()
+        if not kernel:  # torch ops: the rows of cos and sin for these positions, once per pass
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         caches = zip(kv_cache.layers, kv_cache.layer_rows, strict=True)
         h = add_rms_norm(x, None, self.layers[0].input_norm, eps, kernel)
         for i, (layer, ((k_cache, v_cache), rows)) in enumerate(zip(self.layers, caches, strict=True)):
             qk, v = layer.qkv(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # Q and K heads sit side by side in the fused output: rotate them in one pass.
             qk = qk.view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
-            qk = rotate(qk, self.cos, self.sin, positions, kernel)
+            # the kernel rotates in place, looking cos and sin up by position
+            qk = cpu_kernels.rope(qk, self.cos, self.sin, positions) if kernel else apply_rope(qk, cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, rows, meta, self.scale)
