@@ -214,7 +214,7 @@ def measure(rounds: int, reps: int, core: int, check: bool, shapes: bool) -> dic
             f"round {r + 1}/{rounds}: {time.perf_counter() - t0:.0f} s, other load {loads[-1]:.2f} cores",
             flush=True,
         )
-    attention = "kernel" if bench.engine.runner.paged_decodes else "sdpa"
+    attention = "kernel" if bench.engine.runner.kernels else "sdpa"
     bench.engine.close()
     for p, ts, b in zip(pts, times, batches, strict=True):
         p["times"], p["batch"] = ts, b

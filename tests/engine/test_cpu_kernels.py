@@ -43,7 +43,7 @@ def test_no_compiler_falls_back_to_torch_ops_or_fails_when_asked(monkeypatch, tm
             assert kernels_enabled() is False
         assert caplog.text.count("engine uses torch ops") == 1  # tried and told once per process
         engine = make_engine(num_kv_blocks=32)  # and the engine still serves, on torch ops
-        assert engine.runner.paged_decodes is False
+        assert engine.runner.kernels is False
         req = engine.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=3))
         assert len(run_to_completion(engine)[req].token_ids) == 3
         monkeypatch.setenv("PRISM_CPU_KERNELS", "on")

@@ -124,7 +124,7 @@ def test_engine_greedy_outputs_equal_with_kernels_and_torch_ops(make_engine, mon
     for mode in ("on", "off"):
         monkeypatch.setenv("PRISM_CPU_KERNELS", mode)
         engine = make_engine(max_num_seqs=8, num_kv_blocks=128)
-        assert engine.runner.paged_decodes is (mode == "on")
+        assert engine.runner.kernels is (mode == "on")
         ids = [
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
             for p in prompts

@@ -55,6 +55,7 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # SDPA over gathered blocks
     paged_decodes: PagedDecodes | None = None  # or the kernel that reads the cache in place
+    kernels: bool = False  # the step runs the CPU kernels (ModelRunner.kernels), layer ops included
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Scratch for gathered K and V, reused by every layer and step: allocating ~10 MB per layer
     # costs page faults that showed up as a third of a batched fp32 decode step.

@@ -40,8 +40,10 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self._gather_k = torch.empty(0, dtype=kv_cache.tensor.dtype)
         self._gather_v = torch.empty(0, dtype=kv_cache.tensor.dtype)
-        # decodes through the paged kernel (reads the cache in place) or gathered for SDPA
-        self.paged_decodes = kv_cache.tensor.device.type == "cpu" and kernels_enabled()
+        # the CPU kernels (decode attention reading the cache in place, the layer's element-wise
+        # ops), or torch ops with decodes gathered for SDPA: decided once, carried by every step's
+        # AttentionMetadata to attention and the model
+        self.kernels = kv_cache.tensor.device.type == "cpu" and kernels_enabled()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[int | None]:
@@ -144,16 +146,14 @@ class ModelRunner:
             slot_rows=self.kv_cache.slot_rows(torch.tensor(slot_blocks), positions % bs), prefills=prefills
         )
         meta.num_decodes = len(decode_tables)
-        if self.paged_decodes and decode_tables:
-            max_blocks = max(len(t) for t in decode_tables)
-            padded = torch.tensor([t + [t[0]] * (max_blocks - len(t)) for t in decode_tables])
-            meta.paged_decodes = PagedDecodes(padded, torch.tensor(decode_lens))
-        groups = [] if self.paged_decodes else group_decodes(decode_lens)
+        meta.kernels = self.kernels
+        if self.kernels and decode_tables:
+            meta.paged_decodes = PagedDecodes(_padded_tables(decode_tables), torch.tensor(decode_lens))
+        groups = [] if self.kernels else group_decodes(decode_lens)
         for g in groups:
             tables, lens = [decode_tables[i] for i in g], [decode_lens[i] for i in g]
             max_blocks = max(len(t) for t in tables)
-            # Pad short tables with their own first block: a valid id whose keys the mask hides.
-            padded = torch.tensor([t + [t[0]] * (max_blocks - len(t)) for t in tables])
+            padded = _padded_tables(tables)
             rows = None if len(groups) == 1 else torch.tensor(g)
             if min(lens) == max(lens):
                 meta.decode_groups.append(DecodeGroup(rows, padded, None, lens[0]))
@@ -167,3 +167,10 @@ class ModelRunner:
             self._gather_v = self._gather_v.new_empty(need * 5 // 4)
         meta.gather_k, meta.gather_v = self._gather_k, self._gather_v
         return torch.tensor(ids), positions, meta, last_index
+
+
+def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one [n, longest] tensor, short ones padded with their own first block: a
+    valid id whose keys the mask hides (SDPA) or the kernel never reads (past the context)."""
+    longest = max(len(t) for t in tables)
+    return torch.tensor([t + [t[0]] * (longest - len(t)) for t in tables])

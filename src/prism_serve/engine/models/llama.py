@@ -290,7 +290,7 @@ class LlamaForCausalLM:
         num_tokens = input_ids.shape[0]
         # the residual stream, added to in place (a fresh tensor: the lookup's own, or its copy)
         x = self.embed_tokens(input_ids).contiguous()
-        kernel = x.device.type == "cpu" and cpu_kernels.kernels_enabled()
+        kernel = meta.kernels  # decided once by the runner (a CPU cache, the kernels built)
         if not kernel:  # torch ops: the rows of cos and sin for these positions, once per pass
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         caches = zip(kv_cache.layers, kv_cache.layer_rows, strict=True)
