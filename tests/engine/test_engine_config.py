@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+import torch
 
 from prism_serve.config import ModelConfig
 from prism_serve.engine.config import DTYPE_NAMES, ENGINE_DEFAULTS, GPU_ENGINE_DEFAULTS, EngineConfig
-from prism_serve.engine.llm_engine import DTYPES
+from prism_serve.engine.llm_engine import DTYPES, LLMEngine
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.errors import InvalidRequestError
 from prism_serve.runtime import messages as msg
@@ -62,3 +63,12 @@ def test_engine_config_travels_to_a_worker_as_itself():
     bad = bad.replace(b"float32", b"float64")  # a dtype no engine has: refused when decoded
     with pytest.raises(msgspec.ValidationError, match="dtype must be one of"):
         msg.to_worker_decoder().decode(bad)
+
+
+def test_device_names_are_checked_and_a_missing_gpu_is_a_named_error(smollm):
+    for bad in ("gpu", "cuda:x", "cpu0", "tpu:0"):
+        with pytest.raises(InvalidRequestError, match="device must be"):
+            EngineConfig(device=bad)
+    absent = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a CPU machine)
+    with pytest.raises(InvalidRequestError, match="CUDA devices"):
+        LLMEngine(EngineConfig(dtype="float32", device=absent), weights=smollm)

@@ -2,7 +2,8 @@
 
 Decodes (one new token each) come first in the batch. On CPU they are attended by one call of the
 paged decode kernel (``cpu_kernels.paged_decode``), which reads each decode's own context in place
-in the cache. Elsewhere (another device, or ``PRISM_CPU_KERNELS=off``) they run as batched SDPA
+in the cache; on CUDA the Triton kernel of ``cuda_kernels`` does the same (and writes the new K and
+V). Elsewhere (no kernels, or ``PRISM_CPU_KERNELS=off``) they run as batched SDPA
 calls over their block tables, gathered and padded to the longest context of their group: decodes
 are grouped by context length (``group_decodes``) so that a short context is not padded to the
 longest one of a mixed batch. Prefill chunks follow, one SDPA call each, attending to their cached
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from prism_serve.engine import cuda_kernels
 from prism_serve.engine.cpu_kernels import paged_decode
 
 
@@ -47,6 +49,7 @@ class PagedDecodes:
 
     block_tables: torch.Tensor  # [n, max_blocks] int64
     lens: torch.Tensor  # [n] int64
+    splits: int = 1  # CUDA: programs each sequence's blocks are split over (cuda_kernels.num_splits)
 
 
 @dataclass(slots=True)
@@ -56,6 +59,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # SDPA over gathered blocks
     paged_decodes: PagedDecodes | None = None  # or the kernel that reads the cache in place
     kernels: bool = False  # the step runs the CPU kernels (ModelRunner.kernels), layer ops included
+    cuda: bool = False  # the step runs the CUDA kernels: cache writes and decode attention
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Scratch for gathered K and V, reused by every layer and step: allocating ~10 MB per layer
     # costs page faults that showed up as a third of a batched fp32 decode step.
@@ -69,13 +73,15 @@ class AttentionMetadata:
                     *(p.block_table.numel() for p in self.prefills)])  # fmt: skip
 
 
-def causal_chunk_mask(query_len: int, context_len: int) -> torch.Tensor | None:
+def causal_chunk_mask(
+    query_len: int, context_len: int, device: torch.device | None = None
+) -> torch.Tensor | None:
     """Query i sits at position context_len - query_len + i and sees keys up to there."""
     if query_len == context_len:
         return None
     offset = context_len - query_len
-    q_pos = torch.arange(query_len).unsqueeze(1) + offset
-    return torch.arange(context_len).unsqueeze(0) <= q_pos
+    q_pos = torch.arange(query_len, device=device).unsqueeze(1) + offset
+    return torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
 
 
 def paged_attention(
@@ -89,15 +95,23 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
-    rows[0].index_copy_(0, meta.slot_rows, k.reshape(num_tokens, -1))
-    rows[1].index_copy_(0, meta.slot_rows, v.reshape(num_tokens, -1))
+    if meta.cuda:  # skips negative slots (the padding rows of a CUDA graph's batch)
+        cuda_kernels.store_kv(k, v, rows[0], rows[1], meta.slot_rows)
+    else:
+        rows[0].index_copy_(0, meta.slot_rows, k.reshape(num_tokens, -1))
+        rows[1].index_copy_(0, meta.slot_rows, v.reshape(num_tokens, -1))
     num_kv_heads = k.shape[1]
     out = q.new_empty(num_tokens, num_heads, head_dim)
 
     nd = meta.num_decodes
     if meta.paged_decodes is not None:
         pd = meta.paged_decodes
-        paged_decode(q[:nd], k_cache, v_cache, pd.block_tables, pd.lens, scale, out=out[:nd])
+        if meta.cuda:
+            cuda_kernels.paged_decode(
+                q[:nd], k_cache, v_cache, pd.block_tables, pd.lens, scale, out[:nd], pd.splits
+            )
+        else:
+            paged_decode(q[:nd], k_cache, v_cache, pd.block_tables, pd.lens, scale, out=out[:nd])
     for g in meta.decode_groups:
         n = g.block_tables.shape[0]
         # Each KV head's query group acts as a short query sequence: [n, kv_heads, group, head_dim].

@@ -11,6 +11,8 @@ No torch here: the deployment config and the simulator import this module withou
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 from prism_serve.engine.models.config import ArchConfig
@@ -48,6 +50,7 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     # device ledger's shared budget (memory/kv_pool.py); kv_cache_bytes is then only address space.
     elastic_kv: PoolConfig | None = None
     seed: int = 0  # for requests without their own seed, and for random weights
+    device: str = "cpu"  # where the engine computes: cpu, or cuda / cuda:N (a GPU; bf16 under dtype auto)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -55,6 +58,8 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(f"{name} must be positive")
+        if not re.fullmatch(r"cpu(:\d+)?|cuda(:\d+)?", self.device):
+            raise InvalidRequestError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise InvalidRequestError("num_kv_blocks must be positive")
 

@@ -86,6 +86,7 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         storage: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         import torch  # here, not at the top: the allocator above must import without torch
 
@@ -93,7 +94,7 @@ class KVCache:
         self.num_blocks = num_blocks
         shape = (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
         if storage is None:
-            self.tensor = torch.zeros(shape, dtype=dtype)
+            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         else:
             numel = torch.Size(shape).numel()
             if storage.dtype != dtype or storage.numel() < numel:

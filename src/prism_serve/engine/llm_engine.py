@@ -36,10 +36,14 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def torch_dtype(config: EngineConfig) -> torch.dtype:
-    return DTYPES[resolve_dtype(config.dtype)]
+    return DTYPES[resolve_dtype(config.dtype, config.device.split(":", 1)[0])]
 
 
 Prompt = str | list[int]
+
+
+def _has_cuda_device(device: torch.device) -> bool:
+    return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
 
 
 class LLMEngine:
@@ -63,9 +67,18 @@ class LLMEngine:
         self.model_config = weights.config
         self.tokenizer = weights.tokenizer
         self.max_model_len = config.resolve_max_model_len(weights.config)
+        # a CUDA engine builds the model on the host (fusing, re-laying out) and copies it over;
+        # a model handed in already lives where it computes (the runtime's weight range)
+        device = torch.device(config.device if config.device.startswith("cuda") else "cpu")
+        if device.type == "cuda" and model is None and not _has_cuda_device(device):
+            raise InvalidRequestError(
+                f"device {config.device} asked for, but this torch ({torch.__version__}) sees "
+                f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices"
+            )
         self.model = model or LlamaForCausalLM(
             weights.config, weights.tensors, dtype, self.max_model_len, weights.rope_freq_factors
-        )
+        ).to(device)
+        device = self.model.norm.device
         block_bytes = KVCache.block_bytes(weights.config, config.block_size, dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
         self._owned_pool: ElasticKVPool | None = None
@@ -76,19 +89,27 @@ class LLMEngine:
         self.allocator = allocator or FixedBlockAllocator(num_blocks)
         storage = None
         if isinstance(self.allocator, ElasticKVPool):
+            if self.allocator.vrange.device.split(":")[0] != device.type:
+                raise InvalidRequestError(
+                    f"the KV pool is on {self.allocator.vrange.device}; this engine computes on {device}"
+                )
             if self.allocator.block_bytes != block_bytes:
                 raise InvalidRequestError(
                     f"KV pool blocks are {self.allocator.block_bytes} bytes; this model needs {block_bytes}"
                 )
             storage = self.allocator.kv_tensor(dtype)
         self.kv_cache = KVCache(
-            weights.config, self.allocator.num_total_blocks, config.block_size, dtype, storage=storage
+            weights.config, self.allocator.num_total_blocks, config.block_size, dtype, storage, device
         )
         self.scheduler = Scheduler(
             self.allocator, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.runner = ModelRunner(
-            self.model, self.kv_cache, seed=config.seed, eos_token_ids=self.tokenizer.eos_token_ids
+            self.model,
+            self.kv_cache,
+            seed=config.seed,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            max_num_seqs=config.max_num_seqs,
         )
         self.grammars = GrammarCompiler(self.tokenizer, weights.config.vocab_size)
         self._clock = clock

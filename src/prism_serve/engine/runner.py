@@ -2,12 +2,21 @@
 
 Logprobs are recorded on the sequences here, where the logits are (one entry per sampled token,
 and prompt entries as prefill chunks pass); the engine appends the sampled tokens themselves.
+
+On a CUDA device the model inputs are built on the host and copied over, decodes and cache
+writes run the Triton kernels (cuda_kernels.py), and a step of decodes alone replays a CUDA graph
+captured for the smallest batch size bucket that holds it (``DecodeGraphs``). Greedy rows without
+logit processing are sampled on the device (one argmax); anything else copies the logits to the
+host and samples there, with the same code as on CPU.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from prism_serve.engine import cuda_kernels
 from prism_serve.engine.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -21,7 +30,7 @@ from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.sampler import sample, token_logprobs
 from prism_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from prism_serve.engine.sequence import TokenLogprob
+from prism_serve.engine.sequence import Sequence, TokenLogprob
 from prism_serve.engine.structured import allowed_tokens
 
 # Prompt positions whose logits are computed at once for prompt_logprobs: [rows, vocab] fp32 twice
@@ -29,21 +38,39 @@ from prism_serve.engine.structured import allowed_tokens
 PROMPT_LOGITS_ROWS = 256
 
 
+# Batch sizes a CUDA graph is captured for (a decode step pads to the next one), up to max_num_seqs.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: KVCache, seed: int = 0, eos_token_ids: tuple[int, ...] = ()
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        seed: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+        max_num_seqs: int = 0,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids  # what min_tokens forbids besides a request's stop_token_ids
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        self.device = device = kv_cache.tensor.device
         self.generator = torch.Generator().manual_seed(seed)
-        self._gather_k = torch.empty(0, dtype=kv_cache.tensor.dtype)
-        self._gather_v = torch.empty(0, dtype=kv_cache.tensor.dtype)
+        self._gather_k = torch.empty(0, dtype=kv_cache.tensor.dtype, device=device)
+        self._gather_v = torch.empty(0, dtype=kv_cache.tensor.dtype, device=device)
         # the CPU kernels (decode attention reading the cache in place, the layer's element-wise
         # ops), or torch ops with decodes gathered for SDPA: decided once, carried by every step's
         # AttentionMetadata to attention and the model
-        self.kernels = kv_cache.tensor.device.type == "cpu" and kernels_enabled()
+        self.kernels = device.type == "cpu" and kernels_enabled()
+        c = model.config
+        self.cuda = cuda_kernels.available(c.head_dim, self.block_size, device)
+        self.graphs = (
+            DecodeGraphs(self, max_num_seqs)
+            if self.cuda and cuda_graphs and max_num_seqs > 0 and os.environ.get("PRISM_CUDA_GRAPHS") != "0"
+            else None
+        )
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[int | None]:
@@ -52,8 +79,13 @@ class ModelRunner:
         # returned list follows sched.scheduled.
         order = sorted(range(len(sched.scheduled)), key=lambda i: sched.scheduled[i].num_new_tokens != 1)
         batch = [sched.scheduled[i] for i in order]
-        input_ids, positions, meta, last_index = self._prepare(batch)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        graphs = self.graphs
+        if graphs is not None and 0 < len(batch) <= graphs.max_batch and batch[-1].num_new_tokens == 1:
+            hidden = graphs.run(batch)  # decodes alone: replay the captured step
+            last_index = list(range(len(batch)))
+        else:
+            input_ids, positions, meta, last_index = self._prepare(batch)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
 
         for s, last in zip(batch, last_index, strict=True):
             if s.seq.prompt_logprobs is not None:
@@ -64,6 +96,8 @@ class ModelRunner:
         if sampling:
             logits = self.model.compute_logits(hidden[[last_index[j] for j in sampling]])
             seqs = [batch[j].seq for j in sampling]
+            if not logits.is_cpu and not all(_argmax_only(s) for s in seqs):
+                logits = logits.cpu()  # the sampler's features run on the host, as on a CPU device
             constrained = [r for r, s in enumerate(seqs) if s.matcher is not None]
             allowed = None
             if constrained:
@@ -104,13 +138,14 @@ class ModelRunner:
         k = seq.params.prompt_logprobs or 0
         for a in range(begin, end, PROMPT_LOGITS_ROWS):
             b = min(a + PROMPT_LOGITS_ROWS, end)
-            logits = self.model.compute_logits(hidden[first_row + a - start : first_row + b - start])
+            logits = self.model.compute_logits(hidden[first_row + a - start : first_row + b - start]).cpu()
             entries.extend(token_logprobs(logits, seq.token_ids[a + 1 : b + 1], [k] * (b - a)))
 
     def _prepare(
         self, batch: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
+        dev = self.device
         ids: list[int] = []
         pos: list[int] = []
         slot_blocks: list[int] = []
@@ -135,38 +170,120 @@ class ModelRunner:
                         query_start=len(ids) - n,
                         query_len=n,
                         context_len=end,
-                        block_table=torch.tensor(table[: -(-end // bs)]),
-                        mask=causal_chunk_mask(n, end),
+                        block_table=torch.tensor(table[: -(-end // bs)], device=dev),
+                        mask=causal_chunk_mask(n, end, dev),
                     )
                 )
             last_index.append(len(ids) - 1)
 
-        positions = torch.tensor(pos)
+        positions = torch.tensor(pos, device=dev)
         meta = AttentionMetadata(
-            slot_rows=self.kv_cache.slot_rows(torch.tensor(slot_blocks), positions % bs), prefills=prefills
+            slot_rows=self.kv_cache.slot_rows(torch.tensor(slot_blocks, device=dev), positions % bs),
+            prefills=prefills,
         )
         meta.num_decodes = len(decode_tables)
-        meta.kernels = self.kernels
-        if self.kernels and decode_tables:
-            meta.paged_decodes = PagedDecodes(_padded_tables(decode_tables), torch.tensor(decode_lens))
-        groups = [] if self.kernels else group_decodes(decode_lens)
+        meta.kernels, meta.cuda = self.kernels, self.cuda
+        if (self.kernels or self.cuda) and decode_tables:
+            tables = _padded_tables(decode_tables).to(dev)
+            splits = self._splits(len(decode_tables), tables.shape[1]) if self.cuda else 1
+            meta.paged_decodes = PagedDecodes(tables, torch.tensor(decode_lens, device=dev), splits)
+        groups = [] if self.kernels or self.cuda else group_decodes(decode_lens)
         for g in groups:
             tables, lens = [decode_tables[i] for i in g], [decode_lens[i] for i in g]
             max_blocks = max(len(t) for t in tables)
-            padded = _padded_tables(tables)
-            rows = None if len(groups) == 1 else torch.tensor(g)
+            padded = _padded_tables(tables).to(dev)
+            rows = None if len(groups) == 1 else torch.tensor(g, device=dev)
             if min(lens) == max(lens):
                 meta.decode_groups.append(DecodeGroup(rows, padded, None, lens[0]))
             else:
-                keys = torch.arange(max_blocks * bs)
-                mask = (keys.unsqueeze(0) < torch.tensor(lens).unsqueeze(1))[:, None, None, :]
+                keys = torch.arange(max_blocks * bs, device=dev)
+                mask = (keys.unsqueeze(0) < torch.tensor(lens, device=dev).unsqueeze(1))[:, None, None, :]
                 meta.decode_groups.append(DecodeGroup(rows, padded, mask, max(lens)))
         need = meta.max_gather_blocks * self.kv_cache.layer_block_numel
         if self._gather_k.numel() < need:  # grow (with headroom) and keep for later steps
             self._gather_k = self._gather_k.new_empty(need * 5 // 4)
             self._gather_v = self._gather_v.new_empty(need * 5 // 4)
         meta.gather_k, meta.gather_v = self._gather_k, self._gather_v
-        return torch.tensor(ids), positions, meta, last_index
+        return torch.tensor(ids, device=dev), positions, meta, last_index
+
+    def _splits(self, num_seqs: int, max_blocks: int) -> int:
+        return cuda_kernels.num_splits(num_seqs, self.model.config.num_kv_heads, max_blocks, self.device)
+
+
+def _argmax_only(seq: Sequence) -> bool:
+    """The row's token is the argmax of its raw logits and nothing else is read from them."""
+    p = seq.params
+    return p.greedy and not p.processes_logits and seq.matcher is None and seq.logprobs is None
+
+
+class DecodeGraphs:
+    """CUDA graphs of the model's forward pass for steps of decodes alone, one per batch size of
+    ``GRAPH_BATCH_SIZES`` (captured the first time a step needs it). Inputs live in static
+    buffers: the step's tokens, positions, cache rows, block tables (as wide as the longest
+    context) and lengths are copied in, padding rows get slot -1 (no cache write) and length 0
+    (no attention), and the graph is replayed. The KV cache's address never changes (the elastic
+    pool maps pages under a fixed reservation), so a graph stays valid while pages come and go."""
+
+    def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
+        self.runner = runner
+        self.sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
+        self.max_batch = self.sizes[-1]
+        dev = runner.device
+        self.max_blocks = -(-runner.model.cos.shape[0] // runner.block_size)
+        # rows: input ids, positions, cache rows, lengths
+        self.inputs = torch.zeros(4, self.max_batch, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        n = len(batch)
+        size = next(b for b in self.sizes if b >= n)
+        bs, rows_per_block = self.runner.block_size, self.runner.kv_cache.rows_per_block
+        pad = size - n
+        ids, pos, slots, lens, tables = [], [], [], [], []
+        for s in batch:
+            seq = s.seq
+            p = seq.num_computed_tokens
+            tables.append(seq.block_table[: p // bs + 1])
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(tables[-1][-1] * rows_per_block + p % bs)
+            lens.append(p + 1)
+        zeros = [0] * pad
+        host = torch.tensor([ids + zeros, pos + zeros, slots + [-1] * pad, lens + zeros])
+        self.inputs[:, :size].copy_(host)
+        # only the columns this step's longest table reaches: the kernel reads no further
+        width = max(len(t) for t in tables)
+        rows = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad
+        self.tables[:size, :width].copy_(torch.tensor(rows))
+        graph = self.graphs.get(size)
+        if graph is None:
+            graph = self._capture(size)
+        graph.replay()
+        return self.outputs[size][:n]
+
+    def _capture(self, size: int) -> torch.cuda.CUDAGraph:
+        r = self.runner
+        ids, positions, slots, lens = self.inputs[:, :size]
+        splits = r._splits(size, self.max_blocks)
+        meta = AttentionMetadata(
+            slot_rows=slots, num_decodes=size, cuda=True,
+            paged_decodes=PagedDecodes(self.tables[:size], lens, splits),
+        )  # fmt: skip
+        stream = torch.cuda.Stream(r.device)
+        stream.wait_stream(torch.cuda.current_stream(r.device))
+        with torch.cuda.stream(stream):  # compiles the kernels and settles the allocator first
+            r.model.forward(ids, positions, meta, r.kv_cache)
+        torch.cuda.current_stream(r.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the KV pool's prefetch thread may map pages (cuMemMap) during the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.outputs[size] = r.model.forward(ids, positions, meta, r.kv_cache)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
+        return graph
 
 
 def _padded_tables(tables: list[list[int]]) -> torch.Tensor:

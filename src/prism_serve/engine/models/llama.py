@@ -68,7 +68,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.transposed:
             return F.linear(x, self.weight, self.bias)
-        if _ONEDNN_LINEAR is not None and x.dtype == torch.float32 and not x.requires_grad:
+        if _ONEDNN_LINEAR is not None and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad:
             return _ONEDNN_LINEAR(x, self.weight.t(), self.bias, "none", [], "")
         if self.bias is None:
             return x @ self.weight
@@ -197,10 +197,12 @@ class LlamaForCausalLM:
     def _init_rope(self, max_positions: int | None, rope_freq_factors: torch.Tensor | None) -> None:
         self.rope_freq_factors = rope_freq_factors
         num_pos = max_positions or self.config.max_position_embeddings
-        inv_freq = rope_inv_freq(self.config, rope_freq_factors)
+        factors = None if rope_freq_factors is None else rope_freq_factors.cpu()
+        inv_freq = rope_inv_freq(self.config, factors)
         freqs = torch.outer(torch.arange(num_pos, dtype=torch.float32), inv_freq)
-        self.cos = freqs.cos().to(self.dtype)
-        self.sin = freqs.sin().to(self.dtype)
+        # computed on the host (the same values on every device), then kept beside the weights
+        self.cos = freqs.cos().to(self.dtype).to(self.norm.device)
+        self.sin = freqs.sin().to(self.dtype).to(self.norm.device)
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the forward pass reads, in its final layout (fused, transposed in fp32), by a
@@ -254,6 +256,14 @@ class LlamaForCausalLM:
             self.layers.append(layer)
         self._init_rope(max_positions, tensors.get("rope_freq_factors"))
         return self
+
+    def to(self, device: torch.device) -> LlamaForCausalLM:
+        """The same model with every tensor copied to ``device`` (the packed layout, so no re-fusing)."""
+        if self.norm.device == device:
+            return self
+        max_positions = self.cos.shape[0]
+        packed = {name: t.to(device) for name, t in self.packed_tensors().items()}
+        return LlamaForCausalLM.from_packed(self.config, packed, self.dtype, max_positions)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         yield self.lm_head.weight

@@ -1,0 +1,262 @@
+"""Triton kernels for the engine on a CUDA device: the KV-cache write and paged decode attention.
+
+``store_kv`` writes each new token's K and V to its row of the paged cache (``KVCache.layer_rows``)
+and skips rows whose slot is negative: a CUDA graph captured for a batch of B decodes also runs
+the padding rows of a smaller batch, and those must write nothing.
+
+``paged_decode`` attends each decode to its own context in place in the cache, as the CPU kernel
+(csrc/paged_decode.cpp) does: no gather, no padding to the longest context. One program handles
+one sequence, one KV head (its group of query heads together, as one small matrix product per
+block) and one split of the sequence's blocks; with few sequences the blocks are split over
+several programs (flash-decoding) so that the GPU has enough programs, and a second kernel merges
+the splits' softmax states. A sequence of length 0 (graph padding) gets zeros.
+
+Triton comes with the CUDA builds of torch. ``available()`` says whether these kernels can run for
+a model: a CUDA tensor, Triton importable, head_dim and block_size powers of two of at least 16.
+Elsewhere the engine attends with torch's SDPA over gathered blocks (attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:  # the CPU-only torch build has no Triton; nothing here is used there
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the torch build
+    triton = None
+    tl = None
+
+_MAX_SPLITS = 32
+
+
+def available(head_dim: int, block_size: int, device: torch.device) -> bool:
+    """Whether the kernels serve a model of this head_dim on a cache of this block_size."""
+    pow2 = all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, block_size))
+    return triton is not None and device.type == "cuda" and pow2 and head_dim <= 256
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, device: torch.device) -> int:
+    """Splits per sequence so that about two programs run per multiprocessor (1 when the batch
+    alone fills the GPU), never more than the blocks or ``_MAX_SPLITS``."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
+    want = -(-2 * sms // max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, max_blocks, _MAX_SPLITS))
+
+
+if triton is not None:
+    # The starting max score: finite, so that a split with no keys merges with weight 0, not nan.
+    _NO_SCORE = tl.constexpr(-1.0e30)
+
+    @triton.jit
+    def _store_kv_kernel(
+        K, V, KRows, VRows, Slots,
+        stride_k, stride_v, row_stride,
+        ROW: tl.constexpr, ROW_P: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0)
+        slot = tl.load(Slots + t)
+        if slot >= 0:
+            c = tl.arange(0, ROW_P)
+            m = c < ROW
+            dst = slot.to(tl.int64) * row_stride + c
+            tl.store(KRows + dst, tl.load(K + t * stride_k + c, mask=m), mask=m)
+            tl.store(VRows + dst, tl.load(V + t * stride_v + c, mask=m), mask=m)
+
+    # Triton compiles a variant per value class of an integer argument (1, a multiple of 16, other);
+    # these change from step to step (contexts grow), and each new variant costs a compile.
+    @triton.jit(do_not_specialize=["stride_tab", "blocks_per_split", "num_splits"])
+    def _paged_decode_kernel(
+        Q, KC, VC, Tables, Lens, Out, MState, LState, Acc,
+        scale,
+        stride_qt, stride_qh,
+        stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh,
+        stride_tab, stride_ot, stride_oh,
+        blocks_per_split, num_splits,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+        SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        length = tl.load(Lens + seq)
+        g = tl.arange(0, GROUP_P)
+        d = tl.arange(0, HEAD_DIM)
+        t = tl.arange(0, BLOCK)
+        heads = kvh * GROUP + g
+        gmask = g < GROUP
+        q_ptrs = Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptrs, mask=gmask[:, None], other=0.0)
+        m_i = tl.full([GROUP_P], _NO_SCORE, tl.float32)
+        l_i = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
+        first = split * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, tl.cdiv(length, BLOCK))
+        for b in range(first, last):
+            block = tl.load(Tables + seq * stride_tab + b).to(tl.int64)
+            tok = b * BLOCK + t
+            valid = tok < length
+            k = tl.load(
+                KC + block * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
+            if IEEE:  # noqa: SIM108 - Triton branches on a constexpr here, at compile time
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(valid[None, :], s * scale, _NO_SCORE)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                VC + block * stride_vb + t[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
+            if IEEE:  # noqa: SIM108
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if SPLIT:
+            state = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
+            tl.store(MState + state, m_i, mask=gmask)
+            tl.store(LState + state, l_i, mask=gmask)
+            tl.store(Acc + state[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+        else:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(
+                Out + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(Out.dtype.element_ty),
+                mask=gmask[:, None],
+            )
+
+    @triton.jit(do_not_specialize=["num_splits"])
+    def _merge_splits_kernel(
+        MState, LState, Acc, Out, num_splits, stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr, SPLITS_P: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        s = tl.arange(0, SPLITS_P)
+        d = tl.arange(0, HEAD_DIM)
+        smask = s < num_splits
+        state = (seq * tl.num_programs(1) + head) * num_splits + s
+        m = tl.load(MState + state, mask=smask, other=_NO_SCORE)
+        l = tl.load(LState + state, mask=smask, other=0.0)
+        m_all = tl.max(m, 0)
+        w = tl.where(l > 0, tl.exp(m - m_all), 0.0)
+        total = tl.sum(w * l, 0)
+        acc = tl.load(Acc + state[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        tl.store(Out + seq * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, kv_heads, head_dim], each token's row contiguous
+    v: torch.Tensor,
+    k_rows: torch.Tensor,  # [rows, kv_heads * head_dim] (KVCache.layer_rows)
+    v_rows: torch.Tensor,
+    slots: torch.Tensor,  # [T] int64 row of each token; < 0: write nothing
+) -> None:
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    row = k.shape[1] * k.shape[2]
+    if k.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(2) != 1 or v.stride(1) != v.shape[2]:
+        raise ValueError("store_kv needs each token's K and V heads contiguous")
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_rows, v_rows, slots,
+        k.stride(0), v.stride(0), k_rows.stride(0),
+        ROW=row, ROW_P=triton.next_power_of_2(row),
+    )  # fmt: skip
+
+
+def paged_decode(
+    q: torch.Tensor,  # [n, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] (strided per-layer view)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [n, max_blocks] int64, padded with any valid id
+    lens: torch.Tensor,  # [n] int64 keys each decode attends to (0: output zeros)
+    scale: float,
+    out: torch.Tensor,  # [n, num_heads, head_dim]
+    splits: int = 1,
+) -> torch.Tensor:
+    n, num_heads, head_dim = q.shape
+    if n == 0:
+        return out
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    for t in (q, k_cache, v_cache, out):
+        if t.stride(-1) != 1:
+            raise ValueError("paged_decode needs the head dimension contiguous")
+    max_blocks = block_tables.shape[1]
+    splits = max(1, min(splits, max_blocks))
+    per_split = -(-max_blocks // splits)
+    splits = -(-max_blocks // per_split)  # no split left without blocks to look at
+    ieee = q.dtype == torch.float32
+    common = dict(GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                  BLOCK=block_size, IEEE=ieee)  # fmt: skip
+    grid = (n, num_kv_heads, splits)
+    args = (
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        per_split, splits,
+    )  # fmt: skip
+    if splits == 1:
+        _paged_decode_kernel[grid](
+            q, k_cache, v_cache, block_tables, lens, out, out, out, out, scale, *args, SPLIT=False, **common
+        )
+        return out
+    m_state = torch.empty(n * num_heads * splits, dtype=torch.float32, device=q.device)
+    l_state = torch.empty_like(m_state)
+    acc = torch.empty(n * num_heads * splits * head_dim, dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[grid](
+        q, k_cache, v_cache, block_tables, lens, out, m_state, l_state, acc, scale, *args,
+        SPLIT=True, **common,
+    )  # fmt: skip
+    _merge_splits_kernel[(n, num_heads)](
+        m_state, l_state, acc, out, splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, SPLITS_P=max(2, triton.next_power_of_2(splits)),
+    )  # fmt: skip
+    return out
+
+
+def reference_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The same attention in float64 with plain torch ops, one sequence at a time (tests)."""
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(n, num_heads, head_dim, dtype=torch.float64, device=q.device)
+    for i in range(n):
+        length = int(lens[i])
+        if length == 0:
+            continue
+        blocks = block_tables[i, : math.ceil(length / block_size)]
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[i].double(), k) * scale
+        out[i] = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
+    return out
