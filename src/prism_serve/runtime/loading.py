@@ -9,6 +9,7 @@ The paper streams per-tensor chunks the same way to keep the interconnect busy (
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -104,13 +105,17 @@ def parallel_copy(
         def copy(piece: tuple[int, int]) -> None:
             off, n = piece
             ctypes.memmove(d + off, s + off, n)
-    else:  # CUDA: one stream per thread so chunks overlap on the link (verified in issue 8)
+    else:  # CUDA: a stream per copying thread, so that chunks overlap on the link
+        streams = threading.local()
 
         def copy(piece: tuple[int, int]) -> None:
             off, n = piece
-            with torch.cuda.stream(torch.cuda.Stream(dst.device)):
+            stream = getattr(streams, "stream", None)
+            if stream is None:
+                stream = streams.stream = torch.cuda.Stream(dst.device)
+            with torch.cuda.stream(stream):
                 dst[off : off + n].copy_(src[off : off + n], non_blocking=True)
-                torch.cuda.current_stream(dst.device).synchronize()
+            stream.synchronize()
 
     list(pool.map(copy, pieces))
     return sum(n for _, n in pieces)

@@ -17,6 +17,7 @@ import ctypes
 import dataclasses
 import hashlib
 import json
+import logging
 import mmap
 import os
 import re
@@ -37,6 +38,8 @@ from prism_serve.engine.weights import load_weights
 from prism_serve.memory.ledger import default_namespace
 from prism_serve.runtime.messages import CacheFile, Prepare, TensorEntry
 from prism_serve.runtime.models import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 4096
 # What a pooled worker parses ahead of activations: tokenizers up to this many bytes of JSON (a
@@ -291,6 +294,7 @@ class SharedWeights:
             self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.path, self.size = path, size
         self.faulted = size if populate else 0  # bytes from the start whose page tables are built
+        self.pinned = False  # registered with the CUDA driver (``pin``)
 
     @property
     def complete(self) -> bool:
@@ -304,11 +308,27 @@ class SharedWeights:
             try:
                 self._mm.madvise(_MADV_POPULATE_READ, start, end - start)
             except (OSError, ValueError):  # before Linux 5.14: read one byte of every page
-                self.bytes[start:end:mmap.PAGESIZE].sum()
+                self.bytes[start : end : mmap.PAGESIZE].sum()
             self.faulted = end
         return self.complete
 
+    def pin(self) -> bool:
+        """Page-lock the mapping for the CUDA driver (``cudaHostRegister``, read-only), so that a
+        copy to a GPU is a DMA from these pages rather than through a staging buffer. False, with
+        a warning, where the driver refuses (the copies then still work, slower)."""
+        if not self.pinned and self.size:
+            read_only = 8  # cudaHostRegisterReadOnly: the mapping is PROT_READ
+            err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.size, read_only)
+            if int(err) != 0:
+                logger.warning("could not page-lock %s for the GPU: CUDA error %s", self.path, err)
+                return False
+            self.pinned = True
+        return self.pinned
+
     def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+            self.pinned = False
         self.bytes = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):  # a view is still alive; the mapping goes with it
             self._mm.close()

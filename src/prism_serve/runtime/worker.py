@@ -205,6 +205,8 @@ class Worker:
         shared = self.shared.get(path)
         if shared is None:
             shared = self.shared[path] = SharedWeights(path, size, populate)
+        if self.device.is_cuda and shared.complete and not shared.pinned:
+            shared.pin()  # page-locked: the copy to the GPU is one DMA per chunk, at the link's speed
         return shared
 
     def _tokenizer(self, path: str) -> Tokenizer:
@@ -357,7 +359,11 @@ class Worker:
         self, m: msg.ActivateModel, flat: torch.Tensor, kv_account: Account
     ) -> tuple[LLMEngine, ElasticKVPool]:
         config = config_from_dict(m.config)
-        engine_config = msgspec.structs.replace(m.engine, kv_cache_bytes=self.kv_range.size)
+        engine_config = msgspec.structs.replace(
+            m.engine,
+            kv_cache_bytes=self.kv_range.size,
+            device=self.device.name if self.device.is_cuda else "cpu",
+        )
         dtype = torch_dtype(engine_config)
         max_len = engine_config.resolve_max_model_len(config)
         model = LlamaForCausalLM.from_packed(config, tensor_views(flat, m.tensors), dtype, max_len)
