@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prism_serve.engine.kv_cache import BlockAllocator
-from prism_serve.memory.kv_pool import ElasticKVPool, PoolConfig
+from prism_serve.errors import InvalidRequestError
+from prism_serve.memory.kv_pool import GPU_BUFFER_MAX_PAGES, ElasticKVPool, PoolConfig
 from prism_serve.memory.ledger import DeviceLedger
 from prism_serve.memory.vmm import HostVirtualRange
 
@@ -294,3 +295,11 @@ def test_pool_state_machine(namespace):
     PoolMachine.examples = 0
     PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
     PoolMachine.TestCase().runTest()
+
+
+def test_a_gpu_pool_keeps_a_larger_buffer_unless_told_otherwise():
+    assert PoolConfig().buffer_max_pages == 8
+    assert PoolConfig(device="cuda:1").buffer_max_pages == GPU_BUFFER_MAX_PAGES
+    assert PoolConfig(device="cuda:0", buffer_max_pages=4).buffer_max_pages == 4
+    with pytest.raises(InvalidRequestError):
+        PoolConfig(device="cuda:0", buffer_min_pages=80)

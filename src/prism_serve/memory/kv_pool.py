@@ -43,6 +43,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# A GPU engine's KV grows by many 2 MiB pages at once (a Llama-3-8B block of 16 tokens is one page,
+# and a batch of 128 decodes crosses block boundaries together), and mapping a page on the engine's
+# thread costs ~40 us of driver calls. With the CPU's buffer of 8 pages, an 8B model at batch 128 on
+# an H200 mapped 5,834 pages on its own thread and decoded at 0.91x the fixed pool's rate; with 64,
+# 34 pages and 0.96x (docs/benchmarks.md, "The CUDA path"). 64 pages are 128 MiB of a GPU.
+GPU_BUFFER_MAX_PAGES = 64
+
+
 @dataclass(slots=True)
 class PoolConfig:
     """Knobs of the elastic KV pool (the one home of memory knobs; see memory/README.md)."""
@@ -50,7 +58,8 @@ class PoolConfig:
     device: str = "cpu:0"
     page_size: int = DEFAULT_PAGE_SIZE
     buffer_min_pages: int = 2  # the background thread keeps at least this many empty pages mapped
-    buffer_max_pages: int = 8  # and unmaps empty pages beyond this many
+    # and unmaps empty pages beyond this many; None: 8 on a CPU device, GPU_BUFFER_MAX_PAGES on a GPU
+    buffer_max_pages: int | None = None
     prefetch: bool = True  # False: no thread; pages are mapped and unmapped on the caller's thread
     poll_interval_s: float = 0.05  # the thread also re-reads this engine's limit from the ledger
     buffer_decay_s: float = 10.0  # the adaptive refill target drops a page per this long without a miss
@@ -59,6 +68,8 @@ class PoolConfig:
     device_budget_bytes: int | None = None  # budget if this pool creates the device ledger; default: all
 
     def __post_init__(self) -> None:
+        if self.buffer_max_pages is None:
+            self.buffer_max_pages = GPU_BUFFER_MAX_PAGES if self.device.startswith("cuda") else 8
         if not 0 <= self.buffer_min_pages <= self.buffer_max_pages:
             raise InvalidRequestError("need 0 <= buffer_min_pages <= buffer_max_pages")
         if self.poll_interval_s <= 0 or self.buffer_decay_s <= 0:
