@@ -310,7 +310,7 @@ class CudaVirtualRange(VirtualRange):
     """GPU memory through the CUDA driver's virtual memory management API (``cuda-bindings``).
 
     One physical allocation (``cuMemCreate``) per page, so any page can be released on its own.
-    Verified on a GPU by the CUDA issue; without a GPU its tests are skipped.
+    Verified on an H200 (issue 20, docs/benchmarks.md); without a GPU its tests are skipped.
     """
 
     def __init__(self, device: str, num_bytes: int, page_size: int = DEFAULT_PAGE_SIZE) -> None:

@@ -1,0 +1,476 @@
+"""The CUDA path measured on a GPU (issue 20), in one run that fits a short lease of a GPU machine.
+
+Sections (each runs even if an earlier one failed; every number is from this run and this GPU):
+
+* ``link``: host-to-device bandwidth from pinned memory (one 2 GiB copy, best of 5), and a
+  device-to-device copy (bytes read + written), the ceilings the later numbers are compared with.
+* ``vmm``: per 2 MiB page, the five phases of the cuda backend of memory/vmm.py (cuMemCreate,
+  cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease) in microseconds, median and p90 of 512.
+* ``smollm``: the engine on SYNTHETIC SmolLM2-135M-shaped weights in bf16: decode tokens/s at
+  batch 1 / 32 / 128 / 256 with CUDA graphs and without, prefill tokens/s, and the elastic KV pool
+  against a fixed pool on the same requests (6 runs each, alternated; medians).
+* ``llama8b``: the same on a SYNTHETIC Llama-3.1-8B shape (weights drawn on the GPU, ~16 GB bf16).
+* ``pool8b``: elastic against fixed KV pool on that 8B shape, batch 128 (the GPU's work dominates
+  its steps, so run-to-run noise is small; SmolLM2's steps are mostly host time).
+* ``activation``: a SYNTHETIC 8B shape written to a host cache file in /dev/shm, page-locked,
+  then activated into a weight range the way a pooled worker does (runtime/loading.py): cold
+  (every 2 MiB page created on the hot path) and warm (the pages an evicted model left as spare
+  pages: no page created, only the copy); seconds, GB/s, and the ratio to the link's bandwidth.
+* ``hf``: HF transformers' ``generate`` on the same SmolLM2-shaped weights, batch 32, as a
+  baseline in the same run (vLLM's CUDA wheels are ~400 MB and cannot be carried to the machine).
+
+    python benchmarks/cuda_checks.py --out results/cuda            # everything (~3 min on an H100)
+    python benchmarks/cuda_checks.py --sections vmm,smollm        # some of it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
+from prism_serve.engine.models.config import PRESETS, ArchConfig, parameter_shapes
+from prism_serve.engine.models.llama import LlamaForCausalLM
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.weights import LoadedWeights, byte_tokenizer, load_weights
+from prism_serve.memory.kv_pool import GPU_BUFFER_MAX_PAGES, PoolConfig
+from prism_serve.memory.ledger import NAMESPACE_ENV, DeviceLedger
+from prism_serve.memory.spare import SparePages
+from prism_serve.memory.vmm import PHASES, reserve
+from prism_serve.runtime.loading import map_weight_pages, parallel_copy, tensor_views, unmap_weight_pages
+from prism_serve.runtime.messages import TensorEntry
+from prism_serve.runtime.weight_cache import ALIGN, SharedWeights, dtype_name
+
+GiB = 2**30
+DEV = "cuda:0"
+RESULTS: dict = {}
+
+
+def log(*a: object) -> None:
+    print(*a, flush=True)
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+# ---- link --------------------------------------------------------------------------------------
+
+
+def section_link() -> dict:
+    n = 2 * GiB
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host.random_(0, 255)
+    dev = torch.empty(n, dtype=torch.uint8, device=DEV)
+    h2d = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        sync()
+        h2d.append(n / (time.perf_counter() - t0))
+    dev2 = torch.empty_like(dev)
+    d2d = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        dev2.copy_(dev)
+        sync()
+        d2d.append(2 * n / (time.perf_counter() - t0))
+    out = {"h2d_pinned_GBps": max(h2d) / 1e9, "d2d_GBps_read_plus_write": max(d2d) / 1e9}
+    log(
+        f"link: host->device pinned {out['h2d_pinned_GBps']:.1f} GB/s, "
+        f"device copy {out['d2d_GBps_read_plus_write']:.0f} GB/s"
+    )
+    return out
+
+
+# ---- vmm ---------------------------------------------------------------------------------------
+
+
+def section_vmm(pages: int = 512) -> dict:
+    out: dict = {}
+    with reserve(DEV, pages * 2 * 2**20) as r:
+        t = r.as_tensor()
+        for p in range(8):  # warm the driver's paths
+            r.map_page(p)
+        for p in range(8):
+            r.unmap_page(p)
+        r.record_phases = True
+        for p in range(pages):
+            r.map_page(p)
+        t.view(pages, -1)[:, :4096].fill_(3)  # every page written through the one tensor
+        sync()
+        assert int(t.view(pages, -1)[:, :4096].sum(dtype=torch.int64)) == 3 * 4096 * pages
+        for p in range(0, pages, 2):
+            r.unmap_page(p)
+        assert int(t.view(pages, -1)[1::2, :4096].sum(dtype=torch.int64)) == 3 * 4096 * (pages // 2)
+        for p in range(1, pages, 2):
+            r.unmap_page(p)
+        for phase in PHASES:
+            us = sorted(ns / 1e3 for ns in r.phase_ns[phase])
+            out[phase] = {"median_us": statistics.median(us), "p90_us": us[int(0.9 * (len(us) - 1))]}
+    log(
+        "vmm per 2 MiB page (us, median / p90): "
+        + ", ".join(f"{k} {v['median_us']:.1f}/{v['p90_us']:.1f}" for k, v in out.items())
+    )
+    return out
+
+
+# ---- engine throughput ---------------------------------------------------------------------------
+
+
+def drive(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Run ``prompts`` to completion; tokens/s of the steps that decoded only, and of the others."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    dec_t = dec_n = pre_t = pre_n = 0.0
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()  # ends in the sampled tokens' copy to the host: the step is done
+        dt = time.perf_counter() - t0
+        if engine.last_step_tokens == engine.last_step_seqs:
+            dec_t, dec_n = dec_t + dt, dec_n + engine.last_step_tokens
+        else:
+            pre_t, pre_n = pre_t + dt, pre_n + engine.last_step_tokens
+    return {
+        "decode_tok_s": dec_n / dec_t if dec_t else 0.0,
+        "prefill_tok_s": pre_n / pre_t if pre_t else 0.0,
+        "decode_steps_s": dec_t,
+        "decode_tokens": dec_n,
+    }
+
+
+def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, min(vocab, 50000), (n, length), generator=g).tolist()
+
+
+def measure(engine: LLMEngine, label: str, batch: int, prompt_len: int, out_len: int, vocab: int) -> dict:
+    drive(engine, prompts_of(batch, prompt_len, vocab, 0), 4)  # warm-up: kernels, graphs of this size
+    r = drive(engine, prompts_of(batch, prompt_len, vocab, 1), out_len)
+    log(
+        f"  {label} batch {batch:3d}: decode {r['decode_tok_s']:9.0f} tok/s, "
+        f"prefill {r['prefill_tok_s']:9.0f} tok/s"
+    )
+    return r
+
+
+def engine_sweep(
+    weights: LoadedWeights,
+    model: LlamaForCausalLM | None,
+    batches: list[int],
+    kv_bytes: int,
+    prompt_len: int,
+    out_len: int,
+    graphs_off_batches: list[int],
+) -> dict:
+    vocab = weights.config.vocab_size
+    config = EngineConfig(
+        dtype="bfloat16",
+        device=DEV,
+        max_num_seqs=max(batches),
+        max_model_len=4096,
+        max_num_batched_tokens=8192,
+        kv_cache_bytes=kv_bytes,
+    )
+    out: dict = {"graphs": {}, "eager": {}}
+    with LLMEngine(config, weights=weights, model=model) as engine:
+        for b in batches:
+            out["graphs"][b] = measure(engine, "graphs", b, prompt_len, out_len, vocab)
+        out["prefill_4x1024"] = drive(engine, prompts_of(4, 1024, vocab, 5), 1)["prefill_tok_s"]
+        log(f"  prefill 4 x 1024 tokens: {out['prefill_4x1024']:.0f} tok/s")
+    os.environ["PRISM_CUDA_GRAPHS"] = "0"
+    try:
+        with LLMEngine(config, weights=weights, model=model) as engine:
+            for b in graphs_off_batches:
+                out["eager"][b] = measure(engine, "eager ", b, prompt_len, out_len, vocab)
+    finally:
+        del os.environ["PRISM_CUDA_GRAPHS"]
+    torch.cuda.empty_cache()
+    return out
+
+
+def section_smollm() -> dict:
+    weights = load_weights("random:smollm2-135m", dtype=torch.float32, seed=1)
+    out = engine_sweep(weights, None, [1, 32, 128, 256], 8 * GiB, 128, 128, [1, 32, 128])
+    out["pool"] = compare_pools(weights, None, 128, 128, 6)
+    return out
+
+
+def compare_pools(weights: LoadedWeights, model: LlamaForCausalLM | None, batch: int, out_len: int,
+                  runs_each: int, buffers: tuple[int, ...] = (GPU_BUFFER_MAX_PAGES,)) -> dict:  # fmt: skip
+    """Decode tokens/s of the elastic KV pool over the fixed pool: one engine each over the same
+    model, the same requests, runs alternated; ratios of medians and of bests. ``buffers``: the
+    elastic pools' ``buffer_max_pages`` (one engine each; the default is a GPU pool's)."""
+    os.environ[NAMESPACE_ENV] = f"bench{uuid.uuid4().hex[:8]}"
+    vocab = weights.config.vocab_size
+    common = dict(dtype="bfloat16", device=DEV, max_num_seqs=batch, kv_cache_bytes=8 * GiB)
+    engines = {"fixed": LLMEngine(EngineConfig(**common), weights=weights, model=model)}
+    for n in buffers:
+        pool = PoolConfig(device=DEV, device_budget_bytes=32 * GiB, buffer_min_pages=2, buffer_max_pages=n)
+        config = EngineConfig(**common, elastic_kv=pool)
+        engines[f"elastic-{n}"] = LLMEngine(config, weights=weights, model=model)
+    runs: dict[str, list[float]] = {name: [] for name in engines}
+    for e in engines.values():
+        drive(e, prompts_of(batch, 128, vocab, 0), 4)
+    for i in range(runs_each):
+        for name, e in engines.items():
+            runs[name].append(drive(e, prompts_of(batch, 128, vocab, 10 + i), out_len)["decode_tok_s"])
+    out: dict = {"runs": runs, "median": {k: statistics.median(v) for k, v in runs.items()}}
+    for name, e in engines.items():
+        if name != "fixed":
+            st = e.allocator.stats()
+            out[name] = {
+                "over_fixed": out["median"][name] / out["median"]["fixed"],
+                "best_over_best": max(runs[name]) / max(runs["fixed"]),
+                "sync_maps": st.sync_maps, "prefetch_maps": st.prefetch_maps, "unmaps": st.unmaps,
+            }  # fmt: skip
+            log(
+                f"  {name} / fixed KV pool, decode at batch {batch}, median of {runs_each} alternated runs: "
+                f"{out[name]['over_fixed']:.3f} ({out['median'][name]:.0f} vs {out['median']['fixed']:.0f} "
+                f"tok/s; best/best {out[name]['best_over_best']:.3f}); pages mapped on the engine's "
+                f"thread {st.sync_maps}, by the prefetch thread {st.prefetch_maps}"
+            )
+        e.close()
+    torch.cuda.empty_cache()
+    return out
+
+
+def section_pool8b() -> dict:
+    config = PRESETS["llama-3.1-8b"]
+    model = LlamaForCausalLM.from_packed(
+        config, random_packed(config, torch.bfloat16, DEV, 0), torch.bfloat16, 4096
+    )
+    weights = LoadedWeights(config, {}, byte_tokenizer(), "random:llama-3.1-8b (on the GPU)", True)
+    return compare_pools(weights, model, 128, 64, 6, buffers=(8, 64, 256))
+
+
+def packed_shapes(config: ArchConfig, dtype: torch.dtype) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The engine's packed tensors of ``config`` (names, shapes), found without memory (meta device)."""
+    meta = {n: torch.empty(s, dtype=dtype, device="meta") for n, s in parameter_shapes(config).items()}
+    model = LlamaForCausalLM(config, meta, dtype, max_positions=1)
+    return {n: (t.shape, t.dtype) for n, t in model.packed_tensors().items()}
+
+
+def random_packed(config: ArchConfig, dtype: torch.dtype, device: str, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    out = {}
+    for name, (shape, dt) in packed_shapes(config, dtype).items():
+        t = torch.empty(shape, dtype=dt, device=device)
+        out[name] = t.fill_(1.0) if name.endswith("norm") else t.normal_(0.0, 0.02)
+    return out
+
+
+def section_llama8b() -> dict:
+    config = PRESETS["llama-3.1-8b"]
+    model = LlamaForCausalLM.from_packed(
+        config, random_packed(config, torch.bfloat16, DEV, 0), torch.bfloat16, 4096
+    )
+    weights = LoadedWeights(config, {}, byte_tokenizer(), "random:llama-3.1-8b (on the GPU)", True)
+    log(f"  8B shape: {model.weight_bytes / 1e9:.2f} GB of bf16 weights on the GPU")
+    out = engine_sweep(weights, model, [1, 32, 128], 24 * GiB, 128, 64, [1, 32])
+    out["weight_GB"] = model.weight_bytes / 1e9
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---- activation ----------------------------------------------------------------------------------
+
+
+def section_activation(link_GBps: float | None) -> dict:
+    config = PRESETS["llama-3.1-8b"]
+    dtype = torch.bfloat16
+    shapes = packed_shapes(config, dtype)
+    entries, offset = [], 0
+    for name, (shape, dt) in shapes.items():
+        nbytes = shape.numel() * dt.itemsize
+        entries.append(TensorEntry(name, dtype_name(dt), tuple(shape), offset, nbytes))
+        offset = -(-(offset + nbytes) // ALIGN) * ALIGN
+    size = offset
+    shm = os.statvfs("/dev/shm")
+    where = "/dev/shm" if shm.f_bavail * shm.f_frsize > size + GiB else None  # else the temp directory
+    path = Path(tempfile.mkdtemp(dir=where)) / "llama8b.bin"
+    log(f"  host cache file in {path.parent}")
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        f.truncate(size)
+    import mmap
+
+    fd = os.open(path, os.O_RDWR)
+    mm = mmap.mmap(fd, size)
+    os.close(fd)
+    flat_host = torch.frombuffer(mm, dtype=torch.uint8)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    checks = {}
+    for e in entries:  # SYNTHETIC values drawn on the GPU, written to the cache file
+        t = torch.empty(e.shape, dtype=dtype, device=DEV)
+        if e.name.endswith("norm"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+        flat_host[e.offset : e.offset + e.nbytes].copy_(t.view(-1).view(torch.uint8).cpu())
+        if e.name in ("lm_head", "layers.31.down", "norm"):
+            checks[e.name] = float(t.float().sum())
+        del t
+    del flat_host
+    mm.close()
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    shared = SharedWeights(str(path), size, populate=True)
+    map_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pinned = shared.pin()
+    pin_s = time.perf_counter() - t0
+    log(
+        f"  host cache: {size / 1e9:.2f} GB written in {write_s:.1f} s, mapped {map_s:.1f} s, "
+        f"page-locked {pinned} in {pin_s:.1f} s"
+    )
+    os.environ[NAMESPACE_ENV] = f"bench{uuid.uuid4().hex[:8]}"
+    ledger = DeviceLedger(DEV, torch.cuda.mem_get_info()[1])
+    vrange = reserve(DEV, size + 64 * 2**20)
+    spare = SparePages(vrange, ledger, "spare", target_bytes=size, thread=False)
+    out: dict = {"weight_bytes": size, "pinned": pinned, "pin_s": pin_s, "runs": []}
+    for threads in (4,):
+        pool = ThreadPoolExecutor(threads)
+        for i in range(4):  # run 0 is cold: every page is created on the hot path
+            account = ledger.account(f"8b-{i} weights")
+            sync()
+            t0 = time.perf_counter()
+            n, reused = map_weight_pages(vrange, account, size, pool, spare)
+            t1 = time.perf_counter()
+            copied = parallel_copy(shared.bytes, vrange.as_tensor(), entries, pool, 64 * 2**20)
+            sync()
+            t2 = time.perf_counter()
+            model = LlamaForCausalLM.from_packed(
+                config, tensor_views(vrange.as_tensor(), entries), dtype, 4096
+            )
+            sync()
+            t3 = time.perf_counter()
+            got = {k: float(model_tensor(model, k).float().sum()) for k in checks}
+            ok = all(abs(got[k] - checks[k]) <= 1e-3 * max(1.0, abs(checks[k])) for k in checks)
+            run = {
+                "threads": threads,
+                "created_pages": n - reused,
+                "reused_pages": reused,
+                "map_s": t1 - t0,
+                "copy_s": t2 - t1,
+                "build_s": t3 - t2,
+                "total_s": t3 - t0,
+                "copy_GBps": copied / (t2 - t1) / 1e9,
+                "bytes_match": ok,
+            }
+            if link_GBps:
+                run["copy_vs_link"] = run["copy_GBps"] / link_GBps
+            out["runs"].append(run)
+            log(
+                f"  activation {i} ({'cold' if i == 0 else 'warm'}): {run['total_s']:.3f} s "
+                f"= map {run['map_s']:.3f} "
+                f"+ copy {run['copy_s']:.3f} ({run['copy_GBps']:.1f} GB/s) + build {run['build_s']:.3f}; "
+                f"created {run['created_pages']} pages, reused {reused}; bytes match {ok}"
+            )
+            if i == 3:  # the activated model serves
+                w = LoadedWeights(config, {}, byte_tokenizer(), "random:llama-3.1-8b", True)
+                with LLMEngine(
+                    EngineConfig(dtype="bfloat16", device=DEV, kv_cache_bytes=GiB), weights=w, model=model
+                ) as engine:
+                    r = drive(engine, prompts_of(2, 16, config.vocab_size, 3), 8)
+                    out["served_after_activation"] = r["decode_tokens"] > 0
+            del model
+            unmap_weight_pages(vrange, account, n, spare)
+            account.close()
+        pool.shutdown()
+    warm = [r["total_s"] for r in out["runs"][1:]]
+    out["warm_best_s"] = min(warm)
+    out["cold_s"] = out["runs"][0]["total_s"]
+    spare.close()
+    vrange.close()
+    ledger.close()
+    shared.close()
+    path.unlink()
+    path.parent.rmdir()
+    return out
+
+
+def model_tensor(model: LlamaForCausalLM, name: str) -> torch.Tensor:
+    if name == "lm_head":
+        return model.lm_head.weight
+    if name == "norm":
+        return model.norm
+    i = int(name.split(".")[1])
+    return model.layers[i].down.weight
+
+
+# ---- HF baseline ---------------------------------------------------------------------------------
+
+
+def section_hf() -> dict:
+    from prism_serve.engine.hf_reference import build_hf_model
+
+    weights = load_weights("random:smollm2-135m", dtype=torch.float32, seed=1)
+    hf = build_hf_model(weights).to(device=DEV, dtype=torch.bfloat16)
+    out = {}
+    for batch in (1, 32):
+        ids = torch.tensor(prompts_of(batch, 128, 49152, 1), device=DEV)
+        kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+        hf.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+        sync()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        sync()
+        t1 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=128, min_new_tokens=128, **kw)
+        sync()
+        t2 = time.perf_counter()
+        out[batch] = {"decode_tok_s": batch * 127 / ((t2 - t1) - (t1 - t0))}
+        log(f"  HF generate batch {batch:3d}: decode {out[batch]['decode_tok_s']:9.0f} tok/s")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sections", default="link,vmm,smollm,llama8b,pool8b,activation,hf")
+    p.add_argument("--out", default=os.environ.get("OUT", "results/cuda"))
+    args = p.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    RESULTS["device"] = (
+        f"{props.name}, {props.total_memory / GiB:.0f} GiB, {props.multi_processor_count} SMs, "
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+    )
+    log("device:", RESULTS["device"])
+    failed = []
+    for name in args.sections.split(","):
+        log(f"== {name}")
+        t0 = time.perf_counter()
+        try:
+            if name == "activation":
+                RESULTS[name] = section_activation(RESULTS.get("link", {}).get("h2d_pinned_GBps"))
+            else:
+                RESULTS[name] = globals()[f"section_{name}"]()
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+            RESULTS[name] = {"error": traceback.format_exc(limit=3)}
+        log(f"   ({time.perf_counter() - t0:.1f} s)")
+        torch.cuda.empty_cache()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "cuda_checks.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    log("failed sections:", failed or "none")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
