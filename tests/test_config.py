@@ -8,6 +8,7 @@ import pytest
 
 from prism_serve.cli import main
 from prism_serve.config import ConfigError, default_config, load_config, parse_config
+from prism_serve.engine.machine import resolve_dtype
 from prism_serve.runtime.build import device_specs, model_specs
 from prism_serve.runtime.devices import DeviceSpec
 
@@ -45,6 +46,18 @@ def test_good_config_maps_onto_runtime_types():
     assert c.policy.knobs == {"idle_threshold_s": 30}
     assert c.server.api_keys == ["a", "b"] and c.server.port == 9000
 
+
+
+def test_auto_dtype_is_bf16_on_a_deployment_of_gpus_and_explicit_dtypes_stay():
+    gpus = GOOD.replace('"cpu:0", memory: 1GiB, cores: "0", workers: 1', '"cuda:0", memory: 1GiB').replace(
+        '"cpu:1"', '"cuda:1"'
+    )
+    chat, synth = model_specs(parse_config(gpus))
+    assert (chat.dtype, synth.dtype) == ("bfloat16", "bfloat16")
+    fp32 = gpus.replace("dtype: bfloat16", "dtype: float32")
+    assert model_specs(parse_config(fp32))[1].dtype == "float32"
+    mixed = GOOD.replace('"cpu:1"', '"cuda:0"')  # a CPU among the devices: the CPU's rule
+    assert model_specs(parse_config(mixed))[0].dtype == resolve_dtype("auto")
 
 @pytest.mark.parametrize(
     ("text", "expected"),

@@ -7,6 +7,7 @@ place that turns it into ``DeviceSpec``s, ``ModelSpec``s and a ``Controller``.
 from __future__ import annotations
 
 from prism_serve.config import DeploymentConfig, DeviceGroup, ModelConfig
+from prism_serve.engine.machine import resolve_dtype
 from prism_serve.runtime.controller import Controller
 from prism_serve.runtime.devices import DeviceSpec, cpu_devices, parse_cores
 from prism_serve.runtime.models import ModelSpec
@@ -25,10 +26,11 @@ def device_specs(config: DeploymentConfig) -> list[DeviceSpec]:
     ]
 
 
-def model_spec(m: ModelConfig) -> ModelSpec:
-    """One configured model as the runtime serves it."""
+def model_spec(m: ModelConfig, device_kind: str = "cpu") -> ModelSpec:
+    """One configured model as the runtime serves it (``dtype: auto`` resolved for ``device_kind``:
+    bf16 on GPUs, the CPU's fast type on CPU devices)."""
     return ModelSpec(
-        name=m.name, source=m.source, dtype=m.dtype, seed=m.seed,
+        name=m.name, source=m.source, dtype=resolve_dtype(m.dtype, device_kind), seed=m.seed,
         ttft_slo=m.ttft_slo, tpot_slo=m.tpot_slo, pinned=m.pinned,
         max_model_len=m.max_model_len, max_num_seqs=m.max_num_seqs,
         max_num_batched_tokens=m.max_num_batched_tokens, block_size=m.block_size,
@@ -37,7 +39,11 @@ def model_spec(m: ModelConfig) -> ModelSpec:
 
 
 def model_specs(config: DeploymentConfig) -> list[ModelSpec]:
-    return [model_spec(m) for m in config.models]
+    """The configured models; on a deployment of GPUs alone ``dtype: auto`` is bf16 (the host cache
+    holds one copy per model, so a deployment that mixes CPUs and GPUs resolves it for the CPUs)."""
+    devices = device_specs(config)
+    kind = "cuda" if devices and all(d.is_cuda for d in devices) else "cpu"
+    return [model_spec(m, kind) for m in config.models]
 
 
 def build_controller(config: DeploymentConfig) -> Controller:
