@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from prism_serve.control.types import ModelProfile
 
-__all__ = ["MIN_SERVED_FOR_PROFILE", "StepSums", "batching_gain", "measured_profile", "size_prior"]
+__all__ = ["MIN_SERVED_FOR_PROFILE", "StepSums", "batching_gain", "measured_profile"]
 
 # requests a model's engine serves before its measured busy seconds per request replace the prior
 MIN_SERVED_FOR_PROFILE = 4
@@ -106,24 +106,6 @@ def batching_gain(steps: StepSums, tpot_s: float, max_num_seqs: int) -> float | 
     top = max(1.0, math.floor(top))
     now = steps.batch / steps.seconds  # sequences per second of stepping at the mean batch
     return max(1.0, (top / (t1 * top**p)) / now)
-
-
-def size_prior(weight_bytes: int, mean_weight_bytes: float, base: ModelProfile | None = None) -> ModelProfile:
-    """The prior of a model no engine of it has measured yet: ``base``'s per-request costs (the
-    defaults) scaled by its weights over the mean of the deployment's models. A decode step reads
-    every weight once, so its time goes with their bytes; so does a prefill's compute, with their
-    count. Without it every unmeasured model looked alike, and compute-aware placement could not
-    tell a 1.4 GB model from a 0.3 GB one until each had served a few requests: live, a start
-    that put a small model beside the large one (docs/evaluation.md, the decode-heavy sweep)."""
-    base = base or ModelProfile()
-    if mean_weight_bytes <= 0 or weight_bytes <= 0:
-        return base
-    scale = weight_bytes / mean_weight_bytes
-    return replace(
-        base,
-        decode_step_s=base.decode_step_s * scale,
-        prefill_tokens_per_s=base.prefill_tokens_per_s / scale,
-    )
 
 
 def measured_profile(

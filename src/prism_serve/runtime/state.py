@@ -22,7 +22,7 @@ from prism_serve.control import (
     Request,
 )
 from prism_serve.control.forecast import RateEstimator
-from prism_serve.control.profiles import StepSums, measured_profile, size_prior
+from prism_serve.control.profiles import StepSums, measured_profile
 from prism_serve.control.queues import RequestQueue
 from prism_serve.engine.config import resolve_max_model_len
 from prism_serve.engine.sampling_params import SamplingParams
@@ -95,7 +95,7 @@ class ModelEntry:
     # slot name, the same host weights and tokenizer; None for the served model itself
     replica_of: str | None = None
 
-    def profile(self, prior: ModelProfile | None = None) -> ModelProfile:
+    def profile(self) -> ModelProfile:
         """The per-request costs the control plane predicts compute demand from: engine step seconds
         per request served, each step as it would take alone (CPU-timed, ``busy_seconds``: on a
         shared core the wall time also holds the neighbours' slices, and the policies add the
@@ -105,7 +105,7 @@ class ModelEntry:
         of stepping, times the batching the decode-step fit leaves room for within the TPOT SLO
         (control/profiles.py)."""
         return measured_profile(
-            prior or ModelProfile(),
+            ModelProfile(),
             self.busy_seconds,
             self.num_served,
             self.decode,
@@ -300,7 +300,6 @@ def cluster_snapshot(
     per model, queued on a device or deferred)."""
     snaps, engines = [], []
     on_device: dict[str, list[str]] = {d: [] for d in devices}
-    mean_weights = sum(m.cached.weight_bytes for m in models.values()) / max(1, len(models))
     for name, m in models.items():
         resident = m.state is not ModelState.EVICTED
         if resident:
@@ -320,7 +319,7 @@ def cluster_snapshot(
                 num_queued=queued.get(name, 0),
                 num_running=m.num_running,
                 pinned=m.pinned and m.replica_of is None,
-                profile=m.profile(size_prior(m.cached.weight_bytes, mean_weights)),
+                profile=m.profile(),
                 replica_of=m.replica_of,
                 keep_alive_s=m.spec.keep_alive_s,
                 forecast_rate=forecast_rate(name, now),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prism_serve.control import ClusterSnapshot, DeviceSnapshot, EngineSnapshot, ModelProfile, ModelSnapshot
-from prism_serve.control.profiles import measured_profile, size_prior
+from prism_serve.control.profiles import measured_profile
 from prism_serve.control.types import ModelState
 
 if TYPE_CHECKING:
@@ -29,8 +29,6 @@ class SnapshotBuilder:
     def __init__(self, sim: Simulator) -> None:
         self.sim = sim
         self._live_profiles = sim.config.profiles == "live"
-        models = list(sim.models.values())
-        self._mean_weight_bytes = sum(m.served.spec.weight_bytes for m in models) / max(1, len(models))
         self._models: dict[str, ModelSnapshot] = {}
         self._rebuilt: dict[str, None] = {}  # models whose snapshot changed since the last cluster()
         self._devices: dict[str, tuple[int, DeviceSnapshot]] = {}  # by device: (memory version, snap)
@@ -68,9 +66,9 @@ class SnapshotBuilder:
         return self._models[name]
 
     def profile(self, m: _Model) -> ModelProfile:
-        if self._live_profiles:  # what the live controller knows: measured, or the size prior before
+        if self._live_profiles:  # what the live controller knows: measured, or the default before
             return measured_profile(
-                size_prior(m.served.spec.weight_bytes, self._mean_weight_bytes),
+                ModelProfile(),
                 m.busy_seconds,
                 m.num_served,
                 m.steps,
