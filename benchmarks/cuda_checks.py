@@ -249,12 +249,16 @@ def compare_pools(weights: LoadedWeights, model: LlamaForCausalLM | None, batch:
     return out
 
 
-def section_pool8b() -> dict:
+def llama8b_on_gpu() -> tuple[LoadedWeights, LlamaForCausalLM]:
+    """A SYNTHETIC Llama-3.1-8B shape, drawn on the GPU in bf16 (~16 GB), with its byte tokenizer."""
     config = PRESETS["llama-3.1-8b"]
-    model = LlamaForCausalLM.from_packed(
-        config, random_packed(config, torch.bfloat16, DEV, 0), torch.bfloat16, 4096
-    )
-    weights = LoadedWeights(config, {}, byte_tokenizer(), "random:llama-3.1-8b (on the GPU)", True)
+    packed = random_packed(config, torch.bfloat16, DEV, 0)
+    model = LlamaForCausalLM.from_packed(config, packed, torch.bfloat16, 4096)
+    return LoadedWeights(config, {}, byte_tokenizer(), "random:llama-3.1-8b (on the GPU)", True), model
+
+
+def section_pool8b() -> dict:
+    weights, model = llama8b_on_gpu()
     return compare_pools(weights, model, 128, 64, 6, buffers=(8, 64, 256))
 
 
@@ -275,11 +279,7 @@ def random_packed(config: ArchConfig, dtype: torch.dtype, device: str, seed: int
 
 
 def section_llama8b() -> dict:
-    config = PRESETS["llama-3.1-8b"]
-    model = LlamaForCausalLM.from_packed(
-        config, random_packed(config, torch.bfloat16, DEV, 0), torch.bfloat16, 4096
-    )
-    weights = LoadedWeights(config, {}, byte_tokenizer(), "random:llama-3.1-8b (on the GPU)", True)
+    weights, model = llama8b_on_gpu()
     log(f"  8B shape: {model.weight_bytes / 1e9:.2f} GB of bf16 weights on the GPU")
     out = engine_sweep(weights, model, [1, 32, 128], 24 * GiB, 128, 64, [1, 32])
     out["weight_GB"] = model.weight_bytes / 1e9
