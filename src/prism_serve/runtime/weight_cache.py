@@ -308,7 +308,7 @@ class SharedWeights:
             try:
                 self._mm.madvise(_MADV_POPULATE_READ, start, end - start)
             except (OSError, ValueError):  # before Linux 5.14: read one byte of every page
-                self.bytes[start : end : mmap.PAGESIZE].sum()
+                self.bytes[start:end:mmap.PAGESIZE].sum()
             self.faulted = end
         return self.complete
 

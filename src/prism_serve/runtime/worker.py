@@ -188,8 +188,11 @@ class Worker:
         start = time.monotonic()
         try:
             if isinstance(item, msg.CacheFile):
-                if not self._shared(item.path, item.size, populate=False).prefault(PREFAULT_CHUNK_BYTES):
+                shared = self._shared(item.path, item.size, populate=False)
+                if not shared.prefault(PREFAULT_CHUNK_BYTES):
                     self.to_prepare.appendleft(item)  # the rest of it after the next poll
+                else:
+                    self._pin(shared)
             else:
                 self._tokenizer(item)
         except Exception as e:  # a file dropped meanwhile: the activation that needs it says so
@@ -205,9 +208,13 @@ class Worker:
         shared = self.shared.get(path)
         if shared is None:
             shared = self.shared[path] = SharedWeights(path, size, populate)
-        if self.device.is_cuda and shared.complete and not shared.pinned:
-            shared.pin()  # page-locked: the copy to the GPU is one DMA per chunk, at the link's speed
         return shared
+
+    def _pin(self, shared: SharedWeights) -> None:
+        """On a GPU, page-lock a complete cache file (once): each chunk's copy is then one DMA at
+        the link's speed. Done when a Prepare finishes the file, else at its first activation."""
+        if self.device.is_cuda and shared.complete and not shared.pinned:
+            shared.pin()
 
     def _tokenizer(self, path: str) -> Tokenizer:
         tokenizer = self.tokenizers.get(path)
@@ -300,6 +307,7 @@ class Worker:
         try:
             shared = self._shared(m.cache_path, m.weight_bytes)
             shared.prefault(shared.size)  # what a Prepare left undone of it
+            self._pin(shared)
             num_pages, reused = map_weight_pages(
                 self.weight_range, weight_account, m.weight_bytes, self.loader, self.spare
             )
