@@ -49,8 +49,7 @@ from prism_serve.memory.ledger import NAMESPACE_ENV, DeviceLedger
 from prism_serve.memory.spare import SparePages
 from prism_serve.memory.vmm import PHASES, reserve
 from prism_serve.runtime.loading import map_weight_pages, parallel_copy, tensor_views, unmap_weight_pages
-from prism_serve.runtime.messages import TensorEntry
-from prism_serve.runtime.weight_cache import ALIGN, SharedWeights, dtype_name
+from prism_serve.runtime.weight_cache import SharedWeights, cache_layout
 
 GiB = 2**30
 DEV = "cuda:0"
@@ -262,18 +261,17 @@ def section_pool8b() -> dict:
     return compare_pools(weights, model, 128, 64, 6, buffers=(8, 64, 256))
 
 
-def packed_shapes(config: ArchConfig, dtype: torch.dtype) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """The engine's packed tensors of ``config`` (names, shapes), found without memory (meta device)."""
+def packed_meta(config: ArchConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The engine's packed tensors of ``config`` on the meta device: names, shapes, no memory."""
     meta = {n: torch.empty(s, dtype=dtype, device="meta") for n, s in parameter_shapes(config).items()}
-    model = LlamaForCausalLM(config, meta, dtype, max_positions=1)
-    return {n: (t.shape, t.dtype) for n, t in model.packed_tensors().items()}
+    return LlamaForCausalLM(config, meta, dtype, max_positions=1).packed_tensors()
 
 
 def random_packed(config: ArchConfig, dtype: torch.dtype, device: str, seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     out = {}
-    for name, (shape, dt) in packed_shapes(config, dtype).items():
-        t = torch.empty(shape, dtype=dt, device=device)
+    for name, m in packed_meta(config, dtype).items():
+        t = torch.empty(m.shape, dtype=m.dtype, device=device)
         out[name] = t.fill_(1.0) if name.endswith("norm") else t.normal_(0.0, 0.02)
     return out
 
@@ -294,13 +292,7 @@ def section_llama8b() -> dict:
 def section_activation(link_GBps: float | None) -> dict:
     config = PRESETS["llama-3.1-8b"]
     dtype = torch.bfloat16
-    shapes = packed_shapes(config, dtype)
-    entries, offset = [], 0
-    for name, (shape, dt) in shapes.items():
-        nbytes = shape.numel() * dt.itemsize
-        entries.append(TensorEntry(name, dtype_name(dt), tuple(shape), offset, nbytes))
-        offset = -(-(offset + nbytes) // ALIGN) * ALIGN
-    size = offset
+    entries, size = cache_layout(packed_meta(config, dtype))  # the host cache's own layout
     shm = os.statvfs("/dev/shm")
     where = "/dev/shm" if shm.f_bavail * shm.f_frsize > size + GiB else None  # else the temp directory
     path = Path(tempfile.mkdtemp(dir=where)) / "llama8b.bin"

@@ -57,6 +57,18 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def cache_layout(packed: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
+    """Where each packed tensor sits in a cache file (and in the device's weight range): back to
+    back in order, each at an ``ALIGN``-aligned offset; with the file's size. Reads shapes and dtypes
+    only, so meta tensors lay out a model that was never built."""
+    entries, offset = [], 0
+    for name, t in packed.items():
+        nbytes = t.numel() * t.element_size()
+        entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+        offset = _align(offset + nbytes)
+    return entries, max(offset, ALIGN)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -136,12 +148,7 @@ class HostWeightCache:
             weights.config, weights.tensors, dtype, 1, weights.rope_freq_factors
         ).packed_tensors()
         weights.tensors.clear()
-        entries, offset = [], 0
-        for name, t in packed.items():
-            nbytes = t.numel() * t.element_size()
-            entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
-            offset = _align(offset + nbytes)
-        total = max(offset, ALIGN)
+        entries, total = cache_layout(packed)
         with self._lock:
             self._counter += 1
             base = self.directory / f"prism-weights-{self.namespace}-{os.getpid()}-{self._counter}"
