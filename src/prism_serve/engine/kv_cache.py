@@ -118,8 +118,8 @@ class KVCache:
             for i in range(config.num_layers)
         ]
 
-    def slot_rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Rows of ``layer_rows`` for tokens at ``offsets`` in ``blocks``."""
+    def slot_rows(self, blocks: torch.Tensor | int, offsets: torch.Tensor | int) -> torch.Tensor | int:
+        """Rows of ``layer_rows`` for tokens at ``offsets`` in ``blocks`` (tensors, or one token's ints)."""
         return blocks * self.rows_per_block + offsets
 
     @property

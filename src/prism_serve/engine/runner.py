@@ -240,7 +240,7 @@ class DecodeGraphs:
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         n = len(batch)
         size = next(b for b in self.sizes if b >= n)
-        bs, rows_per_block = self.runner.block_size, self.runner.kv_cache.rows_per_block
+        bs, kv_cache = self.runner.block_size, self.runner.kv_cache
         pad = size - n
         ids, pos, slots, lens, tables = [], [], [], [], []
         for s in batch:
@@ -249,15 +249,15 @@ class DecodeGraphs:
             tables.append(seq.block_table[: p // bs + 1])
             ids.append(seq.token_ids[p])
             pos.append(p)
-            slots.append(tables[-1][-1] * rows_per_block + p % bs)
+            slots.append(kv_cache.slot_rows(tables[-1][-1], p % bs))
             lens.append(p + 1)
         zeros = [0] * pad
         host = torch.tensor([ids + zeros, pos + zeros, slots + [-1] * pad, lens + zeros])
         self.inputs[:, :size].copy_(host)
-        # only the columns this step's longest table reaches: the kernel reads no further
-        width = max(len(t) for t in tables)
-        rows = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad
-        self.tables[:size, :width].copy_(torch.tensor(rows))
+        # the real rows, only as wide as their longest table: the kernel reads no further, nor
+        # any row of the padding (length 0)
+        padded = _padded_tables(tables)
+        self.tables[:n, : padded.shape[1]].copy_(padded)
         graph = self.graphs.get(size)
         if graph is None:
             graph = self._capture(size)
