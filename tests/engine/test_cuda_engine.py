@@ -19,6 +19,7 @@ from prism_serve.engine.llm import LLM
 from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.weights import load_weights
+from tests.engine.test_paged_decode_kernel import reference_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -63,7 +64,7 @@ def test_paged_decode_matches_float64(dtype, num_heads, num_kv_heads, head_dim, 
     out = torch.full((n, num_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
     lens, tables = lens.cuda(), tables.cuda()
     cuda_kernels.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out, splits)
-    ref = cuda_kernels.reference_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    ref = reference_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
     assert not out.isnan().any()
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert _relative_error(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -19,7 +19,6 @@ Elsewhere the engine attends with torch's SDPA over gathered blocks (attention.p
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -233,30 +232,4 @@ def paged_decode(
         m_state, l_state, acc, out, splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_P=max(2, triton.next_power_of_2(splits)),
     )  # fmt: skip
-    return out
-
-
-def reference_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The same attention in float64 with plain torch ops, one sequence at a time (tests)."""
-    n, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    out = torch.zeros(n, num_heads, head_dim, dtype=torch.float64, device=q.device)
-    for i in range(n):
-        length = int(lens[i])
-        if length == 0:
-            continue
-        blocks = block_tables[i, : math.ceil(length / block_size)]
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("hd,thd->ht", q[i].double(), k) * scale
-        out[i] = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
     return out
