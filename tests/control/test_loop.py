@@ -16,6 +16,7 @@ from prism_serve.control import (
     Defer,
     DeviceSnapshot,
     EngineSnapshot,
+    Enqueue,
     Evict,
     Migrate,
     ModelSnapshot,
@@ -443,6 +444,40 @@ def test_a_dead_worker_sends_its_models_queued_requests_through_the_policy_again
     m.state, m.placement = ModelState.EVICTED, ()
     loop.worker_died("a", 0.3)
     assert m.state is ModelState.ACTIVATING and loop.where["r2"] in loop.queues
+    check_invariants(loop, body)
+
+
+def test_a_lost_device_routes_its_queue_again_and_a_joined_device_takes_work():
+    loop, body, pol = make(max_seqs=1, models={"a": 1.0, "b": 7.5})  # b fits no device beside a
+    loop.arrival(req(1), 0.0)
+    body.activated("a", 0.1)
+    loop.arrival(req(2, t=0.2), 0.2)
+    assert loop.where["r2"] == "d0"
+    # d0's node left: the body drops the device and its model, r1 failed with it
+    m = body.models["a"]
+    m.running.clear()
+    loop.request_left("r1")
+    m.state, m.placement = ModelState.EVICTED, ()
+    del body.caps["d0"]
+    loop.remove_device("d0", 0.3)
+    assert "d0" not in loop.queues
+    assert m.state is ModelState.ACTIVATING and m.placement == ("d1",)
+    assert loop.where["r2"] == "d1"
+    loop.capacity_freed(["d0"], 0.35)  # a late event for the gone device is ignored
+    body.activated("a", 0.4)
+    assert loop.where["r2"] == ENGINE
+    check_invariants(loop, body)
+    # a device joins: it is in the snapshots, and a request can queue and run there
+    body.caps["d2"] = 8 * GIB
+    loop.add_device("d2")
+    assert "d2" in body.cluster(0.5).devices
+    r3 = req(3, "b", 0.5)
+    assert body.models["b"].state is ModelState.EVICTED
+    pol.next_request = [Activate("b", ("d2",)), Enqueue(r3, "d2")]
+    loop.arrival(r3, 0.5)
+    assert loop.where["r3"] == "d2"
+    body.activated("b", 0.6)
+    assert loop.where["r3"] == ENGINE and ("dispatch", "r3", "d2") in body.log
     check_invariants(loop, body)
 
 

@@ -242,7 +242,28 @@ class ControlLoop:
     def wake(self, devices: Iterable[str]) -> None:
         """Mark ``devices`` for admission at the end of the event being handled (for a body whose
         effect, such as an eviction, frees memory while the loop applies actions)."""
-        self._to_admit.update(d for d in devices if len(self.queues[d]))
+        self._to_admit.update(d for d in devices if d in self.queues and len(self.queues[d]))
+
+    def add_device(self, device: str) -> None:
+        """A device joined (a node of a Ray cluster): the policy may place on it from now on."""
+        if device not in self.queues:
+            self.queues[device] = self.policy.new_queue(device)
+            self.stale_devices.add(device)
+
+    def remove_device(self, device: str, now: float) -> None:
+        """A device left (its node died). The body has already dropped it and its models from the
+        snapshots; the requests queued on it are routed again."""
+        q = self.queues.pop(device, None)
+        if q is None:
+            return
+        for r in q.requests():
+            q.cancel(r.req_id)
+            self._set_where(r, _NEW)
+            self._reroute.append(r)
+        self.stale_devices.discard(device)
+        self._to_admit.discard(device)
+        self._drain_reroutes(now)
+        self._admit_changed(now)
 
     def abort(self, req_id: str) -> bool:
         """Drop a request that is not on an engine; False if the loop does not hold it there."""
