@@ -119,6 +119,18 @@ def test_overrides_are_validated():
         c.with_overrides(policy="nope")
 
 
+def test_a_ray_section_or_the_ray_flag_serves_on_a_cluster():
+    assert parse_config(GOOD).ray is None
+    c = parse_config(GOOD + "ray: {address: auto}\n")
+    assert c.ray.address == "auto" and c.ray.poll_interval_s == 0.5
+    assert c.with_overrides(ray_address="10.0.0.1:6379").ray.address == "10.0.0.1:6379"
+    assert parse_config(GOOD).with_overrides(ray_address="auto").ray.address == "auto"
+    with pytest.raises(ConfigError, match="adress"):
+        parse_config(GOOD + "ray: {adress: auto}\n")
+    with pytest.raises(ConfigError, match="poll_interval_s"):
+        parse_config(GOOD + "ray: {poll_interval_s: 0}\n")
+
+
 def test_serve_with_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text(GOOD.replace("server: {", "servr: {"))

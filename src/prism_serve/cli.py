@@ -82,12 +82,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from prism_serve.runtime.build import device_specs
 
     config = load_config(args.config) if args.config else default_config()
-    config = config.with_overrides(host=args.host, port=args.port, policy=args.policy)
+    config = config.with_overrides(host=args.host, port=args.port, policy=args.policy, ray_address=args.ray)
     server = config.server
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     devices = ", ".join(d.describe() for d in device_specs(config))
+    if config.ray is not None:
+        devices = f"every node of the Ray cluster at {config.ray.address} ({devices} on each)"
     print(
         f"prism serve: {len(config.models)} models on {devices}; policy {config.policy.name}", file=sys.stderr
     )
@@ -190,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", help="override server.host")
     sv.add_argument("--port", type=int, help="override server.port")
     sv.add_argument("--policy", help="override policy.name (its knobs then take their defaults)")
+    sv.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="serve on every node of this Ray cluster (auto, or host:port); each node runs the "
+        "configured devices",
+    )
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sv.set_defaults(func=_cmd_serve)
 

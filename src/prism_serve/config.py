@@ -13,6 +13,7 @@ names the key and its line instead of a setting silently ignored.
     policy: {name: prism, knobs: {tau: 0.1}}
     server: {host: 127.0.0.1, port: 8000, api_keys: [sk-local], admin_key: admin-secret,
              cors: {allow_origins: ["https://ui.example"]}}
+    ray: {address: auto}          # optional: every node of a Ray cluster runs the devices above
 
 ``load_config(path)`` reads a file, ``default_config()`` is what ``prism serve`` runs with no file.
 """
@@ -38,6 +39,7 @@ __all__ = [
     "DeviceConfig",
     "ModelConfig",
     "PolicyConfig",
+    "RayConfig",
     "ServerConfig",
     "default_config",
     "load_config",
@@ -195,11 +197,22 @@ class ServerConfig(_Strict):
     _max_request_bytes = field_validator("max_request_bytes", mode="before")(_size)
 
 
+class RayConfig(_Strict):
+    """Serve on the devices of every node of a Ray cluster (runtime/cluster.py): each node runs the
+    ``devices`` section on its own machine, as ``<node>/cpu:0`` and so on."""
+
+    address: str = Field(
+        "auto", description="Ray cluster address: auto (this machine's running cluster) or host:port"
+    )
+    poll_interval_s: float = Field(0.5, gt=0, description="how often each node agent is polled")
+
+
 class DeploymentConfig(_Strict):
     devices: list[DeviceConfig] | DeviceGroup
     models: list[ModelConfig] = Field(min_length=1)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    ray: RayConfig | None = Field(None, description="unset: this machine's devices only")
 
     @model_validator(mode="after")
     def _unique(self) -> DeploymentConfig:
@@ -215,11 +228,17 @@ class DeploymentConfig(_Strict):
         return self
 
     def with_overrides(
-        self, host: str | None = None, port: int | None = None, policy: str | None = None
+        self,
+        host: str | None = None,
+        port: int | None = None,
+        policy: str | None = None,
+        ray_address: str | None = None,
     ) -> DeploymentConfig:
         """This config with command-line overrides (a new policy name starts from its default knobs),
         validated again."""
         data = self.model_dump()
+        if ray_address is not None:
+            data["ray"] = {**(data.get("ray") or {}), "address": ray_address}
         data["server"].update({k: v for k, v in (("host", host), ("port", port)) if v is not None})
         if policy is not None:
             data["policy"].update(name=policy, knobs={})

@@ -96,6 +96,13 @@ def test_cores_and_cpu_devices() -> None:
         DeviceSpec("cpu:0", 1, (10_000,))
     with pytest.raises(DeviceConfigError, match="positive"):
         DeviceSpec("cpu:0", 0)
+    # a device of another node (runtime/cluster.py): its cores are that machine's, checked there
+    remote = DeviceSpec("n1/cuda:3", 1)
+    assert (remote.node, remote.local_name, remote.is_cuda) == ("n1", "cuda:3", True)
+    assert DeviceSpec("n1/cpu:0", 1, (10_000,)).cores == (10_000,)
+    assert (DeviceSpec("cpu:0", 1).node, DeviceSpec("cpu:0", 1).local_name) == ("", "cpu:0")
+    with pytest.raises(DeviceConfigError, match="cpu:0 or cuda:0"):
+        DeviceSpec("n 1/cpu:0", 1)
 
 
 @settings(max_examples=60, deadline=None)

@@ -6,7 +6,9 @@ place that turns it into ``DeviceSpec``s, ``ModelSpec``s and a ``Controller``.
 
 from __future__ import annotations
 
-from prism_serve.config import DeploymentConfig, DeviceGroup, ModelConfig
+import functools
+
+from prism_serve.config import DeploymentConfig, DeviceConfig, DeviceGroup, ModelConfig
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.runtime.controller import Controller
 from prism_serve.runtime.devices import DeviceSpec, cpu_devices, parse_cores
@@ -17,7 +19,12 @@ __all__ = ["build_controller", "device_specs", "model_spec", "model_specs"]
 
 def device_specs(config: DeploymentConfig) -> list[DeviceSpec]:
     """The configured devices; a device group splits this machine's cores evenly."""
-    devices = config.devices
+    return local_devices(config.devices)
+
+
+def local_devices(devices: list[DeviceConfig] | DeviceGroup) -> list[DeviceSpec]:
+    """A ``devices`` section as the machine that runs this builds it (on a Ray cluster every node
+    agent calls this on its own machine)."""
     if isinstance(devices, DeviceGroup):
         return cpu_devices(devices.count, devices.memory, devices.workers)
     return [
@@ -47,9 +54,21 @@ def model_specs(config: DeploymentConfig) -> list[ModelSpec]:
 
 
 def build_controller(config: DeploymentConfig) -> Controller:
-    """The controller that serves ``config`` (not started)."""
+    """The controller that serves ``config`` (not started). With ``ray`` set it joins the Ray
+    cluster and starts a node agent on every node first (runtime/cluster.py)."""
+    nodes, devices = None, None
+    if config.ray is not None:
+        from prism_serve.runtime.cluster import RayNodes
+
+        nodes = RayNodes(
+            config.ray.address,
+            functools.partial(local_devices, config.devices),
+            config.server.namespace,
+            poll_interval_s=config.ray.poll_interval_s,
+        )
+        devices = nodes.connect()
     return Controller(
-        device_specs(config),
+        devices if devices is not None else device_specs(config),
         model_specs(config),
         policy=config.policy.name,
         knobs=dict(config.policy.knobs),
@@ -58,4 +77,5 @@ def build_controller(config: DeploymentConfig) -> Controller:
         activation_timeout_s=config.policy.activation_timeout_s,
         spare_pages=config.policy.spare_pages,
         prepare_workers=config.policy.prepare_workers,
+        nodes=nodes,
     )

@@ -19,7 +19,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable
+
+import msgspec
 
 from prism_serve.control import (
     ClusterSnapshot,
@@ -49,6 +52,7 @@ from prism_serve.memory.spare import spare_bytes
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, format_size
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.admin import AdminOps
+from prism_serve.runtime.cluster import LedgerMirror, Node, RayNodes
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.loading import DeviceMemoryExhaustedError
 from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
@@ -87,8 +91,13 @@ class Controller(AdminOps):
         rate_window_s: float = 60.0,
         spare_pages: bool = True,
         prepare_workers: bool = True,
+        nodes: RayNodes | None = None,
     ) -> None:
         self.devices = {d.name: d for d in devices}
+        # the Ray cluster that holds the devices of other nodes (runtime/cluster.py), or None
+        self.nodes = nodes
+        if bad := [d for d in self.devices.values() if d.node and nodes is None]:
+            raise ValueError(f"devices {[d.name for d in bad]} are on other nodes: give the Ray cluster")
         self.specs = {m.name: m for m in models}
         if not self.devices or not self.specs:
             raise ValueError("need at least one device and one model")
@@ -119,8 +128,8 @@ class Controller(AdminOps):
             rate_window_s=rate_window_s,
         )
         self._requests: dict[str, RequestEntry] = {}
-        self._evictions: dict[str, list[asyncio.Future]] = {d: [] for d in self.devices}
-        self._ledgers: dict[str, DeviceLedger] = {}
+        self._evictions: defaultdict[str, list[asyncio.Future]] = defaultdict(list)
+        self._ledgers: dict[str, DeviceLedger | LedgerMirror] = {}
         self._pool: WorkerPool | None = None
         self._tick_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # evictions in flight (strong references)
@@ -147,10 +156,9 @@ class Controller(AdminOps):
                 )
             self.models.update(model_entries(spec, cached, self.replicas[spec.name]))
         for d in self.devices.values():
-            ledger = DeviceLedger(d.name, d.memory_bytes, self.namespace)
-            if ledger.budget_bytes != d.memory_bytes:
-                ledger.set_budget(d.memory_bytes)
-            self._ledgers[d.name] = ledger
+            self._ledgers[d.name] = self._open_ledger(d)
+        if self.nodes is not None:  # every node reads the models into its own host cache
+            await self.nodes.start(self.specs.values(), self._node_added, self._node_lost)
         self._pool = WorkerPool(
             list(self.devices.values()),
             on_message=self._on_message,
@@ -162,7 +170,8 @@ class Controller(AdminOps):
             # each worker keeps weight pages for the largest model ready (memory/spare.py)
             spare_bytes=max(m.cached.weight_bytes for m in self.models.values()) if self.spare_pages else 0,
             spare_of=lambda w: spare_bytes(self._ledgers[w.device.name].snapshot(), w.worker_id),
-            prepare=self.cache.prepare_message if self.prepare_workers else None,
+            prepare=self._prepare_message if self.prepare_workers else None,
+            launcher=self.nodes,
         )
         await self._pool.start()
         self._tick_task = asyncio.create_task(self._tick_loop())
@@ -179,6 +188,61 @@ class Controller(AdminOps):
                 except PrismError as e:
                     logger.warning("pinned model %s was not activated at start-up: %s", spec.name, e)
 
+    def _open_ledger(self, d: DeviceSpec) -> DeviceLedger | LedgerMirror:
+        if d.node:
+            assert self.nodes is not None
+            return self.nodes.ledger(d.name)
+        ledger = DeviceLedger(d.name, d.memory_bytes, self.namespace)
+        if ledger.budget_bytes != d.memory_bytes:
+            ledger.set_budget(d.memory_bytes)
+        return ledger
+
+    def _prepare_message(self, handle: WorkerHandle) -> msg.Prepare:
+        """What an idle worker opens ahead of activations: its own node's host cache files."""
+        if handle.device.node and self.nodes is not None:
+            node = self.nodes.nodes.get(handle.device.node)
+            if node is not None and node.prepare is not None:
+                return node.prepare
+            return msg.Prepare([], [])
+        return self.cache.prepare_message()
+
+    # ---- nodes joining and leaving (Ray) ----------------------------------------------------------
+
+    def _node_added(self, node: Node) -> None:
+        """A node joined the Ray cluster: its devices join the placement, with their workers."""
+        for d in node.devices:
+            self.devices[d.name] = d
+            self._ledgers[d.name] = self._open_ledger(d)
+            self.loop.add_device(d.name)
+            self.pool.add_device(d, d.memory_bytes)
+        logger.warning("node %s joined: %s", node.name, ", ".join(d.name for d in node.devices))
+        self.tick()
+
+    def _node_lost(self, node: Node, why: str) -> None:
+        """A node left (its agent, or the whole machine, died): its devices leave the placement and
+        the snapshots first, then its workers are handled as dead (what they ran fails with 503, and
+        their models' waiting requests go back through the policy, which activates them elsewhere)."""
+        gone = {d.name for d in node.devices}
+        for d in gone:
+            for handle in self.pool.on_device(d):
+                for req_id in list(handle.in_flight):
+                    if (r := self._requests.get(req_id)) is not None:
+                        error = WorkerDiedError(f"{r.model}: node {node.name} left the cluster ({why})")
+                        self._fail(r, error)
+        for m in self.models.values():
+            if m.device in gone:
+                # an activation in flight there fails when its worker is declared dead below; it is
+                # detached first, so that failure cannot undo a new placement made meanwhile
+                m.state, m.device, m.worker, m.activation = ModelState.EVICTED, None, None, None
+        now = self._now()
+        for d in gone:
+            self.devices.pop(d, None)
+            self.loop.remove_device(d, now)
+        for d in gone:
+            self._ledgers.pop(d, None)
+            self.pool.lose_device(d, f"node {node.name} left the cluster: {why}")
+        self.tick()
+
     async def stop(self) -> None:
         self._running = False
         if self._tick_task is not None:
@@ -188,6 +252,8 @@ class Controller(AdminOps):
             self._fail(r, WorkerDiedError("the server is shutting down"))
         if self._pool is not None:
             await self._pool.stop()
+        if self.nodes is not None:
+            await self.nodes.stop()
         for ledger in self._ledgers.values():
             if not ledger.snapshot().entries:  # nobody else on the device: leave no file behind
                 ledger.unlink()
@@ -405,7 +471,7 @@ class Controller(AdminOps):
             handle.model = m.spec.name
             m.worker = handle
             while True:
-                reply = await self._request(handle, m.activate_message(decided_at, self.load_threads))
+                reply = await self._request(handle, self._activate_message(m, device, decided_at))
                 if isinstance(reply, msg.ModelActivated):
                     break
                 retry = reply.error == DeviceMemoryExhaustedError.__name__ and self._now() < deadline
@@ -413,6 +479,8 @@ class Controller(AdminOps):
                     raise error_class(reply.error)(f"activating {m.spec.name} on {device}: {reply.message}")
                 await asyncio.sleep(0.05)  # other engines' KV pages drain as their requests finish
         except Exception as e:  # whatever went wrong, waiting requests must hear about it
+            if m.activation is not asyncio.current_task():
+                return None  # detached (its node left): the model has moved on without it
             if isinstance(e, TimeoutError):
                 e = ActivationError(
                     f"{m.spec.name}: no worker on {device} within {self.activation_timeout_s} s"
@@ -442,6 +510,13 @@ class Controller(AdminOps):
         except Exception:  # the model is active; the next tick admits what this could not
             logger.exception("placing and admitting after %s's activation failed", m.spec.name)
         return reply.phases
+
+    def _activate_message(self, m: ModelEntry, device: str, decided_at: float) -> msg.ActivateModel:
+        message = m.activate_message(decided_at, self.load_threads)
+        if self.devices[device].node and self.nodes is not None:  # that node's copy of the weights
+            path, tokenizer = self.nodes.activate_paths(device, m.spec.name)
+            message = msgspec.structs.replace(message, cache_path=path, tokenizer_path=tokenizer)
+        return message
 
     def _activation_failed(self, m: ModelEntry, handle: WorkerHandle | None, error: PrismError) -> None:
         logger.warning("activation of %s failed: %s", m.spec.name, error)
@@ -522,7 +597,7 @@ class Controller(AdminOps):
             for name in self.specs
         ]
 
-    def ledger(self, device: str) -> DeviceLedger:
+    def ledger(self, device: str) -> DeviceLedger | LedgerMirror:
         return self._ledgers[device]
 
     def _model(self, name: str) -> ModelEntry:
@@ -578,8 +653,10 @@ class Controller(AdminOps):
         if model is not None and model.worker is handle:
             model.state, model.device, model.worker = ModelState.EVICTED, None, None
             model.num_running = 0
-        reclaimed = self._ledgers[handle.device.name].snapshot()  # reclaims entries of dead pids
-        logger.warning("%s: ledger now %s mapped", handle.device.name, format_size(reclaimed.used_bytes))
+        ledger = self._ledgers.get(handle.device.name)  # none: the device left with its node
+        if ledger is not None:
+            reclaimed = ledger.snapshot()  # reclaims entries of dead pids
+            logger.warning("%s: ledger now %s mapped", handle.device.name, format_size(reclaimed.used_bytes))
         if model is not None:
             self.loop.worker_died(model.spec.name, self._now())
 

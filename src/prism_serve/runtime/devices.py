@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.vmm import format_size, parse_size
 
-_DEVICE_RE = re.compile(r"^(cpu|cuda):(\d+)$")
+# "cpu:0", "cuda:1", or on a multi-node deployment "<node>/cpu:0" (runtime/cluster.py)
+_DEVICE_RE = re.compile(r"^(?:([A-Za-z0-9_.-]+)/)?(cpu|cuda):(\d+)$")
 
 
 class DeviceConfigError(InvalidRequestError):
@@ -25,7 +26,7 @@ class DeviceConfigError(InvalidRequestError):
 
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
-    name: str  # "cpu:0" or "cuda:0"
+    name: str  # "cpu:0" or "cuda:0"; "<node>/cpu:0" for a device of another node (runtime/cluster.py)
     memory_bytes: int  # the budget every model on the device shares (weights + KV)
     cores: tuple[int, ...] = ()  # CPU devices: the cores its workers run on; () = all
     num_workers: int = 2  # pre-started engine processes (the engine pool)
@@ -39,6 +40,8 @@ class DeviceSpec:
             raise DeviceConfigError(f"{self.name}: num_workers must be >= 1")
         if self.is_cuda and self.cores:
             raise DeviceConfigError(f"{self.name}: cores apply to cpu devices only")
+        if self.node:
+            return  # another machine's cores: its node agent checked them there
         available = os.sched_getaffinity(0)
         bad = [c for c in self.cores if c not in available]
         if bad:
@@ -47,8 +50,19 @@ class DeviceSpec:
             )
 
     @property
+    def node(self) -> str:
+        """The node this device belongs to ("" for a device of this machine's own deployment)."""
+        node, _, _ = self.name.rpartition("/")
+        return node
+
+    @property
+    def local_name(self) -> str:
+        """The name on its own machine ("cpu:0"): what its workers, ledger and torch call it."""
+        return self.name.rpartition("/")[2]
+
+    @property
     def is_cuda(self) -> bool:
-        return self.name.startswith("cuda")
+        return self.local_name.startswith("cuda")
 
     @property
     def num_threads(self) -> int:
@@ -92,7 +106,7 @@ def pin_process(spec: DeviceSpec) -> None:
     import torch
 
     if spec.is_cuda:
-        torch.cuda.set_device(torch.device(spec.name))
+        torch.cuda.set_device(torch.device(spec.local_name))
         return
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)

@@ -275,7 +275,7 @@ class Worker:
             )
             for o in outs
         ]
-        self._send(msg.StepOutputs(deltas, self._stats(a)))
+        self._send(msg.StepOutputs(deltas, self._stats(a), time.time()))
 
     def _stats(self, a: _Active) -> msg.EngineStats:
         used = a.pool.num_used_blocks * a.pool.block_bytes
@@ -370,7 +370,7 @@ class Worker:
         engine_config = msgspec.structs.replace(
             m.engine,
             kv_cache_bytes=self.kv_range.size,
-            device=self.device.name if self.device.is_cuda else "cpu",
+            device=self.device.local_name if self.device.is_cuda else "cpu",
         )
         dtype = torch_dtype(engine_config)
         max_len = engine_config.resolve_max_model_len(config)

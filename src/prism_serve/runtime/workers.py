@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -50,11 +51,32 @@ class WorkerState(enum.Enum):
     DEAD = "dead"
 
 
+class WorkerProcess(Protocol):
+    """What the pool needs of a worker's process: ``subprocess.Popen`` for a worker of this machine,
+    ``cluster.RemoteProcess`` for one a node agent started on another."""
+
+    pid: int | None
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def kill(self) -> None: ...
+    def terminate(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+
+class Launcher(Protocol):
+    """Starts workers on the devices of other nodes (``cluster.RayNodes``)."""
+
+    def spawn(self, device: DeviceSpec, worker_id: str, args: list[str]) -> WorkerProcess: ...
+
+    def endpoint_host(self) -> str: ...
+
+
 @dataclass(eq=False)
 class WorkerHandle:
     worker_id: str
     device: DeviceSpec
-    proc: subprocess.Popen
+    proc: WorkerProcess
     state: WorkerState = WorkerState.STARTING
     model: str | None = None
     pid: int | None = None
@@ -88,9 +110,10 @@ class WorkerPool:
         load_threads: int,
         spare_bytes: int = 0,
         spare_of: Callable[[WorkerHandle], int] | None = None,
-        prepare: Callable[[], msg.Prepare] | None = None,
+        prepare: Callable[[WorkerHandle], msg.Prepare] | None = None,
         start_timeout_s: float = 120.0,
         poll_interval_s: float = 0.05,
+        launcher: Launcher | None = None,
     ) -> None:
         self.devices = {d.name: d for d in devices}
         self.workers: dict[str, WorkerHandle] = {}
@@ -105,6 +128,8 @@ class WorkerPool:
         self._prepare = prepare
         self._start_timeout_s = start_timeout_s
         self._poll_interval_s = poll_interval_s
+        self._launcher = launcher
+        self._tcp_endpoint: str | None = None  # bound on first use, for workers of other nodes
         self._ids = itertools.count()
         self._tmp = tempfile.TemporaryDirectory(prefix="prism-ipc-")
         self.endpoint = f"ipc://{Path(self._tmp.name) / 'controller.sock'}"
@@ -126,25 +151,39 @@ class WorkerPool:
 
     def spawn(self, device: DeviceSpec) -> WorkerHandle:
         worker_id = f"{device.name}/w{next(self._ids)}"
-        cmd = [
-            sys.executable, "-m", "prism_serve.runtime.worker",
+        args = [
             "--worker-id", worker_id,
-            "--device", device.name,
+            "--device", device.local_name,
             "--memory-bytes", str(device.memory_bytes),
             "--cores", ",".join(map(str, device.cores)),
-            "--endpoint", self.endpoint,
+            "--endpoint", self._remote_endpoint() if device.node else self.endpoint,
             "--reserve-bytes", str(self._reserve_bytes[device.name]),
             "--page-size", str(self._page_size),
             "--load-threads", str(self._load_threads),
             "--spare-bytes", str(self._spare_bytes),
-            "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
-        if self._namespace:
-            cmd += ["--namespace", self._namespace]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        if device.node:  # its node agent starts it there, in that node's namespace
+            if self._launcher is None:
+                raise WorkerStartError(f"{device.name} is on node {device.node!r}: no Ray cluster given")
+            proc = self._launcher.spawn(device, worker_id, args)
+        else:
+            if self._namespace:
+                args += ["--namespace", self._namespace]
+            cmd = [sys.executable, "-m", "prism_serve.runtime.worker", *args]
+            cmd += ["--parent-pid", str(os.getpid())]
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         handle = WorkerHandle(worker_id, device, proc, pid=proc.pid)
         self.workers[worker_id] = handle
         return handle
+
+    def _remote_endpoint(self) -> str:
+        """A TCP endpoint on this node's cluster address that workers of other nodes connect to."""
+        if self._tcp_endpoint is None:
+            assert self._launcher is not None
+            host = self._launcher.endpoint_host()
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+            self._tcp_endpoint = f"tcp://{host}:{port}"
+        return self._tcp_endpoint
 
     async def wait_ready(self, handle: WorkerHandle) -> WorkerHandle:
         try:
@@ -162,8 +201,10 @@ class WorkerPool:
     async def take(self, device: str) -> WorkerHandle:
         """An idle worker of ``device``, now marked ACTIVATING (the one with the most spare weight
         pages: its activation creates the fewest); the pool refills in the background."""
-        spec = self.devices[device]
+        spec = self.devices.get(device)
         while True:
+            if spec is None or device not in self.devices:
+                raise WorkerStartError(f"device {device} is gone (its node left the cluster)")
             idle = self.idle(device)
             if idle:
                 handle = max(idle, key=self._spare_of) if self._spare_of and len(idle) > 1 else idle[0]
@@ -220,7 +261,7 @@ class WorkerPool:
                 handle.state = WorkerState.IDLE
                 if self._prepare is not None:
                     with contextlib.suppress(WorkerDiedError):
-                        self.send(handle, self._prepare())
+                        self.send(handle, self._prepare(handle))
                 if not handle.ready.done():
                     handle.ready.set_result(handle)
                 continue
@@ -258,11 +299,27 @@ class WorkerPool:
         if self._closing:
             return
         self._on_death(handle)
-        if (
+        if handle.device.name in self.devices and (
             len([w for w in self.workers.values() if w.device.name == handle.device.name])
             < handle.device.num_workers
         ):
             self.spawn(handle.device)  # the replacement
+
+    def add_device(self, device: DeviceSpec, reserve_bytes: int) -> None:
+        """A device of a node that joined: its ``num_workers`` workers start now."""
+        self.devices[device.name] = device
+        self._reserve_bytes[device.name] = reserve_bytes
+        for _ in range(device.num_workers):
+            self.spawn(device)
+
+    def lose_device(self, device: str, why: str) -> None:
+        """``device`` is gone with its node: no replacement starts there, and its workers die now
+        (what they ran fails, through ``on_death``)."""
+        self.devices.pop(device, None)
+        for handle in self.on_device(device):
+            with contextlib.suppress(Exception):
+                handle.proc.kill()
+            self._died(handle, why)
 
     # ---- shutdown -----------------------------------------------------------------------------
 

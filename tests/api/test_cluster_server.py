@@ -1,0 +1,67 @@
+"""`prism serve` with `ray:` in its YAML on a real local two-node Ray cluster, driven over HTTP by
+the official openai client: the model answers from the second node, /metrics shows both nodes'
+devices, and shutdown leaves no shared memory on either node."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import openai
+import pytest
+
+from prism_serve.api.process import stop_server_process
+
+from .conftest import shm_files, start_server
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+CONFIG = """
+devices:
+  - {{name: "cpu:0", memory: 1536MiB, workers: 1}}
+models:
+  - {{name: smol, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
+  - {{name: tiny, source: "random:smollm2-135m", max_model_len: 512}}
+server: {{admin_key: admin-test-key, namespace: "{{namespace}}"}}
+ray: {{address: "{address}", poll_interval_s: 0.2}}
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+def test_prism_serve_on_a_ray_cluster_answers_the_openai_client(tmp_path, cluster) -> None:
+    srv = start_server(tmp_path, CONFIG.format(address=cluster.address))
+    try:
+        admin = {"Authorization": "Bearer admin-test-key"}
+        r = httpx.post(f"{srv.url}/v1/admin/models/smol/load", json={"device": "n1/cpu:0"}, headers=admin)
+        assert r.status_code == 200, r.text
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused")
+        reply = client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16,
+            temperature=0.0,
+        )
+        assert "Paris" in reply.choices[0].message.content
+        stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, stream=True)
+        assert len([c for c in stream if c.choices and c.choices[0].text is not None]) >= 1
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert 'prism_device_budget_bytes{device="n0/cpu:0"}' in metrics
+        assert 'prism_device_budget_bytes{device="n1/cpu:0"}' in metrics
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) >= {"smol", "tiny"}
+    finally:
+        code = stop_server_process(srv.proc)
+    assert code in (0, -signal.SIGTERM), srv.log_text()
+    log = srv.log_text()
+    assert "n1/cpu:0" in log and "Traceback" not in log, log
+    assert "stopped: workers ended, shared memory released" in log
+    assert shm_files(srv.namespace) == [], "shared memory left behind on a node"
