@@ -217,6 +217,9 @@ class EvictRefused(Message):
 class StepOutputs(Message):
     outputs: list[TokenDelta]
     stats: EngineStats
+    # the worker's wall clock (time.time()) as it sent this: with the controller's clock on receipt,
+    # the transport's share of a token's latency (benchmarks/cluster_token_path.py)
+    sent_at: float = 0.0
 
 
 class RequestFailed(Message):
