@@ -41,6 +41,7 @@ from prism_serve.control import (
     Request,
     get_policy,
 )
+from prism_serve.control.placement import node_of
 from prism_serve.control.types import replica_name
 
 GIB = 1 << 30
@@ -103,8 +104,21 @@ def synthetic_models(n: int, rng: random.Random, capacity: float = 5.0) -> list[
     return models
 
 
-def snapshot(models: list[ModelSnapshot], n_devices: int, cap_gib: float) -> ClusterSnapshot:
-    on: dict[str, list[str]] = {f"d{j}": [] for j in range(n_devices)}
+def device_names(n_devices: int, nodes: int) -> list[str]:
+    """``d0``, ``d1``, ... on one node; with ``nodes``, ``n0/d0``, ... (devices split evenly)."""
+    if not nodes:
+        return [f"d{j}" for j in range(n_devices)]
+    per = -(-n_devices // nodes)
+    return [f"n{j // per}/d{j % per}" for j in range(n_devices)]
+
+
+def spanning(placements: dict[str, tuple[str, ...]]) -> int:
+    """TP models placed on devices of more than one node."""
+    return sum(len({node_of(d) for d in devices}) > 1 for devices in placements.values())
+
+
+def snapshot(models: list[ModelSnapshot], names: list[str], cap_gib: float) -> ClusterSnapshot:
+    on: dict[str, list[str]] = {d: [] for d in names}
     mapped = dict.fromkeys(on, 0)
     for m in models:
         for d in m.placement:
@@ -124,15 +138,22 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def bench_placement(
-    n_models: int, n_devices: int, repeats: int, seed: int, max_replicas: int = 4, capacity: float = 5.0
+    n_models: int,
+    n_devices: int,
+    repeats: int,
+    seed: int,
+    max_replicas: int = 4,
+    capacity: float = 5.0,
+    nodes: int = 0,
 ) -> dict:
     rng = random.Random(seed)
+    names = device_names(n_devices, nodes)
     models = synthetic_models(n_models, rng, capacity)
     slots = replica_slots(models, max_replicas)
     policy = get_policy("prism", max_replicas=max_replicas)
     now = 100.0
 
-    build_s, cold = timed(lambda: snapshot(models + slots, n_devices, 80.0), repeats)
+    build_s, cold = timed(lambda: snapshot(models + slots, names, 80.0), repeats)
     cold_s, actions = timed(lambda: policy.place(cold, now), repeats)
     placed = {a.model: a.devices for a in actions if isinstance(a, Activate)}
     n_parts = sum(m.tp_size for m in models)
@@ -150,8 +171,10 @@ def bench_placement(
         for m in models
         if m.model in placed
     ]
-    warm = snapshot(resident + slots, n_devices, 80.0)
+    warm = snapshot(resident + slots, names, 80.0)
     warm_s, moves = timed(lambda: policy.place(warm, now + 10), repeats)
+    moved = {a.model: a.dst for a in moves if isinstance(a, Migrate)}
+    moved.update({a.model: a.devices for a in moves if isinstance(a, Activate)})
     # tau = 0: every strictly better device is taken, so the tick also pays for many migrations
     eager = get_policy("prism", migration_threshold=0.0, max_replicas=max_replicas)
     eager_s, eager_moves = timed(lambda: eager.place(warm, now + 10), repeats)
@@ -169,6 +192,9 @@ def bench_placement(
         "eager_s": eager_s,
         "eager_migrations": sum(isinstance(a, Migrate) for a in eager_moves),
         "weights_frac": sum(m.weight_bytes for m in resident) / (n_devices * 80 * GIB),
+        "nodes": len({node_of(d) for d in names}),
+        "spanning": spanning(placed) + spanning(moved),
+        "tp_models": sum(m.tp_size > 1 for m in models),
     }
 
 
@@ -267,6 +293,9 @@ def main() -> None:
     ap.add_argument("--max-replicas", type=int, default=4, help="replicas per model (1: no replica slots)")
     ap.add_argument("--replica-capacity", type=float, default=5.0, help="req/s one replica serves")
     ap.add_argument(
+        "--nodes", type=int, default=0, help="devices split over this many nodes (n0/d0, ...); 0: one node"
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="1,000 models / 200 devices, 2,000 admissions, 1 run"
     )
     ap.add_argument("--max-other-load", type=float, default=0.3, help="cores other processes may use")
@@ -280,12 +309,19 @@ def main() -> None:
     common.wait_quiet(30, opts.max_other_load)
     start, wall0 = common.cpu_seconds(), time.perf_counter()
     p = bench_placement(
-        opts.models, opts.devices, opts.repeats, opts.seed, opts.max_replicas, opts.replica_capacity
+        opts.models,
+        opts.devices,
+        opts.repeats,
+        opts.seed,
+        opts.max_replicas,
+        opts.replica_capacity,
+        opts.nodes,
     )
     load = common.other_load_since(start, time.perf_counter() - wall0)
     print(
         f"placement: {p['models']:,} models ({p['parts']:,} TP parts, {p['slots']:,} replica slots) on "
-        f"{p['devices']:,} devices, median of {opts.repeats} (other load {load:.2f} cores)"
+        f"{p['devices']:,} devices on {p['nodes']:,} node(s), median of {opts.repeats} (other load "
+        f"{load:.2f} cores); TP models placed across nodes: {p['spanning']} of {p['tp_models']:,}"
     )
     print(f"  snapshot build           {p['snapshot_s']:.3f} s (runtime/simulator side, not policy)")
     print(

@@ -9,7 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prism_serve.control import DeviceBudget, InvalidSnapshotError, Part, kvpr, place_parts
-from prism_serve.control.placement import SAFE_LOAD, contention, overloads, pressure, worst_load
+from prism_serve.control.placement import (
+    SAFE_LOAD,
+    contention,
+    node_of,
+    on_one_node,
+    overloads,
+    pressure,
+    worst_load,
+)
 
 GIB = 1 << 30
 CAP = 80 * GIB
@@ -52,6 +60,38 @@ def test_a_model_that_fits_nowhere_is_left_out_whole():
     assert result.assignment[("tp", 0)] is None and result.assignment[("tp", 1)] is None
     assert result.placement("tp", 2) is None
     assert result.shared_kv == [50 * GIB, 80 * GIB], "the rolled-back rank gives its memory back"
+
+
+def test_the_ranks_of_a_tp_model_never_span_nodes():
+    devices = [DeviceBudget(d, CAP) for d in ("n0/g0", "n1/g0", "n1/g1", "n2/g0", "n2/g1")]
+    # n0/g0 is the emptiest device, but n0 has no second one: both ranks go to one node with two
+    busy = [
+        Part("x", 0, 5.0, 10 * GIB, current="n1/g0", fixed=True),
+        Part("y", 0, 1.0, 10 * GIB, current="n2/g1", fixed=True),
+    ]
+    parts = [*busy, Part("tp", 0, 9.0, 20 * GIB), Part("tp", 1, 9.0, 20 * GIB)]
+    result = place_parts(parts, devices, tau=0.0)
+    where = result.placement("tp", 2)
+    assert where is not None and len({node_of(d) for d in where}) == 1 and "n0/g0" not in where
+    # the nodes with two devices both fit it; n2 is the less loaded one
+    assert sorted(where) == ["n2/g0", "n2/g1"]
+    # no node holds both: left out whole, nothing taken
+    two = [DeviceBudget("n0/g0", CAP), DeviceBudget("n1/g0", CAP)]
+    result = place_parts([Part("tp", 0, 1.0, 20 * GIB), Part("tp", 1, 1.0, 20 * GIB)], two, tau=0.0)
+    assert result.placement("tp", 2) is None and result.shared_kv == [CAP, CAP]
+    # one node (plain names): the ranks go where they would have gone anyway
+    one = [DeviceBudget("d0", CAP), DeviceBudget("d1", CAP)]
+    assert place_parts([Part("tp", 0, 1.0, 20 * GIB), Part("tp", 1, 1.0, 20 * GIB)], one, tau=0.0).placement(
+        "tp", 2
+    ) == ("d0", "d1")
+
+
+def test_on_one_node_takes_the_node_whose_count_th_best_comes_first():
+    ranked = ["a/0", "b/0", "a/1", "b/1", "b/2"]
+    assert on_one_node(ranked, 2, str) == ["a/0", "a/1"]
+    assert on_one_node(ranked, 3, str) == ["b/0", "b/1", "b/2"]
+    assert on_one_node(ranked, 4, str) is None
+    assert on_one_node(["d0", "d1", "d2"], 2, str) == ["d0", "d1"]
 
 
 def test_invalid_inputs_raise_named_errors():

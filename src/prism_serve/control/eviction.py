@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from prism_serve.control.placement import pressure
+from prism_serve.control.placement import on_one_node, pressure
 from prism_serve.control.types import ClusterSnapshot, ModelSnapshot, ModelState
 
 __all__ = [
@@ -156,13 +156,14 @@ def device_loads(
 
 
 def never_fits(model: ModelSnapshot, cluster: ClusterSnapshot, min_kv_fraction: float) -> bool:
-    """True when no set of devices could hold the model even with everything else evicted."""
-    roomy = sum(
-        1
-        for dev in cluster.devices.values()
+    """True when no set of devices could hold the model even with everything else evicted (the
+    ranks of a TP model on one node)."""
+    roomy = [
+        name
+        for name, dev in cluster.devices.items()
         if dev.capacity_bytes - model.part_weight_bytes >= math.ceil(min_kv_fraction * dev.capacity_bytes)
-    )
-    return roomy < model.tp_size
+    ]
+    return len(roomy) < model.tp_size or on_one_node(roomy, model.tp_size, str) is None
 
 
 def choose_activation(
@@ -184,7 +185,9 @@ def choose_activation(
     if len(options) < model.tp_size:
         return None
     options.sort(key=lambda o: o[0])
-    chosen = options[: model.tp_size]
+    chosen = options[:1] if model.tp_size == 1 else on_one_node(options, model.tp_size, lambda o: o[1])
+    if chosen is None:  # no node has tp_size devices for it: TP groups never span nodes
+        return None
     evictions: list[str] = []
     for _, _, evict in chosen:
         evictions.extend(v for v in evict if v not in evictions)

@@ -67,8 +67,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prism_serve.control.types import InvalidSnapshotError
 
@@ -187,6 +188,28 @@ class PlacementResult:
         return None if any(d is None for d in devs) else devs  # type: ignore[return-value]
 
 
+T = TypeVar("T")
+
+
+def node_of(device: str) -> str:
+    """The node of a device named ``<node>/<device>`` (a multi-node cluster, runtime/cluster.py);
+    "" for a plain name: every device of a one-machine deployment is on one node."""
+    return device.rpartition("/")[0]
+
+
+def on_one_node(ranked: Sequence[T], count: int, device: Callable[[T], str]) -> list[T] | None:
+    """``count`` of ``ranked`` (best first) on one node, for the ranks of a TP model, which never span
+    nodes: of the nodes with ``count`` of them, the one whose ``count``-th best comes first. None if
+    no node has ``count``. On one node this is ``ranked[:count]``."""
+    taken: dict[str, list[T]] = {}
+    for x in ranked:
+        mine = taken.setdefault(node_of(device(x)), [])
+        mine.append(x)
+        if len(mine) == count:
+            return mine
+    return None
+
+
 def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: float) -> PlacementResult:
     """Algorithm 1 over ``parts`` on ``devices`` with migration threshold ``tau`` (KVPR units).
 
@@ -194,6 +217,10 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
     name, then rank, so the parts of one model are adjacent and the order is deterministic). A model
     whose parts cannot all be placed is left out entirely (every rank maps to None), unless every part
     is resident, in which case it stays on its current devices.
+
+    On devices of several nodes (``node_of``) the ranks of a TP model stay on the node of its first
+    rank; if they do not all fit there, the model is tried once more on the node with the most
+    devices that fit a rank.
     """
     if not (tau >= 0 and math.isfinite(tau)):
         raise InvalidSnapshotError(f"tau must be finite and >= 0, got {tau}")
@@ -208,6 +235,9 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
     S = [float(d.capacity_bytes) for d in devices]
     min_kv = [d.min_kv_bytes for d in devices]
     held: list[set[str]] = [set() for _ in range(n)]
+    node = [node_of(name) for name in names]
+    multi_node = len(set(node)) > 1
+    only_node: str | None = None  # the node the ranks of the TP model being placed must use
     version = [0] * n
     assignment: dict[tuple[str, int], str | None] = {}
 
@@ -246,7 +276,11 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
         heapq.heappush(heap, (pressure(W[j], S[j], U[j]), U[j], -S[j], j, version[j]))
 
     def fits(j: int, p: Part) -> bool:
-        return S[j] - reserved[j] - p.weight_bytes >= min_kv[j] and p.key not in held[j]
+        return (
+            S[j] - reserved[j] - p.weight_bytes >= min_kv[j]
+            and p.key not in held[j]
+            and (only_node is None or node[j] == only_node)
+        )
 
     def best_below(p: Part, bound: float) -> int | None:
         """The lowest-pressure device that fits ``p``, if its pressure is below ``bound``."""
@@ -279,32 +313,64 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
             on[j].remove(p.busy)
         touch(j)
 
+    def place_group(group: list[Part], target: str | None) -> list[tuple[Part, int]]:
+        """Place the ranks of one model in order until one fits nowhere; the ones placed. ``target``:
+        the node they must use (else the first rank's, on several nodes)."""
+        nonlocal only_node
+        only_node = target
+        tie = multi_node and len(group) > 1
+        chosen: list[tuple[Part, int]] = []
+        try:
+            for p in group:
+                cur = index[p.current] if p.current is not None else None
+                if cur is not None:
+                    reserved[cur] -= p.weight_bytes
+                if cur is not None and fits(cur, p):
+                    # move only if the best device beats the current one by more than tau (line 8);
+                    # tau is a KVPR gain, worth tau at the current device's contention in pressure
+                    best = best_below(p, pressure(W[cur], S[cur], U[cur]) - tau * contention(U[cur]))
+                    # an idle part too: idle this minute is not idle for good (live, smol-c, one
+                    # request every 40 s, read busy 0 and moved beside SmolLM2-360M at 0.92)
+                    if best is not None and overloads([*on[cur], p.busy], on[best], p.busy):
+                        best = None
+                    j = cur if best is None else best
+                else:
+                    j = best_below(p, math.inf)
+                if j is None:
+                    break
+                put(p, j)
+                chosen.append((p, j))
+                if tie:
+                    only_node = node[j]
+        finally:
+            only_node = None
+        return chosen
+
     i = 0
     while i < len(movable):
         k = i
         while k < len(movable) and movable[k].model == movable[i].model:
             k += 1
         group = movable[i:k]
-        chosen: list[tuple[Part, int]] = []
-        for p in group:
-            cur = index[p.current] if p.current is not None else None
-            if cur is not None:
-                reserved[cur] -= p.weight_bytes
-            if cur is not None and fits(cur, p):
-                # move only if the best device beats the current one by more than tau (line 8)
-                # tau is a KVPR gain; in pressure it is worth tau at the current device's contention
-                best = best_below(p, pressure(W[cur], S[cur], U[cur]) - tau * contention(U[cur]))
-                # an idle part too: idle this minute is not idle for good (live, smol-c, one request
-                # every 40 s, read busy 0 and moved beside SmolLM2-360M at 0.92)
-                if best is not None and overloads([*on[cur], p.busy], on[best], p.busy):
-                    best = None
-                j = cur if best is None else best
-            else:
-                j = best_below(p, math.inf)
-            if j is None:
-                break
-            put(p, j)
-            chosen.append((p, j))
+        tp_nodes = multi_node and len(group) > 1
+        saved = [(index[p.current], reserved[index[p.current]]) for p in group if p.current is not None]
+        chosen = place_group(group, None)
+        if tp_nodes and len(chosen) < len(group):  # once more, on the node with the most room for it
+            for p, j in chosen:
+                put(p, j, -1)
+            for j, r in saved:
+                reserved[j] = r
+            room: dict[str, int] = {}
+            for j in range(n):
+                if S[j] - reserved[j] - group[0].weight_bytes >= min_kv[j]:
+                    room[node[j]] = room.get(node[j], 0) + 1
+            target = max(room, key=lambda nd: (room[nd], nd), default=None)
+            if target is not None and room[target] >= len(group):
+                chosen = place_group(group, target)
+            else:  # no node can take it: released as if its first rank had been tried
+                chosen = []
+                if group[0].current is not None:
+                    reserved[index[group[0].current]] -= group[0].weight_bytes
         if len(chosen) < len(group):
             for p, j in chosen:  # all ranks or none: give back what the placed siblings took
                 put(p, j, -1)

@@ -52,6 +52,19 @@ def test_request_for_evicted_model_activates_it_on_the_lowest_kvpr_device():
     assert out == [Activate("cold", ("d1",)), Enqueue(request("r", "cold"), "d1")]
 
 
+def test_a_tp_model_activates_on_devices_of_one_node():
+    # n0/g0 is the least loaded device, but n0 has one device: both ranks go to n1
+    models = [model("warm", rate=1, on=("n1/g0",), last=NOW), model("tp", tp=2)]
+    c = cluster(models, {"n0/g0": 80, "n1/g0": 80, "n1/g1": 80})
+    out = get_policy("prism").on_request(request("r", "tp"), c, NOW)
+    (activate,) = [a for a in out if isinstance(a, Activate)]
+    assert sorted(activate.devices) == ["n1/g0", "n1/g1"]
+    # no node has two devices: it can never be served here (TP ranks never span nodes)
+    c = cluster([model("tp", tp=2)], {"n0/g0": 80, "n1/g0": 80})
+    (out,) = get_policy("prism").on_request(request("r", "tp"), c, NOW)
+    assert isinstance(out, Reject) and out.reason is RejectReason.NO_CAPACITY
+
+
 def test_activation_evicts_idle_models_first_and_defers_when_everyone_is_busy():
     models = [model("idle", on=("d0",), weight_gib=70, last=0.0), model("cold", weight_gib=30)]
     c = cluster(models, {"d0": 80})

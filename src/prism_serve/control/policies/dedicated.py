@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prism_serve.control.placement import on_one_node
 from prism_serve.control.policies.base import (
     Knobs,
     Policy,
@@ -53,7 +54,10 @@ class DedicatedPolicy(Policy):
             ]
             if len(fits) < m.tp_size:
                 continue
-            devices = tuple(fits[: m.tp_size])
+            group = on_one_node(fits, m.tp_size, str)  # TP ranks never span nodes
+            if group is None:
+                continue
+            devices = tuple(group)
             free = [d for d in free if d not in devices]
             actions.append(Activate(m.model, devices))
         return actions

@@ -23,6 +23,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from prism_serve.control.placement import on_one_node
 from prism_serve.control.policies.base import (
     Knobs,
     Policy,
@@ -217,9 +218,10 @@ class MuxServePolicy(Policy):
             meshes.setdefault(m.placement, []).append(m)
         empty = [d for d, dev in cluster.devices.items() if not dev.models]
         for m in sorted(new, key=lambda m: -m.tp_size):
-            if len(empty) >= m.tp_size:
-                meshes[tuple(empty[: m.tp_size])] = []
-                empty = empty[m.tp_size :]
+            mesh = on_one_node(empty, m.tp_size, str) if len(empty) >= m.tp_size else None
+            if mesh is not None:  # a mesh never spans nodes
+                meshes[tuple(mesh)] = []
+                empty = [d for d in empty if d not in mesh]
         return meshes
 
     # -- ADBS quota adaptation ---------------------------------------------------------------------

@@ -35,7 +35,7 @@ from prism_serve.control.eviction import (
     device_loads,
     never_fits,
 )
-from prism_serve.control.placement import DeviceBudget, Part, contention, place_parts, pressure
+from prism_serve.control.placement import DeviceBudget, Part, contention, on_one_node, place_parts, pressure
 from prism_serve.control.policies.base import (
     Policy,
     min_kv_bytes,
@@ -570,7 +570,10 @@ class PrismPolicy(Policy):
                 if len(open_loads) < m.tp_size:
                     continue
                 ranked = sorted(open_loads, key=lambda load: -room[load.device])
-                devices = tuple(load.device for load in ranked[: m.tp_size])
+                group = on_one_node(ranked, m.tp_size, lambda load: load.device)
+                if group is None:  # TP ranks never span nodes
+                    continue
+                devices = tuple(load.device for load in group)
             else:
                 choice = choose_activation(m, open_loads)
                 if choice is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prism_serve.control.placement import on_one_node
 from prism_serve.control.policies.base import (
     Knobs,
     Policy,
@@ -66,7 +67,10 @@ class StaticPartitionPolicy(Policy):
             ]
             if len(fits) < m.tp_size:
                 continue
-            devices = tuple(sorted(fits, key=lambda d: (-left[d], order[d]))[: m.tp_size])
+            group = on_one_node(sorted(fits, key=lambda d: (-left[d], order[d])), m.tp_size, str)
+            if group is None:  # TP ranks never span nodes
+                continue
+            devices = tuple(group)
             for d in devices:
                 left[d] -= m.part_weight_bytes
                 members[d].append(m.model)
