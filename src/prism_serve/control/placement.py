@@ -269,11 +269,21 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
     movable.sort(key=lambda p: (-p.demand, p.model, p.rank))
 
     heap = [(pressure(W[j], S[j], U[j]), U[j], -S[j], j, 0) for j in range(n)]
+    # on several nodes, one heap per node as well: the later ranks of a TP model search only theirs
+    node_heaps: dict[str, list] = {}
+    if multi_node:
+        for entry in heap:
+            node_heaps.setdefault(node[entry[3]], []).append(entry)
+        for h in node_heaps.values():
+            heapq.heapify(h)
     heapq.heapify(heap)
 
     def touch(j: int) -> None:
         version[j] += 1
-        heapq.heappush(heap, (pressure(W[j], S[j], U[j]), U[j], -S[j], j, version[j]))
+        entry = (pressure(W[j], S[j], U[j]), U[j], -S[j], j, version[j])
+        heapq.heappush(heap, entry)
+        if multi_node:
+            heapq.heappush(node_heaps[node[j]], entry)
 
     def fits(j: int, p: Part) -> bool:
         return (
@@ -284,10 +294,11 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
 
     def best_below(p: Part, bound: float) -> int | None:
         """The lowest-pressure device that fits ``p``, if its pressure is below ``bound``."""
+        h = node_heaps[only_node] if multi_node and only_node is not None else heap
         stash = []
         found = None
-        while heap:
-            entry = heapq.heappop(heap)
+        while h:
+            entry = heapq.heappop(h)
             j = entry[3]
             if entry[4] != version[j]:
                 continue  # stale: the device changed after this entry was pushed
@@ -298,7 +309,7 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
                 found = j
                 break
         for entry in stash:
-            heapq.heappush(heap, entry)
+            heapq.heappush(h, entry)
         return found
 
     def put(p: Part, j: int, sign: int = 1) -> None:
