@@ -23,6 +23,7 @@ import json
 import os
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,54 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+async def failover(c: Controller, cluster, lost_node, tokens: int) -> dict:
+    """Model ``a`` streams from n1 and ``b`` from n0; n1's Ray node is removed mid-stream. What
+    ``b``'s stream saw, what ``a``'s got, and how long until ``a`` answers again from n0."""
+    await c.start()
+    try:
+        await c.load("a", "n1/cpu:0")
+        await c.load("b", "n0/cpu:0")
+
+        def params(max_tokens: int) -> SamplingParams:
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+        async def stream(model: str, max_tokens: int) -> tuple[int, str | None]:
+            got = 0
+            try:
+                async for d in c.generate(model, "Tell me a long story about the sea.", params(max_tokens)):
+                    got += len(d.token_ids)
+            except Exception as e:
+                return got, f"{type(e).__name__} ({getattr(e, 'status_code', '?')})"
+            return got, None
+
+        lost = asyncio.create_task(stream("a", 4 * tokens))
+        other = asyncio.create_task(stream("b", tokens))
+        await asyncio.sleep(1.0)
+        removed = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(None, cluster.remove_node, lost_node)
+        while "n1/cpu:0" in c.devices:
+            await asyncio.sleep(0.01)
+        noticed = time.perf_counter()
+        first = None
+        async for _ in c.generate("a", "Hello", params(1)):  # while b still streams on n0
+            first = time.perf_counter()
+        lost_result, other_result = await lost, await other
+        phases = c.models["a"].last_phases
+        return {
+            "lost_stream": lost_result,
+            "other_stream": other_result,
+            "other_expected": tokens,
+            "notice_s": noticed - removed,
+            "serving_again_s": first - noticed,
+            "activation_s": phases.total_s if phases else None,
+            "phases": str(phases),
+            "a_on": c.models["a"].device,
+            "tick_s": c.tick_interval_s,
+        }
+    finally:
+        await c.stop()
+
+
 def pct(a: np.ndarray) -> tuple[float, float]:
     p50, p99 = np.percentile(a, [50, 99])
     return float(p50), float(p99)
@@ -147,9 +196,10 @@ def main() -> None:
     print(info["line"])
     spec = ModelSpec("m", source=args.model, dtype="float32", max_model_len=512, ttft_slo=30.0, tpot_slo=2.0)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
+    second = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     results = []
+    lost = None
     try:
         for streams in [int(s) for s in args.streams.split(",")]:
             for rep in range(args.repeats):
@@ -185,13 +235,26 @@ def main() -> None:
                     f"streams {streams} run {rep + 1}   cores busy: local {busy['local']} | ray {busy['ray']}"
                 )
                 results.append(row)
+        # last, since it changes the cluster: losing the node that serves a model
+        ns = f"bench{uuid.uuid4().hex[:8]}"
+        nodes = RayNodes(cluster.address, one_device, ns)
+        models = [replace(spec, name="a"), replace(spec, name="b", seed=1)]
+        c = Controller(nodes.connect(), models, namespace=ns, nodes=nodes)
+        lost = asyncio.run(failover(c, cluster, second, args.tokens))
+        print(
+            f"node lost: its stream {lost['lost_stream']}; the other node's stream "
+            f"{lost['other_stream'][0]}/{lost['other_expected']} tokens, error {lost['other_stream'][1]}; "
+            f"noticed after {lost['notice_s']:.2f} s; model a answered again from {lost['a_on']} "
+            f"{lost['serving_again_s']:.3f} s later (its activation {lost['activation_s']:.3f} s, "
+            f"tick {lost['tick_s']} s)\n  {lost['phases']}"
+        )
     finally:
         ray.shutdown()
         cluster.shutdown()
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"machine": info, "args": vars(args) | {"out": str(args.out)},
-                                        "results": results}, indent=1))  # fmt: skip
+                                        "results": results, "failover": lost}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":
