@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -60,6 +61,16 @@ async def collect(
 ) -> tuple[str, list]:
     deltas = [d async for d in c.generate(model, prompt, params)]
     return "".join(d.text for d in deltas), deltas
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll ``predicate`` (something the controller or a worker makes true) until it holds; waiting,
+    not timing: only a condition never reached fails."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
 
 
 def cleanup_namespace(ns: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import time
 import uuid
 
 import pytest
@@ -21,7 +20,7 @@ from prism_serve.runtime.controller import Controller
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec
 
-from .conftest import LoopThread, Runtime, collect
+from .conftest import LoopThread, Runtime, collect, wait_until
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -75,14 +74,6 @@ def shm_files(ns: str) -> list[str]:
 def tokens(rt: Runtime, model: str, max_tokens: int = 8, **kw) -> list[int]:
     _, deltas = rt.generate(model, max_tokens=max_tokens, ignore_eos=True, **kw)
     return [t for d in deltas for t in d.token_ids]
-
-
-def wait_until(cond, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.1)
 
 
 def status(rt: Runtime) -> dict[str, tuple[str, str | None]]:
@@ -168,6 +159,9 @@ def test_a_node_that_joins_is_used(rt: Runtime, cluster) -> None:
     cluster.add_node(num_cpus=1)
     wait_until(lambda: "n2/cpu:0" in c.devices, 60)
     assert shm_files(f"{c.namespace}.n2"), "the new node's cache was not filled"
+    # the lost node's agent was killed with its cache files in this machine's /dev/shm; the new
+    # node's agent (the same machine here) removed them
+    assert not [f for f in shm_files(f"{c.namespace}.n1") if "prism-weights-" in f]
     assert rt.run(c.unload("tiny"))
     rt.run(c.load("tiny", "n2/cpu:0"))
     assert len(tokens(rt, "tiny", 6)) == 6

@@ -11,14 +11,9 @@ from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec
 from prism_serve.runtime.workers import WorkerState
 
+from .conftest import wait_until
+
 GiB = 2**30
-
-
-def _wait(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("prepare", [True, False], ids=["prepared", "not-prepared"])
@@ -43,7 +38,7 @@ def test_a_fresh_workers_first_activation_finds_its_files_open_only_when_prepare
     workers = rt.c.pool.on_device("cpu:0")
     assert len(workers) == 2 and all(w.state is WorkerState.IDLE for w in workers)
     if prepare:
-        _wait(lambda: all(w.prepared is not None for w in workers))
+        wait_until(lambda: all(w.prepared is not None for w in workers), 60)
         for w in workers:
             assert w.prepared.files == sorted([a.path, b.path])
             assert w.prepared.tokenizers == [a.tokenizer_path] and w.prepared.seconds > 0

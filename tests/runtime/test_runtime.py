@@ -25,7 +25,7 @@ from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec, UnknownModelError
 from prism_serve.runtime.workers import WorkerState
 
-from .conftest import Runtime
+from .conftest import Runtime, wait_until
 
 PARIS = "The capital of France is Paris."
 GiB = 2**30
@@ -51,13 +51,6 @@ def rt(runtime_factory, step_dir: Path):
         else:
             os.environ[STEP_TRACE_ENV] = before
 
-
-def _wait(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def _model(rt: Runtime, name: str):
@@ -275,7 +268,7 @@ def test_client_abort_frees_its_kv(rt: Runtime) -> None:
 
     rt.run(abort_after_two())
     worker = c.models["smol"].worker
-    _wait(lambda: worker.stats.used_kv_bytes == 0 and not worker.in_flight)
+    wait_until(lambda: worker.stats.used_kv_bytes == 0 and not worker.in_flight)
     assert _model(rt, "smol").num_running == 0
 
 
@@ -321,7 +314,7 @@ def test_sigkill_of_a_worker_mid_request(rt: Runtime) -> None:
     }
     assert {e.pid for e in snap.entries if not e.spare} <= owners and victim.pid not in owners
     assert victim.pid not in {e.pid for e in snap.entries}  # its spare pages too
-    _wait(lambda: len([w for w in c.pool.on_device(device) if w.state is WorkerState.IDLE]) >= 1)
+    wait_until(lambda: len([w for w in c.pool.on_device(device) if w.state is WorkerState.IDLE]) >= 1)
     assert rt.generate("smol", max_tokens=12)[0] == PARIS  # reactivated on a live worker
 
 

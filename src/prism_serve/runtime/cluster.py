@@ -63,7 +63,7 @@ def node_namespace(namespace: str, node: str) -> str:
 class NodeAgent:
     """One node's devices, ledgers, host weight cache and worker processes (run as a Ray actor)."""
 
-    def __init__(self, node: str, namespace: str, template: DeviceTemplate) -> None:
+    def __init__(self, node: str, namespace: str, template: DeviceTemplate, family: str = "") -> None:
         self.node = node
         self.namespace = namespace
         self.devices = {d.name: d for d in template()}
@@ -74,6 +74,8 @@ class NodeAgent:
                 ledger.set_budget(d.memory_bytes)
             self.ledgers[d.name] = ledger
         self.cache = HostWeightCache(namespace)
+        if family:  # cache files of this deployment's agents that died on this machine
+            self.cache.remove_stale(family)
         self.procs: dict[str, subprocess.Popen] = {}
 
     def describe(self) -> dict[str, Any]:
@@ -306,7 +308,8 @@ class RayNodes:
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray_id, soft=False),
             max_restarts=0,
         )
-        node = Node(name, ray_id, actor.remote(name, node_namespace(self.namespace, name), self.template))
+        agent = actor.remote(name, node_namespace(self.namespace, name), self.template, self.namespace)
+        node = Node(name, ray_id, agent)
         self.nodes[name] = node
         return node
 

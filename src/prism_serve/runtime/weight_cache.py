@@ -247,12 +247,15 @@ class HostWeightCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def remove_stale(self) -> int:
-        """Delete cache files of this namespace whose controller process no longer exists."""
+    def remove_stale(self, family: str | None = None) -> int:
+        """Delete cache files of this namespace whose controller process no longer exists; with
+        ``family``, of every namespace ``<family>.<node>`` too (the node caches of a Ray deployment:
+        a node agent that was killed could not remove its own, and its node's name is not reused)."""
         removed = 0
-        for p in self.directory.glob(f"prism-weights-{self.namespace}-*"):
+        pattern = f"prism-weights-{family}.*" if family else f"prism-weights-{self.namespace}-*"
+        for p in self.directory.glob(pattern):
             m = _FILE_RE.match(p.name)
-            if m is None or m["ns"] != self.namespace:
+            if m is None or (m["ns"] != self.namespace and not (family and m["ns"].startswith(family + "."))):
                 continue
             pid = int(m["pid"])
             if pid != os.getpid() and not _alive(pid):
