@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import os
+import signal
 import uuid
 
 import pytest
@@ -115,6 +117,22 @@ def test_concurrent_streams_from_two_nodes(rt: Runtime) -> None:
     for _, deltas in rt.run(both()):
         assert sum(len(d.token_ids) for d in deltas) == 16
         assert deltas[-1].finished
+
+
+def test_a_worker_killed_on_another_node_is_noticed_and_replaced(rt: Runtime) -> None:
+    c = rt.c
+    victim = c.models["smol"].worker
+    assert victim.device.name == "n1/cpu:0"
+    before = {w.worker_id for w in c.pool.on_device("n1/cpu:0")}
+    os.kill(victim.pid, signal.SIGKILL)  # the nodes share this machine: a crash on n1
+    wait_until(lambda: victim.worker_id not in c.pool.workers)  # its agent's poll reported the exit
+    # the model lost its engine; n1's agent started a replacement worker
+    assert c.models["smol"].worker is not victim
+    wait_until(lambda: {w.worker_id for w in c.pool.idle("n1/cpu:0")} - before)
+    # served again (activated anew wherever the policy puts it)
+    assert len(tokens(rt, "smol", 4)) == 4
+    rt.run(c.unload("smol"))
+    rt.run(c.load("smol", "n1/cpu:0"))
 
 
 def test_a_lost_node_fails_its_streams_with_503_and_its_model_serves_again_elsewhere(
