@@ -170,6 +170,22 @@ def pct(a: np.ndarray) -> tuple[float, float]:
     return float(p50), float(p99)
 
 
+def local_only(args: argparse.Namespace) -> None:
+    print(machine_info()["line"])
+    spec = ModelSpec("m", source=args.model, dtype="float32", max_model_len=512, ttft_slo=30.0, tpot_slo=2.0)
+    streams = max(int(s) for s in args.streams.split(","))
+    for rep in range(args.repeats):
+        size = parse_size("1536MiB")
+        local = [DeviceSpec(f"cpu:{i}", size, (), 1) for i in range(args.local_devices)]
+        c = Controller(local, [spec], namespace=f"bench{uuid.uuid4().hex[:8]}")
+        r = asyncio.run(measure(c, "cpu:0", streams, args.tokens, args.rounds))
+        line = " | ".join(
+            f"{what[:-3]} p50 {np.percentile(a, 50):.3f} p99 {np.percentile(a, 99):.2f} max {a.max():.1f} ms"
+            for what, a in (("transit_ms", r["transit_ms"]), ("gap_ms", r["gap_ms"]))
+        )
+        print(f"local, {streams} streams, run {rep + 1}: {line}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", default="1,4", help="concurrent streams (comma list: one run each)")
@@ -184,7 +200,16 @@ def main() -> None:
         help="CPU devices of the local server (2: as many worker processes as the two Ray nodes run)",
     )
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    ap.add_argument(
+        "--local-only",
+        action="store_true",
+        help="only the local server, once per repeat at the largest --streams (no Ray needed): its "
+        "transit and gap p50 / p99 / max, to compare checkouts of this repository",
+    )
     args = ap.parse_args()
+    if args.local_only:
+        local_only(args)
+        return
     try:
         import ray
         from ray.cluster_utils import Cluster

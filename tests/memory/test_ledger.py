@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,37 @@ def test_budget_of_a_sigkilled_process_is_reclaimed_by_the_next_operation(make_l
     assert survivor.try_reserve(10 * MiB)  # the very next operation reclaimed the 8 MiB
     assert [e.name for e in ledger.snapshot().entries] == ["survivor"]
     child.wait()
+
+
+def test_peek_reads_without_waiting_for_the_lock_and_leaves_out_dead_engines(make_ledger, namespace):
+    ledger = make_ledger(budget_bytes=10 * MiB)
+    mine = ledger.account("mine")
+    assert mine.try_reserve(1 * MiB)
+    child = _child_holding(namespace, 4 * MiB)
+    assert ledger.peek() == ledger.snapshot()
+    assert ledger.peek().used_bytes == 5 * MiB
+    # another holder of the file lock (a second open file: flock excludes it) does not block a peek
+    holder = DeviceLedger("cpu:0", namespace=namespace)
+    done = threading.Event()
+    with holder:
+        reader = threading.Thread(target=lambda: (ledger.peek(), done.set()))
+        reader.start()
+        assert done.wait(10), "peek waited for the file lock"
+        # a snapshot does wait for it
+        snap = threading.Thread(target=ledger.snapshot)
+        snap.start()
+        snap.join(0.5)
+        assert snap.is_alive()
+    snap.join(10)
+    reader.join()
+    holder.close()
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    # the dead engine is out of a peek at once, but only a locked operation reclaims its entry
+    assert [e.name for e in ledger.peek().entries] == ["mine"] and ledger.peek().used_bytes == 1 * MiB
+    assert ledger._entries["pid"].astype(bool).sum() == 2
+    assert [e.name for e in ledger.snapshot().entries] == ["mine"]
+    assert ledger._entries["pid"].astype(bool).sum() == 1
 
 
 def test_a_reused_pid_is_not_mistaken_for_the_dead_engine(make_ledger):

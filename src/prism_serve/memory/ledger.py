@@ -424,6 +424,30 @@ class DeviceLedger:
                 float(self._header["reclaim_until"]),
             )  # fmt: skip
 
+    def peek(self) -> LedgerSnapshot:
+        """``snapshot()`` without the file lock, for a reader that must never wait on another
+        process: the controller's event loop builds one per policy call, and a worker holding the
+        lock while the OS runs its busy neighbours (an engine's OpenMP threads on every core) made
+        it wait tens of milliseconds, every stream's tokens with it. Entries of processes that died
+        are left out rather than reclaimed (the next locked operation reclaims them). Every field is
+        an aligned word read whole, but entries may be read moments apart: a view to decide from,
+        which every grant checks again under the lock, never one to grant from."""
+        with self._thread_lock:  # the pidfd cache is this process's own
+            if self._fd < 0:
+                raise LedgerError(f"the ledger of {self.device} is closed")
+            raw = self._entries.copy()
+            budget = int(self._header["budget"])
+            live = [
+                int(s)
+                for s in np.flatnonzero(raw["pid"])
+                if int(raw[s]["pid"]) == self._own_pid
+                or self._alive((int(raw[s]["pid"]), int(raw[s]["start_ticks"])))
+            ]
+            return LedgerSnapshot(
+                self.device, budget, tuple(self._entry(s, raw[s]) for s in live), self._reclaim_pending(),
+                float(self._header["reclaim_until"]),
+            )  # fmt: skip
+
     @staticmethod
     def _entry(slot: int, e: np.void) -> LedgerEntry:
         limit = int(e["limit"])

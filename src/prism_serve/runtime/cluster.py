@@ -197,6 +197,8 @@ class LedgerMirror:
     def snapshot(self) -> LedgerSnapshot:
         return self._snapshot
 
+    peek = snapshot
+
     @property
     def budget_bytes(self) -> int:
         return self._snapshot.budget_bytes

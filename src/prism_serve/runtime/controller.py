@@ -169,7 +169,7 @@ class Controller(AdminOps):
             load_threads=self.load_threads,
             # each worker keeps weight pages for the largest model ready (memory/spare.py)
             spare_bytes=max(m.cached.weight_bytes for m in self.models.values()) if self.spare_pages else 0,
-            spare_of=lambda w: spare_bytes(self._ledgers[w.device.name].snapshot(), w.worker_id),
+            spare_of=lambda w: spare_bytes(self._ledgers[w.device.name].peek(), w.worker_id),
             prepare=self._prepare_message if self.prepare_workers else None,
             launcher=self.nodes,
         )

@@ -352,7 +352,7 @@ def cluster_snapshot(
             DeviceSnapshot(
                 device=d,
                 capacity_bytes=spec.memory_bytes,
-                mapped_bytes=ledgers[d].snapshot().engine_bytes,  # spare pages are given back on demand
+                mapped_bytes=ledgers[d].peek().engine_bytes,  # spare pages are given back on demand
                 models=tuple(on_device[d]),
                 num_queued=len(q),
                 queued_models=q.models(),
