@@ -336,6 +336,26 @@ def test_a_busy_model_does_not_move_for_a_small_gain_or_when_two_copies_are_need
     assert surplus(c, "m", 0.5).model == "m#1"
 
 
+def test_no_copy_for_a_burst_while_the_models_costs_are_unknown() -> None:
+    """Live, a model's first requests queue behind its own activation with the default profile: the
+    burst the predicted TTFT sees is the defaults', and a copy made then sat beside the busiest
+    model. A cost known either way (measured busy seconds, or a capacity) lets the burst rule act."""
+    unknown = _burst(40)
+    unknown = replace(unknown.models["m"], profile=ModelProfile())
+    c = cluster(
+        [unknown, hot(k=1), hot(k=2)],
+        DEVICES,
+        engines=[EngineSnapshot("m", "d0", 1024, num_running=40, num_waiting=40)],
+    )
+    assert predicted_ttft(c.models["m"], c) > 1.0
+    assert not backlogged(c, "m") and wanted_replicas(c, "m", 0.8, 3) == 1
+    assert not [a for a in get_policy("prism", prewarm=False).place(c, 100.0) if isinstance(a, Activate)]
+    for known in (ModelProfile(busy_s_per_request=0.05), ModelProfile(max_rate=CAPACITY)):
+        c = cluster([replace(unknown, profile=known), hot(k=1), hot(k=2)], DEVICES,
+                    engines=[EngineSnapshot("m", "d0", 1024, num_running=40, num_waiting=40)])  # fmt: skip
+        assert backlogged(c, "m"), known
+
+
 def test_a_copy_for_a_burst_goes_only_where_there_is_spare_compute_and_memory_now() -> None:
     pol = get_policy("prism", prewarm=False)
 
