@@ -184,3 +184,15 @@ def test_a_node_that_joins_is_used(rt: Runtime, cluster) -> None:
     rt.run(c.load("tiny", "n2/cpu:0"))
     assert len(tokens(rt, "tiny", 6)) == 6
     assert status(rt)["tiny"] == ("active", "n2/cpu:0")
+
+
+def test_a_node_agent_that_cannot_start_is_a_clear_cluster_error(cluster) -> None:
+    from prism_serve.runtime.cluster import ClusterError, RayNodes
+
+    def missing_cores() -> list[DeviceSpec]:  # built on each node: this machine has no core 10000
+        return [DeviceSpec("cpu:0", parse_size("1GiB"), (10_000,), 1)]
+
+    with pytest.raises(
+        ClusterError, match=r"agent did not start: .*DeviceConfigError: cpu:0: cores \[10000\]"
+    ):
+        RayNodes(cluster.address, missing_cores, f"raybad{uuid.uuid4().hex[:8]}").connect()

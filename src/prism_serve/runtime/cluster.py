@@ -282,7 +282,13 @@ class RayNodes:
             self._start_agent(ray_id)
         if not self.nodes:
             raise ClusterError(f"the Ray cluster at {self.address!r} has no live node")
-        described = ray.get([n.agent.describe.remote() for n in self.nodes.values()])
+        try:
+            described = ray.get([n.agent.describe.remote() for n in self.nodes.values()])
+        except Exception as e:  # an agent that could not start: a device the config names that
+            # this node lacks, or prism-serve missing there
+            # Ray's text ends with the agent's own traceback: its last line names the error
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ClusterError(f"a node agent did not start: {last}") from None
         for node, info in zip(self.nodes.values(), described, strict=True):
             self._set_devices(node, info)
         devices = [d for n in self.nodes.values() for d in n.devices]
