@@ -23,6 +23,8 @@ devices:
 models:
   - {{name: smol, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: tiny, source: "random:smollm2-135m", max_model_len: 512}}
+# no prewarming: the startup fill would place smol itself, racing the test's load on n1 (409)
+policy: {{name: prism, knobs: {{prewarm: false}}}}
 server: {{admin_key: admin-test-key, namespace: "{{namespace}}"}}
 ray: {{address: "{address}", poll_interval_s: 0.2}}
 """

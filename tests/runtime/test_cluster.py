@@ -56,7 +56,8 @@ def rt(cluster):
         ModelSpec("smol", dtype="float32", max_model_len=512, ttft_slo=30.0, tpot_slo=2.0),
         ModelSpec("tiny", source="random:smollm2-135m", max_model_len=512, ttft_slo=30.0, tpot_slo=2.0),
     ]
-    c = Controller(devices, models, namespace=ns, nodes=nodes, tick_interval_s=0.2)
+    # no prewarming: the startup fill would race the tests' loads on chosen devices
+    c = Controller(devices, models, namespace=ns, nodes=nodes, tick_interval_s=0.2, knobs={"prewarm": False})
     loop.run(c.start())
     runtime = Runtime(c, loop)
     yield runtime
@@ -123,12 +124,15 @@ def test_a_worker_killed_on_another_node_is_noticed_and_replaced(rt: Runtime) ->
     c = rt.c
     victim = c.models["smol"].worker
     assert victim.device.name == "n1/cpu:0"
-    before = {w.worker_id for w in c.pool.on_device("n1/cpu:0")}
-    os.kill(victim.pid, signal.SIGKILL)  # the nodes share this machine: a crash on n1
-    wait_until(lambda: victim.worker_id not in c.pool.workers)  # its agent's poll reported the exit
+    before = {w.worker_id: w for w in c.pool.on_device("n1/cpu:0")}
+    # the nodes share this machine: a crash of every worker on n1 (the serving one and the idle
+    # spare; with the spare alive the device would still have its one worker, and none would start)
+    for w in before.values():
+        os.kill(w.pid, signal.SIGKILL)
+    wait_until(lambda: not set(before) & set(c.pool.workers))  # n1's agent's poll reported the exits
     # the model lost its engine; n1's agent started a replacement worker
     assert c.models["smol"].worker is not victim
-    wait_until(lambda: {w.worker_id for w in c.pool.idle("n1/cpu:0")} - before)
+    wait_until(lambda: {w.worker_id for w in c.pool.idle("n1/cpu:0")} - set(before))
     # served again (activated anew wherever the policy puts it)
     assert len(tokens(rt, "smol", 4)) == 4
     rt.run(c.unload("smol"))
