@@ -22,8 +22,6 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable
 
-import msgspec
-
 from prism_serve.control import (
     ClusterSnapshot,
     DeviceSnapshot,
@@ -52,10 +50,11 @@ from prism_serve.memory.spare import spare_bytes
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, format_size
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.admin import AdminOps
-from prism_serve.runtime.cluster import LedgerMirror, Node, RayNodes
+from prism_serve.runtime.cluster import LedgerMirror, RayNodes
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.loading import DeviceMemoryExhaustedError
 from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
+from prism_serve.runtime.nodes import NodeOps
 from prism_serve.runtime.state import (
     REJECT_ERRORS,
     ActivationError,
@@ -75,7 +74,7 @@ __all__ = ["ActivationError", "Controller", "DeadlineMissError", "ModelStatus", 
 logger = logging.getLogger(__name__)
 
 
-class Controller(AdminOps):
+class Controller(AdminOps, NodeOps):
     def __init__(
         self,
         devices: Iterable[DeviceSpec],
@@ -187,61 +186,6 @@ class Controller(AdminOps):
                     await self.load(spec.name)
                 except PrismError as e:
                     logger.warning("pinned model %s was not activated at start-up: %s", spec.name, e)
-
-    def _open_ledger(self, d: DeviceSpec) -> DeviceLedger | LedgerMirror:
-        if d.node:
-            assert self.nodes is not None
-            return self.nodes.ledger(d.name)
-        ledger = DeviceLedger(d.name, d.memory_bytes, self.namespace)
-        if ledger.budget_bytes != d.memory_bytes:
-            ledger.set_budget(d.memory_bytes)
-        return ledger
-
-    def _prepare_message(self, handle: WorkerHandle) -> msg.Prepare:
-        """What an idle worker opens ahead of activations: its own node's host cache files."""
-        if handle.device.node and self.nodes is not None:
-            node = self.nodes.nodes.get(handle.device.node)
-            if node is not None and node.prepare is not None:
-                return node.prepare
-            return msg.Prepare([], [])
-        return self.cache.prepare_message()
-
-    # ---- nodes joining and leaving (Ray) ----------------------------------------------------------
-
-    def _node_added(self, node: Node) -> None:
-        """A node joined the Ray cluster: its devices join the placement, with their workers."""
-        for d in node.devices:
-            self.devices[d.name] = d
-            self._ledgers[d.name] = self._open_ledger(d)
-            self.loop.add_device(d.name)
-            self.pool.add_device(d, d.memory_bytes)
-        logger.warning("node %s joined: %s", node.name, ", ".join(d.name for d in node.devices))
-        self.tick()
-
-    def _node_lost(self, node: Node, why: str) -> None:
-        """A node left (its agent, or the whole machine, died): its devices leave the placement and
-        the snapshots first, then its workers are handled as dead (what they ran fails with 503, and
-        their models' waiting requests go back through the policy, which activates them elsewhere)."""
-        gone = {d.name for d in node.devices}
-        for d in gone:
-            for handle in self.pool.on_device(d):
-                for req_id in list(handle.in_flight):
-                    if (r := self._requests.get(req_id)) is not None:
-                        error = WorkerDiedError(f"{r.model}: node {node.name} left the cluster ({why})")
-                        self._fail(r, error)
-        for m in self.models.values():
-            if m.device in gone:
-                # an activation in flight there fails when its worker is declared dead below; it is
-                # detached first, so that failure cannot undo a new placement made meanwhile
-                m.state, m.device, m.worker, m.activation = ModelState.EVICTED, None, None, None
-        now = self._now()
-        for d in gone:
-            self.devices.pop(d, None)
-            self.loop.remove_device(d, now)
-        for d in gone:
-            self._ledgers.pop(d, None)
-            self.pool.lose_device(d, f"node {node.name} left the cluster: {why}")
-        self.tick()
 
     async def stop(self) -> None:
         self._running = False
@@ -511,13 +455,6 @@ class Controller(AdminOps):
             logger.exception("placing and admitting after %s's activation failed", m.spec.name)
         return reply.phases
 
-    def _activate_message(self, m: ModelEntry, device: str, decided_at: float) -> msg.ActivateModel:
-        message = m.activate_message(decided_at, self.load_threads)
-        if self.devices[device].node and self.nodes is not None:  # that node's copy of the weights
-            path, tokenizer = self.nodes.activate_paths(device, m.spec.name)
-            message = msgspec.structs.replace(message, cache_path=path, tokenizer_path=tokenizer)
-        return message
-
     def _activation_failed(self, m: ModelEntry, handle: WorkerHandle | None, error: PrismError) -> None:
         logger.warning("activation of %s failed: %s", m.spec.name, error)
         m.state, m.device, m.worker = ModelState.EVICTED, None, None
@@ -597,9 +534,6 @@ class Controller(AdminOps):
             for name in self.specs
         ]
 
-    def ledger(self, device: str) -> DeviceLedger | LedgerMirror:
-        return self._ledgers[device]
-
     def _model(self, name: str) -> ModelEntry:
         """A served model or a replica slot (the loop's and the workers' names)."""
         m = self.models.get(name)
@@ -641,24 +575,6 @@ class Controller(AdminOps):
             case msg.ModelActivated() | msg.ActivationFailed() | msg.ModelEvicted() | msg.EvictRefused():
                 if handle.reply is not None and not handle.reply.done():
                     handle.reply.set_result(m)
-
-    def _on_worker_death(self, handle: WorkerHandle) -> None:
-        """Fail what the dead worker was running, forget its model's residency, make the ledger drop
-        its entries, and send the model's queued requests back through the policy."""
-        for req_id in list(handle.in_flight):
-            r = self._requests.get(req_id)
-            if r is not None:
-                self._fail(r, WorkerDiedError(f"worker {handle.worker_id} serving {r.model} died"))
-        model = self.models.get(handle.model or "")
-        if model is not None and model.worker is handle:
-            model.state, model.device, model.worker = ModelState.EVICTED, None, None
-            model.num_running = 0
-        ledger = self._ledgers.get(handle.device.name)  # none: the device left with its node
-        if ledger is not None:
-            reclaimed = ledger.snapshot()  # reclaims entries of dead pids
-            logger.warning("%s: ledger now %s mapped", handle.device.name, format_size(reclaimed.used_bytes))
-        if model is not None:
-            self.loop.worker_died(model.spec.name, self._now())
 
     async def _tick_loop(self) -> None:
         while True:
