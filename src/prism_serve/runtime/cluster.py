@@ -39,6 +39,7 @@ from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec
 from prism_serve.runtime.weight_cache import HostWeightCache
+from prism_serve.runtime.workers import WorkerStartError
 
 logger = logging.getLogger(__name__)
 
@@ -357,8 +358,6 @@ class RayNodes:
 
         node = self.nodes.get(device.node)
         if node is None:
-            from prism_serve.runtime.workers import WorkerStartError
-
             raise WorkerStartError(f"node {device.node} of {device.name} is gone")
         pid, niceness = ray.get(node.agent.spawn.remote(worker_id, args), timeout=self.poll_timeout_s)
         if niceness > 0 and not node.warned_niceness:
@@ -419,7 +418,8 @@ class RayNodes:
             self._on_lost(node, why)
 
     async def _join_new(self) -> None:
-        fresh = self._alive_nodes()
+        # Ray's node table is a call to its GCS, perhaps over the network: not on the event loop
+        fresh = await asyncio.get_running_loop().run_in_executor(None, self._alive_nodes)
         for ray_id in fresh:
             node = self._start_agent(ray_id)
             try:

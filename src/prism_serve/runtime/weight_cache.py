@@ -255,7 +255,7 @@ class HostWeightCache:
         pattern = f"prism-weights-{family}.*" if family else f"prism-weights-{self.namespace}-*"
         for p in self.directory.glob(pattern):
             m = _FILE_RE.match(p.name)
-            if m is None or (m["ns"] != self.namespace and not (family and m["ns"].startswith(family + "."))):
+            if m is None or not (m["ns"].startswith(family + ".") if family else m["ns"] == self.namespace):
                 continue
             pid = int(m["pid"])
             if pid != os.getpid() and not _alive(pid):
