@@ -12,6 +12,9 @@ Sections (each runs even if an earlier one failed; every number is from this run
 * ``llama8b``: the same on a SYNTHETIC Llama-3.1-8B shape (weights drawn on the GPU, ~16 GB bf16).
 * ``pool8b``: elastic against fixed KV pool on that 8B shape, batch 128 (the GPU's work dominates
   its steps, so run-to-run noise is small; SmolLM2's steps are mostly host time).
+* ``prefill``: the paged prefill kernel against one SDPA call per chunk
+  (``PRISM_CUDA_PREFILL_KERNEL=0``) on both shapes: 4 x 1,024-token prompts in one step, 64 x 128,
+  and 2 x 4,096 in chunks of 1,024 (chunks after the first attend to a cached prefix).
 * ``activation``: a SYNTHETIC 8B shape written to a host cache file in /dev/shm, page-locked,
   then activated into a weight range the way a pooled worker does (runtime/loading.py): cold
   (every 2 MiB page created on the hot path) and warm (the pages an evicted model left as spare
@@ -44,7 +47,7 @@ from prism_serve.engine.models.config import PRESETS, ArchConfig, parameter_shap
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.weights import LoadedWeights, byte_tokenizer, load_weights
-from prism_serve.memory.kv_pool import GPU_BUFFER_MAX_PAGES, PoolConfig
+from prism_serve.memory.kv_pool import PoolConfig
 from prism_serve.memory.ledger import NAMESPACE_ENV, DeviceLedger
 from prism_serve.memory.spare import SparePages
 from prism_serve.memory.vmm import PHASES, reserve
@@ -120,10 +123,25 @@ def section_vmm(pages: int = 512) -> dict:
         for phase in PHASES:
             us = sorted(ns / 1e3 for ns in r.phase_ns[phase])
             out[phase] = {"median_us": statistics.median(us), "p90_us": us[int(0.9 * (len(us) - 1))]}
+        # map_pages: runs of 16 neighbours, one cuMemSetAccess each (the KV pool's prefetch batches)
+        r.record_phases = False
+        t0 = time.perf_counter()
+        for first in range(0, pages, 16):
+            r.map_pages(list(range(first, min(first + 16, pages))))
+        batched_us = (time.perf_counter() - t0) * 1e6 / pages
+        t.view(pages, -1)[:, :4096].fill_(5)
+        sync()
+        assert int(t.view(pages, -1)[:, :4096].sum(dtype=torch.int64)) == 5 * 4096 * pages
+        for p in range(pages):
+            r.unmap_page(p)
+    per_page_us = sum(out[ph]["median_us"] for ph in ("create", "map", "set_access"))
+    out["map_pages_16_us_per_page"] = batched_us
     log(
         "vmm per 2 MiB page (us, median / p90): "
-        + ", ".join(f"{k} {v['median_us']:.1f}/{v['p90_us']:.1f}" for k, v in out.items())
+        + ", ".join(f"{k} {v['median_us']:.1f}/{v['p90_us']:.1f}" for k, v in out.items() if k in PHASES)
     )
+    log(f"  map_pages in runs of 16: {batched_us:.1f} us a page (create + map + set access one by one, "
+        f"medians: {per_page_us:.1f} us)")  # fmt: skip
     return out
 
 
@@ -209,19 +227,29 @@ def section_smollm() -> dict:
     return out
 
 
+# Elastic pools compared with the fixed one: name -> PoolConfig fields (the rest are a GPU pool's
+# defaults). "per-page" is the pool as issue 20's first lease measured it (0.964x): every emptied
+# page beyond the buffer unmapped at once, the thread mapping one page per call.
+POOL_VARIANTS = {
+    "per-page": {"linger_s": 0.0, "map_batch_pages": 1},
+    "batched": {"linger_s": 0.0},
+    "default": {},
+}
+
+
 def compare_pools(weights: LoadedWeights, model: LlamaForCausalLM | None, batch: int, out_len: int,
-                  runs_each: int, buffers: tuple[int, ...] = (GPU_BUFFER_MAX_PAGES,)) -> dict:  # fmt: skip
+                  runs_each: int, variants: dict[str, dict] | None = None) -> dict:  # fmt: skip
     """Decode tokens/s of the elastic KV pool over the fixed pool: one engine each over the same
-    model, the same requests, runs alternated; ratios of medians and of bests. ``buffers``: the
-    elastic pools' ``buffer_max_pages`` (one engine each; the default is a GPU pool's)."""
+    model, the same requests, runs alternated; ratios of medians and of bests. ``variants``: the
+    elastic pools (one engine each; default: the GPU pool's defaults)."""
     os.environ[NAMESPACE_ENV] = f"bench{uuid.uuid4().hex[:8]}"
     vocab = weights.config.vocab_size
     common = dict(dtype="bfloat16", device=DEV, max_num_seqs=batch, kv_cache_bytes=8 * GiB)
     engines = {"fixed": LLMEngine(EngineConfig(**common), weights=weights, model=model)}
-    for n in buffers:
-        pool = PoolConfig(device=DEV, device_budget_bytes=32 * GiB, buffer_min_pages=2, buffer_max_pages=n)
+    for name, fields in (variants or {"default": {}}).items():
+        pool = PoolConfig(device=DEV, device_budget_bytes=32 * GiB, buffer_min_pages=2, **fields)
         config = EngineConfig(**common, elastic_kv=pool)
-        engines[f"elastic-{n}"] = LLMEngine(config, weights=weights, model=model)
+        engines[f"elastic-{name}"] = LLMEngine(config, weights=weights, model=model)
     runs: dict[str, list[float]] = {name: [] for name in engines}
     for e in engines.values():
         drive(e, prompts_of(batch, 128, vocab, 0), 4)
@@ -258,7 +286,7 @@ def llama8b_on_gpu() -> tuple[LoadedWeights, LlamaForCausalLM]:
 
 def section_pool8b() -> dict:
     weights, model = llama8b_on_gpu()
-    return compare_pools(weights, model, 128, 64, 6, buffers=(8, 64, 256))
+    return compare_pools(weights, model, 128, 64, 6, variants=POOL_VARIANTS)
 
 
 def packed_meta(config: ArchConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -287,6 +315,45 @@ def section_llama8b() -> dict:
 
 
 # ---- activation ----------------------------------------------------------------------------------
+
+
+def prefill_rates(weights: LoadedWeights, model: LlamaForCausalLM | None) -> dict:
+    """Prefill tokens/s (best of 3 after a warm-up) of three workloads: 4 prompts of 1,024 tokens
+    in one step; 64 of 128 (many chunks a step); 2 of 4,096 in chunks of 1,024 (each chunk after
+    the first attends to a cached prefix)."""
+    vocab = weights.config.vocab_size
+    out = {}
+    for label, n, length, step_tokens in (("4x1024", 4, 1024, 8192), ("64x128", 64, 128, 8192),
+                                          ("2x4096 chunked", 2, 4096, 1024)):  # fmt: skip
+        config = EngineConfig(dtype="bfloat16", device=DEV, max_num_seqs=256, max_model_len=8192,
+                              max_num_batched_tokens=step_tokens, kv_cache_bytes=8 * GiB)  # fmt: skip
+        with LLMEngine(config, weights=weights, model=model) as engine:
+            drive(engine, prompts_of(n, length, vocab, 7), 1)
+            runs = [drive(engine, prompts_of(n, length, vocab, 8 + i), 1) for i in range(3)]
+            out[label] = max(r["prefill_tok_s"] for r in runs)
+    return out
+
+
+def section_prefill() -> dict:
+    """The paged prefill kernel against one SDPA call per chunk, on the SmolLM2 and 8B shapes."""
+    shapes = {"smollm2": (load_weights("random:smollm2-135m", dtype=torch.float32, seed=1), None),
+              "llama8b": llama8b_on_gpu()}  # fmt: skip
+    out: dict = {}
+    for shape, (weights, model) in shapes.items():
+        for path, env in (("kernel", "1"), ("sdpa", "0")):
+            os.environ["PRISM_CUDA_PREFILL_KERNEL"] = env
+            try:
+                out[f"{shape}/{path}"] = rates = prefill_rates(weights, model)
+            finally:
+                del os.environ["PRISM_CUDA_PREFILL_KERNEL"]
+            log(f"  {shape} prefill, {path}: " + ", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()))
+        for label in out[f"{shape}/kernel"]:
+            ratio = out[f"{shape}/kernel"][label] / out[f"{shape}/sdpa"][label]
+            out[f"{shape}/kernel_over_sdpa/{label}"] = ratio
+            log(f"  {shape} {label}: kernel / SDPA per chunk = {ratio:.2f}x")
+        del model
+        torch.cuda.empty_cache()
+    return out
 
 
 def section_activation(link_GBps: float | None) -> dict:
@@ -434,7 +501,7 @@ def section_hf() -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sections", default="link,vmm,smollm,llama8b,pool8b,activation,hf")
+    p.add_argument("--sections", default="link,vmm,smollm,llama8b,pool8b,prefill,activation,hf")
     p.add_argument("--out", default=os.environ.get("OUT", "results/cuda"))
     args = p.parse_args()
     props = torch.cuda.get_device_properties(0)

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from prism_serve.engine.kv_cache import BlockAllocator
 from prism_serve.errors import InvalidRequestError
-from prism_serve.memory.kv_pool import GPU_BUFFER_MAX_PAGES, ElasticKVPool, PoolConfig
+from prism_serve.memory.kv_pool import GPU_BUFFER_MAX_PAGES, GPU_LINGER_S, ElasticKVPool, PoolConfig
 from prism_serve.memory.ledger import DeviceLedger
 from prism_serve.memory.vmm import HostVirtualRange
 
@@ -297,8 +297,57 @@ def test_pool_state_machine(namespace):
     PoolMachine.TestCase().runTest()
 
 
+def test_emptied_pages_linger_then_age_out(make_ledger):
+    """Pages emptied beyond the buffer stay mapped for linger_s (a next batch reuses them with no
+    map), the newest emptied first, then go back to the ledger."""
+    ledger = make_ledger(budget_bytes=64 * P)
+    pool = make_pool(ledger, 16 * KiB, num_pages=64, prefetch=True, buffer_min_pages=1,
+                     buffer_max_pages=2, linger_s=1.5)  # fmt: skip
+    ids = pool.allocate(40)  # 10 pages
+    pool.free(ids)
+    time.sleep(0.3)  # several poll rounds: nothing unmapped yet
+    assert pool.stats().mapped_pages >= 10 and pool.stats().unmaps == 0
+    maps = pool.stats().sync_maps + pool.stats().prefetch_maps
+    again = pool.allocate(8)  # two pages' worth, from lingering pages
+    assert pool.stats().sync_maps + pool.stats().prefetch_maps == maps
+    wait_for(lambda: pool.stats().empty_pages == 2)  # the rest aged out, down to the buffer's max
+    assert ledger.snapshot().used_bytes == pool.vrange.mapped_bytes == (2 + 2) * P
+    pool.free(again)
+    pool.close()
+    assert ledger.snapshot().used_bytes == 0
+
+
+def test_lingering_pages_go_back_when_another_grant_is_refused(make_ledger):
+    ledger = make_ledger(budget_bytes=16 * P)
+    pool = make_pool(ledger, 16 * KiB, num_pages=16, prefetch=True, buffer_min_pages=1,
+                     buffer_max_pages=2, linger_s=3600.0)  # fmt: skip
+    pool.free(pool.allocate(40))  # 10 pages lingering, 6 free on the device
+    other = ledger.account("neighbour")
+    assert not other.try_reserve(8 * P)  # refused: the ledger notes it
+    assert time.time() - ledger.snapshot().refused_at < 5
+    wait_for(lambda: pool.stats().mapped_pages <= 1)  # lingering and buffer gone to the minimum
+    assert other.try_reserve(8 * P)
+    other.release(8 * P)
+    pool.close()
+
+
+def test_the_prefetch_thread_maps_a_batch_with_one_grant(make_ledger):
+    ledger = make_ledger(budget_bytes=64 * P)
+    pool = make_pool(ledger, 16 * KiB, num_pages=64, prefetch=True, buffer_min_pages=12, buffer_max_pages=12)
+    wait_for(lambda: pool.stats().empty_pages == 12)
+    ops = ledger.snapshot()  # every page is granted and counted
+    assert ops.used_bytes == 12 * P == pool.vrange.physical_bytes()
+    assert pool.stats().prefetch_maps == 12
+    ids = pool.allocate(48)  # the whole buffer, every block writable
+    pool.kv_tensor(torch.uint8)[: 48 * 16 * KiB].fill_(3)
+    pool.free(ids)
+    pool.close()
+    assert ledger.snapshot().used_bytes == 0
+
+
 def test_a_gpu_pool_keeps_a_larger_buffer_unless_told_otherwise():
     assert PoolConfig().buffer_max_pages == 8
+    assert PoolConfig().linger_s == 0 and PoolConfig(device="cuda:0").linger_s == GPU_LINGER_S
     assert PoolConfig(device="cuda:1").buffer_max_pages == GPU_BUFFER_MAX_PAGES
     assert PoolConfig(device="cuda:0", buffer_max_pages=4).buffer_max_pages == 4
     with pytest.raises(InvalidRequestError):

@@ -11,6 +11,7 @@ from prism_serve.memory.vmm import (
     CudaVirtualRange,
     HostVirtualRange,
     MemoryBackendError,
+    _runs,
     format_size,
     parse_size,
     reserve,
@@ -138,6 +139,39 @@ def test_parse_size_rejects_garbage_and_format_size_reads_back():
         with pytest.raises(InvalidRequestError):
             parse_size(bad)
     assert format_size(1536) == "1.5 KiB" and format_size(3 * 2**30) == "3.0 GiB" and format_size(7) == "7 B"
+
+
+def test_map_pages_maps_all_or_none():
+    with reserve("cpu:0", 8 * DEFAULT_PAGE_SIZE) as r:
+        r.map_page(5)
+        with pytest.raises(MemoryBackendError):
+            r.map_pages([1, 2, 5])  # one is mapped already: none is mapped
+        assert r.num_mapped_pages == 1 and not r.is_mapped(1)
+        r.map_pages([0, 1, 2, 6])
+        assert r.num_mapped_pages == 5 and r.physical_bytes() == 5 * DEFAULT_PAGE_SIZE
+        r.as_tensor()[: 3 * DEFAULT_PAGE_SIZE].fill_(9)
+        assert int(r.as_tensor()[: 3 * DEFAULT_PAGE_SIZE].sum()) == 9 * 3 * DEFAULT_PAGE_SIZE
+
+
+def test_runs_of_neighbouring_pages():
+    assert _runs([]) == [] and _runs([4]) == [(4, 1)]
+    assert _runs([0, 1, 2, 5, 6, 9]) == [(0, 3), (5, 2), (9, 1)]
+
+
+@pytest.mark.gpu
+def test_cuda_map_pages_opens_every_page_of_each_run():
+    """One cuMemSetAccess per run of neighbours: every page of two runs reads and writes, and a
+    page unmapped from the middle of a run leaves its neighbours intact."""
+    with reserve("cuda:0", 64 * MiB) as r:
+        t = r.as_tensor()
+        r.map_pages([3, 4, 5, 9, 10])
+        for page in (3, 4, 5, 9, 10):
+            t[page * DEFAULT_PAGE_SIZE : (page + 1) * DEFAULT_PAGE_SIZE].fill_(page)
+        r.unmap_page(4)
+        for page in (3, 5, 9, 10):
+            chunk = t[page * DEFAULT_PAGE_SIZE : (page + 1) * DEFAULT_PAGE_SIZE]
+            assert int(chunk.min()) == int(chunk.max()) == page
+        assert r.physical_bytes() == 4 * DEFAULT_PAGE_SIZE
 
 
 @pytest.mark.gpu

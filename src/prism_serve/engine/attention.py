@@ -6,9 +6,11 @@ in the cache; on CUDA the Triton kernel of ``cuda_kernels`` does the same (and w
 V). Elsewhere (no kernels, or ``PRISM_CPU_KERNELS=off``) they run as batched SDPA
 calls over their block tables, gathered and padded to the longest context of their group: decodes
 are grouped by context length (``group_decodes``) so that a short context is not padded to the
-longest one of a mixed batch. Prefill chunks follow, one SDPA call each, attending to their cached
-prefix plus themselves (causal); a chunk that is its whole context (a prompt prefilled in one
-step) attends to the K and V it just computed, with no gather.
+longest one of a mixed batch. Prefill chunks follow: on CUDA all of them in one launch of the
+paged prefill kernel (``cuda_kernels.paged_prefill``; ``PRISM_CUDA_PREFILL_KERNEL=0`` turns it
+off), elsewhere one SDPA call each, attending to their cached prefix plus themselves (causal); a
+chunk that is its whole context (a prompt prefilled in one step) attends to the K and V it just
+computed, with no gather.
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ class PagedDecodes:
 
 
 @dataclass(slots=True)
+class PagedPrefills:
+    """Every prefill chunk of the batch for the CUDA prefill kernel (rows of one tensor each)."""
+
+    block_tables: torch.Tensor  # [n, max_blocks] int64, short ones padded with a valid id
+    query_starts: torch.Tensor  # [n] int64 first row of each chunk in the batch
+    query_lens: torch.Tensor  # [n] int64
+    context_lens: torch.Tensor  # [n] int64 cached tokens + the chunk
+    max_query_len: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_rows: torch.Tensor  # [T] row of KVCache.layer_rows where each new token's K/V goes
     num_decodes: int = 0
@@ -60,7 +73,8 @@ class AttentionMetadata:
     paged_decodes: PagedDecodes | None = None  # or the kernel that reads the cache in place
     kernels: bool = False  # the step runs the CPU kernels (ModelRunner.kernels), layer ops included
     cuda: bool = False  # the step runs the CUDA kernels: cache writes and decode attention
-    prefills: list[PrefillChunk] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)  # SDPA, one call per chunk
+    paged_prefills: PagedPrefills | None = None  # or the CUDA kernel, every chunk in one launch
     # Scratch for gathered K and V, reused by every layer and step: allocating ~10 MB per layer
     # costs page faults that showed up as a third of a batched fp32 decode step.
     gather_k: torch.Tensor | None = None  # flat, at least max_gather_blocks * block numel
@@ -127,6 +141,12 @@ def paged_attention(
         else:
             out.index_copy_(0, g.rows, od.reshape(n, num_heads, head_dim))
 
+    if meta.paged_prefills is not None:
+        pp = meta.paged_prefills
+        cuda_kernels.paged_prefill(
+            q, k_cache, v_cache, pp.block_tables, pp.query_starts, pp.query_lens, pp.context_lens,
+            pp.max_query_len, scale, out,
+        )  # fmt: skip
     for p in meta.prefills:
         end = p.query_start + p.query_len
         # A leading batch dimension of 1: with 3-D inputs torch picks a generic CPU kernel that

@@ -1,4 +1,5 @@
-"""Triton kernels for the engine on a CUDA device: the KV-cache write and paged decode attention.
+"""Triton kernels for the engine on a CUDA device: the KV-cache write and paged attention for
+decodes and for prefill chunks.
 
 ``store_kv`` writes each new token's K and V to its row of the paged cache (``KVCache.layer_rows``)
 and skips rows whose slot is negative: a CUDA graph captured for a batch of B decodes also runs
@@ -10,6 +11,13 @@ one sequence, one KV head (its group of query heads together, as one small matri
 block) and one split of the sequence's blocks; with few sequences the blocks are split over
 several programs (flash-decoding) so that the GPU has enough programs, and a second kernel merges
 the splits' softmax states. A sequence of length 0 (graph padding) gets zeros.
+
+``paged_prefill`` attends every prefill chunk of a step in one launch, each reading its cached
+prefix and its own new tokens (written by ``store_kv`` just before) in place in the cache, causal
+within the chunk. A program takes a tile of a chunk's (token, query head) rows that share one KV
+head, so K and V are read once for the whole query group whatever its size, and walks the
+chunk's keys up to the tile's last position with a running softmax (flash attention over a block
+table). Tiles past a short chunk's end do nothing.
 
 Triton comes with the CUDA builds of torch. ``available()`` says whether these kernels can run for
 a model: a CUDA tensor, Triton importable, head_dim and block_size powers of two of at least 16.
@@ -142,6 +150,77 @@ if triton is not None:
                 mask=gmask[:, None],
             )
 
+    @triton.jit(do_not_specialize=["stride_tab"])
+    def _paged_prefill_kernel(
+        Q, KC, VC, Tables, QStarts, QLens, CtxLens, Out,
+        scale,
+        stride_qt, stride_qh,
+        stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh,
+        stride_tab, stride_ot, stride_oh,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+        ROWS: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        tile = tl.program_id(0)
+        chunk = tl.program_id(1)
+        kvh = tl.program_id(2)
+        qlen = tl.load(QLens + chunk)
+        ctx = tl.load(CtxLens + chunk)
+        qstart = tl.load(QStarts + chunk)
+        r = tile * ROWS + tl.arange(0, ROWS)  # rows: token i = r // GROUP, head kvh * GROUP + r % GROUP
+        rmask = r < qlen * GROUP
+        i = r // GROUP
+        head = kvh * GROUP + r % GROUP
+        qpos = ctx - qlen + i  # each query's position in its sequence
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(
+            Q + (qstart + i)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=rmask[:, None],
+            other=0.0,
+        )
+        m_i = tl.full([ROWS], _NO_SCORE, tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        last = tl.minimum(qlen - 1, (tile * ROWS + ROWS - 1) // GROUP)  # the tile's last token
+        hi = tl.where(tile * ROWS < qlen * GROUP, ctx - qlen + last + 1, 0)  # keys it sees
+        for start in range(0, hi, KEYS):
+            n = start + tl.arange(0, KEYS)
+            nmask = n < hi
+            block = tl.load(Tables + chunk * stride_tab + n // BLOCK, mask=nmask, other=0).to(tl.int64)
+            off = n % BLOCK
+            k = tl.load(
+                KC + block[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                mask=nmask[:, None],
+                other=0.0,
+            )
+            if IEEE:  # noqa: SIM108 - Triton branches on a constexpr here, at compile time
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            seen = nmask[None, :] & (n[None, :] <= qpos[:, None])
+            s = tl.where(seen, s * scale, _NO_SCORE)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.where(seen, tl.exp(s - m_new[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                VC + block[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                mask=nmask[:, None],
+                other=0.0,
+            )
+            if IEEE:  # noqa: SIM108
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            Out + (qstart + i)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=rmask[:, None],
+        )
+
     @triton.jit(do_not_specialize=["num_splits"])
     def _merge_splits_kernel(
         MState, LState, Acc, Out, num_splits, stride_ot, stride_oh,
@@ -231,5 +310,46 @@ def paged_decode(
     _merge_splits_kernel[(n, num_heads)](
         m_state, l_state, acc, out, splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_P=max(2, triton.next_power_of_2(splits)),
+    )  # fmt: skip
+    return out
+
+
+# Rows (token x query head) and keys a prefill program takes per step of its loop.
+_PREFILL_ROWS = 64
+_PREFILL_KEYS = 64
+
+
+def paged_prefill(
+    q: torch.Tensor,  # [T, num_heads, head_dim]: the step's tokens, the chunks' rows among them
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], the chunks' K/V written
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [n, max_blocks] int64: each chunk's table, padded with any valid id
+    query_starts: torch.Tensor,  # [n] int64: the chunk's first row of q and out
+    query_lens: torch.Tensor,  # [n] int64: its new tokens (>= 1)
+    context_lens: torch.Tensor,  # [n] int64: cached tokens + its new tokens
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,  # [T, num_heads, head_dim]: only the chunks' rows are written
+) -> torch.Tensor:
+    """Causal attention of every prefill chunk to its cached prefix and itself, in one launch."""
+    n = block_tables.shape[0]
+    if n == 0:
+        return out
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    for t in (q, k_cache, v_cache, out):
+        if t.stride(-1) != 1:
+            raise ValueError("paged_prefill needs the head dimension contiguous")
+    grid = (triton.cdiv(max_query_len * group, _PREFILL_ROWS), n, num_kv_heads)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, out,
+        scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK=block_size,
+        ROWS=_PREFILL_ROWS, KEYS=_PREFILL_KEYS, IEEE=q.dtype == torch.float32,
     )  # fmt: skip
     return out

@@ -21,6 +21,7 @@ from prism_serve.engine.attention import (
     AttentionMetadata,
     DecodeGroup,
     PagedDecodes,
+    PagedPrefills,
     PrefillChunk,
     causal_chunk_mask,
 )
@@ -66,6 +67,9 @@ class ModelRunner:
         self.kernels = device.type == "cpu" and kernels_enabled()
         c = model.config
         self.cuda = cuda_kernels.available(c.head_dim, self.block_size, device)
+        # prefill chunks through the paged prefill kernel; PRISM_CUDA_PREFILL_KERNEL=0: one SDPA call
+        # per chunk (for measuring one against the other)
+        self.prefill_kernel = self.cuda and os.environ.get("PRISM_CUDA_PREFILL_KERNEL") != "0"
         self.graphs = (
             DecodeGraphs(self, max_num_seqs)
             if self.cuda and cuda_graphs and max_num_seqs > 0 and os.environ.get("PRISM_CUDA_GRAPHS") != "0"
@@ -153,6 +157,8 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        prefill_rows: list[list[int]] = []  # CUDA: [query_start, query_len, context_len] per chunk
+        prefill_tables: list[list[int]] = []
         for s in batch:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             end = start + n
@@ -164,6 +170,9 @@ class ModelRunner:
             if n == 1:
                 decode_tables.append(table[: -(-end // bs)])
                 decode_lens.append(end)
+            elif self.prefill_kernel:
+                prefill_rows.append([len(ids) - n, n, end])
+                prefill_tables.append(table[: -(-end // bs)])
             else:
                 prefills.append(
                     PrefillChunk(
@@ -187,6 +196,12 @@ class ModelRunner:
             tables = _padded_tables(decode_tables).to(dev)
             splits = self._splits(len(decode_tables), tables.shape[1]) if self.cuda else 1
             meta.paged_decodes = PagedDecodes(tables, torch.tensor(decode_lens, device=dev), splits)
+        if prefill_rows:
+            rows = torch.tensor(prefill_rows).T.contiguous().to(dev)
+            meta.paged_prefills = PagedPrefills(
+                _padded_tables(prefill_tables).to(dev), rows[0], rows[1], rows[2],
+                max(r[1] for r in prefill_rows),
+            )  # fmt: skip
         groups = [] if self.kernels or self.cuda else group_decodes(decode_lens)
         for g in groups:
             tables, lens = [decode_tables[i] for i in g], [decode_lens[i] for i in g]

@@ -50,6 +50,7 @@ _HEADER = np.dtype(
         ("ops", "<u8"),
         ("reclaim", "<i8"),  # spare bytes a refused grant asked their holders to give back
         ("reclaim_until", "<f8"),  # unix time; the request lapses then
+        ("refused_at", "<f8"),  # unix time a grant was last refused for lack of budget
     ]
 )
 _ENTRY = np.dtype(
@@ -132,6 +133,9 @@ class LedgerSnapshot:
     entries: tuple[LedgerEntry, ...]
     reclaim_bytes: int = 0  # spare bytes asked back now
     reclaim_until: float = 0.0  # unix time the last request lapses: no spare pages are made before
+    # unix time a grant was last refused for lack of device budget: memory held for speed alone (a
+    # KV pool's lingering pages, memory/kv_pool.py) goes back while this is recent
+    refused_at: float = 0.0
 
     @property
     def used_bytes(self) -> int:
@@ -331,6 +335,7 @@ class DeviceLedger:
                 return False
             short = self._used() + num_bytes - self.budget_bytes
             if short > 0:
+                self._header["refused_at"] = time.time()
                 if reclaim:
                     self._ask_reclaim(short, exclude=slot)
                 return False
@@ -421,7 +426,7 @@ class DeviceLedger:
             )
             return LedgerSnapshot(
                 self.device, self.budget_bytes, entries, self._reclaim_pending(),
-                float(self._header["reclaim_until"]),
+                float(self._header["reclaim_until"]), float(self._header["refused_at"]),
             )  # fmt: skip
 
     def peek(self) -> LedgerSnapshot:
@@ -445,7 +450,7 @@ class DeviceLedger:
             ]
             return LedgerSnapshot(
                 self.device, budget, tuple(self._entry(s, raw[s]) for s in live), self._reclaim_pending(),
-                float(self._header["reclaim_until"]),
+                float(self._header["reclaim_until"]), float(self._header["refused_at"]),
             )  # fmt: skip
 
     @staticmethod

@@ -1,10 +1,11 @@
 """Virtual memory backends: reserve an address range once, map physical pages into it on demand.
 
 A ``VirtualRange`` is ``num_pages`` pages of ``page_size`` bytes at a fixed address. Pages are mapped
-and unmapped one at a time; the whole range is visible as one torch tensor whose address never
-changes, so KV tensors built on it stay valid while physical memory comes and goes. Touching an
-unmapped page is a fault (SIGSEGV on the host, an illegal address on CUDA): callers only touch what
-they mapped, which is what the KV pool guarantees.
+and unmapped one at a time, or mapped several at once (``map_pages``: on CUDA one
+``cuMemSetAccess`` then covers each run of neighbouring pages); the whole range is visible as one
+torch tensor whose address never changes, so KV tensors built on it stay valid while physical
+memory comes and goes. Touching an unmapped page is a fault (SIGSEGV on the host, an illegal
+address on CUDA): callers only touch what they mapped, which is what the KV pool guarantees.
 
 Each page goes through the phases of CUDA's VMM API, and the host backend mirrors them so both can be
 timed the same way:
@@ -133,6 +134,32 @@ class VirtualRange(ABC):
         with self._count_lock:
             self._mapped[page] = 1
             self._num_mapped += 1
+
+    def map_pages(self, pages: list[int]) -> None:
+        """Map several pages at once (all or none): like ``map_page`` for each, with the driver's
+        per-range work done once per run of neighbouring pages where the backend allows it."""
+        for page in pages:
+            self._check(page)
+            if self._mapped[page]:
+                raise MemoryBackendError(f"page {page} of {self.device} is already mapped")
+        if len(set(pages)) != len(pages):
+            raise MemoryBackendError(f"pages {pages} named twice")
+        self._map_many(pages)
+        with self._count_lock:
+            for page in pages:
+                self._mapped[page] = 1
+            self._num_mapped += len(pages)
+
+    def _map_many(self, pages: list[int]) -> None:
+        done: list[int] = []
+        try:
+            for page in pages:
+                self._map(page)
+                done.append(page)
+        except BaseException:
+            for page in done:
+                self._unmap(page)
+            raise
 
     def unmap_page(self, page: int) -> None:
         """Unmap ``page`` and give its physical memory back; its contents are lost."""
@@ -395,6 +422,35 @@ class CudaVirtualRange(VirtualRange):
             raise
         self._handles[page] = handle
 
+    def _map_many(self, pages: list[int]) -> None:
+        """Create and map every page, then open each run of neighbouring pages for reading and
+        writing with one ``cuMemSetAccess`` (two thirds of a page's map time when done per page,
+        measured on an H200)."""
+        if not pages:
+            return
+        self._set_context()
+        drv = self._drv
+        made: dict[int, object] = {}
+        mapped: list[int] = []
+        try:
+            for page in pages:
+                size, ptr = self.page_size, self._ptr(page)
+                made[page] = self._timed("create", self._call, drv.cuMemCreate, size, self._prop, 0)
+                self._timed("map", self._call, drv.cuMemMap, ptr, size, 0, made[page], 0)
+                mapped.append(page)
+            for first, count in _runs(sorted(pages)):
+                self._timed(
+                    "set_access", self._call, drv.cuMemSetAccess,
+                    self._ptr(first), count * self.page_size, [self._access], 1,
+                )  # fmt: skip
+        except MemoryBackendError:
+            for page in mapped:
+                self._call(drv.cuMemUnmap, self._ptr(page), self.page_size)
+            for handle in made.values():
+                self._call(drv.cuMemRelease, handle)
+            raise
+        self._handles.update(made)
+
     def _unmap(self, page: int) -> None:
         self._set_context()
         self._timed("unmap", self._call, self._drv.cuMemUnmap, self._ptr(page), self.page_size)
@@ -418,6 +474,17 @@ class CudaVirtualRange(VirtualRange):
         self._set_context()
         self._call(self._drv.cuMemAddressFree, self._base, self.size)
         self._call(self._drv.cuDevicePrimaryCtxRelease, self._cu_device)
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Sorted page numbers as (first page, count) runs of neighbours."""
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs
 
 
 def reserve(device: str, num_bytes: int, page_size: int = DEFAULT_PAGE_SIZE) -> VirtualRange:
