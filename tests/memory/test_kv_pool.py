@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from prism_serve.engine.kv_cache import BlockAllocator
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.kv_pool import GPU_BUFFER_MAX_PAGES, GPU_LINGER_S, ElasticKVPool, PoolConfig
-from prism_serve.memory.ledger import DeviceLedger
+from prism_serve.memory.ledger import DeviceLedger, LedgerError
 from prism_serve.memory.vmm import HostVirtualRange
 
 KiB = 1024
@@ -343,6 +343,27 @@ def test_the_prefetch_thread_maps_a_batch_with_one_grant(make_ledger):
     pool.free(ids)
     pool.close()
     assert ledger.snapshot().used_bytes == 0
+
+
+def test_a_range_whose_base_must_stay_mapped_keeps_block_0_mapped(make_ledger, monkeypatch):
+    """CUDA ranges (Triton checks kernel pointers with the driver): block 0's page is mapped from
+    the start and never unmapped, whatever empties; a pool with no room for it is an error that
+    leaves nothing in the ledger."""
+    monkeypatch.setattr(HostVirtualRange, "base_must_be_mapped", True)
+    ledger = make_ledger(budget_bytes=16 * P)
+    pool = make_pool(ledger, 16 * KiB, num_pages=16)
+    assert pool.vrange.is_mapped(0) and ledger.snapshot().used_bytes == P
+    ids = pool.allocate(12)
+    assert pool.stats().mapped_pages == 3
+    pool.free(ids)  # no buffer: every emptied page goes back, but page 0 stays
+    assert pool.trim(0) == 0 and pool.stats().mapped_pages == 1 and pool.vrange.is_mapped(0)
+    assert pool.stats().empty_pages == 0 and pool.num_free_blocks >= 4
+    pool.close()
+    assert ledger.snapshot().used_bytes == 0
+    full = make_ledger("cpu:1", budget_bytes=0)
+    with pytest.raises(LedgerError):
+        ElasticKVPool.create(16 * KiB, 16 * P, "no-room", PoolConfig(device="cpu:1", page_size=P))
+    assert full.snapshot().entries == ()
 
 
 def test_a_gpu_pool_keeps_a_larger_buffer_unless_told_otherwise():

@@ -314,9 +314,11 @@ def paged_decode(
     return out
 
 
-# Rows (token x query head) and keys a prefill program takes per step of its loop.
+# Rows (token x query head) and keys a prefill program takes per step of its loop, and its warps
+# (benchmarks/prefill_kernel.py compares settings).
 _PREFILL_ROWS = 64
 _PREFILL_KEYS = 64
+_PREFILL_WARPS = 4
 
 
 def paged_prefill(
@@ -351,5 +353,6 @@ def paged_prefill(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK=block_size,
         ROWS=_PREFILL_ROWS, KEYS=_PREFILL_KEYS, IEEE=q.dtype == torch.float32,
+        num_warps=_PREFILL_WARPS,
     )  # fmt: skip
     return out

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prism_serve.errors import InvalidRequestError
-from prism_serve.memory.ledger import RECLAIM_WINDOW_S, Account, DeviceLedger
+from prism_serve.memory.ledger import RECLAIM_WINDOW_S, Account, DeviceLedger, LedgerError
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, VirtualRange, reserve
 
 if TYPE_CHECKING:
@@ -168,6 +168,8 @@ class ElasticKVPool:
         self._linger = config.linger_s  # 0 while the device is short of memory
         self._last_miss = 0.0
         self._thread: threading.Thread | None = None
+        if vrange.base_must_be_mapped:
+            self._pin_first_block()
         if config.prefetch and config.buffer_max_pages > 0:
             self._thread = threading.Thread(target=self._prefetch_loop, name="prism-kv-prefetch", daemon=True)
             self._thread.start()
@@ -196,7 +198,13 @@ class ElasticKVPool:
             account.close()
             ledger.close()
             raise
-        return cls(vrange, block_bytes, account, config, owns=True)
+        try:
+            return cls(vrange, block_bytes, account, config, owns=True)
+        except BaseException:  # e.g. no room for the first block: nothing stays registered
+            vrange.close()
+            account.close()
+            ledger.close()
+            raise
 
     # ---- BlockAllocator -------------------------------------------------------------------------
 
@@ -335,6 +343,20 @@ class ElasticKVPool:
         self.close()
 
     # ---- block and page bookkeeping (lock held) -------------------------------------------------
+
+    def _pin_first_block(self) -> None:
+        """Map block 0's pages for the pool's life. Every per-layer view of the KV tensor starts in
+        them, and Triton checks a kernel's pointer arguments with the CUDA driver, which refuses an
+        address with nothing mapped behind it: on an H200 a launch failed so once the pool had
+        unmapped its first page while later ones served. These pages count one user more than
+        their blocks, so they never empty."""
+        for q in self._pages_of(0):
+            if not self._map_page(q):
+                for done in range(self._pages_of(0).start, q):
+                    self._unmap_page(done)
+                raise LedgerError(f"no room on {self.config.device} for the first block of a KV pool")
+            self._adopt_page(q)
+            self._set_users(q, 1)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -84,6 +84,9 @@ class VirtualRange(ABC):
     device: str
     page_size: int
     num_pages: int
+    # Whether the range's first page must stay mapped while tensors over it are used: Triton asks
+    # the CUDA driver about each pointer a kernel gets, and an unmapped address fails the launch.
+    base_must_be_mapped = False
 
     def __init__(self, device: str, num_bytes: int, page_size: int) -> None:
         if page_size <= 0 or page_size & (page_size - 1):
@@ -339,6 +342,8 @@ class CudaVirtualRange(VirtualRange):
     One physical allocation (``cuMemCreate``) per page, so any page can be released on its own.
     Verified on an H200 (issue 20, docs/benchmarks.md); without a GPU its tests are skipped.
     """
+
+    base_must_be_mapped = True
 
     def __init__(self, device: str, num_bytes: int, page_size: int = DEFAULT_PAGE_SIZE) -> None:
         try:
