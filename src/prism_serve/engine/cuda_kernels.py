@@ -150,6 +150,49 @@ if triton is not None:
                 mask=gmask[:, None],
             )
 
+    @triton.jit
+    def _prefill_keys(
+        q, m_i, l_i, acc, start, hi, qpos, KC, VC, table, kvh, scale,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr,
+        CAUSAL: tl.constexpr,
+    ):  # fmt: skip
+        """One step of the running softmax over keys [start, start + KEYS) below ``hi``; CAUSAL:
+        also hide keys after each row's position (without it every key is seen by every row)."""
+        d = tl.arange(0, HEAD_DIM)
+        n = start + tl.arange(0, KEYS)
+        nmask = n < hi
+        block = tl.load(table + n // BLOCK, mask=nmask, other=0).to(tl.int64)
+        off = n % BLOCK
+        k = tl.load(
+            KC + block[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+            mask=nmask[:, None],
+            other=0.0,
+        )
+        if IEEE:  # noqa: SIM108 - Triton branches on a constexpr here, at compile time
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if CAUSAL:
+            seen = nmask[None, :] & (n[None, :] <= qpos[:, None])
+        else:
+            seen = nmask[None, :] & (qpos[:, None] >= 0)
+        s = tl.where(seen, s * scale, _NO_SCORE)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(seen, tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            VC + block[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+            mask=nmask[:, None],
+            other=0.0,
+        )
+        if IEEE:  # noqa: SIM108
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc * alpha[:, None] + pv
+
     @triton.jit(do_not_specialize=["stride_tab"])
     def _paged_prefill_kernel(
         Q, KC, VC, Tables, QStarts, QLens, CtxLens, Out,
@@ -181,39 +224,26 @@ if triton is not None:
         m_i = tl.full([ROWS], _NO_SCORE, tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        last = tl.minimum(qlen - 1, (tile * ROWS + ROWS - 1) // GROUP)  # the tile's last token
-        hi = tl.where(tile * ROWS < qlen * GROUP, ctx - qlen + last + 1, 0)  # keys it sees
-        for start in range(0, hi, KEYS):
-            n = start + tl.arange(0, KEYS)
-            nmask = n < hi
-            block = tl.load(Tables + chunk * stride_tab + n // BLOCK, mask=nmask, other=0).to(tl.int64)
-            off = n % BLOCK
-            k = tl.load(
-                KC + block[:, None] * stride_kb + off[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                mask=nmask[:, None],
-                other=0.0,
-            )
-            if IEEE:  # noqa: SIM108 - Triton branches on a constexpr here, at compile time
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            seen = nmask[None, :] & (n[None, :] <= qpos[:, None])
-            s = tl.where(seen, s * scale, _NO_SCORE)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.where(seen, tl.exp(s - m_new[:, None]), 0.0)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                VC + block[:, None] * stride_vb + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                mask=nmask[:, None],
-                other=0.0,
-            )
-            if IEEE:  # noqa: SIM108
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        table = Tables + chunk * stride_tab
+        live = tile * ROWS < qlen * GROUP
+        first = (tile * ROWS) // GROUP  # the tile's first token and last one
+        last = tl.minimum(qlen - 1, (tile * ROWS + ROWS - 1) // GROUP)
+        hi = tl.where(live, ctx - qlen + last + 1, 0)  # keys the tile's last row sees
+        # Keys below the first row's position are seen by every row: whole steps of them go
+        # without the causal test, the rest with it.
+        lo = tl.where(live, ((ctx - qlen + first + 1) // KEYS) * KEYS, 0)
+        for start in range(0, lo, KEYS):
+            m_i, l_i, acc = _prefill_keys(
+                q, m_i, l_i, acc, start, hi, qpos, KC, VC, table, kvh, scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK, KEYS, IEEE, False,
+            )  # fmt: skip
+        for start in range(lo, hi, KEYS):
+            m_i, l_i, acc = _prefill_keys(
+                q, m_i, l_i, acc, start, hi, qpos, KC, VC, table, kvh, scale,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                HEAD_DIM, BLOCK, KEYS, IEEE, True,
+            )  # fmt: skip
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             Out + (qstart + i)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
