@@ -27,14 +27,15 @@ refused in the last ``RECLAIM_WINDOW_S`` (``LedgerSnapshot.refused_at``), every 
 unmaps its lingering pages and shrinks its buffer to ``buffer_min_pages`` within one poll
 interval, so neither starves a neighbour's KV or an activation.
 
-The thread maps up to ``map_batch_pages`` pages per call (``VirtualRange.map_pages``: one ledger
-grant, and on CUDA one ``cuMemSetAccess`` per run of neighbouring pages).
+The thread maps up to ``map_batch_pages`` pages per call (``VirtualRange.map_pages``): one ledger
+operation for the batch. On an H200 that did not make the driver's work cheaper (one
+``cuMemSetAccess`` over 16 pages costs what 16 do); lingering is what brought the pool to the
+fixed pool's rate (docs/benchmarks.md, "Issue 20, second lease").
 """
 
 from __future__ import annotations
 
 import heapq
-import logging
 import os
 import threading
 import time
@@ -43,13 +44,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prism_serve.errors import InvalidRequestError
-from prism_serve.memory.ledger import RECLAIM_WINDOW_S, Account, DeviceLedger, LedgerError
+from prism_serve.memory.kv_prefetch import PrefetchThread
+from prism_serve.memory.ledger import Account, DeviceLedger, LedgerError
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, VirtualRange, reserve
 
 if TYPE_CHECKING:
     import torch
-
-logger = logging.getLogger(__name__)
 
 
 # A GPU engine's KV grows by many 2 MiB pages at once (a Llama-3-8B block of 16 tokens is one page,
@@ -77,7 +77,7 @@ class PoolConfig:
     # emptied pages beyond the buffer stay mapped this long while the device has room (needs the
     # thread); None: 0 on a CPU device (a host page maps in ~0.3 ms), GPU_LINGER_S on a GPU
     linger_s: float | None = None
-    map_batch_pages: int = 16  # pages the thread maps in one call (one grant, one set-access per run)
+    map_batch_pages: int = 16  # pages the thread maps in one call (one ledger grant)
     limit_bytes: int | None = None  # this engine's cap in the ledger (changeable at run time)
     ledger_namespace: str | None = None  # default: $PRISM_LEDGER_NAMESPACE or the user id
     device_budget_bytes: int | None = None  # budget if this pool creates the device ledger; default: all
@@ -117,7 +117,7 @@ def device_capacity(device: str) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-class ElasticKVPool:
+class ElasticKVPool(PrefetchThread):
     """KV blocks of ``block_bytes`` each in ``vrange``, mapped on demand under ``account``'s ledger."""
 
     def __init__(
@@ -510,124 +510,3 @@ class ElasticKVPool:
             self._unmap(max(self._empty))
             n += 1
         return n
-
-    # ---- the prefetch thread ----------------------------------------------------------------------
-
-    def _note_miss(self) -> None:
-        """The buffer ran dry inside one allocate call: keep twice as many pages ready from now on."""
-        cfg = self.config
-        self._refill_target = min(cfg.buffer_max_pages, max(1, 2 * self._refill_target))
-        self._last_miss = time.monotonic()
-
-    def _prefetch_loop(self) -> None:
-        cfg = self.config
-        while True:
-            self._wake.wait(cfg.poll_interval_s)
-            self._wake.clear()
-            if self._closed:
-                return
-            try:
-                snap = self.account.ledger.snapshot()  # one ledger operation for every figure
-                entry = next(e for e in snap.entries if e.slot == self.account.slot)
-                pressure = (
-                    snap.free_bytes < cfg.buffer_max_pages * self.page_size
-                    or time.time() - snap.refused_at < RECLAIM_WINDOW_S
-                )
-                with self._lock:
-                    self._limit = entry.limit_bytes  # `prism memory --set-limit` from anywhere
-                    self._keep = cfg.buffer_min_pages if pressure else cfg.buffer_max_pages
-                    self._linger = 0.0 if pressure else cfg.linger_s
-                    now = time.monotonic()
-                    if pressure:
-                        self._refill_target = cfg.buffer_min_pages
-                    elif (
-                        self._refill_target > cfg.buffer_min_pages
-                        and now - self._last_miss > cfg.buffer_decay_s
-                    ):
-                        self._refill_target -= 1
-                        self._last_miss = now  # one page per decay period
-                    surplus = self._surplus_locked(now)
-                for p in surplus:
-                    self._unmap_in_background(p)
-                while self._map_in_background():
-                    pass
-            except Exception:  # the engine must keep running; it maps synchronously meanwhile
-                logger.exception("KV prefetch thread failed a round")
-
-    def _surplus_locked(self, now: float) -> list[int]:
-        """Empty pages to unmap this round, highest first: those above the limit, then those beyond
-        the buffer that emptied more than ``linger_s`` ago."""
-        extra = len(self._empty) - self._keep
-        if self._over_limit():  # lingering does not count
-            over = -(-(self.vrange.mapped_bytes - self._limit) // self.page_size)  # type: ignore[operator]
-            return sorted(self._empty, reverse=True)[: max(over, extra)]
-        if extra <= 0:
-            return []
-        aged = [p for p, since in self._empty.items() if now - since >= self._linger]
-        return sorted(aged, reverse=True)[:extra]
-
-    def _unmap_in_background(self, p: int) -> None:
-        """Unmap empty page ``p`` with the lock released (unless it was taken meanwhile)."""
-        with self._lock:
-            if self._closed or p not in self._empty or p in self._in_flight:
-                return
-            self._forget_page(p)
-            self._in_flight.add(p)
-        try:
-            self.vrange.unmap_page(p)
-            self.account.release(self.page_size)
-        finally:
-            with self._lock:
-                self._in_flight.discard(p)
-                heapq.heappush(self._unmapped, p)
-                self._unmaps += 1
-                self._changed.notify_all()
-
-    def _map_in_background(self) -> bool:
-        """Map up to ``map_batch_pages`` pages into a short buffer in one call; False if nothing
-        was to do or the limit or the ledger refused.
-
-        The pages are chosen and their bookkeeping done under the lock; the driver calls run
-        without it, so the engine thread allocates meanwhile and never waits for a page it does not
-        need."""
-        with self._lock:
-            if self._closed:
-                return False
-            want = min(self._refill_target - len(self._empty), self.config.map_batch_pages)
-            if self._limit is not None:
-                want = min(want, (self._limit - self.vrange.mapped_bytes) // self.page_size)
-            pages: list[int] = []
-            while len(pages) < want:
-                p = self._lowest_unmapped()
-                if p is None:
-                    break
-                pages.append(p)
-            self._in_flight.update(pages)
-        if not pages:
-            return False
-        dropped: list[int] = []
-        ok = self.account.try_reserve(len(pages) * self.page_size)
-        if not ok and len(pages) > 1:  # the device is nearly full: one page at a time
-            pages, dropped = pages[:1], pages[1:]
-            ok = self.account.try_reserve(self.page_size)
-        mapped = False
-        try:
-            if ok:
-                self.vrange.map_pages(pages)
-                mapped = True
-        finally:
-            if ok and not mapped:
-                self.account.release(len(pages) * self.page_size)
-            with self._lock:
-                self._in_flight.difference_update(pages + dropped)
-                for p in pages:
-                    if mapped:
-                        self._adopt_page(p)
-                    else:
-                        heapq.heappush(self._unmapped, p)
-                for p in dropped:
-                    heapq.heappush(self._unmapped, p)
-                if mapped:
-                    self._prefetch_maps += len(pages)
-                self._changed.notify_all()
-        return mapped

@@ -1,8 +1,7 @@
 """Virtual memory backends: reserve an address range once, map physical pages into it on demand.
 
 A ``VirtualRange`` is ``num_pages`` pages of ``page_size`` bytes at a fixed address. Pages are mapped
-and unmapped one at a time, or mapped several at once (``map_pages``: on CUDA one
-``cuMemSetAccess`` then covers each run of neighbouring pages); the whole range is visible as one
+and unmapped one at a time, or mapped several at once (``map_pages``); the whole range is visible as one
 torch tensor whose address never changes, so KV tensors built on it stay valid while physical
 memory comes and goes. Touching an unmapped page is a fault (SIGSEGV on the host, an illegal
 address on CUDA): callers only touch what they mapped, which is what the KV pool guarantees.
@@ -429,8 +428,8 @@ class CudaVirtualRange(VirtualRange):
 
     def _map_many(self, pages: list[int]) -> None:
         """Create and map every page, then open each run of neighbouring pages for reading and
-        writing with one ``cuMemSetAccess`` (two thirds of a page's map time when done per page,
-        measured on an H200)."""
+        writing with one ``cuMemSetAccess``. On an H200 this cost the same per page as one call
+        per page (45.9 against 45.7 us): the driver's work scales with the bytes opened."""
         if not pages:
             return
         self._set_context()
