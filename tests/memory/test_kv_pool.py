@@ -323,6 +323,9 @@ def test_lingering_pages_go_back_when_another_grant_is_refused(make_ledger):
                      buffer_max_pages=2, linger_s=3600.0)  # fmt: skip
     pool.free(pool.allocate(40))  # 10 pages lingering, 6 free on the device
     other = ledger.account("neighbour")
+    assert not other.try_reserve(8 * P, reclaim=False)  # asks nobody (spare pages made ahead)
+    time.sleep(0.3)
+    assert ledger.snapshot().refused_at == 0 and pool.stats().mapped_pages >= 10
     assert not other.try_reserve(8 * P)  # refused: the ledger notes it
     assert time.time() - ledger.snapshot().refused_at < 5
     wait_for(lambda: pool.stats().mapped_pages <= 1)  # lingering and buffer gone to the minimum

@@ -50,7 +50,7 @@ _HEADER = np.dtype(
         ("ops", "<u8"),
         ("reclaim", "<i8"),  # spare bytes a refused grant asked their holders to give back
         ("reclaim_until", "<f8"),  # unix time; the request lapses then
-        ("refused_at", "<f8"),  # unix time a grant was last refused for lack of budget
+        ("refused_at", "<f8"),  # unix time a grant (reclaim=True) was last refused for lack of budget
     ]
 )
 _ENTRY = np.dtype(
@@ -335,8 +335,8 @@ class DeviceLedger:
                 return False
             short = self._used() + num_bytes - self.budget_bytes
             if short > 0:
-                self._header["refused_at"] = time.time()
-                if reclaim:
+                if reclaim:  # a grant made ahead of need (spare pages) asks nobody for anything
+                    self._header["refused_at"] = time.time()
                     self._ask_reclaim(short, exclude=slot)
                 return False
             e["mapped"] = mapped
