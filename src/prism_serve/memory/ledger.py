@@ -424,10 +424,7 @@ class DeviceLedger:
             entries = tuple(
                 self._entry(int(s), self._entries[s]) for s in np.flatnonzero(self._entries["pid"])
             )
-            return LedgerSnapshot(
-                self.device, self.budget_bytes, entries, self._reclaim_pending(),
-                float(self._header["reclaim_until"]), float(self._header["refused_at"]),
-            )  # fmt: skip
+            return self._snapshot_of(self.budget_bytes, entries)
 
     def peek(self) -> LedgerSnapshot:
         """``snapshot()`` without the file lock, for a reader that must never wait on another
@@ -448,10 +445,14 @@ class DeviceLedger:
                 if int(raw[s]["pid"]) == self._own_pid
                 or self._alive((int(raw[s]["pid"]), int(raw[s]["start_ticks"])))
             ]
-            return LedgerSnapshot(
-                self.device, budget, tuple(self._entry(s, raw[s]) for s in live), self._reclaim_pending(),
-                float(self._header["reclaim_until"]), float(self._header["refused_at"]),
-            )  # fmt: skip
+            return self._snapshot_of(budget, tuple(self._entry(s, raw[s]) for s in live))
+
+    def _snapshot_of(self, budget: int, entries: tuple[LedgerEntry, ...]) -> LedgerSnapshot:
+        """A snapshot of ``entries`` with the header's reclaim and refusal fields as they are now."""
+        return LedgerSnapshot(
+            self.device, budget, entries, self._reclaim_pending(),
+            float(self._header["reclaim_until"]), float(self._header["refused_at"]),
+        )  # fmt: skip
 
     @staticmethod
     def _entry(slot: int, e: np.void) -> LedgerEntry:

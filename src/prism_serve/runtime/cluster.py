@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prism_serve.control.placement import node_of
 from prism_serve.errors import PrismError
 from prism_serve.memory.ledger import DeviceLedger, LedgerSnapshot, default_namespace
 from prism_serve.runtime import messages as msg
@@ -348,7 +349,7 @@ class RayNodes:
     # ---- what the controller and the pool ask ------------------------------------------------
 
     def node_of(self, device: str) -> Node:
-        return self.nodes[device.rpartition("/")[0]]
+        return self.nodes[node_of(device)]
 
     def ledger(self, device: str) -> LedgerMirror:
         return self.node_of(device).ledgers[device]

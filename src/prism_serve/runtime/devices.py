@@ -13,6 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prism_serve.control.placement import node_of
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.vmm import format_size, parse_size
 
@@ -52,8 +53,7 @@ class DeviceSpec:
     @property
     def node(self) -> str:
         """The node this device belongs to ("" for a device of this machine's own deployment)."""
-        node, _, _ = self.name.rpartition("/")
-        return node
+        return node_of(self.name)
 
     @property
     def local_name(self) -> str:

@@ -203,7 +203,7 @@ class WorkerPool:
         pages: its activation creates the fewest); the pool refills in the background."""
         spec = self.devices.get(device)
         while True:
-            if spec is None or device not in self.devices:
+            if device not in self.devices:  # at the call, or while it waited for a worker
                 raise WorkerStartError(f"device {device} is gone (its node left the cluster)")
             idle = self.idle(device)
             if idle:
