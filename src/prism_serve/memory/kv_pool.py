@@ -427,17 +427,21 @@ class ElasticKVPool(PrefetchThread):
         return self._limit is not None and self.vrange.mapped_bytes > self._limit
 
     def _map_page(self, p: int) -> bool:
-        """Map page ``p`` if the limit and the ledger grant its bytes; False if not. No bookkeeping:
-        safe without the lock for a page that is in flight."""
+        return self._map_pages([p])
+
+    def _map_pages(self, pages: list[int]) -> bool:
+        """Map ``pages`` if the limit and the ledger grant their bytes (one grant for all); False if
+        not. No bookkeeping: safe without the lock for pages that are in flight."""
+        num_bytes = len(pages) * self.page_size
         limit = self._limit
-        if limit is not None and self.vrange.mapped_bytes + self.page_size > limit:
+        if limit is not None and self.vrange.mapped_bytes + num_bytes > limit:
             return False
-        if not self.account.try_reserve(self.page_size):
+        if not self.account.try_reserve(num_bytes):
             return False
         try:
-            self.vrange.map_page(p)
+            self.vrange.map_pages(pages)
         except BaseException:
-            self.account.release(self.page_size)
+            self.account.release(num_bytes)
             raise
         return True
 

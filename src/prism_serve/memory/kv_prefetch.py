@@ -119,18 +119,13 @@ class PrefetchThread:
         if not pages:
             return False
         dropped: list[int] = []
-        ok = self.account.try_reserve(len(pages) * self.page_size)
-        if not ok and len(pages) > 1:  # the device is nearly full: one page at a time
-            pages, dropped = pages[:1], pages[1:]
-            ok = self.account.try_reserve(self.page_size)
         mapped = False
         try:
-            if ok:
-                self.vrange.map_pages(pages)
-                mapped = True
+            mapped = self._map_pages(pages)
+            if not mapped and len(pages) > 1:  # the device is nearly full: one page at a time
+                pages, dropped = pages[:1], pages[1:]
+                mapped = self._map_pages(pages)
         finally:
-            if ok and not mapped:
-                self.account.release(len(pages) * self.page_size)
             with self._lock:
                 self._in_flight.difference_update(pages + dropped)
                 for p in pages:
