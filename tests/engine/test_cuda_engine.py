@@ -19,7 +19,7 @@ from prism_serve.engine.llm import LLM
 from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.weights import load_weights
-from tests.engine.test_paged_decode_kernel import reference_decode
+from tests.engine.test_paged_decode_kernel import context_kv, reference_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -73,16 +73,11 @@ def test_paged_decode_matches_float64(dtype, num_heads, num_kv_heads, head_dim, 
 def reference_prefill(q, k_cache, v_cache, tables, starts, qlens, ctxs, scale) -> torch.Tensor:
     """Causal prefill attention in float64, one chunk at a time: query i of a chunk of n new
     tokens sits at position context - n + i and sees keys up to there."""
-    num_heads, head_dim = q.shape[1:]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_heads = q.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     for c in range(len(starts)):
         start, n, ctx = int(starts[c]), int(qlens[c]), int(ctxs[c])
-        blocks = tables[c, : -(-ctx // block_size)]
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].double()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].double()
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        k, v = context_kv(k_cache, v_cache, tables[c], ctx, num_heads)
         scores = torch.einsum("qhd,thd->hqt", q[start : start + n].double(), k) * scale
         keys, queries = torch.arange(ctx, device=q.device), torch.arange(ctx - n, ctx, device=q.device)
         visible = keys[None, :] <= queries[:, None]

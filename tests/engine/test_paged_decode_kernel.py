@@ -29,22 +29,28 @@ def _cache(heads: int, kv_heads: int, head_dim: int, block_size: int, num_blocks
     return cache
 
 
+def context_kv(k_cache, v_cache, block_table, length: int, num_heads: int):
+    """A sequence's first ``length`` keys and values out of the paged cache, in float64, with each
+    KV head repeated for its query heads: [length, num_heads, head_dim] each."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    blocks = block_table[: -(-length // block_size)]
+    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
+    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
+    group = num_heads // num_kv_heads
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
 def reference_decode(q, k_cache, v_cache, block_tables, lens, scale) -> torch.Tensor:
     """Paged decode attention in float64 with plain torch ops, one sequence at a time: its blocks
     gathered, cut to its length (0: zeros), softmax over every key. The reference of both the CPU
     kernel and the CUDA one (tests/engine/test_cuda_engine.py)."""
     n, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(n, num_heads, head_dim, dtype=torch.float64, device=q.device)
     for i in range(n):
         length = int(lens[i])
         if length == 0:
             continue
-        blocks = block_tables[i, : -(-length // block_size)]
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        k, v = context_kv(k_cache, v_cache, block_tables[i], length, num_heads)
         scores = torch.einsum("hd,thd->ht", q[i].double(), k) * scale
         out[i] = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
     return out
