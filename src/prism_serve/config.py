@@ -113,6 +113,11 @@ class ModelConfig(_Strict):
     block_size: int = Field(ENGINE_DEFAULTS.block_size, ge=1)
     kv_limit: Size | None = None
     seed: int = Field(ENGINE_DEFAULTS.seed, ge=0, description="synthetic weights")
+    engine: Literal["builtin", "vllm"] = Field(
+        "builtin",
+        description="builtin: prism's engine; vllm: vLLM's engine inside a prism worker (source: a "
+        "local directory vLLM loads; needs vllm_python)",
+    )
 
     _kv_limit = field_validator("kv_limit", mode="before")(_size)
 
@@ -127,6 +132,12 @@ class ModelConfig(_Strict):
         if v is not None and (math.isnan(v) or (v < 0 and v != -1)):
             raise ValueError("keep_alive must be >= 0 seconds, or -1 for never")
         return v
+
+    @model_validator(mode="after")
+    def _vllm_source(self) -> ModelConfig:
+        if self.engine == "vllm" and not Path(self.source).expanduser().is_dir():
+            raise ValueError(f"engine vllm loads a local model directory; {self.source!r} is not one")
+        return self
 
     @field_validator("tp")
     @classmethod
@@ -213,6 +224,11 @@ class DeploymentConfig(_Strict):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     ray: RayConfig | None = Field(None, description="unset: this machine's devices only")
+    vllm_python: str | None = Field(
+        None,
+        description="Python of an environment with vLLM, for models with engine: vllm (default: "
+        "$PRISM_VLLM_PYTHON, else .venv-vllm-server/bin/python as scripts/vllm-server-env.sh makes it)",
+    )
 
     @model_validator(mode="after")
     def _unique(self) -> DeploymentConfig:

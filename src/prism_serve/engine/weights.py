@@ -185,6 +185,35 @@ def load_hf_dir(path: Path) -> LoadedWeights:
     return LoadedWeights(config, tensors, Tokenizer.from_hf_dir(path), str(path), False)
 
 
+def load_checkpoint(path: Path, dtype: torch.dtype) -> LoadedWeights:
+    """A directory another engine (vLLM) loads, read as it is: every safetensors tensor under its own
+    name (floating ones in ``dtype``, others such as quantized weights untouched), the shape of any
+    architecture from config.json, and the tokenizer."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise WeightsNotFoundError(f"{path} has no config.json")
+    try:
+        config = ArchConfig.from_hf_config(json.loads(cfg_file.read_text()), any_architecture=True)
+    except json.JSONDecodeError as e:
+        raise CorruptWeightsError(f"cannot parse {cfg_file}: {e}") from e
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightsNotFoundError(f"{path} has no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            for name, t in load_file(str(f)).items():
+                tensors[name] = (
+                    t.to(dtype) if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t
+                )
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CorruptWeightsError(f"cannot read {f}: {e}") from e
+    return LoadedWeights(config, tensors, Tokenizer.from_hf_dir(path), str(path), False)
+
+
 def save_hf_dir(weights: LoadedWeights, path: Path) -> None:
     """Write weights in HF layout (used to test the HF loader and to export GGUF models)."""
     from safetensors.torch import save_file

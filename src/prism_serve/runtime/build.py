@@ -7,8 +7,10 @@ place that turns it into ``DeviceSpec``s, ``ModelSpec``s and a ``Controller``.
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
-from prism_serve.config import DeploymentConfig, DeviceConfig, DeviceGroup, ModelConfig
+from prism_serve.config import ConfigError, DeploymentConfig, DeviceConfig, DeviceGroup, ModelConfig
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.runtime.controller import Controller
 from prism_serve.runtime.devices import DeviceSpec, cpu_devices, parse_cores
@@ -41,7 +43,7 @@ def model_spec(m: ModelConfig, device_kind: str = "cpu") -> ModelSpec:
         ttft_slo=m.ttft_slo, tpot_slo=m.tpot_slo, pinned=m.pinned,
         max_model_len=m.max_model_len, max_num_seqs=m.max_num_seqs,
         max_num_batched_tokens=m.max_num_batched_tokens, block_size=m.block_size,
-        kv_limit_bytes=m.kv_limit, keep_alive_s=m.keep_alive,
+        kv_limit_bytes=m.kv_limit, keep_alive_s=m.keep_alive, engine=m.engine,
     )  # fmt: skip
 
 
@@ -51,6 +53,26 @@ def model_specs(config: DeploymentConfig) -> list[ModelSpec]:
     devices = device_specs(config)
     kind = "cuda" if devices and all(d.is_cuda for d in devices) else "cpu"
     return [model_spec(m, kind) for m in config.models]
+
+
+def vllm_python(config: DeploymentConfig) -> str | None:
+    """The Python vLLM workers start with, when some model runs on vLLM: ``vllm_python`` from the
+    config, else $PRISM_VLLM_PYTHON, else ``.venv-vllm-server/bin/python`` here (what
+    scripts/vllm-server-env.sh makes). None when no model needs one."""
+    if not any(m.engine == "vllm" for m in config.models):
+        return None
+    for candidate in (config.vllm_python, os.environ.get("PRISM_VLLM_PYTHON")):
+        if candidate:
+            if not Path(candidate).expanduser().is_file():
+                raise ConfigError(f"vllm_python: {candidate} is not a file")
+            return str(Path(candidate).expanduser())
+    default = Path(".venv-vllm-server/bin/python")
+    if default.is_file():
+        return str(default.absolute())
+    raise ConfigError(
+        "a model has engine: vllm, but no Python with vLLM is configured: set vllm_python (or "
+        "PRISM_VLLM_PYTHON), or run scripts/vllm-server-env.sh to make .venv-vllm-server"
+    )
 
 
 def build_controller(config: DeploymentConfig) -> Controller:
@@ -78,4 +100,5 @@ def build_controller(config: DeploymentConfig) -> Controller:
         spare_pages=config.policy.spare_pages,
         prepare_workers=config.policy.prepare_workers,
         nodes=nodes,
+        vllm_python=vllm_python(config),
     )

@@ -91,8 +91,10 @@ class Controller(AdminOps, NodeOps):
         spare_pages: bool = True,
         prepare_workers: bool = True,
         nodes: RayNodes | None = None,
+        vllm_python: str | None = None,
     ) -> None:
         self.devices = {d.name: d for d in devices}
+        self.vllm_python = vllm_python  # the Python vLLM workers start with (runtime/workers.py)
         # the Ray cluster that holds the devices of other nodes (runtime/cluster.py), or None
         self.nodes = nodes
         if bad := [d for d in self.devices.values() if d.node and nodes is None]:
@@ -167,10 +169,15 @@ class Controller(AdminOps, NodeOps):
             page_size=self.page_size,
             load_threads=self.load_threads,
             # each worker keeps weight pages for the largest model ready (memory/spare.py)
-            spare_bytes=max(m.cached.weight_bytes for m in self.models.values()) if self.spare_pages else 0,
+            spare_bytes=max(
+                (m.cached.weight_bytes for m in self.models.values() if m.spec.engine == "builtin"), default=0
+            )
+            if self.spare_pages
+            else 0,
             spare_of=lambda w: spare_bytes(self._ledgers[w.device.name].peek(), w.worker_id),
             prepare=self._prepare_message if self.prepare_workers else None,
             launcher=self.nodes,
+            vllm_python=self.vllm_python if any(s.engine == "vllm" for s in self.specs.values()) else None,
         )
         await self._pool.start()
         self._tick_task = asyncio.create_task(self._tick_loop())
@@ -411,12 +418,15 @@ class Controller(AdminOps, NodeOps):
             pending = [f for f in self._evictions[device] if not f.done()]
             if pending:
                 await asyncio.wait(pending, timeout=max(0.0, deadline - self._now()))
-            handle = await asyncio.wait_for(self.pool.take(device), max(0.0, deadline - self._now()))
+            handle = await asyncio.wait_for(
+                self.pool.take(device, m.spec.engine, m.spec.source), max(0.0, deadline - self._now())
+            )
             handle.model = m.spec.name
             m.worker = handle
             while True:
                 reply = await self._request(handle, self._activate_message(m, device, decided_at))
                 if isinstance(reply, msg.ModelActivated):
+                    handle.last_source = m.spec.source
                     break
                 retry = reply.error == DeviceMemoryExhaustedError.__name__ and self._now() < deadline
                 if not retry:

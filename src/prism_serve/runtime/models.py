@@ -38,6 +38,7 @@ class ModelSpec:
     block_size: int = _E.block_size
     kv_limit_bytes: int | None = None  # cap on its KV pages in the device ledger (PoolConfig.limit_bytes)
     keep_alive_s: float | None = None  # evicted after this long idle; negative: never; None: the policy's
+    engine: str = "builtin"  # builtin, or vllm (vLLM's engine in a vLLM worker; source: an HF directory)
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:
@@ -48,6 +49,8 @@ class ModelSpec:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
         if not (self.ttft_slo > 0 and self.tpot_slo > 0):
             raise InvalidRequestError(f"{self.name}: SLOs must be positive")
+        if self.engine not in ("builtin", "vllm"):
+            raise InvalidRequestError(f"{self.name}: engine must be builtin or vllm, got {self.engine!r}")
 
     def engine_config(self) -> EngineConfig:
         """What the worker's engine runs with (it sets the KV reservation, kv_cache_bytes, itself)."""

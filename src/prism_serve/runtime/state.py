@@ -126,6 +126,7 @@ class ModelEntry:
         """What a worker needs to activate this model from the host cache."""
         c = self.cached
         return msg.ActivateModel(
+            engine_kind=self.spec.engine,
             model=self.spec.name,
             cache_path=c.path,
             tensors=list(c.tensors),

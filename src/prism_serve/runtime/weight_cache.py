@@ -34,7 +34,7 @@ import torch
 from prism_serve.engine.llm_engine import DTYPES
 from prism_serve.engine.models.config import ArchConfig, RopeScaling
 from prism_serve.engine.models.llama import LlamaForCausalLM
-from prism_serve.engine.weights import load_weights
+from prism_serve.engine.weights import load_checkpoint, load_weights
 from prism_serve.memory.ledger import default_namespace
 from prism_serve.runtime.messages import CacheFile, Prepare, TensorEntry
 from prism_serve.runtime.models import ModelSpec
@@ -141,13 +141,19 @@ class HostWeightCache:
     def _load(self, spec: ModelSpec) -> CachedModel:
         start = time.monotonic()
         dtype = DTYPES[spec.dtype]
-        weights = load_weights(spec.source, dtype=dtype, seed=spec.seed)
-        # Build the model once here to get the engine's own layout (fused QKV, transposed fp32),
-        # so activations never redo that work. One RoPE position: the tables are not cached.
-        packed = LlamaForCausalLM(
-            weights.config, weights.tensors, dtype, 1, weights.rope_freq_factors
-        ).packed_tensors()
-        weights.tensors.clear()
+        if spec.engine == "vllm":
+            # vLLM loads checkpoint tensors under their own names and packs them itself
+            weights = load_checkpoint(Path(spec.source).expanduser(), dtype)
+            packed = weights.tensors
+        else:
+            weights = load_weights(spec.source, dtype=dtype, seed=spec.seed)
+            # Build the model once here to get the engine's own layout (fused QKV, transposed
+            # fp32), so activations never redo that work. One RoPE position: the tables are not
+            # cached.
+            packed = LlamaForCausalLM(
+                weights.config, weights.tensors, dtype, 1, weights.rope_freq_factors
+            ).packed_tensors()
+            weights.tensors.clear()
         entries, total = cache_layout(packed)
         with self._lock:
             self._counter += 1
@@ -165,6 +171,7 @@ class HostWeightCache:
             raise
         finally:
             os.close(fd)
+        packed.clear()  # the cache file holds them now
         tok_path = self._tokenizer_file(json.dumps(weights.tokenizer.to_state()), base)
         return CachedModel(
             spec=spec,
@@ -275,7 +282,7 @@ def _release_freed_memory() -> None:
 
 def _weights_key(spec: ModelSpec) -> tuple:
     seed = spec.seed if spec.source.startswith("random:") else 0  # the seed only matters there
-    return (spec.source, spec.dtype, seed)
+    return (spec.source, spec.dtype, seed, spec.engine)
 
 
 def _alive(pid: int) -> bool:
@@ -318,7 +325,7 @@ class SharedWeights:
             try:
                 self._mm.madvise(_MADV_POPULATE_READ, start, end - start)
             except (OSError, ValueError):  # before Linux 5.14: read one byte of every page
-                self.bytes[start:end:mmap.PAGESIZE].sum()
+                self.bytes[start : end : mmap.PAGESIZE].sum()
             self.faulted = end
         return self.complete
 

@@ -51,6 +51,8 @@ from prism_serve.runtime.devices import DeviceSpec, parse_cores, pin_process
 from prism_serve.runtime.loading import map_weight_pages, parallel_copy, tensor_views, unmap_weight_pages
 from prism_serve.runtime.weight_cache import PREFAULT_CHUNK_BYTES, SharedWeights, config_from_dict
 
+DEFAULT_VLLM_KV_BYTES = 256 * 2**20  # a vLLM model's KV buffer when its config sets no kv_limit
+
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -87,9 +89,11 @@ class Worker:
         page_size: int = DEFAULT_PAGE_SIZE,
         load_threads: int = 4,
         spare_bytes: int = 0,
+        engine: str = "builtin",
     ) -> None:
         start = time.monotonic()
         self.worker_id = worker_id
+        self.engine_kind = engine
         self.device = device
         pin_process(device)
         self.ctx = zmq.Context()
@@ -115,7 +119,15 @@ class Worker:
         self.prepare_s = 0.0
         self.active: _Active | None = None
         self.trace = StepTrace.from_env(worker_id)  # PRISM_STEP_TRACE: every step's shape and time
-        if device.name.startswith("cpu"):
+        self.vllm = None  # a vLLM worker's engine between activations (runtime/vllm_slot.py)
+        if engine == "vllm":
+            from prism_serve.engine.vllm_engine import vllm_environment
+
+            vllm_environment(device.cores)
+            from prism_serve.runtime.vllm_slot import VllmSlot
+
+            self.vllm = VllmSlot(self.weight_range, self.kv_range, self.loader)
+        elif device.name.startswith("cpu"):
             # the engine's CPU kernels, loaded (built once per machine, ~1 s) before this worker
             # is ready rather than on its first model's first step
             kernels_enabled()
@@ -246,7 +258,7 @@ class Worker:
         seqs = a.engine.last_step_seqs
         if seqs and a.engine.last_step_tokens == seqs:  # a decode step: the batching fit's sample
             a.decode = a.decode.plus(seqs, alone)
-        if self.trace is not None and a.engine.last_step_tokens:
+        if self.trace is not None and self.vllm is None and a.engine.last_step_tokens:
             cpu = time.thread_time() - c0
             self.trace.write(StepRecord(a.model, time.time() - dt, dt, cpu, a.engine.last_step_batch))
         if a.engine.last_step_tokens >= 64 and dt > 0:  # mostly prefill: a usable speed sample
@@ -308,15 +320,28 @@ class Worker:
             shared = self._shared(m.cache_path, m.weight_bytes)
             shared.prefault(shared.size)  # what a Prepare left undone of it
             self._pin(shared)
-            num_pages, reused = map_weight_pages(
-                self.weight_range, weight_account, m.weight_bytes, self.loader, self.spare
-            )
-            t_map = time.monotonic()
-            flat = self.weight_range.as_tensor()
-            copied = parallel_copy(shared.bytes, flat, m.tensors, self.loader, m.chunk_bytes)
-            t_copy = time.monotonic()
-            engine, pool = self._build_engine(m, flat, kv_account)
-            t_ready = time.monotonic()
+            if m.engine_kind != self.engine_kind:
+                raise InvalidRequestError(
+                    f"{m.model} runs on the {m.engine_kind} engine; this worker runs {self.engine_kind}"
+                )
+            if self.vllm is not None:
+                t_map = time.monotonic()
+                engine, pool, built_s = self.vllm.activate(
+                    m.source, m.engine, m.kv_limit_bytes or DEFAULT_VLLM_KV_BYTES,
+                    tensor_views(shared.bytes, m.tensors), m.weight_bytes, weight_account, kv_account,
+                )  # fmt: skip
+                t_ready = time.monotonic()
+                t_copy, copied, reused = t_ready - built_s, m.weight_bytes, 0
+            else:
+                num_pages, reused = map_weight_pages(
+                    self.weight_range, weight_account, m.weight_bytes, self.loader, self.spare
+                )
+                t_map = time.monotonic()
+                flat = self.weight_range.as_tensor()
+                copied = parallel_copy(shared.bytes, flat, m.tensors, self.loader, m.chunk_bytes)
+                t_copy = time.monotonic()
+                engine, pool = self._build_engine(m, flat, kv_account)
+                t_ready = time.monotonic()
         except BaseException as e:
             if num_pages:
                 unmap_weight_pages(self.weight_range, weight_account, num_pages, self.spare)
@@ -353,7 +378,9 @@ class Worker:
             msg.ModelActivated(
                 m.model,
                 phases,
-                kv_bytes_per_token=engine.model_config.kv_bytes_per_token(
+                kv_bytes_per_token=engine.kv_bytes_per_token
+                if self.vllm is not None
+                else engine.model_config.kv_bytes_per_token(
                     torch.empty((), dtype=torch_dtype(engine.config)).element_size()
                 ),
                 max_kv_bytes=pool.num_total_blocks * pool.block_bytes,
@@ -472,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-threads", type=int, default=4)
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--spare-bytes", type=int, default=0, help="weight pages to keep ready (0: none)")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
     args = p.parse_args(argv)
     _die_with_parent()
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
@@ -488,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         args.page_size,
         args.load_threads,
         args.spare_bytes,
+        args.engine,
     )
     worker.run()
     return 0

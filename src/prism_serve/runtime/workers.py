@@ -87,6 +87,10 @@ class WorkerHandle:
     in_flight: set[str] = field(default_factory=set)  # request ids dispatched to this worker
     stats: msg.EngineStats | None = None
     prepared: msg.Prepared | None = None  # what it opened ahead of activations, once it finished
+    engine: str = "builtin"  # the engine it runs: builtin, or vllm (started with the vLLM Python)
+    last_source: str | None = (
+        None  # the weights source it activated last (a vLLM worker keeps that shape built)
+    )
 
     @property
     def identity(self) -> bytes:
@@ -114,6 +118,7 @@ class WorkerPool:
         start_timeout_s: float = 120.0,
         poll_interval_s: float = 0.05,
         launcher: Launcher | None = None,
+        vllm_python: str | None = None,
     ) -> None:
         self.devices = {d.name: d for d in devices}
         self.workers: dict[str, WorkerHandle] = {}
@@ -129,6 +134,8 @@ class WorkerPool:
         self._start_timeout_s = start_timeout_s
         self._poll_interval_s = poll_interval_s
         self._launcher = launcher
+        # the Python of an environment with vLLM: vLLM workers start with it (None: no vLLM workers)
+        self._vllm_python = vllm_python
         self._tcp_endpoint: str | None = None  # bound on first use, for workers of other nodes
         self._ids = itertools.count()
         self._tmp = tempfile.TemporaryDirectory(prefix="prism-ipc-")
@@ -145,12 +152,14 @@ class WorkerPool:
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_loop())]
         handles = [self.spawn(d) for d in self.devices.values() for _ in range(d.num_workers)]
+        if self._vllm_python:  # one vLLM worker per device, ready before its first activation
+            handles += [self.spawn(d, "vllm") for d in self.devices.values()]
         await asyncio.gather(*(self.wait_ready(h) for h in handles))
 
     # ---- workers ------------------------------------------------------------------------------
 
-    def spawn(self, device: DeviceSpec) -> WorkerHandle:
-        worker_id = f"{device.name}/w{next(self._ids)}"
+    def spawn(self, device: DeviceSpec, engine: str = "builtin") -> WorkerHandle:
+        worker_id = f"{device.name}/{'v' if engine == 'vllm' else 'w'}{next(self._ids)}"
         args = [
             "--worker-id", worker_id,
             "--device", device.local_name,
@@ -160,8 +169,21 @@ class WorkerPool:
             "--reserve-bytes", str(self._reserve_bytes[device.name]),
             "--page-size", str(self._page_size),
             "--load-threads", str(self._load_threads),
-            "--spare-bytes", str(self._spare_bytes),
+            "--spare-bytes", str(self._spare_bytes if engine == "builtin" else 0),
         ]  # fmt: skip
+        env = None
+        if engine == "vllm":
+            if not self._vllm_python:
+                raise WorkerStartError("a vLLM model needs a Python with vLLM (vllm_python in the config)")
+            if device.node:
+                raise WorkerStartError(f"{device.name}: vLLM workers run on this node only")
+            args += ["--engine", "vllm"]
+            # prism from this checkout or install, whatever the vLLM environment has installed
+            src = str(Path(__file__).resolve().parents[2])
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
+            }
         if device.node:  # its node agent starts it there, in that node's namespace
             if self._launcher is None:
                 raise WorkerStartError(f"{device.name} is on node {device.node!r}: no Ray cluster given")
@@ -169,10 +191,11 @@ class WorkerPool:
         else:
             if self._namespace:
                 args += ["--namespace", self._namespace]
-            cmd = [sys.executable, "-m", "prism_serve.runtime.worker", *args]
+            python = self._vllm_python if engine == "vllm" else sys.executable
+            cmd = [python, "-m", "prism_serve.runtime.worker", *args]
             cmd += ["--parent-pid", str(os.getpid())]
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        handle = WorkerHandle(worker_id, device, proc, pid=proc.pid)
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+        handle = WorkerHandle(worker_id, device, proc, pid=proc.pid, engine=engine)
         self.workers[worker_id] = handle
         return handle
 
@@ -195,30 +218,38 @@ class WorkerPool:
             ) from None
         return handle
 
-    def idle(self, device: str) -> list[WorkerHandle]:
-        return [w for w in self.on_device(device) if w.state is WorkerState.IDLE]
+    def idle(self, device: str, engine: str = "builtin") -> list[WorkerHandle]:
+        return [w for w in self.on_device(device) if w.state is WorkerState.IDLE and w.engine == engine]
 
-    async def take(self, device: str) -> WorkerHandle:
-        """An idle worker of ``device``, now marked ACTIVATING (the one with the most spare weight
-        pages: its activation creates the fewest); the pool refills in the background."""
+    async def take(self, device: str, engine: str = "builtin", source: str | None = None) -> WorkerHandle:
+        """An idle worker of ``device`` that runs ``engine``, now marked ACTIVATING; the pool
+        refills in the background. Among several: the one that last activated ``source`` (a vLLM
+        worker keeps that model shape's engine built, runtime/vllm_slot.py), else the one with the
+        most spare weight pages (its activation creates the fewest)."""
         spec = self.devices.get(device)
         while True:
             if device not in self.devices:  # at the call, or while it waited for a worker
                 raise WorkerStartError(f"device {device} is gone (its node left the cluster)")
-            idle = self.idle(device)
+            idle = self.idle(device, engine)
             if idle:
-                handle = max(idle, key=self._spare_of) if self._spare_of and len(idle) > 1 else idle[0]
+                same = [w for w in idle if source is not None and w.last_source == source]
+                if same:
+                    handle = same[0]
+                elif self._spare_of and len(idle) > 1:
+                    handle = max(idle, key=self._spare_of)
+                else:
+                    handle = idle[0]
                 handle.state = WorkerState.ACTIVATING
-                if not self.idle(device) and not self._starting(device):
-                    self.spawn(spec)  # keep one idle worker ready for the next activation
+                if not self.idle(device, engine) and not self._starting(device, engine):
+                    self.spawn(spec, engine)  # keep one idle worker ready for the next activation
                 return handle
-            starting = self._starting(device) or [self.spawn(spec)]
+            starting = self._starting(device, engine) or [self.spawn(spec, engine)]
             await asyncio.wait(
                 [asyncio.shield(h.ready) for h in starting], return_when=asyncio.FIRST_COMPLETED
             )
 
-    def _starting(self, device: str) -> list[WorkerHandle]:
-        return [w for w in self.on_device(device) if w.state is WorkerState.STARTING]
+    def _starting(self, device: str, engine: str = "builtin") -> list[WorkerHandle]:
+        return [w for w in self.on_device(device) if w.state is WorkerState.STARTING and w.engine == engine]
 
     def on_device(self, device: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.device.name == device]
@@ -299,8 +330,11 @@ class WorkerPool:
         if self._closing:
             return
         self._on_death(handle)
-        if handle.device.name in self.devices and (
-            len([w for w in self.workers.values() if w.device.name == handle.device.name])
+        if handle.engine == "vllm":
+            if handle.device.name in self.devices and not self.idle(handle.device.name, "vllm"):
+                self.spawn(handle.device, "vllm")  # the replacement
+        elif handle.device.name in self.devices and (
+            len([w for w in self.on_device(handle.device.name) if w.engine == "builtin"])
             < handle.device.num_workers
         ):
             self.spawn(handle.device)  # the replacement

@@ -95,9 +95,14 @@ class ArchConfig:
         )
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
+    def from_hf_config(cls, cfg: dict[str, Any], any_architecture: bool = False) -> ArchConfig:
+        """The built-in engine's shape of an HF config.json. ``any_architecture``: only the shape
+        (layers, heads, sizes) of a model another engine runs (vLLM), whatever its type; a
+        multimodal config's ``text_config`` gives the language model's."""
+        if any_architecture and isinstance(cfg.get("text_config"), dict):
+            cfg = {**cfg, **cfg["text_config"]}
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2", "mistral"):
+        if model_type not in ("llama", "qwen2", "mistral") and not any_architecture:
             raise UnsupportedModelError(f"HF model_type {model_type!r} is not supported (llama, qwen2)")
         try:
             hidden = int(cfg["hidden_size"])
@@ -113,10 +118,14 @@ class ArchConfig:
                         high_freq_factor=float(rs["high_freq_factor"]),
                         original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
                     )
-                elif kind != "default":
+                elif kind != "default" and not any_architecture:
                     raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (llama3)")
             return cls(
-                architecture="qwen2" if model_type == "qwen2" else "llama",
+                architecture=model_type
+                if any_architecture
+                else "qwen2"
+                if model_type == "qwen2"
+                else "llama",
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),

@@ -1,0 +1,363 @@
+"""vLLM's engine inside a prism worker process, behind the interface the worker drives the built-in
+engine through (``add_request``, ``step``, aborts, counts, ``close``).
+
+Runs only in a Python environment that has vLLM (``scripts/vllm-server-env.sh`` makes one; the
+controller starts vLLM workers with it, see runtime/workers.py). The engine core runs in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no extra server or engine process.
+
+Memory (every byte in the device ledger):
+
+- **KV cache.** vLLM allocates its KV cache as one buffer at build time. ``build`` hands it a view
+  of the worker's reserved KV range instead (the one patch of vLLM here: ``allocate_kv_cache``'s
+  ``torch.zeros`` for that buffer is served from the range while the engine is built). The buffer's
+  pages are mapped while a model is active and unmapped at eviction, so an idle worker holds no KV
+  memory; the tensor vLLM holds stays valid because the range's address never changes. The pages
+  are mapped whole at activation, not block by block (vLLM's block pool does not ask prism for
+  pages yet).
+- **Weights.** After the build, every parameter that holds data (embeddings, norms, biases) is moved
+  into the worker's reserved weight range; vLLM's CPU post-processing packs each linear layer's
+  weight into a kernel format it keeps itself (``cpu_linear``). Activation maps the weight pages and
+  loads the model's checkpoint tensors with vLLM's in-place ``reload_weights`` (which repacks the
+  linears); eviction drops the packed linears and unmaps the pages. The packed bytes are granted in
+  the ledger beside the pages.
+
+The engine itself (scheduler, compiled kernels, tokenizer) stays built between models of one shape,
+which is what makes an activation a weight load and not a vLLM start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prism_serve.engine.config import EngineConfig
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.sequence import RequestMetrics, RequestOutput, TokenLogprob
+from prism_serve.errors import InvalidRequestError, InvalidSamplingParamsError
+from prism_serve.memory.vmm import VirtualRange
+
+__all__ = ["VllmEngine", "shape_key", "vllm_environment"]
+
+_SHAPE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def vllm_environment(cores: Iterable[int] = ()) -> None:
+    """What vLLM must read before its first import: its engine core in this process, no usage
+    report, no model hub, and its OpenMP threads on this worker's cores."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cores = sorted(cores)
+    if cores:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+
+
+def shape_key(source: str) -> str:
+    """What one built engine can serve: models with the same config and tokenizer files (fine-tunes
+    of one base) share a pooled engine; only their weights differ."""
+    h = hashlib.sha256()
+    for name in _SHAPE_FILES:
+        p = Path(source) / name
+        h.update(name.encode())
+        h.update(p.read_bytes() if p.is_file() else b"-")
+    return h.hexdigest()[:16]
+
+
+class _FromRange:
+    """Stands in for the torch module inside vLLM's KV allocation: its ``zeros`` is a view of the
+    reserved range (mapped by the caller), everything else is torch's."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self._flat = flat
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def zeros(self, n: int, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+        if n > self._flat.numel():
+            raise InvalidRequestError(
+                f"vLLM's KV cache needs {n} bytes; the worker reserved {self._flat.numel()}"
+            )
+        return self._flat[:n].view(dtype or torch.float32)
+
+
+@dataclass(slots=True)
+class _Request:
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    logprobs: int | None  # the top-k asked for, per sampled and per prompt token
+    prompt_logprobs: int | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    prompt_logprobs_sent: bool = False
+
+
+class VllmEngine:
+    """One vLLM engine, built over dummy weights of a model shape, serving one model at a time."""
+
+    def __init__(self, engine: Any, config: EngineConfig, kv_bytes: int, source: str) -> None:
+        self._engine = engine
+        self.config = config
+        self.source = source
+        self.kv_bytes = kv_bytes  # bytes of the KV buffer in the reserved range
+        core = engine.engine_core.engine_core
+        self._scheduler = core.scheduler
+        self._runner = core.model_executor.driver_worker.worker.model_runner
+        self._model = self._runner.get_model()
+        self.max_model_len = int(engine.model_config.max_model_len)
+        self.num_kv_blocks = int(self._scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
+        self.block_bytes = kv_bytes // max(1, self.num_kv_blocks)
+        spec = self._scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        layers = len(self._runner.kv_caches)
+        self.kv_bytes_per_token = spec.page_size_bytes * layers // spec.block_size
+        self._requests: dict[str, _Request] = {}
+        self.stalled = False  # the KV pages are all mapped while active: nothing waits on the ledger
+        self.last_step_seqs = 0
+        self.last_step_tokens = 0
+        self.last_step_batch = None
+        self.record_step_batches = False
+        schedule = self._scheduler.schedule
+
+        def counted_schedule(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            self.last_step_seqs = len(out.num_scheduled_tokens)
+            self.last_step_tokens = int(out.total_num_scheduled_tokens)
+            return out
+
+        self._scheduler.schedule = counted_schedule  # the step's shape, for the worker's statistics
+
+    # ---- building and activation --------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls, source: str, config: EngineConfig, kv_range: VirtualRange, kv_bytes: int, map_kv
+    ) -> VllmEngine:
+        """vLLM's engine for ``source``'s shape over dummy weights, its KV buffer at the start of
+        ``kv_range``. ``map_kv(num_bytes)`` maps (and grants) the buffer's pages before vLLM touches
+        them; the caller unmaps them when the build returns."""
+        import vllm.v1.worker.gpu_model_runner as runner_module
+        import vllm.v1.worker.utils as worker_utils
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        original = runner_module.allocate_kv_cache
+        size = [0]
+
+        def allocate_in_range(kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+            size[0] = max(t.size for t in kv_cache_config.kv_cache_tensors)
+            map_kv(size[0])
+            worker_utils.torch = _FromRange(kv_range.as_tensor())
+            try:
+                return original(kv_cache_config, *args, **kwargs)
+            finally:
+                worker_utils.torch = torch
+
+        args = EngineArgs(
+            model=source, dtype=config.dtype, load_format="dummy", enforce_eager=True,
+            max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes, seed=config.seed,
+        )  # fmt: skip
+        runner_module.allocate_kv_cache = allocate_in_range
+        try:
+            engine = LLMEngine.from_engine_args(args)
+        finally:
+            runner_module.allocate_kv_cache = original
+        return cls(engine, config, size[0], source)
+
+    def data_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters that hold data after vLLM's post-processing (the packed linears' own
+        ``weight`` is empty), each once (a tied LM head shares the embedding's)."""
+        seen: set[int] = set()
+        out = []
+        for p in self._model.parameters():
+            if p.numel() and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def move_parameters(self, flat: torch.Tensor, align: int = 4096) -> int:
+        """Put every data parameter into ``flat`` (the mapped weight range) back to back; returns
+        the bytes used. vLLM's reload copies into these tensors, so they stay there."""
+        offset = 0
+        for p in self.data_parameters():
+            nbytes = p.numel() * p.element_size()
+            view = flat[offset : offset + nbytes].view(p.dtype).view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+            offset += -(-nbytes // align) * align
+        return offset
+
+    def parameter_bytes(self, align: int = 4096) -> int:
+        return sum(-(-p.numel() * p.element_size() // align) * align for p in self.data_parameters())
+
+    def load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A model's checkpoint tensors (HF names) into the engine, in place. A checkpoint that ties
+        its LM head to the embedding stores only the embedding; vLLM's reload wants both names."""
+        named = dict(tensors)
+        hf = self._engine.model_config.hf_config
+        if getattr(hf, "tie_word_embeddings", False) and "lm_head.weight" not in named:
+            embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
+            if embed is not None:
+                named["lm_head.weight"] = embed
+        self._runner.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)
+
+    def unload(self) -> None:
+        """Drop the packed linear weights (their memory goes back to the allocator); the data
+        parameters stay in the weight range, which the caller unmaps."""
+        for m in self._model.modules():
+            if getattr(m, "cpu_linear", None) is not None:
+                m.cpu_linear = None
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str) -> None:
+        if req_id in self._requests:
+            raise InvalidRequestError(f"request id {req_id!r} is already running")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens, and at least one must be left for the output"
+            )
+        sp = _vllm_params(params, self.max_model_len - len(prompt_token_ids))
+        now = time.monotonic()
+        try:
+            self._engine.add_request(req_id, {"prompt_token_ids": list(prompt_token_ids)}, sp)
+        except ValueError as e:  # vLLM's own validation (a grammar it cannot compile, ...)
+            raise InvalidSamplingParamsError(str(e)) from None
+        self._requests[req_id] = _Request(
+            list(prompt_token_ids), RequestMetrics(arrival_time=now), params.logprobs, params.prompt_logprobs
+        )
+
+    def step(self) -> list[RequestOutput]:
+        self.last_step_seqs = self.last_step_tokens = 0
+        outs = []
+        for o in self._engine.step():
+            r = self._requests.get(o.request_id)
+            if r is None:
+                continue
+            c = o.outputs[0]
+            stats = o.metrics
+            m = r.metrics
+            if stats is not None:
+                m.first_scheduled_time = stats.scheduled_ts or m.first_scheduled_time
+                m.first_token_time = stats.first_token_ts or m.first_token_time
+            delta = list(c.token_ids)
+            r.token_ids += delta
+            r.text += c.text
+            prompt_lp = None
+            if o.prompt_logprobs is not None and not r.prompt_logprobs_sent and delta:
+                prompt_lp = [None] + [
+                    None if d is None else _entry(t, d, r.prompt_logprobs)
+                    for t, d in zip(r.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=False)
+                ]
+                r.prompt_logprobs_sent = True
+            if o.finished:
+                m.finish_time = time.monotonic()
+                del self._requests[o.request_id]
+            outs.append(
+                RequestOutput(
+                    req_id=o.request_id,
+                    prompt_token_ids=r.prompt_token_ids,
+                    token_ids=list(r.token_ids),
+                    text=r.text,
+                    delta_text=c.text,
+                    delta_token_ids=delta,
+                    finished=o.finished,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    metrics=m,
+                    logprobs=None
+                    if c.logprobs is None
+                    else [_entry(t, d, r.logprobs) for t, d in zip(delta, c.logprobs, strict=False)],
+                    prompt_logprobs=prompt_lp,
+                )
+            )
+        return outs
+
+    def abort_request(self, req_id: str) -> bool:
+        if self._requests.pop(req_id, None) is None:
+            return False
+        self._engine.abort_request([req_id])
+        return True
+
+    def abort_all(self) -> list[str]:
+        ids = list(self._requests)
+        if ids:
+            self._engine.abort_request(ids)
+        self._requests.clear()
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._scheduler.waiting)
+
+    @property
+    def num_used_blocks(self) -> int:
+        pool = self._scheduler.kv_cache_manager.block_pool
+        return max(0, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())  # block 0 is vLLM's null block
+
+    def close(self) -> None:
+        self.abort_all()
+
+
+def _vllm_params(p: SamplingParams, room: int) -> Any:
+    from vllm import SamplingParams as VP
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    structured = None
+    if p.structured is not None:
+        s = p.structured
+        structured = StructuredOutputsParams(
+            **{
+                "json_object": {"json_object": True},
+                "json_schema": {"json": s.spec},
+                "regex": {"regex": s.spec},
+                "grammar": {"grammar": s.spec},
+            }[s.kind]
+        )
+    try:
+        return VP(
+            max_tokens=min(p.max_tokens, room), temperature=p.temperature, top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else 0, min_p=p.min_p, seed=p.seed, stop=list(p.stop) or None,
+            stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+            skip_special_tokens=p.skip_special_tokens, min_tokens=p.min_tokens,
+            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias) or None,
+            logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, structured_outputs=structured,
+            output_kind=RequestOutputKind.DELTA,
+        )  # fmt: skip
+    except ValueError as e:
+        raise InvalidSamplingParamsError(str(e)) from None
+
+
+def _entry(token_id: int, d: dict, k: int | None) -> TokenLogprob:
+    """prism's logprob entry from vLLM's dict: the chosen token's logprob, and the top ``k``
+    alternatives by rank (vLLM's dict holds those and the chosen token, whatever its rank)."""
+    top = sorted(
+        (lp.rank, t, float(lp.logprob)) for t, lp in d.items() if lp.rank is not None and lp.rank <= (k or 0)
+    )
+    chosen = d.get(token_id)
+    logprob = float(chosen.logprob) if chosen is not None else float("-inf")
+    return TokenLogprob(token_id, logprob, [(t, lp) for _, t, lp in top])
