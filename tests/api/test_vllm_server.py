@@ -5,8 +5,16 @@ scripts/dev.sh test runs), the built-in one in a worker of this environment.
 
 Checked: greedy outputs and logprobs of the two engines agree; the vLLM model streams and serves
 the server's features (chat template, stop strings, structured output through vLLM's own backend);
-its memory is in the device ledger while active and nowhere after an eviction, 20 times over; a
-vLLM worker killed mid-request fails that request only, and a new worker serves the model again."""
+its KV pages follow its requests (mapped as a long prompt needs them, given back when it ends), and
+with a budget too small for both models' long requests at once each grows into the memory the
+other gave back, the ledger never over its budget; its memory is in the device ledger while active
+and nowhere after an eviction, 20 times over; a vLLM worker killed mid-request fails that request
+only, and a new worker serves the model again.
+
+The budget: both models' weights (514 + 515 MiB in fp32) and their idle KV (the built-in pool's
+first pages, vLLM's null block in each of 30 layers: 68 MiB) take 1,097 MiB; a 1,801-token prompt
+adds about 100 MiB of KV on either engine, so 1,230 MiB holds one such request at a time, not two.
+Spare weight pages are off so that nothing else takes memory."""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -31,12 +40,11 @@ VLLM_PYTHON = Path(os.environ.get("PRISM_VLLM_PYTHON", ROOT / ".venv-vllm-server
 
 CONFIG = """
 devices:
-  - {{name: "cpu:0", memory: 3GiB, workers: 1}}
+  - {{name: "cpu:0", memory: 1230MiB, workers: 1}}
 models:
   - {{name: smol, dtype: float32, ttft_slo: 60.0, tpot_slo: 5.0}}
-  - {{name: smol-vllm, engine: vllm, source: "{hf}", dtype: float32, ttft_slo: 60.0, tpot_slo: 5.0,
-     kv_limit: 96MiB}}
-policy: {{name: prism, activation_timeout_s: 240}}
+  - {{name: smol-vllm, engine: vllm, source: "{hf}", dtype: float32, ttft_slo: 60.0, tpot_slo: 5.0}}
+policy: {{name: prism, activation_timeout_s: 240, spare_pages: false}}
 vllm_python: "{python}"
 server:
   api_keys: [{key}]
@@ -136,6 +144,99 @@ def test_bad_request_gets_an_error_and_the_model_keeps_serving(server: ServerPro
         c.completions.create(model="smol-vllm", prompt="x " * 5000, max_tokens=4)
     r = c.completions.create(model="smol-vllm", prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
+
+
+LONG = "word " * 1800  # 1,801 tokens
+
+
+class LedgerWatch:
+    """Samples the device ledger every 10 ms while a block runs: each entry's peak, and the peak
+    of all (the budget must hold at every sample)."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.ledger = DeviceLedger("cpu:0", namespace=server.namespace)
+        self.peak: dict[str, int] = {}
+        self.peak_used = 0
+        self._stop = threading.Event()
+
+    def sample(self) -> None:
+        snap = self.ledger.snapshot()
+        for e in snap.entries:
+            self.peak[e.name] = max(self.peak.get(e.name, 0), e.mapped_bytes)
+        self.peak_used = max(self.peak_used, snap.used_bytes)
+        self.budget = snap.budget_bytes
+
+    def __enter__(self) -> LedgerWatch:
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.sample()
+                time.sleep(0.01)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        assert self.peak_used <= self.budget, "the ledger granted more than the device's budget"
+
+
+def kv_bytes(server: ServerProcess, model: str) -> int:
+    return sum(e.mapped_bytes for e in model_entries(server, model) if e.name.endswith(" kv"))
+
+
+def wait_kv(server: ServerProcess, model: str, value: int) -> None:
+    deadline = time.monotonic() + 30
+    while kv_bytes(server, model) != value:
+        assert time.monotonic() < deadline, f"{model}'s KV stays at {kv_bytes(server, model)}, not {value}"
+        time.sleep(0.05)
+
+
+def test_vllm_kv_pages_follow_its_requests(server: ServerProcess) -> None:
+    c = client(server)
+    admin(server, "smol-vllm", "load")
+    idle = kv_bytes(server, "smol-vllm")
+    assert 0 < idle <= 64 * 2**20  # the null block's pages, one per layer
+    with LedgerWatch(server) as watch:
+        r = c.completions.create(model="smol-vllm", prompt=LONG, max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens == 1801 and r.usage.completion_tokens == 8
+    # 15 blocks of 128 tokens, 5.6 MiB each across the 30 layers, were mapped for it
+    assert watch.peak["smol-vllm kv"] - idle >= 15 * 5898240
+    wait_kv(server, "smol-vllm", idle)  # and given back when it finished
+
+
+def test_colocated_engines_take_turns_with_memory_neither_could_hold_both(server: ServerProcess) -> None:
+    c = client(server)
+    admin(server, "smol", "load")
+    admin(server, "smol-vllm", "load")
+    solo: dict[str, int] = {}
+    idle = {m: kv_bytes(server, m) for m in ("smol", "smol-vllm")}
+    for model in ("smol", "smol-vllm"):
+        with LedgerWatch(server) as watch:
+            c.completions.create(model=model, prompt=LONG, max_tokens=4, temperature=0)
+        solo[model] = watch.peak[f"{model} kv"] - idle[model]
+        wait_kv(server, model, idle[model])
+    snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
+    assert sum(solo.values()) > snap.budget_bytes - snap.used_bytes  # both at once cannot fit
+    done: dict[str, int] = {}
+
+    def one(model: str) -> None:
+        done[model] = c.completions.create(
+            model=model, prompt=LONG, max_tokens=16, temperature=0
+        ).usage.completion_tokens
+
+    with LedgerWatch(server) as watch:  # asserts the budget at every sample
+        threads = [threading.Thread(target=one, args=(m,)) for m in ("smol", "smol-vllm")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert done == {"smol": 16, "smol-vllm": 16}
+    # each held its whole prompt's KV (2 x 30 layers x 3 heads x 64 x 4 bytes a token) at some point,
+    # which both together could not: one grew into the memory the other gave back
+    for model in solo:
+        assert watch.peak[f"{model} kv"] - idle[model] >= 1801 * 46080
 
 
 def test_activate_serve_evict_20_times_leaves_the_ledger_empty(server: ServerProcess) -> None:

@@ -28,6 +28,8 @@ which is what makes an activation a weight load and not a vLLM start.
 from __future__ import annotations
 
 import hashlib
+import heapq
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -40,7 +42,9 @@ import torch
 from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.sequence import RequestMetrics, RequestOutput, TokenLogprob
-from prism_serve.errors import InvalidRequestError, InvalidSamplingParamsError
+from prism_serve.errors import InvalidRequestError, InvalidSamplingParamsError, UnsupportedModelError
+from prism_serve.memory.ledger import Account, LedgerError
+from prism_serve.memory.strided_kv import StridedKVPages
 from prism_serve.memory.vmm import VirtualRange
 
 __all__ = ["VllmEngine", "shape_key", "vllm_environment"]
@@ -89,6 +93,58 @@ class _FromRange:
         return self._flat[:n].view(dtype or torch.float32)
 
 
+class _LowestFirst:
+    """vLLM's free block queue (prefix caching off), handing out the lowest free block ids first,
+    so the blocks in use stay at the bottom of the buffer and its pages above them can be unmapped."""
+
+    def __init__(self, blocks: list, queue: Any) -> None:
+        self._blocks = blocks
+        self._free = {b.block_id for b in _queued(queue)}
+        self._heap = sorted(self._free)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def popleft(self) -> Any:
+        while True:
+            i = heapq.heappop(self._heap)
+            if i in self._free:
+                self._free.discard(i)
+                return self._blocks[i]
+
+    def popleft_n(self, n: int) -> list:
+        if n > len(self._free):
+            raise ValueError(f"cannot take {n} blocks: {len(self._free)} are free")
+        return [self.popleft() for _ in range(n)]
+
+    def append(self, block: Any) -> None:
+        if block.block_id not in self._free:
+            self._free.add(block.block_id)
+            heapq.heappush(self._heap, block.block_id)
+
+    def append_n(self, blocks: Iterable) -> None:
+        for b in blocks:
+            self.append(b)
+
+    prepend_n = append_n  # the order is by id either way
+
+    def remove(self, block: Any) -> None:
+        self._free.discard(block.block_id)  # its heap entry is skipped when popped
+
+    def get_all_free_blocks(self) -> list:
+        return [self._blocks[i] for i in sorted(self._free)]
+
+
+def _queued(queue: Any) -> list:
+    """The blocks in vLLM's linked free list."""
+    out, b = [], queue.fake_free_list_head.next_free_block
+    while b is not queue.fake_free_list_tail:
+        out.append(b)
+        b = b.next_free_block
+    return out
+
+
 @dataclass(slots=True)
 class _Request:
     prompt_token_ids: list[int]
@@ -103,23 +159,29 @@ class _Request:
 class VllmEngine:
     """One vLLM engine, built over dummy weights of a model shape, serving one model at a time."""
 
-    def __init__(self, engine: Any, config: EngineConfig, kv_bytes: int, source: str) -> None:
+    def __init__(self, engine: Any, config: EngineConfig, kv: StridedKVPages, source: str) -> None:
         self._engine = engine
         self.config = config
         self.source = source
-        self.kv_bytes = kv_bytes  # bytes of the KV buffer in the reserved range
+        self.kv = kv  # the KV buffer's pages, mapped block by block as requests need them
         core = engine.engine_core.engine_core
         self._scheduler = core.scheduler
         self._runner = core.model_executor.driver_worker.worker.model_runner
         self._model = self._runner.get_model()
         self.max_model_len = int(engine.model_config.max_model_len)
-        self.num_kv_blocks = int(self._scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
-        self.block_bytes = kv_bytes // max(1, self.num_kv_blocks)
+        self._pool = self._scheduler.kv_cache_manager.block_pool
+        self.num_kv_blocks = int(self._pool.num_gpu_blocks)
+        self.block_bytes = kv.block_stride * kv.num_layers  # one block id in every layer
         spec = self._scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        layers = len(self._runner.kv_caches)
-        self.kv_bytes_per_token = spec.page_size_bytes * layers // spec.block_size
+        self.block_size = int(spec.block_size)
+        self._step_tokens = int(engine.vllm_config.scheduler_config.max_num_batched_tokens)
+        self.kv_bytes_per_token = self.block_bytes // self.block_size
+        # vLLM hands out the lowest free block ids and sees only the blocks below the watermark
+        self._free = _LowestFirst(self._pool.blocks, self._pool.free_block_queue)
+        self._pool.free_block_queue = self._free
+        self._pool.get_num_free_blocks = self._usable_free_blocks
         self._requests: dict[str, _Request] = {}
-        self.stalled = False  # the KV pages are all mapped while active: nothing waits on the ledger
+        self.stalled = False  # the ledger refused the KV pages a waiting request needs
         self.last_step_seqs = 0
         self.last_step_tokens = 0
         self.last_step_batch = None
@@ -137,23 +199,33 @@ class VllmEngine:
     # ---- building and activation --------------------------------------------------------------
 
     @classmethod
-    def build(
-        cls, source: str, config: EngineConfig, kv_range: VirtualRange, kv_bytes: int, map_kv
-    ) -> VllmEngine:
-        """vLLM's engine for ``source``'s shape over dummy weights, its KV buffer at the start of
-        ``kv_range``. ``map_kv(num_bytes)`` maps (and grants) the buffer's pages before vLLM touches
-        them; the caller unmaps them when the build returns."""
+    def build(cls, source: str, config: EngineConfig, kv_range: VirtualRange, account: Account) -> VllmEngine:
+        """vLLM's engine for ``source``'s shape over dummy weights, its KV buffer the whole of
+        ``kv_range`` (address space: pages are mapped as blocks are used). The pages of block 0
+        (vLLM's null block, which its kernels may read) are mapped under ``account`` before vLLM
+        touches the buffer; on failure nothing stays mapped."""
         import vllm.v1.worker.gpu_model_runner as runner_module
         import vllm.v1.worker.utils as worker_utils
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
         original = runner_module.allocate_kv_cache
-        size = [0]
+        made: list[StridedKVPages] = []
 
         def allocate_in_range(kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
-            size[0] = max(t.size for t in kv_cache_config.kv_cache_tensors)
-            map_kv(size[0])
+            tensors = kv_cache_config.kv_cache_tensors
+            if len(tensors) != 1:
+                raise UnsupportedModelError(
+                    f"{source}: vLLM lays its KV cache out in {len(tensors)} buffers; prism maps one"
+                )
+            t = tensors[0]
+            kv = StridedKVPages(
+                kv_range, len(t.layers), t.layer_stride, t.block_stride, kv_cache_config.num_blocks, t.offset
+            )
+            kv.attach(account)
+            if not kv.resize(1):
+                raise LedgerError(f"the ledger cannot grant the pages of {source}'s first KV block")
+            made.append(kv)
             worker_utils.torch = _FromRange(kv_range.as_tensor())
             try:
                 return original(kv_cache_config, *args, **kwargs)
@@ -164,14 +236,18 @@ class VllmEngine:
             model=source, dtype=config.dtype, load_format="dummy", enforce_eager=True,
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes, seed=config.seed,
+            enable_prefix_caching=False, kv_cache_memory_bytes=kv_range.size, seed=config.seed,
         )  # fmt: skip
         runner_module.allocate_kv_cache = allocate_in_range
         try:
             engine = LLMEngine.from_engine_args(args)
+        except BaseException:
+            for kv in made:
+                kv.close()
+            raise
         finally:
             runner_module.allocate_kv_cache = original
-        return cls(engine, config, size[0], source)
+        return cls(engine, config, made[-1], source)
 
     def data_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters that hold data after vLLM's post-processing (the packed linears' own
@@ -239,8 +315,52 @@ class VllmEngine:
             list(prompt_token_ids), RequestMetrics(arrival_time=now), params.logprobs, params.prompt_logprobs
         )
 
+    # ---- KV pages -------------------------------------------------------------------------------
+
+    def _usable_free_blocks(self) -> int:
+        """What vLLM's scheduler may allocate: the free blocks below the watermark (every block in
+        use is below it; the null block 0 is never free)."""
+        used = self.num_used_blocks
+        return max(0, min(self._free.num_free_blocks, self.kv.watermark - 1 - used))
+
+    def _highest_used(self) -> int:
+        return max((b.block_id for b in self._pool.blocks if b.ref_cnt > 0 and not b.is_null), default=0)
+
+    def _headroom(self) -> int:
+        """Blocks one step may add beyond those in use: for each running request, its next chunk
+        (a prompt's rest up to the step's token budget, or one decoded token) and a block of
+        rounding; for the waiting requests the step may admit (those whose tokens fit one step's
+        budget, and always the first), their whole sequence, since vLLM admits a request only
+        when all of it fits; vLLM's own admission margin; and one more."""
+        bs, budget = self.block_size, self._step_tokens
+        need = sum(
+            math.ceil(min(r.num_tokens - r.num_computed_tokens, budget) / bs) + 1
+            for r in self._scheduler.running
+        )
+        tokens = 0
+        for i, r in enumerate(self._scheduler.waiting):
+            n = max(0, r.num_tokens - r.num_computed_tokens)
+            if i and tokens + n > budget:
+                break
+            tokens += n
+            need += math.ceil(r.num_tokens / bs)
+        return need + self._scheduler.kv_cache_manager.watermark_blocks + 1
+
+    def fit_pages(self) -> None:
+        """Map the blocks the next step may need (as far as the ledger allows) and unmap those
+        above what it needs twice over: pages follow the requests, a step ahead."""
+        high = self._highest_used() + 1
+        need = high + self._headroom()
+        if self.kv.watermark < need:
+            reached = self.kv.grow_by_pages(need)
+            self.stalled = reached < need and self.num_waiting > 0
+        elif self.kv.watermark > high + 2 * self._headroom():
+            self.kv.resize(need)
+            self.stalled = False
+
     def step(self) -> list[RequestOutput]:
         self.last_step_seqs = self.last_step_tokens = 0
+        self.fit_pages()
         outs = []
         for o in self._engine.step():
             r = self._requests.get(o.request_id)
@@ -314,8 +434,7 @@ class VllmEngine:
 
     @property
     def num_used_blocks(self) -> int:
-        pool = self._scheduler.kv_cache_manager.block_pool
-        return max(0, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())  # block 0 is vLLM's null block
+        return max(0, self.num_kv_blocks - 1 - self._free.num_free_blocks)  # block 0 is vLLM's null block
 
     def close(self) -> None:
         self.abort_all()

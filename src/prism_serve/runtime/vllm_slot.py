@@ -9,13 +9,14 @@ model leaves nothing there (engine/vllm_engine.py says where each byte lives):
 - weight account: the pages of the data parameters in the worker's weight range, plus the packed
   linear weights vLLM keeps itself, granted as bytes (estimated as the checkpoint's bytes less the
   data parameters': the packing stores the same numbers in another order);
-- KV account: the pages of vLLM's KV buffer in the worker's KV range, all mapped while active.
+- KV account: the pages of the KV blocks in use, mapped a step ahead of the requests that need them
+  (memory/strided_kv.py), so a vLLM model's KV grows into memory a neighbour freed and shrinks when
+  its requests finish.
 """
 
 from __future__ import annotations
 
 import gc
-import logging
 import time
 from dataclasses import dataclass
 
@@ -23,25 +24,22 @@ import torch
 
 from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.vllm_engine import VllmEngine, shape_key
-from prism_serve.memory.ledger import Account
+from prism_serve.memory.ledger import Account, LedgerError
 from prism_serve.memory.spare import grant_waiting
 from prism_serve.memory.vmm import VirtualRange
 from prism_serve.runtime.loading import DeviceMemoryExhaustedError, map_weight_pages, unmap_weight_pages
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass(slots=True)
 class VllmMemory:
-    """What the active vLLM model holds; ``close()`` gives all of it back (the engine stays built)."""
+    """What the active vLLM model holds; ``close()`` gives all of it back (the engine stays built).
+    Stands where the built-in engine's ``ElasticKVPool`` stands in the worker."""
 
     engine: VllmEngine
     weight_range: VirtualRange
-    kv_range: VirtualRange
     weight_account: Account
     kv_account: Account
     weight_pages: int
-    kv_pages: int
     packed_bytes: int
     closed: bool = False
 
@@ -58,21 +56,24 @@ class VllmMemory:
         return self.engine.num_used_blocks
 
     def shrink_buffer(self) -> int:
-        return 0  # the whole buffer stays mapped while the model is active
+        """Idle: keep only the null block's pages; returns the bytes given back."""
+        before = self.engine.kv.mapped_bytes
+        self.engine.kv.resize(1)
+        return before - self.engine.kv.mapped_bytes
 
     def set_limit(self, limit_bytes: int | None) -> None:
-        """The buffer's size was fixed when the engine was built; a limit does not move it."""
+        self.kv_account.set_limit(limit_bytes)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self.engine.abort_all()
+        self.engine.kv.close()
         self.engine.unload()
         gc.collect()  # the packed weights' last references go with their closures
         self.weight_account.release(self.packed_bytes)
         unmap_weight_pages(self.weight_range, self.weight_account, self.weight_pages)
-        unmap_weight_pages(self.kv_range, self.kv_account, self.kv_pages)
 
 
 class VllmSlot:
@@ -90,7 +91,6 @@ class VllmSlot:
         self,
         source: str,
         config: EngineConfig,
-        kv_bytes: int,
         tensors: dict[str, torch.Tensor],
         checkpoint_bytes: int,
         weight_account: Account,
@@ -99,23 +99,29 @@ class VllmSlot:
         """Serve the model whose checkpoint tensors are ``tensors`` (views of the host cache file).
         Returns the engine, its memory, and the seconds spent building vLLM's engine (0 when the
         pooled one was reused). On failure nothing stays granted or mapped."""
-        key = (shape_key(source), config, kv_bytes)
+        key = (shape_key(source), config)
         if self.engine is not None and self.key != key:
             self.drop()
         built_s = 0.0
-        kv_pages = weight_pages = packed = 0
+        weight_pages = packed = 0
         engine = self.engine
         try:
             if engine is None:
                 t0 = time.monotonic()
-                engine, kv_pages = self._build(source, config, kv_bytes, kv_account)
+                try:
+                    engine = VllmEngine.build(source, config, self.kv_range, kv_account)
+                except LedgerError as e:
+                    raise DeviceMemoryExhaustedError(str(e)) from None
                 self.engine, self.key = engine, key
-                weight_pages = self._map(self.weight_range, weight_account, engine.parameter_bytes())
+                self.builds += 1
+                weight_pages = self._map_weights(weight_account, engine)
                 engine.move_parameters(self.weight_range.as_tensor())
                 built_s = time.monotonic() - t0
             else:
-                kv_pages = self._map(self.kv_range, kv_account, engine.kv_bytes)
-                weight_pages = self._map(self.weight_range, weight_account, engine.parameter_bytes())
+                engine.kv.attach(kv_account)
+                if not engine.kv.resize(1):
+                    raise DeviceMemoryExhaustedError(f"the ledger cannot grant {source}'s first KV block")
+                weight_pages = self._map_weights(weight_account, engine)
             need = max(0, checkpoint_bytes - engine.parameter_bytes())
             if not grant_waiting(weight_account, need):
                 raise DeviceMemoryExhaustedError(
@@ -126,50 +132,23 @@ class VllmSlot:
         except BaseException:
             if engine is not None:
                 engine.unload()
+                engine.kv.close()
             weight_account.release(packed)
             if weight_pages:
                 unmap_weight_pages(self.weight_range, weight_account, weight_pages)
-            if kv_pages:
-                unmap_weight_pages(self.kv_range, kv_account, kv_pages)
             raise
-        memory = VllmMemory(
-            engine,
-            self.weight_range,
-            self.kv_range,
-            weight_account,
-            kv_account,
-            weight_pages,
-            kv_pages,
-            packed,
-        )
+        memory = VllmMemory(engine, self.weight_range, weight_account, kv_account, weight_pages, packed)
         return engine, memory, built_s
 
-    def _map(self, vrange: VirtualRange, account: Account, num_bytes: int) -> int:
-        return map_weight_pages(vrange, account, num_bytes, self.loader)[0] if num_bytes else 0
-
-    def _build(
-        self, source: str, config: EngineConfig, kv_bytes: int, kv_account: Account
-    ) -> tuple[VllmEngine, int]:
-        """The engine over dummy weights, its KV pages mapped (and granted) during the build; returns
-        the engine and those pages."""
-        mapped = [0]
-
-        def map_kv(num_bytes: int) -> None:
-            mapped[0] = self._map(self.kv_range, kv_account, num_bytes)
-
-        try:
-            engine = VllmEngine.build(source, config, self.kv_range, kv_bytes, map_kv)
-        except BaseException:
-            if mapped[0]:
-                unmap_weight_pages(self.kv_range, kv_account, mapped[0])
-            raise
-        self.builds += 1
-        return engine, mapped[0]
+    def _map_weights(self, account: Account, engine: VllmEngine) -> int:
+        n = engine.parameter_bytes()
+        return map_weight_pages(self.weight_range, account, n, self.loader)[0] if n else 0
 
     def drop(self) -> None:
         """Tear the built engine down (a model of another shape needs the ranges)."""
         if self.engine is not None:
             self.engine.close()
+            self.engine.kv.close()
             self.engine = None
             self.key = None
             gc.collect()

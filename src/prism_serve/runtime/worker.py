@@ -51,8 +51,6 @@ from prism_serve.runtime.devices import DeviceSpec, parse_cores, pin_process
 from prism_serve.runtime.loading import map_weight_pages, parallel_copy, tensor_views, unmap_weight_pages
 from prism_serve.runtime.weight_cache import PREFAULT_CHUNK_BYTES, SharedWeights, config_from_dict
 
-DEFAULT_VLLM_KV_BYTES = 256 * 2**20  # a vLLM model's KV buffer when its config sets no kv_limit
-
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -327,8 +325,8 @@ class Worker:
             if self.vllm is not None:
                 t_map = time.monotonic()
                 engine, pool, built_s = self.vllm.activate(
-                    m.source, m.engine, m.kv_limit_bytes or DEFAULT_VLLM_KV_BYTES,
-                    tensor_views(shared.bytes, m.tensors), m.weight_bytes, weight_account, kv_account,
+                    m.source, m.engine, tensor_views(shared.bytes, m.tensors), m.weight_bytes,
+                    weight_account, kv_account,
                 )  # fmt: skip
                 t_ready = time.monotonic()
                 t_copy, copied, reused = t_ready - built_s, m.weight_bytes, 0

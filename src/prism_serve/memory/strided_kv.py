@@ -1,0 +1,121 @@
+"""Pages on demand under a KV buffer laid out layer by layer (vLLM's): the buffer holds ``num_layers``
+regions ``layer_stride`` bytes apart, and block ``b`` of layer ``l`` is the ``block_stride`` bytes at
+``l * layer_stride + b * block_stride``. One block id therefore touches one stretch of every layer,
+and a page can hold blocks of two layers where a layer ends inside it.
+
+``StridedKVPages`` keeps blocks ``[0, watermark)`` usable: every page that holds a byte of one of
+those blocks in any layer is mapped, each once, and its bytes are granted in the device ledger under
+the current account. ``resize`` moves the watermark, all or nothing: growing grants and maps the
+missing pages (refused by the ledger: nothing changes), shrinking unmaps the pages no block below the
+new watermark needs and releases their bytes. The caller keeps its used blocks below the watermark
+(vLLM hands out the lowest free block ids, engine/vllm_engine.py), so a page is never unmapped under
+a block in use. Growing costs up to one page per layer beyond the blocks' own bytes.
+"""
+
+from __future__ import annotations
+
+from prism_serve.memory.ledger import Account
+from prism_serve.memory.vmm import VirtualRange
+
+__all__ = ["StridedKVPages"]
+
+
+class StridedKVPages:
+    def __init__(
+        self,
+        vrange: VirtualRange,
+        num_layers: int,
+        layer_stride: int,
+        block_stride: int,
+        num_blocks: int,
+        offset: int = 0,
+    ) -> None:
+        if num_layers < 1 or block_stride < 1 or num_blocks < 1:
+            raise ValueError("need at least one layer, one block and a positive block stride")
+        if layer_stride < num_blocks * block_stride and num_layers > 1:
+            raise ValueError("layers overlap: layer_stride is below num_blocks * block_stride")
+        end = offset + (num_layers - 1) * layer_stride + num_blocks * block_stride
+        if end > vrange.size:
+            raise ValueError(f"the buffer ends at byte {end}; the range has {vrange.size}")
+        self.vrange = vrange
+        self.num_layers = num_layers
+        self.layer_stride = layer_stride
+        self.block_stride = block_stride
+        self.num_blocks = num_blocks
+        self.offset = offset
+        self.account: Account | None = None
+        self.watermark = 0
+        self.mapped: set[int] = set()
+
+    @property
+    def page_size(self) -> int:
+        return self.vrange.page_size
+
+    @property
+    def mapped_bytes(self) -> int:
+        return len(self.mapped) * self.page_size
+
+    def pages_for(self, watermark: int) -> set[int]:
+        """The pages blocks ``[0, watermark)`` touch, in every layer."""
+        if watermark <= 0:
+            return set()
+        p = self.page_size
+        out: set[int] = set()
+        for layer in range(self.num_layers):
+            start = self.offset + layer * self.layer_stride
+            out.update(range(start // p, (start + watermark * self.block_stride - 1) // p + 1))
+        return out
+
+    def attach(self, account: Account) -> None:
+        """The account that pays for the pages from now on (one model's KV account); only while
+        nothing is mapped."""
+        if self.mapped:
+            raise RuntimeError("pages are mapped under another account")
+        self.account = account
+
+    def resize(self, watermark: int) -> bool:
+        """Make blocks ``[0, watermark)`` usable and no more; False (nothing changed) when the
+        ledger refuses the pages growing needs."""
+        watermark = max(0, min(watermark, self.num_blocks))
+        want = self.pages_for(watermark)
+        new = sorted(want - self.mapped)
+        if new:
+            if self.account is None:
+                raise RuntimeError("no account to grant pages to: attach one first")
+            if not self.account.try_reserve(len(new) * self.page_size):
+                return False
+            try:
+                self.vrange.map_pages(new)  # all or none
+            except BaseException:
+                self.account.release(len(new) * self.page_size)
+                raise
+            self.mapped.update(new)
+        gone = sorted(self.mapped - want)
+        for page in gone:
+            self.vrange.unmap_page(page)
+            self.mapped.discard(page)
+        if gone:
+            assert self.account is not None
+            self.account.release(len(gone) * self.page_size)
+        self.watermark = watermark
+        return True
+
+    def grow_by_pages(self, watermark: int) -> int:
+        """Grow towards ``watermark`` as far as the ledger allows, a block at a time past the
+        first refusal; returns the watermark reached."""
+        if self.resize(watermark):
+            return self.watermark
+        low, high = self.watermark, watermark  # resize(low) holds, resize(high) was refused
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self.resize(mid):
+                low = mid
+            else:
+                high = mid
+        return self.watermark
+
+    def close(self) -> None:
+        """Unmap everything and release its bytes."""
+        if self.mapped:
+            self.resize(0)
+        self.watermark = 0
