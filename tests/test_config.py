@@ -142,3 +142,34 @@ def test_serve_with_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
 def test_model_names_cannot_contain_the_replica_separator():
     with pytest.raises(ConfigError, match="name"):
         parse_config("models:\n  - {name: 'a#1'}\n")
+
+
+def test_a_vllm_model_needs_a_local_directory_and_a_python_with_vllm(tmp_path, monkeypatch):
+    from prism_serve.runtime.build import vllm_python
+
+    model_dir = tmp_path / "qwen3"
+    model_dir.mkdir()
+    text = f"""\
+devices: [{{name: "cpu:0", memory: 1GiB}}]
+models:
+  - {{name: q, engine: vllm, source: "{model_dir}"}}
+"""
+    c = parse_config(text)
+    assert model_specs(c)[0].engine == "vllm"
+    with pytest.raises(ConfigError, match=r"models\.0.*not one"):
+        parse_config(text.replace(str(model_dir), str(tmp_path / "missing")))
+    with pytest.raises(ConfigError, match=r"models\.0\.engine"):
+        parse_config(text.replace("engine: vllm", "engine: sglang"))
+
+    monkeypatch.chdir(tmp_path)  # no .venv-vllm-server here
+    monkeypatch.delenv("PRISM_VLLM_PYTHON", raising=False)
+    with pytest.raises(ConfigError, match=r"vllm-server-env\.sh"):
+        vllm_python(c)
+    python = tmp_path / "python"
+    python.write_text("")
+    assert vllm_python(parse_config(text + f'vllm_python: "{python}"\n')) == str(python)
+    monkeypatch.setenv("PRISM_VLLM_PYTHON", str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="not a file"):
+        vllm_python(c)
+    # a deployment without vLLM models needs none
+    assert vllm_python(parse_config(GOOD)) is None

@@ -1,0 +1,151 @@
+"""vLLM's engine inside prism (issue 18): activation and serving throughput, against the built-in
+engine and against vLLM's own OpenAI server, in one run.
+
+For the real SmolLM2-135M-Instruct in fp32 (the GGUF written as an HF directory), three servers,
+one after another, each alone on the machine:
+- `prism serve` with the model on the built-in engine;
+- `prism serve` with the model on vLLM's engine (``engine: vllm``: vLLM in a pooled prism worker,
+  eager, its KV pages on demand);
+- vLLM's own server (``python -m vllm.entrypoints.openai.api_server``), eager by default, with
+  torch.compile under ``--compiled``; its start (process start to answering) is its activation.
+In each prism server the model is unloaded and loaded ``--activations`` times through the admin
+API (the time of each load call: the activation, the first of the vLLM worker's builds included
+only in its first activation, which is reported apart). Then ``vllm bench serve`` sends the c32
+workload of benchmarks/serve_throughput.py (64 streamed requests, 32 in flight, the same seed) to
+each, and the greedy completions of four prompts are compared.
+
+    python benchmarks/vllm_engine.py [--activations 5] [--compiled] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+import common
+from prism_serve.api.process import free_port, start_server_process, stop_server_process, wait_answering
+from serve_throughput import MODEL, bench, export_tokenizer, greedy, hf_model_dir, summary
+
+
+def warm_up(url: str) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
+
+
+def prism_server(tmp: Path, engine: str, hf: Path, vllm_python: Path, args: argparse.Namespace) -> dict:
+    port = free_port()
+    cfg = tmp / f"prism-{engine}.yaml"
+    cfg.write_text(
+        "devices: [{name: 'cpu:0', memory: 6GiB, workers: 1}]\n"
+        f"models: [{{name: {MODEL}, dtype: float32, max_model_len: 2048, max_num_seqs: 32, "
+        f"ttft_slo: 60, tpot_slo: 5, engine: {engine}"
+        + (f", source: '{hf}'" if engine == "vllm" else "")
+        + "}]\n"
+        f"vllm_python: '{vllm_python}'\n"
+        "policy: {activation_timeout_s: 600}\n"
+    )
+    proc = start_server_process(cfg, port, tmp / f"prism-{engine}.log", timeout_s=600)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.perf_counter()
+        warm_up(url)
+        first = time.perf_counter() - t0  # the policy may have activated it at start already
+        loads = []
+        for _ in range(args.activations):
+            r = httpx.post(f"{url}/v1/admin/models/{MODEL}/unload", timeout=120)
+            r.raise_for_status()
+            common.wait_quiet(10, 0.3)
+            t0 = time.perf_counter()
+            r = httpx.post(f"{url}/v1/admin/models/{MODEL}/load", timeout=600)
+            loads.append(time.perf_counter() - t0)
+            r.raise_for_status()
+        name = f"prism serve, {engine} engine"
+        raw = bench(url, tokenizer_dir, tmp / f"bench-{engine}", "c32")
+        return {"name": name, "first_request_s": first, "activations_s": loads, "c32": summary(name, raw),
+                "greedy": greedy(url)}  # fmt: skip
+    finally:
+        stop_server_process(proc)
+
+
+def vllm_server(tmp: Path, hf: Path, python: Path, compiled: bool) -> dict:
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    flags = [] if compiled else ["--enforce-eager"]
+    log = (tmp / "vllm.log").open("w")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf),
+                             "--served-model-name", MODEL, "--tokenizer", str(tokenizer_dir),
+                             "--port", str(port),
+                             "--dtype", "float32", "--max-num-seqs", "32", "--max-model-len", "2048", *flags],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        why = wait_answering(proc, f"{url}/v1/models", 900)
+        if why is not None:
+            raise RuntimeError(f"vLLM's server {why}: {(tmp / 'vllm.log').read_text()[-3000:]}")
+        start = time.perf_counter() - t0
+        name = "vLLM's own server" + (" (torch.compile)" if compiled else " (eager)")
+        warm_up(url)
+        raw = bench(url, tokenizer_dir, tmp / "bench-vllm", "c32")
+        return {"name": name, "start_s": start, "c32": summary(name, raw), "greedy": greedy(url)}
+    finally:
+        proc.terminate()
+        proc.wait(120)
+        log.close()
+
+
+tokenizer_dir: Path
+
+
+def main() -> None:
+    global tokenizer_dir
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--activations", type=int, default=5, help="unload/load cycles per prism server")
+    ap.add_argument("--compiled", action="store_true", help="vLLM's own server compiling")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    info = common.machine_info()
+    print(info["line"], flush=True)
+    python = common.vllm_server_python()
+    with tempfile.TemporaryDirectory(prefix="prism-vllm-engine-") as t:
+        tmp = Path(t)
+        tokenizer_dir = export_tokenizer(tmp / "tokenizer")
+        hf = hf_model_dir(tmp)
+        runs = [prism_server(tmp, e, hf, python, args) for e in ("builtin", "vllm")]
+        runs.append(vllm_server(tmp, hf, python, args.compiled))
+    builtin, ours, theirs = runs
+    b_act = statistics.median(builtin["activations_s"])
+    v_act = statistics.median(ours["activations_s"])
+    print("\nactivation (admin load of an unloaded model; median of the later ones, all in brackets):")
+    for r in runs[:2]:
+        print(f"  {r['name']}: {statistics.median(r['activations_s']) * 1e3:.0f} ms "
+              f"({', '.join(f'{s * 1e3:.0f}' for s in r['activations_s'])} ms)")  # fmt: skip
+    print(f"  {theirs['name']}: its start, {theirs['start_s']:.1f} s")
+    print(f"vLLM engine activation / built-in activation: {v_act / b_act:.1f}x (issue 18 target <= 2x)")
+    print(f"vLLM's own start / vLLM engine activation: {theirs['start_s'] / v_act:.0f}x (target >= 20x)")
+    print("\nc32 (64 streamed requests, 32 in flight, `vllm bench serve`):")
+    print("| server | wall | total tok/s | TTFT p50 | TPOT p50 | completed | / vLLM's own |")
+    print("|---|---|---|---|---|---|---|")
+    for r in runs:
+        row = r["c32"]
+        print(f"| {row['server']} | {row['wall_s']:.1f} s | {row['total_tok_s']:.1f} | "
+              f"{row['ttft_p50_ms'] / 1000:.2f} s | {row['tpot_p50_ms']:.0f} ms | {row['completed']} | "
+              f"{row['total_tok_s'] / theirs['c32']['total_tok_s']:.2f}x |")  # fmt: skip
+    same = sum(a == b for a, b in zip(ours["greedy"], builtin["greedy"], strict=True))
+    same_v = sum(a == b for a, b in zip(ours["greedy"], theirs["greedy"], strict=True))
+    print(f"\ngreedy completions (24 tokens) of the vLLM engine in prism equal to: the built-in engine's "
+          f"{same}/4, vLLM's own server's {same_v}/4")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps({"machine": info, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
