@@ -286,6 +286,21 @@ class VllmEngine:
                 named["lm_head.weight"] = embed
         self._runner.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)
 
+    def take_packed(self) -> dict[str, Any]:
+        """Each linear layer's packed weight (its ``cpu_linear``), by module name, taken out of
+        the model (which computes nothing until ``put_packed`` or ``load``)."""
+        out = {}
+        for name, m in self._model.named_modules():
+            if getattr(m, "cpu_linear", None) is not None:
+                out[name] = m.cpu_linear
+                m.cpu_linear = None
+        return out
+
+    def put_packed(self, packed: dict[str, Any]) -> None:
+        modules = dict(self._model.named_modules())
+        for name, fn in packed.items():
+            modules[name].cpu_linear = fn
+
     def unload(self) -> None:
         """Drop the packed linear weights (their memory goes back to the allocator); the data
         parameters stay in the weight range, which the caller unmaps."""

@@ -73,6 +73,14 @@ class StridedKVPages:
             raise RuntimeError("pages are mapped under another account")
         self.account = account
 
+    def move_to(self, account: Account) -> bool:
+        """Hand the mapped pages, bytes and all, to ``account`` (one process's entries: the ledger
+        moves their bytes in one operation); False if its limit refuses them."""
+        if self.account is not None and self.mapped and not self.account.move_to(account, self.mapped_bytes):
+            return False
+        self.account = account
+        return True
+
     def resize(self, watermark: int) -> bool:
         """Make blocks ``[0, watermark)`` usable and no more; False (nothing changed) when the
         ledger refuses the pages growing needs."""

@@ -12,6 +12,15 @@ model leaves nothing there (engine/vllm_engine.py says where each byte lives):
 - KV account: the pages of the KV blocks in use, mapped a step ahead of the requests that need them
   (memory/strided_kv.py), so a vLLM model's KV grows into memory a neighbour freed and shrinks when
   its requests finish.
+
+Loading weights into vLLM on CPU repacks every linear layer (most of a second for SmolLM2). So the
+last evicted model's weights stay with the worker as they were: the packed linears, the weight pages
+holding the data parameters and the KV pages of vLLM's null block, all under a ledger entry
+registered as spare (counted as used, since they are memory, but reclaimable). That model's next
+activation on this worker moves their bytes back to its accounts and swaps the packed linears in:
+no page is made, nothing is copied or repacked. A refused grant anywhere on the device
+(``DeviceLedger.reclaim_wanted``) makes the worker drop them within a poll of its loop, and so
+does an activation of other weights or another shape, and the worker's end.
 """
 
 from __future__ import annotations
@@ -19,15 +28,27 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.vllm_engine import VllmEngine, shape_key
-from prism_serve.memory.ledger import Account, LedgerError
+from prism_serve.memory.ledger import Account, DeviceLedger, LedgerError
 from prism_serve.memory.spare import grant_waiting
 from prism_serve.memory.vmm import VirtualRange
 from prism_serve.runtime.loading import DeviceMemoryExhaustedError, map_weight_pages, unmap_weight_pages
+
+
+@dataclass(slots=True)
+class _Kept:
+    """The last evicted model's weights, as they were: its packed linears by module, and how many
+    weight pages (from 0) still hold its data parameters."""
+
+    weights: str  # its host cache file
+    packed: dict[str, Any]
+    packed_bytes: int
+    weight_pages: int
 
 
 @dataclass(slots=True)
@@ -41,6 +62,8 @@ class VllmMemory:
     kv_account: Account
     weight_pages: int
     packed_bytes: int
+    slot: VllmSlot
+    weights: str  # the host cache file: what the kept weights are kept under
     closed: bool = False
 
     @property
@@ -69,6 +92,9 @@ class VllmMemory:
             return
         self.closed = True
         self.engine.abort_all()
+        self.engine.kv.resize(1)  # the null block's pages: kept, or unmapped below
+        if self.slot.keep(self):
+            return
         self.engine.kv.close()
         self.engine.unload()
         gc.collect()  # the packed weights' last references go with their closures
@@ -79,29 +105,40 @@ class VllmMemory:
 class VllmSlot:
     """The one vLLM engine of a worker, rebuilt only when a model of another shape activates."""
 
-    def __init__(self, weight_range: VirtualRange, kv_range: VirtualRange, loader) -> None:
+    def __init__(
+        self, weight_range: VirtualRange, kv_range: VirtualRange, loader, ledger: DeviceLedger, owner: str
+    ) -> None:
         self.weight_range = weight_range
         self.kv_range = kv_range
         self.loader = loader  # the worker's thread pool (maps pages in parallel)
+        self.ledger = ledger
+        self.owner = owner  # the worker's id: its kept weights' ledger entry is "<owner> vllm kept"
         self.engine: VllmEngine | None = None
         self.key: tuple | None = None
         self.builds = 0
+        self.kept: _Kept | None = None
+        self._kept_account: Account | None = None
 
     def activate(
         self,
         source: str,
         config: EngineConfig,
+        weights: str,
         tensors: dict[str, torch.Tensor],
         checkpoint_bytes: int,
         weight_account: Account,
         kv_account: Account,
     ) -> tuple[VllmEngine, VllmMemory, float]:
-        """Serve the model whose checkpoint tensors are ``tensors`` (views of the host cache file).
-        Returns the engine, its memory, and the seconds spent building vLLM's engine (0 when the
-        pooled one was reused). On failure nothing stays granted or mapped."""
+        """Serve the model whose checkpoint tensors are ``tensors`` (views of the host cache file
+        ``weights``). Returns the engine, its memory, and the seconds spent building vLLM's engine
+        (0 when the pooled one was reused). On failure nothing stays granted or mapped."""
         key = (shape_key(source), config)
         if self.engine is not None and self.key != key:
             self.drop()
+        if self.kept is not None and self.kept.weights == weights:
+            engine, memory = self._swap_in(source, weight_account, kv_account)
+            return engine, memory, 0.0
+        self.drop_kept()  # other weights need the pages
         built_s = 0.0
         weight_pages = packed = 0
         engine = self.engine
@@ -137,15 +174,72 @@ class VllmSlot:
             if weight_pages:
                 unmap_weight_pages(self.weight_range, weight_account, weight_pages)
             raise
-        memory = VllmMemory(engine, self.weight_range, weight_account, kv_account, weight_pages, packed)
+        memory = VllmMemory(
+            engine, self.weight_range, weight_account, kv_account, weight_pages, packed, self, weights
+        )
         return engine, memory, built_s
 
     def _map_weights(self, account: Account, engine: VllmEngine) -> int:
         n = engine.parameter_bytes()
         return map_weight_pages(self.weight_range, account, n, self.loader)[0] if n else 0
 
+    # ---- kept weights -------------------------------------------------------------------------
+
+    def keep(self, memory: VllmMemory) -> bool:
+        """At eviction: keep the model's weights (packed linears, weight pages) and the null
+        block's KV pages where they are, their bytes moved to the spare entry. False (nothing kept)
+        while a grant elsewhere waits for memory."""
+        engine = self.engine
+        if engine is None or engine is not memory.engine or self.ledger.reclaim_wanted() > 0:
+            return False
+        if self._kept_account is None:
+            self._kept_account = self.ledger.account(f"{self.owner} vllm kept", spare=True)
+        keeper = self._kept_account
+        weight_bytes = memory.weight_pages * self.weight_range.page_size + memory.packed_bytes
+        if not memory.weight_account.move_to(keeper, weight_bytes):
+            return False
+        if not engine.kv.move_to(keeper):
+            keeper.move_to(memory.weight_account, weight_bytes)
+            return False
+        self.kept = _Kept(memory.weights, engine.take_packed(), memory.packed_bytes, memory.weight_pages)
+        return True
+
+    def _swap_in(
+        self, source: str, weight_account: Account, kv_account: Account
+    ) -> tuple[VllmEngine, VllmMemory]:
+        engine, kept, keeper = self.engine, self.kept, self._kept_account
+        assert engine is not None and kept is not None and keeper is not None
+        weight_bytes = kept.weight_pages * self.weight_range.page_size + kept.packed_bytes
+        if not keeper.move_to(weight_account, weight_bytes):
+            raise DeviceMemoryExhaustedError(f"{source}'s weight limit refuses its weights")
+        if not engine.kv.move_to(kv_account):
+            weight_account.move_to(keeper, weight_bytes)
+            raise DeviceMemoryExhaustedError(f"{source}'s KV limit refuses its first block")
+        engine.put_packed(kept.packed)
+        self.kept = None
+        memory = VllmMemory(
+            engine, self.weight_range, weight_account, kv_account, kept.weight_pages, kept.packed_bytes,
+            self, kept.weights,
+        )  # fmt: skip
+        return engine, memory
+
+    def drop_kept(self) -> int:
+        """Give back the kept weights and their pages; returns the bytes released."""
+        kept, keeper = self.kept, self._kept_account
+        if kept is None or keeper is None or self.engine is None:
+            return 0
+        self.kept = None
+        before = keeper.entry().mapped_bytes
+        self.engine.kv.close()  # its null block's pages, held by the keeper
+        kept.packed.clear()
+        keeper.release(kept.packed_bytes)
+        unmap_weight_pages(self.weight_range, keeper, kept.weight_pages)
+        gc.collect()
+        return before - keeper.entry().mapped_bytes
+
     def drop(self) -> None:
         """Tear the built engine down (a model of another shape needs the ranges)."""
+        self.drop_kept()  # kept weights fit only this engine's modules
         if self.engine is not None:
             self.engine.close()
             self.engine.kv.close()

@@ -124,7 +124,7 @@ class Worker:
             vllm_environment(device.cores)
             from prism_serve.runtime.vllm_slot import VllmSlot
 
-            self.vllm = VllmSlot(self.weight_range, self.kv_range, self.loader)
+            self.vllm = VllmSlot(self.weight_range, self.kv_range, self.loader, self.ledger, worker_id)
         elif device.name.startswith("cpu"):
             # the engine's CPU kernels, loaded (built once per machine, ~1 s) before this worker
             # is ready rather than on its first model's first step
@@ -149,6 +149,8 @@ class Worker:
                     self._prepare_one()
                 if self.active is not None and self.active.engine.has_unfinished_requests():
                     self._step(self.active)
+                if self.vllm is not None and self.vllm.kept and self.ledger.reclaim_wanted() > 0:
+                    self.vllm.drop_kept()  # kept weights are spare memory: a grant elsewhere waits
         finally:
             self.close()
 
@@ -325,8 +327,8 @@ class Worker:
             if self.vllm is not None:
                 t_map = time.monotonic()
                 engine, pool, built_s = self.vllm.activate(
-                    m.source, m.engine, tensor_views(shared.bytes, m.tensors), m.weight_bytes,
-                    weight_account, kv_account,
+                    m.source, m.engine, m.cache_path, tensor_views(shared.bytes, m.tensors),
+                    m.weight_bytes, weight_account, kv_account,
                 )  # fmt: skip
                 t_ready = time.monotonic()
                 t_copy, copied, reused = t_ready - built_s, m.weight_bytes, 0
@@ -455,6 +457,8 @@ class Worker:
             for req_id in self.active.engine.abort_all():
                 self._fail(req_id, ModelEvictedError("the worker is shutting down"))
             self._release(self.active)
+        if self.vllm is not None:
+            self.vllm.drop()
         for s in self.shared.values():
             s.close()
         self.loader.shutdown()
