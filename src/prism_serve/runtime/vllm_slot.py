@@ -26,6 +26,7 @@ does an activation of other weights or another shape, and the worker's end.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -191,6 +192,8 @@ class VllmSlot:
         while a grant elsewhere waits for memory."""
         engine = self.engine
         if engine is None or engine is not memory.engine or self.ledger.reclaim_wanted() > 0:
+            return False
+        if os.environ.get("PRISM_VLLM_KEEP", "1") == "0":  # off: every activation reloads (to measure it)
             return False
         if self._kept_account is None:
             self._kept_account = self.ledger.account(f"{self.owner} vllm kept", spare=True)

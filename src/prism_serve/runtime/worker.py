@@ -34,6 +34,7 @@ import zmq
 
 from prism_serve.control.profiles import StepSums
 from prism_serve.engine.cpu_kernels import kernels_enabled
+from prism_serve.engine.interface import WorkerEngine, WorkerKV
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
@@ -61,8 +62,8 @@ _STALLED_POLL_MS = 5  # the ledger refused KV blocks: retry soon, without spinni
 @dataclass(slots=True)
 class _Active:
     model: str
-    engine: LLMEngine
-    pool: ElasticKVPool
+    engine: WorkerEngine  # LLMEngine, or VllmEngine in a vLLM worker (engine/interface.py)
+    pool: WorkerKV  # ElasticKVPool, or VllmMemory
     weight_account: Account
     kv_account: Account
     num_weight_pages: int

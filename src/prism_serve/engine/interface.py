@@ -1,0 +1,68 @@
+"""What a worker drives: one engine serving one model, and the KV memory behind it.
+
+Two engines implement ``WorkerEngine``: the built-in ``LLMEngine`` (llm_engine.py) and vLLM's engine
+behind ``VllmEngine`` (vllm_engine.py, ``engine: vllm`` models). Their KV memory implements
+``WorkerKV``: memory/'s ``ElasticKVPool`` for the built-in engine, runtime/vllm_slot.py's
+``VllmMemory`` for vLLM's. runtime/worker.py uses nothing else of either, so a third engine is a
+class with these members and a way to build it from an ``ActivateModel``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.sequence import RequestOutput
+
+__all__ = ["WorkerEngine", "WorkerKV"]
+
+
+class WorkerEngine(Protocol):
+    config: Any  # EngineConfig: max_num_seqs, dtype, ... as the engine was built with
+    max_model_len: int
+    stalled: bool  # the ledger refused KV memory a waiting request needs: poll again soon
+    last_step_seqs: int  # requests in the last step, and the tokens it fed (statistics)
+    last_step_tokens: int
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str) -> None:
+        """Queue a request; a bad one raises a PrismError (InvalidRequestError and its kind)."""
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step: what each request produced since the last one."""
+
+    def abort_request(self, req_id: str) -> bool: ...
+
+    def abort_all(self) -> list[str]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def unfinished_request_ids(self) -> list[str]: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class WorkerKV(Protocol):
+    """An engine's KV memory as the worker reports and steers it; every byte is in the ledger."""
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    @property
+    def num_total_blocks(self) -> int: ...
+
+    @property
+    def num_used_blocks(self) -> int: ...
+
+    def shrink_buffer(self) -> int:
+        """The engine is idle: give back what it keeps mapped ahead; returns the bytes."""
+
+    def set_limit(self, limit_bytes: int | None) -> None: ...
+
+    def close(self) -> None:
+        """The model leaves: unmap and release everything."""
