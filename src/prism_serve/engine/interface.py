@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.sequence import RequestOutput
 
-__all__ = ["WorkerEngine", "WorkerKV"]
+__all__ = ["RequestCounts", "WorkerEngine", "WorkerKV"]
 
 
 class WorkerEngine(Protocol):
@@ -66,3 +66,25 @@ class WorkerKV(Protocol):
 
     def close(self) -> None:
         """The model leaves: unmap and release everything."""
+
+
+class RequestCounts:
+    """The request counts both engines give the same way, from their ``_requests`` (the requests in
+    flight, by id) and their ``scheduler``'s ``running`` and ``waiting`` queues."""
+
+    _requests: dict
+    scheduler: Any
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)

@@ -11,6 +11,7 @@ import torch
 
 from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.config import resolve_max_model_len as resolve_max_model_len  # re-exported
+from prism_serve.engine.interface import RequestCounts
 from prism_serve.engine.kv_cache import BlockAllocator, FixedBlockAllocator, KVCache
 from prism_serve.engine.machine import keep_freed_buffers, resolve_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
@@ -46,7 +47,7 @@ def _has_cuda_device(device: torch.device) -> bool:
     return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
 
 
-class LLMEngine:
+class LLMEngine(RequestCounts):
     def __init__(
         self,
         config: EngineConfig | None = None,
@@ -212,20 +213,6 @@ class LLMEngine:
         for req_id in ids:
             self.abort_request(req_id)
         return ids
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
-
-    def unfinished_request_ids(self) -> list[str]:
-        return list(self._requests)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
 
     # ---- the step -----------------------------------------------------------------------------
 

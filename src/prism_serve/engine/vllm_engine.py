@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from prism_serve.engine.config import EngineConfig
+from prism_serve.engine.interface import RequestCounts
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.sequence import RequestMetrics, RequestOutput, TokenLogprob
 from prism_serve.errors import InvalidRequestError, InvalidSamplingParamsError, UnsupportedModelError
@@ -156,7 +157,7 @@ class _Request:
     prompt_logprobs_sent: bool = False
 
 
-class VllmEngine:
+class VllmEngine(RequestCounts):
     """One vLLM engine, built over dummy weights of a model shape, serving one model at a time."""
 
     def __init__(self, engine: Any, config: EngineConfig, kv: StridedKVPages, source: str) -> None:
@@ -165,14 +166,14 @@ class VllmEngine:
         self.source = source
         self.kv = kv  # the KV buffer's pages, mapped block by block as requests need them
         core = engine.engine_core.engine_core
-        self._scheduler = core.scheduler
+        self.scheduler = core.scheduler
         self._runner = core.model_executor.driver_worker.worker.model_runner
         self._model = self._runner.get_model()
         self.max_model_len = int(engine.model_config.max_model_len)
-        self._pool = self._scheduler.kv_cache_manager.block_pool
+        self._pool = self.scheduler.kv_cache_manager.block_pool
         self.num_kv_blocks = int(self._pool.num_gpu_blocks)
         self.block_bytes = kv.block_stride * kv.num_layers  # one block id in every layer
-        spec = self._scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        spec = self.scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = int(spec.block_size)
         self._step_tokens = int(engine.vllm_config.scheduler_config.max_num_batched_tokens)
         self.kv_bytes_per_token = self.block_bytes // self.block_size
@@ -186,7 +187,7 @@ class VllmEngine:
         self.last_step_tokens = 0
         self.last_step_batch = None
         self.record_step_batches = False
-        schedule = self._scheduler.schedule
+        schedule = self.scheduler.schedule
 
         def counted_schedule(*args: Any, **kwargs: Any) -> Any:
             out = schedule(*args, **kwargs)
@@ -194,7 +195,7 @@ class VllmEngine:
             self.last_step_tokens = int(out.total_num_scheduled_tokens)
             return out
 
-        self._scheduler.schedule = counted_schedule  # the step's shape, for the worker's statistics
+        self.scheduler.schedule = counted_schedule  # the step's shape, for the worker's statistics
 
     # ---- building and activation --------------------------------------------------------------
 
@@ -350,16 +351,16 @@ class VllmEngine:
         bs, budget = self.block_size, self._step_tokens
         need = sum(
             math.ceil(min(r.num_tokens - r.num_computed_tokens, budget) / bs) + 1
-            for r in self._scheduler.running
+            for r in self.scheduler.running
         )
         tokens = 0
-        for i, r in enumerate(self._scheduler.waiting):
+        for i, r in enumerate(self.scheduler.waiting):
             n = max(0, r.num_tokens - r.num_computed_tokens)
             if i and tokens + n > budget:
                 break
             tokens += n
             need += math.ceil(r.num_tokens / bs)
-        return need + self._scheduler.kv_cache_manager.watermark_blocks + 1
+        return need + self.scheduler.kv_cache_manager.watermark_blocks + 1
 
     def fit_pages(self) -> None:
         """Map the blocks the next step may need (as far as the ledger allows) and unmap those
@@ -432,20 +433,6 @@ class VllmEngine:
             self._engine.abort_request(ids)
         self._requests.clear()
         return ids
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
-
-    def unfinished_request_ids(self) -> list[str]:
-        return list(self._requests)
-
-    @property
-    def num_running(self) -> int:
-        return len(self._scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._scheduler.waiting)
 
     @property
     def num_used_blocks(self) -> int:

@@ -162,33 +162,22 @@ def _gguf_to_hf_name(name: str) -> str:
 
 
 def load_hf_dir(path: Path) -> LoadedWeights:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise WeightsNotFoundError(f"{path} has no config.json")
-    try:
-        config = ArchConfig.from_hf_config(json.loads(cfg_file.read_text()))
-    except json.JSONDecodeError as e:
-        raise CorruptWeightsError(f"cannot parse {cfg_file}: {e}") from e
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise WeightsNotFoundError(f"{path} has no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            tensors.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CorruptWeightsError(f"cannot read {f}: {e}") from e
-    tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
-    return LoadedWeights(config, tensors, Tokenizer.from_hf_dir(path), str(path), False)
+    """A directory in HF layout for the built-in engine (Llama and Qwen2 shapes), in float32."""
+    return _read_hf_dir(
+        path, any_architecture=False, cast=lambda t: t.float() if t.is_floating_point() else t
+    )
 
 
 def load_checkpoint(path: Path, dtype: torch.dtype) -> LoadedWeights:
     """A directory another engine (vLLM) loads, read as it is: every safetensors tensor under its own
     name (floating ones in ``dtype``, others such as quantized weights untouched), the shape of any
     architecture from config.json, and the tokenizer."""
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    return _read_hf_dir(path, any_architecture=True, cast=lambda t: t.to(dtype) if t.dtype in floats else t)
+
+
+def _read_hf_dir(path: Path, any_architecture: bool, cast) -> LoadedWeights:
+    """config.json, every *.safetensors file (each tensor through ``cast``) and the tokenizer."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -196,7 +185,9 @@ def load_checkpoint(path: Path, dtype: torch.dtype) -> LoadedWeights:
     if not cfg_file.is_file():
         raise WeightsNotFoundError(f"{path} has no config.json")
     try:
-        config = ArchConfig.from_hf_config(json.loads(cfg_file.read_text()), any_architecture=True)
+        config = ArchConfig.from_hf_config(
+            json.loads(cfg_file.read_text()), any_architecture=any_architecture
+        )
     except json.JSONDecodeError as e:
         raise CorruptWeightsError(f"cannot parse {cfg_file}: {e}") from e
     files = sorted(path.glob("*.safetensors"))
@@ -205,10 +196,7 @@ def load_checkpoint(path: Path, dtype: torch.dtype) -> LoadedWeights:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            for name, t in load_file(str(f)).items():
-                tensors[name] = (
-                    t.to(dtype) if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t
-                )
+            tensors.update((k, cast(v)) for k, v in load_file(str(f)).items())
         except (SafetensorError, OSError, ValueError) as e:
             raise CorruptWeightsError(f"cannot read {f}: {e}") from e
     return LoadedWeights(config, tensors, Tokenizer.from_hf_dir(path), str(path), False)
