@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from prism_serve.engine.config import EngineConfig
@@ -93,7 +94,8 @@ class VllmMemory:
             return
         self.closed = True
         self.engine.abort_all()
-        self.engine.kv.resize(1)  # the null block's pages: kept, or unmapped below
+        if self.engine.kv.watermark > 1:
+            self.engine.kv.resize(1)  # the null block's pages: kept, or unmapped below
         if self.slot.keep(self):
             return
         self.engine.kv.close()
@@ -133,7 +135,8 @@ class VllmSlot:
         """Serve the model whose checkpoint tensors are ``tensors`` (views of the host cache file
         ``weights``). Returns the engine, its memory, and the seconds spent building vLLM's engine
         (0 when the pooled one was reused). On failure nothing stays granted or mapped."""
-        key = (shape_key(source), config)
+        # the engine serves any model of this shape and these knobs, whatever its name
+        key = (shape_key(source), msgspec.structs.replace(config, model=""))
         if self.engine is not None and self.key != key:
             self.drop()
         if self.kept is not None and self.kept.weights == weights:
