@@ -88,9 +88,8 @@ class WorkerHandle:
     stats: msg.EngineStats | None = None
     prepared: msg.Prepared | None = None  # what it opened ahead of activations, once it finished
     engine: str = "builtin"  # the engine it runs: builtin, or vllm (started with the vLLM Python)
-    last_source: str | None = (
-        None  # the weights source it activated last (a vLLM worker keeps that shape built)
-    )
+    # the weights source it activated last (a vLLM worker keeps that model's weights and shape)
+    last_source: str | None = None
 
     @property
     def identity(self) -> bytes:
@@ -152,8 +151,8 @@ class WorkerPool:
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_loop())]
         handles = [self.spawn(d) for d in self.devices.values() for _ in range(d.num_workers)]
-        if self._vllm_python:  # one vLLM worker per device, ready before its first activation
-            handles += [self.spawn(d, "vllm") for d in self.devices.values()]
+        if self._vllm_python:  # one vLLM worker per device of this node, ready before it is needed
+            handles += [self.spawn(d, "vllm") for d in self.devices.values() if not d.node]
         await asyncio.gather(*(self.wait_ready(h) for h in handles))
 
     # ---- workers ------------------------------------------------------------------------------
@@ -223,8 +222,8 @@ class WorkerPool:
 
     async def take(self, device: str, engine: str = "builtin", source: str | None = None) -> WorkerHandle:
         """An idle worker of ``device`` that runs ``engine``, now marked ACTIVATING; the pool
-        refills in the background. Among several: the one that last activated ``source`` (a vLLM
-        worker keeps that model shape's engine built, runtime/vllm_slot.py), else the one with the
+        refills in the background. Among several: for vLLM, the one that last activated ``source``
+        (it keeps that model's weights and engine, runtime/vllm_slot.py); else the one with the
         most spare weight pages (its activation creates the fewest)."""
         spec = self.devices.get(device)
         while True:
@@ -232,7 +231,9 @@ class WorkerPool:
                 raise WorkerStartError(f"device {device} is gone (its node left the cluster)")
             idle = self.idle(device, engine)
             if idle:
-                same = [w for w in idle if source is not None and w.last_source == source]
+                same = [
+                    w for w in idle if engine == "vllm" and source is not None and w.last_source == source
+                ]
                 if same:
                     handle = same[0]
                 elif self._spare_of and len(idle) > 1:
