@@ -43,7 +43,13 @@ from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.interface import RequestCounts
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.sequence import RequestMetrics, RequestOutput, TokenLogprob
-from prism_serve.errors import InvalidRequestError, InvalidSamplingParamsError, UnsupportedModelError
+from prism_serve.errors import (
+    EmptyPromptError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+    UnsupportedModelError,
+)
 from prism_serve.memory.ledger import Account, LedgerError
 from prism_serve.memory.strided_kv import StridedKVPages
 from prism_serve.memory.vmm import VirtualRange
@@ -170,6 +176,7 @@ class VllmEngine(RequestCounts):
         self._runner = core.model_executor.driver_worker.worker.model_runner
         self._model = self._runner.get_model()
         self.max_model_len = int(engine.model_config.max_model_len)
+        self.vocab_size = int(engine.model_config.get_vocab_size())
         self._pool = self.scheduler.kv_cache_manager.block_pool
         self.num_kv_blocks = int(self._pool.num_gpu_blocks)
         self.block_bytes = kv.block_stride * kv.num_layers  # one block id in every layer
@@ -315,11 +322,21 @@ class VllmEngine(RequestCounts):
         if req_id in self._requests:
             raise InvalidRequestError(f"request id {req_id!r} is already running")
         if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
+            raise EmptyPromptError("prompt has no tokens")
+        bad = [
+            t
+            for t in prompt_token_ids
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+        ]
+        if bad:  # vLLM's kernels would index out of the embedding
             raise InvalidRequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens, and at least one must be left for the output"
+                f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}"
+            )
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_token_ids)} tokens; this model accepts at most "
+                f"{self.max_model_len - 1} (context {self.max_model_len}) so that at least one token "
+                "can be generated"
             )
         sp = _vllm_params(params, self.max_model_len - len(prompt_token_ids))
         now = time.monotonic()
