@@ -146,6 +146,8 @@ def test_bad_request_gets_an_error_and_the_model_keeps_serving(server: ServerPro
     c = client(server)
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="smol-vllm", prompt="x " * 5000, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="vocabulary size 49152"):
+        c.completions.create(model="smol-vllm", prompt=[1, 2, 10**6], max_tokens=4)
     r = c.completions.create(model="smol-vllm", prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
 
