@@ -8,18 +8,20 @@ process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no extra server or engine proces
 Memory (every byte in the device ledger):
 
 - **KV cache.** vLLM allocates its KV cache as one buffer at build time. ``build`` hands it a view
-  of the worker's reserved KV range instead (the one patch of vLLM here: ``allocate_kv_cache``'s
-  ``torch.zeros`` for that buffer is served from the range while the engine is built). The buffer's
-  pages are mapped while a model is active and unmapped at eviction, so an idle worker holds no KV
-  memory; the tensor vLLM holds stays valid because the range's address never changes. The pages
-  are mapped whole at activation, not block by block (vLLM's block pool does not ask prism for
-  pages yet).
+  of the worker's reserved KV range instead (the patches of vLLM here: ``allocate_kv_cache``'s
+  ``torch.zeros`` for that buffer is served from the range while the engine is built, and the block
+  pool's free queue and free count are replaced on the built engine's instance; no file of vLLM is
+  edited). Pages are mapped as blocks are used (memory/strided_kv.py): vLLM hands out the lowest
+  free block ids and sees only the free blocks below a watermark, which ``fit_pages`` moves a step
+  ahead of the requests before each step, as far as the ledger allows. The tensor vLLM holds stays
+  valid because the range's address never changes.
 - **Weights.** After the build, every parameter that holds data (embeddings, norms, biases) is moved
   into the worker's reserved weight range; vLLM's CPU post-processing packs each linear layer's
   weight into a kernel format it keeps itself (``cpu_linear``). Activation maps the weight pages and
   loads the model's checkpoint tensors with vLLM's in-place ``reload_weights`` (which repacks the
-  linears); eviction drops the packed linears and unmaps the pages. The packed bytes are granted in
-  the ledger beside the pages.
+  linears); eviction drops the packed linears and unmaps the pages, unless the worker keeps them
+  for the model's next activation (runtime/vllm_slot.py). The packed bytes are granted in the
+  ledger beside the pages.
 
 The engine itself (scheduler, compiled kernels, tokenizer) stays built between models of one shape,
 which is what makes an activation a weight load and not a vLLM start.

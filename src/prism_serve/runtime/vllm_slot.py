@@ -4,7 +4,8 @@ A worker started with ``--engine vllm`` (runtime/workers.py starts it with the v
 Python) keeps one ``VllmEngine`` built: the first activation of a model shape builds it over dummy
 weights (seconds: vLLM's start), later activations of that shape only load weights into it. Every
 byte the active model holds is in the device ledger under the model's two accounts, and an evicted
-model leaves nothing there (engine/vllm_engine.py says where each byte lives):
+model leaves nothing under them (what the worker keeps of it is under a spare entry, below;
+engine/vllm_engine.py says where each byte lives):
 
 - weight account: the pages of the data parameters in the worker's weight range, plus the packed
   linear weights vLLM keeps itself, granted as bytes (estimated as the checkpoint's bytes less the
@@ -13,7 +14,7 @@ model leaves nothing there (engine/vllm_engine.py says where each byte lives):
   (memory/strided_kv.py), so a vLLM model's KV grows into memory a neighbour freed and shrinks when
   its requests finish.
 
-Loading weights into vLLM on CPU repacks every linear layer (most of a second for SmolLM2). So the
+Loading weights into vLLM on CPU repacks every linear layer (about 0.6 s for SmolLM2 here). So the
 last evicted model's weights stay with the worker as they were: the packed linears, the weight pages
 holding the data parameters and the KV pages of vLLM's null block, all under a ledger entry
 registered as spare (counted as used, since they are memory, but reclaimable). That model's next
