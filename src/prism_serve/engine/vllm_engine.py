@@ -314,9 +314,7 @@ class VllmEngine(RequestCounts):
     def unload(self) -> None:
         """Drop the packed linear weights (their memory goes back to the allocator); the data
         parameters stay in the weight range, which the caller unmaps."""
-        for m in self._model.modules():
-            if getattr(m, "cpu_linear", None) is not None:
-                m.cpu_linear = None
+        self.take_packed().clear()
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -385,11 +383,12 @@ class VllmEngine(RequestCounts):
         """Map the blocks the next step may need (as far as the ledger allows) and unmap those
         above what it needs twice over: pages follow the requests, a step ahead."""
         high = self._highest_used() + 1
-        need = high + self._headroom()
+        headroom = self._headroom()
+        need = high + headroom
         if self.kv.watermark < need:
             reached = self.kv.grow_by_pages(need)
             self.stalled = reached < need and self.num_waiting > 0
-        elif self.kv.watermark > high + 2 * self._headroom():
+        elif self.kv.watermark > need + headroom:
             self.kv.resize(need)
             self.stalled = False
 

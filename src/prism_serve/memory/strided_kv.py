@@ -109,8 +109,8 @@ class StridedKVPages:
         return True
 
     def grow_by_pages(self, watermark: int) -> int:
-        """Grow towards ``watermark`` as far as the ledger allows, a block at a time past the
-        first refusal; returns the watermark reached."""
+        """Grow towards ``watermark`` as far as the ledger allows (after a refusal, the highest
+        watermark it grants, found by bisection); returns the watermark reached."""
         if self.resize(watermark):
             return self.watermark
         low, high = self.watermark, watermark  # resize(low) holds, resize(high) was refused

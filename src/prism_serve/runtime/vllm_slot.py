@@ -97,13 +97,8 @@ class VllmMemory:
         self.engine.abort_all()
         if self.engine.kv.watermark > 1:
             self.engine.kv.resize(1)  # the null block's pages: kept, or unmapped below
-        if self.slot.keep(self):
-            return
-        self.engine.kv.close()
-        self.engine.unload()
-        gc.collect()  # the packed weights' last references go with their closures
-        self.weight_account.release(self.packed_bytes)
-        unmap_weight_pages(self.weight_range, self.weight_account, self.weight_pages)
+        if not self.slot.keep(self):
+            self.slot.give_back(self.weight_account, self.packed_bytes, self.weight_pages)
 
 
 class VllmSlot:
@@ -119,7 +114,6 @@ class VllmSlot:
         self.owner = owner  # the worker's id: its kept weights' ledger entry is "<owner> vllm kept"
         self.engine: VllmEngine | None = None
         self.key: tuple | None = None
-        self.builds = 0
         self.kept: _Kept | None = None
         self._kept_account: Account | None = None
 
@@ -155,7 +149,6 @@ class VllmSlot:
                 except LedgerError as e:
                     raise DeviceMemoryExhaustedError(str(e)) from None
                 self.engine, self.key = engine, key
-                self.builds += 1
                 weight_pages = self._map_weights(weight_account, engine)
                 engine.move_parameters(self.weight_range.as_tensor())
                 built_s = time.monotonic() - t0
@@ -173,11 +166,7 @@ class VllmSlot:
             engine.load(tensors.items())
         except BaseException:
             if engine is not None:
-                engine.unload()
-                engine.kv.close()
-            weight_account.release(packed)
-            if weight_pages:
-                unmap_weight_pages(self.weight_range, weight_account, weight_pages)
+                self.give_back(weight_account, packed, weight_pages)
             raise
         memory = VllmMemory(
             engine, self.weight_range, weight_account, kv_account, weight_pages, packed, self, weights
@@ -237,12 +226,20 @@ class VllmSlot:
             return 0
         self.kept = None
         before = keeper.entry().mapped_bytes
-        self.engine.kv.close()  # its null block's pages, held by the keeper
-        kept.packed.clear()
-        keeper.release(kept.packed_bytes)
-        unmap_weight_pages(self.weight_range, keeper, kept.weight_pages)
-        gc.collect()
+        kept.packed.clear()  # their last references
+        self.give_back(keeper, kept.packed_bytes, kept.weight_pages)
         return before - keeper.entry().mapped_bytes
+
+    def give_back(self, account: Account, packed_bytes: int, weight_pages: int) -> None:
+        """A model's memory leaves the engine: its KV pages (under whichever account holds them),
+        its packed linears, and its weight pages and packed bytes under ``account``."""
+        assert self.engine is not None
+        self.engine.kv.close()
+        self.engine.unload()
+        gc.collect()  # the packed weights' last references go with their closures
+        account.release(packed_bytes)
+        if weight_pages:
+            unmap_weight_pages(self.weight_range, account, weight_pages)
 
     def drop(self) -> None:
         """Tear the built engine down (a model of another shape needs the ranges)."""
