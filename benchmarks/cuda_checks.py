@@ -6,6 +6,8 @@ Sections (each runs even if an earlier one failed; every number is from this run
   device-to-device copy (bytes read + written), the ceilings the later numbers are compared with.
 * ``vmm``: per 2 MiB page, the five phases of the cuda backend of memory/vmm.py (cuMemCreate,
   cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease) in microseconds, median and p90 of 512.
+* ``stridedkv``: vLLM's layer-by-layer KV layout with pages on demand (memory/strided_kv.py) on
+  SmolLM2-135M and Llama-8B KV shapes: the cost of growing and shrinking by one prefill chunk.
 * ``smollm``: the engine on SYNTHETIC SmolLM2-135M-shaped weights in bf16: decode tokens/s at
   batch 1 / 32 / 128 / 256 with CUDA graphs and without, prefill tokens/s, and the elastic KV pool
   against a fixed pool on the same requests (6 runs each, alternated; medians).
@@ -142,6 +144,67 @@ def section_vmm(pages: int = 512) -> dict:
     )
     log(f"  map_pages in runs of 16: {batched_us:.1f} us a page (create + map + set access one by one, "
         f"medians: {per_page_us:.1f} us)")  # fmt: skip
+    return out
+
+
+# ---- stridedkv ---------------------------------------------------------------------------------
+
+
+def section_stridedkv() -> dict:
+    """vLLM's layer-by-layer KV layout with pages on demand (memory/strided_kv.py), the vLLM
+    engine's device path without vLLM: growing a request's blocks chunk by chunk (16 blocks = 256
+    tokens, a prefill chunk) to the whole buffer, then shrinking in the same steps. Crossing a 2 MiB
+    page maps one page in every layer at once; the per-step cost is what fit_pages adds to a step."""
+    from prism_serve.memory.strided_kv import StridedKVPages
+
+    out: dict = {}
+    os.environ[NAMESPACE_ENV] = f"bench{uuid.uuid4().hex[:8]}"
+    ledger = DeviceLedger(DEV, torch.cuda.mem_get_info()[1])
+    shapes = (("smollm2-135m", 30, 2 * 16 * 3 * 64 * 2, 8192), ("llama-8b", 32, 2 * 16 * 8 * 128 * 2, 4096))
+    for name, layers, block_bytes, blocks in shapes:
+        size = -(-(layers * blocks * block_bytes) // (2 * 2**20)) * 2 * 2**20
+        with reserve(DEV, size) as r:
+            kv = StridedKVPages(r, layers, blocks * block_bytes, block_bytes, blocks)
+            kv.attach(ledger.account(f"{name} kv"))
+            kv.resize(1)
+            flat = r.as_tensor()
+            grow, shrink, pages_per_step = [], [], []
+            for w in range(17, blocks + 1, 16):
+                before = len(kv.mapped)
+                t0 = time.perf_counter()
+                assert kv.resize(w)
+                grow.append(time.perf_counter() - t0)
+                pages_per_step.append(len(kv.mapped) - before)
+            flat.view(layers, -1)[:, ::4096].fill_(7)  # a byte of every 4 KiB of every layer, one kernel
+            sync()
+            for w in range(blocks - 16, 0, -16):
+                t0 = time.perf_counter()
+                assert kv.resize(w)
+                shrink.append(time.perf_counter() - t0)
+            kv.close()
+            crossing = [t for t, n in zip(grow, pages_per_step, strict=True) if n]
+            out[name] = {
+                "blocks": blocks, "block_bytes": block_bytes, "layers": layers, "steps": len(grow),
+                "grow_step_median_us": statistics.median(grow) * 1e6,
+                "grow_step_p99_us": sorted(grow)[int(0.99 * (len(grow) - 1))] * 1e6,
+                "grow_step_max_us": max(grow) * 1e6,
+                "steps_mapping_pages": len(crossing),
+                "mapping_step_median_us": statistics.median(crossing) * 1e6 if crossing else 0.0,
+                "pages_per_mapping_step": statistics.median([n for n in pages_per_step if n]),
+                "us_per_page": sum(crossing) / max(1, sum(pages_per_step)) * 1e6,
+                "shrink_step_median_us": statistics.median(shrink) * 1e6,
+                "shrink_step_max_us": max(shrink) * 1e6,
+            }  # fmt: skip
+            o = out[name]
+            log(
+                f"stridedkv {name}: {o['steps']} steps of 16 blocks; step median "
+                f"{o['grow_step_median_us']:.0f} us, p99 {o['grow_step_p99_us']:.0f}, "
+                f"max {o['grow_step_max_us']:.0f}; {o['steps_mapping_pages']} steps map pages "
+                f"({o['pages_per_mapping_step']:.0f} each, median {o['mapping_step_median_us']:.0f} us, "
+                f"{o['us_per_page']:.1f} us/page); shrink step median "
+                f"{o['shrink_step_median_us']:.0f} us, max {o['shrink_step_max_us']:.0f}"
+            )
+    ledger.close()
     return out
 
 
@@ -501,7 +564,7 @@ def section_hf() -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sections", default="link,vmm,smollm,llama8b,pool8b,prefill,activation,hf")
+    p.add_argument("--sections", default="link,vmm,stridedkv,smollm,llama8b,pool8b,prefill,activation,hf")
     p.add_argument("--out", default=os.environ.get("OUT", "results/cuda"))
     args = p.parse_args()
     props = torch.cuda.get_device_properties(0)
