@@ -14,9 +14,11 @@ the kept weights back in; a fourth server with ``PRISM_VLLM_KEEP=0`` times the o
 reload (what a worker's first activation of a model, or one after its kept weights were reclaimed,
 costs), activations only. Then ``vllm bench serve`` sends the c32
 workload of benchmarks/serve_throughput.py (64 streamed requests, 32 in flight, the same seed) to
-each, and the greedy completions of four prompts are compared.
+each, and the greedy completions of four prompts are compared. Before all that, two servers time
+the first activation after start, with and without the Prepare that builds vLLM's engine in the
+pooled worker's idle time (``--first-only``: just these).
 
-    python benchmarks/vllm_engine.py [--activations 5] [--compiled] [--out FILE.json]
+    python benchmarks/vllm_engine.py [--activations 5] [--compiled] [--first-only] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -82,6 +84,36 @@ def prism_server(
         stop_server_process(proc)
 
 
+def first_activation(tmp: Path, hf: Path, vllm_python: Path, prepare: bool) -> dict:
+    """The first activation of the vLLM model after the server starts (no prewarming): with
+    Prepare, the pooled vLLM worker built vLLM's engine while idle; without, the activation builds
+    it. The load is sent once the machine is quiet (the build, if any, done)."""
+    port = free_port()
+    cfg = tmp / f"prism-first-{prepare}.yaml"
+    cfg.write_text(
+        "devices: [{name: 'cpu:0', memory: 6GiB, workers: 1}]\n"
+        f"models: [{{name: {MODEL}, dtype: float32, max_model_len: 2048, max_num_seqs: 32, "
+        f"ttft_slo: 60, tpot_slo: 5, engine: vllm, source: '{hf}'}}]\n"
+        f"vllm_python: '{vllm_python}'\n"
+        f"policy: {{activation_timeout_s: 600, prepare_workers: {str(prepare).lower()}, "
+        "knobs: {prewarm: false}}\n"
+    )
+    proc = start_server_process(cfg, port, tmp / f"prism-first-{prepare}.log", timeout_s=600)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        common.wait_quiet(120, 0.3)
+        t0 = time.perf_counter()
+        r = httpx.post(f"{url}/v1/admin/models/{MODEL}/load", timeout=600)
+        took = time.perf_counter() - t0
+        r.raise_for_status()
+        phases = r.json()["activation_s"]
+        warm_up(url)
+        return {"name": "prepared (Prepare builds the engine)" if prepare else "not prepared",
+                "load_s": took, "phases_s": phases}  # fmt: skip
+    finally:
+        stop_server_process(proc)
+
+
 def vllm_server(tmp: Path, hf: Path, python: Path, compiled: bool, bind: str | None) -> dict:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
@@ -125,6 +157,7 @@ def main() -> None:
         help="VLLM_CPU_OMP_THREADS_BIND for vLLM's own server (default: its own, "
         "all cores but one); 0-1 gives it both cores of this machine",
     )
+    ap.add_argument("--first-only", action="store_true", help="only the first activation after start")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     info = common.machine_info()
@@ -134,6 +167,17 @@ def main() -> None:
         tmp = Path(t)
         tokenizer_dir = export_tokenizer(tmp / "tokenizer")
         hf = hf_model_dir(tmp)
+        firsts = [first_activation(tmp, hf, python, prepare) for prepare in (False, True)]
+        print("\nfirst activation of the vLLM model after the server starts (admin load, machine quiet):")
+        for f in firsts:
+            ph = f["phases_s"]
+            print(f"  {f['name']}: {f['load_s'] * 1e3:.0f} ms (phases: ready {ph['ready'] * 1e3:.0f} ms, "
+                  f"map+load {(ph['map'] + ph['copy']) * 1e3:.0f} ms)")  # fmt: skip
+        print(f"  not prepared / prepared: {firsts[0]['load_s'] / firsts[1]['load_s']:.1f}x", flush=True)
+        if args.first_only:
+            if args.out:
+                args.out.write_text(json.dumps({"machine": info, "first": firsts}, indent=1))
+            return
         runs = [prism_server(tmp, e, hf, python, args) for e in ("builtin", "vllm")]
         runs.append(vllm_server(tmp, hf, python, args.compiled, args.bind))
         reload = prism_server(tmp, "vllm", hf, python, args, keep=False)
@@ -163,7 +207,7 @@ def main() -> None:
     print(f"\ngreedy completions (24 tokens) of the vLLM engine in prism equal to: the built-in engine's "
           f"{same}/4, vLLM's own server's {same_v}/4")  # fmt: skip
     if args.out:
-        args.out.write_text(json.dumps({"machine": info, "runs": [*runs, reload]}, indent=1))
+        args.out.write_text(json.dumps({"machine": info, "first": firsts, "runs": [*runs, reload]}, indent=1))
 
 
 if __name__ == "__main__":

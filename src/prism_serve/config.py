@@ -162,7 +162,8 @@ class PolicyConfig(_Strict):
     prepare_workers: bool = Field(
         True,
         description="idle pooled workers map the host cache files and parse the tokenizers ahead of "
-        "any activation, so a fresh worker's first activation is only a copy (runtime/workers.py)",
+        "any activation, so a fresh worker's first activation is only a copy (runtime/workers.py); "
+        "an idle vLLM worker also builds vLLM's engine for the shape most vLLM models share",
     )
 
     @model_validator(mode="after")

@@ -99,6 +99,23 @@ def model_entries(server: ServerProcess, model: str) -> list:
     return [e for e in snap.entries if e.name.startswith(f"{model} ")]
 
 
+def test_the_idle_vllm_worker_builds_the_engine_ahead_and_holds_nothing_after(server: ServerProcess) -> None:
+    """The pool's vLLM worker builds vLLM's engine for smol-vllm's shape in its idle time (a
+    Prepare, started as the server starts; an activation that comes meanwhile waits for it). The
+    first activation then loads weights into the built engine instead of building one (its ready
+    phase is the build: exactly 0 when none happened), and a build leaves nothing granted."""
+    out = admin(server, "smol-vllm", "load")
+    assert out["activated"] and out["activation_s"]["ready"] == 0.0, out
+    # the pool's new idle vLLM worker, started as this one was taken, builds its engine too
+    ledger = DeviceLedger("cpu:0", namespace=server.namespace)
+    deadline = time.monotonic() + 180
+    while [e for e in ledger.snapshot().entries if e.name.endswith(" vllm prepare")]:
+        assert time.monotonic() < deadline, "a Prepare's build holds memory after 180 s"
+        time.sleep(0.05)
+    snap = ledger.snapshot()
+    assert snap.used_bytes == sum(e.mapped_bytes for e in model_entries(server, "smol-vllm")) > 500 * 2**20
+
+
 def test_greedy_outputs_and_logprobs_match_the_builtin_engine(server: ServerProcess) -> None:
     c = client(server)
     for prompt in PROMPTS:

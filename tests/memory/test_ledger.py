@@ -194,3 +194,16 @@ def test_prism_memory_shows_and_limits_engines(make_ledger):
 def test_prism_memory_without_ledgers_says_so(namespace):
     res = run_prism("memory")
     assert res.returncode == 0 and "no memory ledgers" in res.stdout
+
+
+def test_an_account_that_takes_memory_ahead_of_need_asks_no_one_for_spare_pages(make_ledger):
+    ledger = make_ledger(budget_bytes=16 * MiB)
+    holder = ledger.account("w0 spare", spare=True)
+    assert holder.try_reserve(12 * MiB)
+    ahead = ledger.account("w1 vllm prepare")
+    ahead.reclaim = False  # a vLLM engine built in a worker's idle time (runtime/vllm_slot.py)
+    assert not ahead.try_reserve(8 * MiB)
+    snap = ledger.snapshot()
+    assert snap.reclaim_bytes == 0 and snap.refused_at == 0, "its refusal asked the spare holder for nothing"
+    assert ahead.try_reserve(4 * MiB)  # free memory it takes
+    assert not ahead.try_reserve(8 * MiB, reclaim=True) and ledger.snapshot().reclaim_bytes == 8 * MiB

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from prism_serve.engine.config import EngineConfig
@@ -56,7 +57,7 @@ from prism_serve.memory.ledger import Account, LedgerError
 from prism_serve.memory.strided_kv import StridedKVPages
 from prism_serve.memory.vmm import VirtualRange
 
-__all__ = ["VllmEngine", "shape_key", "vllm_environment"]
+__all__ = ["VllmEngine", "engine_key", "vllm_environment"]
 
 _SHAPE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -73,14 +74,16 @@ def vllm_environment(cores: Iterable[int] = ()) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
 
 
-def shape_key(source: str) -> str:
+def engine_key(source: str, config: EngineConfig) -> str:
     """What one built engine can serve: models with the same config and tokenizer files (fine-tunes
-    of one base) share a pooled engine; only their weights differ."""
+    of one base) and the same engine knobs share a pooled engine; only their weights differ. The
+    model's name is not part of it."""
     h = hashlib.sha256()
     for name in _SHAPE_FILES:
         p = Path(source) / name
         h.update(name.encode())
         h.update(p.read_bytes() if p.is_file() else b"-")
+    h.update(msgspec.json.encode(msgspec.structs.replace(config, model="")))
     return h.hexdigest()[:16]
 
 

@@ -504,9 +504,12 @@ class Account:
         self.ledger = ledger
         self.slot = slot
         self._closed = False
+        # False: this account's grants never ask other entries for their spare pages (memory
+        # taken ahead of need, such as a vLLM engine built in a worker's idle time)
+        self.reclaim = True
 
-    def try_reserve(self, num_bytes: int, reclaim: bool = True) -> bool:
-        return self.ledger.try_reserve(self.slot, num_bytes, reclaim)
+    def try_reserve(self, num_bytes: int, reclaim: bool | None = None) -> bool:
+        return self.ledger.try_reserve(self.slot, num_bytes, self.reclaim if reclaim is None else reclaim)
 
     def move_to(self, other: Account, num_bytes: int) -> bool:
         return self.ledger.move(self.slot, other.slot, num_bytes)

@@ -114,6 +114,7 @@ class Controller(AdminOps, NodeOps):
         self.prepare_workers = prepare_workers
         self.cache = HostWeightCache(namespace)
         self.models: dict[str, ModelEntry] = {}  # served models and their replica slots
+        self._engine_keys: dict[str, str] = {}  # vLLM models' engine_key, by model (nodes.py)
         # replica slots beyond replica 0 per served model (control/replicas.py), at most one per device
         num_slots = min(self.policy.replica_slots, len(self.devices))
         self.replicas: dict[str, list[str]] = {
@@ -419,14 +420,15 @@ class Controller(AdminOps, NodeOps):
             if pending:
                 await asyncio.wait(pending, timeout=max(0.0, deadline - self._now()))
             handle = await asyncio.wait_for(
-                self.pool.take(device, m.spec.engine, m.spec.source), max(0.0, deadline - self._now())
+                self.pool.take(device, m.spec.engine, m.spec.source, self._engine_key(m)),
+                max(0.0, deadline - self._now()),
             )
             handle.model = m.spec.name
             m.worker = handle
             while True:
                 reply = await self._request(handle, self._activate_message(m, device, decided_at))
                 if isinstance(reply, msg.ModelActivated):
-                    handle.last_source = m.spec.source
+                    handle.last_source, handle.engine_key = m.spec.source, self._engine_key(m)
                     break
                 retry = reply.error == DeviceMemoryExhaustedError.__name__ and self._now() < deadline
                 if not retry:

@@ -120,13 +120,23 @@ class CacheFile(msgspec.Struct, array_like=True, frozen=True):
     size: int
 
 
+class EngineShape(msgspec.Struct, array_like=True, frozen=True):
+    """A model shape a vLLM worker builds its engine for ahead of activations: a model's weights
+    directory (only its config and tokenizer files matter) and its engine knobs."""
+
+    source: str
+    engine: EngineConfig
+
+
 class Prepare(Message):
     """What an idle worker opens ahead of any activation, in this order, one piece at a time between
-    messages: the host cache files (mapped, then pre-faulted in pieces) and the tokenizers (parsed).
+    messages: for a vLLM worker the engine of one model shape (built over dummy weights: seconds),
+    then the host cache files (mapped, then pre-faulted in pieces) and the tokenizers (parsed).
     An activation then starts with the copy; without this, a fresh worker's first one also pays those."""
 
     files: list[CacheFile]
     tokenizers: list[str]
+    engines: list[EngineShape] = []
 
 
 class ActivateModel(Message):
@@ -186,6 +196,7 @@ class Prepared(Message):
     files: list[str]
     tokenizers: list[str]
     seconds: float
+    engines: list[str] = []  # a vLLM worker's built engine: its engine_key (engine/vllm_engine.py)
 
 
 class ModelActivated(Message):

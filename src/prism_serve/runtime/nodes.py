@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from prism_serve.control import ModelState
+from prism_serve.engine.vllm_engine import engine_key
 from prism_serve.errors import WorkerDiedError
 from prism_serve.memory.ledger import DeviceLedger
 from prism_serve.memory.vmm import format_size
@@ -50,7 +51,33 @@ class NodeOps:
             if node is not None and node.prepare is not None:
                 return node.prepare
             return msg.Prepare([], [])
-        return self.cache.prepare_message()
+        message = self.cache.prepare_message()
+        if handle.engine == "vllm":
+            message = msgspec.structs.replace(message, engines=self._vllm_shapes())
+        return message
+
+    def _engine_key(self: Controller, m: ModelEntry) -> str | None:
+        """A vLLM model's engine_key: which pooled vLLM engine can serve it (None: built-in)."""
+        if m.spec.engine != "vllm":
+            return None
+        key = self._engine_keys.get(m.spec.name)
+        if key is None:
+            key = self._engine_keys[m.spec.name] = engine_key(m.cached.source, m.spec.engine_config())
+        return key
+
+    def _vllm_shapes(self: Controller) -> list[msg.EngineShape]:
+        """The engine a fresh vLLM worker builds ahead of activations: the shape that most vLLM
+        models share (fine-tunes of one base), the first configured on a tie. A worker holds one
+        vLLM engine; a model of another shape rebuilds it at activation."""
+        groups: dict[str, list[ModelEntry]] = {}
+        for m in self.models.values():
+            key = self._engine_key(m)
+            if key is not None and m.spec.name not in {e.spec.name for e in groups.get(key, [])}:
+                groups.setdefault(key, []).append(m)
+        if not groups:
+            return []
+        m = max(groups.values(), key=len)[0]  # max keeps the first of equal lengths
+        return [msg.EngineShape(m.cached.source, m.spec.engine_config())]
 
     def _activate_message(
         self: Controller, m: ModelEntry, device: str, decided_at: float

@@ -1,8 +1,9 @@
 """A vLLM worker's engine between activations, and the memory of the model it serves.
 
 A worker started with ``--engine vllm`` (runtime/workers.py starts it with the vLLM environment's
-Python) keeps one ``VllmEngine`` built: the first activation of a model shape builds it over dummy
-weights (seconds: vLLM's start), later activations of that shape only load weights into it. Every
+Python) keeps one ``VllmEngine`` built: its Prepare builds it over dummy weights for the shape the
+controller names (seconds: vLLM's start, in the worker's idle time; ``prepare``), else the first
+activation of a model shape does; later activations of that shape only load weights into it. Every
 byte the active model holds is in the device ledger under the model's two accounts, and an evicted
 model leaves nothing under them (what the worker keeps of it is under a spare entry, below;
 engine/vllm_engine.py says where each byte lives):
@@ -32,11 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import torch
 
 from prism_serve.engine.config import EngineConfig
-from prism_serve.engine.vllm_engine import VllmEngine, shape_key
+from prism_serve.engine.vllm_engine import VllmEngine, engine_key
 from prism_serve.memory.ledger import Account, DeviceLedger, LedgerError
 from prism_serve.memory.spare import grant_waiting
 from prism_serve.memory.vmm import VirtualRange
@@ -113,7 +113,7 @@ class VllmSlot:
         self.ledger = ledger
         self.owner = owner  # the worker's id: its kept weights' ledger entry is "<owner> vllm kept"
         self.engine: VllmEngine | None = None
-        self.key: tuple | None = None
+        self.key: str | None = None  # engine_key of the built engine
         self.kept: _Kept | None = None
         self._kept_account: Account | None = None
 
@@ -130,8 +130,7 @@ class VllmSlot:
         """Serve the model whose checkpoint tensors are ``tensors`` (views of the host cache file
         ``weights``). Returns the engine, its memory, and the seconds spent building vLLM's engine
         (0 when the pooled one was reused). On failure nothing stays granted or mapped."""
-        # the engine serves any model of this shape and these knobs, whatever its name
-        key = (shape_key(source), msgspec.structs.replace(config, model=""))
+        key = engine_key(source, config)  # any model of this shape and these knobs, whatever its name
         if self.engine is not None and self.key != key:
             self.drop()
         if self.kept is not None and self.kept.weights == weights:
@@ -172,6 +171,51 @@ class VllmSlot:
             engine, self.weight_range, weight_account, kv_account, weight_pages, packed, self, weights
         )
         return engine, memory, built_s
+
+    def prepare(self, source: str, config: EngineConfig) -> bool:
+        """Build the engine for ``source``'s shape ahead of any activation (a Prepare, in the
+        worker's idle time), so that the first activation of a model of that shape is a weight
+        load. The build's pages (vLLM's null KV block, the dummy data parameters) are granted only
+        from free memory, asking no one for spare pages, and all go back after it, as at an
+        eviction. False (nothing done) while the worker holds an engine or kept weights, or when
+        the ledger has no room for the build; then the first activation builds the engine."""
+        if self.engine is not None or self.kept is not None:
+            return False
+        account = self.ledger.account(f"{self.owner} vllm prepare")
+        account.reclaim = False
+        engine = None
+        try:
+            try:
+                engine = VllmEngine.build(source, config, self.kv_range, account)
+            except LedgerError:
+                return False
+            page = self.weight_range.page_size
+            pages = -(-engine.parameter_bytes() // page)
+            if not account.try_reserve(pages * page):
+                engine.kv.close()
+                engine.close()
+                return False
+            try:
+                self.weight_range.map_pages(list(range(pages)))
+            except BaseException:
+                account.release(pages * page)
+                raise
+            self.engine = engine
+            try:
+                engine.move_parameters(self.weight_range.as_tensor())
+            finally:
+                self.give_back(account, 0, pages)  # KV pages, dummy packed linears, weight pages
+        except BaseException:
+            if engine is not None:
+                engine.kv.close()
+                engine.close()
+            self.engine = None
+            raise
+        finally:
+            account.close()
+            gc.collect()
+        self.key = engine_key(source, config)
+        return True
 
     def _map_weights(self, account: Account, engine: VllmEngine) -> int:
         n = engine.parameter_bytes()

@@ -173,9 +173,10 @@ class Worker:
                         self.active.pool.shrink_buffer()
                     self._send(msg.StepOutputs([], self._stats(self.active)))  # its KV is free now
             case msg.Prepare():
-                self.to_prepare.extend([*m.files, *m.tokenizers])
+                engines = m.engines if self.vllm is not None else []
+                self.to_prepare.extend([*engines, *m.files, *m.tokenizers])
                 if not self.to_prepare:
-                    self._send(msg.Prepared([], [], 0.0))
+                    self._send(msg.Prepared([], [], 0.0, self._built_engines()))
             case msg.ActivateModel():
                 self._activate(m)
             case msg.EvictModel():
@@ -200,7 +201,10 @@ class Worker:
         item = self.to_prepare.popleft()
         start = time.monotonic()
         try:
-            if isinstance(item, msg.CacheFile):
+            if isinstance(item, msg.EngineShape):
+                assert self.vllm is not None
+                self.vllm.prepare(item.source, item.engine)
+            elif isinstance(item, msg.CacheFile):
                 shared = self._shared(item.path, item.size, populate=False)
                 if not shared.prefault(PREFAULT_CHUNK_BYTES):
                     self.to_prepare.appendleft(item)  # the rest of it after the next poll
@@ -213,7 +217,10 @@ class Worker:
         self.prepare_s += time.monotonic() - start
         if not self.to_prepare:
             files = sorted(path for path, f in self.shared.items() if f.complete)
-            self._send(msg.Prepared(files, sorted(self.tokenizers), self.prepare_s))
+            self._send(msg.Prepared(files, sorted(self.tokenizers), self.prepare_s, self._built_engines()))
+
+    def _built_engines(self) -> list[str]:
+        return [self.vllm.key] if self.vllm is not None and self.vllm.key is not None else []
 
     def _shared(self, path: str, size: int, populate: bool = True) -> SharedWeights:
         """A host cache file mapped once per worker (pre-faulted at once with ``populate``, else

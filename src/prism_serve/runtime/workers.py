@@ -90,6 +90,9 @@ class WorkerHandle:
     engine: str = "builtin"  # the engine it runs: builtin, or vllm (started with the vLLM Python)
     # the weights source it activated last (a vLLM worker keeps that model's weights and shape)
     last_source: str | None = None
+    # a vLLM worker's built engine (engine_key, engine/vllm_engine.py): from its Prepare, then
+    # from the models it activated
+    engine_key: str | None = None
 
     @property
     def identity(self) -> bytes:
@@ -220,11 +223,14 @@ class WorkerPool:
     def idle(self, device: str, engine: str = "builtin") -> list[WorkerHandle]:
         return [w for w in self.on_device(device) if w.state is WorkerState.IDLE and w.engine == engine]
 
-    async def take(self, device: str, engine: str = "builtin", source: str | None = None) -> WorkerHandle:
+    async def take(
+        self, device: str, engine: str = "builtin", source: str | None = None, key: str | None = None
+    ) -> WorkerHandle:
         """An idle worker of ``device`` that runs ``engine``, now marked ACTIVATING; the pool
         refills in the background. Among several: for vLLM, the one that last activated ``source``
-        (it keeps that model's weights and engine, runtime/vllm_slot.py); else the one with the
-        most spare weight pages (its activation creates the fewest)."""
+        (it keeps that model's weights and engine, runtime/vllm_slot.py), then one whose engine is
+        built for ``key`` (the model's engine_key); else the one with the most spare weight pages
+        (its activation creates the fewest)."""
         spec = self.devices.get(device)
         while True:
             if device not in self.devices:  # at the call, or while it waited for a worker
@@ -233,7 +239,7 @@ class WorkerPool:
             if idle:
                 same = [
                     w for w in idle if engine == "vllm" and source is not None and w.last_source == source
-                ]
+                ] or [w for w in idle if engine == "vllm" and key is not None and w.engine_key == key]
                 if same:
                     handle = same[0]
                 elif self._spare_of and len(idle) > 1:
@@ -299,6 +305,8 @@ class WorkerPool:
                 continue
             if isinstance(m, msg.Prepared):
                 handle.prepared = m
+                if m.engines:
+                    handle.engine_key = m.engines[-1]
                 continue
             try:
                 self._on_message(handle, m)

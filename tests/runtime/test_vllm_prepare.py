@@ -1,0 +1,124 @@
+"""Which vLLM engine a fresh vLLM worker builds ahead of activations (its Prepare), and which idle
+vLLM worker an activation takes. The build itself, and the activation that then finds the engine
+built, run against real vLLM in tests/api/test_vllm_server.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from prism_serve.engine.vllm_engine import engine_key
+from prism_serve.runtime.devices import DeviceSpec
+from prism_serve.runtime.models import ModelSpec
+from prism_serve.runtime.nodes import NodeOps
+from prism_serve.runtime.workers import WorkerHandle, WorkerPool, WorkerState
+
+
+def checkpoint(root: Path, name: str, layers: int) -> Path:
+    d = root / name
+    d.mkdir()
+    (d / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers})
+    )
+    (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+def fine_tune(base: Path, name: str) -> Path:
+    d = base.parent / name
+    shutil.copytree(base, d)
+    (d / "model.safetensors").write_bytes(name.encode())  # other weights: not part of the shape
+    return d
+
+
+class Controller(NodeOps):
+    """The controller's state _vllm_shapes reads: its model entries (replica slots included)."""
+
+    def __init__(self, entries: list[tuple[str, ModelSpec, Path]]) -> None:
+        self.models = {
+            name: SimpleNamespace(spec=spec, cached=SimpleNamespace(source=str(src)))
+            for name, spec, src in entries
+        }
+        self._engine_keys: dict[str, str] = {}
+
+
+def vllm(name: str, src: Path, **knobs) -> tuple[str, ModelSpec, Path]:
+    return name, ModelSpec(name, source=str(src), engine="vllm", **knobs), src
+
+
+def test_the_shape_most_vllm_models_share_is_built_and_replica_slots_count_once(tmp_path: Path) -> None:
+    a = checkpoint(tmp_path, "base-a", 30)
+    b = checkpoint(tmp_path, "base-b", 24)
+    ft1, ft2 = fine_tune(a, "ft1"), fine_tune(a, "ft2")
+    b_spec = vllm("b", b)[1]
+    c = Controller([
+        ("b", b_spec, b), ("b#1", b_spec, b), ("b#2", b_spec, b),  # one model, three replica slots
+        vllm("ft1", ft1), vllm("ft2", ft2),
+        ("builtin", ModelSpec("builtin"), tmp_path),
+    ])  # fmt: skip
+    (shape,) = c._vllm_shapes()
+    assert shape.source == str(ft1)  # two models share base-a's shape; base-b's is one model's
+    assert shape.engine == ModelSpec("ft1", source=str(ft1), engine="vllm").engine_config()
+    assert c._engine_key(c.models["ft2"]) == c._engine_key(c.models["ft1"]) != c._engine_key(c.models["b"])
+    assert c._engine_key(c.models["builtin"]) is None
+
+
+def test_other_engine_knobs_are_another_engine_and_a_tie_goes_to_the_first_configured(tmp_path: Path) -> None:
+    a = checkpoint(tmp_path, "base-a", 30)
+    b = checkpoint(tmp_path, "base-b", 24)
+    c = Controller(
+        [vllm("b", b), vllm("a-short", a, max_model_len=512), vllm("a-long", a, max_model_len=2048)]
+    )
+    assert c._engine_key(c.models["a-short"]) != c._engine_key(c.models["a-long"])
+    (shape,) = c._vllm_shapes()
+    assert shape.source == str(b)  # three engines of one model each: the first configured
+    assert Controller([("builtin", ModelSpec("builtin"), tmp_path)])._vllm_shapes() == []
+
+
+def test_engine_key_ignores_the_model_name_and_weights(tmp_path: Path) -> None:
+    a = checkpoint(tmp_path, "base-a", 30)
+    ft = fine_tune(a, "ft")
+    spec = ModelSpec("x", source=str(a), engine="vllm")
+    other = ModelSpec("y", source=str(ft), engine="vllm")
+    assert engine_key(str(a), spec.engine_config()) == engine_key(str(ft), other.engine_config())
+    (ft / "config.json").write_text(json.dumps({"num_hidden_layers": 31}))
+    assert engine_key(str(a), spec.engine_config()) != engine_key(str(ft), other.engine_config())
+
+
+@pytest.fixture
+def pool(tmp_path: Path):
+    p = WorkerPool(
+        [DeviceSpec("cpu:0", 2**30, (0,), 1)], on_message=lambda h, m: None, on_death=lambda h: None,
+        namespace=None, reserve_bytes={"cpu:0": 2**30}, page_size=2**21, load_threads=1,
+    )  # fmt: skip
+    yield p
+    p._sock.close()
+    p._ctx.term()
+
+
+def test_an_activation_takes_the_worker_that_kept_the_model_then_one_built_for_its_shape(pool) -> None:
+    async def take(source: str, key: str) -> str:
+        return (await pool.take("cpu:0", "vllm", source, key)).worker_id
+
+    async def run() -> list[str]:
+        device = pool.devices["cpu:0"]
+        for i, (kept, built) in enumerate(
+            [(None, None), (None, "k2"), ("/m/a", "k1"), (None, "k1"), (None, None)]
+        ):
+            h = WorkerHandle(f"cpu:0/v{i}", device, proc=None, state=WorkerState.IDLE, engine="vllm")  # type: ignore[arg-type]
+            h.last_source, h.engine_key = kept, built
+            pool.workers[h.worker_id] = h
+        return [
+            await take("/m/a", "k1"),
+            await take("/m/b", "k1"),
+            await take("/m/c", "k2"),
+            await take("/m/d", "k9"),
+        ]
+
+    # kept weights first, then a built engine of the shape, then any idle vLLM worker
+    assert asyncio.run(run()) == ["cpu:0/v2", "cpu:0/v3", "cpu:0/v1", "cpu:0/v0"]
