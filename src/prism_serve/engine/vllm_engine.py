@@ -113,16 +113,23 @@ class _LowestFirst:
         self._blocks = blocks
         self._free = {b.block_id for b in _queued(queue)}
         self._heap = sorted(self._free)
+        # the highest block id not free (0: only vLLM's null block, which is never free)
+        self.top = max((i for i in range(len(blocks)) if i not in self._free), default=0)
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    def _lower_top(self) -> None:
+        while self.top > 0 and self.top in self._free:
+            self.top -= 1
 
     def popleft(self) -> Any:
         while True:
             i = heapq.heappop(self._heap)
             if i in self._free:
                 self._free.discard(i)
+                self.top = max(self.top, i)
                 return self._blocks[i]
 
     def popleft_n(self, n: int) -> list:
@@ -134,6 +141,8 @@ class _LowestFirst:
         if block.block_id not in self._free:
             self._free.add(block.block_id)
             heapq.heappush(self._heap, block.block_id)
+            if block.block_id == self.top:
+                self._lower_top()
 
     def append_n(self, blocks: Iterable) -> None:
         for b in blocks:
@@ -143,6 +152,7 @@ class _LowestFirst:
 
     def remove(self, block: Any) -> None:
         self._free.discard(block.block_id)  # its heap entry is skipped when popped
+        self.top = max(self.top, block.block_id)
 
     def get_all_free_blocks(self) -> list:
         return [self._blocks[i] for i in sorted(self._free)]
@@ -360,7 +370,7 @@ class VllmEngine(RequestCounts):
         return max(0, min(self._free.num_free_blocks, self.kv.watermark - 1 - used))
 
     def _highest_used(self) -> int:
-        return max((b.block_id for b in self._pool.blocks if b.ref_cnt > 0 and not b.is_null), default=0)
+        return self._free.top  # blocks not in the free queue are in use (prefix caching is off)
 
     def _headroom(self) -> int:
         """Blocks one step may add beyond those in use: for each running request, its next chunk
