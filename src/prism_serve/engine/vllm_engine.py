@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import math
 import os
 import time
@@ -67,6 +68,7 @@ def vllm_environment(cores: Iterable[int] = ()) -> None:
     """What vLLM must read before its first import: its engine core in this process, no usage
     report, no model hub, and its OpenMP threads on this worker's cores."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines at every build and load
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cores = sorted(cores)
@@ -85,6 +87,16 @@ def engine_key(source: str, config: EngineConfig) -> str:
         h.update(p.read_bytes() if p.is_file() else b"-")
     h.update(msgspec.json.encode(msgspec.structs.replace(config, model="")))
     return h.hexdigest()[:16]
+
+
+def _quiet_rotary_reload_warning(record: logging.LogRecord) -> bool:
+    """False for vLLM's warning that a rotary embedding "failed to load weights" at each reload:
+    its cos/sin cache is computed, not in any checkpoint, and vLLM puts it back as it was."""
+    return not (
+        record.msg == "%s: Failed to load weights"
+        and isinstance(record.args, tuple)
+        and str(record.args[0]).endswith("RotaryEmbedding")
+    )
 
 
 class _FromRange:
@@ -231,6 +243,10 @@ class VllmEngine(RequestCounts):
         import vllm.v1.worker.utils as worker_utils
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
+
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        if _quiet_rotary_reload_warning not in reload_log.filters:
+            reload_log.addFilter(_quiet_rotary_reload_warning)
 
         original = runner_module.allocate_kv_cache
         made: list[StridedKVPages] = []

@@ -435,6 +435,7 @@ class Controller(AdminOps, NodeOps):
                     raise error_class(reply.error)(f"activating {m.spec.name} on {device}: {reply.message}")
                 await asyncio.sleep(0.05)  # other engines' KV pages drain as their requests finish
         except Exception as e:  # whatever went wrong, waiting requests must hear about it
+            self._refill(handle, device, m)
             if m.activation is not asyncio.current_task():
                 return None  # detached (its node left): the model has moved on without it
             if isinstance(e, TimeoutError):
@@ -446,6 +447,7 @@ class Controller(AdminOps, NodeOps):
                 e = ActivationError(f"activating {m.spec.name}: {type(e).__name__}: {e}")
             self._activation_failed(m, handle, e)
             return None
+        self._refill(handle, device, m)
         handle.state = WorkerState.SERVING
         handle.stats = reply.stats
         m.state, m.max_kv_bytes, m.last_phases = ModelState.ACTIVE, reply.max_kv_bytes, reply.phases
@@ -466,6 +468,11 @@ class Controller(AdminOps, NodeOps):
         except Exception:  # the model is active; the next tick admits what this could not
             logger.exception("placing and admitting after %s's activation failed", m.spec.name)
         return reply.phases
+
+    def _refill(self, handle: WorkerHandle | None, device: str, m: ModelEntry) -> None:
+        """An activation that took a worker from the pool is done: the pool starts its replacement."""
+        if handle is not None and self._pool is not None:
+            self._pool.refill(device, m.spec.engine)
 
     def _activation_failed(self, m: ModelEntry, handle: WorkerHandle | None, error: PrismError) -> None:
         logger.warning("activation of %s failed: %s", m.spec.name, error)

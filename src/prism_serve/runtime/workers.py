@@ -226,8 +226,8 @@ class WorkerPool:
     async def take(
         self, device: str, engine: str = "builtin", source: str | None = None, key: str | None = None
     ) -> WorkerHandle:
-        """An idle worker of ``device`` that runs ``engine``, now marked ACTIVATING; the pool
-        refills in the background. Among several: for vLLM, the one that last activated ``source``
+        """An idle worker of ``device`` that runs ``engine``, now marked ACTIVATING (``refill``
+        replaces it in the pool). Among several: for vLLM, the one that last activated ``source``
         (it keeps that model's weights and engine, runtime/vllm_slot.py), then one whose engine is
         built for ``key`` (the model's engine_key); else the one with the most spare weight pages
         (its activation creates the fewest)."""
@@ -247,13 +247,19 @@ class WorkerPool:
                 else:
                     handle = idle[0]
                 handle.state = WorkerState.ACTIVATING
-                if not self.idle(device, engine) and not self._starting(device, engine):
-                    self.spawn(spec, engine)  # keep one idle worker ready for the next activation
-                return handle
+                return handle  # the caller refills the pool once this activation is done
             starting = self._starting(device, engine) or [self.spawn(spec, engine)]
             await asyncio.wait(
                 [asyncio.shield(h.ready) for h in starting], return_when=asyncio.FIRST_COMPLETED
             )
+
+    def refill(self, device: str, engine: str = "builtin") -> None:
+        """Keep one idle worker of ``engine`` ready on ``device`` for the next activation. Called
+        when an activation that took one is done, not as it takes it: a new worker's start (and a
+        vLLM worker's engine build) would compete for the cores with that activation."""
+        spec = self.devices.get(device)
+        if spec is not None and not self.idle(device, engine) and not self._starting(device, engine):
+            self.spawn(spec, engine)
 
     def _starting(self, device: str, engine: str = "builtin") -> list[WorkerHandle]:
         return [w for w in self.on_device(device) if w.state is WorkerState.STARTING and w.engine == engine]
