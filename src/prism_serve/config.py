@@ -163,7 +163,7 @@ class PolicyConfig(_Strict):
         True,
         description="idle pooled workers map the host cache files and parse the tokenizers ahead of "
         "any activation, so a fresh worker's first activation is only a copy (runtime/workers.py); "
-        "an idle vLLM worker also builds vLLM's engine for the shape most vLLM models share",
+        "an idle vLLM worker also builds vLLM's engine for the most requested (else most shared) shape",
     )
 
     @model_validator(mode="after")

@@ -37,14 +37,22 @@ def fine_tune(base: Path, name: str) -> Path:
 
 
 class Controller(NodeOps):
-    """The controller's state _vllm_shapes reads: its model entries (replica slots included)."""
+    """The controller's state _vllm_shapes reads: its model entries (replica slots included) and
+    their recent request rates (by entry)."""
 
-    def __init__(self, entries: list[tuple[str, ModelSpec, Path]]) -> None:
+    def __init__(
+        self, entries: list[tuple[str, ModelSpec, Path]], rates: dict[str, float] | None = None
+    ) -> None:
+        self.rates = SimpleNamespace(rate=lambda name, now: (rates or {}).get(name, 0.0))
         self.models = {
             name: SimpleNamespace(spec=spec, cached=SimpleNamespace(source=str(src)))
             for name, spec, src in entries
         }
         self._engine_keys: dict[str, str] = {}
+
+    @staticmethod
+    def _now() -> float:
+        return 0.0
 
 
 def vllm(name: str, src: Path, **knobs) -> tuple[str, ModelSpec, Path]:
@@ -122,3 +130,16 @@ def test_an_activation_takes_the_worker_that_kept_the_model_then_one_built_for_i
 
     # kept weights first, then a built engine of the shape, then any idle vLLM worker
     assert asyncio.run(run()) == ["cpu:0/v2", "cpu:0/v3", "cpu:0/v1", "cpu:0/v0"]
+
+
+def test_the_shape_with_the_most_recent_requests_wins_over_the_most_models(tmp_path: Path) -> None:
+    a = checkpoint(tmp_path, "base-a", 30)
+    b = checkpoint(tmp_path, "base-b", 24)
+    ft1, ft2 = fine_tune(a, "ft1"), fine_tune(a, "ft2")
+    b_spec = vllm("b", b)[1]
+    entries = [vllm("ft1", ft1), vllm("ft2", ft2), ("b", b_spec, b), ("b#1", b_spec, b)]
+    # base-b's model gets 1.5 req/s over its two replicas, base-a's two models 1.0 together
+    c = Controller(entries, rates={"ft1": 0.6, "ft2": 0.4, "b": 1.0, "b#1": 0.5})
+    assert c._vllm_shapes()[0].source == str(b)
+    c = Controller(entries, rates={"ft1": 1.0, "ft2": 0.6, "b": 1.0, "b#1": 0.5})
+    assert c._vllm_shapes()[0].source == str(ft1)

@@ -66,17 +66,22 @@ class NodeOps:
         return key
 
     def _vllm_shapes(self: Controller) -> list[msg.EngineShape]:
-        """The engine a fresh vLLM worker builds ahead of activations: the shape that most vLLM
-        models share (fine-tunes of one base), the first configured on a tie. A worker holds one
-        vLLM engine; a model of another shape rebuilds it at activation."""
-        groups: dict[str, list[ModelEntry]] = {}
-        for m in self.models.values():
+        """The engine a fresh vLLM worker builds ahead of activations: the shape whose models had
+        the most requests lately (every replica counted), then the one most vLLM models share
+        (fine-tunes of one base; at start-up, before any request, this decides), the first
+        configured on a tie. A worker holds one vLLM engine; a model of another shape rebuilds
+        it at activation."""
+        now = self._now()
+        groups: dict[str, tuple[float, set[str], ModelEntry]] = {}  # rate, models, first model
+        for name, m in self.models.items():
             key = self._engine_key(m)
-            if key is not None and m.spec.name not in {e.spec.name for e in groups.get(key, [])}:
-                groups.setdefault(key, []).append(m)
+            if key is None:
+                continue
+            rate, names, first = groups.get(key, (0.0, set(), m))
+            groups[key] = (rate + self.rates.rate(name, now), names | {m.spec.name}, first)
         if not groups:
             return []
-        m = max(groups.values(), key=len)[0]  # max keeps the first of equal lengths
+        _, _, m = max(groups.values(), key=lambda g: (g[0], len(g[1])))  # max keeps the first of equals
         return [msg.EngineShape(m.cached.source, m.spec.engine_config())]
 
     def _activate_message(
