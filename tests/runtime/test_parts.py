@@ -182,6 +182,20 @@ def test_prepare_lists_every_file_once_and_caps_the_tokenizers(cache: HostWeight
     assert cache.prepare_message(tokenizer_bytes=size - 1).tokenizers == []
 
 
+def test_prepare_for_one_engine_lists_only_its_models_files(cache: HostWeightCache, tmp_path: Path) -> None:
+    from prism_serve.engine.weights import load_weights, save_hf_dir
+
+    hf = tmp_path / "hf"
+    save_hf_dir(load_weights("random:smollm2-135m", dtype=torch.bfloat16, seed=3), hf)
+    a = cache.load(ModelSpec("a", source="random:smollm2-135m", seed=1, dtype="float32"))
+    v = cache.load(ModelSpec("v", source=str(hf), dtype="bfloat16", engine="vllm"))
+    assert v.path != a.path
+    builtin, vllm = cache.prepare_message(engine="builtin"), cache.prepare_message(engine="vllm")
+    assert builtin.files == [msg.CacheFile(a.path, a.weight_bytes)]
+    assert vllm.files == [msg.CacheFile(v.path, v.weight_bytes)]
+    assert [f.path for f in cache.prepare_message().files] == [a.path, v.path]
+
+
 def test_files_of_dead_controllers_are_removed(tmp_path: Path) -> None:
     stale = tmp_path / "prism-weights-unit-999999999-1"
     stale.write_bytes(b"x")

@@ -51,10 +51,10 @@ class NodeOps:
             if node is not None and node.prepare is not None:
                 return node.prepare
             return msg.Prepare([], [])
-        message = self.cache.prepare_message()
-        if handle.engine == "vllm":
-            message = msgspec.structs.replace(message, engines=self._vllm_shapes())
-        return message
+        if handle.engine == "vllm":  # vLLM tokenizes for itself: no tokenizer to parse
+            message = self.cache.prepare_message(tokenizer_bytes=0, engine="vllm")
+            return msgspec.structs.replace(message, engines=self._vllm_shapes())
+        return self.cache.prepare_message(engine=handle.engine)
 
     def _engine_key(self: Controller, m: ModelEntry) -> str | None:
         """A vLLM model's engine_key: which pooled vLLM engine can serve it (None: built-in)."""

@@ -207,13 +207,18 @@ class HostWeightCache:
     def models(self) -> Iterable[CachedModel]:
         return list(self._models.values())
 
-    def prepare_message(self, tokenizer_bytes: int = PREPARE_TOKENIZER_BYTES) -> Prepare:
-        """What an idle worker opens ahead of any activation: every cache file, and the tokenizers
-        in the order of the models up to ``tokenizer_bytes`` of JSON (each file once)."""
+    def prepare_message(
+        self, tokenizer_bytes: int = PREPARE_TOKENIZER_BYTES, engine: str | None = None
+    ) -> Prepare:
+        """What an idle worker opens ahead of any activation: every cache file (of the models on
+        ``engine``, when given: a worker runs one engine), and the tokenizers in the order of the
+        models up to ``tokenizer_bytes`` of JSON (each file once)."""
         files: dict[str, CacheFile] = {}
         tokenizers: list[str] = []
         budget = tokenizer_bytes
         for m in self.models():
+            if engine is not None and m.spec.engine != engine:
+                continue
             files.setdefault(m.path, CacheFile(m.path, m.weight_bytes))
             if m.tokenizer_path in tokenizers:
                 continue

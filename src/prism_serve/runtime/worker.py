@@ -323,7 +323,11 @@ class Worker:
         kv_account = self.ledger.account(f"{m.model} kv", m.kv_limit_bytes)
         num_pages = 0
         open_file = self.shared.get(m.cache_path)
-        prepared = open_file is not None and open_file.complete and m.tokenizer_path in self.tokenizers
+        prepared = (
+            open_file is not None
+            and open_file.complete
+            and (self.vllm is not None or m.tokenizer_path in self.tokenizers)  # vLLM tokenizes itself
+        )
         try:
             shared = self._shared(m.cache_path, m.weight_bytes)
             shared.prefault(shared.size)  # what a Prepare left undone of it
