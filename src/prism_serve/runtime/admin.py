@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from prism_serve.control import Activate, Defer, Evict, ModelState, Reject, Request
 from prism_serve.errors import ConflictError, InvalidRequestError, quoted
 from prism_serve.runtime import messages as msg
-from prism_serve.runtime.state import ActivationError
+from prism_serve.runtime.state import ActivationError, ModelStatus
 
 if TYPE_CHECKING:
     from prism_serve.runtime.controller import Controller
@@ -19,6 +19,16 @@ __all__ = ["AdminOps"]
 
 
 class AdminOps:
+    def status(self: Controller) -> list[ModelStatus]:
+        """One status per served model, its replicas inside."""
+        snap = self.snapshot()
+        return [
+            ModelStatus.of(
+                [(self.models[n], snap.models[n].num_queued) for n in (name, *self.replicas[name])]
+            )
+            for name in self.specs
+        ]
+
     async def load(self: Controller, model: str, device: str | None = None) -> msg.ActivationPhases | None:
         """Activate ``model`` (on ``device`` or where the policy's on-demand rule would put it);
         returns its phases, or None if it was already active."""

@@ -469,11 +469,6 @@ class Controller(AdminOps, NodeOps):
             logger.exception("placing and admitting after %s's activation failed", m.spec.name)
         return reply.phases
 
-    def _refill(self, handle: WorkerHandle | None, device: str, m: ModelEntry) -> None:
-        """An activation that took a worker from the pool is done: the pool starts its replacement."""
-        if handle is not None and self._pool is not None:
-            self._pool.refill(device, m.spec.engine)
-
     def _activation_failed(self, m: ModelEntry, handle: WorkerHandle | None, error: PrismError) -> None:
         logger.warning("activation of %s failed: %s", m.spec.name, error)
         m.state, m.device, m.worker = ModelState.EVICTED, None, None
@@ -542,16 +537,6 @@ class Controller(AdminOps, NodeOps):
         self.loop.capacity_freed([device], self._now())
 
     # ---- state ----------------------------------------------------------------------------------
-
-    def status(self) -> list[ModelStatus]:
-        """One status per served model, its replicas inside."""
-        snap = self.snapshot()
-        return [
-            ModelStatus.of(
-                [(self.models[n], snap.models[n].num_queued) for n in (name, *self.replicas[name])]
-            )
-            for name in self.specs
-        ]
 
     def _model(self, name: str) -> ModelEntry:
         """A served model or a replica slot (the loop's and the workers' names)."""

@@ -56,6 +56,11 @@ class NodeOps:
             return msgspec.structs.replace(message, engines=self._vllm_shapes())
         return self.cache.prepare_message(engine=handle.engine)
 
+    def _refill(self: Controller, handle: WorkerHandle | None, device: str, m: ModelEntry) -> None:
+        """An activation that took a worker from the pool is done: the pool starts its replacement."""
+        if handle is not None and self._pool is not None:
+            self._pool.refill(device, m.spec.engine)
+
     def _engine_key(self: Controller, m: ModelEntry) -> str | None:
         """A vLLM model's engine_key: which pooled vLLM engine can serve it (None: built-in)."""
         if m.spec.engine != "vllm":
