@@ -11,6 +11,7 @@ import pytest
 
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.ledger import DeviceLedger, LedgerError, LedgerNotFoundError
+from prism_serve.memory.spare import grant_waiting
 
 MiB = 2**20
 
@@ -206,4 +207,6 @@ def test_an_account_that_takes_memory_ahead_of_need_asks_no_one_for_spare_pages(
     snap = ledger.snapshot()
     assert snap.reclaim_bytes == 0 and snap.refused_at == 0, "its refusal asked the spare holder for nothing"
     assert ahead.try_reserve(4 * MiB)  # free memory it takes
+    assert not grant_waiting(ahead, 8 * MiB, wait_s=60)  # refused at once: it waits for no one
+    assert ledger.snapshot().reclaim_bytes == 0
     assert not ahead.try_reserve(8 * MiB, reclaim=True) and ledger.snapshot().reclaim_bytes == 8 * MiB

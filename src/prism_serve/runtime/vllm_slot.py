@@ -189,17 +189,12 @@ class VllmSlot:
                 engine = VllmEngine.build(source, config, self.kv_range, account)
             except LedgerError:
                 return False
-            page = self.weight_range.page_size
-            pages = -(-engine.parameter_bytes() // page)
-            if not account.try_reserve(pages * page):
+            try:
+                pages = self._map_weights(account, engine)
+            except DeviceMemoryExhaustedError:
                 engine.kv.close()
                 engine.close()
                 return False
-            try:
-                self.weight_range.map_pages(list(range(pages)))
-            except BaseException:
-                account.release(pages * page)
-                raise
             self.engine = engine
             try:
                 engine.move_parameters(self.weight_range.as_tensor())
