@@ -106,6 +106,7 @@ def test_the_idle_vllm_worker_builds_the_engine_ahead_and_holds_nothing_after(se
     phase is the build: exactly 0 when none happened), and a build leaves nothing granted."""
     out = admin(server, "smol-vllm", "load")
     assert out["activated"] and out["activation_s"]["ready"] == 0.0, out
+    assert out["engine_compiled"] is True, out  # a build ahead is compiled (vllm_compile's default)
     # the pool's new idle vLLM worker, started as this one was taken, builds its engine too
     ledger = DeviceLedger("cpu:0", namespace=server.namespace)
     deadline = time.monotonic() + 180

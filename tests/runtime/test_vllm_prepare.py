@@ -41,8 +41,12 @@ class Controller(NodeOps):
     their recent request rates (by entry)."""
 
     def __init__(
-        self, entries: list[tuple[str, ModelSpec, Path]], rates: dict[str, float] | None = None
+        self,
+        entries: list[tuple[str, ModelSpec, Path]],
+        rates: dict[str, float] | None = None,
+        compiled: bool = True,
     ) -> None:
+        self.vllm_compile = compiled
         self.rates = SimpleNamespace(rate=lambda name, now: (rates or {}).get(name, 0.0))
         self.models = {
             name: SimpleNamespace(spec=spec, cached=SimpleNamespace(source=str(src)))
@@ -72,6 +76,7 @@ def test_the_shape_most_vllm_models_share_is_built_and_replica_slots_count_once(
     (shape,) = c._vllm_shapes()
     assert shape.source == str(ft1)  # two models share base-a's shape; base-b's is one model's
     assert shape.engine == ModelSpec("ft1", source=str(ft1), engine="vllm").engine_config()
+    assert shape.compiled  # the deployment's vllm_compile (default on) goes with the shape
     assert c._engine_key(c.models["ft2"]) == c._engine_key(c.models["ft1"]) != c._engine_key(c.models["b"])
     assert c._engine_key(c.models["builtin"]) is None
 
@@ -85,6 +90,8 @@ def test_other_engine_knobs_are_another_engine_and_a_tie_goes_to_the_first_confi
     assert c._engine_key(c.models["a-short"]) != c._engine_key(c.models["a-long"])
     (shape,) = c._vllm_shapes()
     assert shape.source == str(b)  # three engines of one model each: the first configured
+    off = Controller([vllm("b", b)], compiled=False)
+    assert not off._vllm_shapes()[0].compiled
     assert Controller([("builtin", ModelSpec("builtin"), tmp_path)])._vllm_shapes() == []
 
 

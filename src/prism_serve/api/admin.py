@@ -70,6 +70,7 @@ def add_admin_routes(app: FastAPI, server: PrismServer) -> None:
                 "total": phases.total_s, "take": phases.take_s, "map": phases.map_s,
                 "copy": phases.copy_s, "ready": phases.ready_s,
             }  # fmt: skip
+            extra["engine_compiled"] = phases.compiled
         return card(name, **extra)
 
     @app.post("/v1/admin/models/{name:path}/unload", responses=ADMIN)

@@ -71,6 +71,10 @@ def vllm_environment(cores: Iterable[int] = ()) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines at every build and load
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # vLLM 0.32's AOT compile cache fails to load what it saved ("'function' object has no attribute
+    # 'finalize_loading'") and recompiles at every start; its older cache (inductor's artifacts by
+    # graph hash) loads: a compiled build from it takes about 20 s instead of about 55 s here
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     cores = sorted(cores)
     if cores:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
@@ -198,6 +202,7 @@ class VllmEngine(RequestCounts):
         self.config = config
         self.source = source
         self.kv = kv  # the KV buffer's pages, mapped block by block as requests need them
+        self.compiled = False  # built with vLLM's torch.compile (``build``)
         core = engine.engine_core.engine_core
         self.scheduler = core.scheduler
         self._runner = core.model_executor.driver_worker.worker.model_runner
@@ -234,11 +239,22 @@ class VllmEngine(RequestCounts):
     # ---- building and activation --------------------------------------------------------------
 
     @classmethod
-    def build(cls, source: str, config: EngineConfig, kv_range: VirtualRange, account: Account) -> VllmEngine:
+    def build(
+        cls,
+        source: str,
+        config: EngineConfig,
+        kv_range: VirtualRange,
+        account: Account,
+        compiled: bool = False,
+    ) -> VllmEngine:
         """vLLM's engine for ``source``'s shape over dummy weights, its KV buffer the whole of
         ``kv_range`` (address space: pages are mapped as blocks are used). The pages of block 0
         (vLLM's null block, which its kernels may read) are mapped under ``account`` before vLLM
-        touches the buffer; on failure nothing stays mapped."""
+        touches the buffer; on failure nothing stays mapped. ``compiled``: vLLM's torch.compile of
+        the model (its compile cache makes later builds of the shape faster), else eager. Weights
+        loaded later go into the compiled graph's own parameters in place, and the packed linears
+        are read through the layers' attributes at each call, so reloads and kept-weight swaps
+        need no recompile."""
         import vllm.v1.worker.gpu_model_runner as runner_module
         import vllm.v1.worker.utils as worker_utils
         from vllm import EngineArgs
@@ -272,7 +288,7 @@ class VllmEngine(RequestCounts):
                 worker_utils.torch = torch
 
         args = EngineArgs(
-            model=source, dtype=config.dtype, load_format="dummy", enforce_eager=True,
+            model=source, dtype=config.dtype, load_format="dummy", enforce_eager=not compiled,
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=False, kv_cache_memory_bytes=kv_range.size, seed=config.seed,
@@ -286,7 +302,9 @@ class VllmEngine(RequestCounts):
             raise
         finally:
             runner_module.allocate_kv_cache = original
-        return cls(engine, config, made[-1], source)
+        out = cls(engine, config, made[-1], source)
+        out.compiled = compiled
+        return out
 
     def data_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters that hold data after vLLM's post-processing (the packed linears' own

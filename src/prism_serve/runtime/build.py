@@ -101,4 +101,5 @@ def build_controller(config: DeploymentConfig) -> Controller:
         prepare_workers=config.policy.prepare_workers,
         nodes=nodes,
         vllm_python=vllm_python(config),
+        vllm_compile=config.vllm_compile,
     )

@@ -92,9 +92,11 @@ class Controller(AdminOps, NodeOps):
         prepare_workers: bool = True,
         nodes: RayNodes | None = None,
         vllm_python: str | None = None,
+        vllm_compile: bool = True,
     ) -> None:
         self.devices = {d.name: d for d in devices}
         self.vllm_python = vllm_python  # the Python vLLM workers start with (runtime/workers.py)
+        self.vllm_compile = vllm_compile  # the engines vLLM workers build ahead are compiled (nodes.py)
         # the Ray cluster that holds the devices of other nodes (runtime/cluster.py), or None
         self.nodes = nodes
         if bad := [d for d in self.devices.values() if d.node and nodes is None]:

@@ -51,6 +51,7 @@ class ActivationPhases(msgspec.Struct, array_like=True, frozen=True):
     created_pages: int = 0  # weight pages created and mapped on this activation's path
     # the host cache file and the tokenizer were opened before (Prepare, or an earlier model)
     prepared: bool = False
+    compiled: bool = False  # the engine runs a compiled graph (vLLM's, built ahead under vllm_compile)
 
     @property
     def total_s(self) -> float:
@@ -122,10 +123,12 @@ class CacheFile(msgspec.Struct, array_like=True, frozen=True):
 
 class EngineShape(msgspec.Struct, array_like=True, frozen=True):
     """A model shape a vLLM worker builds its engine for ahead of activations: a model's weights
-    directory (only its config and tokenizer files matter) and its engine knobs."""
+    directory (only its config and tokenizer files matter), its engine knobs, and whether vLLM
+    compiles it (the deployment's ``vllm_compile``)."""
 
     source: str
     engine: EngineConfig
+    compiled: bool = False
 
 
 class Prepare(Message):

@@ -75,7 +75,7 @@ class NodeOps:
         the most requests lately (every replica counted), then the one most vLLM models share
         (fine-tunes of one base; at start-up, before any request, this decides), the first
         configured on a tie. A worker holds one vLLM engine; a model of another shape rebuilds
-        it at activation."""
+        it at activation (eager: only a build ahead is compiled, under ``vllm_compile``)."""
         now = self._now()
         groups: dict[str, tuple[float, set[str], ModelEntry]] = {}  # rate, models, first model
         for name, m in self.models.items():
@@ -87,7 +87,7 @@ class NodeOps:
         if not groups:
             return []
         _, _, m = max(groups.values(), key=lambda g: (g[0], len(g[1])))  # max keeps the first of equals
-        return [msg.EngineShape(m.cached.source, m.spec.engine_config())]
+        return [msg.EngineShape(m.cached.source, m.spec.engine_config(), self.vllm_compile)]
 
     def _activate_message(
         self: Controller, m: ModelEntry, device: str, decided_at: float

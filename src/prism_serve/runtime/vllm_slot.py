@@ -172,13 +172,15 @@ class VllmSlot:
         )
         return engine, memory, built_s
 
-    def prepare(self, source: str, config: EngineConfig) -> bool:
+    def prepare(self, source: str, config: EngineConfig, compiled: bool = False) -> bool:
         """Build the engine for ``source``'s shape ahead of any activation (a Prepare, in the
         worker's idle time), so that the first activation of a model of that shape is a weight
-        load. The build's pages (vLLM's null KV block, the dummy data parameters) are granted only
-        from free memory, asking no one for spare pages, and all go back after it, as at an
-        eviction. False (nothing done) while the worker holds an engine or kept weights, or when
-        the ledger has no room for the build; then the first activation builds the engine."""
+        load; ``compiled``: with vLLM's torch.compile (tens of seconds here, which only an idle
+        worker can spend: a build inside an activation is eager). The build's pages (vLLM's null
+        KV block, the dummy data parameters) are granted only from free memory, asking no one for
+        spare pages, and all go back after it, as at an eviction. False (nothing done) while the
+        worker holds an engine or kept weights, or when the ledger has no room for the build; then
+        the first activation builds the engine."""
         if self.engine is not None or self.kept is not None:
             return False
         account = self.ledger.account(f"{self.owner} vllm prepare")
@@ -186,7 +188,7 @@ class VllmSlot:
         engine = None
         try:
             try:
-                engine = VllmEngine.build(source, config, self.kv_range, account)
+                engine = VllmEngine.build(source, config, self.kv_range, account, compiled)
             except LedgerError:
                 return False
             try:

@@ -203,7 +203,7 @@ class Worker:
         try:
             if isinstance(item, msg.EngineShape):
                 assert self.vllm is not None
-                self.vllm.prepare(item.source, item.engine)
+                self.vllm.prepare(item.source, item.engine, item.compiled)
             elif isinstance(item, msg.CacheFile):
                 shared = self._shared(item.path, item.size, populate=False)
                 if not shared.prefault(PREFAULT_CHUNK_BYTES):
@@ -385,6 +385,7 @@ class Worker:
             reused_pages=reused,
             created_pages=num_pages - reused,
             prepared=prepared,
+            compiled=self.vllm is not None and engine.compiled,
         )
         self._send(
             msg.ModelActivated(
