@@ -96,4 +96,8 @@ def test_qwen3_on_vllm_in_prism_matches_transformers(server: ServerProcess, qwen
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
     assert r.choices[0].text == tok.decode(expected)
     models = {m.id: m for m in c.models.list().data}
-    assert models["qwen3-tiny"].model_extra["state"] == "active"
+    card = models["qwen3-tiny"].model_extra
+    assert card["state"] == "active"
+    # activated at start-up or by this request: on the engine its worker built ahead (compiled),
+    # the weights in by the load plan checked on this architecture (q/k norms, an untied head)
+    assert card["engine_compiled"] is True and card["weights_loaded_by"] == "plan", card

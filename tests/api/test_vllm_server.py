@@ -107,6 +107,9 @@ def test_the_idle_vllm_worker_builds_the_engine_ahead_and_holds_nothing_after(se
     out = admin(server, "smol-vllm", "load")
     assert out["activated"] and out["activation_s"]["ready"] == 0.0, out
     assert out["engine_compiled"] is True, out  # a build ahead is compiled (vllm_compile's default)
+    # the Prepare also checked a load plan on synthetic tensors of the checkpoint's shapes, so the
+    # weights went in by it, not by vLLM's reload (engine/vllm_load.py)
+    assert out["weights_loaded_by"] == "plan", out
     # the pool's new idle vLLM worker, started as this one was taken, builds its engine too
     ledger = DeviceLedger("cpu:0", namespace=server.namespace)
     deadline = time.monotonic() + 180
@@ -283,7 +286,8 @@ def test_activate_serve_evict_20_times_leaves_no_model_memory(server: ServerProc
         assert model_entries(server, "smol-vllm") == []
         # its weights stay with the worker in vLLM's form, as spare memory, for the next activation
         assert kept_bytes(server) > 500 * 2**20
-        assert admin(server, "smol-vllm", "load")["state"] == "active"
+        out = admin(server, "smol-vllm", "load")
+        assert out["state"] == "active" and out["weights_loaded_by"] == "kept", out
         r = c.completions.create(model="smol-vllm", prompt=PROMPTS[0], max_tokens=8, temperature=0)
         assert r.choices[0].text == expected.choices[0].text
     # the built-in model on the same device served throughout
@@ -306,8 +310,10 @@ def test_kept_weights_give_way_to_a_grant_that_needs_their_memory(server: Server
     assert r.usage.completion_tokens == 4
     assert kept_bytes(server) == 0
     assert model_entries(server, "smol-b")
-    # the vLLM model activates again the long way (a weight reload) and answers the same
+    # the vLLM model activates again the long way (its weights loaded into the built engine again,
+    # by the plan) and answers the same
     admin(server, "smol-b", "unload")
+    assert admin(server, "smol-vllm", "load")["weights_loaded_by"] == "plan"
     r = c.completions.create(model="smol-vllm", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     ours = c.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     assert r.choices[0].text == ours.choices[0].text

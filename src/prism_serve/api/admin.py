@@ -71,6 +71,7 @@ def add_admin_routes(app: FastAPI, server: PrismServer) -> None:
                 "copy": phases.copy_s, "ready": phases.ready_s,
             }  # fmt: skip
             extra["engine_compiled"] = phases.compiled
+            extra["weights_loaded_by"] = phases.load_path
         return card(name, **extra)
 
     @app.post("/v1/admin/models/{name:path}/unload", responses=ADMIN)

@@ -199,6 +199,7 @@ class PrismServer:
         created = int(time.time())
         cards = []
         for st in self.controller.status():
+            last = st.last_activation
             cards.append({
                 "id": st.model, "object": "model", "created": created, "owned_by": "prism-serve",
                 "root": self._roots.get(st.model, st.model), "parent": None,
@@ -209,6 +210,10 @@ class PrismServer:
                 "weight_bytes": st.weight_bytes, "used_kv_bytes": st.used_kv_bytes,
                 "num_running": st.num_running, "num_queued": st.num_queued,
                 "num_activations": st.num_activations, "num_evictions": st.num_evictions,
+                # the last activation's engine: compiled graph (vLLM, vllm_compile), and how its
+                # weights came in (messages.ActivationPhases.load_path); null before any
+                "engine_compiled": last.compiled if last else None,
+                "weights_loaded_by": last.load_path if last else None,
                 "replicas": [
                     {"replica": r.replica, "state": r.state, "device": r.device,
                      "num_running": r.num_running, "num_queued": r.num_queued,

@@ -29,6 +29,7 @@ which is what makes an activation a weight load and not a vLLM start.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import logging
@@ -47,6 +48,13 @@ from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.interface import RequestCounts
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.sequence import RequestMetrics, RequestOutput, TokenLogprob
+from prism_serve.engine.vllm_load import (
+    LoadPlan,
+    checkpoint_signature,
+    make_plan,
+    synthetic_checkpoint,
+    verify,
+)
 from prism_serve.errors import (
     EmptyPromptError,
     InvalidRequestError,
@@ -59,6 +67,8 @@ from prism_serve.memory.strided_kv import StridedKVPages
 from prism_serve.memory.vmm import VirtualRange
 
 __all__ = ["VllmEngine", "engine_key", "vllm_environment"]
+
+logger = logging.getLogger(__name__)
 
 _SHAPE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -203,6 +213,9 @@ class VllmEngine(RequestCounts):
         self.source = source
         self.kv = kv  # the KV buffer's pages, mapped block by block as requests need them
         self.compiled = False  # built with vLLM's torch.compile (``build``)
+        self._model_dtype = engine.model_config.dtype
+        # checked load plans by checkpoint signature; None: none works, vLLM's reload loads it
+        self._plans: dict[Any, LoadPlan | None] = {}
         core = engine.engine_core.engine_core
         self.scheduler = core.scheduler
         self._runner = core.model_executor.driver_worker.worker.model_runner
@@ -332,16 +345,54 @@ class VllmEngine(RequestCounts):
     def parameter_bytes(self, align: int = 4096) -> int:
         return sum(-(-p.numel() * p.element_size() // align) * align for p in self.data_parameters())
 
-    def load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """A model's checkpoint tensors (HF names) into the engine, in place. A checkpoint that ties
-        its LM head to the embedding stores only the embedding; vLLM's reload wants both names."""
+    def load(self, tensors: dict[str, torch.Tensor]) -> str:
+        """A model's checkpoint tensors (HF names) into the engine, in place; returns how: "plan"
+        (engine/vllm_load.py: copies and repacks only, about half of vLLM's reload here) once a
+        plan for this checkpoint's names and shapes has been checked on this engine, else "reload"
+        (vLLM's ``reload_weights``). The first load of a signature makes and checks the plan. A
+        checkpoint that ties its LM head to the embedding stores only the embedding; vLLM's
+        reload wants both names."""
         named = dict(tensors)
-        hf = self._engine.model_config.hf_config
-        if getattr(hf, "tie_word_embeddings", False) and "lm_head.weight" not in named:
+        tied = bool(getattr(self._engine.model_config.hf_config, "tie_word_embeddings", False))
+        if tied and "lm_head.weight" not in named:
             embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
             if embed is not None:
                 named["lm_head.weight"] = embed
+        signature = checkpoint_signature(named)
+        plan = self._plans.get(signature)
+        if plan is not None:
+            plan.apply(self._model, named)
+            return "plan"
+        if signature not in self._plans:
+            plan = make_plan(self._model, named, tied)
+            reload = functools.partial(self._reload, named)
+            if plan is not None and verify(plan, self._model, named, reload, self._model_dtype):
+                self._plans[signature] = plan
+                return "plan"
+            self._plans[signature] = None  # vLLM's reload from now on, without asking again
+            if plan is not None:
+                logger.warning(
+                    "%s: direct weight load differs from vLLM's reload; using the reload", self.source
+                )
+                return "reload"  # verify left vLLM's load in place
+        self._reload(named)
+        return "reload"
+
+    def _reload(self, named: dict[str, torch.Tensor]) -> None:
         self._runner.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)
+
+    def learn_load_plan(self, source: str) -> bool:
+        """Make and check the load plan of ``source``'s checkpoint on synthetic tensors of its
+        names, shapes and dtypes (a Prepare's build, idle time: about a second here), so that the
+        first real activation already loads by the plan. True when there is one. A failure here
+        leaves the engine as built: the first activation then loads by vLLM's reload and tries
+        the plan with the real tensors."""
+        try:
+            named = synthetic_checkpoint(source, self._model_dtype)
+            return bool(named) and self.load(named) == "plan"
+        except Exception as e:  # an unreadable header, a vLLM loader that wants other names
+            logger.warning("%s: no load plan from the checkpoint's headers: %s", source, e)
+            return False
 
     def take_packed(self) -> dict[str, Any]:
         """Each linear layer's packed weight (its ``cpu_linear``), by module name, taken out of

@@ -52,6 +52,10 @@ class ActivationPhases(msgspec.Struct, array_like=True, frozen=True):
     # the host cache file and the tokenizer were opened before (Prepare, or an earlier model)
     prepared: bool = False
     compiled: bool = False  # the engine runs a compiled graph (vLLM's, built ahead under vllm_compile)
+    # how the weights came in: "copy" (the built-in engine: the pages' copy above); on vLLM's
+    # engine "kept" (the worker's own, swapped back), "plan" (direct copies and repacks) or
+    # "reload" (vLLM's own reload), runtime/vllm_slot.py
+    load_path: str = "copy"
 
     @property
     def total_s(self) -> float:

@@ -126,16 +126,18 @@ class VllmSlot:
         checkpoint_bytes: int,
         weight_account: Account,
         kv_account: Account,
-    ) -> tuple[VllmEngine, VllmMemory, float]:
+    ) -> tuple[VllmEngine, VllmMemory, float, str]:
         """Serve the model whose checkpoint tensors are ``tensors`` (views of the host cache file
-        ``weights``). Returns the engine, its memory, and the seconds spent building vLLM's engine
-        (0 when the pooled one was reused). On failure nothing stays granted or mapped."""
+        ``weights``). Returns the engine, its memory, the seconds spent building vLLM's engine
+        (0 when the pooled one was reused), and how the weights came in: "kept" (this worker's
+        own, swapped back), "plan" or "reload" (``VllmEngine.load``). On failure nothing stays
+        granted or mapped."""
         key = engine_key(source, config)  # any model of this shape and these knobs, whatever its name
         if self.engine is not None and self.key != key:
             self.drop()
         if self.kept is not None and self.kept.weights == weights:
             engine, memory = self._swap_in(source, weight_account, kv_account)
-            return engine, memory, 0.0
+            return engine, memory, 0.0, "kept"
         self.drop_kept()  # other weights need the pages
         built_s = 0.0
         weight_pages = packed = 0
@@ -162,7 +164,7 @@ class VllmSlot:
                     f"the {self.weight_range.device} ledger cannot grant {need} bytes for packed weights"
                 )
             packed = need
-            engine.load(tensors.items())
+            how = engine.load(tensors)
         except BaseException:
             if engine is not None:
                 self.give_back(weight_account, packed, weight_pages)
@@ -170,7 +172,7 @@ class VllmSlot:
         memory = VllmMemory(
             engine, self.weight_range, weight_account, kv_account, weight_pages, packed, self, weights
         )
-        return engine, memory, built_s
+        return engine, memory, built_s, how
 
     def prepare(self, source: str, config: EngineConfig, compiled: bool = False) -> bool:
         """Build the engine for ``source``'s shape ahead of any activation (a Prepare, in the
@@ -200,6 +202,7 @@ class VllmSlot:
             self.engine = engine
             try:
                 engine.move_parameters(self.weight_range.as_tensor())
+                engine.learn_load_plan(source)  # so that the first activation loads by the plan
             finally:
                 self.give_back(account, 0, pages)  # KV pages, dummy packed linears, weight pages
         except BaseException:

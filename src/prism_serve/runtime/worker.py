@@ -219,6 +219,26 @@ class Worker:
             files = sorted(path for path, f in self.shared.items() if f.complete)
             self._send(msg.Prepared(files, sorted(self.tokenizers), self.prepare_s, self._built_engines()))
 
+    def _build_ahead_first(self, m: msg.ActivateModel) -> None:
+        """An activation that reaches a fresh vLLM worker before its Prepare built the engine (a
+        model activated at start-up, say): the Prepare's build runs first when it is for this
+        model's shape, as it would have (compiled, under ``vllm_compile``; the activation waits
+        for it as it would wait for a build of its own), else it is dropped (the activation
+        builds the engine it needs, eager)."""
+        from prism_serve.engine.vllm_engine import engine_key
+
+        assert self.vllm is not None
+        shapes = [item for item in self.to_prepare if isinstance(item, msg.EngineShape)]
+        for shape in shapes:
+            self.to_prepare.remove(shape)
+        want = engine_key(m.source, m.engine)
+        for shape in shapes:
+            if self.vllm.engine is None and engine_key(shape.source, shape.engine) == want:
+                try:
+                    self.vllm.prepare(shape.source, shape.engine, shape.compiled)
+                except Exception as e:  # the activation builds its own
+                    logger.warning("building the engine ahead of %s failed: %s", m.model, e)
+
     def _built_engines(self) -> list[str]:
         return [self.vllm.key] if self.vllm is not None and self.vllm.key is not None else []
 
@@ -315,6 +335,8 @@ class Worker:
     # ---- activation and eviction --------------------------------------------------------------
 
     def _activate(self, m: msg.ActivateModel) -> None:
+        if self.vllm is not None and self.active is None:
+            self._build_ahead_first(m)
         t_take = time.monotonic()
         if self.active is not None:
             self._send(msg.ActivationFailed(m.model, "InvalidRequestError", f"busy with {self.active.model}"))
@@ -338,13 +360,14 @@ class Worker:
                 )
             if self.vllm is not None:
                 t_map = time.monotonic()
-                engine, pool, built_s = self.vllm.activate(
+                engine, pool, built_s, load_path = self.vllm.activate(
                     m.source, m.engine, m.cache_path, tensor_views(shared.bytes, m.tensors),
                     m.weight_bytes, weight_account, kv_account,
                 )  # fmt: skip
                 t_ready = time.monotonic()
                 t_copy, copied, reused = t_ready - built_s, m.weight_bytes, 0
             else:
+                load_path = "copy"
                 num_pages, reused = map_weight_pages(
                     self.weight_range, weight_account, m.weight_bytes, self.loader, self.spare
                 )
@@ -386,6 +409,7 @@ class Worker:
             created_pages=num_pages - reused,
             prepared=prepared,
             compiled=self.vllm is not None and engine.compiled,
+            load_path=load_path,
         )
         self._send(
             msg.ModelActivated(
