@@ -65,7 +65,10 @@ def prism_server(
         t0 = time.perf_counter()
         warm_up(url)
         first = time.perf_counter() - t0  # the policy may have activated it at start already
-        loads = []
+        cards = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        card = next(c for c in cards if c["id"] == MODEL)
+        first_how = f"{card['weights_loaded_by']}, {'compiled' if card['engine_compiled'] else 'eager'}"
+        loads, how = [], []
         for _ in range(args.activations):
             r = httpx.post(f"{url}/v1/admin/models/{MODEL}/unload", timeout=120)
             r.raise_for_status()
@@ -74,12 +77,14 @@ def prism_server(
             r = httpx.post(f"{url}/v1/admin/models/{MODEL}/load", timeout=600)
             loads.append(time.perf_counter() - t0)
             r.raise_for_status()
+            how.append(r.json()["weights_loaded_by"])
         name = f"prism serve, {engine} engine" + ("" if keep else ", no kept weights")
+        out = {"name": name, "first_request_s": first, "first_how": first_how, "activations_s": loads,
+               "how": how}  # fmt: skip
         if not keep:
-            return {"name": name, "first_request_s": first, "activations_s": loads}
+            return out
         raw = bench(url, tokenizer_dir, tmp / f"bench-{engine}", "c32")
-        return {"name": name, "first_request_s": first, "activations_s": loads, "c32": summary(name, raw),
-                "greedy": greedy(url)}  # fmt: skip
+        return {**out, "c32": summary(name, raw), "greedy": greedy(url)}
     finally:
         stop_server_process(proc)
 
@@ -187,7 +192,8 @@ def main() -> None:
     print("\nactivation (admin load of an unloaded model; median of the later ones, all in brackets):")
     for r in [*runs[:2], reload]:
         print(f"  {r['name']}: {statistics.median(r['activations_s']) * 1e3:.0f} ms "
-              f"({', '.join(f'{s * 1e3:.0f}' for s in r['activations_s'])} ms)")  # fmt: skip
+              f"({', '.join(f'{s * 1e3:.0f}' for s in r['activations_s'])} ms; weights by "
+              f"{', '.join(sorted(set(r['how'])))}; first activation: {r['first_how']})")  # fmt: skip
     print(f"  {theirs['name']}: its start, {theirs['start_s']:.1f} s")
     r_act = statistics.median(reload["activations_s"])
     print(f"vLLM engine activation / built-in activation: {v_act / b_act:.1f}x kept weights, "
