@@ -84,7 +84,8 @@ def bench(url: str, tokenizer: Path, out: Path, workload: str) -> dict:
            "--save-result", "--save-detailed", "--result-dir", str(out),
            "--result-filename", f"{workload}.json"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1"}
-    common.wait_quiet(30, 0.3)
+    # a pooled worker's build (a vLLM worker compiles for tens of seconds) ends before the run starts
+    common.wait_quiet(120, 0.3)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=out, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])

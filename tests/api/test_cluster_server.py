@@ -67,3 +67,48 @@ def test_prism_serve_on_a_ray_cluster_answers_the_openai_client(tmp_path, cluste
     assert "n1/cpu:0" in log and "Traceback" not in log, log
     assert "stopped: workers ended, shared memory released" in log
     assert shm_files(srv.namespace) == [], "shared memory left behind on a node"
+
+
+VLLM_CONFIG = """
+devices:
+  - {{name: "cpu:0", memory: 1536MiB, workers: 1}}
+models:
+  - {{name: smol-vllm, engine: vllm, source: "{hf}", dtype: float32, ttft_slo: 60.0, tpot_slo: 5.0}}
+policy: {{name: prism, activation_timeout_s: 240, knobs: {{prewarm: false}}}}
+vllm_python: "{python}"
+vllm_compile: false
+server: {{admin_key: admin-test-key, namespace: "{{namespace}}"}}
+ray: {{address: "{address}", poll_interval_s: 0.2}}
+"""
+
+
+def test_a_vllm_model_serves_from_another_node(tmp_path, cluster) -> None:
+    """A vLLM worker runs on the second node too (started by its node agent with the vLLM
+    environment's Python), its host cache and Prepare that node's own, and answers as it would
+    on this one."""
+    from prism_serve.engine.weights import load_weights, save_hf_dir
+    from tests.api.test_vllm_server import VLLM_PYTHON
+
+    assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: run scripts/vllm-server-env.sh"
+    hf = tmp_path / "smollm2-hf"
+    save_hf_dir(load_weights("smollm2-135m-instruct"), hf)
+    config = VLLM_CONFIG.format(hf=hf, python=VLLM_PYTHON, address=cluster.address)
+    srv = start_server(tmp_path, config, timeout_s=300)
+    try:
+        admin = {"Authorization": "Bearer admin-test-key"}
+        url = f"{srv.url}/v1/admin/models/smol-vllm/load"
+        r = httpx.post(url, json={"device": "n1/cpu:0"}, headers=admin, timeout=240)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["device"] == "n1/cpu:0" and out["state"] == "active", out
+        # that node's pooled vLLM worker had built the engine and checked the load plan ahead
+        assert out["activation_s"]["ready"] == 0.0 and out["weights_loaded_by"] == "plan", out
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", timeout=240, max_retries=0)
+        reply = client.completions.create(model="smol-vllm", prompt="The capital of France is", max_tokens=4,
+                                          temperature=0)  # fmt: skip
+        assert reply.choices[0].text.startswith(" Paris"), reply
+    finally:
+        code = stop_server_process(srv.proc)
+    assert code in (0, -signal.SIGTERM), srv.log_text()
+    assert "Traceback" not in srv.log_text()
+    assert shm_files(srv.namespace) == [], "shared memory left behind on a node"

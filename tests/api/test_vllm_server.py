@@ -47,6 +47,7 @@ models:
   - {{name: smol, dtype: float32, ttft_slo: 60.0, tpot_slo: 5.0}}
   - {{name: smol-vllm, engine: vllm, source: "{hf}", dtype: float32, ttft_slo: 60.0, tpot_slo: 5.0}}
   - {{name: smol-b, dtype: float32, ttft_slo: 60.0, tpot_slo: 5.0}}
+  - {{name: smol-vllm-b, engine: vllm, source: "{hf_b}", dtype: float32, ttft_slo: 60.0, tpot_slo: 5.0}}
 policy: {{name: prism, activation_timeout_s: 240, spare_pages: false,
          knobs: {{prewarm: false}}}}
 vllm_python: "{python}"
@@ -72,7 +73,13 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, hf_dir: Path) -> ServerProcess:
     assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: run scripts/vllm-server-env.sh"
-    config = CONFIG.format(hf=hf_dir, python=VLLM_PYTHON, key=API_KEY, admin=ADMIN_KEY)
+    # a second model of smol-vllm's shape, from another directory (the same files: its own host
+    # cache file, so to prism another model's weights, as a fine-tune of the same base would be)
+    hf_b = tmp_path_factory.mktemp("smol-hf-b") / "smollm2-135m-b"
+    hf_b.mkdir()
+    for f in hf_dir.iterdir():
+        (hf_b / f.name).symlink_to(f)
+    config = CONFIG.format(hf=hf_dir, hf_b=hf_b, python=VLLM_PYTHON, key=API_KEY, admin=ADMIN_KEY)
     srv = start_server(tmp_path_factory.mktemp("vllm-serve"), config, timeout_s=300)
     yield srv
     code = stop_server_process(srv.proc)
@@ -317,6 +324,33 @@ def test_kept_weights_give_way_to_a_grant_that_needs_their_memory(server: Server
     r = c.completions.create(model="smol-vllm", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     ours = c.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     assert r.choices[0].text == ours.choices[0].text
+
+
+def test_another_model_of_the_shape_loads_into_the_kept_weights_pages(server: ServerProcess) -> None:
+    """smol-vllm-b goes to the worker that kept smol-vllm's weights (built for the same shape, and
+    holding spare memory), takes over their pages (none made) and loads its own weights into them
+    by the load plan; then the other way round."""
+    c = client(server)
+    admin(server, "smol-vllm", "load")
+    assert admin(server, "smol-vllm", "unload")["state"] == "evicted"
+    kept = kept_bytes(server)
+    assert kept > 500 * 2**20
+    out = admin(server, "smol-vllm-b", "load")
+    assert out["weights_loaded_by"] == "plan" and out["activation_s"]["ready"] == 0.0, out
+    assert out["weight_pages"]["created"] == 0 < out["weight_pages"]["reused"], out
+    assert kept_bytes(server) == 0
+    assert sum(e.mapped_bytes for e in model_entries(server, "smol-vllm-b")) > 500 * 2**20
+    ours = c.completions.create(model="smol", prompt=PROMPTS[2], max_tokens=12, temperature=0)
+    r = c.completions.create(model="smol-vllm-b", prompt=PROMPTS[2], max_tokens=12, temperature=0)
+    assert r.choices[0].text == ours.choices[0].text
+    admin(server, "smol-vllm-b", "unload")
+    out = admin(server, "smol-vllm", "load")
+    assert out["weights_loaded_by"] == "plan" and out["weight_pages"]["created"] == 0, out
+    r = c.completions.create(model="smol-vllm", prompt=PROMPTS[2], max_tokens=12, temperature=0)
+    assert r.choices[0].text == ours.choices[0].text
+    admin(server, "smol-vllm", "unload")
+    snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
+    assert snap.used_bytes <= snap.budget_bytes
 
 
 def test_killed_vllm_worker_fails_its_request_only(server: ServerProcess) -> None:

@@ -139,6 +139,33 @@ def test_an_activation_takes_the_worker_that_kept_the_model_then_one_built_for_i
     assert asyncio.run(run()) == ["cpu:0/v2", "cpu:0/v3", "cpu:0/v1", "cpu:0/v0"]
 
 
+def test_of_the_workers_built_for_the_shape_the_one_that_kept_weights_is_taken() -> None:
+    """Another model of the shape takes over kept weights' pages (runtime/vllm_slot.py), so among
+    the workers built for its shape the one with spare memory in the ledger goes first."""
+    spare = {"cpu:0/v0": 0, "cpu:0/v1": 600 * 2**20, "cpu:0/v2": 0}
+    p = WorkerPool(
+        [DeviceSpec("cpu:0", 2**30, (0,), 1)], on_message=lambda h, m: None, on_death=lambda h: None,
+        namespace=None, reserve_bytes={"cpu:0": 2**30}, page_size=2**21, load_threads=1,
+        spare_of=lambda w: spare[w.worker_id],
+    )  # fmt: skip
+    async def run() -> list[str]:
+        device = p.devices["cpu:0"]
+        for i, source in enumerate(["/m/x", "/m/a", "/m/y"]):
+            h = WorkerHandle(f"cpu:0/v{i}", device, proc=None, state=WorkerState.IDLE, engine="vllm")  # type: ignore[arg-type]
+            h.last_source, h.engine_key = source, "k1"
+            p.workers[h.worker_id] = h
+        return [
+            (await p.take("cpu:0", "vllm", "/m/b", "k1")).worker_id,
+            (await p.take("cpu:0", "vllm", "/m/y", "k1")).worker_id,  # the worker that kept it
+        ]
+
+    try:
+        assert asyncio.run(run()) == ["cpu:0/v1", "cpu:0/v2"]
+    finally:
+        p._sock.close()
+        p._ctx.term()
+
+
 def test_the_shape_with_the_most_recent_requests_wins_over_the_most_models(tmp_path: Path) -> None:
     a = checkpoint(tmp_path, "base-a", 30)
     b = checkpoint(tmp_path, "base-b", 24)

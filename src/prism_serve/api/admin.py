@@ -72,6 +72,7 @@ def add_admin_routes(app: FastAPI, server: PrismServer) -> None:
             }  # fmt: skip
             extra["engine_compiled"] = phases.compiled
             extra["weights_loaded_by"] = phases.load_path
+            extra["weight_pages"] = {"reused": phases.reused_pages, "created": phases.created_pages}
         return card(name, **extra)
 
     @app.post("/v1/admin/models/{name:path}/unload", responses=ADMIN)

@@ -63,10 +63,11 @@ class LoadPlan:
 
     def apply(self, model: torch.nn.Module, named: dict[str, torch.Tensor]) -> None:
         for p, (_, names) in zip(self.parameters(model), self.params, strict=True):
-            if len(names) == 1:
-                p.data.copy_(named[names[0]])
-            else:
-                torch.cat([named[n] for n in names], out=p.data)
+            row = 0
+            for n in names:  # each shard into its rows (the parameter may be on another device)
+                t = named[n]
+                p.data[row : row + t.shape[0]].copy_(t)
+                row += t.shape[0]
         for m, (_, names) in zip(self.modules(model), self.linears, strict=True):
             if names:
                 w = named[names[0]] if len(names) == 1 else torch.cat([named[n] for n in names])

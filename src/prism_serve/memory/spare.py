@@ -264,9 +264,9 @@ def spare_entry(owner: str) -> str:
 
 
 def spare_bytes(snap: LedgerSnapshot, owner: str) -> int:
-    """Bytes of spare pages ``owner`` keeps, as the ledger snapshot ``snap`` shows them."""
-    name = spare_entry(owner)
-    return sum(e.mapped_bytes for e in snap.entries if e.spare and e.name == name)
+    """Bytes of spare memory ``owner`` keeps (its spare pages; a vLLM worker's kept weights), as the
+    ledger snapshot ``snap`` shows them: every spare entry named after it."""
+    return sum(e.mapped_bytes for e in snap.entries if e.spare and e.name.startswith(f"{owner} "))
 
 
 def grant_waiting(account: Account, num_bytes: int, wait_s: float = DEFAULT_RECLAIM_WAIT_S) -> bool:

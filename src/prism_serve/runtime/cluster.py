@@ -40,7 +40,7 @@ from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec
 from prism_serve.runtime.weight_cache import HostWeightCache
-from prism_serve.runtime.workers import WorkerStartError
+from prism_serve.runtime.workers import WorkerStartError, prism_path
 
 logger = logging.getLogger(__name__)
 
@@ -96,17 +96,20 @@ class NodeAgent:
             out[spec.name] = (cached.path, cached.tokenizer_path)
         return out
 
-    def prepare(self) -> msg.Prepare:
-        """The Prepare message for this node's idle workers."""
-        return self.cache.prepare_message()
+    def prepare(self, engine: str = "builtin") -> msg.Prepare:
+        """The Prepare message for this node's idle workers of ``engine``."""
+        return self.cache.prepare_message(engine=engine)
 
-    def spawn(self, worker_id: str, args: list[str]) -> tuple[int, int]:
-        """Start a worker here; it dies with this agent (``--parent-pid``). Its pid and niceness."""
+    def spawn(self, worker_id: str, args: list[str], python: str | None = None) -> tuple[int, int]:
+        """Start a worker here, with ``python`` (a vLLM worker: the config's vllm_python, at the
+        same path on every node) or the agent's own; it dies with this agent (``--parent-pid``).
+        Its pid and niceness."""
         cmd = [
-            sys.executable, "-m", "prism_serve.runtime.worker", *args,
+            python or sys.executable, "-m", "prism_serve.runtime.worker", *args,
             "--namespace", self.namespace, "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=_worker_env(), preexec_fn=_normal_priority)
+        env = _worker_env(with_this_prism=python is not None)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, preexec_fn=_normal_priority)
         self.procs[worker_id] = proc
         try:
             niceness = os.getpriority(os.PRIO_PROCESS, proc.pid)
@@ -146,10 +149,14 @@ class NodeAgent:
         self.cache.close()
 
 
-def _worker_env() -> dict[str, str]:
+def _worker_env(with_this_prism: bool = False) -> dict[str, str]:
     """The agent's environment for a worker, less what Ray sets for its own task processes: a
-    worker sizes its thread pools from its device's cores, as on one machine."""
-    return {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    worker sizes its thread pools from its device's cores, as on one machine. ``with_this_prism``:
+    for another environment's Python (vLLM's), this prism's package first on its path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if with_this_prism:
+        env["PYTHONPATH"] = prism_path(env.get("PYTHONPATH"))
+    return env
 
 
 def _normal_priority() -> None:
@@ -219,7 +226,7 @@ class Node:
     agent: Any
     devices: list[DeviceSpec] = field(default_factory=list)  # qualified: "n1/cpu:0"
     paths: dict[str, tuple[str, str]] = field(default_factory=dict)  # model -> cache file, tokenizer
-    prepare: msg.Prepare | None = None
+    prepares: dict[str, msg.Prepare] = field(default_factory=dict)  # by engine
     procs: dict[str, RemoteProcess] = field(default_factory=dict)
     ledgers: dict[str, LedgerMirror] = field(default_factory=dict)  # by qualified device name
     ready: bool = False  # its cache is filled and its devices are in the controller's placement
@@ -343,7 +350,8 @@ class RayNodes:
 
     async def _fill(self, node: Node) -> None:
         node.paths = await node.agent.load.remote(self._specs)
-        node.prepare = await node.agent.prepare.remote()
+        for engine in sorted({s.engine for s in self._specs}):
+            node.prepares[engine] = await node.agent.prepare.remote(engine)
         node.ready = True
 
     # ---- what the controller and the pool ask ------------------------------------------------
@@ -354,13 +362,16 @@ class RayNodes:
     def ledger(self, device: str) -> LedgerMirror:
         return self.node_of(device).ledgers[device]
 
-    def spawn(self, device: DeviceSpec, worker_id: str, args: list[str]) -> RemoteProcess:
+    def spawn(
+        self, device: DeviceSpec, worker_id: str, args: list[str], python: str | None = None
+    ) -> RemoteProcess:
         import ray
 
         node = self.nodes.get(device.node)
         if node is None:
             raise WorkerStartError(f"node {device.node} of {device.name} is gone")
-        pid, niceness = ray.get(node.agent.spawn.remote(worker_id, args), timeout=self.poll_timeout_s)
+        call = node.agent.spawn.remote(worker_id, args, python)
+        pid, niceness = ray.get(call, timeout=self.poll_timeout_s)
         if niceness > 0 and not node.warned_niceness:
             node.warned_niceness = True
             logger.warning(

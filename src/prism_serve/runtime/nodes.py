@@ -45,16 +45,18 @@ class NodeOps:
         return ledger
 
     def _prepare_message(self: Controller, handle: WorkerHandle) -> msg.Prepare:
-        """What an idle worker opens ahead of activations: its own node's host cache files."""
+        """What an idle worker opens ahead of activations: its own node's host cache files of the
+        models on its engine (and for a vLLM worker, the engine to build)."""
         if handle.device.node and self.nodes is not None:
             node = self.nodes.nodes.get(handle.device.node)
-            if node is not None and node.prepare is not None:
-                return node.prepare
-            return msg.Prepare([], [])
-        if handle.engine == "vllm":  # vLLM tokenizes for itself: no tokenizer to parse
-            message = self.cache.prepare_message(tokenizer_bytes=0, engine="vllm")
+            message = node.prepares.get(handle.engine) if node is not None else None
+            if message is None:
+                return msg.Prepare([], [])
+        else:
+            message = self.cache.prepare_message(engine=handle.engine)
+        if handle.engine == "vllm":
             return msgspec.structs.replace(message, engines=self._vllm_shapes())
-        return self.cache.prepare_message(engine=handle.engine)
+        return message
 
     def _refill(self: Controller, handle: WorkerHandle | None, device: str, m: ModelEntry) -> None:
         """An activation that took a worker from the pool is done: the pool starts its replacement."""

@@ -15,14 +15,17 @@ engine/vllm_engine.py says where each byte lives):
   (memory/strided_kv.py), so a vLLM model's KV grows into memory a neighbour freed and shrinks when
   its requests finish.
 
-Loading weights into vLLM on CPU repacks every linear layer (about 0.6 s for SmolLM2 here). So the
-last evicted model's weights stay with the worker as they were: the packed linears, the weight pages
-holding the data parameters and the KV pages of vLLM's null block, all under a ledger entry
-registered as spare (counted as used, since they are memory, but reclaimable). That model's next
-activation on this worker moves their bytes back to its accounts and swaps the packed linears in:
-no page is made, nothing is copied or repacked. A refused grant anywhere on the device
-(``DeviceLedger.reclaim_wanted``) makes the worker drop them within a poll of its loop, and so
-does an activation of other weights or another shape, and the worker's end.
+Loading weights into vLLM on CPU repacks every linear layer (about 0.2 s for SmolLM2 here, by the
+load plan of engine/vllm_load.py). So the last evicted model's weights stay with the worker as they
+were: the packed linears, the weight pages holding the data parameters and the KV pages of vLLM's
+null block, all under a ledger entry registered as spare (counted as used, since they are memory,
+but reclaimable). That model's next activation on this worker moves their bytes back to its
+accounts and swaps the packed linears in: no page is made, nothing is copied or repacked. Another
+model of the same shape takes them over the same way and loads its own weights into them (its
+data parameters copied into those pages, each linear repacked in place of the kept one): no page
+is made either. A refused grant anywhere on the device (``DeviceLedger.reclaim_wanted``) makes the
+worker drop them within a poll of its loop, and so does an activation of another shape, and the
+worker's end.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class VllmMemory:
     slot: VllmSlot
     weights: str  # the host cache file: what the kept weights are kept under
     closed: bool = False
+    how: str = "kept"  # how its weights came in (VllmSlot.activate)
+    reused_pages: int = 0  # of weight_pages, those it took over already mapped (kept weights')
 
     @property
     def block_bytes(self) -> int:
@@ -138,7 +143,10 @@ class VllmSlot:
         if self.kept is not None and self.kept.weights == weights:
             engine, memory = self._swap_in(source, weight_account, kv_account)
             return engine, memory, 0.0, "kept"
-        self.drop_kept()  # other weights need the pages
+        if self.kept is not None:  # another model of this shape (a fine-tune of one base, say)
+            engine, memory = self._swap_in(source, weight_account, kv_account)
+            memory = self._load_over(memory, weights, tensors, checkpoint_bytes)
+            return engine, memory, 0.0, memory.how
         built_s = 0.0
         weight_pages = packed = 0
         engine = self.engine
@@ -173,6 +181,31 @@ class VllmSlot:
             engine, self.weight_range, weight_account, kv_account, weight_pages, packed, self, weights
         )
         return engine, memory, built_s, how
+
+    def _load_over(
+        self, memory: VllmMemory, weights: str, tensors: dict[str, torch.Tensor], checkpoint_bytes: int
+    ) -> VllmMemory:
+        """Load another model's weights over the kept ones just swapped in: their weight pages and
+        the null block's KV pages (already mapped, moved to this model's accounts: no page made)
+        take its data parameters, and each linear is repacked in turn, replacing the kept one. On
+        failure nothing stays granted or mapped."""
+        engine = memory.engine
+        try:
+            need = max(0, checkpoint_bytes - engine.parameter_bytes())
+            more = need - memory.packed_bytes
+            if more > 0 and not grant_waiting(memory.weight_account, more):
+                raise DeviceMemoryExhaustedError(
+                    f"the {self.weight_range.device} ledger cannot grant {need} bytes for packed weights"
+                )
+            memory.weight_account.release(max(0, -more))
+            memory.packed_bytes = need
+            memory.how = engine.load(tensors)
+        except BaseException:
+            memory.closed = True
+            self.give_back(memory.weight_account, memory.packed_bytes, memory.weight_pages)
+            raise
+        memory.weights = weights
+        return memory
 
     def prepare(self, source: str, config: EngineConfig, compiled: bool = False) -> bool:
         """Build the engine for ``source``'s shape ahead of any activation (a Prepare, in the
@@ -259,7 +292,7 @@ class VllmSlot:
         self.kept = None
         memory = VllmMemory(
             engine, self.weight_range, weight_account, kv_account, kept.weight_pages, kept.packed_bytes,
-            self, kept.weights,
+            self, kept.weights, reused_pages=kept.weight_pages,
         )  # fmt: skip
         return engine, memory
 

@@ -212,10 +212,11 @@ class HostWeightCache:
     ) -> Prepare:
         """What an idle worker opens ahead of any activation: every cache file (of the models on
         ``engine``, when given: a worker runs one engine), and the tokenizers in the order of the
-        models up to ``tokenizer_bytes`` of JSON (each file once)."""
+        models up to ``tokenizer_bytes`` of JSON (each file once; none for a vLLM worker, as vLLM
+        tokenizes for itself)."""
         files: dict[str, CacheFile] = {}
         tokenizers: list[str] = []
-        budget = tokenizer_bytes
+        budget = 0 if engine == "vllm" else tokenizer_bytes
         for m in self.models():
             if engine is not None and m.spec.engine != engine:
                 continue

@@ -365,7 +365,7 @@ class Worker:
                     m.weight_bytes, weight_account, kv_account,
                 )  # fmt: skip
                 t_ready = time.monotonic()
-                t_copy, copied, reused = t_ready - built_s, m.weight_bytes, 0
+                t_copy, copied, reused = t_ready - built_s, m.weight_bytes, pool.reused_pages
             else:
                 load_path = "copy"
                 num_pages, reused = map_weight_pages(
@@ -406,7 +406,7 @@ class Worker:
             copy_bytes=copied,
             copy_threads=self.load_threads,
             reused_pages=reused,
-            created_pages=num_pages - reused,
+            created_pages=(pool.weight_pages if self.vllm is not None else num_pages) - reused,
             prepared=prepared,
             compiled=self.vllm is not None and engine.compiled,
             load_path=load_path,

@@ -64,10 +64,18 @@ class WorkerProcess(Protocol):
     def wait(self, timeout: float | None = None) -> int | None: ...
 
 
+def prism_path(pythonpath: str | None) -> str:
+    """``PYTHONPATH`` for a worker started with another environment's Python (vLLM's): prism from
+    this checkout or install first, whatever that environment has installed."""
+    return os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), pythonpath]))
+
+
 class Launcher(Protocol):
     """Starts workers on the devices of other nodes (``cluster.RayNodes``)."""
 
-    def spawn(self, device: DeviceSpec, worker_id: str, args: list[str]) -> WorkerProcess: ...
+    def spawn(
+        self, device: DeviceSpec, worker_id: str, args: list[str], python: str | None = None
+    ) -> WorkerProcess: ...
 
     def endpoint_host(self) -> str: ...
 
@@ -154,8 +162,8 @@ class WorkerPool:
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_loop())]
         handles = [self.spawn(d) for d in self.devices.values() for _ in range(d.num_workers)]
-        if self._vllm_python:  # one vLLM worker per device of this node, ready before it is needed
-            handles += [self.spawn(d, "vllm") for d in self.devices.values() if not d.node]
+        if self._vllm_python:  # one vLLM worker per device, ready before it is needed
+            handles += [self.spawn(d, "vllm") for d in self.devices.values()]
         await asyncio.gather(*(self.wait_ready(h) for h in handles))
 
     # ---- workers ------------------------------------------------------------------------------
@@ -177,19 +185,12 @@ class WorkerPool:
         if engine == "vllm":
             if not self._vllm_python:
                 raise WorkerStartError("a vLLM model needs a Python with vLLM (vllm_python in the config)")
-            if device.node:
-                raise WorkerStartError(f"{device.name}: vLLM workers run on this node only")
             args += ["--engine", "vllm"]
-            # prism from this checkout or install, whatever the vLLM environment has installed
-            src = str(Path(__file__).resolve().parents[2])
-            env = {
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])),
-            }
+            env = {**os.environ, "PYTHONPATH": prism_path(os.environ.get("PYTHONPATH"))}
         if device.node:  # its node agent starts it there, in that node's namespace
             if self._launcher is None:
                 raise WorkerStartError(f"{device.name} is on node {device.node!r}: no Ray cluster given")
-            proc = self._launcher.spawn(device, worker_id, args)
+            proc = self._launcher.spawn(device, worker_id, args, self._vllm_python if env else None)
         else:
             if self._namespace:
                 args += ["--namespace", self._namespace]
@@ -229,8 +230,9 @@ class WorkerPool:
         """An idle worker of ``device`` that runs ``engine``, now marked ACTIVATING (``refill``
         replaces it in the pool). Among several: for vLLM, the one that last activated ``source``
         (it keeps that model's weights and engine, runtime/vllm_slot.py), then one whose engine is
-        built for ``key`` (the model's engine_key); else the one with the most spare weight pages
-        (its activation creates the fewest)."""
+        built for ``key`` (the model's engine_key), of those the one with the most spare memory (the
+        kept weights of another model of the shape, whose pages the new one takes); else the one
+        with the most spare weight pages (its activation creates the fewest)."""
         spec = self.devices.get(device)
         while True:
             if device not in self.devices:  # at the call, or while it waited for a worker
@@ -240,8 +242,8 @@ class WorkerPool:
                 same = [
                     w for w in idle if engine == "vllm" and source is not None and w.last_source == source
                 ] or [w for w in idle if engine == "vllm" and key is not None and w.engine_key == key]
-                if same:
-                    handle = same[0]
+                if same:  # of those, the one that kept a model's weights: they take the new ones
+                    handle = max(same, key=self._spare_of) if self._spare_of else same[0]
                 elif self._spare_of and len(idle) > 1:
                     handle = max(idle, key=self._spare_of)
                 else:
