@@ -84,7 +84,7 @@ def prism_server(
         for _ in range(args.activations):
             r = httpx.post(f"{url}/v1/admin/models/{MODEL}/unload", timeout=120)
             r.raise_for_status()
-            common.wait_quiet(10, 0.3)
+            common.wait_quiet(120, 0.3)  # a pooled worker's build (tens of s) ends first
             t0 = time.perf_counter()
             r = httpx.post(f"{url}/v1/admin/models/{MODEL}/load", timeout=600)
             loads.append(time.perf_counter() - t0)
@@ -94,7 +94,7 @@ def prism_server(
         for i in range(args.activations if switch else 0):  # each over the other's kept weights
             new, old = (f"{MODEL}-b", MODEL) if i % 2 == 0 else (MODEL, f"{MODEL}-b")
             httpx.post(f"{url}/v1/admin/models/{old}/unload", timeout=120).raise_for_status()
-            common.wait_quiet(10, 0.3)
+            common.wait_quiet(120, 0.3)  # a pooled worker's build (tens of s) ends first
             t0 = time.perf_counter()
             r = httpx.post(f"{url}/v1/admin/models/{new}/load", timeout=600)
             switches.append(time.perf_counter() - t0)

@@ -109,3 +109,41 @@ def test_a_checked_plan_loads_what_vllms_reload_loads_and_a_wrong_one_is_refused
     assert out["wrong_plan_made"] and not out["wrong_verified"]
     assert out["after_wrong"] == out["reload"]  # verify put vLLM's own load back
     assert not out["extra_tensor_plan"] and not out["missing_tensor_plan"]
+
+
+def test_shards_back_to_back_in_the_host_cache_stack_without_a_copy() -> None:
+    import torch
+
+    from prism_serve.engine.vllm_load import stacked
+    from prism_serve.runtime.weight_cache import cache_layout, shards_together
+
+    g = torch.Generator().manual_seed(0)
+    ckpt = {  # checkpoint order: alphabetical, q/k/v apart
+        f"model.layers.0.{n}.weight": torch.randn(rows, 64, generator=g)
+        for n, rows in [("mlp.down_proj", 64), ("mlp.gate_proj", 128), ("mlp.up_proj", 128),
+                        ("self_attn.k_proj", 32), ("self_attn.o_proj", 64), ("self_attn.q_proj", 64),
+                        ("self_attn.v_proj", 32)]
+    }  # fmt: skip
+    ordered = shards_together(ckpt)
+    assert list(ordered) == [f"model.layers.0.{n}.weight" for n in (
+        "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    )]  # fmt: skip
+    entries, total = cache_layout(ordered)
+    flat = torch.zeros(total, dtype=torch.uint8)
+    views = {}
+    for e, t in zip(entries, ordered.values(), strict=True):
+        flat[e.offset : e.offset + e.nbytes].copy_(t.view(-1).view(torch.uint8))
+        views[e.name] = flat[e.offset : e.offset + e.nbytes].view(torch.float32).view(t.shape)
+    qkv = [views[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]
+    w = stacked(qkv)
+    assert torch.equal(w, torch.cat([ckpt[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]))
+    assert w.data_ptr() == qkv[0].data_ptr()  # a view of the cache: no copy
+    down, o = views["model.layers.0.mlp.down_proj.weight"], views["model.layers.0.self_attn.o_proj.weight"]
+    apart = stacked([down, o])
+    assert apart.data_ptr() != down.data_ptr()  # not adjacent: copied
+    assert torch.equal(apart, torch.cat([ckpt["model.layers.0.mlp.down_proj.weight"],
+                                         ckpt["model.layers.0.self_attn.o_proj.weight"]]))  # fmt: skip
+    # a tensor with no shards of its group in the checkpoint stays where it was
+    lone = {"a.q_proj.weight": torch.zeros(2, 2), "a.norm.weight": torch.zeros(2)}
+    assert list(shards_together(lone)) == list(lone)

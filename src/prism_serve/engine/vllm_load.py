@@ -70,9 +70,25 @@ class LoadPlan:
                 row += t.shape[0]
         for m, (_, names) in zip(self.modules(model), self.linears, strict=True):
             if names:
-                w = named[names[0]] if len(names) == 1 else torch.cat([named[n] for n in names])
-                m.weight = torch.nn.Parameter(w, requires_grad=False)
+                m.weight = torch.nn.Parameter(stacked([named[n] for n in names]), requires_grad=False)
             m.quant_method.process_weights_after_loading(m)  # packs it, and drops that weight
+
+
+def stacked(shards: list[torch.Tensor]) -> torch.Tensor:
+    """The shards stacked along dim 0: a view when they lie back to back in one buffer (prism's
+    host cache keeps the usual ones so, runtime/weight_cache.shards_together), else a copy."""
+    first = shards[0]
+    if len(shards) == 1:
+        return first
+    at, rows = first.data_ptr(), 0
+    for t in shards:
+        if not (t.is_contiguous() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]):
+            return torch.cat(shards)
+        if t.data_ptr() != at or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return torch.cat(shards)
+        at += t.numel() * t.element_size()
+        rows += t.shape[0]
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def make_plan(model: torch.nn.Module, named: dict[str, torch.Tensor], tied_head: bool) -> LoadPlan | None:

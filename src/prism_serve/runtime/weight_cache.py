@@ -69,6 +69,30 @@ def cache_layout(packed: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], in
     return entries, max(offset, ALIGN)
 
 
+# Checkpoint tensors that vLLM stacks into one weight (its models' packed_modules_mapping), by the
+# usual names, in vLLM's order. Kept back to back in the cache file, a stacked weight is one view
+# of them and needs no copy (engine/vllm_load.py); under other names they are copied together.
+_STACKED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def shards_together(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` in checkpoint order, except that the shards of one stacked weight follow each
+    other (at the first one's place), in stacking order."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name in out:
+            continue
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        group = next((g for g in _STACKED if last in g), None)
+        names = [f"{parent}.{s}.{leaf}" for s in group] if group else [name]
+        if group and all(n in tensors for n in names):
+            out.update((n, tensors[n]) for n in names)
+        else:
+            out[name] = t
+    return out
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -144,7 +168,7 @@ class HostWeightCache:
         if spec.engine == "vllm":
             # vLLM loads checkpoint tensors under their own names and packs them itself
             weights = load_checkpoint(Path(spec.source).expanduser(), dtype)
-            packed = weights.tensors
+            packed = shards_together(weights.tensors)
         else:
             weights = load_weights(spec.source, dtype=dtype, seed=spec.seed)
             # Build the model once here to get the engine's own layout (fused QKV, transposed
