@@ -9,8 +9,10 @@ its KV pages follow its requests (mapped as a long prompt needs them, given back
 with a budget too small for both models' long requests at once each grows into the memory the
 other gave back, the ledger never over its budget; its memory is in the device ledger while active,
 and after an eviction only what the worker keeps for the next activation, as spare memory, 20 times
-over; kept weights give way to a grant that needs them; a vLLM worker killed mid-request fails that
-request only, and a new worker serves the model again.
+over; kept weights give way to a grant that needs them; another model of the shape loads over
+the kept weights' pages (none made) by the checked load plan; a vLLM worker killed mid-request
+fails that request only, and a new worker serves the model again. The pooled engine is compiled
+(vllm_compile's default) and every activation here runs on it.
 
 The budget: both models' weights (514 + 515 MiB in fp32) and their idle KV (the built-in pool's
 first pages, vLLM's null block in each of 30 layers: 68 MiB) take 1,097 MiB; a 1,801-token prompt
