@@ -12,7 +12,7 @@ and after an eviction only what the worker keeps for the next activation, as spa
 over; kept weights give way to a grant that needs them; another model of the shape loads over
 the kept weights' pages (none made) by the checked load plan; a vLLM worker killed mid-request
 fails that request only, and a new worker serves the model again. The pooled engine is compiled
-(vllm_compile's default) and every activation here runs on it.
+(vllm_compile's default).
 
 The budget: both models' weights (514 + 515 MiB in fp32) and their idle KV (the built-in pool's
 first pages, vLLM's null block in each of 30 layers: 68 MiB) take 1,097 MiB; a 1,801-token prompt
