@@ -18,9 +18,10 @@ Memory (every byte in the device ledger):
 - **Weights.** After the build, every parameter that holds data (embeddings, norms, biases) is moved
   into the worker's reserved weight range; vLLM's CPU post-processing packs each linear layer's
   weight into a kernel format it keeps itself (``cpu_linear``). Activation maps the weight pages and
-  loads the model's checkpoint tensors with vLLM's in-place ``reload_weights`` (which repacks the
-  linears); eviction drops the packed linears and unmaps the pages, unless the worker keeps them
-  for the model's next activation (runtime/vllm_slot.py). The packed bytes are granted in the
+  loads the model's checkpoint tensors into them by a load plan checked against vLLM's own
+  in-place ``reload_weights`` (engine/vllm_load.py; the reload where there is no plan), which
+  repacks the linears; eviction drops the packed linears and unmaps the pages, unless the worker
+  keeps them for the model's next activation (runtime/vllm_slot.py). The packed bytes are granted in the
   ledger beside the pages.
 
 The engine itself (scheduler, compiled kernels, tokenizer) stays built between models of one shape,
