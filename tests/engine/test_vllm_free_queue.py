@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prism_serve.engine.vllm_engine import _LowestFirst
+from prism_serve.engine.vllm_kv import LowestFirst
 
 
 def vllm_queue(num_blocks: int):
@@ -27,7 +27,7 @@ def vllm_queue(num_blocks: int):
 
 def test_the_lowest_free_blocks_go_first_and_the_top_follows_them():
     blocks, queue = vllm_queue(10)
-    q = _LowestFirst(blocks, queue)
+    q = LowestFirst(blocks, queue)
     assert q.num_free_blocks == 9 and q.top == 0
     assert [b.block_id for b in q.popleft_n(4)] == [1, 2, 3, 4] and q.top == 4
     q.append_n([blocks[2], blocks[4]])
@@ -42,7 +42,7 @@ def test_the_lowest_free_blocks_go_first_and_the_top_follows_them():
 @given(ops=st.lists(st.tuples(st.sampled_from(["pop", "free", "remove"]), st.integers(1, 15)), max_size=60))
 def test_top_is_always_the_highest_block_in_use(ops):
     blocks, queue = vllm_queue(16)
-    q = _LowestFirst(blocks, queue)
+    q = LowestFirst(blocks, queue)
     used: set[int] = set()
     for op, i in ops:
         if op == "pop" and q.num_free_blocks:

@@ -1,5 +1,5 @@
 """vLLM's KV layout on a CUDA GPU: pages on demand (StridedKVPages) under a CudaVirtualRange, the
-buffer handed out the way the vLLM engine hands it to vLLM (``_FromRange.zeros``), and per-layer
+buffer handed out the way the vLLM engine hands it to vLLM (``FromRange.zeros``), and per-layer
 views written and read by GPU kernels while the watermark moves. vLLM's CUDA wheels pin a torch the
 GPU machine does not have, so this is the part of the vLLM engine's device path that runs there
 without vLLM. The same checks run on host pages everywhere; the GPU case is skipped without a GPU
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prism_serve.engine.vllm_engine import _FromRange
+from prism_serve.engine.vllm_kv import FromRange
 from prism_serve.memory.strided_kv import StridedKVPages
 from prism_serve.memory.vmm import reserve
 
@@ -52,7 +52,7 @@ def test_vllm_layout_pages_follow_the_watermark_and_keep_the_data_below_it(make_
         account = ledger.account("m kv")
         kv.attach(account)
         assert kv.resize(1)  # the null block, mapped before vLLM sees the buffer
-        flat = _FromRange(vrange.as_tensor()).zeros(size, dtype=torch.uint8)
+        flat = FromRange(vrange.as_tensor()).zeros(size, dtype=torch.uint8)
         assert flat.device.type == device.split(":")[0] and flat.data_ptr() == vrange.address
         views = layer_views(flat)
 

@@ -11,10 +11,11 @@ Memory (every byte in the device ledger):
   of the worker's reserved KV range instead (the patches of vLLM here: ``allocate_kv_cache``'s
   ``torch.zeros`` for that buffer is served from the range while the engine is built, and the block
   pool's free queue and free count are replaced on the built engine's instance; no file of vLLM is
-  edited). Pages are mapped as blocks are used (memory/strided_kv.py): vLLM hands out the lowest
-  free block ids and sees only the free blocks below a watermark, which ``fit_pages`` moves a step
-  ahead of the requests before each step, as far as the ledger allows. The tensor vLLM holds stays
-  valid because the range's address never changes.
+  edited; the two stand-ins are in engine/vllm_kv.py). Pages are mapped as blocks are used
+  (memory/strided_kv.py): vLLM hands out the lowest free block ids and sees only the free blocks
+  below a watermark, which ``fit_pages`` moves a step ahead of the requests before each step, as
+  far as the ledger allows. The tensor vLLM holds stays valid because the range's address never
+  changes.
 - **Weights.** After the build, every parameter that holds data (embeddings, norms, biases) is moved
   into the worker's reserved weight range; vLLM's CPU post-processing packs each linear layer's
   weight into a kernel format it keeps itself (``cpu_linear``). Activation maps the weight pages and
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import heapq
 import logging
 import math
 import os
@@ -49,6 +49,7 @@ from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.interface import RequestCounts
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.sequence import RequestMetrics, RequestOutput, TokenLogprob
+from prism_serve.engine.vllm_kv import FromRange, LowestFirst
 from prism_serve.engine.vllm_load import (
     LoadPlan,
     checkpoint_signature,
@@ -72,7 +73,6 @@ __all__ = ["VllmEngine", "engine_key", "vllm_environment"]
 logger = logging.getLogger(__name__)
 
 _SHAPE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def vllm_environment(cores: Iterable[int] = ()) -> None:
@@ -114,86 +114,6 @@ def _quiet_rotary_reload_warning(record: logging.LogRecord) -> bool:
     )
 
 
-class _FromRange:
-    """Stands in for the torch module inside vLLM's KV allocation: its ``zeros`` is a view of the
-    reserved range (mapped by the caller), everything else is torch's."""
-
-    def __init__(self, flat: torch.Tensor) -> None:
-        self._flat = flat
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    def zeros(self, n: int, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
-        if n > self._flat.numel():
-            raise InvalidRequestError(
-                f"vLLM's KV cache needs {n} bytes; the worker reserved {self._flat.numel()}"
-            )
-        return self._flat[:n].view(dtype or torch.float32)
-
-
-class _LowestFirst:
-    """vLLM's free block queue (prefix caching off), handing out the lowest free block ids first,
-    so the blocks in use stay at the bottom of the buffer and its pages above them can be unmapped."""
-
-    def __init__(self, blocks: list, queue: Any) -> None:
-        self._blocks = blocks
-        self._free = {b.block_id for b in _queued(queue)}
-        self._heap = sorted(self._free)
-        # the highest block id not free (0: only vLLM's null block, which is never free)
-        self.top = max((i for i in range(len(blocks)) if i not in self._free), default=0)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    def _lower_top(self) -> None:
-        while self.top > 0 and self.top in self._free:
-            self.top -= 1
-
-    def popleft(self) -> Any:
-        while True:
-            i = heapq.heappop(self._heap)
-            if i in self._free:
-                self._free.discard(i)
-                self.top = max(self.top, i)
-                return self._blocks[i]
-
-    def popleft_n(self, n: int) -> list:
-        if n > len(self._free):
-            raise ValueError(f"cannot take {n} blocks: {len(self._free)} are free")
-        return [self.popleft() for _ in range(n)]
-
-    def append(self, block: Any) -> None:
-        if block.block_id not in self._free:
-            self._free.add(block.block_id)
-            heapq.heappush(self._heap, block.block_id)
-            if block.block_id == self.top:
-                self._lower_top()
-
-    def append_n(self, blocks: Iterable) -> None:
-        for b in blocks:
-            self.append(b)
-
-    prepend_n = append_n  # the order is by id either way
-
-    def remove(self, block: Any) -> None:
-        self._free.discard(block.block_id)  # its heap entry is skipped when popped
-        self.top = max(self.top, block.block_id)
-
-    def get_all_free_blocks(self) -> list:
-        return [self._blocks[i] for i in sorted(self._free)]
-
-
-def _queued(queue: Any) -> list:
-    """The blocks in vLLM's linked free list."""
-    out, b = [], queue.fake_free_list_head.next_free_block
-    while b is not queue.fake_free_list_tail:
-        out.append(b)
-        b = b.next_free_block
-    return out
-
-
 @dataclass(slots=True)
 class _Request:
     prompt_token_ids: list[int]
@@ -231,7 +151,7 @@ class VllmEngine(RequestCounts):
         self._step_tokens = int(engine.vllm_config.scheduler_config.max_num_batched_tokens)
         self.kv_bytes_per_token = self.block_bytes // self.block_size
         # vLLM hands out the lowest free block ids and sees only the blocks below the watermark
-        self._free = _LowestFirst(self._pool.blocks, self._pool.free_block_queue)
+        self._free = LowestFirst(self._pool.blocks, self._pool.free_block_queue)
         self._pool.free_block_queue = self._free
         self._pool.get_num_free_blocks = self._usable_free_blocks
         self._requests: dict[str, _Request] = {}
@@ -295,7 +215,7 @@ class VllmEngine(RequestCounts):
             if not kv.resize(1):
                 raise LedgerError(f"the ledger cannot grant the pages of {source}'s first KV block")
             made.append(kv)
-            worker_utils.torch = _FromRange(kv_range.as_tensor())
+            worker_utils.torch = FromRange(kv_range.as_tensor())
             try:
                 return original(kv_cache_config, *args, **kwargs)
             finally:
