@@ -29,11 +29,12 @@ from pathlib import Path
 
 import torch
 
+from prism_serve.engine.weights import CHECKPOINT_FLOATS
+
 __all__ = ["LoadPlan", "checkpoint_signature", "make_plan", "synthetic_checkpoint", "verify"]
 
 _UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 _IGNORED = ("rotary_emb.inv_freq",)  # computed by vLLM, present in some checkpoints
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 Signature = frozenset[tuple[str, tuple[int, ...], torch.dtype]]
 
@@ -189,7 +190,7 @@ def synthetic_checkpoint(source: str, dtype: torch.dtype) -> dict[str, torch.Ten
             for k in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 s = st.get_slice(k)
                 t_dtype = getattr(torch, _DTYPE_NAMES.get(s.get_dtype(), "uint8"))
-                shapes[k] = (tuple(s.get_shape()), dtype if t_dtype in _FLOATS else t_dtype)
+                shapes[k] = (tuple(s.get_shape()), dtype if t_dtype in CHECKPOINT_FLOATS else t_dtype)
     if not shapes:
         return {}
     largest = max(math.prod(s) for s, _ in shapes.values())

@@ -168,12 +168,17 @@ def load_hf_dir(path: Path) -> LoadedWeights:
     )
 
 
+# the checkpoint dtypes load_checkpoint casts to the model's dtype (others, quantized weights, stay)
+CHECKPOINT_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def load_checkpoint(path: Path, dtype: torch.dtype) -> LoadedWeights:
     """A directory another engine (vLLM) loads, read as it is: every safetensors tensor under its own
     name (floating ones in ``dtype``, others such as quantized weights untouched), the shape of any
     architecture from config.json, and the tokenizer."""
-    floats = (torch.float32, torch.float16, torch.bfloat16)
-    return _read_hf_dir(path, any_architecture=True, cast=lambda t: t.to(dtype) if t.dtype in floats else t)
+    return _read_hf_dir(
+        path, any_architecture=True, cast=lambda t: t.to(dtype) if t.dtype in CHECKPOINT_FLOATS else t
+    )
 
 
 def _read_hf_dir(path: Path, any_architecture: bool, cast) -> LoadedWeights:

@@ -181,21 +181,21 @@ class WorkerPool:
             "--load-threads", str(self._load_threads),
             "--spare-bytes", str(self._spare_bytes if engine == "builtin" else 0),
         ]  # fmt: skip
-        env = None
+        env, python = None, None  # None: this Python, as it is
         if engine == "vllm":
             if not self._vllm_python:
                 raise WorkerStartError("a vLLM model needs a Python with vLLM (vllm_python in the config)")
             args += ["--engine", "vllm"]
+            python = self._vllm_python
             env = {**os.environ, "PYTHONPATH": prism_path(os.environ.get("PYTHONPATH"))}
         if device.node:  # its node agent starts it there, in that node's namespace
             if self._launcher is None:
                 raise WorkerStartError(f"{device.name} is on node {device.node!r}: no Ray cluster given")
-            proc = self._launcher.spawn(device, worker_id, args, self._vllm_python if env else None)
+            proc = self._launcher.spawn(device, worker_id, args, python)
         else:
             if self._namespace:
                 args += ["--namespace", self._namespace]
-            python = self._vllm_python if engine == "vllm" else sys.executable
-            cmd = [python, "-m", "prism_serve.runtime.worker", *args]
+            cmd = [python or sys.executable, "-m", "prism_serve.runtime.worker", *args]
             cmd += ["--parent-pid", str(os.getpid())]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
         handle = WorkerHandle(worker_id, device, proc, pid=proc.pid, engine=engine)
