@@ -175,8 +175,8 @@ def test_an_unreachable_endpoint_is_a_connect_error_per_request():
 def test_cli_writes_a_json_and_png_report(fresh_stub, tmp_path, capsys):
     from prism_serve.cli import main
     from prism_serve.sim.config import ModelSLO
+    from prism_serve.sim.slo import save_slos
     from prism_serve.workload.format import write_jsonl
-    from prism_serve.workload.slo import save_slos
 
     wpath = tmp_path / "w.jsonl"
     write_jsonl(_workload((0.0, "a", 4, 3), (0.01, "b", 4, 2), (0.02, "busy", 4, 2)), wpath)

@@ -18,11 +18,10 @@ def test_every_cluster_snapshot_equals_a_fresh_build(monkeypatch):
 
     def checked(self: SnapshotBuilder, now: float) -> ClusterSnapshot:
         snap = incremental(self, now)
-        sim = self.sim
         fresh = ClusterSnapshot(
-            {n: self.model(m, now) for n, m in sim.models.items()},
-            {d: self.device(d) for d in sim.devices},
-            {n: self.engine(n) for n, m in sim.models.items() if m.engine is not None},
+            {n: self.model(m, now) for n, m in self.models.items()},
+            {d: self.device(d) for d in self.devices},
+            {n: self.engine(n) for n, m in self.models.items() if m.engine is not None},
         )
         for part in ("models", "devices", "engines", "extra_replicas"):
             assert dict(getattr(snap, part)) == dict(getattr(fresh, part)), (now, part)

@@ -56,7 +56,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     workload = read_jsonl(args.workload)
     slos = None
     if args.slos is not None:
-        from prism_serve.workload.slo import load_slos  # imports the simulator: only when asked
+        from prism_serve.sim.slo import load_slos  # imports the simulator: only when asked
 
         slos = load_slos(args.slos)
     _raise_open_file_limit()

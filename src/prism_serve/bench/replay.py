@@ -206,7 +206,7 @@ async def replay(
 ) -> BenchResult:
     """Send every request of ``workload`` to ``url`` at its timestamp and measure it.
 
-    ``slos``: unscaled per-model SLOs keyed by workload name (``workload.slo.load_slos``), scaled by
+    ``slos``: unscaled per-model SLOs keyed by workload name (``sim.slo.load_slos``), scaled by
     ``settings.slo_scale`` (default 5, as in ``prism sim``). Without it, SLOs come from the endpoint's
     /v1/models where its entries carry them, else from ``settings.ttft_slo_s`` / ``tpot_slo_s``.
     ``extra`` is echoed in the JSON report. Failed requests are recorded, never raised.

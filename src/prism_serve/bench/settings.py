@@ -113,7 +113,7 @@ def resolve_slos(
 ) -> dict[str, SLOTarget]:
     """Each workload model's scaled SLO.
 
-    ``file_slos`` (e.g. ``workload.slo.load_slos(path)``: objects with ``ttft_s`` and ``tpot_s``) is
+    ``file_slos`` (e.g. ``sim.slo.load_slos(path)``: objects with ``ttft_s`` and ``tpot_s``) is
     keyed by workload name, as the simulator wrote it; a model missing from it is an error, since a
     partial SLO file is more likely the wrong file than a wish. ``server_slos`` is keyed by the served
     name (what /v1/models lists); models it lacks take the defaults.

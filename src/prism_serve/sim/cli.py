@@ -90,8 +90,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     from prism_serve.sim.models import get_setup
     from prism_serve.sim.plot import plot_gpus_needed, plot_sweep
     from prism_serve.sim.simulator import SimConfig
+    from prism_serve.sim.slo import load_slos, measure_slos, save_slos
     from prism_serve.sim.sweep import Experiment, find_gpus, run_point, sweep
-    from prism_serve.workload.slo import load_slos, measure_slos, save_slos
 
     _check_sim(args)
     models = get_setup(args.setup)
@@ -199,7 +199,7 @@ def _bound(exp, args: argparse.Namespace):
     from prism_serve.sim.bound import lower_bound
     from prism_serve.sim.cost import COST_MODELS
     from prism_serve.sim.hardware import get_hardware
-    from prism_serve.workload.slo import scale_slos
+    from prism_serve.sim.slo import scale_slos
 
     config = exp.config
     hw = get_hardware(config.hardware)

@@ -3,26 +3,33 @@
 Events are ordered by ``(time, priority, sequence number)``: at equal times a finished step (which
 frees memory) is handled before an activation completes, that before an arrival, and the global tick
 last; the sequence number keeps insertion order among equals, so a run is deterministic. Each event
-knows which simulator handler applies it; the loop is ``pop -> event.apply(sim)``.
+knows which handler of the simulator applies it (``EventHandler``, which the simulator is); the
+loop is ``pop -> event.apply(sim)``.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
-if TYPE_CHECKING:
-    from prism_serve.sim.simulator import Simulator
+__all__ = ["ActivationDone", "Arrival", "Event", "EventHandler", "EventQueue", "StepDone", "Tick"]
 
-__all__ = ["ActivationDone", "Arrival", "Event", "EventQueue", "StepDone", "Tick"]
+
+class EventHandler(Protocol):
+    """What applies the events: sim/simulator.py's ``Simulator``."""
+
+    def on_step_done(self, model: str, version: int, now: float) -> None: ...
+    def on_activation_done(self, model: str, version: int, now: float) -> None: ...
+    def on_arrival(self, index: int, now: float) -> None: ...
+    def on_tick(self, now: float) -> None: ...
 
 
 class Event:
     __slots__ = ()
     priority: ClassVar[int] = 9
 
-    def apply(self, sim: Simulator, now: float) -> None:
+    def apply(self, sim: EventHandler, now: float) -> None:
         raise NotImplementedError
 
 
@@ -34,7 +41,7 @@ class StepDone(Event):
     model: str
     version: int
 
-    def apply(self, sim: Simulator, now: float) -> None:
+    def apply(self, sim: EventHandler, now: float) -> None:
         sim.on_step_done(self.model, self.version, now)
 
 
@@ -46,7 +53,7 @@ class ActivationDone(Event):
     model: str
     version: int
 
-    def apply(self, sim: Simulator, now: float) -> None:
+    def apply(self, sim: EventHandler, now: float) -> None:
         sim.on_activation_done(self.model, self.version, now)
 
 
@@ -57,7 +64,7 @@ class Arrival(Event):
     priority: ClassVar[int] = 2
     index: int
 
-    def apply(self, sim: Simulator, now: float) -> None:
+    def apply(self, sim: EventHandler, now: float) -> None:
         sim.on_arrival(self.index, now)
 
 
@@ -67,7 +74,7 @@ class Tick(Event):
 
     priority: ClassVar[int] = 3
 
-    def apply(self, sim: Simulator, now: float) -> None:
+    def apply(self, sim: EventHandler, now: float) -> None:
         sim.on_tick(now)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from prism_serve.control import (
     ClusterSnapshot,
@@ -37,7 +37,6 @@ from prism_serve.control import (
     get_policy,
 )
 from prism_serve.control.loop import ControlLoop
-from prism_serve.control.profiles import StepSums
 from prism_serve.control.types import REPLICA_SEPARATOR, replica_name
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
@@ -49,37 +48,10 @@ from prism_serve.sim.memory import SimDevice
 from prism_serve.sim.metrics import SimResult
 from prism_serve.sim.models import ServedModel
 from prism_serve.sim.snapshots import SnapshotBuilder
+from prism_serve.sim.state import SimModel
 from prism_serve.workload.format import Workload
 
 __all__ = ["ModelSLO", "SimConfig", "Simulator", "simulate"]
-
-
-@dataclass(slots=True)
-class _Model:
-    served: ServedModel
-    slo: ModelSLO
-    profile: ModelProfile
-    prefill_speed: float
-    state: ModelState = ModelState.EVICTED
-    placement: tuple[str, ...] = ()
-    engine: SimEngine | None = None
-    activation_version: int = 0
-    pending: bool = False  # activation waiting for memory
-    copying: int = 0  # busy units its activation's copy holds on its devices (activation_threads)
-    num_queued: int = 0  # in a device queue or deferred
-    num_running: int = 0  # dispatched to its engine
-    quota: dict[str, int | None] = field(default_factory=dict)
-    placed_at: float | None = None  # when the current placement was decided (ModelSnapshot.placed_at)
-    activated_at: float | None = None  # idle time counts from here too, as in the live controller
-    engine_snapshot: EngineSnapshot | None = None  # cached; rebuilt when the engine is dirty
-    # engine step seconds (as stretched by sharing), the same steps alone (the live worker's
-    # CPU-timed busy_seconds), and requests served, over every activation: the live controller's
-    # measured profile (SimConfig.profiles == "live") is built from the alone seconds
-    step_seconds: float = 0.0
-    busy_seconds: float = 0.0
-    num_served: int = 0
-    step_started: float | None = None
-    steps: StepSums = field(default_factory=StepSums)  # its decode steps (measured_profile's fit)
 
 
 class Simulator:
@@ -122,7 +94,7 @@ class Simulator:
         self._busy_devices = 0
         self._live_profiles = config.profiles == "live"
         policy = get_policy(config.policy, **dict(config.knobs))
-        self.models: dict[str, _Model] = {}
+        self.models: dict[str, SimModel] = {}
         self.replica_of: dict[str, str] = {}  # replica slot -> served model (control/replicas.py)
         for m in models:
             state = self._model_state(m, workload, slos[m.name])
@@ -150,13 +122,16 @@ class Simulator:
         self._last_t = 0.0
         self._next_arrival = 0
         self._names = workload.models
-        self.snapshots = SnapshotBuilder(self)
+        self.snapshots = SnapshotBuilder(
+            self.models, self.devices, self.on_device, self.loop, self.replica_of,
+            live_profiles=config.profiles == "live", max_num_seqs=config.max_num_seqs,
+        )  # fmt: skip
 
     @property
     def queues(self) -> dict[str, RequestQueue]:
         return self.loop.queues
 
-    def _model_state(self, m: ServedModel, workload: Workload, slo: ModelSLO) -> _Model:
+    def _model_state(self, m: ServedModel, workload: Workload, slo: ModelSLO) -> SimModel:
         mask = workload.model_index == workload.models.index(m.name) if m.name in workload.models else None
         n = int(mask.sum()) if mask is not None else 0
         prompt = float(workload.prompt_tokens[mask].mean()) if n else 512.0
@@ -169,7 +144,7 @@ class Simulator:
         profile = ModelProfile(
             prompt, output, speed, step, max_rate=self._max_rate(m, slo, prompt, output, speed)
         )
-        return _Model(m, slo, profile, speed)
+        return SimModel(m, slo, profile, speed)
 
     def _max_rate(self, m: ServedModel, slo: ModelSLO, prompt: float, output: float, speed: float) -> float:
         """Requests/s one replica of ``m`` serves alone on its devices within its SLOs, from the cost
@@ -412,7 +387,7 @@ class Simulator:
                 if end is not None:
                     self.events.push(end, StepDone(other.name, other.version))
 
-    def _copy_done(self, m: _Model, now: float) -> None:
+    def _copy_done(self, m: SimModel, now: float) -> None:
         """An activation's copy that counted as busy on its devices ended (done or cancelled)."""
         if m.copying:
             self._device_busy(m.placement, -m.copying, now)

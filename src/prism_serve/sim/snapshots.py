@@ -11,38 +11,56 @@ change while placements stay put).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 from prism_serve.control import ClusterSnapshot, DeviceSnapshot, EngineSnapshot, ModelProfile, ModelSnapshot
+from prism_serve.control.loop import ControlLoop
 from prism_serve.control.profiles import measured_profile
 from prism_serve.control.types import ModelState
-
-if TYPE_CHECKING:
-    from prism_serve.sim.simulator import Simulator, _Model
+from prism_serve.sim.memory import SimDevice
+from prism_serve.sim.state import SimModel
 
 __all__ = ["SnapshotBuilder"]
 
 
 class SnapshotBuilder:
-    """Snapshots of one Simulator's state, cached per entry (see the module docstring)."""
+    """Snapshots of one simulator's state, cached per entry (see the module docstring). It reads the
+    simulator's containers in place: its models (and replica slots), devices, the models placed on
+    each device, and the control loop's queues, rates and stale marks. ``live_profiles``: the
+    policies see what the live controller would have measured (SimConfig.profiles == "live")."""
 
-    def __init__(self, sim: Simulator) -> None:
-        self.sim = sim
-        self._live_profiles = sim.config.profiles == "live"
+    def __init__(
+        self,
+        models: Mapping[str, SimModel],
+        devices: Mapping[str, SimDevice],
+        on_device: Mapping[str, Mapping[str, None]],
+        loop: ControlLoop,
+        replica_of: Mapping[str, str],
+        *,
+        live_profiles: bool,
+        max_num_seqs: int,
+    ) -> None:
+        self.models = models
+        self.devices = devices
+        self.on_device = on_device
+        self.loop = loop
+        self.replica_of = replica_of
+        self._live_profiles = live_profiles
+        self._max_num_seqs = max_num_seqs
         self._models: dict[str, ModelSnapshot] = {}
         self._rebuilt: dict[str, None] = {}  # models whose snapshot changed since the last cluster()
         self._devices: dict[str, tuple[int, DeviceSnapshot]] = {}  # by device: (memory version, snap)
         self._last: ClusterSnapshot | None = None
-        self._stale = sim.loop.stale_models  # models whose snapshot must be rebuilt
-        self._stale.update(dict.fromkeys(sim.models))
+        self._stale = loop.stale_models  # models whose snapshot must be rebuilt
+        self._stale.update(dict.fromkeys(models))
 
-    def model(self, m: _Model, now: float) -> ModelSnapshot:
+    def model(self, m: SimModel, now: float) -> ModelSnapshot:
         sv = m.served
         name = sv.name
         if name in self._stale or name not in self._models:
             self._stale.pop(name, None)
             self._rebuilt[name] = None
-            loop = self.sim.loop
+            loop = self.loop
             self._models[name] = ModelSnapshot(
                 name,
                 loop.rates.rate(name, now),
@@ -61,11 +79,11 @@ class SnapshotBuilder:
                 placed_at=m.placed_at,
                 forecast_rate=loop.forecast_rate(name, now),
                 prewarmed=m.state is not ModelState.EVICTED and name in loop.prewarmed,
-                replica_of=self.sim.replica_of.get(name),
+                replica_of=self.replica_of.get(name),
             )
         return self._models[name]
 
-    def profile(self, m: _Model) -> ModelProfile:
+    def profile(self, m: SimModel) -> ModelProfile:
         if self._live_profiles:  # what the live controller knows: measured, or the default before
             return measured_profile(
                 ModelProfile(),
@@ -73,7 +91,7 @@ class SnapshotBuilder:
                 m.num_served,
                 m.steps,
                 m.slo.tpot_s,
-                self.sim.config.max_num_seqs,
+                self._max_num_seqs,
             )
         return m.profile
 
@@ -81,29 +99,29 @@ class SnapshotBuilder:
         """The device's cached snapshot if still current: memory and placement changes bump the
         device's version, queue changes are the loop's marks."""
         cached = self._devices.get(d)
-        if cached is None or cached[0] != self.sim.devices[d].version or d in self.sim.loop.stale_devices:
+        if cached is None or cached[0] != self.devices[d].version or d in self.loop.stale_devices:
             return None
         return cached[1]
 
     def device(self, d: str) -> DeviceSnapshot:
         if (cached := self._cached_device(d)) is not None:
             return cached
-        self.sim.loop.stale_devices.discard(d)
-        dev = self.sim.devices[d]
-        q = self.sim.loop.queues[d]
+        self.loop.stale_devices.discard(d)
+        dev = self.devices[d]
+        q = self.loop.queues[d]
         snap = DeviceSnapshot(
-            d, dev.capacity_bytes, dev.mapped_bytes, tuple(self.sim.on_device[d]), len(q), q.models()
+            d, dev.capacity_bytes, dev.mapped_bytes, tuple(self.on_device[d]), len(q), q.models()
         )
         self._devices[d] = (dev.version, snap)
         return snap
 
     @staticmethod
-    def _cached_engine(m: _Model) -> EngineSnapshot | None:
+    def _cached_engine(m: SimModel) -> EngineSnapshot | None:
         """The model's cached engine snapshot if its engine has not changed since."""
         return None if m.engine is None or m.engine.dirty else m.engine_snapshot
 
     def engine(self, name: str) -> EngineSnapshot | None:
-        m = self.sim.models[name]
+        m = self.models[name]
         e = m.engine
         if e is None:
             return None
@@ -135,27 +153,27 @@ class SnapshotBuilder:
     def admission_view(self, device: str, now: float) -> tuple[DeviceSnapshot, dict[str, EngineSnapshot]]:
         engines = {
             name: snap
-            for name in self.sim.on_device[device]
+            for name in self.on_device[device]
             if (snap := self.engine(name)) is not None and snap.device == device
         }
         return self.device(device), engines
 
     def cluster(self, now: float) -> ClusterSnapshot:
-        models = self.sim.models
+        models = self.models
         for name in list(self._stale):
             self.model(models[name], now)
         changed = [self._models[name] for name in self._rebuilt]
         self._rebuilt.clear()
         last = self._last
         if last is None:
-            devices = {d: self.device(d) for d in self.sim.devices}
+            devices = {d: self.device(d) for d in self.devices}
             engines = {n: self.engine(n) for n, m in models.items() if m.engine is not None}
             snap = ClusterSnapshot(self._models, devices, engines)
         else:  # a cached entry is the same object as in the last snapshot: pass only the others
             ld, le = last.devices, last.engines
             snap = last.updated(
                 changed,
-                [self.device(d) for d in self.sim.devices if self._cached_device(d) is not ld[d]],
+                [self.device(d) for d in self.devices if self._cached_device(d) is not ld[d]],
                 [
                     self.engine(n)
                     for n, m in models.items()

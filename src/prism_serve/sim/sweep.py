@@ -16,9 +16,9 @@ import numpy as np
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.models import ServedModel
 from prism_serve.sim.simulator import ModelSLO, SimConfig, simulate
+from prism_serve.sim.slo import scale_slos
 from prism_serve.workload.builder import WorkloadSpec, build_workload
 from prism_serve.workload.format import Workload
-from prism_serve.workload.slo import scale_slos
 
 __all__ = ["AXES", "Experiment", "find_gpus", "run_point", "sweep"]
 

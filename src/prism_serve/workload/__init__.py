@@ -1,7 +1,7 @@
 """Multi-model workloads: trace readers, the builder, the JSONL format and per-model statistics.
 
-See README.md in this directory. SLO assignment (``workload.slo``) runs the simulator and is imported
-from there explicitly, so reading or building a workload does not load the simulator.
+See README.md in this directory. SLO assignment runs the simulator, so it lives there (sim/slo.py);
+this package imports nothing of sim/.
 """
 
 from prism_serve.workload.builder import LENGTH_FILES, SOURCES, WorkloadSpec, build_workload

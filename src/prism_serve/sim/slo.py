@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.models import ServedModel
-from prism_serve.sim.simulator import ModelSLO, SimConfig, simulate
+from prism_serve.sim.simulator import simulate
 from prism_serve.workload.format import Workload, WorkloadError
 
 __all__ = ["load_slos", "measure_slos", "save_slos", "scale_slos"]
