@@ -11,8 +11,7 @@ Where blocks come from, cheapest first:
    fewer new pages are needed);
 2. a free ready block on an empty mapped page: the pre-mapped buffer, kept between
    ``buffer_min_pages`` and ``buffer_max_pages`` by a background thread, so decode rarely maps
-   (the refill target doubles, up to the max, whenever a burst emptied the buffer, e.g. a batch
-   whose sequences cross a block boundary in the same step, and decays when bursts stop);
+   (how many pages it keeps adapts to bursts and to the device: memory/kv_buffer.py);
 3. mapping new pages on the caller's thread, each granted by the device ledger first; when the
    ledger refuses, ``allocate`` returns None and nothing the call took is kept.
 
@@ -36,6 +35,7 @@ fixed pool's rate (docs/benchmarks.md, "Issue 20, second lease").
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 import threading
 import time
@@ -44,13 +44,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prism_serve.errors import InvalidRequestError
-from prism_serve.memory.kv_prefetch import PrefetchThread
-from prism_serve.memory.ledger import Account, DeviceLedger, LedgerError
+from prism_serve.memory.kv_buffer import BufferTarget
+from prism_serve.memory.ledger import RECLAIM_WINDOW_S, Account, DeviceLedger, LedgerError
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, VirtualRange, reserve
 
 if TYPE_CHECKING:
     import torch
 
+logger = logging.getLogger(__name__)
 
 # A GPU engine's KV grows by many 2 MiB pages at once (a Llama-3-8B block of 16 tokens is one page,
 # and a batch of 128 decodes crosses block boundaries together), and mapping a page on the engine's
@@ -117,7 +118,7 @@ def device_capacity(device: str) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-class ElasticKVPool(PrefetchThread):
+class ElasticKVPool:
     """KV blocks of ``block_bytes`` each in ``vrange``, mapped on demand under ``account``'s ledger."""
 
     def __init__(
@@ -161,12 +162,7 @@ class ElasticKVPool(PrefetchThread):
         self._sync_maps = self._prefetch_maps = self._unmaps = 0
         self._closed = False
         self._wake = threading.Event()
-        self._refill_target = config.buffer_min_pages  # grows on misses (see _note_miss)
-        # Empty pages the thread keeps mapped: buffer_max, or buffer_min while the device is short of
-        # memory, so an idle engine's buffer never starves a busy neighbour's KV.
-        self._keep = config.buffer_max_pages
-        self._linger = config.linger_s  # 0 while the device is short of memory
-        self._last_miss = 0.0
+        self._buffer = BufferTarget(config)  # empty pages kept mapped ahead (memory/kv_buffer.py)
         self._thread: threading.Thread | None = None
         if vrange.base_must_be_mapped:
             self._pin_first_block()
@@ -250,8 +246,8 @@ class ElasticKVPool(PrefetchThread):
             if self._sync_maps == maps_before:
                 self._blocks_without_map += num_blocks
             elif self._thread is not None:
-                self._note_miss()
-            low = len(self._empty) < self._refill_target
+                self._buffer.missed(time.monotonic())
+            low = len(self._empty) < self._buffer.refill
         if low and self._thread is not None:
             self._wake.set()
         return got
@@ -269,7 +265,7 @@ class ElasticKVPool(PrefetchThread):
             if self._thread is None:
                 self._trim_locked(self.config.buffer_max_pages)
                 return
-            excess = (len(self._empty) > self._keep and not self._linger) or self._over_limit()
+            excess = (len(self._empty) > self._buffer.keep and not self._buffer.linger) or self._over_limit()
         if excess:
             self._wake.set()
 
@@ -296,7 +292,7 @@ class ElasticKVPool(PrefetchThread):
         until the next burst), so colocated engines can use the rest. Returns pages unmapped."""
         with self._lock:
             self._check_open()
-            self._refill_target = self.config.buffer_min_pages
+            self._buffer.idle()
             return self._trim_locked(self.config.buffer_min_pages)
 
     def stats(self) -> PoolStats:
@@ -309,7 +305,7 @@ class ElasticKVPool(PrefetchThread):
                 unmaps=self._unmaps,
                 mapped_pages=self.vrange.num_mapped_pages,
                 empty_pages=len(self._empty),
-                refill_target=self._refill_target,
+                refill_target=self._buffer.refill,
                 used_blocks=self._num_used,
             )
 
@@ -341,6 +337,99 @@ class ElasticKVPool(PrefetchThread):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ---- the background thread ------------------------------------------------------------------
+
+    def _prefetch_loop(self) -> None:
+        """Each poll interval, or when an allocate left the buffer short or a free left surplus:
+        re-read the limit from the ledger, unmap the pages the buffer target does not keep, and map
+        pages into a short buffer, ``map_batch_pages`` at a time. Pages are chosen under the lock
+        and the driver calls run without it."""
+        cfg = self.config
+        while True:
+            self._wake.wait(cfg.poll_interval_s)
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                snap = self.account.ledger.snapshot()  # one ledger operation for every figure
+                entry = next(e for e in snap.entries if e.slot == self.account.slot)
+                short = (
+                    snap.free_bytes < cfg.buffer_max_pages * self.page_size
+                    or time.time() - snap.refused_at < RECLAIM_WINDOW_S
+                )
+                with self._lock:
+                    self._limit = entry.limit_bytes  # `prism memory --set-limit` from anywhere
+                    now = time.monotonic()
+                    self._buffer.update(short, now)
+                    over = None
+                    if self._over_limit():
+                        over = -(-(self.vrange.mapped_bytes - self._limit) // self.page_size)  # type: ignore[operator]
+                    surplus = self._buffer.surplus(self._empty, over, now)
+                for p in surplus:
+                    self._unmap_in_background(p)
+                while self._map_in_background():
+                    pass
+            except Exception:  # the engine must keep running; it maps synchronously meanwhile
+                logger.exception("KV prefetch thread failed a round")
+
+    def _unmap_in_background(self, p: int) -> None:
+        """Unmap empty page ``p`` with the lock released (unless it was taken meanwhile)."""
+        with self._lock:
+            if self._closed or p not in self._empty or p in self._in_flight:
+                return
+            self._forget_page(p)
+            self._in_flight.add(p)
+        try:
+            self.vrange.unmap_page(p)
+            self.account.release(self.page_size)
+        finally:
+            with self._lock:
+                self._in_flight.discard(p)
+                heapq.heappush(self._unmapped, p)
+                self._unmaps += 1
+                self._changed.notify_all()
+
+    def _map_in_background(self) -> bool:
+        """Map up to ``map_batch_pages`` pages into a short buffer in one call; False if nothing
+        was to do or the limit or the ledger refused. The engine thread allocates meanwhile and
+        never waits for a page it does not need."""
+        with self._lock:
+            if self._closed:
+                return False
+            want = min(self._buffer.refill - len(self._empty), self.config.map_batch_pages)
+            if self._limit is not None:
+                want = min(want, (self._limit - self.vrange.mapped_bytes) // self.page_size)
+            pages: list[int] = []
+            while len(pages) < want:
+                p = self._lowest_unmapped()
+                if p is None:
+                    break
+                pages.append(p)
+            self._in_flight.update(pages)
+        if not pages:
+            return False
+        dropped: list[int] = []
+        mapped = False
+        try:
+            mapped = self._map_pages(pages)
+            if not mapped and len(pages) > 1:  # the device is nearly full: one page at a time
+                pages, dropped = pages[:1], pages[1:]
+                mapped = self._map_pages(pages)
+        finally:
+            with self._lock:
+                self._in_flight.difference_update(pages + dropped)
+                for p in pages:
+                    if mapped:
+                        self._adopt_page(p)
+                    else:
+                        heapq.heappush(self._unmapped, p)
+                for p in dropped:
+                    heapq.heappush(self._unmapped, p)
+                if mapped:
+                    self._prefetch_maps += len(pages)
+                self._changed.notify_all()
+        return mapped
 
     # ---- block and page bookkeeping (lock held) -------------------------------------------------
 
