@@ -12,7 +12,8 @@ server has no API keys at all (a local, unauthenticated deployment), and refused
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
@@ -20,9 +21,8 @@ from pydantic import BaseModel, ConfigDict
 from prism_serve.api.errors import AuthenticationError, PermissionDeniedError, bearer_token
 from prism_serve.api.protocol import Text
 from prism_serve.api.schema import ADMIN
-
-if TYPE_CHECKING:
-    from prism_serve.api.server import PrismServer
+from prism_serve.config import ServerConfig
+from prism_serve.runtime.controller import Controller
 
 __all__ = ["add_admin_routes"]
 
@@ -38,25 +38,27 @@ class UnloadBody(BaseModel):
     force: bool = False
 
 
-def add_admin_routes(app: FastAPI, server: PrismServer) -> None:
-    c = server.controller
+def add_admin_routes(
+    app: FastAPI, c: Controller, settings: ServerConfig, cards: Callable[[], list[dict[str, Any]]]
+) -> None:
+    """The routes above on ``app``, over controller ``c``; ``cards``: the model cards of /v1/models."""
 
     def authorize(http: Request) -> None:
-        admin_key = server.config.server.admin_key
+        admin_key = settings.admin_key
         token = bearer_token(http)
         if admin_key is None:
-            if server.config.server.api_keys:
+            if settings.api_keys:
                 raise PermissionDeniedError("admin routes are disabled: set server.admin_key in the config")
             return
         if token is None:
             raise AuthenticationError("admin routes need 'Authorization: Bearer <admin key>'")
         if token != admin_key:
-            raise (PermissionDeniedError if token in server.config.server.api_keys else AuthenticationError)(
+            raise (PermissionDeniedError if token in settings.api_keys else AuthenticationError)(
                 "this key may not use the admin routes"
             )
 
     def card(name: str, **extra: object) -> dict:
-        out = next(m for m in server.model_cards() if m["id"] == name)
+        out = next(m for m in cards() if m["id"] == name)
         out.update(extra)
         return out
 
@@ -79,7 +81,7 @@ def add_admin_routes(app: FastAPI, server: PrismServer) -> None:
     async def unload(name: str, http: Request, body: UnloadBody | None = None) -> dict:
         authorize(http)
         force = body.force if body else False
-        evicted = await c.unload(name, force=force, drain_s=server.config.server.request_timeout_s)
+        evicted = await c.unload(name, force=force, drain_s=settings.request_timeout_s)
         return card(name, evicted=evicted)
 
     @app.post("/v1/admin/models/{name:path}/pin", responses=ADMIN)

@@ -18,43 +18,46 @@ Every number is read when the JSON is asked for, through the helpers /metrics us
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 
 from prism_serve import __version__
 from prism_serve.api.dashboard_page import PAGE
-from prism_serve.api.metrics import MemoryUse, RecentSummary, device_memory, kv_usage
+from prism_serve.api.metrics import MemoryUse, RecentSummary, ServerMetrics, device_memory, kv_usage
 from prism_serve.api.schema import DASHBOARD, DASHBOARD_STATE
-
-if TYPE_CHECKING:
-    from prism_serve.api.server import PrismServer
+from prism_serve.runtime.controller import Controller
 
 __all__ = ["add_dashboard_routes", "dashboard_state"]
 
 _KIND_ORDER = {"weights": 0, "kv": 1, "spare": 2, "other": 3}  # a model's weights, then its KV, in the bars
 
 
-def add_dashboard_routes(app: FastAPI, server: PrismServer) -> None:
+def add_dashboard_routes(
+    app: FastAPI, state: Callable[[], dict[str, Any]], authorize: Callable[[Request], None]
+) -> None:
+    """The page and its JSON on ``app``: ``state`` answers the JSON (``dashboard_state``) for a
+    request ``authorize`` lets through."""
+
     @app.get("/dashboard", response_class=HTMLResponse, responses=DASHBOARD)
     async def dashboard() -> HTMLResponse:
         # no-store: a new server version's page replaces an old one at once
         return HTMLResponse(PAGE, headers={"Cache-Control": "no-store"})
 
     @app.get("/dashboard/state", responses=DASHBOARD_STATE)
-    async def state(http: Request) -> dict:
-        server.authorize(http)
-        return dashboard_state(server)
+    async def dashboard_json(http: Request) -> dict:
+        authorize(http)
+        return state()
 
 
-def dashboard_state(server: PrismServer) -> dict[str, Any]:
+def dashboard_state(controller: Controller, metrics: ServerMetrics) -> dict[str, Any]:
     """Devices with their memory split by model, and models with their state, load and recent SLO
     numbers: one read of the controller and of each device's ledger."""
-    metrics = server.metrics
     attainment = metrics.attainment()
     models = []
-    for s in server.controller.status():
+    for s in controller.status():
         models.append({
             "id": s.model, "state": s.state, "pinned": s.pinned, "device": s.device,
             "weight_bytes": s.weight_bytes, "used_kv_bytes": s.used_kv_bytes, "max_kv_bytes": s.max_kv_bytes,
@@ -80,7 +83,7 @@ def dashboard_state(server: PrismServer) -> dict[str, Any]:
                 for u in sorted(d.uses, key=_use_order)
             ],
         }
-        for d in device_memory(server.controller)
+        for d in device_memory(controller)
     ]
     return {
         "object": "dashboard.state",

@@ -28,6 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prism_serve import __version__
 from prism_serve.api import schema as api_schema
+from prism_serve.api.admin import add_admin_routes
+from prism_serve.api.cards import model_cards
 from prism_serve.api.choices import (
     Choice,
     ChoiceOutput,
@@ -37,6 +39,7 @@ from prism_serve.api.choices import (
     sse_event,
     unless_disconnected,
 )
+from prism_serve.api.dashboard import add_dashboard_routes, dashboard_state
 from prism_serve.api.errors import (
     AuthenticationError,
     OverloadedError,
@@ -178,11 +181,8 @@ class PrismServer:
         async def metrics() -> Response:
             return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
-        from prism_serve.api.admin import add_admin_routes
-        from prism_serve.api.dashboard import add_dashboard_routes
-
-        add_admin_routes(app, self)
-        add_dashboard_routes(app, self)
+        add_admin_routes(app, self.controller, self.config.server, self.model_cards)
+        add_dashboard_routes(app, lambda: dashboard_state(s.controller, s.metrics), self.authorize)
         return app
 
     def authorize(self, http: Request) -> None:
@@ -196,32 +196,7 @@ class PrismServer:
             raise AuthenticationError("invalid API key")
 
     def model_cards(self) -> list[dict[str, Any]]:
-        created = int(time.time())
-        cards = []
-        for st in self.controller.status():
-            last = st.last_activation
-            cards.append({
-                "id": st.model, "object": "model", "created": created, "owned_by": "prism-serve",
-                "root": self._roots.get(st.model, st.model), "parent": None,
-                "state": st.state, "device": st.device, "pinned": st.pinned,
-                "source": self._roots.get(st.model, st.model), "synthetic": st.synthetic, "dtype": st.dtype,
-                "max_model_len": st.max_model_len,
-                "ttft_slo": st.ttft_slo, "tpot_slo": st.tpot_slo,
-                "weight_bytes": st.weight_bytes, "used_kv_bytes": st.used_kv_bytes,
-                "num_running": st.num_running, "num_queued": st.num_queued,
-                "num_activations": st.num_activations, "num_evictions": st.num_evictions,
-                # the last activation's engine: compiled graph (vLLM, vllm_compile), and how its
-                # weights came in (messages.ActivationPhases.load_path); null before any
-                "engine_compiled": last.compiled if last else None,
-                "weights_loaded_by": last.load_path if last else None,
-                "replicas": [
-                    {"replica": r.replica, "state": r.state, "device": r.device,
-                     "num_running": r.num_running, "num_queued": r.num_queued,
-                     "num_served": r.num_served}
-                    for r in st.replicas
-                ],
-            })  # fmt: skip
-        return cards
+        return model_cards(self.controller.status(), self._roots)
 
     # ---- completions --------------------------------------------------------------------------
 

@@ -1,0 +1,42 @@
+"""The model cards of ``GET /v1/models`` (and of the admin routes' answers): one per served model,
+OpenAI's fields plus prism's state, placement, SLOs, memory and replicas."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prism_serve.runtime.state import ModelStatus
+
+__all__ = ["model_cards"]
+
+
+def model_cards(statuses: Iterable[ModelStatus], roots: Mapping[str, str]) -> list[dict[str, Any]]:
+    """A card per status; ``roots``: each model's public weights name (never a path on the server)."""
+    created = int(time.time())
+    cards = []
+    for st in statuses:
+        last = st.last_activation
+        cards.append({
+            "id": st.model, "object": "model", "created": created, "owned_by": "prism-serve",
+            "root": roots.get(st.model, st.model), "parent": None,
+            "state": st.state, "device": st.device, "pinned": st.pinned,
+            "source": roots.get(st.model, st.model), "synthetic": st.synthetic, "dtype": st.dtype,
+            "max_model_len": st.max_model_len,
+            "ttft_slo": st.ttft_slo, "tpot_slo": st.tpot_slo,
+            "weight_bytes": st.weight_bytes, "used_kv_bytes": st.used_kv_bytes,
+            "num_running": st.num_running, "num_queued": st.num_queued,
+            "num_activations": st.num_activations, "num_evictions": st.num_evictions,
+            # the last activation's engine: compiled graph (vLLM, vllm_compile), and how its
+            # weights came in (messages.ActivationPhases.load_path); null before any
+            "engine_compiled": last.compiled if last else None,
+            "weights_loaded_by": last.load_path if last else None,
+            "replicas": [
+                {"replica": r.replica, "state": r.state, "device": r.device,
+                 "num_running": r.num_running, "num_queued": r.num_queued,
+                 "num_served": r.num_served}
+                for r in st.replicas
+            ],
+        })  # fmt: skip
+    return cards
