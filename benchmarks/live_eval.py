@@ -18,7 +18,7 @@ budgets, models, SLOs and policy on the fitted ``cpu-smollm2`` profile; each rat
 seconds after the previous one, where live waits until the server is idle) in seconds, to see
 what a live sweep will show and why (it prints each model's attainment per rate).
 
-Output: ``--out`` (default docs/evaluation/live; with ``--sim`` results/live-eval-sim, which git
+Output: ``--out`` (default docs/figures/live; with ``--sim`` results/live-eval-sim, which git
 ignores) gets live.json, live.png and, with ``--requests``,
 each rate's request records (requests-POLICY-xRATE.json: every request's TTFT, TPOT, error); the
 last lines printed are the highest tested rate at which each policy kept >= 99% TTFT attainment and
@@ -337,7 +337,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--out", type=Path,
-        help="default: docs/evaluation/live (the recorded live figures), or results/live-eval-sim with --sim "
+        help="default: docs/figures/live (the recorded live figures), or results/live-eval-sim with --sim "
         "(not tracked: a simulated sweep is regenerated in seconds)",
     )  # fmt: skip
     ap.add_argument(
@@ -375,7 +375,7 @@ def main() -> None:
     workload = build_workload(spec)
     if args.out is None:
         root = Path(__file__).resolve().parents[1]
-        args.out = root / ("results/live-eval-sim" if args.sim else "docs/evaluation/live")
+        args.out = root / ("results/live-eval-sim" if args.sim else "docs/figures/live")
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="prism-live-"))
     print(f"configs and server logs in {tmp}")
