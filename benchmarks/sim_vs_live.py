@@ -14,7 +14,7 @@ arrivals and lengths from the real traces, ``prism workload``'s builder, seeded)
 ``--out`` (deployment.yaml, workload.jsonl), so ``--config`` / ``--workload`` replay the same run.
 Every preset: 2 CPU devices of one core each ("cpu:0" on the first core of this process's affinity,
 "cpu:1" on the last), the real SmolLM2-135M-Instruct in **fp32** under several names (the profile is
-fitted for that model, dtype and one thread per device; docs/evaluation.md, "The CPU profile").
+fitted for that model, dtype and one thread per device; docs/results.md, "The CPU profiles").
 
 How the simulated run mirrors the live one (``sim_deployment`` in sim_mirror.py; the live run is
 live_run.py's ``run_live``; the differences the mirror cannot remove are listed in
@@ -91,7 +91,7 @@ TARGETS = {"ttft_p50_s": 0.15, "ttft_p95_s": 0.15, "tpot_p50_s": 0.10, "ttft_att
 OTHER_LOAD_WARN = 0.2  # cores other processes may use during a live run before the output warns
 # The sensitivity check simulates again with every step this much slower and faster: twice the
 # fitted profile's mean error on held-out live steps (4%), about what VMs of one type differed by on
-# different days (7-15%, docs/evaluation.md).
+# different days (7-15%, docs/results.md).
 SPEED_SPREAD = 0.08
 BISTABLE = 0.25  # a model whose activations change by more than this fraction between the speeds
 KNOWN_DIFFERENCES = (
