@@ -119,30 +119,28 @@ def sim_deployment(
         if (shape, dtype) != ("smollm2-135m", "float32"):
             warnings.append(
                 f"{m.name}: {shape} in {dtype} is not what {hardware} is fitted for (SmolLM2-135M fp32); "
-                "docs/evaluation.md gives its errors"
+                "docs/results.md (The CPU profiles) gives its errors"
             )
         if m.kv_limit is not None or m.pinned or m.keep_alive is not None:
             warnings.append(f"{m.name}: kv_limit, pinned and keep_alive are not simulated")
         models.append(ServedModel(m.name, model_shape(shape, dtype_bytes)))
         slos[m.name] = ModelSLO(m.ttft_slo, m.tpot_slo)
-    engine = {}
+    engine = cfg.models[0].engine_config()  # the live engine's knobs: the simulator reads the same
     for knob in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-        values = {getattr(m, knob) for m in cfg.models}
+        values = {getattr(m.engine_config(), knob) for m in cfg.models}
         if len(values) != 1:
             raise MirrorError(f"models differ in {knob} ({sorted(values)}); the simulator has one value")
-        engine[knob] = values.pop()
     config = SimConfig(
         num_devices=len(devices),
         hardware=hardware,
         policy=cfg.policy.name,
         knobs=tuple(sorted((k, _hashable(v)) for k, v in cfg.policy.knobs.items())),
         tick_s=cfg.policy.tick_interval_s,
-        page_size=DEFAULT_PAGE_SIZE,  # the live ledger's page (runtime/controller.py default)
-        rate_window_s=60.0,  # the live controller's default
-        warmup_s=warmup_s,
+        page_size=DEFAULT_PAGE_SIZE,  # the live ledger's page
+        warmup_s=warmup_s,  # rate_window_s: the control loop's default, as in the live controller
         step_scale=step_scale,
         profiles=profiles,
-        **engine,
+        engine=engine,
         **({} if compute_sharing is None else {"compute_sharing": compute_sharing}),
     )
     return SimDeployment(

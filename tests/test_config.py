@@ -33,14 +33,14 @@ def test_good_config_maps_onto_runtime_types():
     assert devices[0] == DeviceSpec("cpu:0", 2**30, (0,), 1)
     assert devices[1].memory_bytes == 512 * 2**20 and devices[1].cores == () and devices[1].num_workers == 2
     chat, synth = model_specs(c)
-    assert (chat.name, chat.ttft_slo, chat.tpot_slo, chat.pinned, chat.max_model_len) == (
+    assert (chat.name, chat.ttft_slo, chat.tpot_slo, chat.pinned, chat.engine.max_model_len) == (
         "chat",
         2.5,
         0.3,
         True,
         1024,
     )
-    assert (synth.source, synth.dtype, synth.kv_limit_bytes, synth.seed) == (
+    assert (synth.source, synth.engine.dtype, synth.kv_limit_bytes, synth.engine.seed) == (
         "random:smollm2-360m", "bfloat16", 64 * 2**20, 3,
     )  # fmt: skip
     assert c.policy.knobs == {"idle_threshold_s": 30}
@@ -53,11 +53,11 @@ def test_auto_dtype_is_bf16_on_a_deployment_of_gpus_and_explicit_dtypes_stay():
         '"cpu:1"', '"cuda:1"'
     )
     chat, synth = model_specs(parse_config(gpus))
-    assert (chat.dtype, synth.dtype) == ("bfloat16", "bfloat16")
+    assert (chat.engine.dtype, synth.engine.dtype) == ("bfloat16", "bfloat16")
     fp32 = gpus.replace("dtype: bfloat16", "dtype: float32")
-    assert model_specs(parse_config(fp32))[1].dtype == "float32"
+    assert model_specs(parse_config(fp32))[1].engine.dtype == "float32"
     mixed = GOOD.replace('"cpu:1"', '"cuda:0"')  # a CPU among the devices: the CPU's rule
-    assert model_specs(parse_config(mixed))[0].dtype == resolve_dtype("auto")
+    assert model_specs(parse_config(mixed))[0].engine.dtype == resolve_dtype("auto")
 
 @pytest.mark.parametrize(
     ("text", "expected"),
@@ -155,7 +155,7 @@ models:
   - {{name: q, engine: vllm, source: "{model_dir}"}}
 """
     c = parse_config(text)
-    assert model_specs(c)[0].engine == "vllm"
+    assert model_specs(c)[0].engine_kind == "vllm"
     with pytest.raises(ConfigError, match=r"models\.0.*not one"):
         parse_config(text.replace(str(model_dir), str(tmp_path / "missing")))
     with pytest.raises(ConfigError, match=r"models\.0\.engine"):

@@ -29,7 +29,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from prism_serve.engine.config import DEFAULT_MODEL, ENGINE_DEFAULTS
+from prism_serve.control.types import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
+from prism_serve.engine.config import DEFAULT_MODEL, ENGINE_DEFAULTS, EngineConfig
+from prism_serve.engine.machine import resolve_dtype
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.vmm import parse_size
 
@@ -62,11 +64,14 @@ def _size(value: Any) -> Any:
     return parse_size(value) if isinstance(value, str) else value
 
 
+WORKERS = 2  # pre-started engine processes per device (runtime/workers.py), unless a device says
+
+
 class DeviceConfig(_Strict):
     name: str = Field(pattern=r"^(cpu|cuda):\d+$", description="cpu:N or cuda:N")
     memory: Size = Field(description="budget shared by every model on the device, e.g. 3GiB")
     cores: str | list[int] | None = Field(None, description="CPU devices: cores, e.g. '0-3' (default: all)")
-    workers: int = Field(2, ge=1, description="pre-started engine processes")
+    workers: int = Field(WORKERS, ge=1, description="pre-started engine processes")
 
     _memory = field_validator("memory", mode="before")(_size)
 
@@ -76,7 +81,7 @@ class DeviceGroup(_Strict):
 
     count: int = Field(ge=1)
     memory: Size
-    workers: int = Field(2, ge=1)
+    workers: int = Field(WORKERS, ge=1, description="pre-started engine processes per device")
 
     _memory = field_validator("memory", mode="before")(_size)
 
@@ -96,8 +101,8 @@ class ModelConfig(_Strict):
         ENGINE_DEFAULTS.dtype, description="auto: bfloat16 on CPUs with native bf16 matmuls, else float32"
     )
     tp: int = Field(1, ge=1, description="tensor parallel degree (the live runtime serves tp=1)")
-    ttft_slo: float = Field(1.0, gt=0, description="seconds")
-    tpot_slo: float = Field(0.2, gt=0, description="seconds")
+    ttft_slo: float = Field(DEFAULT_TTFT_SLO_S, gt=0, description="seconds")
+    tpot_slo: float = Field(DEFAULT_TPOT_SLO_S, gt=0, description="seconds")
     pinned: bool = Field(False, description="activated at start-up and never evicted by the policy")
     keep_alive: float | None = Field(
         None,
@@ -147,6 +152,19 @@ class ModelConfig(_Strict):
                 "the live runtime serves tp=1 only; tensor parallel models are simulated (prism sim)"
             )
         return tp
+
+    def engine_config(self, device_kind: str = "cpu") -> EngineConfig:
+        """The knobs this model's engine runs with (``dtype: auto`` resolved for ``device_kind``:
+        bf16 on GPUs, the CPU's fast type on CPU devices)."""
+        return EngineConfig(
+            model=self.name,
+            dtype=resolve_dtype(self.dtype, device_kind),
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+        )
 
 
 class PolicyConfig(_Strict):

@@ -45,7 +45,8 @@ def test_sim_deployment_mirrors_the_config(svl):
     assert dep.device_names == ("cpu:0", "cpu:1")
     assert dict(c.knobs) == {"idle_threshold_s": 10.0}
     assert (c.tick_s, c.warmup_s, c.page_size) == (0.25, 1.5, 2 * 2**20)
-    assert (c.max_num_seqs, c.max_num_batched_tokens, c.block_size) == (16, 256, 32)
+    e = c.engine  # the live models' EngineConfig, as the config built it
+    assert (e.max_num_seqs, e.max_num_batched_tokens, e.block_size) == (16, 256, 32)
     assert [m.name for m in dep.models] == ["a", "b"]
     # the real SmolLM2-135M-Instruct in fp32: the fitted shape at 4 bytes per weight
     assert {(m.spec.name, m.spec.dtype_bytes) for m in dep.models} == {("smollm2-135m", 4)}

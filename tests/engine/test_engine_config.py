@@ -1,18 +1,22 @@
-"""EngineConfig is the one home of the engine knobs' defaults: every layer that mirrors a knob
-(deployment config, runtime ModelSpec, simulator) reads it from there."""
+"""EngineConfig is the one type of the engine knobs and the one home of their defaults: the
+deployment config's model entries take their defaults from it and build it, the runtime's ModelSpec
+holds it (and mirrors none of its fields), a worker receives it, and the simulator reads it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import msgspec
 import pytest
 import torch
 
-from prism_serve.config import ModelConfig
+from prism_serve.config import ModelConfig, parse_config
 from prism_serve.engine.config import DTYPE_NAMES, ENGINE_DEFAULTS, GPU_ENGINE_DEFAULTS, EngineConfig
 from prism_serve.engine.llm_engine import DTYPES, LLMEngine
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.errors import InvalidRequestError
 from prism_serve.runtime import messages as msg
+from prism_serve.runtime.build import model_specs
 from prism_serve.runtime.models import ModelSpec
 from prism_serve.sim.config import SimConfig
 
@@ -21,18 +25,28 @@ KNOBS = ("dtype", "seed", "block_size", "max_num_seqs", "max_num_batched_tokens"
 
 def test_every_layer_takes_its_engine_defaults_from_engine_config():
     yaml_entry = ModelConfig(name="m")
-    spec = ModelSpec("m")
     for knob in KNOBS:
-        # the spec resolves dtype auto to what this machine runs (engine/machine.py)
-        want = getattr(ENGINE_DEFAULTS, knob)
-        assert getattr(yaml_entry, knob) == want, knob
-        assert getattr(spec, knob) == (resolve_dtype(want) if knob == "dtype" else want), knob
-    assert yaml_entry.source == spec.source == ENGINE_DEFAULTS.model
-    sim = SimConfig(num_devices=1)  # simulated GPUs: a GPU engine's batch
-    for knob in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-        assert getattr(sim, knob) == getattr(GPU_ENGINE_DEFAULTS, knob), knob
-    # what the runtime sends a worker is the same struct, filled from the spec
-    assert spec.engine_config() == EngineConfig(model="m", dtype=resolve_dtype("auto"))
+        assert getattr(yaml_entry, knob) == getattr(ENGINE_DEFAULTS, knob), knob
+    assert yaml_entry.source == ModelSpec("m").source == ENGINE_DEFAULTS.model
+    # the config builds the struct; the spec holds it, dtype auto resolved for this machine
+    built = EngineConfig(model="m", dtype=resolve_dtype("auto"))
+    assert yaml_entry.engine_config() == ModelSpec("m").engine == built
+    assert not {f.name for f in dataclasses.fields(ModelSpec)} & set(KNOBS)  # no mirrored knob
+    assert SimConfig(num_devices=1).engine == GPU_ENGINE_DEFAULTS  # simulated GPUs: a GPU engine's batch
+
+
+def test_a_configured_model_reaches_the_runtime_as_one_engine_config():
+    text = """
+devices: [{name: "cpu:0", memory: 1GiB}]
+models:
+  - {name: m, dtype: float32, max_model_len: 512, max_num_seqs: 4, block_size: 32, seed: 7,
+     max_num_batched_tokens: 256}
+"""
+    (spec,) = model_specs(parse_config(text))
+    assert spec.engine == EngineConfig(
+        model="m", dtype="float32", max_model_len=512, max_num_seqs=4, block_size=32, seed=7,
+        max_num_batched_tokens=256,
+    )  # fmt: skip
 
 
 def test_every_dtype_name_has_a_torch_dtype():
@@ -55,7 +69,7 @@ def test_bad_knobs_are_named(kwargs, match):
 
 
 def test_engine_config_travels_to_a_worker_as_itself():
-    config = ModelSpec("m", max_num_seqs=8, max_model_len=None).engine_config()
+    config = ModelSpec("m", engine=EngineConfig(max_num_seqs=8, max_model_len=None)).engine
     m = msg.ActivateModel("m", "/dev/shm/x", [], 0, {}, "/t", "src", False, config, 0.0)
     decoded = msg.to_worker_decoder().decode(msg.encode(m))
     assert decoded.engine == config and decoded.engine.max_model_len is None

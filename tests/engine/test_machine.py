@@ -38,8 +38,8 @@ def test_explicit_dtypes_and_aliases_are_kept_and_unknown_ones_named():
 def test_auto_is_the_default_everywhere_and_resolves_on_this_machine():
     here = "bfloat16" if cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
     assert EngineConfig().dtype == "auto"
-    assert ModelSpec("m").dtype == here  # resolved once: status and the weight cache show it
-    assert ModelSpec("m", dtype="bf16").dtype == "bfloat16"
+    assert ModelSpec("m").engine.dtype == here  # resolved once: status and the weight cache show it
+    assert ModelSpec("m", engine=EngineConfig(dtype="bf16")).engine.dtype == "bfloat16"
     assert all(m.dtype == "auto" for m in default_config().models)  # the built-in config follows it
     with pytest.raises(InvalidRequestError):
-        ModelSpec("m", dtype="int4")
+        ModelSpec("m", engine=EngineConfig(dtype="int4"))

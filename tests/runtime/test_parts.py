@@ -85,24 +85,24 @@ def test_cores_and_cpu_devices() -> None:
     assert parse_cores([1, 0]) == (1, 0)
     with pytest.raises(DeviceConfigError):
         parse_cores("a-b")
-    devices = cpu_devices(2, "1GiB")
+    devices = cpu_devices(2, "1GiB", 2)
     assert [d.name for d in devices] == ["cpu:0", "cpu:1"]
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:
         assert not set(devices[0].cores) & set(devices[1].cores)  # each device owns its cores
     with pytest.raises(DeviceConfigError, match="cpu:0 or cuda:0"):
-        DeviceSpec("gpu0", 1)
+        DeviceSpec("gpu0", 1, (), 1)
     with pytest.raises(DeviceConfigError, match="not available"):
-        DeviceSpec("cpu:0", 1, (10_000,))
+        DeviceSpec("cpu:0", 1, (10_000,), 1)
     with pytest.raises(DeviceConfigError, match="positive"):
-        DeviceSpec("cpu:0", 0)
+        DeviceSpec("cpu:0", 0, (), 1)
     # a device of another node (runtime/cluster.py): its cores are that machine's, checked there
-    remote = DeviceSpec("n1/cuda:3", 1)
+    remote = DeviceSpec("n1/cuda:3", 1, (), 1)
     assert (remote.node, remote.local_name, remote.is_cuda) == ("n1", "cuda:3", True)
-    assert DeviceSpec("n1/cpu:0", 1, (10_000,)).cores == (10_000,)
-    assert (DeviceSpec("cpu:0", 1).node, DeviceSpec("cpu:0", 1).local_name) == ("", "cpu:0")
+    assert DeviceSpec("n1/cpu:0", 1, (10_000,), 1).cores == (10_000,)
+    assert (DeviceSpec("cpu:0", 1, (), 1).node, DeviceSpec("cpu:0", 1, (), 1).local_name) == ("", "cpu:0")
     with pytest.raises(DeviceConfigError, match="cpu:0 or cuda:0"):
-        DeviceSpec("n 1/cpu:0", 1)
+        DeviceSpec("n 1/cpu:0", 1, (), 1)
 
 
 @settings(max_examples=60, deadline=None)
@@ -139,10 +139,10 @@ def cache(tmp_path: Path):
 
 def test_cache_loads_once_shares_files_and_rebuilds_the_same_model(cache: HostWeightCache) -> None:
     # float32, as the reference below (dtype auto is bf16 on a CPU with native bf16)
-    spec = ModelSpec("a", source="random:smollm2-135m", seed=3, dtype="float32")
+    spec = ModelSpec("a", source="random:smollm2-135m", engine=EngineConfig(seed=3, dtype="float32"))
     a = cache.load(spec)
-    b = cache.load(ModelSpec("b", source="random:smollm2-135m", seed=3, dtype="float32"))
-    c = cache.load(ModelSpec("c", source="random:smollm2-135m", seed=4, dtype="float32"))
+    b = cache.load(ModelSpec("b", source="random:smollm2-135m", engine=EngineConfig(seed=3, dtype="float32")))
+    c = cache.load(ModelSpec("c", source="random:smollm2-135m", engine=EngineConfig(seed=4, dtype="float32")))
     assert a.path == b.path != c.path and a.synthetic
     assert Path(a.path).stat().st_size == a.weight_bytes and a.weight_bytes % 4096 == 0
     assert all(e.offset % 4096 == 0 for e in a.tensors)
@@ -171,9 +171,11 @@ def test_cache_loads_once_shares_files_and_rebuilds_the_same_model(cache: HostWe
 
 
 def test_prepare_lists_every_file_once_and_caps_the_tokenizers(cache: HostWeightCache) -> None:
-    a = cache.load(ModelSpec("a", source="random:smollm2-135m", seed=1, dtype="float32"))
-    cache.load(ModelSpec("a2", source="random:smollm2-135m", seed=1, dtype="float32"))  # a's file
-    b = cache.load(ModelSpec("b", source="random:smollm2-135m", seed=2, dtype="float32"))
+    a = cache.load(ModelSpec("a", source="random:smollm2-135m", engine=EngineConfig(seed=1, dtype="float32")))
+    cache.load(
+        ModelSpec("a2", source="random:smollm2-135m", engine=EngineConfig(seed=1, dtype="float32"))
+    )  # a's file
+    b = cache.load(ModelSpec("b", source="random:smollm2-135m", engine=EngineConfig(seed=2, dtype="float32")))
     m = cache.prepare_message()
     assert m.files == [msg.CacheFile(a.path, a.weight_bytes), msg.CacheFile(b.path, b.weight_bytes)]
     assert m.tokenizers == [a.tokenizer_path]
@@ -187,8 +189,8 @@ def test_prepare_for_one_engine_lists_only_its_models_files(cache: HostWeightCac
 
     hf = tmp_path / "hf"
     save_hf_dir(load_weights("random:smollm2-135m", dtype=torch.bfloat16, seed=3), hf)
-    a = cache.load(ModelSpec("a", source="random:smollm2-135m", seed=1, dtype="float32"))
-    v = cache.load(ModelSpec("v", source=str(hf), dtype="bfloat16", engine="vllm"))
+    a = cache.load(ModelSpec("a", source="random:smollm2-135m", engine=EngineConfig(seed=1, dtype="float32")))
+    v = cache.load(ModelSpec("v", source=str(hf), engine_kind="vllm", engine=EngineConfig(dtype="bfloat16")))
     assert v.path != a.path
     builtin, vllm = cache.prepare_message(engine="builtin"), cache.prepare_message(engine="vllm")
     assert builtin.files == [msg.CacheFile(a.path, a.weight_bytes)]
@@ -210,7 +212,7 @@ def test_a_cache_file_is_prefaulted_piece_by_piece_and_reads_the_same(cache: Hos
     (Prepare); the bytes it reads are the file's either way."""
     from prism_serve.runtime.weight_cache import PREFAULT_CHUNK_BYTES
 
-    a = cache.load(ModelSpec("a", source="random:smollm2-135m", seed=1, dtype="float32"))
+    a = cache.load(ModelSpec("a", source="random:smollm2-135m", engine=EngineConfig(seed=1, dtype="float32")))
     whole = SharedWeights(a.path, a.weight_bytes)
     lazy = SharedWeights(a.path, a.weight_bytes, populate=False)
     try:

@@ -148,7 +148,7 @@ def test_the_bound_is_at_most_what_a_simulated_policy_needs(policy):
     ms = [served(f"m{i}", "qwen2.5-14b") for i in range(4)]
     w = poisson([m.name for m in ms], rate=0.5, duration=40, prompt=(64, 1024), output=(8, 128), seed=2)
     exp = Experiment(ms, w, loose(ms), SimConfig(num_devices=1), slo_scale=1.0)
-    b = _bound(ms, w, max_num_seqs=exp.config.max_num_seqs, slos=loose(ms))
+    b = _bound(ms, w, max_num_seqs=exp.config.engine.max_num_seqs, slos=loose(ms))
     assert b.devices == b.memory_devices == 2
     n, _ = find_gpus(exp, policy, 0.99, 4)
     assert n is not None and b.devices <= n
@@ -162,8 +162,8 @@ def test_the_slo_compute_bound_is_at_most_what_a_simulated_policy_needs(policy):
     w = poisson([m.name for m in ms], rate=2, duration=40, prompt=(16, 256), output=(200, 400), seed=3)
     slos = {m.name: ModelSLO(0.5, 0.004) for m in ms}
     exp = Experiment(ms, w, slos, SimConfig(num_devices=1), slo_scale=1.0)
-    b = _bound(ms, w, max_num_seqs=exp.config.max_num_seqs, slos=slos, compute_window_s=20.0)
-    batched = _bound(ms, w, max_num_seqs=exp.config.max_num_seqs, compute_window_s=20.0)
+    b = _bound(ms, w, max_num_seqs=exp.config.engine.max_num_seqs, slos=slos, compute_window_s=20.0)
+    batched = _bound(ms, w, max_num_seqs=exp.config.engine.max_num_seqs, compute_window_s=20.0)
     assert b.memory_devices == batched.devices == 1 and b.devices == b.compute_devices >= 2
     # the bound is for serving every request within both SLOs
     for n in range(1, 2 * b.devices + 1):

@@ -79,7 +79,7 @@ from prism_serve.control.types import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINE", "Body", "ControlLoop", "LoopStateError"]
+__all__ = ["ENGINE", "RATE_WINDOW_S", "Body", "ControlLoop", "LoopStateError"]
 
 ENGINE = "\0engine"  # where a dispatched request is (no device can have this name)
 _NEW = "\0new"
@@ -119,6 +119,11 @@ class Body(Protocol):
         """Cap ``model``'s KV bytes on ``device`` (None: no cap)."""
 
 
+# Seconds of arrivals a model's request rate is measured over (RateEstimator): the live
+# controller's and the simulator's default.
+RATE_WINDOW_S = 60.0
+
+
 class ControlLoop:
     def __init__(
         self,
@@ -128,7 +133,7 @@ class ControlLoop:
         models: Iterable[str],
         start: float,
         *,
-        rate_window_s: float = 60.0,
+        rate_window_s: float = RATE_WINDOW_S,
         forecast_window_s: float = 300.0,
     ) -> None:
         self.policy = policy

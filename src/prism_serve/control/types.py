@@ -16,6 +16,8 @@ from types import MappingProxyType
 from prism_serve.errors import DuplicateRequestError, PrismError
 
 __all__ = [
+    "DEFAULT_TPOT_SLO_S",
+    "DEFAULT_TTFT_SLO_S",
     "REPLICA_SEPARATOR",
     "Action",
     "Activate",
@@ -454,6 +456,11 @@ def _engine_fits(e: EngineSnapshot, m: ModelSnapshot | None) -> bool:
 
 
 REPLICA_SEPARATOR = "#"
+
+# A model's latency targets (seconds) when its deployment names none: the deployment config's and
+# the runtime's ModelSpec's default.
+DEFAULT_TTFT_SLO_S = 1.0
+DEFAULT_TPOT_SLO_S = 0.2
 
 
 def replica_name(model: str, index: int) -> str:

@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 from prism_serve.config import ConfigError, DeploymentConfig, DeviceConfig, DeviceGroup, ModelConfig
-from prism_serve.engine.machine import resolve_dtype
 from prism_serve.runtime.controller import Controller
 from prism_serve.runtime.devices import DeviceSpec, cpu_devices, parse_cores
 from prism_serve.runtime.models import ModelSpec
@@ -39,11 +38,9 @@ def model_spec(m: ModelConfig, device_kind: str = "cpu") -> ModelSpec:
     """One configured model as the runtime serves it (``dtype: auto`` resolved for ``device_kind``:
     bf16 on GPUs, the CPU's fast type on CPU devices)."""
     return ModelSpec(
-        name=m.name, source=m.source, dtype=resolve_dtype(m.dtype, device_kind), seed=m.seed,
-        ttft_slo=m.ttft_slo, tpot_slo=m.tpot_slo, pinned=m.pinned,
-        max_model_len=m.max_model_len, max_num_seqs=m.max_num_seqs,
-        max_num_batched_tokens=m.max_num_batched_tokens, block_size=m.block_size,
-        kv_limit_bytes=m.kv_limit, keep_alive_s=m.keep_alive, engine=m.engine,
+        name=m.name, source=m.source, engine=m.engine_config(device_kind), ttft_slo=m.ttft_slo,
+        tpot_slo=m.tpot_slo, pinned=m.pinned, kv_limit_bytes=m.kv_limit, keep_alive_s=m.keep_alive,
+        engine_kind=m.engine,
     )  # fmt: skip
 
 
@@ -92,13 +89,8 @@ def build_controller(config: DeploymentConfig) -> Controller:
     return Controller(
         devices if devices is not None else device_specs(config),
         model_specs(config),
-        policy=config.policy.name,
-        knobs=dict(config.policy.knobs),
+        config.policy,
         namespace=config.server.namespace,
-        tick_interval_s=config.policy.tick_interval_s,
-        activation_timeout_s=config.policy.activation_timeout_s,
-        spare_pages=config.policy.spare_pages,
-        prepare_workers=config.policy.prepare_workers,
         nodes=nodes,
         vllm_python=vllm_python(config),
         vllm_compile=config.vllm_compile,

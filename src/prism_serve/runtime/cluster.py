@@ -350,7 +350,7 @@ class RayNodes:
 
     async def _fill(self, node: Node) -> None:
         node.paths = await node.agent.load.remote(self._specs)
-        for engine in sorted({s.engine for s in self._specs}):
+        for engine in sorted({s.engine_kind for s in self._specs}):
             node.prepares[engine] = await node.agent.prepare.remote(engine)
         node.ready = True
 

@@ -29,8 +29,8 @@ class DeviceConfigError(InvalidRequestError):
 class DeviceSpec:
     name: str  # "cpu:0" or "cuda:0"; "<node>/cpu:0" for a device of another node (runtime/cluster.py)
     memory_bytes: int  # the budget every model on the device shares (weights + KV)
-    cores: tuple[int, ...] = ()  # CPU devices: the cores its workers run on; () = all
-    num_workers: int = 2  # pre-started engine processes (the engine pool)
+    cores: tuple[int, ...]  # CPU devices: the cores its workers run on; () = all
+    num_workers: int  # pre-started engine processes (the engine pool; the config's default: 2)
 
     def __post_init__(self) -> None:
         if not _DEVICE_RE.match(self.name):
@@ -86,7 +86,7 @@ def parse_cores(value: str | Sequence[int]) -> tuple[int, ...]:
     return tuple(cores)
 
 
-def cpu_devices(num_devices: int, memory_per_device: int | str, num_workers: int = 2) -> list[DeviceSpec]:
+def cpu_devices(num_devices: int, memory_per_device: int | str, num_workers: int) -> list[DeviceSpec]:
     """``num_devices`` CPU devices splitting this process's cores evenly (a device gets at least one
     core; with more devices than cores, devices share cores round-robin)."""
     if num_devices < 1:

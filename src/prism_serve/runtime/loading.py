@@ -21,6 +21,9 @@ from prism_serve.memory.spare import SparePages, grant_waiting
 from prism_serve.memory.vmm import VirtualRange
 from prism_serve.runtime.messages import TensorEntry
 
+# Threads a worker copies weights and maps pages with (the pool starts every worker with this many).
+LOAD_THREADS = 4
+
 
 class DeviceMemoryExhaustedError(PrismError):
     """The device ledger refused the pages a model's weights need (other models hold them now)."""

@@ -157,7 +157,6 @@ class ActivateModel(Message):
     synthetic: bool
     engine: EngineConfig  # the worker fills in the KV reservation (kv_cache_bytes) itself
     sent_at: float
-    load_threads: int = 4
     chunk_bytes: int = 16 * 2**20
     kv_limit_bytes: int | None = None  # cap on this engine's KV pages in the ledger (SetKVLimit moves it)
     engine_kind: str = "builtin"  # builtin or vllm: the worker must run the same engine

@@ -1,18 +1,28 @@
-"""What the runtime serves: one ``ModelSpec`` per model (the deployment config fills these)."""
+"""What the runtime serves: one ``ModelSpec`` per model (the deployment config builds these)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prism_serve.engine.config import DEFAULT_MODEL, DTYPE_NAMES, ENGINE_DEFAULTS, EngineConfig
+import msgspec
+
+from prism_serve.control.types import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
+from prism_serve.engine.config import DEFAULT_MODEL, ENGINE_DEFAULTS, EngineConfig
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.errors import InvalidRequestError, PrismError
 
-_E = ENGINE_DEFAULTS
+ENGINE_KINDS = ("builtin", "vllm")
 
 
 class ModelTooLargeError(InvalidRequestError):
     """The model's weights (plus the minimum KV room) fit no configured device's budget."""
+
+
+class ActivationError(PrismError):
+    """A model could not be activated (it fits no device now, or its worker failed)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
 
 
 class UnknownModelError(PrismError):
@@ -24,42 +34,34 @@ class UnknownModelError(PrismError):
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
+    """One served model: its name, weights, engine knobs, SLOs and residency settings.
+
+    ``engine`` is the ``EngineConfig`` its worker's engine runs with (the worker sets the KV
+    reservation and the device itself); its ``dtype: auto`` is resolved for this machine when the
+    spec is made, and its ``model`` is the served name. ``engine_kind`` says which engine."""
+
     name: str  # what clients ask for
     source: str = DEFAULT_MODEL  # weights: default model, random:<preset>, .gguf, HF dir
-    dtype: str = _E.dtype
-    seed: int = _E.seed  # random weights
-    ttft_slo: float = 1.0  # s
-    tpot_slo: float = 0.2  # s
+    engine: EngineConfig = ENGINE_DEFAULTS
+    ttft_slo: float = DEFAULT_TTFT_SLO_S  # s
+    tpot_slo: float = DEFAULT_TPOT_SLO_S  # s
     pinned: bool = False  # never evicted by the policy
-    # engine knobs (EngineConfig's fields, with its defaults)
-    max_model_len: int | None = _E.max_model_len
-    max_num_seqs: int = _E.max_num_seqs
-    max_num_batched_tokens: int = _E.max_num_batched_tokens
-    block_size: int = _E.block_size
     kv_limit_bytes: int | None = None  # cap on its KV pages in the device ledger (PoolConfig.limit_bytes)
     keep_alive_s: float | None = None  # evicted after this long idle; negative: never; None: the policy's
-    engine: str = "builtin"  # builtin, or vllm (vLLM's engine in a vLLM worker; source: an HF directory)
+    engine_kind: str = "builtin"  # builtin, or vllm (vLLM's engine in a vLLM worker; source: an HF directory)
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:
             raise InvalidRequestError(f"bad model name {self.name!r}: empty or surrounded by spaces")
-        if self.dtype not in DTYPE_NAMES:
-            raise InvalidRequestError(f"{self.name}: dtype must be one of {sorted(DTYPE_NAMES)}")
         # auto becomes what this machine runs fast, once, so status and the weight cache show it
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+        dtype = resolve_dtype(self.engine.dtype)
+        if (dtype, self.name) != (self.engine.dtype, self.engine.model):
+            object.__setattr__(
+                self, "engine", msgspec.structs.replace(self.engine, dtype=dtype, model=self.name)
+            )
         if not (self.ttft_slo > 0 and self.tpot_slo > 0):
             raise InvalidRequestError(f"{self.name}: SLOs must be positive")
-        if self.engine not in ("builtin", "vllm"):
-            raise InvalidRequestError(f"{self.name}: engine must be builtin or vllm, got {self.engine!r}")
-
-    def engine_config(self) -> EngineConfig:
-        """What the worker's engine runs with (it sets the KV reservation, kv_cache_bytes, itself)."""
-        return EngineConfig(
-            model=self.name,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            seed=self.seed,
-        )
+        if self.engine_kind not in ENGINE_KINDS:
+            raise InvalidRequestError(
+                f"{self.name}: engine must be builtin or vllm, got {self.engine_kind!r}"
+            )

@@ -164,13 +164,13 @@ class HostWeightCache:
 
     def _load(self, spec: ModelSpec) -> CachedModel:
         start = time.monotonic()
-        dtype = DTYPES[spec.dtype]
-        if spec.engine == "vllm":
+        dtype = DTYPES[spec.engine.dtype]
+        if spec.engine_kind == "vllm":
             # vLLM loads checkpoint tensors under their own names and packs them itself
             weights = load_checkpoint(Path(spec.source).expanduser(), dtype)
             packed = shards_together(weights.tensors)
         else:
-            weights = load_weights(spec.source, dtype=dtype, seed=spec.seed)
+            weights = load_weights(spec.source, dtype=dtype, seed=spec.engine.seed)
             # Build the model once here to get the engine's own layout (fused QKV, transposed
             # fp32), so activations never redo that work. One RoPE position: the tables are not
             # cached.
@@ -242,7 +242,7 @@ class HostWeightCache:
         tokenizers: list[str] = []
         budget = 0 if engine == "vllm" else tokenizer_bytes
         for m in self.models():
-            if engine is not None and m.spec.engine != engine:
+            if engine is not None and m.spec.engine_kind != engine:
                 continue
             files.setdefault(m.path, CacheFile(m.path, m.weight_bytes))
             if m.tokenizer_path in tokenizers:
@@ -311,8 +311,8 @@ def _release_freed_memory() -> None:
 
 
 def _weights_key(spec: ModelSpec) -> tuple:
-    seed = spec.seed if spec.source.startswith("random:") else 0  # the seed only matters there
-    return (spec.source, spec.dtype, seed, spec.engine)
+    seed = spec.engine.seed if spec.source.startswith("random:") else 0  # the seed only matters there
+    return (spec.source, spec.engine.dtype, seed, spec.engine_kind)
 
 
 def _alive(pid: int) -> bool:

@@ -85,8 +85,10 @@ def _cmd_workload(args: argparse.Namespace) -> int:
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
+    import msgspec
     from tqdm import tqdm
 
+    from prism_serve.engine.config import GPU_ENGINE_DEFAULTS
     from prism_serve.sim.models import get_setup
     from prism_serve.sim.plot import plot_gpus_needed, plot_sweep
     from prism_serve.sim.simulator import SimConfig
@@ -107,7 +109,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     }
     config = SimConfig(
         num_devices=args.gpus, hardware=args.hardware, knobs=_typed(knobs), tick_s=args.tick,
-        compute_sharing=not args.no_compute_sharing, **engine,
+        compute_sharing=not args.no_compute_sharing,
+        engine=msgspec.structs.replace(GPU_ENGINE_DEFAULTS, **engine),
     )  # fmt: skip
     if args.slos is not None and args.slos.exists():
         slos = load_slos(args.slos)
@@ -207,7 +210,7 @@ def _bound(exp, args: argparse.Namespace):
         hw = hw.slowed(config.step_scale)
     return lower_bound(
         exp.models, exp.workload, hw, COST_MODELS[config.cost_model](hw),
-        max_num_seqs=config.max_num_seqs, memory_window_s=args.bound_window,
+        max_num_seqs=config.engine.max_num_seqs, memory_window_s=args.bound_window,
         compute_window_s=args.bound_compute_window,
         slos=scale_slos(exp.base_slos, exp.slo_scale, exp.tpot_scale),
     )  # fmt: skip

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prism_serve.engine.config import GPU_ENGINE_DEFAULTS
+from prism_serve.control.loop import RATE_WINDOW_S
+from prism_serve.engine.config import GPU_ENGINE_DEFAULTS, EngineConfig
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.errors import SimConfigError
@@ -27,9 +28,11 @@ class ModelSLO:
 
 @dataclass(slots=True, frozen=True)
 class SimConfig:
-    """Every simulator knob. The engine knobs are engine.EngineConfig's, with the defaults of a GPU
-    engine (engine/config.py GPU_ENGINE_DEFAULTS: the hardware profiles are GPUs; a run that mirrors
-    the live CPU server passes its values); the page is the ledger's (memory.vmm.DEFAULT_PAGE_SIZE)."""
+    """Every simulator knob. ``engine`` holds the knobs of every simulated engine, as the live
+    runtime's ``EngineConfig`` (block_size, max_num_seqs, max_num_batched_tokens are read), with the
+    defaults of a GPU engine (engine/config.py GPU_ENGINE_DEFAULTS: the hardware profiles are GPUs; a
+    run that mirrors the live CPU server passes the live models' config); the page is the ledger's
+    (memory.vmm.DEFAULT_PAGE_SIZE)."""
 
     num_devices: int
     hardware: str = "h100"
@@ -37,16 +40,14 @@ class SimConfig:
     knobs: tuple[tuple[str, object], ...] = ()  # policy knobs, as get_policy keyword arguments
     cost_model: str = "roofline"
     tick_s: float = 1.0  # period of policy.place()
-    block_size: int = GPU_ENGINE_DEFAULTS.block_size
+    engine: EngineConfig = GPU_ENGINE_DEFAULTS
     page_size: int = DEFAULT_PAGE_SIZE
-    max_num_seqs: int = GPU_ENGINE_DEFAULTS.max_num_seqs
-    max_num_batched_tokens: int = GPU_ENGINE_DEFAULTS.max_num_batched_tokens
     max_run_steps: int = 32  # decode steps stretched into one event (engine.py)
-    rate_window_s: float = 60.0
+    rate_window_s: float = RATE_WINDOW_S
     drain_s: float = 600.0  # after the last arrival, stop at the latest this much later
     warmup_s: float = 5.0  # the workload starts this late: up-front loading is not charged to requests
     # engines with work on one device share its compute (hardware.share_slowdown); False: each steps
-    # as if alone (the simulator before issue 15, kept to compare)
+    # as if alone (the simulator without compute sharing, kept to compare)
     compute_sharing: bool = True
     # every engine step this many times as long as the hardware profile says (HardwareProfile.slowed):
     # a measured correction for a live setup, such as live engine step seconds over simulated ones
@@ -67,7 +68,7 @@ class SimConfig:
         if self.cost_model not in COST_MODELS:
             raise SimConfigError(f"unknown cost model {self.cost_model!r}")
         get_hardware(self.hardware)
-        for name in ("block_size", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_run_steps"):
+        for name in ("page_size", "max_run_steps"):
             if getattr(self, name) < 1:
                 raise SimConfigError(f"{name} must be >= 1")
         if not (self.tick_s > 0 and self.rate_window_s > 0 and self.drain_s >= 0 and self.warmup_s >= 0):

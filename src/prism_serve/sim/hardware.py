@@ -17,11 +17,11 @@ points carry 25% of the weight; decode, prefill and mixed steps one third of the
 each, since every TTFT hangs on the few prefill steps), i.e. jointly on 3,776 live worker steps
 (each step's CPU seconds, PRISM_STEP_TRACE) and 26 measured points that reach the batches and
 contexts a light live run never steps; held out: 5,932 steps of three qlm runs of the day before
-(errors in docs/evaluation.md). Its compute
+(errors in docs/results.md, "The CPU profiles"). Its compute
 sharing: ``python benchmarks/cpu_sharing.py`` on the same host. Its activation constants are the live
 activation into a pooled worker with spare pages (a copy; ~0.085 s for 0.50 GiB). Other models,
-dtypes or thread counts are not fitted (docs/evaluation.md gives the errors for SmolLM2-360M and
-bf16, measured with an earlier fit).
+dtypes or thread counts are not fitted (docs/results.md, "The CPU profiles", gives the errors for
+SmolLM2-360M and bf16, measured with an earlier fit).
 """
 
 from __future__ import annotations
@@ -206,12 +206,12 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 # sharing plus ~5% per extra engine (caches, switches). Devices of several cores
                 # with one thread per core are not modelled: there OpenMP barriers spin while a
                 # thread waits for a core, and 2 / 3 two-thread engines on 2 cores measured 3.4-7x /
-                # 8-12x (docs/evaluation.md, "Compute sharing on one device").
+                # 8-12x (benchmarks/cpu_sharing.py; docs/results.md, "The CPU profiles").
                 share_interference=0.053,
                 # live TTFT minus the request's own prefill step wall, requests whose prefill ran
-                # alone: median 7.9 ms (p90 14 ms) on that host's light runs (docs/evaluation.md)
+                # alone: median 7.9 ms (p90 14 ms) on that host's light runs (docs/results.md)
                 request_overhead_s=7.9e-3,
-                activation_threads=4,  # the runtime's load_threads
+                activation_threads=4,  # the runtime's (runtime/loading.py LOAD_THREADS)
                 synthetic=False,
             ),
             # The same engine and model on a host of the same VM type with AVX-512 and native bf16,
@@ -266,7 +266,7 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 # the same measure on this host's light training runs: median 6.3 ms (p90 9.6 ms)
                 # before the refit, 7.5 ms (p90 12.0 ms) after it
                 request_overhead_s=7.5e-3,
-                activation_threads=4,  # the runtime's load_threads
+                activation_threads=4,  # the runtime's (runtime/loading.py LOAD_THREADS)
                 synthetic=False,
             ),
         )

@@ -124,7 +124,7 @@ class Simulator:
         self._names = workload.models
         self.snapshots = SnapshotBuilder(
             self.models, self.devices, self.on_device, self.loop, self.replica_of,
-            live_profiles=config.profiles == "live", max_num_seqs=config.max_num_seqs,
+            live_profiles=config.profiles == "live", max_num_seqs=config.engine.max_num_seqs,
         )  # fmt: skip
 
     @property
@@ -162,7 +162,7 @@ class Simulator:
         c = self.config
         kv_room = self.hw.capacity_bytes - m.spec.weight_bytes / m.tp_size
         kv_per_request = (prompt + output) * m.spec.kv_bytes_per_token / m.tp_size
-        top = max(1, min(c.max_num_seqs, int(kv_room // max(1.0, kv_per_request))))
+        top = max(1, min(c.engine.max_num_seqs, int(kv_room // max(1.0, kv_per_request))))
 
         def step(b: int) -> float:
             return float(self.cost.decode_steps(m.spec, m.tp_size, b, int(b * (prompt + output / 2)), 1)[0])
@@ -285,9 +285,9 @@ class Simulator:
             m.served,
             devices,
             self.cost,
-            block_size=c.block_size,
-            max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens,
+            block_size=c.engine.block_size,
+            max_num_seqs=c.engine.max_num_seqs,
+            max_num_batched_tokens=c.engine.max_num_batched_tokens,
             max_run_steps=c.max_run_steps,
             quota=quota,
         )
