@@ -1,4 +1,4 @@
-"""Model activation latency (issue 4): a pooled worker activating from the host weight cache vs a
+"""Model activation latency: a pooled worker activating from the host weight cache vs a
 cold start (new process, weights read from disk, engine built), in the same run, for the real
 SmolLM2-135M-Instruct (fp32) and a SYNTHETIC-weights Llama-3.2-1B shape (bf16, ~2.5 GB, written to
 disk as safetensors first so both paths read a real file).
@@ -33,6 +33,8 @@ import msgspec
 import torch
 
 import common
+from prism_serve.config import PolicyConfig
+from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.weights import load_weights, save_hf_dir
 from prism_serve.memory.ledger import ledger_dir
 from prism_serve.runtime.controller import Controller
@@ -81,7 +83,9 @@ async def pooled(spec: ModelSpec, repeats: int, budget: int, spare_pages: bool) 
     ns = f"bench{uuid.uuid4().hex[:8]}"
     device = DeviceSpec("cpu:0", budget, (), 1)  # every core: the loader threads may use them all
     specs = [spec, dataclasses.replace(spec, name=spec.name + "-b")]
-    c = Controller([device], specs, namespace=ns, tick_interval_s=3600, spare_pages=spare_pages)
+    c = Controller(
+        [device], specs, PolicyConfig(tick_interval_s=3600, spare_pages=spare_pages), namespace=ns
+    )
     try:
         await c.start()
         await asyncio.sleep(1.0)  # the idle worker makes its spare pages now, as in a running server
@@ -122,7 +126,7 @@ def _warm(pool: dict) -> tuple[float, dict]:
 
 
 def measure(name: str, source: str, dtype: str, repeats: int, budget: int, bw: float) -> dict:
-    spec = ModelSpec(name, source=source, dtype=dtype, max_model_len=2048)
+    spec = ModelSpec(name, source=source, engine=EngineConfig(dtype=dtype, max_model_len=2048))
     fresh = asyncio.run(pooled(spec, repeats, budget, spare_pages=False))
     pool = asyncio.run(pooled(spec, repeats, budget, spare_pages=True))
     colds = []

@@ -1,4 +1,4 @@
-"""Issue 21: what the multi-node path adds to each token, side by side with a single-machine server.
+"""What the multi-node path adds to each token, side by side with a single-machine server.
 
 One local Ray cluster (``ray.cluster_utils.Cluster``: a head node and a second node, on this
 machine) stays up for the whole run. Two controllers serve the same model and the same requests,
@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from common import machine_info
+from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.memory.vmm import parse_size
 from prism_serve.runtime import messages as msg
@@ -43,14 +44,14 @@ def one_device() -> list[DeviceSpec]:
 
 async def measure(c: Controller, device: str, streams: int, tokens: int, rounds: int) -> dict:
     transit: list[float] = []
-    receive = c._on_message
+    receive = c.pool._on_message
 
-    def timed(handle, m):  # before start(): the pool calls this
+    def timed(handle, m):  # before start(): the pool calls this with every worker message
         if isinstance(m, msg.StepOutputs) and m.outputs and m.sent_at:
             transit.append(time.time() - m.sent_at)
         receive(handle, m)
 
-    c._on_message = timed
+    c.pool._on_message = timed
     await c.start()
     try:
         await c.load("m", device)
@@ -159,7 +160,7 @@ async def failover(c: Controller, cluster, lost_node, tokens: int) -> dict:
             "activation_s": phases.total_s if phases else None,
             "phases": str(phases),
             "a_on": c.models["a"].device,
-            "tick_s": c.tick_interval_s,
+            "tick_s": c.settings.tick_interval_s,
         }
     finally:
         await c.stop()
@@ -172,7 +173,13 @@ def pct(a: np.ndarray) -> tuple[float, float]:
 
 def local_only(args: argparse.Namespace) -> None:
     print(machine_info()["line"])
-    spec = ModelSpec("m", source=args.model, dtype="float32", max_model_len=512, ttft_slo=30.0, tpot_slo=2.0)
+    spec = ModelSpec(
+        "m",
+        source=args.model,
+        ttft_slo=30.0,
+        tpot_slo=2.0,
+        engine=EngineConfig(dtype="float32", max_model_len=512),
+    )
     streams = max(int(s) for s in args.streams.split(","))
     for rep in range(args.repeats):
         size = parse_size("1536MiB")
@@ -219,7 +226,13 @@ def main() -> None:
 
     info = machine_info()
     print(info["line"])
-    spec = ModelSpec("m", source=args.model, dtype="float32", max_model_len=512, ttft_slo=30.0, tpot_slo=2.0)
+    spec = ModelSpec(
+        "m",
+        source=args.model,
+        ttft_slo=30.0,
+        tpot_slo=2.0,
+        engine=EngineConfig(dtype="float32", max_model_len=512),
+    )
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     second = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

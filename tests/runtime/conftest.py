@@ -46,7 +46,7 @@ class Runtime:
         return self.loop.run(coro, timeout)
 
     def chat(self, model: str, text: str = PROMPT) -> str:
-        return self.c.tokenizer(model).apply_chat_template([{"role": "user", "content": text}])
+        return self.c.models.tokenizer(model).apply_chat_template([{"role": "user", "content": text}])
 
     def generate(self, model: str, prompt: str | list[int] | None = None, **params: Any) -> tuple[str, list]:
         """Run one request to the end; (text, deltas)."""

@@ -15,6 +15,8 @@ import uuid
 
 import pytest
 
+from prism_serve.config import PolicyConfig
+from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.errors import WorkerDiedError
 from prism_serve.memory.vmm import parse_size
@@ -53,11 +55,25 @@ def rt(cluster):
     nodes = RayNodes(cluster.address, one_device, ns, poll_interval_s=0.2)
     devices = nodes.connect()
     models = [
-        ModelSpec("smol", dtype="float32", max_model_len=512, ttft_slo=30.0, tpot_slo=2.0),
-        ModelSpec("tiny", source="random:smollm2-135m", max_model_len=512, ttft_slo=30.0, tpot_slo=2.0),
+        ModelSpec(
+            "smol", ttft_slo=30.0, tpot_slo=2.0, engine=EngineConfig(dtype="float32", max_model_len=512)
+        ),
+        ModelSpec(
+            "tiny",
+            source="random:smollm2-135m",
+            ttft_slo=30.0,
+            tpot_slo=2.0,
+            engine=EngineConfig(max_model_len=512),
+        ),
     ]
     # no prewarming: the startup fill would race the tests' loads on chosen devices
-    c = Controller(devices, models, namespace=ns, nodes=nodes, tick_interval_s=0.2, knobs={"prewarm": False})
+    c = Controller(
+        devices,
+        models,
+        PolicyConfig(tick_interval_s=0.2, knobs={"prewarm": False}),
+        namespace=ns,
+        nodes=nodes,
+    )
     loop.run(c.start())
     runtime = Runtime(c, loop)
     yield runtime
@@ -97,7 +113,9 @@ def test_every_node_caches_the_weights_and_serves_on_its_devices(rt: Runtime) ->
     assert len(remote) == 12
     assert len(tokens(rt, "tiny")) == 8
     # the worker on n1 activated from n1's cache file, and the ledger mirror shows its pages
-    wait_until(lambda: c.ledger("n1/cpu:0").snapshot().used_bytes >= c.models["smol"].cached.weight_bytes)
+    wait_until(
+        lambda: c.nodes.ledger("n1/cpu:0").snapshot().used_bytes >= c.models["smol"].cached.weight_bytes
+    )
     # the same greedy request on the other node gives the same tokens
     assert rt.run(c.unload("smol"))
     rt.run(c.load("smol", "n0/cpu:0"))
@@ -151,7 +169,7 @@ def test_a_lost_node_fails_its_streams_with_503_and_its_model_serves_again_elsew
         lost = asyncio.create_task(collect(c, "smol", rt.chat("smol"), params))
         short = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
         other = asyncio.create_task(collect(c, "tiny", rt.chat("tiny"), short))
-        while not c._requests or all(r.worker is None for r in c._requests.values()):
+        while not len(c.requests) or all(r.worker is None for r in c.requests.in_flight()):
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)  # both streaming
         await asyncio.get_running_loop().run_in_executor(None, cluster.remove_node, cluster.second)

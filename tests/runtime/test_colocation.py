@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from prism_serve.config import PolicyConfig
 from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.runtime.devices import DeviceSpec
@@ -44,15 +45,20 @@ def _kv_peak(ledger, model: str) -> int:
 
 def test_kv_grows_into_memory_the_other_model_freed(tmp_path: Path) -> None:
     with HostWeightCache(namespace="colo", directory=tmp_path) as probe:
-        weight_bytes = probe.load(ModelSpec("x", source=SOURCE, seed=1, dtype=FP32)).weight_bytes
+        weight_bytes = probe.load(
+            ModelSpec("x", source=SOURCE, engine=EngineConfig(seed=1, dtype=FP32))
+        ).weight_bytes
     budget = 2 * weight_bytes + SLACK
     models = [
-        ModelSpec(n, source=SOURCE, seed=s, max_model_len=1024, dtype=FP32) for n, s in (("a", 1), ("b", 2))
+        ModelSpec(n, source=SOURCE, engine=EngineConfig(seed=s, max_model_len=1024, dtype=FP32))
+        for n, s in (("a", 1), ("b", 2))
     ]
-    rt = start_runtime([DeviceSpec("cpu:0", budget, (0,), 1)], models, tick_interval_s=0.2)
+    rt = start_runtime(
+        [DeviceSpec("cpu:0", budget, (0,), 1)], models, policy=PolicyConfig(tick_interval_s=0.2)
+    )
     try:
         c = rt.c
-        ledger = c.ledger("cpu:0")
+        ledger = c.nodes.ledger("cpu:0")
         rt.run(c.load("a", "cpu:0"))
         rt.run(c.load("b", "cpu:0"))  # both resident: SLACK is all that is left for KV
         rt.run(_run_all(c, "a", _prompts(3, 250, 0), 8))
@@ -85,8 +91,8 @@ def test_kv_grows_into_memory_the_other_model_freed(tmp_path: Path) -> None:
 
 def test_a_model_larger_than_every_device_is_refused_at_load_time() -> None:
     models = [
-        ModelSpec("fits", source=SOURCE, dtype=FP32),
-        ModelSpec("huge", source="random:smollm2-360m", dtype=FP32),
+        ModelSpec("fits", source=SOURCE, engine=EngineConfig(dtype=FP32)),
+        ModelSpec("huge", source="random:smollm2-360m", engine=EngineConfig(dtype=FP32)),
     ]
     with pytest.raises(ModelTooLargeError, match=r"model huge: its weights take .* more than any device"):
         start_runtime([DeviceSpec("cpu:0", 1024 * MiB, (), 1), DeviceSpec("cpu:1", 768 * MiB, (), 1)], models)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from prism_serve.config import PolicyConfig
+from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.errors import InternalError, InvalidSamplingParamsError, PrismError
 from prism_serve.runtime.devices import DeviceSpec
-from prism_serve.runtime.models import ModelSpec
-from prism_serve.runtime.state import ActivationError, ModelEntry
+from prism_serve.runtime.models import ActivationError, ModelSpec
+from prism_serve.runtime.state import ModelEntry
 
 from .conftest import Runtime, collect
 
@@ -25,15 +27,15 @@ class Injected(RuntimeError):
 @pytest.fixture(scope="module")
 def rt(runtime_factory) -> Runtime:
     devices = [DeviceSpec("cpu:0", 2 * GiB, (0,), 1)]
-    return runtime_factory(devices, [ModelSpec("tiny", source="random:smollm2-135m", max_model_len=256)],
-                           tick_interval_s=0.2)  # fmt: skip
+    tiny = ModelSpec("tiny", source="random:smollm2-135m", engine=EngineConfig(max_model_len=256))
+    return runtime_factory(devices, [tiny], policy=PolicyConfig(tick_interval_s=0.2))
 
 
 def released(rt: Runtime) -> None:
     c = rt.c
-    assert not c._requests
+    assert not len(c.requests)
     assert not c.loop.requests and not c.loop.where and not c.loop.backlog
-    assert all(len(q) == 0 for q in c.queues.values()) and not +c.loop.num_queued
+    assert all(len(q) == 0 for q in c.loop.queues.values()) and not +c.loop.num_queued
     assert all(m.num_running == 0 for m in c.models.values())
     assert all(not w.in_flight for w in c.pool.workers.values())
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from prism_serve.config import PolicyConfig
+from prism_serve.engine.config import EngineConfig
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec
 
@@ -17,11 +19,13 @@ def _state(rt, name: str) -> str:
 def test_pinned_models_start_active_and_keep_alive_evicts_without_memory_pressure(runtime_factory):
     devices = [DeviceSpec("cpu:0", 3 * GiB // 2, (0,), 1), DeviceSpec("cpu:1", 3 * GiB // 2, (1,), 1)]
     models = [
-        ModelSpec("always", pinned=True, max_model_len=1024),
-        ModelSpec("brief", keep_alive_s=1.0, max_model_len=1024),
-        ModelSpec("lasting", max_model_len=1024),  # prism's idle threshold (30 s), no pressure: stays
+        ModelSpec("always", pinned=True, engine=EngineConfig(max_model_len=1024)),
+        ModelSpec("brief", keep_alive_s=1.0, engine=EngineConfig(max_model_len=1024)),
+        ModelSpec(
+            "lasting", engine=EngineConfig(max_model_len=1024)
+        ),  # prism's idle threshold (30 s), no pressure: stays
     ]
-    rt = runtime_factory(devices, models, tick_interval_s=0.2)
+    rt = runtime_factory(devices, models, policy=PolicyConfig(tick_interval_s=0.2))
     assert _state(rt, "always") == "active"  # activated by start(), before any request
     rt.generate("lasting", max_tokens=2)
     rt.generate("brief", max_tokens=2)

@@ -5,6 +5,7 @@ the slices its neighbours ran in (the policies add that contention for a placeme
 from __future__ import annotations
 
 from prism_serve.control.profiles import MIN_SERVED_FOR_PROFILE
+from prism_serve.engine.config import EngineConfig
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.models import ModelSpec
 from prism_serve.runtime.state import ModelEntry
@@ -18,7 +19,12 @@ def _stats(step_s: float, busy_s: float) -> msg.EngineStats:
 
 
 def test_the_profile_counts_steps_as_they_take_alone_over_every_activation():
-    entry = ModelEntry(ModelSpec("m", max_model_len=1024), cached=None, tokenizer=None, max_model_len=1024)
+    entry = ModelEntry(
+        ModelSpec("m", engine=EngineConfig(max_model_len=1024)),
+        cached=None,
+        tokenizer=None,
+        max_model_len=1024,
+    )
     # first activation: 6 s of wall time in steps, of which the engine had its core for 3 s
     first = [_stats(2.0, 1.0), _stats(6.0, 3.0)]
     entry.count_engine_time(None, first[0])

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from prism_serve.config import PolicyConfig
+from prism_serve.engine.config import EngineConfig
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec
 from prism_serve.runtime.workers import WorkerState
@@ -23,15 +25,17 @@ def test_a_fresh_workers_first_activation_finds_its_files_open_only_when_prepare
     # Two weights (two cache files) with one tokenizer between them; no prewarming, so no model is
     # activated before the test asks for one.
     models = [
-        ModelSpec("a", source="random:smollm2-135m", seed=1, dtype="float32", max_model_len=256),
-        ModelSpec("b", source="random:smollm2-135m", seed=2, dtype="float32", max_model_len=256),
+        ModelSpec(
+            "a", source="random:smollm2-135m", engine=EngineConfig(seed=1, dtype="float32", max_model_len=256)
+        ),
+        ModelSpec(
+            "b", source="random:smollm2-135m", engine=EngineConfig(seed=2, dtype="float32", max_model_len=256)
+        ),
     ]
     rt = runtime_factory(
         [DeviceSpec("cpu:0", 2 * GiB, (0,), 2)],
         models,
-        knobs={"prewarm": False},
-        prepare_workers=prepare,
-        tick_interval_s=3600,
+        policy=PolicyConfig(knobs={"prewarm": False}, prepare_workers=prepare, tick_interval_s=3600),
     )
     a, b = rt.c.cache.get("a"), rt.c.cache.get("b")
     assert a.path != b.path and a.tokenizer_path == b.tokenizer_path  # the tokenizer file is shared

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from prism_serve.config import PolicyConfig
 from prism_serve.control import ModelState
+from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from prism_serve.engine.step_trace import read_step_traces
@@ -40,17 +42,19 @@ def step_dir(tmp_path_factory) -> Path:
 def rt(runtime_factory, step_dir: Path):
     devices = [DeviceSpec("cpu:0", 3 * GiB // 2, (0,), 1), DeviceSpec("cpu:1", 3 * GiB // 2, (1,), 1)]
     # Two names for the same real weights: one host cache file, two independent engines.
-    models = [ModelSpec("smol", max_model_len=1024), ModelSpec("smol-b", max_model_len=1024)]
+    models = [
+        ModelSpec("smol", engine=EngineConfig(max_model_len=1024)),
+        ModelSpec("smol-b", engine=EngineConfig(max_model_len=1024)),
+    ]
     before = os.environ.get(STEP_TRACE_ENV)
     os.environ[STEP_TRACE_ENV] = str(step_dir)  # the workers (spawned now and later) trace their steps
     try:
-        yield runtime_factory(devices, models, tick_interval_s=0.2)
+        yield runtime_factory(devices, models, policy=PolicyConfig(tick_interval_s=0.2))
     finally:
         if before is None:
             del os.environ[STEP_TRACE_ENV]
         else:
             os.environ[STEP_TRACE_ENV] = before
-
 
 
 def _model(rt: Runtime, name: str):
@@ -146,7 +150,7 @@ def test_workers_trace_every_step_with_its_shape(rt: Runtime, step_dir: Path) ->
     """PRISM_STEP_TRACE: each step of a request as the simulator counts it (the prompt in one
     chunk, then one decode per token over a growing context), with its wall and CPU seconds."""
     start = time.time()
-    prompt = rt.c.tokenizer("smol-b").encode(rt.chat("smol-b"))
+    prompt = rt.c.models.tokenizer("smol-b").encode(rt.chat("smol-b"))
     rt.generate("smol-b", prompt, max_tokens=6, ignore_eos=True)
     steps = [r for r in read_step_traces([step_dir]) if r.model == "smol-b" and r.t >= start - 0.01]
     p = len(prompt)
@@ -169,9 +173,9 @@ def test_activation_phases_are_reported(rt: Runtime) -> None:
 
 def test_50_activate_serve_evict_cycles_leak_nothing(rt: Runtime) -> None:
     c = rt.c
-    ledger = c.ledger("cpu:0")
+    ledger = c.nodes.ledger("cpu:0")
     rt.run(c.unload("smol"))
-    page = c.page_size
+    page = c.pool.page_size
     weight_pages = -(-c.cache.get("smol").weight_bytes // page) * page
     samples = {}
     for cycle in range(50):
@@ -231,16 +235,16 @@ def test_a_busy_model_is_never_shown_evicted_nor_held_by_two_engines(rt: Runtime
         await anext(stream)
         m = c.models["smol"]
         handle, device = m.worker, m.device
-        done = c._start_evict(m, force=False)
+        done = c.activator.evict(m, force=False)
         assert done.done() and done.result() is False and m.state is ModelState.ACTIVE
 
         in_flight = set(handle.in_flight)
         handle.in_flight.clear()  # the controller's view lags the engine's, as with an abort on its way
-        done = c._start_evict(m, force=False)
+        done = c.activator.evict(m, force=False)
         handle.in_flight |= in_flight
         assert m.state is ModelState.EVICTED
         other = next(d for d in c.devices if d != device)
-        c._start_activate(m, other)  # placed again while the refusal is on its way
+        c.activator.activate(m, other)  # placed again while the refusal is on its way
         assert await done is True  # the old engine went, by force
         with pytest.raises(ModelEvictedError):
             async for _ in stream:
@@ -248,7 +252,7 @@ def test_a_busy_model_is_never_shown_evicted_nor_held_by_two_engines(rt: Runtime
         await m.activation
         assert m.state is ModelState.ACTIVE and m.device == other and m.worker is not handle
         # the old engine holds nothing any more (its worker may keep spare pages, no model's)
-        held = {e.pid for e in c.ledger(device).snapshot().entries if not e.spare}
+        held = {e.pid for e in c.nodes.ledger(device).snapshot().entries if not e.spare}
         assert held.isdisjoint({handle.pid})
 
     rt.run(scenario())
@@ -307,11 +311,9 @@ def test_sigkill_of_a_worker_mid_request(rt: Runtime) -> None:
     # smol lost its engine: evicted, unless a tick has prewarmed it again since (its forecast is busy)
     smol = c.models["smol"]
     assert smol.worker is not victim
-    snap = c.ledger(device).snapshot()
+    snap = c.nodes.ledger(device).snapshot()
     # the dead worker's pages are reclaimed: the device holds only the engines of resident models
-    owners = {
-        m.worker.pid for m in c.models.values() if m.worker is not None and m.device == device
-    }
+    owners = {m.worker.pid for m in c.models.values() if m.worker is not None and m.device == device}
     assert {e.pid for e in snap.entries if not e.spare} <= owners and victim.pid not in owners
     assert victim.pid not in {e.pid for e in snap.entries}  # its spare pages too
     wait_until(lambda: len([w for w in c.pool.on_device(device) if w.state is WorkerState.IDLE]) >= 1)
@@ -328,7 +330,9 @@ def test_unload_without_force_is_refused_while_any_replica_is_busy(runtime_facto
     idle replica itself, so it is there when ``unload`` runs.)"""
     devices = [DeviceSpec("cpu:0", 3 * GiB // 2, (0,), 1), DeviceSpec("cpu:1", 3 * GiB // 2, (1,), 1)]
     rt = runtime_factory(
-        devices, [ModelSpec("smol", max_model_len=1024)], tick_interval_s=0.2, knobs={"replica_low": 0.0}
+        devices,
+        [ModelSpec("smol", engine=EngineConfig(max_model_len=1024))],
+        policy=PolicyConfig(tick_interval_s=0.2, knobs={"replica_low": 0.0}),
     )
     c = rt.c
 
@@ -337,7 +341,7 @@ def test_unload_without_force_is_refused_while_any_replica_is_busy(runtime_facto
         await anext(stream)
         base, slot = c.models["smol"], c.models["smol#1"]
         if slot.state is ModelState.EVICTED:
-            c._start_activate(slot, next(d for d in c.devices if d != base.device))
+            c.activator.activate(slot, next(d for d in c.devices if d != base.device))
         await slot.activation
         assert slot.state is ModelState.ACTIVE
         assert await c.unload("smol", force=False) is False

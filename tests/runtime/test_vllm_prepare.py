@@ -12,10 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.vllm_engine import engine_key
+from prism_serve.runtime.activation import Activator
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec
-from prism_serve.runtime.nodes import NodeOps
 from prism_serve.runtime.workers import WorkerHandle, WorkerPool, WorkerState
 
 
@@ -36,31 +37,21 @@ def fine_tune(base: Path, name: str) -> Path:
     return d
 
 
-class Controller(NodeOps):
-    """The controller's state _vllm_shapes reads: its model entries (replica slots included) and
-    their recent request rates (by entry)."""
-
-    def __init__(
-        self,
-        entries: list[tuple[str, ModelSpec, Path]],
-        rates: dict[str, float] | None = None,
-        compiled: bool = True,
-    ) -> None:
-        self.vllm_compile = compiled
-        self.rates = SimpleNamespace(rate=lambda name, now: (rates or {}).get(name, 0.0))
-        self.models = {
-            name: SimpleNamespace(spec=spec, cached=SimpleNamespace(source=str(src)))
-            for name, spec, src in entries
-        }
-        self._engine_keys: dict[str, str] = {}
-
-    @staticmethod
-    def _now() -> float:
-        return 0.0
+def activator(
+    entries: list[tuple[str, ModelSpec, Path]], rates: dict[str, float] | None = None, compiled: bool = True
+) -> Activator:
+    """An Activator over what vllm_shapes and engine_key read: the model entries (replica slots
+    included) and their recent request rates (by entry); nothing else of a running controller."""
+    models = {
+        name: SimpleNamespace(spec=spec, cached=SimpleNamespace(source=str(src)))
+        for name, spec, src in entries
+    }
+    loop = SimpleNamespace(rates=SimpleNamespace(rate=lambda name, now: (rates or {}).get(name, 0.0)))
+    return Activator(None, models, None, loop, None, None, lambda: 0.0, timeout_s=60.0, vllm_compile=compiled)  # type: ignore[arg-type]
 
 
 def vllm(name: str, src: Path, **knobs) -> tuple[str, ModelSpec, Path]:
-    return name, ModelSpec(name, source=str(src), engine="vllm", **knobs), src
+    return name, ModelSpec(name, source=str(src), engine=EngineConfig(**knobs), engine_kind="vllm"), src
 
 
 def test_the_shape_most_vllm_models_share_is_built_and_replica_slots_count_once(tmp_path: Path) -> None:
@@ -68,41 +59,41 @@ def test_the_shape_most_vllm_models_share_is_built_and_replica_slots_count_once(
     b = checkpoint(tmp_path, "base-b", 24)
     ft1, ft2 = fine_tune(a, "ft1"), fine_tune(a, "ft2")
     b_spec = vllm("b", b)[1]
-    c = Controller([
+    c = activator([
         ("b", b_spec, b), ("b#1", b_spec, b), ("b#2", b_spec, b),  # one model, three replica slots
         vllm("ft1", ft1), vllm("ft2", ft2),
         ("builtin", ModelSpec("builtin"), tmp_path),
     ])  # fmt: skip
-    (shape,) = c._vllm_shapes()
+    (shape,) = c.vllm_shapes()
     assert shape.source == str(ft1)  # two models share base-a's shape; base-b's is one model's
-    assert shape.engine == ModelSpec("ft1", source=str(ft1), engine="vllm").engine_config()
+    assert shape.engine == ModelSpec("ft1", source=str(ft1), engine_kind="vllm").engine
     assert shape.compiled  # the deployment's vllm_compile (default on) goes with the shape
-    assert c._engine_key(c.models["ft2"]) == c._engine_key(c.models["ft1"]) != c._engine_key(c.models["b"])
-    assert c._engine_key(c.models["builtin"]) is None
+    assert c.engine_key(c._models["ft2"]) == c.engine_key(c._models["ft1"]) != c.engine_key(c._models["b"])
+    assert c.engine_key(c._models["builtin"]) is None
 
 
 def test_other_engine_knobs_are_another_engine_and_a_tie_goes_to_the_first_configured(tmp_path: Path) -> None:
     a = checkpoint(tmp_path, "base-a", 30)
     b = checkpoint(tmp_path, "base-b", 24)
-    c = Controller(
+    c = activator(
         [vllm("b", b), vllm("a-short", a, max_model_len=512), vllm("a-long", a, max_model_len=2048)]
     )
-    assert c._engine_key(c.models["a-short"]) != c._engine_key(c.models["a-long"])
-    (shape,) = c._vllm_shapes()
+    assert c.engine_key(c._models["a-short"]) != c.engine_key(c._models["a-long"])
+    (shape,) = c.vllm_shapes()
     assert shape.source == str(b)  # three engines of one model each: the first configured
-    off = Controller([vllm("b", b)], compiled=False)
-    assert not off._vllm_shapes()[0].compiled
-    assert Controller([("builtin", ModelSpec("builtin"), tmp_path)])._vllm_shapes() == []
+    off = activator([vllm("b", b)], compiled=False)
+    assert not off.vllm_shapes()[0].compiled
+    assert activator([("builtin", ModelSpec("builtin"), tmp_path)]).vllm_shapes() == []
 
 
 def test_engine_key_ignores_the_model_name_and_weights(tmp_path: Path) -> None:
     a = checkpoint(tmp_path, "base-a", 30)
     ft = fine_tune(a, "ft")
-    spec = ModelSpec("x", source=str(a), engine="vllm")
-    other = ModelSpec("y", source=str(ft), engine="vllm")
-    assert engine_key(str(a), spec.engine_config()) == engine_key(str(ft), other.engine_config())
+    spec = ModelSpec("x", source=str(a), engine_kind="vllm")
+    other = ModelSpec("y", source=str(ft), engine_kind="vllm")
+    assert engine_key(str(a), spec.engine) == engine_key(str(ft), other.engine)
     (ft / "config.json").write_text(json.dumps({"num_hidden_layers": 31}))
-    assert engine_key(str(a), spec.engine_config()) != engine_key(str(ft), other.engine_config())
+    assert engine_key(str(a), spec.engine) != engine_key(str(ft), other.engine)
 
 
 @pytest.fixture
@@ -148,6 +139,7 @@ def test_of_the_workers_built_for_the_shape_the_one_that_kept_weights_is_taken()
         namespace=None, reserve_bytes={"cpu:0": 2**30}, page_size=2**21, load_threads=1,
         spare_of=lambda w: spare[w.worker_id],
     )  # fmt: skip
+
     async def run() -> list[str]:
         device = p.devices["cpu:0"]
         for i, source in enumerate(["/m/x", "/m/a", "/m/y"]):
@@ -173,7 +165,7 @@ def test_the_shape_with_the_most_recent_requests_wins_over_the_most_models(tmp_p
     b_spec = vllm("b", b)[1]
     entries = [vllm("ft1", ft1), vllm("ft2", ft2), ("b", b_spec, b), ("b#1", b_spec, b)]
     # base-b's model gets 1.5 req/s over its two replicas, base-a's two models 1.0 together
-    c = Controller(entries, rates={"ft1": 0.6, "ft2": 0.4, "b": 1.0, "b#1": 0.5})
-    assert c._vllm_shapes()[0].source == str(b)
-    c = Controller(entries, rates={"ft1": 1.0, "ft2": 0.6, "b": 1.0, "b#1": 0.5})
-    assert c._vllm_shapes()[0].source == str(ft1)
+    c = activator(entries, rates={"ft1": 0.6, "ft2": 0.4, "b": 1.0, "b#1": 0.5})
+    assert c.vllm_shapes()[0].source == str(b)
+    c = activator(entries, rates={"ft1": 1.0, "ft2": 0.6, "b": 1.0, "b#1": 0.5})
+    assert c.vllm_shapes()[0].source == str(ft1)

@@ -321,7 +321,7 @@ def device_memory(controller: Controller) -> list[DeviceMemory]:
     its replica slot "<model>#<k>"; entries the ledger flags spare are a worker's spare pages."""
     out = []
     for device in controller.devices:
-        snap = controller.ledger(device).peek()
+        snap = controller.nodes.ledger(device).peek()
         summed: dict[tuple[str, bool], int] = {}
         for e in snap.entries:
             summed[e.name, e.spare] = summed.get((e.name, e.spare), 0) + e.mapped_bytes

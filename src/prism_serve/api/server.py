@@ -152,7 +152,7 @@ class PrismServer:
         @app.get("/v1/models/{model:path}", responses=api_schema.MODEL)
         async def model(model: str, http: Request) -> dict:
             s.authorize(http)
-            s.controller.tokenizer(model)  # UnknownModelError (404) for a name not served
+            s.controller.models.tokenizer(model)  # UnknownModelError (404) for a name not served
             return next(c for c in s.model_cards() if c["id"] == model)
 
         @app.post("/tokenize", responses=api_schema.TOKENIZE)
@@ -164,7 +164,7 @@ class PrismServer:
         @app.post("/detokenize", responses=api_schema.DETOKENIZE)
         async def detokenize(body: DetokenizeRequest, http: Request) -> dict:
             s.authorize(http)
-            tok = s.controller.tokenizer(body.model)
+            tok = s.controller.models.tokenizer(body.model)
             s._check_vocab(body.model, body.tokens, "tokens")
             return {"prompt": await asyncio.to_thread(tok.decode, body.tokens, False)}
 
@@ -207,7 +207,7 @@ class PrismServer:
         model = body.model
         self._note_ignored(body)
         try:
-            tok = self.controller.tokenizer(model)  # 404 before any work
+            tok = self.controller.models.tokenizer(model)  # 404 before any work
             # Templates and tokenization run in a thread: a long prompt must not stall the event
             # loop (every other request, /health, token streams) while it is encoded.
             prompts = await asyncio.to_thread(self._tokenize, body, chat)
@@ -273,7 +273,7 @@ class PrismServer:
     def _prompt_ids(
         self, body: ChatCompletionRequest | CompletionRequest, prompt: str | list[int]
     ) -> list[int]:
-        tok = self.controller.tokenizer(body.model)  # 404 for a model not served
+        tok = self.controller.models.tokenizer(body.model)  # 404 for a model not served
         served = self.served[body.model]
         max_len = served.max_model_len
         wanted = body.requested_max_tokens()
@@ -300,7 +300,7 @@ class PrismServer:
     def _render(self, model: str, messages: list, add_generation_prompt: bool = True) -> str:
         """Chat messages as the model's prompt text (its template, or a plain transcript for a
         checkpoint without one, as some HF directories are)."""
-        tok = self.controller.tokenizer(model)
+        tok = self.controller.models.tokenizer(model)
         plain = [{"role": m.role, "content": m.text()} for m in messages]
         if tok.chat_template:
             return tok.apply_chat_template(plain, add_generation_prompt)
@@ -316,7 +316,7 @@ class PrismServer:
 
     def _tokenize_only(self, body: TokenizeRequest) -> list[int]:
         """/tokenize: the ids a completion would see for this prompt or these messages."""
-        tok = self.controller.tokenizer(body.model)  # 404 for a model not served
+        tok = self.controller.models.tokenizer(body.model)  # 404 for a model not served
         if body.messages is not None:
             # encoded as the chat route encodes it, so the count is what a completion will see
             return tok.encode(self._render(body.model, body.messages, body.add_generation_prompt))

@@ -1,95 +1,109 @@
-"""The controller's by-hand operations (the server's admin routes): load a model (on a device or
-where the policy's on-demand rule puts it), unload it, pin it. A mixin of Controller, kept apart
-from the request path and the control loop it drives."""
+"""By-hand operations on the served models (the server's admin routes and ``prism load|unload|pin``):
+load a model (on a device, or where the policy's on-demand rule puts it), unload it with every
+replica, pin it. ``Admin`` acts through the same activation and control loop as the policy does."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from prism_serve.control import Activate, Defer, Evict, ModelState, Reject, Request
+from prism_serve.control.loop import ControlLoop
+from prism_serve.control.policies import Policy
 from prism_serve.errors import ConflictError, InvalidRequestError, quoted
 from prism_serve.runtime import messages as msg
-from prism_serve.runtime.state import ActivationError, ModelStatus
+from prism_serve.runtime.activation import Activator
+from prism_serve.runtime.models import ActivationError
+from prism_serve.runtime.nodes import NodeSet
+from prism_serve.runtime.state import ModelTable, cluster_snapshot
 
-if TYPE_CHECKING:
-    from prism_serve.runtime.controller import Controller
-
-__all__ = ["AdminOps"]
+__all__ = ["Admin"]
 
 
-class AdminOps:
-    def status(self: Controller) -> list[ModelStatus]:
-        """One status per served model, its replicas inside."""
-        snap = self.snapshot()
-        return [
-            ModelStatus.of(
-                [(self.models[n], snap.models[n].num_queued) for n in (name, *self.replicas[name])]
-            )
-            for name in self.specs
-        ]
+class Admin:
+    def __init__(
+        self,
+        models: ModelTable,
+        nodes: NodeSet,
+        loop: ControlLoop,
+        policy: Policy,
+        activator: Activator,
+        clock: Callable[[], float],
+    ) -> None:
+        self._models = models
+        self._nodes = nodes
+        self._loop = loop
+        self._policy = policy
+        self._activator = activator
+        self._clock = clock
 
-    async def load(self: Controller, model: str, device: str | None = None) -> msg.ActivationPhases | None:
+    async def load(self, model: str, device: str | None = None) -> msg.ActivationPhases | None:
         """Activate ``model`` (on ``device`` or where the policy's on-demand rule would put it);
         returns its phases, or None if it was already active."""
-        m = self._model(model)
-        self.loop.hold(m.replica_of or model, False)
-        if device is not None and device not in self.devices:
-            raise InvalidRequestError(f"unknown device {quoted(device)}; devices: {', '.join(self.devices)}")
+        m = self._models.entry(model)
+        self._loop.hold(m.replica_of or model, False)
+        devices = self._nodes.devices
+        if device is not None and device not in devices:
+            raise InvalidRequestError(f"unknown device {quoted(device)}; devices: {', '.join(devices)}")
         if device is not None and m.state is not ModelState.EVICTED and m.device != device:
             raise ConflictError(f"{model} is {m.state.value} on {m.device}; unload it first to move it")
         if m.state is ModelState.ACTIVE:
             return None
         if m.state is ModelState.EVICTED:
             if device is None:
-                probe = Request(f"load-{model}", model, self._now(), 1, m.spec.ttft_slo)
-                now = self._now()
-                for a in self.policy.on_request(probe, self.snapshot(now), now):
-                    if isinstance(a, Evict):
-                        self._start_evict(self._model(a.model), force=False)
-                    elif isinstance(a, Activate):
-                        device = a.device
-                    elif isinstance(a, Reject | Defer):
-                        raise ActivationError(f"cannot load {model} now: {getattr(a, 'detail', '')}")
-            if device not in self.devices:
+                device = self._placement(model, m.spec.ttft_slo)
+            if device not in devices:
                 raise ActivationError(f"unknown device {device!r}")
-            self._start_activate(m, device)
+            self._activator.activate(m, device)
         task = m.activation
         phases = await task if task is not None else None
         if m.state is not ModelState.ACTIVE:
             raise ActivationError(f"{model} did not activate")
         return phases
 
-    async def unload(self: Controller, model: str, force: bool = True, drain_s: float = 0.0) -> bool:
+    def _placement(self, model: str, ttft_slo: float) -> str | None:
+        """Where the policy's on-demand rule puts ``model`` now (the evictions it asks for start)."""
+        now = self._clock()
+        probe = Request(f"load-{model}", model, now, 1, ttft_slo)
+        device = None
+        snap = cluster_snapshot(self._models, self._nodes.devices, self._nodes.ledgers, self._loop, now)
+        for a in self._policy.on_request(probe, snap, now):
+            if isinstance(a, Evict):
+                self._activator.evict(self._models.entry(a.model), force=False)
+            elif isinstance(a, Activate):
+                device = a.device
+            elif isinstance(a, Reject | Defer):
+                raise ActivationError(f"cannot load {model} now: {getattr(a, 'detail', '')}")
+        return device
+
+    async def unload(self, model: str, force: bool = True, drain_s: float = 0.0) -> bool:
         """Evict ``model``, every replica of it; with ``force`` its requests in flight end with
         ModelEvictedError. True if every resident replica was evicted; False if none was resident or
         one with requests in flight refused (without ``force``; idle replicas are still evicted).
         Without ``force``, ``drain_s`` > 0 waits up to that long for the requests in flight to
         finish (requests arriving meanwhile are served too) and evicts each replica as it empties.
         An unloaded model stays evicted (no prewarming) until a request for it arrives."""
-        deadline = self._now() + drain_s
+        deadline = self._clock() + drain_s
         while True:
             evicted = await self._unload_once(model, force)
-            if evicted or force or self._now() >= deadline or self._all_evicted(model):
+            if evicted or force or self._clock() >= deadline:
+                return evicted
+            if all(m.state is ModelState.EVICTED for m in self._models.slots(model)):
                 return evicted
             await asyncio.sleep(0.05)  # a replica with requests in flight: wait for them
 
-    def _all_evicted(self: Controller, model: str) -> bool:
-        return all(self._model(n).state is ModelState.EVICTED for n in (model, *self.replicas[model]))
-
-    async def _unload_once(self: Controller, model: str, force: bool) -> bool:
-        self._served(model)
-        replicas = [self._model(name) for name in (model, *self.replicas[model])]
+    async def _unload_once(self, model: str, force: bool) -> bool:
+        replicas = self._models.slots(model)
         for m in replicas:
             if m.state is ModelState.ACTIVATING and m.activation is not None:
                 await m.activation
         # Held before anything goes: a tick while the workers let go would otherwise prewarm it
         # again (a model that stays resident is not affected; its next request ends the hold).
-        self.loop.hold(model)
+        self._loop.hold(model)
         # every eviction starts before any is awaited: no tick can slip in between
-        pending = [done for m in replicas if (done := self._start_evict(m, force)) is not None]
+        pending = [done for m in replicas if (done := self._activator.evict(m, force)) is not None]
         results = [bool(await done) for done in pending]
         return bool(results) and all(results)
 
-    def pin(self: Controller, model: str, pinned: bool = True) -> None:
-        self._served(model).pinned = pinned
+    def pin(self, model: str, pinned: bool = True) -> None:
+        self._models.served(model).pinned = pinned

@@ -1,15 +1,14 @@
-"""The controller's bookkeeping: what it knows per model and per request, the errors it raises,
-and the ClusterSnapshot it builds from that state for every policy call."""
+"""What the controller knows per model: each served model's and replica slot's record
+(``ModelEntry``) in one ``ModelTable``, what the API shows of them (``ModelStatus``), and the
+ClusterSnapshot built from that state for every policy call."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import msgspec
 
 from prism_serve.control import (
     ClusterSnapshot,
@@ -18,51 +17,20 @@ from prism_serve.control import (
     ModelProfile,
     ModelSnapshot,
     ModelState,
-    RejectReason,
-    Request,
 )
-from prism_serve.control.forecast import RateEstimator
+from prism_serve.control.loop import ControlLoop
 from prism_serve.control.profiles import StepSums, measured_profile
-from prism_serve.control.queues import RequestQueue
+from prism_serve.control.types import REPLICA_SEPARATOR, replica_name
 from prism_serve.engine.config import resolve_max_model_len
-from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
-from prism_serve.errors import EmptyPromptError, InvalidSamplingParamsError, PrismError, PromptTooLongError
+from prism_serve.errors import quoted
 from prism_serve.memory.ledger import DeviceLedger
 from prism_serve.runtime import messages as msg
+from prism_serve.runtime.cluster import LedgerMirror
 from prism_serve.runtime.devices import DeviceSpec
-from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
+from prism_serve.runtime.models import ModelSpec, UnknownModelError
 from prism_serve.runtime.weight_cache import CachedModel, config_from_dict
 from prism_serve.runtime.workers import WorkerHandle
-
-
-class ActivationError(PrismError):
-    """A model could not be activated (it fits no device now, or its worker failed)."""
-
-    status_code = 503
-    error_type = "service_unavailable"
-
-
-class RequestTimeoutError(PrismError):
-    """The request's first token did not come within its timeout (e.g. a long activation queue)."""
-
-    status_code = 504
-    error_type = "timeout"
-
-
-class DeadlineMissError(PrismError):
-    """Admission dropped the request: its TTFT deadline can no longer be met (abort_on_miss)."""
-
-    status_code = 429
-    error_type = "rate_limit_exceeded"
-
-
-REJECT_ERRORS: dict[RejectReason, type[PrismError]] = {
-    RejectReason.DEADLINE_MISS: DeadlineMissError,
-    RejectReason.NO_CAPACITY: ModelTooLargeError,
-    RejectReason.UNKNOWN_MODEL: UnknownModelError,
-    RejectReason.PROMPT_TOO_LONG: PromptTooLongError,
-}
 
 
 @dataclass(eq=False)
@@ -110,7 +78,7 @@ class ModelEntry:
             self.num_served,
             self.decode,
             self.spec.tpot_slo,
-            self.spec.max_num_seqs,
+            self.spec.engine.max_num_seqs,
         )
 
     def count_engine_time(self, before: msg.EngineStats | None, after: msg.EngineStats) -> None:
@@ -122,11 +90,11 @@ class ModelEntry:
         self.cpu_seconds += max(0.0, after.cpu_seconds - (before.cpu_seconds if before else 0.0))
         self.busy_seconds += max(0.0, after.busy_seconds - (before.busy_seconds if before else 0.0))
 
-    def activate_message(self, decided_at: float, load_threads: int) -> msg.ActivateModel:
+    def activate_message(self, decided_at: float) -> msg.ActivateModel:
         """What a worker needs to activate this model from the host cache."""
         c = self.cached
         return msg.ActivateModel(
-            engine_kind=self.spec.engine,
+            engine_kind=self.spec.engine_kind,
             model=self.spec.name,
             cache_path=c.path,
             tensors=list(c.tensors),
@@ -135,51 +103,10 @@ class ModelEntry:
             tokenizer_path=c.tokenizer_path,
             source=c.source,
             synthetic=c.synthetic,
-            engine=self.spec.engine_config(),
+            engine=self.spec.engine,
             sent_at=decided_at,
-            load_threads=load_threads,
             kv_limit_bytes=self.spec.kv_limit_bytes,
         )
-
-
-@dataclass(eq=False)
-class RequestEntry:
-    req_id: str
-    model: str
-    payload: bytes  # the encoded AddRequest, sent as is when the request is dispatched
-    control: Request
-    stream: asyncio.Queue = field(default_factory=asyncio.Queue)
-    worker: WorkerHandle | None = None
-    done: bool = False
-    replica: str | None = None  # the replica it was dispatched to (control/replicas.py)
-
-    @classmethod
-    def build(
-        cls, req_id: str, m: ModelEntry, prompt: str | list[int], params: SamplingParams, now: float
-    ) -> RequestEntry:
-        """Tokenize and check the prompt, and encode the AddRequest once, here: a bad value set on a
-        SamplingParams after it was built (out of range, or an int beyond 64 bits the wire cannot
-        carry) is this request's 400 before anything of it is registered."""
-        ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise EmptyPromptError("prompt has no tokens")
-        if len(ids) >= m.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; {m.spec.name} accepts at most {m.max_model_len - 1} so "
-                "that one token can be generated"
-            )
-        params.validate()  # a field set after construction; the worker's decoder would refuse it
-        try:
-            payload = msg.encode(msg.AddRequest(req_id, ids, params))
-        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
-            raise InvalidSamplingParamsError(f"the request cannot be sent to a worker: {e}") from None
-        control = Request(req_id, m.spec.name, now, len(ids), m.spec.ttft_slo)
-        return cls(req_id, m.spec.name, payload, control)
-
-    @property
-    def engine_model(self) -> str:
-        """The replica (a model or replica slot name) whose engine runs it, once dispatched."""
-        return self.replica or self.model
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +163,7 @@ class ModelStatus:
             sum(kv) if kv else None, sum(e.step_seconds for e, _ in entries),
             sum(e.cpu_seconds for e, _ in entries), m.cached.source, m.cached.synthetic,
             m.spec.ttft_slo, m.spec.tpot_slo, m.max_model_len, int(m.cached.config["vocab_size"]),
-            tuple(reps), m.spec.dtype,
+            tuple(reps), m.spec.engine.dtype,
         )  # fmt: skip
 
 
@@ -278,27 +205,81 @@ def model_entries(spec: ModelSpec, cached: CachedModel, replica_slots: list[str]
     """The entries of a model whose weights are in the host cache: itself and each of its replica
     slots, under the slot's name over the same host weights and tokenizer."""
     tok = Tokenizer.from_state(json.loads(Path(cached.tokenizer_path).read_text()))
-    max_len = resolve_max_model_len(spec.max_model_len, config_from_dict(cached.config))
+    max_len = resolve_max_model_len(spec.engine.max_model_len, config_from_dict(cached.config))
     out = {spec.name: ModelEntry(spec, cached, tok, max_len, pinned=spec.pinned)}
     for slot in replica_slots:
         out[slot] = ModelEntry(replace(spec, name=slot), cached, tok, max_len, replica_of=spec.name)
     return out
 
 
+class ModelTable(Mapping[str, ModelEntry]):
+    """Every served model and replica slot, by the name the control loop and the workers use (a
+    slot is ``<model>#k``, control/replicas.py); ``specs`` holds the served models alone, the names
+    clients may ask for. Entries are added once their weights are in the host cache."""
+
+    def __init__(self, specs: Iterable[ModelSpec], num_slots: int) -> None:
+        self.specs = {m.name: m for m in specs}
+        if bad := [n for n in self.specs if REPLICA_SEPARATOR in n]:
+            raise ValueError(f"model names must not contain {REPLICA_SEPARATOR!r} (replica slots): {bad}")
+        # replica slots beyond replica 0 per served model, at most one per device
+        self.replicas = {name: [replica_name(name, k) for k in range(1, num_slots)] for name in self.specs}
+        self._entries: dict[str, ModelEntry] = {}
+
+    def names(self) -> list[str]:
+        """Every served model followed by its replica slots."""
+        return [n for name in self.specs for n in (name, *self.replicas[name])]
+
+    def add(self, spec: ModelSpec, cached: CachedModel) -> None:
+        self._entries.update(model_entries(spec, cached, self.replicas[spec.name]))
+
+    def __getitem__(self, name: str) -> ModelEntry:
+        return self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entry(self, name: str) -> ModelEntry:
+        """A served model or a replica slot (the loop's and the workers' names)."""
+        m = self._entries.get(name)
+        if m is None:
+            raise UnknownModelError(f"model {quoted(name)} is not served here; see /v1/models")
+        return m
+
+    def served(self, name: str) -> ModelEntry:
+        """A model clients may address (replica slots are internal names)."""
+        if name not in self.specs:
+            raise UnknownModelError(f"model {quoted(name)} is not served here; see /v1/models")
+        return self._entries[name]
+
+    def tokenizer(self, name: str) -> Tokenizer:
+        return self.served(name).tokenizer
+
+    def slots(self, name: str) -> list[ModelEntry]:
+        """The served model ``name`` and its replica slots."""
+        return [self.served(name), *(self._entries[n] for n in self.replicas[name])]
+
+    def status(self, snap: ClusterSnapshot) -> list[ModelStatus]:
+        """One status per served model, its replicas inside (waiting requests from ``snap``)."""
+        return [
+            ModelStatus.of([(m, snap.models[m.spec.name].num_queued) for m in self.slots(name)])
+            for name in self.specs
+        ]
+
+
 def cluster_snapshot(
     models: Mapping[str, ModelEntry],
     devices: Mapping[str, DeviceSpec],
-    queues: Mapping[str, RequestQueue],
-    queued: Mapping[str, int],
-    rates: RateEstimator,
-    forecast_rate: Callable[[str, float], float | None],
-    prewarmed: Collection[str],
-    ledgers: Mapping[str, DeviceLedger],
+    ledgers: Mapping[str, DeviceLedger | LedgerMirror],
+    loop: ControlLoop,
     now: float,
 ) -> ClusterSnapshot:
-    """Every model, device and engine as the controller's state shows them at ``now`` (device
-    bytes read from the ledgers, engine KV from the workers' last stats; ``queued``: waiting requests
-    per model, queued on a device or deferred)."""
+    """Every model, device and engine as the controller's state shows them at ``now``: device bytes
+    read from the ledgers, engine KV from the workers' last stats, rates, queues and waiting requests
+    (queued on a device or deferred) from the control loop."""
+    rates, queues, queued = loop.rates, loop.queues, loop.num_queued
     snaps, engines = [], []
     on_device: dict[str, list[str]] = {d: [] for d in devices}
     for name, m in models.items():
@@ -323,8 +304,8 @@ def cluster_snapshot(
                 profile=m.profile(),
                 replica_of=m.replica_of,
                 keep_alive_s=m.spec.keep_alive_s,
-                forecast_rate=forecast_rate(name, now),
-                prewarmed=resident and name in prewarmed,
+                forecast_rate=loop.forecast_rate(name, now),
+                prewarmed=resident and name in loop.prewarmed,
             )
         )
         if resident:
@@ -340,7 +321,7 @@ def cluster_snapshot(
                     kv_quota_bytes=m.kv_quota,
                     max_kv_bytes=m.max_kv_bytes,
                     num_running=m.num_running,
-                    max_num_seqs=m.spec.max_num_seqs,
+                    max_num_seqs=m.spec.engine.max_num_seqs,
                     prefill_tokens_per_s=stats.prefill_tokens_per_s if stats else None,
                     # the worker's count is one step old: never more than the requests booked on it
                     num_waiting=min(stats.num_waiting, m.num_running) if stats else 0,

@@ -31,6 +31,7 @@ import zmq.asyncio
 from prism_serve.errors import PrismError, WorkerDiedError
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceSpec
+from prism_serve.runtime.loading import LOAD_THREADS
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +122,8 @@ class WorkerPool:
         namespace: str | None,
         reserve_bytes: dict[str, int],
         page_size: int,
-        load_threads: int,
-        spare_bytes: int = 0,
+        load_threads: int = LOAD_THREADS,
         spare_of: Callable[[WorkerHandle], int] | None = None,
-        prepare: Callable[[WorkerHandle], msg.Prepare] | None = None,
         start_timeout_s: float = 120.0,
         poll_interval_s: float = 0.05,
         launcher: Launcher | None = None,
@@ -136,11 +135,11 @@ class WorkerPool:
         self._on_death = on_death
         self._namespace = namespace
         self._reserve_bytes = reserve_bytes
-        self._page_size = page_size
+        self.page_size = page_size
         self._load_threads = load_threads
-        self._spare_bytes = spare_bytes
+        self._spare_bytes = 0
         self._spare_of = spare_of
-        self._prepare = prepare
+        self._prepare: Callable[[WorkerHandle], msg.Prepare] | None = None
         self._start_timeout_s = start_timeout_s
         self._poll_interval_s = poll_interval_s
         self._launcher = launcher
@@ -159,7 +158,14 @@ class WorkerPool:
         self._tasks: list[asyncio.Task] = []
         self._closing = False
 
-    async def start(self) -> None:
+    async def start(
+        self, *, spare_bytes: int = 0, prepare: Callable[[WorkerHandle], msg.Prepare] | None = None
+    ) -> None:
+        """Start every device's workers and wait until they are ready. ``spare_bytes``: weight pages
+        each built-in worker keeps ready (memory/spare.py); ``prepare``: what a worker that reports
+        ready opens ahead of activations (None: nothing)."""
+        self._spare_bytes = spare_bytes
+        self._prepare = prepare
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_loop())]
         handles = [self.spawn(d) for d in self.devices.values() for _ in range(d.num_workers)]
         if self._vllm_python:  # one vLLM worker per device, ready before it is needed
@@ -177,7 +183,7 @@ class WorkerPool:
             "--cores", ",".join(map(str, device.cores)),
             "--endpoint", self._remote_endpoint() if device.node else self.endpoint,
             "--reserve-bytes", str(self._reserve_bytes[device.name]),
-            "--page-size", str(self._page_size),
+            "--page-size", str(self.page_size),
             "--load-threads", str(self._load_threads),
             "--spare-bytes", str(self._spare_bytes if engine == "builtin" else 0),
         ]  # fmt: skip
@@ -289,6 +295,18 @@ class WorkerPool:
                 raise WorkerDiedError(f"worker {handle.worker_id} is unreachable")
         else:
             fut.add_done_callback(check)
+
+    def try_send(self, handle: WorkerHandle, message: msg.Message | bytes) -> bool:
+        """``send``; False (logged) if the send itself failed. A dead worker counts as sent: the
+        death handler fails what was in flight."""
+        try:
+            self.send(handle, message)
+        except WorkerDiedError:
+            pass
+        except Exception:
+            logger.exception("sending to %s failed", handle.worker_id)
+            return False
+        return True
 
     # ---- background loops ---------------------------------------------------------------------
 
