@@ -1,9 +1,12 @@
-"""Both engines a worker drives, and both KV memories behind them, have every member of the
-interface runtime/worker.py uses (engine/interface.py). vLLM's side is checked without vLLM: its
-classes import without it (vLLM loads only when an engine is built)."""
+"""Both engines a worker drives, both KV memories behind them, and both engine slots that build
+them have every member of the interface runtime/worker.py uses (engine/interface.py,
+runtime/engine_slot.py), and the worker itself tells the engines apart nowhere else than where it
+opens its slot. vLLM's side is checked without vLLM: its classes import without it (vLLM loads only
+when an engine is built)."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import typing
 
@@ -16,7 +19,10 @@ from prism_serve.engine.models.config import PRESETS
 from prism_serve.engine.vllm_engine import VllmEngine
 from prism_serve.engine.weights import random_weights
 from prism_serve.memory.kv_pool import ElasticKVPool
-from prism_serve.runtime.vllm_slot import VllmMemory
+from prism_serve.runtime import worker
+from prism_serve.runtime.builtin_slot import BuiltinSlot
+from prism_serve.runtime.engine_slot import EngineSlot
+from prism_serve.runtime.vllm_slot import VllmMemory, VllmSlot
 
 
 def members(protocol: type) -> tuple[set[str], set[str]]:
@@ -57,3 +63,41 @@ def test_a_built_engine_has_the_data_attributes() -> None:
             getattr(engine, name)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("cls", [BuiltinSlot, VllmSlot])
+def test_engine_slots_have_every_member_a_worker_uses(cls: type) -> None:
+    calls, data = members(EngineSlot)
+    assert {"activate", "release", "build_ahead", "poll"} <= calls and {"kind", "needs_tokenizer"} <= data
+    missing = {n for n in calls | data if not hasattr(cls, n)}
+    assert not missing, f"{cls.__name__} lacks {missing}"
+    assert {BuiltinSlot.kind, VllmSlot.kind} == {"builtin", "vllm"}
+
+
+def test_the_worker_tells_the_engines_apart_only_where_it_opens_its_slot() -> None:
+    """Every mention of vLLM in runtime/worker.py is in ``Worker.__init__`` (which slot to open)
+    or ``main`` (the --engine flag): the rest of the worker runs any engine the same way."""
+    tree = ast.parse(inspect.getsource(worker))
+    allowed = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name in ("__init__", "main")
+    ]
+    inside = {id(n) for f in allowed for n in ast.walk(f)}
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}  # text, not code
+    mentions = []
+    for node in ast.walk(tree):
+        if id(node) in inside or id(node) in docstrings:
+            continue
+        if isinstance(node, ast.Name):
+            name = node.id
+        elif isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value
+        else:
+            continue
+        if "vllm" in name.lower():
+            mentions.append((node.lineno, name))
+    assert mentions == [], mentions
+    assert any("vllm" in ast.unparse(f).lower() for f in allowed)  # the check sees what it looks for

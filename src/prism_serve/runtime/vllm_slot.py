@@ -31,19 +31,33 @@ worker's end.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from prism_serve.engine.config import EngineConfig
-from prism_serve.engine.vllm_engine import VllmEngine, engine_key
+from prism_serve.engine.tokenizer import Tokenizer
+from prism_serve.engine.vllm_engine import VllmEngine, engine_key, vllm_environment
 from prism_serve.memory.ledger import Account, DeviceLedger, LedgerError
 from prism_serve.memory.spare import grant_waiting
 from prism_serve.memory.vmm import VirtualRange
-from prism_serve.runtime.loading import DeviceMemoryExhaustedError, map_weight_pages, unmap_weight_pages
+from prism_serve.runtime import messages as msg
+from prism_serve.runtime.devices import DeviceSpec
+from prism_serve.runtime.engine_slot import Loaded
+from prism_serve.runtime.loading import (
+    DeviceMemoryExhaustedError,
+    map_weight_pages,
+    tensor_views,
+    unmap_weight_pages,
+)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -107,11 +121,23 @@ class VllmMemory:
 
 
 class VllmSlot:
-    """The one vLLM engine of a worker, rebuilt only when a model of another shape activates."""
+    """The one vLLM engine of a worker, rebuilt only when a model of another shape activates (the
+    worker's ``EngineSlot``, runtime/engine_slot.py)."""
+
+    kind = "vllm"
+    needs_tokenizer = False  # vLLM tokenizes for itself
+    traces_steps = False
 
     def __init__(
-        self, weight_range: VirtualRange, kv_range: VirtualRange, loader, ledger: DeviceLedger, owner: str
+        self,
+        device: DeviceSpec,
+        weight_range: VirtualRange,
+        kv_range: VirtualRange,
+        loader: ThreadPoolExecutor,
+        ledger: DeviceLedger,
+        owner: str,
     ) -> None:
+        vllm_environment(device.cores)  # before vLLM is first imported, at the first build
         self.weight_range = weight_range
         self.kv_range = kv_range
         self.loader = loader  # the worker's thread pool (maps pages in parallel)
@@ -122,7 +148,61 @@ class VllmSlot:
         self.kept: _Kept | None = None
         self._kept_account: Account | None = None
 
+    # ---- the worker's EngineSlot ----------------------------------------------------------------
+
+    def build_ahead(self, shape: msg.EngineShape) -> None:
+        self.prepare(shape.source, shape.engine, shape.compiled)
+
+    def build_ahead_for(self, m: msg.ActivateModel, shapes: Iterable[msg.EngineShape]) -> None:
+        """An activation that reaches a fresh worker before its Prepare built the engine (a model
+        activated at start-up, say): the Prepare's build runs first when it is for this model's
+        shape, as it would have (compiled, under ``vllm_compile``; the activation waits for it as
+        it would wait for a build of its own), else it is dropped (the activation builds the
+        engine it needs, eager)."""
+        want = engine_key(m.source, m.engine)
+        for shape in shapes:
+            if self.engine is None and engine_key(shape.source, shape.engine) == want:
+                try:
+                    self.prepare(shape.source, shape.engine, shape.compiled)
+                except Exception as e:  # the activation builds its own
+                    logger.warning("building the engine ahead of %s failed: %s", m.model, e)
+
+    def built(self) -> list[str]:
+        return [self.key] if self.key is not None else []
+
     def activate(
+        self,
+        m: msg.ActivateModel,
+        host: torch.Tensor,
+        weight_account: Account,
+        kv_account: Account,
+        tokenizer: Callable[[str], Tokenizer],
+    ) -> Loaded:
+        t0 = time.monotonic()
+        engine, memory, built_s, how = self.load(
+            m.source, m.engine, m.cache_path, tensor_views(host, m.tensors), m.weight_bytes,
+            weight_account, kv_account,
+        )  # fmt: skip
+        took = time.monotonic() - t0
+        return Loaded(
+            engine, memory, 0.0, took - built_s, built_s, m.weight_bytes, memory.reused_pages,
+            memory.weight_pages - memory.reused_pages, how, engine.compiled, engine.kv_bytes_per_token,
+        )  # fmt: skip
+
+    def release(self, loaded: Loaded, weight_account: Account) -> None:
+        loaded.engine.close()
+        loaded.kv.close()  # the model's memory is kept as spare, or given back (VllmMemory.close)
+
+    def poll(self) -> None:
+        if self.kept is not None and self.ledger.reclaim_wanted() > 0:
+            self.drop_kept()  # kept weights are spare memory: a grant elsewhere waits
+
+    def close(self) -> None:
+        self.drop()
+
+    # ---- the engine and its weights -------------------------------------------------------------
+
+    def load(
         self,
         source: str,
         config: EngineConfig,

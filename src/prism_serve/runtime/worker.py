@@ -2,13 +2,14 @@
 
 At start-up it pins itself to its device's cores, imports torch, connects to the controller and
 reserves two virtual ranges (weights, KV) of the device's size; then it holds no model and waits.
-While it waits it works through the controller's ``Prepare``: it maps the host cache files (pre-faulted
-in pieces of ``PREFAULT_CHUNK_BYTES``) and parses the tokenizers, one piece between two polls of its
-socket, so that an activation finds them open.
-``ActivateModel`` maps the weight pages (granted by the device ledger), copies the weights from the
-host cache in parallel chunks, builds the model over views of those pages, lays a KV pool out in the
-reserved KV range, and serves. ``EvictModel`` unmaps every page of the model (weights and KV) and
-leaves the worker idle in the pool again, ranges still reserved.
+While it waits it works through the controller's ``Prepare``: it builds the engine shapes it names
+(vLLM's engine), maps the host cache files (pre-faulted in pieces of ``PREFAULT_CHUNK_BYTES``) and
+parses the tokenizers, one piece between two polls of its socket, so that an activation finds them
+open. ``ActivateModel`` opens the model's host cache file and two ledger accounts (weights, KV) and
+hands them to the worker's engine slot (runtime/engine_slot.py: built-in or vLLM), which puts the
+weights on the device and builds the engine; the worker then serves. ``EvictModel`` makes the slot
+give back every page of the model and leaves the worker idle in the pool again, ranges still
+reserved. The worker drives any engine only through engine/interface.py.
 
 The loop: drain control messages, run one engine step, send that step's tokens. Run as
 ``python -m prism_serve.runtime.worker --worker-id ... --device cpu:0 --endpoint ipc://...``.
@@ -28,29 +29,25 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import msgspec
-import torch
 import zmq
 
 from prism_serve.control.profiles import StepSums
 from prism_serve.engine.cpu_kernels import kernels_enabled
 from prism_serve.engine.interface import WorkerEngine, WorkerKV
-from prism_serve.engine.kv_cache import KVCache
-from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
-from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.sequence import RequestMetrics
 from prism_serve.engine.step_trace import StepRecord, StepTrace
 from prism_serve.engine.tokenizer import Tokenizer
-from prism_serve.engine.weights import LoadedWeights
 from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError
-from prism_serve.memory.kv_pool import ElasticKVPool, PoolConfig
 from prism_serve.memory.ledger import Account, DeviceLedger
 from prism_serve.memory.spare import SparePages, spare_entry
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, reserve
 from prism_serve.runtime import messages as msg
+from prism_serve.runtime.builtin_slot import BuiltinSlot
 from prism_serve.runtime.devices import DeviceSpec, parse_cores, pin_process
-from prism_serve.runtime.loading import map_weight_pages, parallel_copy, tensor_views, unmap_weight_pages
-from prism_serve.runtime.weight_cache import PREFAULT_CHUNK_BYTES, SharedWeights, config_from_dict
+from prism_serve.runtime.engine_slot import EngineSlot, Loaded
+from prism_serve.runtime.loading import LOAD_THREADS
+from prism_serve.runtime.vllm_slot import VllmSlot
+from prism_serve.runtime.weight_cache import PREFAULT_CHUNK_BYTES, SharedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +59,9 @@ _STALLED_POLL_MS = 5  # the ledger refused KV blocks: retry soon, without spinni
 @dataclass(slots=True)
 class _Active:
     model: str
-    engine: WorkerEngine  # LLMEngine, or VllmEngine in a vLLM worker (engine/interface.py)
-    pool: WorkerKV  # ElasticKVPool, or VllmMemory
+    loaded: Loaded  # its engine and KV memory, as its slot activated them
     weight_account: Account
     kv_account: Account
-    num_weight_pages: int
     weight_bytes: int
     prefill_tokens_per_s: float | None = None
     step_seconds: float = 0.0  # wall time spent in engine steps since the activation
@@ -75,6 +70,14 @@ class _Active:
     busy_seconds: float = 0.0
     decode: StepSums = field(default_factory=StepSums)  # decode steps since the activation, CPU-timed
     cpu_start: float = 0.0  # this process's CPU time when the activation finished
+
+    @property
+    def engine(self) -> WorkerEngine:
+        return self.loaded.engine
+
+    @property
+    def pool(self) -> WorkerKV:
+        return self.loaded.kv
 
 
 class Worker:
@@ -86,13 +89,12 @@ class Worker:
         reserve_bytes: int,
         namespace: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
-        load_threads: int = 4,
+        load_threads: int = LOAD_THREADS,
         spare_bytes: int = 0,
         engine: str = "builtin",
     ) -> None:
         start = time.monotonic()
         self.worker_id = worker_id
-        self.engine_kind = engine
         self.device = device
         pin_process(device)
         self.ctx = zmq.Context()
@@ -110,26 +112,23 @@ class Worker:
         )
         self.loader = ThreadPoolExecutor(load_threads, thread_name_prefix="prism-load")
         self.load_threads = load_threads
-        self.page_size = page_size
-        self.namespace = namespace
         self.shared: dict[str, SharedWeights] = {}  # host cache files this worker has mapped
         self.tokenizers: dict[str, Tokenizer] = {}  # by tokenizer file
         self.to_prepare: deque[msg.CacheFile | str] = deque()  # Prepare's items not yet opened
         self.prepare_s = 0.0
         self.active: _Active | None = None
         self.trace = StepTrace.from_env(worker_id)  # PRISM_STEP_TRACE: every step's shape and time
-        self.vllm = None  # a vLLM worker's engine between activations (runtime/vllm_slot.py)
-        if engine == "vllm":
-            from prism_serve.engine.vllm_engine import vllm_environment
-
-            vllm_environment(device.cores)
-            from prism_serve.runtime.vllm_slot import VllmSlot
-
-            self.vllm = VllmSlot(self.weight_range, self.kv_range, self.loader, self.ledger, worker_id)
-        elif device.name.startswith("cpu"):
-            # the engine's CPU kernels, loaded (built once per machine, ~1 s) before this worker
-            # is ready rather than on its first model's first step
-            kernels_enabled()
+        # what runs models here, and keeps what it keeps between them (runtime/engine_slot.py)
+        self.slot: EngineSlot
+        w, kv = self.weight_range, self.kv_range
+        if engine == VllmSlot.kind:
+            self.slot = VllmSlot(device, w, kv, self.loader, self.ledger, worker_id)
+        else:
+            self.slot = BuiltinSlot(device, w, kv, self.spare, self.loader, namespace, self.trace is not None)
+            if device.name.startswith("cpu"):
+                # the engine's CPU kernels, loaded (built once per machine, ~1 s) before this worker
+                # is ready rather than on its first model's first step
+                kernels_enabled()
         self.running = True
         self._send(
             msg.WorkerReady(worker_id, os.getpid(), device.name, reserve_bytes, time.monotonic() - start)
@@ -150,8 +149,7 @@ class Worker:
                     self._prepare_one()
                 if self.active is not None and self.active.engine.has_unfinished_requests():
                     self._step(self.active)
-                if self.vllm is not None and self.vllm.kept and self.ledger.reclaim_wanted() > 0:
-                    self.vllm.drop_kept()  # kept weights are spare memory: a grant elsewhere waits
+                self.slot.poll()
         finally:
             self.close()
 
@@ -173,10 +171,9 @@ class Worker:
                         self.active.pool.shrink_buffer()
                     self._send(msg.StepOutputs([], self._stats(self.active)))  # its KV is free now
             case msg.Prepare():
-                engines = m.engines if self.vllm is not None else []
-                self.to_prepare.extend([*engines, *m.files, *m.tokenizers])
+                self.to_prepare.extend([*m.engines, *m.files, *m.tokenizers])
                 if not self.to_prepare:
-                    self._send(msg.Prepared([], [], 0.0, self._built_engines()))
+                    self._send(msg.Prepared([], [], 0.0, self.slot.built()))
             case msg.ActivateModel():
                 self._activate(m)
             case msg.EvictModel():
@@ -202,8 +199,7 @@ class Worker:
         start = time.monotonic()
         try:
             if isinstance(item, msg.EngineShape):
-                assert self.vllm is not None
-                self.vllm.prepare(item.source, item.engine, item.compiled)
+                self.slot.build_ahead(item)
             elif isinstance(item, msg.CacheFile):
                 shared = self._shared(item.path, item.size, populate=False)
                 if not shared.prefault(PREFAULT_CHUNK_BYTES):
@@ -217,30 +213,7 @@ class Worker:
         self.prepare_s += time.monotonic() - start
         if not self.to_prepare:
             files = sorted(path for path, f in self.shared.items() if f.complete)
-            self._send(msg.Prepared(files, sorted(self.tokenizers), self.prepare_s, self._built_engines()))
-
-    def _build_ahead_first(self, m: msg.ActivateModel) -> None:
-        """An activation that reaches a fresh vLLM worker before its Prepare built the engine (a
-        model activated at start-up, say): the Prepare's build runs first when it is for this
-        model's shape, as it would have (compiled, under ``vllm_compile``; the activation waits
-        for it as it would wait for a build of its own), else it is dropped (the activation
-        builds the engine it needs, eager)."""
-        from prism_serve.engine.vllm_engine import engine_key
-
-        assert self.vllm is not None
-        shapes = [item for item in self.to_prepare if isinstance(item, msg.EngineShape)]
-        for shape in shapes:
-            self.to_prepare.remove(shape)
-        want = engine_key(m.source, m.engine)
-        for shape in shapes:
-            if self.vllm.engine is None and engine_key(shape.source, shape.engine) == want:
-                try:
-                    self.vllm.prepare(shape.source, shape.engine, shape.compiled)
-                except Exception as e:  # the activation builds its own
-                    logger.warning("building the engine ahead of %s failed: %s", m.model, e)
-
-    def _built_engines(self) -> list[str]:
-        return [self.vllm.key] if self.vllm is not None and self.vllm.key is not None else []
+            self._send(msg.Prepared(files, sorted(self.tokenizers), self.prepare_s, self.slot.built()))
 
     def _shared(self, path: str, size: int, populate: bool = True) -> SharedWeights:
         """A host cache file mapped once per worker (pre-faulted at once with ``populate``, else
@@ -286,7 +259,7 @@ class Worker:
         seqs = a.engine.last_step_seqs
         if seqs and a.engine.last_step_tokens == seqs:  # a decode step: the batching fit's sample
             a.decode = a.decode.plus(seqs, alone)
-        if self.trace is not None and self.vllm is None and a.engine.last_step_tokens:
+        if self.trace is not None and self.slot.traces_steps and a.engine.last_step_tokens:
             cpu = time.thread_time() - c0
             self.trace.write(StepRecord(a.model, time.time() - dt, dt, cpu, a.engine.last_step_batch))
         if a.engine.last_step_tokens >= 64 and dt > 0:  # mostly prefill: a usable speed sample
@@ -335,51 +308,34 @@ class Worker:
     # ---- activation and eviction --------------------------------------------------------------
 
     def _activate(self, m: msg.ActivateModel) -> None:
-        if self.vllm is not None and self.active is None:
-            self._build_ahead_first(m)
+        if self.active is None:  # a Prepare's engine builds not run yet: this one's shape first
+            shapes = [item for item in self.to_prepare if isinstance(item, msg.EngineShape)]
+            for shape in shapes:
+                self.to_prepare.remove(shape)
+            self.slot.build_ahead_for(m, shapes)
         t_take = time.monotonic()
         if self.active is not None:
             self._send(msg.ActivationFailed(m.model, "InvalidRequestError", f"busy with {self.active.model}"))
             return
         weight_account = self.ledger.account(f"{m.model} weights")
         kv_account = self.ledger.account(f"{m.model} kv", m.kv_limit_bytes)
-        num_pages = 0
         open_file = self.shared.get(m.cache_path)
         prepared = (
             open_file is not None
             and open_file.complete
-            and (self.vllm is not None or m.tokenizer_path in self.tokenizers)  # vLLM tokenizes itself
+            and (not self.slot.needs_tokenizer or m.tokenizer_path in self.tokenizers)
         )
         try:
             shared = self._shared(m.cache_path, m.weight_bytes)
             shared.prefault(shared.size)  # what a Prepare left undone of it
             self._pin(shared)
-            if m.engine_kind != self.engine_kind:
+            if m.engine_kind != self.slot.kind:
                 raise InvalidRequestError(
-                    f"{m.model} runs on the {m.engine_kind} engine; this worker runs {self.engine_kind}"
+                    f"{m.model} runs on the {m.engine_kind} engine; this worker runs {self.slot.kind}"
                 )
-            if self.vllm is not None:
-                t_map = time.monotonic()
-                engine, pool, built_s, load_path = self.vllm.activate(
-                    m.source, m.engine, m.cache_path, tensor_views(shared.bytes, m.tensors),
-                    m.weight_bytes, weight_account, kv_account,
-                )  # fmt: skip
-                t_ready = time.monotonic()
-                t_copy, copied, reused = t_ready - built_s, m.weight_bytes, pool.reused_pages
-            else:
-                load_path = "copy"
-                num_pages, reused = map_weight_pages(
-                    self.weight_range, weight_account, m.weight_bytes, self.loader, self.spare
-                )
-                t_map = time.monotonic()
-                flat = self.weight_range.as_tensor()
-                copied = parallel_copy(shared.bytes, flat, m.tensors, self.loader, m.chunk_bytes)
-                t_copy = time.monotonic()
-                engine, pool = self._build_engine(m, flat, kv_account)
-                t_ready = time.monotonic()
+            t_open = time.monotonic()
+            loaded = self.slot.activate(m, shared.bytes, weight_account, kv_account, self._tokenizer)
         except BaseException as e:
-            if num_pages:
-                unmap_weight_pages(self.weight_range, weight_account, num_pages, self.spare)
             weight_account.close()
             kv_account.close()
             logger.warning("activation of %s failed: %s", m.model, e)
@@ -389,79 +345,32 @@ class Worker:
                 raise
             return
         self.active = a = _Active(
-            m.model,
-            engine,
-            pool,
-            weight_account,
-            kv_account,
-            num_pages,
-            m.weight_bytes,
-            cpu_start=time.process_time(),
+            m.model, loaded, weight_account, kv_account, m.weight_bytes, cpu_start=time.process_time()
         )
         phases = msg.ActivationPhases(
             take_s=max(0.0, t_take - m.sent_at),
-            map_s=t_map - t_take,
-            copy_s=t_copy - t_map,
-            ready_s=t_ready - t_copy,
-            copy_bytes=copied,
+            map_s=t_open - t_take + loaded.map_s,
+            copy_s=loaded.copy_s,
+            ready_s=loaded.ready_s,
+            copy_bytes=loaded.copy_bytes,
             copy_threads=self.load_threads,
-            reused_pages=reused,
-            created_pages=(pool.weight_pages if self.vllm is not None else num_pages) - reused,
+            reused_pages=loaded.reused_pages,
+            created_pages=loaded.created_pages,
             prepared=prepared,
-            compiled=self.vllm is not None and engine.compiled,
-            load_path=load_path,
+            compiled=loaded.compiled,
+            load_path=loaded.load_path,
         )
         self._send(
             msg.ModelActivated(
                 m.model,
                 phases,
-                kv_bytes_per_token=engine.kv_bytes_per_token
-                if self.vllm is not None
-                else engine.model_config.kv_bytes_per_token(
-                    torch.empty((), dtype=torch_dtype(engine.config)).element_size()
-                ),
-                max_kv_bytes=pool.num_total_blocks * pool.block_bytes,
-                max_model_len=engine.max_model_len,
-                max_num_seqs=engine.config.max_num_seqs,
+                kv_bytes_per_token=loaded.kv_bytes_per_token,
+                max_kv_bytes=a.pool.num_total_blocks * a.pool.block_bytes,
+                max_model_len=a.engine.max_model_len,
+                max_num_seqs=a.engine.config.max_num_seqs,
                 stats=self._stats(a),
             )
         )
-
-    def _build_engine(
-        self, m: msg.ActivateModel, flat: torch.Tensor, kv_account: Account
-    ) -> tuple[LLMEngine, ElasticKVPool]:
-        config = config_from_dict(m.config)
-        engine_config = msgspec.structs.replace(
-            m.engine,
-            kv_cache_bytes=self.kv_range.size,
-            device=self.device.local_name if self.device.is_cuda else "cpu",
-        )
-        dtype = torch_dtype(engine_config)
-        max_len = engine_config.resolve_max_model_len(config)
-        model = LlamaForCausalLM.from_packed(config, tensor_views(flat, m.tensors), dtype, max_len)
-        tokenizer = self._tokenizer(m.tokenizer_path)
-        # The KV layout of this model in the range reserved at start-up (the paper's "aligning the
-        # reserved virtual space to the new model"): blocks of this model's size, back to back.
-        block_bytes = KVCache.block_bytes(config, engine_config.block_size, dtype)
-        pool = ElasticKVPool(
-            self.kv_range,
-            block_bytes,
-            kv_account,
-            PoolConfig(
-                device=self.device.name,
-                page_size=self.page_size,
-                limit_bytes=m.kv_limit_bytes,
-                ledger_namespace=self.namespace,
-            ),
-        )
-        try:
-            weights = LoadedWeights(config, {}, tokenizer, m.source, m.synthetic)
-            engine = LLMEngine(engine_config, weights=weights, allocator=pool, model=model)
-            engine.record_step_batches = self.trace is not None
-        except BaseException:
-            pool.close()
-            raise
-        return engine, pool
 
     def _evict(self, m: msg.EvictModel) -> None:
         a = self.active
@@ -481,10 +390,7 @@ class Worker:
         """Drop the model and give back every page it mapped; the ranges stay reserved."""
         self.active = None
         before = self.weight_range.mapped_bytes + self.kv_range.mapped_bytes
-        a.engine.close()
-        a.pool.close()  # unmaps every KV page and returns its bytes to the ledger
-        a.engine = None  # type: ignore[assignment]  # no tensor view over the pages may outlive them
-        unmap_weight_pages(self.weight_range, a.weight_account, a.num_weight_pages, self.spare)
+        self.slot.release(a.loaded, a.weight_account)
         a.weight_account.close()
         a.kv_account.close()
         return before
@@ -494,8 +400,7 @@ class Worker:
             for req_id in self.active.engine.abort_all():
                 self._fail(req_id, ModelEvictedError("the worker is shutting down"))
             self._release(self.active)
-        if self.vllm is not None:
-            self.vllm.drop()
+        self.slot.close()
         for s in self.shared.values():
             s.close()
         self.loader.shutdown()
@@ -535,16 +440,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reserve-bytes", type=int, required=True)
     p.add_argument("--namespace", default=None)
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
-    p.add_argument("--load-threads", type=int, default=4)
+    p.add_argument("--load-threads", type=int, default=LOAD_THREADS)
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--spare-bytes", type=int, default=0, help="weight pages to keep ready (0: none)")
-    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
+    p.add_argument("--engine", choices=(BuiltinSlot.kind, VllmSlot.kind), default=BuiltinSlot.kind)
     args = p.parse_args(argv)
     _die_with_parent()
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
         return 1  # the controller died before the death signal was armed
     logging.basicConfig(level=logging.WARNING, format=f"[worker {args.worker_id}] %(levelname)s %(message)s")
-    device = DeviceSpec(args.device, args.memory_bytes, parse_cores(args.cores))
+    device = DeviceSpec(args.device, args.memory_bytes, parse_cores(args.cores), 1)  # its own view
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     worker = Worker(
         args.worker_id,

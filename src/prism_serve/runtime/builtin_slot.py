@@ -1,0 +1,141 @@
+"""The built-in engine's slot in a worker (runtime/engine_slot.py).
+
+An activation maps the model's weight pages in the worker's weight range (granted by the device
+ledger; spare pages already mapped there are taken first, memory/spare.py), copies the host cache
+file into them in parallel chunks, builds the model over views of those pages (no copy), lays an
+``ElasticKVPool`` with this model's block size out in the reserved KV range (the paper's "aligning
+the reserved virtual space to the new model") and builds the engine. Nothing is kept between
+models but the spare weight pages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import torch
+
+from prism_serve.engine.kv_cache import KVCache
+from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
+from prism_serve.engine.models.llama import LlamaForCausalLM
+from prism_serve.engine.tokenizer import Tokenizer
+from prism_serve.engine.weights import LoadedWeights
+from prism_serve.memory.kv_pool import ElasticKVPool, PoolConfig
+from prism_serve.memory.ledger import Account
+from prism_serve.memory.spare import SparePages
+from prism_serve.memory.vmm import VirtualRange
+from prism_serve.runtime import messages as msg
+from prism_serve.runtime.devices import DeviceSpec
+from prism_serve.runtime.engine_slot import Loaded
+from prism_serve.runtime.loading import map_weight_pages, parallel_copy, tensor_views, unmap_weight_pages
+from prism_serve.runtime.weight_cache import config_from_dict
+
+__all__ = ["BuiltinSlot"]
+
+
+class BuiltinSlot:
+    kind = "builtin"
+    needs_tokenizer = True
+    traces_steps = True
+
+    def __init__(
+        self,
+        device: DeviceSpec,
+        weight_range: VirtualRange,
+        kv_range: VirtualRange,
+        spare: SparePages,
+        loader: ThreadPoolExecutor,
+        namespace: str | None,
+        record_steps: bool,
+    ) -> None:
+        self.device = device
+        self.weight_range = weight_range
+        self.kv_range = kv_range
+        self.spare = spare  # weight pages kept mapped between models and made ahead of time
+        self.loader = loader  # the worker's threads: pages mapped and chunks copied in parallel
+        self.namespace = namespace
+        self.record_steps = record_steps  # the engine keeps each step's batch shape (PRISM_STEP_TRACE)
+
+    def build_ahead(self, shape: msg.EngineShape) -> None:
+        pass  # the engine is built per model, over its weights
+
+    def build_ahead_for(self, m: msg.ActivateModel, shapes: Iterable[msg.EngineShape]) -> None:
+        pass
+
+    def built(self) -> list[str]:
+        return []
+
+    def activate(
+        self,
+        m: msg.ActivateModel,
+        host: torch.Tensor,
+        weight_account: Account,
+        kv_account: Account,
+        tokenizer: Callable[[str], Tokenizer],
+    ) -> Loaded:
+        t0 = time.monotonic()
+        num_pages, reused = map_weight_pages(
+            self.weight_range, weight_account, m.weight_bytes, self.loader, self.spare
+        )
+        try:
+            t_map = time.monotonic()
+            flat = self.weight_range.as_tensor()
+            copied = parallel_copy(host, flat, m.tensors, self.loader, m.chunk_bytes)
+            t_copy = time.monotonic()
+            engine, pool = self._build(m, flat, kv_account, tokenizer(m.tokenizer_path))
+        except BaseException:
+            unmap_weight_pages(self.weight_range, weight_account, num_pages, self.spare)
+            raise
+        t_ready = time.monotonic()
+        element = torch.empty((), dtype=torch_dtype(engine.config)).element_size()
+        return Loaded(
+            engine, pool, t_map - t0, t_copy - t_map, t_ready - t_copy, copied, reused, num_pages - reused,
+            "copy", False, engine.model_config.kv_bytes_per_token(element), num_pages,
+        )  # fmt: skip
+
+    def _build(
+        self, m: msg.ActivateModel, flat: torch.Tensor, kv_account: Account, tokenizer: Tokenizer
+    ) -> tuple[LLMEngine, ElasticKVPool]:
+        config = config_from_dict(m.config)
+        engine_config = msgspec.structs.replace(
+            m.engine,
+            kv_cache_bytes=self.kv_range.size,
+            device=self.device.local_name if self.device.is_cuda else "cpu",
+        )
+        dtype = torch_dtype(engine_config)
+        max_len = engine_config.resolve_max_model_len(config)
+        model = LlamaForCausalLM.from_packed(config, tensor_views(flat, m.tensors), dtype, max_len)
+        block_bytes = KVCache.block_bytes(config, engine_config.block_size, dtype)
+        pool = ElasticKVPool(
+            self.kv_range,
+            block_bytes,
+            kv_account,
+            PoolConfig(
+                device=self.device.name,
+                page_size=self.kv_range.page_size,
+                limit_bytes=m.kv_limit_bytes,
+                ledger_namespace=self.namespace,
+            ),
+        )
+        try:
+            weights = LoadedWeights(config, {}, tokenizer, m.source, m.synthetic)
+            engine = LLMEngine(engine_config, weights=weights, allocator=pool, model=model)
+            engine.record_step_batches = self.record_steps
+        except BaseException:
+            pool.close()
+            raise
+        return engine, pool
+
+    def release(self, loaded: Loaded, weight_account: Account) -> None:
+        loaded.engine.close()
+        loaded.kv.close()  # unmaps every KV page and returns its bytes to the ledger
+        loaded.engine = None  # type: ignore[assignment]  # no tensor view over the pages may outlive them
+        unmap_weight_pages(self.weight_range, weight_account, loaded.weight_pages, self.spare)
+
+    def poll(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
