@@ -1,4 +1,4 @@
-"""Control-plane scale (issue 5): global placement of 10,000 models on 2,000 devices, and Algorithm 2
+"""Control-plane scale: global placement of 10,000 models on 2,000 devices, and Algorithm 2
 admission cost per request with 1,000 requests queued on one device.
 
 Everything is synthetic and seeded: model sizes follow the mix of the Prism paper's Table 4 (mostly
@@ -6,7 +6,7 @@ Everything is synthetic and seeded: model sizes follow the mix of the Prism pape
 log-uniform in 0.5-10 s, prompts log-normal (median 300 tokens). No accelerator is involved: the
 control plane is pure Python and this measures exactly the code the runtime and the simulator call.
 
-Replicas (issue 16): every model has ``--max-replicas - 1`` replica slots in the snapshot (evicted
+Replicas: every model has ``--max-replicas - 1`` replica slots in the snapshot (evicted
 until prism activates them), and a capacity of ``--replica-capacity`` req/s per replica, so the
 hottest models of the Zipf fleet want replicas on the periodic tick.
 

@@ -1,4 +1,4 @@
-"""The CUDA path measured on a GPU (issue 20), in one run that fits a short lease of a GPU machine.
+"""The CUDA path measured on a GPU, in one run that fits a short lease of a GPU machine.
 
 Sections (each runs even if an earlier one failed; every number is from this run and this GPU):
 
@@ -291,7 +291,7 @@ def section_smollm() -> dict:
 
 
 # Elastic pools compared with the fixed one: name -> PoolConfig fields (the rest are a GPU pool's
-# defaults). "per-page" is the pool as issue 20's first lease measured it (0.964x): every emptied
+# defaults). "per-page" is the pool as first measured on an H200 (0.964x): every emptied
 # page beyond the buffer unmapped at once, the thread mapping one page per call.
 POOL_VARIANTS = {
     "per-page": {"linger_s": 0.0, "map_batch_pages": 1},

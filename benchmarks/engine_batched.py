@@ -1,5 +1,5 @@
-"""The built-in engine alone on issue 17's batched workload, against the engine of another commit
-in the same run, and whether their greedy outputs are identical.
+"""The built-in engine alone on the batched workload of serve_throughput.py, against the engine of
+another commit in the same run, and whether their greedy outputs are identical.
 
 Workload: 64 requests of random token ids (prompts 8-512 tokens, 4-128 output tokens, seeded),
 greedy with ignore_eos, all queued at once, 32 in a batch; SmolLM2-135M-Instruct fp32. Each
@@ -7,7 +7,7 @@ greedy with ignore_eos, all queued at once, 32 in a batch; SmolLM2-135M-Instruct
 child process (its own ``prism_serve``); runs alternate (current, baseline, current, ...) so drift
 on a shared machine hits both.
 
-    python benchmarks/engine_batched.py --baseline 3b1c5ff          # the engine before issue 17
+    python benchmarks/engine_batched.py --baseline 3b1c5ff          # before oneDNN and the C++ kernels
     python benchmarks/engine_batched.py --baseline 22788fe --current 5640236 --repeats 2
     python benchmarks/engine_batched.py --profile                   # torch profiler table, current
 """

@@ -1,4 +1,4 @@
-"""Engine throughput vs HF transformers' batched ``generate`` (issue 2).
+"""Engine throughput vs HF transformers' batched ``generate``.
 
 Measures prefill, decode and aggregate tokens/s of our engine at several concurrencies on mixed
 prompt/output lengths, runs the same requests through HF transformers' ``generate`` on a model

@@ -1,4 +1,4 @@
-"""Live evaluation (issue 7): the real server on 2 CPU devices, several policies, the same bursty
+"""Live evaluation: the real server on 2 CPU devices, several policies, the same bursty
 multi-model workload from the real traces at several rates; TTFT/TPOT attainment per rate.
 
 Setup (printed and stored with the results): 5 models on 2 CPU devices of one core each: the real

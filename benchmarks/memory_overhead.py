@@ -1,4 +1,4 @@
-"""What elastic KV memory costs (issue 3): page operations, the block hot path, engine throughput.
+"""What elastic KV memory costs: page operations, the block hot path, engine throughput.
 
 Three measurements, each against a baseline run in the same invocation:
 

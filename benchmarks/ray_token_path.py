@@ -1,4 +1,4 @@
-"""Issue 21 groundwork: what a token stream from another Ray node costs per token, two ways.
+"""What a token stream from another Ray node costs per token, two ways.
 
 A local multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head node and a second node, on
 this machine) and a node agent (a Ray actor pinned to the second node by a custom resource). The
@@ -9,7 +9,7 @@ would-be API process) receives them:
 - a ZMQ PUSH socket the agent connects to a PULL socket the driver binds (what prism's workers
   already use locally): Ray only starts the agent.
 Per token: receive time minus send time (one clock: the nodes share this machine), p50 and p99.
-Issue 21 asks for <= 1 ms p99 added per token at low load.
+The target: <= 1 ms p99 added per token at low load.
 
 Needs ``ray`` (not a dependency of prism-serve yet) beside prism-serve's environment, e.g. a venv
 with ``pip install "ray==2.*" pyzmq torch==2.13.0`` run with ``PYTHONPATH=src``.

@@ -1,7 +1,7 @@
-"""Serving throughput of `prism serve` as `vllm bench serve` measures it (issue 17), against the
+"""Serving throughput of `prism serve` as `vllm bench serve` measures it, against the
 built-in engine alone on the same requests and against vLLM's own OpenAI server, in one run.
 
-Workloads (issue 17's), each sent to every server by `vllm bench serve` (from .venv-vllm,
+Workloads, each sent to every server by `vllm bench serve` (from .venv-vllm,
 scripts/client-envs.sh) with the same seeds, so every server gets the same requests:
 - ``c32``: 64 streamed /v1/completions requests of random token ids, prompts of 8-512 tokens (random
   dataset: input 260 +-97%), 4-128 output tokens (66 +-94%) with ignore_eos, 32 in flight;

@@ -1,4 +1,4 @@
-"""What the HTTP server adds to time to first token (issue 7 target: <= 2 ms at p99, low load).
+"""What the HTTP server adds to time to first token (target: <= 2 ms at p99, low load).
 
 One process runs the real server (uvicorn on loopback, the real controller and a worker with the
 real SmolLM2-135M-Instruct on one CPU device) and alternates, one request at a time, between

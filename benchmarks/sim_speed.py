@@ -1,9 +1,8 @@
 """How fast the simulator runs: one hour of the 58-model workload on 32 simulated H100s.
 
-Target: <= 60 s of wall time per policy on this machine (issue 15, with compute sharing on; issue
-6 asked for <= 120 s). Prints the workload size, the
-wall time of building it, of measuring SLOs, and of each policy's simulation, with the other load
-(cores other processes kept busy meanwhile; see common.py). Nothing is asserted.
+Target: <= 60 s of wall time per policy on this machine (with compute sharing on). Prints the
+workload size, the wall time of building it, of measuring SLOs, and of each policy's simulation,
+with the other load (cores other processes kept busy meanwhile; see common.py). Nothing is asserted.
 
     python benchmarks/sim_speed.py [--duration 3600] [--total-rate 20] [--policies prism,muxserve]
 """

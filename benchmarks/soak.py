@@ -1,4 +1,4 @@
-"""Soak (issue 22): a real `prism serve` under mixed traffic for a long time, with an operator's
+"""Soak: a real `prism serve` under mixed traffic for a long time, with an operator's
 churn and failures, checking that every request gets exactly one well-formed outcome and that
 nothing grows or stays behind.
 

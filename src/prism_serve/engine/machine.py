@@ -2,7 +2,7 @@
 
 bf16 pays only where the CPU has native bf16 matrix instructions (AVX512_BF16 or AMX): without
 them torch emulates bf16 matmuls, about 6x slower than fp32 on an AVX2 EPYC (15 against 98 GFLOP/s,
-issue 17). So ``dtype: auto`` is bf16 on such CPUs and fp32 elsewhere; a CUDA device (the GPU
+benchmarks/cpu_gemm.py). So ``dtype: auto`` is bf16 on such CPUs and fp32 elsewhere; a CUDA device (the GPU
 backend) has bf16 tensor cores and takes bf16. No torch here: the deployment config imports it.
 """
 

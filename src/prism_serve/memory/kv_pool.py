@@ -29,7 +29,7 @@ interval, so neither starves a neighbour's KV or an activation.
 The thread maps up to ``map_batch_pages`` pages per call (``VirtualRange.map_pages``): one ledger
 operation for the batch. On an H200 that did not make the driver's work cheaper (one
 ``cuMemSetAccess`` over 16 pages costs what 16 do); lingering is what brought the pool to the
-fixed pool's rate (docs/benchmarks.md, "Issue 20, second lease").
+fixed pool's rate (docs/results.md, "Elastic memory overhead").
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 # and a batch of 128 decodes crosses block boundaries together), and mapping a page on the engine's
 # thread costs ~40 us of driver calls. With the CPU's buffer of 8 pages, an 8B model at batch 128 on
 # an H200 mapped 5,834 pages on its own thread and decoded at 0.91x the fixed pool's rate; with 64,
-# 34 pages and 0.96x (docs/benchmarks.md, "The CUDA path"). 64 pages are 128 MiB of a GPU.
+# 34 pages and 0.96x (measured on an H200 before the buffer grew to 64 pages). 64 pages are 128 MiB of a GPU.
 GPU_BUFFER_MAX_PAGES = 64
 # How long an emptied page beyond the buffer stays mapped on a GPU while nobody else needs memory.
 GPU_LINGER_S = 5.0

@@ -4,7 +4,7 @@ activation copies weights into pages that exist instead of creating them.
 Creating a page is what makes an activation slow: on the host backend ``fallocate`` allocates and
 zeroes it and ``mmap(MAP_POPULATE)`` builds its page tables (about 2 GB/s here, against 12 GB/s
 for the copy); on an H200, creating, mapping and opening a 2 MiB page cost ~36 us on one thread,
-and an 8B model's 7,659 pages took 1.0 s on four (its copy: 0.29 s; docs/benchmarks.md, issue 20).
+and an 8B model's 7,659 pages took 1.0 s on four (its copy: 0.29 s; docs/results.md, "On a GPU (H200)").
 So the pages of an evicted model's weights stay mapped where they are (pages ``0..n-1`` of the
 worker's weight range), and pages are made ahead of time by a background thread while the device
 has room; the next activation on that worker takes them in place: no create, no map, only the copy.

@@ -339,7 +339,7 @@ class CudaVirtualRange(VirtualRange):
     """GPU memory through the CUDA driver's virtual memory management API (``cuda-bindings``).
 
     One physical allocation (``cuMemCreate``) per page, so any page can be released on its own.
-    Verified on an H200 (issue 20, docs/benchmarks.md); without a GPU its tests are skipped.
+    Verified on an H200 (docs/results.md, "On a GPU (H200)"); without a GPU its tests are skipped.
     """
 
     base_must_be_mapped = True

@@ -11,7 +11,7 @@ Global tick (``place``), in this order:
    models can make room (``eviction.choose_activation``), else where replicas yielding to it can,
    else where *quiet* models can (nothing queued or running, a lower rate than it; knob
    ``evict_quiet``);
-4. issue 16's additions: a compute-balancing move through idle models, replicas of hot models (and
+4. beyond the paper: a compute-balancing move through idle models, replicas of hot models (and
    of models backlogged by a burst), make-before-break moves of busy models slowed by their
    neighbours (``relocate_busy``), and prewarming (forecast, then the startup fill).
 Requests (``on_request``) for a resident model go to its rank-0 device's queue; for an evicted model
@@ -279,7 +279,7 @@ class PrismPolicy(Policy):
         gone: set[str],
         now: float,
     ) -> None:
-        """Issue 16's compute balancing where memory blocks Algorithm 1: on the most contended device
+        """Compute balancing where memory blocks Algorithm 1: on the most contended device
         (contention >= 2, i.e. busy fraction >= 0.5) where it works, the busiest movable model moves
         to a device that can hold it once idle models there are evicted, if the pressure it lands on
         beats its current one by tau at the current contention (Algorithm 1's rule) and it overloads

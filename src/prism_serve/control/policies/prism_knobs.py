@@ -25,7 +25,7 @@ class PrismKnobs(Knobs):
     rebalance: bool = True  # False: resident models never migrate (global scheduler off)
     deadline_admission: bool = True  # False: per-engine FIFO admission (local scheduler off)
     # False: placement weighs KV pressure only (the paper's KVPR), not the compute colocated engines
-    # share (placement.pressure); the ablation of issue 16's compute-aware placement
+    # share (placement.pressure); the ablation of compute-aware placement
     compute_aware: bool = True
     # activate evicted models the seasonal forecast expects a request for within prewarm_horizon_s,
     # into memory below the watermark (WarmServe's prewarming, seed 004); False: activate on demand only

@@ -27,7 +27,7 @@ def _onednn_linear():
     CPU linears) where this torch build has it, else None. fp32 matmuls go through it unless
     ``PRISM_CPU_GEMM=blas``: the BLAS path (``x @ W``, MKL) runs AVX2 kernels on AMD CPUs, and on an
     AVX-512 EPYC oneDNN was 2-3x faster at 8-256 rows and 0.96-1.14x at one row
-    (docs/benchmarks.md, "oneDNN for fp32 matmuls"). The results differ from BLAS only in
+    (docs/results.md, "The engine alone and its CPU kernels"). The results differ from BLAS only in
     summation order (about 1e-4 absolute on this model's activations)."""
     choice = os.environ.get("PRISM_CPU_GEMM", "auto")
     if choice not in ("auto", "onednn", "blas"):
