@@ -171,15 +171,20 @@ def pct(a: np.ndarray) -> tuple[float, float]:
     return float(p50), float(p99)
 
 
-def local_only(args: argparse.Namespace) -> None:
-    print(machine_info()["line"])
-    spec = ModelSpec(
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The one model both sides serve: fp32, short context, SLOs no run misses."""
+    return ModelSpec(
         "m",
         source=args.model,
         ttft_slo=30.0,
         tpot_slo=2.0,
         engine=EngineConfig(dtype="float32", max_model_len=512),
     )
+
+
+def local_only(args: argparse.Namespace) -> None:
+    print(machine_info()["line"])
+    spec = model_spec(args)
     streams = max(int(s) for s in args.streams.split(","))
     for rep in range(args.repeats):
         size = parse_size("1536MiB")
@@ -226,13 +231,7 @@ def main() -> None:
 
     info = machine_info()
     print(info["line"])
-    spec = ModelSpec(
-        "m",
-        source=args.model,
-        ttft_slo=30.0,
-        tpot_slo=2.0,
-        engine=EngineConfig(dtype="float32", max_model_len=512),
-    )
+    spec = model_spec(args)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     second = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
