@@ -243,36 +243,48 @@ def test_vllm_kv_pages_follow_its_requests(server: ServerProcess) -> None:
 
 
 def test_colocated_engines_take_turns_with_memory_neither_could_hold_both(server: ServerProcess) -> None:
+    """Both models resident and pinned (so the policy cannot make room by evicting the quiet one,
+    which would leave a device that holds both requests at once); then what the device has free is
+    less than their two long requests' KV, and each grows into what the other gives back."""
     c = client(server)
-    admin(server, "smol", "load")
-    admin(server, "smol-vllm", "load")
-    solo: dict[str, int] = {}
-    idle = {m: kv_bytes(server, m) for m in ("smol", "smol-vllm")}
-    for model in ("smol", "smol-vllm"):
-        with LedgerWatch(server) as watch:
-            c.completions.create(model=model, prompt=LONG, max_tokens=4, temperature=0)
-        solo[model] = watch.peak[f"{model} kv"] - idle[model]
-        wait_kv(server, model, idle[model])
-    snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
-    assert sum(solo.values()) > snap.budget_bytes - snap.used_bytes  # both at once cannot fit
-    done: dict[str, int] = {}
+    models = ("smol", "smol-vllm")
+    for model in models:
+        admin(server, model, "load")
+        admin(server, model, "pin")
+    try:
+        assert [admin(server, m, "pin")["state"] for m in models] == ["active", "active"]
+        solo: dict[str, int] = {}
+        idle = {m: kv_bytes(server, m) for m in models}
+        for model in models:
+            with LedgerWatch(server) as watch:
+                c.completions.create(model=model, prompt=LONG, max_tokens=4, temperature=0)
+            solo[model] = watch.peak[f"{model} kv"] - idle[model]
+            wait_kv(server, model, idle[model])
+        snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
+        resident = {e.name for e in snap.entries}
+        assert {f"{m} weights" for m in models} <= resident, resident  # both still there
+        assert sum(solo.values()) > snap.budget_bytes - snap.used_bytes  # both at once cannot fit
+        done: dict[str, int] = {}
 
-    def one(model: str) -> None:
-        done[model] = c.completions.create(
-            model=model, prompt=LONG, max_tokens=16, temperature=0
-        ).usage.completion_tokens
+        def one(model: str) -> None:
+            done[model] = c.completions.create(
+                model=model, prompt=LONG, max_tokens=16, temperature=0
+            ).usage.completion_tokens
 
-    with LedgerWatch(server) as watch:  # asserts the budget at every sample
-        threads = [threading.Thread(target=one, args=(m,)) for m in ("smol", "smol-vllm")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert done == {"smol": 16, "smol-vllm": 16}
-    # each held its whole prompt's KV (2 x 30 layers x 3 heads x 64 x 4 bytes a token) at some point,
-    # which both together could not: one grew into the memory the other gave back
-    for model in solo:
-        assert watch.peak[f"{model} kv"] - idle[model] >= 1801 * 46080
+        with LedgerWatch(server) as watch:  # asserts the budget at every sample
+            threads = [threading.Thread(target=one, args=(m,)) for m in models]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert done == {"smol": 16, "smol-vllm": 16}
+        # each held its whole prompt's KV (2 x 30 layers x 3 heads x 64 x 4 bytes a token) at some
+        # point, which both together could not: one grew into the memory the other gave back
+        for model in solo:
+            assert watch.peak[f"{model} kv"] - idle[model] >= 1801 * 46080
+    finally:
+        for model in models:
+            admin(server, model, "unpin")
 
 
 def kept_bytes(server: ServerProcess) -> int:
