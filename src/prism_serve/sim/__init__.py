@@ -7,14 +7,13 @@ from prism_serve.sim.cost import COST_MODELS, RooflineCostModel
 from prism_serve.sim.errors import SimConfigError, SimError, SimStateError
 from prism_serve.sim.hardware import HARDWARE, HardwareProfile, get_hardware
 from prism_serve.sim.metrics import SimResult, attainment
-from prism_serve.sim.models import MODEL_SHAPES, SETUPS, ModelShape, ServedModel, get_setup, model_shape
+from prism_serve.sim.models import MODEL_SHAPES, ModelShape, ServedModel, model_shape
 from prism_serve.sim.simulator import ModelSLO, SimConfig, Simulator, simulate
 
 __all__ = [
     "COST_MODELS",
     "HARDWARE",
     "MODEL_SHAPES",
-    "SETUPS",
     "HardwareProfile",
     "ModelSLO",
     "ModelShape",
@@ -28,7 +27,6 @@ __all__ = [
     "Simulator",
     "attainment",
     "get_hardware",
-    "get_setup",
     "model_shape",
     "simulate",
 ]

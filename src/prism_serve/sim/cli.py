@@ -31,11 +31,11 @@ def _floats(text: str) -> list[float]:
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    from prism_serve.sim.models import SETUPS
+    from prism_serve.sim.deployment import PRESETS
     from prism_serve.workload.builder import LENGTH_FILES
 
     p.add_argument(
-        "--setup", default="paper-8", choices=list(SETUPS), help="the served models (sim/models.py)"
+        "--setup", default="paper-8", choices=PRESETS, help="the served models (sim/presets/)"
     )
     p.add_argument("--workload", type=Path, help="read this JSONL workload instead of building one")
     p.add_argument("--source", default="servegen:m-large", help="servegen:<pool> or azure:conv|code")
@@ -71,7 +71,7 @@ def _workload(args: argparse.Namespace, models: list):
 
 
 def _cmd_workload(args: argparse.Namespace) -> int:
-    from prism_serve.sim.models import get_setup
+    from prism_serve.sim.deployment import get_setup
     from prism_serve.workload.format import write_jsonl
     from prism_serve.workload.stats import format_stats, model_stats
 
@@ -89,7 +89,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from prism_serve.engine.config import GPU_ENGINE_DEFAULTS
-    from prism_serve.sim.models import get_setup
+    from prism_serve.sim.deployment import get_setup
     from prism_serve.sim.plot import plot_gpus_needed, plot_sweep
     from prism_serve.sim.simulator import SimConfig
     from prism_serve.sim.slo import load_slos, measure_slos, save_slos

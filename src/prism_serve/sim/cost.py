@@ -10,7 +10,10 @@ For a batch with ``P`` prefill tokens and ``D`` decoding requests on ``tp`` devi
 
 ``attention_pairs`` counts (query, key) pairs: a decode reads its whole context, a prefill chunk of
 ``c`` tokens after ``b`` computed ones attends to ``b + (c + 1) / 2`` keys on average. Weights are
-read once per step whatever the batch, which is why decoding in large batches is cheap.
+read once per step whatever the batch, which is why decoding in large batches is cheap. A
+mixture-of-experts model reads its dense part once per step and, of its routed experts, the share
+the step's tokens chose: ``1 - (1 - k / E) ** tokens`` (``ModelShape.experts_read``); its FLOPs
+are those of the experts each token uses.
 
 The fitted CPU profile (``overlap=False``) sums the terms instead, because one CPU thread does one
 thing at a time, and splits the matmuls the way this project's engine runs them: the body for every
@@ -92,12 +95,14 @@ class RooflineCostModel:
             c = (
                 spec.matmul_flops_per_token / tp / self._flops_rate,  # s per token, compute
                 spec.attn_flops_per_pair / tp / self._attn_rate,  # s per attention pair
-                spec.weight_bytes / tp / self._mem_rate,  # s to stream the weights once
+                # s to stream the weights once (a MoE model's dense part: its experts are the last)
+                (spec.weight_bytes - spec.expert_params * spec.dtype_bytes) / tp / self._mem_rate,
                 spec.kv_bytes_per_token / tp / self._kv_rate,  # s per KV token read or written
                 hw.step_overhead_s + comm_fixed,
                 comm_per_token,
                 hw.seq_overhead_s,
                 groups,
+                spec.expert_params * spec.dtype_bytes / tp / self._mem_rate,  # s to stream every expert
             )
             self._consts[key] = c
         return c
@@ -116,7 +121,9 @@ class RooflineCostModel:
         """One step: ``tokens`` fed (prefill chunks plus one per decode), ``attn_pairs`` as above,
         ``kv_read`` KV tokens read (every decode's context plus earlier chunks of prefills),
         ``num_seqs`` requests that sample a token (decodes and prefills whose last chunk this is)."""
-        f_tok, f_pair, w, kv, fixed, comm, per_seq, groups = self._c(spec, tp)
+        f_tok, f_pair, w, kv, fixed, comm, per_seq, groups, experts = self._c(spec, tp)
+        if experts:
+            w += experts * spec.experts_read(tokens)
         if groups is None:
             body = max(f_tok * tokens + f_pair * attn_pairs, w + kv * (kv_read + tokens))
         else:
@@ -126,7 +133,9 @@ class RooflineCostModel:
     def decode_steps(self, spec: ModelShape, tp: int, num_seqs: int, context: int, k: int) -> np.ndarray:
         """Durations of ``k`` consecutive decode-only steps of ``num_seqs`` requests whose contexts
         sum to ``context`` at the first step (every step adds ``num_seqs`` tokens)."""
-        f_tok, f_pair, w, kv, fixed, comm, per_seq, groups = self._c(spec, tp)
+        f_tok, f_pair, w, kv, fixed, comm, per_seq, groups, experts = self._c(spec, tp)
+        if experts:
+            w += experts * spec.experts_read(num_seqs)
         ctx = context + num_seqs * np.arange(k, dtype=np.float64)
         if groups is None:
             body = np.maximum(f_tok * num_seqs + f_pair * ctx, w + kv * (ctx + num_seqs))
@@ -150,7 +159,9 @@ class RooflineCostModel:
         The summed CPU form prices a matmul group of ``m`` rows at ``min(m * row, w + m * f)``, which
         is at least ``m * min(row, f)`` and, for ``m >= 1``, at least ``min(row, w)``; its LM head runs
         only for sampled tokens, so the body and head are floored separately."""
-        f_tok, f_pair, w, _, _, _, _, groups = self._c(spec, tp)
+        f_tok, f_pair, w, _, _, _, _, groups, experts = self._c(spec, tp)
+        if experts:  # a full step's tokens read this share of the experts
+            w += experts * spec.experts_read(max_num_seqs)
         p, o = prompt, output
         fed = p + o - 1
         pairs = p * (p + 1) / 2 + (o - 1) * p + (o - 1) * (o - 2) / 2

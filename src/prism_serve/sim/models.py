@@ -1,34 +1,81 @@
-"""Model shapes the simulator serves, and the paper's evaluation setups built from them.
+"""Model shapes the simulator serves: what memory and compute one token of a model costs.
 
 Shapes are the real models' (layer counts, widths, heads, vocabularies); weights never exist here,
-only their byte counts. The engine's presets (``engine.models.config.PRESETS``) supply the small
-models; the larger ones are added below.
+only their byte counts. Named shapes are the engine's presets (``engine.models.config.PRESETS``);
+sim/shapes.py reads any other from a model's weights' metadata, and sim/deployment.py makes a
+deployment config's models of them (the paper's setups are such configs: sim/presets/).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from prism_serve.engine.models.config import PRESETS, ArchConfig
 from prism_serve.sim.errors import SimConfigError
 
-__all__ = ["MODEL_SHAPES", "SETUPS", "ModelShape", "ServedModel", "get_setup", "model_shape"]
+__all__ = ["MODEL_SHAPES", "MoE", "ModelShape", "ServedModel", "model_shape"]
+
+
+@dataclass(slots=True, frozen=True)
+class MoE:
+    """A mixture-of-experts model's feed-forward: in ``num_layers`` of its layers each token goes to
+    ``experts_per_token`` of ``num_experts`` experts (each ``expert_ffn`` wide) plus the shared
+    experts (``shared_ffn`` wide in all); its other layers have the dense ``ArchConfig``'s FFN."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_ffn: int
+    num_layers: int
+    shared_ffn: int = 0
+
+    def __post_init__(self) -> None:
+        ok = 0 < self.experts_per_token <= self.num_experts and self.expert_ffn > 0 and self.num_layers > 0
+        if not ok:
+            raise SimConfigError(f"bad mixture-of-experts shape: {self}")
 
 
 @dataclass(slots=True, frozen=True)
 class ModelShape:
     """A model shape at a dtype: what memory and compute one token costs (the cost model's view of a
-    model; what the live runtime serves is ``runtime.models.ModelSpec``)."""
+    model; what the live runtime serves is ``runtime.models.ModelSpec``). A mixture-of-experts
+    model (``moe``) holds every expert in memory but computes with the few each token is routed to."""
 
     name: str
     config: ArchConfig
     dtype_bytes: int = 2  # bf16
+    moe: MoE | None = None
+    # elements cached per token and layer when not a K and a V per KV head: multi-head latent
+    # attention caches one latent vector (and its RoPE part)
+    latent_kv: int | None = None
 
     @property
     def num_params(self) -> int:
-        return self.config.num_params
+        """Every weight (what memory holds)."""
+        return self.config.num_params + self._moe_params(self.moe.num_experts if self.moe else 0)
+
+    @property
+    def active_params(self) -> int:
+        """The weights one token is computed with."""
+        return self.config.num_params + self._moe_params(self.moe.experts_per_token if self.moe else 0)
+
+    @property
+    def expert_params(self) -> int:
+        """The routed experts' weights (0 for a dense model): a step reads those its tokens chose."""
+        m = self.moe
+        return 0 if m is None else 3 * self.config.hidden_size * m.expert_ffn * m.num_experts * m.num_layers
+
+    def _moe_params(self, experts: int) -> int:
+        """What the MoE layers change against the dense config: their dense FFN replaced by
+        ``experts`` routed experts, the shared experts and the router."""
+        m = self.moe
+        if m is None:
+            return 0
+        d = self.config.hidden_size
+        dense_ffn = 3 * d * self.config.intermediate_size
+        moe_ffn = 3 * d * (m.expert_ffn * experts + m.shared_ffn) + d * m.num_experts
+        return m.num_layers * (moe_ffn - dense_ffn)
 
     @property
     def weight_bytes(self) -> int:
@@ -36,6 +83,8 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        if self.latent_kv is not None:
+            return self.config.num_layers * self.latent_kv * self.dtype_bytes
         return self.config.kv_bytes_per_token(self.dtype_bytes)
 
     @property
@@ -43,13 +92,19 @@ class ModelShape:
         """2 FLOPs per weight used in a matmul; the input embedding is a lookup, not a matmul."""
         c = self.config
         lookup = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
-        return 2.0 * (self.num_params - lookup)
+        return 2.0 * (self.active_params - lookup)
 
     @property
     def attn_flops_per_pair(self) -> float:
         """FLOPs of one (query token, context token) pair over all layers: QK^T and PV."""
         c = self.config
         return 4.0 * c.num_layers * c.num_heads * c.head_dim
+
+    def experts_read(self, tokens: float) -> float:
+        """The share of the routed experts a step of ``tokens`` tokens reads (each token picks its
+        experts independently of the others): 1 - (1 - k / E) ** tokens; 0 for a dense model."""
+        m = self.moe
+        return 0.0 if m is None else 1.0 - (1.0 - m.experts_per_token / m.num_experts) ** tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,30 +120,7 @@ class ServedModel:
             raise SimConfigError(f"{self.name}: tp_size must be a power of two, got {self.tp_size}")
 
 
-def _cfg(arch, vocab, hidden, inter, layers, heads, kv, head_dim, tied=False, bias=False) -> ArchConfig:
-    return ArchConfig(
-        arch,
-        vocab,
-        hidden,
-        inter,
-        layers,
-        heads,
-        kv,
-        head_dim,
-        32768,
-        tie_word_embeddings=tied,
-        attention_bias=bias,
-    )
-
-
-MODEL_SHAPES: Mapping[str, ArchConfig] = MappingProxyType(
-    {
-        **PRESETS,
-        "qwen2.5-14b": _cfg("qwen2", 152064, 5120, 13824, 48, 40, 8, 128, bias=True),
-        "qwen2.5-32b": _cfg("qwen2", 152064, 5120, 27648, 64, 40, 8, 128, bias=True),
-        "llama-3.1-70b": _cfg("llama", 128256, 8192, 28672, 80, 64, 8, 128),
-    }
-)
+MODEL_SHAPES: Mapping[str, ArchConfig] = MappingProxyType(dict(PRESETS))
 
 
 def model_shape(shape: str, dtype_bytes: int = 2) -> ModelShape:
@@ -98,52 +130,3 @@ def model_shape(shape: str, dtype_bytes: int = 2) -> ModelShape:
         raise SimConfigError(
             f"unknown model shape {shape!r}; choose one of {', '.join(MODEL_SHAPES)}"
         ) from None
-
-
-
-
-def _family(shape: str, count: int, tp: int = 1, start: int = 0) -> list[ServedModel]:
-    spec = model_shape(shape)
-    return [ServedModel(f"{shape}-{i:02d}", spec, tp) for i in range(start, start + count)]
-
-
-def _setup_8() -> list[ServedModel]:
-    """Section 7.3, first and second rows of Figure 7: eight models on two GPUs."""
-    return [*_family("llama-3.2-1b", 3), *_family("llama-3.2-3b", 3), *_family("llama-3.1-8b", 2)]
-
-
-def _setup_18() -> list[ServedModel]:
-    """Section 7.3, last row of Figure 7: 18 models of 1B to 8B, each fits one GPU."""
-    return [*_family("llama-3.2-1b", 8), *_family("llama-3.2-3b", 6), *_family("llama-3.1-8b", 4)]
-
-
-def _setup_58() -> list[ServedModel]:
-    """Section 7.5 / Table 4: 43 models of 1-3B, 8 of 4-8B, 3 of 9-30B, 4 of 31-70B (32B at TP=4,
-    70B at TP=4 and TP=8)."""
-    return [
-        *_family("llama-3.2-1b", 22),
-        *_family("llama-3.2-3b", 21),
-        *_family("llama-3.1-8b", 8),
-        *_family("qwen2.5-14b", 3),
-        *_family("qwen2.5-32b", 2, tp=4),
-        *_family("llama-3.1-70b", 1, tp=4),
-        *_family("llama-3.1-70b", 1, tp=8, start=1),
-    ]
-
-
-def _setup_cpu() -> list[ServedModel]:
-    """Two copies of the project's CPU model (fp32), to check the simulator against a live CPU run."""
-    spec = model_shape("smollm2-135m", dtype_bytes=4)
-    return [ServedModel(f"smollm2-135m-{i:02d}", spec) for i in range(2)]
-
-
-SETUPS: Mapping[str, Callable[[], list[ServedModel]]] = MappingProxyType(
-    {"paper-8": _setup_8, "paper-18": _setup_18, "paper-58": _setup_58, "cpu-2": _setup_cpu}
-)
-
-
-def get_setup(name: str) -> list[ServedModel]:
-    try:
-        return SETUPS[name]()
-    except KeyError:
-        raise SimConfigError(f"unknown setup {name!r}; choose one of {', '.join(SETUPS)}") from None

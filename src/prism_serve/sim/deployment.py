@@ -1,0 +1,86 @@
+"""A deployment config (the YAML ``prism serve`` reads) as the simulator serves it.
+
+Every model entry becomes a ``ServedModel``: its shape read from its weights' metadata
+(sim/shapes.py), at its dtype (``auto``: bf16 on the GPU profiles, this machine's choice on the
+CPU ones) and its ``tp``; its SLOs are the entry's ``ttft_slo`` and ``tpot_slo``. The engine knobs
+come from the models' ``EngineConfig`` (the simulator has one for every engine: the models must
+agree on them, else the first model's are used and a warning says so), the policy and its knobs
+from the config's ``policy``.
+
+The evaluation setups of the Prism paper are such configs, shipped as presets
+(sim/presets/*.yaml): ``prism sim --setup paper-58`` and ``prism plan --config paper-58`` read the
+same file through this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from prism_serve.config import ConfigError, DeploymentConfig, load_config, parse_config
+from prism_serve.engine.config import EngineConfig
+from prism_serve.engine.machine import resolve_dtype
+from prism_serve.sim.config import ModelSLO
+from prism_serve.sim.errors import SimConfigError
+from prism_serve.sim.models import ServedModel
+from prism_serve.sim.shapes import shape_of
+
+__all__ = ["PRESETS", "SimDeployment", "deployment_config", "get_setup", "sim_deployment"]
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+PRESETS = ("paper-8", "paper-18", "paper-58", "cpu-2")
+
+
+@dataclass(slots=True, frozen=True)
+class SimDeployment:
+    models: list[ServedModel]
+    slos: dict[str, ModelSLO]  # the config's, per model
+    engine: EngineConfig  # every simulated engine's knobs
+    policy: str
+    knobs: tuple[tuple[str, object], ...]
+    warnings: tuple[str, ...] = ()
+
+
+def deployment_config(name_or_path: str | Path) -> DeploymentConfig:
+    """A preset's config by name (``paper-58``), else a YAML file's."""
+    if str(name_or_path) in PRESETS:
+        text = resources.files("prism_serve.sim").joinpath(f"presets/{name_or_path}.yaml").read_text()
+        return parse_config(text, f"preset {name_or_path}")
+    return load_config(name_or_path)
+
+
+def sim_deployment(config: DeploymentConfig, gpu: bool = True) -> SimDeployment:
+    """``config``'s models, SLOs, engine knobs and policy for simulated devices (``gpu``: a GPU
+    profile, where ``dtype: auto`` is bf16; else a CPU profile, where it is what this machine
+    runs fast)."""
+    models, slos, warnings = [], {}, []
+    for m in config.models:
+        dtype = resolve_dtype(m.dtype, "cuda" if gpu else "cpu")
+        models.append(ServedModel(m.name, shape_of(m.name, m.source, _DTYPE_BYTES[dtype]), m.tp))
+        slos[m.name] = ModelSLO(m.ttft_slo, m.tpot_slo)
+    engine = config.models[0].engine_config("cuda" if gpu else "cpu")
+    for knob in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        values = sorted({getattr(m, knob) for m in config.models})
+        if len(values) > 1:
+            warnings.append(f"models differ in {knob} ({values}); the simulator uses {getattr(engine, knob)}")
+    knobs = tuple(sorted((k, _hashable(v)) for k, v in config.policy.knobs.items()))
+    return SimDeployment(models, slos, engine, config.policy.name, knobs, tuple(warnings))
+
+
+def get_setup(name: str) -> list[ServedModel]:
+    """A preset's models, on GPUs (``cpu-2``: on CPUs)."""
+    if name not in PRESETS:
+        raise SimConfigError(f"unknown setup {name!r}; choose one of {', '.join(PRESETS)}")
+    try:
+        return sim_deployment(deployment_config(name), gpu=not name.startswith("cpu")).models
+    except ConfigError as e:  # a preset that does not parse is a bug of this package
+        raise SimConfigError(str(e)) from None
+
+
+def _hashable(v: object) -> object:
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    return v
