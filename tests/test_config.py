@@ -80,7 +80,6 @@ def test_auto_dtype_is_bf16_on_a_deployment_of_gpus_and_explicit_dtypes_stay():
         ),
         (GOOD.replace("name: synth", "name: chat"), "duplicate model name(s): chat"),
         (GOOD.replace("dtype: bfloat16", "dtype: fp8"), "models.1.dtype (line 7)"),
-        (GOOD.replace("seed: 3}", "seed: 3, tp: 4}"), "tp=1 only"),
         (GOOD.replace('"cpu:1"', '"tpu:1"'), "devices.1.name (line 3)"),
         ("devices: 3\nmodels: [{name: a}]\n", "devices (line 1): wrong type (int)"),
         ("- just a list\n", "must be a mapping"),
@@ -92,6 +91,15 @@ def test_errors_name_the_key_and_line(text, expected):
         parse_config(text, "deploy.yaml")
     assert expected in str(e.value)
     assert str(e.value).startswith("deploy.yaml")
+
+
+def test_a_tensor_parallel_model_is_planned_but_not_served():
+    """``tp: 4`` is a valid entry (prism sim and prism plan simulate it); the live runtime refuses
+    it with an error naming the model, before anything starts."""
+    config = parse_config(GOOD.replace("seed: 3}", "seed: 3, tp: 4}"))
+    assert config.models[1].tp == 4
+    with pytest.raises(ConfigError, match="model synth: tp: 4: the live runtime serves tp=1 only"):
+        model_specs(config)
 
 
 def test_load_config_file(tmp_path):

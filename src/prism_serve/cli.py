@@ -82,7 +82,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from prism_serve.runtime.build import device_specs
 
     config = load_config(args.config) if args.config else default_config()
-    config = config.with_overrides(host=args.host, port=args.port, policy=args.policy, ray_address=args.ray)
+    config = config.with_overrides(
+        host=args.host, port=args.port, policy=args.policy, ray_address=args.ray, request_log=args.request_log
+    )
     server = config.server
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -99,6 +101,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"  {m.name:<28} {kind:<28} TTFT SLO {m.ttft_slo:g}s  TPOT SLO {m.tpot_slo:g}s", file=sys.stderr
         )
     print(f"  OpenAI endpoint: http://{server.host}:{server.port}/v1", file=sys.stderr)
+    if server.request_log:
+        print(f"  request log: {server.request_log}", file=sys.stderr)
     run_server(config, log_level=args.log_level)
     return 0
 
@@ -193,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, help="override server.port")
     sv.add_argument("--policy", help="override policy.name (its knobs then take their defaults)")
     sv.add_argument(
+        "--request-log", metavar="PATH", help="override server.request_log: a JSON line per request"
+    )
+    sv.add_argument(
         "--ray",
         metavar="ADDRESS",
         help="serve on every node of this Ray cluster (auto, or host:port); each node runs the "
@@ -240,8 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     from prism_serve.bench.cli import add_bench_parser
     from prism_serve.ops_cli import add_ops_parsers
     from prism_serve.sim.cli import add_sim_parser, add_workload_parser
+    from prism_serve.sim.plan_cli import add_plan_parser
 
     add_sim_parser(sub)
+    add_plan_parser(sub)
     add_workload_parser(sub)
     add_bench_parser(sub)
     add_ops_parsers(sub)

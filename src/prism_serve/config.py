@@ -100,7 +100,9 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         ENGINE_DEFAULTS.dtype, description="auto: bfloat16 on CPUs with native bf16 matmuls, else float32"
     )
-    tp: int = Field(1, ge=1, description="tensor parallel degree (the live runtime serves tp=1)")
+    tp: int = Field(
+        1, ge=1, description="tensor parallel degree (prism sim / plan; the live runtime serves tp=1)"
+    )
     ttft_slo: float = Field(DEFAULT_TTFT_SLO_S, gt=0, description="seconds")
     tpot_slo: float = Field(DEFAULT_TPOT_SLO_S, gt=0, description="seconds")
     pinned: bool = Field(False, description="activated at start-up and never evicted by the policy")
@@ -143,15 +145,6 @@ class ModelConfig(_Strict):
         if self.engine == "vllm" and not Path(self.source).expanduser().is_dir():
             raise ValueError(f"engine vllm loads a local model directory; {self.source!r} is not one")
         return self
-
-    @field_validator("tp")
-    @classmethod
-    def _tp_one(cls, tp: int) -> int:
-        if tp != 1:
-            raise ValueError(
-                "the live runtime serves tp=1 only; tensor parallel models are simulated (prism sim)"
-            )
-        return tp
 
     def engine_config(self, device_kind: str = "cpu") -> EngineConfig:
         """The knobs this model's engine runs with (``dtype: auto`` resolved for ``device_kind``:
@@ -223,8 +216,16 @@ class ServerConfig(_Strict):
     )
     namespace: str | None = Field(None, description="ledger / host cache namespace (default per user)")
     cors: CorsConfig | None = Field(None, description="CORS for browser clients; unset: no CORS headers")
+    request_log: str | None = Field(
+        None,
+        description="write one JSON line per finished request here (no prompt or output text; "
+        "api/request_log.py): what prism plan reads; unset: no log",
+    )
+    request_log_max_bytes: Size = Field(64 * 2**20, description="rotate the request log at this size")
+    request_log_keep: int = Field(5, ge=0, description="rotated request logs kept (.1 the newest)")
 
     _max_request_bytes = field_validator("max_request_bytes", mode="before")(_size)
+    _request_log_max_bytes = field_validator("request_log_max_bytes", mode="before")(_size)
 
 
 class RayConfig(_Strict):
@@ -275,13 +276,15 @@ class DeploymentConfig(_Strict):
         port: int | None = None,
         policy: str | None = None,
         ray_address: str | None = None,
+        request_log: str | None = None,
     ) -> DeploymentConfig:
         """This config with command-line overrides (a new policy name starts from its default knobs),
         validated again."""
         data = self.model_dump()
         if ray_address is not None:
             data["ray"] = {**(data.get("ray") or {}), "address": ray_address}
-        data["server"].update({k: v for k, v in (("host", host), ("port", port)) if v is not None})
+        overrides = (("host", host), ("port", port), ("request_log", request_log))
+        data["server"].update({k: v for k, v in overrides if v is not None})
         if policy is not None:
             data["policy"].update(name=policy, knobs={})
         try:

@@ -64,6 +64,7 @@ from prism_serve.api.protocol import (
     new_id,
     usage,
 )
+from prism_serve.api.request_log import LogEntry, RequestLog
 from prism_serve.config import DeploymentConfig
 from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID
 from prism_serve.errors import InvalidRequestError, PrismError, PromptTooLongError
@@ -104,6 +105,12 @@ class PrismServer:
         self._finished_at: deque[float] = deque(maxlen=512)
         self._ignored: set[str] = set()  # unknown request fields already logged
         self._roots = {m.name: public_source(m.source) for m in config.models}
+        srv = config.server  # a JSON line per finished request (api/request_log.py), if configured
+        self.request_log = (
+            RequestLog(srv.request_log, srv.request_log_max_bytes, srv.request_log_keep)
+            if srv.request_log
+            else None
+        )
         self.app = self._build()
 
     # ---- app ----------------------------------------------------------------------------------
@@ -118,6 +125,8 @@ class PrismServer:
                 yield
             finally:
                 await self.controller.stop()
+                if self.request_log is not None:
+                    self.request_log.close()
                 logger.info("stopped: workers ended, shared memory released")
 
         app = FastAPI(title="prism-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -203,6 +212,30 @@ class PrismServer:
     async def complete(
         self, http: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool
     ) -> Response:
+        """One completion request, its line in the request log written when it ends (a stream's
+        when its last chunk has gone, in ``_sse``)."""
+        if self.request_log is None:
+            return await self._complete(http, body, chat, None)
+        entry = LogEntry(time.time(), body.model, body.stream, body.n, body.requested_max_tokens())
+        try:
+            response = await self._complete(http, body, chat, entry)
+        except BaseException as e:
+            statuses = {asyncio.CancelledError: 499}  # the client went away
+            entry.status = e.status_code if isinstance(e, PrismError) else statuses.get(type(e), 500)
+            self.request_log.write(entry)
+            raise
+        if not isinstance(response, StreamingResponse):  # a stream's line is written as it ends
+            entry.status = response.status_code
+            self.request_log.write(entry)
+        return response
+
+    async def _complete(
+        self,
+        http: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        chat: bool,
+        entry: LogEntry | None,
+    ) -> Response:
         arrival = time.perf_counter()
         model = body.model
         self._note_ignored(body)
@@ -211,6 +244,8 @@ class PrismServer:
             # Templates and tokenization run in a thread: a long prompt must not stall the event
             # loop (every other request, /health, token streams) while it is encoded.
             prompts = await asyncio.to_thread(self._tokenize, body, chat)
+            if entry is not None:
+                entry.prompt_tokens = sum(len(ids) for ids in prompts)
             runs = await self._open(http, body, prompts, arrival)
             self.metrics.on_request(model, runs[0].max_tokens, body.n)
         except ClientDisconnected:
@@ -222,7 +257,7 @@ class PrismServer:
         outs = [ChoiceOutput(tok, body, prompts[run.prompt], texts[run.prompt]) for run in runs]
         if body.stream:
             return StreamingResponse(
-                self._sse(runs, body, chat, outs, prompts),
+                self._sse(runs, body, chat, outs, prompts, entry),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -236,6 +271,8 @@ class PrismServer:
         finally:
             for run in runs:
                 await run.stream.aclose()
+            if entry is not None:
+                entry.served(runs, sum(len(ids) for ids in prompts), arrival)
         use = self._usage(runs, prompts, outs[0].score_only)
         if chat:
             choices = [
@@ -398,7 +435,7 @@ class PrismServer:
 
     async def _sse(
         self, runs: list[Choice], body: ChatCompletionRequest | CompletionRequest, chat: bool,
-        outs: list[ChoiceOutput], prompts: list[list[int]],
+        outs: list[ChoiceOutput], prompts: list[list[int]], entry: LogEntry | None = None,
     ):  # fmt: skip
         created, rid, model = int(time.time()), runs[0].rid, runs[0].model
         with_usage = body.include_usage
@@ -450,12 +487,21 @@ class PrismServer:
                 use = self._usage(runs, prompts, outs[0].score_only)
                 sse += sse_event(build(rid, model, created, None, None, use))
             yield sse + "data: [DONE]\n\n"
+            status = 200
         except PrismError as e:
+            status = e.status_code
             self._count_error(model, e)
             yield sse_event(error_body(str(e), e.error_type, e.status_code)) + "data: [DONE]\n\n"
+        except BaseException:
+            status = 499  # a disconnect cancels this generator
+            raise
         finally:
             for run in runs:  # a disconnect cancels this generator: the requests are aborted
                 await run.stream.aclose()
+            if entry is not None and self.request_log is not None:
+                entry.served(runs, sum(len(ids) for ids in prompts), runs[0].arrival)
+                entry.status = status
+                self.request_log.write(entry)
 
     def _count_error(self, model: str, e: PrismError) -> None:
         if model in self.served:

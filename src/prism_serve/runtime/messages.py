@@ -100,7 +100,9 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     ``logprobs``: one TokenLogprob per ``token_ids`` entry, when the request asked for them.
     ``prompt_logprobs``: once, in the first delta, one entry per prompt token (index 0 is None: the
     first token has no prefix). Both are the model's raw distribution (see SamplingParams).
-    ``timings``: in the finished delta only (for /metrics).
+    ``timings``: in the finished delta only (for /metrics). ``cold``, ``device`` and ``replica``:
+    set by the controller on the finished delta (no replica of the model was active when the
+    request arrived; where it ran), for the request log.
     """
 
     req_id: str
@@ -113,6 +115,9 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     timings: RequestTimings | None = None
+    cold: bool | None = None
+    device: str | None = None
+    replica: str | None = None
 
 
 # ---- controller -> worker --------------------------------------------------------------------

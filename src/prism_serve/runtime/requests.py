@@ -72,6 +72,7 @@ class RequestEntry:
     worker: WorkerHandle | None = None
     done: bool = False
     replica: str | None = None  # the replica it was dispatched to (control/replicas.py)
+    cold: bool = False  # no replica of its model was active when it arrived
 
     @classmethod
     def build(
@@ -169,6 +170,7 @@ class Requests:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
         now = self._clock()
         r = RequestEntry.build(req_id, m, prompt, params, now)  # 400s: nothing registered yet
+        r.cold = all(slot.state is not ModelState.ACTIVE for slot in self._models.slots(model))
         self._by_id[req_id] = r
         try:
             self._loop.arrival(r.control, now)
@@ -214,10 +216,14 @@ class Requests:
             r = self._by_id.get(d.req_id)
             if r is None:
                 continue
-            r.stream.put_nowait(d)
             if d.finished:
+                worker = r.worker
+                d = msgspec.structs.replace(
+                    d, cold=r.cold, device=worker.device.name if worker else None, replica=r.replica
+                )
                 self._finish(r)
                 finished = True
+            r.stream.put_nowait(d)
         return finished
 
     def on_failed(self, req_id: str, error: str, message: str) -> bool:

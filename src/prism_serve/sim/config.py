@@ -57,6 +57,10 @@ class SimConfig:
     # what the live controller knows: control.profiles.measured_profile over the simulated engine's step
     # seconds and requests served, the default ModelProfile before (benchmarks/sim_vs_live.py)
     profiles: str = "cost-model"
+    # stop the run once this many requests missed their TTFT SLO: the point's TTFT attainment is
+    # below the target that allowed fewer misses (the planner's failing points end early); None: run
+    # to the end
+    stop_after_ttft_misses: int | None = None
 
     def __post_init__(self) -> None:
         if self.profiles not in ("cost-model", "live"):

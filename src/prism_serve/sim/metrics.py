@@ -49,6 +49,7 @@ class SimResult:
     in_system_integral: float  # integral over time of the number of requests in the system
     counters: Counter = field(default_factory=Counter)  # activations, evictions, migrations, ...
     labels: dict = field(default_factory=dict)  # config echo: hardware, policy, devices, synthetic marks
+    colocated: dict[str, list[str]] = field(default_factory=dict)  # models ever resident together
 
     @property
     def mean_in_system(self) -> float:
@@ -66,12 +67,17 @@ class SimResult:
             for r in rs:
                 if r.replica:
                     served[r.replica] = served.get(r.replica, 0) + 1
+            missed = [r for r in rs if not _ttft_met(r)]
+            cold = sum(1 for r in missed if r.cold)
             out[m] = {
                 "requests": len(rs),
                 "ttft_attainment": ttft,
                 "tpot_attainment": tpot,
-                "ttft_misses": sum(1 for r in rs if not _ttft_met(r)),
+                "ttft_misses": len(missed),
+                "ttft_misses_cold": cold,  # its model had no ready engine when it arrived
+                "ttft_misses_warm": len(missed) - cold,
                 "by_replica": served,  # requests each replica (model or slot name) last served
+                "colocated": self.colocated.get(m, []),  # the models it shared a device with
             }
         return out
 

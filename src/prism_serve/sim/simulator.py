@@ -122,6 +122,13 @@ class Simulator:
         self._last_t = 0.0
         self._next_arrival = 0
         self._names = workload.models
+        # early stop (SimConfig.stop_after_ttft_misses): requests not yet known to meet or miss
+        # their TTFT SLO, and those known to have missed it
+        self._unsettled: list[SimRequest] = []
+        self.ttft_misses = 0
+        self.stopped_early = False
+        # the other models each one was resident with on a device, at any time
+        self.colocated: dict[str, set[str]] = {}
         self.snapshots = SnapshotBuilder(
             self.models, self.devices, self.on_device, self.loop, self.replica_of,
             live_profiles=config.profiles == "live", max_num_seqs=config.engine.max_num_seqs,
@@ -193,6 +200,8 @@ class Simulator:
             event.apply(self, t)
             if self.in_system == 0 and self._next_arrival >= len(wl):
                 break
+            if self.stopped_early:
+                break
         self._advance(min(self.now, stop))
         labels = {
             "policy": self.config.policy,
@@ -201,9 +210,11 @@ class Simulator:
             "compute_sharing": self.config.compute_sharing,
             "step_scale": self.config.step_scale,
             "simulated": True,
+            "stopped_early": self.stopped_early,
         }
         counters = self.counters + self.loop.counters
-        return SimResult(self.requests, self.now, self._busy, self._integral, counters, labels)
+        colocated = {m: sorted(others) for m, others in self.colocated.items()}
+        return SimResult(self.requests, self.now, self._busy, self._integral, counters, labels, colocated)
 
     def _arrival_time(self, i: int) -> float:
         return self.config.warmup_s + float(self.workload.timestamps[i])
@@ -232,16 +243,36 @@ class Simulator:
         self.requests.append(req)
         self.by_id[req_id] = req
         self.in_system += 1
+        if self.config.stop_after_ttft_misses is not None:
+            self._unsettled.append(req)
         self._next_arrival = i + 1
         if i + 1 < len(wl):
             self.events.push(self._arrival_time(i + 1), Arrival(i + 1))
         self.loop.arrival(control, now)
+
+    def _count_ttft_misses(self, now: float) -> None:
+        """Settle every request whose TTFT outcome is known by ``now`` (a first token, a rejection,
+        or a wait already past its SLO) and stop the run once the misses pass the limit."""
+        still = []
+        for r in self._unsettled:
+            if r.first_token is not None:
+                self.ttft_misses += r.first_token - r.arrival > r.ttft_slo
+            elif r.rejected is not None or now - r.arrival > r.ttft_slo:
+                self.ttft_misses += 1
+            else:
+                still.append(r)
+        self._unsettled = still
+        limit = self.config.stop_after_ttft_misses
+        if limit is not None and self.ttft_misses > limit:
+            self.stopped_early = True
 
     def _replicas_of(self, model: str) -> list[str]:
         """``model`` and its replica slots."""
         return [model, *self._slots.get(model, ())]
 
     def on_tick(self, now: float) -> None:
+        if self.config.stop_after_ttft_misses is not None:
+            self._count_ttft_misses(now)
         self.loop.tick(now)
         if self._next_arrival < len(self.workload) or self.in_system:
             self.events.push(now + self.config.tick_s, Tick())
@@ -404,7 +435,13 @@ class Simulator:
         m.placed_at = now
         m.activation_version += 1
         self.loop.stale_models[m.served.name] = None
+        base = self.replica_of.get(model, model)
         for d in devices:
+            for other in self.on_device[d]:
+                other = self.replica_of.get(other, other)
+                if other != base:
+                    self.colocated.setdefault(base, set()).add(other)
+                    self.colocated.setdefault(other, set()).add(base)
             self.on_device[d][model] = None
             self.devices[d].touch()
         self.pending_activations.append(model)

@@ -1,0 +1,305 @@
+"""``prism plan``: the fewest devices that serve a deployment's models and traffic within their SLOs,
+per policy, with what that costs and what prism saves. Simulated (sim/): the hardware profile is a
+cost model, not a measurement of the user's devices.
+
+The search, per policy, over the device count ``n`` (every point one full simulation of the
+traffic at ``n`` devices, ``SimConfig.num_devices``):
+
+1. from the lower bound any policy needs (sim/bound.py) up, by doubling steps, to the first count
+   that meets the target, then by bisection to the boundary below it;
+2. a sweep of the counts just below the boundary: attainment need not be monotone in the device
+   count (a placement that fits at ``n`` may not at ``n + 1``), so one of them may pass too, and
+   the search goes on below it;
+3. the ``confirm`` counts above the answer must pass too; where one fails, the search goes on
+   above it.
+
+A point that has already missed more requests than the target allows stops early (its attainment is
+known to be short). Points of one step run in parallel on the machine's cores.
+
+The answer's deployment is written as a prism.yaml: the user's config with the devices found and the
+policy, which ``prism serve --config`` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prism_serve.config import DeploymentConfig
+from prism_serve.sim.bound import DeviceBound, lower_bound
+from prism_serve.sim.config import ModelSLO, SimConfig
+from prism_serve.sim.cost import COST_MODELS
+from prism_serve.sim.deployment import SimDeployment
+from prism_serve.sim.errors import SimConfigError
+from prism_serve.sim.hardware import HardwareProfile, get_hardware
+from prism_serve.sim.models import ServedModel
+from prism_serve.sim.simulator import simulate
+from prism_serve.workload.format import Workload
+
+__all__ = ["HOURS_PER_MONTH", "POLICIES", "Plan", "PolicyPlan", "fewest_passing", "plan"]
+
+POLICIES = ("prism", "static-partition", "dedicated", "muxserve")
+HOURS_PER_MONTH = 730.0
+METRICS = {"ttft": "ttft_attainment", "tpot": "tpot_attainment"}
+
+
+def fewest_passing(
+    passes: Callable[[Sequence[int]], Mapping[int, bool]],
+    low: int,
+    high: int,
+    confirm: int = 2,
+    window: int = 2,
+) -> int | None:
+    """The fewest count in ``low..high`` that passes and whose next ``confirm`` counts (up to
+    ``high``) pass too; None when there is none. ``passes`` evaluates a batch of counts (in
+    parallel, if it can) and is asked each count at most once.
+
+    Doubling steps find a passing count, bisection the boundary below it; then the ``window``
+    counts below the boundary are swept, because attainment need not be monotone in the device
+    count: one of them passing moves the boundary down and the search goes on there. The counts
+    above the answer are checked last; one failing moves the search above it."""
+    known: dict[int, bool] = {}
+
+    def ask(counts: Iterable[int]) -> None:
+        todo = sorted({n for n in counts if n not in known and low <= n <= high})
+        if todo:
+            known.update(passes(todo))
+
+    floor = low - 1  # every answer is above this (a failure found above an earlier answer)
+    while floor < high:
+        # doubling steps from the floor up to a pass
+        n, step, fail = floor + 1, 1, floor
+        while True:
+            ask([n])
+            if known[n]:
+                break
+            fail = n
+            if n >= high:
+                return None
+            n, step = min(high, n + step), step * 2
+        answer = n
+        while True:
+            # bisection between the failure below and the pass (assuming monotone there) ...
+            lo, hi = fail, answer
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                ask([mid])
+                lo, hi = (lo, mid) if known[mid] else (mid, hi)
+            answer = hi
+            # ... then a sweep of the counts below it, where it may not be
+            below = [m for m in range(max(floor + 1, answer - window), answer)]
+            ask(below)
+            passing = [m for m in below if known[m]]
+            if not passing:
+                break
+            answer = passing[0]
+            fail = max([floor, *(m for m in known if m < answer and not known[m])])
+        above = range(answer + 1, min(high, answer + confirm) + 1)
+        ask(above)
+        failed = [m for m in above if not known[m]]
+        if not failed:
+            return answer
+        floor = failed[-1]
+    return None
+
+
+@dataclass(slots=True)
+class PolicyPlan:
+    policy: str
+    devices: int | None  # the fewest that meet the target; None: more than max_devices
+    points: dict[int, dict] = field(default_factory=dict)  # every simulated count's summary
+
+    @property
+    def answer(self) -> dict | None:
+        return None if self.devices is None else self.points[self.devices]
+
+
+@dataclass(slots=True)
+class Plan:
+    hardware: HardwareProfile
+    target: float
+    metric: str
+    bound: DeviceBound
+    policies: dict[str, PolicyPlan]
+    max_devices: int
+    num_requests: int
+    span_s: float
+    price_per_device_hour: float | None = None
+
+    def monthly_cost(self, devices: int | None) -> float | None:
+        if devices is None or self.price_per_device_hour is None:
+            return None
+        return devices * self.price_per_device_hour * HOURS_PER_MONTH
+
+    def saving(self, policy: str, against: str) -> int | None:
+        """Devices ``policy`` saves against ``against`` (None when either has no answer)."""
+        a, b = self.policies.get(policy), self.policies.get(against)
+        if a is None or b is None or a.devices is None or b.devices is None:
+            return None
+        return b.devices - a.devices
+
+    def as_dict(self) -> dict:
+        out: dict = {
+            "simulated": True,
+            "hardware": self.hardware.name,
+            "hardware_synthetic": self.hardware.synthetic,
+            "target": self.target,
+            "metric": self.metric,
+            "num_requests": self.num_requests,
+            "span_s": self.span_s,
+            "max_devices": self.max_devices,
+            "lower_bound": self.bound.as_dict(),
+            "price_per_device_hour": self.price_per_device_hour,
+            "policies": {},
+        }
+        for name, p in self.policies.items():
+            out["policies"][name] = {
+                "devices": p.devices,
+                "ratio_to_bound": self.bound.ratio(p.devices),
+                "monthly_cost": self.monthly_cost(p.devices),
+                "saves_against": {
+                    other: self.saving(name, other)
+                    for other in ("dedicated", "static-partition")
+                    if other != name
+                },
+                "points": {str(n): pt for n, pt in sorted(p.points.items())},
+            }
+        return out
+
+
+@dataclass(slots=True, frozen=True)
+class _Job:
+    """One simulation of the search (picklable: it runs in a worker process)."""
+
+    models: tuple[ServedModel, ...]
+    workload: Workload
+    slos: Mapping[str, ModelSLO]
+    config: SimConfig
+
+
+def _run(job: _Job) -> dict:
+    cfg = job.config
+    models = [m for m in job.models if m.tp_size <= cfg.num_devices]
+    workload = job.workload
+    if len(models) < len(job.models):  # a TP model wider than the cluster cannot run: its requests miss
+        keep = [i for i, name in enumerate(workload.models) if name in {m.name for m in models}]
+        workload = workload.select(np.isin(workload.model_index, keep))
+    res = simulate(models, workload, job.slos, cfg)
+    out = res.summary()
+    out["per_model"] = res.per_model()
+    total = len(job.workload)
+    lost = total - len(workload)
+    if lost or res.labels.get("stopped_early"):
+        # unserved models' requests miss; a run stopped early missed more than the target allows,
+        # and what it did not reach counts as missed (its attainment is at most this)
+        met_ttft = out["ttft_attainment"] * out["num_requests"]
+        met_tpot = out["tpot_attainment"] * out["num_requests"]
+        out.update(ttft_attainment=met_ttft / total, tpot_attainment=met_tpot / total, num_requests=total)
+    out["num_devices"] = cfg.num_devices
+    return out
+
+
+def plan(
+    deployment: SimDeployment,
+    workload: Workload,
+    *,
+    hardware: str,
+    target: float = 0.99,
+    metric: str = "ttft",
+    policies: Sequence[str] = POLICIES,
+    max_devices: int | None = None,
+    confirm: int = 2,
+    price_per_device_hour: float | None = None,
+    span_s: float | None = None,
+    jobs: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Plan:
+    """The fewest devices per policy for ``deployment`` serving ``workload`` on ``hardware``."""
+    if not 0 < target <= 1:
+        raise SimConfigError(f"the target must be in (0, 1], got {target}")
+    if metric not in METRICS:
+        raise SimConfigError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
+    if len(workload) == 0:
+        raise SimConfigError("the traffic has no request")
+    hw = get_hardware(hardware)
+    names = {m.name for m in deployment.models}
+    if missing := [m for m in workload.models if m not in names]:
+        raise SimConfigError(f"the traffic names models the deployment lacks: {', '.join(missing[:5])}")
+    base = SimConfig(num_devices=1, hardware=hardware, engine=deployment.engine, knobs=deployment.knobs)
+    bound = lower_bound(
+        deployment.models, workload, hw, COST_MODELS[base.cost_model](hw),
+        max_num_seqs=deployment.engine.max_num_seqs, slos=deployment.slos,
+    )  # fmt: skip
+    widest = max(m.tp_size for m in deployment.models)
+    low = max(bound.devices, widest)
+    # dedicated devices for every model, twice over, always suffice for a policy that can use them
+    high = max_devices or max(low, 2 * sum(m.tp_size for m in deployment.models))
+    budget = math.floor((1 - target) * len(workload) + 1e-9)
+    models = tuple(deployment.models)
+    out: dict[str, PolicyPlan] = {}
+    workers = max(1, min(jobs or os.cpu_count() or 1, 8))
+    with ProcessPoolExecutor(workers) if workers > 1 else _InProcess() as pool:
+        for policy in policies:
+            config = dataclasses.replace(
+                base,
+                policy=policy,
+                knobs=deployment.knobs if policy == deployment.policy else (),
+                stop_after_ttft_misses=budget if metric == "ttft" else None,
+            )
+            pp = PolicyPlan(policy, None)
+
+            def passes(
+                counts: Sequence[int], config: SimConfig = config, pp: PolicyPlan = pp
+            ) -> dict[int, bool]:
+                batch = [
+                    _Job(models, workload, deployment.slos, dataclasses.replace(config, num_devices=n))
+                    for n in counts
+                ]
+                for n, point in zip(counts, pool.map(_run, batch), strict=True):
+                    pp.points[n] = point
+                    if progress is not None:
+                        progress(1)
+                return {n: pp.points[n][METRICS[metric]] >= target for n in counts}
+
+            pp.devices = fewest_passing(passes, low, high, confirm)
+            out[policy] = pp
+    return Plan(
+        hw, target, metric, bound, out, high, len(workload),
+        span_s if span_s is not None else float(workload.timestamps[-1]), price_per_device_hour,
+    )  # fmt: skip
+
+
+class _InProcess:
+    """A pool of no processes (one core, or jobs=1): the same interface, run here."""
+
+    def __enter__(self) -> _InProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    @staticmethod
+    def map(fn, items):
+        return [fn(x) for x in items]
+
+
+def deployment_yaml(config: DeploymentConfig, hw: HardwareProfile, devices: int, policy: str) -> dict:
+    """``config`` as a prism.yaml with ``devices`` devices of ``hw`` and ``policy``: what
+    ``prism serve --config`` reads (a GPU profile gives cuda:0..N-1, each with the memory models may
+    use; a CPU profile a group of CPU devices splitting the cores)."""
+    data = config.model_dump(mode="json", exclude_defaults=True)
+    memory = int(hw.capacity_bytes)
+    if hw.overlap:  # a GPU profile
+        data["devices"] = [{"name": f"cuda:{i}", "memory": memory} for i in range(devices)]
+    else:
+        data["devices"] = {"count": devices, "memory": memory}
+    data.setdefault("policy", {})["name"] = policy
+    if policy != config.policy.name:
+        data["policy"].pop("knobs", None)
+    return data

@@ -1,0 +1,129 @@
+"""What ``prism plan`` prints and writes: the answer per policy against the lower bound and each
+other, the cost per month, the models at the answer, results.json, the attainment plot (PNG and one
+self-contained HTML file) and the deployment found, as a prism.yaml."""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+from pathlib import Path
+
+import yaml
+
+from prism_serve.config import DeploymentConfig
+from prism_serve.sim.plan import Plan, deployment_yaml
+
+__all__ = ["format_plan", "write_plan"]
+
+
+def _money(x: float | None) -> str:
+    return "-" if x is None else f"${x:,.0f}"
+
+
+def format_plan(plan: Plan, chosen: str) -> str:
+    """The summary table, then ``chosen``'s models at its answer."""
+    b = plan.bound
+    hw = plan.hardware
+    kind = "synthetic datasheet profile" if hw.synthetic else "fitted profile"
+    lines = [
+        f"[simulated: {hw.name}, {kind}] {plan.num_requests} requests over {plan.span_s:.0f} s; target "
+        f"{plan.target:.2%} {plan.metric.upper()} attainment",
+        f"lower bound: {b.devices} devices (memory {b.memory_devices}, compute {b.compute_devices}, "
+        f"tensor parallel {b.tp_devices})",
+        "",
+        f"| policy | devices | / bound | {plan.metric.upper()} at it | saves vs dedicated | "
+        "saves vs static | per month |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, p in plan.policies.items():
+        n = p.devices
+        at = p.answer[f"{plan.metric}_attainment"] if p.answer else None
+        devices = str(n) if n is not None else f"> {plan.max_devices}"
+        ratio = f"{plan.bound.ratio(n):.2f}x" if n is not None else "-"
+        saves = [plan.saving(name, other) for other in ("dedicated", "static-partition")]
+        cells = ["-" if s is None else str(s) for s in saves]  # negative: it needs more
+        lines.append(
+            f"| {name} | {devices} | {ratio} | {'-' if at is None else f'{at:.2%}'} | {cells[0]} | "
+            f"{cells[1]} | {_money(plan.monthly_cost(n))} |"
+        )
+    p = plan.policies.get(chosen)
+    if p is not None and p.answer is not None:
+        lines += ["", f"{chosen} at {p.devices} devices, per model:", ""]
+        lines += [
+            "| model | requests | TTFT | TPOT | replicas | co-located with | misses cold | misses warm |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for model, m in p.answer["per_model"].items():
+            replicas = max(1, len(m["by_replica"]))
+            colocated = ", ".join(m["colocated"][:4]) + (" ..." if len(m["colocated"]) > 4 else "")
+            lines.append(
+                f"| {model} | {m['requests']} | {m['ttft_attainment']:.2%} | {m['tpot_attainment']:.2%} | "
+                f"{replicas} | {colocated or '-'} | {m['ttft_misses_cold']} | {m['ttft_misses_warm']} |"
+            )
+    return "\n".join(lines)
+
+
+def write_plan(plan: Plan, config: DeploymentConfig, chosen: str, out: Path, argv: list[str]) -> list[Path]:
+    """results.json, plan.png, plan.html and prism.yaml (``chosen``'s answer) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    results = {"argv": argv, **plan.as_dict(), "chosen": chosen}
+    path = out / "results.json"
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    written.append(path)
+    fig = _figure(plan)
+    fig.savefig(out / "plan.png", dpi=90)
+    svg = io.StringIO()
+    fig.savefig(svg, format="svg")
+    written.append(out / "plan.png")
+    (out / "plan.html").write_text(_html(plan, svg.getvalue(), chosen))
+    written.append(out / "plan.html")
+    answer = plan.policies.get(chosen)
+    if answer is not None and answer.devices is not None:
+        data = deployment_yaml(config, plan.hardware, answer.devices, chosen)
+        header = (
+            f"# prism plan: {chosen} on {answer.devices} x {plan.hardware.name} meets {plan.target:.2%} "
+            f"{plan.metric.upper()} attainment on the planned traffic (simulated)\n"
+        )
+        (out / "prism.yaml").write_text(header + yaml.safe_dump(data, sort_keys=False))
+        written.append(out / "prism.yaml")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return written
+
+
+def _figure(plan: Plan):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for name, p in plan.policies.items():
+        pts = sorted((n, pt[f"{plan.metric}_attainment"]) for n, pt in p.points.items())
+        line = ax.plot([n for n, _ in pts], [100 * a for _, a in pts], marker="o", ms=3, label=name)[0]
+        if p.devices is not None:
+            ax.plot([p.devices], [100 * p.points[p.devices][f"{plan.metric}_attainment"]], marker="*", ms=11,
+                    color=line.get_color())  # fmt: skip
+    ax.axhline(100 * plan.target, ls="--", color="0.4", lw=1, label=f"target {plan.target:.0%}")
+    ax.axvline(plan.bound.devices, ls=":", color="0.2", lw=1, label=f"lower bound {plan.bound.devices}")
+    ax.set_xlabel(f"devices ({plan.hardware.name})")
+    ax.set_ylabel(f"{plan.metric.upper()} attainment (%)")
+    ax.set_ylim(max(0, 100 * plan.target - 30), 100.5)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"prism plan: {plan.num_requests} requests [simulated]", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _html(plan: Plan, svg: str, chosen: str) -> str:
+    text = html.escape(format_plan(plan, chosen))
+    svg = svg[svg.index("<svg") :]  # the XML prolog and doctype are not HTML
+    return (
+        "<!doctype html>\n<html><head><meta charset='utf-8'><title>prism plan</title>"
+        "<style>body{font-family:sans-serif;margin:2em}pre{font-size:13px}</style></head><body>\n"
+        f"<h1>prism plan (simulated)</h1>\n{svg}\n<pre>{text}</pre>\n</body></html>\n"
+    )

@@ -1,0 +1,197 @@
+"""``prism plan`` (sim/plan.py): the device search where attainment is not monotone, early stops of
+points that already failed, and the whole command on a preset config and a workload file: its
+answers, its outputs, and the deployment it writes, which ``prism serve`` reads."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prism_serve.cli import main
+from prism_serve.config import load_config
+from prism_serve.runtime.build import model_specs
+from prism_serve.sim import SimConfig
+from prism_serve.sim.deployment import deployment_config, get_setup, sim_deployment
+from prism_serve.sim.plan import fewest_passing, plan
+from prism_serve.sim.simulator import Simulator
+from prism_serve.workload import WorkloadSpec, build_workload, write_jsonl
+
+from .helpers import loose, poisson, served
+
+
+def counting(passing: set[int]):
+    asked: list[int] = []
+
+    def passes(counts):
+        asked.extend(counts)
+        return {n: n in passing for n in counts}
+
+    return passes, asked
+
+
+def test_the_search_sweeps_where_attainment_is_not_monotone() -> None:
+    passes, asked = counting({5, 7, 8, 9, 10, 11, 12})  # 5 passes, 6 does not: the answer is 7
+    assert fewest_passing(passes, 1, 12, confirm=2) == 7
+    assert len(asked) == len(set(asked))  # each count simulated once
+    passes, _ = counting(set(range(4, 13)))
+    assert fewest_passing(passes, 1, 12) == 4  # monotone: the first pass
+    passes, _ = counting({12})
+    assert fewest_passing(passes, 1, 12) == 12  # the last count passes: nothing above to confirm
+    passes, _ = counting(set())
+    assert fewest_passing(passes, 1, 12) is None
+    passes, asked = counting(set(range(40, 100)))
+    assert fewest_passing(passes, 3, 99) == 40 and len(asked) < 30  # doubling steps, then a sweep
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    passing=st.sets(st.integers(1, 60)),
+    low=st.integers(1, 30),
+    confirm=st.integers(0, 3),
+    threshold=st.integers(1, 61),
+)
+def test_the_answer_passes_with_its_neighbours_above_and_fails_just_below(passing, low, confirm, threshold):
+    """Any pattern of passing counts: an answer passes, so do the ``confirm`` counts above it, and
+    neither of the two just below it is an answer (each fails, or a count of its own ``confirm``
+    above it does); where passing is monotone (every count from a threshold up), the answer is that
+    threshold."""
+    high = 60
+
+    def answers(m: int) -> bool:
+        return m in passing and all(k in passing for k in range(m + 1, min(high, m + confirm) + 1))
+
+    passes, asked = counting(passing)
+    n = fewest_passing(passes, low, high, confirm=confirm)
+    if n is not None:
+        assert answers(n) and not any(answers(m) for m in range(max(low, n - 2), n))
+    assert len(asked) == len(set(asked))
+    monotone = set(range(threshold, high + 1))
+    passes, _ = counting(monotone)
+    assert fewest_passing(passes, low, high, confirm=confirm) == (
+        max(low, threshold) if threshold <= high else None
+    )
+
+
+def test_a_point_stops_once_its_misses_pass_the_limit() -> None:
+    ms = [served(f"m{i}", "llama-3.1-8b") for i in range(6)]
+    w = poisson([m.name for m in ms], 2.0, 120.0, prompt=(512, 2048), output=(64, 256), seed=1)
+    cfg = SimConfig(num_devices=1, policy="prism")
+    full = Simulator(ms, w, loose(ms, ttft=0.5, tpot=0.1), cfg).run()
+    stopped = Simulator(
+        ms, w, loose(ms, ttft=0.5, tpot=0.1), SimConfig(num_devices=1, stop_after_ttft_misses=20)
+    ).run()
+    missed = sum(1 for r in full.requests if not (r.first_token is not None and r.ttft <= r.ttft_slo))
+    assert missed > 20 and not full.labels["stopped_early"]
+    assert stopped.labels["stopped_early"] and stopped.end_time < full.end_time
+
+
+def test_presets_are_deployment_configs() -> None:
+    config = deployment_config("paper-58")
+    assert len(config.models) == 58 and sorted({m.tp for m in config.models}) == [1, 4, 8]
+    models = get_setup("paper-58")
+    assert sum(m.spec.weight_bytes for m in models) == pytest.approx(820e9, rel=0.02)
+    assert [m.tp_size for m in models if m.tp_size > 1] == [4, 4, 4, 8]
+    assert sim_deployment(deployment_config("cpu-2"), gpu=False).models[0].spec.dtype_bytes == 4
+
+
+@pytest.fixture(scope="module")
+def traffic(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "w.jsonl"
+    names = tuple(m.name for m in get_setup("paper-8"))
+    write_jsonl(build_workload(WorkloadSpec(names, duration_s=240.0, total_rate=6.0, seed=2)), path)
+    return path
+
+
+def test_plan_answers_every_policy_and_writes_a_servable_deployment(
+    traffic: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "plan"
+    code = main([
+        "plan", "--config", "paper-8", "--traffic", str(traffic), "--slo-scale", "5",
+        "--price-per-device-hour", "2", "--out", str(out), "--jobs", "1",
+    ])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| prism |" in printed and "| dedicated |" in printed and "[simulated: h100" in printed
+    results = json.loads((out / "results.json").read_text())
+    assert results["simulated"] and set(results["policies"]) == {
+        "prism",
+        "static-partition",
+        "dedicated",
+        "muxserve",
+    }
+    bound = results["lower_bound"]["devices"]
+    for name, p in results["policies"].items():
+        n = p["devices"]
+        assert n is not None and n >= bound, name
+        assert p["points"][str(n)]["ttft_attainment"] >= 0.99
+        assert p["monthly_cost"] == pytest.approx(n * 2 * 730)
+        # the fewest: every smaller count tried failed
+        assert all(pt["ttft_attainment"] < 0.99 for k, pt in p["points"].items() if int(k) < n), name
+    dedicated = results["policies"]["dedicated"]["devices"]
+    assert (
+        results["policies"]["prism"]["saves_against"]["dedicated"]
+        == dedicated - results["policies"]["prism"]["devices"]
+    )
+    assert (out / "plan.png").stat().st_size > 1000
+    page = (out / "plan.html").read_text()
+    assert "<svg" in page and "prism plan" in page
+    assert not re.search(r"(src|href)=[\"']?(https?:)?//", page) and "<link" not in page  # nothing fetched
+    deployment = load_config(out / "prism.yaml")  # what prism serve --config reads
+    assert len(deployment.devices) == results["policies"]["prism"]["devices"]
+    assert [m.name for m in deployment.models] == [m.name for m in deployment_config("paper-8").models]
+    assert len(model_specs(deployment)) == 8
+
+
+def test_plan_refuses_traffic_for_models_it_does_not_serve(traffic: Path, tmp_path: Path, capsys) -> None:
+    config = tmp_path / "prism.yaml"
+    config.write_text(
+        'devices: [{name: "cuda:0", memory: 72GiB}]\n'
+        'models:\n  - {name: llama-3.2-1b-00, source: "random:llama-3.2-1b"}\n'
+    )
+    assert main(["plan", "--config", str(config), "--traffic", str(traffic)]) == 2
+    err = capsys.readouterr().err
+    assert "does not serve: llama-3" in err and "--ignore-unknown" in err and "Traceback" not in err
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                str(config),
+                "--traffic",
+                str(traffic),
+                "--ignore-unknown",
+                "--policies",
+                "prism",
+                "--jobs",
+                "1",
+            ]
+        )
+        == 0
+    )
+    assert "| prism | 1 |" in capsys.readouterr().out
+
+
+def test_a_model_whose_shape_cannot_be_read_is_named(traffic: Path, tmp_path: Path, capsys) -> None:
+    config = tmp_path / "prism.yaml"
+    devices = 'devices: [{name: "cuda:0", memory: 72GiB}]\n'
+    config.write_text(devices + f'models:\n  - {{name: mine, source: "{tmp_path}/none"}}\n')
+    assert main(["plan", "--config", str(config), "--traffic", str(traffic)]) == 2
+    assert "model mine: cannot read its shape" in capsys.readouterr().err
+
+
+def test_plan_in_process_matches_the_command(traffic: Path) -> None:
+    """The library call the command makes, with a target no policy can meet on the devices allowed:
+    no answer, never a wrong one."""
+    dep = sim_deployment(deployment_config("paper-8"))
+    from prism_serve.workload import read_jsonl
+
+    w = read_jsonl(traffic, tuple(m.name for m in dep.models))
+    result = plan(dep, w, hardware="h100", target=1.0, policies=["dedicated"], max_devices=3, jobs=1)
+    assert result.policies["dedicated"].devices is None
+    assert max(result.policies["dedicated"].points) <= 3
