@@ -20,11 +20,12 @@ if str(BENCH_DIR) not in sys.path:  # `common` when imported from a test
     sys.path.insert(0, str(BENCH_DIR))
 
 from prism_serve.config import DeploymentConfig  # noqa: E402
-from prism_serve.engine.machine import resolve_dtype  # noqa: E402
+from prism_serve.engine.models.config import PRESETS  # noqa: E402
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE  # noqa: E402
 from prism_serve.runtime.build import device_specs  # noqa: E402
 from prism_serve.sim.config import ModelSLO, SimConfig  # noqa: E402
-from prism_serve.sim.models import ServedModel, model_shape  # noqa: E402
+from prism_serve.sim.deployment import sim_deployment as deployment_of  # noqa: E402
+from prism_serve.sim.models import ModelShape, ServedModel  # noqa: E402
 from prism_serve.workload.format import Workload  # noqa: E402
 
 
@@ -81,15 +82,6 @@ class SimDeployment:
     warnings: tuple[str, ...] = ()
 
 
-def shape_of(source: str) -> str:
-    """The simulator's model shape for a config ``source``."""
-    if source == REAL_SOURCE:
-        return "smollm2-135m"
-    if source.startswith("random:"):
-        return source.split(":", 1)[1]
-    raise MirrorError(f"source {source!r}: only {REAL_SOURCE} and random:<preset> have a simulated shape")
-
-
 def sim_deployment(
     cfg: DeploymentConfig,
     *,
@@ -102,7 +94,9 @@ def sim_deployment(
     """The simulated deployment that mirrors ``cfg`` on the ``hardware`` profile (default
     ``cpu-smollm2``; a profile file that fit_cpu_profile.py --write fitted on this machine is better)
     (``compute_sharing``: None leaves the simulator's default; ``profiles``: SimConfig.profiles, by
-    default what the live controller knows of each model's demand)."""
+    default what the live controller knows of each model's demand). The models, SLOs, engine knobs
+    and policy are what ``prism plan`` reads of a config (sim/deployment.py); this adds the live
+    devices and the checks a mirror of a live run needs."""
     warnings: list[str] = []
     devices = device_specs(cfg)
     for d in devices:
@@ -111,21 +105,19 @@ def sim_deployment(
                 f"{d.name} has {len(d.cores) or 'all'} cores; the {hardware} profile is fitted for one core "
                 "with one torch thread"
             )
-    models, slos = [], {}
-    for m in cfg.models:
-        shape = shape_of(m.source)
-        dtype = resolve_dtype(m.dtype)  # auto: what the live server on this machine runs
-        dtype_bytes = {"float32": 4, "bfloat16": 2}[dtype]
-        if (shape, dtype) != ("smollm2-135m", "float32"):
+    dep = deployment_of(cfg, gpu=False)  # dtype auto: what the live server on this machine runs
+    fitted = ModelShape("smollm2-135m", PRESETS["smollm2-135m"], 4)
+    for m, entry in zip(dep.models, cfg.models, strict=True):
+        shape = m.spec
+        if (shape.num_params, shape.kv_bytes_per_token, shape.dtype_bytes) != (
+            fitted.num_params, fitted.kv_bytes_per_token, 4,
+        ):  # fmt: skip
             warnings.append(
-                f"{m.name}: {shape} in {dtype} is not what {hardware} is fitted for (SmolLM2-135M fp32); "
-                "docs/results.md (The CPU profiles) gives its errors"
+                f"{m.name}: {shape.name} at {shape.dtype_bytes} bytes per weight is not what {hardware} is "
+                "fitted for (SmolLM2-135M fp32); docs/results.md (The CPU profiles) gives its errors"
             )
-        if m.kv_limit is not None or m.pinned or m.keep_alive is not None:
+        if entry.kv_limit is not None or entry.pinned or entry.keep_alive is not None:
             warnings.append(f"{m.name}: kv_limit, pinned and keep_alive are not simulated")
-        models.append(ServedModel(m.name, model_shape(shape, dtype_bytes)))
-        slos[m.name] = ModelSLO(m.ttft_slo, m.tpot_slo)
-    engine = cfg.models[0].engine_config()  # the live engine's knobs: the simulator reads the same
     for knob in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         values = {getattr(m.engine_config(), knob) for m in cfg.models}
         if len(values) != 1:
@@ -133,26 +125,20 @@ def sim_deployment(
     config = SimConfig(
         num_devices=len(devices),
         hardware=hardware,
-        policy=cfg.policy.name,
-        knobs=tuple(sorted((k, _hashable(v)) for k, v in cfg.policy.knobs.items())),
+        policy=dep.policy,
+        knobs=dep.knobs,
         tick_s=cfg.policy.tick_interval_s,
         page_size=DEFAULT_PAGE_SIZE,  # the live ledger's page
         warmup_s=warmup_s,  # rate_window_s: the control loop's default, as in the live controller
         step_scale=step_scale,
         profiles=profiles,
-        engine=engine,
+        engine=dep.engine,  # the live engine's knobs: the simulator reads the same
         **({} if compute_sharing is None else {"compute_sharing": compute_sharing}),
     )
     return SimDeployment(
-        models, slos, config, tuple(d.memory_bytes for d in devices), tuple(d.name for d in devices),
+        dep.models, dep.slos, config, tuple(d.memory_bytes for d in devices), tuple(d.name for d in devices),
         tuple(warnings),
     )  # fmt: skip
-
-
-def _hashable(v):
-    if isinstance(v, list | tuple):
-        return tuple(_hashable(x) for x in v)
-    return v
 
 
 def with_warmup(workload: Workload, warmup: list[tuple[float, str]], replay_start: float) -> Workload:

@@ -78,7 +78,6 @@ from sim_mirror import (  # noqa: E402, F401  (re-exported: tests/bench/test_sim
     host_profile_name,
     offered_load,
     run_sim,
-    shape_of,
     sim_deployment,
     sim_model_stats,
     sim_variants,

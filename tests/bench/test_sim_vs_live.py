@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from prism_serve.config import parse_config
+from prism_serve.sim.shapes import ShapeError
 from prism_serve.workload.format import Workload
 
 from .conftest import load_benchmark
@@ -49,7 +50,7 @@ def test_sim_deployment_mirrors_the_config(svl):
     assert (e.max_num_seqs, e.max_num_batched_tokens, e.block_size) == (16, 256, 32)
     assert [m.name for m in dep.models] == ["a", "b"]
     # the real SmolLM2-135M-Instruct in fp32: the fitted shape at 4 bytes per weight
-    assert {(m.spec.name, m.spec.dtype_bytes) for m in dep.models} == {("smollm2-135m", 4)}
+    assert {(m.spec.num_params, m.spec.dtype_bytes) for m in dep.models} == {(134_515_008, 4)}
     assert dep.models[0].spec.weight_bytes == 538060032
     assert (dep.slos["b"].ttft_s, dep.slos["b"].tpot_s) == (2.0, 0.25)
     assert dep.warnings == ()
@@ -63,11 +64,11 @@ def test_sim_deployment_warns_and_refuses(svl):
     text = head + "dtype: bfloat16" + tail
     warnings = svl.sim_deployment(parse_config(text)).warnings
     assert any("cpu:0 has 2 cores" in w for w in warnings)
-    assert any("b: smollm2-360m in bfloat16" in w for w in warnings)
+    assert any("b: smollm2-360m at 2 bytes per weight is not what" in w for w in warnings)
     with pytest.raises(svl.MirrorError, match="max_num_seqs"):
         svl.sim_deployment(parse_config(CONFIG.replace("max_num_seqs: 16,", "", 1)))
-    with pytest.raises(svl.MirrorError, match="simulated shape"):
-        svl.shape_of("/models/x.gguf")
+    with pytest.raises(ShapeError, match="model b: cannot read its shape"):  # prism plan's reader names it
+        svl.sim_deployment(parse_config(CONFIG.replace("{name: b,", '{name: b, source: "/models/x.gguf",')))
 
 
 def test_presets_are_valid_configs(svl):
