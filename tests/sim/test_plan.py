@@ -54,8 +54,11 @@ def test_the_search_sweeps_where_attainment_is_not_monotone() -> None:
     low=st.integers(1, 30),
     confirm=st.integers(0, 3),
     threshold=st.integers(1, 61),
+    width=st.integers(1, 3),
 )
-def test_the_answer_passes_with_its_neighbours_above_and_fails_just_below(passing, low, confirm, threshold):
+def test_the_answer_passes_with_its_neighbours_above_and_fails_just_below(
+    passing, low, confirm, threshold, width
+):
     """Any pattern of passing counts: an answer passes, so do the ``confirm`` counts above it, and
     neither of the two just below it is an answer (each fails, or a count of its own ``confirm``
     above it does); where passing is monotone (every count from a threshold up), the answer is that
@@ -66,7 +69,7 @@ def test_the_answer_passes_with_its_neighbours_above_and_fails_just_below(passin
         return m in passing and all(k in passing for k in range(m + 1, min(high, m + confirm) + 1))
 
     passes, asked = counting(passing)
-    n = fewest_passing(passes, low, high, confirm=confirm)
+    n = fewest_passing(passes, low, high, confirm=confirm, width=width)
     if n is not None:
         assert answers(n) and not any(answers(m) for m in range(max(low, n - 2), n))
     assert len(asked) == len(set(asked))

@@ -6,15 +6,16 @@ The search, per policy, over the device count ``n`` (every point one full simula
 traffic at ``n`` devices, ``SimConfig.num_devices``):
 
 1. from the lower bound any policy needs (sim/bound.py) up, by doubling steps, to the first count
-   that meets the target, then by bisection to the boundary below it;
-2. a sweep of the counts just below the boundary: attainment need not be monotone in the device
-   count (a placement that fits at ``n`` may not at ``n + 1``), so one of them may pass too, and
-   the search goes on below it;
-3. the ``confirm`` counts above the answer must pass too; where one fails, the search goes on
+   that meets the target;
+2. a sweep of every count between the last failure and it, upward: attainment need not be
+   monotone in the device count (a placement that fits at ``n`` may not at ``n + 1``), so the first
+   that passes is the candidate;
+3. the ``confirm`` counts above the candidate must pass too; where one fails, the search goes on
    above it.
 
 A point that has already missed more requests than the target allows stops early (its attainment is
-known to be short). Points of one step run in parallel on the machine's cores.
+known to be short, and a count far below the answer costs little). The policies are searched at
+once, their points sharing a pool of worker processes, one per core.
 
 The answer's deployment is written as a prism.yaml: the user's config with the devices found and the
 policy, which ``prism serve --config`` reads.
@@ -25,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,16 +56,16 @@ def fewest_passing(
     low: int,
     high: int,
     confirm: int = 2,
-    window: int = 2,
+    width: int = 1,
 ) -> int | None:
     """The fewest count in ``low..high`` that passes and whose next ``confirm`` counts (up to
     ``high``) pass too; None when there is none. ``passes`` evaluates a batch of counts (in
-    parallel, if it can) and is asked each count at most once.
+    parallel, if it can: ``width`` at a time) and is asked each count at most once.
 
-    Doubling steps find a passing count, bisection the boundary below it; then the ``window``
-    counts below the boundary are swept, because attainment need not be monotone in the device
-    count: one of them passing moves the boundary down and the search goes on there. The counts
-    above the answer are checked last; one failing moves the search above it."""
+    Doubling steps find a passing count; then every count between the last failure and it is
+    swept upward, because attainment need not be monotone in the device count (and a failing
+    count costs little: its simulation stops early); the first that passes is the answer if the
+    ``confirm`` counts above it pass too, else the search goes on above the one that failed."""
     known: dict[int, bool] = {}
 
     def ask(counts: Iterable[int]) -> None:
@@ -73,9 +75,8 @@ def fewest_passing(
 
     floor = low - 1  # every answer is above this (a failure found above an earlier answer)
     while floor < high:
-        # doubling steps from the floor up to a pass
         n, step, fail = floor + 1, 1, floor
-        while True:
+        while True:  # doubling steps up to a pass
             ask([n])
             if known[n]:
                 break
@@ -84,25 +85,18 @@ def fewest_passing(
                 return None
             n, step = min(high, n + step), step * 2
         answer = n
-        while True:
-            # bisection between the failure below and the pass (assuming monotone there) ...
-            lo, hi = fail, answer
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                ask([mid])
-                lo, hi = (lo, mid) if known[mid] else (mid, hi)
-            answer = hi
-            # ... then a sweep of the counts below it, where it may not be
-            below = [m for m in range(max(floor + 1, answer - window), answer)]
-            ask(below)
-            passing = [m for m in below if known[m]]
-            if not passing:
+        m = fail + 1
+        while m < n:  # the sweep up from the last failure, ``width`` counts at a time
+            batch = range(m, min(n, m + max(1, width)))
+            ask(batch)
+            passing = [k for k in batch if known[k]]
+            if passing:
+                answer = passing[0]
                 break
-            answer = passing[0]
-            fail = max([floor, *(m for m in known if m < answer and not known[m])])
+            m += max(1, width)
         above = range(answer + 1, min(high, answer + confirm) + 1)
         ask(above)
-        failed = [m for m in above if not known[m]]
+        failed = [k for k in above if not known[k]]
         if not failed:
             return answer
         floor = failed[-1]
@@ -184,6 +178,7 @@ class _Job:
 
 
 def _run(job: _Job) -> dict:
+    start = time.monotonic()
     cfg = job.config
     models = [m for m in job.models if m.tp_size <= cfg.num_devices]
     workload = job.workload
@@ -202,6 +197,7 @@ def _run(job: _Job) -> dict:
         met_tpot = out["tpot_attainment"] * out["num_requests"]
         out.update(ttft_attainment=met_ttft / total, tpot_attainment=met_tpot / total, num_requests=total)
     out["num_devices"] = cfg.num_devices
+    out["wall_s"] = time.monotonic() - start
     return out
 
 
@@ -242,21 +238,19 @@ def plan(
     high = max_devices or max(low, 2 * sum(m.tp_size for m in deployment.models))
     budget = math.floor((1 - target) * len(workload) + 1e-9)
     models = tuple(deployment.models)
-    out: dict[str, PolicyPlan] = {}
     workers = max(1, min(jobs or os.cpu_count() or 1, 8))
+    out = {policy: PolicyPlan(policy, None) for policy in policies}
     with ProcessPoolExecutor(workers) if workers > 1 else _InProcess() as pool:
-        for policy in policies:
+
+        def search(pp: PolicyPlan) -> None:
             config = dataclasses.replace(
                 base,
-                policy=policy,
-                knobs=deployment.knobs if policy == deployment.policy else (),
+                policy=pp.policy,
+                knobs=deployment.knobs if pp.policy == deployment.policy else (),
                 stop_after_ttft_misses=budget if metric == "ttft" else None,
             )
-            pp = PolicyPlan(policy, None)
 
-            def passes(
-                counts: Sequence[int], config: SimConfig = config, pp: PolicyPlan = pp
-            ) -> dict[int, bool]:
+            def passes(counts: Sequence[int]) -> dict[int, bool]:
                 batch = [
                     _Job(models, workload, deployment.slos, dataclasses.replace(config, num_devices=n))
                     for n in counts
@@ -267,8 +261,11 @@ def plan(
                         progress(1)
                 return {n: pp.points[n][METRICS[metric]] >= target for n in counts}
 
-            pp.devices = fewest_passing(passes, low, high, confirm)
-            out[policy] = pp
+            pp.devices = fewest_passing(passes, low, high, confirm, width=workers)
+
+        # every policy's search at once: each waits for its own points, the pool keeps the cores busy
+        with ThreadPoolExecutor(len(out) if workers > 1 else 1) as searches:
+            list(searches.map(search, out.values()))
     return Plan(
         hw, target, metric, bound, out, high, len(workload),
         span_s if span_s is not None else float(workload.timestamps[-1]), price_per_device_hour,
