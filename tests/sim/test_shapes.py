@@ -106,7 +106,7 @@ def test_an_unreadable_shape_names_the_model_and_the_file(tmp_path: Path) -> Non
     ):
         shape_of("b", str(d), 2)
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    with pytest.raises(ShapeError, match=r"model b: .*config\.json has none of num_hidden_layers, n_layer"):
+    with pytest.raises(ShapeError, match=r"model b: .*broken: config\.json lacks 'num_attention_heads'"):
         shape_of("b", str(d), 2)
     with pytest.raises(ShapeError, match="unknown preset 'gpt-9'"):
         shape_of("r", "random:gpt-9", 2)

@@ -12,6 +12,7 @@ bytes count. Weights are counted at the deployment's dtype (a quantized GGUF is 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,9 @@ def shape_of(model: str, source: str, dtype_bytes: int) -> ModelShape:
             return shape_from_gguf(path.stem, *gguf_header(path), dtype_bytes)
         return shape_from_hf(path.name, hf_config(path), dtype_bytes)
     except (PrismError, KeyError, TypeError, ValueError) as e:
-        detail = str(e) if isinstance(e, PrismError) else f"{source}: {type(e).__name__}: {e}"
+        detail = str(e) if isinstance(e, PrismError) else f"{type(e).__name__}: {e}"
+        if source not in detail and str(Path(source).expanduser()) not in detail:
+            detail = f"{source}: {detail}"
         raise ShapeError(f"model {model}: cannot read its shape ({detail})") from None
 
 
@@ -63,46 +66,30 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = _NEEDED) -> Any:
 
 def shape_from_hf(name: str, cfg: dict[str, Any], dtype_bytes: int) -> ModelShape:
     """An HF config.json's shape, whatever ``model_type`` (a multimodal config's ``text_config``
-    gives its language model)."""
+    gives its language model): the engine's reading of it (``ArchConfig.from_hf_config``), with
+    the experts and the latent KV it does not model."""
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}
-    layers = int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"))
-    hidden = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
-    heads = int(_first(cfg, "num_attention_heads", "n_head"))
-    kv_heads = int(_first(cfg, "num_key_value_heads", "num_kv_heads", default=heads))
-    head_dim = int(_first(cfg, "head_dim", default=hidden // heads))
     num_experts = int(
         _first(cfg, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", default=0)
     )
     expert_ffn = int(_first(cfg, "moe_intermediate_size", "expert_intermediate_size", default=0))
-    dense_ffn = int(
-        _first(cfg, "intermediate_size_mlp", "intermediate_size", "n_inner", "ffn_dim", default=0)
-    )
-    if not dense_ffn:
-        dense_ffn = expert_ffn or 4 * hidden
+    dense = {
+        "intermediate_size": _first(cfg, "intermediate_size_mlp", "intermediate_size", default=expert_ffn)
+    }
+    arch = ArchConfig.from_hf_config({**cfg, **dense}, any_architecture=True)
+    latent = None
     if "kv_lora_rank" in cfg:  # multi-head latent attention: one latent (and its RoPE part) cached
-        head_dim = int(cfg.get("qk_nope_head_dim", head_dim)) + int(cfg.get("qk_rope_head_dim", 0))
-        latent = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))
-        kv_heads, cached = heads, latent
-    else:
-        cached = None
-    arch = ArchConfig(
-        str(cfg.get("model_type", "decoder")),
-        int(_first(cfg, "vocab_size", "padded_vocab_size")),
-        hidden,
-        dense_ffn,
-        layers,
-        heads,
-        kv_heads,
-        head_dim + head_dim % 2,
-        int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-    )
+        rope = int(cfg.get("qk_rope_head_dim", 0))
+        head_dim = int(cfg.get("qk_nope_head_dim", arch.head_dim)) + rope
+        arch = dataclasses.replace(arch, num_kv_heads=arch.num_heads, head_dim=head_dim + head_dim % 2)
+        latent = int(cfg["kv_lora_rank"]) + rope
     moe = None
     if num_experts > 1:
         k = int(_first(cfg, "num_experts_per_tok", "experts_per_token", "moe_top_k", "num_selected_experts"))
-        sparse = layers - int(cfg.get("first_k_dense_replace", 0)) - len(cfg.get("mlp_only_layers") or ())
+        sparse = (
+            arch.num_layers - int(cfg.get("first_k_dense_replace", 0)) - len(cfg.get("mlp_only_layers") or ())
+        )
         step = int(
             _first(cfg, "decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_freq", default=1)
         )
@@ -110,60 +97,34 @@ def shape_from_hf(name: str, cfg: dict[str, Any], dtype_bytes: int) -> ModelShap
             sparse //= step
         shared = int(_first(cfg, "shared_expert_intermediate_size", default=0))
         if not shared and cfg.get("n_shared_experts"):
-            shared = int(cfg["n_shared_experts"]) * (expert_ffn or dense_ffn)
-        moe = MoE(num_experts, k, expert_ffn or dense_ffn, sparse, shared)
-    return _shape(name, arch, dtype_bytes, moe, cached)
+            shared = int(cfg["n_shared_experts"]) * (expert_ffn or arch.intermediate_size)
+        moe = MoE(num_experts, k, expert_ffn or arch.intermediate_size, sparse, shared)
+    return ModelShape(name, arch, dtype_bytes, moe, latent)
 
 
 def shape_from_gguf(name: str, meta: dict[str, Any], tensors: list[str], dtype_bytes: int) -> ModelShape:
-    """A GGUF header's shape (``<arch>.block_count``, ``.embedding_length`` and so on, any
-    architecture llama.cpp writes); ``tensors``: its tensor names (no ``output.weight``: the
-    embeddings are tied)."""
+    """A GGUF header's shape, any architecture llama.cpp writes: the engine's reading of it
+    (``ArchConfig.from_gguf_metadata``), with the experts and the latent KV; ``tensors``: its
+    tensor names (no ``output.weight``: the embeddings are tied)."""
     arch_name = str(meta["general.architecture"])
 
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch_name}.{key}", default)
-        if value is None:
-            raise ShapeError(f"the GGUF header lacks {arch_name}.{key}")
-        return value
+    def opt(key: str) -> int:
+        return int(meta.get(f"{arch_name}.{key}") or 0)
 
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    vocab = meta.get(f"{arch_name}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
-    layers = int(get("block_count"))
-    head_dim = int(
-        meta.get(f"{arch_name}.attention.key_length") or get("rope.dimension_count", hidden // heads)
-    )
-    num_experts = int(meta.get(f"{arch_name}.expert_count") or 0)
-    expert_ffn = int(meta.get(f"{arch_name}.expert_feed_forward_length") or 0)
-    dense_ffn = int(get("feed_forward_length", expert_ffn or 4 * hidden))
-    tied = "output.weight" not in tensors
-    arch = ArchConfig(
-        arch_name,
-        int(vocab),
-        hidden,
-        dense_ffn,
-        layers,
-        heads,
-        int(get("attention.head_count_kv", heads)),
-        head_dim + head_dim % 2,
-        int(get("context_length", 4096)),
-        tie_word_embeddings=tied,
-        attention_bias=arch_name == "qwen2",
-    )
+    expert_ffn = opt("expert_feed_forward_length")
+    if expert_ffn and f"{arch_name}.feed_forward_length" not in meta:
+        meta = {**meta, f"{arch_name}.feed_forward_length": expert_ffn}
+    arch = ArchConfig.from_gguf_metadata(meta, any_architecture=True, tied="output.weight" not in tensors)
     moe = None
-    if num_experts > 1:
-        k = int(get("expert_used_count"))
-        sparse = layers - int(meta.get(f"{arch_name}.leading_dense_block_count") or 0)
-        shared_count = int(meta.get(f"{arch_name}.expert_shared_count") or 0)
-        shared = (
-            int(meta.get(f"{arch_name}.expert_shared_feed_forward_length") or 0) or shared_count * expert_ffn
+    if opt("expert_count") > 1:
+        shared = opt("expert_shared_feed_forward_length") or opt("expert_shared_count") * expert_ffn
+        sparse = arch.num_layers - opt("leading_dense_block_count")
+        moe = MoE(
+            opt("expert_count"),
+            opt("expert_used_count"),
+            expert_ffn or arch.intermediate_size,
+            sparse,
+            shared,
         )
-        moe = MoE(num_experts, k, expert_ffn or dense_ffn, sparse, shared)
-    latent = meta.get(f"{arch_name}.attention.kv_lora_rank")
-    cached = int(latent) + int(meta.get(f"{arch_name}.rope.dimension_count") or 0) if latent else None
-    return _shape(name, arch, dtype_bytes, moe, cached)
-
-
-def _shape(name: str, arch: ArchConfig, dtype_bytes: int, moe: MoE | None, cached: int | None) -> ModelShape:
-    return ModelShape(name, arch, dtype_bytes, moe, cached)
+    latent = opt("attention.kv_lora_rank")
+    return ModelShape(name, arch, dtype_bytes, moe, latent + opt("rope.dimension_count") if latent else None)

@@ -63,9 +63,14 @@ class ArchConfig:
     # ---- constructors -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> ArchConfig:
+    def from_gguf_metadata(
+        cls, meta: dict[str, Any], any_architecture: bool = False, tied: bool = False
+    ) -> ArchConfig:
+        """The built-in engine's shape of a GGUF header. ``any_architecture``: only the shape of
+        whatever architecture llama.cpp wrote (the planner's cost model); ``tied``: the file has no
+        ``output.weight`` (the loader, which sees the tensors, ties the head itself)."""
         arch = meta.get("general.architecture")
-        if arch not in ("llama", "qwen2"):
+        if arch not in ("llama", "qwen2") and not any_architecture:
             raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
 
         def get(key: str, default: Any = None) -> Any:
@@ -79,6 +84,7 @@ class ArchConfig:
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(meta.get("tokenizer.ggml.tokens") or [])
+        head_dim = meta.get(f"{arch}.attention.key_length") if any_architecture else None
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -87,10 +93,11 @@ class ArchConfig:
             num_layers=int(get("block_count")),
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("rope.dimension_count", hidden // heads)),
+            head_dim=int(head_dim or get("rope.dimension_count", hidden // heads)),
             max_position_embeddings=int(get("context_length")),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_word_embeddings=tied,
             attention_bias=arch == "qwen2",
         )
 
