@@ -17,6 +17,7 @@ from prism_serve.config import load_config
 from prism_serve.runtime.build import model_specs
 from prism_serve.sim import SimConfig
 from prism_serve.sim.deployment import deployment_config, get_setup, sim_deployment
+from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.plan import fewest_passing, plan
 from prism_serve.sim.simulator import Simulator
 from prism_serve.workload import WorkloadSpec, build_workload, write_jsonl
@@ -198,3 +199,5 @@ def test_plan_in_process_matches_the_command(traffic: Path) -> None:
     result = plan(dep, w, hardware="h100", target=1.0, policies=["dedicated"], max_devices=3, jobs=1)
     assert result.policies["dedicated"].devices is None
     assert max(result.policies["dedicated"].points) <= 3
+    with pytest.raises(SimConfigError, match="unknown policy fifo"):
+        plan(dep, w, hardware="h100", policies=["prism", "fifo"], jobs=1)

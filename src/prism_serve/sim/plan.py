@@ -223,6 +223,12 @@ def plan(
         raise SimConfigError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
     if len(workload) == 0:
         raise SimConfigError("the traffic has no request")
+    from prism_serve.control.policies import POLICIES as REGISTERED
+
+    if unknown := [p for p in policies if p not in REGISTERED]:
+        raise SimConfigError(
+            f"unknown policy {', '.join(unknown)}; choose from {', '.join(sorted(REGISTERED))}"
+        )
     hw = get_hardware(hardware)
     names = {m.name for m in deployment.models}
     if missing := [m for m in workload.models if m not in names]:
