@@ -85,6 +85,8 @@ def write_plan(plan: Plan, config: DeploymentConfig, chosen: str, out: Path, arg
         header = (
             f"# prism plan: {chosen} on {answer.devices} x {plan.hardware.name} meets {plan.target:.2%} "
             f"{plan.metric.upper()} attainment on the planned traffic (simulated)\n"
+            "# The devices are one machine's; more than a machine holds run on a Ray cluster (ray:),\n"
+            "# where each node serves the devices its own `devices` section names.\n"
         )
         (out / "prism.yaml").write_text(header + yaml.safe_dump(data, sort_keys=False))
         written.append(out / "prism.yaml")
