@@ -206,3 +206,19 @@ def test_plan_in_process_matches_the_command(traffic: Path) -> None:
     assert max(result.policies["dedicated"].points) <= 3
     with pytest.raises(SimConfigError, match="unknown policy fifo"):
         plan(dep, w, hardware="h100", policies=["prism", "fifo"], jobs=1)
+
+
+def test_a_tensor_parallel_model_wider_than_the_devices_misses_its_requests() -> None:
+    """At fewer devices than a model's TP degree that model cannot run: the point simulates the
+    others and counts its requests as missed (planning and ``prism sim --sweep gpus`` alike)."""
+    from prism_serve.sim.plan import _Job, _run
+    from prism_serve.sim.sweep import Experiment, run_point
+
+    ms = [served("small", "llama-3.2-1b"), served("wide", "llama-3.2-1b", 2)]
+    w = poisson(["small", "wide"], 0.5, 60.0, prompt=64, output=8, seed=4)
+    wide = int((w.model_index == 1).sum())
+    slos = loose(ms)
+    point = _run(_Job(tuple(ms), w, slos, SimConfig(num_devices=1)))
+    assert point["num_requests"] == len(w) and point["ttft_attainment"] == pytest.approx(1 - wide / len(w))
+    row = run_point(Experiment(ms, w, slos, SimConfig(num_devices=2), slo_scale=1.0), "prism", "gpus", 1)
+    assert row["num_requests"] == len(w) and row["num_rejected"] >= wide

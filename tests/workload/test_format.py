@@ -66,3 +66,12 @@ def test_only_and_head_select_requests():
     w = Workload.from_rows([WorkloadRequest(float(t), "ab"[t % 2], 10, 10) for t in range(10)])
     assert len(w.only("a")) == 5 and w.only("a").models == ("a",)
     assert len(w.head(4.0)) == 4
+
+
+def test_restrict_keeps_the_named_models_requests_reindexed():
+    w = Workload(np.array([0.0, 1.0, 2.0, 3.0]), np.array([0, 1, 2, 1]), np.array([5, 6, 7, 8]),
+                 np.array([1, 2, 3, 4]), ["a", "b", "c"])  # fmt: skip
+    r = w.restrict(["c", "b"])
+    assert list(r.models) == ["c", "b"] and r.timestamps.tolist() == [1.0, 2.0, 3.0]
+    assert [r.models[i] for i in r.model_index] == ["b", "c", "b"] and r.prompt_tokens.tolist() == [6, 7, 8]
+    assert len(w.only("a")) == 1

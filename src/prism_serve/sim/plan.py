@@ -31,8 +31,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from prism_serve.config import DeploymentConfig
 from prism_serve.sim.bound import DeviceBound, lower_bound
 from prism_serve.sim.config import ModelSLO, SimConfig
@@ -183,8 +181,7 @@ def _run(job: _Job) -> dict:
     models = [m for m in job.models if m.tp_size <= cfg.num_devices]
     workload = job.workload
     if len(models) < len(job.models):  # a TP model wider than the cluster cannot run: its requests miss
-        keep = [i for i, name in enumerate(workload.models) if name in {m.name for m in models}]
-        workload = workload.select(np.isin(workload.model_index, keep))
+        workload = workload.restrict([m.name for m in models])
     res = simulate(models, workload, job.slos, cfg)
     out = res.summary()
     out["per_model"] = res.per_model()

@@ -11,8 +11,6 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.models import ServedModel
 from prism_serve.sim.simulator import ModelSLO, SimConfig, simulate
@@ -65,8 +63,7 @@ def run_point(exp: Experiment, policy: str, axis: str | None = None, value: floa
         models = [m for m in exp.models if m.tp_size <= config.num_devices]
     else:
         models = exp.models
-    served = {m.name for m in models}
-    dropped = workload.select(_mask_models(workload, served)) if len(served) < len(exp.models) else workload
+    dropped = workload.restrict([m.name for m in models]) if len(models) < len(exp.models) else workload
     res = simulate(models, dropped, scale_slos(exp.base_slos, slo_scale, tpot_scale), config)
     out = res.summary()
     out["per_model"] = res.per_model()
@@ -79,11 +76,6 @@ def run_point(exp: Experiment, policy: str, axis: str | None = None, value: floa
         out["num_rejected"] += lost
     out.update(axis=axis, value=value, slo_scale=slo_scale, tpot_scale=tpot_scale or slo_scale)
     return out
-
-
-def _mask_models(workload: Workload, served: set[str]) -> np.ndarray:
-    keep = [i for i, m in enumerate(workload.models) if m in served]
-    return np.isin(workload.model_index, keep)
 
 
 def sweep(

@@ -116,14 +116,21 @@ class Workload:
 
     def only(self, model: str) -> Workload:
         """One model's requests, as a one-model workload."""
-        i = self.models.index(model)
-        mask = self.model_index == i
+        return self.restrict([model])
+
+    def restrict(self, models: Sequence[str]) -> Workload:
+        """The requests of ``models`` alone, as a workload of those models (in that order)."""
+        new_index = np.full(len(self.models), -1, dtype=np.int32)
+        for j, m in enumerate(models):
+            new_index[self.models.index(m)] = j
+        mapped = new_index[self.model_index]
+        mask = mapped >= 0
         return Workload(
             self.timestamps[mask],
-            np.zeros(int(mask.sum()), dtype=np.int32),
+            mapped[mask],
             self.prompt_tokens[mask],
             self.output_tokens[mask],
-            [model],
+            list(models),
         )
 
     def head(self, seconds: float) -> Workload:
