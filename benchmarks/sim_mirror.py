@@ -20,6 +20,7 @@ if str(BENCH_DIR) not in sys.path:  # `common` when imported from a test
     sys.path.insert(0, str(BENCH_DIR))
 
 from prism_serve.config import DeploymentConfig  # noqa: E402
+from prism_serve.engine.config import DEFAULT_MODEL  # noqa: E402
 from prism_serve.engine.models.config import PRESETS  # noqa: E402
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE  # noqa: E402
 from prism_serve.runtime.build import device_specs  # noqa: E402
@@ -52,7 +53,7 @@ def default_hardware() -> str:
 
 
 HARDWARE = default_hardware()
-REAL_SOURCE = "smollm2-135m-instruct"  # the default model's real weights: the SmolLM2-135M shape
+REAL_SOURCE = DEFAULT_MODEL  # the default model's real weights: the SmolLM2-135M shape
 WARMUP_PROMPT = [1000, 1001, 1002]  # token ids of each warm-up request
 WARMUP_OUTPUT = 2
 LATENCIES = ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s")

@@ -220,8 +220,8 @@ class PrismServer:
         try:
             response = await self._complete(http, body, chat, entry)
         except BaseException as e:
-            statuses = {asyncio.CancelledError: 499}  # the client went away
-            entry.status = e.status_code if isinstance(e, PrismError) else statuses.get(type(e), 500)
+            disconnected = isinstance(e, asyncio.CancelledError)  # the client went away
+            entry.status = e.status_code if isinstance(e, PrismError) else 499 if disconnected else 500
             self.request_log.write(entry)
             raise
         if not isinstance(response, StreamingResponse):  # a stream's line is written as it ends

@@ -100,10 +100,8 @@ class NodeSet:
         logger.warning("node %s joined: %s", node.name, ", ".join(d.name for d in node.devices))
         return list(node.devices)
 
-    def remove(self, node: Node) -> set[str]:
-        """A node left: its devices and their ledgers go; returns the devices' names."""
-        gone = {d.name for d in node.devices}
-        for d in gone:
-            self.devices.pop(d, None)
-            self._ledgers.pop(d, None)
-        return gone
+    def remove(self, node: Node) -> None:
+        """A node left: its devices and their ledgers go."""
+        for d in node.devices:
+            self.devices.pop(d.name, None)
+            self._ledgers.pop(d.name, None)
