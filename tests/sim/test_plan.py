@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prism_serve.cli import main
-from prism_serve.config import load_config
+from prism_serve.config import load_config, parse_config
+from prism_serve.engine.config import ENGINE_DEFAULTS
 from prism_serve.runtime.build import model_specs
 from prism_serve.sim import SimConfig
 from prism_serve.sim.deployment import deployment_config, get_setup, sim_deployment
@@ -102,7 +103,14 @@ def test_presets_are_deployment_configs() -> None:
     models = get_setup("paper-58")
     assert sum(m.spec.weight_bytes for m in models) == pytest.approx(820e9, rel=0.02)
     assert [m.tp_size for m in models if m.tp_size > 1] == [4, 4, 4, 8]
-    assert sim_deployment(deployment_config("cpu-2"), gpu=False).models[0].spec.dtype_bytes == 4
+    cpu = sim_deployment(deployment_config("cpu-2"), gpu=False)
+    assert cpu.models[0].spec.dtype_bytes == 4 and cpu.engine.max_num_seqs == ENGINE_DEFAULTS.max_num_seqs
+    # simulated GPUs run a GPU engine's batch (as prism sim does) unless the config sets one
+    gpu = sim_deployment(config)
+    assert (gpu.engine.max_num_seqs, gpu.engine.max_num_batched_tokens) == (256, 8192)
+    text = 'devices: [{name: "cuda:0", memory: 72GiB}]\n'
+    text += 'models: [{name: a, source: "random:llama-3.2-1b", max_num_seqs: 64}]\n'
+    assert sim_deployment(parse_config(text)).engine.max_num_seqs == 64
 
 
 @pytest.fixture(scope="module")

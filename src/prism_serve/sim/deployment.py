@@ -4,8 +4,9 @@ Every model entry becomes a ``ServedModel``: its shape read from its weights' me
 (sim/shapes.py), at its dtype (``auto``: bf16 on the GPU profiles, this machine's choice on the
 CPU ones) and its ``tp``; its SLOs are the entry's ``ttft_slo`` and ``tpot_slo``. The engine knobs
 come from the models' ``EngineConfig`` (the simulator has one for every engine: the models must
-agree on them, else the first model's are used and a warning says so), the policy and its knobs
-from the config's ``policy``.
+agree on them, else the first model's are used and a warning says so; on GPU profiles the batch
+knobs the config leaves unset are a GPU engine's, ``GPU_ENGINE_DEFAULTS``, not the CPU server's),
+the policy and its knobs from the config's ``policy``.
 
 The evaluation setups of the Prism paper are such configs, shipped as presets
 (sim/presets/*.yaml): ``prism sim --setup paper-58`` and ``prism plan --config paper-58`` read the
@@ -18,8 +19,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import msgspec
+
 from prism_serve.config import ConfigError, DeploymentConfig, load_config, parse_config
-from prism_serve.engine.config import EngineConfig
+from prism_serve.engine.config import GPU_ENGINE_DEFAULTS, EngineConfig
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.sim.config import ModelSLO
 from prism_serve.sim.errors import SimConfigError
@@ -29,6 +32,7 @@ from prism_serve.sim.shapes import shape_of
 __all__ = ["PRESETS", "SimDeployment", "deployment_config", "get_setup", "sim_deployment"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+_GPU_BATCH = ("max_num_seqs", "max_num_batched_tokens")  # engine/config.py GPU_ENGINE_DEFAULTS
 PRESETS = ("paper-8", "paper-18", "paper-58", "cpu-2")
 
 
@@ -59,7 +63,11 @@ def sim_deployment(config: DeploymentConfig, gpu: bool = True) -> SimDeployment:
         dtype = resolve_dtype(m.dtype, "cuda" if gpu else "cpu")
         models.append(ServedModel(m.name, shape_of(m.name, m.source, _DTYPE_BYTES[dtype]), m.tp))
         slos[m.name] = ModelSLO(m.ttft_slo, m.tpot_slo)
-    engine = config.models[0].engine_config("cuda" if gpu else "cpu")
+    first = config.models[0]
+    engine = first.engine_config("cuda" if gpu else "cpu")
+    if gpu:  # a batch knob the config leaves unset is a GPU engine's, as the GPU profiles model it
+        unset = [k for k in _GPU_BATCH if k not in first.model_fields_set]
+        engine = msgspec.structs.replace(engine, **{k: getattr(GPU_ENGINE_DEFAULTS, k) for k in unset})
     for knob in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         values = sorted({getattr(m, knob) for m in config.models})
         if len(values) > 1:
