@@ -35,104 +35,22 @@ from pathlib import Path
 import numpy as np
 
 from common import REPO_ROOT, cpu_seconds, machine_info, other_load_since, wait_quiet
+from prism_serve.sim.fit import (
+    StepBench,
+    best_fit,
+    counts,
+    format_constants,
+    label,
+    pin_one_core,
+    predict,
+    profile_from,
+    step_points,
+)
 
 RAW = REPO_ROOT / "results" / "cpu_profile_fit.json"
 
-# (kind, params, held_out). Decode: (batch, context). Prefill: (new tokens, cached prefix).
-# Mixed: (prefill tokens, prefix, decodes, decode context). Ragged: decode contexts.
-TRAIN_DECODE = [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (16, 512, 2048) if b * c <= 32 * 1024]
-HELD_DECODE = [(b, c) for b in (3, 6, 12, 24) for c in (128, 1024)] + [(1, 4096), (5, 64), (32, 1024)]
-TRAIN_PREFILL = [(p, 0) for p in (1, 4, 16, 64, 256, 512)] + [(512, 512), (512, 2048), (128, 1024)]
-HELD_PREFILL = [(p, 0) for p in (2, 8, 32, 128, 384)] + [(512, 1024), (512, 3584), (200, 300)]
-HELD_MIXED = [(128, 0, 8, 256), (480, 512, 16, 512), (32, 0, 2, 64), (256, 0, 4, 1024)]
-HELD_RAGGED = [(64, 256, 512, 1024), tuple(range(64, 2048 + 1, 128))]
 
-
-def points() -> list[dict]:
-    out = []
-    for held, kind, rows in (
-        (False, "decode", TRAIN_DECODE),
-        (True, "decode", HELD_DECODE),
-        (False, "prefill", TRAIN_PREFILL),
-        (True, "prefill", HELD_PREFILL),
-        (True, "mixed", HELD_MIXED),
-        (True, "ragged", HELD_RAGGED),
-    ):
-        out.extend({"kind": kind, "args": list(r), "held_out": held} for r in rows)
-    return out
-
-
-def label(p: dict) -> str:
-    a = p["args"]
-    if p["kind"] == "decode":
-        return f"decode b={a[0]} ctx={a[1]}"
-    if p["kind"] == "prefill":
-        return f"prefill {a[0]}" + (f" after {a[1]}" if a[1] else "")
-    if p["kind"] == "mixed":
-        return f"prefill {a[0]}" + (f" after {a[1]}" if a[1] else "") + f" + {a[2]} decodes ctx={a[3]}"
-    return f"ragged decode b={len(a)} ctx {min(a)}..{max(a)}"
-
-
-# -- measurement ------------------------------------------------------------------------------------
-
-
-class Bench:
-    def __init__(self, reps: int, model: str = "smollm2-135m-instruct", dtype: str = "float32") -> None:
-        from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
-
-        # the live runtime's per-model defaults (max_num_batched_tokens 512); room for 32 x 2048
-        config = EngineConfig(
-            model=model, dtype=dtype, max_num_seqs=64, kv_cache_bytes=4 << 30, max_model_len=None
-        )  # contexts up to 4096 (the default caps at 2048)
-        self.engine = LLMEngine(config)
-        self.rng = np.random.default_rng(0)
-        self.reps = reps
-        # (new tokens, cached tokens before them, samples) per scheduled request, as the simulator
-        # sees a step
-        self.engine.record_step_batches = True
-
-    def add(self, prompt: int, cached: int, max_tokens: int) -> None:
-        from prism_serve.engine.sampling_params import SamplingParams
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        engine = self.engine
-        req = engine.add_request(self.rng.integers(17, 49152, prompt).tolist(), params)
-        if cached:
-            seq = engine._requests[req]
-            if not engine.scheduler._grow(seq, cached):
-                raise RuntimeError("KV cache too small for the point")
-            seq.num_computed_tokens = cached
-
-    def step(self) -> tuple[float, list]:
-        t0 = time.perf_counter()
-        self.engine.step()
-        return time.perf_counter() - t0, self.engine.last_step_batch
-
-    def measure(self, p: dict) -> list[tuple[float, list]]:
-        """(seconds, batch) of each measured step of point ``p`` (``reps`` of them)."""
-        kind, a = p["kind"], p["args"]
-        out = []
-        if kind == "prefill":
-            for _ in range(self.reps):
-                self.add(a[1] + a[0], a[1], 1)
-                out.append(self.step())
-                self.engine.abort_all()
-        elif kind in ("decode", "ragged"):
-            contexts = [a[1]] * a[0] if kind == "decode" else list(a)
-            for c in contexts:  # the last prompt token is the first step's decode input
-                self.add(c, c - 1, self.reps + 1)
-            out = [self.step() for _ in range(self.reps)]
-            self.engine.abort_all()
-        else:  # mixed: one prefill chunk joins running decodes
-            for _ in range(self.reps):
-                for _ in range(a[2]):
-                    self.add(a[3], a[3] - 1, 4)
-                self.step()  # the decodes are now running
-                self.add(a[1] + a[0], a[1], 1)
-                out.append(self.step())
-                self.engine.abort_all()
-        return out
-
+class Bench(StepBench):
     def check(self) -> None:
         """One decode point with really prefilled contexts against the same with allocated ones."""
         from prism_serve.engine.sampling_params import SamplingParams
@@ -183,10 +101,7 @@ def measure_shapes(rounds: int, reps: int) -> list[dict]:
 
 def pin(core: int) -> dict:
     """Run on one core with one torch thread, as a live CPU device of one core does."""
-    import torch
-
-    os.sched_setaffinity(0, {core})
-    torch.set_num_threads(1)
+    pin_one_core(core)
     return machine_info(pinned=f"core {core}")
 
 
@@ -197,7 +112,7 @@ def measure(rounds: int, reps: int, core: int, check: bool, shapes: bool) -> dic
     bench.measure({"kind": "decode", "args": [4, 64]})  # warm-up
     if check:
         bench.check()
-    pts = points()
+    pts = step_points()
     times: list[list[float]] = [[] for _ in pts]
     batches: list[list | None] = [None] * len(pts)
     loads = []
@@ -234,155 +149,8 @@ def add_shapes(raw: dict, rounds: int, reps: int) -> None:
 # -- fit --------------------------------------------------------------------------------------------
 
 
-def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
-    """min ||a x - b|| subject to x >= 0 (Lawson-Hanson active set; a has few columns)."""
-    n = a.shape[1]
-    x = np.zeros(n)
-    passive = np.zeros(n, dtype=bool)
-    for _ in range(iters):
-        w = a.T @ (b - a @ x)
-        if passive.all() or w[~passive].max() <= 1e-12 * max(1.0, np.abs(w).max()):
-            break
-        passive[np.argmax(np.where(passive, -np.inf, w))] = True
-        while True:
-            z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if z[passive].min() > 0:
-                x = z
-                break
-            neg = passive & (z <= 0)
-            alpha = np.min(x[neg] / (x[neg] - z[neg]))
-            x = x + alpha * (z - x)
-            passive &= x > 1e-15
-    return x
-
-
-def counts(batch: list, pad: bool) -> tuple[int, int, float, float]:
-    """(tokens, sampling sequences, attention pairs, KV tokens read) of a step as the simulator
-    counts them (sim/engine.py): with ``pad``, decodes padded to the longest context of their
-    group, as the engine's gathered SDPA attention groups them (engine/grouping.py); without, each
-    decode reads its own context (the paged decode kernel)."""
-    from prism_serve.engine.grouping import padded_decode_context
-
-    decodes = [b + 1 for n, b, _ in batch if n == 1]
-    padded = padded_decode_context(decodes) if pad else sum(decodes)
-    tokens = sum(n for n, _, _ in batch)
-    seqs = sum(1 for _, _, s in batch if s)
-    pairs = padded + sum(n * (b + (n + 1) / 2) for n, b, _ in batch if n != 1)
-    kv_read = padded - len(decodes) + sum(b for n, b, _ in batch if n != 1)
-    return tokens, seqs, pairs, kv_read
-
-
-def features(spec, batch: list, crossover: float, pad: bool) -> np.ndarray:
-    """The summed CPU form of sim/cost.py as a linear model in 1/rates (one row per step):
-    [1, weight passes, matmul FLOPs, small-batch weight rows, sampled sequences, attention FLOPs,
-    KV bytes]. The LM head runs only for sequences that sample, the body for every token; a matmul
-    group of more than ``crossover`` rows is taken as packed, else as streamed per row."""
-    from prism_serve.sim.cost import split_matmul
-
-    tokens, seqs, pairs, kv_read = counts(batch, pad)
-    body_b, body_f, head_b, head_f = split_matmul(spec)
-    passes = rows = flops = 0.0
-    for m, nbytes, f in ((tokens, body_b, body_f), (seqs, head_b, head_f)):
-        if m > crossover:
-            passes, flops = passes + nbytes, flops + f * m
-        elif m:
-            rows += nbytes * m
-    return np.array(
-        [
-            1.0,
-            passes,
-            flops,
-            rows,
-            seqs,
-            spec.attn_flops_per_pair * pairs,
-            spec.kv_bytes_per_token * (kv_read + tokens),
-        ]
-    )
-
-
-def profile_from(coef: np.ndarray, base):
-    """``base`` (a HardwareProfile) with the fitted step constants; its other fields (memory,
-    activation, compute sharing) are kept."""
-    overhead, inv_b, inv_f, inv_row, per_seq, inv_attn, inv_kv = coef
-    big = 1e15  # a coefficient of 0 means that cost is not visible at this machine's noise
-    return dataclasses.replace(
-        base,
-        step_overhead_s=float(overhead),
-        mem_bandwidth=1 / inv_b if inv_b > 0 else big,
-        peak_flops=1 / inv_f if inv_f > 0 else big,
-        row_bandwidth=1 / inv_row if inv_row > 0 else None,  # None: no small-batch regime
-        seq_overhead_s=float(per_seq),
-        attn_flops=1 / inv_attn if inv_attn > 0 else big,
-        kv_bandwidth=1 / inv_kv if inv_kv > 0 else big,
-        synthetic=False,
-    )
-
-
-def predict(cm, spec, batch: list) -> float:
-    tokens, seqs, pairs, kv_read = counts(batch, cm.hw.pad_decode_context)
-    return cm.step_time(spec, 1, tokens, pairs, kv_read, seqs)
-
-
-def best_fit(
-    spec,
-    batches: list,
-    y: np.ndarray,
-    train: np.ndarray,
-    base,
-    weights: np.ndarray | None = None,
-    mem_bandwidth: float | None = None,
-) -> tuple[float, np.ndarray, np.ndarray]:
-    """(small-batch crossover, coefficients, predictions of every step) of the fit with the lowest
-    mean (weighted) relative error on the training steps, the crossover chosen by grid search.
-
-    ``mem_bandwidth`` fixes the weight pass instead of fitting it: every step reads the weights once
-    at that rate, whatever its rows (crossover 0.5, so no small-batch regime). Steps of one model
-    cannot tell a per-step constant from its weight pass (both are the same seconds in every step),
-    and a fit of them may put the whole pass into ``step_overhead_s``, which then prices a model of
-    another size as if it had SmolLM2-135M's weights."""
-    from prism_serve.sim.cost import RooflineCostModel
-
-    w = np.sqrt(np.ones(len(y)) if weights is None else weights)[train]
-    best = None
-    grid = [0.5] if mem_bandwidth else np.arange(1.5, 12.6, 1.0)
-    for crossover in grid:
-        x = np.array([features(spec, b, crossover, base.pad_decode_context) for b in batches])
-        # relative error: a 40 ms decode step matters as much as a 3 s prefill
-        if mem_bandwidth:
-            fixed = x[:, 1] / mem_bandwidth
-            free = [0, 2, 3, 4, 5, 6]
-            sub = nnls(x[train][:, free] / y[train, None] * w[:, None], (1 - fixed[train] / y[train]) * w)
-            coef = np.insert(sub, 1, 1 / mem_bandwidth)
-        else:
-            coef = nnls(x[train] / y[train, None] * w[:, None], w)
-        cm = RooflineCostModel(profile_from(coef, base))
-        pred = np.array([predict(cm, spec, b) for b in batches])
-        err = np.average(np.abs(pred[train] / y[train] - 1), weights=w**2)
-        if best is None or err < best[0]:
-            best = (err, crossover, coef, pred)
-    return best[1], best[2], best[3]
-
-
 def print_constants(hw) -> None:
-    print(f"fitted {hw.name} constants (the profile file --write saves; or paste into sim/hardware.py):")
-    for name in (
-        "step_overhead_s",
-        "mem_bandwidth",
-        "peak_flops",
-        "row_bandwidth",
-        "seq_overhead_s",
-        "attn_flops",
-        "kv_bandwidth",
-    ):
-        value = getattr(hw, name)
-        print(f"  {name}={value:.3e}," if value is not None else f"  {name}=None,")
-
-
-def step_kind(batch: list) -> str:
-    if all(n == 1 for n, _, _ in batch):
-        return "decode"
-    return "prefill" if all(n > 1 for n, _, _ in batch) else "mixed"
+    print(format_constants(hw))
 
 
 def fit(raw: dict, quantile: float, base, compare, mem_bandwidth: float | None = None):
@@ -527,11 +295,11 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     from prism_serve.engine.cpu_kernels import kernels_enabled
-    from prism_serve.sim.hardware import dump_hardware, get_hardware
-    from sim_mirror import HARDWARE, host_profile_name
+    from prism_serve.sim.hardware import dump_hardware, get_hardware, vector_class_profile
+    from sim_mirror import HARDWARE
 
     compare = get_hardware(args.compare or HARDWARE)
-    base = dataclasses.replace(get_hardware(args.base), name=args.name or host_profile_name())
+    base = dataclasses.replace(get_hardware(args.base), name=args.name or vector_class_profile())
     now = "kernel" if kernels_enabled() else "sdpa"
     if args.trace:
         from fit_trace import fit_trace

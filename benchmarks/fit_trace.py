@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from common import machine_info
-from fit_cpu_profile import best_fit, predict, print_constants, profile_from, step_kind
+from fit_cpu_profile import print_constants
+from prism_serve.sim.fit import best_fit, predict, profile_from, step_kind
 
 __all__ = ["fit_trace"]
 

@@ -26,33 +26,11 @@ from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE  # noqa: E402
 from prism_serve.runtime.build import device_specs  # noqa: E402
 from prism_serve.sim.config import ModelSLO, SimConfig  # noqa: E402
 from prism_serve.sim.deployment import sim_deployment as deployment_of  # noqa: E402
+from prism_serve.sim.hardware import host_cpu_profile  # noqa: E402
 from prism_serve.sim.models import ModelShape, ServedModel  # noqa: E402
 from prism_serve.workload.format import Workload  # noqa: E402
 
-
-def host_profile_name() -> str:
-    """cpu-smollm2-avx512bf16, cpu-smollm2-avx512 or cpu-smollm2-avx2: the vector class of this CPU,
-    which decides how fast its matmuls are (VMs sold as one CPU model come with either)."""
-    from prism_serve.engine.machine import cpu_flags, native_bf16
-
-    flags = cpu_flags()
-    if native_bf16(flags):
-        return "cpu-smollm2-avx512bf16"
-    if "avx512f" in flags:
-        return "cpu-smollm2-avx512"
-    return "cpu-smollm2-avx2" if "avx2" in flags else "cpu-smollm2-other"
-
-
-def default_hardware() -> str:
-    """The registered CPU profile fitted on a CPU of this machine's vector class, else cpu-smollm2
-    (fitted on an AVX2-only host; on another class, refit: fit_cpu_profile.py --write)."""
-    from prism_serve.sim.hardware import HARDWARE as REGISTERED
-
-    name = host_profile_name()
-    return name if name in REGISTERED else "cpu-smollm2"
-
-
-HARDWARE = default_hardware()
+HARDWARE = host_cpu_profile()
 REAL_SOURCE = DEFAULT_MODEL  # the default model's real weights: the SmolLM2-135M shape
 WARMUP_PROMPT = [1000, 1001, 1002]  # token ids of each warm-up request
 WARMUP_OUTPUT = 2

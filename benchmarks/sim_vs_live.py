@@ -75,7 +75,6 @@ from sim_mirror import (  # noqa: E402, F401  (re-exported: tests/bench/test_sim
     REAL_SOURCE,
     MirrorError,
     SimDeployment,
-    host_profile_name,
     offered_load,
     run_sim,
     sim_deployment,

@@ -152,9 +152,9 @@ def host_speeds(live_runs: list[dict], specs: dict, hardware: str) -> dict[int, 
     (each with its ``steps_dir``)."""
     import dataclasses
 
-    from fit_cpu_profile import predict
     from prism_serve.control.types import REPLICA_SEPARATOR
     from prism_serve.sim.cost import RooflineCostModel
+    from prism_serve.sim.fit import predict
     from prism_serve.sim.hardware import get_hardware
 
     hw = get_hardware(hardware)

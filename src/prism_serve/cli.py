@@ -247,10 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     from prism_serve.bench.cli import add_bench_parser
     from prism_serve.ops_cli import add_ops_parsers
     from prism_serve.sim.cli import add_sim_parser, add_workload_parser
-    from prism_serve.sim.plan_cli import add_plan_parser
+    from prism_serve.sim.plan_cli import add_fit_parser, add_plan_parser
 
     add_sim_parser(sub)
     add_plan_parser(sub)
+    add_fit_parser(sub)
     add_workload_parser(sub)
     add_bench_parser(sub)
     add_ops_parsers(sub)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from prism_serve.config import parse_config
+from prism_serve.sim.hardware import vector_class_profile
 from prism_serve.sim.shapes import ShapeError
 from prism_serve.workload.format import Workload
 
@@ -40,7 +41,7 @@ def test_sim_deployment_mirrors_the_config(svl):
     c = dep.config
     # the registered CPU fit of this machine's vector class (cpu-smollm2 where none is registered)
     assert (c.num_devices, c.hardware, c.policy) == (2, svl.HARDWARE, "prism")
-    assert svl.HARDWARE in {"cpu-smollm2", svl.host_profile_name()}
+    assert svl.HARDWARE in {"cpu-smollm2", vector_class_profile()}
     assert svl.sim_deployment(parse_config(CONFIG), hardware="cpu-smollm2").config.hardware == "cpu-smollm2"
     assert dep.budgets == (1200 * 2**20, 1000 * 2**20)
     assert dep.device_names == ("cpu:0", "cpu:1")

@@ -282,7 +282,7 @@ def add_sim_parser(sub) -> None:
         default="h100",
         type=_hardware_name,
         help=f"a registered profile ({', '.join(HARDWARE)}) or a profile file (*.json, e.g. one "
-        "benchmarks/fit_cpu_profile.py --write fitted on your machine)",
+        "prism fit-hardware fitted on your machine)",
     )
     s.add_argument("--gpus", type=int, default=2, help="devices (the maximum for --find-gpus)")
     s.add_argument("--policies", default=_COMMON_POLICIES, help="comma-separated registry names")

@@ -36,7 +36,15 @@ from types import MappingProxyType
 
 from prism_serve.sim.errors import SimConfigError
 
-__all__ = ["HARDWARE", "HardwareProfile", "dump_hardware", "get_hardware", "load_hardware"]
+__all__ = [
+    "HARDWARE",
+    "HardwareProfile",
+    "dump_hardware",
+    "get_hardware",
+    "host_cpu_profile",
+    "load_hardware",
+    "vector_class_profile",
+]
 
 GB = 1e9
 GIB = 1 << 30
@@ -274,9 +282,31 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
 )
 
 
+def vector_class_profile() -> str:
+    """cpu-smollm2-avx512bf16, cpu-smollm2-avx512 or cpu-smollm2-avx2: the name a CPU profile of this
+    machine's vector class has, which decides how fast its matmuls are (VMs sold as one CPU model
+    come with either)."""
+    from prism_serve.engine.machine import cpu_flags, native_bf16
+
+    flags = cpu_flags()
+    if native_bf16(flags):
+        return "cpu-smollm2-avx512bf16"
+    if "avx512f" in flags:
+        return "cpu-smollm2-avx512"
+    return "cpu-smollm2-avx2" if "avx2" in flags else "cpu-smollm2-other"
+
+
+def host_cpu_profile() -> str:
+    """The registered CPU profile fitted on a CPU of this machine's vector class, else cpu-smollm2
+    (fitted on an AVX2-only host; on another class, fit one: ``prism fit-hardware``)."""
+    name = vector_class_profile()
+    return name if name in HARDWARE else "cpu-smollm2"
+
+
 def get_hardware(name: str) -> HardwareProfile:
     """A registered profile by name, or a profile file (a path ending in ``.json``: what
-    ``benchmarks/fit_cpu_profile.py --write`` produces for the machine it ran on)."""
+    ``prism fit-hardware`` or ``benchmarks/fit_cpu_profile.py --write`` produces for the machine it
+    ran on)."""
     if name in HARDWARE:
         return HARDWARE[name]
     if name.endswith(".json"):

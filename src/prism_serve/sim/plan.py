@@ -292,13 +292,13 @@ class _InProcess:
 def deployment_yaml(config: DeploymentConfig, hw: HardwareProfile, devices: int, policy: str) -> dict:
     """``config`` as a prism.yaml with ``devices`` devices of ``hw`` and ``policy``: what
     ``prism serve --config`` reads (a GPU profile gives cuda:0..N-1, each with the memory models may
-    use; a CPU profile a group of CPU devices splitting the cores)."""
+    use; a CPU profile, fitted for devices of one core, cpu:0..N-1 on cores 0..N-1)."""
     data = config.model_dump(mode="json", exclude_defaults=True)
     memory = int(hw.capacity_bytes)
     if hw.overlap:  # a GPU profile
         data["devices"] = [{"name": f"cuda:{i}", "memory": memory} for i in range(devices)]
     else:
-        data["devices"] = {"count": devices, "memory": memory}
+        data["devices"] = [{"name": f"cpu:{i}", "memory": memory, "cores": str(i)} for i in range(devices)]
     data.setdefault("policy", {})["name"] = policy
     if policy != config.policy.name:
         data["policy"].pop("knobs", None)

@@ -4,6 +4,8 @@
     prism plan --config paper-58 --traffic w.jsonl --price-per-device-hour 2.5 --out plan/
     prism plan --config prism.yaml --traffic export.csv --time-column ts --model-column deployment \\
         --input-column prompt_len --output-column completion_len --map gpt-small=llama-1b
+    prism plan --config prism.yaml --traffic requests.log --hardware fit   # this machine's CPU devices
+    prism fit-hardware --out cpu.json     # fit once, then: prism plan ... --hardware cpu.json
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-__all__ = ["add_plan_parser"]
+__all__ = ["add_fit_parser", "add_plan_parser"]
+
+FIT = "fit"  # --hardware: fit this machine's CPU profile first (sim/fit.py)
 
 
 def _mapping(text: str) -> tuple[str, str]:
@@ -59,8 +63,15 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--ignore-unknown", action="store_true", help="drop requests for models not in the config")
     p.add_argument(
         "--hardware", default="h100",
-        help=f"a registered profile ({', '.join(HARDWARE)}) or a profile file (*.json)",
+        help=f"a registered profile ({', '.join(HARDWARE)}), a profile file (*.json), or {FIT}: fit this "
+        "machine's one-core CPU devices first (about a minute; prism fit-hardware saves one to reuse)",
     )  # fmt: skip
+    p.add_argument(
+        "--device-memory", metavar="SIZE",
+        help="each device's memory, e.g. 80GiB or 1200MiB (default: the profile's; for a CPU profile, "
+        "the config's CPU devices' budget where they all have one)",
+    )  # fmt: skip
+    p.add_argument("--fit-rounds", type=int, default=2, help=f"with --hardware {FIT}: rounds of measurement")
     p.add_argument("--target", type=float, default=0.99, help="attainment to meet (default 0.99)")
     p.add_argument("--metric", default="ttft", choices=["ttft", "tpot"])
     p.add_argument(
@@ -86,8 +97,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from prism_serve.sim.plan_report import format_plan, write_plan
     from prism_serve.workload.traffic import CsvColumns, TrafficOptions, read_traffic
 
-    hw = get_hardware(args.hardware)
     config = deployment_config(args.config)
+    hardware = _hardware(args, config)
+    hw = get_hardware(hardware)
     deployment = sim_deployment(config, gpu=hw.overlap)
     for w in deployment.warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -115,11 +127,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if args.slo_scale is not None:
-        deployment = _measured_slos(deployment, traffic.workload, args.hardware, args.slo_scale)
+        deployment = _measured_slos(deployment, traffic.workload, hardware, args.slo_scale)
     policies = [p for p in args.policies.split(",") if p]
     with tqdm(desc="plan", unit="sim", file=sys.stderr) as bar:
         result = plan(
-            deployment, traffic.workload, hardware=args.hardware, target=args.target, metric=args.metric,
+            deployment, traffic.workload, hardware=hardware, target=args.target, metric=args.metric,
             policies=policies, max_devices=args.max_devices, confirm=args.confirm,
             price_per_device_hour=args.price_per_device_hour, span_s=traffic.span_s, jobs=args.jobs,
             progress=bar.update,
@@ -129,6 +141,92 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.out is not None:
         written = write_plan(result, config, chosen, args.out, sys.argv[1:])
         print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    return 0
+
+
+def _hardware(args: argparse.Namespace, config) -> str:
+    """The profile to plan on, as a name the simulator's processes resolve: a registered name, or a
+    file (written to --out, else a temporary directory) where it was fitted here or its memory
+    changed."""
+    import dataclasses
+    import tempfile
+
+    from prism_serve.config import DeviceGroup, parse_size
+    from prism_serve.sim.hardware import dump_hardware, get_hardware
+
+    hw = _fit(args.fit_rounds) if args.hardware == FIT else get_hardware(args.hardware)
+    memory = parse_size(args.device_memory) if args.device_memory else None
+    if memory is None and not hw.overlap:  # a CPU profile: the config's CPU devices, if they agree
+        devices = [config.devices] if isinstance(config.devices, DeviceGroup) else config.devices
+        budgets = {d.memory for d in devices if getattr(d, "name", "cpu").startswith("cpu")}
+        if len(budgets) == 1:
+            memory = budgets.pop()
+            print(f"device memory: {memory / 2**20:.0f} MiB, the config's CPU devices'", file=sys.stderr)
+    if memory is not None and memory != hw.memory_bytes:
+        hw = dataclasses.replace(hw, memory_bytes=memory)
+    if args.hardware != FIT and hw == get_hardware(args.hardware):
+        return args.hardware
+    folder = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="prism-plan-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "hardware.json"
+    dump_hardware(hw, path)
+    print(f"hardware profile {hw.name}: {path}", file=sys.stderr)
+    return str(path)
+
+
+def _fit(rounds: int, name: str = "cpu-fitted", core: int | None = None, reps: int = 3):
+    """This machine's one-core CPU profile, measured now with a progress bar (sim/fit.py)."""
+    from tqdm import tqdm
+
+    from prism_serve.engine.machine import cpu_model, vector_flags
+    from prism_serve.sim.fit import fit_this_machine, step_points
+
+    print(
+        f"fitting a CPU profile on this machine: {cpu_model()} ({vector_flags()}), one core", file=sys.stderr
+    )
+    total = 1 + rounds * len(step_points("quick"))
+    with tqdm(total=total, desc="fit", unit="point", file=sys.stderr) as bar:
+        result = fit_this_machine(name=name, rounds=rounds, reps=reps, core=core, progress=bar.update)
+    print(result.report(), file=sys.stderr)
+    return result.profile
+
+
+def add_fit_parser(sub) -> None:
+    p = sub.add_parser(
+        "fit-hardware",
+        help="fit this machine's one-core CPU profile for prism sim and prism plan",
+        description="Times this project's engine on one core with one torch thread (SmolLM2-135M in "
+        "fp32: prefills, prefill chunks after a cached prefix, decode batches at several contexts) "
+        "and one thread's weight pass, and fits the simulator's CPU cost model to them; the fields a "
+        "step cannot show (compute sharing, activation) come from the registered profile of this "
+        "CPU's vector class. Writes the profile as a file for --hardware.",
+    )
+    p.add_argument("--out", type=Path, required=True, help="the profile file to write (*.json)")
+    p.add_argument("--name", default="cpu-fitted", help="the profile's name")
+    p.add_argument("--rounds", type=int, default=2, help="measurements of every point (the minimum counts)")
+    p.add_argument("--reps", type=int, default=3, help="steps per point and round")
+    p.add_argument("--core", type=int, default=None, help="the core to run on (default: the last one)")
+    p.add_argument(
+        "--device-memory", metavar="SIZE", help="the profile's device memory (default: the base's)"
+    )
+    p.set_defaults(func=_cmd_fit)
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from prism_serve.config import parse_size
+    from prism_serve.sim.errors import SimConfigError
+    from prism_serve.sim.hardware import dump_hardware
+
+    if args.out.suffix != ".json":
+        raise SimConfigError(f"--out must name a .json file (what --hardware reads), got {str(args.out)!r}")
+    hw = _fit(args.rounds, args.name, args.core, args.reps)
+    if args.device_memory:
+        hw = dataclasses.replace(hw, memory_bytes=parse_size(args.device_memory))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    dump_hardware(hw, args.out)
+    print(f"wrote {args.out}: prism plan ... --hardware {args.out}")
     return 0
 
 

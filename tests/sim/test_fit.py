@@ -1,0 +1,96 @@
+"""This machine's CPU profile (sim/fit.py): the fit recovers a known profile from step times it
+prices, and ``prism fit-hardware`` measures the real engine here and writes a profile that
+``prism plan`` plans this machine's CPU devices on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from prism_serve.cli import main
+from prism_serve.config import load_config
+from prism_serve.sim.cost import RooflineCostModel
+from prism_serve.sim.fit import CONSTANTS, FIT_MODEL, fit_points, predict, step_points
+from prism_serve.sim.hardware import HARDWARE, get_hardware, host_cpu_profile
+from prism_serve.sim.models import model_shape
+from prism_serve.workload import write_jsonl
+
+from .helpers import poisson
+
+
+def batch_of(p: dict) -> list[tuple[int, int, bool]]:
+    """A point's step as the engine records it: (new tokens, cached tokens before them, samples)."""
+    a = p["args"]
+    if p["kind"] == "decode":
+        return [(1, a[1] - 1, True)] * a[0]
+    if p["kind"] == "ragged":
+        return [(1, c - 1, True) for c in a]
+    if p["kind"] == "prefill":
+        return [(a[0], a[1], True)]
+    return [(1, a[3] - 1, True)] * a[2] + [(a[0], a[1], True)]  # mixed
+
+
+def test_the_fit_recovers_the_profile_that_priced_the_steps() -> None:
+    base = HARDWARE["cpu-smollm2-avx512bf16"]
+    known = dataclasses.replace(
+        base, step_overhead_s=6e-3, peak_flops=1.5e11, attn_flops=6e10, kv_bandwidth=9e9,
+        seq_overhead_s=2e-5, row_bandwidth=None, mem_bandwidth=2.5e10,
+    )  # fmt: skip
+    cm, spec = RooflineCostModel(known), model_shape(FIT_MODEL, dtype_bytes=4)
+    points = []
+    for p in step_points("all"):
+        b = batch_of(p)
+        points.append(dict(p, batch=b, times=[predict(cm, spec, b) * f for f in (1.0, 1.3, 1.1)]))
+    # a profile far from the truth in every step constant: only its other fields may survive
+    start = dataclasses.replace(base, step_overhead_s=0.1, peak_flops=1e9, attn_flops=1e9, kv_bandwidth=1e8)
+    raw = {"points": points, "decode_attention": "kernel"}
+    result = fit_points(raw, start, mem_bandwidth=known.mem_bandwidth)
+    for name in ("step_overhead_s", "peak_flops", "attn_flops", "kv_bandwidth", "mem_bandwidth"):
+        assert getattr(result.profile, name) == pytest.approx(getattr(known, name), rel=1e-3), name
+    assert result.profile.seq_overhead_s == pytest.approx(known.seq_overhead_s, rel=1e-2, abs=1e-7)
+    assert max(abs(result.errors(True))) < 1e-3 and max(abs(result.errors(False))) < 1e-3
+    assert result.profile.share_interference == base.share_interference and not result.profile.synthetic
+    # SDPA attention (the engine without its decode kernel) reads contexts padded by group
+    assert fit_points(dict(raw, decode_attention="sdpa"), start).profile.pad_decode_context
+
+
+def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, capsys) -> None:
+    profile = tmp_path / "cpu.json"
+    assert main(["fit-hardware", "--rounds", "1", "--reps", "1", "--out", str(profile)]) == 0
+    err = capsys.readouterr().err
+    assert "held-out points: mean |error|" in err and "weight pass fixed at the measured" in err
+    hw = get_hardware(str(profile))
+    base = get_hardware(host_cpu_profile())
+    assert hw.name == "cpu-fitted" and not hw.synthetic and not hw.overlap
+    assert all(getattr(hw, c) is None or getattr(hw, c) >= 0 for c in CONSTANTS)
+    assert 1e9 < hw.mem_bandwidth < 1e12  # one thread's weight pass: GB/s, not a fitted leftover
+    # what a step cannot show is the registered profile's of this CPU's vector class
+    assert (hw.share_interference, hw.host_bandwidth) == (base.share_interference, base.host_bandwidth)
+
+    traffic = tmp_path / "w.jsonl"
+    models = ["smollm2-135m-00", "smollm2-135m-01"]
+    write_jsonl(poisson(models, 0.5, 60.0, prompt=(16, 128), output=(8, 32), seed=3), traffic)
+    out = tmp_path / "plan"
+    code = main([
+        "plan", "--config", "cpu-2", "--traffic", str(traffic), "--hardware", str(profile),
+        "--policies", "prism,dedicated", "--jobs", "1", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    assert "device memory: 2048 MiB, the config's CPU devices'" in capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["hardware"] == "cpu-fitted" and results["policies"]["dedicated"]["devices"] == 2
+    # the deployment found: one-core CPU devices, as the profile was fitted for, at the config's budget
+    deployment = load_config(out / "prism.yaml")
+    n = results["policies"]["prism"]["devices"]
+    assert [(d.name, d.cores, d.memory) for d in deployment.devices] == [
+        (f"cpu:{i}", str(i), 2 << 30) for i in range(n)
+    ]
+    assert get_hardware(str(out / "hardware.json")).memory_bytes == 2 << 30
+
+
+def test_fit_hardware_wants_a_profile_file(tmp_path: Path, capsys) -> None:
+    assert main(["fit-hardware", "--out", str(tmp_path / "cpu.yaml")]) == 2
+    assert "--out must name a .json file" in capsys.readouterr().err
