@@ -223,3 +223,28 @@ def test_token_ids_are_reproducible_from_the_seed():
     a = build_prompt(50, BenchSettings(seed=1), np.random.default_rng(1))
     b = build_prompt(50, BenchSettings(seed=1), np.random.default_rng(1))
     assert a == b and len(a) == 50 and min(a) >= 1000 and max(a) < 8000
+
+
+def test_cli_replays_a_request_log_from_a_start(fresh_stub, tmp_path, capsys):
+    """prism serve's request log is a workload for prism bench as it is for prism plan: the requests
+    from --start on, with the lengths the server counted; a request refused as invalid is not sent."""
+    from prism_serve.cli import main
+
+    t0 = 1_790_000_000.0
+    lines = [
+        {"arrival": t0, "model": "m1", "prompt_tokens": 3, "output_tokens": 2, "status": 200},  # warm-up
+        {"arrival": t0 + 5.0, "model": "m1", "prompt_tokens": 7, "output_tokens": 3, "status": 200},
+        {"arrival": t0 + 5.1, "model": "m2", "prompt_tokens": 9, "output_tokens": 0, "status": 400},
+        {"arrival": t0 + 5.2, "model": "m2", "prompt_tokens": 4, "output_tokens": 0, "status": 503,
+         "max_tokens": 5},
+    ]  # fmt: skip
+    log = tmp_path / "requests.log"
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "report"
+    argv = ["bench", "--workload", str(log), "--start", "4", "--url", fresh_stub.url, "--out", str(out)]
+    assert main([*argv, "--no-progress", "--prompt", "ids"]) == 0
+    body = json.loads((out / "bench.json").read_text())
+    sent = [(r["model"], r["prompt_tokens"], r["output_tokens"]) for r in body["requests"]]
+    assert sorted(sent) == [("m1", 7, 3), ("m2", 4, 5)]
+    assert main(["bench", "--workload", str(log), "--start", "60", "--url", fresh_stub.url]) == 2
+    assert "no request in the window" in capsys.readouterr().err

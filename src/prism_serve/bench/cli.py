@@ -37,7 +37,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from prism_serve.bench.replay import replay
     from prism_serve.bench.report import format_table
     from prism_serve.bench.settings import BenchSettings, parse_model_map, parse_token_range
-    from prism_serve.workload.format import read_jsonl
+    from prism_serve.workload.traffic import TrafficOptions, read_traffic
 
     settings = BenchSettings(
         rate_scale=args.rate_scale,
@@ -53,7 +53,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         ttft_slo_s=args.ttft_slo,
         tpot_slo_s=args.tpot_slo,
     )
-    workload = read_jsonl(args.workload)
+    # a workload JSONL, prism serve's request log or a CSV export: whatever prism plan reads
+    options = TrafficOptions(format=args.traffic_format, start_s=args.start)
+    workload = read_traffic(args.workload, None, options).workload
     slos = None
     if args.slos is not None:
         from prism_serve.sim.slo import load_slos  # imports the simulator: only when asked
@@ -97,7 +99,13 @@ def add_bench_parser(sub) -> None:
         "latency, throughput and errors by kind. SLOs come from --slos, else from the endpoint's "
         "/v1/models (ttft_slo, tpot_slo fields), else from --ttft-slo/--tpot-slo.",
     )
-    b.add_argument("--workload", type=Path, required=True, help="JSONL workload (prism workload --out)")
+    b.add_argument(
+        "--workload", type=Path, required=True,
+        help="a workload JSONL (prism workload --out) or prism serve's request log (--request-log): its "
+        "requests again, with the prompt and output lengths the server counted",
+    )  # fmt: skip
+    b.add_argument("--traffic-format", default="auto", choices=["auto", "log", "jsonl"])
+    b.add_argument("--start", type=float, default=0.0, metavar="S", help="from S s after the first arrival")
     b.add_argument("--url", required=True, help="endpoint root, e.g. http://localhost:8000 (or .../v1)")
     b.add_argument("--out", type=Path, help="directory for bench.json and bench.png")
     b.add_argument(

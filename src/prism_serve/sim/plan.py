@@ -5,8 +5,10 @@ cost model, not a measurement of the user's devices.
 The search, per policy, over the device count ``n`` (every point one full simulation of the
 traffic at ``n`` devices, ``SimConfig.num_devices``):
 
-1. from the lower bound any policy needs (sim/bound.py) up, by doubling steps, to the first count
-   that meets the target;
+1. from the hard floor (sim/bound.py's compute and tensor-parallel counts) up, by doubling steps,
+   to the first count that meets the target. The bound's memory count is not a floor here: it
+   assumes every model with a request in a 10 s window is resident at once, and a policy that
+   swaps models in tens of milliseconds (CPU devices, small models) meets SLOs below it;
 2. a sweep of every count between the last failure and it, upward: attainment need not be
    monotone in the device count (a placement that fits at ``n`` may not at ``n + 1``), so the first
    that passes is the candidate;
@@ -42,7 +44,7 @@ from prism_serve.sim.models import ServedModel
 from prism_serve.sim.simulator import simulate
 from prism_serve.workload.format import Workload
 
-__all__ = ["HOURS_PER_MONTH", "POLICIES", "Plan", "PolicyPlan", "fewest_passing", "plan"]
+__all__ = ["HOURS_PER_MONTH", "POLICIES", "Plan", "PolicyPlan", "fewest_passing", "plan", "simulate_point"]
 
 POLICIES = ("prism", "static-partition", "dedicated", "muxserve")
 HOURS_PER_MONTH = 730.0
@@ -236,7 +238,7 @@ def plan(
         max_num_seqs=deployment.engine.max_num_seqs, slos=deployment.slos,
     )  # fmt: skip
     widest = max(m.tp_size for m in deployment.models)
-    low = max(bound.devices, widest)
+    low = max(bound.compute_devices, bound.tp_devices, widest, 1)
     # dedicated devices for every model, twice over, always suffice for a policy that can use them
     high = max_devices or max(low, 2 * sum(m.tp_size for m in deployment.models))
     budget = math.floor((1 - target) * len(workload) + 1e-9)
@@ -273,6 +275,19 @@ def plan(
         hw, target, metric, bound, out, high, len(workload),
         span_s if span_s is not None else float(workload.timestamps[-1]), price_per_device_hour,
     )  # fmt: skip
+
+
+def simulate_point(
+    deployment: SimDeployment, workload: Workload, *, hardware: str, policy: str, devices: int
+) -> dict:
+    """One point of a plan run to its end (the search stops a point once it has missed more than the
+    target allows; this never does): ``policy`` on ``devices`` devices of ``hardware``, what
+    ``PolicyPlan.points`` holds for a count."""
+    config = SimConfig(
+        num_devices=devices, hardware=hardware, engine=deployment.engine, policy=policy,
+        knobs=deployment.knobs if policy == deployment.policy else (),
+    )  # fmt: skip
+    return _run(_Job(tuple(deployment.models), workload, deployment.slos, config))
 
 
 class _InProcess:

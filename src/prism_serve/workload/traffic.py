@@ -97,9 +97,12 @@ class _Row:
     output: int | None  # None: fill in from the model's other requests (a failed log line)
 
 
-def read_traffic(path: str | Path, served: Sequence[str], options: TrafficOptions | None = None) -> Traffic:
+def read_traffic(
+    path: str | Path, served: Sequence[str] | None, options: TrafficOptions | None = None
+) -> Traffic:
     """``path``'s requests for the models ``served`` (every one is in the workload, with requests
-    or without), as the options select them."""
+    or without), as the options select them; ``served=None``: every model the window names, in the
+    order of their first request."""
     opts = options or TrafficOptions()
     path = Path(path)
     if not path.is_file():
@@ -140,6 +143,8 @@ def read_traffic(path: str | Path, served: Sequence[str], options: TrafficOption
             f"{path}: no request in the window (start {opts.start_s} s, duration {opts.duration_s} s); "
             f"the traffic spans {last:.1f} s"
         )
+    if served is None:
+        served = list(dict.fromkeys(r.model for r in window))
     known = set(served)
     unknown = Counter(r.model for r in window if r.model not in known)
     if unknown and not opts.ignore_unknown:

@@ -1,0 +1,284 @@
+"""``prism plan`` checked against live runs, end to end, on this machine's CPU devices.
+
+For each scenario (a multi-model deployment and real-trace traffic for it):
+
+1. ``prism serve`` the scenario's deployment with its request log on, and replay the traffic with
+   ``prism bench`` (after one warm-up request per model, as a long-running server has served them);
+2. ``prism plan`` that log (the window from the replay's start) on this machine's CPU profile:
+   fitted on the spot by ``prism fit-hardware`` at the start of the run, or a profile file given;
+3. ``prism serve`` the deployment the plan found (its prism.yaml), replaying the same log with
+   ``prism bench``; and again with one device less (at one device: one memory budget step less).
+
+Printed for every deployment tried: the planned attainment (the simulator, run to the end) against
+the live one (``prism bench``'s, against each model's SLO from the server's /v1/models). Targets:
+live attainment at the planned deployment >= the target minus 1 point; planned and live within 3
+points at every deployment tried.
+
+    python benchmarks/plan_live.py --out results/plan-live                  # every scenario (~35 min)
+    python benchmarks/plan_live.py --scenarios three --duration 60 --out /tmp/pl   # a quick look
+    python benchmarks/plan_live.py --plan-only --out /tmp/pl   # plan the generated traffic, no server
+
+Needs two cores or more (two one-core devices). Writes, per scenario, the configs, the request
+logs, each prism bench report and the plan's outputs under ``--out``, and summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+import common
+from prism_serve.api.process import free_port, start_server_process, stop_server_process
+from prism_serve.config import load_config, parse_size
+from prism_serve.workload.builder import WorkloadSpec, build_workload
+from prism_serve.workload.format import write_jsonl
+
+PRISM = [sys.executable, "-m", "prism_serve.cli"]
+REAL = "smollm2-135m-instruct"
+
+
+@dataclass(slots=True, frozen=True)
+class Scenario:
+    description: str
+    models: tuple[tuple[str, str], ...]  # (name, source); fp32, the dtype the CPU profile is fitted in
+    memory: str  # each device's budget
+    source: str  # arrivals (workload/builder.py)
+    lengths: str
+    total_rate: float  # req/s of all models together
+    zipf: float
+    policy: str = "static-partition"  # what the first, logged run serves with
+    ttft_slo: float = 3.0
+    tpot_slo: float = 0.5
+    knobs: dict = field(default_factory=dict)
+    max_prompt: int = 256
+    max_output: int = 48
+    seed: int = 0
+
+
+SCENARIOS = {
+    "three": Scenario(
+        "3 copies of SmolLM2-135M, Azure conversation arrivals and lengths, Zipf 1.0, all fit on a device",
+        tuple((f"smol-{c}", REAL) for c in "abc"), "2GiB", "azure:conv", "azure:conv", 0.6, 1.0,
+    ),
+    "five-tight": Scenario(
+        "5 copies of SmolLM2-135M, Zipf 1.5 (one hot, four cold), 1536 MiB devices: two models a device "
+        "at once, so cold models swap in; idle models may go after 10 s",
+        tuple((f"smol-{c}", REAL) for c in "abcde"), "1536MiB", "azure:conv", "azure:conv", 0.6, 1.5,
+        policy="prism", knobs={"idle_threshold_s": 10.0},
+    ),
+    "mixed": Scenario(
+        "2 copies of SmolLM2-135M and 2 synthetic-weight models (SmolLM2-360M and -135M shapes), Azure code "
+        "arrivals and lengths, Zipf 0.8",
+        (("smol-a", REAL), ("smol-b", REAL), ("syn-360m", "random:smollm2-360m"),
+         ("syn-135m", "random:smollm2-135m")),
+        "2GiB", "azure:code", "azure:code", 0.4, 0.8,
+    ),
+}  # fmt: skip
+
+
+def config_dict(s: Scenario, devices: int, memory: str, policy: str, knobs: dict | None = None) -> dict:
+    return {
+        "devices": [{"name": f"cpu:{i}", "memory": memory, "cores": str(i)} for i in range(devices)],
+        "models": [
+            {"name": n, "source": src, "dtype": "float32", "ttft_slo": s.ttft_slo, "tpot_slo": s.tpot_slo}
+            for n, src in s.models
+        ],
+        "policy": {"name": policy, "knobs": dict(knobs if knobs is not None else s.knobs)},
+        "server": {"max_waiting_requests": 1024, "request_timeout_s": 300},
+    }
+
+
+def prism(*args: str, log: Path | None = None) -> str:
+    """Run a prism command; its stdout (stderr to ``log`` where given). Raises on failure."""
+    with open(log, "w") if log else open(os.devnull, "w") as err:
+        done = subprocess.run([*PRISM, *args], stdout=subprocess.PIPE, stderr=err, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"prism {' '.join(args)} failed ({done.returncode}); see {log}")
+    return done.stdout
+
+
+def wait_idle(port: int, limit_s: float = 300) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        cards = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
+        if all(c.get("num_running", 0) == 0 and c.get("num_queued", 0) == 0 for c in cards):
+            return
+        time.sleep(1)
+
+
+def live(config: dict, traffic: Path, start_s: float, folder: Path, tag: str, log: bool) -> dict:
+    """A fresh ``prism serve`` of ``config``: one warm-up request per model, then ``prism bench``
+    replaying ``traffic`` from ``start_s``. Returns bench's summary, the wall time the replay started
+    at and (``log``) the request log's path."""
+    port = free_port()
+    data = json.loads(json.dumps(config))
+    data["server"].update(port=port, namespace=f"planlive-{uuid.uuid4().hex[:8]}")
+    request_log = folder / f"requests-{tag}.log"
+    if log:
+        data["server"]["request_log"] = str(request_log)
+    path = folder / f"serve-{tag}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    proc = start_server_process(path, port, folder / f"server-{tag}.log")
+    try:
+        for m in data["models"]:
+            body = {"model": m["name"], "prompt": [1000, 1001, 1002], "max_tokens": 2, "ignore_eos": True}
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300).raise_for_status()
+        time.sleep(1.0)
+        start = time.time()
+        load = common.cpu_seconds()
+        prism(
+            "bench", "--workload", str(traffic), "--start", f"{start_s:.3f}", "--prompt", "ids",
+            "--url", f"http://127.0.0.1:{port}", "--out", str(folder / f"bench-{tag}"), "--no-progress",
+            "--timeout", "300", log=folder / f"bench-{tag}.log",
+        )  # fmt: skip
+        wall = time.time() - start
+        wait_idle(port)
+    finally:
+        stop_server_process(proc)
+    body = json.loads((folder / f"bench-{tag}" / "bench.json").read_text())
+    return {
+        "overall": body["overall"],
+        "models": body["models"],
+        "replay_start": start,
+        "wall_s": round(wall, 1),
+        "other_load_cores": round(max(0.0, common.other_load_since(load, wall) - 2.0), 2),
+        "request_log": str(request_log) if log else None,
+    }
+
+
+def planned(config: Path, traffic: Path, start_s: float, hardware: str, devices: int, policy: str,
+            memory: str | None = None) -> dict:  # fmt: skip
+    """The simulator's attainment for ``config`` on ``devices`` devices of ``hardware`` (the profile
+    the plan ran on: its memory is the config's budget), run to its end; ``memory``: another budget."""
+    from prism_serve.sim.deployment import deployment_config, sim_deployment
+    from prism_serve.sim.hardware import dump_hardware, get_hardware
+    from prism_serve.sim.plan import simulate_point
+    from prism_serve.workload.traffic import TrafficOptions, read_traffic
+
+    dep = sim_deployment(deployment_config(config), gpu=False)
+    wl = read_traffic(traffic, [m.name for m in dep.models], TrafficOptions(start_s=start_s)).workload
+    if memory is not None:  # a profile with this device memory, as a file the simulator reads
+        import dataclasses
+
+        hw = dataclasses.replace(get_hardware(hardware), memory_bytes=parse_size(memory))
+        hardware = str(config.parent / f"hardware-{memory}.json")
+        dump_hardware(hw, Path(hardware))
+    return simulate_point(dep, wl, hardware=hardware, policy=policy, devices=devices)
+
+
+def points(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str) -> dict:
+    folder = args.out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = WorkloadSpec(
+        models=tuple(n for n, _ in s.models), source=s.source, lengths=s.lengths, duration_s=args.duration,
+        total_rate=s.total_rate * args.rate_scale, zipf=s.zipf, max_prompt_tokens=s.max_prompt,
+        max_output_tokens=s.max_output, seed=s.seed,
+    )  # fmt: skip
+    generated = folder / "traffic.jsonl"
+    write_jsonl(build_workload(spec), generated)
+    # what the plan is asked to deploy: the scenario's models and SLOs under prism, on this machine
+    plan_config = folder / "prism.yaml"
+    plan_config.write_text(yaml.safe_dump(config_dict(s, 2, s.memory, "prism"), sort_keys=False))
+    keys = ("source", "lengths", "duration_s", "total_rate", "zipf")
+    out: dict = {"description": s.description, "workload": {k: getattr(spec, k) for k in keys}}
+    if args.plan_only:
+        traffic, start = generated, 0.0
+    else:
+        print(f"[{name}] serving the deployment ({s.policy}, 2 devices) with its request log", flush=True)
+        first = live(config_dict(s, 2, s.memory, s.policy), generated, 0.0, folder, "logged", log=True)
+        traffic = Path(first["request_log"])
+        arrivals = [json.loads(line)["arrival"] for line in traffic.read_text().splitlines()]
+        start = max(0.0, first["replay_start"] - 0.5 - min(arrivals))  # the warm-up left out
+        out["logged_run"] = {"policy": s.policy, "devices": 2, "live": first["overall"]["ttft_attainment"]}
+    plan_dir = folder / "plan"
+    printed = prism(
+        "plan", "--config", str(plan_config), "--traffic", str(traffic), "--start", f"{start:.3f}",
+        "--hardware", hardware, "--policies", "prism", "--target", str(args.target), "--max-devices", "2",
+        "--jobs", "2", "--out", str(plan_dir), log=folder / "plan.log",
+    )  # fmt: skip
+    (folder / "plan.txt").write_text(printed)
+    result = json.loads((plan_dir / "results.json").read_text())
+    answer = result["policies"]["prism"]["devices"]
+    out["plan"] = {"devices": answer, "points": {n: p["ttft_attainment"] for n, p in
+                                                 result["policies"]["prism"]["points"].items()}}  # fmt: skip
+    if answer is None:
+        print(f"[{name}] no count up to 2 devices meets {args.target}: the traffic is too heavy here")
+        return out
+    deployed = load_config(plan_dir / "prism.yaml").model_dump(mode="json")
+    tries = [(f"plan-{answer}", answer, None)]
+    if answer > 1:
+        tries.append((f"less-{answer - 1}", answer - 1, None))
+    else:  # one device: one memory budget step less (a quarter of the budget)
+        tries.append(("less-memory", 1, f"{int(parse_size(s.memory) * 0.75) >> 20}MiB"))
+    out["deployments"] = []
+    for tag, n, memory in tries:
+        # the profile prism plan ran on (written there: the CPU profile with the config's budget)
+        sim = planned(plan_config, traffic, start, str(plan_dir / "hardware.json"), n, "prism", memory)
+        row = {"tag": tag, "devices": n, "memory": memory or s.memory, "planned": sim["ttft_attainment"]}
+        if not args.plan_only:
+            config = dict(deployed, devices=deployed["devices"][:n])
+            if memory is not None:
+                config["devices"] = [dict(d, memory=parse_size(memory)) for d in config["devices"]]
+            print(f"[{name}] serving {tag}: {n} device(s) of {row['memory']}", flush=True)
+            run = live(config, traffic, start, folder, tag, log=False)
+            row.update(live=run["overall"]["ttft_attainment"], wall_s=run["wall_s"],
+                       other_load_cores=run["other_load_cores"],
+                       per_model={m: v["ttft_attainment"] for m, v in run["models"].items()})  # fmt: skip
+        out["deployments"].append(row)
+        print(f"[{name}] {tag}: planned {points(row['planned'])}, live {points(row.get('live'))}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"of {', '.join(SCENARIOS)}")
+    ap.add_argument("--duration", type=float, default=150.0, help="seconds of traffic per scenario")
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="times every scenario's rate")
+    ap.add_argument("--target", type=float, default=0.99)
+    ap.add_argument("--hardware", default="fit", help="a CPU profile (name or file), or fit: fit one first")
+    ap.add_argument("--plan-only", action="store_true", help="plan the generated traffic; serve nothing")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("needs two cores (two one-core CPU devices)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = common.machine_info()
+    print(info["line"], flush=True)
+    hardware = args.hardware
+    if hardware == "fit":
+        hardware = str(args.out / "cpu-fitted.json")
+        print("fitting this machine's CPU profile (prism fit-hardware)", flush=True)
+        prism("fit-hardware", "--out", hardware, log=args.out / "fit.log")
+    summary = {"machine": info["line"], "date": time.strftime("%Y-%m-%d"), "hardware": hardware,
+               "target": args.target, "scenarios": {}}  # fmt: skip
+    for name in args.scenarios.split(","):
+        summary["scenarios"][name] = run_scenario(name, SCENARIOS[name], args, hardware)
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"\n{info['line']}; profile {hardware}; target {args.target:.0%}")
+    print("| scenario | deployment | planned | live | live - planned |")
+    print("|---|---|---|---|---|")
+    for name, sc in summary["scenarios"].items():
+        for row in sc.get("deployments", []):
+            diff = "" if row.get("live") is None else f"{100 * (row['live'] - row['planned']):+.1f}"
+            what = f"{row['devices']} x {row['memory']}"
+            what += " (the plan)" if row["tag"].startswith("plan") else ""
+            print(f"| {name} | {what} | {points(row['planned'])} | {points(row.get('live'))} | {diff} |")
+    print(f"written: {args.out}/summary.json")
+
+
+if __name__ == "__main__":
+    main()
