@@ -57,21 +57,22 @@ def test_the_search_sweeps_where_attainment_is_not_monotone() -> None:
     confirm=st.integers(0, 3),
     threshold=st.integers(1, 61),
     width=st.integers(1, 3),
+    start=st.one_of(st.none(), st.integers(1, 60)),
 )
 def test_the_answer_passes_with_its_neighbours_above_and_fails_just_below(
-    passing, low, confirm, threshold, width
+    passing, low, confirm, threshold, width, start
 ):
-    """Any pattern of passing counts: an answer passes, so do the ``confirm`` counts above it, the
-    count below it was simulated and failed, and (with ``confirm`` >= 1) neither of the two counts
-    below it is an answer; where passing is monotone (every count from a threshold up), the answer
-    is that threshold."""
+    """Any pattern of passing counts, from any first guess: an answer passes, so do the ``confirm``
+    counts above it, the count below it was simulated and failed, and (with ``confirm`` >= 1)
+    neither of the two counts below it is an answer; where passing is monotone (every count from a
+    threshold up), the answer is that threshold."""
     high = 60
 
     def answers(m: int) -> bool:
         return m in passing and all(k in passing for k in range(m + 1, min(high, m + confirm) + 1))
 
     passes, asked = counting(passing)
-    n = fewest_passing(passes, low, high, confirm=confirm, width=width)
+    n = fewest_passing(passes, low, high, confirm=confirm, width=width, start=start)
     if n is not None:
         assert answers(n) and (n == low or (n - 1 in asked and n - 1 not in passing))
         if confirm >= 1:
@@ -79,7 +80,7 @@ def test_the_answer_passes_with_its_neighbours_above_and_fails_just_below(
     assert len(asked) == len(set(asked))
     monotone = set(range(threshold, high + 1))
     passes, _ = counting(monotone)
-    assert fewest_passing(passes, low, high, confirm=confirm) == (
+    assert fewest_passing(passes, low, high, confirm=confirm, start=start) == (
         max(low, threshold) if threshold <= high else None
     )
 

@@ -99,8 +99,13 @@ def label(p: dict) -> str:
 def fit_source() -> str:
     """SmolLM2-135M's real weights where the package is installed, else its shape with random weights."""
     from prism_serve.engine.sources import default_gguf_path
+    from prism_serve.errors import WeightsNotFoundError
 
-    return "smollm2-135m-instruct" if default_gguf_path() is not None else f"random:{FIT_MODEL}"
+    try:
+        default_gguf_path()
+    except WeightsNotFoundError:
+        return f"random:{FIT_MODEL}"
+    return "smollm2-135m-instruct"
 
 
 class StepBench:

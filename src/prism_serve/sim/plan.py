@@ -5,10 +5,12 @@ cost model, not a measurement of the user's devices.
 The search, per policy, over the device count ``n`` (every point one full simulation of the
 traffic at ``n`` devices, ``SimConfig.num_devices``):
 
-1. from the hard floor (sim/bound.py's compute and tensor-parallel counts) up, by doubling steps,
-   to the first count that meets the target. The bound's memory count is not a floor here: it
-   assumes every model with a request in a 10 s window is resident at once, and a policy that
-   swaps models in tens of milliseconds (CPU devices, small models) meets SLOs below it;
+1. the lower bound any policy needs (sim/bound.py) first. Its memory count is a guess, not a
+   floor: it assumes every model with a request in a 10 s window is resident at once, and a policy
+   that swaps models in tens of milliseconds (CPU devices, small models) meets SLOs below it. So
+   if the bound passes, the counts below it are tried downward to the first failure, down to the
+   hard floor (the compute and tensor-parallel counts); if it fails, doubling steps go up from it
+   to the first count that meets the target;
 2. a sweep of every count between the last failure and it, upward: attainment need not be
    monotone in the device count (a placement that fits at ``n`` may not at ``n + 1``), so the first
    that passes is the candidate;
@@ -57,10 +59,15 @@ def fewest_passing(
     high: int,
     confirm: int = 2,
     width: int = 1,
+    start: int | None = None,
 ) -> int | None:
     """The fewest count in ``low..high`` that passes and whose next ``confirm`` counts (up to
     ``high``) pass too; None when there is none. ``passes`` evaluates a batch of counts (in
     parallel, if it can: ``width`` at a time) and is asked each count at most once.
+
+    ``start``: a first guess (the lower bound's estimate). If it passes, counts below it are tried
+    downward, ``width`` at a time, to the first failure; the lowest count of the passing run above
+    it is the answer (with its ``confirm`` counts). If it fails, the search goes on above it.
 
     Doubling steps find a passing count; then every count between the last failure and it is
     swept upward, because attainment need not be monotone in the device count (and a failing
@@ -74,6 +81,23 @@ def fewest_passing(
             known.update(passes(todo))
 
     floor = low - 1  # every answer is above this (a failure found above an earlier answer)
+    if start is not None and low <= start <= high:
+        ask([start])
+        floor = start
+        if known[start]:
+            m = start  # the lowest of the passing run that reaches down from start
+            while m > low:
+                ask(range(max(low, m - max(1, width)), m))
+                while m > low and known.get(m - 1):
+                    m -= 1
+                if m > low and (m - 1) in known:
+                    break  # m - 1 failed
+            above = range(m + 1, min(high, m + confirm) + 1)
+            ask(above)
+            failed = [k for k in above if not known[k]]
+            if not failed:
+                return m
+            floor = failed[-1]
     while floor < high:
         n, step, fail = floor + 1, 1, floor
         while True:  # doubling steps up to a pass
@@ -239,6 +263,7 @@ def plan(
     )  # fmt: skip
     widest = max(m.tp_size for m in deployment.models)
     low = max(bound.compute_devices, bound.tp_devices, widest, 1)
+    guess = max(low, bound.devices)  # the first count tried: the bound with its memory count
     # dedicated devices for every model, twice over, always suffice for a policy that can use them
     high = max_devices or max(low, 2 * sum(m.tp_size for m in deployment.models))
     budget = math.floor((1 - target) * len(workload) + 1e-9)
@@ -266,7 +291,7 @@ def plan(
                         progress(1)
                 return {n: pp.points[n][METRICS[metric]] >= target for n in counts}
 
-            pp.devices = fewest_passing(passes, low, high, confirm, width=workers)
+            pp.devices = fewest_passing(passes, low, high, confirm, width=workers, start=guess)
 
         # every policy's search at once: each waits for its own points, the pool keeps the cores busy
         with ThreadPoolExecutor(len(out) if workers > 1 else 1) as searches:
