@@ -181,3 +181,60 @@ models:
         vllm_python(c)
     # a deployment without vLLM models needs none
     assert vllm_python(parse_config(GOOD)) is None
+
+
+def _hf_dir(tmp_path, generation: str | None):
+    """A Hugging Face layout directory with a config.json and, given, a generation_config.json."""
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "vocab_size": 100}')
+    if generation is not None:
+        (d / "generation_config.json").write_text(generation)
+    return d
+
+
+def test_sampling_defaults_come_from_the_config_over_the_generation_config(tmp_path):
+    hf = _hf_dir(tmp_path, '{"do_sample": true, "temperature": 0.6, "top_p": 0.95, "top_k": 20, '
+                 '"max_new_tokens": 512, "eos_token_id": 2, "repetition_penalty": 1.1}')  # fmt: skip
+    text = f'devices: {{count: 1, memory: 1GiB}}\nmodels:\n  - {{name: a, source: "{hf}"}}\n'
+    a = parse_config(text).models[0]
+    assert a.sampling_defaults() == {
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 512, "repetition_penalty": 1.1
+    }
+    text = text.replace('"}\n', '", sampling: {temperature: 0.2, min_p: 0.05}}\n')
+    b = parse_config(text).models[0]
+    assert b.sampling_defaults()["temperature"] == 0.2 and b.sampling_defaults()["min_p"] == 0.05
+    assert b.sampling_defaults()["top_p"] == 0.95  # the generation config's, where the config is silent
+    assert dict(model_specs(parse_config(text))[0].sampling) == b.sampling_defaults()
+    # no generation config, and a synthetic model: OpenAI's defaults (nothing set)
+    plain = parse_config("devices: {count: 1, memory: 1GiB}\nmodels: [{name: c}]").models[0]
+    assert plain.sampling_defaults() == {}
+
+
+@pytest.mark.parametrize(
+    ("generation", "message"),
+    [
+        ('{"do_sample": false, "temperature": 0.7}', None),  # greedy, as transformers reads it
+        ('{"temperature": "hot"}', "temperature must be a number"),
+        ('{"top_p": 0}', "top_p: Input should be greater than 0"),
+        ("[1, 2]", "not a JSON object"),
+        ("{", "not readable JSON"),
+    ],
+)
+def test_a_generation_config_is_checked_and_named(tmp_path, generation, message):
+    hf = _hf_dir(tmp_path, generation)
+    text = f'devices: {{count: 1, memory: 1GiB}}\nmodels: [{{name: a, source: "{hf}"}}]'
+    model = parse_config(text).models[0]
+    if message is None:
+        assert model.sampling_defaults() == {"temperature": 0.0}
+        return
+    with pytest.raises(ConfigError, match=message) as e:
+        model.sampling_defaults()
+    assert "model a" in str(e.value)
+
+
+def test_sampling_defaults_in_the_config_are_validated():
+    with pytest.raises(ConfigError, match="temperature"):
+        parse_config("devices: {count: 1, memory: 1GiB}\nmodels: [{name: a, sampling: {temperature: 3}}]")
+    with pytest.raises(ConfigError, match="tempreature"):
+        parse_config("devices: {count: 1, memory: 1GiB}\nmodels: [{name: a, sampling: {tempreature: 0.1}}]")

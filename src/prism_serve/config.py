@@ -9,7 +9,8 @@ names the key and its line instead of a setting silently ignored.
       - {name: cpu:1, memory: 3GiB, cores: "1"}
     models:
       - {name: smollm2, source: smollm2-135m-instruct, ttft_slo: 2.0, tpot_slo: 0.25, pinned: true}
-      - {name: tiny-360m, source: "random:smollm2-360m", max_model_len: 1024, keep_alive: 5m}
+      - {name: tiny-360m, source: "random:smollm2-360m", max_model_len: 1024, keep_alive: 5m,
+         sampling: {temperature: 0.2, top_p: 0.9}}   # defaults for requests that do not say
     policy: {name: prism, knobs: {tau: 0.1}}
     server: {host: 127.0.0.1, port: 8000, api_keys: [sk-local], admin_key: admin-secret,
              cors: {allow_origins: ["https://ui.example"]}}
@@ -42,6 +43,7 @@ __all__ = [
     "ModelConfig",
     "PolicyConfig",
     "RayConfig",
+    "SamplingDefaults",
     "ServerConfig",
     "default_config",
     "load_config",
@@ -65,6 +67,30 @@ def _size(value: Any) -> Any:
 
 
 WORKERS = 2  # pre-started engine processes per device (runtime/workers.py), unless a device says
+
+# Sampling settings, as requests (api/protocol.py) and per-model defaults take them
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=-1, le=2**63 - 1)]  # 0 or -1: off (vLLM's -1, OpenAI's absence)
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence, frequency
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0)]
+
+
+class SamplingDefaults(_Strict):
+    """A model's sampling settings for requests that leave them out (a value in the request wins).
+    Unset here: the model's ``generation_config.json`` value where its source directory has one
+    (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; ``do_sample:
+    false`` as temperature 0), else OpenAI's default (temperature 1, top_p 1, no top_k)."""
+
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    max_tokens: int | None = Field(None, ge=1, description="when a request sets no max_tokens")
 
 
 class DeviceConfig(_Strict):
@@ -120,6 +146,12 @@ class ModelConfig(_Strict):
     block_size: int = Field(ENGINE_DEFAULTS.block_size, ge=1)
     kv_limit: Size | None = None
     seed: int = Field(ENGINE_DEFAULTS.seed, ge=0, description="synthetic weights")
+    tool_parser: Literal["hermes", "llama3_json", "mistral", "json"] | None = Field(
+        None, description="the format its tool calls are read in; unset: the one its chat template teaches"
+    )
+    sampling: SamplingDefaults | None = Field(
+        None, description="defaults for requests that leave them out, over its generation_config.json"
+    )
     engine: Literal["builtin", "vllm"] = Field(
         "builtin",
         description="builtin: prism's engine; vllm: vLLM's engine inside a prism worker (source: a "
@@ -145,6 +177,22 @@ class ModelConfig(_Strict):
         if self.engine == "vllm" and not Path(self.source).expanduser().is_dir():
             raise ValueError(f"engine vllm loads a local model directory; {self.source!r} is not one")
         return self
+
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The sampling settings a request that leaves them out gets: ``sampling``'s, over the
+        model's generation_config.json (HF directories) where it has one."""
+        from prism_serve.engine.sources import generation_defaults
+
+        try:
+            found = generation_defaults(self.source)
+        except ValueError as e:
+            raise ConfigError(f"model {self.name}: {e}") from None
+        found.update(self.sampling.model_dump(exclude_none=True) if self.sampling else {})
+        try:  # generation_config.json's values are checked as the config's are
+            return SamplingDefaults(**found).model_dump(exclude_none=True)
+        except ValidationError as e:
+            bad = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+            raise ConfigError(f"model {self.name}: sampling defaults from {self.source}: {bad}") from None
 
     def engine_config(self, device_kind: str = "cpu") -> EngineConfig:
         """The knobs this model's engine runs with (``dtype: auto`` resolved for ``device_kind``:

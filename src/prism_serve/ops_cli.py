@@ -42,10 +42,21 @@ def _request(args: argparse.Namespace, method: str, path: str, key: str | None, 
     return r.json()
 
 
+_SHORT = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+          "repetition_penalty": "rep", "presence_penalty": "pres", "frequency_penalty": "freq",
+          "max_tokens": "max"}  # fmt: skip
+
+
+def _sampling(defaults: dict) -> str:
+    """A model's sampling defaults, short: temp=0.2,top_p=0.9 (``-``: OpenAI's)."""
+    return ",".join(f"{_SHORT.get(k, k)}={v:g}" for k, v in defaults.items()) or "-"
+
+
 def _table(cards: list[dict]) -> str:
     from prism_serve.memory.vmm import format_size
 
-    rows = [("MODEL", "STATE", "DEVICE", "WEIGHTS", "KV", "RUN", "WAIT", "REPLICAS", "PINNED", "SOURCE")]
+    rows = [("MODEL", "STATE", "DEVICE", "WEIGHTS", "KV", "RUN", "WAIT", "REPLICAS", "PINNED", "SAMPLING",
+             "SOURCE")]  # fmt: skip
     for c in cards:
         replicas = c.get("replicas") or []
         devices = ",".join(r["device"] for r in replicas if r.get("device")) or (c.get("device") or "-")
@@ -53,7 +64,7 @@ def _table(cards: list[dict]) -> str:
             c["id"], c["state"], devices, format_size(c["weight_bytes"]),
             format_size(c["used_kv_bytes"]) if c.get("used_kv_bytes") is not None else "-",
             str(c["num_running"]), str(c["num_queued"]), str(len(replicas)),
-            "yes" if c["pinned"] else "", c.get("root", ""),
+            "yes" if c["pinned"] else "", _sampling(c.get("sampling_defaults") or {}), c.get("root", ""),
         ))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return (

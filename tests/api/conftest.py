@@ -56,7 +56,8 @@ devices:
 models:
   - {{name: smol, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: smol-b, dtype: float32, max_model_len: 8192, ttft_slo: 30.0, tpot_slo: 2.0}}
-  - {{name: tiny, source: "random:smollm2-135m", max_model_len: 512, ttft_slo: 30.0, tpot_slo: 2.0}}
+  - {{name: tiny, source: "random:smollm2-135m", max_model_len: 512, ttft_slo: 30.0, tpot_slo: 2.0,
+     sampling: {{temperature: 0.0, max_tokens: 6}}}}
 policy: {{name: prism}}
 server:
   api_keys: [{api_key}]

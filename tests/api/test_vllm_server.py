@@ -172,6 +172,29 @@ def test_streamed_chat_stop_strings_and_structured_output(server: ServerProcess)
     assert isinstance(json.loads(r.choices[0].message.content)["city"], str)
 
 
+def test_a_forced_tool_call_on_the_vllm_engine(server: ServerProcess) -> None:
+    """A named tool_choice is decoded by vLLM's structured-output backend into a valid call, the
+    same call the built-in engine makes (greedy), streamed in argument pieces."""
+    from jsonschema import validate
+
+    city = {"city": {"type": "string", "maxLength": 30}}
+    params = {"type": "object", "properties": city, "required": ["city"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(messages=ask, tools=[tool], tool_choice=named, max_tokens=48, temperature=0)
+    c = client(server)
+    (call,) = c.chat.completions.create(model="smol-vllm", **kw).choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    validate(json.loads(call.function.arguments), params)
+    chunks = list(c.chat.completions.create(model="smol-vllm", stream=True, **kw))
+    deltas = [t for ch in chunks if ch.choices for t in ch.choices[0].delta.tool_calls or []]
+    pieces = [t.function.arguments for t in deltas]
+    assert len(pieces) > 2 and "".join(p or "" for p in pieces) == call.function.arguments
+    builtin = c.chat.completions.create(model="smol", **kw).choices[0].message.tool_calls[0]
+    assert json.loads(builtin.function.arguments) == json.loads(call.function.arguments)
+
+
 def test_bad_request_gets_an_error_and_the_model_keeps_serving(server: ServerProcess) -> None:
     c = client(server)
     with pytest.raises(openai.BadRequestError):

@@ -1,5 +1,6 @@
 """Chat clients people point at an OpenAI-compatible server, unmodified, against a real `prism serve`:
-LangChain's ChatOpenAI.with_structured_output and LiteLLM. (The openai client's own `.parse()` with a
+LangChain's ChatOpenAI (with_structured_output by JSON schema and by function calling, bind_tools) and
+LiteLLM. (The openai client's own `.parse()` with a
 pydantic schema is covered in tests/api/test_dropin.py::
 test_structured_output_parses_as_the_openai_client_expects.)"""
 
@@ -59,18 +60,40 @@ def test_langchain_with_structured_output(server, method):
     assert fmt["json_schema"]["schema"]["properties"].keys() == {"name", "country"}
 
 
-def test_langchain_function_calling_is_refused_naming_tool_calling(server):
-    """method="function_calling" forces a tool call (tools + tool_choice naming the function): the
-    server cannot call tools and says so in a 400 rather than answering with prose."""
-    import openai
-
+def test_langchain_function_calling_structured_output(server):
+    """method="function_calling" forces a tool call (tools + tool_choice naming the function); the
+    call's arguments, decoded under the schema, are the structured result."""
     recorder = Recorder()
     structured = _chat(server, recorder).with_structured_output(City, method="function_calling")
-    with pytest.raises(openai.BadRequestError, match="tool calling"):
-        structured.invoke(ASK_CITY)
+    city = structured.invoke(ASK_CITY)
+    assert isinstance(city, City) and city.name and city.country
     (body,) = recorder.bodies
     assert body["tools"][0]["function"]["name"] == "City"
     assert body["tool_choice"] == {"type": "function", "function": {"name": "City"}}
+
+
+def test_langchain_bind_tools(server):
+    """bind_tools with a forced tool: the AIMessage carries LangChain tool_calls with parsed args;
+    the result goes back as a ToolMessage and the model answers in text."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def get_population(city: str) -> int:
+        """The population of a city."""
+        return 2_100_000
+
+    recorder = Recorder()
+    llm = _chat(server, recorder).bind_tools([get_population], tool_choice="get_population")
+    question = HumanMessage("How many people live in Paris?")
+    ai = llm.invoke([question])
+    (call,) = ai.tool_calls
+    assert call["name"] == "get_population" and isinstance(call["args"]["city"], str) and call["id"]
+    result = ToolMessage(str(get_population.invoke(call["args"])), tool_call_id=call["id"])
+    answer = _chat(server, recorder).bind_tools([get_population]).invoke([question, ai, result])
+    assert isinstance(answer.content, str)
+    sent = recorder.bodies[-1]["messages"][-1]
+    assert sent == {"role": "tool", "content": "2100000", "tool_call_id": call["id"]}
 
 
 @pytest.fixture(scope="module")

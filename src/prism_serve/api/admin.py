@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
-from prism_serve.api.errors import AuthenticationError, PermissionDeniedError, bearer_token
+from prism_serve.api.errors import AuthenticationError, PermissionDeniedError, bearer_token, key_matches
 from prism_serve.api.protocol import Text
 from prism_serve.api.schema import ADMIN
 from prism_serve.config import ServerConfig
@@ -52,8 +52,8 @@ def add_admin_routes(
             return
         if token is None:
             raise AuthenticationError("admin routes need 'Authorization: Bearer <admin key>'")
-        if token != admin_key:
-            raise (PermissionDeniedError if token in settings.api_keys else AuthenticationError)(
+        if not key_matches(token, [admin_key]):
+            raise (PermissionDeniedError if key_matches(token, settings.api_keys) else AuthenticationError)(
                 "this key may not use the admin routes"
             )
 

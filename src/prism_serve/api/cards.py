@@ -25,6 +25,9 @@ def model_cards(statuses: Iterable[ModelStatus], roots: Mapping[str, str]) -> li
             "source": roots.get(st.model, st.model), "synthetic": st.synthetic, "dtype": st.dtype,
             "max_model_len": st.max_model_len,
             "ttft_slo": st.ttft_slo, "tpot_slo": st.tpot_slo,
+            # what a request that leaves a sampling setting out gets (the config's sampling, over
+            # the model's generation_config.json); the rest are OpenAI's defaults
+            "sampling_defaults": dict(st.sampling),
             "weight_bytes": st.weight_bytes, "used_kv_bytes": st.used_kv_bytes,
             "num_running": st.num_running, "num_queued": st.num_queued,
             "num_activations": st.num_activations, "num_evictions": st.num_evictions,

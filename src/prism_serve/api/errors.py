@@ -8,11 +8,14 @@ PrismErrors carry their own status and type (errors.py); FastAPI's validation er
 
 from __future__ import annotations
 
+import hmac
 import logging
+from collections.abc import Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prism_serve.errors import PrismError
@@ -24,6 +27,8 @@ __all__ = [
     "bearer_token",
     "error_body",
     "install_error_handlers",
+    "key_matches",
+    "validation_message",
 ]
 
 logger = logging.getLogger(__name__)
@@ -60,6 +65,17 @@ def bearer_token(http: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def key_matches(token: str, keys: Iterable[str | None]) -> bool:
+    """Whether ``token`` is one of ``keys``, compared in constant time (hmac.compare_digest, on
+    every key: how long it takes says nothing of how much of a key a guess got right, nor which)."""
+    given = token.encode()
+    found = False
+    for key in keys:
+        if key is not None:
+            found |= hmac.compare_digest(given, key.encode())
+    return found
+
+
 def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
@@ -77,7 +93,8 @@ def error_response(exc: PrismError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
+    """(message, the parameter it names) of a request body that does not validate."""
     parts, param = [], None
     for err in exc.errors():
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
@@ -103,7 +120,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return JSONResponse(error_body(message, "invalid_request_error", 400, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -3,7 +3,7 @@
 Requests are lenient about names, strict about effects (as vLLM is since strict 400s broke
 clients): a field we do not know is accepted, logged once by the server and ignored; a known field
 at its neutral value is accepted whatever it is; a field whose effect the server cannot honour
-(tools to call, an image part, ``best_of`` > 1) is a 400 that names it. vLLM's extras (``top_k``,
+(an image part, ``best_of`` > 1) is a 400 that names it. vLLM's extras (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) are accepted,
 so load generators written for vLLM work.
 
@@ -18,13 +18,33 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
+from prism_serve.api.tools import (
+    Tool,
+    ToolChoice,
+    auto_grammar,
+    call_schema,
+    check_tool_messages,
+    parse_tool_choice,
+    parse_tools,
+)
+from prism_serve.config import MinP, Penalty, RepetitionPenalty, Temperature, TopK, TopP
 from prism_serve.engine.sampling_params import SamplingParams, StructuredOutput
 from prism_serve.engine.sequence import TokenLogprob
+from prism_serve.errors import InvalidRequestError
 
 __all__ = [
     "ChatCompletionRequest",
@@ -104,6 +124,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Text | list[_TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (api/tools.py reads them)
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -119,19 +141,19 @@ class _Sampling(_Request):
     model: Text = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=INT64_MAX)  # vLLM extra
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0  # vLLM extra
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices: n independent samples of one prompt
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None  # vLLM extra
     seed: Int64 | None = None
     ignore_eos: bool = False  # vLLM extra: generate exactly max_tokens (load generators)
     # penalties and filters; each at its default leaves sampling as it is
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)  # vLLM extra
-    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM extra
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0  # vLLM extra
+    min_p: MinP = 0.0  # vLLM extra
     min_tokens: int = Field(0, ge=0, le=INT64_MAX)  # vLLM extra
     logit_bias: dict[str, float] | None = None
     user: Text | None = None
@@ -164,23 +186,32 @@ class _Sampling(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, choice: int = 0, defaults: Mapping[str, float | int] | None = None,
+        tool_format: str | None = None,
+    ) -> SamplingParams:  # fmt: skip
         """The engine's parameters for one choice. With ``n`` > 1 and a seed, choice i samples with
-        seed + i (as vLLM does): reproducible, and the choices differ."""
+        seed + i (as vLLM does): reproducible, and the choices differ. ``defaults``: the model's
+        sampling settings (SamplingDefaults) for those the request leaves out; ``tool_format``: the
+        model's tool-call format (api/tools.py PARSERS), for a request that may call tools."""
+        given = self.model_fields_set
+        chosen = {k: v for k, v in (defaults or {}).items() if k not in given and k in _SAMPLED}
+
+        def value(name: str) -> Any:
+            return chosen.get(name, getattr(self, name))
+
         # only what differs from the neutral value travels: the engine's defaults are the same
         extra: dict[str, Any] = {
-            name: getattr(self, name)
-            for name, neutral in _NEUTRAL.items()
-            if getattr(self, name) != neutral
+            name: value(name) for name, neutral in _NEUTRAL.items() if value(name) != neutral
         }
         if self.logit_bias:
             extra["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
-        extra.update(self._output_options())
+        extra.update(self._output_options(tool_format))
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=value("temperature"),
+            top_p=value("top_p"),
+            top_k=value("top_k"),
             seed=_choice_seed(self.seed, choice),
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
@@ -188,7 +219,7 @@ class _Sampling(_Request):
             **extra,
         )
 
-    def _output_options(self) -> dict[str, Any]:
+    def _output_options(self, tool_format: str | None = None) -> dict[str, Any]:
         """SamplingParams fields the endpoint adds (logprobs)."""
         return {}
 
@@ -204,34 +235,72 @@ _NEUTRAL = {
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
     "min_tokens": 0,
 }  # fmt: skip
+_SAMPLED = {"temperature", "top_p", "top_k", *_NEUTRAL}  # what a model's defaults may set
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 
 
+@dataclass(slots=True, frozen=True)
+class ToolSetup:
+    """A chat request's checked tools, tool_choice and parallel_tool_calls (api/tools.py)."""
+
+    tools: list[Tool]
+    choice: ToolChoice
+    parallel: bool
+
+    @property
+    def active(self) -> bool:
+        """The model may call a tool: its answer is read for calls."""
+        return self.choice.mode != "none" and bool(self.tools)
+
+    @property
+    def constrained(self) -> bool:
+        """Decoding is constrained to a call (required, or a named function)."""
+        return self.choice.mode in ("required", "named")
+
+
 class ChatCompletionRequest(_Sampling):
+    _tools: ToolSetup | None = PrivateAttr(None)
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Tools may be listed (clients send their tool list with every turn), not called: a request
-    # that lets the model call one hears why.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    # tool calling (api/tools.py checks them: ``tool_setup``)
+    tools: list[Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _no_tool_calls(self) -> ChatCompletionRequest:
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tool calling is not supported: send tool_choice 'none' or no tools")
-        if isinstance(self.tool_choice, dict):
-            raise ValueError("tool calling is not supported (tool_choice names a tool)")
+    def _logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
-    def _output_options(self) -> dict[str, Any]:
+    def tool_setup(self) -> ToolSetup:
+        """The request's tools and tool_choice, checked (InvalidRequestError naming the parameter)."""
+        if self._tools is None:
+            tools = parse_tools(self.tools)
+            choice = parse_tool_choice(self.tool_choice, tools)
+            check_tool_messages(self.messages)
+            if choice.mode in ("required", "named") and _structured(self.response_format) is not None:
+                e = InvalidRequestError("response_format cannot be combined with a forced tool_choice")
+                e.param = "response_format"
+                raise e
+            parallel = self.parallel_tool_calls is not False
+            self._tools = ToolSetup(tools, choice, parallel)
+        return self._tools
+
+    def _output_options(self, tool_format: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
         structured = _structured(self.response_format)
+        setup = self.tool_setup()
+        if setup.constrained:
+            schema = call_schema(setup.tools, setup.choice, setup.parallel)
+            structured = StructuredOutput("json_schema", json.dumps(schema))
+        elif setup.active and structured is None and tool_format == "hermes":
+            # auto: free text, but a call the model starts is decoded under its tool's schema
+            structured = StructuredOutput("grammar", auto_grammar(setup.tools, setup.parallel))
         if structured is not None:
             out["structured"] = structured
         return out
@@ -275,7 +344,7 @@ class CompletionRequest(_Sampling):
     suffix: Literal[""] | None = None
     best_of: Literal[1] | None = None
 
-    def _output_options(self) -> dict[str, Any]:
+    def _output_options(self, tool_format: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
@@ -358,13 +427,14 @@ def _envelope(rid: str, obj: str, model: str, created: int, choices: list, use: 
     return out
 
 
-def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish,
-    }
+def chat_choice(
+    index: int, text: str | None, finish: str | None, logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
+) -> dict:  # fmt: skip
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:

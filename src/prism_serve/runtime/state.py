@@ -141,6 +141,7 @@ class ModelStatus:
     # replica's, counts and seconds summed over replicas
     replicas: tuple[ReplicaStatus, ...] = ()
     dtype: str = ""  # float32 or bfloat16 (dtype auto resolved on this machine)
+    sampling: tuple[tuple[str, float | int], ...] = ()  # defaults for requests that leave them out
 
     @classmethod
     def of(cls, entries: list[tuple[ModelEntry, int]]) -> ModelStatus:
@@ -163,7 +164,7 @@ class ModelStatus:
             sum(kv) if kv else None, sum(e.step_seconds for e, _ in entries),
             sum(e.cpu_seconds for e, _ in entries), m.cached.source, m.cached.synthetic,
             m.spec.ttft_slo, m.spec.tpot_slo, m.max_model_len, int(m.cached.config["vocab_size"]),
-            tuple(reps), m.spec.engine.dtype,
+            tuple(reps), m.spec.engine.dtype, m.spec.sampling,
         )  # fmt: skip
 
 

@@ -1,0 +1,586 @@
+"""Tool calling in chat completions: the request's tools checked, shown to the model, and its output
+read back as OpenAI ``tool_calls``.
+
+**Checked** (a 400 naming the parameter): every tool is a function with a valid name and a valid
+JSON schema for its parameters, names are unique; ``tool_choice`` (``none``, ``auto``, ``required``
+or a named function) names a tool that is there; a ``role: tool`` message answers a call an earlier
+assistant message made (its ``tool_call_id``).
+
+**Shown.** A chat template that knows tools (it reads ``tools``) gets them and the conversation's
+calls and results as Hugging Face templates take them. A template without (SmolLM2's, and many
+fine-tunes') gets them described in the system message, with the instruction to answer a call as
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the Hermes format), earlier calls written
+back that way and results as ``<tool_response>`` user turns. ``tool_choice: none`` shows no tools.
+
+**Read back** by the model family's format (``PARSERS``), chosen from the template or set per model:
+
+- ``hermes``: ``<tool_call>{json}</tool_call>`` blocks, text around them is content (Qwen 2.5/3,
+  Hermes, many fine-tunes, and the system-message prompt above);
+- ``llama3_json``: a JSON object ``{"name", "parameters"|"arguments"}`` (several separated by ``;``),
+  after ``<|python_tag|>`` or alone (Llama 3.1-3.3);
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}``;
+- ``json``: the whole answer one such object or array (optionally in a ```json fence).
+
+Every parser also accepts plain JSON (special tokens such as ``<|python_tag|>`` are not in the
+text when the detokenizer drops them). What does not parse into calls of known tools with object
+arguments stays text, as vLLM returns it; never an error.
+
+**Constrained.** Under ``required`` or a named function the engine decodes only JSON that is a
+call: ``{"name": <a tool's>, "arguments": <valid for its schema>}`` (an array of them under
+``required`` with ``parallel_tool_calls``), as vLLM's guided decoding does, so the arguments always
+validate. Under ``auto`` the model answers freely and its calls are parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prism_serve.errors import InvalidRequestError
+
+__all__ = [
+    "PARSERS",
+    "CallStream",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
+    "auto_grammar",
+    "call_schema",
+    "check_tool_messages",
+    "parse_calls",
+    "parse_constrained",
+    "parse_tool_choice",
+    "parse_tools",
+    "parser_for_template",
+    "render_conversation",
+]
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_TOOLS = 128
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def _bad(message: str, param: str) -> InvalidRequestError:
+    e = InvalidRequestError(message)
+    e.param = param
+    return e
+
+
+@dataclass(slots=True, frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict  # a JSON schema
+
+    def definition(self) -> dict:
+        """As OpenAI and Hugging Face templates write a tool."""
+        fn = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": fn}
+
+
+@dataclass(slots=True, frozen=True)
+class ToolChoice:
+    mode: str  # none, auto, required or named
+    name: str | None = None  # the function, when named
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of an object
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_openai(self) -> dict:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def parse_tools(tools: Sequence[Any] | None) -> list[Tool]:
+    """The request's ``tools``, checked (a 400 naming ``tools``)."""
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    out: list[Tool] = []
+    if len(tools or ()) > MAX_TOOLS:
+        raise _bad(f"at most {MAX_TOOLS} tools", "tools")
+    for i, t in enumerate(tools or ()):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise _bad(f"{where}: only function tools are supported, got {str(kind)[:32]!r}", "tools")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"{where}.function must be an object with a name", "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _bad(
+                f"{where}.function.name must be 1-64 letters, digits, _ . or -, got {name!r:.80}", "tools"
+            )
+        params = fn.get("parameters", _NO_PARAMETERS)
+        if params is None:
+            params = _NO_PARAMETERS
+        if not isinstance(params, dict):
+            raise _bad(f"{where}.function.parameters must be a JSON schema object", "tools")
+        try:
+            validator_for(params).check_schema(params)
+        except SchemaError as e:
+            path = "/".join(str(p) for p in e.path) or "(root)"
+            raise _bad(f"{where}.function.parameters is not a valid JSON schema at {path}: {e.message[:200]}",
+                       "tools") from None  # fmt: skip
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise _bad(f"{where}.function.description must be a string", "tools")
+        if any(o.name == name for o in out):
+            raise _bad(f"{where}: a tool named {name!r} is already listed", "tools")
+        out.append(Tool(name, description, params))
+    return out
+
+
+def parse_tool_choice(choice: Any, tools: list[Tool]) -> ToolChoice:
+    """``tool_choice`` against the tools (default: auto with tools, none without)."""
+    if choice is None:
+        return ToolChoice("auto" if tools else "none")
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise _bad(
+                f"tool_choice must be none, auto, required or a function, got {choice[:32]!r}", "tool_choice"
+            )
+        if choice != "none" and not tools:
+            raise _bad(f"tool_choice {choice} needs tools", "tool_choice")
+        return ToolChoice(choice)
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or choice.get("type", "function") != "function":
+        raise _bad(
+            'tool_choice must name a function: {"type": "function", "function": {"name": ...}}', "tool_choice"
+        )
+    if not any(t.name == name for t in tools):
+        listed = ", ".join(t.name for t in tools) or "none"
+        raise _bad(f"tool_choice names {name[:64]!r}, which is not in tools ({listed})", "tool_choice")
+    return ToolChoice("named", name)
+
+
+def check_tool_messages(messages: Sequence[Any]) -> None:
+    """Every ``role: tool`` message answers a call an earlier assistant message made."""
+    made: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            made.update(c.get("id") for c in m.tool_calls or () if isinstance(c, dict))
+        elif m.role == "tool":
+            if not m.tool_call_id:
+                raise _bad(f"messages[{i}]: a tool message needs the tool_call_id it answers", "messages")
+            if m.tool_call_id not in made:
+                raise _bad(
+                    f"messages[{i}]: tool_call_id {m.tool_call_id[:64]!r} answers no call of an earlier "
+                    "assistant message", "messages",
+                )  # fmt: skip
+
+
+def _call_arguments(call: dict) -> tuple[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad("an assistant message's tool_calls need function.name", "messages")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args or "{}")
+        except ValueError:
+            raise _bad(f"the arguments of a call to {fn['name'][:64]!r} are not JSON", "messages") from None
+    return fn["name"], args
+
+
+# ---- how the model sees them ---------------------------------------------------------------------
+
+_SYSTEM = """You are a function calling AI model. You may call one or more functions to assist with \
+the user query. The functions you may call are listed in <tools></tools> as JSON:
+<tools>
+{tools}
+</tools>
+To call a function, answer with a JSON object of its name and arguments inside <tool_call></tool_call> tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <arguments-object>}}
+</tool_call>
+{rule}"""
+_RULES = {
+    "auto": "Call a function only when it helps; otherwise answer in text.",
+    "required": "You must call one or more of these functions.",
+}
+
+
+def template_knows_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
+def render_conversation(
+    messages: Sequence[Any], tools: list[Tool], choice: ToolChoice, template: str | None
+) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) for the chat template: ``tools`` is None where the template gets them in the
+    system message (or not at all, under ``none``)."""
+    shown = [] if choice.mode == "none" else tools
+    if template_knows_tools(template):
+        out = []
+        for m in messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.role == "assistant" and m.tool_calls:
+                d["tool_calls"] = []
+                for c in m.tool_calls:
+                    name, args = _call_arguments(c)
+                    d["tool_calls"].append({"id": c.get("id"), "type": "function",
+                                            "function": {"name": name, "arguments": args}})  # fmt: skip
+            if m.role == "tool":
+                d["tool_call_id"] = m.tool_call_id
+                if m.name:
+                    d["name"] = m.name
+            out.append(d)
+        return out, [t.definition() for t in shown] or None
+    out = []
+    for m in messages:
+        if m.role == "assistant" and m.tool_calls:
+            blocks = []
+            for c in m.tool_calls:
+                name, args = _call_arguments(c)
+                blocks.append(
+                    "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+                )
+            out.append({"role": "assistant", "content": "\n".join(filter(None, [m.text(), *blocks]))})
+        elif m.role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"})
+        else:
+            out.append({"role": m.role, "content": m.text()})
+    if shown:
+        rule = _RULES.get(choice.mode) or f"You must call the function {choice.name}."
+        listed = "\n".join(json.dumps(t.definition()) for t in shown)
+        system = _SYSTEM.format(tools=listed, rule=rule)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out, None
+
+
+def parser_for_template(template: str | None) -> str:
+    """The tool-call format a chat template teaches (hermes where it teaches none: the system
+    message prompt above asks for it)."""
+    t = template or ""
+    if "[TOOL_CALLS]" in t:
+        return "mistral"
+    if "<|python_tag|>" in t or "ipython" in t:
+        return "llama3_json"
+    return "hermes"
+
+
+# ---- reading calls back --------------------------------------------------------------------------
+
+
+def _as_call(obj: Any, tools: dict[str, Tool]) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in tools:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _calls_of(value: Any, tools: dict[str, Tool]) -> list[ToolCall] | None:
+    items = value if isinstance(value, list) else [value]
+    calls = [_as_call(x, tools) for x in items]
+    return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
+
+
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+
+
+def _json_answer(text: str, tools: dict[str, Tool]) -> list[ToolCall] | None:
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    if fenced:
+        body = fenced.group(1)
+    for prefix in ("<|python_tag|>", "[TOOL_CALLS]"):
+        body = body.removeprefix(prefix).strip()
+    if not body or body[0] not in "[{":
+        return None
+    try:
+        return _calls_of(json.loads(body), tools)
+    except ValueError:
+        pass
+    try:  # Llama 3: several objects separated by ';'
+        return _calls_of([json.loads(part) for part in body.split(";") if part.strip()], tools)
+    except ValueError:
+        return None
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def _hermes(text: str, tools: dict[str, Tool]) -> tuple[str | None, list[ToolCall]]:
+    calls: list[ToolCall] = []
+    blocks = list(_HERMES.finditer(text))
+    if not blocks:
+        plain = _json_answer(text, tools)
+        return (None, plain) if plain else (text, [])
+    rest, last = [], 0
+    for b in blocks:
+        got = _json_answer(b.group(1), tools)
+        if not got:
+            return text, []  # a block that is not a call: the whole answer stays text
+        calls += got
+        rest.append(text[last : b.start()])
+        last = b.end()
+    rest.append(text[last:])
+    content = "".join(rest).strip()
+    return content or None, calls
+
+
+def _mistral(text: str, tools: dict[str, Tool]) -> tuple[str | None, list[ToolCall]]:
+    head, marker, tail = text.partition("[TOOL_CALLS]")
+    got = _json_answer(tail if marker else text, tools)
+    if not got:
+        return text, []
+    return (head.strip() or None) if marker else None, got
+
+
+def _plain(text: str, tools: dict[str, Tool]) -> tuple[str | None, list[ToolCall]]:
+    got = _json_answer(text, tools)
+    return (None, got) if got else (text, [])
+
+
+PARSERS = {"hermes": _hermes, "llama3_json": _plain, "mistral": _mistral, "json": _plain}
+
+
+def parse_calls(text: str, family: str, tools: Iterable[Tool]) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a free answer (``tool_choice: auto``) in ``family``'s format."""
+    return PARSERS[family](text, {t.name: t for t in tools})
+
+
+# ---- constrained calls ---------------------------------------------------------------------------
+
+
+def call_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict:
+    """The JSON schema the engine decodes under ``required`` or a named function."""
+
+    def one(t: Tool) -> dict:
+        return {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+
+    if choice.mode == "named":
+        return one(next(t for t in tools if t.name == choice.name))
+    item = one(tools[0]) if len(tools) == 1 else {"anyOf": [one(t) for t in tools]}
+    return {"type": "array", "items": item, "minItems": 1} if parallel else item
+
+
+def auto_grammar(tools: list[Tool], parallel: bool) -> str:
+    """The grammar (llguidance's Lark) of an answer under ``auto`` in the Hermes format: free text
+    that holds no ``<tool_call>``, then, if the model starts one, calls whose JSON is a call of a
+    listed tool with valid arguments (one, or several with ``parallel``)."""
+    one = call_schema(tools, ToolChoice("required"), parallel=False)
+    calls = "call+" if parallel else "call"
+    return "\n".join([
+        "%llguidance {}",
+        f"start: TEXT | TEXT {calls}",
+        f'call: "<tool_call>" WS? %json {json.dumps(one)} WS? "</tool_call>" WS?',
+        r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
+        r"WS: /[ \t\r\n]+/",
+    ])  # fmt: skip
+
+
+def parse_constrained(text: str) -> list[ToolCall]:
+    """The calls of constrained output (it is a call, or an array of them, by construction; a
+    generation cut short by max_tokens is not, and gives none), each call's arguments the text
+    the model wrote (what a stream of it sent)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    items = value if isinstance(value, list) else [value]
+    spans = _scan_calls(text)
+    if len(spans) != len(items) or any(s is None or e is None for _, s, e in spans):
+        return []
+    return [
+        ToolCall(x["name"], text[s:e])
+        for x, (_, s, e) in zip(items, spans, strict=True)
+        if isinstance(x, dict) and isinstance(x.get("name"), str) and isinstance(x.get("arguments"), dict)
+    ]
+
+
+class CallStream:
+    """Tool-call deltas of a streamed answer, as OpenAI streams them: per call first its index, id,
+    type and name with empty arguments, then the arguments' text in pieces as it is generated.
+
+    ``constrained``: the output is ``call_schema`` JSON, so each call's name and arguments are
+    found in the text as it grows. Else (``auto``) text streams as content until the family's
+    format may start a call; from there the answer is held and parsed when it ends (a call that
+    does not parse is content then)."""
+
+    def __init__(self, family: str, tools: list[Tool], constrained: bool) -> None:
+        self.family, self.tools, self.constrained = family, tools, constrained
+        self.text = ""
+        self.sent = 0  # characters of text already streamed as content (auto)
+        self.held = False  # auto: a call may have started; hold the rest
+        self.calls: list[ToolCall] = []
+        self._args_sent: list[int] = []  # constrained: argument characters sent per call
+
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        """(content to stream, tool-call deltas) for the next piece of the answer."""
+        self.text += piece
+        if self.constrained:
+            return "", self._scan(final=False)
+        if self.held:
+            return "", []
+        start = self._call_start()
+        head = self.text.lstrip()
+        if start is None and self.sent == 0 and any(m.startswith(head) for m in _OPENERS):
+            return "", []  # the answer so far may open a JSON answer: wait for more
+        if start is None:
+            # keep back what may be the beginning of a marker
+            safe = len(self.text) - _partial_marker(self.text, self.family)
+            out, self.sent = self.text[self.sent : safe], max(self.sent, safe)
+            return out, []
+        self.held = True
+        out, self.sent = self.text[self.sent : start], start
+        return out, []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is left at the end of the answer."""
+        if self.constrained:
+            return "", self._scan(final=True)
+        rest = self.text[self.sent :]
+        if not self.held:
+            return rest, []
+        content, calls = parse_calls(rest, self.family, self.tools)
+        self.calls = calls
+        deltas = []
+        for i, c in enumerate(calls):
+            deltas.append(_delta(i, c, c.arguments))
+        return content or "", deltas
+
+    def _call_start(self) -> int | None:
+        t = self.text
+        if self.family == "hermes":
+            i = t.find("<tool_call>")
+            if i >= 0:
+                return i
+        elif self.family == "mistral":
+            i = t.find("[TOOL_CALLS]")
+            if i >= 0:
+                return i
+        stripped = t.lstrip()
+        if stripped[:1] in ("{", "[") or stripped.startswith(("<|python_tag|>", "```")):
+            return len(t) - len(stripped)  # a JSON answer from its first character
+        return None
+
+    def _scan(self, final: bool) -> list[dict]:
+        """Deltas for the calls found in the constrained JSON so far."""
+        deltas = []
+        for i, (name, args_start, args_end) in enumerate(_scan_calls(self.text)):
+            if i == len(self.calls):
+                if name is None:
+                    break
+                self.calls.append(ToolCall(name, ""))
+                self._args_sent.append(0)
+                deltas.append(_delta(i, self.calls[i], ""))
+            if args_start is None:
+                continue
+            end = args_end if args_end is not None else len(self.text)
+            piece = self.text[args_start + self._args_sent[i] : end]
+            if piece:
+                self._args_sent[i] += len(piece)
+                self.calls[i].arguments += piece
+                deltas.append({"index": i, "function": {"arguments": piece}})
+        return deltas
+
+
+def _delta(i: int, call: ToolCall, arguments: str) -> dict:
+    return {
+        "index": i,
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": arguments},
+    }
+
+
+_OPENERS = ("```", "<|python_tag|>", "[TOOL_CALLS]")  # what may open an answer that is a call
+
+
+def _partial_marker(text: str, family: str) -> int:
+    """How many characters at the end of ``text`` may begin the family's call marker."""
+    marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(family)
+    if marker is None:
+        return 0
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+_NAME_FIELD = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS_FIELD = re.compile(r'"arguments"\s*:\s*')
+
+
+def _scan_calls(text: str) -> list[tuple[str | None, int | None, int | None]]:
+    """Per call object of constrained JSON so far: (its name once complete, where its arguments'
+    text starts, where it ends once complete)."""
+    out = []
+    pos = 0
+    while True:
+        start = text.find("{", pos)
+        if start < 0:
+            return out
+        m = _NAME_FIELD.match(text, _skip_to_key(text, start + 1))
+        name = json.loads(f'"{m.group(1)}"') if m else None
+        if m is None:
+            out.append((None, None, None))
+            return out
+        a = _ARGS_FIELD.match(text, _skip_to_key(text, m.end()))
+        if a is None:
+            out.append((name, None, None))
+            return out
+        end = _value_end(text, a.end())
+        out.append((name, a.end(), end))
+        if end is None:
+            return out
+        pos = end
+
+
+def _skip_to_key(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n,":
+        i += 1
+    return i
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """The end of the JSON object or array starting at ``i`` (None: not complete yet)."""
+    depth, in_string, escaped = 0, False, False
+    for j in range(i, len(text)):
+        ch = text[j]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
