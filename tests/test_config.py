@@ -115,6 +115,10 @@ def test_default_config_serves_real_and_synthetic_models():
     sources = [m.source for m in c.models]
     assert sources.count("smollm2-135m-instruct") >= 2
     assert any(s.startswith("random:") for s in sources)
+    # the real model answers greedily unless asked otherwise (README: measured), the synthetic ones sample
+    for m in c.models:
+        synthetic = m.source.startswith("random:")
+        assert m.sampling_defaults() == ({} if synthetic else {"temperature": 0.0}), m.name
     devices = device_specs(c)
     assert len(devices) == 2
     assert {core for d in devices for core in d.cores} == set(os.sched_getaffinity(0))
