@@ -131,6 +131,10 @@ def main() -> None:
             failure = (tools, a)
     print(f"{valid} of {len(cases)} forced calls validate against their schemas ({valid / len(cases):.1%}); "
           f"{cut} cut by max_tokens ({args.max_tokens})")  # fmt: skip
+    for a in answers:
+        if a["finish_reason"] == "length":
+            text = a["message"].get("content") or json.dumps(a["message"].get("tool_calls"))
+            print(f"cut: {text[:240]!r} ... {text[-120:]!r}")
     if failure:
         print("first failure:", json.dumps(failure)[:2000])
 

@@ -173,6 +173,18 @@ def test_the_constrained_schema_is_a_call_of_a_listed_tool():
         validate([], required)  # at least one call
     single = call_schema(TOOLS, ToolChoice("required"), parallel=False)
     validate({"name": "get_time", "arguments": {}}, single)
+    # numbers are decoded in millionths (no runaway decimals), nested ones too; enums are data
+    nested = {"type": "object", "properties": {
+        "x": {"type": "number"}, "y": {"type": ["number", "null"], "minimum": 1},
+        "z": {"type": "array", "items": {"type": "object", "properties": {"w": {"type": "number"}}}},
+        "m": {"type": "number", "multipleOf": 0.5}, "e": {"enum": [{"type": "number"}]},
+    }}  # fmt: skip
+    (tool,) = parse_tools([{"type": "function", "function": {"name": "n", "parameters": nested}}])
+    args = call_schema([tool], ToolChoice("named", "n"), True)["properties"]["arguments"]["properties"]
+    assert args["x"]["multipleOf"] == args["y"]["multipleOf"] == 1e-6 and args["m"]["multipleOf"] == 0.5
+    assert args["z"]["items"]["properties"]["w"]["multipleOf"] == 1e-6
+    assert args["e"] == nested["properties"]["e"]
+    assert "multipleOf" not in nested["properties"]["x"]  # the tool's own schema is left as it was
 
 
 @pytest.mark.parametrize(

@@ -367,21 +367,47 @@ def parse_calls(text: str, family: str, tools: Iterable[Tool]) -> tuple[str | No
 # ---- constrained calls ---------------------------------------------------------------------------
 
 
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+_NOT_SCHEMAS = ("enum", "const", "default", "examples", "required")  # keys whose values are data
+DECIMALS = 1e-6  # the finest step of a number in a forced call
+
+
+def _bounded_decimals(schema: Any) -> Any:
+    """``schema`` with every ``number`` that has no ``multipleOf`` decoded in steps of ``DECIMALS``:
+    a small model at temperature 1 may write a decimal's digits until max_tokens, and a call cut
+    short is no call. Every value decoded this way is valid for the tool's own schema."""
+    if isinstance(schema, list):
+        return [_bounded_decimals(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _NOT_SCHEMAS else _bounded_decimals(v) for k, v in schema.items()}
+    kind = schema.get("type")
+    if (kind == "number" or (isinstance(kind, list) and "number" in kind)) and "multipleOf" not in schema:
+        out["multipleOf"] = DECIMALS
+    return out
+
+
 def call_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict:
     """The JSON schema the engine decodes under ``required`` or a named function."""
 
     def one(t: Tool) -> dict:
         return {
             "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "properties": {"name": {"const": t.name}, "arguments": _bounded_decimals(t.parameters)},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
 
     if choice.mode == "named":
-        return one(next(t for t in tools if t.name == choice.name))
-    item = one(tools[0]) if len(tools) == 1 else {"anyOf": [one(t) for t in tools]}
-    return {"type": "array", "items": item, "minItems": 1} if parallel else item
+        out = one(next(t for t in tools if t.name == choice.name))
+    else:
+        item = one(tools[0]) if len(tools) == 1 else {"anyOf": [one(t) for t in tools]}
+        out = {"type": "array", "items": item, "minItems": 1} if parallel else item
+    # JSON as json.dumps writes it: free whitespace lets a small model spend its tokens on newlines
+    # (llguidance reads this key; other JSON schema tools ignore it)
+    return {**out, "x-guidance": _COMPACT}
 
 
 def auto_grammar(tools: list[Tool], parallel: bool) -> str:
