@@ -37,13 +37,12 @@ import numpy as np
 from common import REPO_ROOT, cpu_seconds, machine_info, other_load_since, wait_quiet
 from prism_serve.sim.fit import (
     StepBench,
-    best_fit,
     counts,
+    fit_points,
     format_constants,
     label,
     pin_one_core,
     predict,
-    profile_from,
     step_points,
 )
 
@@ -159,11 +158,12 @@ def fit(raw: dict, quantile: float, base, compare, mem_bandwidth: float | None =
     from prism_serve.sim.models import model_shape
 
     spec = model_shape("smollm2-135m", dtype_bytes=4)
-    pts = raw["points"]
-    y = np.array([np.quantile(p["times"], quantile) for p in pts])
+    attention = "sdpa" if base.pad_decode_context else "kernel"  # as main() chose it
+    result = fit_points(dict(raw, decode_attention=attention), base, mem_bandwidth, quantile)
+    hw, crossover, pts = result.profile, result.crossover, result.points
+    y = np.array([p["measured_s"] for p in pts])
+    pred = np.array([p["predicted_s"] for p in pts])
     train = np.array([not p["held_out"] for p in pts])
-    crossover, coef, pred = best_fit(spec, [p["batch"] for p in pts], y, train, base, None, mem_bandwidth)
-    hw = profile_from(coef, base)
     cm = RooflineCostModel(hw)
     print(
         f"machine: {raw['machine']}; measured {raw['date']}; other load per round: "

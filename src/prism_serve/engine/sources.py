@@ -67,13 +67,18 @@ def hf_config(path: Path) -> dict[str, Any]:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise UnsupportedModelError(f"{path}: expected a .gguf file or a directory with config.json")
+    return _json_object(cfg_path, CorruptWeightsError)
+
+
+def _json_object(path: Path, error: type[Exception]) -> dict[str, Any]:
+    """A JSON file that must hold an object; ``error`` names the file when it does not."""
     try:
-        cfg = json.loads(cfg_path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise CorruptWeightsError(f"{cfg_path}: not readable JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CorruptWeightsError(f"{cfg_path}: not a JSON object")
-    return cfg
+        raise error(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise error(f"{path}: not a JSON object")
+    return value
 
 
 # generation_config.json keys a request's sampling settings default to (as vLLM's
@@ -92,12 +97,7 @@ def generation_defaults(source: str) -> dict[str, float | int]:
     path = Path(source).expanduser() / "generation_config.json"
     if source.startswith(RANDOM_PREFIX) or not path.is_file():
         return {}
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not readable JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: not a JSON object")
+    cfg = _json_object(path, ValueError)
     out: dict[str, float | int] = {}
     for key, name in _GENERATION_KEYS.items():
         value = cfg.get(key)
