@@ -185,6 +185,9 @@ def test_the_constrained_schema_is_a_call_of_a_listed_tool():
     assert args["z"]["items"]["properties"]["w"]["multipleOf"] == 1e-6
     assert args["e"] == nested["properties"]["e"]
     assert "multipleOf" not in nested["properties"]["x"]  # the tool's own schema is left as it was
+    # only the parameters a tool declares, where it does not say others are allowed
+    top = call_schema([tool], ToolChoice("named", "n"), True)["properties"]["arguments"]
+    assert top["additionalProperties"] is False and args["z"]["items"]["additionalProperties"] is False
 
 
 @pytest.mark.parametrize(

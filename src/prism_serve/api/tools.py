@@ -375,9 +375,11 @@ DECIMALS = 1e-6  # the finest step of a number in a forced call
 
 
 def _bounded_decimals(schema: Any) -> Any:
-    """``schema`` with every ``number`` that has no ``multipleOf`` decoded in steps of ``DECIMALS``:
-    a small model at temperature 1 may write a decimal's digits until max_tokens, and a call cut
-    short is no call. Every value decoded this way is valid for the tool's own schema."""
+    """``schema`` as a forced call is decoded under it: every ``number`` without ``multipleOf`` in
+    steps of ``DECIMALS``, and every object that lists its ``properties`` without saying whether
+    others are allowed, with those properties only. A small model otherwise writes a decimal's
+    digits, or parameters the tool never declared (a "description" running on), until max_tokens,
+    and a call cut short is no call. Every value decoded this way is valid for the tool's own schema."""
     if isinstance(schema, list):
         return [_bounded_decimals(s) for s in schema]
     if not isinstance(schema, dict):
@@ -386,6 +388,8 @@ def _bounded_decimals(schema: Any) -> Any:
     kind = schema.get("type")
     if (kind == "number" or (isinstance(kind, list) and "number" in kind)) and "multipleOf" not in schema:
         out["multipleOf"] = DECIMALS
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
     return out
 
 
