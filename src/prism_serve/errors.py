@@ -8,10 +8,17 @@ from __future__ import annotations
 
 
 class PrismError(Exception):
-    """Base class of every error prism-serve raises on purpose."""
+    """Base class of every error prism-serve raises on purpose; ``param``: the request parameter
+    at fault, which the API's error body names."""
 
     status_code: int = 500
     error_type: str = "internal_error"
+    param: str | None = None
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        if param is not None:
+            self.param = param
 
 
 def quoted(value: object, limit: int = 80) -> str:

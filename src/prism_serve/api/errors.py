@@ -89,7 +89,7 @@ def error_response(exc: PrismError) -> JSONResponse:
         headers["Retry-After"] = str(retry)
     if exc.status_code == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    body = error_body(str(exc), exc.error_type, exc.status_code, getattr(exc, "param", None))
+    body = error_body(str(exc), exc.error_type, exc.status_code, exc.param)
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 

@@ -284,9 +284,9 @@ class ChatCompletionRequest(_Sampling):
             choice = parse_tool_choice(self.tool_choice, tools)
             check_tool_messages(self.messages)
             if choice.mode in ("required", "named") and _structured(self.response_format) is not None:
-                e = InvalidRequestError("response_format cannot be combined with a forced tool_choice")
-                e.param = "response_format"
-                raise e
+                raise InvalidRequestError(
+                    "response_format cannot be combined with a forced tool_choice", param="response_format"
+                )
             parallel = self.parallel_tool_calls is not False
             self._tools = ToolSetup(tools, choice, parallel)
         return self._tools

@@ -33,12 +33,6 @@ _IGNORED = ("metadata", "reasoning", "include", "truncation", "service_tier", "p
             "safety_identifier", "background", "max_tool_calls")  # fmt: skip
 
 
-def _bad(message: str, param: str) -> InvalidRequestError:
-    e = InvalidRequestError(message)
-    e.param = param
-    return e
-
-
 def _new(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -47,12 +41,14 @@ def _text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(f"{where}.content must be text or a list of text parts", "input")
+        raise InvalidRequestError(f"{where}.content must be text or a list of text parts", param="input")
     parts = []
     for p in content:
         kind = p.get("type") if isinstance(p, dict) else None
         if kind not in ("input_text", "output_text", "text"):
-            raise _bad(f"{where}: content parts of type {str(kind)[:32]!r} are not supported", "input")
+            raise InvalidRequestError(
+                f"{where}: content parts of type {str(kind)[:32]!r} are not supported", param="input"
+            )
         parts.append(p.get("text") or "")
     return "".join(parts)
 
@@ -61,12 +57,14 @@ def _chat_tools(tools: Any) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise _bad("tools must be a list", "tools")
+        raise InvalidRequestError("tools must be a list", param="tools")
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise _bad(f"tools[{i}]: only function tools are supported, got {str(kind)[:32]!r}", "tools")
+            raise InvalidRequestError(
+                f"tools[{i}]: only function tools are supported, got {str(kind)[:32]!r}", param="tools"
+            )
         fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
         out.append({"type": "function", "function": fn})
     return out
@@ -83,7 +81,7 @@ def _chat_format(text: Any) -> dict | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise _bad("text.format must be an object", "text")
+        raise InvalidRequestError("text.format must be an object", param="text")
     if fmt.get("type") == "json_schema":
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
@@ -93,15 +91,22 @@ def _chat_format(text: Any) -> dict | None:
 def to_chat(body: dict) -> dict:
     """The chat completions body a Responses request means (400s naming what cannot be honoured)."""
     if not isinstance(body, dict):
-        raise _bad("the body must be a JSON object", "input")
+        raise InvalidRequestError("the body must be a JSON object", param="input")
     if body.get("store"):
-        raise _bad("store: this server keeps no responses (it is stateless); send store: false or leave it "
-                   "out", "store")  # fmt: skip
+        raise InvalidRequestError(
+            "store: this server keeps no responses (it is stateless); send store: false or leave it out",
+            param="store",
+        )
     if body.get("previous_response_id"):
-        raise _bad("previous_response_id: this server keeps no conversation state; send the earlier turns as "
-                   "input items", "previous_response_id")  # fmt: skip
+        raise InvalidRequestError(
+            "previous_response_id: this server keeps no conversation state; send the earlier turns as "
+            "input items",
+            param="previous_response_id",
+        )
     if body.get("conversation"):
-        raise _bad("conversation: this server keeps no conversation state", "conversation")
+        raise InvalidRequestError(
+            "conversation: this server keeps no conversation state", param="conversation"
+        )
     messages: list[dict] = []
     if body.get("instructions"):
         messages.append({"role": "system", "content": str(body["instructions"])})
@@ -109,17 +114,19 @@ def to_chat(body: dict) -> dict:
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
-        raise _bad("input must be text or a non-empty list of items", "input")
+        raise InvalidRequestError("input must be text or a non-empty list of items", param="input")
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise _bad(f"{where} must be an object", "input")
+            raise InvalidRequestError(f"{where} must be an object", param="input")
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise _bad(f"{where}.role must be user, system, developer or assistant, got {role!r:.32}",
-                           "input")  # fmt: skip
+                raise InvalidRequestError(
+                    f"{where}.role must be user, system, developer or assistant, got {role!r:.32}",
+                    param="input",
+                )
             messages.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             fn = {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}
@@ -136,7 +143,9 @@ def to_chat(body: dict) -> dict:
         elif kind == "reasoning":
             continue
         else:
-            raise _bad(f"{where}: items of type {str(kind)[:32]!r} are not supported", "input")
+            raise InvalidRequestError(
+                f"{where}: items of type {str(kind)[:32]!r} are not supported", param="input"
+            )
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     for key in _SAMPLING:
         if key in body and body[key] is not None:

@@ -323,7 +323,7 @@ class PrismServer:
             request = ChatCompletionRequest.model_validate_json(json.dumps(chat_body))
         except ValidationError as e:
             message, param = validation_message(e)
-            raise _with_param(InvalidRequestError(message), _RESPONSES_PARAMS.get(param, param)) from None
+            raise InvalidRequestError(message, param=_RESPONSES_PARAMS.get(param, param)) from None
         response = await self.complete(http, request, chat=True)
         if isinstance(response, StreamingResponse):
             return StreamingResponse(
@@ -381,10 +381,10 @@ class PrismServer:
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
 
         def too_long(num_tokens: str) -> PrismError:
-            return _with_param(PromptTooLongError(
+            return PromptTooLongError(
                 f"this model's maximum context length is {max_len} tokens; the prompt has {num_tokens} tokens"
-                + (f" and max_tokens is {wanted}" if wanted else "")
-            ), param)  # fmt: skip
+                + (f" and max_tokens is {wanted}" if wanted else ""), param=param,
+            )  # fmt: skip
 
         if isinstance(prompt, str):
             at_least = tok.min_tokens(prompt)
@@ -415,9 +415,7 @@ class PrismServer:
     def _check_vocab(self, model: str, ids: list[int], param: str) -> None:
         vocab = self.served[model].vocab_size
         if any(t >= vocab for t in ids):
-            raise _with_param(
-                InvalidRequestError(f"token ids must be below the vocabulary size {vocab}"), param
-            )
+            raise InvalidRequestError(f"token ids must be below the vocabulary size {vocab}", param=param)
 
     def _tokenize_only(self, body: TokenizeRequest) -> list[int]:
         """/tokenize: the ids a completion would see for this prompt or these messages."""
@@ -656,8 +654,3 @@ def run_server(config: DeploymentConfig, log_level: str = "info") -> None:
         server.app, host=config.server.host, port=config.server.port, log_level=log_level,
         timeout_graceful_shutdown=5, access_log=log_level == "debug",
     )  # fmt: skip
-
-
-def _with_param(e: PrismError, param: str) -> PrismError:
-    e.param = param
-    return e

@@ -64,12 +64,6 @@ MAX_TOOLS = 128
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def _bad(message: str, param: str) -> InvalidRequestError:
-    e = InvalidRequestError(message)
-    e.param = param
-    return e
-
-
 @dataclass(slots=True, frozen=True)
 class Tool:
     name: str
@@ -109,36 +103,43 @@ def parse_tools(tools: Sequence[Any] | None) -> list[Tool]:
 
     out: list[Tool] = []
     if len(tools or ()) > MAX_TOOLS:
-        raise _bad(f"at most {MAX_TOOLS} tools", "tools")
+        raise InvalidRequestError(f"at most {MAX_TOOLS} tools", param="tools")
     for i, t in enumerate(tools or ()):
         where = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type", "function") != "function":
             kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise _bad(f"{where}: only function tools are supported, got {str(kind)[:32]!r}", "tools")
+            raise InvalidRequestError(
+                f"{where}: only function tools are supported, got {str(kind)[:32]!r}", param="tools"
+            )
         fn = t.get("function")
         if not isinstance(fn, dict):
-            raise _bad(f"{where}.function must be an object with a name", "tools")
+            raise InvalidRequestError(f"{where}.function must be an object with a name", param="tools")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise _bad(
-                f"{where}.function.name must be 1-64 letters, digits, _ . or -, got {name!r:.80}", "tools"
+            raise InvalidRequestError(
+                f"{where}.function.name must be 1-64 letters, digits, _ . or -, got {name!r:.80}",
+                param="tools",
             )
         params = fn.get("parameters", _NO_PARAMETERS)
         if params is None:
             params = _NO_PARAMETERS
         if not isinstance(params, dict):
-            raise _bad(f"{where}.function.parameters must be a JSON schema object", "tools")
+            raise InvalidRequestError(
+                f"{where}.function.parameters must be a JSON schema object", param="tools"
+            )
         try:
             validator_for(params).check_schema(params)
         except SchemaError as e:
             path = "/".join(str(p) for p in e.path) or "(root)"
-            raise _bad(f"{where}.function.parameters is not a valid JSON schema at {path}: {e.message[:200]}",
-                       "tools") from None  # fmt: skip
+            raise InvalidRequestError(
+                f"{where}.function.parameters is not a valid JSON schema at {path}: {e.message[:200]}",
+                param="tools",
+            ) from None
         description = fn.get("description") or ""
         if not isinstance(description, str):
-            raise _bad(f"{where}.function.description must be a string", "tools")
+            raise InvalidRequestError(f"{where}.function.description must be a string", param="tools")
         if any(o.name == name for o in out):
-            raise _bad(f"{where}: a tool named {name!r} is already listed", "tools")
+            raise InvalidRequestError(f"{where}: a tool named {name!r} is already listed", param="tools")
         out.append(Tool(name, description, params))
     return out
 
@@ -149,21 +150,25 @@ def parse_tool_choice(choice: Any, tools: list[Tool]) -> ToolChoice:
         return ToolChoice("auto" if tools else "none")
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise _bad(
-                f"tool_choice must be none, auto, required or a function, got {choice[:32]!r}", "tool_choice"
+            raise InvalidRequestError(
+                f"tool_choice must be none, auto, required or a function, got {choice[:32]!r}",
+                param="tool_choice",
             )
         if choice != "none" and not tools:
-            raise _bad(f"tool_choice {choice} needs tools", "tool_choice")
+            raise InvalidRequestError(f"tool_choice {choice} needs tools", param="tool_choice")
         return ToolChoice(choice)
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or choice.get("type", "function") != "function":
-        raise _bad(
-            'tool_choice must name a function: {"type": "function", "function": {"name": ...}}', "tool_choice"
+        raise InvalidRequestError(
+            'tool_choice must name a function: {"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
         )
     if not any(t.name == name for t in tools):
         listed = ", ".join(t.name for t in tools) or "none"
-        raise _bad(f"tool_choice names {name[:64]!r}, which is not in tools ({listed})", "tool_choice")
+        raise InvalidRequestError(
+            f"tool_choice names {name[:64]!r}, which is not in tools ({listed})", param="tool_choice"
+        )
     return ToolChoice("named", name)
 
 
@@ -175,24 +180,28 @@ def check_tool_messages(messages: Sequence[Any]) -> None:
             made.update(c.get("id") for c in m.tool_calls or () if isinstance(c, dict))
         elif m.role == "tool":
             if not m.tool_call_id:
-                raise _bad(f"messages[{i}]: a tool message needs the tool_call_id it answers", "messages")
+                raise InvalidRequestError(
+                    f"messages[{i}]: a tool message needs the tool_call_id it answers", param="messages"
+                )
             if m.tool_call_id not in made:
-                raise _bad(
+                raise InvalidRequestError(
                     f"messages[{i}]: tool_call_id {m.tool_call_id[:64]!r} answers no call of an earlier "
-                    "assistant message", "messages",
+                    "assistant message", param="messages",
                 )  # fmt: skip
 
 
 def _call_arguments(call: dict) -> tuple[str, Any]:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise _bad("an assistant message's tool_calls need function.name", "messages")
+        raise InvalidRequestError("an assistant message's tool_calls need function.name", param="messages")
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
             args = json.loads(args or "{}")
         except ValueError:
-            raise _bad(f"the arguments of a call to {fn['name'][:64]!r} are not JSON", "messages") from None
+            raise InvalidRequestError(
+                f"the arguments of a call to {fn['name'][:64]!r} are not JSON", param="messages"
+            ) from None
     return fn["name"], args
 
 
