@@ -471,14 +471,13 @@ class CallStream:
         self.text = ""
         self.sent = 0  # characters of text already streamed as content (auto)
         self.held = False  # auto: a call may have started; hold the rest
-        self.calls: list[ToolCall] = []
-        self._args_sent: list[int] = []  # constrained: argument characters sent per call
+        self.calls: list[ToolCall] = []  # constrained: each call's arguments so far are what was sent
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         """(content to stream, tool-call deltas) for the next piece of the answer."""
         self.text += piece
         if self.constrained:
-            return "", self._scan(final=False)
+            return "", self._scan()
         if self.held:
             return "", []
         start = self._call_start()
@@ -497,33 +496,24 @@ class CallStream:
     def finish(self) -> tuple[str, list[dict]]:
         """What is left at the end of the answer."""
         if self.constrained:
-            return "", self._scan(final=True)
+            return "", self._scan()
         rest = self.text[self.sent :]
         if not self.held:
             return rest, []
-        content, calls = parse_calls(rest, self.family, self.tools)
-        self.calls = calls
-        deltas = []
-        for i, c in enumerate(calls):
-            deltas.append(_delta(i, c, c.arguments))
-        return content or "", deltas
+        content, self.calls = parse_calls(rest, self.family, self.tools)
+        return content or "", [_delta(i, c, c.arguments) for i, c in enumerate(self.calls)]
 
     def _call_start(self) -> int | None:
         t = self.text
-        if self.family == "hermes":
-            i = t.find("<tool_call>")
-            if i >= 0:
-                return i
-        elif self.family == "mistral":
-            i = t.find("[TOOL_CALLS]")
-            if i >= 0:
-                return i
+        marker = _MARKERS.get(self.family)
+        if marker is not None and marker in t:
+            return t.find(marker)
         stripped = t.lstrip()
-        if stripped[:1] in ("{", "[") or stripped.startswith(("<|python_tag|>", "```")):
+        if stripped[:1] in ("{", "[") or stripped.startswith(_OPENERS):
             return len(t) - len(stripped)  # a JSON answer from its first character
         return None
 
-    def _scan(self, final: bool) -> list[dict]:
+    def _scan(self) -> list[dict]:
         """Deltas for the calls found in the constrained JSON so far."""
         deltas = []
         for i, (name, args_start, args_end) in enumerate(_scan_calls(self.text)):
@@ -531,14 +521,12 @@ class CallStream:
                 if name is None:
                     break
                 self.calls.append(ToolCall(name, ""))
-                self._args_sent.append(0)
                 deltas.append(_delta(i, self.calls[i], ""))
             if args_start is None:
                 continue
             end = args_end if args_end is not None else len(self.text)
-            piece = self.text[args_start + self._args_sent[i] : end]
+            piece = self.text[args_start + len(self.calls[i].arguments) : end]
             if piece:
-                self._args_sent[i] += len(piece)
                 self.calls[i].arguments += piece
                 deltas.append({"index": i, "function": {"arguments": piece}})
         return deltas
@@ -553,12 +541,13 @@ def _delta(i: int, call: ToolCall, arguments: str) -> dict:
     }
 
 
-_OPENERS = ("```", "<|python_tag|>", "[TOOL_CALLS]")  # what may open an answer that is a call
+_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}  # where a family's call starts, anywhere
+_OPENERS = ("```", "<|python_tag|>")  # besides { and [: what may open an answer that is all calls
 
 
 def _partial_marker(text: str, family: str) -> int:
     """How many characters at the end of ``text`` may begin the family's call marker."""
-    marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(family)
+    marker = _MARKERS.get(family)
     if marker is None:
         return 0
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
