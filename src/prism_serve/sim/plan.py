@@ -80,6 +80,12 @@ def fewest_passing(
         if todo:
             known.update(passes(todo))
 
+    def failed_above(answer: int) -> int | None:
+        """The highest of the ``confirm`` counts above ``answer`` that fails, if one does."""
+        above = range(answer + 1, min(high, answer + confirm) + 1)
+        ask(above)
+        return max((k for k in above if not known[k]), default=None)
+
     floor = low - 1  # every answer is above this (a failure found above an earlier answer)
     if start is not None and low <= start <= high:
         ask([start])
@@ -92,12 +98,10 @@ def fewest_passing(
                     m -= 1
                 if m > low and (m - 1) in known:
                     break  # m - 1 failed
-            above = range(m + 1, min(high, m + confirm) + 1)
-            ask(above)
-            failed = [k for k in above if not known[k]]
-            if not failed:
+            failed = failed_above(m)
+            if failed is None:
                 return m
-            floor = failed[-1]
+            floor = failed
     while floor < high:
         n, step, fail = floor + 1, 1, floor
         while True:  # doubling steps up to a pass
@@ -118,12 +122,10 @@ def fewest_passing(
                 answer = passing[0]
                 break
             m += max(1, width)
-        above = range(answer + 1, min(high, answer + confirm) + 1)
-        ask(above)
-        failed = [k for k in above if not known[k]]
-        if not failed:
+        failed = failed_above(answer)
+        if failed is None:
             return answer
-        floor = failed[-1]
+        floor = failed
     return None
 
 
