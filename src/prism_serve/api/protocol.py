@@ -282,13 +282,13 @@ class ChatCompletionRequest(_Sampling):
         if self._tools is None:
             tools = parse_tools(self.tools)
             choice = parse_tool_choice(self.tool_choice, tools)
+            setup = ToolSetup(tools, choice, parallel=self.parallel_tool_calls is not False)
             check_tool_messages(self.messages)
-            if choice.mode in ("required", "named") and _structured(self.response_format) is not None:
+            if setup.constrained and _structured(self.response_format) is not None:
                 raise InvalidRequestError(
                     "response_format cannot be combined with a forced tool_choice", param="response_format"
                 )
-            parallel = self.parallel_tool_calls is not False
-            self._tools = ToolSetup(tools, choice, parallel)
+            self._tools = setup
         return self._tools
 
     def _output_options(self, tool_format: str | None = None) -> dict[str, Any]:

@@ -446,8 +446,10 @@ class PrismServer:
                 f"{self.num_waiting} requests are waiting for their first token (limit {limit}); retry later",
                 self._retry_after(),
             )
-        rid = new_id("chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl")
-        tool_format = self._tool_parser(body.model) if isinstance(body, ChatCompletionRequest) else None
+        chat = isinstance(body, ChatCompletionRequest)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        # the model's tool-call format, only for a request that may call a tool (it reads the template)
+        tool_format = self._tool_parser(body.model) if chat and body.tool_setup().active else None
         runs = []
         for p, ids in enumerate(prompts):
             for j in range(body.n):
