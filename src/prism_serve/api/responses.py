@@ -28,9 +28,6 @@ from prism_serve.errors import InvalidRequestError
 __all__ = ["ResponseEvents", "to_chat", "to_response"]
 
 _SAMPLING = ("temperature", "top_p", "parallel_tool_calls", "user", "stream", "top_logprobs", "seed")
-# accepted and without effect here (what the request asks is what a stateless server does anyway)
-_IGNORED = ("metadata", "reasoning", "include", "truncation", "service_tier", "prompt_cache_key",
-            "safety_identifier", "background", "max_tool_calls")  # fmt: skip
 
 
 def _new(prefix: str) -> str:
@@ -172,12 +169,14 @@ def _usage(use: dict | None) -> dict:
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": i + o}  # fmt: skip
 
 
-def _shell(rid: str, body: dict, status: str, created: int) -> dict:
-    """A Response object without output: what the request asked, echoed as OpenAI echoes it."""
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+def _shell(body: dict, status: str, created: int) -> dict:
+    """A new Response object without output: what the request asked, echoed as OpenAI echoes it."""
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
     return {
-        "id": rid, "object": "response", "created_at": created, "status": status, "model": body.get("model"),
-        "output": [], "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
+        "id": _new("resp"), "object": "response", "created_at": created, "status": status,
+        "model": body.get("model"), "output": [], "error": None, "incomplete_details": None,
+        "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
         "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": None,
         "store": False, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
@@ -186,15 +185,19 @@ def _shell(rid: str, body: dict, status: str, created: int) -> dict:
     }  # fmt: skip
 
 
-def _message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status else []
-    return {"type": "message", "id": item_id or _new("msg"), "status": status, "role": "assistant",
-            "content": content}  # fmt: skip
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _call_item(call: dict, status: str = "completed", item_id: str | None = None) -> dict:
+def _message_item(text: str | None, status: str = "completed") -> dict:
+    """A message output item with its text part (``None``: none yet, while it streams)."""
+    content = [] if text is None else [_text_part(text)]
+    return {"type": "message", "id": _new("msg"), "status": status, "role": "assistant", "content": content}
+
+
+def _call_item(call: dict, status: str = "completed") -> dict:
     fn = call["function"]
-    return {"type": "function_call", "id": item_id or _new("fc"), "call_id": call["id"], "name": fn["name"],
+    return {"type": "function_call", "id": _new("fc"), "call_id": call["id"], "name": fn["name"],
             "arguments": fn.get("arguments") or "", "status": status}  # fmt: skip
 
 
@@ -208,7 +211,7 @@ def _finish(response: dict, finish: str | None) -> None:
 
 def to_response(body: dict, chat: dict) -> dict:
     """The Response object of a whole chat completion (``chat``: its JSON)."""
-    out = _shell(_new("resp"), body, "completed", chat.get("created", int(time.time())))
+    out = _shell(body, "completed", chat.get("created", int(time.time())))
     choice = chat["choices"][0]
     message = choice["message"]
     if message.get("content"):
@@ -223,8 +226,7 @@ class ResponseEvents:
     """Chat completion chunks (their JSON) in, Responses stream events (SSE text) out."""
 
     def __init__(self, body: dict) -> None:
-        self.body = body
-        self.response = _shell(_new("resp"), body, "in_progress", int(time.time()))
+        self.response = _shell(body, "in_progress", int(time.time()))
         self.seq = 0
         self.message: dict | None = None  # the output text item, once text came
         self.text = ""
@@ -268,14 +270,12 @@ class ResponseEvents:
     def _text(self, piece: str) -> str:
         out = ""
         if self.message is None:
-            self.message = _message_item("", status="in_progress")
-            self.message["content"] = []
+            self.message = _message_item(None, status="in_progress")
             self.response["output"].append(self.message)
             i = self._index(self.message)
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             out += self._event("response.output_item.added", output_index=i, item=dict(self.message))
             out += self._event("response.content_part.added", item_id=self.message["id"], output_index=i,
-                               content_index=0, part=part)  # fmt: skip
+                               content_index=0, part=_text_part(""))  # fmt: skip
         self.text += piece
         return out + self._event("response.output_text.delta", item_id=self.message["id"],
                                  output_index=self._index(self.message), content_index=0, delta=piece,
@@ -304,7 +304,7 @@ class ResponseEvents:
         if m is None or m["status"] == "completed":
             return ""
         i = self._index(m)
-        part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+        part = _text_part(self.text)
         m["content"], m["status"] = [part], "completed"
         return (
             self._event("response.output_text.done", item_id=m["id"], output_index=i, content_index=0,
