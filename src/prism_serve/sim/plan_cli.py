@@ -154,7 +154,8 @@ def _hardware(args: argparse.Namespace, config) -> str:
     from prism_serve.config import DeviceGroup, parse_size
     from prism_serve.sim.hardware import dump_hardware, get_hardware
 
-    hw = _fit(args.fit_rounds) if args.hardware == FIT else get_hardware(args.hardware)
+    fitted = args.hardware == FIT
+    hw = _fit(args.fit_rounds) if fitted else get_hardware(args.hardware)
     memory = parse_size(args.device_memory) if args.device_memory else None
     if memory is None and not hw.overlap:  # a CPU profile: the config's CPU devices, if they agree
         devices = [config.devices] if isinstance(config.devices, DeviceGroup) else config.devices
@@ -162,10 +163,11 @@ def _hardware(args: argparse.Namespace, config) -> str:
         if len(budgets) == 1:
             memory = budgets.pop()
             print(f"device memory: {memory / 2**20:.0f} MiB, the config's CPU devices'", file=sys.stderr)
-    if memory is not None and memory != hw.memory_bytes:
+    resized = memory is not None and memory != hw.memory_bytes
+    if resized:
         hw = dataclasses.replace(hw, memory_bytes=memory)
-    if args.hardware != FIT and hw == get_hardware(args.hardware):
-        return args.hardware
+    if not fitted and not resized:
+        return args.hardware  # as registered or as its file says
     folder = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="prism-plan-"))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "hardware.json"
