@@ -49,6 +49,11 @@ class SnapshotBuilder:
         self._max_num_seqs = max_num_seqs
         self._models: dict[str, ModelSnapshot] = {}
         self._rebuilt: dict[str, None] = {}  # models whose snapshot changed since the last cluster()
+        self._fields: dict[str, tuple] = {}  # by model: what its snapshot reports that can change
+        # models with an engine, in the models' order: the only ones cluster() looks at for engines
+        # (an engine comes and goes only with a change that marks its model stale)
+        self._order = {name: i for i, name in enumerate(models)}
+        self._engined: dict[str, None] = {}
         self._devices: dict[str, tuple[int, DeviceSnapshot]] = {}  # by device: (memory version, snap)
         self._last: ClusterSnapshot | None = None
         self._stale = loop.stale_models  # models whose snapshot must be rebuilt
@@ -57,31 +62,52 @@ class SnapshotBuilder:
     def model(self, m: SimModel, now: float) -> ModelSnapshot:
         sv = m.served
         name = sv.name
-        if name in self._stale or name not in self._models:
-            self._stale.pop(name, None)
-            self._rebuilt[name] = None
-            loop = self.loop
-            self._models[name] = ModelSnapshot(
-                name,
-                loop.rates.rate(name, now),
-                m.slo.ttft_s,
-                m.slo.tpot_s,
-                sv.spec.weight_bytes,
-                sv.spec.kv_bytes_per_token,
-                sv.tp_size,
-                m.placement,
-                m.state,
-                _latest(loop.rates.last_arrival(name), m.activated_at),
-                loop.num_queued[name],
-                m.num_running,
-                False,
-                self.profile(m),
-                placed_at=m.placed_at,
-                forecast_rate=loop.forecast_rate(name, now),
-                prewarmed=m.state is not ModelState.EVICTED and name in loop.prewarmed,
-                replica_of=self.replica_of.get(name),
-            )
-        return self._models[name]
+        cached = self._models.get(name)
+        if name not in self._stale and cached is not None:
+            return cached
+        self._stale.pop(name, None)
+        loop = self.loop
+        fields = (
+            loop.rates.rate(name, now),
+            m.placement,
+            m.state,
+            _latest(loop.rates.last_arrival(name), m.activated_at),
+            loop.num_queued[name],
+            m.num_running,
+            self.profile(m),
+            m.placed_at,
+            loop.forecast_rate(name, now),
+            m.state is not ModelState.EVICTED and name in loop.prewarmed,
+        )
+        # a tick marks every model stale (rates move with time), but most report the same figures:
+        # keep their snapshot (frozen, so an equal one is the same to every reader), and with it
+        # the cluster snapshot's work proportional to what changed
+        if cached is not None and fields == self._fields[name]:
+            return cached
+        self._fields[name] = fields
+        self._rebuilt[name] = None
+        rate, placement, state, last, queued, running, profile, placed_at, forecast, prewarmed = fields
+        self._models[name] = snap = ModelSnapshot(
+            name,
+            rate,
+            m.slo.ttft_s,
+            m.slo.tpot_s,
+            sv.spec.weight_bytes,
+            sv.spec.kv_bytes_per_token,
+            sv.tp_size,
+            placement,
+            state,
+            last,
+            queued,
+            running,
+            False,
+            profile,
+            placed_at=placed_at,
+            forecast_rate=forecast,
+            prewarmed=prewarmed,
+            replica_of=self.replica_of.get(name),
+        )
+        return snap
 
     def profile(self, m: SimModel) -> ModelProfile:
         if self._live_profiles:  # what the live controller knows: measured, or the default before
@@ -160,14 +186,26 @@ class SnapshotBuilder:
 
     def cluster(self, now: float) -> ClusterSnapshot:
         models = self.models
-        for name in list(self._stale):
+        stale = list(self._stale)
+        for name in stale:
             self.model(models[name], now)
+        engined = self._engined
+        added = False
+        for name in stale:  # only a stale model can have gained or lost its engine
+            if models[name].engine is None:
+                engined.pop(name, None)
+            elif name not in engined:
+                engined[name] = None
+                added = True
+        if added:
+            order = self._order
+            self._engined = engined = dict.fromkeys(sorted(engined, key=order.__getitem__))
         changed = [self._models[name] for name in self._rebuilt]
         self._rebuilt.clear()
         last = self._last
         if last is None:
             devices = {d: self.device(d) for d in self.devices}
-            engines = {n: self.engine(n) for n, m in models.items() if m.engine is not None}
+            engines = {n: self.engine(n) for n in engined}
             snap = ClusterSnapshot(self._models, devices, engines)
         else:  # a cached entry is the same object as in the last snapshot: pass only the others
             ld, le = last.devices, last.engines
@@ -176,10 +214,10 @@ class SnapshotBuilder:
                 [self.device(d) for d in self.devices if self._cached_device(d) is not ld[d]],
                 [
                     self.engine(n)
-                    for n, m in models.items()
-                    if m.engine is not None and ((c := self._cached_engine(m)) is None or c is not le.get(n))
+                    for n in engined
+                    if (c := self._cached_engine(models[n])) is None or c is not le.get(n)
                 ],
-                [n for n in le if models[n].engine is None],
+                [n for n in le if n not in engined],
             )
         self._last = snap
         return snap
