@@ -98,7 +98,8 @@ def replica_capacity(cluster: ClusterSnapshot, model: str) -> float | None:
 
 
 def resident_replicas(cluster: ClusterSnapshot, model: str) -> list[ModelSnapshot]:
-    return [m for n in cluster.replicas(model) if (m := cluster.models[n]).resident]
+    models = cluster.models
+    return [m for n in cluster.replicas(model) if (m := models[n]).state is not ModelState.EVICTED]
 
 
 def yielding_replica(cluster: ClusterSnapshot, model: str) -> ModelSnapshot | None:
@@ -195,7 +196,13 @@ def spare_replicas(cluster: ClusterSnapshot) -> list[ModelSnapshot]:
     models): each replicated model's :func:`yielding_replica`, once active with nothing queued or
     running and not pinned."""
     out = []
-    for model in cluster.extra_replicas:
+    models = cluster.models
+    evicted = ModelState.EVICTED
+    for model, extra in cluster.extra_replicas.items():
+        # most served models have one copy resident, and a model yields none below two
+        # (yielding_replica): counted here without building the list, a scan of every model per call
+        if (models[model].state is not evicted) + sum(models[n].state is not evicted for n in extra) < 2:
+            continue
         r = yielding_replica(cluster, model)
         if r is not None and r.state is ModelState.ACTIVE and not (r.num_queued or r.num_running or r.pinned):
             out.append(r)

@@ -64,6 +64,7 @@ from prism_serve.control.replicas import (
     replica_capacity,
     replicas_for_rate,
     resident_replicas,
+    spare_replicas,
     surplus,
     wanted_replicas,
     yielding_replica,
@@ -137,7 +138,7 @@ class PrismPolicy(Policy):
         loads = device_loads(cluster, now, k.idle_threshold_s, k.min_kv_fraction, compute=k.compute_aware)
         choice = choose_activation(m, loads)
         if choice is None:
-            choice = choose_activation(m, with_spare_replicas(cluster, loads, set()))
+            choice = choose_activation(m, with_spare_replicas(spare_replicas(cluster), loads, set()))
         if choice is None:
             return [Defer(request, f"{m.model}: every device is full of busy models")]
         devices, evictions = choice
@@ -236,14 +237,22 @@ class PrismPolicy(Policy):
                 )
             return cached[0]
 
+        spare: list[list[ModelSnapshot]] = []
+
+        def spare_now() -> list[ModelSnapshot]:
+            """The snapshot's replicas that yield to a model with no copy, found once per tick."""
+            if not spare:
+                spare.append(spare_replicas(cluster))
+            return spare[0]
+
         if unplaced:
             loads = loads_now()
             for m in unplaced:
                 del planned[m.model]
                 devices = self._make_room(cluster, loads, loads, m, planned, evicted, gone)
                 if devices is None:  # a second copy of another model yields to this model's first
-                    spare = with_spare_replicas(cluster, loads, gone)
-                    devices = self._make_room(cluster, loads, spare, m, planned, evicted, gone)
+                    yielding = with_spare_replicas(spare_now(), loads, gone)
+                    devices = self._make_room(cluster, loads, yielding, m, planned, evicted, gone)
                 if devices is None and k.evict_quiet:  # then models with no work now, least used first
                     quiet = with_quiet_models(cluster, loads, planned, m, now)
                     devices = self._make_room(cluster, loads, quiet, m, planned, evicted, gone)
@@ -287,20 +296,24 @@ class PrismPolicy(Policy):
         such move per tick: each costs an activation and the evicted models' next requests."""
         k = self.knobs
         loads = loads_now()
+        by_device: dict[str, list[ModelSnapshot]] | None = None  # the movable models, by device
         for hot in sorted(loads, key=lambda load: (-load.busy, load.device)):
             if contention(hot.busy) < _CONTENDED:
                 return
-            movable = [
-                m
-                for m in cluster.models.values()
-                if m.state is ModelState.ACTIVE
-                and m.tp_size == 1
-                and m.model not in gone
-                and planned.get(m.model) == m.placement == (hot.device,)
-                and m.num_running == 0
-                and self._busy(m) > 0
-                and not (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
-            ]
+            if by_device is None:  # one pass over the models for every device the loop visits
+                by_device = {}
+                for m in cluster.models.values():
+                    if (
+                        m.state is ModelState.ACTIVE
+                        and m.tp_size == 1
+                        and m.model not in gone
+                        and planned.get(m.model) == m.placement
+                        and m.num_running == 0
+                        and self._busy(m) > 0
+                        and not (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
+                    ):
+                        by_device.setdefault(m.placement[0], []).append(m)
+            movable = by_device.get(hot.device)
             if not movable:
                 continue
             m = max(movable, key=lambda m: (self._busy(m), m.model))
@@ -562,10 +575,16 @@ class PrismPolicy(Policy):
         ``room`` holds it (``by_room``: on the devices with the most room, worst fit), evicting
         nothing; the plan (``loads``, ``room``, ``planned``) takes each in."""
         out = []
+        most = max(room.values(), default=0.0)  # no device has room for a model heavier than this
         for m in models:
+            if m.part_weight_bytes > most:
+                continue  # as no open device below: nowhere to go
             open_loads = [
-                replace(load, idle=[]) for load in loads if room[load.device] >= m.part_weight_bytes
-            ]
+                DeviceLoad(load.device, load.capacity_bytes, load.min_kv_bytes, load.weighted_rate,
+                           load.shared_kv, [], load.busy)
+                for load in loads
+                if room[load.device] >= m.part_weight_bytes
+            ]  # fmt: skip
             if by_room:
                 if len(open_loads) < m.tp_size:
                     continue
@@ -581,6 +600,7 @@ class PrismPolicy(Policy):
                 devices, _ = choice
             for d in devices:
                 room[d] -= m.part_weight_bytes
+            most = max(room.values())
             plan_load(loads, m, devices, self._busy(m))
             planned[m.model] = devices
             out.append(m)

@@ -13,7 +13,6 @@ from dataclasses import replace
 from prism_serve.control.eviction import DeviceLoad, eviction_key, is_idle
 from prism_serve.control.placement import overloads, worst_load
 from prism_serve.control.policies.base import min_kv_bytes
-from prism_serve.control.replicas import spare_replicas
 from prism_serve.control.types import ClusterSnapshot, ModelSnapshot, ModelState
 
 __all__ = [
@@ -29,13 +28,14 @@ __all__ = [
 
 
 def with_spare_replicas(
-    cluster: ClusterSnapshot, loads: list[DeviceLoad], gone: set[str]
+    replicas: list[ModelSnapshot], loads: list[DeviceLoad], gone: set[str]
 ) -> list[DeviceLoad]:
-    """``loads`` (copies) whose evictable models end with the replicas that yield to a model with no
-    copy resident (replicas.spare_replicas), for choosing where such a model goes; the plan's own
+    """``loads`` (copies) whose evictable models end with ``replicas``, those that yield to a model
+    with no copy resident (replicas.spare_replicas of the snapshot, which the caller computes once
+    for all its calls on one snapshot), for choosing where such a model goes; the plan's own
     ``loads`` stay as they are."""
     spare: dict[str, list[ModelSnapshot]] = {}
-    for r in spare_replicas(cluster):
+    for r in replicas:
         if r.model not in gone:
             for d in r.placement:
                 spare.setdefault(d, []).append(r)
