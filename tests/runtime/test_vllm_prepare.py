@@ -17,7 +17,7 @@ from prism_serve.engine.vllm_engine import engine_key
 from prism_serve.runtime.activation import Activator
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec
-from prism_serve.runtime.workers import WorkerHandle, WorkerPool, WorkerState
+from prism_serve.runtime.workers import WorkerHandle, WorkerPool, WorkerStartError, WorkerState
 
 
 def checkpoint(root: Path, name: str, layers: int) -> Path:
@@ -169,3 +169,14 @@ def test_the_shape_with_the_most_recent_requests_wins_over_the_most_models(tmp_p
     assert c.vllm_shapes()[0].source == str(b)
     c = activator(entries, rates={"ft1": 1.0, "ft2": 0.6, "b": 1.0, "b#1": 0.5})
     assert c.vllm_shapes()[0].source == str(ft1)
+
+
+def test_an_activation_that_ends_during_shutdown_starts_no_replacement_worker(pool) -> None:
+    """stop() waits for the workers it knows: a refill after it (an activation finishing as the
+    server stops) would start a worker that outlives the server, with its ledger entries."""
+    asyncio.run(pool.stop(timeout_s=1.0))
+    pool.refill("cpu:0", "vllm")
+    pool.refill("cpu:0")
+    assert pool.workers == {}
+    with pytest.raises(WorkerStartError, match="shutting down"):
+        pool.spawn(pool.devices["cpu:0"])

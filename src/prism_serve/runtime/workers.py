@@ -175,6 +175,8 @@ class WorkerPool:
     # ---- workers ------------------------------------------------------------------------------
 
     def spawn(self, device: DeviceSpec, engine: str = "builtin") -> WorkerHandle:
+        if self._closing:  # stop() waits for the workers it knows; one started now would outlive it
+            raise WorkerStartError("the server is shutting down")
         worker_id = f"{device.name}/{'v' if engine == 'vllm' else 'w'}{next(self._ids)}"
         args = [
             "--worker-id", worker_id,
@@ -266,7 +268,9 @@ class WorkerPool:
         when an activation that took one is done, not as it takes it: a new worker's start (and a
         vLLM worker's engine build) would compete for the cores with that activation."""
         spec = self.devices.get(device)
-        if spec is not None and not self.idle(device, engine) and not self._starting(device, engine):
+        if self._closing or spec is None:
+            return
+        if not self.idle(device, engine) and not self._starting(device, engine):
             self.spawn(spec, engine)
 
     def _starting(self, device: str, engine: str = "builtin") -> list[WorkerHandle]:
