@@ -175,10 +175,14 @@ class PrismPolicy(Policy):
         gone = set(evicted)
         parts: list[Part] = []
         waiting: list[ModelSnapshot] = []
-        for m in cluster.models.values():
+        # what the plan is about: resident models and evicted ones with requests waiting (most of a
+        # large deployment's models and replica slots are neither), in the snapshot's order
+        evicted_state = ModelState.EVICTED
+        considered = [m for m in cluster.models.values() if m.state is not evicted_state or m.num_queued > 0]
+        for m in considered:
             if m.model in gone:
                 continue
-            if m.resident:
+            if m.state is not evicted_state:
                 # Callers move only a model with nothing running (runtime/controller.py); planning
                 # around a busy model as if it moved would move the others into a plan that never
                 # happens. So it stays put this round, like one activating or cooling down.
@@ -201,7 +205,7 @@ class PrismPolicy(Policy):
                     )
                     for r in range(m.tp_size)
                 )
-            elif m.num_queued > 0:
+            else:
                 waiting.append(m)
                 parts.extend(
                     Part(m.model, r, m.demand / m.tp_size, m.part_weight_bytes, busy=busy(m), group=m.group)
@@ -215,8 +219,8 @@ class PrismPolicy(Policy):
 
         planned: dict[str, tuple[str, ...]] = {}
         waiting_names = {m.model for m in waiting}
-        for m in cluster.models.values():
-            if m.model in gone or not (m.resident or m.model in waiting_names):
+        for m in considered:
+            if m.model in gone or not (m.state is not evicted_state or m.model in waiting_names):
                 continue
             where = result.placement(m.model, m.tp_size)
             # a resident model that no longer fits anywhere in the plan stays put: its memory is real
@@ -266,15 +270,19 @@ class PrismPolicy(Policy):
         if k.compute_aware and k.rebalance and contention(peak) >= _CONTENDED:
             self._move_through_idle(cluster, loads_now, planned, evicted, gone, now)
         if cluster.extra_replicas:
-            activations.extend(self._scale_replicas(cluster, loads_now, planned, evicted, gone))
+            # the served models with a copy resident: the only ones either step below looks at
+            served = {m.group: None for m in considered if m.state is not evicted_state}
+            activations.extend(self._scale_replicas(cluster, served, loads_now, planned, evicted, gone))
             if k.compute_aware and k.rebalance and k.relocate_busy:
-                activations.extend(self._relocate_busy(cluster, loads_now, planned, evicted, gone, now))
+                activations.extend(
+                    self._relocate_busy(cluster, served, loads_now, planned, evicted, gone, now)
+                )
         if k.prewarm:
             activations.extend(self._prewarm(cluster, loads_now, planned))
 
         actions: list[Action] = [Evict(v) for v in evicted]
-        for m in cluster.models.values():
-            if m.resident and m.model not in gone and planned[m.model] != m.placement:
+        for m in considered:
+            if m.state is not evicted_state and m.model not in gone and planned[m.model] != m.placement:
                 actions.append(Migrate(m.model, m.placement, planned[m.model]))
         actions.extend(Activate(m.model, planned[m.model]) for m in activations)
         return actions
@@ -370,6 +378,7 @@ class PrismPolicy(Policy):
     def _scale_replicas(
         self,
         cluster: ClusterSnapshot,
+        served: dict[str, None],
         loads_now,
         planned: dict[str, tuple[str, ...]],
         evicted: list[str],
@@ -380,10 +389,13 @@ class PrismPolicy(Policy):
         replica of it (evicting idle models there if needed, but not those the forecast expects a
         request for within ``prewarm_horizon_s``: a second copy is not worth a first copy's
         reactivation); surplus replicas with nothing queued or running are evicted (added to
-        ``evicted``). A model backlogged by a burst wants one replica more (replicas.py)."""
+        ``evicted``). A model backlogged by a burst wants one replica more (replicas.py).
+        ``served``: the served models with a replica resident (the others have nothing to scale)."""
         k = self.knobs
         out = []
         for model in cluster.extra_replicas:
+            if model not in served:
+                continue
             resident = [m for m in resident_replicas(cluster, model) if m.model not in gone]
             if not resident or any(m.state is ModelState.ACTIVATING for m in resident):
                 continue  # nothing to replicate yet, or a replica is still coming up: wait for it
@@ -442,6 +454,7 @@ class PrismPolicy(Policy):
     def _relocate_busy(
         self,
         cluster: ClusterSnapshot,
+        served: dict[str, None],
         loads_now,
         planned: dict[str, tuple[str, ...]],
         evicted: list[str],
@@ -462,10 +475,13 @@ class PrismPolicy(Policy):
         1-3 requests a minute back and forth beside the one model near its limit). Once the new
         replica is active
         the old one is :func:`replicas.misplaced`: the router sends it nothing and it is evicted
-        once it has nothing queued or running, as a surplus replica is."""
+        once it has nothing queued or running, as a surplus replica is. ``served``: the served models
+        with a replica resident (the others have nothing to move)."""
         k = self.knobs
         candidates = []
         for model in cluster.extra_replicas:
+            if model not in served:
+                continue
             resident = [m for m in resident_replicas(cluster, model) if m.model not in gone]
             if len(resident) != 1:
                 continue
