@@ -74,9 +74,12 @@ class RateEstimator:
         first = self._first_seen.get(model)
         if first is None:
             return 0.0
+        count = 0
         if q is not None:
-            self._trim(model, now)
-        count = len(q) if q is not None else 0
+            horizon = now - self.window_s  # _trim, inline: this runs for every model at every tick
+            while q and q[0] <= horizon:
+                q.popleft()
+            count = len(q)
         span = min(self.window_s, max(self.min_span_s, now - first))
         return count / span
 

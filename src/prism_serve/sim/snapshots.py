@@ -67,14 +67,15 @@ class SnapshotBuilder:
             return cached
         self._stale.pop(name, None)
         loop = self.loop
+        rates = loop.rates
         fields = (
-            loop.rates.rate(name, now),
+            rates.rate(name, now),
             m.placement,
             m.state,
-            _latest(loop.rates.last_arrival(name), m.activated_at),
-            loop.num_queued[name],
+            _latest(rates.last_arrival(name), m.activated_at),
+            loop.num_queued.get(name, 0),  # get: a Counter's missing key goes through __missing__
             m.num_running,
-            self.profile(m),
+            self.profile(m) if self._live_profiles else m.profile,
             m.placed_at,
             loop.forecast_rate(name, now),
             m.state is not ModelState.EVICTED and name in loop.prewarmed,
@@ -208,14 +209,23 @@ class SnapshotBuilder:
             engines = {n: self.engine(n) for n in engined}
             snap = ClusterSnapshot(self._models, devices, engines)
         else:  # a cached entry is the same object as in the last snapshot: pass only the others
+            # (the tests of _cached_device and _cached_engine, inline: this runs for every device
+            # and engine once or twice per arrival)
             ld, le = last.devices, last.engines
+            cache, stale_devices = self._devices, self.loop.stale_devices
             snap = last.updated(
                 changed,
-                [self.device(d) for d in self.devices if self._cached_device(d) is not ld[d]],
+                [
+                    self.device(d)
+                    for d, dev in self.devices.items()
+                    if d in stale_devices or (c := cache[d])[0] != dev.version or c[1] is not ld[d]
+                ],
                 [
                     self.engine(n)
                     for n in engined
-                    if (c := self._cached_engine(models[n])) is None or c is not le.get(n)
+                    if (m := models[n]).engine.dirty
+                    or (c := m.engine_snapshot) is None
+                    or c is not le.get(n)
                 ],
                 [n for n in le if n not in engined],
             )
