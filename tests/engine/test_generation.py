@@ -132,12 +132,23 @@ def test_stop_token_id(engine, prompts, alone):
     assert out.finish_reason == "stop"
     assert out.stop_reason == stop_id
     assert out.token_ids == alone[4][: alone[4].index(stop_id) + 1]
+    # as in vLLM, the stop token's text is left out unless include_stop_str_in_output
+    with_it = SamplingParams(
+        temperature=0, max_tokens=24, stop_token_ids=[stop_id], include_stop_str_in_output=True
+    )
+    kept = generate(engine, [prompts[4]], with_it)[0]
+    assert kept.text == out.text + engine.tokenizer.decode([stop_id]) and engine.tokenizer.decode([stop_id])
 
 
 def test_eos_ends_request_and_ignore_eos_continues(engine, prompts):
     out = generate(engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=64))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] in engine.tokenizer.eos_token_ids
     assert "<|im_end|>" not in out.text
+    # nor with special tokens kept (tool-call markers are special tokens in some vocabularies)
+    kept = generate(
+        engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False)
+    )[0]
+    assert kept.token_ids == out.token_ids and kept.text == out.text
     longer = generate(
         engine,
         [prompts[0]],

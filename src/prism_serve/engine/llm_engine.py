@@ -248,7 +248,8 @@ class LLMEngine(RequestCounts):
             seq.token_ids.append(token)
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            seq.output_text += seq.detokenizer.push(token)
+            if not _stops_on(seq.params, token, self.tokenizer.eos_token_ids):
+                seq.output_text += seq.detokenizer.push(token)
             if seq.matcher is not None:
                 seq.matcher.consume_token(token)  # masked to what it accepts, so this succeeds
             self._check_stop(seq, token)
@@ -321,3 +322,13 @@ def _find_stop(text: str, stops: list[str], searched_upto: int) -> tuple[int, st
         if idx != -1 and (best is None or idx < best[0]):
             best = (idx, stop)
     return best
+
+
+def _stops_on(p: SamplingParams, token: int, eos: tuple[int, ...]) -> bool:
+    """Whether ``token`` ends the output as a stop token whose text stays out of it, as in vLLM: an
+    EOS (unless ignored) or one of ``stop_token_ids``, without ``include_stop_str_in_output``. (The
+    sampler masks them before ``min_tokens``; with special tokens kept, an EOS such as
+    ``<|im_end|>`` would otherwise end the text.)"""
+    if p.include_stop_str_in_output:
+        return False
+    return (not p.ignore_eos and token in eos) or token in p.stop_token_ids
