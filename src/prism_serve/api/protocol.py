@@ -35,6 +35,7 @@ from pydantic import (
 from prism_serve.api.tools import (
     Tool,
     ToolChoice,
+    ToolFormat,
     auto_grammar,
     call_schema,
     check_tool_messages,
@@ -188,7 +189,7 @@ class _Sampling(_Request):
 
     def sampling_params(
         self, max_tokens: int, choice: int = 0, defaults: Mapping[str, float | int] | None = None,
-        tool_format: str | None = None,
+        tool_format: ToolFormat | None = None,
     ) -> SamplingParams:  # fmt: skip
         """The engine's parameters for one choice. With ``n`` > 1 and a seed, choice i samples with
         seed + i (as vLLM does): reproducible, and the choices differ. ``defaults``: the model's
@@ -219,7 +220,7 @@ class _Sampling(_Request):
             **extra,
         )
 
-    def _output_options(self, tool_format: str | None = None) -> dict[str, Any]:
+    def _output_options(self, tool_format: ToolFormat | None = None) -> dict[str, Any]:
         """SamplingParams fields the endpoint adds (logprobs)."""
         return {}
 
@@ -291,16 +292,20 @@ class ChatCompletionRequest(_Sampling):
             self._tools = setup
         return self._tools
 
-    def _output_options(self, tool_format: str | None = None) -> dict[str, Any]:
+    def _output_options(self, tool_format: ToolFormat | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
         structured = _structured(self.response_format)
         setup = self.tool_setup()
         if setup.constrained:
             schema = call_schema(setup.tools, setup.choice, setup.parallel)
             structured = StructuredOutput("json_schema", json.dumps(schema))
-        elif setup.active and structured is None and tool_format == "hermes":
+        elif setup.active and tool_format is not None:
             # auto: free text, but a call the model starts is decoded under its tool's schema
-            structured = StructuredOutput("grammar", auto_grammar(setup.tools, setup.parallel))
+            if structured is None:
+                grammar = auto_grammar(setup.tools, setup.parallel, tool_format)
+                structured = StructuredOutput("grammar", grammar)
+            if tool_format.special:  # the call markers are special tokens: the parser must see them
+                out["skip_special_tokens"] = False
         if structured is not None:
             out["structured"] = structured
         return out
@@ -344,7 +349,7 @@ class CompletionRequest(_Sampling):
     suffix: Literal[""] | None = None
     best_of: Literal[1] | None = None
 
-    def _output_options(self, tool_format: str | None = None) -> dict[str, Any]:
+    def _output_options(self, tool_format: ToolFormat | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs

@@ -72,8 +72,10 @@ from prism_serve.api.protocol import (
 from prism_serve.api.request_log import LogEntry, RequestLog
 from prism_serve.api.responses import ResponseEvents, to_chat, to_response
 from prism_serve.api.tools import (
+    MARKERS,
     CallStream,
     ToolChoice,
+    ToolFormat,
     parse_calls,
     parse_constrained,
     parser_for_template,
@@ -340,6 +342,10 @@ class PrismServer:
             self.controller.models.tokenizer(model).chat_template
         )
 
+    def _tool_format(self, model: str) -> ToolFormat:
+        family = self._tool_parser(model)
+        return ToolFormat(family, self.controller.models.tokenizer(model).special_ids(MARKERS[family]))
+
     def _read_calls(
         self, model: str, tools: ToolSetup, text: str, finish: str | None
     ) -> tuple[str | None, list[dict] | None, str | None]:
@@ -406,7 +412,10 @@ class PrismServer:
         directories are."""
         tok = self.controller.models.tokenizer(model)
         choice = tools.choice if tools is not None else ToolChoice("none")
-        plain, shown = render_conversation(messages, tools.tools if tools else [], choice, tok.chat_template)
+        family = self._tool_parser(model) if tools is not None and tools.active else "hermes"
+        plain, shown = render_conversation(
+            messages, tools.tools if tools else [], choice, tok.chat_template, family
+        )
         if tok.chat_template:
             return tok.apply_chat_template(plain, add_generation_prompt, shown)
         transcript = "".join(f"{m['role']}: {m['content']}\n" for m in plain)
@@ -449,7 +458,7 @@ class PrismServer:
         chat = isinstance(body, ChatCompletionRequest)
         rid = new_id("chatcmpl" if chat else "cmpl")
         # the model's tool-call format, only for a request that may call a tool (it reads the template)
-        tool_format = self._tool_parser(body.model) if chat and body.tool_setup().active else None
+        tool_format = self._tool_format(body.model) if chat and body.tool_setup().active else None
         runs = []
         for p, ids in enumerate(prompts):
             for j in range(body.n):

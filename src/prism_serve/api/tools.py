@@ -8,9 +8,10 @@ assistant message made (its ``tool_call_id``).
 
 **Shown.** A chat template that knows tools (it reads ``tools``) gets them and the conversation's
 calls and results as Hugging Face templates take them. A template without (SmolLM2's, and many
-fine-tunes') gets them described in the system message, with the instruction to answer a call as
-``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the Hermes format), earlier calls written
-back that way and results as ``<tool_response>`` user turns. ``tool_choice: none`` shows no tools.
+fine-tunes') gets them described in the system message, with the instruction to answer a call in
+the format its answers are read in (below; Hermes' ``<tool_call>{"name": ..., "arguments": ...}
+</tool_call>`` unless the model's ``tool_parser`` says otherwise), earlier calls written back that
+way and results as ``<tool_response>`` user turns. ``tool_choice: none`` shows no tools.
 
 **Read back** by the model family's format (``PARSERS``), chosen from the template or set per model:
 
@@ -21,14 +22,18 @@ back that way and results as ``<tool_response>`` user turns. ``tool_choice: none
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}``;
 - ``json``: the whole answer one such object or array (optionally in a ```json fence).
 
-Every parser also accepts plain JSON (special tokens such as ``<|python_tag|>`` are not in the
-text when the detokenizer drops them). What does not parse into calls of known tools with object
+Every parser also accepts plain JSON. What does not parse into calls of known tools with object
 arguments stays text, as vLLM returns it; never an error.
 
 **Constrained.** Under ``required`` or a named function the engine decodes only JSON that is a
 call: ``{"name": <a tool's>, "arguments": <valid for its schema>}`` (an array of them under
 ``required`` with ``parallel_tool_calls``), as vLLM's guided decoding does, so the arguments always
-validate. Under ``auto`` the model answers freely and its calls are parsed.
+validate. Under ``auto`` the model answers freely, but in a grammar of its family's format
+(``auto_grammar``): a call it starts is decoded under its tool's schema from its first token.
+Where the family's markers are special tokens of the model's vocabulary (``[TOOL_CALLS]`` in
+Mistral's, ``<|python_tag|>`` in Llama 3's, ``<tool_call>`` in Qwen's GGUF), the grammar names
+them by token id and the answer keeps special tokens, so that the parser sees them (vLLM's Mistral
+parser does the same).
 """
 
 from __future__ import annotations
@@ -43,11 +48,13 @@ from typing import Any
 from prism_serve.errors import InvalidRequestError
 
 __all__ = [
+    "MARKERS",
     "PARSERS",
     "CallStream",
     "Tool",
     "ToolCall",
     "ToolChoice",
+    "ToolFormat",
     "auto_grammar",
     "call_schema",
     "check_tool_messages",
@@ -212,15 +219,35 @@ the user query. The functions you may call are listed in <tools></tools> as JSON
 <tools>
 {tools}
 </tools>
-To call a function, answer with a JSON object of its name and arguments inside <tool_call></tool_call> tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <arguments-object>}}
-</tool_call>
+{how}
 {rule}"""
+_HOW = {
+    "hermes": "To call a function, answer with a JSON object of its name and arguments inside "
+    '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": <arguments-object>}'
+    "\n</tool_call>",
+    "mistral": "To call functions, answer with [TOOL_CALLS] and a JSON list of the calls, each with its "
+    'name and arguments:\n[TOOL_CALLS] [{"name": <function-name>, "arguments": <arguments-object>}]',
+    "llama3_json": "To call a function, answer with nothing but a JSON object of its name and "
+    'parameters:\n{"name": <function-name>, "parameters": <arguments-object>}',
+    "json": "To call a function, answer with nothing but a JSON object of its name and arguments:\n"
+    '{"name": <function-name>, "arguments": <arguments-object>}',
+}  # how the system message asks for a call, in the format the model's answers are read in
 _RULES = {
     "auto": "Call a function only when it helps; otherwise answer in text.",
     "required": "You must call one or more of these functions.",
 }
+
+
+def _written_calls(calls: list[tuple[str, Any]], family: str) -> str:
+    """Earlier calls of the conversation, written as ``family`` asks the model to write them."""
+    if family == "hermes":
+        return "\n".join(
+            "<tool_call>\n" + json.dumps({"name": n, "arguments": a}) + "\n</tool_call>" for n, a in calls
+        )
+    if family == "mistral":
+        return "[TOOL_CALLS] " + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+    key = "parameters" if family == "llama3_json" else "arguments"
+    return "; ".join(json.dumps({"name": n, key: a}) for n, a in calls)
 
 
 def template_knows_tools(template: str | None) -> bool:
@@ -228,10 +255,11 @@ def template_knows_tools(template: str | None) -> bool:
 
 
 def render_conversation(
-    messages: Sequence[Any], tools: list[Tool], choice: ToolChoice, template: str | None
-) -> tuple[list[dict], list[dict] | None]:
+    messages: Sequence[Any], tools: list[Tool], choice: ToolChoice, template: str | None,
+    family: str = "hermes",
+) -> tuple[list[dict], list[dict] | None]:  # fmt: skip
     """(messages, tools) for the chat template: ``tools`` is None where the template gets them in the
-    system message (or not at all, under ``none``)."""
+    system message (or not at all, under ``none``), asked for and written back in ``family``'s format."""
     shown = [] if choice.mode == "none" else tools
     if template_knows_tools(template):
         out = []
@@ -252,13 +280,8 @@ def render_conversation(
     out = []
     for m in messages:
         if m.role == "assistant" and m.tool_calls:
-            blocks = []
-            for c in m.tool_calls:
-                name, args = _call_arguments(c)
-                blocks.append(
-                    "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
-                )
-            out.append({"role": "assistant", "content": "\n".join(filter(None, [m.text(), *blocks]))})
+            written = _written_calls([_call_arguments(c) for c in m.tool_calls], family)
+            out.append({"role": "assistant", "content": "\n".join(filter(None, [m.text(), written]))})
         elif m.role == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"})
         else:
@@ -266,7 +289,7 @@ def render_conversation(
     if shown:
         rule = _RULES.get(choice.mode) or f"You must call the function {choice.name}."
         listed = "\n".join(json.dumps(t.definition()) for t in shown)
-        system = _SYSTEM.format(tools=listed, rule=rule)
+        system = _SYSTEM.format(tools=listed, how=_HOW[family], rule=rule)
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
         else:
@@ -402,40 +425,112 @@ def _bounded_decimals(schema: Any) -> Any:
     return out
 
 
+def _call_object(t: Tool, key: str = "arguments") -> dict:
+    """The JSON schema of one call of ``t``: its name, and arguments (under ``key``) valid for it."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": t.name}, key: _bounded_decimals(t.parameters)},
+        "required": ["name", key],
+        "additionalProperties": False,
+    }
+
+
+def _any_call(tools: list[Tool], key: str = "arguments") -> dict:
+    return (
+        _call_object(tools[0], key) if len(tools) == 1 else {"anyOf": [_call_object(t, key) for t in tools]}
+    )
+
+
 def call_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict:
     """The JSON schema the engine decodes under ``required`` or a named function."""
-
-    def one(t: Tool) -> dict:
-        return {
-            "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": _bounded_decimals(t.parameters)},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-
     if choice.mode == "named":
-        out = one(next(t for t in tools if t.name == choice.name))
+        out = _call_object(next(t for t in tools if t.name == choice.name))
     else:
-        item = one(tools[0]) if len(tools) == 1 else {"anyOf": [one(t) for t in tools]}
+        item = _any_call(tools)
         out = {"type": "array", "items": item, "minItems": 1} if parallel else item
+    return _compact(out)
+
+
+def _compact(schema: dict) -> dict:
     # JSON as json.dumps writes it: free whitespace lets a small model spend its tokens on newlines
     # (llguidance reads this key; other JSON schema tools ignore it)
-    return {**out, "x-guidance": _COMPACT}
+    return {**schema, "x-guidance": _COMPACT}
 
 
-def auto_grammar(tools: list[Tool], parallel: bool) -> str:
-    """The grammar (llguidance's Lark) of an answer under ``auto`` in the Hermes format: free text
-    that holds no ``<tool_call>``, then, if the model starts one, calls whose JSON is a call of a
-    listed tool with valid arguments (one, or several with ``parallel``)."""
-    one = call_schema(tools, ToolChoice("required"), parallel=False)
-    calls = "call+" if parallel else "call"
-    return "\n".join([
-        "%llguidance {}",
-        f"start: TEXT | TEXT {calls}",
-        f'call: "<tool_call>" WS? %json {json.dumps(one)} WS? "</tool_call>" WS?',
-        r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
-        r"WS: /[ \t\r\n]+/",
-    ])  # fmt: skip
+@dataclass(frozen=True, slots=True)
+class ToolFormat:
+    """A model's tool-call format: its family (``PARSERS``) and the ids of the family's markers
+    (``<tool_call>``, ``[TOOL_CALLS]``, ``<|python_tag|>``) that its tokenizer holds as single special
+    tokens. Such a marker is one token the model emits, not text it spells: the grammar names it by
+    id, and the answer is detokenized with special tokens kept so that the parsers see it."""
+
+    family: str
+    special: dict[str, int] = field(default_factory=dict)
+
+
+MARKERS = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "mistral": ("[TOOL_CALLS]",),
+    "llama3_json": ("<|python_tag|>",),
+    "json": (),
+}  # the marker strings of each family's calls
+
+
+def auto_grammar(tools: list[Tool], parallel: bool, fmt: ToolFormat) -> str:
+    """The grammar (llguidance's Lark) of an answer under ``auto`` in ``fmt``'s family: free text,
+    or calls of listed tools with valid arguments (one, or several with ``parallel``), written as
+    the family writes them, each constrained from its first token:
+
+    - hermes: text holding no ``<tool_call>``, then ``<tool_call>{call}</tool_call>`` blocks;
+    - mistral: text holding no ``[TOOL_CALLS]``, then ``[TOOL_CALLS]`` and a JSON array of calls;
+    - llama3_json: an optional ``<|python_tag|>`` and ``{"name", "parameters"}`` objects separated
+      by ``;``, or text that does not open with what the parser reads as a call (``{``, ``[``, a
+      ```json fence, ``<|python_tag|>``);
+    - json: one call object (or an array of them), or such text."""
+
+    def mark(marker: str) -> str:  # a special token by id, else its text
+        token = fmt.special.get(marker)
+        return f"<[{token}]>" if token is not None else json.dumps(marker)
+
+    def text_then(marker: str) -> list[str]:
+        """Rules of ``lead``: text holding no ``marker``, then the marker. As text, the two are one
+        lexeme (text that ends at its first marker): llguidance's lexer takes the longest match
+        and does not back up, so a free-text lexeme followed by the marker would swallow it."""
+        free = rf"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(marker)}.*)/"
+        if marker in fmt.special:
+            return [f"lead: TEXT {mark(marker)}", free]
+        m = re.escape(marker)
+        return ["lead: LEAD", free, rf"LEAD: /(?s:.*){m}/ & ~/(?s:.*{m}.+)/"]
+
+    family = fmt.family
+    if family == "hermes":
+        call = _compact(_any_call(tools))
+        rules = [
+            f"start: TEXT | lead body{' (open body)*' if parallel else ''}",
+            f"open: {mark('<tool_call>')}",
+            f"body: WS? %json {json.dumps(call)} WS? {mark('</tool_call>')} WS?",
+            *text_then("<tool_call>"),
+        ]
+    elif family == "mistral":
+        array = _compact({"type": "array", "items": _any_call(tools), "minItems": 1}
+                         | ({} if parallel else {"maxItems": 1}))  # fmt: skip
+        rules = [f"start: TEXT | lead WS? %json {json.dumps(array)}", *text_then("[TOOL_CALLS]")]
+    else:
+        key = "parameters" if family == "llama3_json" else "arguments"
+        one = _compact(_any_call(tools, key))
+        if family == "llama3_json":
+            calls = 'call (WS? ";" WS? call)*' if parallel else "call"
+            rules = [
+                f"start: TEXT | WS? {mark('<|python_tag|>')}? WS? {calls}",
+                f"call: %json {json.dumps(one)}",
+            ]
+        else:
+            many = _compact({"type": "array", "items": _any_call(tools, key), "minItems": 1})
+            rules = ["start: TEXT | WS? calls", f"calls: %json {json.dumps(one)}"
+                     + (f" | %json {json.dumps(many)}" if parallel else "")]  # fmt: skip
+        rules.append(r"TEXT: /(?s:.*)/ & ~/(?s:\s*(```(json)?\s*)?[\[{].*)/ & ~/(?s:\s*<\|python_tag\|>.*)/")
+    # whitespace around calls is bounded: a model may not spend its tokens on it
+    return "\n".join(["%llguidance {}", *rules, r"WS: /[ \t\r\n]{1,8}/"])
 
 
 def parse_constrained(text: str) -> list[ToolCall]:

@@ -179,6 +179,12 @@ class Tokenizer:
             self._max_token_chars = max(1, *map(len, self.backend.get_vocab(with_added_tokens=True)))
         return len(text) // self._max_token_chars
 
+    def special_ids(self, texts: Iterable[str]) -> dict[str, int]:
+        """The id of each of ``texts`` that is one special token of this vocabulary (a token the
+        detokenizer drops unless told to keep special tokens)."""
+        special = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        return {t: special[t] for t in texts if t in special}
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
