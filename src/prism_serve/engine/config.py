@@ -51,6 +51,8 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     elastic_kv: PoolConfig | None = None
     seed: int = 0  # for requests without their own seed, and for random weights
     device: str = "cpu"  # where the engine computes: cpu, or cuda / cuda:N (a GPU; bf16 under dtype auto)
+    max_loras: int = 0  # LoRA adapter slots beside the weights (engine/lora.py); 0: no adapters
+    max_lora_rank: int = 16  # the largest adapter rank the slots hold
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -62,6 +64,8 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
             raise InvalidRequestError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise InvalidRequestError("num_kv_blocks must be positive")
+        if self.max_loras < 0 or not 1 <= self.max_lora_rank <= 512:
+            raise InvalidRequestError("max_loras must be >= 0 and max_lora_rank in 1..512")
 
     def resolve_max_model_len(self, model: ArchConfig) -> int:
         return resolve_max_model_len(self.max_model_len, model)

@@ -4,7 +4,9 @@
   (``csrc/paged_decode.cpp``), instead of gathering every decode's blocks into a padded buffer
   and running SDPA over it;
 - ``add_rms_norm`` and ``rope``: a layer's residual add + RMSNorm, and its rotary embedding, one
-  pass each instead of a chain of torch ops (``csrc/layer_ops.cpp``), rounded as those ops round.
+  pass each instead of a chain of torch ops (``csrc/layer_ops.cpp``), rounded as those ops round;
+- ``lora_apply``: the LoRA updates of a batch whose rows use different adapters, each row reading
+  its own adapter's weights in place (``csrc/lora.cpp``, engine/lora.py).
 
 The library is compiled with the machine's C++ compiler for this CPU (``-march=native``) into a
 cache directory keyed by the sources, the compiler and the CPU's flags, so a second process, or a
@@ -32,7 +34,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KernelBuildError", "add_rms_norm", "kernels_enabled", "kernels_mode", "paged_decode", "rope"]
+__all__ = [
+    "KernelBuildError",
+    "add_rms_norm",
+    "kernels_enabled",
+    "kernels_mode",
+    "lora_apply",
+    "paged_decode",
+    "rope",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +52,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-fno-math-
 # time; it is kept out of the link step: linking a shared library with -ffast-math adds
 # crtfastmath.o, which would turn on flush-to-zero for the whole process when the library loads.
 # The layer ops must round as torch does: no fused multiply-adds.
-SOURCES = {"paged_decode.cpp": ["-ffast-math"], "layer_ops.cpp": ["-ffp-contract=off"]}
+SOURCES = {"paged_decode.cpp": ["-ffast-math"], "layer_ops.cpp": ["-ffp-contract=off"], "lora.cpp": []}
 
 
 class KernelBuildError(RuntimeError):
@@ -108,6 +118,7 @@ _SIGNATURES = {  # (argument types, result type) of every exported function, f32
     "prism_paged_decode": ([_P] * 3 + [_I] * 2 + [_P] * 2 + [_I] * 6 + [_F, _P], ctypes.c_int),
     "prism_add_rms_norm": ([_P] * 4 + [_I] * 2 + [_F], None),
     "prism_rope": ([_P] + [_I] * 4 + [_P] * 3, None),
+    "prism_lora_apply": ([_P, _I, _P, _I] + [_P] * 4 + [_I] * 4, None),
 }
 
 
@@ -272,3 +283,39 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch
             positions.data_ptr(),
         )
     return x
+
+
+def lora_apply(
+    x: torch.Tensor,  # [rows, in], rows any distance apart
+    out: torch.Tensor,  # [rows, out], rows any distance apart (a column range of a fused output)
+    a: torch.Tensor,  # [slots, max_rank, in]
+    b: torch.Tensor,  # [slots, max_rank, out]
+    slots: torch.Tensor,  # [rows] int64, -1: no adapter
+    ranks: torch.Tensor,  # [slots] int64
+) -> None:
+    """``out[t] += (x[t] @ a[s, :r].T) @ b[s, :r]`` for each row ``t`` with slot ``s = slots[t]``
+    and ``r = ranks[s]``, in place."""
+    fn = _fn("prism_lora_apply", x, out, a, b)
+    rows, fan_in = x.shape
+    num_slots, max_rank, fan_out = b.shape
+    if (
+        x.stride(1) != 1
+        or out.stride(1) != 1
+        or out.shape != (rows, fan_out)
+        or a.shape != (num_slots, max_rank, fan_in)
+        or not (a.is_contiguous() and b.is_contiguous())
+    ):
+        raise ValueError(
+            f"lora_apply: x {tuple(x.shape)}, out {tuple(out.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}"
+        )
+    slots = slots.to(torch.int64).contiguous()
+    ranks = ranks.to(torch.int64).contiguous()
+    if slots.shape != (rows,) or ranks.shape != (num_slots,):
+        raise ValueError(f"lora_apply: {rows} rows need {rows} slots, {num_slots} slots need their ranks")
+    if rows and (int(slots.max()) >= num_slots or int(ranks.max()) > max_rank):
+        raise ValueError("lora_apply: a slot or rank outside the stacked weights")
+    if rows:
+        fn(
+            x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), a.data_ptr(), b.data_ptr(),
+            slots.data_ptr(), ranks.data_ptr(), rows, fan_in, fan_out, max_rank,
+        )  # fmt: skip

@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -13,6 +14,14 @@ from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.config import resolve_max_model_len as resolve_max_model_len  # re-exported
 from prism_serve.engine.interface import RequestCounts
 from prism_serve.engine.kv_cache import BlockAllocator, FixedBlockAllocator, KVCache
+from prism_serve.engine.lora import (
+    AdapterInUseError,
+    AdapterSlots,
+    InvalidAdapterError,
+    LoraAdapter,
+    LoraSlots,
+    read_adapter,
+)
 from prism_serve.engine.machine import keep_freed_buffers, resolve_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.runner import ModelRunner
@@ -102,15 +111,21 @@ class LLMEngine(RequestCounts):
         self.kv_cache = KVCache(
             weights.config, self.allocator.num_total_blocks, config.block_size, dtype, storage, device
         )
+        self.adapters: AdapterSlots | None = None  # LoRA slots, with max_loras
+        if config.max_loras:
+            slots = LoraSlots(weights.config, config.max_loras, config.max_lora_rank, dtype, device)
+            self.adapters = AdapterSlots(slots)
         self.scheduler = Scheduler(
-            self.allocator, config.block_size, config.max_num_seqs, config.max_num_batched_tokens
-        )
+            self.allocator, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+            self.adapters,
+        )  # fmt: skip
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
             seed=config.seed,
             eos_token_ids=self.tokenizer.eos_token_ids,
             max_num_seqs=config.max_num_seqs,
+            adapters=self.adapters,
         )
         self.grammars = GrammarCompiler(self.tokenizer, weights.config.vocab_size)
         self._clock = clock
@@ -143,10 +158,39 @@ class LLMEngine(RequestCounts):
         """Longest sequence (prompt + output) that fits both the context and the whole KV cache."""
         return min(self.max_model_len, self.allocator.num_total_blocks * self.config.block_size)
 
+    # ---- LoRA adapters ------------------------------------------------------------------------
+
+    def add_lora(self, path: str | Path, name: str | None = None) -> LoraAdapter:
+        """Register the PEFT adapter in directory ``path`` (InvalidAdapterError naming what is wrong)."""
+        if self.adapters is None:
+            raise InvalidAdapterError("this engine has no adapter slots (max_loras is 0)")
+        adapter = read_adapter(path, self.model_config, self.config.max_lora_rank, name)
+        if adapter.name in self.adapters.adapters:
+            raise InvalidAdapterError(f"adapter {adapter.name!r} is already registered")
+        self.adapters.register(adapter)
+        return adapter
+
+    def remove_lora(self, name: str, force: bool = False) -> list[str]:
+        """Forget adapter ``name``. Its requests must have finished (AdapterInUseError), unless
+        ``force``: then they are aborted (their ids returned)."""
+        if self.adapters is None or name not in self.adapters.adapters:
+            raise InvalidAdapterError(f"adapter {name!r} is not registered")
+        users = [r for r, s in self._requests.items() if s.adapter == name]
+        if users and not force:
+            raise AdapterInUseError(f"adapter {name!r} has {len(users)} requests in flight")
+        for r in users:
+            self.abort_request(r)
+        self.adapters.unregister(name)
+        return users
+
     def make_sequence(
-        self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None
-    ) -> Sequence:
-        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None,
+        adapter: str | None = None,
+    ) -> Sequence:  # fmt: skip
+        """Validate and tokenize a request without touching engine state (safe from any thread).
+        ``adapter``: a registered LoRA adapter it runs with (None: the base model)."""
+        if adapter is not None and (self.adapters is None or adapter not in self.adapters.adapters):
+            raise InvalidAdapterError(f"adapter {adapter!r} is not registered on this engine")
         params = params or SamplingParams()
         vocab = self.model_config.vocab_size
         for t in params.logit_bias:
@@ -183,6 +227,7 @@ class LLMEngine(RequestCounts):
             metrics=RequestMetrics(arrival_time=self._clock()),
             generator=generator,
             matcher=matcher,
+            adapter=adapter,
         )
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -192,9 +237,10 @@ class LLMEngine(RequestCounts):
         self.scheduler.add(seq)
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None
-    ) -> str:
-        seq = self.make_sequence(prompt, params, req_id)
+        self, prompt: Prompt, params: SamplingParams | None = None, req_id: str | None = None,
+        adapter: str | None = None,
+    ) -> str:  # fmt: skip
+        seq = self.make_sequence(prompt, params, req_id, adapter)
         self.add_sequence(seq)
         return seq.req_id
 

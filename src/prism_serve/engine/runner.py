@@ -28,6 +28,7 @@ from prism_serve.engine.attention import (
 from prism_serve.engine.cpu_kernels import kernels_enabled
 from prism_serve.engine.grouping import group_decodes
 from prism_serve.engine.kv_cache import KVCache
+from prism_serve.engine.lora import AdapterSlots
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.sampler import sample, token_logprobs
 from prism_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -52,8 +53,10 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         max_num_seqs: int = 0,
         cuda_graphs: bool = True,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         self.model = model
+        self.adapters = adapters  # LoRA slots (engine/lora.py): each row's adapter update
         self.eos_token_ids = eos_token_ids  # what min_tokens forbids besides a request's stop_token_ids
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -84,12 +87,18 @@ class ModelRunner:
         order = sorted(range(len(sched.scheduled)), key=lambda i: sched.scheduled[i].num_new_tokens != 1)
         batch = [sched.scheduled[i] for i in order]
         graphs = self.graphs
-        if graphs is not None and 0 < len(batch) <= graphs.max_batch and batch[-1].num_new_tokens == 1:
+        lora = self.adapters.rows(batch) if self.adapters is not None else None
+        if (
+            graphs is not None and lora is None and 0 < len(batch) <= graphs.max_batch
+            and batch[-1].num_new_tokens == 1
+        ):  # fmt: skip
             hidden = graphs.run(batch)  # decodes alone: replay the captured step
             last_index = list(range(len(batch)))
         else:
             input_ids, positions, meta, last_index = self._prepare(batch)
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+            if lora is not None:
+                lora.slots = lora.slots.to(input_ids.device)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, lora)
 
         for s, last in zip(batch, last_index, strict=True):
             if s.seq.prompt_logprobs is not None:

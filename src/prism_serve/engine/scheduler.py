@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prism_serve.engine.kv_cache import BlockAllocator
 from prism_serve.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from prism_serve.engine.lora import AdapterSlots
 
 
 @dataclass(slots=True)
@@ -38,9 +42,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
-    ) -> None:
+        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+        adapters: AdapterSlots | None = None,
+    ) -> None:  # fmt: skip
         self.allocator = allocator
+        self.adapters = adapters  # LoRA slots: a request runs once its adapter has one
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -77,16 +83,23 @@ class Scheduler:
             break
 
         # Admit new work only when nothing had to be preempted: memory is tight otherwise.
+        held: list[Sequence] = []  # requests whose adapter waits for a slot: the others go on
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.adapters is not None and not self.adapters.acquire(seq):
+                held.append(self.waiting.popleft())
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._grow(seq, seq.num_computed_tokens + n):
+                if self.adapters is not None:
+                    self.adapters.release(seq)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(held))
         return out
 
     def finish(self, seq: Sequence) -> None:
@@ -116,6 +129,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
+        if self.adapters is not None:
+            self.adapters.release(seq)
         if seq.block_table:
             self.allocator.free(seq.block_table)
             seq.block_table = []

@@ -76,6 +76,8 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     matcher: llguidance.LLMatcher | None = None  # structured output: which tokens may come next
+    adapter: str | None = None  # the LoRA adapter it runs with (engine/lora.py), None: the base
+    lora_slot: int | None = None  # the adapter's slot while the request holds one
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from prism_serve.engine import cpu_kernels
 from prism_serve.engine.attention import AttentionMetadata, paged_attention
 from prism_serve.engine.kv_cache import KVCache
+from prism_serve.engine.lora import LoraRows
 from prism_serve.engine.models.config import ArchConfig, RopeScaling, parameter_shapes
 from prism_serve.errors import CorruptWeightsError
 
@@ -293,6 +294,7 @@ class LlamaForCausalLM:
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         kv_cache: KVCache,
+        lora: LoraRows | None = None,  # each row's adapter (engine/lora.py); None: the base alone
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         c = self.config
@@ -306,7 +308,10 @@ class LlamaForCausalLM:
         caches = zip(kv_cache.layers, kv_cache.layer_rows, strict=True)
         h = add_rms_norm(x, None, self.layers[0].input_norm, eps, kernel)
         for i, (layer, ((k_cache, v_cache), rows)) in enumerate(zip(self.layers, caches, strict=True)):
-            qk, v = layer.qkv(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qkv = layer.qkv(h)
+            if lora is not None:
+                lora.apply(i, "qkv", h, qkv)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # Q and K heads sit side by side in the fused output: rotate them in one pass.
             qk = qk.view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
             # the kernel rotates in place, looking cos and sin up by position
@@ -314,11 +319,21 @@ class LlamaForCausalLM:
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, rows, meta, self.scale)
-            h = add_rms_norm(x, layer.o_proj(attn), layer.post_norm, eps, kernel)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            o = layer.o_proj(attn)
+            if lora is not None:
+                lora.apply(i, "o_proj", attn.reshape(num_tokens, -1), o)
+            h = add_rms_norm(x, o, layer.post_norm, eps, kernel)
+            gate_up = layer.gate_up(h)
+            if lora is not None:
+                lora.apply(i, "gate_up", h, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            mid = F.silu(gate, inplace=True).mul_(up)
+            down = layer.down(mid)
+            if lora is not None:
+                lora.apply(i, "down", mid, down)
             # the MLP's output is added, then normed for the next layer (or the final norm)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            h = add_rms_norm(x, layer.down(F.silu(gate, inplace=True).mul_(up)), after, eps, kernel)
+            h = add_rms_norm(x, down, after, eps, kernel)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
