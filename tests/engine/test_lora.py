@@ -22,6 +22,7 @@ from prism_serve.engine.lora import (
 )
 from prism_serve.engine.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
+from tests.peft_adapters import make_adapter, merged_greedy, smollm_hf_dir
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain."]
 N = 12
@@ -35,53 +36,17 @@ ADAPTERS = {
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, smollm) -> Path:
-    from prism_serve.engine.weights import save_hf_dir
-
-    path = tmp_path_factory.mktemp("lora-base") / "smollm2"
-    save_hf_dir(smollm, path)
-    return path
+    return smollm_hf_dir(smollm, tmp_path_factory.mktemp("lora-base") / "smollm2")
 
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, hf_dir) -> dict[str, Path]:
     """PEFT adapters with non-zero B (a random LoRA is not a no-op), saved as PEFT saves them."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    out = {}
-    for i, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(100 + i)
-        base = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
-        cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                         init_lora_weights=False)  # fmt: skip
-        model = get_peft_model(base, cfg)
-        with torch.no_grad():  # updates big enough to change the greedy answer, small enough to keep it text
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.mul_(0.1 if rslora else 0.5)
-        path = tmp_path_factory.mktemp("lora") / name
-        model.save_pretrained(path)
-        out[name] = path
-    return out
-
-
-def merged_greedy(hf_dir: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers (+ peft's merged adapter) in fp32, greedy, one prompt at a time."""
-    from peft import PeftModel
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    model.eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            seq = list(ids)
-            for _ in range(N):
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-            outs.append(seq[len(ids) :])
-    return outs
+    return {
+        name: make_adapter(hf_dir, tmp_path_factory.mktemp("lora") / name, r, alpha, targets, 100 + i,
+                           rslora, b_scale=0.1 if rslora else 0.5)
+        for i, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items())
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +57,8 @@ def prompts(smollm) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(hf_dir, adapters, prompts) -> dict[str | None, list[list[int]]]:
-    ref = {name: merged_greedy(hf_dir, path, prompts) for name, path in adapters.items()}
-    ref[None] = merged_greedy(hf_dir, None, prompts)
+    ref = {name: merged_greedy(hf_dir, path, prompts, N) for name, path in adapters.items()}
+    ref[None] = merged_greedy(hf_dir, None, prompts, N)
     return ref
 
 

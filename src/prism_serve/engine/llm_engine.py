@@ -64,9 +64,12 @@ class LLMEngine(RequestCounts):
         allocator: BlockAllocator | None = None,
         clock: Callable[[], float] = time.monotonic,
         model: LlamaForCausalLM | None = None,
+        lora_storage: torch.Tensor | None = None,
     ) -> None:
         """``model``: a decoder already built over its tensors (the runtime activates one from its
-        host weight cache); ``weights`` then supplies only the config and tokenizer."""
+        host weight cache); ``weights`` then supplies only the config and tokenizer.
+        ``lora_storage``: where the adapter slots (``max_loras``) are laid out (the runtime's
+        weight pages after the weights, ``LoraSlots.bytes_for`` of them); None: fresh memory."""
         self.config = config = config or EngineConfig()
         keep_freed_buffers()  # activation buffers reused across steps, not page-faulted afresh
         dtype = torch_dtype(config)
@@ -113,7 +116,9 @@ class LLMEngine(RequestCounts):
         )
         self.adapters: AdapterSlots | None = None  # LoRA slots, with max_loras
         if config.max_loras:
-            slots = LoraSlots(weights.config, config.max_loras, config.max_lora_rank, dtype, device)
+            slots = LoraSlots(
+                weights.config, config.max_loras, config.max_lora_rank, dtype, device, lora_storage
+            )
             self.adapters = AdapterSlots(slots)
         self.scheduler = Scheduler(
             self.allocator, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,

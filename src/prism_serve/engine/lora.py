@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from prism_serve.engine.models.config import ArchConfig
-from prism_serve.errors import PrismError
+from prism_serve.errors import PrismError, quoted
 
 __all__ = [
     "MODULES",
@@ -118,9 +118,13 @@ def read_adapter(path: str | Path, config: ArchConfig, max_rank: int, name: str 
 
     path = Path(path)
     name = name or path.name
-    where = f"adapter {name!r} ({path})"
+    where = f"adapter {quoted(name)} ({quoted(str(path))})"
     cfg_file = path / "adapter_config.json"
-    if not cfg_file.is_file():
+    try:
+        found = cfg_file.is_file()
+    except (OSError, ValueError):  # a path the OS cannot take (a NUL byte, too long)
+        found = False
+    if not found:
         raise InvalidAdapterError(f"{where}: no adapter_config.json (a PEFT LoRA directory is expected)")
     try:
         cfg = json.loads(cfg_file.read_text())
@@ -215,24 +219,48 @@ class LoraSlots:
 
     def __init__(
         self, config: ArchConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
-        device: torch.device | str = "cpu",
+        device: torch.device | str = "cpu", storage: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
+        """``storage``: memory to lay the slots out in (uint8, at least ``bytes_for`` long: the
+        runtime's weight pages, granted from the device ledger with the base's weights); it is
+        zeroed here. None: fresh tensors."""
         self.config, self.num_slots, self.max_rank, self.dtype = config, num_slots, max_rank, dtype
-        shapes = module_shapes(config)
         self.offsets = column_offsets(config)
-        self.a = {
-            (i, m): torch.zeros(num_slots, max_rank, shapes[m][0], dtype=dtype, device=device)
-            for i in range(config.num_layers) for m in MODULES
-        }  # fmt: skip
-        self.b = {
-            (i, m): torch.zeros(num_slots, max_rank, shapes[m][1], dtype=dtype, device=device)
-            for i in range(config.num_layers) for m in MODULES
-        }  # fmt: skip
+        layout = self._layout(config, num_slots, max_rank)
+        if storage is None:
+            storage = torch.zeros(self.bytes_for(config, num_slots, max_rank, dtype), dtype=torch.uint8,
+                                  device=device)  # fmt: skip
+        else:
+            storage[: self.bytes_for(config, num_slots, max_rank, dtype)].zero_()
+        size = torch.empty((), dtype=dtype).element_size()
+        self.a, self.b = {}, {}
+        for (kind, layer, module), (start, shape) in layout.items():
+            n = math.prod(shape)
+            view = storage[start * size : (start + n) * size].view(dtype).view(shape)
+            (self.a if kind == "a" else self.b)[layer, module] = view
         # [layers, modules, slots] int64: each slot's rank per module (on the host: the kernel reads it)
         self.ranks = torch.zeros(config.num_layers, len(MODULES), num_slots, dtype=torch.int64)
         self.names: list[str | None] = [None] * num_slots
         self._fused = {f: [m for m in MODULES if MODULES[m] == f] for f in set(MODULES.values())}
         self._index = {m: j for j, m in enumerate(MODULES)}
+
+    @staticmethod
+    def _layout(config: ArchConfig, num_slots: int, max_rank: int) -> dict[tuple, tuple[int, tuple]]:
+        """(``a``/``b``, layer, module) -> (element offset, shape) of each stacked tensor."""
+        shapes = module_shapes(config)
+        out, at = {}, 0
+        for layer in range(config.num_layers):
+            for m in MODULES:
+                for kind, width in (("a", shapes[m][0]), ("b", shapes[m][1])):
+                    out[kind, layer, m] = (at, (num_slots, max_rank, width))
+                    at += num_slots * max_rank * width
+        return out
+
+    @classmethod
+    def bytes_for(cls, config: ArchConfig, num_slots: int, max_rank: int, dtype: torch.dtype) -> int:
+        """The memory ``num_slots`` slots of rank ``max_rank`` take beside a base of ``config``."""
+        per_rank = sum(i + o for i, o in module_shapes(config).values()) * config.num_layers
+        return num_slots * max_rank * per_rank * torch.empty((), dtype=dtype).element_size()
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,57 @@
+"""LoRA adapters made by ``peft`` over the real SmolLM2 (its GGUF's weights written as an HF
+directory, fp32), for the engine's and the server's adapter tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def smollm_hf_dir(weights, path: Path) -> Path:
+    from prism_serve.engine.weights import save_hf_dir
+
+    save_hf_dir(weights, path)
+    return path
+
+
+def make_adapter(
+    base_dir: Path, path: Path, rank: int, alpha: float, targets: list[str], seed: int,
+    rslora: bool = False, b_scale: float = 0.5,
+) -> Path:  # fmt: skip
+    """A PEFT LoRA adapter with random, non-zero A and B (a fresh LoRA's B is zero: a no-op), B
+    scaled by ``b_scale`` so that it changes the greedy answer and keeps it text."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    cfg = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
+    )
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(b_scale)
+    peft_model.save_pretrained(path)
+    return path
+
+
+def merged_greedy(base_dir: Path, adapter: Path | None, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers (+ peft's merged adapter) in fp32, greedy, ``n`` tokens per prompt (EOS ignored)."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            seq = list(ids)
+            for _ in range(n):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            outs.append(seq[len(ids) :])
+    return outs
