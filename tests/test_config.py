@@ -47,7 +47,6 @@ def test_good_config_maps_onto_runtime_types():
     assert c.server.api_keys == ["a", "b"] and c.server.port == 9000
 
 
-
 def test_auto_dtype_is_bf16_on_a_deployment_of_gpus_and_explicit_dtypes_stay():
     gpus = GOOD.replace('"cpu:0", memory: 1GiB, cores: "0", workers: 1', '"cuda:0", memory: 1GiB').replace(
         '"cpu:1"', '"cuda:1"'
@@ -58,6 +57,7 @@ def test_auto_dtype_is_bf16_on_a_deployment_of_gpus_and_explicit_dtypes_stay():
     assert model_specs(parse_config(fp32))[1].engine.dtype == "float32"
     mixed = GOOD.replace('"cpu:1"', '"cuda:0"')  # a CPU among the devices: the CPU's rule
     assert model_specs(parse_config(mixed))[0].engine.dtype == resolve_dtype("auto")
+
 
 @pytest.mark.parametrize(
     ("text", "expected"),
@@ -203,7 +203,11 @@ def test_sampling_defaults_come_from_the_config_over_the_generation_config(tmp_p
     text = f'devices: {{count: 1, memory: 1GiB}}\nmodels:\n  - {{name: a, source: "{hf}"}}\n'
     a = parse_config(text).models[0]
     assert a.sampling_defaults() == {
-        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 512, "repetition_penalty": 1.1
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "max_tokens": 512,
+        "repetition_penalty": 1.1,
     }
     text = text.replace('"}\n', '", sampling: {temperature: 0.2, min_p: 0.05}}\n')
     b = parse_config(text).models[0]
@@ -242,3 +246,46 @@ def test_sampling_defaults_in_the_config_are_validated():
         parse_config("devices: {count: 1, memory: 1GiB}\nmodels: [{name: a, sampling: {temperature: 3}}]")
     with pytest.raises(ConfigError, match="tempreature"):
         parse_config("devices: {count: 1, memory: 1GiB}\nmodels: [{name: a, sampling: {tempreature: 0.1}}]")
+
+
+ADAPTER_BASE = """
+devices: [{name: "cpu:0", memory: 2GiB}]
+models:
+  - {name: base}
+  - {name: plain, source: "random:smollm2-135m"}
+"""
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ("{name: a, base: base}", "needs both base and adapter"),
+        ("{name: a, adapter: /x}", "needs both base and adapter"),
+        ("{name: a, base: nope, adapter: /x}", "base 'nope' is not a model of this config"),
+        ("{name: a, base: base, adapter: /x, dtype: float32}", "dtype belong on the base"),
+        ("{name: a, base: base, adapter: /x, max_model_len: 64}", "max_model_len belong on the base"),
+    ],
+)
+def test_adapter_entries_are_checked(entry, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse_config(ADAPTER_BASE + f"  - {entry}\n")
+
+
+def test_a_base_gets_adapter_slots_where_it_has_adapters_and_adapters_get_no_engine():
+    config = parse_config(ADAPTER_BASE + "  - {name: a, base: base, adapter: /x, ttft_slo: 3}\n")
+    specs = {s.name: s for s in model_specs(config)}
+    assert set(specs) == {"base", "plain"}  # the adapter runs in its base's engine
+    assert specs["base"].engine.max_loras == 8 and specs["plain"].engine.max_loras == 0
+    base = config.models[0]
+    # SLOs it leaves out are its base's, also once the config is dumped and validated again
+    for c in (config, config.with_overrides(port=9000)):
+        assert [(a.name, a.base, a.ttft_slo, a.tpot_slo) for a in c.adapters()] == [
+            ("a", "base", 3.0, base.tpot_slo)
+        ]
+    with pytest.raises(ConfigError, match="max_loras: 0"):
+        parse_config(ADAPTER_BASE.replace("{name: base}", "{name: base, max_loras: 0}")
+                     + "  - {name: a, base: base, adapter: /x}\n")  # fmt: skip
+    with pytest.raises(ConfigError, match="base 'a' is itself an adapter"):
+        parse_config(
+            ADAPTER_BASE + "  - {name: a, base: base, adapter: /x}\n  - {name: b, base: a, adapter: /y}\n"
+        )

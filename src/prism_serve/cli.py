@@ -96,7 +96,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         f"prism serve: {len(config.models)} models on {devices}; policy {config.policy.name}", file=sys.stderr
     )
     for m in config.models:
-        kind = "synthetic weights" if m.source.startswith("random:") else m.source
+        kind = (
+            f"adapter of {m.base}" if m.is_adapter
+            else "synthetic weights" if m.source.startswith("random:") else m.source
+        )  # fmt: skip
         print(
             f"  {m.name:<28} {kind:<28} TTFT SLO {m.ttft_slo:g}s  TPOT SLO {m.tpot_slo:g}s", file=sys.stderr
         )

@@ -157,6 +157,20 @@ class ModelConfig(_Strict):
         description="builtin: prism's engine; vllm: vLLM's engine inside a prism worker (source: a "
         "local directory vLLM loads; needs vllm_python)",
     )
+    base: str | None = Field(
+        None, description="a LoRA adapter: the model (another entry) it runs over, in the same batches"
+    )
+    adapter: str | None = Field(
+        None, description="a LoRA adapter's PEFT directory (adapter_config.json, adapter_model.safetensors)"
+    )
+    max_loras: int | None = Field(
+        None, ge=0, le=1024,
+        description="a base model: adapter slots beside its weights on a device (adapters in use at once); "
+        "unset: 8 if it has adapters in the config, else 0 (set it to register adapters at run time)",
+    )  # fmt: skip
+    max_lora_rank: int = Field(
+        16, ge=1, le=512, description="a base model: the largest adapter rank its slots hold"
+    )
 
     _kv_limit = field_validator("kv_limit", mode="before")(_size)
 
@@ -171,6 +185,27 @@ class ModelConfig(_Strict):
         if v is not None and (math.isnan(v) or (v < 0 and v != -1)):
             raise ValueError("keep_alive must be >= 0 seconds, or -1 for never")
         return v
+
+    @model_validator(mode="after")
+    def _adapter_entry(self) -> ModelConfig:
+        if (self.base is None) != (self.adapter is None):
+            raise ValueError(f"model {self.name}: an adapter entry needs both base and adapter")
+        if self.base is not None:
+            # (by value: a config dumped and validated again has every field set)
+            own = {
+                f for f, info in type(self).model_fields.items()
+                if f not in ADAPTER_FIELDS and getattr(self, f) != info.default
+            }  # fmt: skip
+            if own:
+                raise ValueError(
+                    f"model {self.name}: an adapter runs with its base's engine; {', '.join(sorted(own))} "
+                    f"belong on the base ({self.base})"
+                )
+        return self
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.base is not None
 
     @model_validator(mode="after")
     def _vllm_source(self) -> ModelConfig:
@@ -194,7 +229,7 @@ class ModelConfig(_Strict):
             bad = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
             raise ConfigError(f"model {self.name}: sampling defaults from {self.source}: {bad}") from None
 
-    def engine_config(self, device_kind: str = "cpu") -> EngineConfig:
+    def engine_config(self, device_kind: str = "cpu", max_loras: int = 0) -> EngineConfig:
         """The knobs this model's engine runs with (``dtype: auto`` resolved for ``device_kind``:
         bf16 on GPUs, the CPU's fast type on CPU devices)."""
         return EngineConfig(
@@ -205,7 +240,13 @@ class ModelConfig(_Strict):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            max_loras=max_loras,
+            max_lora_rank=self.max_lora_rank,
         )
+
+
+# what an adapter entry may set (the rest is its base's)
+ADAPTER_FIELDS = {"name", "base", "adapter", "ttft_slo", "tpot_slo"}
 
 
 class PolicyConfig(_Strict):
@@ -317,6 +358,42 @@ class DeploymentConfig(_Strict):
         if isinstance(self.devices, list) and not self.devices:
             raise ValueError("devices: need at least one")
         return self
+
+    @model_validator(mode="after")
+    def _adapter_bases(self) -> DeploymentConfig:
+        by_name = {m.name: m for m in self.models}
+        for m in self.models:
+            if m.base is None:
+                continue
+            base = by_name.get(m.base)
+            if base is None:
+                raise ValueError(f"model {m.name}: base {m.base!r} is not a model of this config")
+            if base.is_adapter:
+                raise ValueError(f"model {m.name}: base {m.base!r} is itself an adapter")
+            if base.engine != "builtin":
+                raise ValueError(
+                    f"model {m.name}: base {m.base!r} runs on vLLM; adapters run on the built-in engine"
+                )
+            if base.max_loras == 0:
+                raise ValueError(f"model {m.name}: base {m.base!r} has max_loras: 0 (no adapter slots)")
+            for slo in ("ttft_slo", "tpot_slo"):  # unset: its base's
+                if slo not in m.model_fields_set:
+                    object.__setattr__(m, slo, getattr(base, slo))
+                    m.model_fields_set.add(slo)
+        return self
+
+    def served_models(self) -> list[ModelConfig]:
+        """The models with engines of their own (adapters run on their bases')."""
+        return [m for m in self.models if not m.is_adapter]
+
+    def adapters(self) -> list[ModelConfig]:
+        return [m for m in self.models if m.is_adapter]
+
+    def max_loras(self, model: ModelConfig) -> int:
+        """Adapter slots of a base: its max_loras, else 8 if the config gives it adapters, else 0."""
+        if model.max_loras is not None:
+            return model.max_loras
+        return 8 if any(a.base == model.name for a in self.adapters()) else 0
 
     def with_overrides(
         self,

@@ -58,6 +58,13 @@ def _table(cards: list[dict]) -> str:
     rows = [("MODEL", "STATE", "DEVICE", "WEIGHTS", "KV", "RUN", "WAIT", "REPLICAS", "PINNED", "SAMPLING",
              "SOURCE")]  # fmt: skip
     for c in cards:
+        if c.get("parent"):  # a LoRA adapter: it runs in its base's engine
+            rows.append((
+                c["id"], c["state"], c.get("device") or "-", format_size(c["adapter"]["bytes"]),
+                "-", "-", "-", "-", "", _sampling(c.get("sampling_defaults") or {}),
+                f"adapter of {c['parent']} (rank {c['adapter']['rank']}, {c.get('root', '')})",
+            ))  # fmt: skip
+            continue
         replicas = c.get("replicas") or []
         devices = ",".join(r["device"] for r in replicas if r.get("device")) or (c.get("device") or "-")
         rows.append((
@@ -101,6 +108,21 @@ def _cmd_admin(args: argparse.Namespace) -> int:
     return 0 if args.action != "unload" or card.get("evicted") else 1
 
 
+def _cmd_adapter(args: argparse.Namespace) -> int:
+    if args.action == "load-adapter":
+        body = {"lora_name": args.name, "lora_path": args.path}
+        if args.base:
+            body["base_model_name"] = args.base
+        card = _request(args, "POST", "/v1/load_lora_adapter", args.admin_key, body)
+        done = f"loaded over {card['parent']} (rank {card['adapter']['rank']})"
+    else:
+        card = _request(args, "POST", "/v1/unload_lora_adapter", args.admin_key,
+                        {"lora_name": args.name, "force": args.force})  # fmt: skip
+        done = f"unloaded ({card['in_flight']} requests were in flight)"
+    sys.stdout.write(json.dumps(card, indent=2) + "\n" if args.json else f"{args.name}: {done}\n")
+    return 0
+
+
 def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     def common(p: argparse.ArgumentParser, key: str) -> None:
         p.add_argument("--url", default=os.environ.get("PRISM_URL", "http://127.0.0.1:8000"),
@@ -133,3 +155,14 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
         if action == "unload":
             p.add_argument("--force", action="store_true", help="end its requests in flight now")
         p.set_defaults(func=_cmd_admin, action=action)
+    p = sub.add_parser("load-adapter", help="serve a LoRA adapter (a PEFT directory) over a base model")
+    p.add_argument("name")
+    p.add_argument("path", help="the adapter's directory on the server's machine")
+    p.add_argument("--base", help="the base model (needed where several have adapter slots)")
+    common(p, "admin")
+    p.set_defaults(func=_cmd_adapter, action="load-adapter")
+    p = sub.add_parser("unload-adapter", help="stop serving a LoRA adapter (its requests finish first)")
+    p.add_argument("name")
+    p.add_argument("--force", action="store_true", help="fail its requests in flight now")
+    common(p, "admin")
+    p.set_defaults(func=_cmd_adapter, action="unload-adapter")

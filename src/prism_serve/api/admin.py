@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from prism_serve.api.errors import AuthenticationError, PermissionDeniedError, bearer_token, key_matches
 from prism_serve.api.protocol import Text
@@ -30,6 +30,24 @@ __all__ = ["add_admin_routes"]
 class LoadBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     device: Text | None = None  # one of the configured devices (400 otherwise)
+
+
+class LoadAdapterBody(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body, and the base to run it over where several
+    models have adapter slots."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: Text
+    lora_path: Text
+    base_model_name: Text | None = None
+    ttft_slo: float | None = Field(None, gt=0)
+    tpot_slo: float | None = Field(None, gt=0)
+
+
+class UnloadAdapterBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # vLLM's lora_int_id is accepted, unused
+    lora_name: Text
+    force: bool = False  # True: its requests in flight fail now (503); else they finish first
 
 
 class UnloadBody(BaseModel):
@@ -83,6 +101,22 @@ def add_admin_routes(
         force = body.force if body else False
         evicted = await c.unload(name, force=force, drain_s=settings.request_timeout_s)
         return card(name, evicted=evicted)
+
+    @app.post("/v1/load_lora_adapter", responses=ADMIN)
+    async def load_lora_adapter(body: LoadAdapterBody, http: Request) -> dict:
+        """Register a LoRA adapter (vLLM's route): checked against its base, then served by name."""
+        authorize(http)
+        await c.load_adapter(
+            body.lora_name, body.lora_path, body.base_model_name, body.ttft_slo, body.tpot_slo
+        )
+        return card(body.lora_name)
+
+    @app.post("/v1/unload_lora_adapter", responses=ADMIN)
+    async def unload_lora_adapter(body: UnloadAdapterBody, http: Request) -> dict:
+        """Remove a LoRA adapter (vLLM's route): its requests in flight finish first, unless force."""
+        authorize(http)
+        in_flight = await c.unload_adapter(body.lora_name, force=body.force)
+        return {"id": body.lora_name, "object": "model", "unloaded": True, "in_flight": in_flight}
 
     @app.post("/v1/admin/models/{name:path}/pin", responses=ADMIN)
     async def pin(name: str, http: Request) -> dict:

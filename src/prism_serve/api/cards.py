@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
+from prism_serve.runtime.adapters import AdapterSpec
 from prism_serve.runtime.state import ModelStatus
 
-__all__ = ["model_cards"]
+__all__ = ["adapter_cards", "model_cards"]
 
 
 def model_cards(statuses: Iterable[ModelStatus], roots: Mapping[str, str]) -> list[dict[str, Any]]:
@@ -41,5 +43,24 @@ def model_cards(statuses: Iterable[ModelStatus], roots: Mapping[str, str]) -> li
                  "num_served": r.num_served}
                 for r in st.replicas
             ],
+        })  # fmt: skip
+    return cards
+
+
+def adapter_cards(adapters: Iterable[AdapterSpec], bases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A card per LoRA adapter, as vLLM lists them: ``parent`` its base, ``root`` its directory's
+    name; its base's state and placement (it runs in its base's engine), its own SLOs."""
+    by_id = {c["id"]: c for c in bases}
+    cards = []
+    for a in adapters:
+        base = by_id.get(a.base)
+        if base is None:
+            continue
+        cards.append({
+            "id": a.name, "object": "model", "created": base["created"], "owned_by": "prism-serve",
+            "root": Path(a.path).name, "parent": a.base,
+            "state": base["state"], "device": base["device"], "max_model_len": base["max_model_len"],
+            "ttft_slo": a.ttft_slo, "tpot_slo": a.tpot_slo, "sampling_defaults": base["sampling_defaults"],
+            "adapter": {"rank": a.rank, "target_modules": list(a.target_modules), "bytes": a.nbytes},
         })  # fmt: skip
     return cards

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import time
 from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from pydantic import ValidationError
 from prism_serve import __version__
 from prism_serve.api import schema as api_schema
 from prism_serve.api.admin import add_admin_routes
-from prism_serve.api.cards import model_cards
+from prism_serve.api.cards import adapter_cards, model_cards
 from prism_serve.api.choices import (
     Choice,
     ChoiceOutput,
@@ -85,6 +87,7 @@ from prism_serve.config import DeploymentConfig
 from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID
 from prism_serve.errors import InvalidRequestError, PrismError, PromptTooLongError
 from prism_serve.runtime import messages as msg
+from prism_serve.runtime.adapters import AdapterTable
 from prism_serve.runtime.build import build_controller
 from prism_serve.runtime.controller import Controller
 from prism_serve.runtime.state import ModelStatus
@@ -110,6 +113,31 @@ class _Served:
         return cls(st.ttft_slo, st.tpot_slo, st.max_model_len, st.vocab_size, dict(st.sampling))
 
 
+class _ServedTable(Mapping[str, _Served]):
+    """The served models' fixed facts by name, and each LoRA adapter's (its base's, with its own
+    SLOs): adapters come and go at run time (runtime/adapters.py)."""
+
+    def __init__(self, models: dict[str, _Served], adapters: AdapterTable) -> None:
+        self._models, self._adapters = models, adapters
+
+    def __getitem__(self, name: str) -> _Served:
+        if name in self._models:
+            return self._models[name]
+        a = self._adapters.by_name.get(name)  # also while unloading: its requests are finishing
+        if a is None or a.base not in self._models:
+            raise KeyError(name)
+        return dataclasses.replace(self._models[a.base], ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def names(self) -> list[str]:
+        return [*self._models, *(a for a in self._adapters.by_name if a in self._adapters)]
+
+
 class PrismServer:
     """The app plus the state its routes share (controller, metrics, the waiting-request bound)."""
 
@@ -117,7 +145,7 @@ class PrismServer:
         self.config = config
         self.controller = controller or build_controller(config)
         self.metrics = ServerMetrics(self.controller)
-        self.served: dict[str, _Served] = {}  # filled when the controller has started
+        self.served = _ServedTable({}, self.controller.models.adapters)  # filled once the controller started
         self.num_waiting = 0  # requests admitted by the server that have no first token yet
         self._finished_at: deque[float] = deque(maxlen=512)
         self._ignored: set[str] = set()  # unknown request fields already logged
@@ -137,8 +165,10 @@ class PrismServer:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI):
             await self.controller.start()
-            self.served = {st.model: _Served.of(st) for st in self.controller.status()}
-            logger.info("serving %s", ", ".join(self.served))
+            self.served = _ServedTable(
+                {st.model: _Served.of(st) for st in self.controller.status()}, self.controller.models.adapters
+            )
+            logger.info("serving %s", ", ".join(self.served.names()))
             try:
                 yield
             finally:
@@ -228,7 +258,8 @@ class PrismServer:
             raise AuthenticationError("invalid API key")
 
     def model_cards(self) -> list[dict[str, Any]]:
-        return model_cards(self.controller.status(), self._roots)
+        cards = model_cards(self.controller.status(), self._roots)
+        return cards + adapter_cards(self.controller.models.adapters.by_name.values(), cards)
 
     # ---- completions --------------------------------------------------------------------------
 
@@ -338,7 +369,8 @@ class PrismServer:
         return JSONResponse(to_response(body, json.loads(response.body)))
 
     def _tool_parser(self, model: str) -> str:
-        return self._tool_parsers.get(model) or parser_for_template(
+        adapter = self.controller.models.adapters.get(model)  # an adapter reads calls as its base
+        return self._tool_parsers.get(adapter.base if adapter else model) or parser_for_template(
             self.controller.models.tokenizer(model).chat_template
         )
 

@@ -34,16 +34,16 @@ def local_devices(devices: list[DeviceConfig] | DeviceGroup) -> list[DeviceSpec]
     ]
 
 
-def model_spec(m: ModelConfig, device_kind: str = "cpu") -> ModelSpec:
+def model_spec(m: ModelConfig, device_kind: str = "cpu", max_loras: int = 0) -> ModelSpec:
     """One configured model as the runtime serves it (``dtype: auto`` resolved for ``device_kind``:
-    bf16 on GPUs, the CPU's fast type on CPU devices)."""
+    bf16 on GPUs, the CPU's fast type on CPU devices; ``max_loras`` adapter slots)."""
     if m.tp != 1:
         raise ConfigError(
             f"model {m.name}: tp: {m.tp}: the live runtime serves tp=1 only; tensor parallel models "
             "are simulated (prism sim, prism plan)"
         )
     return ModelSpec(
-        name=m.name, source=m.source, engine=m.engine_config(device_kind), ttft_slo=m.ttft_slo,
+        name=m.name, source=m.source, engine=m.engine_config(device_kind, max_loras), ttft_slo=m.ttft_slo,
         tpot_slo=m.tpot_slo, pinned=m.pinned, kv_limit_bytes=m.kv_limit, keep_alive_s=m.keep_alive,
         engine_kind=m.engine, sampling=tuple(sorted(m.sampling_defaults().items())),
     )  # fmt: skip
@@ -54,7 +54,7 @@ def model_specs(config: DeploymentConfig) -> list[ModelSpec]:
     holds one copy per model, so a deployment that mixes CPUs and GPUs resolves it for the CPUs)."""
     devices = device_specs(config)
     kind = "cuda" if devices and all(d.is_cuda for d in devices) else "cpu"
-    return [model_spec(m, kind) for m in config.models]
+    return [model_spec(m, kind, config.max_loras(m)) for m in config.served_models()]
 
 
 def vllm_python(config: DeploymentConfig) -> str | None:
@@ -99,4 +99,5 @@ def build_controller(config: DeploymentConfig) -> Controller:
         nodes=nodes,
         vllm_python=vllm_python(config),
         vllm_compile=config.vllm_compile,
+        adapters=[(a.name, a.base, a.adapter, a.ttft_slo, a.tpot_slo) for a in config.adapters()],
     )

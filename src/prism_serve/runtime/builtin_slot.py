@@ -76,15 +76,20 @@ class BuiltinSlot:
         tokenizer: Callable[[str], Tokenizer],
     ) -> Loaded:
         t0 = time.monotonic()
+        # the weights, then (engine.max_loras) the adapter slots: one grant, one set of pages
         num_pages, reused = map_weight_pages(
-            self.weight_range, weight_account, m.weight_bytes, self.loader, self.spare
+            self.weight_range, weight_account, m.weight_bytes + m.adapter_bytes, self.loader, self.spare
         )
         try:
             t_map = time.monotonic()
             flat = self.weight_range.as_tensor()
             copied = parallel_copy(host, flat, m.tensors, self.loader, m.chunk_bytes)
             t_copy = time.monotonic()
-            engine, pool = self._build(m, flat, kv_account, tokenizer(m.tokenizer_path))
+            lora = None
+            if m.adapter_bytes:
+                start = -(-m.weight_bytes // msg.ADAPTER_ALIGN) * msg.ADAPTER_ALIGN
+                lora = flat[start : m.weight_bytes + m.adapter_bytes]
+            engine, pool = self._build(m, flat, kv_account, tokenizer(m.tokenizer_path), lora)
         except BaseException:
             unmap_weight_pages(self.weight_range, weight_account, num_pages, self.spare)
             raise
@@ -96,8 +101,9 @@ class BuiltinSlot:
         )  # fmt: skip
 
     def _build(
-        self, m: msg.ActivateModel, flat: torch.Tensor, kv_account: Account, tokenizer: Tokenizer
-    ) -> tuple[LLMEngine, ElasticKVPool]:
+        self, m: msg.ActivateModel, flat: torch.Tensor, kv_account: Account, tokenizer: Tokenizer,
+        lora_storage: torch.Tensor | None = None,
+    ) -> tuple[LLMEngine, ElasticKVPool]:  # fmt: skip
         config = config_from_dict(m.config)
         engine_config = msgspec.structs.replace(
             m.engine,
@@ -121,7 +127,9 @@ class BuiltinSlot:
         )
         try:
             weights = LoadedWeights(config, {}, tokenizer, m.source, m.synthetic)
-            engine = LLMEngine(engine_config, weights=weights, allocator=pool, model=model)
+            engine = LLMEngine(
+                engine_config, weights=weights, allocator=pool, model=model, lora_storage=lora_storage
+            )
             engine.record_step_batches = self.record_steps
         except BaseException:
             pool.close()

@@ -34,19 +34,22 @@ from prism_serve.control import (
 )
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.policies import get_policy
+from prism_serve.control.types import REPLICA_SEPARATOR
+from prism_serve.engine.lora import InvalidAdapterError
 from prism_serve.engine.sampling_params import SamplingParams
-from prism_serve.errors import PrismError, WorkerDiedError
+from prism_serve.errors import PrismError, WorkerDiedError, quoted
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, format_size
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.activation import Activator
+from prism_serve.runtime.adapters import AdapterSpec
 from prism_serve.runtime.admin import Admin
 from prism_serve.runtime.cluster import Node, RayNodes
 from prism_serve.runtime.devices import DeviceSpec
-from prism_serve.runtime.models import ModelSpec, ModelTooLargeError
+from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
 from prism_serve.runtime.nodes import NodeSet
 from prism_serve.runtime.requests import Requests
 from prism_serve.runtime.state import ModelStatus, ModelTable, cluster_snapshot
-from prism_serve.runtime.weight_cache import HostWeightCache
+from prism_serve.runtime.weight_cache import HostWeightCache, config_from_dict
 from prism_serve.runtime.workers import WorkerHandle, WorkerPool
 
 __all__ = ["Controller"]
@@ -66,7 +69,11 @@ class Controller:
         nodes: RayNodes | None = None,
         vllm_python: str | None = None,
         vllm_compile: bool = True,
+        adapters: Iterable[tuple[str, str, str, float, float]] = (),
     ) -> None:
+        """``adapters``: LoRA adapters of the config, (name, base, PEFT directory, TTFT SLO, TPOT
+        SLO) each, read and checked against their bases at ``start``."""
+        self._configured_adapters = list(adapters)
         self.settings = policy or PolicyConfig()
         self.policy = get_policy(self.settings.name, **self.settings.knobs)
         self.namespace = namespace
@@ -108,18 +115,21 @@ class Controller:
         biggest = max(d.memory_bytes for d in self.devices.values())
         for spec in self.specs.values():
             cached = await loop.run_in_executor(None, self.cache.load, spec)
-            if cached.weight_bytes >= biggest:
+            self.models.add(spec, cached)
+            footprint = self.models[spec.name].device_bytes  # weights and adapter slots
+            if footprint >= biggest:
                 self.cache.drop(spec.name)
                 raise ModelTooLargeError(
-                    f"model {spec.name}: its weights take {format_size(cached.weight_bytes)}, more than "
-                    f"any device's budget (largest {format_size(biggest)}); give a device more memory "
-                    f"or remove the model"
+                    f"model {spec.name}: its weights take {format_size(footprint)} (with any adapter "
+                    f"slots), more than any device's budget (largest {format_size(biggest)}); give a "
+                    f"device more memory, fewer max_loras, or remove the model"
                 )
-            self.models.add(spec, cached)
+        for name, base, path, ttft, tpot in self._configured_adapters:
+            await self.load_adapter(name, path, base, ttft, tpot)
         self.nodes.open()
         if self.nodes.ray is not None:  # every node reads the models into its own host cache
             await self.nodes.ray.start(self.specs.values(), self._on_node_added, self._on_node_lost)
-        builtin = [m.cached.weight_bytes for m in self.models.values() if m.spec.engine_kind == "builtin"]
+        builtin = [m.device_bytes for m in self.models.values() if m.spec.engine_kind == "builtin"]
         await self.pool.start(
             # each worker keeps weight pages for the largest model ready (memory/spare.py)
             spare_bytes=max(builtin, default=0) if self.settings.spare_pages else 0,
@@ -194,6 +204,69 @@ class Controller:
 
     def pin(self, model: str, pinned: bool = True) -> None:
         self.admin.pin(model, pinned)
+
+    # ---- LoRA adapters (runtime/adapters.py) ----------------------------------------------------
+
+    async def load_adapter(
+        self, name: str, path: str, base: str | None = None, ttft_slo: float | None = None,
+        tpot_slo: float | None = None,
+    ) -> AdapterSpec:  # fmt: skip
+        """Register adapter ``name`` (PEFT directory ``path``) over ``base`` (None: the one model with
+        adapter slots), checked against the base's shape; the workers running the base take it at
+        once, later activations with the base. InvalidAdapterError (400) naming what is wrong."""
+        bases = [n for n, s in self.specs.items() if s.engine.max_loras and s.engine_kind == "builtin"]
+        if base is None:
+            if len(bases) != 1:
+                raise InvalidAdapterError(
+                    f"adapter {name!r}: say which base model it is for (base_model_name); models with "
+                    f"adapter slots: {', '.join(bases) or 'none (set max_loras on a model)'}"
+                )
+            base = bases[0]
+        if base not in self.specs or self.models.adapters.get(base) is not None:
+            raise InvalidAdapterError(f"adapter {name!r}: base {base!r} is not a model served here")
+        if base not in bases:
+            raise InvalidAdapterError(f"adapter {name!r}: base {base!r} has no adapter slots (max_loras: 0)")
+        if not name or name.strip() != name or len(name) > 256 or REPLICA_SEPARATOR in name:
+            raise InvalidAdapterError(
+                f"adapter name {quoted(name)}: 1-256 characters, no '#', no spaces around it"
+            )
+        if name in self.specs or name in self.models.adapters.by_name:
+            raise InvalidAdapterError(f"adapter {name!r}: the name is taken (a model or an adapter)")
+        b = self.models.served(base)
+        config = config_from_dict(b.cached.config)
+        spec = await asyncio.get_running_loop().run_in_executor(
+            None, AdapterSpec.read, name, base, path, config, b.spec.engine.max_lora_rank,
+            ttft_slo or b.spec.ttft_slo, tpot_slo or b.spec.tpot_slo,
+        )  # fmt: skip
+        self.models.adapters.add(spec)
+        message = msg.LoadAdapter(msg.AdapterFile(spec.name, spec.path))
+        for m in self.models.slots(base):
+            # active, or activating with a message made before this adapter: the worker takes it
+            # after the activation (its messages are handled in order)
+            if m.worker is not None:
+                self.pool.try_send(m.worker, msg.encode(message))
+        return spec
+
+    async def unload_adapter(self, name: str, force: bool = False, poll_s: float = 0.05) -> int:
+        """Remove adapter ``name``: it takes no new requests; those in flight finish first (with
+        ``force``, they fail with 503 now). Returns how many were in flight."""
+        spec = self.models.adapters.get(name)
+        if spec is None:
+            raise UnknownModelError(f"adapter {quoted(name)} is not loaded")
+        self.models.adapters.unloading.add(name)
+        try:
+            users = [r for r in self.requests.in_flight() if r.adapter == name]
+            if force:
+                for r in users:
+                    self.requests.fail(r, WorkerDiedError(f"adapter {name} was unloaded"))
+            while any(not r.done for r in users):
+                await asyncio.sleep(poll_s)
+            for m in self.models.slots(spec.base):
+                if m.worker is not None and m.state is ModelState.ACTIVE:
+                    self.pool.try_send(m.worker, msg.encode(msg.UnloadAdapter(name)))
+        finally:
+            self.models.adapters.remove(name)
+        return len(users)
 
     # ---- the control loop's body: its view of the state, and its effects ------------------------
 

@@ -5,7 +5,7 @@ holds one message. The controller's ROUTER socket addresses a worker by its id (
 identity). Times are ``time.monotonic()`` seconds, which every process on the machine shares.
 
 Controller -> worker: Prepare, ActivateModel, EvictModel, AddRequest, AbortRequest, SetKVLimit,
-Shutdown.
+LoadAdapter, UnloadAdapter, Shutdown.
 Worker -> controller: WorkerReady, Prepared, ModelActivated, ActivationFailed, ModelEvicted,
 StepOutputs, RequestFailed.
 """
@@ -26,6 +26,16 @@ class Message(msgspec.Struct, tag=True, array_like=True, forbid_unknown_fields=T
 
 
 # ---- shared pieces ---------------------------------------------------------------------------
+
+
+ADAPTER_ALIGN = 4096  # a base's adapter slots start at this boundary after its weights
+
+
+class AdapterFile(msgspec.Struct, array_like=True, frozen=True):
+    """A LoRA adapter of the model a worker runs (runtime/adapters.py): its name and PEFT directory."""
+
+    name: str
+    path: str
 
 
 class TensorEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -165,6 +175,10 @@ class ActivateModel(Message):
     chunk_bytes: int = 16 * 2**20
     kv_limit_bytes: int | None = None  # cap on this engine's KV pages in the ledger (SetKVLimit moves it)
     engine_kind: str = "builtin"  # builtin or vllm: the worker must run the same engine
+    # LoRA: the adapters registered in the engine, and the bytes of its adapter slots (mapped with
+    # the weights, after them at a 4 KiB boundary; engine.max_loras > 0)
+    adapters: list[AdapterFile] = []
+    adapter_bytes: int = 0
 
 
 class EvictModel(Message):
@@ -176,6 +190,19 @@ class AddRequest(Message):
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # the engine's own struct: decoding it validates it again
+    adapter: str | None = None  # the LoRA adapter it runs with; None: the base model
+
+
+class LoadAdapter(Message):
+    """Register an adapter in the engine of the model this worker runs (a no-op if none)."""
+
+    adapter: AdapterFile
+
+
+class UnloadAdapter(Message):
+    """Forget an adapter; its requests still running there are aborted (the controller waited)."""
+
+    name: str
 
 
 class AbortRequest(Message):
@@ -251,7 +278,17 @@ class RequestFailed(Message):
     message: str
 
 
-ToWorker = Prepare | ActivateModel | EvictModel | AddRequest | AbortRequest | SetKVLimit | Shutdown
+ToWorker = (
+    Prepare
+    | ActivateModel
+    | EvictModel
+    | AddRequest
+    | AbortRequest
+    | SetKVLimit
+    | LoadAdapter
+    | UnloadAdapter
+    | Shutdown
+)
 FromWorker = (
     WorkerReady
     | Prepared

@@ -31,6 +31,7 @@ from prism_serve.errors import (
     error_class,
 )
 from prism_serve.runtime import messages as msg
+from prism_serve.runtime.adapters import AdapterSpec
 from prism_serve.runtime.models import ActivationError, ModelTooLargeError, UnknownModelError
 from prism_serve.runtime.state import ModelEntry, ModelTable
 from prism_serve.runtime.workers import WorkerHandle, WorkerPool
@@ -73,11 +74,13 @@ class RequestEntry:
     done: bool = False
     replica: str | None = None  # the replica it was dispatched to (control/replicas.py)
     cold: bool = False  # no replica of its model was active when it arrived
+    adapter: str | None = None  # the LoRA adapter it runs with (``model`` is then its base)
 
     @classmethod
     def build(
-        cls, req_id: str, m: ModelEntry, prompt: str | list[int], params: SamplingParams, now: float
-    ) -> RequestEntry:
+        cls, req_id: str, m: ModelEntry, prompt: str | list[int], params: SamplingParams, now: float,
+        adapter: AdapterSpec | None = None,
+    ) -> RequestEntry:  # fmt: skip
         """Tokenize and check the prompt, and encode the AddRequest once, here: a bad value set on a
         SamplingParams after it was built (out of range, or an int beyond 64 bits the wire cannot
         carry) is this request's 400 before anything of it is registered."""
@@ -91,11 +94,14 @@ class RequestEntry:
             )
         params.validate()  # a field set after construction; the worker's decoder would refuse it
         try:
-            payload = msg.encode(msg.AddRequest(req_id, ids, params))
+            payload = msg.encode(msg.AddRequest(req_id, ids, params, adapter.name if adapter else None))
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
             raise InvalidSamplingParamsError(f"the request cannot be sent to a worker: {e}") from None
-        control = Request(req_id, m.spec.name, now, len(ids), m.spec.ttft_slo)
-        return cls(req_id, m.spec.name, payload, control)
+        # an adapter's request is its base's load, queued by the adapter's own deadline
+        control = Request(
+            req_id, m.spec.name, now, len(ids), adapter.ttft_slo if adapter else m.spec.ttft_slo
+        )
+        return cls(req_id, m.spec.name, payload, control, adapter=adapter.name if adapter else None)
 
     @property
     def engine_model(self) -> str:
@@ -162,15 +168,16 @@ class Requests:
         self, model: str, prompt: str | list[int], params: SamplingParams, req_id: str | None = None
     ) -> RequestEntry:
         """Register a request and hand it to the control loop (which may dispatch it at once)."""
-        m = self._models.served(model)
+        m = self._models.served(model)  # an adapter's name gives its base
+        adapter = self._models.adapters.get(model)
         if req_id is None:
             self._ids += 1
             req_id = f"r{self._ids}"
         if req_id in self._by_id:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
         now = self._clock()
-        r = RequestEntry.build(req_id, m, prompt, params, now)  # 400s: nothing registered yet
-        r.cold = all(slot.state is not ModelState.ACTIVE for slot in self._models.slots(model))
+        r = RequestEntry.build(req_id, m, prompt, params, now, adapter)  # 400s: nothing registered yet
+        r.cold = all(slot.state is not ModelState.ACTIVE for slot in self._models.slots(m.spec.name))
         self._by_id[req_id] = r
         try:
             self._loop.arrival(r.control, now)

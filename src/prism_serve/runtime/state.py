@@ -22,10 +22,13 @@ from prism_serve.control.loop import ControlLoop
 from prism_serve.control.profiles import StepSums, measured_profile
 from prism_serve.control.types import REPLICA_SEPARATOR, replica_name
 from prism_serve.engine.config import resolve_max_model_len
+from prism_serve.engine.llm_engine import torch_dtype
+from prism_serve.engine.lora import LoraSlots
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import quoted
 from prism_serve.memory.ledger import DeviceLedger
 from prism_serve.runtime import messages as msg
+from prism_serve.runtime.adapters import AdapterTable
 from prism_serve.runtime.cluster import LedgerMirror
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec, UnknownModelError
@@ -62,6 +65,13 @@ class ModelEntry:
     # a replica slot of the served model named here (control/replicas.py): the same spec under its
     # slot name, the same host weights and tokenizer; None for the served model itself
     replica_of: str | None = None
+    # its LoRA adapter slots (engine.max_loras > 0): device memory mapped with the weights
+    adapter_bytes: int = 0
+
+    @property
+    def device_bytes(self) -> int:
+        """What an activation maps on a device besides KV: the weights and the adapter slots."""
+        return self.cached.weight_bytes + self.adapter_bytes
 
     def profile(self) -> ModelProfile:
         """The per-request costs the control plane predicts compute demand from: engine step seconds
@@ -90,8 +100,11 @@ class ModelEntry:
         self.cpu_seconds += max(0.0, after.cpu_seconds - (before.cpu_seconds if before else 0.0))
         self.busy_seconds += max(0.0, after.busy_seconds - (before.busy_seconds if before else 0.0))
 
-    def activate_message(self, decided_at: float) -> msg.ActivateModel:
-        """What a worker needs to activate this model from the host cache."""
+    def activate_message(
+        self, decided_at: float, adapters: Iterable[msg.AdapterFile] = ()
+    ) -> msg.ActivateModel:
+        """What a worker needs to activate this model from the host cache (with ``adapters``
+        registered in its engine)."""
         c = self.cached
         return msg.ActivateModel(
             engine_kind=self.spec.engine_kind,
@@ -106,6 +119,8 @@ class ModelEntry:
             engine=self.spec.engine,
             sent_at=decided_at,
             kv_limit_bytes=self.spec.kv_limit_bytes,
+            adapters=list(adapters),
+            adapter_bytes=self.adapter_bytes,
         )
 
 
@@ -158,7 +173,7 @@ class ModelStatus:
         kv = [r.max_kv_bytes for r in reps if r.max_kv_bytes is not None]
         return cls(
             m.spec.name, state, first.device if first else None, first.worker if first else None,
-            m.pinned, m.cached.weight_bytes, sum(e.num_running for e, _ in entries),
+            m.pinned, m.device_bytes, sum(e.num_running for e, _ in entries),
             sum(q for _, q in entries), sum(e.num_activations for e, _ in entries),
             sum(e.num_evictions for e, _ in entries), last, sum(r.used_kv_bytes for r in reps),
             sum(kv) if kv else None, sum(e.step_seconds for e, _ in entries),
@@ -206,10 +221,19 @@ def model_entries(spec: ModelSpec, cached: CachedModel, replica_slots: list[str]
     """The entries of a model whose weights are in the host cache: itself and each of its replica
     slots, under the slot's name over the same host weights and tokenizer."""
     tok = Tokenizer.from_state(json.loads(Path(cached.tokenizer_path).read_text()))
-    max_len = resolve_max_model_len(spec.engine.max_model_len, config_from_dict(cached.config))
-    out = {spec.name: ModelEntry(spec, cached, tok, max_len, pinned=spec.pinned)}
+    arch = config_from_dict(cached.config)
+    max_len = resolve_max_model_len(spec.engine.max_model_len, arch)
+    e = spec.engine
+    slots = (
+        LoraSlots.bytes_for(arch, e.max_loras, e.max_lora_rank, torch_dtype(e)) + msg.ADAPTER_ALIGN
+        if e.max_loras and spec.engine_kind == "builtin"
+        else 0
+    )
+    out = {spec.name: ModelEntry(spec, cached, tok, max_len, pinned=spec.pinned, adapter_bytes=slots)}
     for slot in replica_slots:
-        out[slot] = ModelEntry(replace(spec, name=slot), cached, tok, max_len, replica_of=spec.name)
+        out[slot] = ModelEntry(
+            replace(spec, name=slot), cached, tok, max_len, replica_of=spec.name, adapter_bytes=slots
+        )
     return out
 
 
@@ -220,6 +244,7 @@ class ModelTable(Mapping[str, ModelEntry]):
 
     def __init__(self, specs: Iterable[ModelSpec], num_slots: int) -> None:
         self.specs = {m.name: m for m in specs}
+        self.adapters = AdapterTable()  # LoRA adapters: clients address them as models of their base
         if bad := [n for n in self.specs if REPLICA_SEPARATOR in n]:
             raise ValueError(f"model names must not contain {REPLICA_SEPARATOR!r} (replica slots): {bad}")
         # replica slots beyond replica 0 per served model, at most one per device
@@ -250,7 +275,11 @@ class ModelTable(Mapping[str, ModelEntry]):
         return m
 
     def served(self, name: str) -> ModelEntry:
-        """A model clients may address (replica slots are internal names)."""
+        """A model clients may address (replica slots are internal names); an adapter's name gives
+        its base's entry."""
+        adapter = self.adapters.get(name)
+        if adapter is not None:
+            name = adapter.base
         if name not in self.specs:
             raise UnknownModelError(f"model {quoted(name)} is not served here; see /v1/models")
         return self._entries[name]
@@ -293,7 +322,7 @@ def cluster_snapshot(
                 rate=rates.rate(name, now),
                 ttft_slo=m.spec.ttft_slo,
                 tpot_slo=m.spec.tpot_slo,
-                weight_bytes=m.cached.weight_bytes,
+                weight_bytes=m.device_bytes,
                 kv_bytes_per_token=m.cached.kv_bytes_per_token,
                 placement=(m.device,) if resident else (),
                 state=m.state,

@@ -34,6 +34,7 @@ import zmq
 from prism_serve.control.profiles import StepSums
 from prism_serve.engine.cpu_kernels import kernels_enabled
 from prism_serve.engine.interface import WorkerEngine, WorkerKV
+from prism_serve.engine.lora import LoraAdapter, read_adapter
 from prism_serve.engine.sequence import RequestMetrics
 from prism_serve.engine.step_trace import StepRecord, StepTrace
 from prism_serve.engine.tokenizer import Tokenizer
@@ -114,6 +115,8 @@ class Worker:
         self.load_threads = load_threads
         self.shared: dict[str, SharedWeights] = {}  # host cache files this worker has mapped
         self.tokenizers: dict[str, Tokenizer] = {}  # by tokenizer file
+        # LoRA adapters read from their files, by (path, name, max rank): registered at each activation
+        self.lora_files: dict[tuple[str, str, int], LoraAdapter] = {}
         self.to_prepare: deque[msg.CacheFile | str] = deque()  # Prepare's items not yet opened
         self.prepare_s = 0.0
         self.active: _Active | None = None
@@ -181,6 +184,15 @@ class Worker:
             case msg.SetKVLimit():
                 if self.active is not None:
                     self.active.pool.set_limit(m.limit_bytes)
+            case msg.LoadAdapter():
+                if self.active is not None:
+                    self._register_adapter(self.active, m.adapter)
+            case msg.UnloadAdapter():
+                a = self.active
+                slots = getattr(a.engine, "adapters", None) if a is not None else None
+                if a is not None and slots is not None and m.name in slots.adapters:
+                    a.engine.remove_lora(m.name, force=True)
+                    self._send(msg.StepOutputs([], self._stats(a)))  # its requests' KV is free
             case msg.Shutdown():
                 self.running = False
 
@@ -243,9 +255,27 @@ class Worker:
             self._fail(m.req_id, InvalidRequestError(f"worker {self.worker_id} serves no model"))
             return
         try:
-            self.active.engine.add_request(m.prompt_token_ids, m.params, m.req_id)
+            if m.adapter is not None:
+                self.active.engine.add_request(m.prompt_token_ids, m.params, m.req_id, adapter=m.adapter)
+            else:
+                self.active.engine.add_request(m.prompt_token_ids, m.params, m.req_id)
         except PrismError as e:
             self._fail(m.req_id, e)
+
+    def _register_adapter(self, a: _Active, f: msg.AdapterFile) -> None:
+        """Register a LoRA adapter in the active engine, its files read once per worker."""
+        engine = a.engine
+        if getattr(engine, "adapters", None) is None or f.name in engine.adapters.adapters:
+            return
+        key = (f.path, f.name, engine.config.max_lora_rank)
+        adapter = self.lora_files.get(key)
+        try:
+            if adapter is None:
+                adapter = read_adapter(f.path, engine.model_config, engine.config.max_lora_rank, f.name)
+                self.lora_files[key] = adapter
+            engine.adapters.register(adapter)
+        except PrismError as e:  # checked by the controller when it was loaded: the files changed since
+            logger.warning("adapter %s of %s not registered: %s", f.name, a.model, e)
 
     def _step(self, a: _Active) -> None:
         t0, c0, p0 = time.monotonic(), time.thread_time(), time.process_time()
@@ -347,6 +377,8 @@ class Worker:
         self.active = a = _Active(
             m.model, loaded, weight_account, kv_account, m.weight_bytes, cpu_start=time.process_time()
         )
+        for f in m.adapters:
+            self._register_adapter(a, f)
         phases = msg.ActivationPhases(
             take_s=max(0.0, t_take - m.sent_at),
             map_s=t_open - t_take + loaded.map_s,

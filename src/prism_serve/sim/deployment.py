@@ -58,6 +58,12 @@ def sim_deployment(config: DeploymentConfig, gpu: bool = True) -> SimDeployment:
     """``config``'s models, SLOs, engine knobs and policy for simulated devices (``gpu``: a GPU
     profile, where ``dtype: auto`` is bf16; else a CPU profile, where it is what this machine
     runs fast)."""
+    if config.adapters():
+        names = ", ".join(a.name for a in config.adapters()[:5])
+        raise SimConfigError(
+            f"LoRA adapters ({names}) are served live but not simulated yet: plan their bases with "
+            "the adapters' traffic renamed to the base (--map adapter=base)"
+        )
     models, slos, warnings = [], {}, []
     for m in config.models:
         dtype = resolve_dtype(m.dtype, "cuda" if gpu else "cpu")
