@@ -61,6 +61,11 @@ class SimConfig:
     # below the target that allowed fewer misses (the planner's failing points end early); None: run
     # to the end
     stop_after_ttft_misses: int | None = None
+    # simulate only the workload's requests first..end - 1, the first of them at warmup_s (the other
+    # requests still set each model's mean request); None: all. The planner's busy-window screen
+    span: tuple[int, int] | None = None
+    # requests before this index are a warm-up: served, but not counted toward stop_after_ttft_misses
+    count_from: int = 0
 
     def __post_init__(self) -> None:
         if self.profiles not in ("cost-model", "live"):

@@ -120,7 +120,13 @@ class Simulator:
         self._integral = 0.0
         self._busy = 0.0
         self._last_t = 0.0
-        self._next_arrival = 0
+        # the requests simulated (SimConfig.span): indices first..end - 1 of the workload
+        self._first, self._end = config.span if config.span is not None else (0, len(workload))
+        if not 0 <= self._first <= self._end <= len(workload):
+            raise SimConfigError(f"span {config.span} is outside the workload's {len(workload)} requests")
+        spanned = config.span is not None and self._first < len(workload)
+        self._t0 = float(workload.timestamps[self._first]) if spanned else 0.0
+        self._next_arrival = self._first
         self._names = workload.models
         # early stop (SimConfig.stop_after_ttft_misses): requests not yet known to meet or miss
         # their TTFT SLO, and those known to have missed it
@@ -187,18 +193,18 @@ class Simulator:
     # -- the event loop --------------------------------------------------------------------------------
 
     def run(self) -> SimResult:
-        wl = self.workload
-        if len(wl):
-            self.events.push(self._arrival_time(0), Arrival(0))
+        first, end = self._first, self._end
+        if end > first:
+            self.events.push(self._arrival_time(first), Arrival(first))
         self.events.push(0.0, Tick())
-        stop = self._arrival_time(len(wl) - 1) + self.config.drain_s if len(wl) else 0.0
+        stop = self._arrival_time(end - 1) + self.config.drain_s if end > first else 0.0
         while self.events:
             t, event = self.events.pop()
             if t > stop:
                 break
             self._advance(t)
             event.apply(self, t)
-            if self.in_system == 0 and self._next_arrival >= len(wl):
+            if self.in_system == 0 and self._next_arrival >= end:
                 break
             if self.stopped_early:
                 break
@@ -217,7 +223,7 @@ class Simulator:
         return SimResult(self.requests, self.now, self._busy, self._integral, counters, labels, colocated)
 
     def _arrival_time(self, i: int) -> float:
-        return self.config.warmup_s + float(self.workload.timestamps[i])
+        return self.config.warmup_s + float(self.workload.timestamps[i]) - self._t0
 
     def _advance(self, t: float) -> None:
         dt = t - self._last_t
@@ -243,10 +249,10 @@ class Simulator:
         self.requests.append(req)
         self.by_id[req_id] = req
         self.in_system += 1
-        if self.config.stop_after_ttft_misses is not None:
+        if self.config.stop_after_ttft_misses is not None and i >= self.config.count_from:
             self._unsettled.append(req)
         self._next_arrival = i + 1
-        if i + 1 < len(wl):
+        if i + 1 < self._end:
             self.events.push(self._arrival_time(i + 1), Arrival(i + 1))
         self.loop.arrival(control, now)
 
@@ -274,7 +280,7 @@ class Simulator:
         if self.config.stop_after_ttft_misses is not None:
             self._count_ttft_misses(now)
         self.loop.tick(now)
-        if self._next_arrival < len(self.workload) or self.in_system:
+        if self._next_arrival < self._end or self.in_system:
             self.events.push(now + self.config.tick_s, Tick())
 
     def on_step_done(self, model: str, version: int, now: float) -> None:
