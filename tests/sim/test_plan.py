@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,12 +17,12 @@ from prism_serve.cli import main
 from prism_serve.config import load_config, parse_config
 from prism_serve.engine.config import ENGINE_DEFAULTS
 from prism_serve.runtime.build import model_specs
-from prism_serve.sim import SimConfig
-from prism_serve.sim.deployment import deployment_config, get_setup, sim_deployment
+from prism_serve.sim import ModelSLO, SimConfig
+from prism_serve.sim.deployment import SimDeployment, deployment_config, get_setup, sim_deployment
 from prism_serve.sim.errors import SimConfigError
-from prism_serve.sim.plan import fewest_passing, plan
+from prism_serve.sim.plan import busy_window, fewest_passing, plan
 from prism_serve.sim.simulator import Simulator
-from prism_serve.workload import WorkloadSpec, build_workload, write_jsonl
+from prism_serve.workload import Workload, WorkloadSpec, build_workload, write_jsonl
 
 from .helpers import loose, poisson, served
 
@@ -85,6 +86,39 @@ def test_the_answer_passes_with_its_neighbours_above_and_fails_just_below(
     )
 
 
+def screening(maybe: set[int]):
+    asked: list[int] = []
+
+    def screen(counts):
+        asked.extend(counts)
+        return {n: n in maybe for n in counts}
+
+    return screen, asked
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    passing=st.sets(st.integers(1, 60)),
+    false_hopes=st.sets(st.integers(1, 60)),
+    low=st.integers(1, 30),
+    confirm=st.integers(0, 3),
+    width=st.integers(1, 3),
+    start=st.one_of(st.none(), st.integers(1, 60)),
+)
+def test_a_screen_spares_full_runs_and_keeps_the_answer(passing, false_hopes, low, confirm, width, start):
+    """A screen that never fails a passing count (it may pass failing ones): a count it fails is
+    never run in full, and the answer is the one without the screen."""
+    high = 60
+    plain, _ = counting(passing)
+    without = fewest_passing(plain, low, high, confirm=confirm, width=width, start=start)
+    screen, screened = screening(passing | false_hopes)
+    passes, asked = counting(passing)
+    n = fewest_passing(passes, low, high, confirm=confirm, width=width, start=start, screen=screen)
+    assert n == without
+    assert len(screened) == len(set(screened)) and len(asked) == len(set(asked))
+    assert set(asked) <= (passing | false_hopes) & set(screened)  # run in full only after its screen
+
+
 def test_a_point_stops_once_its_misses_pass_the_limit() -> None:
     ms = [served(f"m{i}", "llama-3.1-8b") for i in range(6)]
     w = poisson([m.name for m in ms], 2.0, 120.0, prompt=(512, 2048), output=(64, 256), seed=1)
@@ -96,6 +130,60 @@ def test_a_point_stops_once_its_misses_pass_the_limit() -> None:
     missed = sum(1 for r in full.requests if not (r.first_token is not None and r.ttft <= r.ttft_slo))
     assert missed > 20 and not full.labels["stopped_early"]
     assert stopped.labels["stopped_early"] and stopped.end_time < full.end_time
+
+
+def burst_traffic(names: list[str], late: int | None = None) -> Workload:
+    """Twenty minutes of light traffic with a one-minute burst in the middle (synthetic); ``late``:
+    30 more requests of that model, all before the burst."""
+    rng = np.random.default_rng(0)
+    ts = np.concatenate([rng.uniform(0, 1200, 900), rng.uniform(600, 660, 700)])
+    idx = rng.integers(0, len(names) - (late is not None), len(ts))
+    if late is not None:
+        ts, idx = np.concatenate([ts, np.linspace(10, 540, 30)]), np.concatenate([idx, np.full(30, late)])
+    return Workload(ts, idx, rng.integers(512, 2048, len(ts)), rng.integers(32, 128, len(ts)), names)
+
+
+def burst_deployment(names: list[str], slos: dict[str, ModelSLO] | None = None) -> SimDeployment:
+    ms = [served(name, "llama-3.1-8b") for name in names]
+    slos = {**loose(ms, ttft=0.5, tpot=0.2), **(slos or {})}
+    return SimDeployment(ms, slos, sim_deployment(deployment_config("paper-8")).engine, "prism", ())
+
+
+SCREEN = {"screen": True, "screen_window_s": 60.0, "screen_warmup_s": 30.0}  # the burst, and 30 s before
+
+
+def test_a_count_whose_busy_window_misses_too_much_is_not_run_in_full() -> None:
+    names = ["m0", "m1", "m2", "m3"]
+    w, dep = burst_traffic(names), burst_deployment(names)
+    window = busy_window(w, 60.0, 30.0)
+    assert 595 < w.timestamps[window.first] and w.timestamps[window.end - 1] < 660  # noqa: SIM300
+    result = plan(dep, w, hardware="h100", policies=["dedicated"], max_devices=6, jobs=1, **SCREEN)
+    p = result.policies["dedicated"]
+    out = sorted(n for n, pt in p.points.items() if pt["screened_out"])
+    assert out == [1, 2, 3] and p.devices == 4  # one device per model: the burst's misses vanish
+    for n in out:  # the window alone missed more than the whole traffic may: no full run
+        screen = p.points[n]["screen"]
+        assert screen["misses"] > screen["budget"] == int(0.01 * len(w)) and "per_model" not in p.points[n]
+        assert p.points[n]["ttft_attainment"] == (len(w) - screen["misses"]) / len(w)  # at most that
+    assert not p.answer["screened_out"] and p.answer["ttft_attainment"] >= 0.99 and "per_model" in p.answer
+    unscreened = plan(dep, w, hardware="h100", policies=["dedicated"], max_devices=6, jobs=1)  # the default
+    assert unscreened.policies["dedicated"].devices == 4
+    assert all("screened_out" not in pt for pt in unscreened.policies["dedicated"].points.values())
+
+
+def test_a_count_that_passes_its_screen_is_decided_by_its_full_run() -> None:
+    """Misses outside the window: a model whose TTFT SLO nothing meets, with requests only before
+    the burst (more than the target allows). The screens at enough devices pass; the full runs fail."""
+    names = ["m0", "m1", "m2", "m3", "late"]
+    w = burst_traffic(names, late=4)
+    dep = burst_deployment(names, {"late": ModelSLO(1e-4, 0.2)})
+    result = plan(dep, w, hardware="h100", policies=["dedicated"], max_devices=6, jobs=1, **SCREEN)
+    p = result.policies["dedicated"]
+    assert p.devices is None
+    hopeful = [n for n, pt in p.points.items() if not pt["screened_out"]]
+    screens = [p.points[n]["screen"] for n in hopeful]
+    assert hopeful and all(screen["misses"] <= screen["budget"] for screen in screens)
+    assert all(p.points[n]["ttft_attainment"] < 0.99 and "per_model" in p.points[n] for n in hopeful)
 
 
 def test_presets_are_deployment_configs() -> None:

@@ -2,8 +2,8 @@
 per policy, with what that costs and what prism saves. Simulated (sim/): the hardware profile is a
 cost model, not a measurement of the user's devices.
 
-The search, per policy, over the device count ``n`` (every point one full simulation of the
-traffic at ``n`` devices, ``SimConfig.num_devices``):
+The search, per policy, over the device count ``n`` (every point a simulation of the traffic at
+``n`` devices, ``SimConfig.num_devices``; with ``screen``, first on its busiest window: below):
 
 1. the lower bound any policy needs (sim/bound.py) first. Its memory count is a guess, not a
    floor: it assumes every model with a request in a 10 s window is resident at once, and a policy
@@ -13,13 +13,31 @@ traffic at ``n`` devices, ``SimConfig.num_devices``):
    to the first count that meets the target;
 2. a sweep of every count between the last failure and it, upward: attainment need not be
    monotone in the device count (a placement that fits at ``n`` may not at ``n + 1``), so the first
-   that passes is the candidate;
+   that passes is the candidate (the doubling steps skip counts: a count that passes between two
+   failing steps is not found);
 3. the ``confirm`` counts above the candidate must pass too; where one fails, the search goes on
    above it.
 
+**The busy-window screen** (``screen=True``, ``--screen``). Before a count is simulated over the
+whole traffic, it is simulated on the traffic's busiest window (the ``screen_window_s`` seconds with
+the most arrivals), after a warm-up of the ``screen_warmup_s`` seconds of traffic before it whose
+requests are served but not counted. If the window's requests alone miss more than the whole
+traffic's budget (``(1 - target)`` x requests), the count fails without its full run: the full run's
+misses include the window's, and the rest of the traffic can only add to them. One approximation
+makes this a screen rather than a proof: the devices enter the window as the warm-up left them, not
+as the traffic before it would have (resident models, rate estimates, queues). Minutes of warm-up
+reach the state the policies keep (60 s rate windows, residency driven by recent arrivals); the
+queues of an overloaded count are shorter than in the full run, which only lets a failing count
+through to its full run. A count that passes its screen is run in full, which decides it; the search
+asks the same counts in the same order, so a screen that fails no passing count leaves every answer
+as it was. A traffic whose window and warm-up hold over half its requests is not screened. It is off
+by default because it pays only where failing counts miss in bursts: a count that misses steadily
+(1-5% of the requests of every window) passes a 10-minute screen and then pays a full run as well,
+and a count that misses heavily already stops within minutes of its full run.
+
 A point that has already missed more requests than the target allows stops early (its attainment is
-known to be short, and a count far below the answer costs little). The policies are searched at
-once, their points sharing a pool of worker processes, one per core.
+known to be short, and a count far below the answer costs little), in a screen or a full run alike.
+The policies are searched at once, their points sharing a pool of worker processes, one per core.
 
 The answer's deployment is written as a prism.yaml: the user's config with the devices found and the
 policy, which ``prism serve --config`` reads.
@@ -35,6 +53,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from prism_serve.config import DeploymentConfig
 from prism_serve.sim.bound import DeviceBound, lower_bound
 from prism_serve.sim.config import ModelSLO, SimConfig
@@ -42,15 +62,50 @@ from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.deployment import SimDeployment
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.hardware import HardwareProfile, get_hardware
+from prism_serve.sim.metrics import attainment
 from prism_serve.sim.models import ServedModel
 from prism_serve.sim.simulator import simulate
 from prism_serve.workload.format import Workload
 
-__all__ = ["HOURS_PER_MONTH", "POLICIES", "Plan", "PolicyPlan", "fewest_passing", "plan", "simulate_point"]
+__all__ = [
+    "HOURS_PER_MONTH", "POLICIES", "BusyWindow", "Plan", "PolicyPlan", "busy_window", "fewest_passing",
+    "plan", "simulate_point",
+]  # fmt: skip
 
 POLICIES = ("prism", "static-partition", "dedicated", "muxserve")
 HOURS_PER_MONTH = 730.0
 METRICS = {"ttft": "ttft_attainment", "tpot": "tpot_attainment"}
+SCREEN_WINDOW_S = 600.0  # the busiest window a count is screened on
+SCREEN_WARMUP_S = 180.0  # the traffic before it that is served, not counted
+
+
+@dataclass(slots=True, frozen=True)
+class BusyWindow:
+    """Requests ``first..end - 1`` of a workload (indices in arrival order) arrive in its busiest
+    window; ``warmup..first - 1`` in the warm-up before it."""
+
+    warmup: int
+    first: int
+    end: int
+
+    def as_dict(self, workload: Workload) -> dict:
+        ts = workload.timestamps
+        return {
+            "warmup_from_s": float(ts[self.warmup]),
+            "from_s": float(ts[self.first]),
+            "to_s": float(ts[self.end - 1]),
+            "requests": self.end - self.first,
+        }
+
+
+def busy_window(workload: Workload, window_s: float, warmup_s: float) -> BusyWindow:
+    """The ``window_s`` seconds of ``workload`` with the most arrivals (the earliest such, starting
+    at an arrival), and the ``warmup_s`` seconds before it."""
+    ts = workload.timestamps
+    ends = np.searchsorted(ts, ts + window_s, side="left")
+    first = int(np.argmax(ends - np.arange(len(ts))))
+    warmup = int(np.searchsorted(ts, ts[first] - warmup_s, side="left"))
+    return BusyWindow(warmup, first, int(ends[first]))
 
 
 def fewest_passing(
@@ -60,10 +115,16 @@ def fewest_passing(
     confirm: int = 2,
     width: int = 1,
     start: int | None = None,
+    screen: Callable[[Sequence[int]], Mapping[int, bool]] | None = None,
 ) -> int | None:
     """The fewest count in ``low..high`` that passes and whose next ``confirm`` counts (up to
     ``high``) pass too; None when there is none. ``passes`` evaluates a batch of counts (in
     parallel, if it can: ``width`` at a time) and is asked each count at most once.
+
+    ``screen``: a cheaper test asked first, each count at most once: False says the count fails,
+    and ``passes`` is not asked; True, that it may pass, and ``passes`` decides. A screen that never
+    fails a count that passes leaves the answer as it is without one: the same counts are decided
+    in the same order, with the same outcomes.
 
     ``start``: a first guess (the lower bound's estimate). If it passes, counts below it are tried
     downward, ``width`` at a time, to the first failure; the lowest count of the passing run above
@@ -72,11 +133,15 @@ def fewest_passing(
     Doubling steps find a passing count; then every count between the last failure and it is
     swept upward, because attainment need not be monotone in the device count (and a failing
     count costs little: its simulation stops early); the first that passes is the answer if the
-    ``confirm`` counts above it pass too, else the search goes on above the one that failed."""
+    ``confirm`` counts above it pass too, else the search goes on above the one that failed. The
+    doubling steps skip counts: one that passes between two failing steps is not found."""
     known: dict[int, bool] = {}
 
     def ask(counts: Iterable[int]) -> None:
         todo = sorted({n for n in counts if n not in known and low <= n <= high})
+        if todo and screen is not None:
+            known.update((n, False) for n, ok in screen(todo).items() if not ok)
+            todo = [n for n in todo if n not in known]
         if todo:
             known.update(passes(todo))
 
@@ -203,13 +268,77 @@ class _Job:
     config: SimConfig
 
 
+@dataclass(slots=True, frozen=True)
+class _Screen:
+    """A count's busy-window screen (picklable): fails when the window's misses pass ``budget``."""
+
+    job: _Job
+    window: BusyWindow
+    budget: int
+    metric: str
+
+
+def _runnable(job: _Job) -> tuple[list[ServedModel], Workload]:
+    """The models that fit the cluster and the workload of their requests: a TP model wider than
+    the cluster cannot run, and its requests miss."""
+    models = [m for m in job.models if m.tp_size <= job.config.num_devices]
+    workload = job.workload
+    if len(models) < len(job.models):
+        workload = workload.restrict([m.name for m in models])
+    return models, workload
+
+
+def _screen(screen: _Screen) -> dict:
+    """Simulate the warm-up and the busy window at the job's count and count the window's misses.
+
+    Sound up to the warm-up: every request of the window is a request of the whole traffic, so the
+    full run misses at least the window's misses (as the full run would have served them) plus
+    whatever the rest adds; more than ``budget`` of them alone fail the count. The approximation is
+    the state the window starts in: the warm-up's, not the whole traffic's up to it."""
+    start = time.monotonic()
+    job, w = screen.job, screen.window
+    models, served = _runnable(job)
+    names = {m.name for m in models}
+    runnable = np.array([m in names for m in job.workload.models])[job.workload.model_index]
+    # the span's indices among the requests simulated; the window's requests that cannot be miss
+    first, warmup, end = (int(runnable[:i].sum()) for i in (w.first, w.warmup, w.end))
+    lost = (w.end - w.first) - (end - first)
+    misses, stopped = lost, False
+    if lost <= screen.budget:
+        cfg = dataclasses.replace(job.config, span=(warmup, end), count_from=first)
+        if screen.metric == "ttft":  # a TTFT outcome is known once the longest TTFT SLO has passed
+            longest = max((job.slos[m.name].ttft_s for m in models), default=0.0)
+            cfg = dataclasses.replace(
+                cfg, stop_after_ttft_misses=screen.budget - lost, drain_s=longest + 2 * cfg.tick_s
+            )
+        res = simulate(models, served, job.slos, cfg)
+        counted = res.requests[first - warmup :]  # unarrived ones (a run stopped early): "at least"
+        ttft, tpot = attainment(counted)
+        met = ttft if screen.metric == "ttft" else tpot
+        misses += len(counted) - round(met * len(counted))
+        stopped = bool(res.labels.get("stopped_early"))
+    wl = job.workload
+    out = {
+        "num_devices": job.config.num_devices,
+        "screened_out": misses > screen.budget,
+        "screen": {
+            **w.as_dict(wl), "misses": misses, "misses_at_least": stopped, "budget": screen.budget,
+            "wall_s": time.monotonic() - start,
+        },
+        "ttft_attainment": None,
+        "tpot_attainment": None,
+        "num_requests": len(wl),
+    }  # fmt: skip
+    if out["screened_out"]:  # the whole traffic's attainment is at most this
+        out[METRICS[screen.metric]] = (len(wl) - misses) / len(wl)
+    out["wall_s"] = out["screen"]["wall_s"]
+    return out
+
+
 def _run(job: _Job) -> dict:
     start = time.monotonic()
     cfg = job.config
-    models = [m for m in job.models if m.tp_size <= cfg.num_devices]
-    workload = job.workload
-    if len(models) < len(job.models):  # a TP model wider than the cluster cannot run: its requests miss
-        workload = workload.restrict([m.name for m in models])
+    models, workload = _runnable(job)
     res = simulate(models, workload, job.slos, cfg)
     out = res.summary()
     out["per_model"] = res.per_model()
@@ -240,8 +369,12 @@ def plan(
     span_s: float | None = None,
     jobs: int | None = None,
     progress: Callable[[int], None] | None = None,
+    screen: bool = False,
+    screen_window_s: float = SCREEN_WINDOW_S,
+    screen_warmup_s: float = SCREEN_WARMUP_S,
 ) -> Plan:
-    """The fewest devices per policy for ``deployment`` serving ``workload`` on ``hardware``."""
+    """The fewest devices per policy for ``deployment`` serving ``workload`` on ``hardware``;
+    ``screen``: simulate each count on the busiest window first (the module's docstring)."""
     if not 0 < target <= 1:
         raise SimConfigError(f"the target must be in (0, 1], got {target}")
     if metric not in METRICS:
@@ -271,6 +404,9 @@ def plan(
     budget = math.floor((1 - target) * len(workload) + 1e-9)
     models = tuple(deployment.models)
     workers = max(1, min(jobs or os.cpu_count() or 1, 8))
+    window = busy_window(workload, screen_window_s, screen_warmup_s) if screen else None
+    if window is not None and 2 * (window.end - window.warmup) > len(workload):
+        window = None  # the screen would cost about as much as the run
     out = {policy: PolicyPlan(policy, None) for policy in policies}
     with ProcessPoolExecutor(workers) if workers > 1 else _InProcess() as pool:
 
@@ -282,18 +418,31 @@ def plan(
                 stop_after_ttft_misses=budget if metric == "ttft" else None,
             )
 
+            def job(n: int) -> _Job:
+                return _Job(models, workload, deployment.slos, dataclasses.replace(config, num_devices=n))
+
             def passes(counts: Sequence[int]) -> dict[int, bool]:
-                batch = [
-                    _Job(models, workload, deployment.slos, dataclasses.replace(config, num_devices=n))
-                    for n in counts
-                ]
-                for n, point in zip(counts, pool.map(_run, batch), strict=True):
+                for n, point in zip(counts, pool.map(_run, [job(n) for n in counts]), strict=True):
+                    if n in pp.points:  # its screen, passed
+                        point.update(screened_out=False, screen=pp.points[n]["screen"])
+                        point["wall_s"] += pp.points[n]["wall_s"]
                     pp.points[n] = point
                     if progress is not None:
                         progress(1)
                 return {n: pp.points[n][METRICS[metric]] >= target for n in counts}
 
-            pp.devices = fewest_passing(passes, low, high, confirm, width=workers, start=guess)
+            def screened(counts: Sequence[int]) -> dict[int, bool]:
+                batch = [_Screen(job(n), window, budget, metric) for n in counts]
+                for n, point in zip(counts, pool.map(_screen, batch), strict=True):
+                    pp.points[n] = point
+                    if progress is not None:
+                        progress(1)
+                return {n: not pp.points[n]["screened_out"] for n in counts}
+
+            pp.devices = fewest_passing(
+                passes, low, high, confirm, width=workers, start=guess,
+                screen=screened if window is not None else None,
+            )  # fmt: skip
 
         # every policy's search at once: each waits for its own points, the pool keeps the cores busy
         with ThreadPoolExecutor(len(out) if workers > 1 else 1) as searches:

@@ -82,6 +82,12 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
     p.add_argument("--max-devices", type=int, default=None, help="search no further (default: 2 per TP rank)")
     p.add_argument("--confirm", type=int, default=2, help="counts above the answer that must pass too")
+    p.add_argument(
+        "--screen", action=argparse.BooleanOptionalAction, default=False,
+        help="simulate each count on the traffic's busiest 10 minutes (after 3 minutes of warm-up) before "
+        "the whole traffic: a count whose window alone misses more than the target allows fails there. "
+        "Pays where failing counts miss in bursts (default: off)",
+    )  # fmt: skip
     p.add_argument("--price-per-device-hour", type=float, default=None, metavar="USD")
     p.add_argument("--jobs", type=int, default=None, help="simulations at once (default: the cores)")
     p.add_argument("--out", type=Path, help="directory for results.json, plan.png, plan.html, prism.yaml")
@@ -134,7 +140,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             deployment, traffic.workload, hardware=hardware, target=args.target, metric=args.metric,
             policies=policies, max_devices=args.max_devices, confirm=args.confirm,
             price_per_device_hour=args.price_per_device_hour, span_s=traffic.span_s, jobs=args.jobs,
-            progress=bar.update,
+            progress=bar.update, screen=args.screen,
         )  # fmt: skip
     chosen = deployment.policy if deployment.policy in result.policies else policies[0]
     print(format_plan(result, chosen))
