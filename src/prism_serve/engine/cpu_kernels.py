@@ -53,6 +53,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-fno-math-
 # crtfastmath.o, which would turn on flush-to-zero for the whole process when the library loads.
 # The layer ops must round as torch does: no fused multiply-adds.
 SOURCES = {"paged_decode.cpp": ["-ffast-math"], "layer_ops.cpp": ["-ffp-contract=off"], "lora.cpp": []}
+HEADERS = ("bf16.h",)  # included by the sources
 
 
 class KernelBuildError(RuntimeError):
@@ -124,7 +125,9 @@ _SIGNATURES = {  # (argument types, result type) of every exported function, f32
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    sources = {name: files("prism_serve.engine").joinpath("csrc", name).read_bytes() for name in SOURCES}
+    csrc = files("prism_serve.engine").joinpath("csrc")
+    sources = {name: csrc.joinpath(name).read_bytes() for name in SOURCES}
+    headers = {name: csrc.joinpath(name).read_bytes() for name in HEADERS}
     cxx = _compiler()
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -133,11 +136,13 @@ def _library() -> ctypes.CDLL:
     parts = [version.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()]
     for name, source in sources.items():
         parts += [name.encode(), " ".join(SOURCES[name]).encode(), source]
+    for name, header in headers.items():
+        parts += [name.encode(), header]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     path = _cache_dir() / f"prism_cpu-{key}.so"
     if not path.exists():
         try:
-            _build(cxx, sources, path)
+            _build(cxx, sources, headers, path)
         except OSError as e:  # the cache directory cannot be made or written
             raise KernelBuildError(f"cannot build into {path.parent}: {e}") from e
     try:
@@ -151,11 +156,13 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def _build(cxx: str, sources: dict[str, bytes], path: Path) -> None:
+def _build(cxx: str, sources: dict[str, bytes], headers: dict[str, bytes], path: Path) -> None:
     """Compile into a private directory, then rename into place: processes that build at once
     each finish with a whole library, and the last rename wins."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        for name, header in headers.items():
+            (Path(tmp) / name).write_bytes(header)
         objects, lib = [], Path(tmp) / "k.so"
         steps = []
         for name, source in sources.items():

@@ -13,31 +13,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 namespace {
 
-inline float load(float x) { return x; }
-
-inline float load(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint16_t to_bf16(float x) {  // round to nearest even, NaN kept
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using prism::load;
+using prism::store;
+using prism::to_bf16;
 
 // The value an op of dtype T returns for the exact fp32 result x.
 inline float round_to(float x, float*) { return x; }
 inline float round_to(float x, uint16_t*) { return load(to_bf16(x)); }
-
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) { *p = to_bf16(x); }
 
 template <typename T>
 void add_rms_norm(T* x, const T* y, const T* w, T* out, int64_t rows, int64_t hidden, float eps) {

@@ -10,29 +10,12 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
-inline float load(float x) { return x; }
-
-inline float load(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline void store(float* p, float x) { *p = x; }
-
-inline void store(uint16_t* p, float x) {  // round to nearest even, NaN kept
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *p = static_cast<uint16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
+using prism::load;
+using prism::store;
 
 template <typename T>
 void lora_apply(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* a, const T* b,

@@ -16,29 +16,12 @@
 
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
-inline float load(float x) { return x; }
-
-inline float load(uint16_t x) {  // bfloat16: the high half of an fp32
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline void store(float* p, float x) { *p = x; }
-
-inline void store(uint16_t* p, float x) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *p = static_cast<uint16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
+using prism::load;
+using prism::store;
 
 // Per-thread scratch lives on the stack (about 100 KB at the limits).
 constexpr int kMaxHeads = 64;  // query heads
