@@ -274,7 +274,8 @@ class Worker:
                 adapter = read_adapter(f.path, engine.model_config, engine.config.max_lora_rank, f.name)
                 self.lora_files[key] = adapter
             engine.adapters.register(adapter)
-        except PrismError as e:  # checked by the controller when it was loaded: the files changed since
+        except Exception as e:  # checked by the controller when it was loaded: the files changed since
+            # (its requests then fail with a 400 naming it; the model and its other adapters serve on)
             logger.warning("adapter %s of %s not registered: %s", f.name, a.model, e)
 
     def _step(self, a: _Active) -> None:
