@@ -5,18 +5,14 @@ cost model, not a measurement of the user's devices.
 The search, per policy, over the device count ``n`` (every point a simulation of the traffic at
 ``n`` devices, ``SimConfig.num_devices``; with ``screen``, first on its busiest window: below):
 
-1. the lower bound any policy needs (sim/bound.py) first. Its memory count is a guess, not a
-   floor: it assumes every model with a request in a 10 s window is resident at once, and a policy
-   that swaps models in tens of milliseconds (CPU devices, small models) meets SLOs below it. So
-   if the bound passes, the counts below it are tried downward to the first failure, down to the
-   hard floor (the compute and tensor-parallel counts); if it fails, doubling steps go up from it
-   to the first count that meets the target;
-2. a sweep of every count between the last failure and it, upward: attainment need not be
-   monotone in the device count (a placement that fits at ``n`` may not at ``n + 1``), so the first
-   that passes is the candidate (the doubling steps skip counts: a count that passes between two
-   failing steps is not found);
-3. the ``confirm`` counts above the candidate must pass too; where one fails, the search goes on
-   above it.
+a sweep upward from the hard floor (the lower bound's compute and tensor-parallel counts: no
+policy passes below them, sim/bound.py), ``width`` counts at a time; the first count that passes,
+with its ``confirm`` counts above it passing too, is the answer (where a confirm count fails, the
+sweep goes on). Every count below the answer is simulated and fails: attainment need not be
+monotone in the device count (a placement that fits at ``n`` may not at ``n + 1``), so a search
+that skips counts can answer far above the fewest. The bound's memory count is not a floor: it
+assumes every model with a request in a 10 s window is resident at once, and a policy that swaps
+models in tens of milliseconds (CPU devices, small models) meets SLOs below it.
 
 **The busy-window screen** (``screen=True``, ``--screen``). Before a count is simulated over the
 whole traffic, it is simulated on the traffic's busiest window (the ``screen_window_s`` seconds with
@@ -114,27 +110,23 @@ def fewest_passing(
     high: int,
     confirm: int = 2,
     width: int = 1,
-    start: int | None = None,
     screen: Callable[[Sequence[int]], Mapping[int, bool]] | None = None,
 ) -> int | None:
     """The fewest count in ``low..high`` that passes and whose next ``confirm`` counts (up to
     ``high``) pass too; None when there is none. ``passes`` evaluates a batch of counts (in
     parallel, if it can: ``width`` at a time) and is asked each count at most once.
 
+    A sweep: counts are asked upward from ``low``, ``width`` at a time, so every count below the
+    answer has been simulated and failed. Attainment need not be monotone in the device count (a
+    policy's placement changes with it: static partitioning and MuxServe pass at 19 devices and
+    fail at 26 on the 58-model hour), so a search that skips counts (doubling steps, a bisection)
+    can answer a count far above the fewest. A failing count costs little: its simulation stops
+    once its misses pass the target's budget, the sooner the farther it is below the answer.
+
     ``screen``: a cheaper test asked first, each count at most once: False says the count fails,
     and ``passes`` is not asked; True, that it may pass, and ``passes`` decides. A screen that never
     fails a count that passes leaves the answer as it is without one: the same counts are decided
-    in the same order, with the same outcomes.
-
-    ``start``: a first guess (the lower bound's estimate). If it passes, counts below it are tried
-    downward, ``width`` at a time, to the first failure; the lowest count of the passing run above
-    it is the answer (with its ``confirm`` counts). If it fails, the search goes on above it.
-
-    Doubling steps find a passing count; then every count between the last failure and it is
-    swept upward, because attainment need not be monotone in the device count (and a failing
-    count costs little: its simulation stops early); the first that passes is the answer if the
-    ``confirm`` counts above it pass too, else the search goes on above the one that failed. The
-    doubling steps skip counts: one that passes between two failing steps is not found."""
+    in the same order, with the same outcomes."""
     known: dict[int, bool] = {}
 
     def ask(counts: Iterable[int]) -> None:
@@ -145,52 +137,17 @@ def fewest_passing(
         if todo:
             known.update(passes(todo))
 
-    def failed_above(answer: int) -> int | None:
-        """The highest of the ``confirm`` counts above ``answer`` that fails, if one does."""
-        above = range(answer + 1, min(high, answer + confirm) + 1)
-        ask(above)
-        return max((k for k in above if not known[k]), default=None)
-
-    floor = low - 1  # every answer is above this (a failure found above an earlier answer)
-    if start is not None and low <= start <= high:
-        ask([start])
-        floor = start
-        if known[start]:
-            m = start  # the lowest of the passing run that reaches down from start
-            while m > low:
-                ask(range(max(low, m - max(1, width)), m))
-                while m > low and known.get(m - 1):
-                    m -= 1
-                if m > low and (m - 1) in known:
-                    break  # m - 1 failed
-            failed = failed_above(m)
-            if failed is None:
+    step = max(1, width)
+    for first in range(low, high + 1, step):
+        batch = range(first, min(high, first + step - 1) + 1)
+        ask(batch)
+        for m in batch:
+            if not known[m]:
+                continue
+            above = range(m + 1, min(high, m + confirm) + 1)
+            ask(above)
+            if all(known[k] for k in above):
                 return m
-            floor = failed
-    while floor < high:
-        n, step, fail = floor + 1, 1, floor
-        while True:  # doubling steps up to a pass
-            ask([n])
-            if known[n]:
-                break
-            fail = n
-            if n >= high:
-                return None
-            n, step = min(high, n + step), step * 2
-        answer = n
-        m = fail + 1
-        while m < n:  # the sweep up from the last failure, ``width`` counts at a time
-            batch = range(m, min(n, m + max(1, width)))
-            ask(batch)
-            passing = [k for k in batch if known[k]]
-            if passing:
-                answer = passing[0]
-                break
-            m += max(1, width)
-        failed = failed_above(answer)
-        if failed is None:
-            return answer
-        floor = failed
     return None
 
 
@@ -398,7 +355,6 @@ def plan(
     )  # fmt: skip
     widest = max(m.tp_size for m in deployment.models)
     low = max(bound.compute_devices, bound.tp_devices, widest, 1)
-    guess = max(low, bound.devices)  # the first count tried: the bound with its memory count
     # dedicated devices for every model, twice over, always suffice for a policy that can use them
     high = max_devices or max(low, 2 * sum(m.tp_size for m in deployment.models))
     budget = math.floor((1 - target) * len(workload) + 1e-9)
@@ -440,9 +396,8 @@ def plan(
                 return {n: not pp.points[n]["screened_out"] for n in counts}
 
             pp.devices = fewest_passing(
-                passes, low, high, confirm, width=workers, start=guess,
-                screen=screened if window is not None else None,
-            )  # fmt: skip
+                passes, low, high, confirm, width=workers, screen=screened if window is not None else None
+            )
 
         # every policy's search at once: each waits for its own points, the pool keeps the cores busy
         with ThreadPoolExecutor(len(out) if workers > 1 else 1) as searches:
