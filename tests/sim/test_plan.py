@@ -308,3 +308,45 @@ def test_a_tensor_parallel_model_wider_than_the_devices_misses_its_requests() ->
     assert point["num_requests"] == len(w) and point["ttft_attainment"] == pytest.approx(1 - wide / len(w))
     row = run_point(Experiment(ms, w, slos, SimConfig(num_devices=2), slo_scale=1.0), "prism", "gpus", 1)
     assert row["num_requests"] == len(w) and row["num_rejected"] >= wide
+
+
+def test_adapters_are_their_bases_load_with_their_cost(tmp_path: Path, traces, capsys) -> None:
+    """A config with LoRA adapters plans: their requests are their base's (the traffic names them),
+    the base's shape holds its adapter slots and computes with an adapter's weights, and the
+    deployment written keeps the adapters."""
+    for name, rank, targets in (("a1", 16, ["q_proj", "v_proj"]), ("a2", 8, "all-linear-ish")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(
+            json.dumps({"peft_type": "LORA", "r": rank, "target_modules": targets})
+        )
+    config = tmp_path / "prism.yaml"
+    config.write_text(
+        'devices: [{name: "cuda:0", memory: 72GiB}]\n'
+        "models:\n"
+        '  - {name: base, source: "random:llama-3.2-1b", max_loras: 4, max_lora_rank: 16}\n'
+        f'  - {{name: a1, base: base, adapter: "{tmp_path / "a1"}"}}\n'
+        f'  - {{name: a2, base: base, adapter: "{tmp_path / "nowhere"}"}}\n'
+        '  - {name: other, source: "random:llama-3.2-1b"}\n'
+    )
+    d = sim_deployment(load_config(config))
+    assert [m.name for m in d.models] == ["base", "other"] and d.aliases == {"a1": "base", "a2": "base"}
+    base, other = d.models[0].spec, d.models[1].spec
+    c = base.config
+    per_rank = c.num_layers * sum(sum(s) for s in c.projection_shapes().values())
+    assert base.adapter_slot_bytes == 4 * 16 * per_rank * 2  # 4 slots of rank 16, bf16
+    assert base.weight_bytes == other.weight_bytes + base.adapter_slot_bytes
+    # a1: rank 16 on q and v; a2 unreadable here: costed at rank 16 on every projection (the larger)
+    assert base.adapter_params == 16 * per_rank and any("a2" in w for w in d.warnings)
+    assert base.matmul_flops_per_token == other.matmul_flops_per_token + 2 * 16 * per_rank
+    path = tmp_path / "w.jsonl"
+    spec = WorkloadSpec(("base", "a1", "a2", "other"), duration_s=120.0, total_rate=2.0, seed=1,
+                        traces_dir=traces.root)  # fmt: skip
+    write_jsonl(build_workload(spec), path)
+    out = tmp_path / "plan"
+    code = main(["plan", "--config", str(config), "--traffic", str(path), "--slo-scale", "5",
+                 "--policies", "prism,dedicated", "--out", str(out), "--jobs", "1"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["num_requests"] == len(build_workload(spec))  # the adapters' requests counted
+    written = load_config(out / "prism.yaml")
+    assert [(a.name, a.base) for a in written.adapters()] == [("a1", "base"), ("a2", "base")]

@@ -67,13 +67,7 @@ class InvalidAdapterError(PrismError):
 
 def module_shapes(config: ArchConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each adapter module of ``config``'s decoder layers."""
-    c = config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    h, m = c.hidden_size, c.intermediate_size
-    return {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, m), "up_proj": (h, m), "down_proj": (m, h),
-    }  # fmt: skip
+    return config.projection_shapes()
 
 
 def column_offsets(config: ArchConfig) -> dict[str, int]:
@@ -259,7 +253,7 @@ class LoraSlots:
     @classmethod
     def bytes_for(cls, config: ArchConfig, num_slots: int, max_rank: int, dtype: torch.dtype) -> int:
         """The memory ``num_slots`` slots of rank ``max_rank`` take beside a base of ``config``."""
-        per_rank = sum(i + o for i, o in module_shapes(config).values()) * config.num_layers
+        per_rank = config.lora_params_per_rank(MODULES)
         return num_slots * max_rank * per_rank * torch.empty((), dtype=dtype).element_size()
 
     @property

@@ -66,10 +66,10 @@ class RooflineCostModel:
         # None: attention and KV traffic run at the matmuls' rates (the datasheet profiles)
         self._attn_rate = hw.attn_flops or self._flops_rate
         self._kv_rate = hw.kv_bandwidth or self._mem_rate
-        self._consts: dict[tuple[str, int, int], tuple] = {}
+        self._consts: dict[tuple[str, int, int, int], tuple] = {}
 
     def _c(self, spec: ModelShape, tp: int) -> tuple:
-        key = (spec.name, spec.dtype_bytes, tp)
+        key = (spec.name, spec.dtype_bytes, tp, spec.adapter_params)
         c = self._consts.get(key)
         if c is None:
             hw = self.hw
@@ -96,7 +96,7 @@ class RooflineCostModel:
                 spec.matmul_flops_per_token / tp / self._flops_rate,  # s per token, compute
                 spec.attn_flops_per_pair / tp / self._attn_rate,  # s per attention pair
                 # s to stream the weights once (a MoE model's dense part: its experts are the last)
-                (spec.weight_bytes - spec.expert_params * spec.dtype_bytes) / tp / self._mem_rate,
+                spec.step_read_bytes / tp / self._mem_rate,
                 spec.kv_bytes_per_token / tp / self._kv_rate,  # s per KV token read or written
                 hw.step_overhead_s + comm_fixed,
                 comm_per_token,

@@ -15,15 +15,19 @@ same file through this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import msgspec
 
-from prism_serve.config import ConfigError, DeploymentConfig, load_config, parse_config
+from prism_serve.config import ConfigError, DeploymentConfig, ModelConfig, load_config, parse_config
 from prism_serve.engine.config import GPU_ENGINE_DEFAULTS, EngineConfig
 from prism_serve.engine.machine import resolve_dtype
+from prism_serve.engine.models.config import ArchConfig
 from prism_serve.sim.config import ModelSLO
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.models import ServedModel
@@ -32,6 +36,8 @@ from prism_serve.sim.shapes import shape_of
 __all__ = ["PRESETS", "SimDeployment", "deployment_config", "get_setup", "sim_deployment"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# the projections a LoRA adapter may name (engine/lora.py MODULES; here without torch)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _GPU_BATCH = ("max_num_seqs", "max_num_batched_tokens")  # engine/config.py GPU_ENGINE_DEFAULTS
 PRESETS = ("paper-8", "paper-18", "paper-58", "cpu-2")
 
@@ -44,6 +50,9 @@ class SimDeployment:
     policy: str
     knobs: tuple[tuple[str, object], ...]
     warnings: tuple[str, ...] = ()
+    # LoRA adapters: each adapter's name and its base's. An adapter's requests are its base's load,
+    # judged by its base's SLOs (its own TTFT SLO orders the live queue; not modelled here)
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 def deployment_config(name_or_path: str | Path) -> DeploymentConfig:
@@ -58,16 +67,22 @@ def sim_deployment(config: DeploymentConfig, gpu: bool = True) -> SimDeployment:
     """``config``'s models, SLOs, engine knobs and policy for simulated devices (``gpu``: a GPU
     profile, where ``dtype: auto`` is bf16; else a CPU profile, where it is what this machine
     runs fast)."""
-    if config.adapters():
-        names = ", ".join(a.name for a in config.adapters()[:5])
-        raise SimConfigError(
-            f"LoRA adapters ({names}) are served live but not simulated yet: plan their bases with "
-            "the adapters' traffic renamed to the base (--map adapter=base)"
-        )
-    models, slos, warnings = [], {}, []
-    for m in config.models:
+    models, slos, warnings, aliases = [], {}, [], {}
+    for m in config.served_models():
         dtype = resolve_dtype(m.dtype, "cuda" if gpu else "cpu")
-        models.append(ServedModel(m.name, shape_of(m.name, m.source, _DTYPE_BYTES[dtype]), m.tp))
+        shape = shape_of(m.name, m.source, _DTYPE_BYTES[dtype])
+        adapters = [a for a in config.adapters() if a.base == m.name]
+        slots = config.max_loras(m)
+        if slots:
+            params = [_adapter_params(shape.config, a, m.max_lora_rank, warnings) for a in adapters]
+            shape = dataclasses.replace(
+                shape,
+                adapter_slot_bytes=slots * m.max_lora_rank * shape.config.lora_params_per_rank(LORA_MODULES)
+                * _DTYPE_BYTES[dtype],
+                adapter_params=max(params, default=0),
+            )  # fmt: skip
+        aliases.update((a.name, m.name) for a in adapters)
+        models.append(ServedModel(m.name, shape, m.tp))
         slos[m.name] = ModelSLO(m.ttft_slo, m.tpot_slo)
     first = config.models[0]
     engine = first.engine_config("cuda" if gpu else "cpu")
@@ -75,11 +90,11 @@ def sim_deployment(config: DeploymentConfig, gpu: bool = True) -> SimDeployment:
         unset = [k for k in _GPU_BATCH if k not in first.model_fields_set]
         engine = msgspec.structs.replace(engine, **{k: getattr(GPU_ENGINE_DEFAULTS, k) for k in unset})
     for knob in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-        values = sorted({getattr(m, knob) for m in config.models})
+        values = sorted({getattr(m, knob) for m in config.served_models()})
         if len(values) > 1:
             warnings.append(f"models differ in {knob} ({values}); the simulator uses {getattr(engine, knob)}")
     knobs = tuple(sorted((k, _hashable(v)) for k, v in config.policy.knobs.items()))
-    return SimDeployment(models, slos, engine, config.policy.name, knobs, tuple(warnings))
+    return SimDeployment(models, slos, engine, config.policy.name, knobs, tuple(warnings), aliases)
 
 
 def get_setup(name: str) -> list[ServedModel]:
@@ -98,3 +113,22 @@ def _hashable(v: object) -> object:
     if isinstance(v, dict):
         return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
     return v
+
+
+def _adapter_params(config: ArchConfig, adapter: ModelConfig, max_rank: int, warnings: list[str]) -> int:
+    """One adapter's weights, from its adapter_config.json (rank, target modules); where that is
+    not readable here, the most its base's slots allow (max_lora_rank on every projection)."""
+    try:
+        cfg = json.loads((Path(adapter.adapter).expanduser() / "adapter_config.json").read_text())
+        rank = int(cfg["r"])
+        targets = cfg.get("target_modules") or ["q_proj", "v_proj"]
+        modules = [
+            m for m in LORA_MODULES if (m in targets if isinstance(targets, list) else re.search(targets, m))
+        ]
+        return rank * config.lora_params_per_rank(modules or LORA_MODULES)
+    except (OSError, ValueError, KeyError, TypeError, re.error):
+        warnings.append(
+            f"adapter {adapter.name}: its adapter_config.json is not readable here; costed at "
+            f"rank {max_rank} on every projection"
+        )
+        return max_rank * config.lora_params_per_rank(LORA_MODULES)

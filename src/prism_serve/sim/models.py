@@ -49,6 +49,10 @@ class ModelShape:
     # elements cached per token and layer when not a K and a V per KV head: multi-head latent
     # attention caches one latent vector (and its RoPE part)
     latent_kv: int | None = None
+    # LoRA adapters over this model (runtime/adapters.py): the slots beside its weights (memory
+    # only), and the weights of one adapter, which a step reads and each token computes with
+    adapter_slot_bytes: int = 0
+    adapter_params: int = 0
 
     @property
     def num_params(self) -> int:
@@ -79,7 +83,14 @@ class ModelShape:
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
+        """What a device holds for it besides KV: the weights and any adapter slots."""
+        return self.num_params * self.dtype_bytes + self.adapter_slot_bytes
+
+    @property
+    def step_read_bytes(self) -> int:
+        """The weights one step streams (a dense model's; a MoE model's experts are apart): the
+        base's and one adapter's, not the empty slots."""
+        return (self.num_params - self.expert_params + self.adapter_params) * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -92,7 +103,7 @@ class ModelShape:
         """2 FLOPs per weight used in a matmul; the input embedding is a lookup, not a matmul."""
         c = self.config
         lookup = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
-        return 2.0 * (self.active_params - lookup)
+        return 2.0 * (self.active_params + self.adapter_params - lookup)
 
     @property
     def attn_flops_per_pair(self) -> float:

@@ -115,7 +115,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         start_s=args.start,
         duration_s=args.duration,
         rate_scale=args.rate_scale,
-        map=dict(args.map),
+        map={**deployment.aliases, **dict(args.map)},  # an adapter's requests are its base's load
         skip_bad=args.skip_bad,
         ignore_unknown=args.ignore_unknown,
     )

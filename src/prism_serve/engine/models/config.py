@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,21 @@ class ArchConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each projection of a decoder layer, by its checkpoint name (what
+        a LoRA adapter's modules are: engine/lora.py)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, m = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, m), "up_proj": (h, m), "down_proj": (m, h),
+        }  # fmt: skip
+
+    def lora_params_per_rank(self, modules: Iterable[str]) -> int:
+        """A LoRA adapter's weights per unit of rank on ``modules`` of every layer: in + out each."""
+        shapes = self.projection_shapes()
+        return self.num_layers * sum(sum(shapes[m]) for m in modules)
 
     # ---- constructors -------------------------------------------------------------------------
 
