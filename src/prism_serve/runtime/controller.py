@@ -214,6 +214,10 @@ class Controller:
         """Register adapter ``name`` (PEFT directory ``path``) over ``base`` (None: the one model with
         adapter slots), checked against the base's shape; the workers running the base take it at
         once, later activations with the base. InvalidAdapterError (400) naming what is wrong."""
+        if not name or name.strip() != name or len(name) > 256 or REPLICA_SEPARATOR in name:
+            raise InvalidAdapterError(
+                f"adapter name {quoted(name)}: 1-256 characters, no '#', no spaces around it"
+            )
         bases = [n for n, s in self.specs.items() if s.engine.max_loras and s.engine_kind == "builtin"]
         if base is None:
             if len(bases) != 1:
@@ -222,14 +226,10 @@ class Controller:
                     f"adapter slots: {', '.join(bases) or 'none (set max_loras on a model)'}"
                 )
             base = bases[0]
-        if base not in self.specs or self.models.adapters.get(base) is not None:
-            raise InvalidAdapterError(f"adapter {name!r}: base {base!r} is not a model served here")
+        if base not in self.specs:
+            raise InvalidAdapterError(f"adapter {name!r}: base {quoted(base)} is not a model served here")
         if base not in bases:
             raise InvalidAdapterError(f"adapter {name!r}: base {base!r} has no adapter slots (max_loras: 0)")
-        if not name or name.strip() != name or len(name) > 256 or REPLICA_SEPARATOR in name:
-            raise InvalidAdapterError(
-                f"adapter name {quoted(name)}: 1-256 characters, no '#', no spaces around it"
-            )
         if name in self.specs or name in self.models.adapters.by_name:
             raise InvalidAdapterError(f"adapter {name!r}: the name is taken (a model or an adapter)")
         b = self.models.served(base)
@@ -261,8 +261,8 @@ class Controller:
                     self.requests.fail(r, WorkerDiedError(f"adapter {name} was unloaded"))
             while any(not r.done for r in users):
                 await asyncio.sleep(poll_s)
-            for m in self.models.slots(spec.base):
-                if m.worker is not None and m.state is ModelState.ACTIVE:
+            for m in self.models.slots(spec.base):  # active or activating, as load_adapter
+                if m.worker is not None:
                     self.pool.try_send(m.worker, msg.encode(msg.UnloadAdapter(name)))
         finally:
             self.models.adapters.remove(name)
