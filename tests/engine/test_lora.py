@@ -163,3 +163,14 @@ def test_bad_adapters_are_refused_naming_the_problem(tmp_path, smollm, adapters)
     other = replace(cfg, intermediate_size=cfg.intermediate_size * 2)  # an adapter for another base shape
     with pytest.raises(InvalidAdapterError, match="another base"):
         read_adapter(good, other, max_rank=64)
+
+
+def test_a_rank_zero_adapter_or_a_bad_pattern_is_named_not_a_crash(tmp_path, smollm):
+    from safetensors.torch import save_file
+
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{key}.lora_A.weight": torch.zeros(0, 576), f"{key}.lora_B.weight": torch.zeros(576, 0)},
+              str(tmp_path / "adapter_model.safetensors"))  # fmt: skip
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "alpha_pattern": {"([": 3}}))
+    with pytest.raises(InvalidAdapterError, match="needs A"):
+        read_adapter(tmp_path, smollm.config, max_rank=16)

@@ -99,7 +99,11 @@ def _pattern_value(patterns: dict, module_path: str, default):
     """PEFT's rank_pattern / alpha_pattern: the value of the first key that names this module (a
     regular expression over its dotted path, or a suffix of it)."""
     for key, value in (patterns or {}).items():
-        if module_path == key or module_path.endswith("." + key) or re.fullmatch(f".*\\.{key}", module_path):
+        try:
+            named = re.fullmatch(f".*\\.{key}", module_path) is not None
+        except re.error:
+            named = False
+        if module_path == key or module_path.endswith("." + key) or named:
             return value
     return default
 
@@ -159,7 +163,9 @@ def read_adapter(path: str | Path, config: ArchConfig, max_rank: int, name: str 
     for key, t in tensors.items():
         m = _KEY.search(key)
         if m is None:
-            raise InvalidAdapterError(f"{where}: tensor {key!r} is not a LoRA weight of a decoder projection")
+            raise InvalidAdapterError(
+                f"{where}: tensor {quoted(key)} is not a LoRA weight of a decoder projection"
+            )
         layer, module, half = int(m.group(1)), m.group(2), m.group(3)
         if module not in MODULES:
             raise InvalidAdapterError(f"{where}: module {module!r} is not one of {', '.join(MODULES)}")
@@ -178,8 +184,8 @@ def read_adapter(path: str | Path, config: ArchConfig, max_rank: int, name: str 
             raise InvalidAdapterError(f"{where}: layer {layer} {module} has lora_{''.join(pair)} only")
         a, b = pair["A"], pair["B"]
         fan_in, fan_out = shapes[module]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
+        r = a.shape[0] if a.dim() == 2 else -1
+        if r < 1 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
             raise InvalidAdapterError(
                 f"{where}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; a base of "
                 f"this shape needs A [r, {fan_in}] and B [{fan_out}, r] (an adapter for another base?)"
@@ -188,7 +194,7 @@ def read_adapter(path: str | Path, config: ArchConfig, max_rank: int, name: str 
             raise InvalidAdapterError(f"{where}: rank {r} is above this base's max_lora_rank {max_rank}")
         module_path = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
         alpha = float(_pattern_value(cfg.get("alpha_pattern"), module_path, alpha_default))
-        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        scale = alpha / math.sqrt(r) if rslora else alpha / r  # r >= 1: checked above
         weights[layer, module] = ((a.float() * scale).contiguous(), b.float().contiguous())
         top = max(top, r)
     targets = tuple(sorted({m for _, m in weights}, key=list(MODULES).index))
