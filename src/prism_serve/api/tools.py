@@ -301,9 +301,9 @@ def parser_for_template(template: str | None) -> str:
     """The tool-call format a chat template teaches (hermes where it teaches none: the system
     message prompt above asks for it)."""
     t = template or ""
-    if "[TOOL_CALLS]" in t:
+    if MARKERS["mistral"][0] in t:
         return "mistral"
-    if "<|python_tag|>" in t or "ipython" in t:
+    if MARKERS["llama3_json"][0] in t or "ipython" in t:
         return "llama3_json"
     return "hermes"
 
@@ -339,7 +339,7 @@ def _json_answer(text: str, tools: dict[str, Tool]) -> list[ToolCall] | None:
     fenced = _FENCE.match(body)
     if fenced:
         body = fenced.group(1)
-    for prefix in ("<|python_tag|>", "[TOOL_CALLS]"):
+    for prefix in (*MARKERS["llama3_json"], *MARKERS["mistral"]):
         body = body.removeprefix(prefix).strip()
     if not body or body[0] not in "[{":
         return None
@@ -528,7 +528,8 @@ def auto_grammar(tools: list[Tool], parallel: bool, fmt: ToolFormat) -> str:
             many = _compact({"type": "array", "items": _any_call(tools, key), "minItems": 1})
             rules = ["start: TEXT | WS? calls", f"calls: %json {json.dumps(one)}"
                      + (f" | %json {json.dumps(many)}" if parallel else "")]  # fmt: skip
-        rules.append(r"TEXT: /(?s:.*)/ & ~/(?s:\s*(```(json)?\s*)?[\[{].*)/ & ~/(?s:\s*<\|python_tag\|>.*)/")
+        tag = re.escape(MARKERS["llama3_json"][0])
+        rules.append(rf"TEXT: /(?s:.*)/ & ~/(?s:\s*(```(json)?\s*)?[\[{{].*)/ & ~/(?s:\s*{tag}.*)/")
     # whitespace around calls is bounded: a model may not spend its tokens on it
     return "\n".join(["%llguidance {}", *rules, r"WS: /[ \t\r\n]{1,8}/"])
 
@@ -636,8 +637,8 @@ def _delta(i: int, call: ToolCall, arguments: str) -> dict:
     }
 
 
-_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}  # where a family's call starts, anywhere
-_OPENERS = ("```", "<|python_tag|>")  # besides { and [: what may open an answer that is all calls
+_MARKERS = {f: MARKERS[f][0] for f in ("hermes", "mistral")}  # where a family's call starts, anywhere
+_OPENERS = ("```", *MARKERS["llama3_json"])  # besides { and [: what may open an answer that is all calls
 
 
 def _partial_marker(text: str, family: str) -> int:
