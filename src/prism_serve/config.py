@@ -376,11 +376,27 @@ class DeploymentConfig(_Strict):
                 )
             if base.max_loras == 0:
                 raise ValueError(f"model {m.name}: base {m.base!r} has max_loras: 0 (no adapter slots)")
-            for slo in ("ttft_slo", "tpot_slo"):  # unset: its base's
-                if slo not in m.model_fields_set:
-                    object.__setattr__(m, slo, getattr(base, slo))
-                    m.model_fields_set.add(slo)
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adapter_slos(cls, data: Any) -> Any:
+        """An adapter entry's SLOs it leaves out are its base entry's (read before validation, so
+        that each entry is validated once, with its values)."""
+        if not isinstance(data, dict) or not isinstance(data.get("models"), list):
+            return data
+        entries = {
+            m.get("name"): m for m in data["models"] if isinstance(m, dict) and isinstance(m.get("name"), str)
+        }
+        models = []
+        for m in data["models"]:
+            base = (
+                entries.get(m.get("base")) if isinstance(m, dict) and isinstance(m.get("base"), str) else None
+            )
+            if base is not None:
+                m = {**{k: base[k] for k in ("ttft_slo", "tpot_slo") if k in base}, **m}
+            models.append(m)
+        return {**data, "models": models}
 
     def served_models(self) -> list[ModelConfig]:
         """The models with engines of their own (adapters run on their bases')."""
