@@ -36,7 +36,6 @@ from safetensors.torch import save_file
 import common
 from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.llm_engine import LLMEngine
-from prism_serve.engine.lora import module_shapes
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.weights import load_weights
 
@@ -47,7 +46,7 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 def write_adapter(path: Path, config, rank: int, targets: tuple[str, ...], seed: int) -> Path:
     """A rank-``rank`` LoRA of random A and B on ``targets``, as PEFT saves one."""
     g = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(config)
+    shapes = config.projection_shapes()
     tensors = {}
     for layer in range(config.num_layers):
         for m in targets:

@@ -20,7 +20,6 @@ rows are grouped by adapter and each group is two matmuls.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from prism_serve.engine.models.config import ArchConfig
+from prism_serve.engine.sources import json_object
 from prism_serve.errors import PrismError, quoted
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "LoraAdapter",
     "LoraRows",
     "LoraSlots",
-    "module_shapes",
     "read_adapter",
 ]
 
@@ -65,17 +64,13 @@ class InvalidAdapterError(PrismError):
     code = "invalid_adapter"
 
 
-def module_shapes(config: ArchConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each adapter module of ``config``'s decoder layers."""
-    return config.projection_shapes()
-
-
 def column_offsets(config: ArchConfig) -> dict[str, int]:
-    """Where each module's output starts in its fused linear's output."""
-    c = config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return {"q_proj": 0, "k_proj": q, "v_proj": q + kv, "o_proj": 0, "gate_proj": 0,
-            "up_proj": c.intermediate_size, "down_proj": 0}  # fmt: skip
+    """Where each module's output starts in its fused linear's output (MODULES' order within each)."""
+    shapes, at, out = config.projection_shapes(), {}, {}
+    for module, fused in MODULES.items():
+        out[module] = at.get(fused, 0)
+        at[fused] = out[module] + shapes[module][1]
+    return out
 
 
 @dataclass
@@ -86,7 +81,6 @@ class LoraAdapter:
     name: str
     path: str
     rank: int  # the largest rank of its modules
-    alpha: float
     target_modules: tuple[str, ...]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
 
@@ -124,12 +118,7 @@ def read_adapter(path: str | Path, config: ArchConfig, max_rank: int, name: str 
         found = False
     if not found:
         raise InvalidAdapterError(f"{where}: no adapter_config.json (a PEFT LoRA directory is expected)")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-        if not isinstance(cfg, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
-        raise InvalidAdapterError(f"{where}: adapter_config.json is not readable JSON ({e})") from None
+    cfg = json_object(cfg_file, InvalidAdapterError)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise InvalidAdapterError(
             f"{where}: peft_type {cfg.get('peft_type')!r}; only LORA adapters are served"
@@ -158,7 +147,7 @@ def read_adapter(path: str | Path, config: ArchConfig, max_rank: int, name: str 
         except (SafetensorError, OSError, ValueError) as e:
             raise InvalidAdapterError(f"{where}: cannot read {f.name}: {e}") from None
 
-    shapes = module_shapes(config)
+    shapes = config.projection_shapes()
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.search(key)
@@ -198,18 +187,20 @@ def read_adapter(path: str | Path, config: ArchConfig, max_rank: int, name: str 
         weights[layer, module] = ((a.float() * scale).contiguous(), b.float().contiguous())
         top = max(top, r)
     targets = tuple(sorted({m for _, m in weights}, key=list(MODULES).index))
-    return LoraAdapter(name, str(path), top, alpha_default, targets, weights)
+    return LoraAdapter(name, str(path), top, targets, weights)
 
 
 @dataclass
 class LoraRows:
-    """Which slot each row (token) of a forward pass uses: ``slots`` [T] int64, -1 for the base."""
+    """Which slot each row (token) of a forward pass uses: ``slots`` [T] int64, -1 for the base;
+    ``kernel``: through the CPU kernel (the runner's one decision, AttentionMetadata.kernels)."""
 
     slots: torch.Tensor
     lora: LoraSlots
+    kernel: bool
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.lora.apply(layer, fused, x, y, self.slots)
+        self.lora.apply(layer, fused, x, y, self.slots, self.kernel)
 
 
 class LoraSlots:
@@ -232,7 +223,7 @@ class LoraSlots:
                                   device=device)  # fmt: skip
         else:
             storage[: self.bytes_for(config, num_slots, max_rank, dtype)].zero_()
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         self.a, self.b = {}, {}
         for (kind, layer, module), (start, shape) in layout.items():
             n = math.prod(shape)
@@ -247,7 +238,7 @@ class LoraSlots:
     @staticmethod
     def _layout(config: ArchConfig, num_slots: int, max_rank: int) -> dict[tuple, tuple[int, tuple]]:
         """(``a``/``b``, layer, module) -> (element offset, shape) of each stacked tensor."""
-        shapes = module_shapes(config)
+        shapes = config.projection_shapes()
         out, at = {}, 0
         for layer in range(config.num_layers):
             for m in MODULES:
@@ -259,12 +250,7 @@ class LoraSlots:
     @classmethod
     def bytes_for(cls, config: ArchConfig, num_slots: int, max_rank: int, dtype: torch.dtype) -> int:
         """The memory ``num_slots`` slots of rank ``max_rank`` take beside a base of ``config``."""
-        per_rank = config.lora_params_per_rank(MODULES)
-        return num_slots * max_rank * per_rank * torch.empty((), dtype=dtype).element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
+        return num_slots * max_rank * config.lora_params_per_rank() * dtype.itemsize
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy ``adapter`` into ``slot`` (what was there is cleared)."""
@@ -286,8 +272,11 @@ class LoraSlots:
         self.ranks[:, :, slot] = 0
         self.names[slot] = None
 
-    def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> None:
-        """``y`` (the fused linear's output for input ``x``) += each row's adapter update."""
+    def apply(
+        self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, kernel: bool
+    ) -> None:
+        """``y`` (the fused linear's output for input ``x``) += each row's adapter update, through
+        the CPU kernel with ``kernel`` (else grouped torch ops)."""
         from prism_serve.engine import cpu_kernels
 
         for module in self._fused[fused]:
@@ -295,7 +284,7 @@ class LoraSlots:
             a, b = self.a[layer, module], self.b[layer, module]
             start = self.offsets[module]
             out = y.narrow(-1, start, b.shape[2])
-            if x.is_cpu and cpu_kernels.kernels_enabled() and x.dtype in (torch.float32, torch.bfloat16):
+            if kernel:
                 cpu_kernels.lora_apply(x, out, a, b, slots, ranks)
             else:
                 _apply_grouped(x, out, a, b, slots, ranks)
@@ -359,10 +348,6 @@ class AdapterSlots:
         except ValueError:
             return None
 
-    def in_use(self, name: str) -> int:
-        slot = self.slot_of(name)
-        return 0 if slot is None else self._refs[slot]
-
     def acquire(self, seq) -> bool:  # seq: engine.sequence.Sequence
         """Give ``seq``'s adapter a slot (True), or say it must wait for one (False)."""
         if seq.adapter is None or seq.lora_slot is not None:
@@ -389,13 +374,13 @@ class AdapterSlots:
             self._refs[seq.lora_slot] -= 1
             seq.lora_slot = None
 
-    def rows(self, scheduled) -> LoraRows | None:
-        """Each new token's slot for a step of ``scheduled`` (ScheduledSeq, in batch order); None
-        when no row uses an adapter."""
+    def rows(self, scheduled, device: torch.device, kernel: bool) -> LoraRows | None:
+        """Each new token's slot for a step of ``scheduled`` (ScheduledSeq, in batch order), on
+        ``device``; None when no row uses an adapter."""
         if not any(s.seq.lora_slot is not None for s in scheduled):
             return None
         slots = []
         for s in scheduled:
             slot = -1 if s.seq.lora_slot is None else s.seq.lora_slot
             slots.extend([slot] * s.num_new_tokens)
-        return LoraRows(torch.tensor(slots, dtype=torch.int64), self.slots)
+        return LoraRows(torch.tensor(slots, dtype=torch.int64, device=device), self.slots, kernel)

@@ -87,7 +87,7 @@ class ModelRunner:
         order = sorted(range(len(sched.scheduled)), key=lambda i: sched.scheduled[i].num_new_tokens != 1)
         batch = [sched.scheduled[i] for i in order]
         graphs = self.graphs
-        lora = self.adapters.rows(batch) if self.adapters is not None else None
+        lora = self.adapters.rows(batch, self.device, self.kernels) if self.adapters is not None else None
         if (
             graphs is not None and lora is None and 0 < len(batch) <= graphs.max_batch
             and batch[-1].num_new_tokens == 1
@@ -96,8 +96,6 @@ class ModelRunner:
             last_index = list(range(len(batch)))
         else:
             input_ids, positions, meta, last_index = self._prepare(batch)
-            if lora is not None:
-                lora.slots = lora.slots.to(input_ids.device)
             hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, lora)
 
         for s, last in zip(batch, last_index, strict=True):

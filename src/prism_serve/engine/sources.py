@@ -22,6 +22,7 @@ __all__ = [
     "generation_defaults",
     "gguf_header",
     "hf_config",
+    "json_object",
     "read_gguf_metadata",
 ]
 
@@ -67,10 +68,10 @@ def hf_config(path: Path) -> dict[str, Any]:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise UnsupportedModelError(f"{path}: expected a .gguf file or a directory with config.json")
-    return _json_object(cfg_path, CorruptWeightsError)
+    return json_object(cfg_path, CorruptWeightsError)
 
 
-def _json_object(path: Path, error: type[Exception]) -> dict[str, Any]:
+def json_object(path: Path, error: type[Exception]) -> dict[str, Any]:
     """A JSON file that must hold an object; ``error`` names the file when it does not."""
     try:
         value = json.loads(path.read_text())
@@ -97,7 +98,7 @@ def generation_defaults(source: str) -> dict[str, float | int]:
     path = Path(source).expanduser() / "generation_config.json"
     if source.startswith(RANDOM_PREFIX) or not path.is_file():
         return {}
-    cfg = _json_object(path, ValueError)
+    cfg = json_object(path, ValueError)
     out: dict[str, float | int] = {}
     for key, name in _GENERATION_KEYS.items():
         value = cfg.get(key)

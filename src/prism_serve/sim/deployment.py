@@ -16,7 +16,6 @@ same file through this module.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -28,6 +27,7 @@ from prism_serve.config import ConfigError, DeploymentConfig, ModelConfig, load_
 from prism_serve.engine.config import GPU_ENGINE_DEFAULTS, EngineConfig
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.engine.models.config import ArchConfig
+from prism_serve.engine.sources import json_object
 from prism_serve.sim.config import ModelSLO
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.models import ServedModel
@@ -36,8 +36,6 @@ from prism_serve.sim.shapes import shape_of
 __all__ = ["PRESETS", "SimDeployment", "deployment_config", "get_setup", "sim_deployment"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-# the projections a LoRA adapter may name (engine/lora.py MODULES; here without torch)
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _GPU_BATCH = ("max_num_seqs", "max_num_batched_tokens")  # engine/config.py GPU_ENGINE_DEFAULTS
 PRESETS = ("paper-8", "paper-18", "paper-58", "cpu-2")
 
@@ -77,7 +75,7 @@ def sim_deployment(config: DeploymentConfig, gpu: bool = True) -> SimDeployment:
             params = [_adapter_params(shape.config, a, m.max_lora_rank, warnings) for a in adapters]
             shape = dataclasses.replace(
                 shape,
-                adapter_slot_bytes=slots * m.max_lora_rank * shape.config.lora_params_per_rank(LORA_MODULES)
+                adapter_slot_bytes=slots * m.max_lora_rank * shape.config.lora_params_per_rank()
                 * _DTYPE_BYTES[dtype],
                 adapter_params=max(params, default=0),
             )  # fmt: skip
@@ -119,16 +117,15 @@ def _adapter_params(config: ArchConfig, adapter: ModelConfig, max_rank: int, war
     """One adapter's weights, from its adapter_config.json (rank, target modules); where that is
     not readable here, the most its base's slots allow (max_lora_rank on every projection)."""
     try:
-        cfg = json.loads((Path(adapter.adapter).expanduser() / "adapter_config.json").read_text())
+        cfg = json_object(Path(adapter.adapter).expanduser() / "adapter_config.json", ValueError)
         rank = int(cfg["r"])
         targets = cfg.get("target_modules") or ["q_proj", "v_proj"]
-        modules = [
-            m for m in LORA_MODULES if (m in targets if isinstance(targets, list) else re.search(targets, m))
-        ]
-        return rank * config.lora_params_per_rank(modules or LORA_MODULES)
+        named = targets.__contains__ if isinstance(targets, list) else lambda m: re.search(targets, m)
+        modules = [m for m in config.projection_shapes() if named(m)]
+        return rank * config.lora_params_per_rank(modules or None)
     except (OSError, ValueError, KeyError, TypeError, re.error):
         warnings.append(
             f"adapter {adapter.name}: its adapter_config.json is not readable here; costed at "
             f"rank {max_rank} on every projection"
         )
-        return max_rank * config.lora_params_per_rank(LORA_MODULES)
+        return max_rank * config.lora_params_per_rank()

@@ -71,10 +71,11 @@ class ArchConfig:
             "gate_proj": (h, m), "up_proj": (h, m), "down_proj": (m, h),
         }  # fmt: skip
 
-    def lora_params_per_rank(self, modules: Iterable[str]) -> int:
-        """A LoRA adapter's weights per unit of rank on ``modules`` of every layer: in + out each."""
+    def lora_params_per_rank(self, modules: Iterable[str] | None = None) -> int:
+        """A LoRA adapter's weights per unit of rank on ``modules`` (None: every projection) of every
+        layer: in + out each."""
         shapes = self.projection_shapes()
-        return self.num_layers * sum(sum(shapes[m]) for m in modules)
+        return self.num_layers * sum(sum(shapes[m]) for m in (shapes if modules is None else modules))
 
     # ---- constructors -------------------------------------------------------------------------
 
