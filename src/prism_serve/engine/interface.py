@@ -23,9 +23,13 @@ class WorkerEngine(Protocol):
     stalled: bool  # the ledger refused KV memory a waiting request needs: poll again soon
     last_step_seqs: int  # requests in the last step, and the tokens it fed (statistics)
     last_step_tokens: int
+    adapters: Any  # its LoRA adapters (engine/lora.py AdapterSlots); None where it serves none
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str) -> None:
-        """Queue a request; a bad one raises a PrismError (InvalidRequestError and its kind)."""
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, req_id: str, adapter: str | None = None
+    ) -> None:
+        """Queue a request (with LoRA ``adapter``, a registered one); a bad one raises a PrismError
+        (InvalidRequestError and its kind)."""
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step: what each request produced since the last one."""

@@ -156,6 +156,7 @@ class VllmEngine(RequestCounts):
         self._pool.get_num_free_blocks = self._usable_free_blocks
         self._requests: dict[str, _Request] = {}
         self.stalled = False  # the ledger refused the KV pages a waiting request needs
+        self.adapters = None  # LoRA adapters run on the built-in engine (a config error for vLLM bases)
         self.last_step_seqs = 0
         self.last_step_tokens = 0
         self.last_step_batch = None
@@ -337,7 +338,11 @@ class VllmEngine(RequestCounts):
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str) -> None:
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, req_id: str, adapter: str | None = None
+    ) -> None:
+        if adapter is not None:
+            raise InvalidRequestError(f"adapter {adapter!r}: LoRA adapters run on the built-in engine")
         if req_id in self._requests:
             raise InvalidRequestError(f"request id {req_id!r} is already running")
         if not prompt_token_ids:

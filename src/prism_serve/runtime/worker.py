@@ -189,8 +189,7 @@ class Worker:
                     self._register_adapter(self.active, m.adapter)
             case msg.UnloadAdapter():
                 a = self.active
-                slots = getattr(a.engine, "adapters", None) if a is not None else None
-                if a is not None and slots is not None and m.name in slots.adapters:
+                if a is not None and a.engine.adapters is not None and m.name in a.engine.adapters.adapters:
                     a.engine.remove_lora(m.name, force=True)
                     self._send(msg.StepOutputs([], self._stats(a)))  # its requests' KV is free
             case msg.Shutdown():
@@ -255,17 +254,14 @@ class Worker:
             self._fail(m.req_id, InvalidRequestError(f"worker {self.worker_id} serves no model"))
             return
         try:
-            if m.adapter is not None:
-                self.active.engine.add_request(m.prompt_token_ids, m.params, m.req_id, adapter=m.adapter)
-            else:
-                self.active.engine.add_request(m.prompt_token_ids, m.params, m.req_id)
+            self.active.engine.add_request(m.prompt_token_ids, m.params, m.req_id, m.adapter)
         except PrismError as e:
             self._fail(m.req_id, e)
 
     def _register_adapter(self, a: _Active, f: msg.AdapterFile) -> None:
         """Register a LoRA adapter in the active engine, its files read once per worker."""
         engine = a.engine
-        if getattr(engine, "adapters", None) is None or f.name in engine.adapters.adapters:
+        if engine.adapters is None or f.name in engine.adapters.adapters:
             return
         key = (f.path, f.name, engine.config.max_lora_rank)
         adapter = self.lora_files.get(key)
