@@ -7,6 +7,7 @@ adapter slots are granted from the ledger with its weights and go back with them
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -119,11 +120,21 @@ def test_adapter_and_base_answers_equal_peft_merged_models_in_one_batch(server, 
     assert admin(server, "unload_lora_adapter", {"lora_name": "legal"}).status_code == 200
 
 
+def adapter_files(server: ServerProcess) -> set[str]:
+    return {f for f in shm_files(server.namespace) if f.endswith(".lora")}
+
+
 def test_unloading_waits_for_the_adapters_requests_then_it_is_gone(server, lora):
+    before = adapter_files(server)
+    assert len(before) == 1  # the configured adapter's checked weights, in the host cache
     assert (
         admin(server, "load_lora_adapter", {"lora_name": "temp", "lora_path": str(lora["mlp"])}).status_code
         == 200
     )
+    (added,) = adapter_files(server) - before
+    size = os.path.getsize(f"/dev/shm/{added}")
+    # rank 16 over gate/up/down of 30 layers, float32: the adapter's own bytes (64-byte aligned)
+    assert 30 * 16 * 3 * (576 + 1536) * 4 <= size < 30 * 16 * 3 * (576 + 1536) * 4 + 30 * 3 * 64
     chunks = []
 
     def stream() -> None:
@@ -142,6 +153,7 @@ def test_unloading_waits_for_the_adapters_requests_then_it_is_gone(server, lora)
     with pytest.raises(openai.NotFoundError):
         client(server).completions.create(model="temp", prompt="hi", max_tokens=2)
     assert "temp" not in {m.id for m in client(server).models.list().data}
+    assert adapter_files(server) == before  # its host cache file went with it
 
 
 def test_forced_unload_fails_the_adapters_requests_and_others_keep_serving(server, lora):

@@ -9,10 +9,15 @@ class with these members and a way to build it from an ``ActivateModel``.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.sequence import RequestOutput
+
+if TYPE_CHECKING:
+    from prism_serve.engine.lora import LoraAdapter
+    from prism_serve.engine.models.config import ArchConfig
 
 __all__ = ["RequestCounts", "WorkerEngine", "WorkerKV"]
 
@@ -23,7 +28,16 @@ class WorkerEngine(Protocol):
     stalled: bool  # the ledger refused KV memory a waiting request needs: poll again soon
     last_step_seqs: int  # requests in the last step, and the tokens it fed (statistics)
     last_step_tokens: int
-    adapters: Any  # its LoRA adapters (engine/lora.py AdapterSlots); None where it serves none
+    # its LoRA adapters (``.adapters``: the registered ones by name); None where it serves none
+    adapters: Any
+
+    def register_adapter(self, name: str, path: str, load: Callable[[ArchConfig, int], LoraAdapter]) -> None:
+        """Register LoRA adapter ``name`` (PEFT directory ``path``); ``load(config, max_rank)`` gives
+        its checked weights where the engine takes them from the caller (the built-in engine: views
+        of the host cache), while vLLM reads the directory itself."""
+
+    def remove_lora(self, name: str, force: bool = False) -> list[str]:
+        """Forget adapter ``name``; with ``force`` its requests are aborted (their ids returned)."""
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, req_id: str, adapter: str | None = None

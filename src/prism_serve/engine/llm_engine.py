@@ -23,6 +23,7 @@ from prism_serve.engine.lora import (
     read_adapter,
 )
 from prism_serve.engine.machine import keep_freed_buffers, resolve_dtype
+from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.runner import ModelRunner
 from prism_serve.engine.sampling_params import SamplingParams
@@ -174,6 +175,16 @@ class LLMEngine(RequestCounts):
             raise InvalidAdapterError(f"adapter {adapter.name!r} is already registered")
         self.adapters.register(adapter)
         return adapter
+
+    def register_adapter(self, name: str, path: str, load: Callable[[ArchConfig, int], LoraAdapter]) -> None:
+        """The worker's registration (engine/interface.py): ``load`` gives the weights (views of
+        the host cache: nothing is copied until the adapter takes a slot)."""
+        if self.adapters is None:
+            raise InvalidAdapterError("this engine has no adapter slots (max_loras is 0)")
+        adapter = load(self.model_config, self.config.max_lora_rank)
+        if adapter.name != name:
+            raise InvalidAdapterError(f"adapter {name!r}: its weights are registered as {adapter.name!r}")
+        self.adapters.register(adapter)
 
     def remove_lora(self, name: str, force: bool = False) -> list[str]:
         """Forget adapter ``name``. Its requests must have finished (AdapterInUseError), unless

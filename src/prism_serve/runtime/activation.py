@@ -156,7 +156,7 @@ class Activator:
     def _activate_message(self, m: ModelEntry, device: str, decided_at: float) -> msg.ActivateModel:
         """What a worker on ``device`` activates ``m`` from: its own node's copy of the weights."""
         base = m.replica_of or m.spec.name
-        adapters = [msg.AdapterFile(a.name, a.path) for a in self._models.adapters.of_base(base)]
+        adapters = [a.file for a in self._models.adapters.of_base(base)]
         message = m.activate_message(decided_at, adapters)
         paths = self._nodes.activate_paths(device, m.spec.name)
         if paths is not None:

@@ -4,9 +4,14 @@ load is theirs together; each request keeps its adapter's TTFT SLO for the queue
 address an adapter by its own name.
 
 An adapter is checked against its base's shape when it is registered (from the config at start,
-or ``POST /v1/load_lora_adapter`` at run time), and a worker running the base registers it in the
-engine (at activation, or when told). A base's adapter slots (``max_loras`` x ``max_lora_rank``) are
-part of its footprint on a device: granted from the ledger with its weights, and gone with them.
+or ``POST /v1/load_lora_adapter`` at run time): the controller reads its files once and puts the
+checked weights in the host cache (shared memory, runtime/weight_cache.py). A worker running the
+base registers it in the engine (at activation, or when told) over a read-only mapping of that
+file, and the engine copies it into a slot at its first use: the node holds one copy of each
+adapter, whatever the number of workers. vLLM reads the adapter's directory itself (its own
+LoRA loader, an LRU of ``max_loras`` adapters in the worker). A base's adapter slots
+(``max_loras`` x ``max_lora_rank``) are part of its footprint on a device: granted from the ledger
+with its weights, and gone with them.
 """
 
 from __future__ import annotations
@@ -14,10 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from prism_serve.engine.lora import InvalidAdapterError, read_adapter
-from prism_serve.engine.models.config import ArchConfig
+import torch
 
-__all__ = ["AdapterSpec", "AdapterTable"]
+from prism_serve.engine.lora import MODULES, InvalidAdapterError, LoraAdapter, read_adapter
+from prism_serve.engine.models.config import ArchConfig
+from prism_serve.runtime.messages import AdapterFile
+from prism_serve.runtime.weight_cache import HostWeightCache, SharedWeights
+
+__all__ = ["AdapterSpec", "AdapterTable", "MappedAdapters"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,16 +39,63 @@ class AdapterSpec:
     rank: int
     nbytes: int  # its weights (fp32 on the host)
     target_modules: tuple[str, ...]
+    file: AdapterFile  # what a worker registers: its directory, and its weights in the host cache
 
     @classmethod
     def read(
         cls, name: str, base: str, path: str, config: ArchConfig, max_rank: int, ttft_slo: float,
-        tpot_slo: float,
+        tpot_slo: float, cache: HostWeightCache | None,
     ) -> AdapterSpec:  # fmt: skip
-        """Read and check the adapter (InvalidAdapterError naming the problem)."""
-        a = read_adapter(Path(path).expanduser(), config, max_rank, name)
-        return cls(name, base, str(Path(path).expanduser()), ttft_slo, tpot_slo, a.rank, a.nbytes,
-                   a.target_modules)  # fmt: skip
+        """Read and check the adapter (InvalidAdapterError naming the problem), and put its weights
+        in ``cache`` (None: workers read its directory)."""
+        where = str(Path(path).expanduser())
+        a = read_adapter(where, config, max_rank, name)
+        file = cache.write_adapter(a) if cache is not None else AdapterFile(name, where)
+        return cls(name, base, where, ttft_slo, tpot_slo, a.rank, a.nbytes, a.target_modules, file)
+
+
+class MappedAdapters:
+    """A worker's adapters over their host cache files, each mapped read-only once (no copy: the
+    engine copies an adapter into a slot when a request first needs it). An adapter without a
+    cache file (a node whose controller did not write one) is read from its directory."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, tuple[SharedWeights | None, LoraAdapter]] = {}
+
+    def get(self, f: AdapterFile, config: ArchConfig, max_rank: int) -> LoraAdapter:
+        key = f.cache_path or f"{f.path}\0{f.name}\0{max_rank}"
+        got = self._files.get(key)
+        if got is None:
+            if f.cache_path:
+                shared = SharedWeights(f.cache_path, f.size, populate=False)
+                got = (shared, _views(f, shared.bytes))
+            else:
+                got = (None, read_adapter(f.path, config, max_rank, f.name))
+            self._files[key] = got
+        return got[1]
+
+    def forget(self, name: str) -> None:
+        """Unmap adapter ``name``'s file (its slot copy, if any, is the engine's)."""
+        for key, (shared, adapter) in list(self._files.items()):
+            if adapter.name == name:
+                del self._files[key]
+                if shared is not None:
+                    shared.close()
+
+    def close(self) -> None:
+        for name in {a.name for _, a in self._files.values()}:
+            self.forget(name)
+
+
+def _views(f: AdapterFile, flat: torch.Tensor) -> LoraAdapter:
+    weights = {}
+    for e in f.entries:
+        na, nb = e.rank * e.fan_in * 4, e.fan_out * e.rank * 4
+        a = flat[e.offset : e.offset + na].view(torch.float32).view(e.rank, e.fan_in)
+        b = flat[e.offset + na : e.offset + na + nb].view(torch.float32).view(e.fan_out, e.rank)
+        weights[e.layer, e.module] = (a, b)
+    targets = tuple(m for m in MODULES if any(e.module == m for e in f.entries))
+    return LoraAdapter(f.name, f.path, f.rank, targets, weights)
 
 
 class AdapterTable:

@@ -237,9 +237,14 @@ class Controller:
         spec = await asyncio.get_running_loop().run_in_executor(
             None, AdapterSpec.read, name, base, path, config, b.spec.engine.max_lora_rank,
             ttft_slo or b.spec.ttft_slo, tpot_slo or b.spec.tpot_slo,
+            self.cache if b.spec.engine_kind == "builtin" else None,  # vLLM reads the directory
         )  # fmt: skip
-        self.models.adapters.add(spec)
-        message = msg.LoadAdapter(msg.AdapterFile(spec.name, spec.path))
+        try:
+            self.models.adapters.add(spec)
+        except InvalidAdapterError:  # the same name registered meanwhile
+            self.cache.drop_adapter(spec.file.cache_path)
+            raise
+        message = msg.LoadAdapter(spec.file)
         for m in self.models.slots(base):
             # active, or activating with a message made before this adapter: the worker takes it
             # after the activation (its messages are handled in order)
@@ -266,6 +271,7 @@ class Controller:
                     self.pool.try_send(m.worker, msg.encode(msg.UnloadAdapter(name)))
         finally:
             self.models.adapters.remove(name)
+            self.cache.drop_adapter(spec.file.cache_path)
         return len(users)
 
     # ---- the control loop's body: its view of the state, and its effects ------------------------

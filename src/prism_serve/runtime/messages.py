@@ -31,11 +31,29 @@ class Message(msgspec.Struct, tag=True, array_like=True, forbid_unknown_fields=T
 ADAPTER_ALIGN = 4096  # a base's adapter slots start at this boundary after its weights
 
 
+class LoraEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One module of an adapter in its host cache file: ``A`` [rank, fan_in] (scale folded in) at
+    ``offset``, then ``B`` [fan_out, rank], float32 (engine/lora.py ``LoraAdapter``)."""
+
+    layer: int
+    module: str
+    offset: int
+    rank: int
+    fan_in: int
+    fan_out: int
+
+
 class AdapterFile(msgspec.Struct, array_like=True, frozen=True):
-    """A LoRA adapter of the model a worker runs (runtime/adapters.py): its name and PEFT directory."""
+    """A LoRA adapter of the model a worker runs (runtime/adapters.py): its name and PEFT directory,
+    and where the controller put its checked weights in shared memory (``cache_path``, ``size``
+    bytes, laid out by ``entries``; empty where a worker reads the directory itself: vLLM's)."""
 
     name: str
     path: str
+    cache_path: str = ""
+    size: int = 0
+    rank: int = 0
+    entries: tuple[LoraEntry, ...] = ()
 
 
 class TensorEntry(msgspec.Struct, array_like=True, frozen=True):

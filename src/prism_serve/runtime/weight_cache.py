@@ -7,7 +7,9 @@ A cache file is ``/dev/shm/prism-weights-<namespace>-<controller pid>-<n>``: the
 the file read-only (``SharedWeights``) and copies byte ranges into the model's device pages at the
 same offsets, then builds the model over views of those pages. The tokenizer travels in a JSON file
 next to it, one file per distinct tokenizer (fine-tunes of one base share it, and a worker parses it
-once for all of them). Files of controllers that died are removed when the next cache opens.
+once for all of them). A LoRA adapter's checked weights are a ``.lora`` file of their own
+(``write_adapter``), which workers map read-only and copy into an adapter slot at its first use.
+Files of controllers that died are removed when the next cache opens.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from typing import Any
 import torch
 
 from prism_serve.engine.llm_engine import DTYPES
+from prism_serve.engine.lora import LoraAdapter
 from prism_serve.engine.models.config import ArchConfig, RopeScaling
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.weights import load_checkpoint, load_weights
 from prism_serve.memory.ledger import default_namespace
-from prism_serve.runtime.messages import CacheFile, Prepare, TensorEntry
+from prism_serve.runtime.messages import AdapterFile, CacheFile, LoraEntry, Prepare, TensorEntry
 from prism_serve.runtime.models import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -50,7 +53,7 @@ PREPARE_TOKENIZER_BYTES = 64 * 2**20
 # so an activation that arrives meanwhile waits for one piece, not a whole 16 GB file.
 PREFAULT_CHUNK_BYTES = 256 * 2**20
 _MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range's page tables in now (mmap lacks the name)
-_FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json)?$")
+_FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json|\.lora)?$")
 
 
 def _align(n: int) -> int:
@@ -133,6 +136,7 @@ class HostWeightCache:
         self._files: dict[tuple, CachedModel] = {}  # by weights key; spec = the first model's
         self._models: dict[str, CachedModel] = {}
         self._tokenizers: dict[str, str] = {}  # tokenizer JSON digest -> its file
+        self._adapters: dict[str, int] = {}  # adapter files -> their bytes
         self._counter = 0
         self._closed = False
         self.remove_stale()
@@ -179,12 +183,9 @@ class HostWeightCache:
             ).packed_tensors()
             weights.tensors.clear()
         entries, total = cache_layout(packed)
-        with self._lock:
-            self._counter += 1
-            base = self.directory / f"prism-weights-{self.namespace}-{os.getpid()}-{self._counter}"
-        fd = os.open(base, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        path, fd = self._new_file(total)
+        base = Path(path)
         try:
-            os.ftruncate(fd, total)
             with mmap.mmap(fd, total) as mm:
                 flat = torch.frombuffer(mm, dtype=torch.uint8)
                 for e, t in zip(entries, packed.values(), strict=True):
@@ -210,6 +211,56 @@ class HostWeightCache:
             load_s=time.monotonic() - start,
         )
 
+    def _new_file(self, size: int, suffix: str = "") -> tuple[str, int]:
+        """A new cache file of ``size`` bytes (zeros): its path and an open descriptor."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the host weight cache is closed")
+            self._counter += 1
+            path = self.directory / f"prism-weights-{self.namespace}-{os.getpid()}-{self._counter}{suffix}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        return str(path), fd
+
+    def write_adapter(self, adapter: LoraAdapter) -> AdapterFile:
+        """Put a checked adapter's weights in shared memory (each module's A then B, float32, at
+        64-byte boundaries); the returned AdapterFile tells a worker where they are."""
+        entries, at = [], 0
+        for (layer, module), (a, b) in adapter.weights.items():
+            entries.append(LoraEntry(layer, module, at, a.shape[0], a.shape[1], b.shape[0]))
+            at += -(-(a.nbytes + b.nbytes) // 64) * 64
+        path, fd = self._new_file(max(at, 1), ".lora")
+        try:
+            with mmap.mmap(fd, max(at, 1)) as mm:
+                flat = torch.frombuffer(mm, dtype=torch.uint8)
+                for e, (a, b) in zip(entries, adapter.weights.values(), strict=True):
+                    n = a.nbytes
+                    flat[e.offset : e.offset + n].copy_(a.float().contiguous().view(-1).view(torch.uint8))
+                    flat[e.offset + n : e.offset + n + b.nbytes].copy_(
+                        b.float().contiguous().view(-1).view(torch.uint8)
+                    )
+                del flat
+        except BaseException:
+            Path(path).unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._adapters[path] = at
+        return AdapterFile(adapter.name, adapter.path, path, at, adapter.rank, tuple(entries))
+
+    def drop_adapter(self, path: str) -> None:
+        """Remove an adapter's file (workers that mapped it keep their mapping until they close it)."""
+        with self._lock:
+            known = self._adapters.pop(path, None) is not None
+        if known:
+            Path(path).unlink(missing_ok=True)
+
     def _tokenizer_file(self, text: str, base: Path) -> str:
         """The file holding this tokenizer: the one an earlier model wrote, or a new one next to
         ``base``."""
@@ -225,8 +276,8 @@ class HostWeightCache:
 
     @property
     def total_bytes(self) -> int:
-        """Host memory the cache files take (shared weights counted once)."""
-        return sum(f.weight_bytes for f in self._files.values())
+        """Host memory the cache files take (shared weights counted once, adapters' included)."""
+        return sum(f.weight_bytes for f in self._files.values()) + sum(self._adapters.values())
 
     def models(self) -> Iterable[CachedModel]:
         return list(self._models.values())
@@ -275,8 +326,11 @@ class HostWeightCache:
         with self._lock:
             self._closed = True
             names = list(self._models)
+            adapters = list(self._adapters)
         for name in names:
             self.drop(name)
+        for path in adapters:
+            self.drop_adapter(path)
 
     def __enter__(self) -> HostWeightCache:
         return self

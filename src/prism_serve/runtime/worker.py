@@ -28,13 +28,13 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import zmq
 
 from prism_serve.control.profiles import StepSums
 from prism_serve.engine.cpu_kernels import kernels_enabled
 from prism_serve.engine.interface import WorkerEngine, WorkerKV
-from prism_serve.engine.lora import LoraAdapter, read_adapter
 from prism_serve.engine.sequence import RequestMetrics
 from prism_serve.engine.step_trace import StepRecord, StepTrace
 from prism_serve.engine.tokenizer import Tokenizer
@@ -43,6 +43,7 @@ from prism_serve.memory.ledger import Account, DeviceLedger
 from prism_serve.memory.spare import SparePages, spare_entry
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, reserve
 from prism_serve.runtime import messages as msg
+from prism_serve.runtime.adapters import MappedAdapters
 from prism_serve.runtime.builtin_slot import BuiltinSlot
 from prism_serve.runtime.devices import DeviceSpec, parse_cores, pin_process
 from prism_serve.runtime.engine_slot import EngineSlot, Loaded
@@ -115,8 +116,8 @@ class Worker:
         self.load_threads = load_threads
         self.shared: dict[str, SharedWeights] = {}  # host cache files this worker has mapped
         self.tokenizers: dict[str, Tokenizer] = {}  # by tokenizer file
-        # LoRA adapters read from their files, by (path, name, max rank): registered at each activation
-        self.lora_files: dict[tuple[str, str, int], LoraAdapter] = {}
+        # LoRA adapters over their host cache files, mapped once: registered at each activation
+        self.adapter_files = MappedAdapters()
         self.to_prepare: deque[msg.CacheFile | str] = deque()  # Prepare's items not yet opened
         self.prepare_s = 0.0
         self.active: _Active | None = None
@@ -192,6 +193,7 @@ class Worker:
                 if a is not None and a.engine.adapters is not None and m.name in a.engine.adapters.adapters:
                     a.engine.remove_lora(m.name, force=True)
                     self._send(msg.StepOutputs([], self._stats(a)))  # its requests' KV is free
+                self.adapter_files.forget(m.name)
             case msg.Shutdown():
                 self.running = False
 
@@ -263,13 +265,8 @@ class Worker:
         engine = a.engine
         if engine.adapters is None or f.name in engine.adapters.adapters:
             return
-        key = (f.path, f.name, engine.config.max_lora_rank)
-        adapter = self.lora_files.get(key)
         try:
-            if adapter is None:
-                adapter = read_adapter(f.path, engine.model_config, engine.config.max_lora_rank, f.name)
-                self.lora_files[key] = adapter
-            engine.adapters.register(adapter)
+            engine.register_adapter(f.name, f.path, partial(self.adapter_files.get, f))
         except Exception as e:  # checked by the controller when it was loaded: the files changed since
             # (its requests then fail with a 400 naming it; the model and its other adapters serve on)
             logger.warning("adapter %s of %s not registered: %s", f.name, a.model, e)
@@ -432,6 +429,7 @@ class Worker:
         self.slot.close()
         for s in self.shared.values():
             s.close()
+        self.adapter_files.close()
         self.loader.shutdown()
         if self.trace is not None:
             self.trace.close()
