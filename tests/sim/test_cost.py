@@ -42,6 +42,22 @@ def test_decode_runs_equal_their_steps_one_by_one():
         assert run[j] == pytest.approx(cm.step_time(spec, 1, 7, ctx, ctx, 7))
 
 
+@pytest.mark.parametrize("hw", ["h100", "a100", "cpu-smollm2", "cpu-smollm2-avx512bf16"])
+@pytest.mark.parametrize("shape, tp", [("llama-3.2-3b", 1), ("llama-3.1-70b", 4), ("smollm2-135m", 1)])
+def test_decode_run_is_the_running_sum_of_the_steps_exactly(hw, shape, tp):
+    # the simulator's decode runs use decode_run; its ends must be numpy's running sum bit for bit
+    import numpy as np
+
+    cm = RooflineCostModel(HARDWARE[hw])
+    spec = model_shape(shape)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n, k = int(rng.integers(1, 256)), int(rng.integers(1, 40))
+        context = int(rng.integers(n, n * 20000))
+        steps = cm.decode_steps(spec, tp, n, context, k)
+        assert cm.decode_run(spec, tp, n, context, k) == np.cumsum(steps).tolist()
+
+
 def test_tensor_parallelism_divides_the_work_and_adds_communication():
     cm = RooflineCostModel(HARDWARE["h100"])
     spec = model_shape("llama-3.1-70b")

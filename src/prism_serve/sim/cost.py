@@ -143,6 +143,34 @@ class RooflineCostModel:
             body = self._matmuls(groups, num_seqs, num_seqs) + f_pair * ctx + kv * (ctx + num_seqs)
         return body + (fixed + comm * num_seqs + per_seq * num_seqs)
 
+    def decode_run(self, spec: ModelShape, tp: int, num_seqs: int, context: int, k: int) -> list[float]:
+        """``np.cumsum(decode_steps(...))`` as a list: when each of the ``k`` steps ends, from the
+        start of the first. The same floats, operation for operation (numpy's elementwise operations
+        and its running sum are those below), without numpy's cost per call, which a run of a few
+        steps pays many times over (the simulator asks for one at every decode run)."""
+        f_tok, f_pair, w, kv, fixed, comm, per_seq, groups, experts = self._c(spec, tp)
+        if experts:
+            w += experts * spec.experts_read(num_seqs)
+        extra = fixed + comm * num_seqs + per_seq * num_seqs
+        out: list[float] = []
+        append = out.append
+        total = 0.0
+        # each step's summed context as an int: a float times an int is the float times the int's
+        # exact float value, as numpy's float64 context array gives it
+        contexts = range(context, context + num_seqs * k, num_seqs)
+        if groups is None:
+            tok = f_tok * num_seqs
+            for ctx in contexts:
+                compute, memory = tok + f_pair * ctx, w + kv * (ctx + num_seqs)
+                total += (compute if compute >= memory else memory) + extra
+                append(total)
+        else:
+            mm = self._matmuls(groups, num_seqs, num_seqs)
+            for ctx in contexts:
+                total += mm + f_pair * ctx + kv * (ctx + num_seqs) + extra
+                append(total)
+        return out
+
     def request_floor(
         self, spec: ModelShape, tp: int, prompt: ArrayOrInt, output: ArrayOrInt, max_num_seqs: int
     ) -> tuple[ArrayOrFloat, ArrayOrFloat]:

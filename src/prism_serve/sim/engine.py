@@ -19,10 +19,9 @@ cost model one by one (contexts grow every step), so a run's timing equals its s
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from prism_serve.control.types import Request
 from prism_serve.engine.grouping import padded_decode_context
@@ -89,9 +88,11 @@ class SimEngine:
         max_num_batched_tokens: int,
         max_run_steps: int,
         quota: int | None = None,
+        changed: dict[str, None] | None = None,
     ) -> None:
         self.model = model
         self.name = model.name
+        self.changed = changed  # where it writes its name when it turns dirty (see ``dirty``)
         self.devices = devices
         self.cost = cost
         self.block_size = block_size
@@ -114,7 +115,7 @@ class SimEngine:
         self.end = 0.0
         self._scheduled: list[tuple[SimSeq, int]] = []
         self._run_k = 0  # > 0: a decode run of that many steps
-        self._cum: np.ndarray | None = None  # a run's cumulative step times, alone on its devices
+        self._cum: list[float] | None = None  # when a run's steps end, alone on its devices
         self._work = 0.0  # a single step's time alone on its devices
         # Compute sharing: the in-flight step runs ``factor`` times slower than alone (the simulator
         # sets it from the busy engines on the device, hardware.share_slowdown); ``start`` is the
@@ -124,7 +125,19 @@ class SimEngine:
         self.num_steps = 0
         self.num_preemptions = 0
         self._preempted = False  # the step being scheduled preempted (so it admitted nothing)
-        self.dirty = True  # anything EngineSnapshot reports changed since the simulator last read it
+        self.dirty = True
+
+    @property
+    def dirty(self) -> bool:
+        """Anything EngineSnapshot reports changed since the simulator last read it; turning dirty
+        writes the engine's name into ``changed`` (the snapshot builder's list of engines to read)."""
+        return self._dirty
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        self._dirty = value
+        if value and self.changed is not None:
+            self.changed[self.name] = None
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -267,9 +280,9 @@ class SimEngine:
                 context = padded_decode_context([s.num_computed + 1 for s, _ in scheduled]) - len(scheduled)
             else:
                 context = sum(s.num_computed for s, _ in scheduled)
-            self._cum = np.cumsum(self.cost.decode_steps(spec, tp, len(scheduled), context, k))
+            self._cum = self.cost.decode_run(spec, tp, len(scheduled), context, k)
             self._run_k = k
-            self.end = now + float(self._cum[-1]) * factor
+            self.end = now + self._cum[-1] * factor
             return self.end
         tokens = 0
         pairs = 0.0
@@ -313,7 +326,7 @@ class SimEngine:
         nothing changed (a single step, or the run ends by then anyway)."""
         if not self.busy or self._run_k <= 1 or now >= self.end:
             return None
-        j = int(np.searchsorted(self._cum, (now - self.start) / self.factor, side="left"))
+        j = bisect_left(self._cum, (now - self.start) / self.factor)
         k = j + 1
         if k >= self._run_k:
             return None
@@ -325,7 +338,7 @@ class SimEngine:
             s.num_blocks = keep
         self._return_blocks(extra)
         self._run_k = k
-        self.end = self.start + float(self._cum[j]) * self.factor
+        self.end = self.start + self._cum[j] * self.factor
         self.version += 1
         return self.end
 
@@ -347,7 +360,7 @@ class SimEngine:
         """Seconds the step or run in flight takes alone on its devices (0.0 when idle)."""
         if not self.busy:
             return 0.0
-        return float(self._cum[self._run_k - 1]) if self._run_k else self._work
+        return self._cum[self._run_k - 1] if self._run_k else self._work
 
     @property
     def decode_shape(self) -> tuple[int, int, float]:
@@ -355,7 +368,7 @@ class SimEngine:
         (0, 0, 0.0) for a step with a prefill."""
         if self._cum is None:
             return 0, 0, 0.0
-        return len(self._scheduled), self._run_k, float(self._cum[self._run_k - 1])
+        return len(self._scheduled), self._run_k, self._cum[self._run_k - 1]
 
     def finish_step(self, now: float) -> tuple[list[SimRequest], bool]:
         """Apply the step that ends at ``now``: (requests finished, whether blocks were freed)."""

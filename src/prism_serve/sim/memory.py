@@ -23,6 +23,7 @@ __all__ = ["SimDevice"]
 class SimDevice:
     __slots__ = (
         "capacity_bytes",
+        "changed",
         "claims",
         "kv_pages",
         "name",
@@ -32,7 +33,9 @@ class SimDevice:
         "weight_pages",
     )
 
-    def __init__(self, name: str, capacity_bytes: int, page_size: int) -> None:
+    def __init__(
+        self, name: str, capacity_bytes: int, page_size: int, changed: dict[str, None] | None = None
+    ) -> None:
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.page_size = page_size
@@ -41,9 +44,14 @@ class SimDevice:
         self.kv_pages: dict[str, int] = {}  # model -> pages of its engine's KV here
         self.claims: dict[str, int] = {}  # owner key -> bytes promised, not mapped
         self.version = 0  # bumps on every change, so the simulator can reuse an unchanged snapshot
+        # where the device writes its name when it changes (the simulator's snapshot builder reads
+        # and clears it, instead of asking every device at every snapshot)
+        self.changed = changed
 
     def touch(self) -> None:
         self.version += 1
+        if self.changed is not None:
+            self.changed[self.name] = None
 
     @property
     def total_pages(self) -> int:
@@ -71,12 +79,12 @@ class SimDevice:
             return False
         self.weight_pages[model] = pages
         self.used_pages += pages
-        self.version += 1
+        self.touch()
         return True
 
     def unmap_weights(self, model: str) -> None:
         self.used_pages -= self.weight_pages.pop(model, 0)
-        self.version += 1
+        self.touch()
 
     # -- KV -----------------------------------------------------------------------------------------
 
@@ -89,7 +97,7 @@ class SimDevice:
         old = self.kv_pages.get(model, 0)
         if pages == old:
             return
-        self.version += 1
+        self.touch()
         self.used_pages += pages - old
         if pages:
             self.kv_pages[model] = pages
@@ -103,7 +111,7 @@ class SimDevice:
         """Set the bytes ``key`` has promised here (0 drops the claim)."""
         if self.claims.get(key, 0) == nbytes:
             return
-        self.version += 1
+        self.touch()
         if nbytes > 0:
             self.claims[key] = nbytes
         else:

@@ -81,9 +81,12 @@ class Simulator:
         self.cost = COST_MODELS[config.cost_model](self.hw)
         self.workload = workload
         width = max(2, len(str(config.num_devices - 1)))
+        # the devices and engines changed since the last cluster snapshot (sim/snapshots.py)
+        self._changed_devices: dict[str, None] = {}
+        self._changed_engines: dict[str, None] = {}
         self.devices = {
-            f"gpu{i:0{width}d}": SimDevice(f"gpu{i:0{width}d}", self.hw.capacity_bytes, config.page_size)
-            for i in range(config.num_devices)
+            name: SimDevice(name, self.hw.capacity_bytes, config.page_size, self._changed_devices)
+            for name in (f"gpu{i:0{width}d}" for i in range(config.num_devices))
         }
         # models with a rank placed on each device; dicts, not sets, so iteration order is reproducible
         self.on_device: dict[str, dict[str, None]] = {d: {} for d in self.devices}
@@ -138,6 +141,7 @@ class Simulator:
         self.snapshots = SnapshotBuilder(
             self.models, self.devices, self.on_device, self.loop, self.replica_of,
             live_profiles=config.profiles == "live", max_num_seqs=config.engine.max_num_seqs,
+            changed_devices=self._changed_devices, changed_engines=self._changed_engines,
         )  # fmt: skip
 
     @property
@@ -327,6 +331,7 @@ class Simulator:
             max_num_batched_tokens=c.engine.max_num_batched_tokens,
             max_run_steps=c.max_run_steps,
             quota=quota,
+            changed=self._changed_engines,
         )
         m.state = ModelState.ACTIVE
         m.activated_at = now

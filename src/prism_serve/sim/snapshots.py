@@ -4,7 +4,8 @@ The loop asks for a ClusterSnapshot before every policy call (once or twice per 
 building one from scratch would dominate a run. Every snapshot is cached and rebuilt only when what
 it reports changed: a model's when the loop marks it stale (``ControlLoop.stale_models``), a
 device's when its memory version moves or the loop marks its queue changed, an engine's when the
-engine is dirty. The cluster snapshot is the previous one updated with the entries rebuilt since
+engine is dirty; devices and engines write their names into the builder's change lists as they
+change, so a cluster snapshot visits those alone, not every device and engine. The cluster snapshot is the previous one updated with the entries rebuilt since
 (``ClusterSnapshot.updated``: as strictly validated as a fresh build, in time proportional to the
 change while placements stay put).
 """
@@ -39,6 +40,8 @@ class SnapshotBuilder:
         *,
         live_profiles: bool,
         max_num_seqs: int,
+        changed_devices: dict[str, None],
+        changed_engines: dict[str, None],
     ) -> None:
         self.models = models
         self.devices = devices
@@ -55,6 +58,15 @@ class SnapshotBuilder:
         self._order = {name: i for i, name in enumerate(models)}
         self._engined: dict[str, None] = {}
         self._devices: dict[str, tuple[int, DeviceSnapshot]] = {}  # by device: (memory version, snap)
+        self._device_order = {d: i for i, d in enumerate(devices)}
+        # What may differ from the last cluster snapshot, so that cluster() looks at nothing else:
+        # devices whose memory changed (SimDevice writes its name here) or whose snapshot was rebuilt
+        # since (admission_view); engines that turned dirty (SimEngine writes its name here) or whose
+        # snapshot was rebuilt since; models whose engine went away. Devices the loop marks stale are
+        # its own set.
+        self._changed_devices = changed_devices
+        self._changed_engines = changed_engines
+        self._unengined: dict[str, None] = {}
         self._last: ClusterSnapshot | None = None
         self._stale = loop.stale_models  # models whose snapshot must be rebuilt
         self._stale.update(dict.fromkeys(models))
@@ -140,6 +152,7 @@ class SnapshotBuilder:
             d, dev.capacity_bytes, dev.mapped_bytes, tuple(self.on_device[d]), len(q), q.models()
         )
         self._devices[d] = (dev.version, snap)
+        self._changed_devices[d] = None
         return snap
 
     @staticmethod
@@ -175,6 +188,7 @@ class SnapshotBuilder:
             len(e.waiting),
         )
         m.engine_snapshot = snap
+        self._changed_engines[name] = None
         return snap
 
     def admission_view(self, device: str, now: float) -> tuple[DeviceSnapshot, dict[str, EngineSnapshot]]:
@@ -194,7 +208,9 @@ class SnapshotBuilder:
         added = False
         for name in stale:  # only a stale model can have gained or lost its engine
             if models[name].engine is None:
-                engined.pop(name, None)
+                if name in engined:
+                    del engined[name]
+                    self._unengined[name] = None
             elif name not in engined:
                 engined[name] = None
                 added = True
@@ -208,27 +224,19 @@ class SnapshotBuilder:
             devices = {d: self.device(d) for d in self.devices}
             engines = {n: self.engine(n) for n in engined}
             snap = ClusterSnapshot(self._models, devices, engines)
-        else:  # a cached entry is the same object as in the last snapshot: pass only the others
-            # (the tests of _cached_device and _cached_engine, inline: this runs for every device
-            # and engine once or twice per arrival)
-            ld, le = last.devices, last.engines
-            cache, stale_devices = self._devices, self.loop.stale_devices
-            snap = last.updated(
-                changed,
-                [
-                    self.device(d)
-                    for d, dev in self.devices.items()
-                    if d in stale_devices or (c := cache[d])[0] != dev.version or c[1] is not ld[d]
-                ],
-                [
-                    self.engine(n)
-                    for n in engined
-                    if (m := models[n]).engine.dirty
-                    or (c := m.engine_snapshot) is None
-                    or c is not le.get(n)
-                ],
-                [n for n in le if n not in engined],
-            )
+        else:  # only what changed since the last snapshot, in the order a full pass would visit it
+            stale_devices = self.loop.stale_devices
+            touched = self._changed_devices.keys() | stale_devices if stale_devices else self._changed_devices
+            devices = [self.device(d) for d in sorted(touched, key=self._device_order.__getitem__)]
+            order = self._order
+            dirty = [n for n in self._changed_engines if n in engined]
+            engines = [self.engine(n) for n in sorted(dirty, key=order.__getitem__)]
+            le = last.engines
+            gone = [n for n in self._unengined if n in le and n not in engined]
+            snap = last.updated(changed, devices, engines, gone)
+        self._changed_devices.clear()
+        self._changed_engines.clear()
+        self._unengined.clear()
         self._last = snap
         return snap
 
