@@ -257,3 +257,14 @@ def test_a_model_hotter_than_one_device_gets_a_second_replica():
     on_replica = out["requests_on_replicas"]
     assert per["by_replica"] == {"m": len(w) - on_replica, "m#1": on_replica}
     assert per["ttft_misses"] == round((1 - out["ttft_attainment"]) * len(w))
+
+
+def test_slos_measured_in_worker_processes_are_those_measured_here():
+    from prism_serve.sim.slo import measure_slos
+
+    ms = [served("a", "llama-3.2-1b"), served("b", "llama-3.2-3b"), served("c", "llama-3.2-1b")]
+    # "c" has no request: it is measured on a probe drawn from the whole workload
+    w = poisson(["a", "b"], 1.0, 60.0, prompt=(64, 512), output=(8, 64), seed=1)
+    here = measure_slos(ms, w, SimConfig(num_devices=1), min_requests=20)
+    assert measure_slos(ms, w, SimConfig(num_devices=1), min_requests=20, jobs=2) == here
+    assert list(here) == ["a", "b", "c"]

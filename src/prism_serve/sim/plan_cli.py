@@ -133,7 +133,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if args.slo_scale is not None:
-        deployment = _measured_slos(deployment, traffic.workload, hardware, args.slo_scale)
+        deployment = _measured_slos(deployment, traffic.workload, hardware, args.slo_scale, args.jobs)
     policies = [p for p in args.policies.split(",") if p]
     with tqdm(desc="plan", unit="sim", file=sys.stderr) as bar:
         result = plan(
@@ -238,7 +238,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measured_slos(deployment, workload, hardware: str, scale: float):
+def _measured_slos(deployment, workload, hardware: str, scale: float, jobs: int | None):
     """``deployment`` with the paper's SLOs: ``scale`` times each model's P95 alone."""
     import dataclasses
 
@@ -250,5 +250,5 @@ def _measured_slos(deployment, workload, hardware: str, scale: float):
         file=sys.stderr,
     )
     base = SimConfig(num_devices=1, hardware=hardware, engine=deployment.engine)
-    slos = scale_slos(measure_slos(deployment.models, workload, base), scale)
+    slos = scale_slos(measure_slos(deployment.models, workload, base, jobs=jobs), scale)
     return dataclasses.replace(deployment, slos=slos)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,12 +36,16 @@ def measure_slos(
     min_requests: int = 50,
     probe_gap_s: float = 2.0,
     seed: int = 0,
+    jobs: int | None = 1,
 ) -> dict[str, ModelSLO]:
-    """P95 TTFT and TPOT of every model alone on ``tp_size`` dedicated devices (FIFO, no sharing)."""
+    """P95 TTFT and TPOT of every model alone on ``tp_size`` dedicated devices (FIFO, no sharing);
+    ``jobs``: simulations at once, in worker processes (None: one per core). The runs are
+    independent and their inputs (probes included) drawn here in model order, so the SLOs are the
+    same for any ``jobs``."""
     if len(workload) == 0:
         raise WorkloadError("cannot derive SLOs from an empty workload")
     rng = np.random.default_rng(seed)
-    out = {}
+    runs = []
     for m in models:
         alone = workload.only(m.name) if m.name in workload.models else None
         if alone is None or len(alone) < min_requests:
@@ -52,13 +58,22 @@ def measure_slos(
                 [m.name],
             )
         cfg = dataclasses.replace(base, num_devices=m.tp_size, policy="dedicated", knobs=())
-        res = simulate([m], alone, {m.name: ModelSLO(_UNBOUNDED, _UNBOUNDED)}, cfg)
-        ttfts = [r.ttft for r in res.requests if r.first_token is not None]
-        tpots = [r.tpot for r in res.requests if r.finish is not None and r.output_tokens > 1]
-        if not ttfts or not tpots:
-            raise WorkloadError(f"{m.name}: the dedicated run finished no request; cannot derive its SLOs")
-        out[m.name] = ModelSLO(float(np.percentile(ttfts, 95)), float(np.percentile(tpots, 95)))
-    return out
+        runs.append((m, alone, cfg))
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(runs)))
+    if workers == 1:
+        return dict(map(_measure_one, runs))
+    with ProcessPoolExecutor(workers) as pool:
+        return dict(pool.map(_measure_one, runs))
+
+
+def _measure_one(run: tuple[ServedModel, Workload, SimConfig]) -> tuple[str, ModelSLO]:
+    m, alone, cfg = run
+    res = simulate([m], alone, {m.name: ModelSLO(_UNBOUNDED, _UNBOUNDED)}, cfg)
+    ttfts = [r.ttft for r in res.requests if r.first_token is not None]
+    tpots = [r.tpot for r in res.requests if r.finish is not None and r.output_tokens > 1]
+    if not ttfts or not tpots:
+        raise WorkloadError(f"{m.name}: the dedicated run finished no request; cannot derive its SLOs")
+    return m.name, ModelSLO(float(np.percentile(ttfts, 95)), float(np.percentile(tpots, 95)))
 
 
 def scale_slos(

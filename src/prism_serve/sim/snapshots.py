@@ -5,9 +5,10 @@ building one from scratch would dominate a run. Every snapshot is cached and reb
 it reports changed: a model's when the loop marks it stale (``ControlLoop.stale_models``), a
 device's when its memory version moves or the loop marks its queue changed, an engine's when the
 engine is dirty; devices and engines write their names into the builder's change lists as they
-change, so a cluster snapshot visits those alone, not every device and engine. The cluster snapshot is the previous one updated with the entries rebuilt since
-(``ClusterSnapshot.updated``: as strictly validated as a fresh build, in time proportional to the
-change while placements stay put).
+change, so a cluster snapshot visits those alone, not every device and engine. The cluster
+snapshot is the previous one updated with the entries rebuilt since (``ClusterSnapshot.updated``:
+as strictly validated as a fresh build, in time proportional to the change while placements stay
+put).
 """
 
 from __future__ import annotations
