@@ -31,7 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prism_serve.control.types import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
-from prism_serve.engine.config import DEFAULT_MODEL, ENGINE_DEFAULTS, EngineConfig
+from prism_serve.engine.config import DEFAULT_MODEL, ENGINE_DEFAULTS, VLLM_LORA_RANKS, EngineConfig
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.vmm import parse_size
@@ -370,12 +370,14 @@ class DeploymentConfig(_Strict):
                 raise ValueError(f"model {m.name}: base {m.base!r} is not a model of this config")
             if base.is_adapter:
                 raise ValueError(f"model {m.name}: base {m.base!r} is itself an adapter")
-            if base.engine != "builtin":
-                raise ValueError(
-                    f"model {m.name}: base {m.base!r} runs on vLLM; adapters run on the built-in engine"
-                )
             if base.max_loras == 0:
                 raise ValueError(f"model {m.name}: base {m.base!r} has max_loras: 0 (no adapter slots)")
+        for m in self.models:
+            if m.engine == "vllm" and self.max_loras(m) and m.max_lora_rank not in VLLM_LORA_RANKS:
+                raise ValueError(
+                    f"model {m.name}: max_lora_rank {m.max_lora_rank}; vLLM builds adapter slots of rank "
+                    f"{', '.join(map(str, VLLM_LORA_RANKS))}"
+                )
         return self
 
     @model_validator(mode="before")

@@ -25,6 +25,7 @@ __all__ = [
     "DTYPE_NAMES",
     "ENGINE_DEFAULTS",
     "GPU_ENGINE_DEFAULTS",
+    "VLLM_LORA_RANKS",
     "EngineConfig",
     "resolve_max_model_len",
 ]
@@ -33,6 +34,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its weights' home on the Hugging Face hub
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16")  # engine.machine.resolve_dtype reads them
 MAX_DEFAULT_CONTEXT = 8192  # max_model_len=None: the model's context, capped at this
+
+
+# the ranks vLLM's LoRA slots can be built with (its LoRAConfig.max_lora_rank)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

@@ -25,6 +25,17 @@ Memory (every byte in the device ledger):
   keeps them for the model's next activation (runtime/vllm_slot.py). The packed bytes are granted in the
   ledger beside the pages.
 
+- **LoRA adapter slots** (a base with ``max_loras``). vLLM's LoRA layers allocate their stacked
+  adapter tensors (``max_loras`` + 1 slots, the last kept zero for the base's rows, x
+  ``max_lora_rank``, for every projection, the embedding and the LM head) at build time;
+  ``move_parameters`` moves them into the weight range after the data parameters, so their pages
+  are mapped, granted and given back with the weights (``lora_slot_bytes`` is their size, known
+  before the build). Adapters go through vLLM's own LoRA support: a registered adapter is a
+  ``LoRARequest`` of its PEFT directory, which vLLM reads at the adapter's first use into its LRU
+  of ``max_loras`` + 1 adapters and copies into a slot. When the model leaves the engine every
+  adapter is removed from vLLM (its slots' pages may go), and the next activation registers them
+  again.
+
 The engine itself (scheduler, compiled kernels, tokenizer) stays built between models of one shape,
 which is what makes an activation a weight load and not a vLLM start.
 """
@@ -47,6 +58,7 @@ import torch
 
 from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.interface import RequestCounts
+from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.sequence import RequestMetrics, RequestOutput, TokenLogprob
 from prism_serve.engine.vllm_kv import FromRange, LowestFirst
@@ -68,7 +80,7 @@ from prism_serve.memory.ledger import Account, LedgerError
 from prism_serve.memory.strided_kv import StridedKVPages
 from prism_serve.memory.vmm import VirtualRange
 
-__all__ = ["VllmEngine", "engine_key", "vllm_environment"]
+__all__ = ["VllmEngine", "engine_key", "lora_slot_bytes", "vllm_environment"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +116,23 @@ def engine_key(source: str, config: EngineConfig) -> str:
     return h.hexdigest()[:16]
 
 
+def _lora_tensor_elements(config: ArchConfig, slots: int, rank: int) -> list[int]:
+    """The elements of each stacked tensor vLLM's LoRA layers allocate for a Llama-shaped model:
+    A and B of every projection of every layer, of the embedding and of the LM head."""
+    out = [slots * rank * config.vocab_size, slots * rank * config.hidden_size] * 2
+    for _ in range(config.num_layers):
+        for fan_in, fan_out in config.projection_shapes().values():
+            out += [slots * rank * fan_in, slots * rank * fan_out]
+    return out
+
+
+def lora_slot_bytes(config: ArchConfig, slots: int, rank: int, itemsize: int, align: int = 4096) -> int:
+    """The weight-range bytes vLLM's adapter slots take once moved there (``move_parameters``)."""
+    if not slots:
+        return 0
+    return sum(-(-n * itemsize // align) * align for n in _lora_tensor_elements(config, slots, rank))
+
+
 def _quiet_rotary_reload_warning(record: logging.LogRecord) -> bool:
     """False for vLLM's warning that a rotary embedding "failed to load weights" at each reload:
     its cos/sin cache is computed, not in any checkpoint, and vLLM puts it back as it was."""
@@ -123,6 +152,21 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     prompt_logprobs_sent: bool = False
+    adapter: str | None = None
+
+
+class VllmAdapters:
+    """The adapters registered in a vLLM engine: each a ``LoRARequest`` of its directory."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, Any] = {}  # name -> LoRARequest
+        self._next_id = 1  # vLLM's adapter ids are positive and must not be reused for another adapter
+
+    def register(self, name: str, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.adapters[name] = LoRARequest(name, self._next_id, path)
+        self._next_id += 1
 
 
 class VllmEngine(RequestCounts):
@@ -156,7 +200,7 @@ class VllmEngine(RequestCounts):
         self._pool.get_num_free_blocks = self._usable_free_blocks
         self._requests: dict[str, _Request] = {}
         self.stalled = False  # the ledger refused the KV pages a waiting request needs
-        self.adapters = None  # LoRA adapters run on the built-in engine (a config error for vLLM bases)
+        self.adapters = VllmAdapters() if config.max_loras else None
         self.last_step_seqs = 0
         self.last_step_tokens = 0
         self.last_step_batch = None
@@ -227,6 +271,13 @@ class VllmEngine(RequestCounts):
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=False, kv_cache_memory_bytes=kv_range.size, seed=config.seed,
+            # one slot more than max_loras, kept zero: ``_zero_slot_for_the_base``
+            **(
+                dict(enable_lora=True, max_loras=config.max_loras + 1, max_cpu_loras=config.max_loras + 1,
+                     max_lora_rank=config.max_lora_rank)
+                if config.max_loras
+                else {}
+            ),
         )  # fmt: skip
         runner_module.allocate_kv_cache = allocate_in_range
         try:
@@ -239,7 +290,23 @@ class VllmEngine(RequestCounts):
             runner_module.allocate_kv_cache = original
         out = cls(engine, config, made[-1], source)
         out.compiled = compiled
+        if config.max_loras:
+            out._zero_slot_for_the_base(config.max_loras)
         return out
+
+    def _zero_slot_for_the_base(self, max_loras: int) -> None:
+        """vLLM 0.32's CPU LoRA ops (torch ops) index the stacked slots with each token's slot, -1
+        for a token without an adapter, which reads the last slot: with every slot holding an
+        adapter, the base's rows of a mixed batch were computed with the last slot's adapter. The
+        engine is built with one slot more, and vLLM's scheduler and LoRA manager are limited to
+        ``max_loras`` here, so that last slot is never filled and the base's rows add zero."""
+        from vllm.lora.model_manager import AdapterLRUCache
+
+        manager = self._runner.lora_manager._adapter_manager
+        self._engine.vllm_config.lora_config.max_loras = max_loras  # the scheduler's and manager's
+        assert manager.lora_slots == max_loras and not manager._active_adapters
+        manager.lora_index_to_id = [None] * max_loras
+        manager._active_adapters = AdapterLRUCache(max_loras, manager._deactivate_adapter)
 
     def data_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters that hold data after vLLM's post-processing (the packed linears' own
@@ -252,20 +319,76 @@ class VllmEngine(RequestCounts):
                 out.append(p)
         return out
 
+    def _lora_layers(self) -> list[Any]:
+        """vLLM's LoRA-wrapped layers (none without ``max_loras``)."""
+        return [m for m in self._model.modules() if hasattr(m, "lora_a_stacked")]
+
     def move_parameters(self, flat: torch.Tensor, align: int = 4096) -> int:
-        """Put every data parameter into ``flat`` (the mapped weight range) back to back; returns
-        the bytes used. vLLM's reload copies into these tensors, so they stay there."""
+        """Put every data parameter into ``flat`` (the mapped weight range) back to back, then the
+        adapter slots' stacked tensors; returns the bytes used. vLLM's reload copies into these
+        tensors, and its LoRA manager into the slots, so they stay there."""
         offset = 0
-        for p in self.data_parameters():
-            nbytes = p.numel() * p.element_size()
-            view = flat[offset : offset + nbytes].view(p.dtype).view(p.shape)
-            view.copy_(p.data)
-            p.data = view
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            nonlocal offset
+            nbytes = t.numel() * t.element_size()
+            view = flat[offset : offset + nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)
             offset += -(-nbytes // align) * align
+            return view
+
+        for p in self.data_parameters():
+            p.data = move(p.data)
+        for layer in self._lora_layers():
+            for attr in ("lora_a_stacked", "lora_b_stacked"):
+                v = getattr(layer, attr)
+                setattr(layer, attr, tuple(move(t) for t in v) if isinstance(v, tuple) else move(v))
+            if hasattr(layer, "lora_a_stacked_2d"):  # the embedding's flat view of its A
+                a = layer.lora_a_stacked
+                layer.lora_a_stacked_2d = a.view(a.shape[0] * a.shape[1], a.shape[2])
         return offset
 
     def parameter_bytes(self, align: int = 4096) -> int:
+        """The data parameters' bytes in the weight range."""
         return sum(-(-p.numel() * p.element_size() // align) * align for p in self.data_parameters())
+
+    def lora_bytes(self, align: int = 4096) -> int:
+        """The adapter slots' bytes in the weight range, after the data parameters."""
+        tensors = []
+        for layer in self._lora_layers():
+            for attr in ("lora_a_stacked", "lora_b_stacked"):
+                v = getattr(layer, attr)
+                tensors += list(v) if isinstance(v, tuple) else [v]
+        return sum(-(-t.numel() * t.element_size() // align) * align for t in tensors)
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+
+    def register_adapter(self, name: str, path: str, load: Any = None) -> None:
+        """engine/interface.py's registration: vLLM reads the directory at the adapter's first use
+        (``load`` is not called)."""
+        if self.adapters is None:
+            raise InvalidRequestError(f"adapter {name!r}: this engine has no adapter slots (max_loras is 0)")
+        self.adapters.register(name, path)
+
+    def remove_lora(self, name: str, force: bool = False) -> list[str]:
+        if self.adapters is None or name not in self.adapters.adapters:
+            raise InvalidRequestError(f"adapter {name!r} is not registered")
+        users = [r for r, q in self._requests.items() if q.adapter == name]
+        if users and not force:
+            raise InvalidRequestError(f"adapter {name!r} has {len(users)} requests in flight")
+        for r in users:
+            self.abort_request(r)
+        request = self.adapters.adapters.pop(name)
+        self._engine.remove_lora(request.lora_int_id)
+        return users
+
+    def _drop_adapters(self) -> None:
+        """Every adapter out of vLLM and out of the registry (the model is leaving the engine)."""
+        if self.adapters is None:
+            return
+        for request in self.adapters.adapters.values():
+            self._engine.remove_lora(request.lora_int_id)
+        self.adapters.adapters.clear()
 
     def load(self, tensors: dict[str, torch.Tensor]) -> str:
         """A model's checkpoint tensors (HF names) into the engine, in place; returns how: "plan"
@@ -341,8 +464,11 @@ class VllmEngine(RequestCounts):
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, req_id: str, adapter: str | None = None
     ) -> None:
+        lora = None
         if adapter is not None:
-            raise InvalidRequestError(f"adapter {adapter!r}: LoRA adapters run on the built-in engine")
+            lora = None if self.adapters is None else self.adapters.adapters.get(adapter)
+            if lora is None:
+                raise InvalidRequestError(f"adapter {adapter!r} is not registered on this engine")
         if req_id in self._requests:
             raise InvalidRequestError(f"request id {req_id!r} is already running")
         if not prompt_token_ids:
@@ -365,12 +491,15 @@ class VllmEngine(RequestCounts):
         sp = _vllm_params(params, self.max_model_len - len(prompt_token_ids))
         now = time.monotonic()
         try:
-            self._engine.add_request(req_id, {"prompt_token_ids": list(prompt_token_ids)}, sp)
+            self._engine.add_request(
+                req_id, {"prompt_token_ids": list(prompt_token_ids)}, sp, lora_request=lora
+            )
         except ValueError as e:  # vLLM's own validation (a grammar it cannot compile, ...)
             raise InvalidSamplingParamsError(str(e)) from None
         self._requests[req_id] = _Request(
-            list(prompt_token_ids), RequestMetrics(arrival_time=now), params.logprobs, params.prompt_logprobs
-        )
+            list(prompt_token_ids), RequestMetrics(arrival_time=now), params.logprobs,
+            params.prompt_logprobs, adapter=adapter,
+        )  # fmt: skip
 
     # ---- KV pages -------------------------------------------------------------------------------
 
@@ -481,7 +610,9 @@ class VllmEngine(RequestCounts):
         return max(0, self.num_kv_blocks - 1 - self._free.num_free_blocks)  # block 0 is vLLM's null block
 
     def close(self) -> None:
+        """The model leaves the engine: its requests and adapters go (the engine stays built)."""
         self.abort_all()
+        self._drop_adapters()
 
 
 def _vllm_params(p: SamplingParams, room: int) -> Any:

@@ -218,7 +218,7 @@ class Controller:
             raise InvalidAdapterError(
                 f"adapter name {quoted(name)}: 1-256 characters, no '#', no spaces around it"
             )
-        bases = [n for n, s in self.specs.items() if s.engine.max_loras and s.engine_kind == "builtin"]
+        bases = [n for n, s in self.specs.items() if s.engine.max_loras]
         if base is None:
             if len(bases) != 1:
                 raise InvalidAdapterError(

@@ -25,6 +25,7 @@ from prism_serve.engine.config import resolve_max_model_len
 from prism_serve.engine.llm_engine import torch_dtype
 from prism_serve.engine.lora import LoraSlots
 from prism_serve.engine.tokenizer import Tokenizer
+from prism_serve.engine.vllm_engine import lora_slot_bytes
 from prism_serve.errors import quoted
 from prism_serve.memory.ledger import DeviceLedger
 from prism_serve.runtime import messages as msg
@@ -224,11 +225,12 @@ def model_entries(spec: ModelSpec, cached: CachedModel, replica_slots: list[str]
     arch = config_from_dict(cached.config)
     max_len = resolve_max_model_len(spec.engine.max_model_len, arch)
     e = spec.engine
-    slots = (
-        LoraSlots.bytes_for(arch, e.max_loras, e.max_lora_rank, torch_dtype(e)) + msg.ADAPTER_ALIGN
-        if e.max_loras and spec.engine_kind == "builtin"
-        else 0
-    )
+    if not e.max_loras:
+        slots = 0
+    elif spec.engine_kind == "builtin":
+        slots = LoraSlots.bytes_for(arch, e.max_loras, e.max_lora_rank, torch_dtype(e)) + msg.ADAPTER_ALIGN
+    else:  # vLLM's own slots, moved into the weight range after the data parameters
+        slots = lora_slot_bytes(arch, e.max_loras + 1, e.max_lora_rank, torch_dtype(e).itemsize)
     out = {spec.name: ModelEntry(spec, cached, tok, max_len, pinned=spec.pinned, adapter_bytes=slots)}
     for slot in replica_slots:
         out[slot] = ModelEntry(

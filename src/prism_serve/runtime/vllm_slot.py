@@ -8,7 +8,8 @@ byte the active model holds is in the device ledger under the model's two accoun
 model leaves nothing under them (what the worker keeps of it is under a spare entry, below;
 engine/vllm_engine.py says where each byte lives):
 
-- weight account: the pages of the data parameters in the worker's weight range, plus the packed
+- weight account: the pages of the data parameters (and, for a base with ``max_loras``, of vLLM's
+  adapter slots) in the worker's weight range, plus the packed
   linear weights vLLM keeps itself, granted as bytes (estimated as the checkpoint's bytes less the
   data parameters': the packing stores the same numbers in another order);
 - KV account: the pages of the KV blocks in use, mapped a step ahead of the requests that need them
@@ -331,7 +332,7 @@ class VllmSlot:
         return True
 
     def _map_weights(self, account: Account, engine: VllmEngine) -> int:
-        n = engine.parameter_bytes()
+        n = engine.parameter_bytes() + engine.lora_bytes()  # data parameters, then adapter slots
         return map_weight_pages(self.weight_range, account, n, self.loader)[0] if n else 0
 
     # ---- kept weights -------------------------------------------------------------------------
