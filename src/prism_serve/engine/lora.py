@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,7 +83,8 @@ class LoraAdapter:
     path: str
     rank: int  # the largest rank of its modules
     target_modules: tuple[str, ...]
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    # read from its files, or views of the runtime's host cache made when read (runtime/adapters.py)
+    weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
 
     @property
     def nbytes(self) -> int:

@@ -16,6 +16,7 @@ with its weights, and gone with them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import torch
 
 from prism_serve.engine.lora import MODULES, InvalidAdapterError, LoraAdapter, read_adapter
 from prism_serve.engine.models.config import ArchConfig
-from prism_serve.runtime.messages import AdapterFile
+from prism_serve.runtime.messages import AdapterFile, LoraEntry
 from prism_serve.runtime.weight_cache import HostWeightCache, SharedWeights
 
 __all__ = ["AdapterSpec", "AdapterTable", "MappedAdapters"]
@@ -87,15 +88,31 @@ class MappedAdapters:
             self.forget(name)
 
 
-def _views(f: AdapterFile, flat: torch.Tensor) -> LoraAdapter:
-    weights = {}
-    for e in f.entries:
+class _MappedWeights(Mapping):
+    """An adapter's (layer, module) -> (A, B) as views of its mapped file, made when read (a slot
+    copy) and not kept: a registered adapter costs its worker no tensors until it is used."""
+
+    def __init__(self, entries: tuple[LoraEntry, ...], flat: torch.Tensor) -> None:
+        self._entries = {(e.layer, e.module): e for e in entries}
+        self._flat = flat
+
+    def __getitem__(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self._entries[key]
         na, nb = e.rank * e.fan_in * 4, e.fan_out * e.rank * 4
-        a = flat[e.offset : e.offset + na].view(torch.float32).view(e.rank, e.fan_in)
-        b = flat[e.offset + na : e.offset + na + nb].view(torch.float32).view(e.fan_out, e.rank)
-        weights[e.layer, e.module] = (a, b)
+        a = self._flat[e.offset : e.offset + na].view(torch.float32).view(e.rank, e.fan_in)
+        b = self._flat[e.offset + na : e.offset + na + nb].view(torch.float32).view(e.fan_out, e.rank)
+        return a, b
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _views(f: AdapterFile, flat: torch.Tensor) -> LoraAdapter:
     targets = tuple(m for m in MODULES if any(e.module == m for e in f.entries))
-    return LoraAdapter(f.name, f.path, f.rank, targets, weights)
+    return LoraAdapter(f.name, f.path, f.rank, targets, _MappedWeights(f.entries, flat))
 
 
 class AdapterTable:
