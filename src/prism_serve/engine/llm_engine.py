@@ -38,6 +38,7 @@ from prism_serve.errors import (
     InvalidRequestError,
     InvalidSamplingParamsError,
     PromptTooLongError,
+    UnsupportedModelError,
 )
 from prism_serve.memory.kv_pool import ElasticKVPool
 
@@ -66,11 +67,14 @@ class LLMEngine(RequestCounts):
         clock: Callable[[], float] = time.monotonic,
         model: LlamaForCausalLM | None = None,
         lora_storage: torch.Tensor | None = None,
+        reduce: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         """``model``: a decoder already built over its tensors (the runtime activates one from its
         host weight cache); ``weights`` then supplies only the config and tokenizer.
         ``lora_storage``: where the adapter slots (``max_loras``) are laid out (the runtime's
-        weight pages after the weights, ``LoraSlots.bytes_for`` of them); None: fresh memory."""
+        weight pages after the weights, ``LoraSlots.bytes_for`` of them); None: fresh memory.
+        ``reduce``: this engine is one rank of a tensor-parallel model (``weights`` its shard,
+        engine/tensor_parallel.py) and this sums a partial output over the ranks in place."""
         self.config = config = config or EngineConfig()
         keep_freed_buffers()  # activation buffers reused across steps, not page-faulted afresh
         dtype = torch_dtype(config)
@@ -93,6 +97,10 @@ class LLMEngine(RequestCounts):
             weights.config, weights.tensors, dtype, self.max_model_len, weights.rope_freq_factors
         ).to(device)
         device = self.model.norm.device
+        if reduce is not None:
+            if config.max_loras:
+                raise UnsupportedModelError("LoRA adapters of a tensor-parallel model are not supported")
+            self.model.reduce = reduce
         block_bytes = KVCache.block_bytes(weights.config, config.block_size, dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
         self._owned_pool: ElasticKVPool | None = None
@@ -132,6 +140,7 @@ class LLMEngine(RequestCounts):
             eos_token_ids=self.tokenizer.eos_token_ids,
             max_num_seqs=config.max_num_seqs,
             adapters=self.adapters,
+            cuda_graphs=reduce is None,  # a graph would replay the all-reduces outside the group's calls
         )
         self.grammars = GrammarCompiler(self.tokenizer, weights.config.vocab_size)
         self._clock = clock

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -193,6 +193,8 @@ class LlamaForCausalLM:
             self.embed = None if self.lm_head.transposed else self.lm_head.weight  # one copy
         self.layers = [DecoderLayer(tensors, f"model.layers.{i}.", c, dtype) for i in range(c.num_layers)]
         self.norm = tensors["model.norm.weight"].to(dtype).contiguous()
+        # tensor parallel: the in-place sum over the ranks of a partial output (tensor_parallel.py)
+        self.reduce: Callable[[torch.Tensor], None] | None = None
         self._init_rope(max_positions, rope_freq_factors)
 
     def _init_rope(self, max_positions: int | None, rope_freq_factors: torch.Tensor | None) -> None:
@@ -246,6 +248,7 @@ class LlamaForCausalLM:
         self.lm_head = Linear.laid_out(tensors["lm_head"], None, transposed)
         self.embed = tensors.get("embed", None if transposed else self.lm_head.weight)
         self.norm = tensors["norm"]
+        self.reduce = None
         self.layers = []
         for i in range(config.num_layers):
             layer = DecoderLayer.__new__(DecoderLayer)
@@ -322,6 +325,8 @@ class LlamaForCausalLM:
             o = layer.o_proj(attn)
             if lora is not None:
                 lora.apply(i, "o_proj", attn.reshape(num_tokens, -1), o)
+            if self.reduce is not None:  # a rank's heads' part of the sum
+                self.reduce(o)
             h = add_rms_norm(x, o, layer.post_norm, eps, kernel)
             gate_up = layer.gate_up(h)
             if lora is not None:
@@ -331,6 +336,8 @@ class LlamaForCausalLM:
             down = layer.down(mid)
             if lora is not None:
                 lora.apply(i, "down", mid, down)
+            if self.reduce is not None:  # a rank's intermediate columns' part of the sum
+                self.reduce(down)
             # the MLP's output is added, then normed for the next layer (or the final norm)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h = add_rms_norm(x, down, after, eps, kernel)

@@ -1,0 +1,193 @@
+"""Tensor parallelism for the built-in engine: one model's decoder split over N ranks (processes),
+each with its own engine over its shard, the ranks joined by all-reduces.
+
+A rank's shard (``shard_weights``), for a Llama-shaped decoder:
+
+- attention by heads: each rank takes a contiguous group of KV heads (as evenly as possible: a
+  9-head, 3-KV-head model over 2 ranks is 6+3 query heads on 2+1 KV heads) and the query heads
+  that read them; q/k/v rows (and biases) of those heads, ``o_proj`` columns of its query heads;
+- the MLP by columns of the intermediate size: ``gate_proj``/``up_proj`` rows, ``down_proj``
+  columns (as evenly as possible);
+- the embedding, the LM head and the norms whole on every rank.
+
+So each rank's shard is itself a smaller Llama (``shard_config``: its heads and intermediate
+size), which the engine builds and runs as it runs any model, its KV cache holding only its KV
+heads. Two partial sums need adding across ranks per layer, the outputs of ``o_proj`` and of
+``down_proj``: ``LlamaForCausalLM.reduce`` is called on them (an in-place all-reduce over the
+ranks' process group, gloo between CPU devices, NCCL between CUDA devices). After it every rank
+holds the same residual stream, so each computes the same logits and samples the same tokens: the
+ranks run the same engine loop in lockstep (the same requests, the same scheduling), and rank 0's
+outputs are the model's.
+
+Lockstep: rank 0's engine is the one its caller drives (``Leader``: requests and aborts as for any
+engine); what changes the engine's state is applied there at once and sent to the other ranks at
+the next step, in one broadcast before that step runs on every rank. The other ranks (``follow``)
+only apply what the broadcast says and step. So every rank admits and schedules the same requests
+at the same step whatever order their own inputs would have come in; their KV caches must be the
+same size (the scheduler's decisions depend on it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from prism_serve.engine.models.config import ArchConfig
+from prism_serve.engine.weights import LoadedWeights
+from prism_serve.errors import UnsupportedModelError
+
+__all__ = ["Leader", "Shard", "all_reduce_over", "follow", "shard_config", "shard_plan", "shard_weights"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shard:
+    """One rank's part of the decoder: KV heads ``[kv_start, kv_start + kv_heads)`` (and their
+    query heads), intermediate columns ``[mlp_start, mlp_start + mlp_size)``."""
+
+    rank: int
+    world: int
+    kv_start: int
+    kv_heads: int
+    heads_per_kv: int
+    mlp_start: int
+    mlp_size: int
+
+    @property
+    def q_start(self) -> int:
+        return self.kv_start * self.heads_per_kv
+
+    @property
+    def q_heads(self) -> int:
+        return self.kv_heads * self.heads_per_kv
+
+
+def _even(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Start and size of ``rank``'s part of ``n`` items split as evenly as possible."""
+    base, extra = divmod(n, world)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def shard_plan(config: ArchConfig, world: int) -> list[Shard]:
+    """Every rank's shard; UnsupportedModelError where ``world`` ranks cannot each take a KV head."""
+    if world < 1:
+        raise UnsupportedModelError(f"tensor parallel degree {world}: must be at least 1")
+    if world > config.num_kv_heads:
+        raise UnsupportedModelError(
+            f"tensor parallel degree {world} is above the model's {config.num_kv_heads} KV heads: "
+            "every rank needs at least one"
+        )
+    group = config.num_heads // config.num_kv_heads
+    out = []
+    for rank in range(world):
+        kv_start, kv_heads = _even(config.num_kv_heads, world, rank)
+        mlp_start, mlp_size = _even(config.intermediate_size, world, rank)
+        out.append(Shard(rank, world, kv_start, kv_heads, group, mlp_start, mlp_size))
+    return out
+
+
+def shard_config(config: ArchConfig, shard: Shard) -> ArchConfig:
+    """The shape of one rank's part: a Llama with its heads and its intermediate size."""
+    return dataclasses.replace(
+        config, num_heads=shard.q_heads, num_kv_heads=shard.kv_heads, intermediate_size=shard.mlp_size
+    )
+
+
+def shard_weights(weights: LoadedWeights, shard: Shard) -> LoadedWeights:
+    """Rank ``shard.rank``'s tensors (HF names, views where a slice is contiguous: rows)."""
+    c = weights.config
+    d = c.head_dim
+    q = slice(shard.q_start * d, (shard.q_start + shard.q_heads) * d)
+    kv = slice(shard.kv_start * d, (shard.kv_start + shard.kv_heads) * d)
+    mlp = slice(shard.mlp_start, shard.mlp_start + shard.mlp_size)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
+    cols = {"o_proj": q, "down_proj": mlp}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.tensors.items():
+        module, _, kind = name.rpartition(".")
+        module = module.rpartition(".")[2]
+        if module in rows:
+            out[name] = t[rows[module]].contiguous()  # weight rows, or the bias
+        elif module in cols and kind == "weight":
+            out[name] = t[:, cols[module]].contiguous()
+        else:  # embedding, LM head, norms: whole on every rank
+            out[name] = t
+    return dataclasses.replace(weights, config=shard_config(c, shard), tensors=out)
+
+
+def all_reduce_over(group) -> Callable[[torch.Tensor], None]:
+    """An in-place sum of a tensor over ``group`` (a torch.distributed process group)."""
+    import torch.distributed as dist
+
+    def reduce(t: torch.Tensor) -> None:
+        dist.all_reduce(t, group=group)
+
+    return reduce
+
+
+class Leader:
+    """Rank 0's engine as its caller drives it (the engine's own methods otherwise): requests and
+    aborts go into the engine now and to the other ranks with the next step (``follow``)."""
+
+    def __init__(self, engine: Any, group=None) -> None:
+        self.engine = engine
+        self.group = group
+        self._pending: list[tuple] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def add_request(self, prompt_token_ids: list[int], params, req_id: str | None = None,
+                    adapter: str | None = None) -> str:  # fmt: skip
+        req_id = self.engine.add_request(prompt_token_ids, params, req_id, adapter)
+        self._pending.append(("add", list(prompt_token_ids), params, req_id))
+        return req_id
+
+    def abort_request(self, req_id: str) -> bool:
+        done = self.engine.abort_request(req_id)
+        if done:
+            self._pending.append(("abort", req_id))
+        return done
+
+    def abort_all(self) -> list[str]:
+        ids = self.engine.abort_all()
+        self._pending += [("abort", r) for r in ids]
+        return ids
+
+    def step(self) -> list:
+        self._broadcast(self._pending)
+        self._pending = []
+        return self.engine.step()
+
+    def close(self) -> None:
+        """End the followers' loops (``follow`` returns), then close this engine."""
+        self._broadcast([("stop",)])
+        self.engine.close()
+
+    def _broadcast(self, commands: list[tuple]) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([commands], src=0, group=self.group)
+
+
+def follow(engine: Any, group=None) -> int:
+    """A rank other than 0: apply each step's commands from rank 0, then step; returns the steps
+    run when rank 0 closes."""
+    import torch.distributed as dist
+
+    steps = 0
+    while True:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        for command in box[0]:
+            if command[0] == "add":
+                engine.add_request(command[1], command[2], command[3])
+            elif command[0] == "abort":
+                engine.abort_request(command[1])
+            else:  # "stop"
+                engine.close()
+                return steps
+        engine.step()
+        steps += 1
