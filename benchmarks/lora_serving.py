@@ -3,14 +3,16 @@
 SmolLM2-135M-Instruct (real weights), rank-``--rank`` adapters on q_proj and v_proj (PEFT's default
 targets for Llama), random non-zero A and B written in PEFT's layout. Two parts (``--part``):
 
-* **scale**: two servers, one after the other, the same requests (Poisson arrivals at ``--rate``
-  for ``--duration`` s, prompts of 64-192 tokens, ``--max-tokens`` out, replayed by `prism bench`):
-  a server with ``--few`` adapters registered and the requests spread over all of them, and a
-  server with ``--registered`` adapters registered and the same requests spread over
-  ``--in-use`` of them. Printed per server: SLO attainment (``--ttft-slo``, ``--tpot-slo``), the
-  adapter files in the host cache and the private memory of the server and its workers after the
-  run (anonymous pages, /proc/PID/smaps_rollup); then the growth from the first server to the
-  second against the added adapters' own bytes (float32 A and B, as the host cache holds them).
+* **scale**: one server, the same requests twice (Poisson arrivals at ``--rate`` for
+  ``--duration`` s, prompts of 64-192 tokens, ``--max-tokens`` out, replayed by `prism bench`):
+  first with ``--few`` adapters registered (from the config) and the requests spread over all of
+  them; then, after the rest of ``--registered`` adapters are registered at run time
+  (``POST /v1/load_lora_adapter``), spread over ``--in-use`` of them; then over the first
+  ``--few`` again (how much two runs of the same requests differ). Printed for each run: SLO
+  attainment (``--ttft-slo``, ``--tpot-slo``), the adapter files in the host cache and the private
+  memory of the server and its workers after the run (anonymous pages, /proc/PID/smaps_rollup);
+  then the growth by the registrations (after the first run against just after registering)
+  against the added adapters' own bytes (float32 A and B, as the host cache holds them).
 * **vllm**: `prism serve` and vLLM's OpenAI server (``--enable-lora``, the same adapters, the same
   max rank and slots) measured by `vllm bench serve` (the random dataset: ``--prompts`` requests of
   260 prompt / 66 output tokens, ``--concurrency`` in flight, each request on the next adapter in
@@ -65,20 +67,18 @@ def adapter_bytes(config, rank: int) -> int:
     return config.num_layers * sum(rank * sum(shapes[m]) for m in QV) * 4
 
 
-def private_bytes(pid: int) -> int:
-    """Anonymous (private) memory of ``pid`` and its descendants: the heap, not mapped files."""
-    total = 0
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
-    for p in procs:
+def private_bytes(pid: int) -> tuple[int, int]:
+    """Anonymous (private) memory of ``pid`` and of its descendants (the heap, not mapped files)."""
+
+    def anonymous(p: int) -> int:
         try:
-            text = Path(f"/proc/{p.pid}/smaps_rollup").read_text()
+            text = Path(f"/proc/{p}/smaps_rollup").read_text()
         except (FileNotFoundError, ProcessLookupError):
-            continue
-        for line in text.splitlines():
-            if line.startswith("Anonymous:"):
-                total += int(line.split()[1]) * 1024
-    return total
+            return 0
+        return sum(int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("Anonymous:"))
+
+    children = psutil.Process(pid).children(recursive=True)
+    return anonymous(pid), sum(anonymous(c.pid) for c in children)
 
 
 def workload(path: Path, names: list[str], rate: float, duration: float, max_tokens: int, seed: int) -> int:
@@ -97,21 +97,49 @@ def workload(path: Path, names: list[str], rate: float, duration: float, max_tok
     return len(rows)
 
 
-def serve_scale(tmp: Path, name: str, paths: list[Path], in_use: int, args) -> dict:
-    port, namespace = free_port(), f"lorabench-{name}-{os.getpid()}"
-    cfg = tmp / f"{name}.yaml"
+ADMIN_KEY = "lora-bench-admin"
+
+
+def replay(url: str, tmp: Path, tag: str, names: list[str], args) -> dict:
+    """The scale part's requests over ``names``, replayed by `prism bench`: its overall figures."""
+    work = tmp / f"{tag}.jsonl"
+    n = workload(work, names, args.rate, args.duration, args.max_tokens, args.seed)
+    out = tmp / f"{tag}-bench"
+    common.wait_quiet(60, 0.3)
+    subprocess.run([sys.executable, "-m", "prism_serve.cli", "bench", "--workload", str(work), "--url", url,
+                    "--out", str(out), "--no-progress"], check=True, capture_output=True)  # fmt: skip
+    res = json.loads((out / "bench.json").read_text())["overall"]
+    keys = ("slo_attainment", "ttft_attainment", "tpot_attainment", "failed", "ttft_p50_s", "tpot_p50_s")
+    return {"requests": n, **{k: res[k] for k in keys}}
+
+
+def memory(pid: int, namespace: str) -> dict:
+    files = [f for f in os.listdir("/dev/shm") if namespace in f and f.endswith(".lora")]
+    server, workers = private_bytes(pid)
+    return {"adapter_files": len(files), "private_bytes": server + workers, "server_private_bytes": server,
+            "workers_private_bytes": workers,
+            "adapter_shm_bytes": sum(os.path.getsize(f"/dev/shm/{f}") for f in files)}  # fmt: skip
+
+
+def part_scale(tmp: Path, args) -> dict:
+    """One server: ``--few`` adapters from its config and the requests over them; then the rest
+    of ``--registered`` registered at run time and the same requests over ``--in-use`` of them.
+    Memory is compared within the one process (after each run), so that what differs between two
+    server processes anyway (allocator arenas, tens of MiB) does not count."""
+    config = load_weights(MODEL).config
+    paths = adapters(Path(args.adapter_dir or tmp / "adapters"), args.registered, args.rank, config)
+    port, namespace = free_port(), f"lorabench-{os.getpid()}"
+    cfg = tmp / "scale.yaml"
     lines = [
         "devices: [{name: 'cpu:0', memory: 4GiB, workers: 1}]",
         "models:",
         f"  - {{name: smol, source: {MODEL}, max_loras: {args.slots}, max_lora_rank: {args.rank}, "
         f"max_num_seqs: 32, ttft_slo: {args.ttft_slo}, tpot_slo: {args.tpot_slo}, pinned: true}}",
     ]
-    lines += [f"  - {{name: {p.name}, base: smol, adapter: '{p}'}}" for p in paths]
-    lines.append(f"server: {{namespace: {namespace}}}")
+    lines += [f"  - {{name: {p.name}, base: smol, adapter: '{p}'}}" for p in paths[: args.few]]
+    lines.append(f"server: {{namespace: {namespace}, admin_key: {ADMIN_KEY}}}")
     cfg.write_text("\n".join(lines) + "\n")
-    t0 = time.perf_counter()
-    proc = start_server_process(cfg, port, tmp / f"{name}.log", timeout_s=1800)
-    started = time.perf_counter() - t0
+    proc = start_server_process(cfg, port, tmp / "scale.log", timeout_s=600)
     url = f"http://127.0.0.1:{port}"
     try:
         # warm-up: the engine's first steps of each shape, on the base
@@ -119,45 +147,46 @@ def serve_scale(tmp: Path, name: str, paths: list[Path], in_use: int, args) -> d
             list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json={
                 "model": "smol", "prompt": "warm up " * 60, "max_tokens": 16, "ignore_eos": True},
                 timeout=300).raise_for_status(), range(16)))  # fmt: skip
-        names = [p.name for p in paths[:in_use]]
-        work = tmp / f"{name}.jsonl"
-        n = workload(work, names, args.rate, args.duration, args.max_tokens, args.seed)
-        out = tmp / f"{name}-bench"
-        common.wait_quiet(60, 0.3)
-        subprocess.run([sys.executable, "-m", "prism_serve.cli", "bench", "--workload", str(work),
-                        "--url", url, "--out", str(out), "--no-progress"], check=True,
-                       capture_output=True)  # fmt: skip
-        res = json.loads((out / "bench.json").read_text())["overall"]
-        lora_files = [f for f in os.listdir("/dev/shm") if namespace in f and f.endswith(".lora")]
-        shm = sum(os.path.getsize(f"/dev/shm/{f}") for f in lora_files)
-        return {"server": name, "registered": len(paths), "in_use": in_use, "requests": n, "start_s": started,
-                "slo_attainment": res["slo_attainment"], "ttft_attainment": res["ttft_attainment"],
-                "tpot_attainment": res["tpot_attainment"], "failed": res["failed"],
-                "ttft_p50_s": res["ttft_p50_s"], "tpot_p50_s": res["tpot_p50_s"],
-                "adapter_files": len(lora_files), "adapter_shm_bytes": shm,
-                "private_bytes": private_bytes(proc.pid)}  # fmt: skip
+        few = replay(url, tmp, "few", [p.name for p in paths[: args.few]], args)
+        few.update(memory(proc.pid, namespace), registered=args.few, in_use=args.few)
+        t0 = time.perf_counter()
+        with httpx.Client(headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60) as client:
+            for p in paths[args.few :]:
+                body = {"lora_name": p.name, "lora_path": str(p)}
+                client.post(f"{url}/v1/load_lora_adapter", json=body).raise_for_status()
+        register_s = time.perf_counter() - t0
+        time.sleep(5)  # the workers take the registrations after the routes answered
+        registered = memory(proc.pid, namespace)
+        many = replay(url, tmp, "many", [p.name for p in paths[: args.in_use]], args)
+        many.update(memory(proc.pid, namespace), registered=len(paths), in_use=args.in_use)
+        # the first run's requests again, now with every adapter registered: how much two runs of
+        # the same requests differ here, against what the number in use changes
+        again = replay(url, tmp, "again", [p.name for p in paths[: args.few]], args)
+        again.update(memory(proc.pid, namespace), registered=len(paths), in_use=args.few)
     finally:
         stop_server_process(proc)
-
-
-def part_scale(tmp: Path, args) -> dict:
-    config = load_weights(MODEL).config
-    paths = adapters(Path(args.adapter_dir or tmp / "adapters"), args.registered, args.rank, config)
-    few = serve_scale(tmp, "few", paths[: args.few], args.few, args)
-    many = serve_scale(tmp, "many", paths, args.in_use, args)
-    own = (args.registered - args.few) * adapter_bytes(config, args.rank)
-    grown = sum(many[k] - few[k] for k in ("private_bytes", "adapter_shm_bytes"))
-    for r in (few, many):
+    own = (len(paths) - args.few) * adapter_bytes(config, args.rank)
+    grown = sum(registered[k] - few[k] for k in ("private_bytes", "adapter_shm_bytes"))
+    for r in (few, many, again):
         print(f"{r['registered']:>5} registered, {r['in_use']:>4} in use: {r['requests']} requests, "
               f"SLO attainment {r['slo_attainment']:.1%} (TTFT {r['ttft_attainment']:.1%}, TPOT "
               f"{r['tpot_attainment']:.1%}), failed {r['failed']}, TTFT p50 {r['ttft_p50_s']:.3f} s, "
-              f"TPOT p50 {r['tpot_p50_s'] * 1e3:.1f} ms; started in {r['start_s']:.1f} s; host cache "
-              f"{r['adapter_files']} adapter files, {r['adapter_shm_bytes'] / 2**20:.1f} MiB; private "
-              f"memory of server and workers {r['private_bytes'] / 2**20:.1f} MiB")  # fmt: skip
-    print(f"memory growth: {grown / 2**20:.1f} MiB for {args.registered - args.few} more adapters of "
-          f"{own / 2**20:.1f} MiB own bytes: {grown / own:.3f}x; attainment difference "
-          f"{(many['slo_attainment'] - few['slo_attainment']) * 100:+.1f} points")
-    return {"few": few, "many": many, "growth_bytes": grown, "own_bytes": own, "growth_ratio": grown / own}
+              f"TPOT p50 {r['tpot_p50_s'] * 1e3:.1f} ms; host cache {r['adapter_files']} adapter files, "
+              f"{r['adapter_shm_bytes'] / 2**20:.1f} MiB; private memory: server "
+              f"{r['server_private_bytes'] / 2**20:.1f} MiB, workers "
+              f"{r['workers_private_bytes'] / 2**20:.1f} MiB")  # fmt: skip
+    print(f"registered {len(paths) - args.few} adapters at run time in {register_s:.1f} s "
+          f"({register_s / max(1, len(paths) - args.few) * 1e3:.1f} ms each)")
+    print(f"memory growth by the registrations (after the first run, and after registering, before "
+          f"the second): {grown / 2**20:.1f} MiB for {len(paths) - args.few} more adapters of "
+          f"{own / 2**20:.1f} MiB own bytes: {grown / own:.3f}x (server "
+          f"{(registered['server_private_bytes'] - few['server_private_bytes']) / 2**20:+.1f} MiB, workers "
+          f"{(registered['workers_private_bytes'] - few['workers_private_bytes']) / 2**20:+.1f} MiB private)")
+    print(f"attainment, {args.in_use} in use against {args.few}: "
+          f"{(many['slo_attainment'] - few['slo_attainment']) * 100:+.1f} points against the first run, "
+          f"{(many['slo_attainment'] - again['slo_attainment']) * 100:+.1f} against the third")
+    return {"few": few, "registered": registered, "many": many, "again": again, "register_s": register_s,
+            "growth_bytes": grown, "own_bytes": own, "growth_ratio": grown / own}  # fmt: skip
 
 
 # ---- against vLLM ----------------------------------------------------------------------------------

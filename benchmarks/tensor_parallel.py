@@ -54,6 +54,7 @@ config = EngineConfig(dtype=dtype, max_num_seqs=batch, num_kv_blocks=blocks)
 engine = LLMEngine(config, weights=weights, reduce=reduce)
 if world > 1 and rank > 0:
     follow(engine)
+    dist.destroy_process_group()
     sys.exit(0)
 if world > 1:
     engine = Leader(engine)
@@ -75,6 +76,7 @@ prefill_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
 out = {"prefill_s": sum(times[:prefill_steps]), "decode_s": statistics.median(times[prefill_steps:])}
 if world > 1:
     engine.close()
+    dist.destroy_process_group()
 print(json.dumps(out))
 """
 

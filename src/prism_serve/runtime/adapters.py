@@ -25,7 +25,7 @@ import torch
 from prism_serve.engine.lora import MODULES, InvalidAdapterError, LoraAdapter, read_adapter
 from prism_serve.engine.models.config import ArchConfig
 from prism_serve.runtime.messages import AdapterFile, LoraEntry
-from prism_serve.runtime.weight_cache import HostWeightCache, SharedWeights
+from prism_serve.runtime.weight_cache import HostWeightCache, SharedWeights, release_freed_memory
 
 __all__ = ["AdapterSpec", "AdapterTable", "MappedAdapters"]
 
@@ -52,7 +52,10 @@ class AdapterSpec:
         where = str(Path(path).expanduser())
         a = read_adapter(where, config, max_rank, name)
         file = cache.write_adapter(a) if cache is not None else AdapterFile(name, where)
-        return cls(name, base, where, ttft_slo, tpot_slo, a.rank, a.nbytes, a.target_modules, file)
+        spec = cls(name, base, where, ttft_slo, tpot_slo, a.rank, a.nbytes, a.target_modules, file)
+        del a  # its tensors: the cache file holds them now
+        release_freed_memory()
+        return spec
 
 
 class MappedAdapters:

@@ -161,7 +161,7 @@ class HostWeightCache:
             if base is None:
                 base = self._load(spec)
                 self._files[key] = base
-                _release_freed_memory()
+                release_freed_memory()
         cached = dataclasses.replace(base, spec=spec)
         with self._lock:
             return self._models.setdefault(spec.name, cached)
@@ -355,11 +355,11 @@ class HostWeightCache:
         return removed
 
 
-def _release_freed_memory() -> None:
-    """Give the heap pages freed after a load back to the kernel. Reading and packing a model
-    allocates about twice its size; glibc keeps freed pages for reuse, so without this the server
-    process would hold a private copy's worth of memory (1.1 GB for the default models) that it
-    never touches again, beside the shared cache file."""
+def release_freed_memory() -> None:
+    """Give the heap pages freed after a load (a model's, an adapter's) back to the kernel.
+    Reading and packing a model allocates about twice its size; glibc keeps freed pages for
+    reuse, so without this the server process would hold a private copy's worth of memory (1.1 GB
+    for the default models) that it never touches again, beside the shared cache file."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
