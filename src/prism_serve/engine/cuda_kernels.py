@@ -19,6 +19,13 @@ head, so K and V are read once for the whole query group whatever its size, and 
 chunk's keys up to the tile's last position with a running softmax (flash attention over a block
 table). Tiles past a short chunk's end do nothing.
 
+``lora_apply`` adds each row's LoRA update to a fused linear's output (engine/lora.py): a shrink
+kernel (one program per row: the row's input against its slot's A, the slot's own rank of it)
+into an fp32 buffer, then an expand kernel (one program per row and block of output columns: that
+against B, added to the output in place). A row reads only its own adapter, so the work is the
+rows' ranks, whatever the number of adapters in the batch. Tested in Triton's CPU interpreter
+(``TRITON_INTERPRET=1``) against the grouped torch ops.
+
 Triton comes with the CUDA builds of torch. ``available()`` says whether these kernels can run for
 a model: a CUDA tensor, Triton importable, head_dim and block_size powers of two of at least 16.
 Elsewhere the engine attends with torch's SDPA over gathered blocks (attention.py).
@@ -386,3 +393,93 @@ def paged_prefill(
         num_warps=_PREFILL_WARPS,
     )  # fmt: skip
     return out
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["fan_in", "stride_x"])
+    def _lora_shrink_kernel(
+        X, A, Slots, Ranks, U, fan_in, stride_x,
+        RANK_P: tl.constexpr, MAX_RANK: tl.constexpr, BLOCK_IN: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0)
+        s = tl.load(Slots + t)
+        if s >= 0:
+            r = tl.load(Ranks + s)
+            rows = tl.arange(0, RANK_P)
+            rmask = rows < r
+            acc = tl.zeros([RANK_P], tl.float32)
+            base = A + s.to(tl.int64) * MAX_RANK * fan_in
+            for k in range(0, fan_in, BLOCK_IN):
+                cols = k + tl.arange(0, BLOCK_IN)
+                cmask = cols < fan_in
+                x = tl.load(X + t * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
+                a = tl.load(base + rows[:, None] * fan_in + cols[None, :],
+                            mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                acc += tl.sum(a * x[None, :], axis=1)
+            tl.store(U + t * RANK_P + rows, acc)
+
+    @triton.jit(do_not_specialize=["fan_out", "stride_y"])
+    def _lora_expand_kernel(
+        U, B, Slots, Ranks, Y, fan_out, stride_y,
+        RANK_P: tl.constexpr, MAX_RANK: tl.constexpr, BLOCK_OUT: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0)
+        j = tl.program_id(1)
+        s = tl.load(Slots + t)
+        if s >= 0:
+            r = tl.load(Ranks + s)
+            rows = tl.arange(0, RANK_P)
+            rmask = rows < r
+            cols = j * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+            cmask = cols < fan_out
+            u = tl.load(U + t * RANK_P + rows, mask=rmask, other=0.0)
+            b = tl.load(B + s.to(tl.int64) * MAX_RANK * fan_out + rows[:, None] * fan_out + cols[None, :],
+                        mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            update = tl.sum(u[:, None] * b, axis=0)
+            y = tl.load(Y + t * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
+            tl.store(Y + t * stride_y + cols, (y + update).to(Y.dtype.element_ty), mask=cmask)
+
+
+_LORA_BLOCK_IN = 64
+_LORA_BLOCK_OUT = 64
+
+
+def lora_apply(
+    x: torch.Tensor,  # [rows, in], rows any distance apart
+    out: torch.Tensor,  # [rows, out], rows any distance apart (a column range of a fused output)
+    a: torch.Tensor,  # [slots, max_rank, in]
+    b: torch.Tensor,  # [slots, max_rank, out]
+    slots: torch.Tensor,  # [rows] int64, -1: no adapter
+    ranks: torch.Tensor,  # [slots] int64
+) -> None:
+    """``out[t] += (x[t] @ a[s, :r].T) @ b[s, :r]`` for each row ``t`` with slot ``s = slots[t]``
+    and ``r = ranks[s]``, in place (the CPU kernel's contract, cpu_kernels.lora_apply)."""
+    rows, fan_in = x.shape
+    num_slots, max_rank, fan_out = b.shape
+    if (
+        x.stride(1) != 1
+        or out.stride(1) != 1
+        or out.shape != (rows, fan_out)
+        or a.shape != (num_slots, max_rank, fan_in)
+        or not (a.is_contiguous() and b.is_contiguous())
+        or slots.shape != (rows,)
+        or ranks.shape != (num_slots,)
+    ):
+        raise ValueError(
+            f"lora_apply: x {tuple(x.shape)}, out {tuple(out.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}"
+        )
+    if rows == 0:
+        return
+    rank_p = max(16, triton.next_power_of_2(max_rank))
+    u = torch.empty(rows, rank_p, dtype=torch.float32, device=x.device)
+    slots = slots.to(torch.int64).contiguous()
+    ranks = ranks.to(torch.int64).contiguous()
+    _lora_shrink_kernel[(rows,)](
+        x, a, slots, ranks, u, fan_in, x.stride(0),
+        RANK_P=rank_p, MAX_RANK=max_rank, BLOCK_IN=_LORA_BLOCK_IN,
+    )  # fmt: skip
+    _lora_expand_kernel[(rows, triton.cdiv(fan_out, _LORA_BLOCK_OUT))](
+        u, b, slots, ranks, out, fan_out, out.stride(0),
+        RANK_P=rank_p, MAX_RANK=max_rank, BLOCK_OUT=_LORA_BLOCK_OUT,
+    )  # fmt: skip

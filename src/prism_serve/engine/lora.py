@@ -278,8 +278,10 @@ class LoraSlots:
         self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, kernel: bool
     ) -> None:
         """``y`` (the fused linear's output for input ``x``) += each row's adapter update, through
-        the CPU kernel with ``kernel`` (else grouped torch ops)."""
-        from prism_serve.engine import cpu_kernels
+        the CPU kernel with ``kernel``, the Triton kernels on a CUDA device, else grouped torch ops."""
+        from prism_serve.engine import cpu_kernels, cuda_kernels
+
+        triton = y.is_cuda and cuda_kernels.triton is not None
 
         for module in self._fused[fused]:
             ranks = self.ranks[layer, self._index[module]]
@@ -288,6 +290,8 @@ class LoraSlots:
             out = y.narrow(-1, start, b.shape[2])
             if kernel:
                 cpu_kernels.lora_apply(x, out, a, b, slots, ranks)
+            elif triton:
+                cuda_kernels.lora_apply(x, out, a, b, slots, ranks)
             else:
                 _apply_grouped(x, out, a, b, slots, ranks)
 
