@@ -255,22 +255,22 @@ class LoraSlots:
         return num_slots * max_rank * config.lora_params_per_rank() * dtype.itemsize
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
-        """Copy ``adapter`` into ``slot`` (what was there is cleared)."""
+        """Copy ``adapter`` into ``slot`` (in place of what was there). Only each module's first
+        ``rank`` rows of A and B are ever read (the kernels and the grouped ops stop at the slot's
+        rank), so what a previous adapter left beyond them is not cleared."""
         if adapter.rank > self.max_rank:
             raise InvalidAdapterError(f"adapter {adapter.name!r}: rank {adapter.rank} > {self.max_rank}")
-        self.clear(slot)
+        ranks = torch.zeros(self.config.num_layers, len(MODULES), dtype=torch.int64)
         for (layer, module), (a, b) in adapter.weights.items():
             r = a.shape[0]
             self.a[layer, module][slot, :r].copy_(a)
             self.b[layer, module][slot, :r].copy_(b.t())
-            self.ranks[layer, self._index[module], slot] = r
+            ranks[layer, self._index[module]] = r
+        self.ranks[:, :, slot] = ranks
         self.names[slot] = adapter.name
 
     def clear(self, slot: int) -> None:
-        for key in self.a:
-            if self.ranks[key[0], self._index[key[1]], slot]:
-                self.a[key][slot].zero_()
-                self.b[key][slot].zero_()
+        """The slot holds no adapter (rank 0 everywhere: nothing of it is read)."""
         self.ranks[:, :, slot] = 0
         self.names[slot] = None
 
