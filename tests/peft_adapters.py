@@ -55,3 +55,16 @@ def merged_greedy(base_dir: Path, adapter: Path | None, prompts: list[list[int]]
                 seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
             outs.append(seq[len(ids) :])
     return outs
+
+
+def merged_texts(adapters: dict[str, Path], weights, prompt: str, n: int) -> dict[str, str]:
+    """Each entry's greedy text for ``prompt`` (``n`` tokens): transformers over ``adapters["base"]``,
+    with peft's adapter merged for every other entry; checked to differ (adapters that change
+    nothing prove nothing)."""
+    ids = weights.tokenizer.encode(prompt)
+    out = {}
+    for name, path in adapters.items():
+        tokens = merged_greedy(adapters["base"], None if name == "base" else path, [ids], n)[0]
+        out[name] = weights.tokenizer.decode(tokens)
+    assert len(set(out.values())) == len(out), "adapters that change nothing prove nothing"
+    return out

@@ -19,7 +19,7 @@ import pytest
 from prism_serve.api.process import stop_server_process
 from prism_serve.memory.ledger import DeviceLedger
 from tests.api.conftest import ADMIN_KEY, API_KEY, ServerProcess, shm_files, start_server
-from tests.peft_adapters import make_adapter, merged_greedy, smollm_hf_dir
+from tests.peft_adapters import make_adapter, merged_texts, smollm_hf_dir
 
 N = 10
 PROMPT = "The three most useful things to pack for a hike are"
@@ -79,13 +79,7 @@ def greedy(server: ServerProcess, model: str, max_tokens: int = N) -> str:
 @pytest.fixture(scope="module")
 def reference(lora, smollm) -> dict[str, str]:
     """Each model's greedy text: transformers, with peft's adapter merged into the weights."""
-    ids = smollm.tokenizer.encode(PROMPT)
-    out = {}
-    for name in ("base", "qv", "mlp"):
-        tokens = merged_greedy(lora["base"], None if name == "base" else lora[name], [ids], N)[0]
-        out[name] = smollm.tokenizer.decode(tokens)
-    assert len(set(out.values())) == 3, "adapters that change nothing prove nothing"
-    return out
+    return merged_texts({k: lora[k] for k in ("base", "qv", "mlp")}, smollm, PROMPT, N)
 
 
 def test_models_lists_the_adapter_under_its_base(server):

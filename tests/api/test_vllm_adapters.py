@@ -26,7 +26,7 @@ from prism_serve.engine.vllm_engine import lora_slot_bytes
 from prism_serve.memory.ledger import DeviceLedger
 from tests.api.conftest import ADMIN_KEY, API_KEY, ServerProcess, shm_files, start_server
 from tests.api.test_vllm_server import VLLM_PYTHON
-from tests.peft_adapters import make_adapter, merged_greedy, smollm_hf_dir
+from tests.peft_adapters import make_adapter, merged_texts, smollm_hf_dir
 
 N = 10
 PROMPT = "The three most useful things to pack for a hike are"
@@ -85,13 +85,7 @@ def greedy(server: ServerProcess, model: str) -> str:
 
 @pytest.fixture(scope="module")
 def reference(lora, smollm) -> dict[str, str]:
-    ids = smollm.tokenizer.encode(PROMPT)
-    out = {}
-    for name in ("base", "qv", "mlp", "all"):
-        tokens = merged_greedy(lora["base"], None if name == "base" else lora[name], [ids], N)[0]
-        out[name] = smollm.tokenizer.decode(tokens)
-    assert len(set(out.values())) == 4, "adapters that change nothing prove nothing"
-    return out
+    return merged_texts(lora, smollm, PROMPT, N)
 
 
 def all_together(server: ServerProcess, models: list[str]) -> dict[str, list[str]]:

@@ -292,17 +292,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch
     return x
 
 
-def lora_apply(
-    x: torch.Tensor,  # [rows, in], rows any distance apart
-    out: torch.Tensor,  # [rows, out], rows any distance apart (a column range of a fused output)
-    a: torch.Tensor,  # [slots, max_rank, in]
-    b: torch.Tensor,  # [slots, max_rank, out]
-    slots: torch.Tensor,  # [rows] int64, -1: no adapter
-    ranks: torch.Tensor,  # [slots] int64
-) -> None:
-    """``out[t] += (x[t] @ a[s, :r].T) @ b[s, :r]`` for each row ``t`` with slot ``s = slots[t]``
-    and ``r = ranks[s]``, in place."""
-    fn = _fn("prism_lora_apply", x, out, a, b)
+def lora_operands(
+    x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+    ranks: torch.Tensor, check_values: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Check the operands of a LoRA kernel (this one, and cuda_kernels.lora_apply), ValueError
+    naming them; the slots and ranks as contiguous int64. ``check_values``: also that every slot
+    and rank is inside the stacked weights (reading them: a device sync on a GPU)."""
     rows, fan_in = x.shape
     num_slots, max_rank, fan_out = b.shape
     if (
@@ -319,8 +315,25 @@ def lora_apply(
     ranks = ranks.to(torch.int64).contiguous()
     if slots.shape != (rows,) or ranks.shape != (num_slots,):
         raise ValueError(f"lora_apply: {rows} rows need {rows} slots, {num_slots} slots need their ranks")
-    if rows and (int(slots.max()) >= num_slots or int(ranks.max()) > max_rank):
+    if check_values and rows and (int(slots.max()) >= num_slots or int(ranks.max()) > max_rank):
         raise ValueError("lora_apply: a slot or rank outside the stacked weights")
+    return slots, ranks
+
+
+def lora_apply(
+    x: torch.Tensor,  # [rows, in], rows any distance apart
+    out: torch.Tensor,  # [rows, out], rows any distance apart (a column range of a fused output)
+    a: torch.Tensor,  # [slots, max_rank, in]
+    b: torch.Tensor,  # [slots, max_rank, out]
+    slots: torch.Tensor,  # [rows] int64, -1: no adapter
+    ranks: torch.Tensor,  # [slots] int64
+) -> None:
+    """``out[t] += (x[t] @ a[s, :r].T) @ b[s, :r]`` for each row ``t`` with slot ``s = slots[t]``
+    and ``r = ranks[s]``, in place."""
+    fn = _fn("prism_lora_apply", x, out, a, b)
+    slots, ranks = lora_operands(x, out, a, b, slots, ranks)
+    rows, fan_in = x.shape
+    max_rank, fan_out = b.shape[1:]
     if rows:
         fn(
             x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), a.data_ptr(), b.data_ptr(),

@@ -446,35 +446,20 @@ _LORA_BLOCK_OUT = 64
 
 
 def lora_apply(
-    x: torch.Tensor,  # [rows, in], rows any distance apart
-    out: torch.Tensor,  # [rows, out], rows any distance apart (a column range of a fused output)
-    a: torch.Tensor,  # [slots, max_rank, in]
-    b: torch.Tensor,  # [slots, max_rank, out]
-    slots: torch.Tensor,  # [rows] int64, -1: no adapter
-    ranks: torch.Tensor,  # [slots] int64
-) -> None:
-    """``out[t] += (x[t] @ a[s, :r].T) @ b[s, :r]`` for each row ``t`` with slot ``s = slots[t]``
-    and ``r = ranks[s]``, in place (the CPU kernel's contract, cpu_kernels.lora_apply)."""
+    x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+    ranks: torch.Tensor,
+) -> None:  # fmt: skip
+    """The CPU kernel's ``lora_apply`` (cpu_kernels.py: the operands' shapes and its contract) on a
+    CUDA device. Slots and ranks are not read on the host (no device sync)."""
+    from prism_serve.engine.cpu_kernels import lora_operands
+
+    slots, ranks = lora_operands(x, out, a, b, slots, ranks, check_values=False)
     rows, fan_in = x.shape
-    num_slots, max_rank, fan_out = b.shape
-    if (
-        x.stride(1) != 1
-        or out.stride(1) != 1
-        or out.shape != (rows, fan_out)
-        or a.shape != (num_slots, max_rank, fan_in)
-        or not (a.is_contiguous() and b.is_contiguous())
-        or slots.shape != (rows,)
-        or ranks.shape != (num_slots,)
-    ):
-        raise ValueError(
-            f"lora_apply: x {tuple(x.shape)}, out {tuple(out.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}"
-        )
+    max_rank, fan_out = b.shape[1:]
     if rows == 0:
         return
     rank_p = max(16, triton.next_power_of_2(max_rank))
     u = torch.empty(rows, rank_p, dtype=torch.float32, device=x.device)
-    slots = slots.to(torch.int64).contiguous()
-    ranks = ranks.to(torch.int64).contiguous()
     _lora_shrink_kernel[(rows,)](
         x, a, slots, ranks, u, fan_in, x.stride(0),
         RANK_P=rank_p, MAX_RANK=max_rank, BLOCK_IN=_LORA_BLOCK_IN,
