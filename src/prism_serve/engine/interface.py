@@ -88,10 +88,26 @@ class WorkerKV(Protocol):
 
 class RequestCounts:
     """The request counts both engines give the same way, from their ``_requests`` (the requests in
-    flight, by id) and their ``scheduler``'s ``running`` and ``waiting`` queues."""
+    flight, by id, each with its ``adapter``) and their ``scheduler``'s ``running`` and ``waiting``
+    queues; and the requests of an adapter about to be removed."""
 
     _requests: dict
     scheduler: Any
+    adapters: Any
+
+    def _end_adapter_requests(self, name: str, force: bool) -> list[str]:
+        """Before adapter ``name`` is removed: InvalidAdapterError if it is not registered,
+        AdapterInUseError if requests use it, unless ``force``: then they are aborted (their ids)."""
+        from prism_serve.engine.lora import AdapterInUseError, InvalidAdapterError
+
+        if self.adapters is None or name not in self.adapters.adapters:
+            raise InvalidAdapterError(f"adapter {name!r} is not registered")
+        users = [r for r, q in self._requests.items() if q.adapter == name]
+        if users and not force:
+            raise AdapterInUseError(f"adapter {name!r} has {len(users)} requests in flight")
+        for r in users:
+            self.abort_request(r)  # type: ignore[attr-defined]
+        return users
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

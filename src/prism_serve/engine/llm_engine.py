@@ -15,7 +15,6 @@ from prism_serve.engine.config import resolve_max_model_len as resolve_max_model
 from prism_serve.engine.interface import RequestCounts
 from prism_serve.engine.kv_cache import BlockAllocator, FixedBlockAllocator, KVCache
 from prism_serve.engine.lora import (
-    AdapterInUseError,
     AdapterSlots,
     InvalidAdapterError,
     LoraAdapter,
@@ -198,13 +197,7 @@ class LLMEngine(RequestCounts):
     def remove_lora(self, name: str, force: bool = False) -> list[str]:
         """Forget adapter ``name``. Its requests must have finished (AdapterInUseError), unless
         ``force``: then they are aborted (their ids returned)."""
-        if self.adapters is None or name not in self.adapters.adapters:
-            raise InvalidAdapterError(f"adapter {name!r} is not registered")
-        users = [r for r, s in self._requests.items() if s.adapter == name]
-        if users and not force:
-            raise AdapterInUseError(f"adapter {name!r} has {len(users)} requests in flight")
-        for r in users:
-            self.abort_request(r)
+        users = self._end_adapter_requests(name, force)
         self.adapters.unregister(name)
         return users
 

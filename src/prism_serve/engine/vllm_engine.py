@@ -371,13 +371,7 @@ class VllmEngine(RequestCounts):
         self.adapters.register(name, path)
 
     def remove_lora(self, name: str, force: bool = False) -> list[str]:
-        if self.adapters is None or name not in self.adapters.adapters:
-            raise InvalidRequestError(f"adapter {name!r} is not registered")
-        users = [r for r, q in self._requests.items() if q.adapter == name]
-        if users and not force:
-            raise InvalidRequestError(f"adapter {name!r} has {len(users)} requests in flight")
-        for r in users:
-            self.abort_request(r)
+        users = self._end_adapter_requests(name, force)
         request = self.adapters.adapters.pop(name)
         self._engine.remove_lora(request.lora_int_id)
         return users

@@ -87,8 +87,10 @@ class MappedAdapters:
                     shared.close()
 
     def close(self) -> None:
-        for name in {a.name for _, a in self._files.values()}:
-            self.forget(name)
+        for shared, _ in self._files.values():
+            if shared is not None:
+                shared.close()
+        self._files.clear()
 
 
 class _MappedWeights(Mapping):
