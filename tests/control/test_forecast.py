@@ -24,6 +24,17 @@ def test_rate_counts_arrivals_in_the_window():
     assert est.rate("never", 5.0) == 0.0
 
 
+def test_moving_names_the_models_whose_rate_can_still_change():
+    est = RateEstimator(window_s=10.0)
+    est.start("idle", 0.0)
+    est.observe("a", 1.0)
+    assert est.moving() == ["a"]
+    assert est.rate("a", 5.0) == pytest.approx(0.25)
+    assert est.moving() == ["a"]  # at 11 s and later it reads 0.0
+    assert est.rate("a", 11.0) == 0.0
+    assert est.moving() == []
+
+
 def test_young_history_is_not_diluted_by_the_whole_window():
     est = RateEstimator(window_s=60.0)
     for t in (0.0, 0.5, 1.0, 1.5):
@@ -67,6 +78,15 @@ def test_seasonal_forecast_repeats_last_period_and_corrects_with_recent_errors()
     # window 9 (nothing arrived in window 8, as forecast): seasonal 20, so 2 req/s, which a
     # persistence forecast (0 in window 8) would have missed
     assert f.rate("m", 95.0) == pytest.approx(2.0)
+
+
+def test_forecast_reads_the_same_within_a_window():
+    f = SeasonalForecaster(window_s=10.0)
+    f.start("a", 0.0)
+    for t in (1.0, 2.0, 12.0):
+        f.observe("a", t)
+    assert (f.window(19.9), f.window(20.0)) == (1, 2)
+    assert f.rate("a", 20.0) == f.rate("a", 29.9)
 
 
 def test_forecast_without_a_past_period_is_persistence_plus_trend():

@@ -602,3 +602,23 @@ def test_a_tick_logs_each_move_with_the_busy_fractions_it_read(caplog):
     # each device's models with their busy fraction / request rate: a has had one request within
     # the rate estimator's shortest span (1 req/s; busy 1 by its profile here), b on d1 none
     assert line == "moving a ('d0',) -> ('d1',) (busy/rate d0: a 1.00/1.000 | d1: b 0.00/0.000)"
+
+
+def test_a_tick_marks_stale_only_what_time_moved():
+    """A tick marks the models whose rate has arrivals in its window (an empty window reads 0.0
+    at any time), and every model once a new forecast window began: what the simulator rebuilds."""
+    loop, _, pol = make(models={"a": 1.0, "b": 1.0, "c": 1.0})
+    loop.arrival(req(0, "a", 0.0), 0.0)
+    for t in (1.0, 2.0, 200.0, 201.0, 300.0):
+        loop.stale_models.clear()
+        pol.next_place = []
+        loop.tick(t)
+        marked = set(loop.stale_models)
+        if t == 1.0:  # the first tick: the forecast window is new
+            assert marked == {"a", "b", "c"}
+        elif t in (2.0, 200.0):  # a's arrival is still counted (at 200 s its read drops it)
+            assert marked == {"a"}
+        elif t == 201.0:
+            assert marked == set()
+        else:  # 300 s: the next forecast window
+            assert marked == {"a", "b", "c"}

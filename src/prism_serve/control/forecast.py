@@ -86,6 +86,11 @@ class RateEstimator:
     def last_arrival(self, model: str) -> float | None:
         return self._last.get(model)
 
+    def moving(self) -> list[str]:
+        """The models whose rate may read differently at a later ``now`` without a new arrival: those
+        with arrivals not yet known to have left the window (a model with none reads 0.0 whenever)."""
+        return [model for model, q in self._arrivals.items() if q]
+
     def idle_gaps(self, model: str) -> list[float]:
         """Gaps longer than ``min_gap_s`` between consecutive arrivals of ``model``, oldest first."""
         return list(self._gaps.get(model, ()))
@@ -184,6 +189,11 @@ class SeasonalForecaster:
                 self._cache.clear()
             self._cache[key] = max(0.0, self._predict(model, i)) / self.window_s
         return self._cache[key]
+
+    def window(self, t: float) -> int:
+        """The index of the window holding ``t``: ``rate`` reads the same for every ``now`` in one
+        window (it counts complete windows only)."""
+        return self._index(t)
 
     def _index(self, t: float) -> int:
         return math.floor(t / self.window_s)

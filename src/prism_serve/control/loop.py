@@ -148,6 +148,7 @@ class ControlLoop:
         self.counters: Counter[str] = Counter()  # evictions, migrations(_skipped), rejections, restarts
         # What changed since the body last built a snapshot (the simulator rebuilds only these).
         self.stale_models: dict[str, None] = {}
+        self._forecast_window: int | None = None  # the forecast window of the last tick
         self.stale_devices: set[str] = set(devices)
         self._to_admit: set[str] = set()
         self._reroute: list[Request] = []
@@ -180,7 +181,7 @@ class ControlLoop:
         self._admit_changed(now)
 
     def tick(self, now: float) -> None:
-        self.stale_models.update(self._models)  # every rate moved
+        self._mark_moved(now)
         cluster = self.body.cluster(now)
         expired = keep_alive_expired(cluster, now)
         if expired:  # the models' own keep-alive comes before the policy
@@ -202,6 +203,18 @@ class ControlLoop:
                 raise
         self._to_admit.update(d for d, q in self.queues.items() if len(q))
         self._admit_changed(now)
+
+    def _mark_moved(self, now: float) -> None:
+        """Mark stale what time alone moved since the last tick: the rates with arrivals in their
+        window, and every forecast once a new forecast window began. Everything else a model's
+        snapshot reports changes only with an event, which marks it then."""
+        window = self.forecast.window(now)
+        if window != self._forecast_window:
+            self._forecast_window = window
+            self.stale_models.update(self._models)
+            return
+        models = self._models
+        self.stale_models.update((m, None) for m in self.rates.moving() if m in models)
 
     def activation_done(self, model: str, device: str, now: float) -> None:
         self.stale_models[model] = None

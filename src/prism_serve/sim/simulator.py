@@ -96,6 +96,9 @@ class Simulator:
         self._cross = config.compute_sharing and self.hw.cross_interference > 0
         self._busy_devices = 0
         self._live_profiles = config.profiles == "live"
+        # live profiles: models whose step sums moved since the last tick, when their snapshot
+        # (their measured profile) is read again, as the tick's marks once read every model's
+        self._stepped: dict[str, None] = {}
         policy = get_policy(config.policy, **dict(config.knobs))
         self.models: dict[str, SimModel] = {}
         self.replica_of: dict[str, str] = {}  # replica slot -> served model (control/replicas.py)
@@ -283,6 +286,9 @@ class Simulator:
     def on_tick(self, now: float) -> None:
         if self.config.stop_after_ttft_misses is not None:
             self._count_ttft_misses(now)
+        if self._stepped:
+            self.loop.stale_models.update(self._stepped)
+            self._stepped.clear()
         self.loop.tick(now)
         if self._next_arrival < self._end or self.in_system:
             self.events.push(now + self.config.tick_s, Tick())
@@ -301,6 +307,8 @@ class Simulator:
             if steps:  # decode steps, timed alone: what StepSums fits (the live worker: CPU time)
                 m.steps = m.steps.plus(batch, alone, steps)
             m.step_started = None
+            if self._live_profiles:
+                self._stepped[m.served.name] = None
         m.num_served += len(finished)
         for req in finished:
             self._leave(req)
