@@ -439,3 +439,22 @@ def test_a_light_busy_model_does_not_move_beside_an_engine_near_its_limit() -> N
     # d2's engine busy 0.3: the move leaves every engine there below SAFE_LOAD, and it goes
     quiet = [*models[:-1], _neighbour("h2", ("d2",), 0.3)]
     assert pol.place(cluster(quiet, DEVICES), 100.0) == [Activate("m#1", ("d2",))]
+
+
+def test_derived_values_are_kept_per_snapshot_and_never_carried_into_an_updated_one() -> None:
+    from prism_serve.control.replicas import device_busy, group_rate, replica_capacity, resident_replicas
+
+    c = cluster([hot(rate=4.0, on=("d0",)), hot(k=1, rate=2.0, on=("d1",)), hot(k=2)], DEVICES)
+    first = resident_replicas(c, "m")
+    assert [m.model for m in first] == ["m", "m#1"]
+    first.clear()  # a caller's list is its own
+    assert [m.model for m in resident_replicas(c, "m")] == ["m", "m#1"]
+    assert group_rate(c, "m") == 6.0 and replica_capacity(c, "m") == CAPACITY
+    busy = device_busy(c, "d0")
+    assert busy == c.models["m"].busy > 0
+    # the same snapshot with m#1 evicted and m's rate changed: derived afresh
+    after = c.updated([hot(k=1), hot(rate=1.0, on=("d0",))], [replace(c.devices["d1"], models=())])
+    assert after.derived == {}
+    assert [m.model for m in resident_replicas(after, "m")] == ["m"]
+    assert group_rate(after, "m") == 1.0 and device_busy(after, "d0") == after.models["m"].busy < busy
+    assert group_rate(c, "m") == 6.0  # the first snapshot's stay as they were

@@ -54,12 +54,14 @@ whose activation the policy decides as for any evicted model.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 from prism_serve.control.placement import contention
 from prism_serve.control.types import ClusterSnapshot, ModelSnapshot, ModelState, Request
 
 __all__ = [
+    "active_replicas",
     "backlogged",
     "device_busy",
     "group_rate",
@@ -77,18 +79,31 @@ __all__ = [
 ]
 
 _TYPICAL_BATCH = 16  # ModelProfile.decode_step_s is one step at about this many running requests
+_UNSET = object()  # not derived yet (a derived value may be None)
 # a replica whose neighbours slow it this many times as much as another replica's is misplaced
 MISPLACED_FACTOR = 2.0
 
 
-def group_rate(cluster: ClusterSnapshot, model: str) -> float:
-    """Requests/s of the served model ``model`` over all its replicas."""
+def _derived(cluster: ClusterSnapshot, kind: str, name: str, compute):
+    """``compute(cluster, name)``, once per snapshot (``ClusterSnapshot.derived``): a policy call
+    asks the same of a served model or a device many times (every model's replicas at a tick)."""
+    key = (kind, name)
+    value = cluster.derived.get(key, _UNSET)
+    if value is _UNSET:
+        value = cluster.derived[key] = compute(cluster, name)
+    return value
+
+
+def _group_rate(cluster: ClusterSnapshot, model: str) -> float:
     return sum(cluster.models[n].rate for n in cluster.replicas(model))
 
 
-def replica_capacity(cluster: ClusterSnapshot, model: str) -> float | None:
-    """Requests/s one replica of ``model`` serves within its SLOs: the mean ``max_rate`` of its
-    resident replicas that know it, else of any replica; None when no replica knows it."""
+def group_rate(cluster: ClusterSnapshot, model: str) -> float:
+    """Requests/s of the served model ``model`` over all its replicas."""
+    return _derived(cluster, "group_rate", model, _group_rate)
+
+
+def _replica_capacity(cluster: ClusterSnapshot, model: str) -> float | None:
     snaps = [cluster.models[n] for n in cluster.replicas(model)]
     for pool in ([m for m in snaps if m.resident], snaps):
         known = [m.profile.max_rate for m in pool if m.profile.max_rate is not None]
@@ -97,15 +112,34 @@ def replica_capacity(cluster: ClusterSnapshot, model: str) -> float | None:
     return None
 
 
-def resident_replicas(cluster: ClusterSnapshot, model: str) -> list[ModelSnapshot]:
+def replica_capacity(cluster: ClusterSnapshot, model: str) -> float | None:
+    """Requests/s one replica of ``model`` serves within its SLOs: the mean ``max_rate`` of its
+    resident replicas that know it, else of any replica; None when no replica knows it."""
+    return _derived(cluster, "capacity", model, _replica_capacity)
+
+
+def _resident(cluster: ClusterSnapshot, model: str) -> tuple[ModelSnapshot, ...]:
     models = cluster.models
-    return [m for n in cluster.replicas(model) if (m := models[n]).state is not ModelState.EVICTED]
+    return tuple(m for n in cluster.replicas(model) if (m := models[n]).state is not ModelState.EVICTED)
+
+
+def _active(cluster: ClusterSnapshot, model: str) -> tuple[ModelSnapshot, ...]:
+    return tuple(m for m in _derived(cluster, "resident", model, _resident) if m.state is ModelState.ACTIVE)
+
+
+def resident_replicas(cluster: ClusterSnapshot, model: str) -> list[ModelSnapshot]:
+    return list(_derived(cluster, "resident", model, _resident))
+
+
+def active_replicas(cluster: ClusterSnapshot, model: str) -> tuple[ModelSnapshot, ...]:
+    """``model``'s replicas that are active (resident and done activating), in slot order."""
+    return _derived(cluster, "active", model, _active)
 
 
 def yielding_replica(cluster: ClusterSnapshot, model: str) -> ModelSnapshot | None:
     """The replica ``model`` would give up first: a :func:`misplaced` one, else its highest resident
     slot, if it has two or more resident and that is not its last active one."""
-    return _last_to_go(cluster, resident_replicas(cluster, model))
+    return _last_to_go(cluster, _derived(cluster, "resident", model, _resident))
 
 
 def neighbours_busy(cluster: ClusterSnapshot, m: ModelSnapshot) -> float:
@@ -120,7 +154,7 @@ def misplaced(cluster: ClusterSnapshot, model: str, factor: float) -> ModelSnaps
     slowed first; None if there is none. A replica added to move a busy model off contended devices
     (policies/prism.py, make-before-break) makes the old one misplaced, so it drains rather than
     the new one."""
-    active = [m for m in resident_replicas(cluster, model) if m.state is ModelState.ACTIVE]
+    active = active_replicas(cluster, model)
     if len(active) < 2:
         return None
     slowed = sorted(
@@ -130,7 +164,7 @@ def misplaced(cluster: ClusterSnapshot, model: str, factor: float) -> ModelSnaps
     return worst[2] if worst[0] >= factor * best else None
 
 
-def _last_to_go(cluster: ClusterSnapshot, resident: list[ModelSnapshot]) -> ModelSnapshot | None:
+def _last_to_go(cluster: ClusterSnapshot, resident: Sequence[ModelSnapshot]) -> ModelSnapshot | None:
     if len(resident) < 2:
         return None
     moved = misplaced(cluster, resident[0].group, MISPLACED_FACTOR)
@@ -147,7 +181,7 @@ def surplus(cluster: ClusterSnapshot, model: str, low: float) -> ModelSnapshot |
     below ``low`` utilization (while the capacity is unknown: if it is :func:`misplaced`, the end of
     a move) and no replica of it predicts a TTFT above half its SLO with requests waiting (it is
     still working a burst off)."""
-    resident = resident_replicas(cluster, model)
+    resident = _derived(cluster, "resident", model, _resident)
     last = _last_to_go(cluster, resident)
     if last is None:
         return None
@@ -171,7 +205,7 @@ def backlogged(cluster: ClusterSnapshot, model: str) -> bool:
     the model's. Live, that is a model's first requests, which queue behind its own activation and
     its neighbours' (a copy of SmolLM2-135M made then sat beside SmolLM2-360M for the first 100 s
     of the decode-heavy sweep's x5, 96.0% TTFT)."""
-    active = [m for m in resident_replicas(cluster, model) if m.state is ModelState.ACTIVE]
+    active = active_replicas(cluster, model)
     if not any(m.profile.busy_s_per_request is not None or m.profile.max_rate is not None for m in active):
         return False
     return _backlog(cluster, model, slack=1.0, every=True)
@@ -180,7 +214,7 @@ def backlogged(cluster: ClusterSnapshot, model: str) -> bool:
 def _backlog(cluster: ClusterSnapshot, model: str, slack: float, every: bool) -> bool:
     """Whether requests of ``model`` wait (in a device queue or an engine's waiting queue) and every
     (``every``) or any active replica's predicted TTFT exceeds ``slack`` x the TTFT SLO."""
-    active = [m for m in resident_replicas(cluster, model) if m.state is ModelState.ACTIVE]
+    active = active_replicas(cluster, model)
     if not active or not any(
         cluster.models[n].num_queued or ((e := cluster.engines.get(n)) is not None and e.num_waiting)
         for n in cluster.replicas(model)
@@ -209,9 +243,13 @@ def spare_replicas(cluster: ClusterSnapshot) -> list[ModelSnapshot]:
     return out
 
 
+def _device_busy(cluster: ClusterSnapshot, device: str) -> float:
+    return sum(cluster.models[n].busy for n in cluster.devices[device].models)
+
+
 def device_busy(cluster: ClusterSnapshot, device: str) -> float:
     """Summed predicted busy fraction of the models on ``device``."""
-    return sum(cluster.models[n].busy for n in cluster.devices[device].models)
+    return _derived(cluster, "device_busy", device, _device_busy)
 
 
 def predicted_ttft(m: ModelSnapshot, cluster: ClusterSnapshot) -> float:
@@ -237,7 +275,7 @@ def pick_replica(request: Request, cluster: ClusterSnapshot, draining: str | Non
     model = m.group
     if len(cluster.replicas(model)) == 1:
         return _to(request, model)
-    candidates = [r for r in resident_replicas(cluster, model) if r.model != draining]
+    candidates = [r for r in _derived(cluster, "resident", model, _resident) if r.model != draining]
     if not candidates:
         return _to(request, draining or model)
     best = min(
@@ -260,7 +298,7 @@ def wanted_replicas(cluster: ClusterSnapshot, model: str, high: float, slots: in
     :func:`backlogged`."""
     need = replicas_for_rate(cluster, model, high)
     if backlogged(cluster, model):
-        need = max(need, len(resident_replicas(cluster, model)) + 1)
+        need = max(need, len(_derived(cluster, "resident", model, _resident)) + 1)
     return max(1, min(slots, need))
 
 

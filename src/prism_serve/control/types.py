@@ -322,6 +322,11 @@ class ClusterSnapshot:
     # models with requests waiting and no copy resident or activating (deferred for room, or waiting
     # for the tick), by name
     starved: tuple[str, ...] = field(init=False, default=())
+    # values derived from this snapshot alone that a policy reads many times in one call (a served
+    # model's resident replicas, a device's summed busy fraction: control/replicas.py), each kept
+    # here on first use by the function that derives it, under its own key; the snapshot never
+    # changes, so they never go stale
+    derived: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -440,6 +445,7 @@ class ClusterSnapshot:
             ("engines", MappingProxyType(new_engines)),
             ("extra_replicas", self.extra_replicas),
             ("starved", self.starved),
+            ("derived", {}),
         ):
             object.__setattr__(snap, name, value)
         if queued_evicted:

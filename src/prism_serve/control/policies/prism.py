@@ -486,28 +486,33 @@ class PrismPolicy(Policy):
             if len(resident) != 1:
                 continue
             (m,) = resident
-            capacity = replica_capacity(cluster, model)
             if (
                 m.state is not ModelState.ACTIVE
                 or m.num_running == 0  # an idle model is Algorithm 1's to move
                 or planned.get(m.model) != m.placement
                 or (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
-                or (capacity is not None and group_rate(cluster, model) >= k.replica_low * capacity)
             ):
+                continue
+            capacity = replica_capacity(cluster, model)
+            if capacity is not None and group_rate(cluster, model) >= k.replica_low * capacity:
                 continue
             slowed = contention(neighbours_busy(cluster, m))
             if slowed >= _CONTENDED:
                 candidates.append((-slowed, m.model, m))
+        # every device's load with the idle models a move may evict there, made once for all the
+        # candidates: the plan's loads change only with the move made, after which this returns
+        yielding: list[DeviceLoad] = []
         for _, _, m in sorted(candidates):
             free = free_slot(cluster, m.group, planned)
             if free is None:
                 continue
             loads = loads_now()
-            others = [
-                replace(load, idle=[v for v in load.idle if v.replica_of or not self._expected(v)])
-                for load in loads
-                if load.device not in m.placement
-            ]
+            if not yielding:
+                yielding = [
+                    replace(load, idle=[v for v in load.idle if v.replica_of or not self._expected(v)])
+                    for load in loads
+                ]
+            others = [load for load in yielding if load.device not in m.placement]
             moved = replace(free, rate=m.rate, profile=m.profile)
             choice = choose_activation(moved, with_room_now(cluster, others, planned, moved))
             if choice is None:
