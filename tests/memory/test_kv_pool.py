@@ -10,8 +10,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from prism_serve.engine.kv_cache import BlockAllocator
 from prism_serve.errors import InvalidRequestError
-from prism_serve.memory.kv_pool import GPU_BUFFER_MAX_PAGES, GPU_LINGER_S, ElasticKVPool, PoolConfig
-from prism_serve.memory.ledger import DeviceLedger, LedgerError
+from prism_serve.memory.kv_pool import (
+    GPU_BUFFER_MAX_PAGES,
+    GPU_LINGER_S,
+    ElasticKVPool,
+    FixedKVPool,
+    PoolConfig,
+)
+from prism_serve.memory.ledger import DeviceLedger, DeviceMemoryExhaustedError, LedgerError
 from prism_serve.memory.vmm import HostVirtualRange
 
 KiB = 1024
@@ -376,3 +382,29 @@ def test_a_gpu_pool_keeps_a_larger_buffer_unless_told_otherwise():
     assert PoolConfig(device="cuda:0", buffer_max_pages=4).buffer_max_pages == 4
     with pytest.raises(InvalidRequestError):
         PoolConfig(device="cuda:0", buffer_min_pages=80)
+
+
+def test_a_fixed_pool_maps_every_block_at_once_and_gives_them_back_at_close(make_ledger):
+    """A tensor parallel rank's KV: all its blocks granted and mapped at creation, never refused
+    afterwards whatever the device's other engines do, and every byte back at close."""
+    ledger = make_ledger(budget_bytes=8 * P)
+    vrange = HostVirtualRange("cpu:0", 16 * P, P)
+    pool = FixedKVPool(vrange, 24 * KiB, 10, ledger.account("tp rank kv"))  # 240 KiB: 4 pages
+    assert isinstance(pool, BlockAllocator)
+    assert vrange.mapped_bytes == 4 * P and ledger.snapshot().used_bytes == 4 * P
+    assert pool.num_total_blocks == 10 and pool.num_free_blocks == 10
+    other = ledger.account("neighbour")
+    assert other.try_reserve(4 * P) and not other.try_reserve(1)  # the device is full now
+    blocks = pool.allocate(10)
+    assert sorted(blocks) == list(range(10)) and pool.allocate(1) is None and pool.num_used_blocks == 10
+    pool.kv_tensor(torch.float32)[:] = 1.0  # every block's bytes are mapped
+    pool.free(blocks[:3])
+    with pytest.raises(LedgerError):
+        pool.free(blocks[:1])  # twice
+    assert pool.allocate(3) is not None
+    pool.close()
+    assert vrange.mapped_bytes == 0 and ledger.snapshot().used_bytes == 4 * P  # the neighbour's only
+    with pytest.raises(DeviceMemoryExhaustedError):  # 5 pages with 4 free: refused, nothing kept
+        FixedKVPool(vrange, P, 5, ledger.account("too big"))
+    assert vrange.mapped_bytes == 0 and ledger.snapshot().used_bytes == 4 * P
+    vrange.close()

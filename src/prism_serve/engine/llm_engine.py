@@ -39,7 +39,7 @@ from prism_serve.errors import (
     PromptTooLongError,
     UnsupportedModelError,
 )
-from prism_serve.memory.kv_pool import ElasticKVPool
+from prism_serve.memory.kv_pool import ElasticKVPool, FixedKVPool
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class LLMEngine(RequestCounts):
             )
         self.allocator = allocator or FixedBlockAllocator(num_blocks)
         storage = None
-        if isinstance(self.allocator, ElasticKVPool):
+        if isinstance(self.allocator, ElasticKVPool | FixedKVPool):  # KV in a reserved range's pages
             if self.allocator.vrange.device.split(":")[0] != device.type:
                 raise InvalidRequestError(
                     f"the KV pool is on {self.allocator.vrange.device}; this engine computes on {device}"

@@ -45,7 +45,13 @@ from typing import TYPE_CHECKING
 
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.kv_buffer import BufferTarget
-from prism_serve.memory.ledger import RECLAIM_WINDOW_S, Account, DeviceLedger, LedgerError
+from prism_serve.memory.ledger import (
+    RECLAIM_WINDOW_S,
+    Account,
+    DeviceLedger,
+    DeviceMemoryExhaustedError,
+    LedgerError,
+)
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, VirtualRange, reserve
 
 if TYPE_CHECKING:
@@ -603,3 +609,84 @@ class ElasticKVPool:
             self._unmap(max(self._empty))
             n += 1
         return n
+
+
+class FixedKVPool:
+    """``num_blocks`` KV blocks of ``block_bytes`` in ``vrange``, every page mapped and granted by
+    ``account``'s ledger at creation (one grant) and given back at ``close``: the engine's
+    ``BlockAllocator`` where the blocks must not depend on the device's other engines. A tensor
+    parallel model needs this: each rank's scheduler must see the same blocks, so none may be
+    refused on one rank and granted on another. DeviceMemoryExhaustedError if the ledger refuses."""
+
+    def __init__(self, vrange: VirtualRange, block_bytes: int, num_blocks: int, account: Account) -> None:
+        if block_bytes <= 0 or num_blocks <= 0:
+            raise InvalidRequestError(f"{num_blocks} KV blocks of {block_bytes} bytes: both must be positive")
+        if num_blocks * block_bytes > vrange.size:
+            raise InvalidRequestError(
+                f"{num_blocks} KV blocks of {block_bytes} bytes do not fit the {vrange.size}-byte range"
+            )
+        self.vrange = vrange
+        self.account = account
+        self.block_bytes = block_bytes
+        self._num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # the lowest ids first
+        self._used = bytearray(num_blocks)
+        self._pages = list(range(-(-num_blocks * block_bytes // vrange.page_size)))
+        num_bytes = len(self._pages) * vrange.page_size
+        if not account.try_reserve(num_bytes):
+            raise DeviceMemoryExhaustedError(
+                f"{vrange.device}: the ledger refused {num_bytes} bytes for {num_blocks} KV blocks"
+            )
+        try:
+            vrange.map_pages(self._pages)
+        except BaseException:
+            account.release(num_bytes)
+            raise
+        self._closed = False
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._num_blocks - len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        if num_blocks > len(self._free):
+            return None
+        ids = self._free[len(self._free) - num_blocks :]
+        del self._free[len(self._free) - num_blocks :]
+        for b in ids:
+            self._used[b] = 1
+        return ids
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            if not 0 <= b < self._num_blocks or not self._used[b]:
+                raise LedgerError(f"KV block {b} freed but not allocated (double free or foreign id)")
+            self._used[b] = 0
+        self._free.extend(reversed(block_ids))
+
+    def kv_tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        """All blocks as one flat tensor of ``dtype`` (the engine views it as its KV layout)."""
+        return self.vrange.as_tensor()[: self.num_total_blocks * self.block_bytes].view(dtype)
+
+    def shrink_buffer(self) -> int:
+        return 0  # nothing is mapped ahead: every block stays until the model goes
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        pass  # the size is fixed at creation (a tensor parallel model's ranks agreed on it)
+
+    def close(self) -> None:
+        """Unmap every page: the memory goes back at once."""
+        if self._closed:
+            return
+        self._closed = True
+        for p in self._pages:
+            self.vrange.unmap_page(p)
+        self.account.release(len(self._pages) * self.vrange.page_size)

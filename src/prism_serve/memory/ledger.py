@@ -71,6 +71,14 @@ NAMESPACE_ENV = "PRISM_LEDGER_NAMESPACE"
 RECLAIM_WINDOW_S = 2.0  # how long a request for spare pages stands unless asked again
 
 
+class DeviceMemoryExhaustedError(PrismError):
+    """The device ledger refused the pages a model's weights (or fixed KV) need: other models hold
+    them now."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
 class LedgerError(PrismError):
     """The ledger cannot do what was asked (no such ledger, no free entry, bad slot)."""
 

@@ -15,21 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from prism_serve.errors import PrismError
-from prism_serve.memory.ledger import Account
+from prism_serve.memory.ledger import Account, DeviceMemoryExhaustedError
 from prism_serve.memory.spare import SparePages, grant_waiting
 from prism_serve.memory.vmm import VirtualRange
 from prism_serve.runtime.messages import TensorEntry
 
 # Threads a worker copies weights and maps pages with (the pool starts every worker with this many).
 LOAD_THREADS = 4
-
-
-class DeviceMemoryExhaustedError(PrismError):
-    """The device ledger refused the pages a model's weights need (other models hold them now)."""
-
-    status_code = 503
-    error_type = "service_unavailable"
 
 
 def map_weight_pages(
