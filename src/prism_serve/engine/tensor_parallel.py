@@ -39,7 +39,23 @@ from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.weights import LoadedWeights
 from prism_serve.errors import UnsupportedModelError
 
-__all__ = ["Leader", "Shard", "all_reduce_over", "follow", "shard_config", "shard_plan", "shard_weights"]
+__all__ = [
+    "Leader",
+    "Shard",
+    "agree_min",
+    "all_reduce_over",
+    "follow",
+    "join_group",
+    "leave_group",
+    "shard_config",
+    "shard_plan",
+    "shard_weights",
+]
+
+# How long a rank waits in one collective (and for the others to join) before it gives up. Rank 0
+# sends a heartbeat while idle (``Leader.heartbeat``) so the other ranks' wait for its next step
+# never runs this long unless it is gone.
+GROUP_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,6 +133,41 @@ def shard_weights(weights: LoadedWeights, shard: Shard) -> LoadedWeights:
     return dataclasses.replace(weights, config=shard_config(c, shard), tensors=out)
 
 
+def join_group(init_method: str, rank: int, world: int, device: str, timeout_s: float = GROUP_TIMEOUT_S):
+    """Join the ranks' process group (this process's default group: a process serves one model at
+    a time): gloo between CPU devices, NCCL between CUDA devices; returns it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.group.WORLD
+
+
+def leave_group() -> None:
+    """Dissolve this process's part of the group (also after another rank died)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree_min(value: int, group=None) -> int:
+    """The smallest of every rank's ``value`` (each rank calls this at the same point)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
 def all_reduce_over(group) -> Callable[[torch.Tensor], None]:
     """An in-place sum of a tensor over ``group`` (a torch.distributed process group)."""
     import torch.distributed as dist
@@ -135,6 +186,7 @@ class Leader:
         self.engine = engine
         self.group = group
         self._pending: list[tuple] = []
+        self.lost = False  # another rank is gone: close() must not wait for it
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -161,10 +213,19 @@ class Leader:
         self._pending = []
         return self.engine.step()
 
+    def heartbeat(self) -> None:
+        """Idle: tell the other ranks that rank 0 is alive (their wait for its next step would
+        otherwise time out), with any commands pending; they do not step."""
+        self._broadcast([*self._pending, ("idle",)])
+        self._pending = []
+
     def close(self) -> None:
         """End the followers' loops (``follow`` returns), then close this engine."""
-        self._broadcast([("stop",)])
-        self.engine.close()
+        try:
+            if not self.lost:
+                self._broadcast([("stop",)])
+        finally:
+            self.engine.close()
 
     def _broadcast(self, commands: list[tuple]) -> None:
         import torch.distributed as dist
@@ -173,21 +234,25 @@ class Leader:
 
 
 def follow(engine: Any, group=None) -> int:
-    """A rank other than 0: apply each step's commands from rank 0, then step; returns the steps
-    run when rank 0 closes."""
+    """A rank other than 0: apply each step's commands from rank 0, then step (not after a
+    heartbeat); returns the steps run when rank 0 closes (the caller closes the engine). A rank
+    that died makes the collectives raise (RuntimeError) here and on every other rank."""
     import torch.distributed as dist
 
     steps = 0
     while True:
         box: list = [None]
         dist.broadcast_object_list(box, src=0, group=group)
+        idle = False
         for command in box[0]:
             if command[0] == "add":
                 engine.add_request(command[1], command[2], command[3])
             elif command[0] == "abort":
                 engine.abort_request(command[1])
+            elif command[0] == "idle":
+                idle = True
             else:  # "stop"
-                engine.close()
                 return steps
-        engine.step()
-        steps += 1
+        if not idle:
+            engine.step()
+            steps += 1
