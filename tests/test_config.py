@@ -93,13 +93,12 @@ def test_errors_name_the_key_and_line(text, expected):
     assert str(e.value).startswith("deploy.yaml")
 
 
-def test_a_tensor_parallel_model_is_planned_but_not_served():
-    """``tp: 4`` is a valid entry (prism sim and prism plan simulate it); the live runtime refuses
-    it with an error naming the model, before anything starts."""
+def test_a_tensor_parallel_model_is_served_over_tp_devices():
+    """``tp: 4`` goes through to the runtime's spec (the runtime runs it as four workers; tests in
+    tests/runtime/test_tensor_parallel_runtime.py)."""
     config = parse_config(GOOD.replace("seed: 3}", "seed: 3, tp: 4}"))
     assert config.models[1].tp == 4
-    with pytest.raises(ConfigError, match="model synth: tp: 4: the live runtime serves tp=1 only"):
-        model_specs(config)
+    assert [s.tp for s in model_specs(config)] == [1, 4]
 
 
 def test_load_config_file(tmp_path):

@@ -127,7 +127,10 @@ class ModelConfig(_Strict):
         ENGINE_DEFAULTS.dtype, description="auto: bfloat16 on CPUs with native bf16 matmuls, else float32"
     )
     tp: int = Field(
-        1, ge=1, description="tensor parallel degree (prism sim / plan; the live runtime serves tp=1)"
+        1,
+        ge=1,
+        description="tensor parallel degree: the model over this many devices of one node (built-in "
+        "engine; its KV is fixed at activation)",
     )
     ttft_slo: float = Field(DEFAULT_TTFT_SLO_S, gt=0, description="seconds")
     tpot_slo: float = Field(DEFAULT_TPOT_SLO_S, gt=0, description="seconds")

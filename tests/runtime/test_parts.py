@@ -33,6 +33,10 @@ SAMPLES: list[msg.Message] = [
         EngineConfig(model="m", max_loras=4, max_lora_rank=8), 1.5,
         adapters=[msg.AdapterFile("support", "/models/support")], adapter_bytes=1 << 20,
     ),
+    msg.ActivateModel(
+        "m", "/dev/shm/x.1", [], 4096, {"a": 1}, "/t", "src", False, EngineConfig(model="m"), 1.5,
+        tp_rank=1, tp_size=2, tp_init="file:///dev/shm/x.tp", kv_blocks=128,
+    ),
     msg.Prepare([msg.CacheFile("/dev/shm/x", 4096)], ["/t"]),
     msg.Prepare([], []),
     msg.EvictModel("m", force=True),
@@ -50,6 +54,7 @@ SAMPLES: list[msg.Message] = [
     msg.ActivationFailed("m", "DeviceMemoryExhaustedError", "full"),
     msg.ModelEvicted("m", ["r1"], 1 << 20),
     msg.EvictRefused("m", 2),
+    msg.ModelLost("m", "a rank of tensor parallel model m died"),
     msg.StepOutputs([msg.TokenDelta("r1", "Hi", [5], False, None, 3, 1)], STATS),
     msg.RequestFailed("r1", "ModelEvictedError", "gone"),
 ]  # fmt: skip

@@ -244,7 +244,7 @@ def test_a_busy_model_is_never_shown_evicted_nor_held_by_two_engines(rt: Runtime
         handle.in_flight |= in_flight
         assert m.state is ModelState.EVICTED
         other = next(d for d in c.devices if d != device)
-        c.activator.activate(m, other)  # placed again while the refusal is on its way
+        c.activator.activate(m, (other,))  # placed again while the refusal is on its way
         assert await done is True  # the old engine went, by force
         with pytest.raises(ModelEvictedError):
             async for _ in stream:
@@ -341,7 +341,7 @@ def test_unload_without_force_is_refused_while_any_replica_is_busy(runtime_facto
         await anext(stream)
         base, slot = c.models["smol"], c.models["smol#1"]
         if slot.state is ModelState.EVICTED:
-            c.activator.activate(slot, next(d for d in c.devices if d != base.device))
+            c.activator.activate(slot, (next(d for d in c.devices if d != base.device),))
         await slot.activation
         assert slot.state is ModelState.ACTIVE
         assert await c.unload("smol", force=False) is False

@@ -20,6 +20,7 @@ a pooled vLLM engine).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -77,14 +78,19 @@ class Activator:
 
     # ---- activation ---------------------------------------------------------------------------
 
-    def activate(self, m: ModelEntry, device: str) -> None:
-        """Start activating ``m`` on ``device`` (``m.activation`` is the task; nothing if it is
-        resident or on its way already)."""
+    def activate(self, m: ModelEntry, devices: tuple[str, ...]) -> None:
+        """Start activating ``m`` on ``devices`` (one per tensor parallel rank; ``m.activation`` is
+        the task; nothing if it is resident or on its way already)."""
         if m.state is not ModelState.EVICTED:
             return
+        if len(devices) != m.spec.tp:
+            raise ActivationError(f"{m.spec.name} has tp: {m.spec.tp}; placed on {len(devices)} device(s)")
         now = self._clock()
-        m.state, m.device, m.placed_at = ModelState.ACTIVATING, device, now
-        m.activation = asyncio.create_task(self._activate(m, device, now))
+        m.state, m.device, m.devices, m.placed_at = ModelState.ACTIVATING, devices[0], devices, now
+        if m.spec.tp > 1:
+            m.activation = asyncio.create_task(self._activate_ranks(m, devices, now))
+        else:
+            m.activation = asyncio.create_task(self._activate(m, devices[0], now))
 
     async def _activate(self, m: ModelEntry, device: str, decided_at: float) -> msg.ActivationPhases | None:
         deadline = decided_at + self.timeout_s
@@ -125,6 +131,79 @@ class Activator:
         self._activated(m, handle, device, reply)
         return reply.phases
 
+    async def _activate_ranks(
+        self, m: ModelEntry, devices: tuple[str, ...], decided_at: float
+    ) -> msg.ActivationPhases | None:
+        """A tensor parallel model: one worker per device, each sent its rank's ActivateModel at
+        once (each copies its own shard from the host cache, in parallel). The ranks meet at a
+        rendezvous file and agree whether all of them made it, so they fail together; where the
+        only failure was memory, all of them are tried again until the deadline."""
+        deadline = decided_at + self.timeout_s
+        handles: list[WorkerHandle] = []
+        try:
+            pending = [f for d in devices for f in self._evictions[d] if not f.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=max(0.0, deadline - self._clock()))
+            for d in devices:
+                h = await asyncio.wait_for(
+                    self._pool.take(d, m.spec.engine_kind, m.spec.source), max(0.0, deadline - self._clock())
+                )
+                h.model = m.spec.name
+                handles.append(h)
+            m.worker, m.followers = handles[0], handles[1:]
+            while True:
+                replies = await self._activate_once(m, handles, decided_at)
+                failed = [r for r in replies if not isinstance(r, msg.ModelActivated)]
+                if not failed:
+                    break
+                died = next((r for r in failed if isinstance(r, BaseException)), None)
+                if died is not None:
+                    raise died
+                short = DeviceMemoryExhaustedError.__name__
+                if any(r.error != short for r in failed) or self._clock() >= deadline:
+                    first = next((r for r in failed if r.error != short), failed[0])
+                    raise error_class(first.error)(f"activating {m.spec.name} on {devices}: {first.message}")
+                await asyncio.sleep(0.05)  # other engines' KV pages drain as their requests finish
+        except Exception as e:
+            for h, d in zip(handles, devices, strict=False):
+                self._refill(h, d, m)
+            if m.activation is not asyncio.current_task():
+                return None
+            if isinstance(e, TimeoutError):
+                e = ActivationError(f"{m.spec.name}: no worker on each of {devices} in {self.timeout_s} s")
+            elif not isinstance(e, PrismError):
+                logger.exception("activating %s failed", m.spec.name)
+                e = ActivationError(f"activating {m.spec.name}: {type(e).__name__}: {e}")
+            for h in handles[1:]:
+                if h.state is WorkerState.ACTIVATING:
+                    h.state, h.model = WorkerState.IDLE, None
+            self._activation_failed(m, handles[0] if handles else None, e)
+            return None
+        for h, d in zip(handles, devices, strict=True):
+            self._refill(h, d, m)
+        for h, reply in zip(handles[1:], replies[1:], strict=True):
+            h.state, h.stats, h.last_source = WorkerState.SERVING, reply.stats, m.spec.source
+        handles[0].last_source = m.spec.source
+        self._activated(m, handles[0], devices[0], replies[0])
+        return replies[0].phases
+
+    async def _activate_once(
+        self, m: ModelEntry, handles: list[WorkerHandle], decided_at: float
+    ) -> list[msg.Message | BaseException]:
+        """Every rank's reply to one try (a WorkerDiedError where its worker died)."""
+        rendezvous = self._cache.rendezvous_file()
+        try:
+            messages = [
+                m.activate_message(decided_at, rank=r, tp_init=f"file://{rendezvous}")
+                for r in range(len(handles))
+            ]
+            ranks = list(zip(handles, messages, strict=True))
+            # each rank reads its node's copy (all on one node: placement keeps a group together)
+            requests = [self._request(h, self._on_node(x, m, h.device.name)) for h, x in ranks]
+            return list(await asyncio.gather(*requests, return_exceptions=True))
+        finally:
+            rendezvous.unlink(missing_ok=True)
+
     def _activated(self, m: ModelEntry, handle: WorkerHandle, device: str, reply: msg.ModelActivated) -> None:
         handle.state = WorkerState.SERVING
         handle.stats = reply.stats
@@ -147,7 +226,7 @@ class Activator:
 
     def _activation_failed(self, m: ModelEntry, handle: WorkerHandle | None, error: PrismError) -> None:
         logger.warning("activation of %s failed: %s", m.spec.name, error)
-        m.state, m.device, m.worker = ModelState.EVICTED, None, None
+        m.left_devices()
         if handle is not None and handle.state is WorkerState.ACTIVATING:
             handle.state, handle.model = WorkerState.IDLE, None
         waiting = self._loop.activation_failed(m.spec.name, self._clock())
@@ -157,8 +236,12 @@ class Activator:
         """What a worker on ``device`` activates ``m`` from: its own node's copy of the weights."""
         base = m.replica_of or m.spec.name
         adapters = [a.file for a in self._models.adapters.of_base(base)]
-        message = m.activate_message(decided_at, adapters)
-        paths = self._nodes.activate_paths(device, m.spec.name)
+        return self._on_node(m.activate_message(decided_at, adapters), m, device)
+
+    def _on_node(self, message: msg.ActivateModel, m: ModelEntry, device: str) -> msg.ActivateModel:
+        """``message`` with the paths of the node of ``device`` (its own host cache), where that is
+        another node."""
+        paths = self._nodes.activate_paths(device, m.spec.name, message.tp_rank)
         if paths is not None:
             message = msgspec.structs.replace(message, cache_path=paths[0], tokenizer_path=paths[1])
         return message
@@ -215,51 +298,68 @@ class Activator:
 
     def evict(self, m: ModelEntry, force: bool) -> asyncio.Future | None:
         """Start evicting ``m``; the future says whether it went (None: it was not active). Without
-        ``force`` a model with requests in flight is not evicted (the future says False)."""
+        ``force`` a model with requests in flight is not evicted (the future says False). A tensor
+        parallel model's rank 0 goes first (it holds the requests, and its going ends the other
+        ranks' loops), then the others."""
         if m.state is not ModelState.ACTIVE or m.worker is None:
             return None
-        handle, device = m.worker, m.device
+        handle, device, followers = m.worker, m.device, list(m.followers)
+        devices = m.devices or (device,)
         done = asyncio.get_running_loop().create_future()
         if handle.in_flight and not force:
             # The worker would refuse. Refusing here keeps the model ACTIVE throughout: shown evicted
             # while a refusal is on its way, it could be activated a second time meanwhile.
             done.set_result(False)
             return done
-        self._evictions[device].append(done)
+        for d in devices:
+            self._evictions[d].append(done)
         # The model leaves the snapshots now; its pages stay in the ledger until the worker is done.
-        m.state, m.device, m.worker = ModelState.EVICTED, None, None
-        handle.state = WorkerState.EVICTING
-        self._tasks.add(task := asyncio.create_task(self._evict(m, handle, device, force, done)))
+        m.left_devices()
+        for h in (handle, *followers):
+            h.state = WorkerState.EVICTING
+        evicting = self._evict(m, handle, followers, devices, force, done)
+        self._tasks.add(task := asyncio.create_task(evicting))
         task.add_done_callback(self._tasks.discard)
         return done
 
     async def _evict(
-        self, m: ModelEntry, handle: WorkerHandle, device: str, force: bool, done: asyncio.Future
-    ) -> None:
+        self, m: ModelEntry, handle: WorkerHandle, followers: list[WorkerHandle], devices: tuple[str, ...],
+        force: bool, done: asyncio.Future,
+    ) -> None:  # fmt: skip
         try:
             reply = await self._request(handle, msg.EvictModel(m.spec.name, force))
             if isinstance(reply, msg.EvictRefused) and m.state is not ModelState.EVICTED:
                 # placed again while the refusal was on its way: that placement stands and this
                 # engine goes, so no model ever holds two engines
                 logger.warning(
-                    "%s was placed again while its engine on %s refused to go", m.spec.name, device
+                    "%s was placed again while its engine on %s refused to go", m.spec.name, devices[0]
                 )
                 reply = await self._request(handle, msg.EvictModel(m.spec.name, True))
+            if not isinstance(reply, msg.EvictRefused):
+                for f in followers:  # rank 0 has ended their loops: each gives back its pages
+                    with contextlib.suppress(WorkerDiedError):
+                        await self._request(f, msg.EvictModel(m.spec.name, True))
+                    if f.state is WorkerState.EVICTING:
+                        f.state, f.model, f.stats = WorkerState.IDLE, None, None
         except WorkerDiedError:
             reply = None
         finally:
-            self._evictions[device].remove(done)
+            for d in devices:
+                self._evictions[d].remove(done)
         if isinstance(reply, msg.EvictRefused):
             # requests the controller had finished were still in the engine (an abort on its way)
-            handle.state = WorkerState.SERVING
-            m.state, m.device, m.worker = ModelState.ACTIVE, device, handle
+            for h in (handle, *followers):
+                h.state = WorkerState.SERVING
+            m.state, m.device, m.devices, m.worker, m.followers = (
+                ModelState.ACTIVE, devices[0], devices, handle, followers,
+            )  # fmt: skip
             done.set_result(False)
             return
         if handle.state is WorkerState.EVICTING:
             handle.state, handle.model, handle.stats = WorkerState.IDLE, None, None
         m.num_evictions += 1
         done.set_result(True)
-        self._loop.capacity_freed([device], self._clock())
+        self._loop.capacity_freed(list(devices), self._clock())
 
     def set_kv_quota(self, m: ModelEntry, quota_bytes: int | None) -> None:
         m.kv_quota = quota_bytes
@@ -289,15 +389,37 @@ class Activator:
         model = self._models.get(handle.model or "")
         if model is None:
             return
-        if model.worker is handle:
-            model.state, model.device, model.worker = ModelState.EVICTED, None, None
+        if handle in model.ranks:  # a tensor parallel model's other ranks report ModelLost
+            self._fail_requests(model, f"a rank of tensor parallel model {model.spec.name} died")
+            model.left_devices()
             model.num_running = 0
         self._loop.worker_died(model.spec.name, self._clock())
+
+    def model_lost(self, handle: WorkerHandle, lost: msg.ModelLost) -> None:
+        """A rank of a tensor parallel model found its group broken (another rank died): that
+        worker gave back its pages and is idle again; the model, if this is still one of its
+        ranks, is evicted, and its queued requests go back through the policy."""
+        model = self._models.get(lost.model)
+        if handle.state is not WorkerState.DEAD:
+            handle.state, handle.model, handle.stats = WorkerState.IDLE, None, None
+        if model is None or handle not in model.ranks:
+            return
+        logger.warning("%s lost: %s", lost.model, lost.message)
+        self._fail_requests(model, lost.message)
+        model.left_devices()
+        self._loop.worker_died(model.spec.name, self._clock())
+
+    def _fail_requests(self, model: ModelEntry, why: str) -> None:
+        """Fail (503) what ``model``'s engine holds: the requests on its rank 0 (none of them would
+        finish: another rank is gone)."""
+        if model.worker is not None:
+            self._requests.fail_on(model.worker, lambda _: why)
 
     def devices_lost(self, devices: set[str]) -> None:
         """The models on ``devices`` (gone with their node) are evicted at once; an activation in
         flight there fails when its worker is declared dead, detached first so that its failure
         cannot undo a placement made meanwhile."""
         for m in self._models.values():
-            if m.device in devices:
-                m.state, m.device, m.worker, m.activation = ModelState.EVICTED, None, None, None
+            if m.device in devices or devices.intersection(m.devices):
+                m.left_devices()
+                m.activation = None

@@ -50,19 +50,24 @@ class Admin:
         if m.state is ModelState.ACTIVE:
             return None
         if m.state is ModelState.EVICTED:
-            if device is None:
-                device = self._placement(model, m.spec.ttft_slo)
-            if device not in devices:
-                raise ActivationError(f"unknown device {device!r}")
-            self._activator.activate(m, device)
+            if device is not None and m.spec.tp > 1:
+                raise InvalidRequestError(
+                    f"{model} is tensor parallel over {m.spec.tp} devices: leave the device out and "
+                    "the policy places its ranks"
+                )
+            placed = (device,) if device is not None else self._placement(model, m.spec.ttft_slo)
+            if placed is None or any(d not in devices for d in placed):
+                raise ActivationError(f"unknown device {placed!r}")
+            self._activator.activate(m, placed)
         task = m.activation
         phases = await task if task is not None else None
         if m.state is not ModelState.ACTIVE:
             raise ActivationError(f"{model} did not activate")
         return phases
 
-    def _placement(self, model: str, ttft_slo: float) -> str | None:
-        """Where the policy's on-demand rule puts ``model`` now (the evictions it asks for start)."""
+    def _placement(self, model: str, ttft_slo: float) -> tuple[str, ...] | None:
+        """Where the policy's on-demand rule puts ``model`` now, one device per rank (the
+        evictions it asks for start)."""
         now = self._clock()
         probe = Request(f"load-{model}", model, now, 1, ttft_slo)
         device = None
@@ -71,7 +76,7 @@ class Admin:
             if isinstance(a, Evict):
                 self._activator.evict(self._models.entry(a.model), force=False)
             elif isinstance(a, Activate):
-                device = a.device
+                device = a.devices
             elif isinstance(a, Reject | Defer):
                 raise ActivationError(f"cannot load {model} now: {getattr(a, 'detail', '')}")
         return device

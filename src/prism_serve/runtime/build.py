@@ -36,16 +36,19 @@ def local_devices(devices: list[DeviceConfig] | DeviceGroup) -> list[DeviceSpec]
 
 def model_spec(m: ModelConfig, device_kind: str = "cpu", max_loras: int = 0) -> ModelSpec:
     """One configured model as the runtime serves it (``dtype: auto`` resolved for ``device_kind``:
-    bf16 on GPUs, the CPU's fast type on CPU devices; ``max_loras`` adapter slots)."""
-    if m.tp != 1:
+    bf16 on GPUs, the CPU's fast type on CPU devices; ``max_loras`` adapter slots). What the live
+    runtime cannot serve (prism plan and prism sim still can) is a ConfigError naming the model."""
+    if m.tp > 1 and m.engine == "vllm":
         raise ConfigError(
-            f"model {m.name}: tp: {m.tp}: the live runtime serves tp=1 only; tensor parallel models "
-            "are simulated (prism sim, prism plan)"
+            f"model {m.name}: tp: {m.tp} with engine: vllm: vLLM's tensor parallel executor runs its "
+            "own workers and memory, not prism's; use tp: 1, or the built-in engine"
         )
+    if m.tp > 1 and max_loras:
+        raise ConfigError(f"model {m.name}: a tensor parallel model cannot have LoRA adapters yet")
     return ModelSpec(
         name=m.name, source=m.source, engine=m.engine_config(device_kind, max_loras), ttft_slo=m.ttft_slo,
         tpot_slo=m.tpot_slo, pinned=m.pinned, kv_limit_bytes=m.kv_limit, keep_alive_s=m.keep_alive,
-        engine_kind=m.engine, sampling=tuple(sorted(m.sampling_defaults().items())),
+        engine_kind=m.engine, sampling=tuple(sorted(m.sampling_defaults().items())), tp=m.tp,
     )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import msgspec
 import torch
@@ -20,19 +21,24 @@ import torch
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
+from prism_serve.engine.tensor_parallel import Leader, agree_min, all_reduce_over, join_group, leave_group
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.engine.weights import LoadedWeights
-from prism_serve.memory.kv_pool import ElasticKVPool, PoolConfig
-from prism_serve.memory.ledger import Account
+from prism_serve.memory.kv_pool import ElasticKVPool, FixedKVPool, PoolConfig
+from prism_serve.memory.ledger import Account, DeviceMemoryExhaustedError
 from prism_serve.memory.spare import SparePages
 from prism_serve.memory.vmm import VirtualRange
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.engine_slot import Loaded
 from prism_serve.runtime.loading import map_weight_pages, parallel_copy, tensor_views, unmap_weight_pages
+from prism_serve.runtime.models import ActivationError
 from prism_serve.runtime.weight_cache import config_from_dict
 
 __all__ = ["BuiltinSlot"]
+
+# what a tensor parallel rank's activation came to, agreed as the smallest over the ranks
+_FAILED, _NO_MEMORY, _OK = -1, 0, 1
 
 
 class BuiltinSlot:
@@ -75,6 +81,63 @@ class BuiltinSlot:
         kv_account: Account,
         tokenizer: Callable[[str], Tokenizer],
     ) -> Loaded:
+        if m.tp_size > 1:
+            return self._activate_rank(m, host, weight_account, kv_account, tokenizer)
+        return self._activate(m, host, weight_account, kv_account, tokenizer)
+
+    def _activate_rank(
+        self,
+        m: msg.ActivateModel,
+        host: torch.Tensor,
+        weight_account: Account,
+        kv_account: Account,
+        tokenizer: Callable[[str], Tokenizer],
+    ) -> Loaded:
+        """One rank of a tensor parallel model: join the ranks' group, activate this rank's shard
+        as any model (its KV fixed: ``m.kv_blocks`` blocks, mapped now), then agree with the other
+        ranks whether every one of them made it. If any did not, every rank gives back what it
+        mapped and raises: DeviceMemoryExhaustedError where only memory was short (the controller
+        retries), else the rank's own error or ActivationError."""
+        t0 = time.monotonic()
+        if self.device.is_cuda:
+            torch.cuda.set_device(self.device.local_name)  # NCCL binds the group to it
+        group = join_group(m.tp_init, m.tp_rank, m.tp_size, self.device.name)
+        loaded: Loaded | None = None
+        try:
+            outcome, error = _OK, None
+            try:
+                loaded = self._activate(m, host, weight_account, kv_account, tokenizer, group)
+            except Exception as e:
+                outcome, error = (_NO_MEMORY if isinstance(e, DeviceMemoryExhaustedError) else _FAILED), e
+            worst = agree_min(outcome, group)
+            if m.tp_rank == 0 and m.tp_init.startswith("file://"):  # every rank has joined: not needed
+                Path(m.tp_init.removeprefix("file://")).unlink(missing_ok=True)
+            if error is not None:
+                raise error
+            if worst != _OK and loaded is not None:
+                loaded.engine.lost = True  # the others will not follow: close without them
+                self.release(loaded, weight_account)  # leaves the group
+                loaded = None
+                if worst == _NO_MEMORY:
+                    raise DeviceMemoryExhaustedError(f"{m.model}: another rank's device is short of memory")
+                raise ActivationError(f"{m.model}: another rank failed to activate")
+        except BaseException:
+            if loaded is None:
+                leave_group()
+            raise
+        # the group's forming and the wait for the slowest rank count as mapping
+        loaded.map_s = time.monotonic() - t0 - loaded.copy_s - loaded.ready_s
+        return loaded
+
+    def _activate(
+        self,
+        m: msg.ActivateModel,
+        host: torch.Tensor,
+        weight_account: Account,
+        kv_account: Account,
+        tokenizer: Callable[[str], Tokenizer],
+        group=None,
+    ) -> Loaded:
         t0 = time.monotonic()
         # the weights, then (engine.max_loras) the adapter slots: one grant, one set of pages
         num_pages, reused = map_weight_pages(
@@ -89,21 +152,22 @@ class BuiltinSlot:
             if m.adapter_bytes:
                 start = -(-m.weight_bytes // msg.ADAPTER_ALIGN) * msg.ADAPTER_ALIGN
                 lora = flat[start : m.weight_bytes + m.adapter_bytes]
-            engine, pool = self._build(m, flat, kv_account, tokenizer(m.tokenizer_path), lora)
+            engine, pool = self._build(m, flat, kv_account, tokenizer(m.tokenizer_path), lora, group)
         except BaseException:
             unmap_weight_pages(self.weight_range, weight_account, num_pages, self.spare)
             raise
         t_ready = time.monotonic()
         element = torch.empty((), dtype=torch_dtype(engine.config)).element_size()
         return Loaded(
-            engine, pool, t_map - t0, t_copy - t_map, t_ready - t_copy, copied, reused, num_pages - reused,
-            "copy", False, engine.model_config.kv_bytes_per_token(element), num_pages,
+            Leader(engine, group) if m.tp_size > 1 and m.tp_rank == 0 else engine, pool, t_map - t0,
+            t_copy - t_map, t_ready - t_copy, copied, reused, num_pages - reused, "copy", False,
+            engine.model_config.kv_bytes_per_token(element), num_pages, m.tp_rank, m.tp_size,
         )  # fmt: skip
 
     def _build(
         self, m: msg.ActivateModel, flat: torch.Tensor, kv_account: Account, tokenizer: Tokenizer,
-        lora_storage: torch.Tensor | None = None,
-    ) -> tuple[LLMEngine, ElasticKVPool]:  # fmt: skip
+        lora_storage: torch.Tensor | None = None, group=None,
+    ) -> tuple[LLMEngine, ElasticKVPool | FixedKVPool]:  # fmt: skip
         config = config_from_dict(m.config)
         engine_config = msgspec.structs.replace(
             m.engine,
@@ -114,22 +178,27 @@ class BuiltinSlot:
         max_len = engine_config.resolve_max_model_len(config)
         model = LlamaForCausalLM.from_packed(config, tensor_views(flat, m.tensors), dtype, max_len)
         block_bytes = KVCache.block_bytes(config, engine_config.block_size, dtype)
-        pool = ElasticKVPool(
-            self.kv_range,
-            block_bytes,
-            kv_account,
-            PoolConfig(
-                device=self.device.name,
-                page_size=self.kv_range.page_size,
-                limit_bytes=m.kv_limit_bytes,
-                ledger_namespace=self.namespace,
-            ),
-        )
+        pool: ElasticKVPool | FixedKVPool
+        if group is not None:  # a rank's scheduler must see the blocks every other rank sees
+            pool = FixedKVPool(self.kv_range, block_bytes, m.kv_blocks, kv_account)
+        else:
+            pool = ElasticKVPool(
+                self.kv_range,
+                block_bytes,
+                kv_account,
+                PoolConfig(
+                    device=self.device.name,
+                    page_size=self.kv_range.page_size,
+                    limit_bytes=m.kv_limit_bytes,
+                    ledger_namespace=self.namespace,
+                ),
+            )
         try:
             weights = LoadedWeights(config, {}, tokenizer, m.source, m.synthetic)
             engine = LLMEngine(
-                engine_config, weights=weights, allocator=pool, model=model, lora_storage=lora_storage
-            )
+                engine_config, weights=weights, allocator=pool, model=model, lora_storage=lora_storage,
+                reduce=all_reduce_over(group) if group is not None else None,
+            )  # fmt: skip
             engine.record_step_batches = self.record_steps
         except BaseException:
             pool.close()
@@ -137,10 +206,14 @@ class BuiltinSlot:
         return engine, pool
 
     def release(self, loaded: Loaded, weight_account: Account) -> None:
-        loaded.engine.close()
-        loaded.kv.close()  # unmaps every KV page and returns its bytes to the ledger
-        loaded.engine = None  # type: ignore[assignment]  # no tensor view over the pages may outlive them
-        unmap_weight_pages(self.weight_range, weight_account, loaded.weight_pages, self.spare)
+        try:
+            loaded.engine.close()  # rank 0 of a tensor parallel model: ends the other ranks' loops
+        finally:
+            loaded.kv.close()  # unmaps every KV page and returns its bytes to the ledger
+            loaded.engine = None  # type: ignore[assignment]  # no tensor view over the pages may outlive them
+            unmap_weight_pages(self.weight_range, weight_account, loaded.weight_pages, self.spare)
+            if loaded.world > 1:
+                leave_group()
 
     def poll(self) -> None:
         pass

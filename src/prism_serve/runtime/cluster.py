@@ -88,12 +88,13 @@ class NodeAgent:
             "pid": os.getpid(),
         }
 
-    def load(self, specs: list[ModelSpec]) -> dict[str, tuple[str, str]]:
-        """Read every model into this node's host cache (once); its cache file and tokenizer paths."""
+    def load(self, specs: list[ModelSpec]) -> dict[str, tuple[list[str], str]]:
+        """Read every model into this node's host cache (once); its cache files (one per tensor
+        parallel rank) and tokenizer paths."""
         out = {}
         for spec in specs:
             cached = self.cache.load(spec)
-            out[spec.name] = (cached.path, cached.tokenizer_path)
+            out[spec.name] = (list(cached.files), cached.tokenizer_path)
         return out
 
     def prepare(self, engine: str = "builtin") -> msg.Prepare:
@@ -225,7 +226,8 @@ class Node:
     ray_id: str
     agent: Any
     devices: list[DeviceSpec] = field(default_factory=list)  # qualified: "n1/cpu:0"
-    paths: dict[str, tuple[str, str]] = field(default_factory=dict)  # model -> cache file, tokenizer
+    # model -> its cache files (one per tensor parallel rank), tokenizer
+    paths: dict[str, tuple[list[str], str]] = field(default_factory=dict)
     prepares: dict[str, msg.Prepare] = field(default_factory=dict)  # by engine
     procs: dict[str, RemoteProcess] = field(default_factory=dict)
     ledgers: dict[str, LedgerMirror] = field(default_factory=dict)  # by qualified device name
@@ -387,9 +389,10 @@ class RayNodes:
         assert self._ip is not None, "connect() first"
         return self._ip
 
-    def activate_paths(self, device: str, model: str) -> tuple[str, str]:
-        """``model``'s cache file and tokenizer on the node of ``device``."""
-        return self.node_of(device).paths[model]
+    def activate_paths(self, device: str, model: str, rank: int = 0) -> tuple[str, str]:
+        """``model``'s cache file (``rank``'s) and tokenizer on the node of ``device``."""
+        files, tokenizer = self.node_of(device).paths[model]
+        return files[rank], tokenizer
 
     # ---- the watch ----------------------------------------------------------------------------
 

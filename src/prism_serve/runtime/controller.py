@@ -116,7 +116,13 @@ class Controller:
         for spec in self.specs.values():
             cached = await loop.run_in_executor(None, self.cache.load, spec)
             self.models.add(spec, cached)
-            footprint = self.models[spec.name].device_bytes  # weights and adapter slots
+            footprint = self.models[spec.name].device_bytes  # weights and adapter slots (one rank's)
+            if spec.tp > self.nodes.max_devices_per_node():
+                self.cache.drop(spec.name)
+                raise ModelTooLargeError(
+                    f"model {spec.name}: tp: {spec.tp} needs that many devices on one node; the "
+                    f"largest node has {self.nodes.max_devices_per_node()}"
+                )
             if footprint >= biggest:
                 self.cache.drop(spec.name)
                 raise ModelTooLargeError(
@@ -294,7 +300,7 @@ class Controller:
         return self.requests.dispatch(request)
 
     def activate(self, model: str, devices: tuple[str, ...], now: float) -> None:
-        self.activator.activate(self.models.entry(model), devices[0])
+        self.activator.activate(self.models.entry(model), devices)
 
     def evict(self, model: str, now: float) -> list[Request]:
         # graceful: a worker with requests in flight refuses (EvictRefused), so nothing restarts
@@ -332,6 +338,11 @@ class Controller:
                     self.loop.capacity_freed([handle.device.name], self._now())
             case msg.ModelActivated() | msg.ActivationFailed() | msg.ModelEvicted() | msg.EvictRefused():
                 self.activator.on_reply(handle, m)
+            case msg.ModelLost(_, why):
+                # rank 0 failed what it held; requests sent meanwhile would find no model there
+                self.requests.fail_on(handle, lambda _: why)
+                self.activator.model_lost(handle, m)
+                self.loop.capacity_freed([handle.device.name], self._now())
 
     def _on_worker_death(self, handle: WorkerHandle) -> None:
         """Fail what the dead worker was running, reclaim its ledger entries, and forget its

@@ -47,6 +47,10 @@ class Loaded:
     compiled: bool  # the engine runs a compiled graph
     kv_bytes_per_token: int
     weight_pages: int = 0  # weight pages the slot unmaps when the model goes
+    # a tensor parallel model's rank and degree (engine/tensor_parallel.py): rank 0's engine is a
+    # Leader, the others follow it
+    rank: int = 0
+    world: int = 1
 
 
 class EngineSlot(Protocol):

@@ -197,6 +197,13 @@ class ActivateModel(Message):
     # the weights, after them at a 4 KiB boundary; engine.max_loras > 0)
     adapters: list[AdapterFile] = []
     adapter_bytes: int = 0
+    # one rank of a tensor parallel model (cache_path, tensors, weight_bytes and config are this
+    # rank's shard): the ranks meet at ``tp_init`` (a torch.distributed init_method) and each lays
+    # out ``kv_blocks`` KV blocks, mapped at once, as many as every other rank
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_init: str = ""
+    kv_blocks: int = 0
 
 
 class EvictModel(Message):
@@ -282,6 +289,14 @@ class EvictRefused(Message):
     num_in_flight: int
 
 
+class ModelLost(Message):
+    """A rank of a tensor parallel model lost its group (another rank died): the worker failed the
+    model's requests it held, gave back every page and is idle again."""
+
+    model: str
+    message: str
+
+
 class StepOutputs(Message):
     outputs: list[TokenDelta]
     stats: EngineStats
@@ -314,6 +329,7 @@ FromWorker = (
     | ActivationFailed
     | ModelEvicted
     | EvictRefused
+    | ModelLost
     | StepOutputs
     | RequestFailed
 )

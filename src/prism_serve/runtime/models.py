@@ -51,6 +51,9 @@ class ModelSpec:
     engine_kind: str = "builtin"  # builtin, or vllm (vLLM's engine in a vLLM worker; source: an HF directory)
     # sampling settings for requests that leave them out (ModelConfig.sampling_defaults), sorted pairs
     sampling: tuple[tuple[str, float | int], ...] = ()
+    # tensor parallel degree: the built-in engine over ``tp`` workers, one per device of the group the
+    # placement chose (engine/tensor_parallel.py); its KV is fixed at activation, the same on every rank
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:
@@ -67,3 +70,13 @@ class ModelSpec:
             raise InvalidRequestError(
                 f"{self.name}: engine must be builtin or vllm, got {self.engine_kind!r}"
             )
+        if self.tp < 1:
+            raise InvalidRequestError(f"{self.name}: tp must be at least 1, got {self.tp}")
+        if self.tp > 1 and self.engine_kind != "builtin":
+            raise InvalidRequestError(
+                f"{self.name}: tp: {self.tp} with engine: {self.engine_kind}: vLLM's tensor parallel "
+                "executor runs its own workers and memory, not prism's; serve it with tp: 1 or on the "
+                "built-in engine"
+            )
+        if self.tp > 1 and self.engine.max_loras:
+            raise InvalidRequestError(f"{self.name}: a tensor parallel model cannot have LoRA adapters yet")

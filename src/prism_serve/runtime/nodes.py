@@ -10,6 +10,7 @@ from are its own node's: this machine's cache for local devices, the node agent'
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from prism_serve.memory.ledger import DeviceLedger
@@ -39,6 +40,11 @@ class NodeSet:
     @property
     def ledgers(self) -> Mapping[str, Ledger]:
         return self._ledgers
+
+    def max_devices_per_node(self) -> int:
+        """The most devices one node has (a tensor parallel model's ranks never span nodes)."""
+        per_node = Counter(d.node for d in self.devices.values())
+        return max(per_node.values(), default=0)
 
     def ledger(self, device: str) -> Ledger:
         return self._ledgers[device]
@@ -84,11 +90,12 @@ class NodeSet:
         joined = self.ray.nodes.get(node)
         return joined.prepares.get(engine) if joined is not None else None
 
-    def activate_paths(self, device: str, model: str) -> tuple[str, str] | None:
-        """``model``'s cache file and tokenizer on ``device``'s node (None: this machine's cache)."""
+    def activate_paths(self, device: str, model: str, rank: int = 0) -> tuple[str, str] | None:
+        """``model``'s cache file (a tensor parallel model's: ``rank``'s) and tokenizer on
+        ``device``'s node (None: this machine's cache)."""
         if not self.devices[device].node or self.ray is None:
             return None
-        return self.ray.activate_paths(device, model)
+        return self.ray.activate_paths(device, model, rank)
 
     # ---- nodes joining and leaving (Ray) --------------------------------------------------------
 

@@ -36,6 +36,10 @@ from prism_serve.runtime.models import ModelSpec, UnknownModelError
 from prism_serve.runtime.weight_cache import CachedModel, config_from_dict
 from prism_serve.runtime.workers import WorkerHandle
 
+# a tensor parallel model's fixed KV without a kv_limit: room for this many requests of
+# max_model_len tokens (ModelEntry.tp_kv_blocks)
+TP_KV_REQUESTS = 4
+
 
 @dataclass(eq=False)
 class ModelEntry:
@@ -68,11 +72,42 @@ class ModelEntry:
     replica_of: str | None = None
     # its LoRA adapter slots (engine.max_loras > 0): device memory mapped with the weights
     adapter_bytes: int = 0
+    # a tensor parallel model (spec.tp > 1) while resident: every rank's device (rank 0's is
+    # ``device``) and the workers of ranks 1.. (rank 0's is ``worker``, which takes the requests)
+    devices: tuple[str, ...] = ()
+    followers: list[WorkerHandle] = field(default_factory=list)
 
     @property
     def device_bytes(self) -> int:
-        """What an activation maps on a device besides KV: the weights and the adapter slots."""
-        return self.cached.weight_bytes + self.adapter_bytes
+        """What an activation maps on a device besides KV: the weights and the adapter slots (a
+        tensor parallel model: on each of its devices, its largest rank's shard)."""
+        shards = self.cached.files.values()
+        return max(shards) + self.adapter_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Its weights over all its devices (every rank's shard), with the adapter slots."""
+        return sum(self.cached.files.values()) + self.adapter_bytes
+
+    @property
+    def ranks(self) -> list[WorkerHandle]:
+        """The workers it runs on, rank 0 first (resident or activating)."""
+        return [self.worker, *self.followers] if self.worker is not None else []
+
+    def tp_kv_blocks(self) -> int:
+        """A tensor parallel model's KV blocks, fixed at activation and the same on every rank:
+        ``kv_limit`` of its largest rank's KV if set, else room for ``TP_KV_REQUESTS`` requests
+        of ``max_model_len`` tokens."""
+        per_token = max(r.kv_bytes_per_token for r in self.cached.ranks)
+        limit = self.spec.kv_limit_bytes
+        tokens = limit // per_token if limit is not None else TP_KV_REQUESTS * self.max_model_len
+        return max(1, tokens // self.spec.engine.block_size)
+
+    def left_devices(self) -> None:
+        """No longer resident anywhere."""
+        self.state, self.device, self.devices, self.worker, self.followers = (
+            ModelState.EVICTED, None, (), None, [],
+        )  # fmt: skip
 
     def profile(self) -> ModelProfile:
         """The per-request costs the control plane predicts compute demand from: engine step seconds
@@ -102,18 +137,20 @@ class ModelEntry:
         self.busy_seconds += max(0.0, after.busy_seconds - (before.busy_seconds if before else 0.0))
 
     def activate_message(
-        self, decided_at: float, adapters: Iterable[msg.AdapterFile] = ()
+        self, decided_at: float, adapters: Iterable[msg.AdapterFile] = (), rank: int = 0, tp_init: str = ""
     ) -> msg.ActivateModel:
         """What a worker needs to activate this model from the host cache (with ``adapters``
-        registered in its engine)."""
+        registered in its engine); a tensor parallel model's ``rank``, its group meeting at
+        ``tp_init``."""
         c = self.cached
+        shard = c.ranks[rank] if c.ranks else c
         return msg.ActivateModel(
             engine_kind=self.spec.engine_kind,
             model=self.spec.name,
-            cache_path=c.path,
-            tensors=list(c.tensors),
-            weight_bytes=c.weight_bytes,
-            config=c.config,
+            cache_path=shard.path,
+            tensors=list(shard.tensors),
+            weight_bytes=shard.weight_bytes,
+            config=shard.config,
             tokenizer_path=c.tokenizer_path,
             source=c.source,
             synthetic=c.synthetic,
@@ -122,6 +159,10 @@ class ModelEntry:
             kv_limit_bytes=self.spec.kv_limit_bytes,
             adapters=list(adapters),
             adapter_bytes=self.adapter_bytes,
+            tp_rank=rank,
+            tp_size=self.spec.tp,
+            tp_init=tp_init,
+            kv_blocks=self.tp_kv_blocks() if c.ranks else 0,
         )
 
 
@@ -174,7 +215,7 @@ class ModelStatus:
         kv = [r.max_kv_bytes for r in reps if r.max_kv_bytes is not None]
         return cls(
             m.spec.name, state, first.device if first else None, first.worker if first else None,
-            m.pinned, m.device_bytes, sum(e.num_running for e, _ in entries),
+            m.pinned, m.host_bytes, sum(e.num_running for e, _ in entries),
             sum(q for _, q in entries), sum(e.num_activations for e, _ in entries),
             sum(e.num_evictions for e, _ in entries), last, sum(r.used_kv_bytes for r in reps),
             sum(kv) if kv else None, sum(e.step_seconds for e, _ in entries),
@@ -316,17 +357,23 @@ def cluster_snapshot(
     on_device: dict[str, list[str]] = {d: [] for d in devices}
     for name, m in models.items():
         resident = m.state is not ModelState.EVICTED
-        if resident:
-            on_device[m.device].append(name)
+        placement = (m.devices or (m.device,)) if resident else ()
+        for d in placement:
+            on_device[d].append(name)
+        tp = m.spec.tp
         snaps.append(
             ModelSnapshot(
                 model=name,
                 rate=rates.rate(name, now),
                 ttft_slo=m.spec.ttft_slo,
                 tpot_slo=m.spec.tpot_slo,
-                weight_bytes=m.device_bytes,
-                kv_bytes_per_token=m.cached.kv_bytes_per_token,
-                placement=(m.device,) if resident else (),
+                # a tensor parallel model: 1/tp of these on each device, as its largest rank takes
+                weight_bytes=tp * m.device_bytes,
+                kv_bytes_per_token=tp * max(r.kv_bytes_per_token for r in m.cached.ranks)
+                if tp > 1
+                else m.cached.kv_bytes_per_token,
+                tp_size=tp,
+                placement=placement,
                 state=m.state,
                 last_request_time=_latest(rates.last_arrival(name), m.activated_at),
                 placed_at=m.placed_at if resident else None,
@@ -346,7 +393,9 @@ def cluster_snapshot(
                 EngineSnapshot(
                     model=name,
                     device=m.device,
-                    kv_bytes_per_token=m.cached.kv_bytes_per_token,
+                    kv_bytes_per_token=m.cached.ranks[0].kv_bytes_per_token
+                    if tp > 1
+                    else m.cached.kv_bytes_per_token,
                     ready=m.state is ModelState.ACTIVE,
                     free_kv_bytes=max(0, stats.mapped_kv_bytes - stats.used_kv_bytes) if stats else 0,
                     used_kv_bytes=stats.used_kv_bytes if stats else 0,

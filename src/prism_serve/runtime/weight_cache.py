@@ -37,6 +37,7 @@ from prism_serve.engine.llm_engine import DTYPES
 from prism_serve.engine.lora import LoraAdapter
 from prism_serve.engine.models.config import ArchConfig, RopeScaling
 from prism_serve.engine.models.llama import LlamaForCausalLM
+from prism_serve.engine.tensor_parallel import shard_plan, shard_weights
 from prism_serve.engine.weights import load_checkpoint, load_weights
 from prism_serve.memory.ledger import default_namespace
 from prism_serve.runtime.messages import AdapterFile, CacheFile, LoraEntry, Prepare, TensorEntry
@@ -53,7 +54,7 @@ PREPARE_TOKENIZER_BYTES = 64 * 2**20
 # so an activation that arrives meanwhile waits for one piece, not a whole 16 GB file.
 PREFAULT_CHUNK_BYTES = 256 * 2**20
 _MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range's page tables in now (mmap lacks the name)
-_FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json|\.lora)?$")
+_FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json|\.lora|\.tp)?$")
 
 
 def _align(n: int) -> int:
@@ -110,8 +111,22 @@ def config_from_dict(d: dict[str, Any]) -> ArchConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CachedRank:
+    """One rank's shard of a tensor parallel model: a cache file of its own, laid out as any
+    model's, whose config is the shard's shape (engine/tensor_parallel.py ``shard_config``)."""
+
+    path: str
+    tensors: tuple[TensorEntry, ...]
+    weight_bytes: int
+    config: dict[str, Any]
+    kv_bytes_per_token: int
+
+
+@dataclass(frozen=True, slots=True)
 class CachedModel:
-    """One model in the host cache: where its bytes are and what a worker needs to serve it."""
+    """One model in the host cache: where its bytes are and what a worker needs to serve it. A
+    tensor parallel model's file, tensors and size here are rank 0's, ``ranks`` has every rank's;
+    its config and KV bytes per token are the whole model's."""
 
     spec: ModelSpec
     path: str
@@ -123,6 +138,14 @@ class CachedModel:
     synthetic: bool
     kv_bytes_per_token: int
     load_s: float  # disk -> cache, once
+    ranks: tuple[CachedRank, ...] = ()  # tensor parallel (spec.tp > 1): each rank's shard
+
+    @property
+    def files(self) -> dict[str, int]:
+        """Its cache files and their sizes (a tensor parallel model's: one per rank)."""
+        if self.ranks:
+            return {r.path: r.weight_bytes for r in self.ranks}
+        return {self.path: self.weight_bytes}
 
 
 class HostWeightCache:
@@ -169,22 +192,53 @@ class HostWeightCache:
     def _load(self, spec: ModelSpec) -> CachedModel:
         start = time.monotonic()
         dtype = DTYPES[spec.engine.dtype]
+        element = torch.empty((), dtype=dtype).element_size()
+        ranks: tuple[CachedRank, ...] = ()
         if spec.engine_kind == "vllm":
             # vLLM loads checkpoint tensors under their own names and packs them itself
             weights = load_checkpoint(Path(spec.source).expanduser(), dtype)
-            packed = shards_together(weights.tensors)
+            path, entries, total = self._write(shards_together(weights.tensors))
         else:
             weights = load_weights(spec.source, dtype=dtype, seed=spec.engine.seed)
-            # Build the model once here to get the engine's own layout (fused QKV, transposed
-            # fp32), so activations never redo that work. One RoPE position: the tables are not
-            # cached.
-            packed = LlamaForCausalLM(
-                weights.config, weights.tensors, dtype, 1, weights.rope_freq_factors
-            ).packed_tensors()
+            parts = [weights]
+            if spec.tp > 1:  # one file per rank: its shard, itself a smaller Llama
+                parts = [shard_weights(weights, s) for s in shard_plan(weights.config, spec.tp)]
+            files = []
+            for part in parts:
+                # Build the model once here to get the engine's own layout (fused QKV, transposed
+                # fp32), so activations never redo that work. One RoPE position: the tables are not
+                # cached.
+                packed = LlamaForCausalLM(
+                    part.config, part.tensors, dtype, 1, weights.rope_freq_factors
+                ).packed_tensors()
+                files.append((part.config, *self._write(packed)))
+                part.tensors.clear()
             weights.tensors.clear()
+            if spec.tp > 1:
+                ranks = tuple(
+                    CachedRank(p, tuple(e), n, config_to_dict(c), c.kv_bytes_per_token(element))
+                    for c, p, e, n in files
+                )
+            _, path, entries, total = files[0]
+        tok_path = self._tokenizer_file(json.dumps(weights.tokenizer.to_state()), Path(path))
+        return CachedModel(
+            spec=spec,
+            path=path,
+            tensors=tuple(entries),
+            weight_bytes=total,
+            config=config_to_dict(weights.config),
+            tokenizer_path=tok_path,
+            source=weights.source,
+            synthetic=weights.synthetic,
+            kv_bytes_per_token=weights.config.kv_bytes_per_token(element),
+            load_s=time.monotonic() - start,
+            ranks=ranks,
+        )
+
+    def _write(self, packed: dict[str, torch.Tensor]) -> tuple[str, list[TensorEntry], int]:
+        """A new cache file holding ``packed`` (emptied meanwhile): its path, layout and size."""
         entries, total = cache_layout(packed)
         path, fd = self._new_file(total)
-        base = Path(path)
         try:
             with mmap.mmap(fd, total) as mm:
                 flat = torch.frombuffer(mm, dtype=torch.uint8)
@@ -192,24 +246,12 @@ class HostWeightCache:
                     flat[e.offset : e.offset + e.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
                 del flat
         except BaseException:
-            os.unlink(base)
+            os.unlink(path)
             raise
         finally:
             os.close(fd)
         packed.clear()  # the cache file holds them now
-        tok_path = self._tokenizer_file(json.dumps(weights.tokenizer.to_state()), base)
-        return CachedModel(
-            spec=spec,
-            path=str(base),
-            tensors=tuple(entries),
-            weight_bytes=total,
-            config=config_to_dict(weights.config),
-            tokenizer_path=tok_path,
-            source=weights.source,
-            synthetic=weights.synthetic,
-            kv_bytes_per_token=weights.config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()),
-            load_s=time.monotonic() - start,
-        )
+        return path, entries, total
 
     def _new_file(self, size: int, suffix: str = "") -> tuple[str, int]:
         """A new cache file of ``size`` bytes (zeros): its path and an open descriptor."""
@@ -226,6 +268,13 @@ class HostWeightCache:
             path.unlink(missing_ok=True)
             raise
         return str(path), fd
+
+    def rendezvous_file(self) -> Path:
+        """A fresh path (not created) where the ranks of a tensor parallel model meet
+        (torch.distributed's file:// init_method); it goes with the cache's other stale files."""
+        with self._lock:
+            self._counter += 1
+            return self.directory / f"prism-weights-{self.namespace}-{os.getpid()}-{self._counter}.tp"
 
     def write_adapter(self, adapter: LoraAdapter) -> AdapterFile:
         """Put a checked adapter's weights in shared memory (each module's A then B, float32, at
@@ -277,7 +326,7 @@ class HostWeightCache:
     @property
     def total_bytes(self) -> int:
         """Host memory the cache files take (shared weights counted once, adapters' included)."""
-        return sum(f.weight_bytes for f in self._files.values()) + sum(self._adapters.values())
+        return sum(n for f in self._files.values() for n in f.files.values()) + sum(self._adapters.values())
 
     def models(self) -> Iterable[CachedModel]:
         return list(self._models.values())
@@ -295,7 +344,8 @@ class HostWeightCache:
         for m in self.models():
             if engine is not None and m.spec.engine_kind != engine:
                 continue
-            files.setdefault(m.path, CacheFile(m.path, m.weight_bytes))
+            for path, size in m.files.items():
+                files.setdefault(path, CacheFile(path, size))
             if m.tokenizer_path in tokenizers:
                 continue
             with contextlib.suppress(OSError):
@@ -315,7 +365,7 @@ class HostWeightCache:
             gone = []
             if not any(m.path == cached.path for m in self._models.values()):
                 self._files = {k: f for k, f in self._files.items() if f.path != cached.path}
-                gone.append(cached.path)
+                gone.extend(cached.files)
             if not any(m.tokenizer_path == cached.tokenizer_path for m in self._models.values()):
                 self._tokenizers = {k: p for k, p in self._tokenizers.items() if p != cached.tokenizer_path}
                 gone.append(cached.tokenizer_path)
@@ -366,7 +416,7 @@ def release_freed_memory() -> None:
 
 def _weights_key(spec: ModelSpec) -> tuple:
     seed = spec.engine.seed if spec.source.startswith("random:") else 0  # the seed only matters there
-    return (spec.source, spec.engine.dtype, seed, spec.engine_kind)
+    return (spec.source, spec.engine.dtype, seed, spec.engine_kind, spec.tp)
 
 
 def _alive(pid: int) -> bool:

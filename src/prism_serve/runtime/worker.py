@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,8 +38,9 @@ from prism_serve.engine.cpu_kernels import kernels_enabled
 from prism_serve.engine.interface import WorkerEngine, WorkerKV
 from prism_serve.engine.sequence import RequestMetrics
 from prism_serve.engine.step_trace import StepRecord, StepTrace
+from prism_serve.engine.tensor_parallel import follow
 from prism_serve.engine.tokenizer import Tokenizer
-from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError
+from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError, WorkerDiedError
 from prism_serve.memory.ledger import Account, DeviceLedger
 from prism_serve.memory.spare import SparePages, spare_entry
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, reserve
@@ -56,6 +58,9 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _IDLE_POLL_MS = 200
 _STALLED_POLL_MS = 5  # the ledger refused KV blocks: retry soon, without spinning
+# an idle tensor parallel rank 0 tells the others it is alive this often (their wait for its next
+# step times out after engine/tensor_parallel.GROUP_TIMEOUT_S)
+_HEARTBEAT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -72,6 +77,7 @@ class _Active:
     busy_seconds: float = 0.0
     decode: StepSums = field(default_factory=StepSums)  # decode steps since the activation, CPU-timed
     cpu_start: float = 0.0  # this process's CPU time when the activation finished
+    synced_at: float = 0.0  # a tensor parallel rank 0: when the other ranks last heard from it
 
     @property
     def engine(self) -> WorkerEngine:
@@ -143,6 +149,9 @@ class Worker:
     def run(self) -> None:
         try:
             while self.running:
+                if self.active is not None and self.active.loaded.rank > 0:
+                    self._follow(self.active)  # until rank 0 closes, or the group breaks
+                    continue
                 engine = self.active.engine if self.active else None
                 busy = engine is not None and engine.has_unfinished_requests()
                 timeout = (_STALLED_POLL_MS if engine.stalled else 0) if busy else _IDLE_POLL_MS
@@ -151,11 +160,50 @@ class Worker:
                     self._drain()
                 elif preparing:
                     self._prepare_one()
-                if self.active is not None and self.active.engine.has_unfinished_requests():
-                    self._step(self.active)
+                a = self.active
+                if a is not None and a.engine.has_unfinished_requests():
+                    self._in_group(a, self._step)
+                elif a is not None and a.loaded.world > 1 and time.monotonic() - a.synced_at > _HEARTBEAT_S:
+                    self._in_group(a, lambda a: a.engine.heartbeat())
                 self.slot.poll()
         finally:
             self.close()
+
+    # ---- tensor parallel ranks (engine/tensor_parallel.py) --------------------------------------
+
+    def _in_group(self, a: _Active, work: Callable[[_Active], object]) -> None:
+        """Run ``work`` (a step, or rank 0's heartbeat); a tensor parallel model whose group broke
+        meanwhile (another rank died: the collectives raise) is lost."""
+        if a.loaded.world == 1:
+            work(a)
+            return
+        try:
+            work(a)
+        except Exception as e:
+            self._group_lost(a, e)
+            return
+        a.synced_at = time.monotonic()
+
+    def _follow(self, a: _Active) -> None:
+        """A rank other than 0: run rank 0's steps until it closes (its model was evicted: the
+        controller's EvictModel follows) or the group breaks."""
+        try:
+            follow(a.engine)
+        except Exception as e:
+            self._group_lost(a, e)
+            return
+        self._release(a)
+
+    def _group_lost(self, a: _Active, e: Exception) -> None:
+        """Another rank of the model died: fail the requests this rank holds (rank 0 holds them
+        all) with 503, give back every page, and tell the controller."""
+        logger.warning("the tensor parallel group of %s broke: %s", a.model, e)
+        a.engine.lost = True
+        why = f"a rank of tensor parallel model {a.model} died ({type(e).__name__})"
+        for req_id in a.engine.abort_all() if a.loaded.rank == 0 else []:
+            self._fail(req_id, WorkerDiedError(why))
+        self._release(a)
+        self._send(msg.ModelLost(a.model, why))
 
     def _drain(self) -> None:
         while self.running:
@@ -369,8 +417,9 @@ class Worker:
                 raise
             return
         self.active = a = _Active(
-            m.model, loaded, weight_account, kv_account, m.weight_bytes, cpu_start=time.process_time()
-        )
+            m.model, loaded, weight_account, kv_account, m.weight_bytes, cpu_start=time.process_time(),
+            synced_at=time.monotonic(),
+        )  # fmt: skip
         for f in m.adapters:
             self._register_adapter(a, f)
         phases = msg.ActivationPhases(
@@ -416,7 +465,13 @@ class Worker:
         """Drop the model and give back every page it mapped; the ranges stay reserved."""
         self.active = None
         before = self.weight_range.mapped_bytes + self.kv_range.mapped_bytes
-        self.slot.release(a.loaded, a.weight_account)
+        try:
+            self.slot.release(a.loaded, a.weight_account)
+        except Exception as e:
+            if a.loaded.world == 1:
+                raise
+            # rank 0 telling the others to stop found one gone: its pages went back all the same
+            logger.warning("closing tensor parallel model %s: %s", a.model, e)
         a.weight_account.close()
         a.kv_account.close()
         return before
