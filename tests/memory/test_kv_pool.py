@@ -385,18 +385,22 @@ def test_a_gpu_pool_keeps_a_larger_buffer_unless_told_otherwise():
 
 
 def test_a_fixed_pool_maps_every_block_at_once_and_gives_them_back_at_close(make_ledger):
-    """A tensor parallel rank's KV: all its blocks granted and mapped at creation, never refused
-    afterwards whatever the device's other engines do, and every byte back at close."""
+    """A tensor parallel rank's KV: all its blocks granted at creation, each page mapped when a
+    block on it is first allocated, never refused whatever the device's other engines do, and
+    every byte back at close."""
     ledger = make_ledger(budget_bytes=8 * P)
     vrange = HostVirtualRange("cpu:0", 16 * P, P)
     pool = FixedKVPool(vrange, 24 * KiB, 10, ledger.account("tp rank kv"))  # 240 KiB: 4 pages
     assert isinstance(pool, BlockAllocator)
-    assert vrange.mapped_bytes == 4 * P and ledger.snapshot().used_bytes == 4 * P
+    assert ledger.snapshot().used_bytes == 4 * P and vrange.mapped_bytes == 0
     assert pool.num_total_blocks == 10 and pool.num_free_blocks == 10
     other = ledger.account("neighbour")
     assert other.try_reserve(4 * P) and not other.try_reserve(1)  # the device is full now
-    blocks = pool.allocate(10)
+    first = pool.allocate(3)  # blocks 0-2: 72 KiB, on pages 0 and 1
+    assert sorted(first) == [0, 1, 2] and vrange.mapped_bytes == 2 * P
+    blocks = first + pool.allocate(7)
     assert sorted(blocks) == list(range(10)) and pool.allocate(1) is None and pool.num_used_blocks == 10
+    assert vrange.mapped_bytes == 4 * P
     pool.kv_tensor(torch.float32)[:] = 1.0  # every block's bytes are mapped
     pool.free(blocks[:3])
     with pytest.raises(LedgerError):

@@ -612,11 +612,14 @@ class ElasticKVPool:
 
 
 class FixedKVPool:
-    """``num_blocks`` KV blocks of ``block_bytes`` in ``vrange``, every page mapped and granted by
+    """``num_blocks`` KV blocks of ``block_bytes`` in ``vrange``, every page granted by
     ``account``'s ledger at creation (one grant) and given back at ``close``: the engine's
     ``BlockAllocator`` where the blocks must not depend on the device's other engines. A tensor
     parallel model needs this: each rank's scheduler must see the same blocks, so none may be
-    refused on one rank and granted on another. DeviceMemoryExhaustedError if the ledger refuses."""
+    refused on one rank and granted on another. DeviceMemoryExhaustedError if the ledger refuses.
+    A page is mapped when a block on it is first allocated (its bytes are granted already, so
+    that cannot be refused): mapping them all at creation would make every activation pay for
+    zeroing KV it may never use (45 ms for 60 MiB here), as the elastic pool's does not."""
 
     def __init__(self, vrange: VirtualRange, block_bytes: int, num_blocks: int, account: Account) -> None:
         if block_bytes <= 0 or num_blocks <= 0:
@@ -631,18 +634,19 @@ class FixedKVPool:
         self._num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # the lowest ids first
         self._used = bytearray(num_blocks)
-        self._pages = list(range(-(-num_blocks * block_bytes // vrange.page_size)))
-        num_bytes = len(self._pages) * vrange.page_size
-        if not account.try_reserve(num_bytes):
+        self._num_pages = -(-num_blocks * block_bytes // vrange.page_size)
+        self._granted = self._num_pages * vrange.page_size
+        if not account.try_reserve(self._granted):
             raise DeviceMemoryExhaustedError(
-                f"{vrange.device}: the ledger refused {num_bytes} bytes for {num_blocks} KV blocks"
+                f"{vrange.device}: the ledger refused {self._granted} bytes for {num_blocks} KV blocks"
             )
-        try:
-            vrange.map_pages(self._pages)
-        except BaseException:
-            account.release(num_bytes)
-            raise
         self._closed = False
+        try:
+            if vrange.base_must_be_mapped:  # the KV tensor's base address must be backed (CUDA)
+                vrange.map_pages([0])
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def num_total_blocks(self) -> int:
@@ -656,10 +660,20 @@ class FixedKVPool:
     def num_used_blocks(self) -> int:
         return self._num_blocks - len(self._free)
 
+    @property
+    def granted_bytes(self) -> int:
+        """What it holds in the ledger: all of its pages, mapped yet or not."""
+        return self._granted
+
     def allocate(self, num_blocks: int) -> list[int] | None:
         if num_blocks > len(self._free):
             return None
         ids = self._free[len(self._free) - num_blocks :]
+        P, size, vrange = self.vrange.page_size, self.block_bytes, self.vrange
+        pages = {p for b in ids for p in range(b * size // P, ((b + 1) * size - 1) // P + 1)}
+        new = sorted(p for p in pages if not vrange.is_mapped(p))
+        if new:
+            vrange.map_pages(new)  # granted at creation: only the operating system could refuse
         del self._free[len(self._free) - num_blocks :]
         for b in ids:
             self._used[b] = 1
@@ -687,6 +701,7 @@ class FixedKVPool:
         if self._closed:
             return
         self._closed = True
-        for p in self._pages:
-            self.vrange.unmap_page(p)
-        self.account.release(len(self._pages) * self.vrange.page_size)
+        for p in range(self._num_pages):
+            if self.vrange.is_mapped(p):
+                self.vrange.unmap_page(p)
+        self.account.release(self._granted)
