@@ -86,6 +86,8 @@ def test_tp2_gives_the_greedy_tokens_of_tp1(rt, tp2, tp1, prompts):
     assert got == want
     m = rt.c.models[tp2]
     assert m.state is ModelState.ACTIVE and set(m.devices) == {"cpu:0", "cpu:1"}
+    status = next(s for s in rt.c.status() if s.model == tp2)
+    assert status.tp == 2 and status.devices == m.devices and status.device == m.devices[0]
     placement = rt.c.snapshot().models[tp2]
     assert placement.tp_size == 2 and set(placement.placement) == {"cpu:0", "cpu:1"}
     # each rank's shard and its KV are granted from its own device's ledger

@@ -24,6 +24,8 @@ def model_cards(statuses: Iterable[ModelStatus], roots: Mapping[str, str]) -> li
             "id": st.model, "object": "model", "created": created, "owned_by": "prism-serve",
             "root": roots.get(st.model, st.model), "parent": None,
             "state": st.state, "device": st.device, "pinned": st.pinned,
+            # tensor parallel: the degree, and every rank's device while resident (rank 0 first)
+            "tp": st.tp, "devices": list(st.devices) or ([st.device] if st.device else []),
             "source": roots.get(st.model, st.model), "synthetic": st.synthetic, "dtype": st.dtype,
             "max_model_len": st.max_model_len,
             "ttft_slo": st.ttft_slo, "tpot_slo": st.tpot_slo,

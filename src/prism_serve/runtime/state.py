@@ -199,6 +199,8 @@ class ModelStatus:
     replicas: tuple[ReplicaStatus, ...] = ()
     dtype: str = ""  # float32 or bfloat16 (dtype auto resolved on this machine)
     sampling: tuple[tuple[str, float | int], ...] = ()  # defaults for requests that leave them out
+    tp: int = 1  # tensor parallel degree
+    devices: tuple[str, ...] = ()  # a resident tensor parallel model's devices, rank 0 first
 
     @classmethod
     def of(cls, entries: list[tuple[ModelEntry, int]]) -> ModelStatus:
@@ -221,7 +223,7 @@ class ModelStatus:
             sum(kv) if kv else None, sum(e.step_seconds for e, _ in entries),
             sum(e.cpu_seconds for e, _ in entries), m.cached.source, m.cached.synthetic,
             m.spec.ttft_slo, m.spec.tpot_slo, m.max_model_len, int(m.cached.config["vocab_size"]),
-            tuple(reps), m.spec.engine.dtype, m.spec.sampling,
+            tuple(reps), m.spec.engine.dtype, m.spec.sampling, m.spec.tp, m.devices if m.spec.tp > 1 else (),
         )  # fmt: skip
 
 
