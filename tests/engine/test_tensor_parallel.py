@@ -142,3 +142,67 @@ def test_shards_split_heads_by_kv_group_and_the_mlp_by_columns():
     assert t["model.embed_tokens.weight"].shape == (384, 256)  # whole on every rank
     with pytest.raises(UnsupportedModelError, match="above the model's 3 KV heads"):
         shard_plan(smol, 4)
+
+
+SUMS = r"""
+import json, os, sys, datetime
+import torch
+torch.set_num_threads(1)
+import torch.distributed as dist
+from prism_serve.engine.tensor_parallel import ShmAllReduce
+rank, path, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+shm = ShmAllReduce(path + ".ar", rank, 2, 8 * 64 * 4)
+if mode == "exit":  # rank 1 leaves without summing: rank 0's sum must raise, not wait forever
+    if rank == 1:
+        os._exit(0)
+    try:
+        shm(torch.ones(4))
+    except RuntimeError as e:
+        print(json.dumps({"raised": str(e)}))
+    sys.exit(0)
+g = torch.Generator().manual_seed(rank)
+out = []
+for shape in [(1, 64), (8, 64), (3, 5), (9, 64)]:  # the last is above a slot: summed through gloo
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(*shape, generator=g).to(dtype)
+        a, b = x.clone(), x.clone()
+        shm(a)
+        dist.all_reduce(b)
+        out.append([torch.equal(a, b), a.float().sum().item()])
+shm.close()
+print(json.dumps({"sums": out, "file_left": os.path.exists(path + ".ar")}))
+dist.destroy_process_group()
+"""
+
+
+def _sum_ranks(tmp_path: Path, mode: str) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    path = str(tmp_path / "rendezvous")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", SUMS, str(r), path, mode], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-3000:]
+        lines = stdout.strip().splitlines()
+        outs.append(json.loads(lines[-1]) if lines else {})
+    return outs
+
+
+def test_shared_memory_sums_equal_gloos_on_every_rank(tmp_path):
+    """The sums the runtime's CPU ranks use (ShmAllReduce) equal gloo's all-reduce, bit for bit,
+    in fp32 and bf16, on both ranks; a tensor above a slot goes through gloo; the file is gone."""
+    a, b = _sum_ranks(tmp_path, "sums")
+    assert all(equal for equal, _ in a["sums"]) and all(equal for equal, _ in b["sums"])
+    assert [s for _, s in a["sums"]] == [s for _, s in b["sums"]]
+    assert not a["file_left"] and not b["file_left"]
+
+
+def test_a_shared_memory_sum_raises_when_another_rank_is_gone(tmp_path):
+    first, _ = _sum_ranks(tmp_path, "exit")
+    assert "exited" in first["raised"]

@@ -29,10 +29,15 @@ same size (the scheduler's decisions depend on it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import mmap
+import os
+import select
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from prism_serve.engine.models.config import ArchConfig
@@ -42,6 +47,7 @@ from prism_serve.errors import UnsupportedModelError
 __all__ = [
     "Leader",
     "Shard",
+    "ShmAllReduce",
     "agree_min",
     "all_reduce_over",
     "follow",
@@ -176,6 +182,85 @@ def all_reduce_over(group) -> Callable[[torch.Tensor], None]:
         dist.all_reduce(t, group=group)
 
     return reduce
+
+
+class ShmAllReduce:
+    """In-place sums over the ranks of one machine through a shared memory file: each rank copies
+    its partial sum into its slot, raises its counter, waits for every other rank's counter and
+    adds the slots up in rank order (so every rank computes the same bits). Two sets of slots used
+    in turn: a rank writes one set while a slower one may still read the other, and can never be
+    two sums ahead (each waits for all). About 20 us a sum here, against 1.3 ms through gloo's TCP
+    loopback. A tensor larger than a slot goes through ``group`` (gloo), as every rank decides the
+    same. The counters are plain stores and loads: x86's memory order keeps a slot's bytes
+    visible before its counter. A rank that waits checks the others are alive (pidfds) and raises
+    RuntimeError when one is gone, as a collective would.
+
+    Every rank calls ``ShmAllReduce(path, ...)`` at the same point of the group's life: rank 0
+    creates ``path``, the others map it, and it is unlinked once all have."""
+
+    _LINE = 64  # each rank's counter on its own cache line
+
+    def __init__(self, path: str, rank: int, world: int, slot_bytes: int, group=None) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.world, self.group = rank, world, group
+        self.slot_bytes = slot_bytes = -(-slot_bytes // self._LINE) * self._LINE
+        header = world * self._LINE
+        size = header + 2 * world * slot_bytes
+        if rank == 0:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, size)
+            os.close(fd)
+        pids: list = [None] * world
+        dist.all_gather_object(pids, os.getpid(), group=group)  # also: the file exists now
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        dist.barrier(group=group)
+        if rank == 0:
+            os.unlink(path)
+        self._peers = [os.pidfd_open(p) for r, p in enumerate(pids) if r != rank]
+        self._seq = np.frombuffer(self._mm, dtype=np.int64, count=header // 8)[:: self._LINE // 8]
+        flat = torch.frombuffer(self._mm, dtype=torch.uint8)
+        at = [[header + (b * world + r) * slot_bytes for r in range(world)] for b in range(2)]
+        self._slots = [[flat[a : a + slot_bytes] for a in row] for row in at]
+        self._n = 0
+
+    def __call__(self, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if nbytes > self.slot_bytes or not t.is_contiguous():
+            import torch.distributed as dist
+
+            dist.all_reduce(t, group=self.group)
+            return
+        self._n += 1
+        n, slots = self._n, self._slots[self._n % 2]
+        slots[self.rank][:nbytes].copy_(t.view(-1).view(torch.uint8))
+        self._seq[self.rank] = n
+        self._wait(n)
+        t.copy_(slots[0][:nbytes].view(t.dtype).view(t.shape))
+        for r in range(1, self.world):
+            t.add_(slots[r][:nbytes].view(t.dtype).view(t.shape))
+
+    def _wait(self, n: int) -> None:
+        seq, spins = self._seq, 0
+        while seq.min() < n:
+            spins += 1
+            if spins > 200:  # not a matter of microseconds: let a rank that shares this core run
+                os.sched_yield()
+                if spins % 1000 == 0 and select.select(self._peers, [], [], 0)[0]:
+                    raise RuntimeError("a rank of the tensor parallel group exited during an all-reduce")
+
+    def close(self) -> None:
+        for fd in self._peers:
+            os.close(fd)
+        self._peers = []
+        self._slots = []
+        self._seq = None
+        with contextlib.suppress(BufferError):  # a view still refers to it: it goes with the last one
+            self._mm.close()
 
 
 class Leader:

@@ -54,7 +54,7 @@ PREPARE_TOKENIZER_BYTES = 64 * 2**20
 # so an activation that arrives meanwhile waits for one piece, not a whole 16 GB file.
 PREFAULT_CHUNK_BYTES = 256 * 2**20
 _MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range's page tables in now (mmap lacks the name)
-_FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json|\.lora|\.tp)?$")
+_FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json|\.lora|\.tp|\.tp\.ar)?$")
 
 
 def _align(n: int) -> int:
