@@ -3,8 +3,10 @@
 The same model and requests, on the same cores, three ways:
 
 * TP 1: one engine, ``--cores`` threads;
-* TP 2: two ranks (processes), each an engine over its shard with ``--cores`` / 2 threads, joined by
-  gloo all-reduces (engine/tensor_parallel.py; rank 0 leads, the other follows);
+* TP 2: two ranks (processes), each an engine over its shard with ``--cores`` / 2 threads pinned to
+  its own cores as the runtime pins devices (engine/tensor_parallel.py; rank 0 leads, the other
+  follows), their partial sums added through shared memory (``ShmAllReduce``, what the runtime's
+  CPU ranks use) and, for comparison, through gloo's all-reduce (TCP loopback);
 * the all-reduces alone: TP 2's step time less the same steps with the sums left out (each rank
   then computes on its partial sums: wrong tokens, the same work), which is their cost.
 
@@ -34,13 +36,14 @@ import common
 RUN = r"""
 import json, statistics, sys, time
 import torch
-model, dtype, rank, world, threads, init, batch, prompt_len, steps, reduce_on = sys.argv[1:11]
+model, dtype, rank, world, threads, init, batch, prompt_len, steps, sums = sys.argv[1:11]
 rank, world, threads, batch, prompt_len, steps = map(int, (rank, world, threads, batch, prompt_len, steps))
 torch.set_num_threads(threads)
 from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.llm_engine import LLMEngine, DTYPES
 from prism_serve.engine.sampling_params import SamplingParams
-from prism_serve.engine.tensor_parallel import Leader, all_reduce_over, follow, shard_plan, shard_weights
+from prism_serve.engine.tensor_parallel import (
+    Leader, ShmAllReduce, all_reduce_over, follow, shard_plan, shard_weights)
 from prism_serve.engine.weights import load_weights
 weights = load_weights(model, dtype=DTYPES[dtype])
 reduce = None
@@ -48,7 +51,17 @@ if world > 1:
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     weights = shard_weights(weights, shard_plan(weights.config, world)[rank])
-    reduce = all_reduce_over(None) if reduce_on == "1" else (lambda t: None)
+    import os
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cores[rank * threads : (rank + 1) * threads])  # as the runtime pins devices
+    if sums == "gloo":
+        reduce = all_reduce_over(None)
+    elif sums == "shm":  # what the runtime's CPU ranks use, sized as it sizes it
+        element = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        reduce = ShmAllReduce(init.removeprefix("file://") + ".ar", rank, world,
+                              max(512, batch) * weights.config.hidden_size * element)
+    else:
+        reduce = lambda t: None
 blocks = batch * (prompt_len + steps + 32) // 16 + 8
 config = EngineConfig(dtype=dtype, max_num_seqs=batch, num_kv_blocks=blocks)
 engine = LLMEngine(config, weights=weights, reduce=reduce)
@@ -81,7 +94,7 @@ print(json.dumps(out))
 """
 
 
-def run(args, world: int, reduce_on: bool) -> dict:
+def run(args, world: int, sums: str = "shm") -> dict:
     threads = args.cores // world
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{Path(tmp) / 'rendezvous'}"
@@ -90,7 +103,7 @@ def run(args, world: int, reduce_on: bool) -> dict:
         for rank in range(world):
             cmd = [sys.executable, "-c", RUN, args.model, args.dtype, str(rank), str(world), str(threads),
                    init, str(args.batch), str(args.prompt_len), str(args.steps),
-                   "1" if reduce_on else "0"]  # fmt: skip
+                   sums]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True))  # fmt: skip
         outs = [p.communicate(timeout=1800) for p in procs]
@@ -117,17 +130,16 @@ def main() -> None:
     for batch in map(int, args.batches.split(",")):
         args.batch = batch
         common.wait_quiet(30, 0.2)
-        tp1 = run(args, 1, True)
-        tp2 = run(args, 2, True)
-        no_sum = run(args, 2, False)
-        row = {"batch": batch, "tp1": tp1, "tp2": tp2, "tp2_without_sums": no_sum}
-        rows.append(row)
+        tp1 = run(args, 1)
+        tp2 = {kind: run(args, 2, kind) for kind in ("shm", "gloo", "none")}
+        rows.append({"batch": batch, "tp1": tp1, "tp2": tp2})
         for phase in ("decode_s", "prefill_s"):
-            sums = tp2[phase] - no_sum[phase]
-            print(f"batch {batch:>3} {phase[:-2]:<8} TP 1 {tp1[phase] * 1e3:8.2f} ms  "
-                  f"TP 2 {tp2[phase] * 1e3:8.2f} ms "
-                  f"({tp2[phase] / tp1[phase]:.2f}x)  all-reduces {sums * 1e3:7.2f} ms "
-                  f"({sums / tp2[phase]:.0%} of TP 2's step)", flush=True)  # fmt: skip
+            line = f"batch {batch:>3} {phase[:-2]:<8} TP 1 {tp1[phase] * 1e3:8.2f} ms"
+            for kind in ("shm", "gloo"):
+                step, sums = tp2[kind][phase], tp2[kind][phase] - tp2["none"][phase]
+                line += (f" | TP 2, {kind} sums {step * 1e3:8.2f} ms ({step / tp1[phase]:.2f}x; the "
+                         f"sums {sums * 1e3:6.2f} ms)")  # fmt: skip
+            print(line, flush=True)
     if args.out:
         args.out.write_text(json.dumps({"machine": common.machine_info(), "rows": rows}, indent=1) + "\n")
 

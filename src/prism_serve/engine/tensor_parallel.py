@@ -13,8 +13,9 @@ A rank's shard (``shard_weights``), for a Llama-shaped decoder:
 So each rank's shard is itself a smaller Llama (``shard_config``: its heads and intermediate
 size), which the engine builds and runs as it runs any model, its KV cache holding only its KV
 heads. Two partial sums need adding across ranks per layer, the outputs of ``o_proj`` and of
-``down_proj``: ``LlamaForCausalLM.reduce`` is called on them (an in-place all-reduce over the
-ranks' process group, gloo between CPU devices, NCCL between CUDA devices). After it every rank
+``down_proj``: ``LlamaForCausalLM.reduce`` is called on them (an in-place all-reduce: between CPU
+ranks of one machine through shared memory, ``ShmAllReduce``; else over the ranks' process group,
+gloo or NCCL between CUDA devices). After it every rank
 holds the same residual stream, so each computes the same logits and samples the same tokens: the
 ranks run the same engine loop in lockstep (the same requests, the same scheduling), and rank 0's
 outputs are the model's.
