@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prism_serve.errors import InvalidRequestError
+from prism_serve.memory.blocks import FixedBlockAllocator
 from prism_serve.memory.kv_buffer import BufferTarget
 from prism_serve.memory.ledger import (
     RECLAIM_WINDOW_S,
@@ -631,9 +632,7 @@ class FixedKVPool:
         self.vrange = vrange
         self.account = account
         self.block_bytes = block_bytes
-        self._num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # the lowest ids first
-        self._used = bytearray(num_blocks)
+        self._blocks = FixedBlockAllocator(num_blocks)
         self._num_pages = -(-num_blocks * block_bytes // vrange.page_size)
         self._granted = self._num_pages * vrange.page_size
         if not account.try_reserve(self._granted):
@@ -650,15 +649,15 @@ class FixedKVPool:
 
     @property
     def num_total_blocks(self) -> int:
-        return self._num_blocks
+        return self._blocks.num_total_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._blocks.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self._num_blocks - len(self._free)
+        return self.num_total_blocks - self.num_free_blocks
 
     @property
     def granted_bytes(self) -> int:
@@ -666,25 +665,22 @@ class FixedKVPool:
         return self._granted
 
     def allocate(self, num_blocks: int) -> list[int] | None:
-        if num_blocks > len(self._free):
-            return None
-        ids = self._free[len(self._free) - num_blocks :]
+        ids = self._blocks.allocate(num_blocks)
+        if not ids:
+            return ids
         P, size, vrange = self.vrange.page_size, self.block_bytes, self.vrange
         pages = {p for b in ids for p in range(b * size // P, ((b + 1) * size - 1) // P + 1)}
         new = sorted(p for p in pages if not vrange.is_mapped(p))
         if new:
-            vrange.map_pages(new)  # granted at creation: only the operating system could refuse
-        del self._free[len(self._free) - num_blocks :]
-        for b in ids:
-            self._used[b] = 1
+            try:
+                vrange.map_pages(new)  # granted at creation: only the operating system could refuse
+            except BaseException:
+                self._blocks.free(ids)
+                raise
         return ids
 
     def free(self, block_ids: Sequence[int]) -> None:
-        for b in block_ids:
-            if not 0 <= b < self._num_blocks or not self._used[b]:
-                raise LedgerError(f"KV block {b} freed but not allocated (double free or foreign id)")
-            self._used[b] = 0
-        self._free.extend(reversed(block_ids))
+        self._blocks.free(block_ids)
 
     def kv_tensor(self, dtype: torch.dtype) -> torch.Tensor:
         """All blocks as one flat tensor of ``dtype`` (the engine views it as its KV layout)."""
