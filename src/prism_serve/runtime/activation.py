@@ -140,6 +140,7 @@ class Activator:
         only failure was memory, all of them are tried again until the deadline."""
         deadline = decided_at + self.timeout_s
         handles: list[WorkerHandle] = []
+        activated: list[WorkerHandle] = []  # ranks that made it while another died
         try:
             pending = [f for d in devices for f in self._evictions[d] if not f.done()]
             if pending:
@@ -158,6 +159,8 @@ class Activator:
                     break
                 died = next((r for r in failed if isinstance(r, BaseException)), None)
                 if died is not None:
+                    ok = zip(handles, replies, strict=True)
+                    activated = [h for h, r in ok if isinstance(r, msg.ModelActivated)]
                     raise died
                 short = DeviceMemoryExhaustedError.__name__
                 if any(r.error != short for r in failed) or self._clock() >= deadline:
@@ -167,6 +170,10 @@ class Activator:
         except Exception as e:
             for h, d in zip(handles, devices, strict=False):
                 self._refill(h, d, m)
+                if h in activated:  # its group is broken: it gives its pages back, says ModelLost
+                    h.state = WorkerState.EVICTING
+                elif h.state is WorkerState.ACTIVATING:
+                    h.state, h.model = WorkerState.IDLE, None
             if m.activation is not asyncio.current_task():
                 return None
             if isinstance(e, TimeoutError):
@@ -174,10 +181,7 @@ class Activator:
             elif not isinstance(e, PrismError):
                 logger.exception("activating %s failed", m.spec.name)
                 e = ActivationError(f"activating {m.spec.name}: {type(e).__name__}: {e}")
-            for h in handles[1:]:
-                if h.state is WorkerState.ACTIVATING:
-                    h.state, h.model = WorkerState.IDLE, None
-            self._activation_failed(m, handles[0] if handles else None, e)
+            self._activation_failed(m, None, e)
             return None
         for h, d in zip(handles, devices, strict=True):
             self._refill(h, d, m)
