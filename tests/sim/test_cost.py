@@ -58,6 +58,28 @@ def test_decode_run_is_the_running_sum_of_the_steps_exactly(hw, shape, tp):
         assert cm.decode_run(spec, tp, n, context, k) == np.cumsum(steps).tolist()
 
 
+@pytest.mark.parametrize("shape, tp", [("llama-3.2-3b", 1), ("llama-3.1-70b", 4), ("smollm2-135m", 1)])
+def test_decode_runs_across_the_roofline_ridge_are_the_running_sum_exactly(shape, tp):
+    """Runs whose steps go from memory-bound to compute-bound (or stay within a hair of the ridge):
+    decode_run sums each step's side of the ridge, as numpy's maximum picks it."""
+    import numpy as np
+
+    cm = RooflineCostModel(HARDWARE["h100"])
+    spec = model_shape(shape)
+    f_tok, f_pair, w, kv, *_ = cm._c(spec, tp)
+    for n in (1, 7, 64, 200, 256):
+        if kv == f_pair:
+            continue
+        ridge = (f_tok * n - w - kv * n) / (kv - f_pair)  # the context where compute == memory
+        for k in (1, 2, 5, 32):
+            for offset in (-n * k, -n * k // 2, -1, 0, 1):
+                context = int(ridge) + offset
+                if context < n:
+                    continue
+                steps = cm.decode_steps(spec, tp, n, context, k)
+                assert cm.decode_run(spec, tp, n, context, k) == np.cumsum(steps).tolist()
+
+
 def test_tensor_parallelism_divides_the_work_and_adds_communication():
     cm = RooflineCostModel(HARDWARE["h100"])
     spec = model_shape("llama-3.1-70b")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from itertools import accumulate
 from types import MappingProxyType
 
 import numpy as np
@@ -43,6 +44,11 @@ from prism_serve.sim.hardware import HardwareProfile
 from prism_serve.sim.models import ModelShape
 
 __all__ = ["COST_MODELS", "RooflineCostModel", "split_matmul"]
+
+# a roofline step this far (relative) from its ridge at both ends of a decode run is on the same side
+# at every step between: compute and memory time are both affine in the context, and a float's
+# rounding (1e-16 relative) cannot close a gap of this size
+_RIDGE_MARGIN = 1e-9
 
 ArrayOrInt = int | np.ndarray
 ArrayOrFloat = float | np.ndarray
@@ -160,16 +166,22 @@ class RooflineCostModel:
         contexts = range(context, context + num_seqs * k, num_seqs)
         if groups is None:
             tok = f_tok * num_seqs
+            first, last = context, context + num_seqs * (k - 1)
+            c0, m0 = tok + f_pair * first, w + kv * (first + num_seqs)
+            c1, m1 = tok + f_pair * last, w + kv * (last + num_seqs)
+            # one side of the ridge for the whole run: each step's time is one term, summed in order
+            # (accumulate adds left to right as the loop below does; its first sum is the term itself)
+            if m0 - c0 > _RIDGE_MARGIN * m0 and m1 - c1 > _RIDGE_MARGIN * m1:
+                return list(accumulate([w + kv * (ctx + num_seqs) + extra for ctx in contexts]))
+            if c0 - m0 > _RIDGE_MARGIN * c0 and c1 - m1 > _RIDGE_MARGIN * c1:
+                return list(accumulate([tok + f_pair * ctx + extra for ctx in contexts]))
             for ctx in contexts:
                 compute, memory = tok + f_pair * ctx, w + kv * (ctx + num_seqs)
                 total += (compute if compute >= memory else memory) + extra
                 append(total)
-        else:
-            mm = self._matmuls(groups, num_seqs, num_seqs)
-            for ctx in contexts:
-                total += mm + f_pair * ctx + kv * (ctx + num_seqs) + extra
-                append(total)
-        return out
+            return out
+        mm = self._matmuls(groups, num_seqs, num_seqs)
+        return list(accumulate([mm + f_pair * ctx + kv * (ctx + num_seqs) + extra for ctx in contexts]))
 
     def request_floor(
         self, spec: ModelShape, tp: int, prompt: ArrayOrInt, output: ArrayOrInt, max_num_seqs: int

@@ -93,6 +93,7 @@ class SimEngine:
         self.model = model
         self.name = model.name
         self.changed = changed  # where it writes its name when it turns dirty (see ``dirty``)
+        self._claim_key = f"{self.name}#prompts"  # its devices' claim for prompts not yet scheduled
         self.devices = devices
         self.cost = cost
         self.block_size = block_size
@@ -164,10 +165,6 @@ class SimEngine:
         self.version += 1
         return out
 
-    @property
-    def _claim_key(self) -> str:
-        return f"{self.name}#prompts"
-
     def _update_claim(self) -> None:
         # prompts dispatched but not yet holding blocks: promised memory (see memory.py)
         need = sum(s.num_tokens + 1 for s in self.waiting) * self.kv_bytes_per_token
@@ -222,10 +219,17 @@ class SimEngine:
         budget = self.max_num_batched_tokens
         preempted = False
         running = self.running
+        bs = self.block_size
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if -(-(seq.num_computed + n) // bs) <= seq.num_blocks:
+                # it holds the blocks already (a decode run granted them): _grow's first test, inline
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
             while not self._grow(seq, seq.num_computed + n):
                 victim = running.pop()
                 self._release(victim)
