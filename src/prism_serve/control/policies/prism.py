@@ -499,9 +499,11 @@ class PrismPolicy(Policy):
             slowed = contention(neighbours_busy(cluster, m))
             if slowed >= _CONTENDED:
                 candidates.append((-slowed, m.model, m))
-        # every device's load with the idle models a move may evict there, made once for all the
-        # candidates: the plan's loads change only with the move made, after which this returns
+        # every device's load with the idle models a move may evict there, and the memory it has
+        # now, made once for all the candidates: the plan changes only with the move made, after
+        # which this returns
         yielding: list[DeviceLoad] = []
+        room: dict[str, float] = {}
         for _, _, m in sorted(candidates):
             free = free_slot(cluster, m.group, planned)
             if free is None:
@@ -512,9 +514,10 @@ class PrismPolicy(Policy):
                     replace(load, idle=[v for v in load.idle if v.replica_of or not self._expected(v)])
                     for load in loads
                 ]
+                room = room_now(cluster, planned, 1.0)
             others = [load for load in yielding if load.device not in m.placement]
             moved = replace(free, rate=m.rate, profile=m.profile)
-            choice = choose_activation(moved, with_room_now(cluster, others, planned, moved))
+            choice = choose_activation(moved, with_room_now(cluster, others, planned, moved, room))
             if choice is None:
                 continue
             devices, victims = choice

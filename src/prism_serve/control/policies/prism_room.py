@@ -110,15 +110,20 @@ def room_now(
 
 
 def with_room_now(
-    cluster: ClusterSnapshot, loads: list[DeviceLoad], planned: dict[str, tuple[str, ...]], m: ModelSnapshot
+    cluster: ClusterSnapshot,
+    loads: list[DeviceLoad],
+    planned: dict[str, tuple[str, ...]],
+    m: ModelSnapshot,
+    room: dict[str, float] | None = None,
 ) -> list[DeviceLoad]:
     """The ``loads`` where a second copy ``m`` fits now: in memory not mapped (:func:`room_now`)
     plus the weights of the idle models there. Feasibility elsewhere counts weights only, since an
     activation waits for busy engines' KV to drain; but while it waits its claim counts as mapped,
     so admission on that device stops, and the busy engines there serve minutes of long decodes.
     A first copy (a model with requests waiting and none resident) must take that wait; an extra
-    one is not worth it."""
-    room = room_now(cluster, planned, 1.0)
+    one is not worth it. ``room``: ``room_now(cluster, planned, 1.0)`` if the caller has it."""
+    if room is None:
+        room = room_now(cluster, planned, 1.0)
     return [
         load
         for load in loads
