@@ -118,6 +118,28 @@ def _placements(draw):
     wrong_lists=st.booleans(),
 )
 def test_updated_equals_a_fresh_build(before, after, queued, moved, stale_devices, engine_moves, wrong_lists):
+    _check_update(before, after, queued, moved, stale_devices, engine_moves, wrong_lists, deferred=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    before=_placements(),
+    after=_placements(),
+    queued=st.dictionaries(st.sampled_from(_NAMES), st.integers(0, 2)),
+    moved=st.sets(st.sampled_from(_NAMES)),
+    stale_devices=st.sets(st.sampled_from(_DEVICES)),
+    engine_moves=st.lists(st.tuples(st.sampled_from(_NAMES), st.sampled_from((None, *_DEVICES))), max_size=3),
+    wrong_lists=st.booleans(),
+)
+def test_deferred_devices_and_engines_equal_a_fresh_build(
+    before, after, queued, moved, stale_devices, engine_moves, wrong_lists
+):
+    """``deferring``: the models now, the devices and engines from ``resolve`` on first read (once),
+    checked as ``updated`` checks them; None when the models change the layout."""
+    _check_update(before, after, queued, moved, stale_devices, engine_moves, wrong_lists, deferred=True)
+
+
+def _check_update(before, after, queued, moved, stale_devices, engine_moves, wrong_lists, *, deferred):
     def devices_for(place):
         return {
             d: DeviceSnapshot(d, 8 * GIB, 0, tuple(n for n in _NAMES if place[n] == (d,))) for d in _DEVICES
@@ -145,10 +167,40 @@ def test_updated_equals_a_fresh_build(before, after, queued, moved, stale_device
     want_devices = {**devices, **{d.device: d for d in new_devices}}
     want_engines = {n: e for n, e in engines.items() if n not in gone}
     want_engines.update((e.model, e) for e in new_engines)
-    try:
-        got = prev.updated(new_models, new_devices, new_engines, gone)
-    except InvalidSnapshotError as e:
-        got = e
+    if deferred:
+        resolved = []
+
+        def resolve(snap):
+            resolved.append(snap)
+            done = snap.with_entries(prev.devices, prev.engines).updated((), new_devices, new_engines, gone)
+            return done.devices, done.engines
+
+        def entry(snap, kind, name):
+            now = want_devices if kind == "devices" else want_engines
+            return now.get(name), getattr(prev, kind).get(name)
+
+        got = prev.deferring(new_models, resolve, entry)
+        if got is None:
+            assert any(m.placement != prev.models[m.model].placement for m in new_models)
+            return
+        assert resolved == [] and dict(got.models) == want_models
+        fresh = _fresh(want_models, want_devices, want_engines)
+        ok = not isinstance(fresh, InvalidSnapshotError)
+        try:  # one by one first (an entry whose layout moved has the whole checked), then whole
+            for d in _DEVICES:
+                assert got.devices.get(d) == (fresh.devices[d] if ok else got.devices.get(d))
+            for n in _NAMES:
+                assert got.engines.get(n) == (fresh.engines.get(n) if ok else got.engines.get(n))
+                assert (n in got.engines) == (n in fresh.engines if ok else n in got.engines)
+            assert dict(got.devices) == dict(got.devices)
+        except InvalidSnapshotError as e:
+            got = e
+        assert len(resolved) == 1
+    else:
+        try:
+            got = prev.updated(new_models, new_devices, new_engines, gone)
+        except InvalidSnapshotError as e:
+            got = e
     assert _same(got, _fresh(want_models, want_devices, want_engines))
 
 

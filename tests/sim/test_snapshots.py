@@ -4,15 +4,21 @@ gives."""
 
 from __future__ import annotations
 
+import pytest
+
 from prism_serve.control import ClusterSnapshot
 from prism_serve.sim import SimConfig
+from prism_serve.sim.errors import SimStateError
 from prism_serve.sim.simulator import Simulator
 from prism_serve.sim.snapshots import SnapshotBuilder
 
 from .helpers import loose, poisson, served
 
 
-def test_every_cluster_snapshot_equals_a_fresh_build(monkeypatch):
+@pytest.mark.parametrize("read_every", [1, 3])
+def test_every_cluster_snapshot_equals_a_fresh_build(monkeypatch, read_every):
+    """``read_every`` 3: the devices and engines of two snapshots in three are read one by one
+    first (ClusterSnapshot.deferring builds only those), the third's only whole."""
     calls = []
     incremental = SnapshotBuilder.cluster
 
@@ -23,6 +29,11 @@ def test_every_cluster_snapshot_equals_a_fresh_build(monkeypatch):
             {d: self.device(d) for d in self.devices},
             {n: self.engine(n) for n, m in self.models.items() if m.engine is not None},
         )
+        if len(calls) % read_every:  # read one by one, as a policy reads a few (a device, an engine)
+            for d in self.devices:
+                assert snap.devices.get(d) == fresh.devices[d], now
+            for n in self.models:
+                assert snap.engines.get(n) == fresh.engines.get(n), now
         for part in ("models", "devices", "engines", "extra_replicas"):
             assert dict(getattr(snap, part)) == dict(getattr(fresh, part)), (now, part)
         assert snap.starved == fresh.starved, now
@@ -37,3 +48,23 @@ def test_every_cluster_snapshot_equals_a_fresh_build(monkeypatch):
     result = sim.run()
     assert len(calls) > len(w)  # at least one snapshot per arrival
     assert result.counters["activations"] > 2 and result.counters["evictions"] > 0
+
+
+def test_a_snapshot_read_after_the_state_changed_raises():
+    """Its devices and engines are built when first read, as they were when it was taken: once the
+    state changed (an effect, an event, another snapshot) that can no longer be done."""
+    ms = [served(f"m{i}", "llama-3.1-8b") for i in range(3)]
+    w = poisson([m.name for m in ms], 0.5, 30.0, prompt=(64, 256), output=(8, 32), seed=1)
+    sim = Simulator(ms, w, loose(ms, ttft=2.0, tpot=0.2), SimConfig(num_devices=2, policy="prism"))
+    sim.run()
+    first = sim.cluster(sim.now)
+    read = sim.cluster(sim.now)
+    assert set(read.devices) == set(sim.devices)
+    assert set(read.engines) == {n for n, m in sim.models.items() if m.engine is not None}
+    unread = sim.cluster(sim.now)
+    sim.snapshots.seal()
+    with pytest.raises(SimStateError, match="after the state changed"):
+        unread.devices.get("gpu00")
+    assert dict(unread.models) == dict(read.models)  # its models are built with it
+    with pytest.raises(SimStateError):
+        dict(first.engines)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -408,23 +408,9 @@ class ClusterSnapshot:
         device's model list) is unchanged, because then every cross-check a build makes still
         holds. Anything else is rebuilt from scratch. For a body that rebuilds its snapshot often
         and changes a few entries in between (the simulator, once or twice per arrival)."""
+        new_models, same, queued_evicted = self._with_models(models)
         # copy() of a MappingProxyType copies the dict under it, many times faster than dict(proxy)
-        new_models, new_devices, new_engines = self.models.copy(), self.devices.copy(), self.engines.copy()
-        same = True
-        queued_evicted = False  # an evicted model's queue changed: starved may change
-        for m in models:
-            old = new_models.get(m.model)
-            new_models[m.model] = m
-            evicted = m.state is ModelState.EVICTED
-            if (
-                old is None
-                or old.placement != m.placement
-                or old.replica_of != m.replica_of
-                or (old.state is ModelState.EVICTED) is not evicted
-            ):
-                same = False
-            elif evicted and old.num_queued != m.num_queued:
-                queued_evicted = True
+        new_devices, new_engines = self.devices.copy(), self.engines.copy()
         for d in devices:
             old = new_devices.get(d.device)
             new_devices[d.device] = d
@@ -438,11 +424,72 @@ class ClusterSnapshot:
             same = same and _engine_fits(e, m)
         if not same:
             return ClusterSnapshot(new_models, new_devices, new_engines)
+        return self._successor(
+            new_models, MappingProxyType(new_devices), MappingProxyType(new_engines), queued_evicted
+        )
+
+    def deferring(
+        self,
+        models: Iterable[ModelSnapshot],
+        resolve: Callable[
+            [ClusterSnapshot], tuple[Mapping[str, DeviceSnapshot], Mapping[str, EngineSnapshot]]
+        ],
+        entry: Callable[[ClusterSnapshot, str, str], tuple[object | None, object | None]],
+    ) -> ClusterSnapshot | None:
+        """This snapshot with ``models`` replaced or added (by name), as :meth:`updated`, whose
+        devices and engines are built only when read; None when the models change the layout (a
+        placement, residency or replica link), which every device's and engine's entry must be
+        checked against at once. For a body whose policy calls mostly read models alone or a few
+        devices (the simulator at an arrival). A read of one entry asks ``entry(snapshot, kind,
+        name)`` ("devices" or "engines") for it as (the entry now or None, the entry as the body
+        last built it or None); any other read asks ``resolve(snapshot)`` for both mappings whole,
+        final and checked (a body builds them with :meth:`updated`), and so does an entry that
+        changed its layout (a device's model list, an engine's device). The body must give them as
+        they were at this instant: no reader may ask after the state they show changed."""
+        new_models, same, queued_evicted = self._with_models(models)
+        if not same:
+            return None
+        deferred = _Deferred(resolve, entry)
+        snap = self._successor(
+            new_models,
+            _DeferredEntries(deferred, "devices"),
+            _DeferredEntries(deferred, "engines"),
+            queued_evicted,
+        )
+        deferred.owner = snap
+        return snap
+
+    def _with_models(self, models: Iterable[ModelSnapshot]) -> tuple[dict[str, ModelSnapshot], bool, bool]:
+        """This snapshot's models with ``models`` replaced or added, whether the layout is the same,
+        and whether an evicted model's queue changed (``starved`` may change)."""
+        new_models = self.models.copy()
+        same = True
+        queued_evicted = False
+        for m in models:
+            old = new_models.get(m.model)
+            new_models[m.model] = m
+            evicted = m.state is ModelState.EVICTED
+            if (
+                old is None
+                or old.placement != m.placement
+                or old.replica_of != m.replica_of
+                or (old.state is ModelState.EVICTED) is not evicted
+            ):
+                same = False
+            elif evicted and old.num_queued != m.num_queued:
+                queued_evicted = True
+        return new_models, same, queued_evicted
+
+    def _successor(
+        self, models: dict[str, ModelSnapshot], devices: Mapping, engines: Mapping, queued_evicted: bool
+    ) -> ClusterSnapshot:
+        """A snapshot of ``models``, ``devices`` and ``engines`` in this snapshot's layout (already
+        checked): its replica links, and its starved models unless an evicted model's queue changed."""
         snap = object.__new__(ClusterSnapshot)
         for name, value in (
-            ("models", MappingProxyType(new_models)),
-            ("devices", MappingProxyType(new_devices)),
-            ("engines", MappingProxyType(new_engines)),
+            ("models", MappingProxyType(models)),
+            ("devices", devices),
+            ("engines", engines),
             ("extra_replicas", self.extra_replicas),
             ("starved", self.starved),
             ("derived", {}),
@@ -452,9 +499,108 @@ class ClusterSnapshot:
             object.__setattr__(snap, "starved", snap._starved())
         return snap
 
+    def with_entries(
+        self, devices: Mapping[str, DeviceSnapshot], engines: Mapping[str, EngineSnapshot]
+    ) -> ClusterSnapshot:
+        """This snapshot's models and layout with ``devices`` and ``engines`` in place of its own,
+        unchecked: the base a body calls :meth:`updated` on to check and apply its changes to the
+        devices and engines it last built (:meth:`deferring`)."""
+        return self._successor(self.models.copy(), devices, engines, False)
+
     def replicas(self, model: str) -> tuple[str, ...]:
         """The snapshot names of ``model``'s replica slots, replica 0 (``model`` itself) first."""
         return (model, *self.extra_replicas.get(model, ()))
+
+
+class _Deferred:
+    """The devices and engines of a snapshot from :meth:`ClusterSnapshot.deferring`, until read:
+    the entries read one by one so far, then, once read whole, the mappings themselves."""
+
+    __slots__ = ("entries", "entry", "owner", "resolve")
+
+    def __init__(self, resolve: Callable, entry: Callable) -> None:
+        self.owner: ClusterSnapshot | None = None
+        self.resolve: Callable | None = resolve
+        self.entry = entry
+        self.entries: dict[tuple[str, str], object] = {}
+
+    def get(self, name: str) -> Mapping:
+        owner = self.owner
+        if self.resolve is not None:
+            devices, engines = self.resolve(owner)
+            self.resolve = None
+            self.entries.clear()
+            # from now on the snapshot holds the mappings themselves
+            object.__setattr__(owner, "devices", devices)
+            object.__setattr__(owner, "engines", engines)
+        return getattr(owner, name)
+
+    def one(self, name: str, key: str) -> object | None:
+        """The entry ``key`` of ``name`` (None: there is none)."""
+        if self.resolve is None:
+            return getattr(self.owner, name).get(key)
+        try:
+            return self.entries[name, key]
+        except KeyError:
+            pass
+        value, built = self.entry(self.owner, name, key)
+        if value is not built and value is not None:
+            if name == "devices":
+                ok = built is not None and built.models == value.models  # type: ignore[attr-defined]
+            else:
+                ok = _engine_fits(value, self.owner.models.get(key))  # type: ignore[arg-type]
+            if not ok:  # the layout moved: checked whole
+                return self.get(name).get(key)
+        self.entries[name, key] = value
+        return value
+
+
+class _DeferredEntries(Mapping):
+    """A snapshot's devices or engines, built on first read (:meth:`ClusterSnapshot.deferring`);
+    every read goes to the mapping it then holds."""
+
+    __slots__ = ("_deferred", "_name")
+
+    def __init__(self, deferred: _Deferred, name: str) -> None:
+        self._deferred = deferred
+        self._name = name
+
+    def _map(self) -> Mapping:
+        return self._deferred.get(self._name)
+
+    def __getitem__(self, key: str):
+        value = self._deferred.one(self._name, key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map())
+
+    def __len__(self) -> int:
+        return len(self._map())
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._deferred.one(self._name, key) is not None
+
+    def get(self, key: str, default=None):
+        value = self._deferred.one(self._name, key)
+        return default if value is None else value
+
+    def keys(self):
+        return self._map().keys()
+
+    def values(self):
+        return self._map().values()
+
+    def items(self):
+        return self._map().items()
+
+    def copy(self) -> dict:
+        return self._map().copy()
+
+    def __repr__(self) -> str:
+        return repr(self._map())
 
 
 def _engine_fits(e: EngineSnapshot, m: ModelSnapshot | None) -> bool:

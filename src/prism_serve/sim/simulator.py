@@ -210,6 +210,7 @@ class Simulator:
             if t > stop:
                 break
             self._advance(t)
+            self.snapshots.seal()  # the last cluster snapshot shows the state before this event
             event.apply(self, t)
             if self.in_system == 0 and self._next_arrival >= end:
                 break
@@ -359,6 +360,7 @@ class Simulator:
         return m.state, m.num_running
 
     def dispatch(self, request: Request, device: str, now: float) -> bool:
+        self.snapshots.seal()
         req = self.by_id[request.req_id]
         m = self.models[request.model]  # the replica the loop routed it to
         e = m.engine
@@ -377,11 +379,13 @@ class Simulator:
         return True
 
     def reject(self, request: Request, reason: RejectReason, detail: str, now: float) -> None:
+        self.snapshots.seal()
         req = self.by_id[request.req_id]
         req.rejected = reason.value
         self._leave(req)
 
     def set_kv_quota(self, model: str, device: str, quota_bytes: int | None) -> None:
+        self.snapshots.seal()
         m = self.models[model]
         m.quota[device] = quota_bytes
         if m.engine is not None and m.placement and m.placement[0] == device:
@@ -444,6 +448,7 @@ class Simulator:
             m.copying = 0
 
     def activate(self, model: str, devices: tuple[str, ...], now: float) -> None:
+        self.snapshots.seal()
         m = self.models[model]
         if m.state is not ModelState.EVICTED:
             raise SimStateError(f"activate {model}: it is {m.state.value} on {m.placement}")
@@ -496,6 +501,7 @@ class Simulator:
 
     def evict(self, model: str, now: float) -> list[Request]:
         """Stop the engine and unmap the model; the requests it was running start over."""
+        self.snapshots.seal()
         m = self.models[model]
         if m.state is ModelState.EVICTED:
             raise SimStateError(f"evict {model}: not resident")

@@ -9,6 +9,15 @@ change, so a cluster snapshot visits those alone, not every device and engine. T
 snapshot is the previous one updated with the entries rebuilt since (``ClusterSnapshot.updated``:
 as strictly validated as a fresh build, in time proportional to the change while placements stay
 put).
+
+Its devices and engines are built only when a policy reads them (``ClusterSnapshot.deferring``),
+while the placements stay put: at most arrivals a policy reads the arriving model alone, or the
+devices and engines of its replicas, and the steps in between change most devices and engines. A
+read of one entry builds that entry; any other read builds the changed ones whole, against those
+last built. Either builds them as they are, which is as they were when the snapshot was taken only
+until the state changes: the simulator seals the snapshot before each event and each effect the
+loop asks for, and a read after that raises (the loop reads a snapshot only during the policy call
+it was built for).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from prism_serve.control import ClusterSnapshot, DeviceSnapshot, EngineSnapshot,
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.profiles import measured_profile
 from prism_serve.control.types import ModelState
+from prism_serve.sim.errors import SimStateError
 from prism_serve.sim.memory import SimDevice
 from prism_serve.sim.state import SimModel
 
@@ -69,6 +79,10 @@ class SnapshotBuilder:
         self._changed_engines = changed_engines
         self._unengined: dict[str, None] = {}
         self._last: ClusterSnapshot | None = None
+        # the devices and engines as last built, and the last snapshot whose own are not built yet
+        # (ClusterSnapshot.deferring): built when first read, unless the state changed since
+        self._entries: tuple[Mapping[str, DeviceSnapshot], Mapping[str, EngineSnapshot]] = ({}, {})
+        self._open: ClusterSnapshot | None = None
         self._stale = loop.stale_models  # models whose snapshot must be rebuilt
         self._stale.update(dict.fromkeys(models))
 
@@ -193,6 +207,7 @@ class SnapshotBuilder:
         return snap
 
     def admission_view(self, device: str, now: float) -> tuple[DeviceSnapshot, dict[str, EngineSnapshot]]:
+        self.seal()
         engines = {
             name: snap
             for name in self.on_device[device]
@@ -201,6 +216,7 @@ class SnapshotBuilder:
         return self.device(device), engines
 
     def cluster(self, now: float) -> ClusterSnapshot:
+        self.seal()
         models = self.models
         stale = list(self._stale)
         for name in stale:
@@ -217,29 +233,78 @@ class SnapshotBuilder:
                 added = True
         if added:
             order = self._order
-            self._engined = engined = dict.fromkeys(sorted(engined, key=order.__getitem__))
+            self._engined = dict.fromkeys(sorted(engined, key=order.__getitem__))
         changed = [self._models[name] for name in self._rebuilt]
         self._rebuilt.clear()
         last = self._last
         if last is None:
             devices = {d: self.device(d) for d in self.devices}
-            engines = {n: self.engine(n) for n in engined}
+            engines = {n: self.engine(n) for n in self._engined}
             snap = ClusterSnapshot(self._models, devices, engines)
-        else:  # only what changed since the last snapshot, in the order a full pass would visit it
-            stale_devices = self.loop.stale_devices
-            touched = self._changed_devices.keys() | stale_devices if stale_devices else self._changed_devices
-            devices = [self.device(d) for d in sorted(touched, key=self._device_order.__getitem__)]
-            order = self._order
-            dirty = [n for n in self._changed_engines if n in engined]
-            engines = [self.engine(n) for n in sorted(dirty, key=order.__getitem__)]
-            le = last.engines
-            gone = [n for n in self._unengined if n in le and n not in engined]
-            snap = last.updated(changed, devices, engines, gone)
+            self._clear_changes()
+            self._entries = (snap.devices, snap.engines)
+        else:
+            snap = last.deferring(changed, self._resolve, self._entry)
+            if snap is None:  # the layout changed: checked against every device and engine now
+                snap = last.with_entries(*self._entries).updated(changed, *self._changed_entries())
+                self._entries = (snap.devices, snap.engines)
+            else:
+                self._open = snap
+        self._last = snap
+        return snap
+
+    def seal(self) -> None:
+        """The state is about to change: the last cluster snapshot's devices and engines, if no
+        one has read them yet, can no longer be built as they were (reading them raises)."""
+        self._open = None
+
+    def _resolve(
+        self, snap: ClusterSnapshot
+    ) -> tuple[Mapping[str, DeviceSnapshot], Mapping[str, EngineSnapshot]]:
+        """The devices and engines of ``snap`` (ClusterSnapshot.deferring), on its first read."""
+        if snap is not self._open:
+            raise SimStateError("a cluster snapshot's devices or engines were read after the state changed")
+        self._open = None
+        resolved = snap.with_entries(*self._entries).updated((), *self._changed_entries())
+        self._entries = (resolved.devices, resolved.engines)
+        return self._entries
+
+    def _entry(self, snap: ClusterSnapshot, kind: str, name: str) -> tuple[object | None, object | None]:
+        """One device or engine of ``snap`` (ClusterSnapshot.deferring) on its first read: (it now,
+        it as last built); it stays among the changed ones until the snapshot is built whole."""
+        if snap is not self._open:
+            raise SimStateError("a cluster snapshot's devices or engines were read after the state changed")
+        devices, engines = self._entries
+        if kind == "devices":
+            built = devices.get(name)
+            if name in self._changed_devices or name in self.loop.stale_devices:
+                return self.device(name), built
+            return built, built
+        built = engines.get(name)
+        if name not in self._engined:
+            return None, built
+        if name in self._changed_engines:
+            return self.engine(name), built
+        return built, built
+
+    def _changed_entries(self) -> tuple[list[DeviceSnapshot], list[EngineSnapshot], list[str]]:
+        """The devices and engines changed since they were last built, in the order a full pass
+        would visit them, and the engines gone since."""
+        stale_devices = self.loop.stale_devices
+        touched = self._changed_devices.keys() | stale_devices if stale_devices else self._changed_devices
+        devices = [self.device(d) for d in sorted(touched, key=self._device_order.__getitem__)]
+        engined = self._engined
+        dirty = [n for n in self._changed_engines if n in engined]
+        engines = [self.engine(n) for n in sorted(dirty, key=self._order.__getitem__)]
+        built = self._entries[1]
+        gone = [n for n in self._unengined if n in built and n not in engined]
+        self._clear_changes()
+        return devices, engines, gone
+
+    def _clear_changes(self) -> None:
         self._changed_devices.clear()
         self._changed_engines.clear()
         self._unengined.clear()
-        self._last = snap
-        return snap
 
 
 def _latest(a: float | None, b: float | None) -> float | None:
