@@ -94,52 +94,54 @@ def _derived(cluster: ClusterSnapshot, kind: str, name: str, compute):
     return value
 
 
-def _group_rate(cluster: ClusterSnapshot, model: str) -> float:
-    return sum(cluster.models[n].rate for n in cluster.replicas(model))
+class _Group:
+    """A served model's replicas in one snapshot: those resident and those active (slot order),
+    the mean known ``max_rate`` (:func:`replica_capacity`) and the summed rate."""
+
+    __slots__ = ("active", "capacity", "rate", "resident")
+
+    def __init__(self, cluster: ClusterSnapshot, model: str) -> None:
+        models = cluster.models
+        snaps = [models[n] for n in cluster.replicas(model)]
+        self.resident = tuple(m for m in snaps if m.state is not ModelState.EVICTED)
+        self.active = tuple(m for m in self.resident if m.state is ModelState.ACTIVE)
+        self.rate = sum(m.rate for m in snaps)
+        self.capacity = None
+        for pool in (self.resident, snaps):
+            known = [m.profile.max_rate for m in pool if m.profile.max_rate is not None]
+            if known:
+                self.capacity = sum(known) / len(known)
+                break
+
+
+def _group(cluster: ClusterSnapshot, model: str) -> _Group:
+    return _derived(cluster, "group", model, _Group)
 
 
 def group_rate(cluster: ClusterSnapshot, model: str) -> float:
     """Requests/s of the served model ``model`` over all its replicas."""
-    return _derived(cluster, "group_rate", model, _group_rate)
-
-
-def _replica_capacity(cluster: ClusterSnapshot, model: str) -> float | None:
-    snaps = [cluster.models[n] for n in cluster.replicas(model)]
-    for pool in ([m for m in snaps if m.resident], snaps):
-        known = [m.profile.max_rate for m in pool if m.profile.max_rate is not None]
-        if known:
-            return sum(known) / len(known)
-    return None
+    return _group(cluster, model).rate
 
 
 def replica_capacity(cluster: ClusterSnapshot, model: str) -> float | None:
     """Requests/s one replica of ``model`` serves within its SLOs: the mean ``max_rate`` of its
     resident replicas that know it, else of any replica; None when no replica knows it."""
-    return _derived(cluster, "capacity", model, _replica_capacity)
-
-
-def _resident(cluster: ClusterSnapshot, model: str) -> tuple[ModelSnapshot, ...]:
-    models = cluster.models
-    return tuple(m for n in cluster.replicas(model) if (m := models[n]).state is not ModelState.EVICTED)
-
-
-def _active(cluster: ClusterSnapshot, model: str) -> tuple[ModelSnapshot, ...]:
-    return tuple(m for m in _derived(cluster, "resident", model, _resident) if m.state is ModelState.ACTIVE)
+    return _group(cluster, model).capacity
 
 
 def resident_replicas(cluster: ClusterSnapshot, model: str) -> list[ModelSnapshot]:
-    return list(_derived(cluster, "resident", model, _resident))
+    return list(_group(cluster, model).resident)
 
 
 def active_replicas(cluster: ClusterSnapshot, model: str) -> tuple[ModelSnapshot, ...]:
     """``model``'s replicas that are active (resident and done activating), in slot order."""
-    return _derived(cluster, "active", model, _active)
+    return _group(cluster, model).active
 
 
 def yielding_replica(cluster: ClusterSnapshot, model: str) -> ModelSnapshot | None:
     """The replica ``model`` would give up first: a :func:`misplaced` one, else its highest resident
     slot, if it has two or more resident and that is not its last active one."""
-    return _last_to_go(cluster, _derived(cluster, "resident", model, _resident))
+    return _last_to_go(cluster, _group(cluster, model).resident)
 
 
 def neighbours_busy(cluster: ClusterSnapshot, m: ModelSnapshot) -> float:
@@ -181,7 +183,7 @@ def surplus(cluster: ClusterSnapshot, model: str, low: float) -> ModelSnapshot |
     below ``low`` utilization (while the capacity is unknown: if it is :func:`misplaced`, the end of
     a move) and no replica of it predicts a TTFT above half its SLO with requests waiting (it is
     still working a burst off)."""
-    resident = _derived(cluster, "resident", model, _resident)
+    resident = _group(cluster, model).resident
     last = _last_to_go(cluster, resident)
     if last is None:
         return None
@@ -275,7 +277,7 @@ def pick_replica(request: Request, cluster: ClusterSnapshot, draining: str | Non
     model = m.group
     if len(cluster.replicas(model)) == 1:
         return _to(request, model)
-    candidates = [r for r in _derived(cluster, "resident", model, _resident) if r.model != draining]
+    candidates = [r for r in _group(cluster, model).resident if r.model != draining]
     if not candidates:
         return _to(request, draining or model)
     best = min(
@@ -298,7 +300,7 @@ def wanted_replicas(cluster: ClusterSnapshot, model: str, high: float, slots: in
     :func:`backlogged`."""
     need = replicas_for_rate(cluster, model, high)
     if backlogged(cluster, model):
-        need = max(need, len(_derived(cluster, "resident", model, _resident)) + 1)
+        need = max(need, len(_group(cluster, model).resident) + 1)
     return max(1, min(slots, need))
 
 
