@@ -87,6 +87,8 @@ def constrained_evictions(
     """
     projected = {d: dev.mapped_bytes for d, dev in cluster.devices.items()}
     limit = {d: watermark * dev.capacity_bytes for d, dev in cluster.devices.items()}
+    if not any(projected[d] >= limit[d] for d in projected):
+        return []  # no device is constrained (evictions only lower what is projected)
     idle = sorted(
         (m for m in cluster.models.values() if is_idle(m, now, idle_threshold_s)),
         key=lambda m: eviction_key(m, now),
