@@ -85,6 +85,11 @@ class SnapshotBuilder:
         self._open: ClusterSnapshot | None = None
         self._stale = loop.stale_models  # models whose snapshot must be rebuilt
         self._stale.update(dict.fromkeys(models))
+        # what a model's snapshot reports that never changes (its shape's sizes are computed)
+        self._fixed = {
+            name: (m.slo.ttft_s, m.slo.tpot_s, m.served.spec.weight_bytes, m.served.spec.kv_bytes_per_token)
+            for name, m in models.items()
+        }
 
     def model(self, m: SimModel, now: float) -> ModelSnapshot:
         sv = m.served
@@ -115,13 +120,14 @@ class SnapshotBuilder:
         self._fields[name] = fields
         self._rebuilt[name] = None
         rate, placement, state, last, queued, running, profile, placed_at, forecast, prewarmed = fields
+        ttft_s, tpot_s, weight_bytes, kv_bytes_per_token = self._fixed[name]
         self._models[name] = snap = ModelSnapshot(
             name,
             rate,
-            m.slo.ttft_s,
-            m.slo.tpot_s,
-            sv.spec.weight_bytes,
-            sv.spec.kv_bytes_per_token,
+            ttft_s,
+            tpot_s,
+            weight_bytes,
+            kv_bytes_per_token,
             sv.tp_size,
             placement,
             state,
