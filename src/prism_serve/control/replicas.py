@@ -98,11 +98,10 @@ class _Group:
     """A served model's replicas in one snapshot: those resident and those active (slot order),
     the mean known ``max_rate`` (:func:`replica_capacity`) and the summed rate."""
 
-    __slots__ = ("active", "capacity", "rate", "resident")
+    __slots__ = ("active", "capacity", "rate", "resident", "snaps")
 
-    def __init__(self, cluster: ClusterSnapshot, model: str) -> None:
-        models = cluster.models
-        snaps = [models[n] for n in cluster.replicas(model)]
+    def __init__(self, snaps: tuple[ModelSnapshot, ...]) -> None:
+        self.snaps = snaps
         self.resident = tuple(m for m in snaps if m.state is not ModelState.EVICTED)
         self.active = tuple(m for m in self.resident if m.state is ModelState.ACTIVE)
         self.rate = sum(m.rate for m in snaps)
@@ -115,7 +114,17 @@ class _Group:
 
 
 def _group(cluster: ClusterSnapshot, model: str) -> _Group:
-    return _derived(cluster, "group", model, _Group)
+    key = ("group", model)
+    group = cluster.derived.get(key)
+    if group is None:
+        models = cluster.models
+        snaps = tuple(models[n] for n in cluster.replicas(model))
+        # the figures of an earlier snapshot whose replicas were the same (ClusterSnapshot.kept)
+        group = cluster.kept.get(key)
+        if group is None or group.snaps != snaps:
+            group = cluster.kept[key] = _Group(snaps)
+        cluster.derived[key] = group
+    return group
 
 
 def group_rate(cluster: ClusterSnapshot, model: str) -> float:

@@ -327,6 +327,10 @@ class ClusterSnapshot:
     # here on first use by the function that derives it, under its own key; the snapshot never
     # changes, so they never go stale
     derived: dict = field(init=False, default_factory=dict, repr=False, compare=False)
+    # values derived from some of its entries alone, with those entries, handed on to the snapshots
+    # built from this one (updated, deferring): a reader uses one only while its entries are equal
+    # (control/replicas.py: a served model's figures, which most ticks leave as they were)
+    kept: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -493,6 +497,7 @@ class ClusterSnapshot:
             ("extra_replicas", self.extra_replicas),
             ("starved", self.starved),
             ("derived", {}),
+            ("kept", self.kept),
         ):
             object.__setattr__(snap, name, value)
         if queued_evicted:
