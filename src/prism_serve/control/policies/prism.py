@@ -179,6 +179,7 @@ class PrismPolicy(Policy):
         # large deployment's models and replica slots are neither), in the snapshot's order
         evicted_state = ModelState.EVICTED
         considered = [m for m in cluster.models.values() if m.state is not evicted_state or m.num_queued > 0]
+        kept = cluster.kept
         for m in considered:
             if m.model in gone:
                 continue
@@ -192,19 +193,29 @@ class PrismPolicy(Policy):
                     or not k.rebalance
                     or (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
                 )
-                parts.extend(
-                    Part(
-                        m.model,
-                        r,
-                        m.demand / m.tp_size,
-                        m.part_weight_bytes,
-                        m.placement[r],
+                # the parts of the same snapshot at an earlier tick, if it stays as fixed as it was
+                # (most resident models' snapshots are unchanged from one tick to the next)
+                key = ("parts", m.model, k.compute_aware)
+                got = kept.get(key)
+                if got is None or got[0] is not m or got[1] != fixed:
+                    got = kept[key] = (
+                        m,
                         fixed,
-                        busy(m),
-                        m.group,
+                        [
+                            Part(
+                                m.model,
+                                r,
+                                m.demand / m.tp_size,
+                                m.part_weight_bytes,
+                                m.placement[r],
+                                fixed,
+                                busy(m),
+                                m.group,
+                            )
+                            for r in range(m.tp_size)
+                        ],
                     )
-                    for r in range(m.tp_size)
-                )
+                parts.extend(got[2])
             else:
                 waiting.append(m)
                 parts.extend(
