@@ -49,6 +49,10 @@ weights = load_weights(model, dtype=DTYPES[dtype])
 reduce = None
 if world > 1:
     import torch.distributed as dist
+    element = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    path, slot = init.removeprefix("file://") + ".ar", max(512, batch) * weights.config.hidden_size * element
+    if rank == 0 and sums == "shm":
+        ShmAllReduce.create(path, world, slot)  # before any rank opens it
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     weights = shard_weights(weights, shard_plan(weights.config, world)[rank])
     import os
@@ -57,9 +61,9 @@ if world > 1:
     if sums == "gloo":
         reduce = all_reduce_over(None)
     elif sums == "shm":  # what the runtime's CPU ranks use, sized as it sizes it
-        element = torch.empty((), dtype=DTYPES[dtype]).element_size()
-        reduce = ShmAllReduce(init.removeprefix("file://") + ".ar", rank, world,
-                              max(512, batch) * weights.config.hidden_size * element)
+        reduce = ShmAllReduce(path, rank, world, slot)
+        dist.barrier()
+        reduce.connect()
     else:
         reduce = lambda t: None
 blocks = batch * (prompt_len + steps + 32) // 16 + 8

@@ -151,9 +151,13 @@ torch.set_num_threads(1)
 import torch.distributed as dist
 from prism_serve.engine.tensor_parallel import ShmAllReduce
 rank, path, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if rank == 0:
+    ShmAllReduce.create(path + ".ar", 2, 8 * 64 * 4)  # before any rank can open it
 dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
 shm = ShmAllReduce(path + ".ar", rank, 2, 8 * 64 * 4)
+dist.barrier()
+shm.connect()
 if mode == "exit":  # rank 1 leaves without summing: rank 0's sum must raise, not wait forever
     if rank == 1:
         os._exit(0)

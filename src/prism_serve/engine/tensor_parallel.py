@@ -196,38 +196,54 @@ class ShmAllReduce:
     visible before its counter. A rank that waits checks the others are alive (pidfds) and raises
     RuntimeError when one is gone, as a collective would.
 
-    Every rank calls ``ShmAllReduce(path, ...)`` at the same point of the group's life: rank 0
-    creates ``path``, the others map it, and it is unlinked once all have."""
+    Setting up takes no collective of its own: rank 0 makes the file (``create``) before any rank
+    opens it (before the group forms, say), each rank opens it (``ShmAllReduce(...)``, which
+    writes its pid there), and after any barrier over the ranks each calls ``connect`` (it reads
+    the others' pids; rank 0 unlinks the file)."""
 
-    _LINE = 64  # each rank's counter on its own cache line
+    _LINE = 64  # each rank's counter (and pid) on its own cache line
+
+    @classmethod
+    def _layout(cls, world: int, slot_bytes: int) -> tuple[int, int, int]:
+        """The slot size (cache lines), the header's and the file's."""
+        slot_bytes = -(-slot_bytes // cls._LINE) * cls._LINE
+        header = world * cls._LINE
+        return slot_bytes, header, header + 2 * world * slot_bytes
+
+    @classmethod
+    def create(cls, path: str, world: int, slot_bytes: int) -> None:
+        """Rank 0: make the file, before any rank opens it."""
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, cls._layout(world, slot_bytes)[2])
+        finally:
+            os.close(fd)
 
     def __init__(self, path: str, rank: int, world: int, slot_bytes: int, group=None) -> None:
-        import torch.distributed as dist
-
-        self.rank, self.world, self.group = rank, world, group
-        self.slot_bytes = slot_bytes = -(-slot_bytes // self._LINE) * self._LINE
-        header = world * self._LINE
-        size = header + 2 * world * slot_bytes
-        if rank == 0:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, size)
-            os.close(fd)
-        pids: list = [None] * world
-        dist.all_gather_object(pids, os.getpid(), group=group)  # also: the file exists now
+        self.path, self.rank, self.world, self.group = path, rank, world, group
+        self.slot_bytes, header, size = self._layout(world, slot_bytes)
+        slot_bytes = self.slot_bytes
         fd = os.open(path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        dist.barrier(group=group)
-        if rank == 0:
-            os.unlink(path)
-        self._peers = [os.pidfd_open(p) for r, p in enumerate(pids) if r != rank]
-        self._seq = np.frombuffer(self._mm, dtype=np.int64, count=header // 8)[:: self._LINE // 8]
+        self._peers: list[int] = []
+        self._header = np.frombuffer(self._mm, dtype=np.int64, count=header // 8)
+        self._header[rank * self._LINE // 8 + 1] = os.getpid()
+        self._seq = self._header[:: self._LINE // 8]
         flat = torch.frombuffer(self._mm, dtype=torch.uint8)
         at = [[header + (b * world + r) * slot_bytes for r in range(world)] for b in range(2)]
         self._slots = [[flat[a : a + slot_bytes] for a in row] for row in at]
         self._n = 0
+
+    def connect(self) -> None:
+        """After a barrier over the ranks (every one has opened the file): watch the others'
+        processes; rank 0 unlinks the file (the mappings stay)."""
+        pids = self._header[1 :: self._LINE // 8]
+        self._peers = [os.pidfd_open(int(p)) for r, p in enumerate(pids) if r != self.rank]
+        if self.rank == 0:
+            os.unlink(self.path)
 
     def __call__(self, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
@@ -259,7 +275,7 @@ class ShmAllReduce:
             os.close(fd)
         self._peers = []
         self._slots = []
-        self._seq = None
+        self._seq = self._header = None
         with contextlib.suppress(BufferError):  # a view still refers to it: it goes with the last one
             self._mm.close()
 

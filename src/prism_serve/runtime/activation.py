@@ -205,8 +205,9 @@ class Activator:
             # each rank reads its node's copy (all on one node: placement keeps a group together)
             requests = [self._request(h, self._on_node(x, m, h.device.name)) for h, x in ranks]
             return list(await asyncio.gather(*requests, return_exceptions=True))
-        finally:
+        finally:  # every rank has answered: joined and opened, or given up
             rendezvous.unlink(missing_ok=True)
+            rendezvous.with_name(rendezvous.name + ".ar").unlink(missing_ok=True)  # CPU ranks' sums
 
     def _activated(self, m: ModelEntry, handle: WorkerHandle, device: str, reply: msg.ModelActivated) -> None:
         handle.state = WorkerState.SERVING

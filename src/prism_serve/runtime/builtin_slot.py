@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -71,6 +71,7 @@ class BuiltinSlot:
         self.namespace = namespace
         self.record_steps = record_steps  # the engine keeps each step's batch shape (PRISM_STEP_TRACE)
         self._reduce: Callable[[torch.Tensor], None] | None = None  # a tensor parallel rank's sums
+        self._joiner = ThreadPoolExecutor(1, thread_name_prefix="prism-tp-join")
 
     def build_ahead(self, shape: msg.EngineShape) -> None:
         pass  # the engine is built per model, over its weights
@@ -101,24 +102,27 @@ class BuiltinSlot:
         kv_account: Account,
         tokenizer: Callable[[str], Tokenizer],
     ) -> Loaded:
-        """One rank of a tensor parallel model: join the ranks' group, activate this rank's shard
-        as any model (its KV fixed: ``m.kv_blocks`` blocks, mapped now), then agree with the other
-        ranks whether every one of them made it. If any did not, every rank gives back what it
-        mapped and raises: DeviceMemoryExhaustedError where only memory was short (the controller
-        retries), else the rank's own error or ActivationError."""
+        """One rank of a tensor parallel model: join the ranks' group (on a thread of its own,
+        while this one maps and copies the rank's shard as for any model; its KV fixed:
+        ``m.kv_blocks`` blocks), then agree with the other ranks whether every one of them made
+        it. If any did not, every rank gives back what it mapped and raises:
+        DeviceMemoryExhaustedError where only memory was short (the controller retries), else the
+        rank's own error or ActivationError."""
         t0 = time.monotonic()
         if self.device.is_cuda:
             torch.cuda.set_device(self.device.local_name)  # NCCL binds the group to it
-        group = join_group(m.tp_init, m.tp_rank, m.tp_size, self.device.name)
+        joining = self._joiner.submit(self._join, m)
         loaded: Loaded | None = None
         try:
-            self._reduce = self._all_reduce(m, group)
             outcome, error = _OK, None
             try:
-                loaded = self._activate(m, host, weight_account, kv_account, tokenizer, group)
+                loaded = self._activate(m, host, weight_account, kv_account, tokenizer, joining)
             except Exception as e:
                 outcome, error = (_NO_MEMORY if isinstance(e, DeviceMemoryExhaustedError) else _FAILED), e
-            worst = agree_min(outcome, group)
+            group = joining.result()  # no group: nobody to agree with (the others time out too)
+            worst = agree_min(outcome, group)  # also the barrier the shared memory sums wait for
+            if isinstance(self._reduce, ShmAllReduce):
+                self._reduce.connect()
             if m.tp_rank == 0 and m.tp_init.startswith("file://"):  # every rank has joined: not needed
                 Path(m.tp_init.removeprefix("file://")).unlink(missing_ok=True)
             if error is not None:
@@ -131,12 +135,34 @@ class BuiltinSlot:
                     raise DeviceMemoryExhaustedError(f"{m.model}: another rank's device is short of memory")
                 raise ActivationError(f"{m.model}: another rank failed to activate")
         except BaseException:
-            if loaded is None:
+            if loaded is not None:
+                loaded.engine.lost = True
+                self.release(loaded, weight_account)
+            else:
+                joining.exception()  # wait: the group may still be forming
                 self._leave()
             raise
         # the group's forming and the wait for the slowest rank count as mapping
         loaded.map_s = time.monotonic() - t0 - loaded.copy_s - loaded.ready_s
         return loaded
+
+    def _join(self, m: msg.ActivateModel):
+        """Join the group of ``m``'s ranks and open its sums (``self._reduce``); the group."""
+        shm = not self.device.is_cuda and m.tp_init.startswith("file://")
+        path = m.tp_init.removeprefix("file://") + ".ar"
+        slot = 0
+        if shm:  # between CPU devices: through shared memory, sized for a step's hidden states
+            element = torch.empty((), dtype=torch_dtype(m.engine)).element_size()
+            tokens = max(m.engine.max_num_batched_tokens, m.engine.max_num_seqs)
+            slot = tokens * config_from_dict(m.config).hidden_size * element
+            if m.tp_rank == 0:
+                ShmAllReduce.create(path, m.tp_size, slot)  # before the group forms: before any opens it
+        group = join_group(m.tp_init, m.tp_rank, m.tp_size, self.device.name)
+        if shm:
+            self._reduce = ShmAllReduce(path, m.tp_rank, m.tp_size, slot, group)
+        else:
+            self._reduce = all_reduce_over(group)
+        return group
 
     def _activate(
         self,
@@ -145,8 +171,10 @@ class BuiltinSlot:
         weight_account: Account,
         kv_account: Account,
         tokenizer: Callable[[str], Tokenizer],
-        group=None,
+        joining: Future | None = None,
     ) -> Loaded:
+        """Map, copy and build ``m``; a tensor parallel rank's group (``joining``) is awaited only
+        to build the engine, so it forms while the shard is copied."""
         t0 = time.monotonic()
         # the weights, then (engine.max_loras) the adapter slots: one grant, one set of pages
         num_pages, reused = map_weight_pages(
@@ -161,6 +189,7 @@ class BuiltinSlot:
             if m.adapter_bytes:
                 start = -(-m.weight_bytes // msg.ADAPTER_ALIGN) * msg.ADAPTER_ALIGN
                 lora = flat[start : m.weight_bytes + m.adapter_bytes]
+            group = joining.result() if joining is not None else None
             engine, pool = self._build(m, flat, kv_account, tokenizer(m.tokenizer_path), lora, group)
         except BaseException:
             unmap_weight_pages(self.weight_range, weight_account, num_pages, self.spare)
@@ -224,19 +253,6 @@ class BuiltinSlot:
             if loaded.world > 1:
                 self._leave()
 
-    def _all_reduce(self, m: msg.ActivateModel, group) -> Callable[[torch.Tensor], None]:
-        """How a rank sums its partial outputs with the others': through shared memory between
-        CPU devices (the ranks of a group share a node; ~20 us a sum where gloo's TCP takes
-        1.3 ms), sized for the largest step's hidden states; else the group's collective (NCCL
-        between GPUs)."""
-        if self.device.is_cuda or not m.tp_init.startswith("file://"):
-            return all_reduce_over(group)
-        config = config_from_dict(m.config)
-        element = torch.empty((), dtype=torch_dtype(m.engine)).element_size()
-        tokens = max(m.engine.max_num_batched_tokens, m.engine.max_num_seqs)
-        path = m.tp_init.removeprefix("file://") + ".ar"
-        return ShmAllReduce(path, m.tp_rank, m.tp_size, tokens * config.hidden_size * element, group)
-
     def _leave(self) -> None:
         """This rank's part of its group goes (its shared memory sums too)."""
         if isinstance(self._reduce, ShmAllReduce):
@@ -248,4 +264,4 @@ class BuiltinSlot:
         pass
 
     def close(self) -> None:
-        pass
+        self._joiner.shutdown()
