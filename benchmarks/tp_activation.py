@@ -84,7 +84,7 @@ def main() -> None:
     args = p.parse_args()
     print(common.machine_info()["line"], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        weights = load_weights(args.model, dtype=DTYPES["float32"])
+        weights = load_weights(args.model, dtype=DTYPES[args.dtype])
         shard = shard_weights(weights, shard_plan(weights.config, 2)[0])
         save_hf_dir(shard, Path(tmp) / "rank0")
         del weights, shard
