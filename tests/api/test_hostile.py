@@ -94,9 +94,12 @@ def test_bad_values_while_the_model_is_evicted_do_not_break_its_activation(serve
         ("/v1/chat/completions", chat(logprobs=0), "logprobs"),
         ("/v1/chat/completions", chat(top_k=True), "top_k"),
         ("/v1/chat/completions", chat(seed=False), "seed"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": True}, "best_of"),  # true == 1
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 1.0}, "best_of"),
     ],
     ids=["surrogate-content", "surrogate-stop", "surrogate-prompt", "bool-token-id", "float-token-id",
-         "float-max-tokens", "int-stream", "str-bool", "logprobs-0", "bool-top-k", "bool-seed"],
+         "float-max-tokens", "int-stream", "str-bool", "logprobs-0", "bool-top-k", "bool-seed",
+         "bool-best-of", "float-best-of"],
 )
 def test_loose_types_and_bad_unicode_are_400(server, path, body, param):
     # json.dumps escapes a lone surrogate as \ud800: the body is valid JSON, the string is not Unicode

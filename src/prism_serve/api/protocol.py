@@ -347,7 +347,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Literal[""] | None = None
-    best_of: Literal[1] | None = None
+    # 1 only (an integer: a Literal would take true and 1.0, which equal 1)
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
     def _output_options(self, tool_format: ToolFormat | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {}
