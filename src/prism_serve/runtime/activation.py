@@ -120,12 +120,7 @@ class Activator:
             self._refill(handle, device, m)
             if m.activation is not asyncio.current_task():
                 return None  # detached (its node left): the model has moved on without it
-            if isinstance(e, TimeoutError):
-                e = ActivationError(f"{m.spec.name}: no worker on {device} within {self.timeout_s} s")
-            elif not isinstance(e, PrismError):
-                logger.exception("activating %s failed", m.spec.name)
-                e = ActivationError(f"activating {m.spec.name}: {type(e).__name__}: {e}")
-            self._activation_failed(m, handle, e)
+            self._activation_failed(m, handle, self._as_activation_error(m, e, device))
             return None
         self._refill(handle, device, m)
         self._activated(m, handle, device, reply)
@@ -176,12 +171,7 @@ class Activator:
                     h.state, h.model = WorkerState.IDLE, None
             if m.activation is not asyncio.current_task():
                 return None
-            if isinstance(e, TimeoutError):
-                e = ActivationError(f"{m.spec.name}: no worker on each of {devices} in {self.timeout_s} s")
-            elif not isinstance(e, PrismError):
-                logger.exception("activating %s failed", m.spec.name)
-                e = ActivationError(f"activating {m.spec.name}: {type(e).__name__}: {e}")
-            self._activation_failed(m, None, e)
+            self._activation_failed(m, None, self._as_activation_error(m, e, f"each of {devices}"))
             return None
         for h, d in zip(handles, devices, strict=True):
             self._refill(h, d, m)
@@ -228,6 +218,16 @@ class Activator:
             self._loop.activation_done(m.spec.name, device, self._clock())
         except Exception:  # the model is active; the next tick admits what this could not
             logger.exception("placing and admitting after %s's activation failed", m.spec.name)
+
+    def _as_activation_error(self, m: ModelEntry, e: Exception, where: str) -> PrismError:
+        """What the requests that waited for ``m``'s activation hear: the named error, or an
+        ActivationError for a timeout (no worker on ``where``) or anything unexpected."""
+        if isinstance(e, TimeoutError):
+            return ActivationError(f"{m.spec.name}: no worker on {where} within {self.timeout_s} s")
+        if not isinstance(e, PrismError):
+            logger.exception("activating %s failed", m.spec.name)
+            return ActivationError(f"activating {m.spec.name}: {type(e).__name__}: {e}")
+        return e
 
     def _activation_failed(self, m: ModelEntry, handle: WorkerHandle | None, error: PrismError) -> None:
         logger.warning("activation of %s failed: %s", m.spec.name, error)
