@@ -127,17 +127,14 @@ class BuiltinSlot:
                 Path(m.tp_init.removeprefix("file://")).unlink(missing_ok=True)
             if error is not None:
                 raise error
-            if worst != _OK and loaded is not None:
-                loaded.engine.lost = True  # the others will not follow: close without them
-                self.release(loaded, weight_account)  # leaves the group
-                loaded = None
-                if worst == _NO_MEMORY:
-                    raise DeviceMemoryExhaustedError(f"{m.model}: another rank's device is short of memory")
+            if worst == _NO_MEMORY:
+                raise DeviceMemoryExhaustedError(f"{m.model}: another rank's device is short of memory")
+            if worst != _OK:
                 raise ActivationError(f"{m.model}: another rank failed to activate")
         except BaseException:
-            if loaded is not None:
+            if loaded is not None:  # made it, alone: the others will not follow, close without them
                 loaded.engine.lost = True
-                self.release(loaded, weight_account)
+                self.release(loaded, weight_account)  # leaves the group
             else:
                 joining.exception()  # wait: the group may still be forming
                 self._leave()
