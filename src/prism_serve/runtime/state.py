@@ -85,6 +85,11 @@ class ModelEntry:
         return max(shards) + self.adapter_bytes
 
     @property
+    def device_kv_bytes_per_token(self) -> int:
+        """KV bytes a token takes on a device (a tensor parallel model: on its largest rank's)."""
+        return max((r.kv_bytes_per_token for r in self.cached.ranks), default=self.cached.kv_bytes_per_token)
+
+    @property
     def host_bytes(self) -> int:
         """Its weights over all its devices (every rank's shard), with the adapter slots."""
         return sum(self.cached.files.values()) + self.adapter_bytes
@@ -98,7 +103,7 @@ class ModelEntry:
         """A tensor parallel model's KV blocks, fixed at activation and the same on every rank:
         ``kv_limit`` of its largest rank's KV if set, else room for ``TP_KV_REQUESTS`` requests
         of ``max_model_len`` tokens."""
-        per_token = max(r.kv_bytes_per_token for r in self.cached.ranks)
+        per_token = self.device_kv_bytes_per_token
         limit = self.spec.kv_limit_bytes
         tokens = limit // per_token if limit is not None else TP_KV_REQUESTS * self.max_model_len
         return max(1, tokens // self.spec.engine.block_size)
@@ -371,9 +376,7 @@ def cluster_snapshot(
                 tpot_slo=m.spec.tpot_slo,
                 # a tensor parallel model: 1/tp of these on each device, as its largest rank takes
                 weight_bytes=tp * m.device_bytes,
-                kv_bytes_per_token=tp * max(r.kv_bytes_per_token for r in m.cached.ranks)
-                if tp > 1
-                else m.cached.kv_bytes_per_token,
+                kv_bytes_per_token=tp * m.device_kv_bytes_per_token,
                 tp_size=tp,
                 placement=placement,
                 state=m.state,
