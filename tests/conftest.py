@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 
@@ -56,3 +61,27 @@ def traces() -> TraceSet:
     """The full traces when present, else the committed excerpts (tests/data/traces): trace tests
     never skip for want of trace files."""
     return find_traces()
+
+
+@contextlib.contextmanager
+def local_ray_cluster() -> Iterator[Any]:
+    """A real two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head node and a
+    second node as separate raylets, one CPU each), shut down after, this process's Ray driver
+    first. Ray's head node, started in this process, installs a SIGTERM handler that exits with
+    status 1 after killing its processes; the test process keeps its own handlers."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    try:
+        cluster.second = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

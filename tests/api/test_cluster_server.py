@@ -11,11 +11,11 @@ import openai
 import pytest
 
 from prism_serve.api.process import stop_server_process
+from tests.conftest import local_ray_cluster
 
 from .conftest import shm_files, start_server
 
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+pytest.importorskip("ray")
 
 CONFIG = """
 devices:
@@ -32,11 +32,8 @@ ray: {{address: "{address}", poll_interval_s: 0.2}}
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    yield c
-    c.shutdown()
+    with local_ray_cluster() as c:
+        yield c
 
 
 def test_prism_serve_on_a_ray_cluster_answers_the_openai_client(tmp_path, cluster) -> None:

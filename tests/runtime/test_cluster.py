@@ -23,11 +23,11 @@ from prism_serve.memory.vmm import parse_size
 from prism_serve.runtime.controller import Controller
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec
+from tests.conftest import local_ray_cluster
 
 from .conftest import LoopThread, Runtime, collect, wait_until
 
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+pytest.importorskip("ray")
 
 
 def one_device() -> list[DeviceSpec]:
@@ -37,13 +37,8 @@ def one_device() -> list[DeviceSpec]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    second = c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    c.second = second
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with local_ray_cluster() as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

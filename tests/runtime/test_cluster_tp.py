@@ -16,11 +16,11 @@ from prism_serve.memory.vmm import parse_size
 from prism_serve.runtime.controller import Controller
 from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec
+from tests.conftest import local_ray_cluster
 
 from .conftest import LoopThread, Runtime
 
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+pytest.importorskip("ray")
 
 
 def two_devices() -> list[DeviceSpec]:
@@ -30,11 +30,14 @@ def two_devices() -> list[DeviceSpec]:
 
 @pytest.fixture(scope="module")
 def rt():
+    with local_ray_cluster() as cluster:
+        yield from _runtime(cluster)
+
+
+def _runtime(cluster):
+    """A controller on ``cluster``'s nodes, stopped after its tests."""
     from prism_serve.runtime.cluster import RayNodes
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
     loop = LoopThread()
     ns = f"raytp{uuid.uuid4().hex[:8]}"
     nodes = RayNodes(cluster.address, two_devices, ns, poll_interval_s=0.2)
@@ -54,8 +57,6 @@ def rt():
     yield Runtime(c, loop)
     loop.run(c.stop())
     loop.close()
-    ray.shutdown()
-    cluster.shutdown()
 
 
 def test_the_ranks_stay_on_one_node_and_match_the_whole_model(rt: Runtime) -> None:

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,6 +266,9 @@ class RayNodes:
         self._on_lost: OnNodeLost | None = None
         self._inited = False
         self._ip: str | None = None
+        # the watch's calls to Ray's node table, off the event loop; stop() waits for one in flight
+        # (a cancelled await leaves its thread running) before it shuts Ray down under it
+        self._table = ThreadPoolExecutor(1, thread_name_prefix="prism-ray-nodes")
 
     # ---- joining the cluster ------------------------------------------------------------------
 
@@ -434,7 +438,7 @@ class RayNodes:
 
     async def _join_new(self) -> None:
         # Ray's node table is a call to its GCS, perhaps over the network: not on the event loop
-        fresh = await asyncio.get_running_loop().run_in_executor(None, self._alive_nodes)
+        fresh = await asyncio.get_running_loop().run_in_executor(self._table, self._alive_nodes)
         for ray_id in fresh:
             node = self._start_agent(ray_id)
             try:
@@ -464,5 +468,6 @@ class RayNodes:
             with contextlib.suppress(Exception):
                 ray.kill(n.agent)
         self.nodes.clear()
+        await asyncio.get_running_loop().run_in_executor(None, self._table.shutdown)
         if self._inited:
             ray.shutdown()
