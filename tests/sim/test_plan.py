@@ -20,7 +20,7 @@ from prism_serve.runtime.build import model_specs
 from prism_serve.sim import ModelSLO, SimConfig
 from prism_serve.sim.deployment import SimDeployment, deployment_config, get_setup, sim_deployment
 from prism_serve.sim.errors import SimConfigError
-from prism_serve.sim.plan import busy_window, fewest_passing, plan
+from prism_serve.sim.plan import busy_window, exclusive_floor, fewest_passing, plan, simulate_point
 from prism_serve.sim.simulator import Simulator
 from prism_serve.workload import Workload, WorkloadSpec, build_workload, write_jsonl
 
@@ -141,7 +141,16 @@ def burst_deployment(names: list[str], slos: dict[str, ModelSLO] | None = None) 
 SCREEN = {"screen": True, "screen_window_s": 60.0, "screen_warmup_s": 30.0}  # the burst, and 30 s before
 
 
-def test_a_count_whose_busy_window_misses_too_much_is_not_run_in_full() -> None:
+@pytest.fixture
+def every_count(monkeypatch):
+    """Dedicated swept from the hard floor, as a policy whose models share devices is: the screen's
+    tests need the counts below dedicated's own floor (``exclusive_floor``) to be screened."""
+    from prism_serve.control.policies import DedicatedPolicy
+
+    monkeypatch.setattr(DedicatedPolicy, "exclusive_devices", False)
+
+
+def test_a_count_whose_busy_window_misses_too_much_is_not_run_in_full(every_count) -> None:
     names = ["m0", "m1", "m2", "m3"]
     w, dep = burst_traffic(names), burst_deployment(names)
     window = busy_window(w, 60.0, 30.0)
@@ -160,7 +169,7 @@ def test_a_count_whose_busy_window_misses_too_much_is_not_run_in_full() -> None:
     assert all("screened_out" not in pt for pt in unscreened.policies["dedicated"].points.values())
 
 
-def test_a_count_that_passes_its_screen_is_decided_by_its_full_run() -> None:
+def test_a_count_that_passes_its_screen_is_decided_by_its_full_run(every_count) -> None:
     """Misses outside the window: a model whose TTFT SLO nothing meets, with requests only before
     the burst (more than the target allows). The screens at enough devices pass; the full runs fail."""
     names = ["m0", "m1", "m2", "m3", "late"]
@@ -288,10 +297,65 @@ def test_plan_in_process_matches_the_command(traffic: Path) -> None:
 
     w = read_jsonl(traffic, tuple(m.name for m in dep.models))
     result = plan(dep, w, hardware="h100", target=1.0, policies=["dedicated"], max_devices=3, jobs=1)
-    assert result.policies["dedicated"].devices is None
-    assert max(result.policies["dedicated"].points) <= 3
+    got = result.policies["dedicated"]
+    assert got.devices is None and all(n <= 3 for n in got.points)
+    # no request may miss: dedicated needs a device per model, and 3 hold 3 of the 8 (none simulated)
+    assert got.sweep_from == sum(m.tp_size for m in dep.models) > 3 and not got.points
     with pytest.raises(SimConfigError, match="unknown policy fifo"):
         plan(dep, w, hardware="h100", policies=["prism", "fifo"], jobs=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 400), st.sampled_from([1, 2, 4])), min_size=1, max_size=7),
+    st.integers(0, 300),
+)
+def test_the_exclusive_floor_skips_only_counts_every_choice_of_models_fails(items, budget) -> None:
+    """Against every set of models that could hold devices at once (brute force): below the floor,
+    each leaves more than ``budget`` requests unserved."""
+    import itertools
+
+    names = [f"m{i}" for i in range(len(items))]
+    idx = np.concatenate([np.full(k, i) for i, (k, _) in enumerate(items)] + [np.zeros(0, int)])
+    n = len(idx)
+    w = Workload(np.arange(n, dtype=float), idx.astype(int), np.full(n, 8), np.full(n, 8), names)
+    ms = [served(name, "llama-3.2-1b", tp) for name, (_, tp) in zip(names, items, strict=True)]
+    floor = exclusive_floor(ms, w, budget)
+    for devices in range(1, floor):
+        for size in range(len(items) + 1):
+            for chosen in itertools.combinations(range(len(items)), size):
+                if sum(items[i][1] for i in chosen) <= devices:
+                    assert n - sum(items[i][0] for i in chosen) > budget
+
+
+def test_dedicated_sweeps_from_its_floor_and_answers_as_a_sweep_from_one() -> None:
+    """Dedicated gives each model devices of its own: the counts below its floor are not simulated,
+    each of them fails when it is, and the answer is the one a sweep from one device finds."""
+    ms = [served(f"m{i}", "llama-3.2-1b", tp) for i, tp in enumerate([1, 1, 2, 1, 1, 1])]
+    rates = [1.0, 0.6, 0.4, 0.05, 0.02, 0.01]  # a long tail (synthetic Poisson traffic)
+    parts = [
+        poisson([m.name], r, 300.0, prompt=64, output=8, seed=i)
+        for i, (m, r) in enumerate(zip(ms, rates, strict=True))
+    ]
+    ts = np.concatenate([p.timestamps for p in parts])
+    order = np.argsort(ts, kind="stable")
+    idx = np.concatenate([np.full(len(p), i) for i, p in enumerate(parts)])[order]
+    prompts = np.concatenate([p.prompt_tokens for p in parts])[order]
+    outputs = np.concatenate([p.output_tokens for p in parts])[order]
+    w = Workload(ts[order], idx, prompts, outputs, [m.name for m in ms])
+    dep = SimDeployment(ms, loose(ms), sim_deployment(deployment_config("paper-8")).engine, "prism", ())
+    budget = int(0.01 * len(w))
+    floor = exclusive_floor(ms, w, budget)
+    assert 1 < floor <= 7
+    result = plan(dep, w, hardware="h100", policies=["dedicated"], max_devices=9, jobs=1)
+    got = result.policies["dedicated"]
+    assert got.sweep_from == floor and min(got.points) == floor
+    attained = {
+        n: simulate_point(dep, w, hardware="h100", policy="dedicated", devices=n)["ttft_attainment"]
+        for n in range(1, 10)
+    }
+    assert all(attained[n] < 0.99 for n in range(1, floor))
+    assert got.devices == fewest_passing(lambda ns: {n: attained[n] >= 0.99 for n in ns}, 1, 9)
 
 
 def test_a_tensor_parallel_model_wider_than_the_devices_misses_its_requests() -> None:

@@ -31,6 +31,11 @@ by default because it pays only where failing counts miss in bursts: a count tha
 (1-5% of the requests of every window) passes a 10-minute screen and then pays a full run as well,
 and a count that misses heavily already stops within minutes of its full run.
 
+A policy whose models hold devices of their own (``Policy.exclusive_devices``: dedicated) starts
+its sweep at ``exclusive_floor``, the fewest count at which the models that fit could serve all but
+the target's budget of the requests; every count below it fails whatever models it picks
+(``PolicyPlan.sweep_from``).
+
 A point that has already missed more requests than the target allows stops early (its attainment is
 known to be short, and a count far below the answer costs little), in a screen or a full run alike.
 The policies are searched at once, their points sharing a pool of worker processes, one per core.
@@ -64,8 +69,8 @@ from prism_serve.sim.simulator import simulate
 from prism_serve.workload.format import Workload
 
 __all__ = [
-    "HOURS_PER_MONTH", "POLICIES", "BusyWindow", "Plan", "PolicyPlan", "busy_window", "fewest_passing",
-    "plan", "simulate_point",
+    "HOURS_PER_MONTH", "POLICIES", "BusyWindow", "Plan", "PolicyPlan", "busy_window", "exclusive_floor",
+    "fewest_passing", "plan", "simulate_point",
 ]  # fmt: skip
 
 POLICIES = ("prism", "static-partition", "dedicated", "muxserve")
@@ -156,6 +161,7 @@ class PolicyPlan:
     policy: str
     devices: int | None  # the fewest that meet the target; None: more than max_devices
     points: dict[int, dict] = field(default_factory=dict)  # every simulated count's summary
+    sweep_from: int = 1  # the count its sweep began at: every count below fails without a run
 
     @property
     def answer(self) -> dict | None:
@@ -210,9 +216,38 @@ class Plan:
                     for other in ("dedicated", "static-partition")
                     if other != name
                 },
+                "sweep_from": p.sweep_from,
                 "points": {str(n): pt for n, pt in sorted(p.points.items())},
             }
         return out
+
+
+def exclusive_floor(models: Sequence[ServedModel], workload: Workload, budget: int) -> int:
+    """The fewest devices at which a policy whose served models hold devices of their own
+    (``Policy.exclusive_devices``: dedicated) can meet a target that allows ``budget`` misses.
+
+    On ``n`` devices such a policy serves a set of models whose tp sizes sum to at most ``n``
+    for the whole run (the simulator has no keep-alive evictions), and every request of the
+    other models is refused: a miss under either metric. The requests ``n`` devices can serve
+    are at most the fractional knapsack's (models by requests per device, the last one split),
+    so a count whose remaining requests exceed ``budget`` fails for certain, whichever models the
+    policy picks. Sound for any traffic; it skips only counts a run would fail."""
+    per_model = np.bincount(workload.model_index, minlength=len(workload.models))
+    requests = {name: int(k) for name, k in zip(workload.models, per_model, strict=True)}
+    items = sorted(
+        ((requests.get(m.name, 0), m.tp_size) for m in models), key=lambda it: it[0] / it[1], reverse=True
+    )
+    total = len(workload)
+    for n in range(1, sum(tp for _, tp in items) + 1):
+        room, served = n, 0.0
+        for k, tp in items:
+            if room <= 0:
+                break
+            served += k * min(tp, room) / tp
+            room -= tp
+        if total - served <= budget + 1e-6:  # may pass: the bound cannot rule it out
+            return n
+    return max(1, sum(tp for _, tp in items))
 
 
 @dataclass(slots=True, frozen=True)
@@ -363,7 +398,13 @@ def plan(
     window = busy_window(workload, screen_window_s, screen_warmup_s) if screen else None
     if window is not None and 2 * (window.end - window.warmup) > len(workload):
         window = None  # the screen would cost about as much as the run
-    out = {policy: PolicyPlan(policy, None) for policy in policies}
+    out = {
+        policy: PolicyPlan(
+            policy, None, sweep_from=max(low, exclusive_floor(models, workload, budget))
+            if REGISTERED[policy].exclusive_devices else low,
+        )
+        for policy in policies
+    }  # fmt: skip
     with ProcessPoolExecutor(workers) if workers > 1 else _InProcess() as pool:
 
         def search(pp: PolicyPlan) -> None:
@@ -396,8 +437,9 @@ def plan(
                 return {n: not pp.points[n]["screened_out"] for n in counts}
 
             pp.devices = fewest_passing(
-                passes, low, high, confirm, width=workers, screen=screened if window is not None else None
-            )
+                passes, pp.sweep_from, high, confirm, width=workers,
+                screen=screened if window is not None else None,
+            )  # fmt: skip
 
         # every policy's search at once: each waits for its own points, the pool keeps the cores busy
         with ThreadPoolExecutor(len(out) if workers > 1 else 1) as searches:

@@ -74,6 +74,11 @@ class Policy:
 
     name: ClassVar[str] = ""
     knobs_type: ClassVar[type[Knobs]] = Knobs
+    # True: every model the policy serves holds ``tp_size`` devices of its own from its activation
+    # on, shared with no other model and never given up, and a model it cannot give devices to is
+    # refused; so N devices serve at most models whose tp sizes sum to N (the planner uses it:
+    # sim/plan.py ``exclusive_floor``)
+    exclusive_devices: ClassVar[bool] = False
 
     def __init__(self, knobs: Knobs | None = None) -> None:
         if knobs is None:

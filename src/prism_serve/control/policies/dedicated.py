@@ -34,6 +34,7 @@ class DedicatedKnobs(Knobs):
 class DedicatedPolicy(Policy):
     name = "dedicated"
     knobs_type = DedicatedKnobs
+    exclusive_devices = True
     knobs: DedicatedKnobs
 
     def new_queue(self, device: str) -> RequestQueue:
