@@ -114,16 +114,18 @@ class _Group:
 
 
 def _group(cluster: ClusterSnapshot, model: str) -> _Group:
+    return _derived(cluster, "group", model, _kept_group)
+
+
+def _kept_group(cluster: ClusterSnapshot, model: str) -> _Group:
+    """The figures of an earlier snapshot whose replicas were the same (ClusterSnapshot.kept), else
+    new ones."""
+    models = cluster.models
+    snaps = tuple(models[n] for n in cluster.replicas(model))
     key = ("group", model)
-    group = cluster.derived.get(key)
-    if group is None:
-        models = cluster.models
-        snaps = tuple(models[n] for n in cluster.replicas(model))
-        # the figures of an earlier snapshot whose replicas were the same (ClusterSnapshot.kept)
-        group = cluster.kept.get(key)
-        if group is None or group.snaps != snaps:
-            group = cluster.kept[key] = _Group(snaps)
-        cluster.derived[key] = group
+    group = cluster.kept.get(key)
+    if group is None or group.snaps != snaps:
+        group = cluster.kept[key] = _Group(snaps)
     return group
 
 
