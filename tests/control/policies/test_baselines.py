@@ -108,6 +108,17 @@ def test_muxserve_places_by_estimated_throughput():
     )
 
 
+def test_muxserve_breaks_ties_between_mesh_groups_by_capacity():
+    # Before any request every rate is 0, so every group's estimated throughput is 0. Six devices cut
+    # into two 2-device meshes (the first group enumerated) would leave the four single-device models
+    # two devices; the group with one 2-device mesh gives them four, and more capacity.
+    models = [model("big", rate=0, tp=2), *(model(f"m{i}", rate=0) for i in range(4))]
+    out = get_policy("muxserve").place(cluster(models, {f"d{i}": 80 for i in range(6)}), NOW)
+    where = {a.model: a.devices for a in out if isinstance(a, Activate)}
+    assert len(where["big"]) == 2
+    assert sorted(where[f"m{i}"] for i in range(4)) == [("d2",), ("d3",), ("d4",), ("d5",)]
+
+
 def test_muxserve_adapts_quotas_from_idle_to_busy_models_and_never_moves_models():
     models = [model("idle", on=("d0",), last=0.0), model("busy", on=("d0",), last=NOW, running=8)]
     engines = [engine("idle", quota_gib=30, used_gib=1), engine("busy", quota_gib=30, used_gib=29)]

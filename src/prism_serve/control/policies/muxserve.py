@@ -3,7 +3,8 @@
 Defining behaviour, from the MuxServe paper (sections 3.2-3.3) and Prism's description of MuxServe++:
 - Placement by estimated throughput, enumeration-greedy: enumerate ways to cut the devices into
   meshes; for each, place models in descending computation need (rate x weight bytes) on the mesh
-  whose estimated throughput grows most; keep the mesh group with the highest total.
+  whose estimated throughput grows most; keep the mesh group with the highest total (ties, as when
+  no rate is known yet, go to the highest capacity: the estimate not bounded by the rates).
 - One shared KV pool per mesh with a per-model quota (ADBS). Quotas start proportional to each
   model's rate-weighted KV need and are adapted on every tick: models using less than ``low_util`` of
   their quota give ``quota_step`` of their unused part to models using more than ``high_util``.
@@ -75,8 +76,9 @@ def _shares(members: list[ModelSnapshot]) -> list[float]:
     return [n / total for n in needs]
 
 
-def unit_throughput(members: list[ModelSnapshot], kv_pool_bytes: float) -> float:
-    """Estimated requests/s an LLM unit (models sharing one mesh and KV pool) serves."""
+def unit_throughput(members: list[ModelSnapshot], kv_pool_bytes: float, capped: bool = True) -> float:
+    """Estimated requests/s an LLM unit (models sharing one mesh and KV pool) serves; ``capped=False``:
+    what it could serve, each model's estimate not bounded by its rate (its capacity)."""
     if not members or kv_pool_bytes <= 0:
         return 0.0
     prefill_s = sum(m.profile.mean_prompt_tokens / m.profile.prefill_tokens_per_s for m in members)
@@ -87,7 +89,7 @@ def unit_throughput(members: list[ModelSnapshot], kv_pool_bytes: float) -> float
         )
         batch = kv_pool_bytes * share / per_request
         cycle = prefill_s + m.profile.decode_step_s * m.profile.mean_output_tokens
-        total += min(m.rate, batch / cycle)
+        total += min(m.rate, batch / cycle) if capped else batch / cycle
     return total
 
 
@@ -175,8 +177,9 @@ class MuxServePolicy(Policy):
         cluster: ClusterSnapshot,
         meshes: dict[tuple[str, ...], list[ModelSnapshot]],
         models: list[ModelSnapshot],
-    ) -> tuple[int, float]:
-        """Add ``models`` to ``meshes`` in place; returns (models placed, total estimated throughput)."""
+    ) -> tuple[int, float, float]:
+        """Add ``models`` to ``meshes`` in place; returns (models placed, total estimated throughput,
+        total estimated capacity)."""
         placed = 0
         for m in sorted(models, key=lambda m: (-m.rate * m.weight_bytes, -m.weight_bytes, m.model)):
             best, best_key = None, None
@@ -192,12 +195,19 @@ class MuxServePolicy(Policy):
             if best is not None:
                 meshes[best].append(m)
                 placed += 1
-        total = sum(unit_throughput(ms, self._pool(cluster, d, ms)) for d, ms in meshes.items())
-        return placed, total
+        pools = {d: self._pool(cluster, d, ms) for d, ms in meshes.items()}
+        total = sum(unit_throughput(ms, pools[d]) for d, ms in meshes.items())
+        capacity = sum(unit_throughput(ms, pools[d], capped=False) for d, ms in meshes.items())
+        return placed, total, capacity
 
     def _best_group(
         self, cluster: ClusterSnapshot, models: list[ModelSnapshot]
     ) -> dict[tuple[str, ...], list[ModelSnapshot]]:
+        """The mesh group whose greedy placement places the most models, then serves the most of their
+        rates, then has the most capacity to spare. The last decides whenever the rates do not: before
+        any request (every rate is 0) and whenever every group's estimate covers every rate. Without
+        it the first group enumerated (the largest meshes) won those ties and crowded the single-device
+        models onto the few devices it left them."""
         best, best_key = {}, None
         sizes = [m.tp_size for m in models]
         for group in mesh_groups(list(cluster.devices), sizes, self.knobs.max_mesh_groups):
