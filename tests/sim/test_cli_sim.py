@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 
 from prism_serve.cli import main
-from prism_serve.sim import ServedModel, SimConfig, model_shape
-from prism_serve.sim.sweep import Experiment, find_gpus
 from prism_serve.workload import read_jsonl
 
-from .helpers import loose, poisson
+from .helpers import poisson
 
 
 def test_workload_command_writes_jsonl_and_prints_stats(tmp_path, capsys, traces):
@@ -53,15 +51,27 @@ def test_sim_rejects_a_sweep_without_values(capsys):
     assert "needs --values" in capsys.readouterr().err
 
 
-def test_find_gpus_bisects_to_the_fewest_devices():
-    ms = [ServedModel(f"m{i}", model_shape("llama-3.1-8b")) for i in range(4)]
-    w = poisson([m.name for m in ms], rate=0.5, duration=60, seed=1)
-    exp = Experiment(ms, w, loose(ms), SimConfig(num_devices=1), slo_scale=1.0)
-    # dedicated needs one GPU per model to serve everything
-    n, tried = find_gpus(exp, "dedicated", 0.99, 8)
-    assert n == 4
-    assert {p["num_devices"] for p in tried} >= {3, 4}
-    assert all(p["ttft_attainment"] < 0.99 for p in tried if p["num_devices"] < 4)
+def test_find_gpus_is_the_planners_sweep(tmp_path, capsys):
+    """`prism sim --find-gpus` searches as `prism plan` does: every count from the floor up is
+    simulated, and the answer passes with the two counts above it."""
+    from prism_serve.sim.deployment import get_setup
+    from prism_serve.workload import write_jsonl
+
+    names = [m.name for m in get_setup("paper-8")]
+    path = tmp_path / "w.jsonl"
+    write_jsonl(poisson(names, rate=0.5, duration=60, seed=1), path)
+    argv = ["sim", "--setup", "paper-8", "--workload", str(path), "--gpus", "12", "--find-gpus", "0.99",
+            "--policies", "dedicated", "--slo-scale", "5", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 0
+    body = json.loads((tmp_path / "out" / "results.json").read_text())
+    n = body["gpus_needed"]["dedicated"]
+    # dedicated gives each model its own device and refuses the requests of the rest: 8 for 8 models
+    assert n == 8
+    tried = {p["num_devices"]: p["ttft_attainment"] for p in body["points"]}
+    assert set(tried) == set(range(min(tried), n + 3)), "a sweep, not a bisection"
+    assert all(a < 0.99 for k, a in tried.items() if k < n)
+    assert all(tried[k] >= 0.99 for k in (n, n + 1, n + 2))
+    assert "dedicated: 8 GPUs" in capsys.readouterr().out
 
 
 def test_compute_sharing_is_on_by_default_and_the_flag_turns_it_off(tmp_path, traces):

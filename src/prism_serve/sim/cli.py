@@ -5,7 +5,9 @@
     prism sim --setup paper-58 --gpus 32 --find-gpus 0.99 --policies prism,muxserve,static-partition
 
 With ``--find-gpus``, a lower bound on the devices any policy needs (sim/bound.py) is printed first
-and every policy's answer is also given as a ratio to it.
+and every policy's answer is also given as a ratio to it. The search is ``prism plan``'s
+(sim/plan.py): a sweep upward from the bound's hard floor, each answer confirmed by the counts
+above it, every point stopped once it has missed more than the target allows.
 
 Outputs of ``prism sim --out DIR``: results.json (every point's summary, the SLOs, the command line),
 slos.json (the unscaled SLOs, reusable with ``--slos``), and PNG plots (sweep.png, gpus_needed.png).
@@ -34,9 +36,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     from prism_serve.sim.deployment import PRESETS
     from prism_serve.workload.builder import LENGTH_FILES
 
-    p.add_argument(
-        "--setup", default="paper-8", choices=PRESETS, help="the served models (sim/presets/)"
-    )
+    p.add_argument("--setup", default="paper-8", choices=PRESETS, help="the served models (sim/presets/)")
     p.add_argument("--workload", type=Path, help="read this JSONL workload instead of building one")
     p.add_argument("--source", default="servegen:m-large", help="servegen:<pool> or azure:conv|code")
     p.add_argument("--lengths", default="azure:conv", choices=list(LENGTH_FILES))
@@ -92,8 +92,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     from prism_serve.sim.deployment import get_setup
     from prism_serve.sim.plot import plot_gpus_needed, plot_sweep
     from prism_serve.sim.simulator import SimConfig
-    from prism_serve.sim.slo import load_slos, measure_slos, save_slos
-    from prism_serve.sim.sweep import Experiment, find_gpus, run_point, sweep
+    from prism_serve.sim.slo import load_slos, measure_slos, save_slos, scale_slos
+    from prism_serve.sim.sweep import Experiment, run_point, sweep
 
     _check_sim(args)
     models = get_setup(args.setup)
@@ -137,23 +137,26 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         save_slos(slos, args.out / "slos.json", hardware=args.hardware, setup=args.setup)
     if args.find_gpus is not None:
-        bound = _bound(exp, args)
-        out["lower_bound"] = bound.as_dict()
+        from prism_serve.sim.deployment import SimDeployment
+        from prism_serve.sim.plan import plan
+
+        scaled = scale_slos(slos, args.slo_scale, args.tpot_scale)
+        deployment = SimDeployment(models, scaled, config.engine, policies[0], config.knobs)
+        with tqdm(desc="find-gpus", unit="sim", file=sys.stderr) as bar:
+            found = plan(
+                deployment, workload, hardware=args.hardware, target=args.find_gpus,
+                metric=args.metric.removesuffix("_attainment"), policies=policies, max_devices=args.gpus,
+                config=config, memory_window_s=args.bound_window,
+                compute_window_s=args.bound_compute_window, progress=bar.update,
+            )  # fmt: skip
+        bound = found.bound
         print(_bound_line(bound))
-        steps = len(policies) * (args.gpus.bit_length() + 1)
-        needed: dict[str, int | None] = {}
-        points: list[dict] = []
-        with tqdm(total=steps, desc="find-gpus", unit="sim", file=sys.stderr) as bar:
-            for p in policies:
-                n, tried = find_gpus(
-                    exp, p, args.find_gpus, args.gpus, metric=args.metric, progress=bar.update
-                )
-                needed[p] = n
-                points.extend(tried)
+        needed = {p: pp.devices for p, pp in found.policies.items()}
+        points = [{**pt, "policy": p} for p, pp in found.policies.items() for pt in pp.points.values()]
         ratios = {p: bound.ratio(n) for p, n in needed.items()}
         out.update(
-            find_gpus=args.find_gpus, metric=args.metric, gpus_needed=needed, ratio_to_bound=ratios,
-            points=points,
+            find_gpus=args.find_gpus, metric=args.metric, lower_bound=bound.as_dict(), gpus_needed=needed,
+            ratio_to_bound=ratios, points=points,
         )  # fmt: skip
         for p, n in needed.items():
             # no answer within --gpus: the policy needs more than that, so its ratio is above this one
@@ -195,25 +198,6 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         (args.out / "results.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
         print(f"results in {args.out}/ [simulated: {config.hardware} profile]", file=sys.stderr)
     return 0
-
-
-def _bound(exp, args: argparse.Namespace):
-    """The device lower bound on the hardware and cost model the simulator itself builds."""
-    from prism_serve.sim.bound import lower_bound
-    from prism_serve.sim.cost import COST_MODELS
-    from prism_serve.sim.hardware import get_hardware
-    from prism_serve.sim.slo import scale_slos
-
-    config = exp.config
-    hw = get_hardware(config.hardware)
-    if config.step_scale != 1.0:
-        hw = hw.slowed(config.step_scale)
-    return lower_bound(
-        exp.models, exp.workload, hw, COST_MODELS[config.cost_model](hw),
-        max_num_seqs=config.engine.max_num_seqs, memory_window_s=args.bound_window,
-        compute_window_s=args.bound_compute_window,
-        slos=scale_slos(exp.base_slos, exp.slo_scale, exp.tpot_scale),
-    )  # fmt: skip
 
 
 def _bound_line(b) -> str:

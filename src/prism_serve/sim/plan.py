@@ -364,9 +364,17 @@ def plan(
     screen: bool = False,
     screen_window_s: float = SCREEN_WINDOW_S,
     screen_warmup_s: float = SCREEN_WARMUP_S,
+    config: SimConfig | None = None,
+    memory_window_s: float = 10.0,
+    compute_window_s: float = 60.0,
 ) -> Plan:
     """The fewest devices per policy for ``deployment`` serving ``workload`` on ``hardware``;
-    ``screen``: simulate each count on the busiest window first (the module's docstring)."""
+    ``screen``: simulate each count on the busiest window first (the module's docstring).
+
+    ``config``: the simulation settings every point starts from (tick, compute sharing, engine, cost
+    model), its knobs given to every policy, as ``prism sim`` sets them; by default the deployment's
+    engine, and its knobs to its own policy only. ``memory_window_s`` and ``compute_window_s``: the
+    lower bound's windows (sim/bound.py)."""
     if not 0 < target <= 1:
         raise SimConfigError(f"the target must be in (0, 1], got {target}")
     if metric not in METRICS:
@@ -383,10 +391,17 @@ def plan(
     names = {m.name for m in deployment.models}
     if missing := [m for m in workload.models if m not in names]:
         raise SimConfigError(f"the traffic names models the deployment lacks: {', '.join(missing[:5])}")
-    base = SimConfig(num_devices=1, hardware=hardware, engine=deployment.engine, knobs=deployment.knobs)
+    knobs_to_all = config is not None
+    if config is None:
+        base = SimConfig(num_devices=1, hardware=hardware, engine=deployment.engine, knobs=deployment.knobs)
+    else:
+        base = dataclasses.replace(config, num_devices=1, hardware=hardware)
+    if base.step_scale != 1.0:
+        hw = hw.slowed(base.step_scale)
     bound = lower_bound(
         deployment.models, workload, hw, COST_MODELS[base.cost_model](hw),
-        max_num_seqs=deployment.engine.max_num_seqs, slos=deployment.slos,
+        max_num_seqs=base.engine.max_num_seqs, slos=deployment.slos,
+        memory_window_s=memory_window_s, compute_window_s=compute_window_s,
     )  # fmt: skip
     widest = max(m.tp_size for m in deployment.models)
     low = max(bound.compute_devices, bound.tp_devices, widest, 1)
@@ -411,7 +426,7 @@ def plan(
             config = dataclasses.replace(
                 base,
                 policy=pp.policy,
-                knobs=deployment.knobs if pp.policy == deployment.policy else (),
+                knobs=base.knobs if knobs_to_all or pp.policy == deployment.policy else (),
                 stop_after_ttft_misses=budget if metric == "ttft" else None,
             )
 

@@ -1,4 +1,5 @@
-"""Sweeps of the paper's three axes (rate scale, SLO scale, number of GPUs) and the GPU search.
+"""Sweeps of the paper's three axes (rate scale, SLO scale, number of GPUs). The GPU search
+(``prism sim --find-gpus``) is ``prism plan``'s (sim/plan.py).
 
 Every point is one full simulation. SLOs are measured once, on the workload at rate scale 1 (the
 base workload), and scaled per point; a rate sweep rebuilds the workload from its spec with the
@@ -18,7 +19,7 @@ from prism_serve.sim.slo import scale_slos
 from prism_serve.workload.builder import WorkloadSpec, build_workload
 from prism_serve.workload.format import Workload
 
-__all__ = ["AXES", "Experiment", "find_gpus", "run_point", "sweep"]
+__all__ = ["AXES", "Experiment", "run_point", "sweep"]
 
 AXES = ("rate", "slo", "gpus")
 
@@ -92,37 +93,3 @@ def sweep(
             if progress is not None:
                 progress()
     return rows
-
-
-def find_gpus(
-    exp: Experiment,
-    policy: str,
-    target: float,
-    max_gpus: int,
-    *,
-    metric: str = "ttft_attainment",
-    progress: Callable[[], None] | None = None,
-) -> tuple[int | None, list[dict]]:
-    """The fewest GPUs (1..max_gpus) at which ``metric`` reaches ``target``, by bisection, assuming
-    attainment does not fall when GPUs are added; None when even ``max_gpus`` falls short. Returns
-    the answer and every point simulated on the way."""
-    low = max(m.tp_size for m in exp.models)  # fewer GPUs than the widest model cannot serve it
-    tried: dict[int, dict] = {}
-
-    def ok(n: int) -> bool:
-        if n not in tried:
-            tried[n] = run_point(exp, policy, "gpus", n)
-            if progress is not None:
-                progress()
-        return tried[n][metric] >= target
-
-    if low > max_gpus or not ok(max_gpus):
-        return None, [tried[k] for k in sorted(tried)]
-    lo, hi = low, max_gpus  # invariant: hi reaches the target
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi, [tried[k] for k in sorted(tried)]
