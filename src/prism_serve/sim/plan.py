@@ -391,7 +391,6 @@ def plan(
     names = {m.name for m in deployment.models}
     if missing := [m for m in workload.models if m not in names]:
         raise SimConfigError(f"the traffic names models the deployment lacks: {', '.join(missing[:5])}")
-    knobs_to_all = config is not None
     if config is None:
         base = SimConfig(num_devices=1, hardware=hardware, engine=deployment.engine, knobs=deployment.knobs)
     else:
@@ -423,15 +422,15 @@ def plan(
     with ProcessPoolExecutor(workers) if workers > 1 else _InProcess() as pool:
 
         def search(pp: PolicyPlan) -> None:
-            config = dataclasses.replace(
+            searched = dataclasses.replace(
                 base,
                 policy=pp.policy,
-                knobs=base.knobs if knobs_to_all or pp.policy == deployment.policy else (),
+                knobs=base.knobs if config is not None or pp.policy == deployment.policy else (),
                 stop_after_ttft_misses=budget if metric == "ttft" else None,
             )
 
             def job(n: int) -> _Job:
-                return _Job(models, workload, deployment.slos, dataclasses.replace(config, num_devices=n))
+                return _Job(models, workload, deployment.slos, dataclasses.replace(searched, num_devices=n))
 
             def passes(counts: Sequence[int]) -> dict[int, bool]:
                 for n, point in zip(counts, pool.map(_run, [job(n) for n in counts]), strict=True):
