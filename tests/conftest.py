@@ -1,15 +1,17 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
-from prism_serve.engine.weights import LoadedWeights, load_weights
+from prism_serve.engine.weights import LoadedWeights, load_weights, save_hf_dir
 from tests.workload.trace_data import TraceSet, find_traces
 
 
@@ -26,6 +28,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def smollm() -> LoadedWeights:
     """The real SmolLM2-135M-Instruct weights, loaded once for the whole session."""
     return load_weights("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm_hf(smollm: LoadedWeights, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Those weights written once as an HF directory (fp32 safetensors, configs, tokenizer), for
+    every test that needs a checkpoint on disk (vLLM's engine, PEFT's adapters). Its files are
+    read-only: a test that must change a checkpoint writes its own."""
+    path = tmp_path_factory.mktemp("smollm2-hf") / "smollm2-135m"
+    save_hf_dir(smollm, path)
+    for f in path.iterdir():
+        os.chmod(f, 0o444)
+    return path
 
 
 @pytest.fixture(scope="session")

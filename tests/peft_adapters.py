@@ -1,18 +1,11 @@
 """LoRA adapters made by ``peft`` over the real SmolLM2 (its GGUF's weights written as an HF
-directory, fp32), for the engine's and the server's adapter tests."""
+directory, fp32: the ``smollm_hf`` fixture), for the engine's and the server's adapter tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-
-
-def smollm_hf_dir(weights, path: Path) -> Path:
-    from prism_serve.engine.weights import save_hf_dir
-
-    save_hf_dir(weights, path)
-    return path
 
 
 def make_adapter(

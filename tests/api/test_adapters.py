@@ -19,16 +19,16 @@ import pytest
 from prism_serve.api.process import stop_server_process
 from prism_serve.memory.ledger import DeviceLedger
 from tests.api.conftest import ADMIN_KEY, API_KEY, ServerProcess, shm_files, start_server
-from tests.peft_adapters import make_adapter, merged_texts, smollm_hf_dir
+from tests.peft_adapters import make_adapter, merged_texts
 
 N = 10
 PROMPT = "The three most useful things to pack for a hike are"
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory, smollm) -> dict[str, Path]:
+def lora(tmp_path_factory, smollm_hf) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
-    base = smollm_hf_dir(smollm, root / "smollm2")
+    base = smollm_hf
     out = {"base": base}
     out["qv"] = make_adapter(base, root / "support-qv", 8, 16, ["q_proj", "v_proj"], seed=1)
     out["mlp"] = make_adapter(base, root / "legal-mlp", 16, 32, ["gate_proj", "up_proj", "down_proj"], seed=2)

@@ -79,17 +79,14 @@ ray: {{address: "{address}", poll_interval_s: 0.2}}
 """
 
 
-def test_a_vllm_model_serves_from_another_node(tmp_path, cluster) -> None:
+def test_a_vllm_model_serves_from_another_node(tmp_path, cluster, smollm_hf) -> None:
     """A vLLM worker runs on the second node too (started by its node agent with the vLLM
     environment's Python), its host cache and Prepare that node's own, and answers as it would
     on this one."""
-    from prism_serve.engine.weights import load_weights, save_hf_dir
     from tests.api.test_vllm_server import VLLM_PYTHON
 
     assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: run scripts/vllm-server-env.sh"
-    hf = tmp_path / "smollm2-hf"
-    save_hf_dir(load_weights("smollm2-135m-instruct"), hf)
-    config = VLLM_CONFIG.format(hf=hf, python=VLLM_PYTHON, address=cluster.address)
+    config = VLLM_CONFIG.format(hf=smollm_hf, python=VLLM_PYTHON, address=cluster.address)
     srv = start_server(tmp_path, config, timeout_s=300)
     try:
         admin = {"Authorization": "Bearer admin-test-key"}

@@ -26,7 +26,7 @@ from prism_serve.engine.vllm_engine import lora_slot_bytes
 from prism_serve.memory.ledger import DeviceLedger
 from tests.api.conftest import ADMIN_KEY, API_KEY, ServerProcess, shm_files, start_server
 from tests.api.test_vllm_server import VLLM_PYTHON
-from tests.peft_adapters import make_adapter, merged_texts, smollm_hf_dir
+from tests.peft_adapters import make_adapter, merged_texts
 
 N = 10
 PROMPT = "The three most useful things to pack for a hike are"
@@ -34,9 +34,9 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory, smollm) -> dict[str, Path]:
+def lora(tmp_path_factory, smollm_hf) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm-adapters")
-    base = smollm_hf_dir(smollm, root / "smollm2")
+    base = smollm_hf
     return {
         "base": base,
         "qv": make_adapter(base, root / "support-qv", 8, 16, ["q_proj", "v_proj"], seed=1),

@@ -26,13 +26,10 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm_hf: Path) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from prism_serve.engine.weights import load_weights, save_hf_dir
-
-    smol = tmp_path_factory.mktemp("smol") / "hf"
-    save_hf_dir(load_weights("smollm2-135m-instruct"), smol)
+    smol = smollm_hf
     config = Qwen3Config(
         vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,

@@ -63,25 +63,15 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Memory bandwidth li
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model's real weights (the GGUF, dequantized) written as an HF directory."""
-    from prism_serve.engine.weights import load_weights, save_hf_dir
-
-    path = tmp_path_factory.mktemp("smol-hf") / "smollm2-135m"
-    save_hf_dir(load_weights("smollm2-135m-instruct"), path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, hf_dir: Path) -> ServerProcess:
+def server(tmp_path_factory: pytest.TempPathFactory, smollm_hf: Path) -> ServerProcess:
     assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: run scripts/vllm-server-env.sh"
     # a second model of smol-vllm's shape, from another directory (the same files: its own host
     # cache file, so to prism another model's weights, as a fine-tune of the same base would be)
     hf_b = tmp_path_factory.mktemp("smol-hf-b") / "smollm2-135m-b"
     hf_b.mkdir()
-    for f in hf_dir.iterdir():
+    for f in smollm_hf.iterdir():
         (hf_b / f.name).symlink_to(f)
-    config = CONFIG.format(hf=hf_dir, hf_b=hf_b, python=VLLM_PYTHON, key=API_KEY, admin=ADMIN_KEY)
+    config = CONFIG.format(hf=smollm_hf, hf_b=hf_b, python=VLLM_PYTHON, key=API_KEY, admin=ADMIN_KEY)
     srv = start_server(tmp_path_factory.mktemp("vllm-serve"), config, timeout_s=300)
     yield srv
     code = stop_server_process(srv.proc)

@@ -22,7 +22,7 @@ from prism_serve.engine.lora import (
 )
 from prism_serve.engine.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
-from tests.peft_adapters import make_adapter, merged_greedy, smollm_hf_dir
+from tests.peft_adapters import make_adapter, merged_greedy
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain."]
 N = 12
@@ -35,15 +35,10 @@ ADAPTERS = {
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory, smollm) -> Path:
-    return smollm_hf_dir(smollm, tmp_path_factory.mktemp("lora-base") / "smollm2")
-
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory, hf_dir) -> dict[str, Path]:
+def adapters(tmp_path_factory, smollm_hf) -> dict[str, Path]:
     """PEFT adapters with non-zero B (a random LoRA is not a no-op), saved as PEFT saves them."""
     return {
-        name: make_adapter(hf_dir, tmp_path_factory.mktemp("lora") / name, r, alpha, targets, 100 + i,
+        name: make_adapter(smollm_hf, tmp_path_factory.mktemp("lora") / name, r, alpha, targets, 100 + i,
                            rslora, b_scale=0.1 if rslora else 0.5)
         for i, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items())
     }  # fmt: skip
@@ -56,9 +51,9 @@ def prompts(smollm) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(hf_dir, adapters, prompts) -> dict[str | None, list[list[int]]]:
-    ref = {name: merged_greedy(hf_dir, path, prompts, N) for name, path in adapters.items()}
-    ref[None] = merged_greedy(hf_dir, None, prompts, N)
+def reference(smollm_hf, adapters, prompts) -> dict[str | None, list[list[int]]]:
+    ref = {name: merged_greedy(smollm_hf, path, prompts, N) for name, path in adapters.items()}
+    ref[None] = merged_greedy(smollm_hf, None, prompts, N)
     return ref
 
 

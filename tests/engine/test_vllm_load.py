@@ -19,8 +19,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from tests.api.test_vllm_server import VLLM_PYTHON
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,20 +79,11 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from prism_serve.engine.weights import load_weights, save_hf_dir
-
-    path = tmp_path_factory.mktemp("smol-hf") / "smollm2-135m"
-    save_hf_dir(load_weights("smollm2-135m-instruct"), path)
-    return path
-
-
-def test_a_checked_plan_loads_what_vllms_reload_loads_and_a_wrong_one_is_refused(hf_dir: Path) -> None:
+def test_a_checked_plan_loads_what_vllms_reload_loads_and_a_wrong_one_is_refused(smollm_hf: Path) -> None:
     assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: run scripts/vllm-server-env.sh"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(
-        [str(VLLM_PYTHON), "-c", SCRIPT, str(hf_dir)], env=env, capture_output=True, text=True, timeout=600
+        [str(VLLM_PYTHON), "-c", SCRIPT, str(smollm_hf)], env=env, capture_output=True, text=True, timeout=600
     )
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]

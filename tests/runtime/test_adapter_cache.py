@@ -14,12 +14,11 @@ import torch
 from prism_serve.engine.lora import LoraSlots, read_adapter
 from prism_serve.runtime.adapters import MappedAdapters
 from prism_serve.runtime.weight_cache import HostWeightCache
-from tests.peft_adapters import make_adapter, smollm_hf_dir
+from tests.peft_adapters import make_adapter
 
 
-def test_the_mapped_file_holds_the_checked_weights_and_goes_with_the_adapter(smollm, tmp_path):
-    base = smollm_hf_dir(smollm, tmp_path / "smollm2")
-    path = make_adapter(base, tmp_path / "mixed", 8, 16, ["q_proj", "down_proj"], seed=4)
+def test_the_mapped_file_holds_the_checked_weights_and_goes_with_the_adapter(smollm, smollm_hf, tmp_path):
+    path = make_adapter(smollm_hf, tmp_path / "mixed", 8, 16, ["q_proj", "down_proj"], seed=4)
     config = smollm.config
     read = read_adapter(path, config, 16, "mixed")
     with HostWeightCache(f"adaptertest-{os.getpid()}", tmp_path) as cache:
