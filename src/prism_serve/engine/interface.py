@@ -77,6 +77,11 @@ class WorkerKV(Protocol):
     @property
     def num_used_blocks(self) -> int: ...
 
+    @property
+    def held_bytes(self) -> int:
+        """What it holds in its device's ledger now (the worker reports it as the model's KV):
+        the pages it has mapped, or a fixed pool's whole grant, mapped yet or not."""
+
     def shrink_buffer(self) -> int:
         """The engine is idle: give back what it keeps mapped ahead; returns the bytes."""
 

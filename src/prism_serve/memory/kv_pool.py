@@ -232,6 +232,11 @@ class ElasticKVPool:
     def num_used_blocks(self) -> int:
         return self._num_used
 
+    @property
+    def held_bytes(self) -> int:
+        """What it holds in the ledger: the pages mapped now (blocks in use, ready ones, spares)."""
+        return self.vrange.mapped_bytes
+
     def allocate(self, num_blocks: int) -> list[int] | None:
         if num_blocks < 0:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
@@ -660,7 +665,7 @@ class FixedKVPool:
         return self.num_total_blocks - self.num_free_blocks
 
     @property
-    def granted_bytes(self) -> int:
+    def held_bytes(self) -> int:
         """What it holds in the ledger: all of its pages, mapped yet or not."""
         return self._granted
 

@@ -101,6 +101,11 @@ class VllmMemory:
     def num_used_blocks(self) -> int:
         return self.engine.num_used_blocks
 
+    @property
+    def held_bytes(self) -> int:
+        """The KV pages mapped now (the weights are reported on their own)."""
+        return self.slot.kv_range.mapped_bytes
+
     def shrink_buffer(self) -> int:
         """Idle: keep only the null block's pages; returns the bytes given back."""
         before = self.engine.kv.mapped_bytes

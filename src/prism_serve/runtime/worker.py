@@ -41,7 +41,6 @@ from prism_serve.engine.step_trace import StepRecord, StepTrace
 from prism_serve.engine.tensor_parallel import follow
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError, WorkerDiedError
-from prism_serve.memory.kv_pool import FixedKVPool
 from prism_serve.memory.ledger import Account, DeviceLedger
 from prism_serve.memory.spare import SparePages, spare_entry
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, reserve
@@ -365,13 +364,11 @@ class Worker:
 
     def _stats(self, a: _Active) -> msg.EngineStats:
         used = a.pool.num_used_blocks * a.pool.block_bytes
-        # a fixed pool (tensor parallel) holds all of its blocks, mapped yet or not
-        fixed = isinstance(a.pool, FixedKVPool)
         return msg.EngineStats(
             num_running=a.engine.num_running,
             num_waiting=a.engine.num_waiting,
             used_kv_bytes=used,
-            mapped_kv_bytes=a.pool.granted_bytes if fixed else self.kv_range.mapped_bytes,
+            mapped_kv_bytes=a.pool.held_bytes,
             weight_bytes=a.weight_bytes,
             prefill_tokens_per_s=a.prefill_tokens_per_s,
             step_seconds=a.step_seconds,
