@@ -3,7 +3,10 @@ copies and the model rebuilt over cache bytes."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -218,6 +221,49 @@ def test_files_of_dead_controllers_are_removed(tmp_path: Path) -> None:
     mine.write_bytes(b"x")
     with HostWeightCache(namespace="unit", directory=tmp_path):
         assert not stale.exists() and mine.exists()
+
+
+FULL_SCRIPT = """
+import json, os, resource, signal, sys
+import torch
+from prism_serve.engine.config import EngineConfig
+from prism_serve.engine.lora import LoraAdapter
+from prism_serve.runtime.models import ModelSpec
+from prism_serve.runtime.weight_cache import HostWeightCache
+folder = sys.argv[1]
+# no file may grow past 8 MiB (as a full /dev/shm refuses memory): the process gets EFBIG, not SIGXFSZ
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))
+out = {}
+with HostWeightCache("full", folder) as cache:
+    try:
+        cache.load(ModelSpec("big", source="random:smollm2-135m", engine=EngineConfig(dtype="float32")))
+    except Exception as e:
+        out["error"] = [type(e).__name__, getattr(e, "status_code", None), str(e)]
+    out["after_error"] = sorted(os.listdir(folder))
+    small = LoraAdapter("x", "/x", 1, ("q_proj",), {(0, "q_proj"): (torch.ones(1, 4), torch.ones(4, 1))})
+    out["still_writes"] = os.path.exists(cache.write_adapter(small).cache_path)
+out["after_close"] = sorted(os.listdir(folder))
+print(json.dumps(out))
+"""
+
+
+def test_a_cache_directory_without_room_is_a_named_error_not_a_dead_process(tmp_path: Path) -> None:
+    """A model whose cache file does not fit (a full /dev/shm) fails with HostCacheFullError (503)
+    and leaves no file; the cache goes on writing what fits. The file's memory is taken when it is
+    created: a copy through the mapping into memory the filesystem cannot give would kill the
+    process with SIGBUS instead."""
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    name, status, text = out["error"]
+    assert (name, status) == ("HostCacheFullError", 503)
+    assert str(tmp_path) in text and "MiB cache file" in text
+    assert out["after_error"] == []  # the failed file went
+    assert out["still_writes"] is True
+    assert out["after_close"] == []
 
 
 def test_a_cache_file_is_prefaulted_piece_by_piece_and_reads_the_same(cache: HostWeightCache) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -39,7 +40,9 @@ from prism_serve.engine.models.config import ArchConfig, RopeScaling
 from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.tensor_parallel import shard_plan, shard_weights
 from prism_serve.engine.weights import load_checkpoint, load_weights
+from prism_serve.errors import PrismError
 from prism_serve.memory.ledger import default_namespace
+from prism_serve.memory.vmm import format_size
 from prism_serve.runtime.messages import AdapterFile, CacheFile, LoraEntry, Prepare, TensorEntry
 from prism_serve.runtime.models import ModelSpec
 
@@ -55,6 +58,14 @@ PREPARE_TOKENIZER_BYTES = 64 * 2**20
 PREFAULT_CHUNK_BYTES = 256 * 2**20
 _MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range's page tables in now (mmap lacks the name)
 _FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json|\.lora|\.tp|\.tp\.ar)?$")
+
+
+class HostCacheFullError(PrismError):
+    """The host weight cache's directory (``/dev/shm``) has no room for a model's or an adapter's
+    file; nothing of it was kept, and the models already cached are untouched."""
+
+    status_code = 503
+    error_type = "service_unavailable"
 
 
 def _align(n: int) -> int:
@@ -262,10 +273,17 @@ class HostWeightCache:
             path = self.directory / f"prism-weights-{self.namespace}-{os.getpid()}-{self._counter}{suffix}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
-        except BaseException:
+            # the file's memory is taken now, not page by page as the copy through the mapping
+            # first writes it: a full /dev/shm is then this error, where a write through the
+            # mapping would have killed the process with SIGBUS
+            os.posix_fallocate(fd, 0, size)
+        except BaseException as e:
             os.close(fd)
             path.unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise HostCacheFullError(
+                    f"no room in {self.directory} for a {format_size(size)} cache file: {e.strerror}"
+                ) from None
             raise
         return str(path), fd
 
