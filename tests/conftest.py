@@ -81,17 +81,27 @@ def traces() -> TraceSet:
 def local_ray_cluster() -> Iterator[Any]:
     """A real two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head node and a
     second node as separate raylets, one CPU each), shut down after, this process's Ray driver
-    first. Ray's head node, started in this process, installs a SIGTERM handler that exits with
-    status 1 after killing its processes; the test process keeps its own handlers."""
+    first. Every node Ray starts from this process (the head, the second, any a test adds)
+    installs a SIGTERM handler that exits with status 1 after killing its processes; the test
+    process keeps its own handlers."""
     import ray
     from ray.cluster_utils import Cluster
 
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    def keeping_handlers(start):
+        def call(*args, **kwargs):
+            handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+            try:
+                return start(*args, **kwargs)
+            finally:
+                for s, h in handlers.items():
+                    signal.signal(s, h)
+
+        return call
+
+    cluster = keeping_handlers(Cluster)(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    cluster.add_node = keeping_handlers(cluster.add_node)
     try:
         cluster.second = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
