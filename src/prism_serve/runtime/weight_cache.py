@@ -9,7 +9,9 @@ same offsets, then builds the model over views of those pages. The tokenizer tra
 next to it, one file per distinct tokenizer (fine-tunes of one base share it, and a worker parses it
 once for all of them). A LoRA adapter's checked weights are a ``.lora`` file of their own
 (``write_adapter``), which workers map read-only and copy into an adapter slot at its first use.
-Files of controllers that died are removed when the next cache opens.
+Files of controllers that died are removed when the next cache opens. A file takes all of its
+memory when it is created, so a /dev/shm without room is ``HostCacheFullError`` and never a SIGBUS
+in the middle of the copy.
 """
 
 from __future__ import annotations
