@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,14 +86,12 @@ def local_ray_cluster() -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
+    from prism_serve.runtime.cluster import keep_signal_handlers
+
     def keeping_handlers(start):
         def call(*args, **kwargs):
-            handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-            try:
+            with keep_signal_handlers():
                 return start(*args, **kwargs)
-            finally:
-                for s, h in handlers.items():
-                    signal.signal(s, h)
 
         return call
 

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,6 +236,20 @@ class Node:
     warned_niceness: bool = False
 
 
+@contextlib.contextmanager
+def keep_signal_handlers() -> Iterator[None]:
+    """This process's SIGTERM and SIGINT handlers, as they were, after the block: Ray installs its
+    own when it starts a driver or a node here. Only the main thread can set handlers; elsewhere
+    there are none to restore."""
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
 OnNodeAdded = Callable[[Node], Awaitable[None] | None]
 OnNodeLost = Callable[[Node, str], None]
 
@@ -282,15 +296,11 @@ class RayNodes:
         if not ray.is_initialized():
             # Ray's driver takes SIGTERM and SIGINT (exit with status 15 at once); the server's own
             # handlers stay, so a SIGTERM still shuts the server down gracefully
-            main = threading.current_thread() is threading.main_thread()
-            handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
             try:
-                ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
+                with keep_signal_handlers():
+                    ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
             except Exception as e:  # ConnectionError, or Ray's own for a bad address
                 raise ClusterError(f"cannot join the Ray cluster at {self.address!r}: {e}") from None
-            finally:
-                for s, h in handlers.items():
-                    signal.signal(s, h)
             self._inited = True
         self._ip = ray.util.get_node_ip_address()
         for ray_id in self._alive_nodes():
