@@ -147,6 +147,11 @@ class ModelConfig(_Strict):
     max_num_seqs: int = Field(ENGINE_DEFAULTS.max_num_seqs, ge=1)
     max_num_batched_tokens: int = Field(ENGINE_DEFAULTS.max_num_batched_tokens, ge=16)
     block_size: int = Field(ENGINE_DEFAULTS.block_size, ge=1)
+    prefix_caching: bool = Field(
+        ENGINE_DEFAULTS.prefix_caching,
+        description="keep full KV blocks after their requests and reuse them for prompts that start "
+        "the same (cached blocks are the first memory given back)",
+    )
     kv_limit: Size | None = None
     seed: int = Field(ENGINE_DEFAULTS.seed, ge=0, description="synthetic weights")
     tool_parser: Literal["hermes", "llama3_json", "mistral", "json"] | None = Field(
@@ -245,6 +250,7 @@ class ModelConfig(_Strict):
             seed=self.seed,
             max_loras=max_loras,
             max_lora_rank=self.max_lora_rank,
+            prefix_caching=self.prefix_caching,
         )
 
 

@@ -65,6 +65,7 @@ def test_preemption_under_tiny_block_budget_keeps_outputs(make_engine, prompts, 
     outs = generate(engine, prompts)
     assert [o.token_ids for o in outs] == alone
     assert sum(o.metrics.num_preemptions for o in outs) > 0
+    engine.drop_cached()  # prefix-cached blocks no request holds: nothing else may be left
     assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
 
 

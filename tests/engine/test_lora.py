@@ -169,3 +169,25 @@ def test_a_rank_zero_adapter_or_a_bad_pattern_is_named_not_a_crash(tmp_path, smo
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "alpha_pattern": {"([": 3}}))
     with pytest.raises(InvalidAdapterError, match="needs A"):
         read_adapter(tmp_path, smollm.config, max_rank=16)
+
+
+def test_an_adapter_never_reuses_the_bases_cached_blocks(make_engine, adapters, prompts, reference):
+    """The prefix cache keys blocks by adapter: the base's cached prompt is a miss for an adapter
+    (its KV differs), the adapter's own is a hit, and both give the merged model's tokens."""
+    engine = make_engine(max_loras=2, max_lora_rank=64, block_size=4)
+    name = "qv-r8"
+    engine.add_lora(adapters[name], name)
+    greedy = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    runs = [None, name, name, None]
+    got = []
+    for adapter in runs:
+        rid = engine.add_request(prompts[0], greedy, adapter=adapter)
+        got.append(run_to_completion(engine)[rid])
+    assert [o.num_cached_tokens > 0 for o in got] == [False, False, True, True]
+    for adapter, out in zip(runs, got, strict=True):
+        assert out.token_ids == reference[adapter][0], adapter
+    # re-registered under the same name: another adapter as far as the cache knows
+    engine.remove_lora(name)
+    engine.add_lora(adapters[name], name)
+    rid = engine.add_request(prompts[0], greedy, adapter=name)
+    assert run_to_completion(engine)[rid].num_cached_tokens == 0

@@ -104,6 +104,9 @@ def live_engine(tiny: Tiny, lim: Limits, *, real_model: bool = False) -> LLMEngi
         num_kv_blocks=lim.num_blocks,
         max_model_len=TINY.max_position_embeddings,  # so max_seq_len is the whole KV cache
         dtype="float32",  # the tiny model's (auto is bfloat16 on a CPU with native bf16 matmuls)
+        # the prompts here are all one token, and SimEngine below gets no block keys: compared
+        # without prefix caching (tests/sim/test_prefix_cache.py covers the simulated cache)
+        prefix_caching=False,
     )
     engine = LLMEngine(config, weights=tiny.weights, model=tiny.model)
     if not real_model:

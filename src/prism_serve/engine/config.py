@@ -58,6 +58,8 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     device: str = "cpu"  # where the engine computes: cpu, or cuda / cuda:N (a GPU; bf16 under dtype auto)
     max_loras: int = 0  # LoRA adapter slots beside the weights (engine/lora.py); 0: no adapters
     max_lora_rank: int = 16  # the largest adapter rank the slots hold
+    # automatic prefix caching (engine/prefix_cache.py): full KV blocks kept and shared by content
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -24,6 +25,7 @@ from prism_serve.engine.lora import (
 from prism_serve.engine.machine import keep_freed_buffers, resolve_dtype
 from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.models.llama import LlamaForCausalLM
+from prism_serve.engine.prefix_cache import PrefixCache
 from prism_serve.engine.runner import ModelRunner
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.scheduler import Scheduler, SchedulerOutput
@@ -128,9 +130,13 @@ class LLMEngine(RequestCounts):
                 weights.config, config.max_loras, config.max_lora_rank, dtype, device, lora_storage
             )
             self.adapters = AdapterSlots(slots)
+        # prefix caching: full blocks kept by content after their requests end (engine/prefix_cache.py)
+        self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.prefix_caching else None
+        self._adapter_salts: dict[str, bytes] = {}  # each registration's own: a re-registered name misses
+        self._registrations = itertools.count()
         self.scheduler = Scheduler(
             self.allocator, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
-            self.adapters,
+            self.adapters, self.prefix_cache,
         )  # fmt: skip
         self.runner = ModelRunner(
             self.model,
@@ -181,8 +187,13 @@ class LLMEngine(RequestCounts):
         adapter = read_adapter(path, self.model_config, self.config.max_lora_rank, name)
         if adapter.name in self.adapters.adapters:
             raise InvalidAdapterError(f"adapter {adapter.name!r} is already registered")
-        self.adapters.register(adapter)
+        self._register(adapter)
         return adapter
+
+    def _register(self, adapter: LoraAdapter) -> None:
+        self.adapters.register(adapter)
+        salt = f"{adapter.name}\0{next(self._registrations)}".encode()
+        self._adapter_salts[adapter.name] = hashlib.blake2b(salt, digest_size=16).digest()
 
     def register_adapter(self, name: str, path: str, load: Callable[[ArchConfig, int], LoraAdapter]) -> None:
         """The worker's registration (engine/interface.py): ``load`` gives the weights (views of
@@ -192,13 +203,14 @@ class LLMEngine(RequestCounts):
         adapter = load(self.model_config, self.config.max_lora_rank)
         if adapter.name != name:
             raise InvalidAdapterError(f"adapter {name!r}: its weights are registered as {adapter.name!r}")
-        self.adapters.register(adapter)
+        self._register(adapter)
 
     def remove_lora(self, name: str, force: bool = False) -> list[str]:
         """Forget adapter ``name``. Its requests must have finished (AdapterInUseError), unless
         ``force``: then they are aborted (their ids returned)."""
         users = self._end_adapter_requests(name, force)
         self.adapters.unregister(name)
+        self._adapter_salts.pop(name, None)
         return users
 
     def make_sequence(
@@ -246,6 +258,7 @@ class LLMEngine(RequestCounts):
             generator=generator,
             matcher=matcher,
             adapter=adapter,
+            cache_salt=b"" if adapter is None else self._adapter_salts[adapter],
         )
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -278,6 +291,22 @@ class LLMEngine(RequestCounts):
             self.abort_request(req_id)
         return ids
 
+    # ---- the prefix cache ---------------------------------------------------------------------
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """KV blocks the prefix cache keeps that no request holds: reclaimable memory."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.num_evictable_blocks
+
+    def cached_blocks(self) -> list[int]:
+        """Those blocks' ids, least recently used first."""
+        return [] if self.prefix_cache is None else self.prefix_cache.evictable_blocks()
+
+    def drop_cached(self, num_blocks: int | None = None) -> int:
+        """Give up to ``num_blocks`` (None: all) of them back to the allocator, least recently used
+        first (the device needs the memory); returns how many went."""
+        return 0 if self.prefix_cache is None else len(self.prefix_cache.drop(num_blocks))
+
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -307,6 +336,7 @@ class LLMEngine(RequestCounts):
         for s, token in zip(sched.scheduled, sampled, strict=True):
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
+            self.scheduler.cache_computed(seq)
             if token is None:
                 continue
             seq.token_ids.append(token)
@@ -374,6 +404,7 @@ class LLMEngine(RequestCounts):
             metrics=seq.metrics,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
 

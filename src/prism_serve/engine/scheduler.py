@@ -4,6 +4,12 @@ Every step: running requests first (one token per decode, the next chunk for a p
 progress), then waiting requests while the token budget, the sequence cap and KV blocks last.
 When a running request needs a block and none is free, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the queue, to be recomputed later.
+
+With a ``PrefixCache`` (engine/prefix_cache.py) blocks come from it instead of the allocator: a
+request starting from nothing first takes the longest run of cached blocks its prompt's leading
+full blocks name (unless it asks for prompt logprobs, which need every prompt position computed),
+and ``cache_computed`` registers each block once the model has computed all of its tokens. A
+preempted request's blocks stay cached, so its recompute is mostly hits.
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prism_serve.engine.kv_cache import BlockAllocator
+from prism_serve.engine.prefix_cache import block_keys
 from prism_serve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from prism_serve.engine.lora import AdapterSlots
+    from prism_serve.engine.prefix_cache import PrefixCache
 
 
 @dataclass(slots=True)
@@ -43,9 +51,11 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-        adapters: AdapterSlots | None = None,
+        adapters: AdapterSlots | None = None, cache: PrefixCache | None = None,
     ) -> None:  # fmt: skip
         self.allocator = allocator
+        self.cache = cache  # prefix caching: blocks come from it (it sits on the allocator)
+        self.blocks: BlockAllocator | PrefixCache = cache if cache is not None else allocator
         self.adapters = adapters  # LoRA slots: a request runs once its adapter has one
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -89,10 +99,11 @@ class Scheduler:
             if self.adapters is not None and not self.adapters.acquire(seq):
                 held.append(self.waiting.popleft())
                 continue
+            self._match(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._grow(seq, seq.num_computed_tokens + n):
-                if self.adapters is not None:
-                    self.adapters.release(seq)
+                self._release(seq)
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -111,11 +122,34 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def cache_computed(self, seq: Sequence) -> None:
+        """Register the request's blocks whose tokens the model has now all computed."""
+        if self.cache is None:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        keys = block_keys(
+            seq.token_ids[: full * self.block_size], self.block_size, seq.cache_salt, seq.block_keys
+        )
+        seq.num_registered_blocks = self.cache.register(keys, seq.block_table, seq.num_registered_blocks, full)
+
+    def _match(self, seq: Sequence) -> None:
+        """A request starting from nothing takes the cached blocks of its longest cached prefix."""
+        if self.cache is None or seq.block_table or seq.params.prompt_logprobs is not None:
+            return
+        keys = block_keys(seq.token_ids, self.block_size, seq.cache_salt, seq.block_keys)
+        seq.block_table = self.cache.match(keys, seq.num_tokens)
+        seq.num_registered_blocks = len(seq.block_table)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        if seq.metrics.first_scheduled_time is None:  # the first admission: what usage reports
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         need = -(-num_tokens // self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
-        blocks = self.allocator.allocate(need)
+        blocks = self.blocks.allocate(need)
         if blocks is None:
             return False
         seq.block_table.extend(blocks)
@@ -132,5 +166,6 @@ class Scheduler:
         if self.adapters is not None:
             self.adapters.release(seq)
         if seq.block_table:
-            self.allocator.free(seq.block_table)
+            self.blocks.free(seq.block_table)
             seq.block_table = []
+        seq.num_registered_blocks = 0

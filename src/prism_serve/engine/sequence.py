@@ -78,6 +78,13 @@ class Sequence:
     matcher: llguidance.LLMatcher | None = None  # structured output: which tokens may come next
     adapter: str | None = None  # the LoRA adapter it runs with (engine/lora.py), None: the base
     lora_slot: int | None = None  # the adapter's slot while the request holds one
+    # prefix caching (engine/prefix_cache.py): what else its KV depends on (the adapter), its full
+    # blocks' keys so far, how many of its blocks are registered, and the prompt tokens its first
+    # admission found cached (usage's cached_tokens)
+    cache_salt: bytes = b""
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -135,6 +142,7 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,170 @@
+"""Automatic prefix caching: full KV blocks addressed by their content, shared and kept after use.
+
+Integer block ids only (no torch), like the allocator it sits on, so it is tested without a model.
+
+A full block's key is a hash chained over the previous block's key and the block's token ids; the
+first block's chain starts from a salt naming what else changes the KV (the LoRA adapter's
+registration: a base block and an adapter block never match, nor two registrations of one name).
+A key therefore names a whole prefix, not one block's tokens. Blocks are registered under their
+key once the model has computed every token in them; a new request takes the longest run of
+registered blocks its own keys name (``match``) and the engine prefills only what follows.
+
+Blocks are reference-counted: a registered block may be in several running requests' block
+tables at once, read-only (a request only ever writes positions past what it matched, which lie
+in blocks of its own). When the last holder frees a registered block it stays registered, unheld,
+in least-recently-used order; those blocks are the first memory given up: ``allocate`` takes them
+(oldest first) when the allocator below refuses, and ``drop`` hands them back to the allocator
+when the device needs the memory elsewhere. A block is unregistered before it is handed out for
+other content, so a key can never name a block that was rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prism_serve.engine.kv_cache import BlockAllocator
+
+__all__ = ["CacheStats", "PrefixCache", "block_keys"]
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, salt: bytes, keys: list[bytes]) -> list[bytes]:
+    """Extend ``keys`` (the keys of the first ``len(keys)`` full blocks of ``token_ids``) to every
+    full block of ``token_ids``; returns ``keys``. A key is 16 bytes of BLAKE2b over the previous
+    key (``salt`` for the first block) and the block's token ids."""
+    for i in range(len(keys), len(token_ids) // block_size):
+        parent = keys[i - 1] if i else salt
+        tokens = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
+        keys.append(hashlib.blake2b(tokens, digest_size=16, key=parent[:64]).digest())
+    return keys
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    queries: int  # prompt tokens looked up
+    hits: int  # of those, tokens found cached
+    cached_blocks: int  # registered blocks (held or not)
+    evictable_blocks: int  # registered blocks no request holds: reclaimable
+    evictions: int  # registered blocks given up (reused for other content or dropped)
+
+
+class PrefixCache:
+    """The engine's block source when prefix caching is on: ``allocator``'s blocks plus the
+    registered blocks no request holds, which it gives up least recently used first."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self._block_of: dict[bytes, int] = {}  # key -> registered block
+        self._key_of: dict[int, bytes] = {}  # registered block -> its key
+        self._refs: dict[int, int] = {}  # registered block -> requests holding it (0: evictable)
+        self._lru: dict[int, None] = {}  # registered blocks nobody holds, least recently used first
+        self._queries = self._hits = self._evictions = 0
+
+    # ---- blocks ----------------------------------------------------------------------------------
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no request holds: memory that is given up before anything is refused."""
+        return len(self._lru)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks + len(self._lru)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """``num_blocks`` blocks for new content: from the allocator while it grants them, then
+        the least recently used cached blocks. None (nothing taken) if even those are too few."""
+        got = self.allocator.allocate(num_blocks)
+        if got is not None or not self._lru:
+            return got
+        # only what the allocator cannot grant comes from the cache (all of it if that changed)
+        reuse = min(len(self._lru), num_blocks - min(num_blocks, self.allocator.num_free_blocks))
+        rest = self.allocator.allocate(num_blocks - reuse) if num_blocks > reuse else []
+        if rest is None and reuse < len(self._lru) and reuse < num_blocks:
+            reuse = min(num_blocks, len(self._lru))
+            rest = self.allocator.allocate(num_blocks - reuse) if num_blocks > reuse else []
+        if rest is None:
+            return None
+        return [self._evict_oldest() for _ in range(reuse)] + rest
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """A request lets go of its blocks (in table order). Registered ones stay cached, its last
+        blocks ahead of its first in the eviction order (a prefix outlives its continuations);
+        the others go back to the allocator."""
+        private = []
+        for b in reversed(block_ids):
+            refs = self._refs.get(b)
+            if refs is None:
+                private.append(b)
+            elif refs == 1:
+                self._refs[b] = 0
+                self._lru[b] = None
+            elif refs > 1:
+                self._refs[b] = refs - 1
+            else:
+                raise RuntimeError(f"cached block {b} freed but not held (double free)")
+        if private:
+            self.allocator.free(private[::-1])
+
+    def drop(self, num_blocks: int | None = None) -> list[int]:
+        """Give up to ``num_blocks`` (None: all) unheld cached blocks back to the allocator, least
+        recently used first; returns their ids (for the caller to see what memory it frees)."""
+        n = len(self._lru) if num_blocks is None else min(num_blocks, len(self._lru))
+        dropped = [self._evict_oldest() for _ in range(n)]
+        if dropped:
+            self.allocator.free(dropped)
+        return dropped
+
+    def evictable_blocks(self) -> list[int]:
+        """The unheld cached blocks, least recently used first."""
+        return list(self._lru)
+
+    # ---- content -------------------------------------------------------------------------------
+
+    def match(self, keys: Sequence[bytes], num_prompt_tokens: int) -> list[int]:
+        """Take the registered blocks of the longest run of ``keys`` (a request's leading full
+        blocks) for a request of ``num_prompt_tokens``: at most ``num_prompt_tokens - 1`` tokens,
+        so that its last token is computed and gives the next token's logits. The caller holds
+        them until it ``free``s them."""
+        limit = min(len(keys), (num_prompt_tokens - 1) // self.block_size)
+        found: list[int] = []
+        for key in keys[:limit]:
+            b = self._block_of.get(key)
+            if b is None:
+                break
+            found.append(b)
+        for b in found:
+            if self._refs[b] == 0:
+                del self._lru[b]
+            self._refs[b] += 1
+        self._queries += num_prompt_tokens
+        self._hits += len(found) * self.block_size
+        return found
+
+    def register(self, keys: Sequence[bytes], block_table: Sequence[int], start: int, end: int) -> int:
+        """Register blocks ``start..end-1`` of a request (computed in full; ``keys`` the request's
+        block keys, at least ``end`` of them) and return ``end``, the next call's ``start``. A key
+        another block holds already leaves this one private (two requests computed the same
+        prefix at once): it is freed to the allocator with its request."""
+        for i in range(start, end):
+            b = block_table[i]
+            if b in self._refs or keys[i] in self._block_of:
+                continue  # matched from the cache (already registered), or a duplicate
+            self._block_of[keys[i]] = b
+            self._key_of[b] = keys[i]
+            self._refs[b] = 1
+        return end
+
+    def stats(self) -> CacheStats:
+        return CacheStats(self._queries, self._hits, len(self._key_of), len(self._lru), self._evictions)
+
+    def _evict_oldest(self) -> int:
+        b = next(iter(self._lru))
+        del self._lru[b]
+        del self._refs[b]
+        del self._block_of[self._key_of.pop(b)]
+        self._evictions += 1
+        return b

@@ -1,0 +1,341 @@
+"""Prefix caching. On block ids alone: matching, sharing, LRU reuse, and that a rewritten block is
+never served for its old content (hypothesis drives random interleavings against a model of it).
+In the engine with the real SmolLM2 (fp32): interleaved requests over shared prefixes, with aborts,
+n > 1 and preemptions, give the tokens and logprobs of an engine without the cache."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prism_serve.engine.prefix_cache import PrefixCache, block_keys
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.sequence import RequestOutput
+from prism_serve.memory.blocks import FixedBlockAllocator
+from tests.conftest import run_to_completion
+
+BS = 4
+
+
+def keys_of(tokens: list[int], salt: bytes = b"") -> list[bytes]:
+    return block_keys(tokens, BS, salt, [])
+
+
+def test_keys_chain_over_the_prefix_and_the_salt() -> None:
+    a = keys_of([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert len(a) == 2  # full blocks only
+    b = keys_of([0, 2, 3, 4, 5, 6, 7, 8])
+    assert a[1] != b[1]  # same second block after a different first: another prefix
+    assert keys_of([1, 2, 3, 4, 5, 6, 7, 8]) == a
+    assert keys_of([1, 2, 3, 4], salt=b"adapter") != a[:1]
+    # extending keeps what was there and adds the new full blocks
+    part = keys_of([1, 2, 3, 4])
+    assert block_keys([1, 2, 3, 4, 5, 6, 7, 8], BS, b"", part) == a
+
+
+def test_match_takes_the_longest_registered_run_and_leaves_the_last_token() -> None:
+    cache = PrefixCache(FixedBlockAllocator(8), BS)
+    tokens = list(range(12))
+    table = cache.allocate(3)
+    assert table is not None
+    cache.register(keys_of(tokens), table, 0, len(table))
+    # the same 12 tokens: at most 11 may come from the cache, so two blocks
+    assert cache.match(keys_of(tokens), len(tokens)) == table[:2]
+    # 13 tokens sharing all three blocks: three
+    longer = [*tokens, 99]
+    assert cache.match(keys_of(longer), len(longer)) == table
+    # a prompt that differs in its second block takes the first only
+    other = [*tokens[:4], 50, 51, 52, 53, *tokens[8:], 1]
+    assert cache.match(keys_of(other), len(other)) == table[:1]
+    assert cache.stats().hits == (2 + 3 + 1) * BS
+
+
+def test_registered_blocks_outlive_their_request_least_recent_first() -> None:
+    alloc = FixedBlockAllocator(4)
+    cache = PrefixCache(alloc, BS)
+    a, b = list(range(8)), list(range(100, 108))
+    ta, tb = cache.allocate(2), cache.allocate(2)
+    cache.register(keys_of(a), ta, 0, len(ta))
+    cache.register(keys_of(b), tb, 0, len(tb))
+    cache.free(ta)
+    cache.free(tb)
+    assert alloc.num_free_blocks == 0 and cache.num_evictable_blocks == 4
+    # the allocator is empty: new content takes the oldest unheld block, a's last block first
+    got = cache.allocate(1)
+    assert got == [ta[1]]
+    cache.free(got)
+    assert alloc.num_free_blocks == 1  # never registered: straight back to the allocator
+    assert cache.match(keys_of([*a, 0]), 9) == ta[:1]  # a's first block is still there
+    cache.free(ta[:1])
+    # two more: one from the allocator, one cached block (the oldest now: b's last), no more
+    got = cache.allocate(2)
+    assert sorted(got) == sorted([ta[1], tb[1]]) and cache.num_evictable_blocks == 2
+    assert cache.match(keys_of([*b, 0]), 9) == tb[:1]
+
+
+def test_shared_blocks_are_counted_and_never_freed_while_held() -> None:
+    alloc = FixedBlockAllocator(4)
+    cache = PrefixCache(alloc, BS)
+    tokens = list(range(9))
+    table = cache.allocate(2)
+    cache.register(keys_of(tokens), table, 0, len(table))
+    held = cache.match(keys_of(tokens), len(tokens))
+    assert held == table
+    cache.free(table)  # the first holder ends: the second still reads them
+    assert cache.num_evictable_blocks == 0
+    assert cache.allocate(3) is None  # 2 free in the allocator, nothing evictable
+    cache.free(held)
+    assert cache.num_evictable_blocks == 2
+    assert sorted(cache.allocate(4)) == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError):
+        cache.free([5])  # foreign
+
+
+def test_drop_gives_unheld_blocks_back_to_the_allocator() -> None:
+    alloc = FixedBlockAllocator(4)
+    cache = PrefixCache(alloc, BS)
+    table = cache.allocate(3)
+    cache.register(keys_of(list(range(12))), table, 0, len(table))
+    cache.free(table)
+    assert alloc.num_free_blocks == 1
+    assert cache.drop(2) == [table[2], table[1]]
+    assert alloc.num_free_blocks == 3 and cache.num_evictable_blocks == 1
+    assert cache.match(keys_of(list(range(12))), 12) == table[:1]
+
+
+def test_a_duplicate_block_stays_private() -> None:
+    alloc = FixedBlockAllocator(4)
+    cache = PrefixCache(alloc, BS)
+    tokens = list(range(4))
+    t1, t2 = cache.allocate(1), cache.allocate(1)  # two requests computed the same block at once
+    cache.register(keys_of(tokens), t1, 0, len(t1))
+    cache.register(keys_of(tokens), t2, 0, len(t2))
+    cache.free(t2)
+    assert alloc.num_free_blocks == 3  # the duplicate went back
+    cache.free(t1)
+    assert cache.num_evictable_blocks == 1
+
+
+# ---- random interleavings against a model --------------------------------------------------------
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("start"), st.integers(0, 3), st.integers(1, 14)),  # prefix id, length
+        st.tuples(st.just("grow"), st.integers(0, 7), st.integers(1, 6)),
+        st.tuples(st.just("end"), st.integers(0, 7), st.just(0)),
+        st.tuples(st.just("drop"), st.integers(0, 3), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_random_interleavings_never_serve_stale_or_shared_writes(script) -> None:
+    """Requests start (matching what is cached), grow (writing new tokens into blocks of their
+    own), end (freeing) and the device asks for memory back (drop), in any order. A fake KV records
+    what each block holds: every block a request matches must hold exactly the tokens it hashed,
+    no block is written while another request holds it, and every block is accounted for once."""
+    num_blocks = 10
+    alloc = FixedBlockAllocator(num_blocks)
+    cache = PrefixCache(alloc, BS)
+    kv: dict[int, tuple[int, ...]] = {}  # block -> the tokens written into it
+    live: list[dict] = []  # each: tokens, table, computed, registered
+    prefixes = [[p * 1000 + i for i in range(20)] for p in range(4)]
+
+    def write(req: dict, upto: int) -> bool:
+        need = -(-upto // BS) - len(req["table"])
+        if need > 0:
+            got = cache.allocate(need)
+            if got is None:
+                return False
+            for b in got:  # handed out for new content: nobody may hold it
+                assert all(b not in r["table"] for r in live)
+                kv[b] = ()
+            req["table"].extend(got)
+        for pos in range(req["computed"], upto):
+            b = req["table"][pos // BS]
+            assert kv[b] == tuple(req["tokens"][pos - pos % BS : pos]), "writes only after what is there"
+            kv[b] = kv[b] + (req["tokens"][pos],)
+        req["computed"] = upto
+        full = upto // BS
+        keys = block_keys(req["tokens"][: full * BS], BS, b"", [])
+        req["registered"] = cache.register(keys, req["table"], req["registered"], full)
+        return True
+
+    for op, a, n in script:
+        if op == "start":
+            tokens = prefixes[a][:n] + [7] * (a % 2)
+            keys = block_keys(tokens, BS, b"", [])
+            table = cache.match(keys, len(tokens))
+            for i, b in enumerate(table):
+                assert kv[b] == tuple(tokens[i * BS : (i + 1) * BS]), "a cached block holds other tokens"
+            req = {"tokens": tokens, "table": table, "computed": len(table) * BS, "registered": len(table)}
+            live.append(req)
+            if not write(req, len(tokens)):
+                cache.free(req["table"])
+                live.remove(req)
+        elif op == "grow" and live:
+            req = live[a % len(live)]
+            req["tokens"] = req["tokens"] + [9000 + a] * n
+            if not write(req, len(req["tokens"])):
+                cache.free(req["table"])  # preempted
+                live.remove(req)
+        elif op == "end" and live:
+            req = live.pop(a % len(live))
+            cache.free(req["table"])
+        elif op == "drop":
+            cache.drop(a)
+        held = {b for r in live for b in r["table"]}
+        shared = [b for b in held if sum(r["table"].count(b) for r in live) > 1]
+        assert all(b in cache._key_of for b in shared), "only registered blocks are shared"
+        assert len(held) + cache.num_evictable_blocks + alloc.num_free_blocks == num_blocks
+    for req in live:
+        cache.free(req["table"])
+    cache.drop()
+    assert alloc.num_free_blocks == num_blocks
+
+
+# ---- the engine with the real SmolLM2 --------------------------------------------------------------
+
+SYSTEM = (
+    "You are a careful assistant for a shipping company. Answer in one short sentence, name the "
+    "port when one is asked for, and never invent tracking numbers. "
+)
+QUESTIONS = [
+    "Where does the ship from Rotterdam dock?",
+    "How long is the route to Singapore?",
+    "What is a bill of lading?",
+    "Which port is busiest in Europe?",
+]
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm) -> list[list[int]]:
+    """Chat prompts that share a long system prompt, and a second turn of the first (its answer
+    resent as history): the shapes an agent or a chat client sends."""
+    tok = smollm.tokenizer
+    out = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+        )
+        for q in QUESTIONS
+    ]
+    turn = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": QUESTIONS[0]},
+        {"role": "assistant", "content": "It docks at the container terminal."},
+        {"role": "user", "content": "And when?"},
+    ]
+    return [*out, tok.encode(tok.apply_chat_template(turn))]
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine, chat_prompts) -> list[RequestOutput]:
+    """Each prompt alone on an engine without the cache: greedy tokens and their logprobs."""
+    engine = make_engine(prefix_caching=False)
+    out = []
+    for p in chat_prompts:
+        rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0))
+        out.append(run_to_completion(engine)[rid])
+    return out
+
+
+def _same(out: RequestOutput, ref: RequestOutput) -> None:
+    assert out.token_ids == ref.token_ids
+    for a, b in zip(out.logprobs, ref.logprobs, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=2e-3)
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    order=st.permutations(range(5)),
+    start=st.lists(st.integers(0, 3), min_size=5, max_size=5),  # the step each request arrives at
+    abort=st.sets(st.integers(0, 4), max_size=2),
+    n=st.integers(1, 2),
+    num_blocks=st.sampled_from([24, 40, 256]),  # 24: preemptions; prompts are ~60 tokens, 4-token blocks
+)
+def test_interleaved_requests_with_the_cache_give_the_uncached_outputs(
+    make_engine, chat_prompts, reference, order, start, abort, n, num_blocks
+) -> None:
+    """Shared prefixes arriving at different steps, some aborted mid-way, n > 1, and a KV so small
+    that requests preempt each other and reuse each other's freed blocks: every request that ends
+    gives the tokens and logprobs it gives alone without a cache, and nothing leaks."""
+    engine = make_engine(num_kv_blocks=num_blocks, block_size=4, max_num_batched_tokens=32)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    ids: dict[str, int] = {}
+    for rnd in range(2):  # a second round finds the first's blocks cached
+        pending = [(start[i], i) for i in order]
+        step = 0
+        while pending or engine.has_unfinished_requests():
+            for s, i in [p for p in pending if p[0] <= step]:
+                pending.remove((s, i))
+                for c in range(n):
+                    ids[engine.add_request(chat_prompts[i], greedy, req_id=f"{rnd}-{i}-{c}")] = i
+            outs = engine.step()
+            for o in outs:
+                i = ids[o.req_id]
+                if i in abort and rnd == 0 and not o.finished and o.req_id.endswith("-0"):
+                    engine.abort_request(o.req_id)
+                elif o.finished:
+                    _same(o, reference[i])
+            step += 1
+    cache = engine.prefix_cache
+    assert cache.stats().hits > 0
+    assert engine.allocator.num_free_blocks + cache.num_evictable_blocks == num_blocks
+
+
+def test_a_hit_prefills_only_the_rest_and_reports_it(make_engine, chat_prompts, reference) -> None:
+    engine = make_engine(block_size=16)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    first = engine.add_request(chat_prompts[0], greedy)
+    out = run_to_completion(engine)[first]
+    assert out.num_cached_tokens == 0
+    engine.record_step_batches = True
+    second = engine.add_request(chat_prompts[1], greedy)
+    engine.step()
+    ((new, cached, _),) = engine.last_step_batch
+    shared = 0
+    while chat_prompts[0][shared] == chat_prompts[1][shared]:
+        shared += 1
+    assert cached == shared // 16 * 16 > 0  # every full block of the shared system prompt
+    assert new == len(chat_prompts[1]) - cached
+    out = run_to_completion(engine)[second]
+    assert out.num_cached_tokens == cached
+    _same(out, reference[1])
+    # the same prompt again: all of it but the last token's block
+    again = engine.add_request(chat_prompts[1], greedy)
+    out = run_to_completion(engine)[again]
+    assert out.num_cached_tokens == (len(chat_prompts[1]) - 1) // 16 * 16
+    _same(out, reference[1])
+
+
+def test_prompt_logprobs_are_computed_not_taken_from_the_cache(make_engine, chat_prompts) -> None:
+    """A request asking for prompt logprobs needs every prompt position's logits: it skips the
+    cache (cached_tokens 0) and gets what an engine without a cache gives."""
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    plain = make_engine(prefix_caching=False)
+    plain.add_request(chat_prompts[1], params)
+    want = plain.step()[0].prompt_logprobs
+    run_to_completion(plain)
+    engine = make_engine()
+    for _ in range(2):
+        engine.add_request(chat_prompts[1], params)
+        first = engine.step()[0]  # prompt logprobs come whole with the first token
+        assert first.num_cached_tokens == 0
+        run_to_completion(engine)
+        for a, b in zip(first.prompt_logprobs[1:], want[1:], strict=True):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=2e-3)
+    # its blocks were registered all the same: a plain request after it hits
+    rid = engine.add_request(chat_prompts[1], SamplingParams(temperature=0, max_tokens=2))
+    assert run_to_completion(engine)[rid].num_cached_tokens > 0
+
+
+def test_prefix_caching_off_keeps_nothing(make_engine, chat_prompts) -> None:
+    engine = make_engine(prefix_caching=False)
+    for _ in range(2):
+        rid = engine.add_request(chat_prompts[0], SamplingParams(max_tokens=2))
+        assert run_to_completion(engine)[rid].num_cached_tokens == 0
+    assert engine.prefix_cache is None and engine.num_cached_blocks == 0
+    assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
