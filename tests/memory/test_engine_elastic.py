@@ -35,6 +35,8 @@ def test_greedy_outputs_match_the_fixed_pool(smollm, fixed_outputs, namespace):
     assert isinstance(engine.allocator, ElasticKVPool)
     outs = LLM(engine=engine).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == fixed_outputs
+    assert engine.num_cached_blocks > 0  # the prompts' blocks stay cached, reclaimable
+    engine.drop_cached()
     st = engine.allocator.stats()
     assert st.blocks_allocated > 0 and st.used_blocks == 0
     ledger = DeviceLedger("cpu:0")

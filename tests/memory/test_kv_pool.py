@@ -56,6 +56,22 @@ def test_is_a_block_allocator(make_ledger):
     pool.close()
 
 
+def test_bytes_freed_by_counts_only_pages_no_other_block_touches(make_ledger):
+    """What a prefix cache's unheld blocks are worth to the device: the pages freeing them would
+    let the pool unmap, not their blocks' bytes (a page shared with a block in use stays)."""
+    pool = make_pool(make_ledger(budget_bytes=16 * P), 16 * KiB)  # 4 blocks per page
+    blocks = pool.allocate(6)  # a full page and half of the next
+    by_page: dict[int, list[int]] = {}
+    for b in blocks:
+        by_page.setdefault(page_of(pool, b), []).append(b)
+    full, half = sorted(by_page, key=lambda p: -len(by_page[p]))
+    assert pool.bytes_freed_by(by_page[full]) == P
+    assert pool.bytes_freed_by(by_page[full] + by_page[half][:1]) == P  # the other half is in use
+    assert pool.bytes_freed_by(blocks) == 2 * P
+    pool.free(blocks)
+    pool.close()
+
+
 def test_allocation_prefers_the_most_utilized_partly_filled_page(make_ledger):
     pool = make_pool(make_ledger(budget_bytes=16 * P), 16 * KiB)  # 4 blocks per page
     ids = pool.allocate(8)  # pages 0 and 1 full

@@ -210,3 +210,26 @@ def test_an_account_that_takes_memory_ahead_of_need_asks_no_one_for_spare_pages(
     assert not grant_waiting(ahead, 8 * MiB, wait_s=60)  # refused at once: it waits for no one
     assert ledger.snapshot().reclaim_bytes == 0
     assert not ahead.try_reserve(8 * MiB, reclaim=True) and ledger.snapshot().reclaim_bytes == 8 * MiB
+
+
+def test_cached_kv_counts_as_reclaimable_and_is_asked_back(make_ledger):
+    """An engine's prefix-cached KV (``set_reclaimable``) is memory a refused grant may ask back,
+    with spare pages: the request stands while it is owed and shrinks as the holder releases it;
+    a placement counts it as free (``engine_bytes``), never more than the holder maps."""
+    ledger = make_ledger(budget_bytes=16 * MiB)
+    holder = ledger.account("a kv")
+    assert holder.try_reserve(12 * MiB)
+    holder.set_reclaimable(20 * MiB)  # capped at what it maps
+    assert holder.entry().reclaimable_bytes == 12 * MiB
+    holder.set_reclaimable(8 * MiB)
+    snap = ledger.snapshot()
+    assert snap.cached_bytes == snap.reclaimable_bytes == 8 * MiB and snap.engine_bytes == 4 * MiB
+    other = ledger.account("b weights")
+    assert not other.try_reserve(16 * MiB)  # more than even the cache would free: asks for nothing
+    assert ledger.snapshot().reclaim_bytes == 0
+    assert not grant_waiting(other, 16 * MiB, wait_s=60)  # refused at once, no wait
+    assert not other.try_reserve(8 * MiB)
+    assert ledger.reclaim_wanted() == 4 * MiB  # the shortfall, which the cache can cover
+    holder.release(4 * MiB)  # the holder dropped cached blocks and unmapped their pages
+    assert ledger.reclaim_wanted() == 0 and holder.entry().reclaimable_bytes == 4 * MiB
+    assert other.try_reserve(8 * MiB)

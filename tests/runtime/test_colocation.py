@@ -1,6 +1,7 @@
 """Two models sharing one CPU device's budget (synthetic SmolLM2-135M-shaped weights, labelled as
 such): one model's KV grows into memory the other freed, first its KV, then its weights by eviction;
-and a model larger than every device is refused when the runtime loads it."""
+a model's prefix cache gives way to another model's weights; and a model larger than every device
+is refused when the runtime loads it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec, ModelTooLargeError
 from prism_serve.runtime.weight_cache import HostWeightCache
 
-from .conftest import start_runtime, stop_runtime
+from .conftest import start_runtime, stop_runtime, wait_until
 
 MiB = 2**20
 SLACK = 40 * MiB  # memory beyond both models' weights
@@ -96,3 +97,49 @@ def test_a_model_larger_than_every_device_is_refused_at_load_time() -> None:
     ]
     with pytest.raises(ModelTooLargeError, match=r"model huge: its weights take .* more than any device"):
         start_runtime([DeviceSpec("cpu:0", 1024 * MiB, (), 1), DeviceSpec("cpu:1", 768 * MiB, (), 1)], models)
+
+
+def test_a_models_cached_prefixes_give_way_to_another_models_weights(tmp_path: Path) -> None:
+    """A device that fits model b only once a's prefix cache is dropped: a's cached KV (no request
+    holds it) counts as reclaimable, b's weights are granted after a's worker gives that memory
+    back, and a stays resident and serving. A cache never makes a device refuse what it would
+    have taken without one."""
+    with HostWeightCache(namespace="colo", directory=tmp_path) as probe:
+        weight_bytes = probe.load(
+            ModelSpec("x", source=SOURCE, engine=EngineConfig(seed=1, dtype=FP32))
+        ).weight_bytes
+    budget = 2 * weight_bytes + SLACK
+    models = [
+        ModelSpec(n, source=SOURCE, engine=EngineConfig(seed=s, max_model_len=1024, dtype=FP32))
+        for n, s in (("a", 1), ("b", 2))
+    ]
+    rt = start_runtime(
+        [DeviceSpec("cpu:0", budget, (0,), 1)], models, policy=PolicyConfig(tick_interval_s=0.2)
+    )
+    try:
+        c = rt.c
+        ledger = c.nodes.ledger("cpu:0")
+        rt.run(c.load("a", "cpu:0"))
+        c.pin("a")  # the policy may not evict it to make room: only its cache can give way
+        prompts = _prompts(3, 450, 3)  # distinct: nothing shared, all of it cached once done
+        first = rt.run(_run_all(c, "a", prompts, 4))
+
+        def a_kv():
+            return next(e for e in ledger.snapshot().entries if e.name == "a kv")
+
+        wait_until(lambda: a_kv().reclaimable_bytes > SLACK, 10.0)  # the idle worker reports it
+        held = a_kv()
+        # a's KV alone leaves less than b's weights free: only its cache makes the difference
+        assert held.reclaimable_bytes > SLACK
+        assert budget - ledger.snapshot().used_bytes < weight_bytes
+        assert ledger.snapshot().engine_bytes <= budget - weight_bytes  # placement sees room
+        rt.run(c.load("b", "cpu:0"))
+        status = {s.model: s for s in c.status()}
+        assert status["a"].state == "active" and status["b"].state == "active"
+        snap = ledger.snapshot()
+        assert snap.used_bytes <= budget
+        assert a_kv().mapped_bytes < held.mapped_bytes  # a gave cached pages back
+        # a still serves, with the same greedy tokens, whatever is left of its cache
+        assert rt.run(_run_all(c, "a", prompts[:1], 4)) == first[:1]
+    finally:
+        stop_runtime(rt)

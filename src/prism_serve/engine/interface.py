@@ -62,6 +62,16 @@ class WorkerEngine(Protocol):
     @property
     def num_waiting(self) -> int: ...
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """KV blocks its prefix cache keeps that no request holds (reclaimable; 0 without one)."""
+
+    def cached_blocks(self) -> list[int]:
+        """Those blocks' ids, least recently used first."""
+
+    def drop_cached(self, num_blocks: int | None = None) -> int:
+        """Give up to ``num_blocks`` (None: all) of them back to its KV memory; returns how many."""
+
     def close(self) -> None: ...
 
 

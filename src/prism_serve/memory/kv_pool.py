@@ -237,6 +237,23 @@ class ElasticKVPool:
         """What it holds in the ledger: the pages mapped now (blocks in use, ready ones, spares)."""
         return self.vrange.mapped_bytes
 
+    @property
+    def over_limit_bytes(self) -> int:
+        """Mapped bytes above this engine's limit (0: none): what its emptied pages must cover."""
+        limit = self._limit
+        return 0 if limit is None else max(0, self.vrange.mapped_bytes - limit)
+
+    def bytes_freed_by(self, block_ids: Sequence[int]) -> int:
+        """Bytes that freeing ``block_ids`` (allocated, distinct) would let the pool unmap: the pages
+        no other allocated block touches. What a prefix cache's unheld blocks are worth to the
+        device, never more (a page shared with a block in use stays)."""
+        touched: dict[int, int] = {}
+        for b in block_ids:
+            for q in self._pages_of(b):
+                touched[q] = touched.get(q, 0) + 1
+        with self._lock:
+            return sum(self.page_size for q, n in touched.items() if n >= self._users[q])
+
     def allocate(self, num_blocks: int) -> list[int] | None:
         if num_blocks < 0:
             raise ValueError(f"cannot allocate {num_blocks} blocks")

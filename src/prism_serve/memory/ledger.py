@@ -16,6 +16,11 @@ refused for lack of budget while spare pages exist asks their holders to give th
 Bytes move between two entries of one process with ``move`` (no moment where both or neither hold
 them).
 
+Reclaimable KV: an engine with a prefix cache keeps KV blocks no request holds (engine/prefix_cache.py).
+It records in its entry how many of its mapped bytes it would unmap by dropping them
+(``Account.set_reclaimable``); those count with spare pages as memory a refused grant may ask
+back, and their holders drop cached blocks (least recently used first) when asked.
+
 Entries of dead processes (no such pid, a zombie, or a pid reused by a newer process, told apart by
 the start time in ``/proc/<pid>/stat``) are reclaimed by the next operation on the ledger: a crashed
 engine's bytes return to the budget without anyone calling ``release``.
@@ -39,7 +44,7 @@ import numpy as np
 
 from prism_serve.errors import InvalidRequestError, PrismError
 
-_MAGIC = b"PRISMLG2"
+_MAGIC = b"PRISMLG3"
 _NUM_SLOTS = 256
 _HEADER = np.dtype(
     [
@@ -62,6 +67,7 @@ _ENTRY = np.dtype(
         ("peak", "<i8"),
         ("registered", "<f8"),  # unix time
         ("spare", "<i8"),  # 1: pages kept mapped for a next activation, reclaimable
+        ("reclaimable", "<i8"),  # of "mapped": bytes it gives back when asked (cached KV blocks)
         ("name", "S64"),
     ]
 )
@@ -132,6 +138,7 @@ class LedgerEntry:
     peak_bytes: int
     registered: float
     spare: bool = False
+    reclaimable_bytes: int = 0  # of mapped_bytes: cached KV it gives back when a grant needs it
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,9 +163,19 @@ class LedgerSnapshot:
         return sum(e.mapped_bytes for e in self.entries if e.spare)
 
     @property
+    def cached_bytes(self) -> int:
+        """Engines' cached KV that no request holds: held now, given back when a grant needs it."""
+        return sum(e.reclaimable_bytes for e in self.entries if not e.spare)
+
+    @property
+    def reclaimable_bytes(self) -> int:
+        """Spare pages and cached KV: what a refused grant can ask back."""
+        return self.spare_bytes + self.cached_bytes
+
+    @property
     def engine_bytes(self) -> int:
-        """Granted to engines (weights and KV): what a placement cannot count as free."""
-        return self.used_bytes - self.spare_bytes
+        """Granted to engines (weights and KV in use): what a placement cannot count as free."""
+        return self.used_bytes - self.reclaimable_bytes
 
     @property
     def free_bytes(self) -> int:
@@ -193,10 +210,12 @@ class DeviceLedger:
                     os.ftruncate(self._fd, _FILE_BYTES)
                     self._open_views()
                     self._header["magic"] = _MAGIC
-                    self._header["version"] = 2
+                    self._header["version"] = 3
                     self._header["num_slots"] = _NUM_SLOTS
                     self._header["budget"] = budget_bytes
                 else:
+                    if os.fstat(self._fd).st_size != _FILE_BYTES:
+                        raise LedgerError(f"{self.path} is not a prism memory ledger of this version")
                     self._open_views()
                     if bytes(self._header["magic"]) != _MAGIC or int(self._header["num_slots"]) != _NUM_SLOTS:
                         raise LedgerError(f"{self.path} is not a prism memory ledger of this version")
@@ -318,6 +337,7 @@ class DeviceLedger:
             e["limit"] = -1 if limit_bytes is None else limit_bytes
             e["registered"] = time.time()
             e["spare"] = int(spare)
+            e["reclaimable"] = 0
             e["start_ticks"] = ticks
             e["pid"] = pid  # last: an entry with a pid is complete
             return slot
@@ -354,7 +374,10 @@ class DeviceLedger:
     def _ask_reclaim(self, num_bytes: int, exclude: int) -> None:
         spare = self._entries["spare"] != 0
         spare[exclude] = False
-        held = int(self._entries["mapped"][spare].sum())
+        cached = self._entries["reclaimable"].copy()
+        cached[spare] = 0  # a spare entry's bytes are counted whole
+        cached[exclude] = 0
+        held = int(self._entries["mapped"][spare].sum()) + int(cached.sum())
         if held < num_bytes:
             return  # even every spare page would not make room: ask for none
         now = time.time()
@@ -383,8 +406,16 @@ class DeviceLedger:
                     f"slot {slot} of {self.device} releases {num_bytes} bytes but holds {int(e['mapped'])}"
                 )
             e["mapped"] = int(e["mapped"]) - num_bytes
-            if int(e["spare"]):
-                self._header["reclaim"] = max(0, int(self._header["reclaim"]) - num_bytes)
+            given = num_bytes if int(e["spare"]) else min(num_bytes, int(e["reclaimable"]))
+            e["reclaimable"] = min(max(0, int(e["reclaimable"]) - given), int(e["mapped"]))
+            if given:
+                self._header["reclaim"] = max(0, int(self._header["reclaim"]) - given)
+
+    def set_reclaimable(self, slot: int, num_bytes: int) -> None:
+        """Record how many of ``slot``'s mapped bytes it would give back when asked (its cached KV)."""
+        with self:
+            e = self._slot(slot)
+            e["reclaimable"] = min(max(0, num_bytes), int(e["mapped"]))
 
     def move(self, src: int, dst: int, num_bytes: int) -> bool:
         """Move ``num_bytes`` granted to ``src`` over to ``dst`` (pages change owner, not memory);
@@ -474,6 +505,7 @@ class DeviceLedger:
             peak_bytes=int(e["peak"]),
             registered=float(e["registered"]),
             spare=bool(int(e["spare"])),
+            reclaimable_bytes=int(e["reclaimable"]),
         )
 
     def account(self, name: str, limit_bytes: int | None = None, spare: bool = False) -> Account:
@@ -530,6 +562,9 @@ class Account:
 
     def set_limit(self, limit_bytes: int | None) -> None:
         self.ledger.set_limit(self.slot, limit_bytes)
+
+    def set_reclaimable(self, num_bytes: int) -> None:
+        self.ledger.set_reclaimable(self.slot, num_bytes)
 
     def close(self) -> None:
         """Leave the ledger; any bytes still recorded go back to the budget."""

@@ -270,8 +270,8 @@ def spare_bytes(snap: LedgerSnapshot, owner: str) -> int:
 
 
 def grant_waiting(account: Account, num_bytes: int, wait_s: float = DEFAULT_RECLAIM_WAIT_S) -> bool:
-    """Grant ``num_bytes``; refused while other workers hold spare pages, wait (up to ``wait_s``)
-    for them to give those back. False if the budget still does not allow it, at once for an
+    """Grant ``num_bytes``; refused while other workers hold spare pages or cached KV, wait (up to
+    ``wait_s``) for them to give those back. False if the budget still does not allow it, at once for an
     account that asks no one for spare pages (``Account.reclaim`` false)."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -280,8 +280,8 @@ def grant_waiting(account: Account, num_bytes: int, wait_s: float = DEFAULT_RECL
         if not account.reclaim:
             return False
         snap = account.ledger.snapshot()
-        if snap.budget_bytes - snap.used_bytes + snap.spare_bytes < num_bytes:
-            return False  # not even with every spare page given back
+        if snap.budget_bytes - snap.used_bytes + snap.reclaimable_bytes < num_bytes:
+            return False  # not even with every spare page and cached KV block given back
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.005)

@@ -110,6 +110,8 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     # control.profiles.StepSums of the engine's decode steps since the activation, as its fields in order
     # (empty: none yet); the controller fits step time against batch size from their deltas
     decode_sums: tuple[float, ...] = ()
+    # KV blocks the prefix cache keeps that no request holds (not in used_kv_bytes): reclaimable
+    cached_kv_bytes: int = 0
 
 
 class RequestTimings(msgspec.Struct, array_like=True, frozen=True):
@@ -146,6 +148,7 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     cold: bool | None = None
     device: str | None = None
     replica: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the engine's prefix cache
 
 
 # ---- controller -> worker --------------------------------------------------------------------

@@ -206,6 +206,8 @@ class ModelStatus:
     sampling: tuple[tuple[str, float | int], ...] = ()  # defaults for requests that leave them out
     tp: int = 1  # tensor parallel degree
     devices: tuple[str, ...] = ()  # a resident tensor parallel model's devices, rank 0 first
+    # KV blocks its engines' prefix caches keep that no request holds: reclaimable, not in use
+    cached_kv_bytes: int = 0
 
     @classmethod
     def of(cls, entries: list[tuple[ModelEntry, int]]) -> ModelStatus:
@@ -229,6 +231,7 @@ class ModelStatus:
             sum(e.cpu_seconds for e, _ in entries), m.cached.source, m.cached.synthetic,
             m.spec.ttft_slo, m.spec.tpot_slo, m.max_model_len, int(m.cached.config["vocab_size"]),
             tuple(reps), m.spec.engine.dtype, m.spec.sampling, m.spec.tp, m.devices if m.spec.tp > 1 else (),
+            sum(r.cached_kv_bytes for r in reps),
         )  # fmt: skip
 
 
@@ -249,6 +252,7 @@ class ReplicaStatus:
     used_kv_bytes: int
     max_kv_bytes: int | None
     num_served: int  # requests that left this replica's engine, over all its activations
+    cached_kv_bytes: int = 0  # its prefix cache's unheld blocks (reclaimable)
 
     @classmethod
     def of(cls, m: ModelEntry, num_queued: int, index: int) -> ReplicaStatus:
@@ -257,7 +261,7 @@ class ReplicaStatus:
         return cls(
             index, m.spec.name, state, m.device, m.worker.worker_id if m.worker else None, m.num_running,
             num_queued, stats.used_kv_bytes if stats else 0, m.max_kv_bytes if stats else None,
-            m.num_served,
+            m.num_served, stats.cached_kv_bytes if stats else 0,
         )  # fmt: skip
 
 
@@ -420,7 +424,7 @@ def cluster_snapshot(
             DeviceSnapshot(
                 device=d,
                 capacity_bytes=spec.memory_bytes,
-                mapped_bytes=ledgers[d].peek().engine_bytes,  # spare pages are given back on demand
+                mapped_bytes=ledgers[d].peek().engine_bytes,  # spare pages and cached KV go on demand
                 models=tuple(on_device[d]),
                 num_queued=len(q),
                 queued_models=q.models(),

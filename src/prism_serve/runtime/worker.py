@@ -41,6 +41,7 @@ from prism_serve.engine.step_trace import StepRecord, StepTrace
 from prism_serve.engine.tensor_parallel import follow
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError, WorkerDiedError
+from prism_serve.memory.kv_pool import ElasticKVPool
 from prism_serve.memory.ledger import Account, DeviceLedger
 from prism_serve.memory.spare import SparePages, spare_entry
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, reserve
@@ -58,6 +59,8 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _IDLE_POLL_MS = 200
 _STALLED_POLL_MS = 5  # the ledger refused KV blocks: retry soon, without spinning
+# an idle engine holding cached KV blocks looks this often whether the device wants them back
+_CACHE_POLL_MS = 20
 # an idle tensor parallel rank 0 tells the others it is alive this often (their wait for its next
 # step times out after engine/tensor_parallel.GROUP_TIMEOUT_S)
 _HEARTBEAT_S = 1.0
@@ -78,6 +81,7 @@ class _Active:
     decode: StepSums = field(default_factory=StepSums)  # decode steps since the activation, CPU-timed
     cpu_start: float = 0.0  # this process's CPU time when the activation finished
     synced_at: float = 0.0  # a tensor parallel rank 0: when the other ranks last heard from it
+    cached_blocks: int = 0  # the prefix cache's unheld blocks when the ledger was last told of them
 
     @property
     def engine(self) -> WorkerEngine:
@@ -154,13 +158,18 @@ class Worker:
                     continue
                 engine = self.active.engine if self.active else None
                 busy = engine is not None and engine.has_unfinished_requests()
-                timeout = (_STALLED_POLL_MS if engine.stalled else 0) if busy else _IDLE_POLL_MS
+                idle_poll = (
+                    _CACHE_POLL_MS if engine is not None and engine.num_cached_blocks else _IDLE_POLL_MS
+                )
+                timeout = (_STALLED_POLL_MS if engine.stalled else 0) if busy else idle_poll
                 preparing = bool(self.to_prepare) and self.active is None
                 if self.sock.poll(0 if preparing else timeout):
                     self._drain()
                 elif preparing:
                     self._prepare_one()
                 a = self.active
+                if a is not None:
+                    self._give_back_cached(a)
                 if a is not None and a.engine.has_unfinished_requests():
                     self._in_group(a, self._step)
                 elif a is not None and a.loaded.world > 1 and time.monotonic() - a.synced_at > _HEARTBEAT_S:
@@ -357,13 +366,41 @@ class Worker:
                 o.logprobs,
                 o.prompt_logprobs,
                 _timings(o.metrics) if o.finished else None,
+                num_cached_tokens=o.num_cached_tokens,
             )
             for o in outs
         ]
         self._send(msg.StepOutputs(deltas, self._stats(a), time.time()))
 
+    # ---- cached KV: the first memory given back --------------------------------------------------
+
+    def _give_back_cached(self, a: _Active) -> None:
+        """Drop cached KV blocks (least recently used first) while a refused grant on the device
+        waits for memory or this model's KV is over its limit, until enough pages emptied; and keep
+        the ledger's count of what the cache could give back current. A tensor parallel model's
+        ranks must keep identical caches, and its pool is fixed: it gives nothing back here."""
+        engine, pool = a.engine, a.pool
+        if a.loaded.world > 1 or not isinstance(pool, ElasticKVPool):
+            return
+        cached = engine.num_cached_blocks
+        wanted = max(self.ledger.reclaim_wanted(), pool.over_limit_bytes) if cached else 0
+        if wanted > 0:
+            held = pool.held_bytes
+            per_page = max(1, pool.page_size // pool.block_bytes)
+            while engine.num_cached_blocks and held - pool.held_bytes < wanted:
+                engine.drop_cached(per_page)
+                pool.trim(0)
+            logger.info("%s: gave back %d bytes of cached KV", a.model, held - pool.held_bytes)
+            cached = -1  # recount below
+        if cached != a.cached_blocks:
+            a.cached_blocks = engine.num_cached_blocks
+            a.kv_account.set_reclaimable(
+                pool.bytes_freed_by(engine.cached_blocks()) if a.cached_blocks else 0
+            )
+
     def _stats(self, a: _Active) -> msg.EngineStats:
-        used = a.pool.num_used_blocks * a.pool.block_bytes
+        cached = a.engine.num_cached_blocks * a.pool.block_bytes
+        used = a.pool.num_used_blocks * a.pool.block_bytes - cached
         return msg.EngineStats(
             num_running=a.engine.num_running,
             num_waiting=a.engine.num_waiting,
@@ -375,6 +412,7 @@ class Worker:
             busy_seconds=a.busy_seconds,
             cpu_seconds=time.process_time() - a.cpu_start,
             decode_sums=a.decode.values() if a.decode.steps else (),
+            cached_kv_bytes=cached,
         )
 
     # ---- activation and eviction --------------------------------------------------------------
