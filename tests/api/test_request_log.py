@@ -14,7 +14,13 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from prism_serve.api.request_log import FLUSH_INTERVAL_S, LogEntry, RequestLog
+from prism_serve.api.request_log import (
+    FLUSH_INTERVAL_S,
+    LOG_BLOCK_TOKENS,
+    LogEntry,
+    RequestLog,
+    prompt_block_hashes,
+)
 from prism_serve.workload.traffic import read_traffic
 from tests.api.conftest import API_KEY, ServerProcess, shm_files, start_server
 
@@ -125,3 +131,57 @@ def test_the_writer_rotates_by_size_and_keeps_what_it_is_told(tmp_path: Path) ->
     ]
     assert kept == list(range(60 - len(kept), 60))  # the newest lines, in order, none twice
     assert all((tmp_path / f).stat().st_size < 2300 for f in files)
+
+
+def test_prompt_block_hashes_match_up_to_the_first_differing_block() -> None:
+    a = list(range(1000, 1300))  # 4 full 64-token blocks and 44 tokens
+    b = a.copy()
+    b[130] = 7  # in block 2
+    ha, hb = prompt_block_hashes(a), prompt_block_hashes(b)
+    assert len(ha) == len(hb) == 4 and len(set(ha)) == 4
+    assert ha[:2] == hb[:2]
+    assert all(x != y for x, y in zip(ha[2:], hb[2:], strict=True))  # chained: every later block too
+    assert prompt_block_hashes(a[:299]) == ha and prompt_block_hashes(a[:63]) == []
+    assert prompt_block_hashes(a, 100) != ha[:3] and len(prompt_block_hashes(a, 100)) == 3
+    assert all(0 <= h < 2**63 for h in ha)
+
+
+def test_prompt_block_hashes_are_the_same_in_every_process() -> None:
+    import subprocess
+    import sys
+
+    code = "from prism_serve.api.request_log import prompt_block_hashes as h; print(h(list(range(500))))"
+    out = {
+        seed: subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert out["1"] == out["2"] == f"{prompt_block_hashes(list(range(500)))}\n"
+
+
+def test_logged_hashes_become_the_planned_workloads_block_hashes(tmp_path: Path) -> None:
+    from prism_serve.workload.prefix import infinite_cache_hits
+
+    shared = list(range(2000, 2128))  # two blocks
+    prompts = [shared + list(range(5000, 5172)), shared + list(range(7000, 7172))]
+    path = tmp_path / "requests.jsonl"
+    lines = []
+    for i, ids in enumerate(prompts):
+        entry = LogEntry(100.0 + i, "smol", False, 1, 8, prompt_tokens=len(ids), output_tokens=8)
+        entry.block_hashes = prompt_block_hashes(ids, LOG_BLOCK_TOKENS)
+        lines.append(entry.line())
+    plain = LogEntry(103.0, "smol", False, 1, 8, prompt_tokens=40, output_tokens=8)
+    assert "block_hashes" not in json.loads(plain.line())  # no prompt hashed: the line as before
+    path.write_text("\n".join([*lines, plain.line()]) + "\n")
+    logged = json.loads(lines[0])
+    assert logged["block_tokens"] == LOG_BLOCK_TOKENS and len(logged["block_hashes"]) == 300 // 64
+    w = read_traffic(path, ["smol"]).workload
+    assert w.block_tokens == LOG_BLOCK_TOKENS
+    assert w.block_hashes == (tuple(logged["block_hashes"]), tuple(json.loads(lines[1])["block_hashes"]), ())
+    # the second request finds the two shared blocks in a cache (16-token engine blocks)
+    assert infinite_cache_hits(w, 16).tolist() == [0, 128, 0]

@@ -80,6 +80,40 @@ def test_chat_stream_with_usage_matches_non_stream(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(client, server):
+    """The second of two chats with one long system prompt reuses its KV: OpenAI's
+    usage.prompt_tokens_details.cached_tokens says how many prompt tokens were not prefilled
+    again, in the whole response and the stream's usage chunk, with the same greedy answer."""
+    system = {"role": "system", "content": "You answer geography questions in one sentence. " * 12}
+    messages = [system, *QUESTION]
+    before = metrics(server)
+    first = client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0)
+    again = client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 16 <= cached < first.usage.prompt_tokens  # all but the last block
+    assert again.choices[0].message.content == first.choices[0].message.content
+    stream = client.chat.completions.create(
+        model="smol", messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == first.choices[0].message.content
+    )
+    m = metrics(server)
+    hits = sample(m, "vllm:prefix_cache_hits_total", model_name="smol") - sample(
+        before, "vllm:prefix_cache_hits_total", model_name="smol"
+    )
+    queries = sample(m, "vllm:prefix_cache_queries_total", model_name="smol") - sample(
+        before, "vllm:prefix_cache_queries_total", model_name="smol"
+    )
+    assert hits == 2 * cached and queries == 3 * first.usage.prompt_tokens
+    assert card(server, "smol")["cached_kv_bytes"] > 0  # kept, not in use: reclaimable
+
+
 def test_completion_token_ids_ignore_eos_and_stop(client, server):
     r = client.completions.create(
         model="smol", prompt=[1, 504, 3458, 282, 4649, 314], max_tokens=7, temperature=0,

@@ -33,6 +33,8 @@ def model_cards(statuses: Iterable[ModelStatus], roots: Mapping[str, str]) -> li
             # the model's generation_config.json); the rest are OpenAI's defaults
             "sampling_defaults": dict(st.sampling),
             "weight_bytes": st.weight_bytes, "used_kv_bytes": st.used_kv_bytes,
+            # prefix-cached KV no request holds: given back first when the device needs memory
+            "cached_kv_bytes": st.cached_kv_bytes,
             "num_running": st.num_running, "num_queued": st.num_queued,
             "num_activations": st.num_activations, "num_evictions": st.num_evictions,
             # the last activation's engine: compiled graph (vLLM, vllm_compile), and how its

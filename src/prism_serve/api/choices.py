@@ -57,6 +57,7 @@ class Choice:
     last_at: float = 0.0
     num_prompt: int = 0
     num_output: int = 0
+    num_cached: int = 0  # prompt tokens the engine's prefix cache served
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the output tokens', if asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's (completions with echo)

@@ -60,7 +60,8 @@ def dashboard_state(controller: Controller, metrics: ServerMetrics) -> dict[str,
     for s in controller.status():
         models.append({
             "id": s.model, "state": s.state, "pinned": s.pinned, "device": s.device,
-            "weight_bytes": s.weight_bytes, "used_kv_bytes": s.used_kv_bytes, "max_kv_bytes": s.max_kv_bytes,
+            "weight_bytes": s.weight_bytes, "used_kv_bytes": s.used_kv_bytes,
+            "cached_kv_bytes": s.cached_kv_bytes, "max_kv_bytes": s.max_kv_bytes,
             "kv_usage": kv_usage(s), "num_running": s.num_running, "num_queued": s.num_queued,
             "num_activations": s.num_activations, "num_evictions": s.num_evictions,
             "ttft_slo": s.ttft_slo, "tpot_slo": s.tpot_slo,

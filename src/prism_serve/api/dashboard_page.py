@@ -199,7 +199,8 @@ function renderModel(m) {
     cell("num_running", m.num_running, m.num_running, "num"),
     cell("num_queued", m.num_queued, m.num_queued, "num"),
     cell("kv_usage", m.kv_usage,
-         m.max_kv_bytes ? `${fmtShare(m.kv_usage)} of ${fmtBytes(m.max_kv_bytes)}` : "\u2013", "num"),
+         m.max_kv_bytes ? `${fmtShare(m.kv_usage)} of ${fmtBytes(m.max_kv_bytes)}` + (m.cached_kv_bytes
+           ? ` (+${fmtBytes(m.cached_kv_bytes)} cached, reclaimable)` : "") : "\u2013", "num"),
     cell("ttft_p50", r.ttft_p50, fmtSeconds(r.ttft_p50), "num"),
     cell("ttft_p95", r.ttft_p95, fmtSeconds(r.ttft_p95), "num"),
     cell("ttft_attainment", r.ttft_attainment, fmtShare(r.ttft_attainment), missed(r.ttft_attainment)),

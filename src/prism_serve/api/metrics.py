@@ -148,6 +148,13 @@ class ServerMetrics:
             "vllm:request_params_n", "Choices (n) a request asked for", (1, 2, 5, 10, 20)
         )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens", label, registry=r)
+        # vLLM's prefix cache counters, in tokens: hits / queries is the hit rate
+        self.cache_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", label, registry=r
+        )
+        self.cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", label, registry=r
+        )
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", label, registry=r)
         self.success = Counter(
             "vllm:request_success", "Finished requests", [*label, "finished_reason"], registry=r
@@ -203,10 +210,13 @@ class ServerMetrics:
         ttft_slo: float,
         tpot_slo: float,
         timings: msg.RequestTimings | None = None,
+        num_cached: int = 0,
     ) -> None:
         """A finished request: ``ttft`` and ``e2e`` from its arrival at the server, ``timings`` the
-        engine's (the finished TokenDelta's)."""
+        engine's (the finished TokenDelta's), ``num_cached`` its prompt tokens the cache served."""
         self.ttft.labels(model).observe(ttft)
+        self.cache_queries.labels(model).inc(num_prompt)
+        self.cache_hits.labels(model).inc(num_cached)
         self.e2e.labels(model).observe(e2e)
         self.prompt_tokens.labels(model).inc(num_prompt)
         self.generation_tokens.labels(model).inc(num_output)
@@ -377,6 +387,12 @@ class _ControllerCollector(Collector):
         weights = GaugeMetricFamily(
             "prism_model_weight_bytes", "Weight bytes of the model", labels=["model_name"]
         )
+        cached = GaugeMetricFamily(
+            "prism_model_cached_kv_bytes",
+            "Prefix-cached KV of the model that no request holds (given back first when the device "
+            "needs memory: reclaimable, not free)",
+            labels=["model_name"],
+        )
         step = CounterMetricFamily(
             "prism_engine_step_seconds",
             "Wall seconds the model's engine spent in steps",
@@ -411,6 +427,7 @@ class _ControllerCollector(Collector):
             acts.add_metric([s.model], s.num_activations)
             evs.add_metric([s.model], s.num_evictions)
             weights.add_metric([s.model], s.weight_bytes)
+            cached.add_metric([s.model], s.cached_kv_bytes)
         mapped = GaugeMetricFamily(
             "prism_device_mapped_bytes",
             "Bytes mapped on the device (ledger: weights and KV of every model)",
@@ -430,6 +447,6 @@ class _ControllerCollector(Collector):
         for (model, slo), share in self.metrics.attainment().items():
             attainment.add_metric([model, slo], share)
         yield from (
-            running, waiting, kv, state, replicas, replica_state, acts, evs, weights, step, cpu, mapped,
-            budget, attainment,
+            running, waiting, kv, state, replicas, replica_state, acts, evs, weights, cached, step, cpu,
+            mapped, budget, attainment,
         )  # fmt: skip

@@ -418,11 +418,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(num_prompt: int, num_output: int) -> dict[str, int]:
+def usage(num_prompt: int, num_output: int, num_cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``num_cached``: prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": num_prompt,
         "completion_tokens": num_output,
         "total_tokens": num_prompt + num_output,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
     }
 
 

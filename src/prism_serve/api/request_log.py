@@ -15,7 +15,14 @@ Each line::
 - ``ttft_s`` (first token), ``tpot_s`` (mean time per output token after the first), ``e2e_s``:
   seconds, null where the request got no token;
 - ``cold``: no replica of the model was active when the request arrived (it waited for an
-  activation); ``device`` and ``replica``: what served its first choice.
+  activation); ``device`` and ``replica``: what served its first choice;
+- ``block_hashes`` and ``block_tokens`` (only on requests with one prompt, where the server filled
+  them in): ``prompt_block_hashes`` of the prompt's token ids, one 63-bit integer per full block of
+  ``block_tokens`` (``LOG_BLOCK_TOKENS``, 64) tokens, chained, so two requests have equal hashes up to
+  the first block where their prompts differ and different ones from there on. They tell
+  ``prism plan`` which requests share a prefix (its simulated engines cache prefixes); the prompt
+  cannot be read back from them. 64 tokens keep a line short (a 100,000-token prompt adds about
+  31 KB) while finding shared prefixes to within 64 tokens.
 
 Lines go through a queue to a writer thread (never the event loop), which writes them as they
 come and flushes them to the file at least every ``FLUSH_INTERVAL_S``: a server killed at any
@@ -25,21 +32,49 @@ moment loses at most the lines of the last interval. A file over ``max_bytes`` i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import queue
+import sys
 import threading
 import time
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FLUSH_INTERVAL_S", "LogEntry", "RequestLog"]
+__all__ = ["FLUSH_INTERVAL_S", "LOG_BLOCK_TOKENS", "LogEntry", "RequestLog", "prompt_block_hashes"]
 
 logger = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_S = 0.5
+LOG_BLOCK_TOKENS = 64  # tokens per hashed prompt block in the log
 _STOP = object()
+_HASH_MASK = (1 << 63) - 1  # a hash fits a signed 64-bit integer wherever the log is read
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_tokens: int = LOG_BLOCK_TOKENS) -> list[int]:
+    """One hash per full ``block_tokens``-token block of ``token_ids``: BLAKE2b (8 bytes) over the
+    previous block's digest and the block's ids as little-endian 64-bit integers, as a 63-bit
+    integer. The same in every process and on every machine (no ``hash()``, no byte order)."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    n = len(token_ids) // block_tokens
+    if n == 0:
+        return []
+    ids = array("q", token_ids[: n * block_tokens])
+    if sys.byteorder == "big":
+        ids.byteswap()
+    data = memoryview(ids.tobytes())
+    step = 8 * block_tokens
+    out = []
+    prev = b""
+    for i in range(n):
+        prev = hashlib.blake2b(data[i * step : (i + 1) * step], digest_size=8, key=prev).digest()
+        out.append(int.from_bytes(prev, "little") & _HASH_MASK)
+    return out
 
 
 @dataclass(slots=True)
@@ -60,6 +95,8 @@ class LogEntry:
     cold: bool | None = None
     device: str | None = None
     replica: str | None = None
+    block_hashes: list[int] | None = None  # prompt_block_hashes of its one prompt
+    block_tokens: int = LOG_BLOCK_TOKENS
 
     def served(self, runs: list[Any], prompt_tokens: int, started: float) -> None:
         """What the request's choices (api/choices.py ``Choice``) got; ``started``: its arrival on
@@ -78,6 +115,11 @@ class LogEntry:
             self.cold, self.device, self.replica = last.cold, last.device, last.replica
 
     def line(self) -> str:
+        hashes = (
+            {"block_hashes": self.block_hashes, "block_tokens": self.block_tokens}
+            if self.block_hashes is not None
+            else {}
+        )
         return json.dumps(
             {
                 "arrival": round(self.arrival, 6),
@@ -94,6 +136,7 @@ class LogEntry:
                 "cold": self.cold,
                 "device": self.device,
                 "replica": self.replica,
+                **hashes,
             },
             separators=(", ", ": "),
         )

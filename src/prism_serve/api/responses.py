@@ -165,7 +165,8 @@ def to_chat(body: dict) -> dict:
 def _usage(use: dict | None) -> dict:
     use = use or {}
     i, o = use.get("prompt_tokens", 0), use.get("completion_tokens", 0)
-    return {"input_tokens": i, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": o,
+    cached = (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": i, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": o,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": i + o}  # fmt: skip
 
 

@@ -45,10 +45,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache (not prefilled again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class _Function(BaseModel):
@@ -161,6 +166,7 @@ class ModelCard(BaseModel):
     tpot_slo: float
     weight_bytes: int
     used_kv_bytes: int  # KV the engine(s) hold now
+    cached_kv_bytes: int  # prefix-cached KV no request holds (reclaimable, not free)
     num_running: int
     num_queued: int
     num_activations: int
@@ -231,6 +237,7 @@ class _ModelState(BaseModel):
     device: str | None
     weight_bytes: int
     used_kv_bytes: int
+    cached_kv_bytes: int
     max_kv_bytes: int | None
     kv_usage: float
     num_running: int

@@ -71,7 +71,7 @@ from prism_serve.api.protocol import (
     new_id,
     usage,
 )
-from prism_serve.api.request_log import LogEntry, RequestLog
+from prism_serve.api.request_log import LogEntry, RequestLog, prompt_block_hashes
 from prism_serve.api.responses import ResponseEvents, to_chat, to_response
 from prism_serve.api.tools import (
     MARKERS,
@@ -301,6 +301,8 @@ class PrismServer:
             prompts = await asyncio.to_thread(self._tokenize, body, chat)
             if entry is not None:
                 entry.prompt_tokens = sum(len(ids) for ids in prompts)
+                if len(prompts) == 1:  # which prefixes repeat, for prism plan (~0.1 ms for 8k tokens)
+                    entry.block_hashes = prompt_block_hashes(prompts[0])
             runs = await self._open(http, body, prompts, arrival)
             self.metrics.on_request(model, runs[0].max_tokens, body.n)
         except ClientDisconnected:
@@ -397,10 +399,12 @@ class PrismServer:
             logger.warning("ignoring unknown request field(s): %s", ", ".join(f[:64] for f in new))
 
     @staticmethod
-    def _usage(runs: list[Choice], prompts: list[list[int]], score_only: bool) -> dict[str, int]:
-        """Each prompt counted once (as OpenAI does, whatever ``n``), each choice's tokens."""
+    def _usage(runs: list[Choice], prompts: list[list[int]], score_only: bool) -> dict[str, Any]:
+        """Each prompt counted once (as OpenAI does, whatever ``n``), each choice's tokens. A
+        prompt's cached tokens are its first choice's (the others may hit what it computed)."""
         generated = 0 if score_only else sum(run.num_output for run in runs)
-        return usage(sum(len(ids) for ids in prompts), generated)
+        cached = {run.prompt: run.num_cached for run in reversed(runs)}
+        return usage(sum(len(ids) for ids in prompts), generated, sum(cached.values()))
 
     def _tokenize(self, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> list[list[int]]:
         """The token ids of each prompt (one, or several for completions), checked against the
@@ -536,11 +540,12 @@ class PrismServer:
             run.prompt_logprobs = d.prompt_logprobs
         run.num_output = d.num_output_tokens
         run.num_prompt = d.num_prompt_tokens or run.num_prompt
+        run.num_cached = d.num_cached_tokens or run.num_cached
         if d.finished:
             served = self.served[run.model]
             self.metrics.on_finished(
                 run.model, d.finish_reason, run.first_at - run.arrival, now - run.arrival,
-                run.num_prompt, run.num_output, served.ttft_slo, served.tpot_slo, d.timings,
+                run.num_prompt, run.num_output, served.ttft_slo, served.tpot_slo, d.timings, run.num_cached,
             )  # fmt: skip
             self._finished_at.append(now)
 
