@@ -248,3 +248,32 @@ def test_cli_replays_a_request_log_from_a_start(fresh_stub, tmp_path, capsys):
     assert sorted(sent) == [("m1", 7, 3), ("m2", 4, 5)]
     assert main(["bench", "--workload", str(log), "--start", "60", "--url", fresh_stub.url]) == 2
     assert "no request in the window" in capsys.readouterr().err
+
+
+def test_hashed_prompts_share_exactly_the_blocks_their_hashes_share(fresh_stub):
+    from prism_serve.bench.replay import hashed_prompt
+
+    settings = BenchSettings(token_range=(1000, 40000), seed=5)
+    rng = np.random.default_rng(0)
+    a = hashed_prompt(40, (11, 12, 13), 16, settings, rng)  # 2 blocks and 8 tokens of the third
+    b = hashed_prompt(48, (11, 12, 99), 16, settings, rng)
+    assert len(a) == 40 and len(b) == 48 and all(1000 <= t < 40000 for t in a + b)
+    assert a[:32] == b[:32] and a[32:40] != b[32:40]
+    assert a[:16] != a[16:32]  # each hash its own block
+    assert hashed_prompt(40, (11, 12, 13), 16, settings, rng) == a  # a function of the hashes alone
+    assert hashed_prompt(20, (11,), 16, settings, rng)[:16] == a[:16]  # past the hashes: random
+    assert hashed_prompt(16, (11,), 16, BenchSettings(token_range=(1000, 40000), seed=6), rng) != a[:16]
+    w = Workload.from_rows(
+        [
+            WorkloadRequest(0.0, "m1", 40, 1, (1, 2, 3), 16),
+            WorkloadRequest(0.01, "m1", 40, 1, (1, 2, 4), 16),
+            WorkloadRequest(0.02, "m1", 40, 1),
+        ]
+    )
+    _run(w, fresh_stub.url, settings=settings)
+    prompts = [b["prompt"] for b in fresh_stub.bodies]
+    assert len(prompts) == 3
+    for hashes in ((1, 2, 3), (1, 2, 4)):
+        assert hashed_prompt(40, hashes, 16, settings, rng) in prompts
+    sharing = [(p, q) for i, p in enumerate(prompts) for q in prompts[i + 1 :] if p[:32] == q[:32]]
+    assert len(sharing) == 1 and sharing[0][0][32:] != sharing[0][1][32:]  # the plain one shares nothing

@@ -18,10 +18,21 @@ class TraceSet:
     azure_requests: tuple[int, int]  # (code, conv), from the set's README
     azure_span_s: tuple[tuple[float, float], tuple[float, float]]  # first to last arrival, bounds
     min_sharegpt_rows: int
+    mooncake_requests: int
 
 
-FULL = dict(azure_requests=(8819, 19366), azure_span_s=((55 * 60, 60 * 60),) * 2, min_sharegpt_rows=30000)
-EXCERPTS = dict(azure_requests=(200, 200), azure_span_s=((199.0, 199.2), (61.2, 61.4)), min_sharegpt_rows=200)
+FULL = dict(
+    azure_requests=(8819, 19366),
+    azure_span_s=((55 * 60, 60 * 60),) * 2,
+    min_sharegpt_rows=30000,
+    mooncake_requests=3993,
+)
+EXCERPTS = dict(
+    azure_requests=(200, 200),
+    azure_span_s=((199.0, 199.2), (61.2, 61.4)),
+    min_sharegpt_rows=200,
+    mooncake_requests=200,
+)
 
 
 def find_traces() -> TraceSet:

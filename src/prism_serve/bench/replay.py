@@ -4,6 +4,12 @@ request: POST /v1/completions with stream=true, one task per request, sent at it
 The client adds as little as it can to what it measures: a request's body (its prompt included) is
 built and JSON-encoded before its send time, and the clock starts just before the POST. SSE is parsed
 line by line here rather than through an SDK, so the first text chunk is seen as soon as it arrives.
+
+A workload with prompt block hashes (the Mooncake trace, a request log) is sent so that equal hashes
+are equal token blocks: with ``--prompt ids`` each hash maps to a fixed pseudo-random block of ids
+(``hashed_prompt``), so the requests share exactly the prefixes the workload says they share and a
+server's prefix cache can serve them. Text prompts cannot keep block boundaries (tokenization merges
+words across them), so ``--prompt text`` sends random words as for any workload.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from prism_serve.bench.report import BenchResult, RequestError, RequestRecord
 from prism_serve.bench.settings import BenchError, BenchSettings, resolve_slos
 from prism_serve.workload.format import Workload
 
-__all__ = ["build_prompt", "fetch_server_slos", "normalize_url", "replay"]
+__all__ = ["build_prompt", "fetch_server_slos", "hashed_prompt", "normalize_url", "replay"]
 
 # Common English words that are one token each in the usual BPE vocabularies (GPT-2, Llama, SmolLM2)
 # when preceded by a space, so --prompt text gets close to the intended length. Drawn at random
@@ -57,10 +63,51 @@ def build_prompt(num_tokens: int, settings: BenchSettings, rng: np.random.Genera
     return " ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), size=num_tokens).tolist())
 
 
-def _encode(rec: RequestRecord, settings: BenchSettings, rng: np.random.Generator) -> bytes:
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer: a fixed bijection of uint64 that scatters neighbouring inputs."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def hashed_prompt(
+    num_tokens: int,
+    block_hashes: tuple[int, ...],
+    block_tokens: int,
+    settings: BenchSettings,
+    rng: np.random.Generator,
+) -> list[int]:
+    """Token ids whose ``i``-th block of ``block_tokens`` is the one block hash ``block_hashes[i]``
+    stands for: ids in ``settings.token_range``, a function of the hash, the position in the block
+    and ``settings.seed`` only, so equal hashes give equal blocks in every request and run. Tokens
+    past the hashed blocks are drawn from ``rng`` (the request's own)."""
+    lo, hi = settings.token_range
+    n = min(num_tokens, len(block_hashes) * block_tokens)
+    with np.errstate(over="ignore"):
+        ids = np.array(block_hashes, dtype=np.int64).astype(np.uint64)
+        seeded = _mix64(ids ^ _mix64(np.array([settings.seed], dtype=np.uint64)))
+        pos = np.arange(block_tokens, dtype=np.uint64)
+        x = _mix64(seeded[:, None] + pos[None, :]).ravel()[:n]
+    out = (lo + (x % np.uint64(hi - lo)).astype(np.int64)).tolist()
+    if n < num_tokens:
+        out += rng.integers(lo, hi, size=num_tokens - n).tolist()
+    return out
+
+
+def _encode(
+    rec: RequestRecord,
+    settings: BenchSettings,
+    rng: np.random.Generator,
+    block_hashes: tuple[int, ...] = (),
+    block_tokens: int = 0,
+) -> bytes:
+    if block_hashes and settings.prompt == "ids":
+        prompt = hashed_prompt(rec.prompt_tokens, block_hashes, block_tokens, settings, rng)
+    else:
+        prompt = build_prompt(rec.prompt_tokens, settings, rng)
     body = {
         "model": rec.served_model,
-        "prompt": build_prompt(rec.prompt_tokens, settings, rng),
+        "prompt": prompt,
         "max_tokens": rec.max_tokens,
         "temperature": 0,
         "stream": True,
@@ -222,6 +269,7 @@ async def replay(
     unknown = sorted(a for a, _ in settings.model_map if a not in workload.models)
     if unknown:
         raise BenchError(f"--model-map names models the workload does not have: {unknown}")
+    rows = list(workload.rows())
     records = [
         RequestRecord(
             i,
@@ -231,7 +279,7 @@ async def replay(
             r.prompt_tokens,
             r.output_tokens,
         )
-        for i, r in enumerate(workload.rows())
+        for i, r in enumerate(rows)
     ]
     models = sorted({r.model for r in records})
     cap = settings.max_concurrency
@@ -267,8 +315,9 @@ async def replay(
         started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         t0 = time.perf_counter()
         tasks = []
-        for rec in records:
-            content = _encode(rec, settings, rng)  # before the wait, so it does not delay the send
+        for rec, row in zip(records, rows, strict=True):
+            # before the wait, so it does not delay the send
+            content = _encode(rec, settings, rng, row.block_hashes, row.block_tokens)
             delay = t0 + rec.scheduled_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

@@ -25,7 +25,10 @@ the models; the compute count is ``ceil(max over windows of compute_s / compute_
 
 - *FLOPs* (``RooflineCostModel.request_floor``): each request's FLOPs at the compute rates (its prompt
   once, ``output - 1`` decodes, the attention pairs of that schedule), summed. A prefill step reads
-  the weights too, but prefills batch, so prompts count only their FLOPs.
+  the weights too, but prefills batch, so prompts count only their FLOPs. With prompt block hashes
+  (``prefix_block_size``), a request's prompt counts less the tokens an unbounded prefix cache of its
+  model, filled in arrival order, would hold (``workload.prefix.infinite_cache_hits``): no engine's
+  cache holds more (this assumes a request never reuses the prefix of one arriving after it).
 - *Weight reads of decoding, given the SLOs* (``slos``): a request of ``O`` output tokens samples
   them in ``O`` distinct steps of its model's engine (a step samples at most one token per request)
   and every step reads the model's weights at least once (``w``: the weight stream time, the floor
@@ -75,6 +78,7 @@ from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.hardware import HardwareProfile
 from prism_serve.sim.models import ServedModel
 from prism_serve.workload.format import Workload
+from prism_serve.workload.prefix import infinite_cache_hits
 
 __all__ = ["DeviceBound", "lower_bound"]
 
@@ -112,13 +116,15 @@ def lower_bound(
     slos: Mapping[str, ModelSLO] | None = None,
     memory_window_s: float = 10.0,
     compute_window_s: float = 60.0,
+    prefix_block_size: int | None = None,
 ) -> DeviceBound:
     """The devices any policy needs for ``workload`` on ``hw`` (module docstring for the definition).
 
     ``slos`` are the SLOs the simulation runs with (already scaled, as sweep.run_point passes them to
     simulate); with them the compute part counts the weight reads that requests too far apart in time
     to share a step need, and is a bound for policies that meet every request's SLOs. Without them
-    the compute part assumes perfect batching (``max_num_seqs`` tokens per weight read)."""
+    the compute part assumes perfect batching (``max_num_seqs`` tokens per weight read).
+    ``prefix_block_size``: the engines' block size where they cache prefixes (None: they do not)."""
     for name, value in (("memory_window_s", memory_window_s), ("compute_window_s", compute_window_s)):
         if not (value > 0 and math.isfinite(value)):
             raise SimConfigError(f"{name} must be a positive number, got {value}")
@@ -139,6 +145,11 @@ def lower_bound(
 
     ts, idx = workload.timestamps, workload.model_index
     prompt, output = workload.prompt_tokens, workload.output_tokens
+    cached = (
+        infinite_cache_hits(workload, prefix_block_size)
+        if prefix_block_size is not None
+        else np.zeros(len(workload), dtype=np.int64)
+    )
     # column j of the per-window tables is served[j]
     col = np.full(len(workload.models), -1, dtype=np.int64)
     col[used] = np.arange(len(used))
@@ -162,7 +173,7 @@ def lower_bound(
     for k, m in enumerate(served):
         mine = np.flatnonzero(j == k)
         p, o = prompt[mine], output[mine]
-        f, r = cost.request_floor(m.spec, m.tp_size, p, o, max_num_seqs)
+        f, r = cost.request_floor(m.spec, m.tp_size, p, o, max_num_seqs, cached[mine])
         np.add.at(flops, (cw[mine], k), f)
         np.add.at(batched, (cw[mine], k), r)
         if slos is not None:

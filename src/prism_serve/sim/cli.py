@@ -3,6 +3,12 @@
     prism workload --setup paper-8 --total-rate 5 --duration 1800 --out w.jsonl   # build + statistics
     prism sim --setup paper-8 --gpus 2 --sweep rate --values 0.5,1,2,4 --out results/sim-8
     prism sim --setup paper-58 --gpus 32 --find-gpus 0.99 --policies prism,muxserve,static-partition
+    prism sim --setup cpu-2 --hardware cpu-smollm2 --source mooncake --block-tokens 16 \
+        --max-prompt-tokens 1792 --max-output-tokens 256 --max-num-seqs 32 --policies prism
+
+A workload with prompt block hashes (``--source mooncake``, or a file that carries them) is simulated
+with a prefix cache per engine (sim/engine.py); each point then prints the share of prompt tokens
+found cached, next to what an unbounded cache per model would give on the same requests.
 
 With ``--find-gpus``, a lower bound on the devices any policy needs (sim/bound.py) is printed first
 and every policy's answer is also given as a ratio to it. The search is ``prism plan``'s
@@ -38,8 +44,19 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--setup", default="paper-8", choices=PRESETS, help="the served models (sim/presets/)")
     p.add_argument("--workload", type=Path, help="read this JSONL workload instead of building one")
-    p.add_argument("--source", default="servegen:m-large", help="servegen:<pool> or azure:conv|code")
+    p.add_argument(
+        "--source", default="servegen:m-large",
+        help="servegen:<pool>, azure:conv|code, or mooncake (the Mooncake trace's own requests, lengths "
+        "and prompt block hashes; workload/builder.py)",
+    )  # fmt: skip
     p.add_argument("--lengths", default="azure:conv", choices=list(LENGTH_FILES))
+    p.add_argument(
+        "--block-tokens", type=int, default=None, metavar="N",
+        help="mooncake: its 512-token hashed blocks become N-token blocks, prompts scaled alike (16 or 32 "
+        "fit a 2048-token context with --max-prompt-tokens)",
+    )  # fmt: skip
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="cap every prompt (its hashes too)")
+    p.add_argument("--max-output-tokens", type=int, default=None, help="cap every output")
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of workload")
     p.add_argument("--start", type=float, default=None, help="ServeGen start time, s (default day 2 10:00)")
     p.add_argument("--total-rate", type=float, default=None, help="mean total req/s at rate scale 1")
@@ -63,6 +80,9 @@ def _workload(args: argparse.Namespace, models: list):
         duration_s=args.duration,
         rate_scale=args.rate_scale,
         total_rate=args.total_rate,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+        block_tokens=args.block_tokens,
         seed=args.seed,
         traces_dir=args.traces,
         **extra,
@@ -70,7 +90,22 @@ def _workload(args: argparse.Namespace, models: list):
     return build_workload(spec), spec
 
 
+def _unbounded_line(workload, block_size: int) -> str | None:
+    """What an unbounded prefix cache per model would hold, for a workload with block hashes."""
+    from prism_serve.workload.prefix import infinite_cache_hits
+
+    if workload.block_hashes is None:
+        return None
+    hits = infinite_cache_hits(workload, block_size)
+    rate = float(hits.sum() / workload.prompt_tokens.sum())
+    return (
+        f"prefix sharing: an unbounded cache per model would hold {rate:.1%} of prompt tokens "
+        f"({block_size}-token blocks; hashes of {workload.block_tokens}-token blocks)"
+    )
+
+
 def _cmd_workload(args: argparse.Namespace) -> int:
+    from prism_serve.engine.config import GPU_ENGINE_DEFAULTS
     from prism_serve.sim.deployment import get_setup
     from prism_serve.workload.format import write_jsonl
     from prism_serve.workload.stats import format_stats, model_stats
@@ -81,6 +116,8 @@ def _cmd_workload(args: argparse.Namespace) -> int:
         print(f"wrote {len(w)} requests to {args.out}", file=sys.stderr)
     span = spec.duration_s if spec is not None else None
     print(format_stats(model_stats(w, span_s=span)))
+    if (line := _unbounded_line(w, GPU_ENGINE_DEFAULTS.block_size)) is not None:
+        print(line)
     return 0
 
 
@@ -104,6 +141,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         for k, v in (
             ("max_num_seqs", args.max_num_seqs),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
+            ("prefix_caching", False if args.no_prefix_caching else None),
         )
         if v is not None
     }
@@ -112,6 +150,11 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         compute_sharing=not args.no_compute_sharing,
         engine=msgspec.structs.replace(GPU_ENGINE_DEFAULTS, **engine),
     )  # fmt: skip
+    if (
+        config.engine.prefix_caching
+        and (line := _unbounded_line(workload, config.engine.block_size)) is not None
+    ):
+        print(line, file=sys.stderr)
     if args.slos is not None and args.slos.exists():
         slos = load_slos(args.slos)
     else:
@@ -191,6 +234,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
                 f"act {r['activations']:5d}  ev {r['evictions']:5d}  "
                 f"misses cold {r['ttft_misses_cold']:5d} warm {r['ttft_misses_warm']:5d}  "
                 f"replicas {r['replica_activations']:4d} ({r['requests_on_replicas']} requests)"
+                + _prefix_cells(r)
             )
         if args.out is not None and args.sweep:
             plot_sweep(rows, args.out / "sweep.png", title=title)
@@ -198,6 +242,15 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         (args.out / "results.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
         print(f"results in {args.out}/ [simulated: {config.hardware} profile]", file=sys.stderr)
     return 0
+
+
+def _prefix_cells(point: dict) -> str:
+    """A point's prefix hit rate and an unbounded cache's, where the workload had block hashes."""
+    if "prefix_hit_rate" not in point:
+        return ""
+    return (
+        f"  prefix hits {point['prefix_hit_rate']:6.2%} (unbounded {point['prefix_hit_rate_infinite']:6.2%})"
+    )
 
 
 def _bound_line(b) -> str:
@@ -282,6 +335,10 @@ def add_sim_parser(sub) -> None:
     s.add_argument(
         "--no-compute-sharing", action="store_true",
         help="each engine steps as if alone on its device (the simulator before compute sharing)",
+    )  # fmt: skip
+    s.add_argument(
+        "--no-prefix-caching", action="store_true",
+        help="compute every prompt in full even where the workload has block hashes (to compare)",
     )  # fmt: skip
     s.add_argument("--sweep", choices=AXES, help="axis to sweep over --values")
     s.add_argument("--values", type=_floats, default=None, help="comma-separated axis values")

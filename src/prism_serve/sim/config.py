@@ -32,7 +32,8 @@ class SimConfig:
     runtime's ``EngineConfig`` (block_size, max_num_seqs, max_num_batched_tokens are read), with the
     defaults of a GPU engine (engine/config.py GPU_ENGINE_DEFAULTS: the hardware profiles are GPUs; a
     run that mirrors the live CPU server passes the live models' config); the page is the ledger's
-    (memory.vmm.DEFAULT_PAGE_SIZE)."""
+    (memory.vmm.DEFAULT_PAGE_SIZE). ``engine.prefix_caching`` turns the simulated engines' prefix
+    cache on where the workload carries prompt block hashes (sim/engine.py)."""
 
     num_devices: int
     hardware: str = "h100"

@@ -184,7 +184,13 @@ class RooflineCostModel:
         return list(accumulate([mm + f_pair * ctx + kv * (ctx + num_seqs) + extra for ctx in contexts]))
 
     def request_floor(
-        self, spec: ModelShape, tp: int, prompt: ArrayOrInt, output: ArrayOrInt, max_num_seqs: int
+        self,
+        spec: ModelShape,
+        tp: int,
+        prompt: ArrayOrInt,
+        output: ArrayOrInt,
+        max_num_seqs: int,
+        cached: ArrayOrInt = 0,
     ) -> tuple[ArrayOrFloat, ArrayOrFloat]:
         """Device-seconds (all ``tp`` ranks) that one request's steps cost at least, as two floors
         that each hold alone: (its FLOPs at the compute rates, its share of the weight reads).
@@ -198,13 +204,16 @@ class RooflineCostModel:
 
         The summed CPU form prices a matmul group of ``m`` rows at ``min(m * row, w + m * f)``, which
         is at least ``m * min(row, f)`` and, for ``m >= 1``, at least ``min(row, w)``; its LM head runs
-        only for sampled tokens, so the body and head are floored separately."""
+        only for sampled tokens, so the body and head are floored separately.
+
+        ``cached``: prompt tokens a prefix cache can hold at most (never fed; their attention pairs
+        ``C(C+1)/2`` are not computed either)."""
         f_tok, f_pair, w, _, _, _, _, groups, experts = self._c(spec, tp)
         if experts:  # a full step's tokens read this share of the experts
             w += experts * spec.experts_read(max_num_seqs)
-        p, o = prompt, output
-        fed = p + o - 1
-        pairs = p * (p + 1) / 2 + (o - 1) * p + (o - 1) * (o - 2) / 2
+        p, o, c = prompt, output, cached
+        fed = p - c + o - 1
+        pairs = p * (p + 1) / 2 - c * (c + 1) / 2 + (o - 1) * p + (o - 1) * (o - 2) / 2
         if groups is None:
             flops, per_step = f_tok * fed, w
         else:

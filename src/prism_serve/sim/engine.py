@@ -15,6 +15,18 @@ blocks are granted up front, so between its start and its end the engine may hol
 the defaults); a dispatch or memory freed elsewhere on the device cuts the run at the next step
 boundary, and the blocks not needed then are returned. Step durations inside a run come from the
 cost model one by one (contexts grow every step), so a run's timing equals its steps' timings.
+
+Prefix caching (``prefix_caching=True``; requests with ``block_keys``, workload/prefix.py), as the
+live engine does it: a waiting request takes the longest run of its leading blocks that the engine's
+``PrefixCache`` holds (at most ``prompt - 1`` tokens, so its last token is computed) and prefills
+only the rest; its step still pays attention over the whole context. Blocks held by running
+requests are shared (counted once); a full prompt block joins the cache once computed (unless two
+requests computed it at once: the second copy stays private), and blocks no request holds
+(finished, preempted) stay cached, least recently freed evicted first. Those free blocks live in
+memory nobody has mapped: at most as many as the engine could still be granted (device pages and
+quota), so a grant never waits for them; whenever the free memory shrinks (a grant of any engine on
+the device, weights mapped, a smaller quota) the cache evicts what no longer fits. Stopping the
+engine (an eviction) empties it.
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ from prism_serve.engine.grouping import padded_decode_context
 from prism_serve.sim.cost import RooflineCostModel
 from prism_serve.sim.memory import SimDevice
 from prism_serve.sim.models import ServedModel
+from prism_serve.sim.prefix_cache import PrefixCache
+from prism_serve.workload.prefix import cacheable_blocks
 
 __all__ = ["SimEngine", "SimRequest", "SimSeq"]
 
@@ -51,6 +65,8 @@ class SimRequest:
     num_restarts: int = 0  # engine stopped under it (evicted or migrated) and it started over
     cold: bool = False  # its model had no ready engine when it arrived (evicted or still activating)
     replica: str = ""  # the replica (model or replica slot name) it was last dispatched to
+    block_keys: tuple[int, ...] = field(default=(), repr=False)  # its full prompt blocks' cache keys
+    cached_tokens: int | None = None  # prompt tokens found cached when first scheduled (None: never)
 
     @property
     def ttft(self) -> float | None:
@@ -64,14 +80,26 @@ class SimRequest:
 
 
 class SimSeq:
-    __slots__ = ("generated", "num_blocks", "num_computed", "num_tokens", "req")
+    __slots__ = (
+        "cached",
+        "generated",
+        "keys",
+        "num_blocks",
+        "num_computed",
+        "num_registered",
+        "num_tokens",
+        "req",
+    )
 
     def __init__(self, req: SimRequest) -> None:
         self.req = req
+        self.keys = req.block_keys
         self.generated = 0
         self.num_tokens = req.prompt_tokens
         self.num_computed = 0
-        self.num_blocks = 0
+        self.num_blocks = 0  # its block table's length
+        self.cached: list[int] = []  # keys of its blocks held through the prefix cache (shared)
+        self.num_registered = 0  # its leading blocks the cache has seen (matched or registered)
 
 
 class SimEngine:
@@ -89,6 +117,7 @@ class SimEngine:
         max_run_steps: int,
         quota: int | None = None,
         changed: dict[str, None] | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         self.model = model
         self.name = model.name
@@ -106,7 +135,11 @@ class SimEngine:
         kvpt = -(-model.spec.kv_bytes_per_token // model.tp_size)
         self.kv_bytes_per_token = kvpt  # per device
         self.block_bytes = kvpt * block_size
-        self.used_blocks = 0
+        self.used_blocks = 0  # blocks mapped for running requests (a shared block once)
+        self.cache = PrefixCache() if prefix_caching else None
+        if self.cache is not None:
+            for d in devices:
+                d.shrink_watchers[self.name] = self.trim_cache
         self.running: list[SimSeq] = []
         self.waiting: deque[SimSeq] = deque()
         # the step (or run of decode steps) in flight
@@ -158,9 +191,12 @@ class SimEngine:
         self.running.clear()
         self.waiting.clear()
         self.used_blocks = 0
+        if self.cache is not None:
+            self.cache.clear()  # the live engine keeps no prefix across an eviction
         for d in self.devices:
             d.set_kv(self.name, 0)
             d.claim(self._claim_key, 0)
+            d.shrink_watchers.pop(self.name, None)
         self.busy = False
         self.version += 1
         return out
@@ -176,20 +212,26 @@ class SimEngine:
 
     # -- blocks --------------------------------------------------------------------------------
 
+    def _fits(self, extra: int) -> bool:
+        """Whether ``extra`` more blocks can be granted on every device now."""
+        new_bytes = (self.used_blocks + extra) * self.block_bytes
+        if self.quota is not None and new_bytes > self.quota:
+            return False
+        return all(d.kv_delta_pages(self.name, new_bytes) <= d.free_pages for d in self.devices)
+
     def _try_blocks(self, extra: int) -> bool:
         """Grant ``extra`` more blocks on every device, or nothing."""
         if extra <= 0:
             return True
-        new_bytes = (self.used_blocks + extra) * self.block_bytes
-        if self.quota is not None and new_bytes > self.quota:
+        if not self._fits(extra):
             return False
-        for d in self.devices:
-            if d.kv_delta_pages(self.name, new_bytes) > d.free_pages:
-                return False
         self.used_blocks += extra
         self.dirty = True
+        new_bytes = self.used_blocks * self.block_bytes
         for d in self.devices:
             d.set_kv(self.name, new_bytes)
+        if self.cache is not None:  # within pages it had mapped no device shrank: trim here
+            self.trim_cache()
         return True
 
     def _return_blocks(self, n: int) -> None:
@@ -209,8 +251,65 @@ class SimEngine:
         return True
 
     def _release(self, seq: SimSeq) -> None:
-        self._return_blocks(seq.num_blocks)
+        n = seq.num_blocks
+        if seq.cached:  # shared ones go back to the cache; those no one holds now free memory
+            n += self.cache.release(seq.cached) - len(seq.cached)
+            seq.cached = []
+        seq.num_registered = 0
+        self._return_blocks(n)
         seq.num_blocks = 0
+
+    # -- prefix cache ----------------------------------------------------------------------------
+
+    def cache_room(self) -> int:
+        """Blocks the engine could still be granted now: the most free cached blocks it keeps."""
+        bb = self.block_bytes
+        room = min((d.kv_pages.get(self.name, 0) + d.free_pages) * d.page_size // bb for d in self.devices)
+        if self.quota is not None:
+            room = min(room, self.quota // bb)
+        return max(0, room - self.used_blocks)
+
+    def trim_cache(self) -> None:
+        """Evict the free cached blocks that no longer fit in the memory the engine could be granted."""
+        excess = self.cache.num_free - self.cache_room()
+        if excess > 0:
+            self.cache.evict(excess)
+
+    def set_quota(self, quota: int | None) -> None:
+        self.quota = quota
+        self.dirty = True
+        if self.cache is not None:
+            self.trim_cache()
+
+    def _admit(self, seq: SimSeq, budget: int) -> int | None:
+        """Take a waiting ``seq``'s cached prefix and the blocks for its first chunk; the tokens it
+        computes this step, or None (nothing changed) when the blocks cannot be granted."""
+        bs = self.block_size
+        hit = free = 0
+        if self.cache is not None and seq.keys:
+            hit, free = self.cache.match(seq.keys, cacheable_blocks(seq.num_tokens, bs))
+        start = hit * bs
+        n = min(seq.num_tokens - start, budget)
+        need = -(-(start + n) // bs) - hit
+        # the free cached blocks it takes are counted as in use again: granted with its new ones
+        if not self._fits(free + need):
+            return None
+        if hit:
+            seq.cached = list(seq.keys[:hit])
+            self.cache.acquire(seq.cached)
+        self._try_blocks(free + need)
+        seq.num_blocks, seq.num_registered, seq.num_computed = hit + need, hit, start
+        if seq.req.cached_tokens is None:
+            seq.req.cached_tokens = start
+        return n
+
+    def _register(self, seq: SimSeq) -> None:
+        """Its prompt blocks computed in full join the cache (but for copies of cached ones)."""
+        full = min(seq.num_computed // self.block_size, len(seq.keys))
+        for key in seq.keys[seq.num_registered : full]:
+            if self.cache.register(key):
+                seq.cached.append(key)
+        seq.num_registered = max(seq.num_registered, full)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -249,9 +348,14 @@ class SimEngine:
         self._preempted = preempted
         while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._grow(seq, seq.num_computed + n):
-                break
+            if self.cache is not None:
+                n = self._admit(seq, budget)
+                if n is None:
+                    break
+            else:
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                if not self._grow(seq, seq.num_computed + n):
+                    break
             self.waiting.popleft()
             running.append(seq)
             scheduled.append((seq, n))
@@ -388,8 +492,11 @@ class SimEngine:
                 s.num_tokens += k
         else:
             self.num_steps += 1
+            cache = self.cache
             for s, n in self._scheduled:
                 s.num_computed += n
+                if cache is not None and s.num_registered < len(s.keys):
+                    self._register(s)
                 if s.num_computed == s.num_tokens:
                     s.generated += 1
                     s.num_tokens += 1

@@ -11,9 +11,14 @@
 - *Claims* are bytes promised but not yet mapped (weights of an activation waiting for memory,
   prompts dispatched but not yet scheduled); they are reported to the policy as mapped so admission
   does not hand the same memory out twice, but a real allocation may still use them.
+- An engine's prefix cache keeps the blocks no request holds in memory nobody has mapped (they are
+  not counted here); it registers a *shrink watcher* that is called whenever the free pages shrink,
+  so it can evict what no longer fits (engine.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prism_serve.sim.errors import SimStateError
 
@@ -28,6 +33,7 @@ class SimDevice:
         "kv_pages",
         "name",
         "page_size",
+        "shrink_watchers",
         "used_pages",
         "version",
         "weight_pages",
@@ -47,6 +53,12 @@ class SimDevice:
         # where the device writes its name when it changes (the simulator's snapshot builder reads
         # and clears it, instead of asking every device at every snapshot)
         self.changed = changed
+        # engine name -> called after the free pages shrank (prefix caches evict what no longer fits)
+        self.shrink_watchers: dict[str, Callable[[], None]] = {}
+
+    def _shrank(self) -> None:
+        for watcher in self.shrink_watchers.values():
+            watcher()
 
     def touch(self) -> None:
         self.version += 1
@@ -80,6 +92,8 @@ class SimDevice:
         self.weight_pages[model] = pages
         self.used_pages += pages
         self.touch()
+        if self.shrink_watchers:
+            self._shrank()
         return True
 
     def unmap_weights(self, model: str) -> None:
@@ -103,6 +117,8 @@ class SimDevice:
             self.kv_pages[model] = pages
         else:
             self.kv_pages.pop(model, None)
+        if pages > old and self.shrink_watchers:
+            self._shrank()
 
     def kv_mapped_bytes(self, model: str) -> int:
         return self.kv_pages.get(model, 0) * self.page_size

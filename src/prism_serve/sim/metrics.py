@@ -9,6 +9,10 @@
   (it waited in a queue or behind colocated work). Prewarming can only remove cold misses.
 - **Throughput**: output tokens per second of *busy* time, where busy time is the union of the
   intervals in which at least one request was in the system (the paper excludes idle periods).
+- **Prefix hit rate** (workloads with block hashes): prompt tokens found in the engine's prefix
+  cache when the request was first scheduled, over all prompt tokens (requests never scheduled count
+  as misses); ``prefix_hit_rate_infinite`` is what one unbounded cache per model that never evicts,
+  filled as requests arrive, would give on the same requests.
 """
 
 from __future__ import annotations
@@ -50,6 +54,22 @@ class SimResult:
     counters: Counter = field(default_factory=Counter)  # activations, evictions, migrations, ...
     labels: dict = field(default_factory=dict)  # config echo: hardware, policy, devices, synthetic marks
     colocated: dict[str, list[str]] = field(default_factory=dict)  # models ever resident together
+    # prefix caching (labels["prefix_caching"]): per model, the prompt tokens an unbounded cache
+    # would have held on the same requests
+    infinite_cached: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return bool(self.labels.get("prefix_caching"))
+
+    def _prefix(self, reqs: list[SimRequest], infinite: int) -> dict:
+        prompt = sum(r.prompt_tokens for r in reqs)
+        cached = sum(r.cached_tokens or 0 for r in reqs)
+        return {
+            "prefix_cached_tokens": cached,
+            "prefix_hit_rate": cached / prompt if prompt else 0.0,
+            "prefix_hit_rate_infinite": infinite / prompt if prompt else 0.0,
+        }
 
     @property
     def mean_in_system(self) -> float:
@@ -79,6 +99,8 @@ class SimResult:
                 "by_replica": served,  # requests each replica (model or slot name) last served
                 "colocated": self.colocated.get(m, []),  # the models it shared a device with
             }
+            if self.prefix_caching:
+                out[m].update(self._prefix(rs, self.infinite_cached.get(m, 0)))
         return out
 
     def summary(self) -> dict:
@@ -116,4 +138,5 @@ class SimResult:
             "restarts": sum(r.num_restarts for r in reqs),
             "simulated_s": self.end_time,
             "busy_s": self.busy_time,
+            **(self._prefix(reqs, sum(self.infinite_cached.values())) if self.prefix_caching else {}),
         }

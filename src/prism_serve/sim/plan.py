@@ -401,6 +401,7 @@ def plan(
         deployment.models, workload, hw, COST_MODELS[base.cost_model](hw),
         max_num_seqs=base.engine.max_num_seqs, slos=deployment.slos,
         memory_window_s=memory_window_s, compute_window_s=compute_window_s,
+        prefix_block_size=base.engine.block_size if base.engine.prefix_caching else None,
     )  # fmt: skip
     widest = max(m.tp_size for m in deployment.models)
     low = max(bound.compute_devices, bound.tp_devices, widest, 1)

@@ -48,6 +48,12 @@ def format_plan(plan: Plan, chosen: str) -> str:
             f"{cells[1]} | {_money(plan.monthly_cost(n))} |"
         )
     p = plan.policies.get(chosen)
+    if p is not None and p.answer is not None and "prefix_hit_rate" in p.answer:
+        lines += [
+            "",
+            f"prefix cache: {p.answer['prefix_hit_rate']:.1%} of prompt tokens found cached at {chosen}'s "
+            f"answer (an unbounded cache per model: {p.answer['prefix_hit_rate_infinite']:.1%})",
+        ]
     if p is not None and p.answer is not None:
         lines += ["", f"{chosen} at {p.devices} devices, per model:", ""]
         lines += [

@@ -14,6 +14,12 @@ their actions through this class's effect methods; what the simulator adds is th
 - ``dispatch``: the request joins its engine's waiting queue; the engine's scheduler takes it at its
   next step boundary. ``reject`` ends the request as a miss.
 
+Where the workload carries prompt block hashes (and ``SimConfig.engine.prefix_caching``), each engine
+keeps a prefix cache (engine.py) keyed by ``workload.prefix.block_keys`` at the engine's block size;
+an eviction empties it. The result reports the prompt tokens found cached, and what an unbounded
+cache per model would have held on the same requests (``workload.prefix.infinite_cache_hits``).
+Admission (control/) still estimates prefill time from the whole prompt, as the live controller does.
+
 Snapshots of this state for every policy call come from sim/snapshots.py, which rebuilds only
 what changed.
 """
@@ -24,6 +30,8 @@ import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
+
+import numpy as np
 
 from prism_serve.control import (
     ClusterSnapshot,
@@ -50,6 +58,7 @@ from prism_serve.sim.models import ServedModel
 from prism_serve.sim.snapshots import SnapshotBuilder
 from prism_serve.sim.state import SimModel
 from prism_serve.workload.format import Workload
+from prism_serve.workload.prefix import block_keys, infinite_cache_hits
 
 __all__ = ["ModelSLO", "SimConfig", "Simulator", "simulate"]
 
@@ -134,6 +143,9 @@ class Simulator:
         self._t0 = float(workload.timestamps[self._first]) if spanned else 0.0
         self._next_arrival = self._first
         self._names = workload.models
+        # prefix caching: the workload's hashes, and the engines' block size its keys are made for
+        self._hashes = workload.block_hashes if config.engine.prefix_caching else None
+        self._block_size = config.engine.block_size
         # early stop (SimConfig.stop_after_ttft_misses): requests not yet known to meet or miss
         # their TTFT SLO, and those known to have missed it
         self._unsettled: list[SimRequest] = []
@@ -228,7 +240,19 @@ class Simulator:
         }
         counters = self.counters + self.loop.counters
         colocated = {m: sorted(others) for m, others in self.colocated.items()}
-        return SimResult(self.requests, self.now, self._busy, self._integral, counters, labels, colocated)
+        infinite: dict[str, int] = {}
+        if self._hashes is not None:
+            labels["prefix_caching"] = True
+            span = np.zeros(len(self.workload), dtype=bool)
+            span[first : self._next_arrival] = True  # the requests that arrived (a run may stop early)
+            simulated = self.workload.select(span)
+            hits = infinite_cache_hits(simulated, self._block_size)
+            for m, h in zip(simulated.model_index.tolist(), hits.tolist(), strict=True):
+                name = self._names[m]
+                infinite[name] = infinite.get(name, 0) + h
+        return SimResult(
+            self.requests, self.now, self._busy, self._integral, counters, labels, colocated, infinite
+        )
 
     def _arrival_time(self, i: int) -> float:
         return self.config.warmup_s + float(self.workload.timestamps[i]) - self._t0
@@ -252,6 +276,8 @@ class Simulator:
         req_id = str(i)
         control = Request(req_id, model, now, prompt, m.slo.ttft_s)
         req = SimRequest(req_id, model, now, prompt, output, m.slo.ttft_s, m.slo.tpot_s, control)
+        if self._hashes is not None:
+            req.block_keys = block_keys(self._hashes[i], wl.block_tokens, prompt, self._block_size)
         # cold: no replica of the model had a ready engine when the request arrived
         req.cold = all(self.models[name].state is not ModelState.ACTIVE for name in self._replicas_of(model))
         self.requests.append(req)
@@ -341,6 +367,7 @@ class Simulator:
             max_run_steps=c.max_run_steps,
             quota=quota,
             changed=self._changed_engines,
+            prefix_caching=self._hashes is not None,
         )
         m.state = ModelState.ACTIVE
         m.activated_at = now
@@ -389,8 +416,7 @@ class Simulator:
         m = self.models[model]
         m.quota[device] = quota_bytes
         if m.engine is not None and m.placement and m.placement[0] == device:
-            m.engine.quota = quota_bytes
-            m.engine.dirty = True
+            m.engine.set_quota(quota_bytes)
 
     def _start(self, e: SimEngine, now: float) -> None:
         factor = 1.0 if self._share is None else self._slowdown(e, joining=True)

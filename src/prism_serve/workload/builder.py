@@ -16,6 +16,14 @@ Rates: ``total_rate`` (req/s, optional) first rescales the sources so that the e
 rate is that; ``rate_scale`` then multiplies every model's rate (the paper's "rate scale" axis). A
 factor above 1 on an Azure slice replicates arrivals (each copy jittered by up to ``_JITTER_S``).
 
+- ``mooncake``: the Mooncake trace's own requests (workload/mooncake.py), with their lengths and
+  prompt block hashes (``lengths`` is not used). Every request goes to the model of its first block:
+  each distinct first block picks one model (seeded) with the Zipf weights above, so requests that
+  share a prefix go to one model. ``block_tokens`` scales the trace's 512-token blocks and its
+  prompts alike (16 or 32 fit prompts into a 2048-token context, with ``max_prompt_tokens``);
+  ``rate_scale`` (and ``total_rate``) compress time rather than thin or replicate, so the sharing
+  between requests stays the trace's; the window is its first ``duration_s`` seconds after that.
+
 Lengths: every request draws a (prompt, output) pair from ``lengths``: ``azure:conv``, ``azure:code``
 or ``sharegpt``, uniformly with replacement, optionally capped by ``max_prompt_tokens`` /
 ``max_output_tokens``.
@@ -32,6 +40,7 @@ from types import MappingProxyType
 import numpy as np
 
 from prism_serve.workload.format import Workload, WorkloadError
+from prism_serve.workload.mooncake import MOONCAKE_FILE, read_mooncake, scale_mooncake
 from prism_serve.workload.traces import (
     SERVEGEN_WINDOW_S,
     default_traces_dir,
@@ -68,6 +77,7 @@ class WorkloadSpec:
     zipf: float = 1.0
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
+    block_tokens: int | None = None  # mooncake: tokens per hashed block after scaling (None: 512)
     seed: int = 0
     traces_dir: Path | None = field(default=None, compare=False)
 
@@ -90,6 +100,8 @@ class WorkloadSpec:
         for cap in (self.max_prompt_tokens, self.max_output_tokens):
             if cap is not None and cap < 1:
                 raise WorkloadError("token caps must be >= 1")
+        if self.block_tokens is not None and self.block_tokens < 1:
+            raise WorkloadError("block_tokens must be >= 1")
 
     @property
     def root(self) -> Path:
@@ -100,7 +112,11 @@ def build_workload(spec: WorkloadSpec) -> Workload:
     """The workload ``spec`` describes; the same spec (seed included) gives the same workload."""
     rng = np.random.default_rng(spec.seed)
     kind = spec.source.split(":", 1)[0]
-    per_model = SOURCES[kind](spec, rng)
+    return SOURCES[kind](spec, rng)
+
+
+def _with_lengths(spec: WorkloadSpec, rng: np.random.Generator, per_model: list[np.ndarray]) -> Workload:
+    """Per-model arrival times as a workload, each request's lengths drawn from ``spec.lengths``."""
     times = np.concatenate(per_model) if per_model else np.empty(0)
     index = np.concatenate([np.full(len(t), i, dtype=np.int32) for i, t in enumerate(per_model)])
     prompt_pool, output_pool = read_lengths(spec.root / LENGTH_FILES[spec.lengths])
@@ -116,7 +132,7 @@ def build_workload(spec: WorkloadSpec) -> Workload:
 # -- sources -------------------------------------------------------------------------------------
 
 
-def _servegen(spec: WorkloadSpec, rng: np.random.Generator) -> list[np.ndarray]:
+def _servegen(spec: WorkloadSpec, rng: np.random.Generator) -> Workload:
     pool = spec.source.split(":", 1)[1] if ":" in spec.source else "m-large"
     clients = [read_servegen_client(p) for p in servegen_clients(spec.root / "servegen" / pool)]
     span = float(clients[0].ts[-1] + SERVEGEN_WINDOW_S) if clients else 0.0
@@ -150,10 +166,10 @@ def _servegen(spec: WorkloadSpec, rng: np.random.Generator) -> list[np.ndarray]:
             t = c.ts[w] + sample_window(c.pattern[w], c.rate[w] * scale, c.cv[w], SERVEGEN_WINDOW_S, rng)
             parts.append(t[(t >= s) & (t < s + spec.duration_s)] - s)
         out.append(np.concatenate(parts) if parts else np.empty(0))
-    return out
+    return _with_lengths(spec, rng, out)
 
 
-def _azure(spec: WorkloadSpec, rng: np.random.Generator) -> list[np.ndarray]:
+def _azure(spec: WorkloadSpec, rng: np.random.Generator) -> Workload:
     name = spec.source.split(":", 1)[1] if ":" in spec.source else "conv"
     key = f"azure:{name}"
     if key not in LENGTH_FILES:
@@ -177,9 +193,36 @@ def _azure(spec: WorkloadSpec, rng: np.random.Generator) -> list[np.ndarray]:
         extra = np.concatenate([[False], t[1:] == t[:-1]])  # every copy after the first of an arrival
         t = t + extra * rng.uniform(0, _JITTER_S, len(t))
         out.append(np.sort(t[t < spec.duration_s]))
-    return out
+    return _with_lengths(spec, rng, out)
 
 
-SOURCES: Mapping[str, Callable[[WorkloadSpec, np.random.Generator], list[np.ndarray]]] = MappingProxyType(
-    {"servegen": _servegen, "azure": _azure}
+def _mooncake(spec: WorkloadSpec, rng: np.random.Generator) -> Workload:
+    trace = read_mooncake(spec.root / MOONCAKE_FILE)
+    scale = spec.rate_scale
+    if spec.total_rate is not None:
+        scale *= spec.total_rate * max(trace.duration, 1e-9) / len(trace)
+    trace = scale_mooncake(
+        trace, block_tokens=spec.block_tokens, time_scale=1.0 / scale,
+        max_prompt_tokens=spec.max_prompt_tokens, max_output_tokens=spec.max_output_tokens,
+    )  # fmt: skip
+    n = len(spec.models)
+    weights = (rng.permutation(n) + 1.0) ** -spec.zipf
+    roots, root_of = np.unique([h[0] for h in trace.hash_ids], return_inverse=True)
+    model_of_root = rng.choice(n, size=len(roots), p=weights / weights.sum())
+    keep = np.flatnonzero(trace.arrivals < spec.duration_s)
+    return Workload(
+        trace.arrivals[keep],
+        model_of_root[root_of[keep]],
+        trace.prompt_tokens[keep],
+        trace.output_tokens[keep],
+        spec.models,
+        [trace.hash_ids[i] for i in keep.tolist()],
+        trace.block_tokens,
+    )
+
+
+# a source turns a spec into a workload: servegen and azure draw arrivals per model (lengths from
+# spec.lengths); mooncake takes the trace's own requests
+SOURCES: Mapping[str, Callable[[WorkloadSpec, np.random.Generator], Workload]] = MappingProxyType(
+    {"servegen": _servegen, "azure": _azure, "mooncake": _mooncake}
 )

@@ -6,7 +6,11 @@ Each line is a request::
 
 - ``timestamp``: arrival time in seconds from the start of the workload (>= 0, finite);
 - ``model``: the name the request is addressed to (any non-empty string);
-- ``prompt_tokens`` (>= 1) and ``output_tokens`` (>= 1): lengths in tokens.
+- ``prompt_tokens`` (>= 1) and ``output_tokens`` (>= 1): lengths in tokens;
+- optionally ``block_hashes`` and ``block_tokens`` together: one integer per ``block_tokens``-token
+  block of the prompt, from its start (a last partial block may have one too); equal hashes at the
+  same position of two prompts mean the same tokens there. They tell which requests share a prefix
+  (the simulator's prefix cache, workload/prefix.py); a request without them shares nothing.
 
 Lines are written in arrival order; a reader accepts them in any order and sorts them (stably). Blank
 lines are ignored; any other key is an error, so a typo never silently changes a workload.
@@ -26,9 +30,19 @@ import numpy as np
 
 from prism_serve.errors import PrismError
 
-__all__ = ["FIELDS", "Workload", "WorkloadError", "WorkloadRequest", "read_jsonl", "write_jsonl"]
+__all__ = [
+    "FIELDS",
+    "HASH_FIELDS",
+    "Workload",
+    "WorkloadError",
+    "WorkloadRequest",
+    "parse_hashes",
+    "read_jsonl",
+    "write_jsonl",
+]
 
 FIELDS = ("timestamp", "model", "prompt_tokens", "output_tokens")
+HASH_FIELDS = ("block_hashes", "block_tokens")  # optional, both or neither
 
 
 class WorkloadError(PrismError, ValueError):
@@ -41,6 +55,9 @@ class WorkloadRequest:
     model: str
     prompt_tokens: int
     output_tokens: int
+    # one hash per ``block_tokens``-token block of the prompt from its start; () shares nothing
+    block_hashes: tuple[int, ...] = ()
+    block_tokens: int = 0
 
 
 class Workload:
@@ -48,10 +65,19 @@ class Workload:
 
     ``models`` lists every model name the workload serves, including models that get no request
     (a model idle for the whole run still occupies memory under some policies); ``model_index[i]``
-    indexes it.
+    indexes it. ``block_hashes`` (None: no request has any) holds each request's prompt block hashes,
+    ``()`` for a request without, all of blocks of ``block_tokens`` tokens.
     """
 
-    __slots__ = ("model_index", "models", "output_tokens", "prompt_tokens", "timestamps")
+    __slots__ = (
+        "block_hashes",
+        "block_tokens",
+        "model_index",
+        "models",
+        "output_tokens",
+        "prompt_tokens",
+        "timestamps",
+    )
 
     def __init__(
         self,
@@ -60,10 +86,14 @@ class Workload:
         prompt_tokens: np.ndarray,
         output_tokens: np.ndarray,
         models: Sequence[str],
+        block_hashes: Sequence[tuple[int, ...]] | None = None,
+        block_tokens: int = 0,
     ) -> None:
         n = len(timestamps)
         if not (len(model_index) == len(prompt_tokens) == len(output_tokens) == n):
             raise WorkloadError("workload columns differ in length")
+        if block_hashes is not None and (len(block_hashes) != n or block_tokens < 1):
+            raise WorkloadError("block_hashes needs one entry per request and block_tokens >= 1")
         if len(set(models)) != len(models) or not all(models):
             raise WorkloadError("model names must be unique and non-empty")
         ts = np.asarray(timestamps, dtype=np.float64)
@@ -82,6 +112,11 @@ class Workload:
         self.prompt_tokens = prompt[order]
         self.output_tokens = out[order]
         self.models = tuple(models)
+        self.block_hashes: tuple[tuple[int, ...], ...] | None = None
+        self.block_tokens = 0
+        if block_hashes is not None and any(block_hashes):
+            self.block_hashes = tuple(tuple(block_hashes[i]) for i in order.tolist())
+            self.block_tokens = int(block_tokens)
 
     def __len__(self) -> int:
         return len(self.timestamps)
@@ -95,14 +130,22 @@ class Workload:
 
     def rows(self) -> Iterator[WorkloadRequest]:
         names = self.models
-        for t, m, p, o in zip(
+        hashes = self.block_hashes or ((),) * len(self)
+        bt = self.block_tokens
+        for t, m, p, o, h in zip(
             self.timestamps.tolist(),
             self.model_index.tolist(),
             self.prompt_tokens.tolist(),
             self.output_tokens.tolist(),
+            hashes,
             strict=True,
         ):
-            yield WorkloadRequest(t, names[m], p, o)
+            yield WorkloadRequest(t, names[m], p, o, h, bt if h else 0)
+
+    def _hashes_of(self, mask: np.ndarray) -> list[tuple[int, ...]] | None:
+        if self.block_hashes is None:
+            return None
+        return [self.block_hashes[i] for i in np.flatnonzero(mask).tolist()]
 
     def select(self, mask: np.ndarray) -> Workload:
         """The requests where ``mask`` is true (the model list is kept whole)."""
@@ -112,6 +155,8 @@ class Workload:
             self.prompt_tokens[mask],
             self.output_tokens[mask],
             self.models,
+            self._hashes_of(mask),
+            self.block_tokens,
         )
 
     def only(self, model: str) -> Workload:
@@ -131,6 +176,8 @@ class Workload:
             self.prompt_tokens[mask],
             self.output_tokens[mask],
             list(models),
+            self._hashes_of(mask),
+            self.block_tokens,
         )
 
     def head(self, seconds: float) -> Workload:
@@ -146,12 +193,19 @@ class Workload:
             if r.model not in index:
                 index[r.model] = len(names)
                 names.append(r.model)
+        sizes = {r.block_tokens for r in rows if r.block_hashes}
+        if len(sizes) > 1:
+            raise WorkloadError(
+                f"requests hash blocks of different sizes {sorted(sizes)}: one size per workload"
+            )
         return cls(
             np.array([r.timestamp for r in rows], dtype=np.float64),
             np.array([index[r.model] for r in rows], dtype=np.int32),
             np.array([r.prompt_tokens for r in rows], dtype=np.int64),
             np.array([r.output_tokens for r in rows], dtype=np.int64),
             names,
+            [r.block_hashes for r in rows] if sizes else None,
+            sizes.pop() if sizes else 0,
         )
 
 
@@ -159,9 +213,14 @@ def write_jsonl(workload: Workload, path: str | Path) -> None:
     """Write ``workload`` in arrival order (timestamps rounded to microseconds)."""
     with open(path, "w", encoding="utf-8") as f:
         for r in workload.rows():
+            hashes = (
+                f', "block_hashes": [{", ".join(map(str, r.block_hashes))}], "block_tokens": {r.block_tokens}'
+                if r.block_hashes
+                else ""
+            )
             f.write(
                 f'{{"timestamp": {round(r.timestamp, 6)}, "model": {json.dumps(r.model)}, '
-                f'"prompt_tokens": {r.prompt_tokens}, "output_tokens": {r.output_tokens}}}\n'
+                f'"prompt_tokens": {r.prompt_tokens}, "output_tokens": {r.output_tokens}{hashes}}}\n'
             )
 
 
@@ -183,9 +242,12 @@ def _parse(line: str, where: str) -> WorkloadRequest:
         raise WorkloadError(f"{where}: not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise WorkloadError(f"{where}: expected an object")
-    if set(obj) != set(FIELDS):
-        missing = sorted(set(FIELDS) - set(obj))
-        extra = sorted(set(obj) - set(FIELDS))
+    keys = set(obj)
+    if keys != set(FIELDS) and keys != set(FIELDS + HASH_FIELDS):
+        missing = sorted(set(FIELDS) - keys) + sorted(
+            set(HASH_FIELDS) - keys if keys & set(HASH_FIELDS) else ()
+        )
+        extra = sorted(keys - set(FIELDS + HASH_FIELDS))
         raise WorkloadError(f"{where}: missing keys {missing}, unknown keys {extra}")
     t, model, p, o = (obj[k] for k in FIELDS)
     if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
@@ -195,4 +257,20 @@ def _parse(line: str, where: str) -> WorkloadRequest:
     for name, v in (("prompt_tokens", p), ("output_tokens", o)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise WorkloadError(f"{where}: {name} must be an integer >= 1, got {v!r}")
-    return WorkloadRequest(float(t), model, p, o)
+    if "block_hashes" not in obj:
+        return WorkloadRequest(float(t), model, p, o)
+    return WorkloadRequest(
+        float(t), model, p, o, *parse_hashes(obj["block_hashes"], obj["block_tokens"], where)
+    )
+
+
+def parse_hashes(hashes: object, block_tokens: object, where: str) -> tuple[tuple[int, ...], int]:
+    """``block_hashes`` (a list of integers) and ``block_tokens`` (>= 1) as read from a JSON line;
+    a WorkloadError naming ``where`` if they are not."""
+    if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens < 1:
+        raise WorkloadError(f"{where}: block_tokens must be an integer >= 1, got {block_tokens!r}")
+    if not isinstance(hashes, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) for h in hashes
+    ):
+        raise WorkloadError(f"{where}: block_hashes must be a list of integers")
+    return tuple(hashes), block_tokens

@@ -7,8 +7,10 @@ Three formats, told apart by the file (``format="auto"``) or named:
   lengths are what the server counted. A request the server answered with an error after reading
   it (429, 503, 504: overload, no activation in time) is still demand: its output length is its
   ``max_tokens``, or the model's median output when it had none. A request refused as invalid
-  (other statuses) or without a prompt length is not traffic and is left out (counted).
-- ``jsonl``: the simulator's workload file (workload/format.py).
+  (other statuses) or without a prompt length is not traffic and is left out (counted). A line's
+  ``block_hashes`` (the hashes of its prompt's full blocks) become the request's block hashes, so the
+  simulated engines cache the prefixes the requests share.
+- ``jsonl``: the simulator's workload file (workload/format.py), block hashes included.
 - ``csv``: a table with a header, one row per request: arrival time, model, input tokens and output
   tokens under the column names ``CsvColumns`` gives (a gateway's or billing export, as it is).
   Times are seconds (any origin) or ISO-8601 date-times.
@@ -38,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from prism_serve.workload.format import FIELDS, Workload, WorkloadError
+from prism_serve.workload.format import FIELDS, HASH_FIELDS, Workload, WorkloadError, parse_hashes
 
 __all__ = ["CsvColumns", "Traffic", "TrafficError", "TrafficOptions", "read_traffic"]
 
@@ -95,6 +97,8 @@ class _Row:
     model: str
     prompt: int
     output: int | None  # None: fill in from the model's other requests (a failed log line)
+    hashes: tuple[int, ...] = ()  # its prompt's block hashes, of blocks of block_tokens tokens
+    block_tokens: int = 0
 
 
 def read_traffic(
@@ -158,12 +162,17 @@ def read_traffic(
         raise TrafficError(f"{path}: no request in the window is for a model the deployment serves")
     index = {m: i for i, m in enumerate(served)}
     span = (opts.duration_s or (max(r.time for r in window) - t0)) / opts.rate_scale
+    sizes = {r.block_tokens for r in window if r.hashes}
+    if len(sizes) > 1:
+        raise TrafficError(f"{path}: prompt block hashes of different block sizes {sorted(sizes)}")
     workload = Workload(
         np.array([(r.time - t0) / opts.rate_scale for r in window]),
         np.array([index[r.model] for r in window]),
         np.array([r.prompt for r in window]),
         np.array([r.output for r in window]),
         list(served),
+        [r.hashes for r in window] if sizes else None,
+        sizes.pop() if sizes else 0,
     )
     return Traffic(workload, str(path), fmt, span, len(bad), unknown, invalid)
 
@@ -207,15 +216,28 @@ def _number(value: Any, what: str, minimum: float = 0) -> float:
 
 
 def _jsonl_row(obj: Any) -> _Row:
-    if not isinstance(obj, dict) or set(obj) != set(FIELDS):
+    if not isinstance(obj, dict) or set(obj) not in (set(FIELDS), set(FIELDS + HASH_FIELDS)):
         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-        raise ValueError(f"expected the keys {', '.join(FIELDS)}, got {keys}")
+        raise ValueError(
+            f"expected the keys {', '.join(FIELDS)} (and {' and '.join(HASH_FIELDS)}), got {keys}"
+        )
     return _Row(
         _number(obj["timestamp"], "timestamp"),
         _model(obj["model"]),
         int(_number(obj["prompt_tokens"], "prompt_tokens", 1)),
         int(_number(obj["output_tokens"], "output_tokens", 1)),
+        *_hashes(obj),
     )
+
+
+def _hashes(obj: dict) -> tuple[tuple[int, ...], int]:
+    """A line's prompt block hashes and their block size; ((), 0) where it has none."""
+    if obj.get("block_hashes") is None:
+        return (), 0
+    try:
+        return parse_hashes(obj["block_hashes"], obj.get("block_tokens"), "block_hashes")
+    except WorkloadError as e:
+        raise ValueError(str(e)) from None
 
 
 def _log_rows(obj: Any) -> list[_Row]:
@@ -235,7 +257,9 @@ def _log_rows(obj: Any) -> list[_Row]:
     elif obj.get("max_tokens") is not None:  # what it asked for; else like the model's other requests
         per_choice = int(_number(obj["max_tokens"], "max_tokens", 1))
     arrival, model = _number(obj["arrival"], "arrival"), _model(obj["model"])
-    return [_Row(arrival, model, int(_number(prompt, "prompt_tokens", 1)), per_choice) for _ in range(n)]
+    prompt = int(_number(prompt, "prompt_tokens", 1))
+    hashes, block_tokens = _hashes(obj)
+    return [_Row(arrival, model, prompt, per_choice, hashes, block_tokens) for _ in range(n)]
 
 
 def _csv_rows(path: Path, columns: CsvColumns, fail) -> Iterable[_Row]:
