@@ -5,9 +5,11 @@ scripts/dev.sh test runs), the built-in one in a worker of this environment.
 
 Checked: greedy outputs and logprobs of the two engines agree; the vLLM model streams and serves
 the server's features (chat template, stop strings, structured output through vLLM's own backend);
-its KV pages follow its requests (mapped as a long prompt needs them, given back when it ends), and
-with a budget too small for both models' long requests at once each grows into the memory the
-other gave back, the ledger never over its budget; its memory is in the device ledger while active,
+its KV pages follow its requests (mapped as a long prompt needs them, given back when it ends but
+for the blocks its prefix cache keeps, which the ledger counts as reclaimable, and which serve the
+same prompt again with the same output), and with a budget too small for both models' long
+requests at once each grows into the memory the other (and the other's cache) gave back, the
+ledger never over its budget; its memory is in the device ledger while active,
 and after an eviction only what the worker keeps for the next activation, as spare memory, 20 times
 over; kept weights give way to a grant that needs them; another model of the shape loads over
 the kept weights' pages (none made) by the checked load plan; a vLLM worker killed mid-request
@@ -196,6 +198,7 @@ def test_bad_request_gets_an_error_and_the_model_keeps_serving(server: ServerPro
 
 
 LONG = "word " * 1800  # 1,801 tokens
+OTHER_LONG = "text " * 1800
 
 
 class LedgerWatch:
@@ -235,30 +238,46 @@ def kv_bytes(server: ServerProcess, model: str) -> int:
     return sum(e.mapped_bytes for e in model_entries(server, model) if e.name.endswith(" kv"))
 
 
+def held_kv_bytes(server: ServerProcess, model: str) -> int:
+    """The KV bytes the model holds beyond what its prefix cache would give back when asked."""
+    return sum(
+        e.mapped_bytes - e.reclaimable_bytes for e in model_entries(server, model) if e.name.endswith(" kv")
+    )
+
+
 def wait_kv(server: ServerProcess, model: str, value: int) -> None:
+    """Until the model holds ``value`` KV bytes, besides the cached blocks' reclaimable pages."""
     deadline = time.monotonic() + 30
-    while kv_bytes(server, model) != value:
-        assert time.monotonic() < deadline, f"{model}'s KV stays at {kv_bytes(server, model)}, not {value}"
+    while held_kv_bytes(server, model) != value:
+        held = held_kv_bytes(server, model)
+        assert time.monotonic() < deadline, f"{model}'s KV stays at {held}, not {value}"
         time.sleep(0.05)
 
 
 def test_vllm_kv_pages_follow_its_requests(server: ServerProcess) -> None:
     c = client(server)
     admin(server, "smol-vllm", "load")
-    idle = kv_bytes(server, "smol-vllm")
+    idle = held_kv_bytes(server, "smol-vllm")  # besides what earlier prompts left cached
     assert 0 < idle <= 64 * 2**20  # the null block's pages, one per layer
     with LedgerWatch(server) as watch:
         r = c.completions.create(model="smol-vllm", prompt=LONG, max_tokens=8, temperature=0)
     assert r.usage.prompt_tokens == 1801 and r.usage.completion_tokens == 8
     # 15 blocks of 128 tokens, 5.6 MiB each across the 30 layers, were mapped for it
     assert watch.peak["smol-vllm kv"] - idle >= 15 * 5898240
-    wait_kv(server, "smol-vllm", idle)  # and given back when it finished
+    wait_kv(server, "smol-vllm", idle)  # and given back when it finished, but for the cached blocks
+    assert kv_bytes(server, "smol-vllm") - idle >= 14 * 5898240  # its 14 full blocks stay cached
+    again = c.completions.create(model="smol-vllm", prompt=LONG, max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 14 * 128
+    assert again.choices[0].text == r.choices[0].text
 
 
 def test_colocated_engines_take_turns_with_memory_neither_could_hold_both(server: ServerProcess) -> None:
     """Both models resident and pinned (so the policy cannot make room by evicting the quiet one,
-    which would leave a device that holds both requests at once); then what the device has free is
-    less than their two long requests' KV, and each grows into what the other gives back."""
+    which would leave a device that holds both requests at once); then what the device has free,
+    even with every cached block given back, is less than their two long requests' KV, and each
+    grows into what the other gives back. The requests run together on a prompt neither has
+    cached, so the caches the solo runs left must go back too; the vLLM model answers as it did
+    alone."""
     c = client(server)
     models = ("smol", "smol-vllm")
     for model in models:
@@ -266,23 +285,33 @@ def test_colocated_engines_take_turns_with_memory_neither_could_hold_both(server
         admin(server, model, "pin")
     try:
         assert [admin(server, m, "pin")["state"] for m in models] == ["active", "active"]
+        # smol-vllm's cache holds LONG's blocks (the test above): the same answer from it
+        cached = c.completions.create(model="smol-vllm", prompt=LONG, max_tokens=4, temperature=0)
+        assert cached.usage.prompt_tokens_details.cached_tokens == 14 * 128
         solo: dict[str, int] = {}
-        idle = {m: kv_bytes(server, m) for m in models}
-        for model in models:
+        solo_vllm = None
+        idle = {m: held_kv_bytes(server, m) for m in models}
+        for model in models:  # smol first: its request needs memory that smol-vllm's cache holds
             with LedgerWatch(server) as watch:
-                c.completions.create(model=model, prompt=LONG, max_tokens=4, temperature=0)
+                r = c.completions.create(model=model, prompt=LONG, max_tokens=4, temperature=0)
             solo[model] = watch.peak[f"{model} kv"] - idle[model]
             wait_kv(server, model, idle[model])
+            solo_vllm = r if model == "smol-vllm" else solo_vllm
+        # so smol-vllm gave back cached blocks (evicted before their pages went), and recomputed
+        # them to the same answer
+        assert solo_vllm.usage.prompt_tokens_details.cached_tokens < 14 * 128
+        assert solo_vllm.choices[0].text == cached.choices[0].text
         snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
         resident = {e.name for e in snap.entries}
         assert {f"{m} weights" for m in models} <= resident, resident  # both still there
-        assert sum(solo.values()) > snap.budget_bytes - snap.used_bytes  # both at once cannot fit
+        assert sum(solo.values()) > snap.budget_bytes - snap.engine_bytes  # both at once cannot fit
         done: dict[str, int] = {}
+        texts: dict[str, str] = {}
 
         def one(model: str) -> None:
-            done[model] = c.completions.create(
-                model=model, prompt=LONG, max_tokens=16, temperature=0
-            ).usage.completion_tokens
+            r = c.completions.create(model=model, prompt=OTHER_LONG, max_tokens=16, temperature=0)
+            done[model] = r.usage.completion_tokens
+            texts[model] = r.choices[0].text
 
         with LedgerWatch(server) as watch:  # asserts the budget at every sample
             threads = [threading.Thread(target=one, args=(m,)) for m in models]
@@ -291,6 +320,8 @@ def test_colocated_engines_take_turns_with_memory_neither_could_hold_both(server
             for t in threads:
                 t.join()
         assert done == {"smol": 16, "smol-vllm": 16}
+        alone = c.completions.create(model="smol-vllm", prompt=OTHER_LONG, max_tokens=16, temperature=0)
+        assert alone.choices[0].text == texts["smol-vllm"]
         # each held its whole prompt's KV (2 x 30 layers x 3 heads x 64 x 4 bytes a token) at some
         # point, which both together could not: one grew into the memory the other gave back
         for model in solo:

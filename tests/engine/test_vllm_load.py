@@ -14,14 +14,9 @@ Checked in one vLLM process (eager, dummy weights at build, as a pooled worker b
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
-from tests.api.test_vllm_server import VLLM_PYTHON
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.engine.vllm_script import run_vllm_script
 
 SCRIPT = r"""
 import json, os, sys
@@ -80,14 +75,7 @@ print("RESULT " + json.dumps(out))
 
 
 def test_a_checked_plan_loads_what_vllms_reload_loads_and_a_wrong_one_is_refused(smollm_hf: Path) -> None:
-    assert VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: run scripts/vllm-server-env.sh"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run(
-        [str(VLLM_PYTHON), "-c", SCRIPT, str(smollm_hf)], env=env, capture_output=True, text=True, timeout=600
-    )
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    out = json.loads(lines[-1].removeprefix("RESULT "))
+    out = run_vllm_script(SCRIPT, str(smollm_hf))
     assert out["same_signature"] and out["synthetic_distinct"]
     # 30 layers x 2 norms, the final norm, the embedding; 30 x 4 linears, the embedding's packed head
     assert out["plan"] == [62, 122], out

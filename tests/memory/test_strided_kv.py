@@ -127,3 +127,20 @@ def test_any_sequence_of_resizes_keeps_pages_and_ledger_in_step(shared_account, 
         kv.close()
         kv.vrange.close()
     assert entry_bytes(ledger) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    layers=st.integers(1, 5),
+    block_stride=st.integers(1, 3 * P),
+    offset=st.integers(0, P),
+    watermark=st.integers(0, 13),
+)
+def test_bytes_for_counts_the_pages_of_pages_for(layers, block_stride, offset, watermark):
+    """What the vLLM engine tells the ledger its cached blocks hold: the bytes of the pages a
+    watermark keeps, pages shared by two layers counted once."""
+    vrange = HostVirtualRange("cpu:0", 256 * P, P)
+    # a layer's blocks and a gap of a third of a block: layers end and start inside one page
+    kv = StridedKVPages(vrange, layers, 13 * block_stride + block_stride // 3, block_stride, 13, offset)
+    assert kv.bytes_for(watermark) == len(kv.pages_for(watermark)) * P
+    vrange.close()

@@ -16,6 +16,22 @@ Memory (every byte in the device ledger):
   below a watermark, which ``fit_pages`` moves a step ahead of the requests before each step, as
   far as the ledger allows. The tensor vLLM holds stays valid because the range's address never
   changes.
+- **Prefix cache** (``EngineConfig.prefix_caching``: vLLM's automatic prefix caching). A block
+  whose request ended keeps its KV and its hash in vLLM's free queue; a later request whose prompt
+  starts with the same full blocks takes them back instead of computing them
+  (``RequestOutput.num_cached_tokens``). The pages of cached free blocks stay mapped, even when the
+  engine is idle, and are the first KV memory given back: the ledger counts them as reclaimable
+  (``Account.set_reclaimable``), and a refused grant elsewhere on the device
+  (``DeviceLedger.reclaim_wanted``) or the model's KV limit makes the worker shrink the watermark
+  down to what the requests need (``give_back_cached``, from runtime/vllm_slot.py). Every shrink
+  first evicts the cached blocks at or above the new watermark from vLLM's prefix cache
+  (``StridedKVPages.before_shrink``), so no request matches a block whose pages were unmapped; a
+  shrink to the null block (the model leaving the engine) empties the cache. New content still
+  goes to the lowest free ids, cached or not (a cached block loses its hash as vLLM hands it out).
+  A request with ``prompt_logprobs`` reads nothing from the cache (vLLM 0.32 sets its
+  ``skip_reading_prefix_cache``, so every prompt position is computed); its blocks are cached for
+  later requests. Requests of a LoRA adapter carry a salt naming the adapter's registration, so a
+  name registered again over changed files never matches the blocks of the old one.
 - **Weights.** After the build, every parameter that holds data (embeddings, norms, biases) is moved
   into the worker's reserved weight range; vLLM's CPU post-processing packs each linear layer's
   weight into a kernel format it keeps itself (``cpu_linear``). Activation maps the weight pages and
@@ -61,7 +77,7 @@ from prism_serve.engine.interface import RequestCounts
 from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.sequence import RequestMetrics, RequestOutput, TokenLogprob
-from prism_serve.engine.vllm_kv import FromRange, LowestFirst
+from prism_serve.engine.vllm_kv import FromRange, LowestFirst, is_cached
 from prism_serve.engine.vllm_load import (
     LoadPlan,
     checkpoint_signature,
@@ -195,9 +211,13 @@ class VllmEngine(RequestCounts):
         self._step_tokens = int(engine.vllm_config.scheduler_config.max_num_batched_tokens)
         self.kv_bytes_per_token = self.block_bytes // self.block_size
         # vLLM hands out the lowest free block ids and sees only the blocks below the watermark
-        self._free = LowestFirst(self._pool.blocks, self._pool.free_block_queue)
+        cached = functools.partial(is_cached, self._pool) if self._pool.enable_caching else (lambda b: False)
+        self._free = LowestFirst(self._pool.blocks, self._pool.free_block_queue, cached)
         self._pool.free_block_queue = self._free
         self._pool.get_num_free_blocks = self._usable_free_blocks
+        kv.before_shrink = self._forget_cached_from
+        # what the ledger was last told the cached blocks' pages hold, and under which account
+        self._told: tuple[Account | None, int] = (None, 0)
         self._requests: dict[str, _Request] = {}
         self.stalled = False  # the ledger refused the KV pages a waiting request needs
         self.adapters = VllmAdapters() if config.max_loras else None
@@ -270,7 +290,8 @@ class VllmEngine(RequestCounts):
             model=source, dtype=config.dtype, load_format="dummy", enforce_eager=not compiled,
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=False, kv_cache_memory_bytes=kv_range.size, seed=config.seed,
+            enable_prefix_caching=config.prefix_caching, kv_cache_memory_bytes=kv_range.size,
+            seed=config.seed,
             # one slot more than max_loras, kept zero: ``_zero_slot_for_the_base``
             **(
                 dict(enable_lora=True, max_loras=config.max_loras + 1, max_cpu_loras=config.max_loras + 1,
@@ -390,7 +411,9 @@ class VllmEngine(RequestCounts):
         plan for this checkpoint's names and shapes has been checked on this engine, else "reload"
         (vLLM's ``reload_weights``). The first load of a signature makes and checks the plan. A
         checkpoint that ties its LM head to the embedding stores only the embedding; vLLM's
-        reload wants both names."""
+        reload wants both names. Whatever the prefix cache holds was computed with other weights:
+        it is emptied first."""
+        self._forget_cached_from(1, self.kv.watermark)
         named = dict(tensors)
         tied = bool(getattr(self._engine.model_config.hf_config, "tie_word_embeddings", False))
         if tied and "lm_head.weight" not in named:
@@ -483,11 +506,12 @@ class VllmEngine(RequestCounts):
                 "can be generated"
             )
         sp = _vllm_params(params, self.max_model_len - len(prompt_token_ids))
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+        if lora is not None:  # vLLM hashes an adapter's blocks by its name and path, not its weights
+            prompt["cache_salt"] = f"lora-{lora.lora_int_id}"
         now = time.monotonic()
         try:
-            self._engine.add_request(
-                req_id, {"prompt_token_ids": list(prompt_token_ids)}, sp, lora_request=lora
-            )
+            self._engine.add_request(req_id, prompt, sp, lora_request=lora)
         except ValueError as e:  # vLLM's own validation (a grammar it cannot compile, ...)
             raise InvalidSamplingParamsError(str(e)) from None
         self._requests[req_id] = _Request(
@@ -504,7 +528,7 @@ class VllmEngine(RequestCounts):
         return max(0, min(self._free.num_free_blocks, self.kv.watermark - 1 - used))
 
     def _highest_used(self) -> int:
-        return self._free.top  # blocks not in the free queue are in use (prefix caching is off)
+        return self._free.top  # blocks not in the free queue are in use (cached free blocks are in it)
 
     def _headroom(self) -> int:
         """Blocks one step may add beyond those in use: for each running request, its next chunk
@@ -528,16 +552,102 @@ class VllmEngine(RequestCounts):
 
     def fit_pages(self) -> None:
         """Map the blocks the next step may need (as far as the ledger allows) and unmap those
-        above what it needs twice over: pages follow the requests, a step ahead."""
+        above what it needs twice over, unless a cached block lies there: pages follow the
+        requests, a step ahead, and keep the prefix cache until the device wants them back."""
         high = self._highest_used() + 1
         headroom = self._headroom()
         need = high + headroom
+        keep = max(need, self._free.highest_cached() + 1)
         if self.kv.watermark < need:
             reached = self.kv.grow_by_pages(need)
             self.stalled = reached < need and self.num_waiting > 0
-        elif self.kv.watermark > need + headroom:
-            self.kv.resize(need)
+        elif self.kv.watermark > keep + headroom:
+            self.kv.resize(keep)
             self.stalled = False
+        self._report_reclaimable(need)
+
+    def shrink_idle(self) -> int:
+        """No request left: keep the pages of the null block and of the cached blocks only;
+        returns the bytes given back."""
+        before = self.kv.mapped_bytes
+        self.kv.resize(max(self._highest_used(), self._free.highest_cached()) + 1)
+        self._report_reclaimable(self._floor())
+        return before - self.kv.mapped_bytes
+
+    def _floor(self) -> int:
+        """The watermark the requests need: what giving the cache back shrinks to."""
+        if not self._requests:
+            return self._highest_used() + 1
+        return self._highest_used() + 1 + self._headroom()
+
+    def give_back_cached(self, num_bytes: int) -> int:
+        """At least ``num_bytes`` of KV pages back to the device, or as many as the requests do
+        not need: the watermark comes down to the highest one that frees that much, evicting the
+        cached blocks above it first. Returns the bytes given back."""
+        floor, kv = self._floor(), self.kv
+        if kv.watermark <= floor:
+            self._report_reclaimable(floor)
+            return 0
+        before = kv.mapped_bytes
+        low, high = floor, kv.watermark  # frees enough at low (or nothing does); not at high
+        if before - kv.bytes_for(low) >= num_bytes:
+            while high - low > 1:
+                mid = (low + high) // 2
+                if before - kv.bytes_for(mid) >= num_bytes:
+                    low = mid
+                else:
+                    high = mid
+        kv.resize(low)
+        self._report_reclaimable(floor)
+        return before - kv.mapped_bytes
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks whose KV the prefix cache keeps (counted free by ``num_used_blocks``)."""
+        return len(self._free.cached)
+
+    def cached_blocks(self) -> list[int]:
+        """Their ids, in the order they are given back (highest first: the watermark comes down)."""
+        return sorted(self._free.cached, reverse=True)
+
+    def drop_cached(self, num_blocks: int | None = None) -> int:
+        """Evict up to ``num_blocks`` (None: all) of them from vLLM's prefix cache, highest first,
+        and unmap the pages above what the requests need; returns how many. One below that floor
+        only loses its entry (its pages hold blocks in use too)."""
+        ids = self.cached_blocks()[:num_blocks]
+        if not ids:
+            return 0
+        floor = self._floor()
+        if self.kv.watermark > max(floor, ids[-1]):
+            self.kv.resize(max(floor, ids[-1]))  # evicts those at or above it first
+        rest = self._free.forget_from(ids[-1])
+        if rest:
+            self._pool.evict_blocks(rest)
+        self._report_reclaimable(floor)
+        return len(ids)
+
+    @property
+    def reclaimable_bytes(self) -> int:
+        """KV bytes mapped for cached blocks alone, as last told to the ledger."""
+        return self._told[1] if self._free.cached else 0
+
+    def _forget_cached_from(self, watermark: int, old: int) -> None:
+        """``StridedKVPages.before_shrink``: blocks from ``watermark`` up lose their pages, so the
+        cached ones leave vLLM's prefix cache first (vLLM's ``evict_blocks`` removes their hashes;
+        a block in use is never above the watermark)."""
+        gone = self._free.forget_from(watermark)
+        if gone:
+            self._pool.evict_blocks(gone)
+        self._told = (None, self._told[1])  # the ledger lowers its count as pages go: tell it again
+
+    def _report_reclaimable(self, floor: int) -> None:
+        """Tell the ledger how many of the mapped KV bytes are there for cached blocks alone: what
+        shrinking to ``floor`` would give back (nothing without cached blocks)."""
+        kv = self.kv
+        n = kv.mapped_bytes - kv.bytes_for(floor) if self._free.cached and kv.watermark > floor else 0
+        if kv.account is not None and (kv.account, n) != self._told:
+            kv.account.set_reclaimable(n)
+            self._told = (kv.account, n)
 
     def step(self) -> list[RequestOutput]:
         self.last_step_seqs = self.last_step_tokens = 0
@@ -582,6 +692,7 @@ class VllmEngine(RequestCounts):
                     if c.logprobs is None
                     else [_entry(t, d, r.logprobs) for t, d in zip(delta, c.logprobs, strict=False)],
                     prompt_logprobs=prompt_lp,
+                    num_cached_tokens=o.num_cached_tokens or 0,
                 )
             )
         return outs
@@ -601,7 +712,8 @@ class VllmEngine(RequestCounts):
 
     @property
     def num_used_blocks(self) -> int:
-        return max(0, self.num_kv_blocks - 1 - self._free.num_free_blocks)  # block 0 is vLLM's null block
+        """Blocks requests hold (block 0 is vLLM's null block; cached free blocks are free)."""
+        return max(0, self.num_kv_blocks - 1 - self._free.num_free_blocks)
 
     def close(self) -> None:
         """The model leaves the engine: its requests and adapters go (the engine stays built)."""

@@ -14,6 +14,8 @@ a block in use. Growing costs up to one page per layer beyond the blocks' own by
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prism_serve.memory.ledger import Account
 from prism_serve.memory.vmm import VirtualRange
 
@@ -46,6 +48,9 @@ class StridedKVPages:
         self.account: Account | None = None
         self.watermark = 0
         self.mapped: set[int] = set()
+        # called with (new watermark, old watermark) before a shrink unmaps anything: blocks from the
+        # new watermark up lose their pages (vLLM's engine forgets its prefix cache's entries there)
+        self.before_shrink: Callable[[int, int], None] | None = None
 
     @property
     def page_size(self) -> int:
@@ -66,6 +71,19 @@ class StridedKVPages:
             out.update(range(start // p, (start + watermark * self.block_stride - 1) // p + 1))
         return out
 
+    def bytes_for(self, watermark: int) -> int:
+        """The bytes of ``pages_for(watermark)``, counted without building the set."""
+        if watermark <= 0:
+            return 0
+        p = self.page_size
+        count, last = 0, -1
+        for layer in range(self.num_layers):  # each layer's pages, in order; neighbours may share one
+            start = self.offset + layer * self.layer_stride
+            first, end = max(start // p, last + 1), (start + watermark * self.block_stride - 1) // p
+            count += max(0, end - first + 1)
+            last = max(last, end)
+        return count * p
+
     def attach(self, account: Account) -> None:
         """The account that pays for the pages from now on (one model's KV account); only while
         nothing is mapped."""
@@ -85,6 +103,8 @@ class StridedKVPages:
         """Make blocks ``[0, watermark)`` usable and no more; False (nothing changed) when the
         ledger refuses the pages growing needs."""
         watermark = max(0, min(watermark, self.num_blocks))
+        if watermark < self.watermark and self.before_shrink is not None:
+            self.before_shrink(watermark, self.watermark)
         want = self.pages_for(watermark)
         new = sorted(want - self.mapped)
         if new:

@@ -14,7 +14,9 @@ engine/vllm_engine.py says where each byte lives):
   data parameters': the packing stores the same numbers in another order);
 - KV account: the pages of the KV blocks in use, mapped a step ahead of the requests that need them
   (memory/strided_kv.py), so a vLLM model's KV grows into memory a neighbour freed and shrinks when
-  its requests finish.
+  its requests finish, down to the blocks vLLM's prefix cache keeps. Those pages are recorded as
+  reclaimable, and a refused grant elsewhere on the device or the model's KV limit makes the worker
+  give them back within a poll of its loop (``VllmSlot.poll``).
 
 Loading weights into vLLM on CPU repacks every linear layer (about 0.2 s for SmolLM2 here, by the
 load plan of engine/vllm_load.py). So the last evicted model's weights stay with the worker as they
@@ -99,7 +101,8 @@ class VllmMemory:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.engine.num_used_blocks
+        """Blocks holding KV: in use, or kept by the prefix cache (as the built-in pool counts them)."""
+        return self.engine.num_used_blocks + self.engine.num_cached_blocks
 
     @property
     def held_bytes(self) -> int:
@@ -107,10 +110,9 @@ class VllmMemory:
         return self.slot.kv_range.mapped_bytes
 
     def shrink_buffer(self) -> int:
-        """Idle: keep only the null block's pages; returns the bytes given back."""
-        before = self.engine.kv.mapped_bytes
-        self.engine.kv.resize(1)
-        return before - self.engine.kv.mapped_bytes
+        """Idle: keep only the pages of the null block and of the prefix cache's blocks; returns
+        the bytes given back."""
+        return self.engine.shrink_idle()
 
     def set_limit(self, limit_bytes: int | None) -> None:
         self.kv_account.set_limit(limit_bytes)
@@ -202,6 +204,15 @@ class VllmSlot:
     def poll(self) -> None:
         if self.kept is not None and self.ledger.reclaim_wanted() > 0:
             self.drop_kept()  # kept weights are spare memory: a grant elsewhere waits
+        engine = self.engine
+        if engine is not None and engine.reclaimable_bytes > 0 and engine.kv.account is not None:
+            # cached KV blocks are the first KV memory given back: to a grant that waits for
+            # memory, or under the model's KV limit
+            entry = engine.kv.account.entry()
+            over = 0 if entry.limit_bytes is None else entry.mapped_bytes - entry.limit_bytes
+            wanted = max(self.ledger.reclaim_wanted(), over)
+            if wanted > 0:
+                engine.give_back_cached(wanted)
 
     def close(self) -> None:
         self.drop()
