@@ -5,13 +5,16 @@ n > 1 and preemptions, give the tokens and logprobs of an engine without the cac
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prism_serve.engine.prefix_cache import PrefixCache, block_keys
 from prism_serve.engine.sampling_params import SamplingParams
-from prism_serve.engine.sequence import RequestOutput
+from prism_serve.engine.scheduler import Scheduler
+from prism_serve.engine.sequence import RequestMetrics, RequestOutput, Sequence
 from prism_serve.memory.blocks import FixedBlockAllocator
 from tests.conftest import run_to_completion
 
@@ -193,6 +196,69 @@ def test_random_interleavings_never_serve_stale_or_shared_writes(script) -> None
         assert len(held) + cache.num_evictable_blocks + alloc.num_free_blocks == num_blocks
     for req in live:
         cache.free(req["table"])
+    cache.drop()
+    assert alloc.num_free_blocks == num_blocks
+
+
+class _Refusing(FixedBlockAllocator):
+    """A fixed pool whose grants are also refused at random, as a device ledger refuses them when
+    a neighbour holds the memory."""
+
+    def __init__(self, num_blocks: int, rng: random.Random) -> None:
+        super().__init__(num_blocks)
+        self.rng = rng
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        return None if self.rng.random() < 0.2 else super().allocate(num_blocks)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_the_scheduler_over_the_cache_never_loses_or_doubles_a_block(seed: int) -> None:
+    """The scheduler's own loop (no model: each chunk is "computed" as the engine's postprocess
+    counts it) over long shared prompts with chunked prefill, refusals, preemption, aborts and the
+    device taking cached blocks back: no block is ever in one table twice, a block in two tables is
+    a registered one, and every block is held, cached or free, once."""
+    rng = random.Random(seed)
+    num_blocks = rng.randint(6, 40)
+    alloc = _Refusing(num_blocks, rng)
+    cache = PrefixCache(alloc, BS)
+    sched = Scheduler(alloc, BS, rng.choice([1, 2, 4, 8]), rng.choice([8, 16, 64]), None, cache)
+    prefixes = [[rng.randrange(50) for _ in range(90)] for _ in range(3)]
+    live: list[Sequence] = []
+    for step in range(120):
+        if rng.random() < 0.4:
+            prompt = rng.choice(prefixes)[: rng.randint(3, 90)] + [
+                rng.randrange(50) for _ in range(rng.randint(0, 3))
+            ]
+            seq = Sequence(
+                f"r{step}", prompt, SamplingParams(max_tokens=rng.randint(1, 8)), None, RequestMetrics(0.0)
+            )
+            sched.add(seq)
+            live.append(seq)
+        out = sched.schedule()
+        for s in out.scheduled:
+            seq = s.seq
+            samples = s.samples
+            seq.metrics.first_scheduled_time = 0.0
+            seq.num_computed_tokens += s.num_new_tokens
+            sched.cache_computed(seq)
+            if samples:
+                seq.token_ids.append(rng.randrange(50))
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    sched.finish(seq)
+        if rng.random() < 0.1 and (unfinished := [q for q in live if not q.finished]):
+            sched.finish(rng.choice(unfinished))  # an abort, running or waiting
+        if rng.random() < 0.1:
+            cache.drop(rng.randint(0, 3))
+        tables = [q.block_table for q in live if not q.finished]
+        assert all(len(t) == len(set(t)) for t in tables)
+        held = [b for t in tables for b in t]
+        assert all(b in cache._key_of for b in held if held.count(b) > 1)
+        assert len(set(held)) + cache.num_evictable_blocks + alloc.num_free_blocks == num_blocks
+    for seq in live:
+        if not seq.finished:
+            sched.finish(seq)
     cache.drop()
     assert alloc.num_free_blocks == num_blocks
 

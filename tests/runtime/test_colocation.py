@@ -44,7 +44,9 @@ def _kv_peak(ledger, model: str) -> int:
     return max(e.peak_bytes for e in ledger.snapshot().entries if e.name == f"{model} kv")
 
 
-def test_kv_grows_into_memory_the_other_model_freed(tmp_path: Path) -> None:
+def _two_models_one_device(tmp_path: Path):
+    """Models a and b (synthetic weights, seeds 1 and 2) on one device whose budget holds both
+    models' weights and SLACK more; the runtime, one model's weight bytes and the budget."""
     with HostWeightCache(namespace="colo", directory=tmp_path) as probe:
         weight_bytes = probe.load(
             ModelSpec("x", source=SOURCE, engine=EngineConfig(seed=1, dtype=FP32))
@@ -57,6 +59,11 @@ def test_kv_grows_into_memory_the_other_model_freed(tmp_path: Path) -> None:
     rt = start_runtime(
         [DeviceSpec("cpu:0", budget, (0,), 1)], models, policy=PolicyConfig(tick_interval_s=0.2)
     )
+    return rt, weight_bytes, budget
+
+
+def test_kv_grows_into_memory_the_other_model_freed(tmp_path: Path) -> None:
+    rt, _, budget = _two_models_one_device(tmp_path)
     try:
         c = rt.c
         ledger = c.nodes.ledger("cpu:0")
@@ -104,18 +111,7 @@ def test_a_models_cached_prefixes_give_way_to_another_models_weights(tmp_path: P
     holds it) counts as reclaimable, b's weights are granted after a's worker gives that memory
     back, and a stays resident and serving. A cache never makes a device refuse what it would
     have taken without one."""
-    with HostWeightCache(namespace="colo", directory=tmp_path) as probe:
-        weight_bytes = probe.load(
-            ModelSpec("x", source=SOURCE, engine=EngineConfig(seed=1, dtype=FP32))
-        ).weight_bytes
-    budget = 2 * weight_bytes + SLACK
-    models = [
-        ModelSpec(n, source=SOURCE, engine=EngineConfig(seed=s, max_model_len=1024, dtype=FP32))
-        for n, s in (("a", 1), ("b", 2))
-    ]
-    rt = start_runtime(
-        [DeviceSpec("cpu:0", budget, (0,), 1)], models, policy=PolicyConfig(tick_interval_s=0.2)
-    )
+    rt, weight_bytes, budget = _two_models_one_device(tmp_path)
     try:
         c = rt.c
         ledger = c.nodes.ledger("cpu:0")
