@@ -132,7 +132,8 @@ class Scheduler:
         keys = block_keys(
             seq.token_ids[: full * self.block_size], self.block_size, seq.cache_salt, seq.block_keys
         )
-        seq.num_registered_blocks = self.cache.register(keys, seq.block_table, seq.num_registered_blocks, full)
+        start = seq.num_registered_blocks
+        seq.num_registered_blocks = self.cache.register(keys, seq.block_table, start, full)
 
     def _match(self, seq: Sequence) -> None:
         """A request starting from nothing takes the cached blocks of its longest cached prefix."""
