@@ -212,7 +212,7 @@ class _Refusing(FixedBlockAllocator):
         return None if self.rng.random() < 0.2 else super().allocate(num_blocks)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_the_scheduler_over_the_cache_never_loses_or_doubles_a_block(seed: int) -> None:
     """The scheduler's own loop (no model: each chunk is "computed" as the engine's postprocess
@@ -314,7 +314,7 @@ def _same(out: RequestOutput, ref: RequestOutput) -> None:
         assert a.logprob == pytest.approx(b.logprob, abs=2e-3)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(
     order=st.permutations(range(5)),
     start=st.lists(st.integers(0, 3), min_size=5, max_size=5),  # the step each request arrives at

@@ -162,7 +162,12 @@ def test_workers_trace_every_step_with_its_shape(rt: Runtime, step_dir: Path) ->
     rt.generate("smol-b", prompt, max_tokens=6, ignore_eos=True)
     steps = [r for r in read_step_traces([step_dir]) if r.model == "smol-b" and r.t >= start - 0.01]
     p = len(prompt)
-    assert [r.batch for r in steps] == [[(p, 0, True)]] + [[(1, p + k, True)] for k in range(5)]
+    # the prompt in one chunk after what the prefix cache held of it (this chat was served before:
+    # whole 16-token blocks of it, never its last token)
+    assert len(steps) == 6
+    [(new, cached, sampled)] = steps[0].batch
+    assert new + cached == p and cached % 16 == 0 and new >= 1 and sampled
+    assert [r.batch for r in steps[1:]] == [[(1, p + k, True)] for k in range(5)]
     for r in steps:
         assert r.dt > 0 and 0 < r.cpu <= r.dt + 0.005
 

@@ -74,8 +74,16 @@ def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, cap
     models = ["smollm2-135m-00", "smollm2-135m-01"]
     write_jsonl(poisson(models, 0.5, 60.0, prompt=(16, 128), output=(8, 32), seed=3), traffic)
     out = tmp_path / "plan"
+    # the cpu-2 preset with SLOs that any machine's one-core devices meet at this light load (the
+    # preset's defaults are met on an AVX-512 host, not with fp32 on an AVX2 one): the answer is
+    # then what the deployment's shape says, not how fast this machine is
+    config = tmp_path / "prism.yaml"
+    config.write_text(
+        "devices: {count: 2, memory: 2GiB}\nmodels:\n"
+        + "".join(f"  - {{name: {m}, dtype: float32, ttft_slo: 20, tpot_slo: 4}}\n" for m in models)
+    )
     code = main([
-        "plan", "--config", "cpu-2", "--traffic", str(traffic), "--hardware", str(profile),
+        "plan", "--config", str(config), "--traffic", str(traffic), "--hardware", str(profile),
         "--policies", "prism,dedicated", "--jobs", "1", "--out", str(out),
     ])  # fmt: skip
     assert code == 0

@@ -114,10 +114,11 @@ class StepBench:
     def __init__(self, reps: int, model: str | None = None, dtype: str = "float32") -> None:
         from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
 
-        # room for 32 x 2048 and contexts up to 4096 (the default caps at 2048)
+        # room for 32 x 2048 and contexts up to 4096 (the default caps at 2048); every point's
+        # tokens computed as asked (its repetitions would otherwise find their prompts cached)
         config = EngineConfig(
             model=model or fit_source(), dtype=dtype, max_num_seqs=64, kv_cache_bytes=4 << 30,
-            max_model_len=None,
+            max_model_len=None, prefix_caching=False,
         )  # fmt: skip
         self.engine = LLMEngine(config)
         self.rng = np.random.default_rng(0)
