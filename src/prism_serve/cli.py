@@ -132,6 +132,7 @@ def _render_ledgers(namespace: str | None, only: str | None) -> str:
             f"{device}  budget {format_size(snap.budget_bytes)}  used {format_size(snap.used_bytes)} "
             f"({pct:.1f}%)  free {format_size(snap.free_bytes)}"
             + (f"  spare {format_size(snap.spare_bytes)} (reclaimable)" if snap.spare_bytes else "")
+            + (f"  cached KV {format_size(snap.cached_bytes)} (reclaimable)" if snap.cached_bytes else "")
             + f"  [{ledger_path(device, namespace)}]"
         )
         lines.append(

@@ -179,6 +179,9 @@ def test_prism_memory_shows_and_limits_engines(make_ledger):
     res = run_prism("memory")
     assert res.returncode == 0, res.stderr
     assert "cpu:1  budget 8.0 GiB  used 40.0 MiB (0.5%)" in res.stdout
+    assert "cached KV" not in res.stdout
+    eng.set_reclaimable(8 * MiB)  # its prefix cache's unheld blocks
+    assert "cached KV 8.0 MiB (reclaimable)" in run_prism("memory").stdout
     row = next(line for line in res.stdout.splitlines() if "smollm2-135m" in line)
     assert str(os.getpid()) in row and "40.0 MiB" in row and "1.0 GiB" in row
     res = run_prism(
