@@ -154,17 +154,17 @@ def run_decode(args: argparse.Namespace) -> dict:
     from prism_serve.engine.sampling_params import SamplingParams
     from prism_serve.engine.weights import load_weights
     from prism_serve.memory.kv_pool import PoolConfig
+    from prism_serve.memory.ledger import ledger_dir
 
     weights = load_weights(MODEL)
+    namespace = f"bench{time.time_ns()}"  # this run's own device ledger, removed at the end
     engines = {
         cache: LLMEngine(
             EngineConfig(
                 dtype="float32",
                 max_num_seqs=32,
                 prefix_caching=cache,
-                elastic_kv=PoolConfig(
-                    device_budget_bytes=4 * 2**30, ledger_namespace=f"bench{time.time_ns()}"
-                ),
+                elastic_kv=PoolConfig(device_budget_bytes=4 * 2**30, ledger_namespace=namespace),
             ),
             weights=weights,
         )
@@ -190,6 +190,8 @@ def run_decode(args: argparse.Namespace) -> dict:
             rates[cache].append(tokens / (time.perf_counter() - t0))
     for e in engines.values():
         e.close()
+    for path in ledger_dir().glob(f"prism-ledger-{namespace}-*"):
+        path.unlink()
     return {cache: statistics.median(r) for cache, r in rates.items()} | {"rounds": args.rounds}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prism_serve.errors import InvalidRequestError
-from prism_serve.memory.ledger import DeviceLedger, LedgerError, LedgerNotFoundError
+from prism_serve.memory.ledger import DeviceLedger, LedgerError, LedgerNotFoundError, ledger_path
 from prism_serve.memory.spare import grant_waiting
 
 MiB = 2**20
@@ -236,3 +236,14 @@ def test_cached_kv_counts_as_reclaimable_and_is_asked_back(make_ledger):
     holder.release(4 * MiB)  # the holder dropped cached blocks and unmapped their pages
     assert ledger.reclaim_wanted() == 0 and holder.entry().reclaimable_bytes == 4 * MiB
     assert other.try_reserve(8 * MiB)
+
+
+def test_a_ledger_file_of_another_version_is_a_named_error(namespace):
+    """An older prism-serve's ledger (another size, or another magic) is refused with what to do,
+    never read as this version's entries."""
+    path = ledger_path("cpu:0", namespace)
+    path.write_bytes(b"PRISMLG2" + bytes(100))
+    with pytest.raises(LedgerError, match=r"not a prism memory ledger of this version.*remove it"):
+        DeviceLedger("cpu:0", 2**30, namespace=namespace)
+    DeviceLedger("cpu:0", 2**30, namespace=namespace + "x").close()  # another namespace is unaffected
+    ledger_path("cpu:0", namespace + "x").unlink()

@@ -214,11 +214,19 @@ class DeviceLedger:
                     self._header["num_slots"] = _NUM_SLOTS
                     self._header["budget"] = budget_bytes
                 else:
-                    if os.fstat(self._fd).st_size != _FILE_BYTES:
-                        raise LedgerError(f"{self.path} is not a prism memory ledger of this version")
-                    self._open_views()
-                    if bytes(self._header["magic"]) != _MAGIC or int(self._header["num_slots"]) != _NUM_SLOTS:
-                        raise LedgerError(f"{self.path} is not a prism memory ledger of this version")
+                    stale = os.fstat(self._fd).st_size != _FILE_BYTES
+                    if not stale:
+                        self._open_views()
+                        stale = (
+                            bytes(self._header["magic"]) != _MAGIC
+                            or int(self._header["num_slots"]) != _NUM_SLOTS
+                        )
+                    if stale:
+                        raise LedgerError(
+                            f"{self.path} is not a prism memory ledger of this version (one an older "
+                            "prism-serve left?): remove it once no prism-serve uses the device, or set "
+                            f"{NAMESPACE_ENV}"
+                        )
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         except BaseException:
