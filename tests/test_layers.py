@@ -1,4 +1,4 @@
-"""The layers import only downwards (DESIGN.md): control/ is pure (no torch, no I/O, nothing of
+"""The layers import only downwards (docs/architecture.md): control/ is pure (no torch, no I/O, nothing of
 prism_serve but itself and the errors), sim/ drives control/ without the live runtime, workload/
 reads traces without the simulator, and the deployment config (config.py) is user input that knows
 nothing of the runtime (runtime/build.py turns it into runtime types). And no module or package of
