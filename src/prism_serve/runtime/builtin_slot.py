@@ -10,6 +10,7 @@ models but the spare weight pages.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,8 @@ __all__ = ["BuiltinSlot"]
 # what a tensor parallel rank's activation came to, agreed as the smallest over the ranks
 _FAILED, _NO_MEMORY, _OK = -1, 0, 1
 
+logger = logging.getLogger(__name__)
+
 
 class BuiltinSlot:
     kind = "builtin"
@@ -72,6 +75,8 @@ class BuiltinSlot:
         self.record_steps = record_steps  # the engine keeps each step's batch shape (PRISM_STEP_TRACE)
         self._reduce: Callable[[torch.Tensor], None] | None = None  # a tensor parallel rank's sums
         self._joiner = ThreadPoolExecutor(1, thread_name_prefix="prism-tp-join")
+        self._served: Loaded | None = None  # the model activated here, one rank alone (poll)
+        self._cached_blocks = 0  # its prefix cache's unheld blocks when the ledger was last told
 
     def build_ahead(self, shape: msg.EngineShape) -> None:
         pass  # the engine is built per model, over its weights
@@ -92,7 +97,9 @@ class BuiltinSlot:
     ) -> Loaded:
         if m.tp_size > 1:
             return self._activate_rank(m, host, weight_account, kv_account, tokenizer)
-        return self._activate(m, host, weight_account, kv_account, tokenizer)
+        self._served = self._activate(m, host, weight_account, kv_account, tokenizer)
+        self._cached_blocks = 0
+        return self._served
 
     def _activate_rank(
         self,
@@ -241,6 +248,8 @@ class BuiltinSlot:
         return engine, pool
 
     def release(self, loaded: Loaded, weight_account: Account) -> None:
+        if loaded is self._served:
+            self._served = None
         try:
             loaded.engine.close()  # rank 0 of a tensor parallel model: ends the other ranks' loops
         finally:
@@ -258,7 +267,29 @@ class BuiltinSlot:
         leave_group()
 
     def poll(self) -> None:
-        pass
+        """Cached KV is the first memory given back: while a refused grant on the device waits for
+        memory, or the model's KV is over its limit, drop prefix-cached blocks (least recently used
+        first, a page's worth at a time) until enough pages emptied; and keep the ledger's count of
+        what the cache could give back current. A tensor parallel model's ranks must keep identical
+        caches, and its pool is fixed: it gives nothing back here (it is never ``_served``)."""
+        loaded = self._served
+        if loaded is None:
+            return
+        engine, pool = loaded.engine, loaded.kv
+        cached = engine.num_cached_blocks
+        wanted = max(self.spare.ledger.reclaim_wanted(), pool.over_limit_bytes) if cached else 0
+        if wanted > 0:
+            held = pool.held_bytes
+            per_page = max(1, pool.page_size // pool.block_bytes)
+            while engine.num_cached_blocks and held - pool.held_bytes < wanted:
+                engine.drop_cached(per_page)
+                pool.trim(0)
+            logger.info("gave back %d bytes of cached KV", held - pool.held_bytes)
+            cached = -1  # recount below
+        if cached != self._cached_blocks:
+            self._cached_blocks = engine.num_cached_blocks
+            freed = pool.bytes_freed_by(engine.cached_blocks()) if self._cached_blocks else 0
+            pool.account.set_reclaimable(freed)
 
     def close(self) -> None:
         self._joiner.shutdown()

@@ -41,7 +41,6 @@ from prism_serve.engine.step_trace import StepRecord, StepTrace
 from prism_serve.engine.tensor_parallel import follow
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import InvalidRequestError, ModelEvictedError, PrismError, WorkerDiedError
-from prism_serve.memory.kv_pool import ElasticKVPool
 from prism_serve.memory.ledger import Account, DeviceLedger
 from prism_serve.memory.spare import SparePages, spare_entry
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, reserve
@@ -81,7 +80,6 @@ class _Active:
     decode: StepSums = field(default_factory=StepSums)  # decode steps since the activation, CPU-timed
     cpu_start: float = 0.0  # this process's CPU time when the activation finished
     synced_at: float = 0.0  # a tensor parallel rank 0: when the other ranks last heard from it
-    cached_blocks: int = 0  # the prefix cache's unheld blocks when the ledger was last told of them
 
     @property
     def engine(self) -> WorkerEngine:
@@ -168,8 +166,6 @@ class Worker:
                 elif preparing:
                     self._prepare_one()
                 a = self.active
-                if a is not None:
-                    self._give_back_cached(a)
                 if a is not None and a.engine.has_unfinished_requests():
                     self._in_group(a, self._step)
                 elif a is not None and a.loaded.world > 1 and time.monotonic() - a.synced_at > _HEARTBEAT_S:
@@ -371,32 +367,6 @@ class Worker:
             for o in outs
         ]
         self._send(msg.StepOutputs(deltas, self._stats(a), time.time()))
-
-    # ---- cached KV: the first memory given back --------------------------------------------------
-
-    def _give_back_cached(self, a: _Active) -> None:
-        """Drop cached KV blocks (least recently used first) while a refused grant on the device
-        waits for memory or this model's KV is over its limit, until enough pages emptied; and keep
-        the ledger's count of what the cache could give back current. A tensor parallel model's
-        ranks must keep identical caches, and its pool is fixed: it gives nothing back here."""
-        engine, pool = a.engine, a.pool
-        if a.loaded.world > 1 or not isinstance(pool, ElasticKVPool):
-            return
-        cached = engine.num_cached_blocks
-        wanted = max(self.ledger.reclaim_wanted(), pool.over_limit_bytes) if cached else 0
-        if wanted > 0:
-            held = pool.held_bytes
-            per_page = max(1, pool.page_size // pool.block_bytes)
-            while engine.num_cached_blocks and held - pool.held_bytes < wanted:
-                engine.drop_cached(per_page)
-                pool.trim(0)
-            logger.info("%s: gave back %d bytes of cached KV", a.model, held - pool.held_bytes)
-            cached = -1  # recount below
-        if cached != a.cached_blocks:
-            a.cached_blocks = engine.num_cached_blocks
-            a.kv_account.set_reclaimable(
-                pool.bytes_freed_by(engine.cached_blocks()) if a.cached_blocks else 0
-            )
 
     def _stats(self, a: _Active) -> msg.EngineStats:
         cached = a.engine.num_cached_blocks * a.pool.block_bytes
