@@ -32,18 +32,17 @@ moment loses at most the lines of the last interval. A file over ``max_bytes`` i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import queue
-import sys
 import threading
 import time
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from prism_serve.engine.prefix_cache import block_keys
 
 __all__ = ["FLUSH_INTERVAL_S", "LOG_BLOCK_TOKENS", "LogEntry", "RequestLog", "prompt_block_hashes"]
 
@@ -56,25 +55,13 @@ _HASH_MASK = (1 << 63) - 1  # a hash fits a signed 64-bit integer wherever the l
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_tokens: int = LOG_BLOCK_TOKENS) -> list[int]:
-    """One hash per full ``block_tokens``-token block of ``token_ids``: BLAKE2b (8 bytes) over the
-    previous block's digest and the block's ids as little-endian 64-bit integers, as a 63-bit
-    integer. The same in every process and on every machine (no ``hash()``, no byte order)."""
+    """One hash per full ``block_tokens``-token block of ``token_ids``: the prefix cache's chained
+    key (engine/prefix_cache.py's ``block_keys``, 8 bytes, no salt) as a 63-bit integer. The same
+    in every process and on every machine (no ``hash()``, no byte order)."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-    n = len(token_ids) // block_tokens
-    if n == 0:
-        return []
-    ids = array("q", token_ids[: n * block_tokens])
-    if sys.byteorder == "big":
-        ids.byteswap()
-    data = memoryview(ids.tobytes())
-    step = 8 * block_tokens
-    out = []
-    prev = b""
-    for i in range(n):
-        prev = hashlib.blake2b(data[i * step : (i + 1) * step], digest_size=8, key=prev).digest()
-        out.append(int.from_bytes(prev, "little") & _HASH_MASK)
-    return out
+    keys = block_keys(token_ids, block_tokens, b"", [], digest_size=8)  # the engine's own chaining
+    return [int.from_bytes(k, "little") & _HASH_MASK for k in keys]
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ other content, so a key can never name a block that was rewritten.
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,14 +31,19 @@ from prism_serve.engine.kv_cache import BlockAllocator
 __all__ = ["CacheStats", "PrefixCache", "block_keys"]
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, salt: bytes, keys: list[bytes]) -> list[bytes]:
+def block_keys(
+    token_ids: Sequence[int], block_size: int, salt: bytes, keys: list[bytes], digest_size: int = 16
+) -> list[bytes]:
     """Extend ``keys`` (the keys of the first ``len(keys)`` full blocks of ``token_ids``) to every
-    full block of ``token_ids``; returns ``keys``. A key is 16 bytes of BLAKE2b over the previous
-    key (``salt`` for the first block) and the block's token ids."""
+    full block of ``token_ids``; returns ``keys``. A key is ``digest_size`` bytes of BLAKE2b keyed
+    by the previous key (``salt`` for the first block) over the block's token ids as little-endian
+    64-bit integers: the same in every process and on every machine."""
     for i in range(len(keys), len(token_ids) // block_size):
         parent = keys[i - 1] if i else salt
-        tokens = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
-        keys.append(hashlib.blake2b(tokens, digest_size=16, key=parent[:64]).digest())
+        ids = array("q", token_ids[i * block_size : (i + 1) * block_size])
+        if sys.byteorder == "big":
+            ids.byteswap()
+        keys.append(hashlib.blake2b(ids.tobytes(), digest_size=digest_size, key=parent[:64]).digest())
     return keys
 
 
