@@ -9,11 +9,20 @@ tokens to the whole history (earlier answers included) and asks for 32 greedy to
 run's wall time, the cached share of prompt tokens, `busy` (cores other processes than this
 client kept busy meanwhile: the server's, and anything else), and whether every answer is identical.
 
+``return``: a model evicted between rounds and activated again by the next request, with its
+cached prefixes kept in host memory at the eviction (``policy.kept_prefix_bytes`` default) and
+without (0). Conversations over the shared system prompt send one turn each per round, one at a
+time; before every round but the first the model is unloaded (admin route). Prints the TTFT of each
+round's first request (the one that waits for the activation) and the activation's seconds (from
+``/v1/models``' ``last_activation``), p50 of both runs and their ratios, and whether every answer is
+identical.
+
 ``decode``: the engine alone on the elastic pool, nothing shared (distinct random prompts): decode
 tokens per second with the cache on and off, alternated over several rounds, so that the cost of
 hashing and registering blocks shows.
 
-    python benchmarks/prefix_cache.py                 # both
+    python benchmarks/prefix_cache.py                 # agent and decode
+    python benchmarks/prefix_cache.py --parts return --conversations 4 --turns 6
     python benchmarks/prefix_cache.py --parts agent --conversations 8 --turns 8
 """
 
@@ -72,10 +81,19 @@ def conversations(n: int, turns: int, seed: int) -> tuple[str, list[list[str]]]:
 
 
 async def converse(
-    client: httpx.AsyncClient, url: str, system: str, users: list[str], max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    system: str | list[dict],
+    users: list[str],
+    max_tokens: int,
+    keep_history: bool = False,
 ) -> list[dict]:
-    """One conversation, turn after turn; each turn's TTFT, usage and answer."""
-    messages = [{"role": "system", "content": system}]
+    """One conversation, turn after turn; each turn's TTFT, usage and answer. ``system`` may be the
+    history so far (a list of messages, extended in place with ``keep_history``)."""
+    if isinstance(system, str):
+        messages = [{"role": "system", "content": system}]
+    else:
+        messages = system if keep_history else list(system)
     out = []
     for text in users:
         messages.append({"role": "user", "content": text})
@@ -144,6 +162,60 @@ def run_agent(cache: bool, args: argparse.Namespace, tmp: Path) -> dict:
         "prompt_tokens": prompt, "cached_share": cached / prompt,
         "mean_prompt": prompt / len(turns),
         "answers": [[t["answer"] for t in conv] for conv in convs],
+    }  # fmt: skip
+
+
+ADMIN_KEY = "bench-admin"
+
+
+def run_return(keep: bool, args: argparse.Namespace, tmp: Path) -> dict:
+    """Rounds of one turn per conversation, sequential, the model unloaded before each round but
+    the first: each round's first TTFT and the activation it waited for."""
+    port = free_port()
+    cfg = tmp / f"prism-return-{keep}.yaml"
+    cfg.write_text(
+        f"server: {{admin_key: {ADMIN_KEY}}}\n"
+        "devices: [{name: 'cpu:0', memory: 6GiB, workers: 1}]\n"
+        f"policy: {{kept_prefix_bytes: {'1GiB' if keep else 0}}}\n"
+        f"models: [{{name: {MODEL}, source: {MODEL}, dtype: float32, max_model_len: 8192, max_num_seqs: 16, "
+        "ttft_slo: 600, tpot_slo: 60}]\n"
+    )
+    proc = start_server_process(cfg, port, tmp / f"prism-return-{keep}.log")
+    url = f"http://127.0.0.1:{port}"
+    system, users = conversations(args.conversations, args.turns, args.seed)
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    first_ttft, activation, restored, answers = [], [], [], []
+    try:
+        with httpx.Client(timeout=600) as http:
+            http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+
+            async def round_of(histories: list[list[dict]], turn: int) -> list[dict]:
+                out = []
+                async with httpx.AsyncClient() as client:
+                    for h, u in zip(histories, users, strict=True):
+                        (r,) = await converse(client, url, h, [u[turn]], args.max_tokens, keep_history=True)
+                        out.append(r)
+                return out
+
+            histories = [[{"role": "system", "content": system}] for _ in users]
+            for turn in range(args.turns):
+                if turn:
+                    r = http.post(
+                        f"{url}/v1/admin/models/{MODEL}/unload", headers=admin, json={"force": False}
+                    )
+                    r.raise_for_status()
+                common.wait_quiet(10, 0.3)
+                results = asyncio.run(round_of(histories, turn))
+                answers.append([r["answer"] for r in results])
+                if turn:
+                    card = next(m for m in http.get(f"{url}/v1/models").json()["data"] if m["id"] == MODEL)
+                    first_ttft.append(results[0]["ttft"])
+                    activation.append(card["last_activation"]["seconds"])
+                    restored.append(card["last_activation"]["restored_prefix_blocks"])
+    finally:
+        stop_server_process(proc)
+    return {
+        "first_ttft": first_ttft, "activation": activation, "restored": restored, "answers": answers,
     }  # fmt: skip
 
 
@@ -225,6 +297,23 @@ def main() -> None:
               f"{on['later_ttft_p50'] / off['later_ttft_p50']:.3f}x, "
               f"wall {on['wall_s'] / off['wall_s']:.3f}x; "
               f"greedy answers identical: {same}")  # fmt: skip
+    if "return" in parts:
+        with tempfile.TemporaryDirectory() as d:
+            none = run_return(False, args, Path(d))
+            kept = run_return(True, args, Path(d))
+        print(f"\nevicted and back: {args.conversations} conversations, one turn each per round, "
+              f"{args.turns} rounds, the model unloaded before each round but the first")  # fmt: skip
+        med = {name: {k: statistics.median(r[k]) for k in ("first_ttft", "activation", "restored")}
+               for name, r in (("not kept", none), ("kept", kept))}  # fmt: skip
+        print(f"{'':22}{'first TTFT p50':>15}{'activation p50':>15}{'restored blocks':>16}")
+        for name, m in med.items():
+            print(
+                f"{'prefixes ' + name:22}{m['first_ttft']:15.3f}{m['activation']:15.3f}{m['restored']:16.0f}"
+            )
+        k, n = med["kept"], med["not kept"]
+        print(f"kept/not kept: first TTFT p50 {k['first_ttft'] / n['first_ttft']:.3f}x, "
+              f"activation p50 {k['activation'] / n['activation']:.3f}x; "
+              f"greedy answers identical: {kept['answers'] == none['answers']}")  # fmt: skip
     if "decode" in parts:
         r = run_decode(args)
         print(

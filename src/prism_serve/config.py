@@ -274,6 +274,14 @@ class PolicyConfig(_Strict):
         "any activation, so a fresh worker's first activation is only a copy (runtime/workers.py); "
         "an idle vLLM worker also builds vLLM's engine for the most requested (else most shared) shape",
     )
+    kept_prefix_bytes: Annotated[int, Field(ge=0)] | None = Field(
+        None,
+        description="host memory for the prefix-cached KV of evicted models, in all, e.g. 2GiB: an "
+        "evicted model's hottest cached prefixes are kept there and restored at its next activation "
+        "(engine/kept_prefixes.py); default a tenth of the host cache directory (/dev/shm); 0 keeps none",
+    )
+
+    _kept_prefix_bytes = field_validator("kept_prefix_bytes", mode="before")(_size)
 
     @model_validator(mode="after")
     def _known(self) -> PolicyConfig:

@@ -405,3 +405,69 @@ def test_prefix_caching_off_keeps_nothing(make_engine, chat_prompts) -> None:
         assert run_to_completion(engine)[rid].num_cached_tokens == 0
     assert engine.prefix_cache is None and engine.num_cached_blocks == 0
     assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
+
+
+# ---- prefixes kept across engines (engine/kept_prefixes.py) ------------------------------------
+
+
+def test_hottest_lists_whole_base_prefixes_most_recent_first_and_adopt_keeps_that_order() -> None:
+    cache = PrefixCache(FixedBlockAllocator(32), BS)
+    old, new = list(range(12)), list(range(100, 108))
+    adapter = list(range(200, 208))
+    for tokens, salt in ((old, b""), (adapter, b"lora"), (new, b"")):
+        table = cache.allocate(len(tokens) // BS)
+        cache.register(block_keys(tokens, BS, salt, []), table, 0, len(table), salt)
+        cache.free(table)
+    listed = cache.hottest(10)
+    keys = [k for _, k, _ in listed]
+    # the adapter's chain is not listed (its salt names a registration in this engine only); the
+    # newest prefix first; every block after its parent
+    assert keys == keys_of(new) + keys_of(old)
+    assert [p for _, _, p in listed] == [b"", keys_of(new)[0], b"", *keys_of(old)[:2]]
+    assert [k for _, k, _ in cache.hottest(3)] == keys_of(new) + keys_of(old)[:1]  # cut: still prefixes
+
+    fresh = PrefixCache(FixedBlockAllocator(4), BS)  # room for 4 of the 5 listed
+    taken = fresh.adopt(keys, [p for _, _, p in listed])
+    assert [i for i, _ in taken] == [0, 1, 2, 3] and fresh.num_evictable_blocks == 4  # the leading 4
+    assert len(fresh.match(keys_of([*new, 1]), len(new) + 1)) == 2  # a hit: the whole new prefix
+    # an entry whose parent was not adopted is skipped, its block given back
+    orphan = PrefixCache(FixedBlockAllocator(8), BS)
+    assert [i for i, _ in orphan.adopt(keys[3:], [p for _, _, p in listed][3:])] == []
+    assert orphan.allocator.num_free_blocks == 8
+
+
+def test_kept_prefixes_restored_in_a_new_engine_give_its_uncached_outputs(
+    make_engine, chat_prompts, reference, tmp_path
+) -> None:
+    """An engine's cached prefixes written to a file and read into a fresh engine: the shared system
+    prompt is a hit there, with the tokens and logprobs of an engine without a cache; a file of
+    another engine (fingerprint) or a budget too small for one block restores or writes nothing."""
+    from prism_serve.engine.kept_prefixes import read_header, restore_prefixes, save_prefixes
+
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    first = make_engine(block_size=16)
+    first.add_request(chat_prompts[0], greedy)
+    run_to_completion(first)
+    path = tmp_path / "kept.kv"
+    size = save_prefixes(first.prefix_cache, first.kv_cache, path, 64 * 2**20, "smollm2|f32")
+    header, _ = read_header(path.read_bytes())
+    assert size == path.stat().st_size and len(header.keys) == first.prefix_cache.num_evictable_blocks
+    block_bytes = header.block_bytes
+    assert save_prefixes(first.prefix_cache, first.kv_cache, tmp_path / "none.kv", block_bytes, "x") == 0
+    assert not (tmp_path / "none.kv").exists()
+
+    second = make_engine(block_size=16)
+    assert restore_prefixes(second.prefix_cache, second.kv_cache, path, "another") == 0
+    assert restore_prefixes(second.prefix_cache, second.kv_cache, path, "smollm2|f32") == len(header.keys)
+    rid = second.add_request(chat_prompts[1], greedy)
+    out = run_to_completion(second)[rid]
+    shared = 0
+    while chat_prompts[0][shared] == chat_prompts[1][shared]:
+        shared += 1
+    assert out.num_cached_tokens == shared // 16 * 16 > 0
+    _same(out, reference[1])
+    # everything restored is reclaimable, and nothing leaked
+    assert (
+        second.allocator.num_free_blocks + second.prefix_cache.num_evictable_blocks
+        == second.allocator.num_total_blocks
+    )

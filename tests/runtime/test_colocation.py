@@ -18,7 +18,7 @@ from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec, ModelTooLargeError
 from prism_serve.runtime.weight_cache import HostWeightCache
 
-from .conftest import start_runtime, stop_runtime, wait_until
+from .conftest import collect, start_runtime, stop_runtime, wait_until
 
 MiB = 2**20
 SLACK = 40 * MiB  # memory beyond both models' weights
@@ -137,5 +137,40 @@ def test_a_models_cached_prefixes_give_way_to_another_models_weights(tmp_path: P
         assert a_kv().mapped_bytes < held.mapped_bytes  # a gave cached pages back
         # a still serves, with the same greedy tokens, whatever is left of its cache
         assert rt.run(_run_all(c, "a", prompts[:1], 4)) == first[:1]
+    finally:
+        stop_runtime(rt)
+
+
+def test_an_evicted_models_cached_prefixes_come_back_with_it(tmp_path: Path) -> None:
+    """Evicting a model keeps its hottest cached prefixes in host memory; its next activation
+    restores them before it serves, so a request sharing the earlier prompt's prefix is a hit at
+    once, with the greedy tokens of the same request computed in full (a budget of 0 keeps none)."""
+    model = ModelSpec("a", source=SOURCE, engine=EngineConfig(seed=1, max_model_len=1024, dtype=FP32))
+    rt = start_runtime(
+        [DeviceSpec("cpu:0", 1024 * MiB, (0,), 1)], [model], policy=PolicyConfig(tick_interval_s=0.2)
+    )
+    try:
+        c = rt.c
+        shared = _prompts(1, 400, 5)[0]
+        first, second = [*shared, 7, 8, 9], [*shared, 10, 11]
+
+        def generate(prompt: list[int]) -> tuple[list[int], int]:
+            deltas = rt.run(collect(c, "a", prompt, SamplingParams(temperature=0.0, max_tokens=4)))[1]
+            return [t for d in deltas for t in d.token_ids], max(d.num_cached_tokens for d in deltas)
+
+        generate(first)
+        assert rt.run(c.unload("a", force=False))
+        kept = c.cache.kept_prefixes("a")
+        assert kept is not None and Path(kept).stat().st_size == c.cache.kept_bytes > 0
+        tokens, cached = generate(second)
+        phases = {s.model: s for s in c.status()}["a"].last_activation
+        assert phases.restored_blocks > 0 and phases.restore_s > 0
+        assert cached == len(shared) // 16 * 16  # every full block of the shared prefix, at once
+        assert c.cache.kept_prefixes("a") is None and not Path(kept).exists()  # restored: freed
+
+        c.cache.kept_prefix_bytes = 0  # keep nothing: the same request is computed in full
+        assert rt.run(c.unload("a", force=False))
+        assert c.cache.kept_prefixes("a") is None
+        assert generate(second) == (tokens, 0)
     finally:
         stop_runtime(rt)

@@ -41,6 +41,12 @@ def model_cards(statuses: Iterable[ModelStatus], roots: Mapping[str, str]) -> li
             # weights came in (messages.ActivationPhases.load_path); null before any
             "engine_compiled": last.compiled if last else None,
             "weights_loaded_by": last.load_path if last else None,
+            # the last activation: seconds in all, and the cached prefixes kept at the eviction
+            # before it that it restored into the engine (blocks, seconds of the total)
+            "last_activation": {
+                "seconds": last.total_s, "restored_prefix_blocks": last.restored_blocks,
+                "restore_s": last.restore_s,
+            } if last else None,
             "replicas": [
                 {"replica": r.replica, "state": r.state, "device": r.device,
                  "num_running": r.num_running, "num_queued": r.num_queued,

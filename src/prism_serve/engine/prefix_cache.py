@@ -16,6 +16,10 @@ in least-recently-used order; those blocks are the first memory given up: ``allo
 (oldest first) when the allocator below refuses, and ``drop`` hands them back to the allocator
 when the device needs the memory elsewhere. A block is unregistered before it is handed out for
 other content, so a key can never name a block that was rewritten.
+
+A model's hottest prefixes can outlive its engine: ``hottest`` lists the cached blocks of the base
+model's chains, most recently used first and every block after its parent, and a new engine's
+cache ``adopt``s such a list (engine/kept_prefixes.py copies the blocks' KV to host memory and back).
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class PrefixCache:
         self._key_of: dict[int, bytes] = {}  # registered block -> its key
         self._refs: dict[int, int] = {}  # registered block -> requests holding it (0: evictable)
         self._lru: dict[int, None] = {}  # registered blocks nobody holds, least recently used first
+        # key -> the key it is chained on: the previous block's, or the salt for a first block
+        self._parent: dict[bytes, bytes] = {}
         self._queries = self._hits = self._evictions = 0
 
     # ---- blocks ----------------------------------------------------------------------------------
@@ -150,19 +156,79 @@ class PrefixCache:
         self._hits += len(found) * self.block_size
         return found
 
-    def register(self, keys: Sequence[bytes], block_table: Sequence[int], start: int, end: int) -> int:
+    def register(
+        self, keys: Sequence[bytes], block_table: Sequence[int], start: int, end: int, salt: bytes = b""
+    ) -> int:
         """Register blocks ``start..end-1`` of a request (computed in full; ``keys`` the request's
-        block keys, at least ``end`` of them) and return ``end``, the next call's ``start``. A key
-        another block holds already leaves this one private (two requests computed the same
-        prefix at once): it is freed to the allocator with its request."""
+        block keys, at least ``end`` of them, chained from ``salt``) and return ``end``, the next
+        call's ``start``. A key another block holds already leaves this one private (two requests
+        computed the same prefix at once): it is freed to the allocator with its request."""
         for i in range(start, end):
             b = block_table[i]
             if b in self._refs or keys[i] in self._block_of:
                 continue  # matched from the cache (already registered), or a duplicate
             self._block_of[keys[i]] = b
             self._key_of[b] = keys[i]
+            self._parent[keys[i]] = keys[i - 1] if i else salt
             self._refs[b] = 1
         return end
+
+    def hottest(self, max_blocks: int) -> list[tuple[int, bytes, bytes]]:
+        """Up to ``max_blocks`` registered blocks of the base model's chains (salt ``b""``; an
+        adapter's salt names its registration in this engine only) as ``(block, key, parent key)``:
+        blocks in use first, then the unheld ones most recently used first, each listed only after
+        its parent, so every leading part of the list is a set of whole prefixes."""
+        held = [b for b, refs in self._refs.items() if refs > 0]  # registration order: parents first
+        candidates = held + list(reversed(self._lru))
+        chosen: list[tuple[int, bytes, bytes]] = []
+        kept: set[bytes] = set()
+        while candidates and len(chosen) < max_blocks:
+            later = []
+            for b in candidates:
+                key = self._key_of[b]
+                parent = self._parent[key]
+                if len(chosen) == max_blocks:
+                    break
+                if parent == b"" or parent in kept:
+                    chosen.append((b, key, parent))
+                    kept.add(key)
+                elif parent in self._block_of:
+                    later.append(b)  # its parent may come later in the order
+            if len(later) == len(candidates):
+                break  # the rest hang off chains that were not kept
+            candidates = later
+        return chosen
+
+    def adopt(self, keys: Sequence[bytes], parents: Sequence[bytes]) -> list[tuple[int, int]]:
+        """Register blocks from a list ``hottest`` made (in its order) as cached and unheld, keeping
+        its recency order, in blocks the allocator grants now: as many leading entries as it grants.
+        Entries already registered, or whose parent is not, are skipped. Returns ``(entry, block)``
+        for each block taken; the caller writes each entry's KV into its block."""
+        n = min(len(keys), self.allocator.num_free_blocks)
+        blocks = None
+        while n and blocks is None:  # an elastic allocator may grant fewer than it has free
+            blocks = self.allocator.allocate(n)
+            if blocks is None:
+                n //= 2
+        if not blocks:
+            return []
+        taken: list[tuple[int, int]] = []
+        unused: list[int] = []
+        for i, b in enumerate(blocks):
+            key, parent = keys[i], parents[i]
+            if key in self._block_of or not (parent == b"" or parent in self._block_of):
+                unused.append(b)
+                continue
+            self._block_of[key] = b
+            self._key_of[b] = key
+            self._parent[key] = parent
+            self._refs[b] = 0
+            taken.append((i, b))
+        if unused:
+            self.allocator.free(unused)
+        for _, b in reversed(taken):  # the list's first entry is the most recently used
+            self._lru[b] = None
+        return taken
 
     def stats(self) -> CacheStats:
         return CacheStats(self._queries, self._hits, len(self._key_of), len(self._lru), self._evictions)
@@ -171,6 +237,8 @@ class PrefixCache:
         b = next(iter(self._lru))
         del self._lru[b]
         del self._refs[b]
-        del self._block_of[self._key_of.pop(b)]
+        key = self._key_of.pop(b)
+        del self._block_of[key]
+        del self._parent[key]
         self._evictions += 1
         return b

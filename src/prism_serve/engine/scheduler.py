@@ -133,7 +133,7 @@ class Scheduler:
             seq.token_ids[: full * self.block_size], self.block_size, seq.cache_salt, seq.block_keys
         )
         start = seq.num_registered_blocks
-        seq.num_registered_blocks = self.cache.register(keys, seq.block_table, start, full)
+        seq.num_registered_blocks = self.cache.register(keys, seq.block_table, start, full, seq.cache_salt)
 
     def _match(self, seq: Sequence) -> None:
         """A request starting from nothing takes the cached blocks of its longest cached prefix."""

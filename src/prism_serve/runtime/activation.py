@@ -200,6 +200,7 @@ class Activator:
             rendezvous.with_name(rendezvous.name + ".ar").unlink(missing_ok=True)  # CPU ranks' sums
 
     def _activated(self, m: ModelEntry, handle: WorkerHandle, device: str, reply: msg.ModelActivated) -> None:
+        self._cache.drop_prefixes(m.spec.name)  # restored into the engine, or of no use to it
         handle.state = WorkerState.SERVING
         handle.stats = reply.stats
         m.state, m.max_kv_bytes, m.last_phases = ModelState.ACTIVE, reply.max_kv_bytes, reply.phases
@@ -241,7 +242,11 @@ class Activator:
         """What a worker on ``device`` activates ``m`` from: its own node's copy of the weights."""
         base = m.replica_of or m.spec.name
         adapters = [a.file for a in self._models.adapters.of_base(base)]
-        return self._on_node(m.activate_message(decided_at, adapters), m, device)
+        message = self._on_node(m.activate_message(decided_at, adapters), m, device)
+        kept = self._cache.kept_prefixes(m.spec.name)
+        if kept is not None and message.cache_path == m.cached.path:  # this node's: the kept file's
+            message = msgspec.structs.replace(message, kept_prefixes=kept)
+        return message
 
     def _on_node(self, message: msg.ActivateModel, m: ModelEntry, device: str) -> msg.ActivateModel:
         """``message`` with the paths of the node of ``device`` (its own host cache), where that is
@@ -331,15 +336,19 @@ class Activator:
         self, m: ModelEntry, handle: WorkerHandle, followers: list[WorkerHandle], devices: tuple[str, ...],
         force: bool, done: asyncio.Future,
     ) -> None:  # fmt: skip
+        evict = self._evict_message(m, handle, force)
         try:
-            reply = await self._request(handle, msg.EvictModel(m.spec.name, force))
+            reply = await self._request(handle, evict)
             if isinstance(reply, msg.EvictRefused) and m.state is not ModelState.EVICTED:
                 # placed again while the refusal was on its way: that placement stands and this
                 # engine goes, so no model ever holds two engines
                 logger.warning(
                     "%s was placed again while its engine on %s refused to go", m.spec.name, devices[0]
                 )
-                reply = await self._request(handle, msg.EvictModel(m.spec.name, True))
+                reply = await self._request(handle, msgspec.structs.replace(evict, force=True))
+            if evict.keep_prefixes:  # the file is the worker's answer's, whatever it was
+                kept = reply.kept_prefix_bytes if isinstance(reply, msg.ModelEvicted) else 0
+                self._cache.keep_prefixes(m.spec.name, evict.keep_prefixes, kept)
             if not isinstance(reply, msg.EvictRefused):
                 for f in followers:  # rank 0 has ended their loops: each gives back its pages
                     with contextlib.suppress(WorkerDiedError):
@@ -365,6 +374,19 @@ class Activator:
         m.num_evictions += 1
         done.set_result(True)
         self._loop.capacity_freed(list(devices), self._clock())
+
+    def _evict_message(self, m: ModelEntry, handle: WorkerHandle, force: bool) -> msg.EvictModel:
+        """The EvictModel for ``m``: asking the worker to keep its engine's hottest cached prefixes
+        in host memory (a file the next activation restores) where the model can have them: the
+        built-in engine with its prefix cache on, one device of this node, and room in the budget."""
+        keeps = (
+            m.spec.engine_kind == "builtin" and m.spec.engine.prefix_caching and m.spec.tp == 1
+            and not handle.device.node and self._cache.kept_prefix_bytes > 0
+        )  # fmt: skip
+        if not keeps:
+            return msg.EvictModel(m.spec.name, force)
+        path, allowance = self._cache.prefix_room(m.spec.name)
+        return msg.EvictModel(m.spec.name, force, path, allowance)
 
     def set_kv_quota(self, m: ModelEntry, quota_bytes: int | None) -> None:
         m.kv_quota = quota_bytes

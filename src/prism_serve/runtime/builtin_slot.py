@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from prism_serve.engine.kept_prefixes import restore_prefixes, save_prefixes
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
 from prism_serve.engine.models.llama import LlamaForCausalLM
@@ -265,6 +266,19 @@ class BuiltinSlot:
             self._reduce.close()
         self._reduce = None
         leave_group()
+
+    def keep_prefixes(self, loaded: Loaded, path: str, max_bytes: int, fingerprint: str) -> int:
+        engine = loaded.engine
+        # a tensor parallel rank holds a shard of each block: nothing kept (it is never _served)
+        if loaded is not self._served or not isinstance(engine, LLMEngine) or engine.prefix_cache is None:
+            return 0
+        return save_prefixes(engine.prefix_cache, engine.kv_cache, path, max_bytes, fingerprint)
+
+    def restore_prefixes(self, loaded: Loaded, path: str, fingerprint: str) -> int:
+        engine = loaded.engine
+        if loaded is not self._served or not isinstance(engine, LLMEngine) or engine.prefix_cache is None:
+            return 0
+        return restore_prefixes(engine.prefix_cache, engine.kv_cache, path, fingerprint)
 
     def poll(self) -> None:
         """Cached KV is the first memory given back: while a refused grant on the device waits for

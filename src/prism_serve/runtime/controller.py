@@ -83,7 +83,7 @@ class Controller:
         self.specs = self.models.specs
         if not self.devices or not self.specs:
             raise ValueError("need at least one device and one model")
-        self.cache = HostWeightCache(namespace)
+        self.cache = HostWeightCache(namespace, kept_prefix_bytes=self.settings.kept_prefix_bytes)
         self.loop = ControlLoop(self.policy, list(self.devices), self, self.models.names(), self._now())
         self.pool = WorkerPool(
             list(self.devices.values()),

@@ -82,6 +82,14 @@ class EngineSlot(Protocol):
     def release(self, loaded: Loaded, weight_account: Account) -> None:
         """The model goes: its engine aborted, every page it held unmapped or kept as spare."""
 
+    def keep_prefixes(self, loaded: Loaded, path: str, max_bytes: int, fingerprint: str) -> int:
+        """Before the model goes: write its engine's hottest cached prefixes, up to ``max_bytes``,
+        to a new file at ``path``; the file's size (0: none written, no file)."""
+
+    def restore_prefixes(self, loaded: Loaded, path: str, fingerprint: str) -> int:
+        """Right after the activation: read a file ``keep_prefixes`` wrote into the new engine's
+        prefix cache; how many blocks it took."""
+
     def poll(self) -> None:
         """Once per loop turn of the worker."""
 

@@ -84,10 +84,14 @@ class ActivationPhases(msgspec.Struct, array_like=True, frozen=True):
     # engine "kept" (the worker's own, swapped back), "plan" (direct copies and repacks) or
     # "reload" (vLLM's own reload), runtime/vllm_slot.py
     load_path: str = "copy"
+    # the model's cached prefixes kept in host memory when it was last evicted, read back into its
+    # engine's prefix cache before it serves (engine/kept_prefixes.py): seconds and blocks
+    restore_s: float = 0.0
+    restored_blocks: int = 0
 
     @property
     def total_s(self) -> float:
-        return self.take_s + self.map_s + self.copy_s + self.ready_s
+        return self.take_s + self.map_s + self.copy_s + self.ready_s + self.restore_s
 
 
 class EngineStats(msgspec.Struct, array_like=True, frozen=True):
@@ -207,11 +211,18 @@ class ActivateModel(Message):
     tp_size: int = 1
     tp_init: str = ""
     kv_blocks: int = 0
+    # a file of the model's cached prefixes kept when it was last evicted: restored into the new
+    # engine's prefix cache before it serves ("": none)
+    kept_prefixes: str = ""
 
 
 class EvictModel(Message):
     model: str
     force: bool = False  # False: refuse (EvictRefused) while requests are in flight
+    # write the engine's hottest cached prefixes, up to ``keep_prefix_bytes``, to a new file at
+    # ``keep_prefixes`` in host memory before the engine goes ("" or 0: keep nothing)
+    keep_prefixes: str = ""
+    keep_prefix_bytes: int = 0
 
 
 class AddRequest(Message):
@@ -285,6 +296,8 @@ class ModelEvicted(Message):
     model: str
     aborted: list[str]
     released_bytes: int
+    kept_prefix_bytes: int = 0  # the size of the file of cached prefixes written (0: none written)
+    kept_prefix_s: float = 0.0  # seconds writing it
 
 
 class EvictRefused(Message):

@@ -201,6 +201,12 @@ class VllmSlot:
         loaded.engine.close()
         loaded.kv.close()  # the model's memory is kept as spare, or given back (VllmMemory.close)
 
+    def keep_prefixes(self, loaded: Loaded, path: str, max_bytes: int, fingerprint: str) -> int:
+        return 0  # vLLM's own block pool: its cached prefixes go with the model (not kept yet)
+
+    def restore_prefixes(self, loaded: Loaded, path: str, fingerprint: str) -> int:
+        return 0
+
     def poll(self) -> None:
         if self.kept is not None and self.ledger.reclaim_wanted() > 0:
             self.drop_kept()  # kept weights are spare memory: a grant elsewhere waits

@@ -59,7 +59,10 @@ PREPARE_TOKENIZER_BYTES = 64 * 2**20
 # so an activation that arrives meanwhile waits for one piece, not a whole 16 GB file.
 PREFAULT_CHUNK_BYTES = 256 * 2**20
 _MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range's page tables in now (mmap lacks the name)
-_FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json|\.lora|\.tp|\.tp\.ar)?$")
+_FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json|\.lora|\.tp|\.tp\.ar|\.kv)?$")
+# what the cached prefixes of evicted models may take in all, by default: this share of the host
+# cache directory's size
+KEPT_PREFIX_SHARE = 0.1
 
 
 class HostCacheFullError(PrismError):
@@ -164,9 +167,21 @@ class CachedModel:
 class HostWeightCache:
     """Loads each model once and keeps it in shared memory until ``close()`` (or ``drop``)."""
 
-    def __init__(self, namespace: str | None = None, directory: str | Path = "/dev/shm") -> None:
+    def __init__(
+        self,
+        namespace: str | None = None,
+        directory: str | Path = "/dev/shm",
+        kept_prefix_bytes: int | None = None,
+    ) -> None:
+        """``kept_prefix_bytes``: host memory for the cached prefixes of evicted models
+        (``keep_prefixes``), in all; None: ``KEPT_PREFIX_SHARE`` of the directory's size."""
         self.namespace = namespace or default_namespace()
         self.directory = Path(directory)
+        if kept_prefix_bytes is None:
+            fs = os.statvfs(self.directory)
+            kept_prefix_bytes = int(fs.f_blocks * fs.f_frsize * KEPT_PREFIX_SHARE)
+        self.kept_prefix_bytes = kept_prefix_bytes
+        self._kept: dict[str, tuple[str, int]] = {}  # model -> (file, size), least recently kept first
         self._lock = threading.Lock()
         self._file_locks: dict[tuple, threading.Lock] = {}
         self._files: dict[tuple, CachedModel] = {}  # by weights key; spec = the first model's
@@ -296,6 +311,52 @@ class HostWeightCache:
             self._counter += 1
             return self.directory / f"prism-weights-{self.namespace}-{os.getpid()}-{self._counter}.tp"
 
+    # ---- cached prefixes of evicted models ----------------------------------------------------
+
+    def prefix_room(self, model: str) -> tuple[str, int]:
+        """Where and how much of ``model``'s cached prefixes its worker may keep as it is evicted:
+        a fresh path (not created) and a byte allowance. The files of all models stay within
+        ``kept_prefix_bytes``: a model's earlier file goes, and so do the oldest other models'
+        files until the allowance is half the budget (or nothing else is kept)."""
+        self.drop_prefixes(model)
+        with self._lock:
+            while self._kept and self.kept_prefix_bytes - self.kept_bytes < self.kept_prefix_bytes // 2:
+                oldest = next(iter(self._kept))
+                Path(self._kept.pop(oldest)[0]).unlink(missing_ok=True)
+            allowance = max(0, self.kept_prefix_bytes - self.kept_bytes)
+            self._counter += 1
+            path = self.directory / f"prism-weights-{self.namespace}-{os.getpid()}-{self._counter}.kv"
+        return str(path), allowance
+
+    def keep_prefixes(self, model: str, path: str, size: int) -> None:
+        """The worker wrote ``model``'s cached prefixes to ``path`` (``size`` bytes; 0: nothing)."""
+        if size <= 0:
+            Path(path).unlink(missing_ok=True)
+            return
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._kept[model] = (path, size)
+        if closed:
+            Path(path).unlink(missing_ok=True)
+
+    def kept_prefixes(self, model: str) -> str | None:
+        """The file of ``model``'s cached prefixes kept at its last eviction, if any."""
+        kept = self._kept.get(model)
+        return kept[0] if kept is not None else None
+
+    def drop_prefixes(self, model: str) -> None:
+        """Forget ``model``'s kept prefixes (restored into its engine, or replaced) and free them."""
+        with self._lock:
+            kept = self._kept.pop(model, None)
+        if kept is not None:
+            Path(kept[0]).unlink(missing_ok=True)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host memory the kept prefix files take."""
+        return sum(size for _, size in self._kept.values())
+
     def write_adapter(self, adapter: LoraAdapter) -> AdapterFile:
         """Put a checked adapter's weights in shared memory (each module's A then B, float32, at
         64-byte boundaries); the returned AdapterFile tells a worker where they are."""
@@ -378,6 +439,7 @@ class HostWeightCache:
     def drop(self, name: str) -> None:
         """Forget one model; its files go when no other model shares them (workers that mapped
         them keep their mapping until they close it)."""
+        self.drop_prefixes(name)
         with self._lock:
             cached = self._models.pop(name, None)
             if cached is None:
@@ -401,6 +463,8 @@ class HostWeightCache:
             self.drop(name)
         for path in adapters:
             self.drop_adapter(path)
+        for name in list(self._kept):
+            self.drop_prefixes(name)
 
     def __enter__(self) -> HostWeightCache:
         return self

@@ -80,6 +80,7 @@ class _Active:
     decode: StepSums = field(default_factory=StepSums)  # decode steps since the activation, CPU-timed
     cpu_start: float = 0.0  # this process's CPU time when the activation finished
     synced_at: float = 0.0  # a tensor parallel rank 0: when the other ranks last heard from it
+    fingerprint: str = ""  # what its KV is computed with, as kept prefix files name it
 
     @property
     def engine(self) -> WorkerEngine:
@@ -426,10 +427,16 @@ class Worker:
             return
         self.active = a = _Active(
             m.model, loaded, weight_account, kv_account, m.weight_bytes, cpu_start=time.process_time(),
-            synced_at=time.monotonic(),
+            synced_at=time.monotonic(), fingerprint=_fingerprint(m),
         )  # fmt: skip
         for f in m.adapters:
             self._register_adapter(a, f)
+        t_restore, restored = time.monotonic(), 0
+        if m.kept_prefixes:
+            try:
+                restored = self.slot.restore_prefixes(loaded, m.kept_prefixes, a.fingerprint)
+            except Exception as e:  # a file gone or unreadable: the model serves, only colder
+                logger.warning("restoring the cached prefixes of %s failed: %s", m.model, e)
         phases = msg.ActivationPhases(
             take_s=max(0.0, t_take - m.sent_at),
             map_s=t_open - t_take + loaded.map_s,
@@ -442,6 +449,8 @@ class Worker:
             prepared=prepared,
             compiled=loaded.compiled,
             load_path=loaded.load_path,
+            restore_s=time.monotonic() - t_restore if m.kept_prefixes else 0.0,
+            restored_blocks=restored,
         )
         self._send(
             msg.ModelActivated(
@@ -466,8 +475,15 @@ class Worker:
             return
         for req_id in a.engine.abort_all():
             self._fail(req_id, ModelEvictedError(f"model {m.model} was unloaded while this request ran"))
+        t_keep, kept = time.monotonic(), 0
+        if m.keep_prefixes and m.keep_prefix_bytes > 0:
+            try:
+                kept = self.slot.keep_prefixes(a.loaded, m.keep_prefixes, m.keep_prefix_bytes, a.fingerprint)
+            except Exception as e:  # the model goes all the same, its prefixes with it
+                logger.warning("keeping the cached prefixes of %s failed: %s", m.model, e)
+        t_kept = time.monotonic()
         released = self._release(a)
-        self._send(msg.ModelEvicted(m.model, in_flight, released))
+        self._send(msg.ModelEvicted(m.model, in_flight, released, kept, t_kept - t_keep if kept else 0.0))
 
     def _release(self, a: _Active) -> int:
         """Drop the model and give back every page it mapped; the ranges stay reserved."""
@@ -502,6 +518,12 @@ class Worker:
         self.ledger.close()
         self.sock.close()
         self.ctx.term()
+
+
+def _fingerprint(m: msg.ActivateModel) -> str:
+    """What a model's KV is computed with, as far as a kept prefix file must match it: its weights
+    (the host cache file: equal weights share one), their dtype and the KV block size."""
+    return f"{m.cache_path}|{m.engine.dtype}|{m.engine.block_size}"
 
 
 def _timings(m: RequestMetrics) -> msg.RequestTimings | None:
