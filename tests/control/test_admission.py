@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import example, given, settings
@@ -415,3 +416,25 @@ def test_queue_bookkeeping():
     assert "x" in q and len(q) == 2 and set(q.models()) == {"a", "b"}
     assert q.cancel("x") and not q.cancel("x")
     assert q.models() == ("b",) and len(q) == 1
+
+
+def test_a_cached_prefix_shortens_the_prefill_the_schedule_counts_but_not_the_memory_it_needs():
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    # 1,500 tokens take 1.5 s: past a 1 s deadline, so the whole prompt is late...
+    q.push(request("whole", arrival=0.0, tokens=1500, slo=1.0))
+    assert q.schedule(0.0) == [] and [r.req_id for r in q.late(0.0)] == ["whole"]
+    # ...while the same prompt with 1,024 tokens cached on its replica prefills 476 of them: on time
+    hit = replace(request("hit", arrival=0.0, tokens=1500, slo=1.0), cached_tokens=1024)
+    assert hit.prefill_tokens == 476
+    q.push(hit)
+    assert [r.req_id for r in q.schedule(0.0)] == ["hit"] and [r.req_id for r in q.late(0.0)] == ["whole"]
+    one_slot = {"a": engine("a", free_gib=1, max_seqs=1)}
+    assert [a.request.req_id for a in q.admit(0.0, device(), one_slot)] == ["hit"]
+    assert q.start_ns(0.0) == 476 * NS // 1000  # the queue is busy for the uncached part only
+    # memory is still counted on the whole prompt (cached blocks may be gone by the time it runs):
+    # room for 1,000 tokens of KV holds its 476 uncached tokens but not the prompt
+    q2 = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    q2.push(replace(hit, req_id="hit2"))
+    tight = {"a": engine("a", free_gib=1000 * 1024 / GIB)}
+    assert q2.admit(0.0, device(cap_gib=1, mapped_gib=1), tight) == []
+    assert [a.request.req_id for a in q2.admit(0.0, device(), {"a": engine("a", free_gib=1)})] == ["hit2"]

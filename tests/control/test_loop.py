@@ -160,8 +160,12 @@ class Scripted:
     def replica_slots(self):
         return self.inner.replica_slots
 
-    def pick_replica(self, request, cluster, now):
-        return self.inner.pick_replica(request, cluster, now)
+    @property
+    def prefix_aware(self):
+        return self.inner.prefix_aware
+
+    def pick_replica(self, request, cluster, now, cached=None):
+        return self.inner.pick_replica(request, cluster, now, cached=cached)
 
     def place(self, cluster, now):
         out, self.next_place = self.next_place, None
@@ -515,7 +519,9 @@ def test_random_event_sequences_keep_every_request_in_exactly_one_place(policy, 
         model = names[k]
         if kind == "arrive":
             i += 1
-            loop.arrival(req(i, model, now), now)
+            # prompts of 3 blocks, some sharing their first blocks (the prefix index's paths)
+            keys = (pick % 3, 10 + pick % 5, 100 + i)
+            loop.arrival(Request(f"r{i}", model, now, 200, 1.0, keys), now)
         elif kind == "tick":
             loop.tick(now)
         elif kind == "ready":
@@ -539,6 +545,8 @@ def test_random_event_sequences_keep_every_request_in_exactly_one_place(policy, 
                 m.state, m.placement = ModelState.EVICTED, ()
                 loop.worker_died(model, now)
         check_invariants(loop, body)
+        # a hit never covers the prompt's last token (199 tokens: 3 full blocks at most)
+        assert all(r.cached_tokens <= 3 * 64 for r in loop.requests.values())
     # and everything drains: activations finish, requests finish
     for _ in range(200):
         now += 0.25

@@ -465,3 +465,79 @@ def test_derived_values_are_kept_per_snapshot_and_never_carried_into_an_updated_
     assert same.devices["d2"].mapped_bytes == d2.mapped_bytes + 1
     assert same.derived == {} and same.kept is after.kept
     assert group_rate(same, "m") == 1.0 and same.derived[("group", "m")] is after.derived[("group", "m")]
+
+
+# -- prefix-aware routing ---------------------------------------------------------------------------
+
+
+def _long(arrival: float = 0.0) -> Request:
+    """A 1,000-token prompt with a 1 s TTFT SLO (its prefix keys are the loop's business: routing
+    reads only what each replica holds cached, ``cached``)."""
+    return Request("p", "m", arrival, 1000, 1.0)
+
+
+def _two(
+    queued_d0: int = 2, queued_d1: int = 0, *, state1: ModelState = ModelState.ACTIVE
+) -> ClusterSnapshot:
+    """Replica 0 busier (a higher rate, ``queued_d0`` requests ahead on d0) than replica 1."""
+    queued = {"d0": ("m",) * queued_d0, "d1": ("m",) * queued_d1}
+    return cluster(
+        [hot(rate=5, on=("d0",), running=4), hot(k=1, rate=1, on=("d1",), state=state1)],
+        DEVICES,
+        queued={d: q for d, q in queued.items() if q},
+    )
+
+
+def test_a_request_goes_to_the_replica_holding_its_longest_cached_prefix() -> None:
+    c = _two()
+    assert pick_replica(_long(), c).model == "m#1"  # no prefix known: the lowest predicted TTFT
+    assert pick_replica(_long(), c, cached={"m": 960, "m#1": 0}, now=0.0).model == "m"
+    assert pick_replica(_long(), c, cached={"m": 320, "m#1": 640}, now=0.0).model == "m#1"
+    # nothing cached anywhere: the rule without prefixes
+    assert pick_replica(_long(), c, cached={"m": 0, "m#1": 0}, now=0.0).model == "m#1"
+    # the prediction prices only the uncached part of the prompt
+    m = c.models["m"]
+    assert predicted_ttft(m, c, 40) < predicted_ttft(m, c, 1000)
+    assert predicted_ttft(m, c) == pytest.approx(predicted_ttft(m, c, m.profile.mean_prompt_tokens))
+    # equal hits: the lower predicted TTFT, then the lower slot
+    assert pick_replica(_long(), c, cached={"m": 640, "m#1": 640}, now=0.0).model == "m#1"
+    even = cluster([hot(on=("d0",)), hot(k=1, on=("d1",))], DEVICES)
+    assert pick_replica(_long(), even, cached={"m": 640, "m#1": 640}, now=0.0).model == "m"
+
+
+def test_a_prefix_holder_that_would_miss_the_slo_loses_the_request_to_one_that_meets_it() -> None:
+    swamped = _two(queued_d0=20)  # 20 prefills ahead of it on d0: over 1 s even with the hit
+    hit = {"m": 960, "m#1": 0}
+    assert predicted_ttft(swamped.models["m"], swamped, 40) > 1.0
+    assert predicted_ttft(swamped.models["m#1"], swamped, 1000) < 1.0
+    assert pick_replica(_long(), swamped, cached=hit, now=0.0).model == "m#1"
+    # when no replica would meet it, the hit is worth the most: the holder keeps it
+    both = _two(queued_d0=20, queued_d1=30)
+    assert pick_replica(_long(), both, cached=hit, now=0.0).model == "m"
+    # what is left of the SLO counts: routed again 0.8 s after its arrival, 0.2 s are left, which
+    # the holder (about 0.21 s) misses and replica 1 (about 0.16 s) meets
+    c = _two()
+    assert predicted_ttft(c.models["m"], c, 40) > 0.2 > predicted_ttft(c.models["m#1"], c, 1000)
+    assert pick_replica(_long(), c, cached=hit, now=0.0).model == "m"
+    assert pick_replica(_long(), c, cached=hit, now=0.8).model == "m#1"
+
+
+def test_a_prefix_holder_still_activating_comes_after_an_active_replica() -> None:
+    c = _two(queued_d0=0, state1=ModelState.ACTIVATING)
+    assert pick_replica(_long(), c, cached={"m": 0, "m#1": 960}, now=0.0).model == "m"
+
+
+def test_a_surplus_replica_drains_whatever_prefixes_it_holds() -> None:
+    cooled = cluster([hot(rate=2, on=("d0",)), hot(k=1, rate=2, on=("d1",)), hot(k=2)], DEVICES)
+    assert surplus(cooled, "m", 0.5).model == "m#1"
+    hit = {"m": 0, "m#1": 960, "m#2": 0}
+    pol = get_policy("prism")
+    assert pol.prefix_aware
+    assert pol.pick_replica(_long(), cooled, 0.0, cached=hit).model == "m"
+    # not surplus: the holder gets it; and with prefix awareness off the hit is ignored
+    warm = cluster([hot(rate=4, on=("d0",)), hot(k=1, rate=4, on=("d1",)), hot(k=2)], DEVICES)
+    assert surplus(warm, "m", 0.5) is None
+    assert pol.pick_replica(_long(), warm, 0.0, cached=hit).model == "m#1"
+    off = get_policy("prism", prefix_aware=False)
+    assert not off.prefix_aware
+    assert off.pick_replica(_long(), warm, 0.0, cached=hit).model == "m"

@@ -296,3 +296,56 @@ def test_simulated_hit_rate_is_between_zero_and_an_unbounded_caches(mooncake):
     # the same requests, less prefill: the first tokens come no later on average
     ttft = np.mean([r.ttft for r in res.requests])
     assert ttft <= np.mean([r.ttft for r in off.requests])
+
+
+# -- prefix-aware routing across replicas -----------------------------------------------------------
+
+
+def _conversations(n_conv: int, rate: float, duration: float, seed: int = 0) -> tuple[Workload, np.ndarray]:
+    """Synthetic: ``n_conv`` conversations, each with its own 4,096-token system prompt, asked at
+    ``rate`` req/s in all (each request a random conversation's, 64-256 tokens of its own after
+    the system prompt, 32 out); 64-token hashed blocks, as the request log's. Returns the workload
+    and each request's conversation."""
+    rng = np.random.default_rng(seed)
+    n = int(rate * duration)
+    times = np.sort(rng.uniform(0, duration, n))
+    conv = rng.integers(0, n_conv, n)
+    own = rng.integers(64, 257, n)
+    system = 64  # blocks
+    hashes = [
+        tuple(range(c * 1000, c * 1000 + system))
+        + tuple(range(10**6 + 10 * i, 10**6 + 10 * i + -(-int(u) // 64)))
+        for i, (c, u) in enumerate(zip(conv.tolist(), own.tolist(), strict=True))
+    ]
+    w = Workload(
+        times, np.zeros(n, dtype=np.int64), system * 64 + own, np.full(n, 32), ("m",),
+        block_hashes=hashes, block_tokens=64,
+    )  # fmt: skip
+    return w, conv
+
+
+def test_prefix_aware_routing_keeps_each_conversation_on_one_replica_and_hits_more():
+    """One 8B model on two H100s at 20 req/s of 4,200-token prompts (more than one replica serves
+    within its SLO by the cost model, so prism runs two): routed by predicted TTFT alone, every
+    conversation's requests spread over both replicas and each replica computes every system
+    prompt; routed by cached prefix, each conversation stays where its system prompt is."""
+    w, conv = _conversations(30, rate=20.0, duration=30.0)
+    m = served("m")
+    slos = {"m": ModelSLO(1.0, 0.1)}
+    runs = {
+        aware: simulate(
+            [m], w, slos, SimConfig(num_devices=2, knobs={"max_replicas": 2, "prefix_aware": aware})
+        )
+        for aware in (True, False)
+    }
+    split = {}
+    for aware, res in runs.items():
+        replicas: dict[int, set[str]] = {}
+        for r in res.requests:
+            replicas.setdefault(int(conv[int(r.req_id)]), set()).add(r.replica)
+        split[aware] = sum(len(v) > 1 for v in replicas.values())
+        assert {r.replica for r in res.requests} == {"m", "m#1"}  # both replicas serve in both runs
+    aware, blind = runs[True].summary(), runs[False].summary()
+    assert split[True] <= 5 and split[False] >= 25
+    assert blind["prefix_hit_rate"] + 0.03 < aware["prefix_hit_rate"] <= aware["prefix_hit_rate_infinite"]
+    assert aware["ttft_attainment"] >= blind["ttft_attainment"]

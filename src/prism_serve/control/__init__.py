@@ -8,8 +8,10 @@ from prism_serve.control.admission import DeadlineQueue, moore_hodgson
 from prism_serve.control.forecast import RateEstimator, idle_threshold_from_gaps
 from prism_serve.control.placement import DeviceBudget, Part, PlacementResult, kvpr, place_parts
 from prism_serve.control.policies import POLICIES, Knobs, Policy, get_policy, knobs_for
+from prism_serve.control.prefix_index import PrefixIndex
 from prism_serve.control.queues import FifoQueue, GroupQueue, RequestQueue, RoundRobinQueue
 from prism_serve.control.types import (
+    PREFIX_BLOCK_TOKENS,
     Action,
     Activate,
     ClusterSnapshot,
@@ -35,6 +37,7 @@ from prism_serve.control.types import (
 
 __all__ = [
     "POLICIES",
+    "PREFIX_BLOCK_TOKENS",
     "Action",
     "Activate",
     "ClusterSnapshot",
@@ -59,6 +62,7 @@ __all__ = [
     "Part",
     "PlacementResult",
     "Policy",
+    "PrefixIndex",
     "RateEstimator",
     "Reject",
     "RejectReason",

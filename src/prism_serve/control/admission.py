@@ -3,7 +3,9 @@
 One queue per device holds the requests of every model on it. The schedule is Moore-Hodgson: walk
 the requests in deadline order (``arrival + TTFT SLO``), append each to the schedule, and when the
 one just appended would finish after its deadline, drop the request with the longest prefill from
-the schedule. Prefill time is ``prompt tokens / prefill speed`` of the model on this device. The
+the schedule. Prefill time is ``prompt tokens / prefill speed`` of the model on this device, counting
+only the prompt tokens not expected to be cached on the request's replica (``Request.prefill_tokens``:
+the control loop's prefix index, prefix_index.py); memory fits still count the whole prompt. The
 kept schedule maximizes the number of requests whose prefill meets its deadline when prefills run
 one after another from ``T0``.
 
@@ -141,7 +143,7 @@ class DeadlineQueue(RequestQueue):
 
     def _push(self, request: Request) -> None:
         speed = self._speed.get(request.model, self.default_prefill_tokens_per_s)
-        e = _Entry(request, self._seq, prefill_ns(request.prompt_tokens, speed))
+        e = _Entry(request, self._seq, prefill_ns(request.prefill_tokens, speed))
         self._seq += 1
         self._entries[request.req_id] = e
         self._pending.append(e)
@@ -246,7 +248,7 @@ class DeadlineQueue(RequestQueue):
             self._valid = False
             for entry in self._entries.values():
                 if entry.request.model == model:
-                    entry.set_p(prefill_ns(entry.request.prompt_tokens, e.prefill_tokens_per_s))
+                    entry.set_p(prefill_ns(entry.request.prefill_tokens, e.prefill_tokens_per_s))
             # a faster engine can make late requests schedulable again: let the next run re-sort them
             back = [entry for entry in self._late if entry.request.model == model]
             if back:

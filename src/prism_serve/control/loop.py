@@ -45,6 +45,13 @@ Rules decided here once for both bodies:
   evicted, and the simulator did not.)
 - Admission runs, after every event, on the devices whose queue or capacity may have changed, in
   device-name order, until no device has anything new to admit.
+- Prefixes (a policy with ``prefix_aware``, requests with ``prefix_keys``): before a request is
+  routed, the loop's prefix index (prefix_index.py) gives the prompt tokens each replica of its
+  model probably holds cached, which ``pick_replica`` weighs; the request is then addressed with
+  ``cached_tokens`` for the replica it went to (admission prices only the rest of its prefill) and
+  its keys are recorded on that replica. A replica's keys are forgotten when an ``Evict`` or a
+  ``Migrate`` is applied to it, when its worker dies or its activation fails, and when a snapshot
+  shows it placed anew.
 """
 
 from __future__ import annotations
@@ -52,11 +59,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from prism_serve.control.eviction import keep_alive_expired
 from prism_serve.control.forecast import RateEstimator, SeasonalForecaster
 from prism_serve.control.policies import Policy
+from prism_serve.control.prefix_index import PrefixIndex, capacity_blocks
 from prism_serve.control.queues import RequestQueue
 from prism_serve.control.types import (
     REPLICA_SEPARATOR,
@@ -161,6 +170,10 @@ class ControlLoop:
         # keeps it). Decided here, once, so that the runtime and the simulator cannot disagree.
         self.prewarmed: set[str] = set()
         self._routing: Counter[str] = Counter()  # models with a request being routed right now
+        # which prompt prefixes each replica probably holds (prefix_index.py), for a policy that
+        # routes and admits by them; requests carry their keys (Request.prefix_keys)
+        self.prefix_aware = bool(policy.prefix_aware)
+        self.prefixes = PrefixIndex()
         self._models = dict.fromkeys(models)
         # served models that have replica slots (named model#k): only their arrivals need a snapshot
         # to pick a replica before the rate update
@@ -235,6 +248,7 @@ class ControlLoop:
         to activate, and the body fails none of them."""
         out = [r for r in self.requests.values() if r.model == model and self.where[r.req_id] != ENGINE]
         self.stale_models[model] = None
+        self.prefixes.forget(model)
         snap = self.body.cluster(now).models.get(model)
         replica = snap is not None and snap.replica_of is not None
         for r in out:
@@ -297,6 +311,7 @@ class ControlLoop:
 
     def worker_died(self, model: str, now: float) -> None:
         self.stale_models[model] = None
+        self.prefixes.forget(model)
         for request in self._take_queued(model):
             self._reroute.append(request)
         self._drain_reroutes(now)
@@ -327,7 +342,11 @@ class ControlLoop:
             # one replica: it is the request's own model, so its arrival counts before the snapshot
             self._observe(request.model, request.model, now)
         cluster = self.body.cluster(now)
-        routed = self.policy.pick_replica(request, cluster, now)
+        prefixed = self.prefix_aware and bool(request.prefix_keys)
+        cached = self._cached_by_replica(request, cluster) if prefixed else None
+        routed = self.policy.pick_replica(request, cluster, now, cached=cached)
+        if prefixed:
+            routed = self._note_prefix(routed, cluster, cached)
         if routed is not request:
             self.requests[routed.req_id] = routed
         if arriving and request.model in self._replicated:
@@ -339,6 +358,34 @@ class ControlLoop:
             self._apply(self.policy.on_request(routed, cluster, now), now)
         finally:
             self._routing[routed.model] -= 1
+
+    def _cached_by_replica(self, request: Request, cluster: ClusterSnapshot) -> dict[str, int] | None:
+        """Per replica of the request's served model, the prompt tokens it probably holds cached
+        (the prefix index, brought up to date with the snapshot first); None for an unknown model."""
+        m = cluster.models.get(request.model)
+        if m is None:
+            return None
+        index, models = self.prefixes, cluster.models
+        out = {}
+        for name in cluster.replicas(m.group):
+            r = models[name]
+            index.sync(name, r.resident, r.placed_at)
+            out[name] = index.cached_tokens(name, request.prefix_keys, request.prompt_tokens)
+        return out
+
+    def _note_prefix(
+        self, routed: Request, cluster: ClusterSnapshot, cached: Mapping[str, int] | None
+    ) -> Request:
+        """``routed`` with the cached tokens expected on the replica it goes to; its keys recorded
+        there, bounded by what that replica's engine can cache."""
+        name = routed.model
+        if cached is None or name not in cached:
+            return routed  # an unknown model: on_request rejects it
+        index = self.prefixes
+        index.record(name, routed.prefix_keys, capacity_blocks(cluster, name, index.block_tokens))
+        if cached[name] != routed.cached_tokens:
+            routed = replace(routed, cached_tokens=cached[name])
+        return routed
 
     def _observe(self, replica: str, model: str, now: float) -> None:
         """An arrival for ``replica`` of the served ``model``: rates are per replica, the forecast
@@ -409,6 +456,7 @@ class ControlLoop:
                     self._displaced_by_activation(model, devices[0])
                 case Evict(model=model):
                     self.prewarmed.discard(model)
+                    self.prefixes.forget(model)
                     self.counters["evictions"] += 1
                     self._evicted(model, body.evict(model, now))
                 case Migrate(model=model, dst=dst):
@@ -472,6 +520,7 @@ class ControlLoop:
             self.counters["migrations_skipped"] += 1
             return
         moving = self._take_queued(model, keep=dst[0])
+        self.prefixes.forget(model)
         self._evicted(model, self.body.evict(model, now))
         self.body.activate(model, dst, now)
         for r in moving:

@@ -49,12 +49,23 @@ replica's running batch, all stretched by the device's compute contention; a rep
 activating comes after every active one. Ties go to the lower slot, so traffic concentrates on
 replica 0 and a surplus replica drains. With no replica resident the request goes to replica 0,
 whose activation the policy decides as for any evicted model.
+
+Prefix-aware routing (a request with prefix keys, under a policy that is ``prefix_aware``: the
+control loop hands :func:`pick_replica` the prompt tokens each replica probably holds cached, from
+its prefix index, prefix_index.py). Its own prefill in each replica's prediction is then only the
+tokens not cached there. The request goes to the active replica holding the longest cached prefix
+of its prompt (ties by predicted TTFT, then the lower slot), unless that replica's predicted TTFT
+would miss the request's deadline while another replica's would meet it; then, and when no replica
+holds any of it, the rule above decides. As vLLM's production-stack router and llm-d's prefix
+scorer do: a hit saves the prefill of everything it covers, and the requests of one conversation
+or one system prompt keep finding their prefix where they went before, instead of every replica
+computing it. The surplus and draining replicas are left out as above, whatever they hold.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from prism_serve.control.placement import contention
@@ -265,23 +276,37 @@ def device_busy(cluster: ClusterSnapshot, device: str) -> float:
     return _derived(cluster, "device_busy", device, _device_busy)
 
 
-def predicted_ttft(m: ModelSnapshot, cluster: ClusterSnapshot) -> float:
+def predicted_ttft(m: ModelSnapshot, cluster: ClusterSnapshot, prefill_tokens: float | None = None) -> float:
     """Seconds until a new request of replica ``m`` would get its first token, roughly: the queue
     ahead of it on ``m``'s device, the requests its engine holds but has not started, and its own
-    prefill, plus one decode step of ``m``'s running batch, stretched by the device's compute
-    contention."""
+    prefill (``prefill_tokens``, else the model's mean prompt), plus one decode step of ``m``'s
+    running batch, stretched by the device's compute contention."""
     p = m.profile
     device = cluster.devices[m.placement[0]]
     engine = cluster.engines.get(m.model)
     ahead = device.num_queued + (engine.num_waiting if engine is not None else 0)
     prefill_s = p.mean_prompt_tokens / p.prefill_tokens_per_s
+    if prefill_tokens is None:
+        queue_s = (ahead + 1) * prefill_s
+    else:
+        queue_s = ahead * prefill_s + prefill_tokens / p.prefill_tokens_per_s
     step_s = p.decode_step_s * max(1.0, m.num_running / _TYPICAL_BATCH)
-    return contention(device_busy(cluster, device.device)) * ((ahead + 1) * prefill_s + step_s)
+    return contention(device_busy(cluster, device.device)) * (queue_s + step_s)
 
 
-def pick_replica(request: Request, cluster: ClusterSnapshot, draining: str | None = None) -> Request:
+def pick_replica(
+    request: Request,
+    cluster: ClusterSnapshot,
+    draining: str | None = None,
+    *,
+    cached: Mapping[str, int] | None = None,
+    now: float | None = None,
+) -> Request:
     """``request`` addressed to the replica it should go to (see the module docstring); ``draining``
-    is a replica that gets requests only if no other is resident. Unknown models pass unchanged."""
+    is a replica that gets requests only if no other is resident. ``cached``: by replica, the prompt
+    tokens it probably holds cached (prefix-aware routing; None or empty: not known); ``now``: when
+    the request is routed, for what is left of its TTFT SLO (None: all of it). Unknown models pass
+    unchanged."""
     m = cluster.models.get(request.model)
     if m is None:
         return request
@@ -291,11 +316,47 @@ def pick_replica(request: Request, cluster: ClusterSnapshot, draining: str | Non
     candidates = [r for r in _group(cluster, model).resident if r.model != draining]
     if not candidates:
         return _to(request, draining or model)
+    if cached:
+        return _to(request, _by_prefix(request, cluster, candidates, cached, now).model)
     best = min(
         enumerate(candidates),
         key=lambda ir: (ir[1].state is not ModelState.ACTIVE, predicted_ttft(ir[1], cluster), ir[0]),
     )[1]
     return _to(request, best.model)
+
+
+def _by_prefix(
+    request: Request,
+    cluster: ClusterSnapshot,
+    candidates: Sequence[ModelSnapshot],
+    cached: Mapping[str, int],
+    now: float | None,
+) -> ModelSnapshot:
+    """Prefix-aware routing among ``candidates`` (module docstring): each predicted with its own
+    uncached prompt tokens; the active replica holding the longest cached prefix unless it would
+    miss the deadline while the fastest would meet it, else the fastest."""
+    active = ModelState.ACTIVE
+    ranked = {
+        r.model: (
+            r.state is not active,
+            predicted_ttft(r, cluster, request.prompt_tokens - cached.get(r.model, 0)),
+            i,
+        )
+        for i, r in enumerate(candidates)
+    }
+    fastest = min(candidates, key=lambda r: ranked[r.model])
+    longest = max(cached.get(r.model, 0) for r in candidates)
+    if longest <= 0:
+        return fastest
+    holder = min((r for r in candidates if cached.get(r.model, 0) == longest), key=lambda r: ranked[r.model])
+    if holder.state is not active and fastest.state is active:
+        return fastest  # a replica still activating comes after every active one, as without prefixes
+    budget = request.ttft_slo if now is None else request.deadline - now
+
+    def meets(r: ModelSnapshot) -> bool:
+        return r.state is active and ranked[r.model][1] <= budget
+
+    return holder if meets(holder) or not meets(fastest) else fastest
 
 
 def replicas_for_rate(cluster: ClusterSnapshot, model: str, high: float) -> int:

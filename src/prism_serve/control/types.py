@@ -18,6 +18,7 @@ from prism_serve.errors import DuplicateRequestError, PrismError
 __all__ = [
     "DEFAULT_TPOT_SLO_S",
     "DEFAULT_TTFT_SLO_S",
+    "PREFIX_BLOCK_TOKENS",
     "REPLICA_SEPARATOR",
     "Action",
     "Activate",
@@ -637,15 +638,32 @@ def _index(items: Iterable, attr: str) -> dict:
     return out
 
 
+# Tokens per block of a request's prefix keys (Request.prefix_keys): the granularity at which the
+# control plane tracks which replica holds which prompt prefix (control/prefix_index.py). The
+# request log hashes prompts at the same size (api/request_log.py LOG_BLOCK_TOKENS).
+PREFIX_BLOCK_TOKENS = 64
+
+
 @dataclass(slots=True, frozen=True)
 class Request:
-    """A request as admission sees it: only what decides its deadline and its prefill time."""
+    """A request as admission sees it: only what decides its deadline, its prefill time and where
+    its prompt's prefix may be cached.
+
+    ``prefix_keys``: one key per full ``PREFIX_BLOCK_TOKENS``-token block of the prompt, chained (a
+    key names the whole prefix up to the end of its block) and salted by what else changes the KV
+    (live: the served model or adapter name), so equal keys mean an equal prefix; () when unknown.
+    ``cached_tokens``: the leading prompt tokens expected to be cached on the replica the request is
+    routed to (the control loop sets it from its prefix index); admission's prefill estimate counts
+    only the rest (:attr:`prefill_tokens`).
+    """
 
     req_id: str
     model: str
     arrival: float  # s, on the same clock as `now`
     prompt_tokens: int
     ttft_slo: float  # s; the deadline is arrival + ttft_slo (paper section 6.3)
+    prefix_keys: tuple[int, ...] = field(default=(), repr=False)
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.arrival):
@@ -654,10 +672,17 @@ class Request:
             raise InvalidSnapshotError(f"{self.req_id}: prompt_tokens must be >= 0")
         if not (self.ttft_slo > 0 and math.isfinite(self.ttft_slo)):
             raise InvalidSnapshotError(f"{self.req_id}: ttft_slo must be > 0")
+        if not 0 <= self.cached_tokens <= self.prompt_tokens:
+            raise InvalidSnapshotError(f"{self.req_id}: cached_tokens must be in [0, prompt_tokens]")
 
     @property
     def deadline(self) -> float:
         return self.arrival + self.ttft_slo
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The prompt tokens its engine is expected to compute: those not cached."""
+        return self.prompt_tokens - self.cached_tokens
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
-from prism_serve.control import ModelState, RejectReason, Request
+from prism_serve.control import PREFIX_BLOCK_TOKENS, ModelState, RejectReason, Request
 from prism_serve.control.loop import ControlLoop
+from prism_serve.engine.prefix_cache import block_keys
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.errors import (
     DuplicateRequestError,
@@ -36,7 +38,7 @@ from prism_serve.runtime.models import ActivationError, ModelTooLargeError, Unkn
 from prism_serve.runtime.state import ModelEntry, ModelTable
 from prism_serve.runtime.workers import WorkerHandle, WorkerPool
 
-__all__ = ["DeadlineMissError", "RequestEntry", "RequestTimeoutError", "Requests"]
+__all__ = ["DeadlineMissError", "RequestEntry", "RequestTimeoutError", "Requests", "prefix_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,19 @@ REJECT_ERRORS: dict[RejectReason, type[PrismError]] = {
 }
 
 
+_KEY_MASK = (1 << 63) - 1  # a key as the request log writes one: a 63-bit integer
+
+
+def prefix_keys(token_ids: Sequence[int], name: str) -> tuple[int, ...]:
+    """The control plane's prefix keys of a prompt (``Request.prefix_keys``): one per full
+    ``PREFIX_BLOCK_TOKENS``-token block, the prefix cache's chained keys (engine/prefix_cache.py's
+    ``block_keys``, 8 bytes, as the request log's ``prompt_block_hashes``) salted by ``name``, the
+    served model or LoRA adapter the prompt runs with: two adapters on one replica never match."""
+    salt = hashlib.blake2b(name.encode(), digest_size=16).digest()
+    keys = block_keys(token_ids, PREFIX_BLOCK_TOKENS, salt, [], digest_size=8)
+    return tuple(int.from_bytes(k, "little") & _KEY_MASK for k in keys)
+
+
 @dataclass(eq=False)
 class RequestEntry:
     req_id: str
@@ -79,11 +94,12 @@ class RequestEntry:
     @classmethod
     def build(
         cls, req_id: str, m: ModelEntry, prompt: str | list[int], params: SamplingParams, now: float,
-        adapter: AdapterSpec | None = None,
+        adapter: AdapterSpec | None = None, prefixes: bool = False,
     ) -> RequestEntry:  # fmt: skip
         """Tokenize and check the prompt, and encode the AddRequest once, here: a bad value set on a
         SamplingParams after it was built (out of range, or an int beyond 64 bits the wire cannot
-        carry) is this request's 400 before anything of it is registered."""
+        carry) is this request's 400 before anything of it is registered. ``prefixes``: the control
+        request carries the prompt's prefix keys (a prefix-aware policy routes and admits by them)."""
         ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise EmptyPromptError("prompt has no tokens")
@@ -98,8 +114,9 @@ class RequestEntry:
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
             raise InvalidSamplingParamsError(f"the request cannot be sent to a worker: {e}") from None
         # an adapter's request is its base's load, queued by the adapter's own deadline
+        keys = prefix_keys(ids, adapter.name if adapter else m.spec.name) if prefixes else ()
         control = Request(
-            req_id, m.spec.name, now, len(ids), adapter.ttft_slo if adapter else m.spec.ttft_slo
+            req_id, m.spec.name, now, len(ids), adapter.ttft_slo if adapter else m.spec.ttft_slo, keys
         )
         return cls(req_id, m.spec.name, payload, control, adapter=adapter.name if adapter else None)
 
@@ -176,7 +193,8 @@ class Requests:
         if req_id in self._by_id:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
         now = self._clock()
-        r = RequestEntry.build(req_id, m, prompt, params, now, adapter)  # 400s: nothing registered yet
+        # 400s: nothing registered yet
+        r = RequestEntry.build(req_id, m, prompt, params, now, adapter, self._loop.prefix_aware)
         r.cold = all(slot.state is not ModelState.ACTIVE for slot in self._models.slots(m.spec.name))
         self._by_id[req_id] = r
         try:

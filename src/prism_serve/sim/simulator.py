@@ -18,7 +18,10 @@ Where the workload carries prompt block hashes (and ``SimConfig.engine.prefix_ca
 keeps a prefix cache (engine.py) keyed by ``workload.prefix.block_keys`` at the engine's block size;
 an eviction empties it. The result reports the prompt tokens found cached, and what an unbounded
 cache per model would have held on the same requests (``workload.prefix.infinite_cache_hits``).
-Admission (control/) still estimates prefill time from the whole prompt, as the live controller does.
+Under a prefix-aware policy the control requests also carry the same hashes' keys at the control
+plane's block size (``control.PREFIX_BLOCK_TOKENS``), as the live controller's carry its prompts':
+the control loop routes replicas by the prefixes it sent each one and counts only the uncached
+tokens in admission's prefill estimate (control/prefix_index.py), the same code as live.
 
 Snapshots of this state for every policy call come from sim/snapshots.py, which rebuilds only
 what changed.
@@ -45,7 +48,7 @@ from prism_serve.control import (
     get_policy,
 )
 from prism_serve.control.loop import ControlLoop
-from prism_serve.control.types import REPLICA_SEPARATOR, replica_name
+from prism_serve.control.types import PREFIX_BLOCK_TOKENS, REPLICA_SEPARATOR, replica_name
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.engine import SimEngine, SimRequest
@@ -274,10 +277,21 @@ class Simulator:
         m = self.models[model]
         prompt, output = int(wl.prompt_tokens[i]), int(wl.output_tokens[i])
         req_id = str(i)
-        control = Request(req_id, model, now, prompt, m.slo.ttft_s)
-        req = SimRequest(req_id, model, now, prompt, output, m.slo.ttft_s, m.slo.tpot_s, control)
+        keys = prefix_keys = ()
         if self._hashes is not None:
-            req.block_keys = block_keys(self._hashes[i], wl.block_tokens, prompt, self._block_size)
+            keys = block_keys(self._hashes[i], wl.block_tokens, prompt, self._block_size)
+            if self.loop.prefix_aware:  # the control plane's keys, at its own block size
+                step, rest = divmod(PREFIX_BLOCK_TOKENS, self._block_size)
+                # a chained key names the whole prefix up to its block's end: where the engine's
+                # blocks tile the control plane's, its keys at their ends are the control keys
+                prefix_keys = (
+                    keys[step - 1 :: step]
+                    if step and not rest
+                    else block_keys(self._hashes[i], wl.block_tokens, prompt, PREFIX_BLOCK_TOKENS)
+                )
+        control = Request(req_id, model, now, prompt, m.slo.ttft_s, prefix_keys)
+        req = SimRequest(req_id, model, now, prompt, output, m.slo.ttft_s, m.slo.tpot_s, control)
+        req.block_keys = keys
         # cold: no replica of the model had a ready engine when the request arrived
         req.cold = all(self.models[name].state is not ModelState.ACTIVE for name in self._replicas_of(model))
         self.requests.append(req)

@@ -64,8 +64,10 @@ class Policy:
       activating; apply the returned Evict/Migrate/Activate/SetKVQuota actions in order.
     - ``on_request(request, cluster, now)``: where a new request goes: ``Enqueue`` (possibly after
       Evict/Activate), ``Defer`` (hold it and resubmit after the next tick) or ``Reject``.
-    - ``pick_replica(request, cluster, now)``: which replica of its model a request goes to (before
-      ``on_request``); ``replica_slots``: how many replica slots per model the body creates.
+    - ``pick_replica(request, cluster, now, cached)``: which replica of its model a request goes to
+      (before ``on_request``; ``cached``: the prompt tokens each replica probably holds cached, when
+      the policy is ``prefix_aware`` and the request carries prefix keys); ``replica_slots``: how
+      many replica slots per model the body creates.
     - ``new_queue(device)``: the per-device queue object the caller owns.
     - ``admit(queue, device, engines, now)``: which queued requests start now on ``device``
       (``Dispatch``), which are refused (``Reject``), and for time-sharing policies the swap to do.
@@ -97,10 +99,23 @@ class Policy:
         """Replica slots the body creates per served model (control/replicas.py); 1: no replicas."""
         return 1
 
-    def pick_replica(self, request: Request, cluster: ClusterSnapshot, now: float) -> Request:
+    @property
+    def prefix_aware(self) -> bool:
+        """Whether the control loop keeps a prefix index for this policy: ``pick_replica`` is then
+        told what each replica probably holds cached, and requests reach ``on_request`` and the
+        queues with ``cached_tokens`` for their replica (control/prefix_index.py)."""
+        return False
+
+    def pick_replica(
+        self,
+        request: Request,
+        cluster: ClusterSnapshot,
+        now: float,
+        cached: Mapping[str, int] | None = None,
+    ) -> Request:
         """``request`` addressed to the replica of its model it should go to (the loop calls this
         before ``on_request``, and again whenever the request is routed anew)."""
-        return pick_replica(request, cluster)
+        return pick_replica(request, cluster, cached=cached, now=now)
 
     def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
         return []

@@ -24,6 +24,7 @@ deadline scheduling, for the ablations of the paper's Figures 10 and 11.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from prism_serve.control.admission import DeadlineQueue
@@ -108,16 +109,29 @@ class PrismPolicy(Policy):
     def replica_slots(self) -> int:
         return self.knobs.max_replicas
 
-    def pick_replica(self, request: Request, cluster: ClusterSnapshot, now: float) -> Request:
-        """The replica with the lowest predicted TTFT, leaving out a surplus replica, or while a model
-        waits with no copy resident the replica that yields to it (either drains)."""
+    @property
+    def prefix_aware(self) -> bool:
+        return self.knobs.prefix_aware
+
+    def pick_replica(
+        self,
+        request: Request,
+        cluster: ClusterSnapshot,
+        now: float,
+        cached: Mapping[str, int] | None = None,
+    ) -> Request:
+        """The replica holding the longest cached prefix of the request unless it would miss the
+        TTFT SLO where another would not, else the one with the lowest predicted TTFT
+        (replicas.pick_replica); leaving out a surplus replica, or while a model waits with no copy
+        resident the replica that yields to it (either drains)."""
         m = cluster.models.get(request.model)
         if m is None or len(cluster.replicas(m.group)) == 1:
             return pick_replica(request, cluster)
         extra = surplus(cluster, m.group, self.knobs.replica_low)
         if extra is None and cluster.starved:
             extra = yielding_replica(cluster, m.group)
-        return pick_replica(request, cluster, extra.model if extra is not None else None)
+        draining = extra.model if extra is not None else None
+        return pick_replica(request, cluster, draining, cached=cached if self.prefix_aware else None, now=now)
 
     def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
         m = cluster.models.get(request.model)

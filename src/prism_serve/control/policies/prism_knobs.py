@@ -50,6 +50,10 @@ class PrismKnobs(Knobs):
     relocate_busy: bool = True
     replica_high: float = 0.8
     replica_low: float = 0.5
+    # route a request to the replica that probably holds the longest cached prefix of its prompt
+    # (unless it would miss the TTFT SLO there and not elsewhere), and count only the uncached
+    # prompt tokens in admission's prefill estimate (control/prefix_index.py); False: the ablation
+    prefix_aware: bool = True
 
     def __post_init__(self) -> None:
         require(
