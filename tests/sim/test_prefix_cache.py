@@ -4,6 +4,8 @@ simulation reports against an unbounded cache on the Mooncake trace."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import numpy as np
 import pytest
@@ -349,3 +351,51 @@ def test_prefix_aware_routing_keeps_each_conversation_on_one_replica_and_hits_mo
     assert split[True] <= 5 and split[False] >= 25
     assert blind["prefix_hit_rate"] + 0.03 < aware["prefix_hit_rate"] <= aware["prefix_hit_rate_infinite"]
     assert aware["ttft_attainment"] >= blind["ttft_attainment"]
+
+
+# -- prefixes kept across evictions (memory/kept.py) ------------------------------------------------
+
+
+def test_kept_prefixes_make_a_returning_models_system_prompt_a_hit(tmp_path):
+    """Two models on one device that holds one of them at a time, asked in turns (each turn's
+    requests share its model's 1,024-token system prompt): each return is an eviction of the other
+    and an activation. With a kept-prefix budget the returning model's system prompt is restored
+    (the activation takes longer by its copy) and its first requests hit; without, they miss."""
+    from prism_serve.sim.hardware import dump_hardware, get_hardware
+
+    hw = tmp_path / "hw.json"
+    dump_hardware(dataclasses.replace(get_hardware("cpu-smollm2"), memory_bytes=800 * 2**20), hw)
+    models = [ServedModel(f"m{i}", model_shape("smollm2-135m", 4), 1) for i in range(2)]
+    rng = np.random.default_rng(0)
+    times, which, prompts, hashes = [], [], [], []
+    for turn in range(6):  # 10 s of one model's requests, then the other's
+        for k in range(8):
+            m = turn % 2
+            own = int(rng.integers(64, 257))
+            times.append(turn * 10.0 + k)
+            which.append(m)
+            prompts.append(1024 + own)
+            n = len(times)
+            hashes.append(
+                tuple(range(m * 100, m * 100 + 16))
+                + tuple(range(10**6 + 10 * n, 10**6 + 10 * n + -(-own // 64)))
+            )
+    w = Workload(
+        np.array(times), np.array(which), np.array(prompts), np.full(len(times), 16), ("m0", "m1"),
+        block_hashes=hashes, block_tokens=64,
+    )  # fmt: skip
+    slos = {m.name: ModelSLO(30.0, 3.0) for m in models}
+    knobs = (("idle_threshold_s", 2.0),)  # an idle model makes room for the other at once
+    runs = {
+        kept: simulate(
+            models, w, slos, SimConfig(num_devices=1, hardware=str(hw), kept_prefix_bytes=kept, knobs=knobs)
+        )
+        for kept in (0, 2**30)
+    }
+    none, kept = runs[0].summary(), runs[2**30].summary()
+    assert none["evictions"] >= 2 and kept["evictions"] >= 4
+    assert none["restored_prefix_blocks"] == 0 < kept["restored_prefix_blocks"]
+    assert none["prefix_hit_rate"] < kept["prefix_hit_rate"] <= kept["prefix_hit_rate_infinite"]
+    # the first request of each return finds its system prompt: every full block of it
+    first = [r for r in runs[2**30].requests if r.arrival % 10.0 == 0 and r.arrival >= 20.0]
+    assert first and all(r.cached_tokens == 1024 for r in first)

@@ -43,6 +43,7 @@ from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.tensor_parallel import shard_plan, shard_weights
 from prism_serve.engine.weights import load_checkpoint, load_weights
 from prism_serve.errors import PrismError
+from prism_serve.memory.kept import KeptBudget, default_kept_prefix_bytes
 from prism_serve.memory.ledger import default_namespace
 from prism_serve.memory.vmm import format_size
 from prism_serve.runtime.messages import AdapterFile, CacheFile, LoraEntry, Prepare, TensorEntry
@@ -60,9 +61,6 @@ PREPARE_TOKENIZER_BYTES = 64 * 2**20
 PREFAULT_CHUNK_BYTES = 256 * 2**20
 _MADV_POPULATE_READ = 22  # Linux 5.14+: fault a range's page tables in now (mmap lacks the name)
 _FILE_RE = re.compile(r"^prism-weights-(?P<ns>.+)-(?P<pid>\d+)-\d+(\.tok\.json|\.lora|\.tp|\.tp\.ar|\.kv)?$")
-# what the cached prefixes of evicted models may take in all, by default: this share of the host
-# cache directory's size
-KEPT_PREFIX_SHARE = 0.1
 
 
 class HostCacheFullError(PrismError):
@@ -178,10 +176,8 @@ class HostWeightCache:
         self.namespace = namespace or default_namespace()
         self.directory = Path(directory)
         if kept_prefix_bytes is None:
-            fs = os.statvfs(self.directory)
-            kept_prefix_bytes = int(fs.f_blocks * fs.f_frsize * KEPT_PREFIX_SHARE)
-        self.kept_prefix_bytes = kept_prefix_bytes
-        self._kept: dict[str, tuple[str, int]] = {}  # model -> (file, size), least recently kept first
+            kept_prefix_bytes = default_kept_prefix_bytes(self.directory)
+        self._kept: KeptBudget[str] = KeptBudget(kept_prefix_bytes)  # the kept prefix files
         self._lock = threading.Lock()
         self._file_locks: dict[tuple, threading.Lock] = {}
         self._files: dict[tuple, CachedModel] = {}  # by weights key; spec = the first model's
@@ -313,49 +309,52 @@ class HostWeightCache:
 
     # ---- cached prefixes of evicted models ----------------------------------------------------
 
+    @property
+    def kept_prefix_bytes(self) -> int:
+        """What the kept prefix files may take in all (0: none are kept)."""
+        return self._kept.budget_bytes
+
+    @kept_prefix_bytes.setter
+    def kept_prefix_bytes(self, budget: int) -> None:
+        self._kept.budget_bytes = max(0, budget)
+
     def prefix_room(self, model: str) -> tuple[str, int]:
         """Where and how much of ``model``'s cached prefixes its worker may keep as it is evicted:
-        a fresh path (not created) and a byte allowance. The files of all models stay within
-        ``kept_prefix_bytes``: a model's earlier file goes, and so do the oldest other models'
-        files until the allowance is half the budget (or nothing else is kept)."""
-        self.drop_prefixes(model)
+        a fresh path (not created) and a byte allowance, by memory/kept.py's rule (its earlier file
+        and the oldest other models' files go first)."""
         with self._lock:
-            while self._kept and self.kept_prefix_bytes - self.kept_bytes < self.kept_prefix_bytes // 2:
-                oldest = next(iter(self._kept))
-                Path(self._kept.pop(oldest)[0]).unlink(missing_ok=True)
-            allowance = max(0, self.kept_prefix_bytes - self.kept_bytes)
+            allowance, gone = self._kept.room(model)
             self._counter += 1
             path = self.directory / f"prism-weights-{self.namespace}-{os.getpid()}-{self._counter}.kv"
+        for old in gone:
+            Path(old).unlink(missing_ok=True)
         return str(path), allowance
 
     def keep_prefixes(self, model: str, path: str, size: int) -> None:
         """The worker wrote ``model``'s cached prefixes to ``path`` (``size`` bytes; 0: nothing)."""
-        if size <= 0:
-            Path(path).unlink(missing_ok=True)
-            return
         with self._lock:
-            closed = self._closed
-            if not closed:
-                self._kept[model] = (path, size)
-        if closed:
+            kept = size > 0 and not self._closed
+            if kept:
+                self._kept.keep(model, path, size)
+        if not kept:
             Path(path).unlink(missing_ok=True)
 
     def kept_prefixes(self, model: str) -> str | None:
         """The file of ``model``'s cached prefixes kept at its last eviction, if any."""
-        kept = self._kept.get(model)
-        return kept[0] if kept is not None else None
+        with self._lock:
+            return self._kept.get(model)
 
     def drop_prefixes(self, model: str) -> None:
         """Forget ``model``'s kept prefixes (restored into its engine, or replaced) and free them."""
         with self._lock:
-            kept = self._kept.pop(model, None)
-        if kept is not None:
-            Path(kept[0]).unlink(missing_ok=True)
+            path = self._kept.take(model)
+        if path is not None:
+            Path(path).unlink(missing_ok=True)
 
     @property
     def kept_bytes(self) -> int:
         """Host memory the kept prefix files take."""
-        return sum(size for _, size in self._kept.values())
+        return self._kept.used_bytes
 
     def write_adapter(self, adapter: LoraAdapter) -> AdapterFile:
         """Put a checked adapter's weights in shared memory (each module's A then B, float32, at
@@ -463,8 +462,9 @@ class HostWeightCache:
             self.drop(name)
         for path in adapters:
             self.drop_adapter(path)
-        for name in list(self._kept):
-            self.drop_prefixes(name)
+        for path in self._kept.items():
+            Path(path).unlink(missing_ok=True)
+        self._kept = KeptBudget(self._kept.budget_bytes)
 
     def __enter__(self) -> HostWeightCache:
         return self

@@ -67,6 +67,9 @@ class SimConfig:
     span: tuple[int, int] | None = None
     # requests before this index are a warm-up: served, but not counted toward stop_after_ttft_misses
     count_from: int = 0
+    # host memory for evicted models' hottest cached prefixes, restored at their next activation
+    # (live: policy.kept_prefix_bytes; memory/kept.py's rule); 0 keeps none
+    kept_prefix_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.profiles not in ("cost-model", "live"):

@@ -28,6 +28,7 @@ from prism_serve.engine.config import GPU_ENGINE_DEFAULTS, EngineConfig
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.sources import json_object
+from prism_serve.memory.kept import default_kept_prefix_bytes
 from prism_serve.sim.config import ModelSLO
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.models import ServedModel
@@ -51,6 +52,7 @@ class SimDeployment:
     # LoRA adapters: each adapter's name and its base's. An adapter's requests are its base's load,
     # judged by its base's SLOs (its own TTFT SLO orders the live queue; not modelled here)
     aliases: dict[str, str] = field(default_factory=dict)
+    kept_prefix_bytes: int = 0  # the config's policy.kept_prefix_bytes (unset: this host's default)
 
 
 def deployment_config(name_or_path: str | Path) -> DeploymentConfig:
@@ -92,7 +94,10 @@ def sim_deployment(config: DeploymentConfig, gpu: bool = True) -> SimDeployment:
         if len(values) > 1:
             warnings.append(f"models differ in {knob} ({values}); the simulator uses {getattr(engine, knob)}")
     knobs = tuple(sorted((k, _hashable(v)) for k, v in config.policy.knobs.items()))
-    return SimDeployment(models, slos, engine, config.policy.name, knobs, tuple(warnings), aliases)
+    kept = config.policy.kept_prefix_bytes
+    if kept is None:
+        kept = default_kept_prefix_bytes()
+    return SimDeployment(models, slos, engine, config.policy.name, knobs, tuple(warnings), aliases, kept)
 
 
 def get_setup(name: str) -> list[ServedModel]:

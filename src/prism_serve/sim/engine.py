@@ -26,7 +26,8 @@ requests computed it at once: the second copy stays private), and blocks no requ
 memory nobody has mapped: at most as many as the engine could still be granted (device pages and
 quota), so a grant never waits for them; whenever the free memory shrinks (a grant of any engine on
 the device, weights mapped, a smaller quota) the cache evicts what no longer fits. Stopping the
-engine (an eviction) empties it.
+engine (an eviction) empties it; the simulator keeps its hottest keys for the model's next engine
+(``PrefixCache.hottest``/``adopt``), as the live runtime does.
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ class SimEngine:
         self.waiting.clear()
         self.used_blocks = 0
         if self.cache is not None:
-            self.cache.clear()  # the live engine keeps no prefix across an eviction
+            self.cache.clear()  # what is kept across the eviction the simulator took before
         for d in self.devices:
             d.set_kv(self.name, 0)
             d.claim(self._claim_key, 0)

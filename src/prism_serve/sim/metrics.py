@@ -134,6 +134,8 @@ class SimResult:
             "evictions": self.counters["evictions"],
             "migrations": self.counters["migrations"],
             "migrations_skipped": self.counters["migrations_skipped"],  # the model was busy
+            # prefix-cache blocks kept at an eviction and restored at the next activation
+            "restored_prefix_blocks": self.counters["restored_prefix_blocks"],
             "preemptions": sum(r.num_preemptions for r in reqs),
             "restarts": sum(r.num_restarts for r in reqs),
             "simulated_s": self.end_time,

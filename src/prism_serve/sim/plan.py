@@ -392,7 +392,10 @@ def plan(
     if missing := [m for m in workload.models if m not in names]:
         raise SimConfigError(f"the traffic names models the deployment lacks: {', '.join(missing[:5])}")
     if config is None:
-        base = SimConfig(num_devices=1, hardware=hardware, engine=deployment.engine, knobs=deployment.knobs)
+        base = SimConfig(
+            num_devices=1, hardware=hardware, engine=deployment.engine, knobs=deployment.knobs,
+            kept_prefix_bytes=deployment.kept_prefix_bytes,
+        )  # fmt: skip
     else:
         base = dataclasses.replace(config, num_devices=1, hardware=hardware)
     if base.step_scale != 1.0:
@@ -474,6 +477,7 @@ def simulate_point(
     config = SimConfig(
         num_devices=devices, hardware=hardware, engine=deployment.engine, policy=policy,
         knobs=deployment.knobs if policy == deployment.policy else (),
+        kept_prefix_bytes=deployment.kept_prefix_bytes,
     )  # fmt: skip
     return _run(_Job(tuple(deployment.models), workload, deployment.slos, config))
 

@@ -89,6 +89,25 @@ class PrefixCache:
             free.popitem(last=False)
         self.num_evicted += k
 
+    def hottest(self, n: int) -> list[int]:
+        """Up to ``n`` cached keys, those in use first, then the free ones most recently freed
+        first: what a model evicted now keeps in host memory (memory/kept.py)."""
+        keys = list(self._refs)[:n]
+        if len(keys) < n:
+            keys += list(reversed(self._free))[: n - len(keys)]
+        return keys
+
+    def adopt(self, keys: Sequence[int]) -> int:
+        """Cache ``keys`` (a ``hottest`` list) as free blocks in its order of recency, the first the
+        most recent; keys cached already are skipped. How many were added."""
+        free = self._free
+        added = 0
+        for key in reversed(keys):
+            if key not in self._refs and key not in free:
+                free[key] = None
+                added += 1
+        return added
+
     def clear(self) -> None:
         self._refs.clear()
         self._free.clear()

@@ -16,8 +16,10 @@ their actions through this class's effect methods; what the simulator adds is th
 
 Where the workload carries prompt block hashes (and ``SimConfig.engine.prefix_caching``), each engine
 keeps a prefix cache (engine.py) keyed by ``workload.prefix.block_keys`` at the engine's block size;
-an eviction empties it. The result reports the prompt tokens found cached, and what an unbounded
-cache per model would have held on the same requests (``workload.prefix.infinite_cache_hits``).
+an eviction empties it, but for its hottest keys, kept within ``SimConfig.kept_prefix_bytes`` and
+restored at the model's next activation (as live: memory/kept.py). The result reports the prompt
+tokens found cached, and what an unbounded cache per model would have held on the same requests
+(``workload.prefix.infinite_cache_hits``).
 Under a prefix-aware policy the control requests also carry the same hashes' keys at the control
 plane's block size (``control.PREFIX_BLOCK_TOKENS``), as the live controller's carry its prompts':
 the control loop routes replicas by the prefixes it sent each one and counts only the uncached
@@ -49,6 +51,7 @@ from prism_serve.control import (
 )
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.types import PREFIX_BLOCK_TOKENS, REPLICA_SEPARATOR, replica_name
+from prism_serve.memory.kept import KeptBudget
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.engine import SimEngine, SimRequest
@@ -149,6 +152,10 @@ class Simulator:
         # prefix caching: the workload's hashes, and the engines' block size its keys are made for
         self._hashes = workload.block_hashes if config.engine.prefix_caching else None
         self._block_size = config.engine.block_size
+        # an evicted model's hottest cached prefixes, (keys, bytes), restored at its next activation
+        self._kept: KeptBudget[tuple[tuple[int, ...], int]] = KeptBudget(
+            config.kept_prefix_bytes if self._hashes is not None else 0
+        )
         # early stop (SimConfig.stop_after_ttft_misses): requests not yet known to meet or miss
         # their TTFT SLO, and those known to have missed it
         self._unsettled: list[SimRequest] = []
@@ -383,6 +390,10 @@ class Simulator:
             changed=self._changed_engines,
             prefix_caching=self._hashes is not None,
         )
+        kept = self._kept.take(model)
+        if kept is not None and m.engine.cache is not None:  # restored before it serves
+            restored = m.engine.cache.adopt(kept[0][: m.engine.cache_room()])
+            self.counters["restored_prefix_blocks"] += restored
         m.state = ModelState.ACTIVE
         m.activated_at = now
         self.loop.stale_models[m.served.name] = None
@@ -524,6 +535,9 @@ class Simulator:
                     d.map_weights(model, part)
                 m.pending = False
                 took = self.cost.activation_time(m.served.spec, m.served.tp_size)
+                kept = self._kept.get(model)
+                if kept is not None:  # its kept prefixes come back over the same link
+                    took += kept[1] / (self.hw.host_bandwidth * self.hw.host_efficiency)
                 k = self.hw.activation_threads
                 if self._share is not None and k:
                     # the copy's k threads share the cores with the engines stepping there (for
@@ -547,6 +561,7 @@ class Simulator:
             raise SimStateError(f"evict {model}: not resident")
         restarted = []
         if m.engine is not None:
+            self._keep_prefixes(model, m.engine, m.served.tp_size)
             restarted = m.engine.drop_all()
             self._sync_busy(m.engine, now)
         devs = [self.devices[d] for d in m.placement]
@@ -571,6 +586,18 @@ class Simulator:
         self._memory_freed(devs, now)
         self.loop.wake(d.name for d in devs)
         return [req.control for req in restarted]
+
+    def _keep_prefixes(self, model: str, engine: SimEngine, tp: int) -> None:
+        """As the live worker does at an eviction: the engine's hottest cached blocks, within what
+        the kept-prefix budget allows (memory/kept.py), kept for the model's next activation."""
+        if engine.cache is None or tp != 1 or not self._kept.budget_bytes:
+            return
+        allowance, _ = self._kept.room(model)
+        keys = engine.cache.hottest(allowance // engine.block_bytes)
+        if keys:
+            self._kept.keep(
+                model, (tuple(keys), len(keys) * engine.block_bytes), len(keys) * engine.block_bytes
+            )
 
     def _memory_freed(self, devs: list[SimDevice], now: float) -> None:
         """Activations waiting for memory and engines waiting for blocks may go on."""
