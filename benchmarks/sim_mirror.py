@@ -112,6 +112,7 @@ def sim_deployment(
         step_scale=step_scale,
         profiles=profiles,
         engine=dep.engine,  # the live engine's knobs: the simulator reads the same
+        kept_prefix_bytes=dep.kept_prefix_bytes,  # the live host budget for evicted models' prefixes
         **({} if compute_sharing is None else {"compute_sharing": compute_sharing}),
     )
     return SimDeployment(

@@ -231,6 +231,7 @@ devices:
 models:
 {entries}policy: {{name: prism, activation_timeout_s: 240}}
 vllm_python: "{VLLM_PYTHON}"
+vllm_compile: false  # eager: the compiled build is test_vllm_server.py's to check; here it costs minutes
 server: {{namespace: "{{namespace}}", api_keys: [{API_KEY}]}}
 """
     srv = start_server(tmp_path_factory.mktemp("markers-serve"), config, timeout_s=300)

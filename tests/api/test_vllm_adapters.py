@@ -57,6 +57,7 @@ models:
   - {{name: support, base: smol-vllm, adapter: "{lora["qv"]}"}}
 policy: {{name: prism, activation_timeout_s: 240, spare_pages: false, knobs: {{prewarm: false}}}}
 vllm_python: "{VLLM_PYTHON}"
+vllm_compile: false  # eager: the compiled build is test_vllm_server.py's to check; here it costs minutes
 server: {{namespace: "{{namespace}}", api_keys: [{API_KEY}], admin_key: {ADMIN_KEY}}}
 """
     srv = start_server(tmp_path_factory.mktemp("vllm-adapters-serve"), config, timeout_s=300)

@@ -13,6 +13,7 @@ bytes count. Weights are counted at the deployment's dtype (a quantized GGUF is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +40,32 @@ def shape_of(model: str, source: str, dtype_bytes: int) -> ModelShape:
                 raise ShapeError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
             return ModelShape(preset, PRESETS[preset], dtype_bytes)
         if source in (DEFAULT_MODEL, "default"):
-            return shape_from_gguf(DEFAULT_MODEL, *gguf_header(default_gguf_path()), dtype_bytes)
+            return _gguf_shape(DEFAULT_MODEL, default_gguf_path(), dtype_bytes)
         path = Path(source).expanduser()
         if path.suffix == ".gguf":
-            return shape_from_gguf(path.stem, *gguf_header(path), dtype_bytes)
+            return _gguf_shape(path.stem, path, dtype_bytes)
         return shape_from_hf(path.name, hf_config(path), dtype_bytes)
     except (PrismError, KeyError, TypeError, ValueError) as e:
         detail = str(e) if isinstance(e, PrismError) else f"{type(e).__name__}: {e}"
         if source not in detail and str(Path(source).expanduser()) not in detail:
             detail = f"{source}: {detail}"
         raise ShapeError(f"model {model}: cannot read its shape ({detail})") from None
+
+
+def _gguf_shape(name: str, path: Path, dtype_bytes: int) -> ModelShape:
+    """A GGUF file's shape, read once per file version: the gguf package parses every metadata
+    field, the 49k-string vocabulary included, which takes seconds; a plan or a config check reads
+    the same file for every model that names it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return shape_from_gguf(name, *gguf_header(path), dtype_bytes)  # its error names the file
+    return _gguf_shape_of(name, str(path), (st.st_mtime_ns, st.st_size, st.st_ino), dtype_bytes)
+
+
+@functools.lru_cache(maxsize=64)
+def _gguf_shape_of(name: str, path: str, version: tuple[int, int, int], dtype_bytes: int) -> ModelShape:
+    return shape_from_gguf(name, *gguf_header(Path(path)), dtype_bytes)
 
 
 _NEEDED = object()
