@@ -23,6 +23,7 @@ hashing and registering blocks shows.
 
     python benchmarks/prefix_cache.py                 # agent and decode
     python benchmarks/prefix_cache.py --parts return --conversations 4 --turns 6
+    python benchmarks/prefix_cache.py --parts agent --vllm     # and vLLM's server on the same turns
     python benchmarks/prefix_cache.py --parts agent --conversations 8 --turns 8
 """
 
@@ -87,9 +88,12 @@ async def converse(
     users: list[str],
     max_tokens: int,
     keep_history: bool = False,
+    history: list[str] | None = None,
 ) -> list[dict]:
     """One conversation, turn after turn; each turn's TTFT, usage and answer. ``system`` may be the
-    history so far (a list of messages, extended in place with ``keep_history``)."""
+    history so far (a list of messages, extended in place with ``keep_history``). ``history``: the
+    assistant messages the history carries instead of the server's answers (so that two servers
+    get the same requests)."""
     if isinstance(system, str):
         messages = [{"role": "system", "content": system}]
     else:
@@ -115,13 +119,57 @@ async def converse(
                         ttft = ttft if ttft is not None else time.perf_counter() - start
                         answer.append(c["delta"]["content"])
         content = "".join(answer)
-        messages.append({"role": "assistant", "content": content})
+        messages.append({"role": "assistant", "content": content if history is None else history[len(out)]})
         out.append({"ttft": ttft if ttft is not None else time.perf_counter() - start, "usage": usage,
                     "answer": content})  # fmt: skip
     return out
 
 
-def run_agent(cache: bool, args: argparse.Namespace, tmp: Path) -> dict:
+def fixed_answers(n: int, turns: int, seed: int) -> list[list[str]]:
+    """Canned assistant messages, about 32 tokens each, for histories that do not depend on a
+    server's answers."""
+    rng = random.Random(seed + 1)
+    return [[" ".join(rng.choices(WORDS, k=24)) + "." for _ in range(turns)] for _ in range(n)]
+
+
+def drive_agent(url: str, args: argparse.Namespace, fixed: bool = False) -> dict:
+    """The agent workload against the server at ``url`` (warmed up first): its figures. ``fixed``:
+    the histories carry canned answers, the same whatever the server answers."""
+    system, users = conversations(args.conversations, args.turns, args.seed)
+    canned = fixed_answers(args.conversations, args.turns, args.seed) if fixed else [None] * len(users)
+    httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=300)
+    common.wait_quiet(30, 0.3)
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(
+                *(
+                    converse(client, url, system, u, args.max_tokens, history=h)
+                    for u, h in zip(users, canned, strict=True)
+                )
+            )
+
+    start, t0 = common.cpu_seconds(), time.perf_counter()
+    convs = asyncio.run(main())
+    wall = time.perf_counter() - t0
+    load = common.other_load_since(start, wall)
+    turns = [t for conv in convs for t in conv]
+    later = [t for conv in convs for t in conv[1:]]
+    prompt = sum(t["usage"]["prompt_tokens"] for t in turns)
+    cached = sum(((t["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0) for t in turns)
+    return {
+        "wall_s": wall, "other_load": load,
+        "ttft_p50": statistics.median(t["ttft"] for t in turns),
+        "ttft_p95": statistics.quantiles([t["ttft"] for t in turns], n=20)[-1],
+        "later_ttft_p50": statistics.median(t["ttft"] for t in later),
+        "prompt_tokens": prompt, "cached_share": cached / prompt,
+        "mean_prompt": prompt / len(turns),
+        "output_tokens": sum(t["usage"]["completion_tokens"] for t in turns),
+        "answers": [[t["answer"] for t in conv] for conv in convs],
+    }  # fmt: skip
+
+
+def run_agent(cache: bool, args: argparse.Namespace, tmp: Path, fixed: bool = False) -> dict:
     port = free_port()
     cfg = tmp / f"prism-{cache}.yaml"
     cfg.write_text(
@@ -130,39 +178,20 @@ def run_agent(cache: bool, args: argparse.Namespace, tmp: Path) -> dict:
         f"ttft_slo: 600, tpot_slo: 60, prefix_caching: {str(cache).lower()}}}]\n"
     )
     proc = start_server_process(cfg, port, tmp / f"prism-{cache}.log")
-    url = f"http://127.0.0.1:{port}"
-    system, users = conversations(args.conversations, args.turns, args.seed)
     try:
-        httpx.post(
-            f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=300
-        )
-        common.wait_quiet(30, 0.3)
-
-        async def main():
-            async with httpx.AsyncClient() as client:
-                return await asyncio.gather(
-                    *(converse(client, url, system, u, args.max_tokens) for u in users)
-                )
-
-        start, t0 = common.cpu_seconds(), time.perf_counter()
-        convs = asyncio.run(main())
-        wall = time.perf_counter() - t0
-        load = common.other_load_since(start, wall)
+        return drive_agent(f"http://127.0.0.1:{port}", args, fixed)
     finally:
         stop_server_process(proc)
-    turns = [t for conv in convs for t in conv]
-    later = [t for conv in convs for t in conv[1:]]
-    prompt = sum(t["usage"]["prompt_tokens"] for t in turns)
-    cached = sum(t["usage"]["prompt_tokens_details"]["cached_tokens"] for t in turns)
-    return {
-        "wall_s": wall, "other_load": load,
-        "ttft_p50": statistics.median(t["ttft"] for t in turns),
-        "ttft_p95": statistics.quantiles([t["ttft"] for t in turns], n=20)[-1],
-        "later_ttft_p50": statistics.median(t["ttft"] for t in later),
-        "prompt_tokens": prompt, "cached_share": cached / prompt,
-        "mean_prompt": prompt / len(turns),
-        "answers": [[t["answer"] for t in conv] for conv in convs],
-    }  # fmt: skip
+
+
+def run_agent_vllm(args: argparse.Namespace, tmp: Path) -> dict:
+    """The agent workload against vLLM's OpenAI server (its prefix cache on, its default), fp32,
+    bound to ``args.vllm_bind`` cores (default every core), with canned histories (fixed_answers)."""
+    from serve_throughput import export_tokenizer, vllm_server
+
+    python = args.vllm_python or str(common.vllm_server_python())
+    with vllm_server(python, export_tokenizer(tmp / "tokenizer"), tmp, args, max_model_len=8192) as (url, _):
+        return drive_agent(url, args, fixed=True)
 
 
 ADMIN_KEY = "bench-admin"
@@ -275,13 +304,21 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm", action="store_true", help="agent: also against vLLM's OpenAI server (CPU build)")
+    p.add_argument("--vllm-python", help="a Python with vLLM (default: .venv-vllm-server)")
+    p.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND (default: both cores)")
+    p.add_argument("--vllm-model", help=argparse.SUPPRESS)
+    p.add_argument("--skip-off", action="store_true", help="agent: leave out the run with the cache off")
     args = p.parse_args()
     parts = args.parts.split(",")
     print("machine:", common.machine_info()["line"])
     if "agent" in parts:
         with tempfile.TemporaryDirectory() as d:
-            off = run_agent(False, args, Path(d))
+            off = run_agent(False, args, Path(d)) if not args.skip_off else None
             on = run_agent(True, args, Path(d))
+            # against vLLM: canned histories, so both servers get the same requests
+            on_fixed = run_agent(True, args, Path(d), fixed=True) if args.vllm else None
+            vllm = run_agent_vllm(args, Path(d)) if args.vllm else None
         n = args.conversations
         print(f"\nagent workload: {n} conversations x {args.turns} turns, c{n}, "
               f"mean prompt {on['mean_prompt']:.0f} tokens, "
@@ -289,14 +326,24 @@ def main() -> None:
         print(
             f"{'':14}{'wall s':>9}{'TTFT p50':>10}{'TTFT p95':>10}{'later p50':>11}{'cached':>8}{'busy':>6}"
         )
-        for name, r in (("cache off", off), ("cache on", on)):
+        rows = [("cache off", off), ("cache on", on), ("on, canned", on_fixed), ("vLLM, canned", vllm)]
+        for name, r in [(n, r) for n, r in rows if r is not None]:
             print(f"{name:14}{r['wall_s']:9.1f}{r['ttft_p50']:10.3f}{r['ttft_p95']:10.3f}"
                   f"{r['later_ttft_p50']:11.3f}{r['cached_share']:8.1%}{r['other_load']:6.2f}")  # fmt: skip
-        same = on["answers"] == off["answers"]
-        print(f"on/off: TTFT p50 {on['ttft_p50'] / off['ttft_p50']:.3f}x, later turns' TTFT p50 "
-              f"{on['later_ttft_p50'] / off['later_ttft_p50']:.3f}x, "
-              f"wall {on['wall_s'] / off['wall_s']:.3f}x; "
-              f"greedy answers identical: {same}")  # fmt: skip
+        if off is not None:
+            same = on["answers"] == off["answers"]
+            print(f"on/off: TTFT p50 {on['ttft_p50'] / off['ttft_p50']:.3f}x, later turns' TTFT p50 "
+                  f"{on['later_ttft_p50'] / off['later_ttft_p50']:.3f}x, "
+                  f"wall {on['wall_s'] / off['wall_s']:.3f}x; "
+                  f"greedy answers identical: {same}")  # fmt: skip
+        if vllm:
+            same = sum(a == b for c, d in zip(on_fixed["answers"], vllm["answers"], strict=True)
+                       for a, b in zip(c, d, strict=True))  # fmt: skip
+            rate = (on_fixed["output_tokens"] / on_fixed["wall_s"]) / (vllm["output_tokens"] / vllm["wall_s"])
+            print(f"prism/vLLM, same requests (canned histories): TTFT p50 "
+                  f"{on_fixed['ttft_p50'] / vllm['ttft_p50']:.3f}x, output tok/s {rate:.3f}x, "
+                  f"wall {on_fixed['wall_s'] / vllm['wall_s']:.3f}x; greedy answers equal: {same} of "
+                  f"{args.conversations * args.turns}")  # fmt: skip
     if "return" in parts:
         with tempfile.TemporaryDirectory() as d:
             none = run_return(False, args, Path(d))

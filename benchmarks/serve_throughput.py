@@ -6,7 +6,11 @@ scripts/client-envs.sh) with the same seeds, so every server gets the same reque
 - ``c32``: 64 streamed /v1/completions requests of random token ids, prompts of 8-512 tokens (random
   dataset: input 260 +-97%), 4-128 output tokens (66 +-94%) with ignore_eos, 32 in flight;
 - ``c8``: requests of the same lengths distribution (another seed), 8 in flight;
-- ``single``: one stream, 8 requests of a 32-token prompt and 128 output tokens.
+- ``single``: one stream, 8 requests of a 32-token prompt and 128 output tokens;
+- ``prefix`` (prefix_repetition dataset): 64 requests over 4 shared 1,024-token prefixes, each with
+  its own 128-token suffix, 64 output tokens, 8 in flight: both servers' prefix caches on (defaults);
+- ``long``: 32 requests of 1,050-1,950 distinct random tokens, 16 output tokens, 4 in flight:
+  prefill with nothing either cache could hit.
 SmolLM2-135M-Instruct fp32; `prism serve` has one device with every core. The engine-only line
 replays the lengths the c32 run sent through ``LLMEngine`` in this process (all queued at once), so
 its difference to `prism serve` is what serving adds: HTTP, tokenization, IPC, streaming.
@@ -20,11 +24,13 @@ vLLM's start-up (compiling) is timed apart and is not in any figure below.
 
     python benchmarks/serve_throughput.py --vllm
     python benchmarks/serve_throughput.py --vllm-python /path/to/venv-with-vllm/bin/python --workloads c32
+    python benchmarks/serve_throughput.py --vllm --workloads prefix,long
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -33,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -60,15 +67,28 @@ def export_tokenizer(out: Path) -> Path:
     return write(out)
 
 
-# name -> (vllm bench serve's random-dataset arguments, requests, in flight). Each workload has its
+# name -> (vllm bench serve's dataset arguments, requests, in flight). Each workload has its
 # own seed (its place in this table): vLLM caches prefixes by default, so a workload repeating an
 # earlier one's prompts on the same server would skip their prefill there.
-MIXED = ["--random-input-len", "260", "--random-output-len", "66", "--random-range-ratio", "0.96"]
+MIXED = ["--dataset-name", "random", "--random-input-len", "260", "--random-output-len", "66",
+         "--random-range-ratio", "0.96"]  # fmt: skip
+# fmt: off
 WORKLOADS = {
     "c32": (MIXED, 64, 32),
     "c8": (MIXED, 64, 8),
-    "single": (["--random-input-len", "32", "--random-output-len", "128", "--random-range-ratio", "0"], 8, 1),
+    "single": (["--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "128",
+                "--random-range-ratio", "0"], 8, 1),
+    # 4 shared 1,024-token prefixes, 16 requests each, each with its own 128-token suffix: what the
+    # prefix caches (on by default in both) are for
+    "prefix": (["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
+                "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "4",
+                "--prefix-repetition-output-len", "64"], 64, 8),
+    # long prompts of distinct random tokens (1,050-1,950), 16 output tokens, 4 in flight: prefill
+    # with nothing to hit in either cache
+    "long": (["--dataset-name", "random", "--random-input-len", "1500", "--random-output-len", "16",
+              "--random-range-ratio", "0.3"], 32, 4),
 }
+# fmt: on
 
 
 def bench(url: str, tokenizer: Path, out: Path, workload: str) -> dict:
@@ -79,7 +99,7 @@ def bench(url: str, tokenizer: Path, out: Path, workload: str) -> dict:
     seed = list(WORKLOADS).index(workload)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [str(vllm_py), "-c", BENCH, "--base-url", url, "--tokenizer", str(tokenizer), "--model", MODEL,
-           "--dataset-name", "random", *lengths, "--num-prompts", str(n),
+           *lengths, "--num-prompts", str(n),
            "--max-concurrency", str(flight), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
            "--save-result", "--save-detailed", "--result-dir", str(out),
            "--result-filename", f"{workload}.json"]  # fmt: skip
@@ -162,7 +182,12 @@ def hf_model_dir(tmp: Path) -> Path:
     return path
 
 
-def run_vllm(python: str, tokenizer: Path, tmp: Path, args: argparse.Namespace) -> dict:
+@contextlib.contextmanager
+def vllm_server(
+    python: str, tokenizer: Path, tmp: Path, args: argparse.Namespace, max_model_len: int = 2048
+) -> Iterator[tuple[str, float]]:
+    """vLLM's OpenAI server over the default model's weights (or ``args.vllm_model``), fp32: its
+    URL and start-up seconds; stopped on exit."""
     port = free_port()
     model = args.vllm_model or str(hf_model_dir(tmp))
     # vLLM sizes its CPU KV cache from the machine's free memory unless told; 4 GiB holds 32 requests
@@ -174,7 +199,8 @@ def run_vllm(python: str, tokenizer: Path, tmp: Path, args: argparse.Namespace) 
     t0 = time.perf_counter()
     proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                              "--served-model-name", MODEL, "--tokenizer", str(tokenizer), "--port", str(port),
-                             "--dtype", "float32", "--max-num-seqs", "32", "--max-model-len", "2048"],
+                             "--dtype", "float32", "--max-num-seqs", "32",
+                             "--max-model-len", str(max_model_len)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
@@ -184,17 +210,21 @@ def run_vllm(python: str, tokenizer: Path, tmp: Path, args: argparse.Namespace) 
             raise RuntimeError(
                 f"vLLM's server {why}; the end of its log:\n{(tmp / 'vllm.log').read_text()[-4000:]}"
             )
-        startup = time.perf_counter() - t0
+        yield url, time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        proc.wait(120)
+        log.close()
+
+
+def run_vllm(python: str, tokenizer: Path, tmp: Path, args: argparse.Namespace) -> dict:
+    with vllm_server(python, tokenizer, tmp, args) as (url, startup):
         name = "vLLM's OpenAI server"
         if args.vllm_bind:
             name += f" (VLLM_CPU_OMP_THREADS_BIND={args.vllm_bind})"
         res = serve_all(name, url, tokenizer, tmp / "vllm", args)
         res["startup_s"] = startup
         return res
-    finally:
-        proc.terminate()
-        proc.wait(120)
-        log.close()
 
 
 def run_engine(r: dict) -> dict:
