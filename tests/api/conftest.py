@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from prism_serve.api.process import free_port, start_server_process, stop_server_process
+from prism_serve.memory.ledger import DeviceLedger, LedgerSnapshot
 
 API_KEY = "sk-test-key"
 ADMIN_KEY = "admin-test-key"
@@ -41,6 +42,16 @@ def start_server(tmp: Path, config_text: str, timeout_s: float = 180.0) -> Serve
     log = tmp / "server.log"
     proc = start_server_process(config, port, log, log_level="info", timeout_s=timeout_s)
     return ServerProcess(f"http://127.0.0.1:{port}", namespace, proc, log)
+
+
+def ledger_snapshot(server: ServerProcess, device: str = "cpu:0") -> LedgerSnapshot:
+    """The server's device ledger as it is now, read from this process (opened and closed again:
+    a ledger holds a descriptor for its file and one per process in it)."""
+    ledger = DeviceLedger(device, namespace=server.namespace)
+    try:
+        return ledger.snapshot()
+    finally:
+        ledger.close()
 
 
 def shm_files(namespace: str) -> list[str]:

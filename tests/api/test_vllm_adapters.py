@@ -23,8 +23,7 @@ from prism_serve.api.process import stop_server_process
 from prism_serve.config import ConfigError, parse_config
 from prism_serve.engine.models.config import PRESETS
 from prism_serve.engine.vllm_engine import lora_slot_bytes
-from prism_serve.memory.ledger import DeviceLedger
-from tests.api.conftest import ADMIN_KEY, API_KEY, ServerProcess, shm_files, start_server
+from tests.api.conftest import ADMIN_KEY, API_KEY, ServerProcess, ledger_snapshot, shm_files, start_server
 from tests.api.test_vllm_server import VLLM_PYTHON
 from tests.peft_adapters import make_adapter, merged_texts
 
@@ -104,7 +103,7 @@ def all_together(server: ServerProcess, models: list[str]) -> dict[str, list[str
 
 
 def weight_entry(server: ServerProcess):
-    snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
+    snap = ledger_snapshot(server)
     return [e for e in snap.entries if e.name.startswith("smol-vllm ") and "weights" in e.name]
 
 

@@ -39,7 +39,7 @@ from openai import OpenAI
 
 from prism_serve.api.process import stop_server_process
 from prism_serve.memory.ledger import DeviceLedger
-from tests.api.conftest import ADMIN_KEY, API_KEY, ServerProcess, shm_files, start_server
+from tests.api.conftest import ADMIN_KEY, API_KEY, ServerProcess, ledger_snapshot, shm_files, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("PRISM_VLLM_PYTHON", ROOT / ".venv-vllm-server/bin/python"))
@@ -96,7 +96,7 @@ def admin(server: ServerProcess, model: str, action: str) -> dict:
 
 
 def model_entries(server: ServerProcess, model: str) -> list:
-    snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
+    snap = ledger_snapshot(server)
     return [e for e in snap.entries if e.name.startswith(f"{model} ")]
 
 
@@ -231,6 +231,7 @@ class LedgerWatch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.ledger.close()
         assert self.peak_used <= self.budget, "the ledger granted more than the device's budget"
 
 
@@ -301,7 +302,7 @@ def test_colocated_engines_take_turns_with_memory_neither_could_hold_both(server
         # them to the same answer
         assert solo_vllm.usage.prompt_tokens_details.cached_tokens < 14 * 128
         assert solo_vllm.choices[0].text == cached.choices[0].text
-        snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
+        snap = ledger_snapshot(server)
         resident = {e.name for e in snap.entries}
         assert {f"{m} weights" for m in models} <= resident, resident  # both still there
         assert sum(solo.values()) > snap.budget_bytes - snap.engine_bytes  # both at once cannot fit
@@ -333,7 +334,7 @@ def test_colocated_engines_take_turns_with_memory_neither_could_hold_both(server
 
 def kept_bytes(server: ServerProcess) -> int:
     """What vLLM workers keep of evicted models (spare: reclaimable)."""
-    snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
+    snap = ledger_snapshot(server)
     kept = [e for e in snap.entries if e.name.endswith(" vllm kept")]
     assert all(e.spare for e in kept)
     return sum(e.mapped_bytes for e in kept)
@@ -358,7 +359,7 @@ def test_activate_serve_evict_20_times_leaves_no_model_memory(server: ServerProc
     # the built-in model on the same device served throughout
     r = c.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     assert r.choices[0].text == expected.choices[0].text
-    snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
+    snap = ledger_snapshot(server)
     assert snap.used_bytes <= snap.budget_bytes
 
 
@@ -368,7 +369,7 @@ def test_kept_weights_give_way_to_a_grant_that_needs_their_memory(server: Server
     admin(server, "smol-vllm", "load")
     admin(server, "smol-vllm", "unload")
     assert kept_bytes(server) > 500 * 2**20
-    snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
+    snap = ledger_snapshot(server)
     # smol-b's weights (514 MiB) fit only if the kept weights go: the policy counts them as free
     assert snap.budget_bytes - snap.used_bytes < 514 * 2**20 <= snap.budget_bytes - snap.engine_bytes
     r = c.completions.create(model="smol-b", prompt=PROMPTS[0], max_tokens=4, temperature=0)
@@ -407,7 +408,7 @@ def test_another_model_of_the_shape_loads_into_the_kept_weights_pages(server: Se
     r = c.completions.create(model="smol-vllm", prompt=PROMPTS[2], max_tokens=12, temperature=0)
     assert r.choices[0].text == ours.choices[0].text
     admin(server, "smol-vllm", "unload")
-    snap = DeviceLedger("cpu:0", namespace=server.namespace).snapshot()
+    snap = ledger_snapshot(server)
     assert snap.used_bytes <= snap.budget_bytes
 
 

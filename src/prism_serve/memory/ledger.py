@@ -306,7 +306,9 @@ class DeviceLedger:
                 os.close(fd)
                 return False
             self._pidfds[key] = fd
-        return not select.select([fd], [], [], 0)[0]
+        poller = select.poll()  # not select(): a process with 1024 descriptors open may ask too
+        poller.register(fd, select.POLLIN)
+        return not poller.poll(0)
 
     def _used(self) -> int:
         return int(self._entries["mapped"].sum())
