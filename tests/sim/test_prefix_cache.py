@@ -348,6 +348,9 @@ def test_prefix_aware_routing_keeps_each_conversation_on_one_replica_and_hits_mo
         split[aware] = sum(len(v) > 1 for v in replicas.values())
         assert {r.replica for r in res.requests} == {"m", "m#1"}  # both replicas serve in both runs
     aware, blind = runs[True].summary(), runs[False].summary()
+    print(f"hit rate by predicted TTFT {blind['prefix_hit_rate']:.1%}, by cached prefix "
+          f"{aware['prefix_hit_rate']:.1%}, unbounded {aware['prefix_hit_rate_infinite']:.1%}; conversations "
+          f"on both replicas {split[False]} and {split[True]}")  # fmt: skip
     assert split[True] <= 5 and split[False] >= 25
     assert blind["prefix_hit_rate"] + 0.03 < aware["prefix_hit_rate"] <= aware["prefix_hit_rate_infinite"]
     assert aware["ttft_attainment"] >= blind["ttft_attainment"]
@@ -393,6 +396,9 @@ def test_kept_prefixes_make_a_returning_models_system_prompt_a_hit(tmp_path):
         for kept in (0, 2**30)
     }
     none, kept = runs[0].summary(), runs[2**30].summary()
+    print(f"hit rate without kept prefixes {none['prefix_hit_rate']:.1%}, "
+          f"with {kept['prefix_hit_rate']:.1%}, "
+          f"unbounded {kept['prefix_hit_rate_infinite']:.1%}")  # fmt: skip
     assert none["evictions"] >= 2 and kept["evictions"] >= 4
     assert none["restored_prefix_blocks"] == 0 < kept["restored_prefix_blocks"]
     assert none["prefix_hit_rate"] < kept["prefix_hit_rate"] <= kept["prefix_hit_rate_infinite"]
