@@ -63,6 +63,11 @@ class KeptBudget(Generic[T]):
         kept = self._kept.get(model)
         return kept[0] if kept is not None else None
 
+    def size_of(self, model: Hashable) -> int:
+        """The bytes of ``model``'s kept set (0: none)."""
+        kept = self._kept.get(model)
+        return kept[1] if kept is not None else 0
+
     def take(self, model: Hashable) -> T | None:
         """Forget ``model``'s set (restored, or of no more use) and return its item."""
         kept = self._kept.pop(model, None)

@@ -152,8 +152,8 @@ class Simulator:
         # prefix caching: the workload's hashes, and the engines' block size its keys are made for
         self._hashes = workload.block_hashes if config.engine.prefix_caching else None
         self._block_size = config.engine.block_size
-        # an evicted model's hottest cached prefixes, (keys, bytes), restored at its next activation
-        self._kept: KeptBudget[tuple[tuple[int, ...], int]] = KeptBudget(
+        # an evicted model's hottest cached prefix keys, restored at its next activation
+        self._kept: KeptBudget[tuple[int, ...]] = KeptBudget(
             config.kept_prefix_bytes if self._hashes is not None else 0
         )
         # early stop (SimConfig.stop_after_ttft_misses): requests not yet known to meet or miss
@@ -392,7 +392,7 @@ class Simulator:
         )
         kept = self._kept.take(model)
         if kept is not None and m.engine.cache is not None:  # restored before it serves
-            restored = m.engine.cache.adopt(kept[0][: m.engine.cache_room()])
+            restored = m.engine.cache.adopt(kept[: m.engine.cache_room()])
             self.counters["restored_prefix_blocks"] += restored
         m.state = ModelState.ACTIVE
         m.activated_at = now
@@ -535,9 +535,8 @@ class Simulator:
                     d.map_weights(model, part)
                 m.pending = False
                 took = self.cost.activation_time(m.served.spec, m.served.tp_size)
-                kept = self._kept.get(model)
-                if kept is not None:  # its kept prefixes come back over the same link
-                    took += kept[1] / (self.hw.host_bandwidth * self.hw.host_efficiency)
+                # its kept prefixes come back over the same link
+                took += self._kept.size_of(model) / (self.hw.host_bandwidth * self.hw.host_efficiency)
                 k = self.hw.activation_threads
                 if self._share is not None and k:
                     # the copy's k threads share the cores with the engines stepping there (for
@@ -595,9 +594,7 @@ class Simulator:
         allowance, _ = self._kept.room(model)
         keys = engine.cache.hottest(allowance // engine.block_bytes)
         if keys:
-            self._kept.keep(
-                model, (tuple(keys), len(keys) * engine.block_bytes), len(keys) * engine.block_bytes
-            )
+            self._kept.keep(model, tuple(keys), len(keys) * engine.block_bytes)
 
     def _memory_freed(self, devs: list[SimDevice], now: float) -> None:
         """Activations waiting for memory and engines waiting for blocks may go on."""
