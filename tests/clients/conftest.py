@@ -45,13 +45,12 @@ def export_tokenizer(path: Path) -> Path:
     """The default model's tokenizer (built from its GGUF metadata, as the server builds it) as
     tokenizer.json + tokenizer_config.json, with the model's config.json (vLLM reads it for the
     model type): what transformers.AutoTokenizer loads offline. No weights."""
-    import gguf
-
+    from prism_serve.engine.gguf_file import read_gguf
     from prism_serve.engine.models.config import ArchConfig
+    from prism_serve.engine.sources import default_gguf_path
     from prism_serve.engine.tokenizer import Tokenizer
-    from prism_serve.engine.weights import default_gguf_path, read_gguf_metadata
 
-    meta = read_gguf_metadata(gguf.GGUFReader(str(default_gguf_path())))
+    meta, _ = read_gguf(default_gguf_path())
     tok = Tokenizer.from_gguf_metadata(meta)
     path.mkdir(parents=True, exist_ok=True)
     arch = ArchConfig.from_gguf_metadata(meta)

