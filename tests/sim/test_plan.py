@@ -162,8 +162,13 @@ def test_a_count_whose_busy_window_misses_too_much_is_not_run_in_full(every_coun
     for n in out:  # the window alone missed more than the whole traffic may: no full run
         screen = p.points[n]["screen"]
         assert screen["misses"] > screen["budget"] == int(0.01 * len(w)) and "per_model" not in p.points[n]
-        assert p.points[n]["ttft_attainment"] == (len(w) - screen["misses"]) / len(w)  # at most that
+        stop = p.points[n]["stopped"]  # failed on the window alone: reported over what it saw
+        assert (stop["how"], stop["requests"], stop["misses"]) == ("screen", len(w), screen["misses"])
+        assert stop["requests_seen"] == window.end - window.first
+        assert p.points[n]["ttft_attainment"] == stop["attainment_seen"] < 0.99
+        assert stop["attainment_at_most"] == (len(w) - screen["misses"]) / len(w)
     assert not p.answer["screened_out"] and p.answer["ttft_attainment"] >= 0.99 and "per_model" in p.answer
+    assert "stopped" not in p.answer
     unscreened = plan(dep, w, hardware="h100", policies=["dedicated"], max_devices=6, jobs=1)  # the default
     assert unscreened.policies["dedicated"].devices == 4
     assert all("screened_out" not in pt for pt in unscreened.policies["dedicated"].points.values())
@@ -182,6 +187,21 @@ def test_a_count_that_passes_its_screen_is_decided_by_its_full_run(every_count) 
     screens = [p.points[n]["screen"] for n in hopeful]
     assert hopeful and all(screen["misses"] <= screen["budget"] for screen in screens)
     assert all(p.points[n]["ttft_attainment"] < 0.99 and "per_model" in p.points[n] for n in hopeful)
+    # the late model's misses pass the budget before the burst: every full run stops there and is
+    # reported as failed, over the requests it saw (not as if the rest had all been missed)
+    budget = int(0.01 * len(w))
+    for n in hopeful:
+        pt = p.points[n]
+        stop = pt["stopped"]
+        assert stop["how"] == "misses" and stop["requests"] == len(w) == pt["num_requests"]
+        assert stop["misses"] > budget and stop["at_s"] < 600  # before the burst
+        seen = stop["requests_seen"]
+        assert 0 < seen < int(np.searchsorted(w.timestamps, 600.0))  # it saw none of the burst
+        assert pt["ttft_attainment"] == stop["attainment_seen"]
+        assert stop["attainment_seen"] == pytest.approx((seen - stop["misses"]) / seen)
+        assert stop["attainment_at_most"] == pytest.approx(1 - stop["misses"] / len(w))
+        # what the search used to report: as if every unseen request had missed
+        assert pt["ttft_attainment"] > (seen - stop["misses"]) / len(w)
 
 
 def test_presets_are_deployment_configs() -> None:

@@ -38,6 +38,10 @@ the target's budget of the requests; every count below it fails whatever models 
 
 A point that has already missed more requests than the target allows stops early (its attainment is
 known to be short, and a count far below the answer costs little), in a screen or a full run alike.
+Such a point fails and says so: its ``stopped`` entry gives how far it got (requests seen of all,
+the simulated second), its attainment over the requests it saw (which is also its attainment
+figure) and the most the whole traffic could attain with the misses it had; plots draw it apart
+from the points run to the end.
 The policies are searched at once, their points sharing a pool of worker processes, one per core.
 
 The answer's deployment is written as a prism.yaml: the user's config with the devices found and the
@@ -295,7 +299,7 @@ def _screen(screen: _Screen) -> dict:
     # the span's indices among the requests simulated; the window's requests that cannot be miss
     first, warmup, end = (int(runnable[:i].sum()) for i in (w.first, w.warmup, w.end))
     lost = (w.end - w.first) - (end - first)
-    misses, stopped = lost, False
+    misses, stopped, seen = lost, False, lost
     if lost <= screen.budget:
         cfg = dataclasses.replace(job.config, span=(warmup, end), count_from=first)
         if screen.metric == "ttft":  # a TTFT outcome is known once the longest TTFT SLO has passed
@@ -309,6 +313,7 @@ def _screen(screen: _Screen) -> dict:
         met = ttft if screen.metric == "ttft" else tpot
         misses += len(counted) - round(met * len(counted))
         stopped = bool(res.labels.get("stopped_early"))
+        seen += len(counted)
     wl = job.workload
     out = {
         "num_devices": job.config.num_devices,
@@ -321,10 +326,34 @@ def _screen(screen: _Screen) -> dict:
         "tpot_attainment": None,
         "num_requests": len(wl),
     }  # fmt: skip
-    if out["screened_out"]:  # the whole traffic's attainment is at most this
-        out[METRICS[screen.metric]] = (len(wl) - misses) / len(wl)
+    if out["screened_out"]:  # failed on the window's requests alone
+        out["stopped"] = _stopped("screen", screen.metric, seen, len(wl), misses)
+        out[METRICS[screen.metric]] = out["stopped"]["attainment_seen"]
     out["wall_s"] = out["screen"]["wall_s"]
     return out
+
+
+def _stopped(how: str, metric: str, seen: int, total: int, misses: int, at_s: float | None = None) -> dict:
+    """What a point not run to the end reports: how far it got (``requests_seen`` of
+    ``requests``; ``at_s``: the simulated second it stopped at), its attainment over the requests
+    it saw, and the most the whole traffic could attain with the misses it already had. Such a
+    point fails: it stopped because its misses passed the target's budget."""
+    return {
+        "how": how,  # "screen": its busy window alone; "misses": its full run, cut short
+        "metric": metric,
+        "requests_seen": seen,
+        "requests": total,
+        "at_s": at_s,
+        "misses": misses,
+        "attainment_seen": (seen - misses) / seen if seen else 0.0,
+        "attainment_at_most": (total - misses) / total if total else 0.0,
+    }
+
+
+def passed(point: dict, metric: str, target: float) -> bool:
+    """Whether a plan point meets ``target``: run to the end and its attainment there at least the
+    target (a stopped point fails, whatever it had attained when it stopped)."""
+    return "stopped" not in point and point[METRICS[metric]] >= target
 
 
 def _run(job: _Job) -> dict:
@@ -336,12 +365,20 @@ def _run(job: _Job) -> dict:
     out["per_model"] = res.per_model()
     total = len(job.workload)
     lost = total - len(workload)
-    if lost or res.labels.get("stopped_early"):
-        # unserved models' requests miss; a run stopped early missed more than the target allows,
-        # and what it did not reach counts as missed (its attainment is at most this)
-        met_ttft = out["ttft_attainment"] * out["num_requests"]
-        met_tpot = out["tpot_attainment"] * out["num_requests"]
-        out.update(ttft_attainment=met_ttft / total, tpot_attainment=met_tpot / total, num_requests=total)
+    arrived = out["num_requests"]  # all of the workload's, or those before a stop
+    seen = total
+    if res.labels.get("stopped_early"):
+        # the requests (of every model) up to the last one that arrived; the rest were never seen
+        last = float(workload.timestamps[arrived - 1]) if arrived else -math.inf
+        seen = int(np.searchsorted(job.workload.timestamps, last, side="right"))
+    if lost or seen < total:
+        # unserved models' requests miss; a run stopped early reports over the requests it saw
+        met_ttft = out["ttft_attainment"] * arrived
+        met_tpot = out["tpot_attainment"] * arrived
+        out.update(ttft_attainment=met_ttft / seen, tpot_attainment=met_tpot / seen, num_requests=total)
+    if seen < total:  # only TTFT misses stop a run (SimConfig.stop_after_ttft_misses)
+        met = out["ttft_attainment"] * seen
+        out["stopped"] = _stopped("misses", "ttft", seen, total, seen - round(met), res.end_time)
     out["num_devices"] = cfg.num_devices
     out["wall_s"] = time.monotonic() - start
     return out
@@ -444,7 +481,7 @@ def plan(
                     pp.points[n] = point
                     if progress is not None:
                         progress(1)
-                return {n: pp.points[n][METRICS[metric]] >= target for n in counts}
+                return {n: passed(pp.points[n], metric, target) for n in counts}
 
             def screened(counts: Sequence[int]) -> dict[int, bool]:
                 batch = [_Screen(job(n), window, budget, metric) for n in counts]

@@ -109,9 +109,21 @@ def _figure(plan: Plan):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    key = f"{plan.metric}_attainment"
+    low = max(0, 100 * plan.target - 30)
+
+    def y(a: float) -> float:  # a count far below the target shows on the bottom edge
+        return max(100 * a, low)
+
     for name, p in plan.policies.items():
-        pts = sorted((n, pt[f"{plan.metric}_attainment"]) for n, pt in p.points.items())
-        line = ax.plot([n for n, _ in pts], [100 * a for _, a in pts], marker="o", ms=3, label=name)[0]
+        # counts run to the end make the curve; a count stopped early (its misses already past the
+        # budget) is drawn apart, hollow, at its attainment over the requests it saw
+        pts = sorted((n, pt[key]) for n, pt in p.points.items() if "stopped" not in pt)
+        line = ax.plot([n for n, _ in pts], [y(a) for _, a in pts], marker="o", ms=3, label=name)[0]
+        cut = sorted((n, pt[key]) for n, pt in p.points.items() if "stopped" in pt)
+        if cut:
+            ax.plot([n for n, _ in cut], [y(a) for _, a in cut], ls="none", marker="o", ms=5, mfc="none",
+                    color=line.get_color(), label=f"{name}: stopped early (failed)")  # fmt: skip
         if p.devices is not None:
             ax.plot([p.devices], [100 * p.points[p.devices][f"{plan.metric}_attainment"]], marker="*", ms=11,
                     color=line.get_color())  # fmt: skip
@@ -119,7 +131,7 @@ def _figure(plan: Plan):
     ax.axvline(plan.bound.devices, ls=":", color="0.2", lw=1, label=f"lower bound {plan.bound.devices}")
     ax.set_xlabel(f"devices ({plan.hardware.name})")
     ax.set_ylabel(f"{plan.metric.upper()} attainment (%)")
-    ax.set_ylim(max(0, 100 * plan.target - 30), 100.5)
+    ax.set_ylim(low, 100.5)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title(f"prism plan: {plan.num_requests} requests [simulated]", fontsize=9)
