@@ -436,3 +436,32 @@ def test_adapters_are_their_bases_load_with_their_cost(tmp_path: Path, traces, c
     assert results["num_requests"] == len(build_workload(spec))  # the adapters' requests counted
     written = load_config(out / "prism.yaml")
     assert [(a.name, a.base) for a in written.adapters()] == [("a1", "base"), ("a2", "base")]
+
+
+def test_a_baseline_is_answered_at_its_first_passing_count_and_prism_is_confirmed(monkeypatch) -> None:
+    """Both policies pass at 3 devices, fail at 4 and pass from 5 on (the runs are stand-ins): a
+    baseline may keep its 3-device assignment on 4 and leave one idle, prism must hold up itself."""
+    import prism_serve.sim.plan as plan_mod
+    from prism_serve.control.policies import POLICIES
+
+    assert {n for n, p in POLICIES.items() if p.keeps_fewer_devices} == {
+        "static-partition", "muxserve", "dedicated", "qlm",
+    }  # fmt: skip
+    names = ["m0", "m1"]
+    w = burst_traffic(names)
+    dep = burst_deployment(names)
+    asked: dict[str, list[int]] = {}
+
+    def stand_in(job) -> dict:
+        n = job.config.num_devices
+        asked.setdefault(job.config.policy, []).append(n)
+        met = 0.5 if n < 3 or n == 4 else 1.0
+        return {"num_devices": n, "ttft_attainment": met, "tpot_attainment": met, "num_requests": len(w)}
+
+    monkeypatch.setattr(plan_mod, "_run", stand_in)
+    result = plan(dep, w, hardware="h100", policies=["prism", "static-partition"], max_devices=9, jobs=1)
+    base, prism = result.policies["static-partition"], result.policies["prism"]
+    assert (base.devices, base.confirmed) == (3, 0) and max(asked["static-partition"]) == 3
+    assert (prism.devices, prism.confirmed) == (5, 2) and {3, 4, 5, 6, 7} <= set(asked["prism"])
+    assert result.saving("prism", "static-partition") == -2  # counted against the baseline's best
+    assert result.as_dict()["policies"]["static-partition"]["confirmed"] == 0

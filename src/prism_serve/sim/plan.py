@@ -10,9 +10,13 @@ policy passes below them, sim/bound.py), ``width`` counts at a time; the first c
 with its ``confirm`` counts above it passing too, is the answer (where a confirm count fails, the
 sweep goes on). Every count below the answer is simulated and fails: attainment need not be
 monotone in the device count (a placement that fits at ``n`` may not at ``n + 1``), so a search
-that skips counts can answer far above the fewest. The bound's memory count is not a floor: it
-assumes every model with a request in a 10 s window is resident at once, and a policy that swaps
-models in tens of milliseconds (CPU devices, small models) meets SLOs below it.
+that skips counts can answer far above the fewest. A baseline that may keep its assignment for
+fewer devices and leave the rest idle (``Policy.keeps_fewer_devices``: static-partition, muxserve,
+dedicated, qlm) is answered at its first passing count, with no confirmation: on any count above it
+could do as well, so prism's saving is counted against its best packing, not its unluckiest; prism
+is confirmed, because its own placement must hold up with more devices. The bound's memory count
+is not a floor: it assumes every model with a request in a 10 s window is resident at once, and a
+policy that swaps models in tens of milliseconds (CPU devices, small models) meets SLOs below it.
 
 **The busy-window screen** (``screen=True``, ``--screen``). Before a count is simulated over the
 whole traffic, it is simulated on the traffic's busiest window (the ``screen_window_s`` seconds with
@@ -166,6 +170,9 @@ class PolicyPlan:
     devices: int | None  # the fewest that meet the target; None: more than max_devices
     points: dict[int, dict] = field(default_factory=dict)  # every simulated count's summary
     sweep_from: int = 1  # the count its sweep began at: every count below fails without a run
+    # counts above the answer that had to pass too: the plan's ``confirm``, or 0 for a baseline that
+    # may keep its assignment for fewer devices on more (Policy.keeps_fewer_devices)
+    confirmed: int = 0
 
     @property
     def answer(self) -> dict | None:
@@ -221,6 +228,7 @@ class Plan:
                     if other != name
                 },
                 "sweep_from": p.sweep_from,
+                "confirmed": p.confirmed,
                 "points": {str(n): pt for n, pt in sorted(p.points.items())},
             }
         return out
@@ -491,8 +499,10 @@ def plan(
                         progress(1)
                 return {n: not pp.points[n]["screened_out"] for n in counts}
 
+            # a baseline that may leave spare devices idle passes wherever a count below passed
+            pp.confirmed = 0 if REGISTERED[pp.policy].keeps_fewer_devices else confirm
             pp.devices = fewest_passing(
-                passes, pp.sweep_from, high, confirm, width=workers,
+                passes, pp.sweep_from, high, pp.confirmed, width=workers,
                 screen=screened if window is not None else None,
             )  # fmt: skip
 

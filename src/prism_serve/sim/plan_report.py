@@ -47,6 +47,13 @@ def format_plan(plan: Plan, chosen: str) -> str:
             f"| {name} | {devices} | {ratio} | {'-' if at is None else f'{at:.2%}'} | {cells[0]} | "
             f"{cells[1]} | {_money(plan.monthly_cost(n))} |"
         )
+    firsts = [name for name, q in plan.policies.items() if q.confirmed == 0 and q.devices is not None]
+    if firsts:
+        lines += [
+            "",
+            f"{', '.join(firsts)}: the first count that passes (a baseline may keep that assignment and "
+            "leave more devices idle); the others' answers pass with the counts above them too",
+        ]
     p = plan.policies.get(chosen)
     if p is not None and p.answer is not None and "prefix_hit_rate" in p.answer:
         lines += [

@@ -81,6 +81,12 @@ class Policy:
     # refused; so N devices serve at most models whose tp sizes sum to N (the planner uses it:
     # sim/plan.py ``exclusive_floor``)
     exclusive_devices: ClassVar[bool] = False
+    # True: a baseline whose deployment on more devices may keep its assignment for fewer and leave
+    # the rest idle, so whatever it attains on N devices it attains on any count above; the planner
+    # answers its first passing count without confirming the counts above (sim/plan.py), so that a
+    # saving against it is never a saving against its unlucky packing at one count. False for a
+    # policy that must itself do no worse with more devices (prism).
+    keeps_fewer_devices: ClassVar[bool] = False
 
     def __init__(self, knobs: Knobs | None = None) -> None:
         if knobs is None:

@@ -35,6 +35,7 @@ class DedicatedPolicy(Policy):
     name = "dedicated"
     knobs_type = DedicatedKnobs
     exclusive_devices = True
+    keeps_fewer_devices = True  # a baseline: see Policy
     knobs: DedicatedKnobs
 
     def new_queue(self, device: str) -> RequestQueue:

@@ -122,6 +122,7 @@ def mesh_groups(devices: list[str], sizes: list[int], limit: int) -> Iterator[li
 
 class MuxServePolicy(Policy):
     name = "muxserve"
+    keeps_fewer_devices = True  # a baseline: see Policy
     knobs_type = MuxServeKnobs
     knobs: MuxServeKnobs
 

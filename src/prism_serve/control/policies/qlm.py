@@ -59,6 +59,7 @@ class QLMKnobs(Knobs):
 
 class QLMPolicy(Policy):
     name = "qlm"
+    keeps_fewer_devices = True  # a baseline: see Policy
     knobs_type = QLMKnobs
     knobs: QLMKnobs
 

@@ -39,6 +39,7 @@ class StaticPartitionKnobs(Knobs):
 
 class StaticPartitionPolicy(Policy):
     name = "static-partition"
+    keeps_fewer_devices = True  # a baseline: see Policy
     knobs_type = StaticPartitionKnobs
     knobs: StaticPartitionKnobs
 
