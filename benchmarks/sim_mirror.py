@@ -20,6 +20,7 @@ if str(BENCH_DIR) not in sys.path:  # `common` when imported from a test
     sys.path.insert(0, str(BENCH_DIR))
 
 from prism_serve.config import DeploymentConfig  # noqa: E402
+from prism_serve.control.policies import POLICIES, knobs_for  # noqa: E402
 from prism_serve.engine.config import DEFAULT_MODEL  # noqa: E402
 from prism_serve.engine.models.config import PRESETS  # noqa: E402
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE  # noqa: E402
@@ -40,6 +41,7 @@ COUNTS = ("activations", "evictions")
 BUSY = "engine_busy_s"  # seconds the model's engine had a step in flight (live: /metrics step seconds)
 SIM_COUNTERS = ("preemptions", "restarts", "migrations", "migrations_skipped", "num_rejected",
                 "num_unfinished", "simulated_s")  # fmt: skip
+PREFIX_RATES = ("prefix_hit_rate", "prefix_hit_rate_infinite")
 
 
 # ---- the deployment in the simulator (pure) ------------------------------------------------------
@@ -101,11 +103,17 @@ def sim_deployment(
         values = {getattr(m.engine_config(), knob) for m in cfg.models}
         if len(values) != 1:
             raise MirrorError(f"models differ in {knob} ({sorted(values)}); the simulator has one value")
+    # the live config's knobs exactly: what the simulator would provision from the traffic
+    # (Policy.provisioned_knobs) is at the live default unless the config sets it
+    defaults = knobs_for(dep.policy)()
+    given = dict(dep.knobs)
+    provisioned = POLICIES[dep.policy].provisioned_knobs({})
+    knobs = dep.knobs + tuple((k, getattr(defaults, k)) for k in sorted(provisioned) if k not in given)
     config = SimConfig(
         num_devices=len(devices),
         hardware=hardware,
         policy=dep.policy,
-        knobs=dep.knobs,
+        knobs=knobs,
         tick_s=cfg.policy.tick_interval_s,
         page_size=DEFAULT_PAGE_SIZE,  # the live ledger's page
         warmup_s=warmup_s,  # rate_window_s: the control loop's default, as in the live controller
@@ -137,12 +145,15 @@ def with_warmup(workload: Workload, warmup: list[tuple[float, str]], replay_star
             index[m] = len(names)
             names.append(m)
     k = len(warmup)
+    hashes = None if workload.block_hashes is None else [()] * k + list(workload.block_hashes)
     return Workload(
         np.concatenate([[t - t0 for t, _ in warmup], workload.timestamps + (replay_start - t0)]),
         np.concatenate([[index[m] for _, m in warmup], workload.model_index]),
         np.concatenate([np.full(k, len(WARMUP_PROMPT)), workload.prompt_tokens]),
         np.concatenate([np.full(k, WARMUP_OUTPUT), workload.output_tokens]),
         names,
+        hashes,  # the warm-up's prompts share nothing
+        workload.block_tokens,
     )
 
 
@@ -295,7 +306,8 @@ def run_sim(dep: SimDeployment, workload: Workload, num_warmup: int) -> dict:
     summary = result.summary()
     return {
         "models": stats,
-        "summary": {k: summary[k] for k in SIM_COUNTERS},
+        # prefix hit rates where the workload had block hashes (the warm-up's few tokens included)
+        "summary": {k: summary[k] for k in (*SIM_COUNTERS, *PREFIX_RATES) if k in summary},
         "placement_after_warmup": sim.placement_at_replay,
         "placement_at_end": sim.placement(),
         "wall_s": round(wall, 2),

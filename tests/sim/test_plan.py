@@ -465,3 +465,28 @@ def test_a_baseline_is_answered_at_its_first_passing_count_and_prism_is_confirme
     assert (prism.devices, prism.confirmed) == (5, 2) and {3, 4, 5, 6, 7} <= set(asked["prism"])
     assert result.saving("prism", "static-partition") == -2  # counted against the baseline's best
     assert result.as_dict()["policies"]["static-partition"]["confirmed"] == 0
+
+
+def test_a_static_partition_answer_is_written_with_the_rates_it_was_planned_for() -> None:
+    import yaml
+
+    from prism_serve.sim.hardware import get_hardware
+    from prism_serve.sim.plan import deployment_yaml
+
+    names = ["m0", "m1"]
+    w = burst_traffic(names)
+    dep = burst_deployment(names)
+    result = plan(dep, w, hardware="h100", policies=["static-partition"], max_devices=4, jobs=1)
+    rates = dict(result.provisioned["static-partition"]["rates"])
+    assert rates == pytest.approx(w.mean_rates()) and sum(rates.values()) == pytest.approx(
+        len(w) / w.duration
+    )
+    config = deployment_config("paper-8")
+    data = deployment_yaml(
+        config, get_hardware("h100"), 2, "static-partition", result.provisioned["static-partition"]
+    )
+    served = parse_config(yaml.safe_dump(data), "plan")
+    assert served.policy.name == "static-partition"
+    assert [list(r) for r in served.policy.knobs["rates"]] == [
+        [m, pytest.approx(r)] for m, r in sorted(rates.items())
+    ]

@@ -190,6 +190,9 @@ class Plan:
     num_requests: int
     span_s: float
     price_per_device_hour: float | None = None
+    # per policy, the knobs its runs were provisioned with from the traffic (Policy.provisioned_knobs):
+    # the written deployment carries them
+    provisioned: Mapping[str, dict] = field(default_factory=dict)
 
     def monthly_cost(self, devices: int | None) -> float | None:
         if devices is None or self.price_per_device_hour is None:
@@ -509,9 +512,11 @@ def plan(
         # every policy's search at once: each waits for its own points, the pool keeps the cores busy
         with ThreadPoolExecutor(len(out) if workers > 1 else 1) as searches:
             list(searches.map(search, out.values()))
+    rates = workload.mean_rates()
     return Plan(
         hw, target, metric, bound, out, high, len(workload),
         span_s if span_s is not None else float(workload.timestamps[-1]), price_per_device_hour,
+        {p: REGISTERED[p].provisioned_knobs(rates) for p in policies},
     )  # fmt: skip
 
 
@@ -543,10 +548,17 @@ class _InProcess:
         return [fn(x) for x in items]
 
 
-def deployment_yaml(config: DeploymentConfig, hw: HardwareProfile, devices: int, policy: str) -> dict:
+def deployment_yaml(
+    config: DeploymentConfig,
+    hw: HardwareProfile,
+    devices: int,
+    policy: str,
+    provisioned: Mapping | None = None,
+) -> dict:
     """``config`` as a prism.yaml with ``devices`` devices of ``hw`` and ``policy``: what
     ``prism serve --config`` reads (a GPU profile gives cuda:0..N-1, each with the memory models may
-    use; a CPU profile, fitted for devices of one core, cpu:0..N-1 on cores 0..N-1)."""
+    use; a CPU profile, fitted for devices of one core, cpu:0..N-1 on cores 0..N-1), with the knobs
+    the plan provisioned ``policy`` with where the config leaves them unset."""
     data = config.model_dump(mode="json", exclude_defaults=True)
     memory = int(hw.capacity_bytes)
     if hw.overlap:  # a GPU profile
@@ -556,4 +568,11 @@ def deployment_yaml(config: DeploymentConfig, hw: HardwareProfile, devices: int,
     data.setdefault("policy", {})["name"] = policy
     if policy != config.policy.name:
         data["policy"].pop("knobs", None)
+    for key, value in (provisioned or {}).items():
+        data["policy"].setdefault("knobs", {}).setdefault(key, _plain(value))
     return data
+
+
+def _plain(value):
+    """Tuples as lists, for YAML."""
+    return [_plain(v) for v in value] if isinstance(value, tuple | list) else value

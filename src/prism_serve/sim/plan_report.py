@@ -94,7 +94,7 @@ def write_plan(plan: Plan, config: DeploymentConfig, chosen: str, out: Path, arg
     written.append(out / "plan.html")
     answer = plan.policies.get(chosen)
     if answer is not None and answer.devices is not None:
-        data = deployment_yaml(config, plan.hardware, answer.devices, chosen)
+        data = deployment_yaml(config, plan.hardware, answer.devices, chosen, plan.provisioned.get(chosen))
         header = (
             f"# prism plan: {chosen} on {answer.devices} x {plan.hardware.name} meets {plan.target:.2%} "
             f"{plan.metric.upper()} attainment on the planned traffic (simulated)\n"

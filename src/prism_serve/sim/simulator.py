@@ -50,6 +50,7 @@ from prism_serve.control import (
     get_policy,
 )
 from prism_serve.control.loop import ControlLoop
+from prism_serve.control.policies import POLICIES
 from prism_serve.control.types import PREFIX_BLOCK_TOKENS, REPLICA_SEPARATOR, replica_name
 from prism_serve.memory.kept import KeptBudget
 from prism_serve.sim.config import ModelSLO, SimConfig
@@ -114,7 +115,11 @@ class Simulator:
         # live profiles: models whose step sums moved since the last tick, when their snapshot
         # (their measured profile) is read again, as the tick's marks once read every model's
         self._stepped: dict[str, None] = {}
-        policy = get_policy(config.policy, **dict(config.knobs))
+        knobs = dict(config.knobs)
+        # what an operator would size a hand-provisioned policy for: each model's mean rate
+        for key, value in POLICIES[config.policy].provisioned_knobs(workload.mean_rates()).items():
+            knobs.setdefault(key, value)
+        policy = get_policy(config.policy, **knobs)
         self.models: dict[str, SimModel] = {}
         self.replica_of: dict[str, str] = {}  # replica slot -> served model (control/replicas.py)
         for m in models:

@@ -128,6 +128,13 @@ class Workload:
     def duration(self) -> float:
         return float(self.timestamps[-1]) if len(self) else 0.0
 
+    def mean_rates(self) -> dict[str, float]:
+        """Requests/s of each model (every listed model, 0.0 without requests) over the span from 0
+        to the last arrival (1 s for a workload of one instant)."""
+        span = max(self.duration, 1.0)
+        counts = np.bincount(self.model_index, minlength=len(self.models))
+        return {m: float(c) / span for m, c in zip(self.models, counts.tolist(), strict=True)}
+
     def rows(self) -> Iterator[WorkloadRequest]:
         names = self.models
         hashes = self.block_hashes or ((),) * len(self)

@@ -75,6 +75,47 @@ def test_static_partition_splits_memory_into_fixed_slices():
     assert p.place(apply(c, out), NOW) == [], "slices never change and nothing moves"
 
 
+def test_static_partition_sized_for_the_expected_traffic_balances_compute_across_devices():
+    # two hot models of 10 GiB and two cold ones of 30 GiB: by memory alone (worst fit) each device
+    # takes one large and one small model, and which small one goes where is an accident of the
+    # order; with the rates, the two hot models never share a device
+    models = [
+        model(n, weight_gib=w, rate=0.0) for n, w in (("big1", 30), ("big2", 30), ("hot1", 10), ("hot2", 10))
+    ]
+    c = cluster(models, {"d0": 80, "d1": 80})
+    rates = (("big1", 0.01), ("big2", 0.01), ("hot1", 5.0), ("hot2", 5.0))
+    p = get_policy("static-partition", rates=rates)
+    out = p.place(c, NOW)
+    acts = {a.model: a.devices for a in out if isinstance(a, Activate)}
+    assert set(acts) == {"big1", "big2", "hot1", "hot2"}
+    assert acts["hot1"] != acts["hot2"] and acts["big1"] != acts["big2"]
+    assert p.place(apply(c, out), NOW) == [], "placed once"
+    # three hot models on two devices: the lightest pair shares, whatever the model order
+    three = [model(n, weight_gib=10, rate=0.0) for n in ("x", "y", "z")]
+    for order in (("x", 0.5), ("y", 4.0), ("z", 3.0)), (("x", 4.0), ("y", 3.0), ("z", 0.5)):
+        out = get_policy("static-partition", rates=order).place(cluster(three, {"d0": 80, "d1": 80}), NOW)
+        acts = {a.model: a.devices for a in out if isinstance(a, Activate)}
+        heaviest = max(order, key=lambda r: r[1])[0]
+        assert [m for m in acts if acts[m] == acts[heaviest]] == [heaviest], order
+    # memory still decides what fits: on 45 GiB devices a big model leaves room for one hot one
+    tight = get_policy("static-partition", rates=rates).place(cluster(models, {"d0": 45, "d1": 45}), NOW)
+    acts = {a.model: a.devices for a in tight if isinstance(a, Activate)}
+    on = sorted(sorted(m for m, ds in acts.items() if d in ds) for d in ("d0", "d1"))
+    assert on in (
+        [["big1", "hot1"], ["big2", "hot2"]],
+        [["big1", "hot2"], ["big2", "hot1"]],
+    )
+
+
+def test_the_simulator_provisions_static_partition_with_each_models_mean_rate():
+    from prism_serve.control.policies import POLICIES
+
+    assert POLICIES["static-partition"].provisioned_knobs({"a": 2.0, "b": 0.5}) == {
+        "rates": (("a", 2.0), ("b", 0.5))
+    }
+    assert all(POLICIES[n].provisioned_knobs({"a": 1.0}) == {} for n in POLICIES if n != "static-partition")
+
+
 def test_static_partition_never_evicts_idle_models_under_pressure():
     models = [model("idle", on=("d0",), last=0.0), model("busy", on=("d0",), last=NOW, running=5)]
     c = cluster(models, {"d0": 80}, mapped={"d0": 80})

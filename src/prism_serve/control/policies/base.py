@@ -100,6 +100,13 @@ class Policy:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.knobs!r})"
 
+    @classmethod
+    def provisioned_knobs(cls, rates: Mapping[str, float]) -> dict:
+        """The knobs an operator provisioning this policy by hand would set from the expected
+        traffic (``rates``: requests/s per model); the simulator (and so ``prism plan``) gives them
+        to a run whose own knobs leave them unset. None by default: the policy adapts by itself."""
+        return {}
+
     @property
     def replica_slots(self) -> int:
         """Replica slots the body creates per served model (control/replicas.py); 1: no replicas."""

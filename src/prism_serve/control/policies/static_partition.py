@@ -2,14 +2,28 @@
 
 The MIG / fractional-GPU baseline of the paper (S-Partition, sections 2 and 7): colocated models
 cannot use each other's unused KV memory, and nothing is ever evicted or moved. Placement happens
-once per model: largest weights first, each part on the device with the most memory left after
-weights (worst fit, so slices are as large as they can be). Every device's memory left after weights
-is split among its models in proportion to ``shares`` (1.0 for a model not listed) and enforced by
-``SetKVQuota``. Admission is arrival order per engine (``FifoQueue``), within the engine's slice.
+once per model, as an operator provisioning it by hand would do it:
+
+- with the expected traffic (``rates``: requests/s per model, the forecast the operator sizes the
+  partition for; the simulator and ``prism plan`` give each model's mean rate over the traffic):
+  rate-balanced bin packing. Each model's expected compute (its rate times its busy seconds per
+  request, ``ModelSnapshot.busy``) goes to the device(s) with the least expected compute among
+  those whose memory left after weights still holds its weights and the minimum KV slice; the
+  packing is tried in ``restarts`` orders (heaviest compute first, largest weights first, then
+  seeded shuffles) and the one that places the most models with the lowest busiest device is kept;
+- without it: largest weights first, each part on the device with the most memory left after
+  weights (worst fit, so slices are as large as they can be).
+
+Every device's memory left after weights is split among its models in proportion to ``shares`` (1.0
+for a model not listed) and enforced by ``SetKVQuota``. Admission is arrival order per engine
+(``FifoQueue``), within the engine's slice.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prism_serve.control.placement import on_one_node
@@ -20,7 +34,7 @@ from prism_serve.control.policies.base import (
     require,
 )
 from prism_serve.control.queues import FifoQueue, RequestQueue
-from prism_serve.control.types import Action, Activate, ClusterSnapshot, Request, SetKVQuota
+from prism_serve.control.types import Action, Activate, ClusterSnapshot, ModelSnapshot, Request, SetKVQuota
 
 __all__ = ["StaticPartitionKnobs", "StaticPartitionPolicy"]
 
@@ -30,10 +44,16 @@ class StaticPartitionKnobs(Knobs):
     shares: tuple[tuple[str, float], ...] = ()  # (model, relative share); models not listed get 1.0
     reserve_tokens: int = 256
     min_kv_fraction: float = 0.05
+    # (model, expected requests/s): the traffic the partition is sized for; () places by memory alone
+    rates: tuple[tuple[str, float], ...] = ()
+    restarts: int = 8  # packing orders tried when rates are given
 
     def __post_init__(self) -> None:
         require(all(s > 0 for _, s in self.shares), "every share must be > 0")
         require(len({m for m, _ in self.shares}) == len(self.shares), "a model is listed twice in shares")
+        require(all(r >= 0 for _, r in self.rates), "every rate must be >= 0")
+        require(len({m for m, _ in self.rates}) == len(self.rates), "a model is listed twice in rates")
+        require(self.restarts >= 1, "restarts must be >= 1")
         self._check_shared()
 
 
@@ -46,6 +66,10 @@ class StaticPartitionPolicy(Policy):
     def new_queue(self, device: str) -> RequestQueue:
         return FifoQueue(device, reserve_tokens=self.knobs.reserve_tokens)
 
+    @classmethod
+    def provisioned_knobs(cls, rates: Mapping[str, float]) -> dict:
+        return {"rates": tuple(sorted(rates.items()))}  # the partition sized for the expected traffic
+
     def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
         k = self.knobs
         members = {d: list(dev.models) for d, dev in cluster.devices.items()}
@@ -53,30 +77,28 @@ class StaticPartitionPolicy(Policy):
             d: dev.capacity_bytes - sum(cluster.models[m].part_weight_bytes for m in dev.models)
             for d, dev in cluster.devices.items()
         }
-        order = {d: i for i, d in enumerate(cluster.devices)}
+        new = [m for m in cluster.models.values() if not m.resident]
+        if not new:
+            return []
+        if k.rates:
+            expected = dict(k.rates)
+            load = {
+                m.model: dataclasses.replace(m, rate=expected.get(m.model, 0.0)).busy
+                for m in cluster.models.values()
+            }
+            busy = {d: sum(load[m] for m in dev.models) for d, dev in cluster.devices.items()}
+            placed = self._balanced(cluster, new, load, busy, left)
+        else:
+            placed = self._worst_fit(cluster, new, left)
         actions: list[Action] = []
         changed: set[str] = set()
-        new = sorted(
-            (m for m in cluster.models.values() if not m.resident),
-            key=lambda m: (-m.part_weight_bytes, m.model),
-        )
-        for m in new:
-            fits = [
-                d
-                for d in cluster.devices
-                if left[d] - m.part_weight_bytes >= min_kv_bytes(cluster.devices[d], k.min_kv_fraction)
-            ]
-            if len(fits) < m.tp_size:
-                continue
-            group = on_one_node(sorted(fits, key=lambda d: (-left[d], order[d])), m.tp_size, str)
-            if group is None:  # TP ranks never span nodes
-                continue
-            devices = tuple(group)
+        for model, devices in placed:
+            m = cluster.models[model]
             for d in devices:
                 left[d] -= m.part_weight_bytes
-                members[d].append(m.model)
+                members[d].append(model)
                 changed.add(d)
-            actions.append(Activate(m.model, devices))
+            actions.append(Activate(model, devices))
         share = dict(k.shares)
         for d in cluster.devices:
             if d not in changed:
@@ -85,6 +107,74 @@ class StaticPartitionPolicy(Policy):
             for m in members[d]:
                 actions.append(SetKVQuota(m, d, int(max(0, left[d]) * share.get(m, 1.0) / total)))
         return actions
+
+    def _fits(self, cluster: ClusterSnapshot, left: dict[str, int], m: ModelSnapshot) -> list[str]:
+        floor = self.knobs.min_kv_fraction
+        return [
+            d
+            for d in cluster.devices
+            if left[d] - m.part_weight_bytes >= min_kv_bytes(cluster.devices[d], floor)
+        ]
+
+    def _worst_fit(
+        self, cluster: ClusterSnapshot, new: list[ModelSnapshot], left: dict[str, int]
+    ) -> list[tuple[str, tuple[str, ...]]]:
+        """Largest weights first, each on the devices with the most memory left."""
+        left = dict(left)
+        order = {d: i for i, d in enumerate(cluster.devices)}
+        out = []
+        for m in sorted(new, key=lambda m: (-m.part_weight_bytes, m.model)):
+            fits = self._fits(cluster, left, m)
+            if len(fits) < m.tp_size:
+                continue
+            group = on_one_node(sorted(fits, key=lambda d: (-left[d], order[d])), m.tp_size, str)
+            if group is None:  # TP ranks never span nodes
+                continue
+            for d in group:
+                left[d] -= m.part_weight_bytes
+            out.append((m.model, tuple(group)))
+        return out
+
+    def _balanced(
+        self,
+        cluster: ClusterSnapshot,
+        new: list[ModelSnapshot],
+        load: dict[str, float],
+        busy: dict[str, float],
+        left: dict[str, int],
+    ) -> list[tuple[str, tuple[str, ...]]]:
+        """The best of ``restarts`` greedy packings: most models placed, then the lowest busiest
+        device, then the most memory left on the fullest device."""
+        order = {d: i for i, d in enumerate(cluster.devices)}
+        orders = [
+            sorted(new, key=lambda m: (-load[m.model] * m.tp_size, -m.part_weight_bytes, m.model)),
+            sorted(new, key=lambda m: (-m.part_weight_bytes, -load[m.model], m.model)),
+        ]
+        rng = random.Random(0)  # the same snapshot gives the same packing (the simulator's parity)
+        base = sorted(new, key=lambda m: m.model)
+        while len(orders) < self.knobs.restarts:
+            shuffled = list(base)
+            rng.shuffle(shuffled)
+            orders.append(shuffled)
+        best, best_key = [], None
+        for ranked in orders[: self.knobs.restarts]:
+            room, work, out = dict(left), dict(busy), []
+            for m in ranked:
+                fits = self._fits(cluster, room, m)
+                if len(fits) < m.tp_size:
+                    continue
+                fits.sort(key=lambda d: (work[d], -room[d], order[d]))
+                group = on_one_node(fits, m.tp_size, str)
+                if group is None:
+                    continue
+                for d in group:
+                    room[d] -= m.part_weight_bytes
+                    work[d] += load[m.model]
+                out.append((m.model, tuple(group)))
+            key = (-len(out), max(work.values(), default=0.0), -min(room.values(), default=0))
+            if best_key is None or key < best_key:
+                best, best_key = out, key
+        return best
 
     def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
         return self._route_or_wait_for_tick(
