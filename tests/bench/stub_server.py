@@ -15,6 +15,8 @@ Models and what they do:
 - ``garbage``: sends an event whose choices are not objects.
 - ``silent``: every token's chunk has empty text (tokens that decode to nothing), usage counts them.
 - ``empty``: ``data: [DONE]`` with no chunk and no usage.
+- ``cached``: as ``m1``, and its usage says in ``prompt_tokens_details.cached_tokens`` how many
+  leading prompt ids it had seen in an earlier prompt, in whole blocks of ``CACHE_BLOCK`` ids.
 - anything else: 404, OpenAI error shape.
 """
 
@@ -34,7 +36,9 @@ uvicorn = pytest.importorskip("uvicorn")
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
-KNOWN = ("m1", "m2", "slow", "no-usage", "busy", "hang", "cut", "fail-mid", "garbage", "silent", "empty")
+KNOWN = ("m1", "m2", "slow", "no-usage", "busy", "hang", "cut", "fail-mid", "garbage", "silent", "empty",
+         "cached")  # fmt: skip
+CACHE_BLOCK = 8
 M1_SLOS = (0.5, 0.05)  # (ttft_slo, tpot_slo) that /v1/models lists for m1
 
 
@@ -57,6 +61,7 @@ class StubEndpoint:
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
+        self.seen: list[list] = []  # the ``cached`` model's earlier prompts
         self.auth: list[str | None] = []
         self.in_flight = 0
         self.peak_in_flight = 0
@@ -67,6 +72,7 @@ class StubEndpoint:
 
     def reset(self) -> None:
         self.bodies.clear()
+        self.seen.clear()
         self.auth.clear()
         self.peak_in_flight = 0
 
@@ -121,10 +127,23 @@ class StubEndpoint:
                 return
             if model != "no-usage" and (body.get("stream_options") or {}).get("include_usage"):
                 usage = {"prompt_tokens": num_prompt, "completion_tokens": n, "total_tokens": num_prompt + n}
+                if model == "cached":
+                    usage["prompt_tokens_details"] = {"cached_tokens": self._cached(prompt)}
                 yield f"data: {json.dumps({'id': 'cmpl-stub', 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             self.in_flight -= 1
+
+    def _cached(self, prompt: list) -> int:
+        def common(a: list, b: list) -> int:
+            n = 0
+            while n < min(len(a), len(b)) and a[n] == b[n]:
+                n += 1
+            return n
+
+        best = max((common(prompt, q) for q in self.seen), default=0)
+        self.seen.append(prompt)
+        return best // CACHE_BLOCK * CACHE_BLOCK
 
     def start(self) -> StubEndpoint:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

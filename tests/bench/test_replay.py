@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from prism_serve.bench import BenchError, BenchSettings, replay
+from prism_serve.bench.report import format_table
 from prism_serve.workload.format import Workload, WorkloadRequest
 
 pytest.importorskip("fastapi")
@@ -277,3 +278,24 @@ def test_hashed_prompts_share_exactly_the_blocks_their_hashes_share(fresh_stub):
         assert hashed_prompt(40, hashes, 16, settings, rng) in prompts
     sharing = [(p, q) for i, p in enumerate(prompts) for q in prompts[i + 1 :] if p[:32] == q[:32]]
     assert len(sharing) == 1 and sharing[0][0][32:] != sharing[0][1][32:]  # the plain one shares nothing
+
+
+def test_cached_prompt_tokens_are_recorded_and_summed_into_a_hit_rate(fresh_stub):
+    # the stub's ``cached`` model reports the leading ids it saw before, in whole 8-id blocks: the
+    # second request shares two of its three 16-token hashed blocks with the first
+    w = Workload.from_rows(
+        [
+            WorkloadRequest(0.0, "cached", 40, 1, (1, 2, 3), 16),
+            WorkloadRequest(0.2, "cached", 40, 1, (1, 2, 4), 16),
+            WorkloadRequest(0.4, "m1", 40, 1, (1, 2, 4), 16),
+        ]
+    )
+    res = _run(w, fresh_stub.url, settings=BenchSettings(token_range=(1000, 40000), seed=5))
+    first, second, plain = res.records
+    assert (first.usage_cached_tokens, second.usage_cached_tokens) == (0, 32)
+    assert plain.usage_cached_tokens is None and plain.usage_reported  # the endpoint did not say
+    s = res.summary()
+    assert s["models"]["cached"]["prefix_hit_rate"] == pytest.approx(32 / 80)
+    assert s["models"]["m1"]["prefix_hit_rate"] is None
+    assert s["overall"]["prefix_hit_rate"] == pytest.approx(32 / 80)  # over the requests that said
+    assert "40.0% of prompt tokens" in format_table(s)

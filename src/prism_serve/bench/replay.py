@@ -171,6 +171,9 @@ def _apply_event(obj: dict, rec: RequestRecord, now: float) -> RequestError | No
         rec.usage_reported = True
         rec.output_tokens = int(usage.get("completion_tokens") or 0)
         rec.usage_prompt_tokens = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        rec.usage_cached_tokens = cached if isinstance(cached, int) and not isinstance(cached, bool) else None
     return None
 
 

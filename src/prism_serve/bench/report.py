@@ -55,6 +55,9 @@ class RequestRecord:
     output_tokens: int = 0  # from the usage chunk, else the number of text chunks
     usage_reported: bool = False
     usage_prompt_tokens: int | None = None  # the endpoint's own count of the prompt
+    # of those, what it found in its prefix cache (usage.prompt_tokens_details.cached_tokens; None
+    # where the endpoint does not say)
+    usage_cached_tokens: int | None = None
     finish_reason: str | None = None
     token_times_s: list[float] = field(default_factory=list)  # each completion chunk, from the send
     error: RequestError | None = None
@@ -92,6 +95,7 @@ class RequestRecord:
             "output_tokens": self.output_tokens,
             "usage_reported": self.usage_reported,
             "usage_prompt_tokens": self.usage_prompt_tokens,
+            "usage_cached_tokens": self.usage_cached_tokens,
             "finish_reason": self.finish_reason,
             "error": None if self.error is None else asdict(self.error),
         }
@@ -135,7 +139,12 @@ def _stats(records: list[RequestRecord], slos: Mapping[str, SLOTarget], duration
         for q in (50, 95, 99):
             out[f"{name}_p{q}_s"] = percentile(vals, q)
     lags = [r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]
+    # the endpoint's prefix cache: cached prompt tokens over the prompt tokens of the requests whose
+    # usage said both (None where none did)
+    told = [r for r in ok if r.usage_cached_tokens is not None and r.usage_prompt_tokens]
+    prompt = sum(r.usage_prompt_tokens for r in told)
     out.update(
+        prefix_hit_rate=sum(r.usage_cached_tokens for r in told) / prompt if prompt else None,
         output_tokens=out_tokens,
         # the endpoint ignored ignore_eos or max_tokens if its outputs came back shorter
         short_outputs=sum(1 for r in ok if r.output_tokens < r.max_tokens),
@@ -228,6 +237,9 @@ def format_table(summary: dict) -> str:
             f"{_ms(s['e2e_p50_s']) + '/' + _ms(s['e2e_p99_s']):>15} "
             f"{s['throughput_output_tokens_per_s']:>9.1f}"
         )
+    hit = summary["overall"].get("prefix_hit_rate")
+    if hit is not None:
+        lines.append(f"prefix cache: {hit:.1%} of prompt tokens were served from the endpoint's cache")
     errors = summary["overall"]["errors"]
     if errors:
         lines.append("errors: " + ", ".join(f"{k} {v}" for k, v in errors.items()))
