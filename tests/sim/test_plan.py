@@ -450,21 +450,28 @@ def test_a_baseline_is_answered_at_its_first_passing_count_and_prism_is_confirme
     names = ["m0", "m1"]
     w = burst_traffic(names)
     dep = burst_deployment(names)
-    asked: dict[str, list[int]] = {}
+    asked: dict[str, list[int]] = {}  # by policy and packing
 
     def stand_in(job) -> dict:
         n = job.config.num_devices
-        asked.setdefault(job.config.policy, []).append(n)
+        asked.setdefault(job.config.policy + str(dict(job.config.knobs).get("packing", "")), []).append(n)
         met = 0.5 if n < 3 or n == 4 else 1.0
+        if dict(job.config.knobs).get("packing") == "memory":  # static-partition's other packing
+            met = 1.0 if n >= 4 else 0.5
         return {"num_devices": n, "ttft_attainment": met, "tpot_attainment": met, "num_requests": len(w)}
 
     monkeypatch.setattr(plan_mod, "_run", stand_in)
     result = plan(dep, w, hardware="h100", policies=["prism", "static-partition"], max_devices=9, jobs=1)
     base, prism = result.policies["static-partition"], result.policies["prism"]
-    assert (base.devices, base.confirmed) == (3, 0) and max(asked["static-partition"]) == 3
+    assert (base.devices, base.confirmed) == (3, 0) and max(asked["static-partitiondemand"]) == 3
     assert (prism.devices, prism.confirmed) == (5, 2) and {3, 4, 5, 6, 7} <= set(asked["prism"])
     assert result.saving("prism", "static-partition") == -2  # counted against the baseline's best
     assert result.as_dict()["policies"]["static-partition"]["confirmed"] == 0
+    # both of its packings were searched; the one that needs fewer devices answers, and is written
+    assert base.variant == {"packing": "demand"}
+    assert base.variants == [({"packing": "demand"}, 3), ({"packing": "memory"}, 4)]
+    assert result.provisioned["static-partition"]["packing"] == "demand"
+    assert "rates" in result.provisioned["static-partition"] and result.provisioned["prism"] == {}
 
 
 def test_a_static_partition_answer_is_written_with_the_rates_it_was_planned_for() -> None:

@@ -173,6 +173,10 @@ class PolicyPlan:
     # counts above the answer that had to pass too: the plan's ``confirm``, or 0 for a baseline that
     # may keep its assignment for fewer devices on more (Policy.keeps_fewer_devices)
     confirmed: int = 0
+    # the knobs of the policy's own variant that gave the answer (Policy.plan_variants), and every
+    # variant tried with its answer when there were several
+    variant: dict = field(default_factory=dict)
+    variants: list[tuple[dict, int | None]] = field(default_factory=list)
 
     @property
     def answer(self) -> dict | None:
@@ -232,6 +236,8 @@ class Plan:
                 },
                 "sweep_from": p.sweep_from,
                 "confirmed": p.confirmed,
+                "variant": p.variant,
+                "variants": [{"knobs": v, "devices": n} for v, n in p.variants],
                 "points": {str(n): pt for n, pt in sorted(p.points.items())},
             }
         return out
@@ -474,10 +480,31 @@ def plan(
     with ProcessPoolExecutor(workers) if workers > 1 else _InProcess() as pool:
 
         def search(pp: PolicyPlan) -> None:
+            given = base.knobs if config is not None or pp.policy == deployment.policy else ()
+            set_by_user = {k for k, _ in given}
+            # the policy's own ways of placing that an operator would try (a baseline's packings);
+            # one the user's knobs fix is not tried
+            variants = [v for v in REGISTERED[pp.policy].plan_variants() if not set_by_user & set(v)] or [{}]
+            tried = []
+            for variant in variants:
+                trial = PolicyPlan(pp.policy, None, sweep_from=pp.sweep_from, variant=dict(variant))
+                sweep(trial, given + tuple(sorted(variant.items())))
+                tried.append(trial)
+            best = min(tried, key=lambda t: (t.devices is None, t.devices or 0))  # the first of a tie
+            pp.devices, pp.points, pp.confirmed, pp.variant = (
+                best.devices,
+                best.points,
+                best.confirmed,
+                best.variant,
+            )
+            if len(tried) > 1:
+                pp.variants = [(t.variant, t.devices) for t in tried]
+
+        def sweep(pp: PolicyPlan, knobs: tuple) -> None:
             searched = dataclasses.replace(
                 base,
                 policy=pp.policy,
-                knobs=base.knobs if config is not None or pp.policy == deployment.policy else (),
+                knobs=knobs,
                 stop_after_ttft_misses=budget if metric == "ttft" else None,
             )
 
@@ -516,7 +543,7 @@ def plan(
     return Plan(
         hw, target, metric, bound, out, high, len(workload),
         span_s if span_s is not None else float(workload.timestamps[-1]), price_per_device_hour,
-        {p: REGISTERED[p].provisioned_knobs(rates) for p in policies},
+        {p: {**REGISTERED[p].provisioned_knobs(rates), **out[p].variant} for p in policies},
     )  # fmt: skip
 
 

@@ -101,6 +101,13 @@ class Policy:
         return f"{type(self).__name__}({self.knobs!r})"
 
     @classmethod
+    def plan_variants(cls) -> tuple[dict, ...]:
+        """The policy's own ways of placing that an operator sizing it would try: ``prism plan``
+        searches each (knobs over the run's) and answers with the one that needs fewest devices.
+        One, the knobs as given, by default."""
+        return ({},)
+
+    @classmethod
     def provisioned_knobs(cls, rates: Mapping[str, float]) -> dict:
         """The knobs an operator provisioning this policy by hand would set from the expected
         traffic (``rates``: requests/s per model); the simulator (and so ``prism plan``) gives them

@@ -6,13 +6,20 @@ once per model, as an operator provisioning it by hand would do it:
 
 - with the expected traffic (``rates``: requests/s per model, the forecast the operator sizes the
   partition for; the simulator and ``prism plan`` give each model's mean rate over the traffic):
-  rate-balanced bin packing. Each model's expected compute (its rate times its busy seconds per
-  request, ``ModelSnapshot.busy``) goes to the device(s) with the least expected compute among
-  those whose memory left after weights still holds its weights and the minimum KV slice; the
-  packing is tried in ``restarts`` orders (heaviest compute first, largest weights first, then
-  seeded shuffles) and the one that places the most models with the lowest busiest device is kept;
-- without it: largest weights first, each part on the device with the most memory left after
-  weights (worst fit, so slices are as large as they can be).
+  packing by expected demand. A model's demand on a device is its compute (busy fraction at its
+  rate, ``ModelSnapshot.busy``) and its KV (what its requests hold at once by Little's law, over the
+  memory the device has left after weights); a device's demand is the larger of the two sums. Each
+  model goes to the device(s) where that comes out lowest among those whose memory still holds its
+  weights and the minimum KV slice, in ``restarts`` orders (heaviest compute first, heaviest KV
+  first, largest weights first, then seeded shuffles); the packing kept is the one that places
+  the most models with the lowest demand on the most demanded device, the worst fit by memory
+  (below) included among the candidates;
+- without it, or with ``packing: memory``: largest weights first, each part on the device with
+  the most memory left after weights (worst fit, so slices are as large as they can be).
+
+Which packing needs fewer devices depends on the traffic (the demand estimate is a mean; bursts and
+long prompts favour large slices): ``prism plan`` searches both (``plan_variants``) and answers with
+the better, as an operator with a simulator would.
 
 Every device's memory left after weights is split among its models in proportion to ``shares`` (1.0
 for a model not listed) and enforced by ``SetKVQuota``. Admission is arrival order per engine
@@ -47,6 +54,8 @@ class StaticPartitionKnobs(Knobs):
     # (model, expected requests/s): the traffic the partition is sized for; () places by memory alone
     rates: tuple[tuple[str, float], ...] = ()
     restarts: int = 8  # packing orders tried when rates are given
+    # "demand": with rates, pack by expected compute and KV; "memory": worst fit by memory always
+    packing: str = "demand"
 
     def __post_init__(self) -> None:
         require(all(s > 0 for _, s in self.shares), "every share must be > 0")
@@ -54,6 +63,7 @@ class StaticPartitionKnobs(Knobs):
         require(all(r >= 0 for _, r in self.rates), "every rate must be >= 0")
         require(len({m for m, _ in self.rates}) == len(self.rates), "a model is listed twice in rates")
         require(self.restarts >= 1, "restarts must be >= 1")
+        require(self.packing in ("demand", "memory"), "packing must be 'demand' or 'memory'")
         self._check_shared()
 
 
@@ -65,6 +75,10 @@ class StaticPartitionPolicy(Policy):
 
     def new_queue(self, device: str) -> RequestQueue:
         return FifoQueue(device, reserve_tokens=self.knobs.reserve_tokens)
+
+    @classmethod
+    def plan_variants(cls) -> tuple[dict, ...]:
+        return ({"packing": "demand"}, {"packing": "memory"})  # which packs better is the traffic's
 
     @classmethod
     def provisioned_knobs(cls, rates: Mapping[str, float]) -> dict:
@@ -80,14 +94,8 @@ class StaticPartitionPolicy(Policy):
         new = [m for m in cluster.models.values() if not m.resident]
         if not new:
             return []
-        if k.rates:
-            expected = dict(k.rates)
-            load = {
-                m.model: dataclasses.replace(m, rate=expected.get(m.model, 0.0)).busy
-                for m in cluster.models.values()
-            }
-            busy = {d: sum(load[m] for m in dev.models) for d, dev in cluster.devices.items()}
-            placed = self._balanced(cluster, new, load, busy, left)
+        if k.rates and k.packing == "demand":
+            placed = self._balanced(cluster, new, dict(k.rates), left)
         else:
             placed = self._worst_fit(cluster, new, left)
         actions: list[Action] = []
@@ -139,16 +147,48 @@ class StaticPartitionPolicy(Policy):
         self,
         cluster: ClusterSnapshot,
         new: list[ModelSnapshot],
-        load: dict[str, float],
-        busy: dict[str, float],
+        rates: dict[str, float],
         left: dict[str, int],
     ) -> list[tuple[str, tuple[str, ...]]]:
-        """The best of ``restarts`` greedy packings: most models placed, then the lowest busiest
-        device, then the most memory left on the fullest device."""
+        """The best of ``restarts`` greedy packings by expected demand, and of the worst fit by
+        memory: most models placed, then the lowest demand on the most demanded device.
+
+        A model's demand on each device it is placed on has two parts, each a fraction of what the
+        device has: compute (its busy fraction at its expected rate, ``ModelSnapshot.busy``) and KV
+        memory (the KV its requests hold at once by Little's law, rate x service time x mean tokens
+        held, over the memory its device has left after weights). A device's demand is the larger of
+        its models' summed compute and summed KV; each greedy step puts the model where that comes
+        out lowest."""
+        compute: dict[str, float] = {}
+        kv: dict[str, float] = {}
+        for m in cluster.models.values():
+            at = dataclasses.replace(m, rate=rates.get(m.model, 0.0))
+            prof = at.profile
+            compute[m.model] = at.busy
+            held = prof.mean_prompt_tokens + prof.mean_output_tokens / 2
+            kv[m.model] = at.rate * prof.service_s * held * m.kv_bytes_per_token / m.tp_size
+        work = {d: sum(compute[m] for m in dev.models) for d, dev in cluster.devices.items()}
+        kv_on = {d: sum(kv[m] for m in dev.models) for d, dev in cluster.devices.items()}
         order = {d: i for i, d in enumerate(cluster.devices)}
+
+        def demand(busy: float, bytes_: float, room: int) -> float:
+            return max(busy, bytes_ / max(room, 1))
+
+        def score(out: list[tuple[str, tuple[str, ...]]]) -> tuple[int, float]:
+            room, busy, held = dict(left), dict(work), dict(kv_on)
+            for name, devices in out:
+                m = cluster.models[name]
+                for d in devices:
+                    room[d] -= m.part_weight_bytes
+                    busy[d] += compute[name]
+                    held[d] += kv[name]
+            worst = max((demand(busy[d], held[d], room[d]) for d in cluster.devices), default=0.0)
+            return -len(out), worst
+
         orders = [
-            sorted(new, key=lambda m: (-load[m.model] * m.tp_size, -m.part_weight_bytes, m.model)),
-            sorted(new, key=lambda m: (-m.part_weight_bytes, -load[m.model], m.model)),
+            sorted(new, key=lambda m: (-compute[m.model] * m.tp_size, -m.part_weight_bytes, m.model)),
+            sorted(new, key=lambda m: (-kv[m.model] * m.tp_size, -m.part_weight_bytes, m.model)),
+            sorted(new, key=lambda m: (-m.part_weight_bytes, -compute[m.model], m.model)),
         ]
         rng = random.Random(0)  # the same snapshot gives the same packing (the simulator's parity)
         base = sorted(new, key=lambda m: m.model)
@@ -156,23 +196,32 @@ class StaticPartitionPolicy(Policy):
             shuffled = list(base)
             rng.shuffle(shuffled)
             orders.append(shuffled)
-        best, best_key = [], None
+        best = self._worst_fit(cluster, new, left)
+        best_key = score(best)
         for ranked in orders[: self.knobs.restarts]:
-            room, work, out = dict(left), dict(busy), []
+            room, busy, held, out = dict(left), dict(work), dict(kv_on), []
             for m in ranked:
                 fits = self._fits(cluster, room, m)
                 if len(fits) < m.tp_size:
                     continue
-                fits.sort(key=lambda d: (work[d], -room[d], order[d]))
+                w = m.part_weight_bytes
+                fits.sort(
+                    key=lambda d: (
+                        demand(busy[d] + compute[m.model], held[d] + kv[m.model], room[d] - w),
+                        -room[d],
+                        order[d],
+                    )
+                )
                 group = on_one_node(fits, m.tp_size, str)
                 if group is None:
                     continue
                 for d in group:
-                    room[d] -= m.part_weight_bytes
-                    work[d] += load[m.model]
+                    room[d] -= w
+                    busy[d] += compute[m.model]
+                    held[d] += kv[m.model]
                 out.append((m.model, tuple(group)))
-            key = (-len(out), max(work.values(), default=0.0), -min(room.values(), default=0))
-            if best_key is None or key < best_key:
+            key = score(out)
+            if key < best_key:
                 best, best_key = out, key
         return best
 
