@@ -200,6 +200,9 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         out.update(
             find_gpus=args.find_gpus, metric=args.metric, lower_bound=bound.as_dict(), gpus_needed=needed,
             ratio_to_bound=ratios, points=points,
+            variants={
+                p: [{"knobs": v, "devices": n} for v, n in pp.variants] for p, pp in found.policies.items()
+            },
         )  # fmt: skip
         for p, n in needed.items():
             # no answer within --gpus: the policy needs more than that, so its ratio is above this one
