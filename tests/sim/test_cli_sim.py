@@ -53,7 +53,8 @@ def test_sim_rejects_a_sweep_without_values(capsys):
 
 def test_find_gpus_is_the_planners_sweep(tmp_path, capsys):
     """`prism sim --find-gpus` searches as `prism plan` does: every count from the floor up is
-    simulated, and the answer passes with the two counts above it."""
+    simulated, and a baseline's answer is its first passing count (it could keep that assignment
+    on more devices); prism's passes with the two counts above it too (tests/sim/test_plan.py)."""
     from prism_serve.sim.deployment import get_setup
     from prism_serve.workload import write_jsonl
 
@@ -68,9 +69,9 @@ def test_find_gpus_is_the_planners_sweep(tmp_path, capsys):
     # dedicated gives each model its own device and refuses the requests of the rest: 8 for 8 models
     assert n == 8
     tried = {p["num_devices"]: p["ttft_attainment"] for p in body["points"]}
-    assert set(tried) == set(range(min(tried), n + 3)), "a sweep, not a bisection"
+    assert set(range(min(tried), n + 1)) <= set(tried), "a sweep, not a bisection"
     assert all(a < 0.99 for k, a in tried.items() if k < n)
-    assert all(tried[k] >= 0.99 for k in (n, n + 1, n + 2))
+    assert tried[n] >= 0.99 and max(tried) <= n + 1  # no confirming counts (one more: a batch of two)
     assert "dedicated: 8 GPUs" in capsys.readouterr().out
 
 

@@ -29,7 +29,6 @@ for a model not listed) and enforced by ``SetKVQuota``. Admission is arrival ord
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -190,12 +189,9 @@ class StaticPartitionPolicy(Policy):
             sorted(new, key=lambda m: (-kv[m.model] * m.tp_size, -m.part_weight_bytes, m.model)),
             sorted(new, key=lambda m: (-m.part_weight_bytes, -compute[m.model], m.model)),
         ]
-        rng = random.Random(0)  # the same snapshot gives the same packing (the simulator's parity)
         base = sorted(new, key=lambda m: m.model)
         while len(orders) < self.knobs.restarts:
-            shuffled = list(base)
-            rng.shuffle(shuffled)
-            orders.append(shuffled)
+            orders.append(_shuffled(base, len(orders)))
         best = self._worst_fit(cluster, new, left)
         best_key = score(best)
         for ranked in orders[: self.knobs.restarts]:
@@ -233,3 +229,14 @@ class StaticPartitionPolicy(Policy):
             defer="{m.model} gets its partition at the next placement tick",
             refuse="no device has a partition left for {m.model}",
         )
+
+
+def _shuffled(items: list, seed: int) -> list:
+    """``items`` in an order that depends on ``seed`` alone (Fisher-Yates over a 64-bit LCG): the
+    same snapshot gives the same packing, live and simulated, and control/ takes no randomness."""
+    out, x = list(items), seed
+    for i in range(len(out) - 1, 0, -1):
+        x = (x * 6364136223846793005 + 1442695040888963407) % 2**64
+        j = (x >> 33) % (i + 1)
+        out[i], out[j] = out[j], out[i]
+    return out
