@@ -173,14 +173,8 @@ class StaticPartitionPolicy(Policy):
         def demand(busy: float, bytes_: float, room: int) -> float:
             return max(busy, bytes_ / max(room, 1))
 
-        def score(out: list[tuple[str, tuple[str, ...]]]) -> tuple[int, float]:
-            room, busy, held = dict(left), dict(work), dict(kv_on)
-            for name, devices in out:
-                m = cluster.models[name]
-                for d in devices:
-                    room[d] -= m.part_weight_bytes
-                    busy[d] += compute[name]
-                    held[d] += kv[name]
+        def score(out: list, room: dict[str, int], busy: dict[str, float], held: dict[str, float]):
+            """A packing's key, from the devices' state after it: fewest unplaced, then lowest peak."""
             worst = max((demand(busy[d], held[d], room[d]) for d in cluster.devices), default=0.0)
             return -len(out), worst
 
@@ -193,7 +187,13 @@ class StaticPartitionPolicy(Policy):
         while len(orders) < self.knobs.restarts:
             orders.append(_shuffled(base, len(orders)))
         best = self._worst_fit(cluster, new, left)
-        best_key = score(best)
+        room, busy, held = dict(left), dict(work), dict(kv_on)
+        for name, devices in best:
+            for d in devices:
+                room[d] -= cluster.models[name].part_weight_bytes
+                busy[d] += compute[name]
+                held[d] += kv[name]
+        best_key = score(best, room, busy, held)
         for ranked in orders[: self.knobs.restarts]:
             room, busy, held, out = dict(left), dict(work), dict(kv_on), []
             for m in ranked:
@@ -216,7 +216,7 @@ class StaticPartitionPolicy(Policy):
                     busy[d] += compute[m.model]
                     held[d] += kv[m.model]
                 out.append((m.model, tuple(group)))
-            key = score(out)
+            key = score(out, room, busy, held)  # the state this packing left
             if key < best_key:
                 best, best_key = out, key
         return best
