@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Container
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -262,6 +263,11 @@ class PolicyConfig(_Strict):
     name: str = "prism"
     knobs: dict[str, Any] = Field(default_factory=dict)
     tick_interval_s: float = Field(0.5, gt=0)
+    placement_thread: bool = Field(
+        True,
+        description="decide each tick's placement on a thread of its own, off the event loop that "
+        "serves the token streams (runtime/controller.py); false: on the event loop",
+    )
     activation_timeout_s: float = Field(60.0, gt=0)
     spare_pages: bool = Field(
         True,
@@ -424,11 +430,16 @@ class DeploymentConfig(_Strict):
     def adapters(self) -> list[ModelConfig]:
         return [m for m in self.models if m.is_adapter]
 
-    def max_loras(self, model: ModelConfig) -> int:
-        """Adapter slots of a base: its max_loras, else 8 if the config gives it adapters, else 0."""
+    def adapter_bases(self) -> set[str]:
+        """The models the config gives adapters."""
+        return {a.base for a in self.adapters() if a.base is not None}
+
+    def max_loras(self, model: ModelConfig, bases: Container[str] | None = None) -> int:
+        """Adapter slots of a base: its max_loras, else 8 if the config gives it adapters, else 0.
+        ``bases``: ``adapter_bases()``, for a caller asking of every model."""
         if model.max_loras is not None:
             return model.max_loras
-        return 8 if any(a.base == model.name for a in self.adapters()) else 0
+        return 8 if model.name in (self.adapter_bases() if bases is None else bases) else 0
 
     def with_overrides(
         self,

@@ -92,6 +92,8 @@ def test_shared_weights_load_once(rt: Runtime) -> None:
     a, b = rt.c.cache.get("smol"), rt.c.cache.get("smol-b")
     assert a.path == b.path and Path(a.path).stat().st_size == a.weight_bytes
     assert rt.c.cache.total_bytes == a.weight_bytes
+    # and one tokenizer (built once: a fifth of a second and megabytes each, at thousands of models)
+    assert rt.c.models["smol"].tokenizer is rt.c.models["smol-b"].tokenizer
 
 
 def test_two_models_stream_at_once_on_two_devices(rt: Runtime) -> None:

@@ -57,7 +57,8 @@ def model_specs(config: DeploymentConfig) -> list[ModelSpec]:
     holds one copy per model, so a deployment that mixes CPUs and GPUs resolves it for the CPUs)."""
     devices = device_specs(config)
     kind = "cuda" if devices and all(d.is_cuda for d in devices) else "cpu"
-    return [model_spec(m, kind, config.max_loras(m)) for m in config.served_models()]
+    bases = config.adapter_bases()
+    return [model_spec(m, kind, config.max_loras(m, bases)) for m in config.served_models()]
 
 
 def vllm_python(config: DeploymentConfig) -> str | None:

@@ -68,11 +68,14 @@ def sim_deployment(config: DeploymentConfig, gpu: bool = True) -> SimDeployment:
     profile, where ``dtype: auto`` is bf16; else a CPU profile, where it is what this machine
     runs fast)."""
     models, slos, warnings, aliases = [], {}, [], {}
+    by_base: dict[str, list[ModelConfig]] = {}
+    for a in config.adapters():
+        by_base.setdefault(a.base or "", []).append(a)
     for m in config.served_models():
         dtype = resolve_dtype(m.dtype, "cuda" if gpu else "cpu")
         shape = shape_of(m.name, m.source, _DTYPE_BYTES[dtype])
-        adapters = [a for a in config.adapters() if a.base == m.name]
-        slots = config.max_loras(m)
+        adapters = by_base.get(m.name, [])
+        slots = config.max_loras(m, by_base)
         if slots:
             params = [_adapter_params(shape.config, a, m.max_lora_rank, warnings) for a in adapters]
             shape = dataclasses.replace(
