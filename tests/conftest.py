@@ -13,6 +13,10 @@ from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
 from prism_serve.engine.weights import LoadedWeights, load_weights, save_hf_dir
 from tests.workload.trace_data import TraceSet, find_traces
 
+# every cluster snapshot the runtime builds from what changed is compared with a fresh build (in
+# this process and in the servers the tests start, which inherit it): runtime/state.py Snapshots
+os.environ.setdefault("PRISM_CHECK_SNAPSHOTS", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

@@ -630,3 +630,60 @@ def test_a_tick_marks_stale_only_what_time_moved():
             assert marked == set()
         else:  # 300 s: the next forecast window
             assert marked == {"a", "b", "c"}
+
+
+# ---- a tick decided off the body's loop (begin_tick, decide, end_tick) ----------------------------
+
+
+def test_a_placement_decided_apart_applies_when_nothing_it_acts_on_moved():
+    loop, body, pol = make(devices={"d0": 8.0, "d1": 8.0})
+    run = loop.begin_tick(0.0)
+    pol.next_place = [Activate("a", ("d0",))]
+    actions = loop.decide(run)
+    r = req(1, "b")
+    pol.next_request = [Activate("b", ("d1",)), Enqueue(r, "d1")]
+    loop.arrival(r, 0.1)  # b activates on demand on d1, a device the plan does not name
+    assert body.models["b"].placement == ("d1",)
+    assert loop.end_tick(run, actions, 0.2)
+    assert body.models["a"].state is ModelState.ACTIVATING and body.models["a"].placement == ("d0",)
+    assert loop.counters["placements_redone"] == 0
+
+
+def test_a_placement_is_not_applied_when_its_device_took_an_activation_meanwhile():
+    """The plan counted d0's memory as it was; an activation there since may have taken it."""
+    loop, body, pol = make(models={"a": 6.0, "b": 6.0}, devices={"d0": 8.0})
+    run = loop.begin_tick(0.0)
+    pol.next_place = [Activate("a", ("d0",))]
+    actions = loop.decide(run)
+    loop.arrival(req(1, "b"), 0.1)
+    assert body.models["b"].placement == ("d0",)
+    assert not loop.end_tick(run, actions, 0.2)
+    assert body.models["a"].state is ModelState.EVICTED  # nothing applied
+    assert loop.counters["placements_redone"] == 1
+    assert loop.end_tick(loop.begin_tick(0.3), [], 0.3)  # decided again on what is there now
+
+
+def test_a_placement_does_not_evict_a_model_that_got_work_while_it_was_decided():
+    loop, body, _ = make()
+    loop.arrival(req(1, "a"), 0.0)
+    body.activated("a", 0.5)
+    body.finish("r1", 1.0)
+    run = loop.begin_tick(2.0)
+    assert run.cluster.models["a"].num_running == 0 and run.cluster.models["a"].num_queued == 0
+    actions = [Evict("a")]
+    loop.arrival(req(2, "a", 2.1), 2.1)  # idle when the plan saw it; running now
+    assert not loop.end_tick(run, actions, 2.2)
+    assert body.models["a"].state is ModelState.ACTIVE and "r2" in body.models["a"].running
+
+
+def test_a_place_later_body_gets_the_placement_after_an_activation():
+    calls = []
+    body = FakeBody({"a": 1.0}, {"d0": 8.0})
+    pol = Scripted("prism")
+    body.loop = loop = ControlLoop(pol, ["d0"], body, body.models, 0.0, place_later=lambda: calls.append(1))
+    loop.arrival(req(1, "a"), 0.0)
+    pol.next_place = [Evict("a")]  # would be applied were the loop to place there and then
+    body.activated("a", 0.5)
+    assert calls == [1]
+    assert pol.next_place is not None  # place() was not called
+    assert body.log[-1] == ("dispatch", "r1", "d0")  # and admission ran

@@ -18,6 +18,15 @@ Events in (each a method; ``now`` on the caller's clock):
 - ``abort``: a request not yet on an engine goes away.
 - ``worker_died``: the model's engine is gone; its queued requests are routed again.
 
+A tick's placement comes apart for a body that decides it off its event loop (the live runtime,
+where a tick over thousands of models would hold up every token stream): ``begin_tick`` takes the
+snapshot on the loop, ``decide`` runs ``policy.place`` on it (it reads nothing of the loop, so any
+thread may run it), and ``end_tick`` applies the actions back on the loop, unless what they act on
+moved meanwhile (``PlacementRun``): then it applies nothing and the body decides again. ``tick``
+does all three at once (the simulator, where no time passes while a policy decides). A body given
+``place_later`` gets the placement that follows an activation handed to it to run that way
+(several finishing activations then share one), instead of the loop placing there and then.
+
 The loop owns the per-device queues, the backlog of deferred requests, where every request is, the
 per-model count of waiting requests, the rate estimator and the seasonal forecaster. Everything else
 (residency, engines, memory) is the body's, and the body builds the snapshots from it and from the
@@ -58,8 +67,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from prism_serve.control.eviction import keep_alive_expired
@@ -88,7 +97,7 @@ from prism_serve.control.types import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINE", "RATE_WINDOW_S", "Body", "ControlLoop", "LoopStateError"]
+__all__ = ["ENGINE", "RATE_WINDOW_S", "Body", "ControlLoop", "LoopStateError", "PlacementRun"]
 
 ENGINE = "\0engine"  # where a dispatched request is (no device can have this name)
 _NEW = "\0new"
@@ -128,6 +137,18 @@ class Body(Protocol):
         """Cap ``model``'s KV bytes on ``device`` (None: no cap)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PlacementRun:
+    """One tick's placement while it is decided (``ControlLoop.begin_tick``): the snapshot the policy
+    places on, its time, and the loop's residency versions when it was taken, by which ``end_tick``
+    tells whether the actions still apply."""
+
+    cluster: ClusterSnapshot
+    now: float
+    version: int  # the loop's: bumped when the device set changes, a worker dies or an activation fails
+    devices: Mapping[str, int]  # per device: bumped when a model starts or finishes activating there
+
+
 # Seconds of arrivals a model's request rate is measured over (RateEstimator): the live
 # controller's and the simulator's default.
 RATE_WINDOW_S = 60.0
@@ -144,9 +165,14 @@ class ControlLoop:
         *,
         rate_window_s: float = RATE_WINDOW_S,
         forecast_window_s: float = 300.0,
+        place_later: Callable[[], None] | None = None,
     ) -> None:
         self.policy = policy
         self.body = body
+        self.place_later = place_later
+        # residency versions (PlacementRun): the loop's, and each device's
+        self.version = 0
+        self.device_versions: Counter[str] = Counter()
         self.rates = RateEstimator(rate_window_s)
         self.forecast = SeasonalForecaster(forecast_window_s)
         self.queues: dict[str, RequestQueue] = {d: policy.new_queue(d) for d in devices}
@@ -194,6 +220,12 @@ class ControlLoop:
         self._admit_changed(now)
 
     def tick(self, now: float) -> None:
+        run = self.begin_tick(now)
+        self.end_tick(run, self.decide(run), now)
+
+    def begin_tick(self, now: float) -> PlacementRun:
+        """A tick's first part, on the body's loop: the models' own keep-alive evictions, then the
+        snapshot to place on."""
         self._mark_moved(now)
         cluster = self.body.cluster(now)
         expired = keep_alive_expired(cluster, now)
@@ -205,7 +237,21 @@ class ControlLoop:
                 if cluster.models[m].replica_of is None:
                     self.hold(m)
             cluster = self.body.cluster(now)
-        self._place(cluster, now)
+        return PlacementRun(cluster, now, self.version, dict(self.device_versions))
+
+    def decide(self, run: PlacementRun) -> list:
+        """``policy.place`` on the run's snapshot. A policy holds only its knobs and the snapshot
+        is a value, so this reads nothing that the loop changes: any thread may run it."""
+        return list(self.policy.place(run.cluster, run.now))
+
+    def end_tick(self, run: PlacementRun, actions: Sequence, now: float) -> bool:
+        """A tick's last part, on the body's loop: ``actions`` (``decide``'s for ``run``) applied,
+        deferred requests routed again, every device with a queue admits. False, with nothing done,
+        when the actions no longer apply (``_still_applies``): the body decides again."""
+        if not self._still_applies(run, actions):
+            self.counters["placements_redone"] += 1
+            return False
+        self._apply_placement(run.cluster, actions, now)
         pending, self.backlog = list(self.backlog.values()), {}
         for i, request in enumerate(pending):
             try:
@@ -216,6 +262,37 @@ class ControlLoop:
                 raise
         self._to_admit.update(d for d, q in self.queues.items() if len(q))
         self._admit_changed(now)
+        return True
+
+    def _still_applies(self, run: PlacementRun, actions: Sequence) -> bool:
+        """Whether ``actions``, decided on ``run``'s snapshot, still act on what it showed: no device
+        joined or left, no worker died and no activation failed since, no model started or finished
+        activating on a device they name (an eviction only frees memory, which leaves a plan
+        feasible), every model they name is in the state it showed, and none that it showed idle
+        has requests now. (What else moved, a queue or a rate, moves between any two ticks; the
+        next one sees it.)"""
+        if run.version != self.version:
+            return False
+        versions, seen = self.device_versions, run.devices
+        models = run.cluster.models
+        for a in actions:
+            name = getattr(a, "model", None)
+            snap = models.get(name) if name is not None else None
+            if snap is None:
+                return False
+            touched = [*snap.placement, *getattr(a, "devices", ()), *getattr(a, "dst", ())]
+            if any(versions[d] != seen.get(d, 0) for d in touched):
+                return False
+            state, running = self.body.model_state(name)
+            if state is not snap.state:
+                return False
+            if not (snap.num_running or snap.num_queued) and (running or self.num_queued[name]):
+                return False  # decided for an idle model (to evict or move it) that has work now
+        return True
+
+    def _touch(self, devices: Iterable[str]) -> None:
+        for d in devices:
+            self.device_versions[d] += 1
 
     def _mark_moved(self, now: float) -> None:
         """Mark stale what time alone moved since the last tick: the rates with arrivals in their
@@ -232,12 +309,16 @@ class ControlLoop:
     def activation_done(self, model: str, device: str, now: float) -> None:
         self.stale_models[model] = None
         self._to_admit.add(device)
+        self._touch((device,))
         # the contract's "place() right after a model finishes activating" (it may move it again)
-        self._place(self.body.cluster(now), now)
+        if self.place_later is not None:
+            self.place_later()
+        else:
+            cluster = self.body.cluster(now)
+            self._apply_placement(cluster, self.policy.place(cluster, now), now)
         self._admit_changed(now)
 
-    def _place(self, cluster: ClusterSnapshot, now: float) -> None:
-        actions = self.policy.place(cluster, now)
+    def _apply_placement(self, cluster: ClusterSnapshot, actions: Sequence, now: float) -> None:
         if logger.isEnabledFor(logging.INFO):
             _log_moves(actions, cluster)
         self._apply(actions, now)
@@ -248,6 +329,7 @@ class ControlLoop:
         to activate, and the body fails none of them."""
         out = [r for r in self.requests.values() if r.model == model and self.where[r.req_id] != ENGINE]
         self.stale_models[model] = None
+        self.version += 1
         self.prefixes.forget(model)
         snap = self.body.cluster(now).models.get(model)
         replica = snap is not None and snap.replica_of is not None
@@ -281,6 +363,7 @@ class ControlLoop:
         if device not in self.queues:
             self.queues[device] = self.policy.new_queue(device)
             self.stale_devices.add(device)
+            self.version += 1
 
     def remove_device(self, device: str, now: float) -> None:
         """A device left (its node died). The body has already dropped it and its models from the
@@ -288,6 +371,7 @@ class ControlLoop:
         q = self.queues.pop(device, None)
         if q is None:
             return
+        self.version += 1
         for r in q.requests():
             q.cancel(r.req_id)
             self._set_where(r, _NEW)
@@ -311,6 +395,7 @@ class ControlLoop:
 
     def worker_died(self, model: str, now: float) -> None:
         self.stale_models[model] = None
+        self.version += 1
         self.prefixes.forget(model)
         for request in self._take_queued(model):
             self._reroute.append(request)
@@ -453,6 +538,7 @@ class ControlLoop:
                     else:
                         self.prewarmed.add(model)  # ahead of any request (the forecast)
                     body.activate(model, devices, now)
+                    self._touch(devices)
                     self._displaced_by_activation(model, devices[0])
                 case Evict(model=model):
                     self.prewarmed.discard(model)
@@ -523,6 +609,7 @@ class ControlLoop:
         self.prefixes.forget(model)
         self._evicted(model, self.body.evict(model, now))
         self.body.activate(model, dst, now)
+        self._touch(dst)
         for r in moving:
             self.queues[dst[0]].push(r)
             self._set_where(r, dst[0])

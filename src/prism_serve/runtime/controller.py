@@ -14,14 +14,25 @@ leaving) and carries out the effects the loop asks for through the part that own
 - ``HostWeightCache`` (weight_cache.py): every model's weights in shared memory, read once.
 
 Everything runs on one asyncio loop, so the state needs no locks; workers are separate processes.
+One thing leaves the loop: a tick's ``policy.place``, which over thousands of models takes long
+enough to hold up every token stream. It runs on the controller's placement thread, on a snapshot
+taken on the loop (a value: nothing the loop changes), and its actions are applied back on the loop
+unless what they act on moved meanwhile, when it is decided again (control/loop.py
+``PlacementRun``); the placement after an activation runs the same way, and activations finishing
+while one is decided share the next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from prism_serve.config import PolicyConfig
 from prism_serve.control import (
@@ -48,13 +59,18 @@ from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.models import ModelSpec, ModelTooLargeError, UnknownModelError
 from prism_serve.runtime.nodes import NodeSet
 from prism_serve.runtime.requests import Requests
-from prism_serve.runtime.state import ModelStatus, ModelTable, cluster_snapshot
+from prism_serve.runtime.state import ModelStatus, ModelTable, Snapshots
 from prism_serve.runtime.weight_cache import HostWeightCache, config_from_dict
 from prism_serve.runtime.workers import WorkerHandle, WorkerPool
 
 __all__ = ["Controller"]
 
 logger = logging.getLogger(__name__)
+
+# placements decided off the loop that may find their actions moved under them before one is
+# decided on the loop (where nothing moves while it is)
+_OFF_LOOP_TRIES = 3
+_SWITCH_INTERVAL_S = 0.001
 
 
 class Controller:
@@ -84,7 +100,18 @@ class Controller:
         if not self.devices or not self.specs:
             raise ValueError("need at least one device and one model")
         self.cache = HostWeightCache(namespace, kept_prefix_bytes=self.settings.kept_prefix_bytes)
-        self.loop = ControlLoop(self.policy, list(self.devices), self, self.models.names(), self._now())
+        self.loop = ControlLoop(
+            self.policy, list(self.devices), self, self.models.names(), self._now(),
+            place_later=self._want_placement if self.settings.placement_thread else None,
+        )  # fmt: skip
+        self._placer = ThreadPoolExecutor(1, thread_name_prefix="prism-placement")
+        # each snapshot the last one with what changed rebuilt; PRISM_CHECK_SNAPSHOTS=1 (the tests)
+        # compares every one with a fresh build
+        self.snapshots = Snapshots(
+            self.models, self.devices, self.nodes.ledgers, self.loop,
+            check=os.environ.get("PRISM_CHECK_SNAPSHOTS") == "1",
+        )  # fmt: skip
+        self._placement_wanted: asyncio.Event | None = None  # made on the serving loop (start)
         self.pool = WorkerPool(
             list(self.devices.values()),
             on_message=self._on_message,
@@ -141,6 +168,16 @@ class Controller:
             spare_bytes=max(builtin, default=0) if self.settings.spare_pages else 0,
             prepare=self.activator.prepare_message if self.settings.prepare_workers else None,
         )
+        self._placement_wanted = asyncio.Event()
+        if self.settings.placement_thread:
+            # a placement holds the GIL while it decides; the loop waits at most this long for it
+            # when a token arrives (Python's default is 5 ms)
+            sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
+        # what start-up made (the model table, tokenizers, modules) lives as long as the server:
+        # out of the cyclic collector's reach, whose full passes would otherwise walk all of it
+        # (a quarter of a second at 10,000 models) on whichever thread allocates, the loop too
+        gc.collect()
+        gc.freeze()
         self._tick_task = asyncio.create_task(self._tick_loop())
         self._running = True
         for spec in self.specs.values():  # pinned models, where the policy's on-demand rule puts them
@@ -152,6 +189,7 @@ class Controller:
 
     async def stop(self) -> None:
         self._running = False
+        gc.unfreeze()  # (start) collectable again, as at the interpreter's exit its extensions expect
         if self._tick_task is not None:
             self._tick_task.cancel()
             await asyncio.gather(self._tick_task, return_exceptions=True)
@@ -162,6 +200,7 @@ class Controller:
             await self.nodes.ray.stop()
         self.nodes.close()
         self.cache.close()
+        self._placer.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> Controller:
         await self.start()
@@ -195,8 +234,7 @@ class Controller:
 
     def snapshot(self, now: float | None = None) -> ClusterSnapshot:
         """Every model, device and engine as the policies see them now."""
-        now = self._now() if now is None else now
-        return cluster_snapshot(self.models, self.devices, self.nodes.ledgers, self.loop, now)
+        return self.snapshots.cluster(self._now() if now is None else now)
 
     def status(self) -> list[ModelStatus]:
         """One status per served model, its replicas inside."""
@@ -311,14 +349,39 @@ class Controller:
         self.activator.set_kv_quota(self.models.entry(model), quota_bytes)
 
     def tick(self) -> None:
-        """One placement tick: ``policy.place``, deferred requests resubmitted, every device admits."""
+        """One placement tick, all on the loop: ``policy.place``, deferred requests resubmitted,
+        every device admits."""
         self.loop.tick(self._now())
 
+    async def tick_off_loop(self) -> None:
+        """One placement tick with ``policy.place`` on the placement thread (module docstring); on
+        the loop after ``_OFF_LOOP_TRIES`` decisions whose actions the state moved under."""
+        if not self.settings.placement_thread:
+            self.tick()
+            return
+        serving = asyncio.get_running_loop()
+        for _ in range(_OFF_LOOP_TRIES):
+            run = self.loop.begin_tick(self._now())
+            actions = await serving.run_in_executor(self._placer, self.loop.decide, run)
+            if self.loop.end_tick(run, actions, self._now()):
+                return
+        self.tick()
+
+    def _want_placement(self) -> None:
+        """The control loop's ``place_later``: a model finished activating; place at once (off the
+        loop), together with any other activation that finishes before it starts."""
+        if self._placement_wanted is not None:
+            self._placement_wanted.set()
+
     async def _tick_loop(self) -> None:
+        wanted = self._placement_wanted
+        assert wanted is not None
         while True:
-            await asyncio.sleep(self.settings.tick_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wanted.wait(), self.settings.tick_interval_s)
+            wanted.clear()
             try:
-                self.tick()
+                await self.tick_off_loop()
             except Exception:
                 logger.exception("placement tick failed")
 
