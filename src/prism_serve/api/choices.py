@@ -61,6 +61,9 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the output tokens', if asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's (completions with echo)
+    # its model's SLOs when it was submitted (for /metrics' attainment): an adapter may be unloaded
+    # while its last tokens are still on their way to the client
+    slos: tuple[float, float] = (0.0, 0.0)
 
 
 class ChoiceOutput:

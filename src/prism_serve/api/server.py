@@ -507,7 +507,8 @@ class PrismServer:
                     timeout_s=self.config.server.request_timeout_s,
                 )  # fmt: skip
                 runs.append(Choice(rid, body.model, arrival, stream, index=i, prompt=p,
-                                 max_tokens=params.max_tokens, num_prompt=len(ids)))  # fmt: skip
+                                   max_tokens=params.max_tokens, num_prompt=len(ids),
+                                   slos=(served.ttft_slo, served.tpot_slo)))  # fmt: skip
 
         async def first(run: Choice) -> None:
             d = await anext(run.stream)
@@ -542,10 +543,9 @@ class PrismServer:
         run.num_prompt = d.num_prompt_tokens or run.num_prompt
         run.num_cached = d.num_cached_tokens or run.num_cached
         if d.finished:
-            served = self.served[run.model]
             self.metrics.on_finished(
                 run.model, d.finish_reason, run.first_at - run.arrival, now - run.arrival,
-                run.num_prompt, run.num_output, served.ttft_slo, served.tpot_slo, d.timings, run.num_cached,
+                run.num_prompt, run.num_output, *run.slos, d.timings, run.num_cached,
             )  # fmt: skip
             self._finished_at.append(now)
 
