@@ -6,6 +6,8 @@ import random
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prism_serve.control import (
     Activate,
@@ -22,7 +24,8 @@ from prism_serve.control import (
     RejectReason,
     get_policy,
 )
-from tests.control.factories import apply, cluster, engine, model, request
+from prism_serve.control.eviction import DeviceLoad
+from tests.control.factories import GIB, apply, cluster, engine, model, request
 
 NOW = 1000.0
 
@@ -415,3 +418,35 @@ def test_a_compute_move_blocked_by_memory_goes_through_an_idle_model():
         {"d0": 40.0, "d1": 40.0, "d2": 40.0},
     )
     assert pol.place(recent, 1000.0) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    tps=st.lists(st.sampled_from([1, 1, 2]), min_size=12, max_size=12),
+    caps=st.lists(st.integers(20, 80), min_size=1, max_size=4),
+    shared=st.lists(st.integers(0, 60), min_size=4, max_size=4),
+    by_room=st.booleans(),
+)
+def test_prewarm_passing_over_models_heavier_than_a_failed_one_decides_as_asking_each(
+    weights, tps, caps, shared, by_room
+):
+    """_place_prewarm skips a model as heavy as one (of its TP size) that found no devices since the
+    plan last changed; asking each model alone, in the same order on the same plan, gives the same
+    activations."""
+    policy = get_policy("prism")
+    models = [model(f"m{i}", weight_gib=w, tp=tps[i]) for i, w in enumerate(weights)]
+
+    def plan():
+        loads = [
+            DeviceLoad(f"d{i}", c * GIB, 2 * GIB, 0.0, float(min(shared[i], c) * GIB))
+            for i, c in enumerate(caps)
+        ]
+        return loads, {x.device: x.shared_kv for x in loads}, {}
+
+    loads, room, planned = plan()
+    together = policy._place_prewarm(models, loads, room, planned, by_room=by_room)
+    loads1, room1, planned1 = plan()
+    alone = [m for m in models for m in policy._place_prewarm([m], loads1, room1, planned1, by_room=by_room)]
+    assert [m.model for m in together] == [m.model for m in alone]
+    assert planned == planned1 and room == room1

@@ -625,8 +625,13 @@ class PrismPolicy(Policy):
         nothing; the plan (``loads``, ``room``, ``planned``) takes each in."""
         out = []
         most = max(room.values(), default=0.0)  # no device has room for a model heavier than this
+        # per TP size, the lightest model that found no devices since the plan last changed: every
+        # test below only gets harder with more weight (no evictions here), so one as heavy or
+        # heavier finds none either, and is passed over without asking (at thousands of evicted
+        # models, most of a tick was asking)
+        failed: dict[int, int] = {}
         for m in models:
-            if m.part_weight_bytes > most:
+            if m.part_weight_bytes > most or m.part_weight_bytes >= failed.get(m.tp_size, most + 1):
                 continue  # as no open device below: nowhere to go
             open_loads = [
                 DeviceLoad(load.device, load.capacity_bytes, load.min_kv_bytes, load.weighted_rate,
@@ -635,18 +640,18 @@ class PrismPolicy(Policy):
                 if room[load.device] >= m.part_weight_bytes
             ]  # fmt: skip
             if by_room:
-                if len(open_loads) < m.tp_size:
-                    continue
-                ranked = sorted(open_loads, key=lambda load: -room[load.device])
-                group = on_one_node(ranked, m.tp_size, lambda load: load.device)
-                if group is None:  # TP ranks never span nodes
-                    continue
-                devices = tuple(load.device for load in group)
+                group = None
+                if len(open_loads) >= m.tp_size:
+                    ranked = sorted(open_loads, key=lambda load: -room[load.device])
+                    group = on_one_node(ranked, m.tp_size, lambda load: load.device)  # not across nodes
+                devices = tuple(load.device for load in group) if group is not None else None
             else:
                 choice = choose_activation(m, open_loads)
-                if choice is None:
-                    continue
-                devices, _ = choice
+                devices = choice[0] if choice is not None else None
+            if devices is None:
+                failed[m.tp_size] = min(m.part_weight_bytes, failed.get(m.tp_size, m.part_weight_bytes))
+                continue
+            failed.clear()
             for d in devices:
                 room[d] -= m.part_weight_bytes
             most = max(room.values())
