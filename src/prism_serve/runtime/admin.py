@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from prism_serve.control import Activate, Defer, Evict, ModelState, Reject, Request
+from prism_serve.control import Activate, ClusterSnapshot, Defer, Evict, ModelState, Reject, Request
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.policies import Policy
 from prism_serve.errors import ConflictError, InvalidRequestError, quoted
@@ -15,7 +15,7 @@ from prism_serve.runtime import messages as msg
 from prism_serve.runtime.activation import Activator
 from prism_serve.runtime.models import ActivationError
 from prism_serve.runtime.nodes import NodeSet
-from prism_serve.runtime.state import ModelTable, cluster_snapshot
+from prism_serve.runtime.state import ModelTable
 
 __all__ = ["Admin"]
 
@@ -29,8 +29,10 @@ class Admin:
         policy: Policy,
         activator: Activator,
         clock: Callable[[], float],
+        snapshot: Callable[[float], ClusterSnapshot],
     ) -> None:
         self._models = models
+        self._snapshot = snapshot  # the controller's cluster snapshot at a time
         self._nodes = nodes
         self._loop = loop
         self._policy = policy
@@ -71,7 +73,7 @@ class Admin:
         now = self._clock()
         probe = Request(f"load-{model}", model, now, 1, ttft_slo)
         device = None
-        snap = cluster_snapshot(self._models, self._nodes.devices, self._nodes.ledgers, self._loop, now)
+        snap = self._snapshot(now)
         for a in self._policy.on_request(probe, snap, now):
             if isinstance(a, Evict):
                 self._activator.evict(self._models.entry(a.model), force=False)

@@ -128,7 +128,9 @@ class Controller:
             self.pool, self.models, self.nodes, self.loop, self.requests, self.cache, self._now,
             timeout_s=self.settings.activation_timeout_s, vllm_compile=vllm_compile,
         )  # fmt: skip
-        self.admin = Admin(self.models, self.nodes, self.loop, self.policy, self.activator, self._now)
+        self.admin = Admin(
+            self.models, self.nodes, self.loop, self.policy, self.activator, self._now, self.snapshot
+        )
         self.activation_listeners = self.activator.listeners  # the server's metrics observe these
         self._tick_task: asyncio.Task | None = None
         self._running = False
