@@ -579,17 +579,18 @@ class PrismPolicy(Policy):
         with no forecast are chosen in that order and placed largest first (``fill_largest_first``).
         Their memory yields first (eviction.is_idle)."""
         k = self.knobs
+        extra = cluster.extra_replicas
         ranked = sorted(
             (rank, m)
             for m in cluster.models.values()
-            if not m.resident
+            if m.replica_of is None
+            and not m.resident
             and m.model not in planned
-            and m.replica_of is None
             and (rank := self._prewarm_rank(m)) is not None
+            # a served model with a replica planned is warm already
+            and not (m.model in extra and any(n in planned for n in extra[m.model]))
         )
         candidates = [m for _, m in ranked]
-        # a served model with any replica resident is warm already
-        candidates = [m for m in candidates if not any(n in planned for n in cluster.replicas(m.model)[1:])]
         if not candidates:
             return []
         loads = loads_now()
