@@ -173,6 +173,14 @@ class StaticPartitionPolicy(Policy):
         def demand(busy: float, bytes_: float, room: int) -> float:
             return max(busy, bytes_ / max(room, 1))
 
+        def put(name: str, devices, room: dict[str, int], busy: dict[str, float], held: dict[str, float]):
+            """A model onto ``devices``: their room, compute and KV demand take it in."""
+            w = cluster.models[name].part_weight_bytes
+            for d in devices:
+                room[d] -= w
+                busy[d] += compute[name]
+                held[d] += kv[name]
+
         def score(out: list, room: dict[str, int], busy: dict[str, float], held: dict[str, float]):
             """A packing's key, from the devices' state after it: fewest unplaced, then lowest peak."""
             worst = max((demand(busy[d], held[d], room[d]) for d in cluster.devices), default=0.0)
@@ -189,10 +197,7 @@ class StaticPartitionPolicy(Policy):
         best = self._worst_fit(cluster, new, left)
         room, busy, held = dict(left), dict(work), dict(kv_on)
         for name, devices in best:
-            for d in devices:
-                room[d] -= cluster.models[name].part_weight_bytes
-                busy[d] += compute[name]
-                held[d] += kv[name]
+            put(name, devices, room, busy, held)
         best_key = score(best, room, busy, held)
         for ranked in orders[: self.knobs.restarts]:
             room, busy, held, out = dict(left), dict(work), dict(kv_on), []
@@ -211,10 +216,7 @@ class StaticPartitionPolicy(Policy):
                 group = on_one_node(fits, m.tp_size, str)
                 if group is None:
                     continue
-                for d in group:
-                    room[d] -= w
-                    busy[d] += compute[m.model]
-                    held[d] += kv[m.model]
+                put(m.model, group, room, busy, held)
                 out.append((m.model, tuple(group)))
             key = score(out, room, busy, held)  # the state this packing left
             if key < best_key:
