@@ -430,16 +430,19 @@ class DeploymentConfig(_Strict):
     def adapters(self) -> list[ModelConfig]:
         return [m for m in self.models if m.is_adapter]
 
-    def adapter_bases(self) -> set[str]:
-        """The models the config gives adapters."""
-        return {a.base for a in self.adapters() if a.base is not None}
+    def adapters_by_base(self) -> dict[str, list[ModelConfig]]:
+        """The config's adapters under the model each runs over, in config order."""
+        out: dict[str, list[ModelConfig]] = {}
+        for a in self.adapters():
+            out.setdefault(a.base or "", []).append(a)
+        return out
 
     def max_loras(self, model: ModelConfig, bases: Container[str] | None = None) -> int:
         """Adapter slots of a base: its max_loras, else 8 if the config gives it adapters, else 0.
-        ``bases``: ``adapter_bases()``, for a caller asking of every model."""
+        ``bases``: ``adapters_by_base()``, for a caller asking of every model."""
         if model.max_loras is not None:
             return model.max_loras
-        return 8 if model.name in (self.adapter_bases() if bases is None else bases) else 0
+        return 8 if model.name in (self.adapters_by_base() if bases is None else bases) else 0
 
     def with_overrides(
         self,

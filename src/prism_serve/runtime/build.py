@@ -57,7 +57,7 @@ def model_specs(config: DeploymentConfig) -> list[ModelSpec]:
     holds one copy per model, so a deployment that mixes CPUs and GPUs resolves it for the CPUs)."""
     devices = device_specs(config)
     kind = "cuda" if devices and all(d.is_cuda for d in devices) else "cpu"
-    bases = config.adapter_bases()
+    bases = config.adapters_by_base()
     return [model_spec(m, kind, config.max_loras(m, bases)) for m in config.served_models()]
 
 

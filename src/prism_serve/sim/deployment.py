@@ -68,9 +68,7 @@ def sim_deployment(config: DeploymentConfig, gpu: bool = True) -> SimDeployment:
     profile, where ``dtype: auto`` is bf16; else a CPU profile, where it is what this machine
     runs fast)."""
     models, slos, warnings, aliases = [], {}, [], {}
-    by_base: dict[str, list[ModelConfig]] = {}
-    for a in config.adapters():
-        by_base.setdefault(a.base or "", []).append(a)
+    by_base = config.adapters_by_base()
     for m in config.served_models():
         dtype = resolve_dtype(m.dtype, "cuda" if gpu else "cpu")
         shape = shape_of(m.name, m.source, _DTYPE_BYTES[dtype])
