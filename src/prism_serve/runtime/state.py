@@ -598,8 +598,6 @@ class Snapshots:
             if old is None or snap != old:
                 snaps[name] = snap
                 changed.append(snap)
-        if len(snaps) != len(models):  # an entry the table gained unreported (it reports adds)
-            return self._fresh(now)
         engines = [_engine_snapshot(n, models[n]) for n in resident]
         now_engined = set(resident)
         gone = [n for n in last.engines if n not in now_engined]
