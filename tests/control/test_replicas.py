@@ -375,6 +375,26 @@ def test_a_copy_for_a_burst_goes_only_where_there_is_spare_compute_and_memory_no
     # d2 quiet: the copy goes there
     assert added(burst_with(busy[:1])) == [Activate("m#1", ("d2",))]
 
+    # a burst so heavy that half of it alone keeps a copy busy 0.6 of the time (the model's rate
+    # still wants one replica): the copy still goes to the quiet d2, where only its own work slows
+    # it; the spare-compute test is about the neighbours it would run beside, which are none there
+    def heavy(c):
+        m = c.models["m"]
+        heavy_m = replace(m, profile=replace(m.profile, busy_s_per_request=1.2))
+        return cluster([heavy_m, *(v for v in c.models.values() if v.model != "m")], DEVICES,
+                       engines=list(c.engines.values()))  # fmt: skip
+
+    assert added(heavy(burst_with(busy[:1]))) == [Activate("m#1", ("d2",))]
+    assert added(heavy(burst_with(busy))) == []
+    # beside light neighbours (busy 0.2) it goes too; but not beside the ranks of a TP model with
+    # work: that model steps at its slowest rank's pace, and the copy would take the device past
+    # half busy (0.2 + 0.6)
+    light = [_neighbour("n1", ("d1",), 0.2), _neighbour("n2", ("d2",), 0.2)]
+    assert added(heavy(burst_with(light))) == [Activate("m#1", ("d1",))]
+    tp = replace(model("t", rate=1.0, tp=2, on=("d1", "d2"), running=2),
+                 profile=ModelProfile(busy_s_per_request=0.2))  # fmt: skip
+    assert added(heavy(burst_with([tp]))) == []
+
     # a model whose rate needs a second replica (busy 1.0 now, 0.5 per copy) gets one next to a
     # busy model only if that copy runs less contended than the model does now: not beside 0.6
     # (1.1 with it), but beside 0.3 (0.8)

@@ -451,19 +451,32 @@ class PrismPolicy(Policy):
                 # (the idle models the copy may evict there do not count)
                 by_name = {load.device: load for load in loads}
                 now_busy = max((by_name[d].busy for m in resident for d in m.placement), default=0.0)
+                # what stays on each device once the idle models the copy may evict there are gone
+                staying = {load.device: load.busy - sum(map(self._busy, load.idle)) for load in others}
                 others = [
                     load
                     for load in others
-                    if contention(load.busy - sum(map(self._busy, load.idle)) + self._busy(share))
-                    < contention(now_busy)
+                    if contention(staying[load.device] + self._busy(share)) < contention(now_busy)
                 ]
                 if replicas_for_rate(cluster, model, k.replica_high) <= n:
-                    # a copy for a burst only where it has spare compute: the device busy less than
-                    # half the time with it. Next to busier models it would run at half speed or less
-                    # and slow them as much, and the burst is over before that pays for its
-                    # activation (the decode-heavy CPU sweep: 17 such copies, TTFT 39% at x3)
+                    # a copy for a burst only where its neighbours leave it spare compute: busy less
+                    # than half the time without it. Next to busier models it would run at half
+                    # speed or less and slow them as much, and the burst is over before that pays
+                    # for its activation (the decode-heavy CPU sweep: 17 such copies, TTFT 39% at
+                    # x3). Its own share does not count here: a burst big enough that half of it
+                    # keeps an engine busy half the time would find no device at all, exactly when
+                    # a copy helps most (the test above already asks that it runs less contended
+                    # than the copy it relieves). Beside a rank of a tensor-parallel model with work
+                    # it does count: that model steps at its slowest rank's pace, so slowing one
+                    # rank slows the whole group, and the copy must leave the device under half busy
+                    share_busy = self._busy(share)
                     others = [
-                        load for load in others if contention(load.busy + self._busy(share)) < _CONTENDED
+                        load
+                        for load in others
+                        if contention(
+                            staying[load.device] + (share_busy if self._tp_at_work(cluster, load) else 0.0)
+                        )
+                        < _CONTENDED
                     ]
                 devices = self._make_room(cluster, loads, others, share, planned, evicted, gone)
                 if devices is None:
@@ -475,6 +488,16 @@ class PrismPolicy(Policy):
             if extra is not None and not (extra.num_queued or extra.num_running) and extra.model not in gone:
                 self._evict_for(cluster, loads_now(), [extra.model], planned, evicted, gone)
         return out
+
+    def _tp_at_work(self, cluster: ClusterSnapshot, load: DeviceLoad) -> bool:
+        """Whether a model of more than one rank with predicted work stays on ``load``'s device
+        (one of its idle models, which an activation may evict there, does not)."""
+        idle = {m.model for m in load.idle}
+        models = cluster.models
+        return any(
+            (m := models[n]).tp_size > 1 and n not in idle and self._busy(m) > 0
+            for n in cluster.devices[load.device].models
+        )
 
     def _relocate_busy(
         self,
