@@ -167,9 +167,12 @@ class Scripted:
     def pick_replica(self, request, cluster, now, cached=None):
         return self.inner.pick_replica(request, cluster, now, cached=cached)
 
-    def place(self, cluster, now):
+    def new_memo(self):
+        return self.inner.new_memo()
+
+    def place(self, cluster, now, memo=None):
         out, self.next_place = self.next_place, None
-        return self.inner.place(cluster, now) if out is None else out
+        return self.inner.place(cluster, now, memo) if out is None else out
 
     def on_request(self, request, cluster, now):
         out, self.next_request = self.next_request, None

@@ -68,3 +68,32 @@ def test_a_snapshot_read_after_the_state_changed_raises():
     assert dict(unread.models) == dict(read.models)  # its models are built with it
     with pytest.raises(SimStateError):
         dict(first.engines)
+
+
+def test_prism_decides_the_same_with_its_memo_as_with_a_fresh_one_at_every_placement(monkeypatch):
+    """What prism carries between placements (PrismMemo: each model's Algorithm 1 parts) only saves
+    work: at every placement of a run with activations and evictions, ``place`` with the
+    loop's memo returns what it returns with a fresh memo, and the memo is the loop's, one object
+    for the whole run."""
+    from prism_serve.control.policies.prism import PrismMemo, PrismPolicy
+
+    placed = PrismPolicy.place
+    memos = set()
+    calls = []
+
+    def both(self, cluster, now, memo=None):
+        assert isinstance(memo, PrismMemo)
+        memos.add(id(memo))
+        fresh = placed(self, cluster, now, None)
+        kept = placed(self, cluster, now, memo)
+        assert kept == fresh, now
+        calls.append(len(memo.parts))
+        return kept
+
+    monkeypatch.setattr(PrismPolicy, "place", both)
+    ms = [served(f"m{i}", "llama-3.1-8b") for i in range(12)]
+    w = poisson([m.name for m in ms], 0.15, 120.0, prompt=(64, 1024), output=(8, 128), seed=3)
+    sim = Simulator(ms, w, loose(ms, ttft=2.0, tpot=0.2), SimConfig(num_devices=2, policy="prism"))
+    result = sim.run()
+    assert len(memos) == 1 and max(calls) > 0  # one memo, and it carried parts
+    assert result.counters["activations"] > 2 and result.counters["evictions"] > 0

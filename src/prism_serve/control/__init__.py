@@ -7,7 +7,7 @@ simulator call it.
 from prism_serve.control.admission import DeadlineQueue, moore_hodgson
 from prism_serve.control.forecast import RateEstimator, idle_threshold_from_gaps
 from prism_serve.control.placement import DeviceBudget, Part, PlacementResult, kvpr, place_parts
-from prism_serve.control.policies import POLICIES, Knobs, Policy, get_policy, knobs_for
+from prism_serve.control.policies import POLICIES, Knobs, Policy, PolicyMemo, get_policy, knobs_for
 from prism_serve.control.prefix_index import PrefixIndex
 from prism_serve.control.queues import FifoQueue, GroupQueue, RequestQueue, RoundRobinQueue
 from prism_serve.control.types import (
@@ -62,6 +62,7 @@ __all__ = [
     "Part",
     "PlacementResult",
     "Policy",
+    "PolicyMemo",
     "PrefixIndex",
     "RateEstimator",
     "Reject",

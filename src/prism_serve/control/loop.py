@@ -168,6 +168,9 @@ class ControlLoop:
         place_later: Callable[[], None] | None = None,
     ) -> None:
         self.policy = policy
+        # what the policy carries from one placement to the next (PolicyMemo): the loop's, handed
+        # to every place(), so the simulator and the live runtime keep it alike
+        self.memo = policy.new_memo()
         self.body = body
         self.place_later = place_later
         # residency versions (PlacementRun): the loop's, and each device's
@@ -240,9 +243,11 @@ class ControlLoop:
         return PlacementRun(cluster, now, self.version, dict(self.device_versions))
 
     def decide(self, run: PlacementRun) -> list:
-        """``policy.place`` on the run's snapshot. A policy holds only its knobs and the snapshot
-        is a value, so this reads nothing that the loop changes: any thread may run it."""
-        return list(self.policy.place(run.cluster, run.now))
+        """``policy.place`` on the run's snapshot with the loop's memo. A policy holds only its
+        knobs, the snapshot is a value and the memo is touched by ``place`` alone, one placement at
+        a time (the bodies never decide two at once), so this reads nothing else that the loop
+        changes: any thread may run it."""
+        return list(self.policy.place(run.cluster, run.now, self.memo))
 
     def end_tick(self, run: PlacementRun, actions: Sequence, now: float) -> bool:
         """A tick's last part, on the body's loop: ``actions`` (``decide``'s for ``run``) applied,
@@ -315,7 +320,7 @@ class ControlLoop:
             self.place_later()
         else:
             cluster = self.body.cluster(now)
-            self._apply_placement(cluster, self.policy.place(cluster, now), now)
+            self._apply_placement(cluster, self.policy.place(cluster, now, self.memo), now)
         self._admit_changed(now)
 
     def _apply_placement(self, cluster: ClusterSnapshot, actions: Sequence, now: float) -> None:

@@ -125,19 +125,12 @@ class _Group:
 
 
 def _group(cluster: ClusterSnapshot, model: str) -> _Group:
-    return _derived(cluster, "group", model, _kept_group)
+    return _derived(cluster, "group", model, _new_group)
 
 
-def _kept_group(cluster: ClusterSnapshot, model: str) -> _Group:
-    """The figures of an earlier snapshot whose replicas were the same (ClusterSnapshot.kept), else
-    new ones."""
+def _new_group(cluster: ClusterSnapshot, model: str) -> _Group:
     models = cluster.models
-    snaps = tuple(models[n] for n in cluster.replicas(model))
-    key = ("group", model)
-    group = cluster.kept.get(key)
-    if group is None or group.snaps != snaps:
-        group = cluster.kept[key] = _Group(snaps)
-    return group
+    return _Group(tuple(models[n] for n in cluster.replicas(model)))
 
 
 def group_rate(cluster: ClusterSnapshot, model: str) -> float:

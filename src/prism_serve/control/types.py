@@ -325,13 +325,11 @@ class ClusterSnapshot:
     starved: tuple[str, ...] = field(init=False, default=())
     # values derived from this snapshot alone that a policy reads many times in one call (a served
     # model's resident replicas, a device's summed busy fraction: control/replicas.py), each kept
-    # here on first use by the function that derives it, under its own key; the snapshot never
-    # changes, so they never go stale
+    # here on first use by the function that derives it, under its own key: a cache of pure
+    # functions of the snapshot, never handed on to another snapshot, so it never goes stale and
+    # no reader can tell it from computing afresh. What a policy carries from one call to the next
+    # is the control loop's (policies/base.py, PolicyMemo), never the snapshot's.
     derived: dict = field(init=False, default_factory=dict, repr=False, compare=False)
-    # values derived from some of its entries alone, with those entries, handed on to the snapshots
-    # built from this one (updated, deferring): a reader uses one only while its entries are equal
-    # (control/replicas.py: a served model's figures, which most ticks leave as they were)
-    kept: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -498,7 +496,6 @@ class ClusterSnapshot:
             ("extra_replicas", self.extra_replicas),
             ("starved", self.starved),
             ("derived", {}),
-            ("kept", self.kept),
         ):
             object.__setattr__(snap, name, value)
         if queued_evicted:

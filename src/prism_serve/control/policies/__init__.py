@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from prism_serve.control.policies.base import Knobs, Policy
+from prism_serve.control.policies.base import Knobs, Policy, PolicyMemo
 from prism_serve.control.policies.dedicated import DedicatedKnobs, DedicatedPolicy
 from prism_serve.control.policies.muxserve import MuxServeKnobs, MuxServePolicy
 from prism_serve.control.policies.prism import PrismKnobs, PrismPolicy
@@ -28,6 +28,7 @@ __all__ = [
     "MuxServeKnobs",
     "MuxServePolicy",
     "Policy",
+    "PolicyMemo",
     "PrismKnobs",
     "PrismPolicy",
     "QLMKnobs",

@@ -57,11 +57,23 @@ def fraction(name: str, value: float, *, open_low: bool = False) -> None:
     )
 
 
+class PolicyMemo:
+    """What a policy carries from one ``place`` call to the next. The control loop owns it (one per
+    loop, from ``Policy.new_memo``) and hands it to every ``place``; a policy keeps nothing of its
+    own between calls but its knobs, so ``place`` is a function of the snapshot, this memo and the
+    knobs. A memo may only hold what saves work: ``place`` with a fresh memo decides the same as
+    with one carried over (tests/control/policies/test_prism.py checks it for prism). Empty here;
+    a policy that carries something subclasses it with typed fields."""
+
+    __slots__ = ()
+
+
 class Policy:
     """Base class. Subclasses set ``name`` and ``knobs_type`` and override what they need.
 
-    - ``place(cluster, now)``: the global tick. Call it periodically and whenever a model finishes
-      activating; apply the returned Evict/Migrate/Activate/SetKVQuota actions in order.
+    - ``place(cluster, now, memo)``: the global tick. Call it periodically and whenever a model
+      finishes activating; apply the returned Evict/Migrate/Activate/SetKVQuota actions in order.
+      ``memo``: the caller's ``new_memo()``, the same one on every call (None: a fresh one).
     - ``on_request(request, cluster, now)``: where a new request goes: ``Enqueue`` (possibly after
       Evict/Activate), ``Defer`` (hold it and resubmit after the next tick) or ``Reject``.
     - ``pick_replica(request, cluster, now, cached)``: which replica of its model a request goes to
@@ -137,7 +149,11 @@ class Policy:
         before ``on_request``, and again whenever the request is routed anew)."""
         return pick_replica(request, cluster, cached=cached, now=now)
 
-    def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
+    def new_memo(self) -> PolicyMemo:
+        """A memo for a caller that calls ``place`` again and again (``PolicyMemo``)."""
+        return PolicyMemo()
+
+    def place(self, cluster: ClusterSnapshot, now: float, memo: PolicyMemo | None = None) -> list[Action]:
         return []
 
     def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:

@@ -14,6 +14,7 @@ from prism_serve.control.placement import on_one_node
 from prism_serve.control.policies.base import (
     Knobs,
     Policy,
+    PolicyMemo,
     min_kv_bytes,
 )
 from prism_serve.control.queues import FifoQueue, RequestQueue
@@ -41,7 +42,7 @@ class DedicatedPolicy(Policy):
     def new_queue(self, device: str) -> RequestQueue:
         return FifoQueue(device, reserve_tokens=self.knobs.reserve_tokens)
 
-    def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
+    def place(self, cluster: ClusterSnapshot, now: float, memo: PolicyMemo | None = None) -> list[Action]:
         free = [d for d, dev in cluster.devices.items() if not dev.models]
         actions: list[Action] = []
         unplaced = sorted(

@@ -28,6 +28,7 @@ from prism_serve.control.placement import on_one_node
 from prism_serve.control.policies.base import (
     Knobs,
     Policy,
+    PolicyMemo,
     fraction,
     min_kv_bytes,
     require,
@@ -138,7 +139,7 @@ class MuxServePolicy(Policy):
             refuse="no mesh can hold {m.model} next to the models already placed",
         )
 
-    def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
+    def place(self, cluster: ClusterSnapshot, now: float, memo: PolicyMemo | None = None) -> list[Action]:
         new = [m for m in cluster.models.values() if not m.resident]
         resident = [m for m in cluster.models.values() if m.resident]
         actions: list[Action] = []

@@ -25,7 +25,7 @@ deadline scheduling, for the ablations of the paper's Figures 10 and 11.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from prism_serve.control.admission import DeadlineQueue
 from prism_serve.control.eviction import (
@@ -39,6 +39,7 @@ from prism_serve.control.eviction import (
 from prism_serve.control.placement import DeviceBudget, Part, contention, on_one_node, place_parts, pressure
 from prism_serve.control.policies.base import (
     Policy,
+    PolicyMemo,
     min_kv_bytes,
     no_capacity,
     route_resident,
@@ -83,10 +84,21 @@ from prism_serve.control.types import (
     Request,
 )
 
-__all__ = ["PrismKnobs", "PrismPolicy"]
+__all__ = ["PrismKnobs", "PrismMemo", "PrismPolicy"]
 
 # a device this contended (busy fraction 0.5) is worth a compute-balancing move through idle models
 _CONTENDED = 2.0
+
+
+@dataclass(slots=True)
+class PrismMemo(PolicyMemo):
+    """What prism carries from one ``place`` to the next: each resident model's Algorithm 1 parts,
+    with the snapshot entry and the fixed flag they were made from. Most resident models' entries
+    are the same object from one snapshot to the next (the bodies rebuild only what changed), so
+    their parts are reused while both are unchanged; entries of models gone stay until the model
+    is placed again (at most one per model)."""
+
+    parts: dict[str, tuple[ModelSnapshot, bool, list[Part]]] = field(default_factory=dict)
 
 
 class PrismPolicy(Policy):
@@ -182,7 +194,14 @@ class PrismPolicy(Policy):
     def _busy(self, m: ModelSnapshot) -> float:
         return m.busy if self.knobs.compute_aware else 0.0
 
-    def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
+    def new_memo(self) -> PrismMemo:
+        return PrismMemo()
+
+    def place(self, cluster: ClusterSnapshot, now: float, memo: PolicyMemo | None = None) -> list[Action]:
+        if memo is None:
+            memo = PrismMemo()
+        elif not isinstance(memo, PrismMemo):
+            raise TypeError(f"prism places with a PrismMemo (its new_memo()), got {type(memo).__name__}")
         k = self.knobs
         busy = self._busy
         evicted = constrained_evictions(cluster, now, k.idle_threshold_s, k.memory_watermark)
@@ -193,7 +212,7 @@ class PrismPolicy(Policy):
         # large deployment's models and replica slots are neither), in the snapshot's order
         evicted_state = ModelState.EVICTED
         considered = [m for m in cluster.models.values() if m.state is not evicted_state or m.num_queued > 0]
-        kept = cluster.kept
+        kept_parts = memo.parts
         for m in considered:
             if m.model in gone:
                 continue
@@ -209,10 +228,9 @@ class PrismPolicy(Policy):
                 )
                 # the parts of the same snapshot at an earlier tick, if it stays as fixed as it was
                 # (most resident models' snapshots are unchanged from one tick to the next)
-                key = ("parts", m.model, k.compute_aware)
-                got = kept.get(key)
+                got = kept_parts.get(m.model)
                 if got is None or got[0] is not m or got[1] != fixed:
-                    got = kept[key] = (
+                    got = kept_parts[m.model] = (
                         m,
                         fixed,
                         [

@@ -36,6 +36,7 @@ from prism_serve.control.placement import on_one_node
 from prism_serve.control.policies.base import (
     Knobs,
     Policy,
+    PolicyMemo,
     min_kv_bytes,
     require,
 )
@@ -83,7 +84,7 @@ class StaticPartitionPolicy(Policy):
     def provisioned_knobs(cls, rates: Mapping[str, float]) -> dict:
         return {"rates": tuple(sorted(rates.items()))}  # the partition sized for the expected traffic
 
-    def place(self, cluster: ClusterSnapshot, now: float) -> list[Action]:
+    def place(self, cluster: ClusterSnapshot, now: float, memo: PolicyMemo | None = None) -> list[Action]:
         k = self.knobs
         members = {d: list(dev.models) for d, dev in cluster.devices.items()}
         left = {
