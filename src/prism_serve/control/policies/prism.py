@@ -24,7 +24,7 @@ deadline scheduling, for the ablations of the paper's Figures 10 and 11.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from prism_serve.control.admission import DeadlineQueue
@@ -99,6 +99,76 @@ class PrismMemo(PolicyMemo):
     is placed again (at most one per model)."""
 
     parts: dict[str, tuple[ModelSnapshot, bool, list[Part]]] = field(default_factory=dict)
+
+
+class _TickPlan:
+    """One placement as it is built, step by step (the steps at the top of this module): the
+    devices each considered model will be on (``planned``), the models evicted (``evicted``, in
+    order, and ``gone``, as a set), and the devices' loads under the plan (``loads()``: Algorithm
+    1's, built on first use; each step that evicts or places keeps them current)."""
+
+    __slots__ = ("_busy", "_loads", "_result", "_spare", "_threshold", "cluster", "evicted", "gone", "now",
+                 "planned")  # fmt: skip
+
+    def __init__(
+        self,
+        cluster: ClusterSnapshot,
+        now: float,
+        evicted: list[str],
+        busy: Callable[[ModelSnapshot], float],
+        knobs: PrismKnobs,
+    ) -> None:
+        self.cluster = cluster
+        self.now = now
+        self.evicted = evicted
+        self.gone = set(evicted)
+        self.planned: dict[str, tuple[str, ...]] = {}
+        self._busy = busy
+        self._threshold = (knobs.idle_threshold_s, knobs.min_kv_fraction)
+        self._result = None
+        self._loads: list[DeviceLoad] | None = None
+        self._spare: list[ModelSnapshot] | None = None
+
+    def algorithm1(self, result) -> None:
+        """Algorithm 1's result (``placement.place_parts``), which ``loads()`` starts from."""
+        self._result = result
+
+    def loads(self) -> list[DeviceLoad]:
+        """The plan's per-device loads, built once and only if a step needs them."""
+        if self._loads is None:
+            self._loads = planned_loads(self.cluster, self._result, self.planned, self.now, *self._threshold)
+        return self._loads
+
+    def peak_busy(self) -> float:
+        """The busiest device's busy fraction under the plan (Algorithm 1's while no step changed it)."""
+        busy = (load.busy for load in self._loads) if self._loads is not None else (self._result.busy or ())
+        return max(busy, default=0.0)
+
+    def spare(self) -> list[ModelSnapshot]:
+        """The snapshot's replicas that yield to a model with no copy, found once per placement."""
+        if self._spare is None:
+            self._spare = spare_replicas(self.cluster)
+        return self._spare
+
+    def evict(self, victims: list[str]) -> None:
+        """Take the idle ``victims`` out of the plan: their loads and devices; into ``evicted``."""
+        loads, models = self.loads(), self.cluster.models
+        for v in victims:
+            plan_unload(loads, models[v], self.planned.pop(v), self._busy(models[v]))
+            self.evicted.append(v)
+            self.gone.add(v)
+
+    def make_room(self, candidates: list[DeviceLoad], m: ModelSnapshot) -> tuple[str, ...] | None:
+        """Devices for ``m`` among ``candidates`` (some of the plan's loads) by
+        ``choose_activation``, evicting the idle models it names there; the plan's loads take both
+        in (the caller records where ``m`` goes). None if no device can hold it."""
+        choice = choose_activation(m, candidates)
+        if choice is None:
+            return None
+        devices, victims = choice
+        self.evict(victims)
+        plan_load(self.loads(), m, devices, self._busy(m))
+        return devices
 
 
 class PrismPolicy(Policy):
@@ -204,8 +274,10 @@ class PrismPolicy(Policy):
             raise TypeError(f"prism places with a PrismMemo (its new_memo()), got {type(memo).__name__}")
         k = self.knobs
         busy = self._busy
-        evicted = constrained_evictions(cluster, now, k.idle_threshold_s, k.memory_watermark)
-        gone = set(evicted)
+        plan = _TickPlan(
+            cluster, now, constrained_evictions(cluster, now, k.idle_threshold_s, k.memory_watermark), busy, k
+        )
+        gone = plan.gone
         parts: list[Part] = []
         waiting: list[ModelSnapshot] = []
         # what the plan is about: resident models and evicted ones with requests waiting (most of a
@@ -259,8 +331,9 @@ class PrismPolicy(Policy):
             for d, dev in cluster.devices.items()
         ]
         result = place_parts(parts, budgets, k.migration_threshold)
+        plan.algorithm1(result)
 
-        planned: dict[str, tuple[str, ...]] = {}
+        planned = plan.planned
         waiting_names = {m.model for m in waiting}
         for m in considered:
             if m.model in gone or not (m.state is not evicted_state or m.model in waiting_names):
@@ -274,71 +347,40 @@ class PrismPolicy(Policy):
         unplaced = sorted(
             (m for m in waiting if not planned.get(m.model)), key=lambda m: (-m.demand, m.model)
         )
-        cached: list[list[DeviceLoad]] = []
-
-        def loads_now() -> list[DeviceLoad]:
-            """The plan's per-device loads, built once and only if an activation needs them."""
-            if not cached:
-                cached.append(
-                    planned_loads(cluster, result, planned, now, k.idle_threshold_s, k.min_kv_fraction)
-                )
-            return cached[0]
-
-        spare: list[list[ModelSnapshot]] = []
-
-        def spare_now() -> list[ModelSnapshot]:
-            """The snapshot's replicas that yield to a model with no copy, found once per tick."""
-            if not spare:
-                spare.append(spare_replicas(cluster))
-            return spare[0]
-
         if unplaced:
-            loads = loads_now()
+            loads = plan.loads()
             for m in unplaced:
                 del planned[m.model]
-                devices = self._make_room(cluster, loads, loads, m, planned, evicted, gone)
+                devices = plan.make_room(loads, m)
                 if devices is None:  # a second copy of another model yields to this model's first
-                    yielding = with_spare_replicas(spare_now(), loads, gone)
-                    devices = self._make_room(cluster, loads, yielding, m, planned, evicted, gone)
+                    devices = plan.make_room(with_spare_replicas(plan.spare(), loads, gone), m)
                 if devices is None and k.evict_quiet:  # then models with no work now, least used first
-                    quiet = with_quiet_models(cluster, loads, planned, m, now)
-                    devices = self._make_room(cluster, loads, quiet, m, planned, evicted, gone)
+                    devices = plan.make_room(with_quiet_models(cluster, loads, planned, m, now), m)
                 if devices is None:
                     continue
                 planned[m.model] = devices
                 activations.append(m)
         # the plan's loads carry Algorithm 1's busy fractions until an activation changes them, so
         # without a contended device in either there is nothing to move and no loads to build
-        peak = max((load.busy for load in cached[0]) if cached else (result.busy or ()), default=0.0)
-        if k.compute_aware and k.rebalance and contention(peak) >= _CONTENDED:
-            self._move_through_idle(cluster, loads_now, planned, evicted, gone, now)
+        if k.compute_aware and k.rebalance and contention(plan.peak_busy()) >= _CONTENDED:
+            self._move_through_idle(plan)
         if cluster.extra_replicas:
             # the served models with a copy resident: the only ones either step below looks at
             served = {m.group: None for m in considered if m.state is not evicted_state}
-            activations.extend(self._scale_replicas(cluster, served, loads_now, planned, evicted, gone))
+            activations.extend(self._scale_replicas(plan, served))
             if k.compute_aware and k.rebalance and k.relocate_busy:
-                activations.extend(
-                    self._relocate_busy(cluster, served, loads_now, planned, evicted, gone, now)
-                )
+                activations.extend(self._relocate_busy(plan, served))
         if k.prewarm:
-            activations.extend(self._prewarm(cluster, loads_now, planned))
+            activations.extend(self._prewarm(plan))
 
-        actions: list[Action] = [Evict(v) for v in evicted]
+        actions: list[Action] = [Evict(v) for v in plan.evicted]
         for m in considered:
             if m.state is not evicted_state and m.model not in gone and planned[m.model] != m.placement:
                 actions.append(Migrate(m.model, m.placement, planned[m.model]))
         actions.extend(Activate(m.model, planned[m.model]) for m in activations)
         return actions
 
-    def _move_through_idle(
-        self,
-        cluster: ClusterSnapshot,
-        loads_now,
-        planned: dict[str, tuple[str, ...]],
-        evicted: list[str],
-        gone: set[str],
-        now: float,
-    ) -> None:
+    def _move_through_idle(self, plan: _TickPlan) -> None:
         """Compute balancing where memory blocks Algorithm 1: on the most contended device
         (contention >= 2, i.e. busy fraction >= 0.5) where it works, the busiest movable model moves
         to a device that can hold it once idle models there are evicted, if the pressure it lands on
@@ -346,7 +388,8 @@ class PrismPolicy(Policy):
         no engine there (:func:`placement.overloads`). At most one
         such move per tick: each costs an activation and the evicted models' next requests."""
         k = self.knobs
-        loads = loads_now()
+        cluster, planned, gone, now = plan.cluster, plan.planned, plan.gone, plan.now
+        loads = plan.loads()
         by_device: dict[str, list[ModelSnapshot]] | None = None  # the movable models, by device
         for hot in sorted(loads, key=lambda load: (-load.busy, load.device)):
             if contention(hot.busy) < _CONTENDED:
@@ -376,57 +419,13 @@ class PrismPolicy(Policy):
             device, victims = move
             if move_overloads(cluster, m, (device,), set(victims) | gone, self._busy):
                 continue
-            self._evict_for(cluster, loads, victims, planned, evicted, gone)
+            plan.evict(victims)
             plan_unload(loads, m, m.placement, self._busy(m))
             plan_load(loads, m, (device,), self._busy(m))
             planned[m.model] = (device,)
             return
 
-    def _make_room(
-        self,
-        cluster: ClusterSnapshot,
-        loads: list[DeviceLoad],
-        candidates: list[DeviceLoad],
-        m: ModelSnapshot,
-        planned: dict[str, tuple[str, ...]],
-        evicted: list[str],
-        gone: set[str],
-    ) -> tuple[str, ...] | None:
-        """Devices for ``m`` among ``candidates`` (some of the plan's ``loads``) by
-        ``choose_activation``, evicting the idle models it names there; the plan (``loads``,
-        ``planned``, ``evicted``, ``gone``) takes both in. None if no device can hold it."""
-        choice = choose_activation(m, candidates)
-        if choice is None:
-            return None
-        devices, victims = choice
-        self._evict_for(cluster, loads, victims, planned, evicted, gone)
-        plan_load(loads, m, devices, self._busy(m))
-        return devices
-
-    def _evict_for(
-        self,
-        cluster: ClusterSnapshot,
-        loads: list[DeviceLoad],
-        victims: list[str],
-        planned: dict[str, tuple[str, ...]],
-        evicted: list[str],
-        gone: set[str],
-    ) -> None:
-        """Take the idle ``victims`` out of the plan: their loads, ``planned``; into ``evicted``."""
-        for v in victims:
-            plan_unload(loads, cluster.models[v], planned.pop(v), self._busy(cluster.models[v]))
-            evicted.append(v)
-            gone.add(v)
-
-    def _scale_replicas(
-        self,
-        cluster: ClusterSnapshot,
-        served: dict[str, None],
-        loads_now,
-        planned: dict[str, tuple[str, ...]],
-        evicted: list[str],
-        gone: set[str],
-    ) -> list[ModelSnapshot]:
+    def _scale_replicas(self, plan: _TickPlan, served: dict[str, None]) -> list[ModelSnapshot]:
         """Replica slots to activate (added to ``planned``) for served models whose demand wants more
         replicas than are resident, one per model per tick, on the lowest-pressure devices holding no
         replica of it (evicting idle models there if needed, but not those the forecast expects a
@@ -435,6 +434,7 @@ class PrismPolicy(Policy):
         ``evicted``). A model backlogged by a burst wants one replica more (replicas.py).
         ``served``: the served models with a replica resident (the others have nothing to scale)."""
         k = self.knobs
+        cluster, planned, gone = plan.cluster, plan.planned, plan.gone
         out = []
         for model in cluster.extra_replicas:
             if model not in served:
@@ -453,7 +453,7 @@ class PrismPolicy(Policy):
                 # for the plan's loads the new replica carries its share of the model's rate
                 # the slot has served nothing yet: its demand is the model's measured one
                 share = replace(free, rate=group_rate(cluster, model) / (n + 1), profile=resident[0].profile)
-                loads = loads_now()
+                loads = plan.loads()
                 # a second copy takes the memory of idle models the forecast does not expect soon
                 # (or of idle second copies)
                 others = [
@@ -496,7 +496,7 @@ class PrismPolicy(Policy):
                         )
                         < _CONTENDED
                     ]
-                devices = self._make_room(cluster, loads, others, share, planned, evicted, gone)
+                devices = plan.make_room(others, share)
                 if devices is None:
                     continue
                 planned[free.model] = devices
@@ -504,7 +504,7 @@ class PrismPolicy(Policy):
                 continue
             extra = surplus(cluster, model, k.replica_low)
             if extra is not None and not (extra.num_queued or extra.num_running) and extra.model not in gone:
-                self._evict_for(cluster, loads_now(), [extra.model], planned, evicted, gone)
+                plan.evict([extra.model])
         return out
 
     def _tp_at_work(self, cluster: ClusterSnapshot, load: DeviceLoad) -> bool:
@@ -517,16 +517,7 @@ class PrismPolicy(Policy):
             for n in cluster.devices[load.device].models
         )
 
-    def _relocate_busy(
-        self,
-        cluster: ClusterSnapshot,
-        served: dict[str, None],
-        loads_now,
-        planned: dict[str, tuple[str, ...]],
-        evicted: list[str],
-        gone: set[str],
-        now: float,
-    ) -> list[ModelSnapshot]:
+    def _relocate_busy(self, plan: _TickPlan, served: dict[str, None]) -> list[ModelSnapshot]:
         """Make-before-break moves of busy models (at most one per tick, each costs an activation).
 
         A served model with one resident replica that is running requests, placed at least
@@ -544,6 +535,7 @@ class PrismPolicy(Policy):
         once it has nothing queued or running, as a surplus replica is. ``served``: the served models
         with a replica resident (the others have nothing to move)."""
         k = self.knobs
+        cluster, planned, gone, now = plan.cluster, plan.planned, plan.gone, plan.now
         candidates = []
         for model in cluster.extra_replicas:
             if model not in served:
@@ -574,7 +566,7 @@ class PrismPolicy(Policy):
             free = free_slot(cluster, m.group, planned)
             if free is None:
                 continue
-            loads = loads_now()
+            loads = plan.loads()
             if not yielding:
                 yielding = [
                     replace(load, idle=[v for v in load.idle if v.replica_of or not self._expected(v)])
@@ -602,24 +594,20 @@ class PrismPolicy(Policy):
             # slows that one more than the move saves; placement.overloads)
             if move_overloads(cluster, m, devices, set(victims) | gone, self._busy):
                 continue
-            self._evict_for(cluster, loads, victims, planned, evicted, gone)
+            plan.evict(victims)
             plan_load(loads, moved, devices, self._busy(moved))
             planned[free.model] = devices
             return [free]
         return []
 
-    def _prewarm(
-        self,
-        cluster: ClusterSnapshot,
-        loads_now,
-        planned: dict[str, tuple[str, ...]],
-    ) -> list[ModelSnapshot]:
+    def _prewarm(self, plan: _TickPlan) -> list[ModelSnapshot]:
         """Evicted models the forecast expects a request for within ``prewarm_horizon_s``, then those
         with no forecast yet (``_prewarm_rank``), activated (and added to ``planned``) in that order
         where they fit in memory that stays below the watermark without evicting anything; those
         with no forecast are chosen in that order and placed largest first (``fill_largest_first``).
         Their memory yields first (eviction.is_idle)."""
         k = self.knobs
+        cluster, planned = plan.cluster, plan.planned
         extra = cluster.extra_replicas
         ranked = sorted(
             (rank, m)
@@ -634,7 +622,7 @@ class PrismPolicy(Policy):
         candidates = [m for _, m in ranked]
         if not candidates:
             return []
-        loads = loads_now()
+        loads = plan.loads()
         # memory each device can still give without crossing the watermark: what is mapped now, plus
         # the weights this tick moves or loads there (evictions are not credited: they may not be done)
         room = room_now(cluster, planned, k.memory_watermark)
