@@ -41,13 +41,18 @@ def test_every_cluster_snapshot_equals_a_fresh_build(monkeypatch, read_every):
         return snap
 
     monkeypatch.setattr(SnapshotBuilder, "cluster", checked)
-    # twelve 8B models on two GPUs: more than fit, so models are activated, evicted and moved
+    result, arrivals = _twelve_on_two()
+    assert len(calls) > arrivals  # at least one snapshot per arrival
+    assert result.counters["activations"] > 2 and result.counters["evictions"] > 0
+
+
+def _twelve_on_two():
+    """Twelve 8B models on two GPUs under prism: more than fit, so models are activated, evicted
+    and moved. The run's result and its number of arrivals."""
     ms = [served(f"m{i}", "llama-3.1-8b") for i in range(12)]
     w = poisson([m.name for m in ms], 0.15, 120.0, prompt=(64, 1024), output=(8, 128), seed=3)
     sim = Simulator(ms, w, loose(ms, ttft=2.0, tpot=0.2), SimConfig(num_devices=2, policy="prism"))
-    result = sim.run()
-    assert len(calls) > len(w)  # at least one snapshot per arrival
-    assert result.counters["activations"] > 2 and result.counters["evictions"] > 0
+    return sim.run(), len(w)
 
 
 def test_a_snapshot_read_after_the_state_changed_raises():
@@ -91,9 +96,6 @@ def test_prism_decides_the_same_with_its_memo_as_with_a_fresh_one_at_every_place
         return kept
 
     monkeypatch.setattr(PrismPolicy, "place", both)
-    ms = [served(f"m{i}", "llama-3.1-8b") for i in range(12)]
-    w = poisson([m.name for m in ms], 0.15, 120.0, prompt=(64, 1024), output=(8, 128), seed=3)
-    sim = Simulator(ms, w, loose(ms, ttft=2.0, tpot=0.2), SimConfig(num_devices=2, policy="prism"))
-    result = sim.run()
+    result, _ = _twelve_on_two()
     assert len(memos) == 1 and max(calls) > 0  # one memo, and it carried parts
     assert result.counters["activations"] > 2 and result.counters["evictions"] > 0
