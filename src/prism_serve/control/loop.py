@@ -244,9 +244,11 @@ class ControlLoop:
 
     def decide(self, run: PlacementRun) -> list:
         """``policy.place`` on the run's snapshot with the loop's memo. A policy holds only its
-        knobs, the snapshot is a value and the memo is touched by ``place`` alone, one placement at
-        a time (the bodies never decide two at once), so this reads nothing else that the loop
-        changes: any thread may run it."""
+        knobs, the snapshot is a value and the memo is touched by ``place`` alone, so this reads
+        nothing else that the loop changes: any thread may run it. Two placements may overlap (the
+        live runtime places on the loop when a node joins or leaves while its placement thread
+        decides); a memo's entries are each checked against the snapshot entry they were made from
+        (PrismMemo), so an overlap at worst redoes work."""
         return list(self.policy.place(run.cluster, run.now, self.memo))
 
     def end_tick(self, run: PlacementRun, actions: Sequence, now: float) -> bool:

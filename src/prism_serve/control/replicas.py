@@ -109,10 +109,9 @@ class _Group:
     """A served model's replicas in one snapshot: those resident and those active (slot order),
     the mean known ``max_rate`` (:func:`replica_capacity`) and the summed rate."""
 
-    __slots__ = ("active", "capacity", "rate", "resident", "snaps")
+    __slots__ = ("active", "capacity", "rate", "resident")
 
     def __init__(self, snaps: tuple[ModelSnapshot, ...]) -> None:
-        self.snaps = snaps
         self.resident = tuple(m for m in snaps if m.state is not ModelState.EVICTED)
         self.active = tuple(m for m in self.resident if m.state is ModelState.ACTIVE)
         self.rate = sum(m.rate for m in snaps)

@@ -62,7 +62,7 @@ class PolicyMemo:
     loop, from ``Policy.new_memo``) and hands it to every ``place``; a policy keeps nothing of its
     own between calls but its knobs, so ``place`` is a function of the snapshot, this memo and the
     knobs. A memo may only hold what saves work: ``place`` with a fresh memo decides the same as
-    with one carried over (tests/control/policies/test_prism.py checks it for prism). Empty here;
+    with one carried over (tests/sim/test_snapshots.py checks it for prism). Empty here;
     a policy that carries something subclasses it with typed fields."""
 
     __slots__ = ()
