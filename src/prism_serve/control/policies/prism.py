@@ -107,7 +107,7 @@ class _TickPlan:
     order, and ``gone``, as a set), and the devices' loads under the plan (``loads()``: Algorithm
     1's, built on first use; each step that evicts or places keeps them current)."""
 
-    __slots__ = ("_busy", "_loads", "_result", "_spare", "_threshold", "cluster", "evicted", "gone", "now",
+    __slots__ = ("_busy", "_knobs", "_loads", "_result", "_spare", "cluster", "evicted", "gone", "now",
                  "planned")  # fmt: skip
 
     def __init__(
@@ -115,28 +115,31 @@ class _TickPlan:
         cluster: ClusterSnapshot,
         now: float,
         evicted: list[str],
+        gone: set[str],
+        result,
         busy: Callable[[ModelSnapshot], float],
         knobs: PrismKnobs,
     ) -> None:
+        """``evicted`` and ``gone``: the evictions so far (as a list and as a set); ``result``:
+        Algorithm 1's (``placement.place_parts``), which ``loads()`` starts from."""
         self.cluster = cluster
         self.now = now
         self.evicted = evicted
-        self.gone = set(evicted)
+        self.gone = gone
         self.planned: dict[str, tuple[str, ...]] = {}
+        self._result = result
         self._busy = busy
-        self._threshold = (knobs.idle_threshold_s, knobs.min_kv_fraction)
-        self._result = None
+        self._knobs = knobs
         self._loads: list[DeviceLoad] | None = None
         self._spare: list[ModelSnapshot] | None = None
-
-    def algorithm1(self, result) -> None:
-        """Algorithm 1's result (``placement.place_parts``), which ``loads()`` starts from."""
-        self._result = result
 
     def loads(self) -> list[DeviceLoad]:
         """The plan's per-device loads, built once and only if a step needs them."""
         if self._loads is None:
-            self._loads = planned_loads(self.cluster, self._result, self.planned, self.now, *self._threshold)
+            k = self._knobs
+            self._loads = planned_loads(
+                self.cluster, self._result, self.planned, self.now, k.idle_threshold_s, k.min_kv_fraction
+            )
         return self._loads
 
     def peak_busy(self) -> float:
@@ -274,10 +277,8 @@ class PrismPolicy(Policy):
             raise TypeError(f"prism places with a PrismMemo (its new_memo()), got {type(memo).__name__}")
         k = self.knobs
         busy = self._busy
-        plan = _TickPlan(
-            cluster, now, constrained_evictions(cluster, now, k.idle_threshold_s, k.memory_watermark), busy, k
-        )
-        gone = plan.gone
+        evicted = constrained_evictions(cluster, now, k.idle_threshold_s, k.memory_watermark)
+        gone = set(evicted)
         parts: list[Part] = []
         waiting: list[ModelSnapshot] = []
         # what the plan is about: resident models and evicted ones with requests waiting (most of a
@@ -331,7 +332,7 @@ class PrismPolicy(Policy):
             for d, dev in cluster.devices.items()
         ]
         result = place_parts(parts, budgets, k.migration_threshold)
-        plan.algorithm1(result)
+        plan = _TickPlan(cluster, now, evicted, gone, result, busy, k)
 
         planned = plan.planned
         waiting_names = {m.model for m in waiting}
@@ -471,11 +472,9 @@ class PrismPolicy(Policy):
                 now_busy = max((by_name[d].busy for m in resident for d in m.placement), default=0.0)
                 # what stays on each device once the idle models the copy may evict there are gone
                 staying = {load.device: load.busy - sum(map(self._busy, load.idle)) for load in others}
-                others = [
-                    load
-                    for load in others
-                    if contention(staying[load.device] + self._busy(share)) < contention(now_busy)
-                ]
+                share_busy = self._busy(share)
+                slowed = contention(now_busy)
+                others = [load for load in others if contention(staying[load.device] + share_busy) < slowed]
                 if replicas_for_rate(cluster, model, k.replica_high) <= n:
                     # a copy for a burst only where its neighbours leave it spare compute: busy less
                     # than half the time without it. Next to busier models it would run at half
@@ -487,7 +486,6 @@ class PrismPolicy(Policy):
                     # than the copy it relieves). Beside a rank of a tensor-parallel model with work
                     # it does count: that model steps at its slowest rank's pace, so slowing one
                     # rank slows the whole group, and the copy must leave the device under half busy
-                    share_busy = self._busy(share)
                     others = [
                         load
                         for load in others
