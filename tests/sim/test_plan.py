@@ -497,3 +497,10 @@ def test_a_static_partition_answer_is_written_with_the_rates_it_was_planned_for(
     assert [list(r) for r in served.policy.knobs["rates"]] == [
         [m, pytest.approx(r)] for m, r in sorted(rates.items())
     ]
+    # and each slice is sized for the longest request its model's traffic sent
+    longest = {}
+    for i, m in enumerate(w.models):
+        sel = w.model_index == i
+        longest[m] = int((w.prompt_tokens[sel] + w.output_tokens[sel]).max())
+    assert dict(result.provisioned["static-partition"]["longest"]) == longest == w.longest_requests()
+    assert [list(r) for r in served.policy.knobs["longest"]] == [list(r) for r in sorted(longest.items())]

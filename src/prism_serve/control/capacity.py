@@ -30,7 +30,7 @@ class Fit(enum.Enum):
 class _Room:
     __slots__ = ("kvpt", "max_kv", "private", "quota_room", "ready", "reserve", "slots")
 
-    def __init__(self, e: EngineSnapshot, reserve_tokens: int) -> None:
+    def __init__(self, e: EngineSnapshot, reserve_tokens: int, final_quotas: bool) -> None:
         self.ready = e.ready
         self.kvpt = e.kv_bytes_per_token
         self.private = e.free_kv_bytes
@@ -38,17 +38,30 @@ class _Room:
         self.slots = math.inf if e.max_num_seqs is None else e.max_num_seqs - e.num_running
         self.reserve = reserve_tokens * e.kv_bytes_per_token
         self.max_kv = e.max_kv_bytes
+        if final_quotas and e.kv_quota_bytes is not None:  # a slice that never grows: the most it holds
+            held = max(0, e.kv_quota_bytes - self.reserve)
+            self.max_kv = held if self.max_kv is None else min(self.max_kv, held)
 
 
 class DeviceRoom:
-    """Mutable per-call accounting: each ``take`` consumes what the dispatched request will use."""
+    """Mutable per-call accounting: each ``take`` consumes what the dispatched request will use.
+
+    ``final_quotas``: the engines' KV quotas never grow (a static partition), so a request whose KV
+    and the reserve exceed its engine's quota can never start (``Fit.NEVER``), rather than wait.
+    """
 
     def __init__(
-        self, device: DeviceSnapshot, engines: Mapping[str, EngineSnapshot], reserve_tokens: int
+        self,
+        device: DeviceSnapshot,
+        engines: Mapping[str, EngineSnapshot],
+        reserve_tokens: int,
+        final_quotas: bool = False,
     ) -> None:
         self.shared = device.free_bytes
         self.shared_blocked = False
-        self._rooms = {m: _Room(e, reserve_tokens) for m, e in engines.items() if e.device == device.device}
+        self._rooms = {
+            m: _Room(e, reserve_tokens, final_quotas) for m, e in engines.items() if e.device == device.device
+        }
 
     @staticmethod
     def need_bytes(kv_bytes_per_token: int, prompt_tokens: int) -> int:

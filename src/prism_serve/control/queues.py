@@ -100,7 +100,8 @@ def _reject_never(request: Request) -> Reject:
     return Reject(
         request,
         RejectReason.PROMPT_TOO_LONG,
-        f"{request.prompt_tokens} prompt tokens need more KV than the engine can ever hold",
+        f"{request.prompt_tokens} prompt tokens need more KV than the engine can ever hold"
+        " (its device, or its fixed KV slice)",
     )
 
 
@@ -109,10 +110,13 @@ class FifoQueue(RequestQueue):
 
     Each model's head waits for its own engine only; engines do not block each other, except that a
     head waiting for the device's shared memory stops others from taking that memory first.
+    ``final_quotas``: the engines' KV quotas never grow (``DeviceRoom``), so a head longer than its
+    engine's quota can hold is refused instead of blocking its engine for good.
     """
 
-    def __init__(self, device: str, *, reserve_tokens: int = 0) -> None:
+    def __init__(self, device: str, *, reserve_tokens: int = 0, final_quotas: bool = False) -> None:
         super().__init__(device, reserve_tokens=reserve_tokens)
+        self.final_quotas = final_quotas
         self._fifos: dict[str, deque[Request]] = {}
 
     def _push(self, request: Request) -> None:
@@ -132,7 +136,7 @@ class FifoQueue(RequestQueue):
     def admit(
         self, now: float, device: DeviceSnapshot, engines: Mapping[str, EngineSnapshot]
     ) -> list[Action]:
-        room = DeviceRoom(device, engines, self.reserve_tokens)
+        room = DeviceRoom(device, engines, self.reserve_tokens, self.final_quotas)
         out: list[Action] = []
         # oldest heads first, so the shared pool goes to whoever has waited longest
         heads = sorted((f[0].arrival, m) for m, f in self._fifos.items() if f)

@@ -539,11 +539,11 @@ def plan(
         # every policy's search at once: each waits for its own points, the pool keeps the cores busy
         with ThreadPoolExecutor(len(out) if workers > 1 else 1) as searches:
             list(searches.map(search, out.values()))
-    rates = workload.mean_rates()
+    rates, longest = workload.mean_rates(), workload.longest_requests()
     return Plan(
         hw, target, metric, bound, out, high, len(workload),
         span_s if span_s is not None else float(workload.timestamps[-1]), price_per_device_hour,
-        {p: {**REGISTERED[p].provisioned_knobs(rates), **out[p].variant} for p in policies},
+        {p: {**REGISTERED[p].provisioned_knobs(rates, longest), **out[p].variant} for p in policies},
     )  # fmt: skip
 
 

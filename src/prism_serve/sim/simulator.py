@@ -116,8 +116,11 @@ class Simulator:
         # (their measured profile) is read again, as the tick's marks once read every model's
         self._stepped: dict[str, None] = {}
         knobs = dict(config.knobs)
-        # what an operator would size a hand-provisioned policy for: each model's mean rate
-        for key, value in POLICIES[config.policy].provisioned_knobs(workload.mean_rates()).items():
+        # what an operator would size a hand-provisioned policy for: each model's mean rate and
+        # longest request
+        policy_type = POLICIES[config.policy]
+        provisioned = policy_type.provisioned_knobs(workload.mean_rates(), workload.longest_requests())
+        for key, value in provisioned.items():
             knobs.setdefault(key, value)
         policy = get_policy(config.policy, **knobs)
         self.models: dict[str, SimModel] = {}

@@ -135,6 +135,12 @@ class Workload:
         counts = np.bincount(self.model_index, minlength=len(self.models))
         return {m: float(c) / span for m, c in zip(self.models, counts.tolist(), strict=True)}
 
+    def longest_requests(self) -> dict[str, int]:
+        """Each model's longest request, prompt plus output tokens (0 without requests)."""
+        tokens = np.zeros(len(self.models), dtype=np.int64)
+        np.maximum.at(tokens, self.model_index, self.prompt_tokens + self.output_tokens)
+        return dict(zip(self.models, tokens.tolist(), strict=True))
+
     def rows(self) -> Iterator[WorkloadRequest]:
         names = self.models
         hashes = self.block_hashes or ((),) * len(self)

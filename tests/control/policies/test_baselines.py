@@ -70,9 +70,38 @@ def test_static_partition_splits_memory_into_fixed_slices():
     assert acts == {"c": ("d0",), "a": ("d1",), "b": ("d1",)}  # largest first, on the emptiest device
     quotas = {(a.model, a.device): a.quota_bytes for a in out if isinstance(a, SetKVQuota)}
     assert quotas[("c", "d0")] == 50 * GIB
-    # d1 has 50 GiB after weights, split 3:1 between a and b
-    assert quotas[("a", "d1")] == int(50 * GIB * 0.75) and quotas[("b", "d1")] == int(50 * GIB * 0.25)
+    # d1 has 50 GiB after weights: each model its floor (its longest request), the rest split 3:1
+    # between a and b (same KV per token, so the same need)
+    floor = p.floor_bytes(c.models["a"])
+    assert floor == (2048 + 256) * 128 * 1024, "the engines' default context plus the reserve"
+    above = 50 * GIB - 2 * floor
+    assert quotas[("a", "d1")] == floor + int(above * 0.75) and quotas[("b", "d1")] == floor + int(
+        above * 0.25
+    )
     assert p.place(apply(c, out), NOW) == [], "slices never change and nothing moves"
+
+
+def test_static_partition_gives_every_slice_room_for_its_longest_request():
+    # d0 holds "big"'s weights with 6 GiB to spare, but its longest request needs 8 GiB of KV: a
+    # slice that could never start it would block its queue for good, so it goes to d1 only
+    models = [model("big", weight_gib=60, kvpt=1024 * 1024), model("small", weight_gib=30, kvpt=64 * 1024)]
+    longest = (("big", 8192 - 256),)  # with the 256-token reserve: 8 GiB
+    p = get_policy("static-partition", longest=longest, min_kv_fraction=0.01)
+    c = cluster(models, {"d0": 66, "d1": 70})
+    acts = {a.model: a.devices for a in p.place(c, NOW) if isinstance(a, Activate)}
+    assert acts == {"big": ("d1",), "small": ("d0",)}
+    # where it fits only beside a light model, the split follows need: floor plus KV per token
+    two = [model("big", weight_gib=20, kvpt=1024 * 1024), model("small", weight_gib=20, kvpt=64 * 1024)]
+    pair = cluster(two, {"d0": 80})
+    out = get_policy("static-partition", longest=longest).place(pair, NOW)
+    quotas = {a.model: a.quota_bytes for a in out if isinstance(a, SetKVQuota)}
+    assert quotas["big"] >= 8 * GIB and quotas["big"] > 10 * quotas["small"]
+    assert sum(quotas.values()) <= 40 * GIB
+    # and a device that cannot hold every member's floor takes no more models
+    crowded = cluster([model(f"m{i}", weight_gib=10, kvpt=1024 * 1024) for i in range(7)], {"d0": 80})
+    placed = [a for a in get_policy("static-partition").place(crowded, NOW) if isinstance(a, Activate)]
+    # 6 x (10 GiB + 2.25 GiB floor) fit in 80 GiB; a seventh's weights would fit too, its floor not
+    assert len(placed) == 6
 
 
 def test_static_partition_sized_for_the_expected_traffic_balances_compute_across_devices():
@@ -110,8 +139,9 @@ def test_static_partition_sized_for_the_expected_traffic_balances_compute_across
 def test_the_simulator_provisions_static_partition_with_each_models_mean_rate():
     from prism_serve.control.policies import POLICIES
 
-    assert POLICIES["static-partition"].provisioned_knobs({"a": 2.0, "b": 0.5}) == {
-        "rates": (("a", 2.0), ("b", 0.5))
+    assert POLICIES["static-partition"].provisioned_knobs({"a": 2.0, "b": 0.5}, {"a": 900, "b": 0}) == {
+        "rates": (("a", 2.0), ("b", 0.5)),
+        "longest": (("a", 900),),  # a model without requests keeps slice_tokens
     }
     assert all(POLICIES[n].provisioned_knobs({"a": 1.0}) == {} for n in POLICIES if n != "static-partition")
 
@@ -126,10 +156,25 @@ def test_static_partition_engine_cannot_borrow_beyond_its_slice():
     q = get_policy("static-partition", reserve_tokens=0).new_queue("d0")
     q.push(request("r", tokens=10_000))  # 10,001 tokens x 1 KiB ~ 9.8 MiB
     roomy_device = device(cap_gib=80)
-    capped = {"a": engine("a", quota_gib=0.005, used_gib=0.0)}
+    capped = {"a": engine("a", quota_gib=0.02, used_gib=0.015)}  # the slice holds it, once free
     assert q.admit(0.0, roomy_device, capped) == []
     out = q.admit(0.0, roomy_device, {"a": engine("a", quota_gib=0.02)})
     assert [type(a) for a in out] == [Dispatch]
+
+
+def test_static_partition_refuses_a_request_its_slice_can_never_hold_and_serves_the_rest():
+    # a slice never grows, so a head longer than the whole slice would block its engine for good
+    q = get_policy("static-partition", reserve_tokens=256).new_queue("d0")
+    q.push(request("long", tokens=9_000, arrival=0.0))  # (9,001 + 256) x 1 KiB > 9 MiB
+    q.push(request("short", tokens=100, arrival=1.0))
+    engines = {"a": engine("a", quota_gib=9 / 1024, used_gib=8 / 1024)}  # the slice is nearly full now
+    out = q.admit(2.0, device(), engines)
+    assert [(type(a), a.request.req_id) for a in out] == [(Reject, "long"), (Dispatch, "short")]
+    assert out[0].reason is RejectReason.PROMPT_TOO_LONG and "slice" in out[0].detail
+    # a quota that may grow (MuxServe's, prism's pools) only makes the request wait
+    fifo = FifoQueue("d0", reserve_tokens=256)
+    fifo.push(request("long", tokens=9_000))
+    assert fifo.admit(2.0, device(), engines) == [] and len(fifo) == 1
 
 
 # -- muxserve ----------------------------------------------------------------------------------------

@@ -120,10 +120,11 @@ class Policy:
         return ({},)
 
     @classmethod
-    def provisioned_knobs(cls, rates: Mapping[str, float]) -> dict:
+    def provisioned_knobs(cls, rates: Mapping[str, float], longest: Mapping[str, int] | None = None) -> dict:
         """The knobs an operator provisioning this policy by hand would set from the expected
-        traffic (``rates``: requests/s per model); the simulator (and so ``prism plan``) gives them
-        to a run whose own knobs leave them unset. None by default: the policy adapts by itself."""
+        traffic (``rates``: requests/s per model; ``longest``: each model's longest request, prompt
+        plus output tokens); the simulator (and so ``prism plan``) gives them to a run whose own
+        knobs leave them unset. None by default: the policy adapts by itself."""
         return {}
 
     @property

@@ -21,14 +21,23 @@ Which packing needs fewer devices depends on the traffic (the demand estimate is
 long prompts favour large slices): ``prism plan`` searches both (``plan_variants``) and answers with
 the better, as an operator with a simulator would.
 
-Every device's memory left after weights is split among its models in proportion to ``shares`` (1.0
-for a model not listed) and enforced by ``SetKVQuota``. Admission is arrival order per engine
-(``FifoQueue``), within the engine's slice.
+Every model's slice holds at least its longest request (``longest``: prompt plus output tokens, the
+traffic's longest when provisioned from it; ``slice_tokens`` for a model not listed, the engine's
+default context), plus the per-engine reserve, as an engine refuses to start without room for one
+request of its context: a device takes a model only if its memory after weights covers every
+member's floor. What is left above the floors is split in proportion to ``shares`` (1.0 for a
+model not listed) times what the model needs: its floor plus, with ``rates``, the KV its requests
+hold at once (Little's law), so a model of long requests or large KV per token gets the larger
+slice. ``SetKVQuota`` enforces the slices. Admission is arrival order per engine
+(``FifoQueue``), within the engine's slice; a slice never grows, so a request longer than its
+slice can ever hold is refused at once (``PROMPT_TOO_LONG``) instead of waiting at the head of its
+engine's queue forever.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -53,6 +62,9 @@ class StaticPartitionKnobs(Knobs):
     min_kv_fraction: float = 0.05
     # (model, expected requests/s): the traffic the partition is sized for; () places by memory alone
     rates: tuple[tuple[str, float], ...] = ()
+    # (model, tokens): prompt plus output of the longest request its slice must hold
+    longest: tuple[tuple[str, int], ...] = ()
+    slice_tokens: int = 2048  # the same for a model not in ``longest`` (the engines' default context)
     restarts: int = 8  # packing orders tried when rates are given
     # "demand": with rates, pack by expected compute and KV; "memory": worst fit by memory always
     packing: str = "demand"
@@ -62,6 +74,9 @@ class StaticPartitionKnobs(Knobs):
         require(len({m for m, _ in self.shares}) == len(self.shares), "a model is listed twice in shares")
         require(all(r >= 0 for _, r in self.rates), "every rate must be >= 0")
         require(len({m for m, _ in self.rates}) == len(self.rates), "a model is listed twice in rates")
+        require(all(t >= 1 for _, t in self.longest), "every longest request must be >= 1 token")
+        require(len({m for m, _ in self.longest}) == len(self.longest), "a model is listed twice in longest")
+        require(self.slice_tokens >= 1, "slice_tokens must be >= 1")
         require(self.restarts >= 1, "restarts must be >= 1")
         require(self.packing in ("demand", "memory"), "packing must be 'demand' or 'memory'")
         self._check_shared()
@@ -73,66 +88,90 @@ class StaticPartitionPolicy(Policy):
     knobs_type = StaticPartitionKnobs
     knobs: StaticPartitionKnobs
 
+    def __init__(self, knobs: StaticPartitionKnobs | None = None) -> None:
+        super().__init__(knobs)
+        self._longest = dict(self.knobs.longest)
+
     def new_queue(self, device: str) -> RequestQueue:
-        return FifoQueue(device, reserve_tokens=self.knobs.reserve_tokens)
+        return FifoQueue(device, reserve_tokens=self.knobs.reserve_tokens, final_quotas=True)
 
     @classmethod
     def plan_variants(cls) -> tuple[dict, ...]:
         return ({"packing": "demand"}, {"packing": "memory"})  # which packs better is the traffic's
 
     @classmethod
-    def provisioned_knobs(cls, rates: Mapping[str, float]) -> dict:
-        return {"rates": tuple(sorted(rates.items()))}  # the partition sized for the expected traffic
+    def provisioned_knobs(cls, rates: Mapping[str, float], longest: Mapping[str, int] | None = None) -> dict:
+        # the partition sized for the expected traffic: each model's rate and longest request
+        sized = tuple(sorted((m, t) for m, t in (longest or {}).items() if t > 0))
+        return {"rates": tuple(sorted(rates.items())), "longest": sized}
+
+    def floor_bytes(self, m: ModelSnapshot) -> int:
+        """The least KV ``m``'s slice holds on each of its devices: its longest request and the
+        engine's reserve."""
+        tokens = self._longest.get(m.model, self.knobs.slice_tokens) + self.knobs.reserve_tokens
+        return math.ceil(tokens * m.kv_bytes_per_token / m.tp_size)
 
     def place(self, cluster: ClusterSnapshot, now: float, memo: PolicyMemo | None = None) -> list[Action]:
+        new = [m for m in cluster.models.values() if not m.resident]
+        if not new:
+            return []
         k = self.knobs
         members = {d: list(dev.models) for d, dev in cluster.devices.items()}
         left = {
             d: dev.capacity_bytes - sum(cluster.models[m].part_weight_bytes for m in dev.models)
             for d, dev in cluster.devices.items()
         }
-        new = [m for m in cluster.models.values() if not m.resident]
-        if not new:
-            return []
+        floor = self.floor_bytes
+        floors = {d: sum(floor(cluster.models[m]) for m in dev.models) for d, dev in cluster.devices.items()}
         if k.rates and k.packing == "demand":
-            placed = self._balanced(cluster, new, dict(k.rates), left)
+            placed = self._balanced(cluster, new, dict(k.rates), left, floors)
         else:
-            placed = self._worst_fit(cluster, new, left)
+            placed = self._worst_fit(cluster, new, left, floors)
         actions: list[Action] = []
         changed: set[str] = set()
         for model, devices in placed:
             m = cluster.models[model]
             for d in devices:
                 left[d] -= m.part_weight_bytes
+                floors[d] += self.floor_bytes(m)
                 members[d].append(model)
                 changed.add(d)
             actions.append(Activate(model, devices))
         share = dict(k.shares)
+        held = _expected_demand(cluster, dict(k.rates))[1] if k.rates else {}
         for d in cluster.devices:
             if d not in changed:
                 continue
-            total = sum(share.get(m, 1.0) for m in members[d])
-            for m in members[d]:
-                actions.append(SetKVQuota(m, d, int(max(0, left[d]) * share.get(m, 1.0) / total)))
+            # what is left above the floors goes by share x (floor + expected KV held)
+            need = {n: floor(cluster.models[n]) for n in members[d]}
+            weight = {n: share.get(n, 1.0) * (need[n] + held.get(n, 0.0)) for n in members[d]}
+            above, total = max(0, left[d] - floors[d]), sum(weight.values())
+            for n in members[d]:
+                actions.append(SetKVQuota(n, d, need[n] + int(above * weight[n] / total)))
         return actions
 
-    def _fits(self, cluster: ClusterSnapshot, left: dict[str, int], m: ModelSnapshot) -> list[str]:
-        floor = self.knobs.min_kv_fraction
+    def _fits(
+        self, cluster: ClusterSnapshot, left: dict[str, int], floors: dict[str, int], m: ModelSnapshot
+    ) -> list[str]:
+        """Devices whose memory after weights, ``m``'s included, holds every member's floor and
+        ``m``'s, and at least ``min_kv_fraction`` of the device."""
+        least = self.knobs.min_kv_fraction
+        need = self.floor_bytes(m)
         return [
             d
             for d in cluster.devices
-            if left[d] - m.part_weight_bytes >= min_kv_bytes(cluster.devices[d], floor)
+            if left[d] - m.part_weight_bytes >= max(min_kv_bytes(cluster.devices[d], least), floors[d] + need)
         ]
 
     def _worst_fit(
-        self, cluster: ClusterSnapshot, new: list[ModelSnapshot], left: dict[str, int]
+        self, cluster: ClusterSnapshot, new: list[ModelSnapshot], left: dict[str, int], floors: dict[str, int]
     ) -> list[tuple[str, tuple[str, ...]]]:
         """Largest weights first, each on the devices with the most memory left."""
-        left = dict(left)
+        left, floors = dict(left), dict(floors)
         order = {d: i for i, d in enumerate(cluster.devices)}
         out = []
         for m in sorted(new, key=lambda m: (-m.part_weight_bytes, m.model)):
-            fits = self._fits(cluster, left, m)
+            fits = self._fits(cluster, left, floors, m)
             if len(fits) < m.tp_size:
                 continue
             group = on_one_node(sorted(fits, key=lambda d: (-left[d], order[d])), m.tp_size, str)
@@ -140,6 +179,7 @@ class StaticPartitionPolicy(Policy):
                 continue
             for d in group:
                 left[d] -= m.part_weight_bytes
+                floors[d] += self.floor_bytes(m)
             out.append((m.model, tuple(group)))
         return out
 
@@ -149,6 +189,7 @@ class StaticPartitionPolicy(Policy):
         new: list[ModelSnapshot],
         rates: dict[str, float],
         left: dict[str, int],
+        floors: dict[str, int],
     ) -> list[tuple[str, tuple[str, ...]]]:
         """The best of ``restarts`` greedy packings by expected demand, and of the worst fit by
         memory: most models placed, then the lowest demand on the most demanded device.
@@ -159,14 +200,7 @@ class StaticPartitionPolicy(Policy):
         held, over the memory its device has left after weights). A device's demand is the larger of
         its models' summed compute and summed KV; each greedy step puts the model where that comes
         out lowest."""
-        compute: dict[str, float] = {}
-        kv: dict[str, float] = {}
-        for m in cluster.models.values():
-            at = dataclasses.replace(m, rate=rates.get(m.model, 0.0))
-            prof = at.profile
-            compute[m.model] = at.busy
-            held = prof.mean_prompt_tokens + prof.mean_output_tokens / 2
-            kv[m.model] = at.rate * prof.service_s * held * m.kv_bytes_per_token / m.tp_size
+        compute, kv = _expected_demand(cluster, rates)
         work = {d: sum(compute[m] for m in dev.models) for d, dev in cluster.devices.items()}
         kv_on = {d: sum(kv[m] for m in dev.models) for d, dev in cluster.devices.items()}
         order = {d: i for i, d in enumerate(cluster.devices)}
@@ -174,11 +208,13 @@ class StaticPartitionPolicy(Policy):
         def demand(busy: float, bytes_: float, room: int) -> float:
             return max(busy, bytes_ / max(room, 1))
 
-        def put(name: str, devices, room: dict[str, int], busy: dict[str, float], held: dict[str, float]):
-            """A model onto ``devices``: their room, compute and KV demand take it in."""
-            w = cluster.models[name].part_weight_bytes
+        def put(name: str, devices, room, floor_on, busy: dict[str, float], held: dict[str, float]):
+            """A model onto ``devices``: their room, floors, compute and KV demand take it in."""
+            m = cluster.models[name]
+            w, floor = m.part_weight_bytes, self.floor_bytes(m)
             for d in devices:
                 room[d] -= w
+                floor_on[d] += floor
                 busy[d] += compute[name]
                 held[d] += kv[name]
 
@@ -195,15 +231,15 @@ class StaticPartitionPolicy(Policy):
         base = sorted(new, key=lambda m: m.model)
         while len(orders) < self.knobs.restarts:
             orders.append(_shuffled(base, len(orders)))
-        best = self._worst_fit(cluster, new, left)
-        room, busy, held = dict(left), dict(work), dict(kv_on)
+        best = self._worst_fit(cluster, new, left, floors)
+        room, floor_on, busy, held = dict(left), dict(floors), dict(work), dict(kv_on)
         for name, devices in best:
-            put(name, devices, room, busy, held)
+            put(name, devices, room, floor_on, busy, held)
         best_key = score(best, room, busy, held)
         for ranked in orders[: self.knobs.restarts]:
-            room, busy, held, out = dict(left), dict(work), dict(kv_on), []
+            room, floor_on, busy, held, out = dict(left), dict(floors), dict(work), dict(kv_on), []
             for m in ranked:
-                fits = self._fits(cluster, room, m)
+                fits = self._fits(cluster, room, floor_on, m)
                 if len(fits) < m.tp_size:
                     continue
                 w = m.part_weight_bytes
@@ -217,7 +253,7 @@ class StaticPartitionPolicy(Policy):
                 group = on_one_node(fits, m.tp_size, str)
                 if group is None:
                     continue
-                put(m.model, group, room, busy, held)
+                put(m.model, group, room, floor_on, busy, held)
                 out.append((m.model, tuple(group)))
             key = score(out, room, busy, held)  # the state this packing left
             if key < best_key:
@@ -232,6 +268,20 @@ class StaticPartitionPolicy(Policy):
             defer="{m.model} gets its partition at the next placement tick",
             refuse="no device has a partition left for {m.model}",
         )
+
+
+def _expected_demand(cluster: ClusterSnapshot, rates: Mapping[str, float]) -> tuple[dict, dict]:
+    """Each model's busy fraction at its expected rate, and the KV bytes per device its requests
+    hold at once by Little's law (rate x service time x mean tokens held)."""
+    compute: dict[str, float] = {}
+    kv: dict[str, float] = {}
+    for m in cluster.models.values():
+        at = dataclasses.replace(m, rate=rates.get(m.model, 0.0))
+        prof = at.profile
+        compute[m.model] = at.busy
+        held = prof.mean_prompt_tokens + prof.mean_output_tokens / 2
+        kv[m.model] = at.rate * prof.service_s * held * m.kv_bytes_per_token / m.tp_size
+    return compute, kv
 
 
 def _shuffled(items: list, seed: int) -> list:
