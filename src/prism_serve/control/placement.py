@@ -210,6 +210,148 @@ def on_one_node(ranked: Sequence[T], count: int, device: Callable[[T], str]) -> 
     return None
 
 
+class _Bins:
+    """Algorithm 1's devices while parts are placed on them: per device the summed SLO-weighted
+    rate (``W``), busy fraction (``U``) and the busy fractions of its parts (``on``), the memory left
+    for KV (``S``), the parts it holds, and the weights of resident parts not yet re-placed
+    (``reserved``: physically there until they move). ``start`` builds a heap by pressure (one per
+    node too, on several nodes) that ``put`` and ``take`` keep current through per-device versions."""
+
+    def __init__(self, devices: Sequence[DeviceBudget]) -> None:
+        self.names = [d.device for d in devices]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        if len(self.index) != len(self.names):
+            raise InvalidSnapshotError("duplicate device in placement input")
+        n = len(self.names)
+        self.W = [0.0] * n
+        self.U = [0.0] * n
+        self.on: list[list[float]] = [[] for _ in range(n)]
+        self.S = [float(d.capacity_bytes) for d in devices]
+        self.min_kv = [d.min_kv_bytes for d in devices]
+        self.held: list[set[str]] = [set() for _ in range(n)]
+        self.reserved = [0] * n
+        self.node = [node_of(name) for name in self.names]
+        self.multi_node = len(set(self.node)) > 1
+        self.version = [0] * n
+        self.heap: list[tuple] = []
+        self.node_heaps: dict[str, list[tuple]] = {}
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def pressure(self, j: int) -> float:
+        return pressure(self.W[j], self.S[j], self.U[j])
+
+    def start(self) -> None:
+        """The heaps, once the fixed parts are in."""
+        self.heap = [(self.pressure(j), self.U[j], -self.S[j], j, 0) for j in range(len(self))]
+        if self.multi_node:  # the later ranks of a TP model search only their node's heap
+            for entry in self.heap:
+                self.node_heaps.setdefault(self.node[entry[3]], []).append(entry)
+            for h in self.node_heaps.values():
+                heapq.heapify(h)
+        heapq.heapify(self.heap)
+
+    def fits(self, j: int, p: Part, node: str | None = None) -> bool:
+        """``p`` on device ``j`` leaves its minimum KV free with every resident part still there,
+        no sibling of ``p`` is there, and ``j`` is on ``node`` (None: any)."""
+        return (
+            self.S[j] - self.reserved[j] - p.weight_bytes >= self.min_kv[j]
+            and p.key not in self.held[j]
+            and (node is None or self.node[j] == node)
+        )
+
+    def best_below(self, p: Part, bound: float, node: str | None = None) -> int | None:
+        """The lowest-pressure device (on ``node``) that fits ``p``, if its pressure is below ``bound``."""
+        h = self.node_heaps[node] if self.multi_node and node is not None else self.heap
+        stash = []
+        found = None
+        while h:
+            entry = heapq.heappop(h)
+            j = entry[3]
+            if entry[4] != self.version[j]:
+                continue  # stale: the device changed after this entry was pushed
+            stash.append(entry)
+            if entry[0] >= bound:
+                break
+            if self.fits(j, p, node):
+                found = j
+                break
+        for entry in stash:
+            heapq.heappush(h, entry)
+        return found
+
+    def hold(self, p: Part, j: int) -> None:
+        """``p`` on device ``j``, before the heaps exist (a fixed part)."""
+        self.W[j] += p.demand
+        self.U[j] += p.busy
+        self.on[j].append(p.busy)
+        self.S[j] -= p.weight_bytes
+        self.held[j].add(p.key)
+
+    def put(self, p: Part, j: int) -> None:
+        self.hold(p, j)
+        self._touch(j)
+
+    def take(self, p: Part, j: int) -> None:
+        """Undo ``put(p, j)``."""
+        self.W[j] -= p.demand
+        self.U[j] -= p.busy
+        self.S[j] += p.weight_bytes
+        self.held[j].discard(p.key)
+        self.on[j].remove(p.busy)
+        self._touch(j)
+
+    def _touch(self, j: int) -> None:
+        self.version[j] += 1
+        entry = (self.pressure(j), self.U[j], -self.S[j], j, self.version[j])
+        heapq.heappush(self.heap, entry)
+        if self.multi_node:
+            heapq.heappush(self.node_heaps[self.node[j]], entry)
+
+    def release(self, p: Part) -> None:
+        """``p``'s current weights no longer reserve its device (it is being re-placed)."""
+        if p.current is not None:
+            self.reserved[self.index[p.current]] -= p.weight_bytes
+
+    def place_group(self, group: list[Part], tau: float, target: str | None) -> list[tuple[Part, int]]:
+        """Place the ranks of one model in order until one fits nowhere; the ones placed. ``target``:
+        the node they must use (else the first rank's, on several nodes)."""
+        node = target
+        tie = self.multi_node and len(group) > 1
+        chosen: list[tuple[Part, int]] = []
+        for p in group:
+            cur = self.index[p.current] if p.current is not None else None
+            self.release(p)
+            if cur is not None and self.fits(cur, p, node):
+                # move only if the best device beats the current one by more than tau (line 8);
+                # tau is a KVPR gain, worth tau at the current device's contention in pressure
+                best = self.best_below(p, self.pressure(cur) - tau * contention(self.U[cur]), node)
+                # an idle part too: idle this minute is not idle for good (live, smol-c, one
+                # request every 40 s, read busy 0 and moved beside SmolLM2-360M at 0.92)
+                if best is not None and overloads([*self.on[cur], p.busy], self.on[best], p.busy):
+                    best = None
+                j = cur if best is None else best
+            else:
+                j = self.best_below(p, math.inf, node)
+            if j is None:
+                break
+            self.put(p, j)
+            chosen.append((p, j))
+            if tie:
+                node = self.node[j]
+        return chosen
+
+    def roomiest_node(self, p: Part) -> tuple[str | None, int]:
+        """The node with the most devices that fit ``p``'s weights (ties: the last name), and how many."""
+        room: dict[str, int] = {}
+        for j in range(len(self)):
+            if self.S[j] - self.reserved[j] - p.weight_bytes >= self.min_kv[j]:
+                room[self.node[j]] = room.get(self.node[j], 0) + 1
+        target = max(room, key=lambda nd: (room[nd], nd), default=None)
+        return target, room.get(target, 0) if target is not None else 0
+
+
 def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: float) -> PlacementResult:
     """Algorithm 1 over ``parts`` on ``devices`` with migration threshold ``tau`` (KVPR units).
 
@@ -224,28 +366,11 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
     """
     if not (tau >= 0 and math.isfinite(tau)):
         raise InvalidSnapshotError(f"tau must be finite and >= 0, got {tau}")
-    names = [d.device for d in devices]
-    index = {n: i for i, n in enumerate(names)}
-    if len(index) != len(names):
-        raise InvalidSnapshotError("duplicate device in placement input")
-    n = len(names)
-    W = [0.0] * n
-    U = [0.0] * n
-    on: list[list[float]] = [[] for _ in range(n)]  # busy fractions of the parts placed on each device
-    S = [float(d.capacity_bytes) for d in devices]
-    min_kv = [d.min_kv_bytes for d in devices]
-    held: list[set[str]] = [set() for _ in range(n)]
-    node = [node_of(name) for name in names]
-    multi_node = len(set(node)) > 1
-    only_node: str | None = None  # the node the ranks of the TP model being placed must use
-    version = [0] * n
+    bins = _Bins(devices)
+    index = bins.index
     assignment: dict[tuple[str, int], str | None] = {}
-
     movable: list[Part] = []
     seen: set[tuple[str, int]] = set()
-    # Weights of resident parts not yet re-placed: they are physically on their device, so a part may
-    # only move into memory that stays free even if they all stay (keeps the plan within capacity).
-    reserved = [0] * n
     for p in parts:
         if (p.model, p.rank) in seen:
             raise InvalidSnapshotError(f"part {p.model}#{p.rank} given twice")
@@ -255,107 +380,14 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
         if p.fixed:
             if p.current is None:
                 raise InvalidSnapshotError(f"fixed part {p.model}#{p.rank} has no device")
-            j = index[p.current]
-            W[j] += p.demand
-            U[j] += p.busy
-            on[j].append(p.busy)
-            S[j] -= p.weight_bytes
-            held[j].add(p.key)
+            bins.hold(p, index[p.current])
             assignment[(p.model, p.rank)] = p.current
         else:
             movable.append(p)
             if p.current is not None:
-                reserved[index[p.current]] += p.weight_bytes
+                bins.reserved[index[p.current]] += p.weight_bytes
     movable.sort(key=lambda p: (-p.demand, p.model, p.rank))
-
-    heap = [(pressure(W[j], S[j], U[j]), U[j], -S[j], j, 0) for j in range(n)]
-    # on several nodes, one heap per node as well: the later ranks of a TP model search only theirs
-    node_heaps: dict[str, list] = {}
-    if multi_node:
-        for entry in heap:
-            node_heaps.setdefault(node[entry[3]], []).append(entry)
-        for h in node_heaps.values():
-            heapq.heapify(h)
-    heapq.heapify(heap)
-
-    def touch(j: int) -> None:
-        version[j] += 1
-        entry = (pressure(W[j], S[j], U[j]), U[j], -S[j], j, version[j])
-        heapq.heappush(heap, entry)
-        if multi_node:
-            heapq.heappush(node_heaps[node[j]], entry)
-
-    def fits(j: int, p: Part) -> bool:
-        return (
-            S[j] - reserved[j] - p.weight_bytes >= min_kv[j]
-            and p.key not in held[j]
-            and (only_node is None or node[j] == only_node)
-        )
-
-    def best_below(p: Part, bound: float) -> int | None:
-        """The lowest-pressure device that fits ``p``, if its pressure is below ``bound``."""
-        h = node_heaps[only_node] if multi_node and only_node is not None else heap
-        stash = []
-        found = None
-        while h:
-            entry = heapq.heappop(h)
-            j = entry[3]
-            if entry[4] != version[j]:
-                continue  # stale: the device changed after this entry was pushed
-            stash.append(entry)
-            if entry[0] >= bound:
-                break
-            if fits(j, p):
-                found = j
-                break
-        for entry in stash:
-            heapq.heappush(h, entry)
-        return found
-
-    def put(p: Part, j: int, sign: int = 1) -> None:
-        W[j] += sign * p.demand
-        U[j] += sign * p.busy
-        S[j] -= sign * p.weight_bytes
-        if sign > 0:
-            held[j].add(p.key)
-            on[j].append(p.busy)
-        else:
-            held[j].discard(p.key)
-            on[j].remove(p.busy)
-        touch(j)
-
-    def place_group(group: list[Part], target: str | None) -> list[tuple[Part, int]]:
-        """Place the ranks of one model in order until one fits nowhere; the ones placed. ``target``:
-        the node they must use (else the first rank's, on several nodes)."""
-        nonlocal only_node
-        only_node = target
-        tie = multi_node and len(group) > 1
-        chosen: list[tuple[Part, int]] = []
-        try:
-            for p in group:
-                cur = index[p.current] if p.current is not None else None
-                if cur is not None:
-                    reserved[cur] -= p.weight_bytes
-                if cur is not None and fits(cur, p):
-                    # move only if the best device beats the current one by more than tau (line 8);
-                    # tau is a KVPR gain, worth tau at the current device's contention in pressure
-                    best = best_below(p, pressure(W[cur], S[cur], U[cur]) - tau * contention(U[cur]))
-                    # an idle part too: idle this minute is not idle for good (live, smol-c, one
-                    # request every 40 s, read busy 0 and moved beside SmolLM2-360M at 0.92)
-                    if best is not None and overloads([*on[cur], p.busy], on[best], p.busy):
-                        best = None
-                    j = cur if best is None else best
-                else:
-                    j = best_below(p, math.inf)
-                if j is None:
-                    break
-                put(p, j)
-                chosen.append((p, j))
-                if tie:
-                    only_node = node[j]
-        finally:
-            only_node = None
-        return chosen
+    bins.start()
 
     i = 0
     while i < len(movable):
@@ -363,40 +395,33 @@ def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: flo
         while k < len(movable) and movable[k].model == movable[i].model:
             k += 1
         group = movable[i:k]
-        tp_nodes = multi_node and len(group) > 1
-        saved = [(index[p.current], reserved[index[p.current]]) for p in group if p.current is not None]
-        chosen = place_group(group, None)
-        if tp_nodes and len(chosen) < len(group):  # once more, on the node with the most room for it
+        saved = [(index[p.current], bins.reserved[index[p.current]]) for p in group if p.current is not None]
+        chosen = bins.place_group(group, tau, None)
+        if bins.multi_node and len(group) > 1 and len(chosen) < len(group):  # once more, on the roomiest node
             for p, j in chosen:
-                put(p, j, -1)
+                bins.take(p, j)
             for j, r in saved:
-                reserved[j] = r
-            room: dict[str, int] = {}
-            for j in range(n):
-                if S[j] - reserved[j] - group[0].weight_bytes >= min_kv[j]:
-                    room[node[j]] = room.get(node[j], 0) + 1
-            target = max(room, key=lambda nd: (room[nd], nd), default=None)
-            if target is not None and room[target] >= len(group):
-                chosen = place_group(group, target)
+                bins.reserved[j] = r
+            target, room = bins.roomiest_node(group[0])
+            if target is not None and room >= len(group):
+                chosen = bins.place_group(group, tau, target)
             else:  # no node can take it: released as if its first rank had been tried
                 chosen = []
-                if group[0].current is not None:
-                    reserved[index[group[0].current]] -= group[0].weight_bytes
+                bins.release(group[0])
         if len(chosen) < len(group):
             for p, j in chosen:  # all ranks or none: give back what the placed siblings took
-                put(p, j, -1)
+                bins.take(p, j)
             for p in group[len(chosen) + 1 :]:
-                if p.current is not None:
-                    reserved[index[p.current]] -= p.weight_bytes
+                bins.release(p)
             chosen = []
             if all(p.current is not None for p in group):
                 # a resident model the plan cannot fit stays where it is: its memory is real
                 chosen = [(p, index[p.current]) for p in group]  # type: ignore[index]
                 for p, j in chosen:
-                    put(p, j)
+                    bins.put(p, j)
         for p in group:
             assignment[(p.model, p.rank)] = None
         for p, j in chosen:
-            assignment[(p.model, p.rank)] = names[j]
+            assignment[(p.model, p.rank)] = bins.names[j]
         i = k
-    return PlacementResult(names, assignment, W, S, U)
+    return PlacementResult(bins.names, assignment, bins.W, bins.S, bins.U)
