@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from prism_serve.control import (
     Activate,
     Defer,
@@ -134,6 +137,28 @@ def test_static_partition_sized_for_the_expected_traffic_balances_compute_across
         [["big1", "hot1"], ["big2", "hot2"]],
         [["big1", "hot2"], ["big2", "hot1"]],
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.floats(0.0, 8.0)), min_size=2, max_size=9),
+    st.integers(1, 5),
+    st.sampled_from(["demand", "memory"]),
+)
+def test_one_more_device_never_makes_the_static_packing_worse_by_its_own_measure(specs, n, packing):
+    # (weights GiB, expected req/s) per model; the kept packing's key (models placed, then peak
+    # demand) on n + 1 devices is at least as good as on n: the extra device may stay idle
+    models = [model(f"m{i}", weight_gib=w, rate=0.0) for i, (w, _) in enumerate(specs)]
+    rates = tuple((f"m{i}", r) for i, (_, r) in enumerate(specs))
+    p = get_policy("static-partition", rates=rates, packing=packing, restarts=3)
+
+    def key(devices: int):
+        c = cluster(models, {f"d{i}": 80 for i in range(devices)})
+        left = {d: 80 * GIB for d in c.devices}
+        return p._fewest_peak(c, list(c.models.values()), dict(rates), left, dict.fromkeys(c.devices, 0))[1]
+
+    fewer, more = key(n), key(n + 1)
+    assert more <= fewer, (fewer, more)
 
 
 def test_the_simulator_provisions_static_partition_with_each_models_mean_rate():

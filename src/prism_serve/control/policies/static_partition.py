@@ -13,9 +13,12 @@ once per model, as an operator provisioning it by hand would do it:
   weights and the minimum KV slice, in ``restarts`` orders (heaviest compute first, heaviest KV
   first, largest weights first, then seeded shuffles); the packing kept is the one that places
   the most models with the lowest demand on the most demanded device, the worst fit by memory
-  (below) included among the candidates;
+  (below) included among the candidates. Each packing is also tried on the first n devices for
+  every n down to the fewest that could hold the models, so one more device never makes the kept
+  packing worse by this measure (it may stay idle);
 - without it, or with ``packing: memory``: largest weights first, each part on the device with
-  the most memory left after weights (worst fit, so slices are as large as they can be).
+  the most memory left after weights (worst fit, so slices are as large as they can be); with the
+  traffic known, on the first n devices for the n whose packing has the lowest peak demand.
 
 Which packing needs fewer devices depends on the traffic (the demand estimate is a mean; bursts and
 long prompts favour large slices): ``prism plan`` searches both (``plan_variants``) and answers with
@@ -123,10 +126,10 @@ class StaticPartitionPolicy(Policy):
         }
         floor = self.floor_bytes
         floors = {d: sum(floor(cluster.models[m]) for m in dev.models) for d, dev in cluster.devices.items()}
-        if k.rates and k.packing == "demand":
-            placed = self._balanced(cluster, new, dict(k.rates), left, floors)
+        if k.rates:
+            placed = self._fewest_peak(cluster, new, dict(k.rates), left, floors)[0]
         else:
-            placed = self._worst_fit(cluster, new, left, floors)
+            placed = self._worst_fit(cluster, list(cluster.devices), new, left, floors)
         actions: list[Action] = []
         changed: set[str] = set()
         for model, devices in placed:
@@ -151,27 +154,65 @@ class StaticPartitionPolicy(Policy):
         return actions
 
     def _fits(
-        self, cluster: ClusterSnapshot, left: dict[str, int], floors: dict[str, int], m: ModelSnapshot
+        self,
+        cluster: ClusterSnapshot,
+        use: list[str],
+        left: dict[str, int],
+        floors: dict[str, int],
+        m: ModelSnapshot,
     ) -> list[str]:
-        """Devices whose memory after weights, ``m``'s included, holds every member's floor and
-        ``m``'s, and at least ``min_kv_fraction`` of the device."""
+        """Devices of ``use`` whose memory after weights, ``m``'s included, holds every member's floor
+        and ``m``'s, and at least ``min_kv_fraction`` of the device."""
         least = self.knobs.min_kv_fraction
         need = self.floor_bytes(m)
         return [
             d
-            for d in cluster.devices
+            for d in use
             if left[d] - m.part_weight_bytes >= max(min_kv_bytes(cluster.devices[d], least), floors[d] + need)
         ]
 
+    def _fewest_peak(
+        self,
+        cluster: ClusterSnapshot,
+        new: list[ModelSnapshot],
+        rates: dict[str, float],
+        left: dict[str, int],
+        floors: dict[str, int],
+    ) -> tuple[list[tuple[str, tuple[str, ...]]], tuple[int, float] | None]:
+        """The packing's rule (``packing``) on the first ``n`` devices, for every ``n`` from all of
+        them down to the fewest whose memory could hold the new models' weights and floors (and every
+        device with a model already); the best by ``_balanced``'s key (most models placed, then the
+        lowest peak demand), the most devices on a tie. So one more device never makes the chosen
+        packing worse by the policy's own measure: it may leave the device idle and keep the packing
+        of one fewer, as an operator who sized the partition would."""
+        names = list(cluster.devices)
+        lowest = 1 + max((i for i, d in enumerate(names) if cluster.devices[d].models), default=0)
+        need = sum(m.tp_size * (m.part_weight_bytes + self.floor_bytes(m)) for m in new)
+        best: list[tuple[str, tuple[str, ...]]] = []
+        best_key: tuple[int, float] | None = None
+        for n in range(len(names), lowest - 1, -1):
+            use = names[:n]
+            if n < len(names) and sum(max(0, left[d] - floors[d]) for d in use) < need:
+                break  # fewer devices cannot hold every new model
+            placed, key = self._balanced(cluster, use, new, rates, left, floors)
+            if best_key is None or key < best_key:
+                best, best_key = placed, key
+        return best, best_key
+
     def _worst_fit(
-        self, cluster: ClusterSnapshot, new: list[ModelSnapshot], left: dict[str, int], floors: dict[str, int]
+        self,
+        cluster: ClusterSnapshot,
+        use: list[str],
+        new: list[ModelSnapshot],
+        left: dict[str, int],
+        floors: dict[str, int],
     ) -> list[tuple[str, tuple[str, ...]]]:
-        """Largest weights first, each on the devices with the most memory left."""
+        """Largest weights first, each on the devices of ``use`` with the most memory left."""
         left, floors = dict(left), dict(floors)
-        order = {d: i for i, d in enumerate(cluster.devices)}
+        order = {d: i for i, d in enumerate(use)}
         out = []
         for m in sorted(new, key=lambda m: (-m.part_weight_bytes, m.model)):
-            fits = self._fits(cluster, left, floors, m)
+            fits = self._fits(cluster, use, left, floors, m)
             if len(fits) < m.tp_size:
                 continue
             group = on_one_node(sorted(fits, key=lambda d: (-left[d], order[d])), m.tp_size, str)
@@ -186,13 +227,15 @@ class StaticPartitionPolicy(Policy):
     def _balanced(
         self,
         cluster: ClusterSnapshot,
+        use: list[str],
         new: list[ModelSnapshot],
         rates: dict[str, float],
         left: dict[str, int],
         floors: dict[str, int],
-    ) -> list[tuple[str, tuple[str, ...]]]:
-        """The best of ``restarts`` greedy packings by expected demand, and of the worst fit by
-        memory: most models placed, then the lowest demand on the most demanded device.
+    ) -> tuple[list[tuple[str, tuple[str, ...]]], tuple[int, float]]:
+        """On the devices of ``use``, the best of ``restarts`` greedy packings by expected demand and
+        of the worst fit by memory (``packing: memory``: the worst fit alone), with its key: most
+        models placed, then the lowest demand on the most demanded device.
 
         A model's demand on each device it is placed on has two parts, each a fraction of what the
         device has: compute (its busy fraction at its expected rate, ``ModelSnapshot.busy``) and KV
@@ -203,7 +246,7 @@ class StaticPartitionPolicy(Policy):
         compute, kv = _expected_demand(cluster, rates)
         work = {d: sum(compute[m] for m in dev.models) for d, dev in cluster.devices.items()}
         kv_on = {d: sum(kv[m] for m in dev.models) for d, dev in cluster.devices.items()}
-        order = {d: i for i, d in enumerate(cluster.devices)}
+        order = {d: i for i, d in enumerate(use)}
 
         def demand(busy: float, bytes_: float, room: int) -> float:
             return max(busy, bytes_ / max(room, 1))
@@ -231,15 +274,15 @@ class StaticPartitionPolicy(Policy):
         base = sorted(new, key=lambda m: m.model)
         while len(orders) < self.knobs.restarts:
             orders.append(_shuffled(base, len(orders)))
-        best = self._worst_fit(cluster, new, left, floors)
+        best = self._worst_fit(cluster, use, new, left, floors)
         room, floor_on, busy, held = dict(left), dict(floors), dict(work), dict(kv_on)
         for name, devices in best:
             put(name, devices, room, floor_on, busy, held)
         best_key = score(best, room, busy, held)
-        for ranked in orders[: self.knobs.restarts]:
+        for ranked in orders[: self.knobs.restarts] if self.knobs.packing == "demand" else ():
             room, floor_on, busy, held, out = dict(left), dict(floors), dict(work), dict(kv_on), []
             for m in ranked:
-                fits = self._fits(cluster, room, floor_on, m)
+                fits = self._fits(cluster, use, room, floor_on, m)
                 if len(fits) < m.tp_size:
                     continue
                 w = m.part_weight_bytes
@@ -258,7 +301,7 @@ class StaticPartitionPolicy(Policy):
             key = score(out, room, busy, held)  # the state this packing left
             if key < best_key:
                 best, best_key = out, key
-        return best
+        return best, best_key
 
     def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
         return self._route_or_wait_for_tick(
