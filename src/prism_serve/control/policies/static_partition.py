@@ -188,12 +188,18 @@ class StaticPartitionPolicy(Policy):
         names = list(cluster.devices)
         lowest = 1 + max((i for i, d in enumerate(names) if cluster.devices[d].models), default=0)
         need = sum(m.tp_size * (m.part_weight_bytes + self.floor_bytes(m)) for m in new)
+        compute = _expected_demand(cluster, rates)[0]
+        # every model's busy fraction on each of its devices (resident or new): once all are placed,
+        # n devices carry this in sum and the busiest at least its average
+        work = sum(compute[m.model] * m.tp_size for m in cluster.models.values())
         best: list[tuple[str, tuple[str, ...]]] = []
         best_key: tuple[int, float] | None = None
         for n in range(len(names), lowest - 1, -1):
             use = names[:n]
             if n < len(names) and sum(max(0, left[d] - floors[d]) for d in use) < need:
                 break  # fewer devices cannot hold every new model
+            if best_key is not None and best_key[0] == -len(new) and work / n > best_key[1]:
+                break  # every model placed already, and n devices cannot have a lower peak
             placed, key = self._balanced(cluster, use, new, rates, left, floors)
             if best_key is None or key < best_key:
                 best, best_key = placed, key
