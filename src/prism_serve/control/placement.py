@@ -349,7 +349,7 @@ class _Bins:
             if self.S[j] - self.reserved[j] - p.weight_bytes >= self.min_kv[j]:
                 room[self.node[j]] = room.get(self.node[j], 0) + 1
         target = max(room, key=lambda nd: (room[nd], nd), default=None)
-        return target, room.get(target, 0) if target is not None else 0
+        return target, room.get(target, 0)
 
 
 def place_parts(parts: Iterable[Part], devices: Sequence[DeviceBudget], tau: float) -> PlacementResult:

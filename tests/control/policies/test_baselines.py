@@ -21,6 +21,7 @@ from prism_serve.control import (
     get_policy,
 )
 from prism_serve.control.policies.muxserve import mesh_groups
+from prism_serve.control.policies.static_partition import _expected_demand
 from tests.control.factories import GIB, apply, cluster, device, engine, model, request
 
 NOW = 1000.0
@@ -155,7 +156,8 @@ def test_one_more_device_never_makes_the_static_packing_worse_by_its_own_measure
     def key(devices: int):
         c = cluster(models, {f"d{i}": 80 for i in range(devices)})
         left = {d: 80 * GIB for d in c.devices}
-        return p._fewest_peak(c, list(c.models.values()), dict(rates), left, dict.fromkeys(c.devices, 0))[1]
+        compute, kv = _expected_demand(c, dict(rates))
+        return p._fewest_peak(c, list(c.models.values()), compute, kv, left, dict.fromkeys(c.devices, 0))[1]
 
     fewer, more = key(n), key(n + 1)
     assert more <= fewer, (fewer, more)

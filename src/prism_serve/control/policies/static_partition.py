@@ -126,8 +126,10 @@ class StaticPartitionPolicy(Policy):
         }
         floor = self.floor_bytes
         floors = {d: sum(floor(cluster.models[m]) for m in dev.models) for d, dev in cluster.devices.items()}
+        held: dict[str, float] = {}  # each model's expected KV held, with the traffic known
         if k.rates:
-            placed = self._fewest_peak(cluster, new, dict(k.rates), left, floors)[0]
+            compute, held = _expected_demand(cluster, dict(k.rates))
+            placed = self._fewest_peak(cluster, new, compute, held, left, floors)[0]
         else:
             placed = self._worst_fit(cluster, list(cluster.devices), new, left, floors)
         actions: list[Action] = []
@@ -141,7 +143,6 @@ class StaticPartitionPolicy(Policy):
                 changed.add(d)
             actions.append(Activate(model, devices))
         share = dict(k.shares)
-        held = _expected_demand(cluster, dict(k.rates))[1] if k.rates else {}
         for d in cluster.devices:
             if d not in changed:
                 continue
@@ -175,7 +176,8 @@ class StaticPartitionPolicy(Policy):
         self,
         cluster: ClusterSnapshot,
         new: list[ModelSnapshot],
-        rates: dict[str, float],
+        compute: dict[str, float],
+        kv: dict[str, float],
         left: dict[str, int],
         floors: dict[str, int],
     ) -> tuple[list[tuple[str, tuple[str, ...]]], tuple[int, float] | None]:
@@ -184,11 +186,12 @@ class StaticPartitionPolicy(Policy):
         device with a model already); the best by ``_balanced``'s key (most models placed, then the
         lowest peak demand), the most devices on a tie. So one more device never makes the chosen
         packing worse by the policy's own measure: it may leave the device idle and keep the packing
-        of one fewer, as an operator who sized the partition would."""
+        of one fewer, as an operator who sized the partition would. ``compute`` and ``kv``: each
+        model's expected demand (``_expected_demand``)."""
         names = list(cluster.devices)
         lowest = 1 + max((i for i, d in enumerate(names) if cluster.devices[d].models), default=0)
         need = sum(m.tp_size * (m.part_weight_bytes + self.floor_bytes(m)) for m in new)
-        compute = _expected_demand(cluster, rates)[0]
+        orders = self._orders(new, compute, kv) if self.knobs.packing == "demand" else []
         # every model's busy fraction on each of its devices (resident or new): once all are placed,
         # n devices carry this in sum and the busiest at least its average
         work = sum(compute[m.model] * m.tp_size for m in cluster.models.values())
@@ -200,7 +203,7 @@ class StaticPartitionPolicy(Policy):
                 break  # fewer devices cannot hold every new model
             if best_key is not None and best_key[0] == -len(new) and work / n > best_key[1]:
                 break  # every model placed already, and n devices cannot have a lower peak
-            placed, key = self._balanced(cluster, use, new, rates, left, floors)
+            placed, key = self._balanced(cluster, use, new, compute, kv, orders, left, floors)
             if best_key is None or key < best_key:
                 best, best_key = placed, key
         return best, best_key
@@ -230,18 +233,36 @@ class StaticPartitionPolicy(Policy):
             out.append((m.model, tuple(group)))
         return out
 
+    def _orders(
+        self, new: list[ModelSnapshot], compute: dict[str, float], kv: dict[str, float]
+    ) -> list[list[ModelSnapshot]]:
+        """The ``restarts`` orders the greedy packings take the new models in: heaviest compute
+        first, heaviest KV first, largest weights first, then seeded shuffles."""
+        orders = [
+            sorted(new, key=lambda m: (-compute[m.model] * m.tp_size, -m.part_weight_bytes, m.model)),
+            sorted(new, key=lambda m: (-kv[m.model] * m.tp_size, -m.part_weight_bytes, m.model)),
+            sorted(new, key=lambda m: (-m.part_weight_bytes, -compute[m.model], m.model)),
+        ]
+        base = sorted(new, key=lambda m: m.model)
+        while len(orders) < self.knobs.restarts:
+            orders.append(_shuffled(base, len(orders)))
+        return orders[: self.knobs.restarts]
+
     def _balanced(
         self,
         cluster: ClusterSnapshot,
         use: list[str],
         new: list[ModelSnapshot],
-        rates: dict[str, float],
+        compute: dict[str, float],
+        kv: dict[str, float],
+        orders: list[list[ModelSnapshot]],
         left: dict[str, int],
         floors: dict[str, int],
     ) -> tuple[list[tuple[str, tuple[str, ...]]], tuple[int, float]]:
-        """On the devices of ``use``, the best of ``restarts`` greedy packings by expected demand and
-        of the worst fit by memory (``packing: memory``: the worst fit alone), with its key: most
-        models placed, then the lowest demand on the most demanded device.
+        """On the devices of ``use``, the best of the greedy packings by expected demand, one per
+        order of ``orders`` (``_orders``; none for ``packing: memory``), and of the worst fit by
+        memory, with its key: most models placed, then the lowest demand on the most demanded
+        device.
 
         A model's demand on each device it is placed on has two parts, each a fraction of what the
         device has: compute (its busy fraction at its expected rate, ``ModelSnapshot.busy``) and KV
@@ -249,7 +270,6 @@ class StaticPartitionPolicy(Policy):
         held, over the memory its device has left after weights). A device's demand is the larger of
         its models' summed compute and summed KV; each greedy step puts the model where that comes
         out lowest."""
-        compute, kv = _expected_demand(cluster, rates)
         work = {d: sum(compute[m] for m in dev.models) for d, dev in cluster.devices.items()}
         kv_on = {d: sum(kv[m] for m in dev.models) for d, dev in cluster.devices.items()}
         order = {d: i for i, d in enumerate(use)}
@@ -272,20 +292,12 @@ class StaticPartitionPolicy(Policy):
             worst = max((demand(busy[d], held[d], room[d]) for d in cluster.devices), default=0.0)
             return -len(out), worst
 
-        orders = [
-            sorted(new, key=lambda m: (-compute[m.model] * m.tp_size, -m.part_weight_bytes, m.model)),
-            sorted(new, key=lambda m: (-kv[m.model] * m.tp_size, -m.part_weight_bytes, m.model)),
-            sorted(new, key=lambda m: (-m.part_weight_bytes, -compute[m.model], m.model)),
-        ]
-        base = sorted(new, key=lambda m: m.model)
-        while len(orders) < self.knobs.restarts:
-            orders.append(_shuffled(base, len(orders)))
         best = self._worst_fit(cluster, use, new, left, floors)
         room, floor_on, busy, held = dict(left), dict(floors), dict(work), dict(kv_on)
         for name, devices in best:
             put(name, devices, room, floor_on, busy, held)
         best_key = score(best, room, busy, held)
-        for ranked in orders[: self.knobs.restarts] if self.knobs.packing == "demand" else ():
+        for ranked in orders:
             room, floor_on, busy, held, out = dict(left), dict(floors), dict(work), dict(kv_on), []
             for m in ranked:
                 fits = self._fits(cluster, use, room, floor_on, m)
