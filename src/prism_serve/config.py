@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from prism_serve.control.types import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
+from prism_serve.control.types import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S, PLACEMENT_COALESCE_S
 from prism_serve.engine.config import DEFAULT_MODEL, ENGINE_DEFAULTS, VLLM_LORA_RANKS, EngineConfig
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.errors import InvalidRequestError
@@ -267,6 +267,13 @@ class PolicyConfig(_Strict):
         True,
         description="decide each tick's placement on a thread of its own, off the event loop that "
         "serves the token streams (runtime/controller.py); false: on the event loop",
+    )
+    placement_coalesce_s: float = Field(
+        PLACEMENT_COALESCE_S,
+        ge=0,
+        le=60,
+        description="the placement that follows a finished activation waits this long, so that "
+        "activations finishing meanwhile share one (control/loop.py); 0: at once",
     )
     activation_timeout_s: float = Field(60.0, gt=0)
     spare_pages: bool = Field(

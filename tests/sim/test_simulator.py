@@ -268,3 +268,59 @@ def test_slos_measured_in_worker_processes_are_those_measured_here():
     here = measure_slos(ms, w, SimConfig(num_devices=1), min_requests=20)
     assert measure_slos(ms, w, SimConfig(num_devices=1), min_requests=20, jobs=2) == here
     assert list(here) == ["a", "b", "c"]
+
+
+def _placements_after_activations(coalesce: float) -> tuple[list[float], list[float], list[float], float]:
+    """Six 8B models taking turns on one device (four fit): when their activations finished, when
+    prism placed (ticks included), when its ticks ran, and when the run ended."""
+    from prism_serve.control import ModelState
+    from prism_serve.sim import Simulator
+
+    ms = [served(f"m{i}") for i in range(6)]
+    w = poisson([m.name for m in ms], rate=0.05, duration=300, prompt=256, output=16, seed=4)
+    config = SimConfig(num_devices=1, policy="prism", placement_coalesce_s=coalesce, tick_s=5.0)
+    sim = Simulator(ms, w, loose(ms), config)
+    finished: list[float] = []
+    placed: list[float] = []
+    ticks: list[float] = []
+    done, place, tick = sim.on_activation_done, sim.loop.policy.place, sim.on_tick
+
+    def on_activation_done(model: str, version: int, now: float) -> None:
+        was = sim.models[model].state
+        done(model, version, now)
+        if was is ModelState.ACTIVATING and sim.models[model].state is ModelState.ACTIVE:
+            finished.append(now)
+
+    def recorded_place(cluster, now, memo=None):
+        placed.append(now)
+        return place(cluster, now, memo)
+
+    def on_tick(now: float) -> None:
+        ticks.append(now)
+        tick(now)
+
+    sim.on_activation_done, sim.loop.policy.place, sim.on_tick = on_activation_done, recorded_place, on_tick
+    res = sim.run()
+    assert len(res.requests) == len(w) and all(r.ttft is not None for r in res.requests)
+    return finished, placed, ticks, sim.now
+
+
+def test_placements_after_activations_are_coalesced():
+    """The placement after a finished activation (the policy contract's) waits
+    ``placement_coalesce_s`` and serves every activation that finishes meanwhile; a tick in between
+    makes it unneeded. At 0 each activation is followed by its own placement at once."""
+    finished, placed, ticks, _ = _placements_after_activations(0.0)
+    assert len(finished) > 20  # the models take turns
+    extra = sorted(set(placed) - set(ticks))
+    assert extra == sorted(set(finished) - set(ticks))  # one placement at every finish, right then
+    w = 2.0  # two fifths of a tick, so that both ways a placement comes are seen
+    finished, placed, ticks, end = _placements_after_activations(w)
+    extra = [t for t in placed if t not in ticks]
+    assert 0 < len(extra) < len(finished) - 5
+    for a in finished:  # every finished activation is placed after, within the window (the run
+        # ends when its last request does, with the placement after the last activation due)
+        assert any(a <= p <= a + w for p in placed) or a + w > end, a
+    for p in extra:  # a coalesced placement comes the window after a finish no tick has seen yet
+        first = min(a for a in finished if a >= p - w - 1e-9)
+        assert first == pytest.approx(p - w)
+        assert not any(first <= t < p for t in ticks)

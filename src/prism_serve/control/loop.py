@@ -24,8 +24,10 @@ snapshot on the loop, ``decide`` runs ``policy.place`` on it (it reads nothing o
 thread may run it), and ``end_tick`` applies the actions back on the loop, unless what they act on
 moved meanwhile (``PlacementRun``): then it applies nothing and the body decides again. ``tick``
 does all three at once (the simulator, where no time passes while a policy decides). A body given
-``place_later`` gets the placement that follows an activation handed to it to run that way
-(several finishing activations then share one), instead of the loop placing there and then.
+``place_later`` gets the placement that follows an activation handed to it, to run later (``place``,
+or a whole tick) so that several finishing activations share one, instead of the loop placing
+there and then: both bodies do, after ``placement_coalesce_s`` (the live runtime's placement thread
+waits that long before its tick; the simulator places that much later, unless a tick came between).
 
 The loop owns the per-device queues, the backlog of deferred requests, where every request is, the
 per-model count of waiting requests, the rate estimator and the seasonal forecaster. Everything else
@@ -320,9 +322,15 @@ class ControlLoop:
         # the contract's "place() right after a model finishes activating" (it may move it again)
         if self.place_later is not None:
             self.place_later()
+            self._admit_changed(now)
         else:
-            cluster = self.body.cluster(now)
-            self._apply_placement(cluster, self.policy.place(cluster, now, self.memo), now)
+            self.place(now)
+
+    def place(self, now: float) -> None:
+        """``policy.place`` now and its actions applied, then admission where anything changed: the
+        placement that follows an activation (a tick's without the backlog's second routing)."""
+        cluster = self.body.cluster(now)
+        self._apply_placement(cluster, self.policy.place(cluster, now, self.memo), now)
         self._admit_changed(now)
 
     def _apply_placement(self, cluster: ClusterSnapshot, actions: Sequence, now: float) -> None:

@@ -18,6 +18,7 @@ from prism_serve.errors import DuplicateRequestError, PrismError
 __all__ = [
     "DEFAULT_TPOT_SLO_S",
     "DEFAULT_TTFT_SLO_S",
+    "PLACEMENT_COALESCE_S",
     "PREFIX_BLOCK_TOKENS",
     "REPLICA_SEPARATOR",
     "Action",
@@ -617,6 +618,10 @@ REPLICA_SEPARATOR = "#"
 # the runtime's ModelSpec's default.
 DEFAULT_TTFT_SLO_S = 1.0
 DEFAULT_TPOT_SLO_S = 0.2
+# Seconds the placement after a finished activation waits, so that the activations finishing
+# meanwhile share one (control/loop.py): the live runtime's and the simulator's default. A placement
+# walks every considered model, and at hundreds of models activations finish several times a second.
+PLACEMENT_COALESCE_S = 0.1
 
 
 def replica_name(model: str, index: int) -> str:

@@ -25,7 +25,6 @@ while one is decided share the next.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import os
@@ -102,7 +101,11 @@ class Controller:
         self.cache = HostWeightCache(namespace, kept_prefix_bytes=self.settings.kept_prefix_bytes)
         self.loop = ControlLoop(
             self.policy, list(self.devices), self, self.models.names(), self._now(),
-            place_later=self._want_placement if self.settings.placement_thread else None,
+            place_later=(
+                self._want_placement
+                if self.settings.placement_thread or self.settings.placement_coalesce_s > 0
+                else None
+            ),
         )  # fmt: skip
         self._placer = ThreadPoolExecutor(1, thread_name_prefix="prism-placement")
         # each snapshot the last one with what changed rebuilt; PRISM_CHECK_SNAPSHOTS=1 (the tests)
@@ -370,8 +373,9 @@ class Controller:
         self.tick()
 
     def _want_placement(self) -> None:
-        """The control loop's ``place_later``: a model finished activating; place at once (off the
-        loop), together with any other activation that finishes before it starts."""
+        """The control loop's ``place_later``: a model finished activating; a tick (off the loop)
+        ``placement_coalesce_s`` from now, together with any other activation that finishes
+        meanwhile or before that tick starts."""
         if self._placement_wanted is not None:
             self._placement_wanted.set()
 
@@ -379,8 +383,12 @@ class Controller:
         wanted = self._placement_wanted
         assert wanted is not None
         while True:
-            with contextlib.suppress(TimeoutError):
+            try:
                 await asyncio.wait_for(wanted.wait(), self.settings.tick_interval_s)
+            except TimeoutError:
+                pass
+            else:  # an activation finished: the others finishing meanwhile share this tick
+                await asyncio.sleep(self.settings.placement_coalesce_s)
             wanted.clear()
             try:
                 await self.tick_off_loop()

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from prism_serve.control.loop import RATE_WINDOW_S
+from prism_serve.control.types import PLACEMENT_COALESCE_S
 from prism_serve.engine.config import GPU_ENGINE_DEFAULTS, EngineConfig
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE
 from prism_serve.sim.cost import COST_MODELS
@@ -41,6 +42,9 @@ class SimConfig:
     knobs: tuple[tuple[str, object], ...] = ()  # policy knobs, as get_policy keyword arguments
     cost_model: str = "roofline"
     tick_s: float = 1.0  # period of policy.place()
+    # the placement after a finished activation waits this long, and activations finishing meanwhile
+    # share it (live: policy.placement_coalesce_s); a tick in between makes it unneeded; 0: at once
+    placement_coalesce_s: float = PLACEMENT_COALESCE_S
     engine: EngineConfig = GPU_ENGINE_DEFAULTS
     page_size: int = DEFAULT_PAGE_SIZE
     max_run_steps: int = 32  # decode steps stretched into one event (engine.py)
@@ -86,3 +90,5 @@ class SimConfig:
                 raise SimConfigError(f"{name} must be >= 1")
         if not (self.tick_s > 0 and self.rate_window_s > 0 and self.drain_s >= 0 and self.warmup_s >= 0):
             raise SimConfigError("tick_s and rate_window_s must be > 0, drain_s and warmup_s >= 0")
+        if not (self.placement_coalesce_s >= 0 and math.isfinite(self.placement_coalesce_s)):
+            raise SimConfigError(f"placement_coalesce_s must be >= 0, got {self.placement_coalesce_s}")

@@ -1,10 +1,10 @@
 """The event heap and one small class per event.
 
 Events are ordered by ``(time, priority, sequence number)``: at equal times a finished step (which
-frees memory) is handled before an activation completes, that before an arrival, and the global tick
-last; the sequence number keeps insertion order among equals, so a run is deterministic. Each event
-knows which handler of the simulator applies it (``EventHandler``, which the simulator is); the
-loop is ``pop -> event.apply(sim)``.
+frees memory) is handled before an activation completes, that before an arrival, then the global
+tick, and last a coalesced placement; the sequence number keeps insertion order among equals, so a
+run is deterministic. Each event knows which handler of the simulator applies it (``EventHandler``,
+which the simulator is); the loop is ``pop -> event.apply(sim)``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import heapq
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-__all__ = ["ActivationDone", "Arrival", "Event", "EventHandler", "EventQueue", "StepDone", "Tick"]
+__all__ = ["ActivationDone", "Arrival", "Event", "EventHandler", "EventQueue", "Place", "StepDone", "Tick"]
 
 
 class EventHandler(Protocol):
@@ -23,6 +23,7 @@ class EventHandler(Protocol):
     def on_activation_done(self, model: str, version: int, now: float) -> None: ...
     def on_arrival(self, index: int, now: float) -> None: ...
     def on_tick(self, now: float) -> None: ...
+    def on_place(self, now: float) -> None: ...
 
 
 class Event:
@@ -76,6 +77,17 @@ class Tick(Event):
 
     def apply(self, sim: EventHandler, now: float) -> None:
         sim.on_tick(now)
+
+
+@dataclass(slots=True)
+class Place(Event):
+    """The placement that follows activations finished ``placement_coalesce_s`` ago (one for all
+    of them); after a tick at the same time, which makes it unneeded."""
+
+    priority: ClassVar[int] = 4
+
+    def apply(self, sim: EventHandler, now: float) -> None:
+        sim.on_place(now)
 
 
 class EventQueue:

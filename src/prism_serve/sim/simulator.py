@@ -57,7 +57,7 @@ from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.engine import SimEngine, SimRequest
 from prism_serve.sim.errors import SimConfigError, SimStateError
-from prism_serve.sim.events import ActivationDone, Arrival, EventQueue, StepDone, Tick
+from prism_serve.sim.events import ActivationDone, Arrival, EventQueue, Place, StepDone, Tick
 from prism_serve.sim.hardware import get_hardware
 from prism_serve.sim.memory import SimDevice
 from prism_serve.sim.metrics import SimResult
@@ -134,8 +134,19 @@ class Simulator:
                 self.models[name] = replace(state, served=replace(m, name=name), quota={})
                 self.replica_of[name] = m.name
         self.loop = ControlLoop(
-            policy, list(self.devices), self, self.models, 0.0, rate_window_s=config.rate_window_s
+            policy,
+            list(self.devices),
+            self,
+            self.models,
+            0.0,
+            rate_window_s=config.rate_window_s,
+            place_later=self._place_later if config.placement_coalesce_s > 0 else None,
         )
+        # the coalesced placement after activations (Place): whether one is due, the last finish
+        # it is for, and when the last tick ran (which places anyway)
+        self._place_due = False
+        self._place_for = -math.inf
+        self._last_tick = -math.inf
         self._slots: dict[str, list[str]] = {}
         for name, base in self.replica_of.items():
             self._slots.setdefault(base, []).append(name)
@@ -340,6 +351,7 @@ class Simulator:
         return [model, *self._slots.get(model, ())]
 
     def on_tick(self, now: float) -> None:
+        self._last_tick = now
         if self.config.stop_after_ttft_misses is not None:
             self._count_ttft_misses(now)
         if self._stepped:
@@ -348,6 +360,19 @@ class Simulator:
         self.loop.tick(now)
         if self._next_arrival < self._end or self.in_system:
             self.events.push(now + self.config.tick_s, Tick())
+
+    def _place_later(self) -> None:
+        """The loop's ``place_later``: one placement ``placement_coalesce_s`` after the first of the
+        activations that finish meanwhile."""
+        self._place_for = self.now
+        if not self._place_due:
+            self._place_due = True
+            self.events.push(self.now + self.config.placement_coalesce_s, Place())
+
+    def on_place(self, now: float) -> None:
+        self._place_due = False
+        if self._last_tick < self._place_for:  # else a tick since the last finish placed knowing it
+            self.loop.place(now)
 
     def on_step_done(self, model: str, version: int, now: float) -> None:
         m = self.models[model]
