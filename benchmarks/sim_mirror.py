@@ -115,6 +115,7 @@ def sim_deployment(
         policy=dep.policy,
         knobs=knobs,
         tick_s=cfg.policy.tick_interval_s,
+        placement_coalesce_s=cfg.policy.placement_coalesce_s,
         page_size=DEFAULT_PAGE_SIZE,  # the live ledger's page
         warmup_s=warmup_s,  # rate_window_s: the control loop's default, as in the live controller
         step_scale=step_scale,

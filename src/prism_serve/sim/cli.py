@@ -149,6 +149,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         num_devices=args.gpus, hardware=args.hardware, knobs=_typed(knobs), tick_s=args.tick,
         compute_sharing=not args.no_compute_sharing,
         engine=msgspec.structs.replace(GPU_ENGINE_DEFAULTS, **engine),
+        **({} if args.placement_coalesce is None else {"placement_coalesce_s": args.placement_coalesce}),
     )  # fmt: skip
     if (
         config.engine.prefix_caching
@@ -331,6 +332,12 @@ def add_sim_parser(sub) -> None:
     s.add_argument("--tpot-scale", type=float, default=None, help="default: the SLO scale")
     s.add_argument("--slos", type=Path, help="SLO file: read if it exists, else measured and written")
     s.add_argument("--tick", type=float, default=1.0, help="placement tick period, s")
+    s.add_argument(
+        "--placement-coalesce",
+        type=float,
+        default=None,
+        help="seconds the placement after an activation waits for others to share (default 0.1; 0: none)",
+    )
     s.add_argument("--max-num-seqs", type=int, help="requests per engine batch (default 256, a GPU engine's)")
     s.add_argument(
         "--max-num-batched-tokens", type=int, help="tokens per engine step (default 8192, a GPU engine's)"

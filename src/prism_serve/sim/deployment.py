@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 
 from prism_serve.config import ConfigError, DeploymentConfig, ModelConfig, load_config, parse_config
+from prism_serve.control.types import PLACEMENT_COALESCE_S
 from prism_serve.engine.config import GPU_ENGINE_DEFAULTS, EngineConfig
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.engine.models.config import ArchConfig
@@ -53,6 +54,7 @@ class SimDeployment:
     # judged by its base's SLOs (its own TTFT SLO orders the live queue; not modelled here)
     aliases: dict[str, str] = field(default_factory=dict)
     kept_prefix_bytes: int = 0  # the config's policy.kept_prefix_bytes (unset: this host's default)
+    placement_coalesce_s: float = PLACEMENT_COALESCE_S  # the config's policy.placement_coalesce_s
 
 
 def deployment_config(name_or_path: str | Path) -> DeploymentConfig:
@@ -98,7 +100,10 @@ def sim_deployment(config: DeploymentConfig, gpu: bool = True) -> SimDeployment:
     kept = config.policy.kept_prefix_bytes
     if kept is None:
         kept = default_kept_prefix_bytes()
-    return SimDeployment(models, slos, engine, config.policy.name, knobs, tuple(warnings), aliases, kept)
+    return SimDeployment(
+        models, slos, engine, config.policy.name, knobs, tuple(warnings), aliases, kept,
+        config.policy.placement_coalesce_s,
+    )  # fmt: skip
 
 
 def get_setup(name: str) -> list[ServedModel]:

@@ -449,6 +449,7 @@ def plan(
         base = SimConfig(
             num_devices=1, hardware=hardware, engine=deployment.engine, knobs=deployment.knobs,
             kept_prefix_bytes=deployment.kept_prefix_bytes,
+            placement_coalesce_s=deployment.placement_coalesce_s,
         )  # fmt: skip
     else:
         base = dataclasses.replace(config, num_devices=1, hardware=hardware)
@@ -556,7 +557,7 @@ def simulate_point(
     config = SimConfig(
         num_devices=devices, hardware=hardware, engine=deployment.engine, policy=policy,
         knobs=deployment.knobs if policy == deployment.policy else (),
-        kept_prefix_bytes=deployment.kept_prefix_bytes,
+        kept_prefix_bytes=deployment.kept_prefix_bytes, placement_coalesce_s=deployment.placement_coalesce_s,
     )  # fmt: skip
     return _run(_Job(tuple(deployment.models), workload, deployment.slos, config))
 
