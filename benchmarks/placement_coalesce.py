@@ -1,6 +1,7 @@
 """What coalescing the placements after finished activations saves in a simulation, and what it
 changes: one count of a large deployment simulated with ``placement_coalesce_s`` 0 (a placement
-after every finished activation, as before) and at its default, in one process, one after the other.
+after every finished activation, the default) and at ``--coalesce`` (0.1 s), in one process, one
+after the other.
 
 Deployments as benchmarks/plan_scale.py makes them (paper-58's mix repeated and renamed, ServeGen
 m-large traffic, SLOs 5x each model's P95 alone on a simulated H100). Prints each run's CPU seconds,
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import common
 from plan_scale import config_of, traffic_of
-from prism_serve.control.types import PLACEMENT_COALESCE_S
 from prism_serve.sim.config import SimConfig
 from prism_serve.sim.deployment import deployment_config, sim_deployment
 from prism_serve.sim.plan_cli import _measured_slos
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=20.0, help="total req/s")
     ap.add_argument("--duration", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--coalesce", type=float, default=0.1, help="placement_coalesce_s against 0")
     ap.add_argument("--out", type=Path, default=Path("results/placement-coalesce"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -75,7 +76,7 @@ def main() -> None:
     workload = read_traffic(path, [m.name for m in dep.models], TrafficOptions()).workload
     dep = _measured_slos(dep, workload, "h100", 5.0, None)
     print(f"{args.models} models, {requests} requests over {args.duration:g} s, {args.devices} devices")
-    rows = [run(dep, workload, args.devices, c) for c in (0.0, PLACEMENT_COALESCE_S)]
+    rows = [run(dep, workload, args.devices, c) for c in (0.0, args.coalesce)]
     for r in rows:
         print(json.dumps(r), flush=True)
     before, after = rows

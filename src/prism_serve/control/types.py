@@ -620,8 +620,10 @@ DEFAULT_TTFT_SLO_S = 1.0
 DEFAULT_TPOT_SLO_S = 0.2
 # Seconds the placement after a finished activation waits, so that the activations finishing
 # meanwhile share one (control/loop.py): the live runtime's and the simulator's default. A placement
-# walks every considered model, and at hundreds of models activations finish several times a second.
-PLACEMENT_COALESCE_S = 0.1
+# walks every considered model, and at hundreds of models activations finish several times a second;
+# but 0 (at once) by default: a placement made at once sees the activated model's queue before its
+# engine admits it, and prism's copies for bursts depend on that (control/README.md, "Coalescing").
+PLACEMENT_COALESCE_S = 0.0
 
 
 def replica_name(model: str, index: int) -> str:

@@ -336,7 +336,7 @@ def add_sim_parser(sub) -> None:
         "--placement-coalesce",
         type=float,
         default=None,
-        help="seconds the placement after an activation waits for others to share (default 0.1; 0: none)",
+        help="seconds the placement after an activation waits for others to share (default 0: at once)",
     )
     s.add_argument("--max-num-seqs", type=int, help="requests per engine batch (default 256, a GPU engine's)")
     s.add_argument(
