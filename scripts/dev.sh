@@ -19,6 +19,15 @@ VENV=${PRISM_VENV:-.venv}
 stamp="$VENV/.prism-setup"
 want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -d' ' -f1)
 
+cmd=${1:-help}
+shift || true
+# `test`'s environments that do not build on .venv install while it does (each is a no-op once made)
+background=()
+if [ "$cmd" = test ]; then
+  bash scripts/vllm-server-env.sh & background+=($!)  # vLLM's engine for `engine: vllm` models
+  bash scripts/ensure-chromium.sh & background+=($!)  # the dashboard's headless-browser test
+fi
+
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "prism: setting up $VENV (first run takes a minute or two)" >&2
   "$PY" -m venv "$VENV"
@@ -29,8 +38,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-cmd=${1:-help}
-shift || true
 case "$cmd" in
   serve)
     exec "$VENV/bin/prism" serve "$@" ;;
@@ -39,8 +46,9 @@ case "$cmd" in
     exec "$VENV/bin/prism" generate "$@" ;;
   test)
     PRISM_VENV="$VENV" bash scripts/client-envs.sh
-    bash scripts/vllm-server-env.sh  # vLLM's engine for `engine: vllm` models (tests/api/test_vllm_server.py)
-    bash scripts/ensure-chromium.sh  # the dashboard's headless-browser test
+    for job in "${background[@]}"; do
+      wait "$job"  # a failed one stops the tests here (set -e)
+    done
     "$VENV/bin/ruff" check --quiet .
     exec "$VENV/bin/python" -m pytest "$@" ;;
   *)
