@@ -258,28 +258,6 @@ def _burst(waiting: int, *, replica_waiting: int | None = None):
     return cluster(models, DEVICES, engines=engines)
 
 
-def test_a_burst_the_engine_started_but_has_not_prefilled_still_counts() -> None:
-    """Requests the engine took into its batch (none waiting there) whose prompts are not yet
-    prefilled delay a new request as much as if they waited: a placement right after an engine
-    admits a burst sees the same backlog as one right before."""
-    waiting = _burst(40)
-    started = cluster(
-        [hot(rate=1.0, on=("d0",), running=40, queued=1), hot(k=1), hot(k=2)],
-        DEVICES,
-        engines=[EngineSnapshot("m", "d0", 1024, num_running=40, prefill_tokens_left=40 * 512)],
-    )
-    unknown = cluster(
-        [hot(rate=1.0, on=("d0",), running=40, queued=1), hot(k=1), hot(k=2)],
-        DEVICES,
-        engines=[EngineSnapshot("m", "d0", 1024, num_running=40)],
-    )
-    assert predicted_ttft(started.models["m"], started) >= predicted_ttft(waiting.models["m"], waiting) > 1.0
-    assert predicted_ttft(unknown.models["m"], unknown) < 1.0
-    assert backlogged(started, "m") and not backlogged(unknown, "m")
-    with pytest.raises(InvalidSnapshotError, match="prefill_tokens_left"):
-        EngineSnapshot("m", "d0", 1024, num_running=1, prefill_tokens_left=-1)
-
-
 def test_a_burst_its_replicas_cannot_absorb_wants_another_replica_whatever_the_rate() -> None:
     """The 60 s rate lags a burst; requests waiting in the engine make the predicted TTFT pass the
     SLO on every replica, and the model wants one replica more (prism activates it)."""

@@ -59,23 +59,6 @@ def test_chunked_prefill_of_16_matches_alone(make_engine, prompts, alone):
     assert [o.token_ids for o in outs] == alone
 
 
-def test_prefill_tokens_left_counts_the_started_prompts_unfinished_tokens(make_engine, prompts):
-    """What the controller's TTFT prediction queues a new request behind besides the waiting
-    queue: each started prompt's tokens not prefilled yet, a chunk of 16 a step here."""
-    engine = make_engine(max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=128)
-    prompt = max(prompts, key=len)
-    assert len(prompt) > 32
-    engine.add_request(prompt, GREEDY)
-    assert engine.prefill_tokens_left == 0 and engine.num_waiting == 1  # not started
-    left = []
-    for _ in range(2):
-        engine.step()
-        left.append(engine.prefill_tokens_left)
-    assert left == [len(prompt) - 16, len(prompt) - 32] and engine.num_waiting == 0
-    run_to_completion(engine)
-    assert engine.prefill_tokens_left == 0
-
-
 def test_preemption_under_tiny_block_budget_keeps_outputs(make_engine, prompts, alone):
     # 10 blocks of 8 tokens: any two requests together overflow it, so the scheduler preempts.
     engine = make_engine(max_num_seqs=8, block_size=8, num_kv_blocks=10)

@@ -270,12 +270,9 @@ def device_busy(cluster: ClusterSnapshot, device: str) -> float:
 
 def predicted_ttft(m: ModelSnapshot, cluster: ClusterSnapshot, prefill_tokens: float | None = None) -> float:
     """Seconds until a new request of replica ``m`` would get its first token, roughly: the queue
-    ahead of it on ``m``'s device, the requests its engine holds but has not started, the prompt
-    tokens of those it started that are not prefilled yet, and its own prefill (``prefill_tokens``,
-    else the model's mean prompt), plus one decode step of ``m``'s running batch, stretched by the
-    device's compute contention. (Without the unfinished prefills a burst just admitted looked like
-    a larger decode batch: a placement right before the admission saw the burst, one right after
-    saw none.)"""
+    ahead of it on ``m``'s device, the requests its engine holds but has not started, and its own
+    prefill (``prefill_tokens``, else the model's mean prompt), plus one decode step of ``m``'s
+    running batch, stretched by the device's compute contention."""
     p = m.profile
     device = cluster.devices[m.placement[0]]
     engine = cluster.engines.get(m.model)
@@ -285,8 +282,6 @@ def predicted_ttft(m: ModelSnapshot, cluster: ClusterSnapshot, prefill_tokens: f
         queue_s = (ahead + 1) * prefill_s
     else:
         queue_s = ahead * prefill_s + prefill_tokens / p.prefill_tokens_per_s
-    if engine is not None and engine.prefill_tokens_left:
-        queue_s += engine.prefill_tokens_left / p.prefill_tokens_per_s
     step_s = p.decode_step_s * max(1.0, m.num_running / _TYPICAL_BATCH)
     return contention(device_busy(cluster, device.device)) * (queue_s + step_s)
 

@@ -295,9 +295,6 @@ class EngineSnapshot:
     # of num_running, those the engine holds but has not started yet (its waiting queue): the
     # prefill backlog a new request of this engine queues behind
     num_waiting: int = 0
-    # prompt tokens the started ones have yet to prefill (a chunked prefill spreads a long prompt,
-    # or a burst's prompts, over many steps): the rest of that backlog
-    prefill_tokens_left: int = 0
 
     def __post_init__(self) -> None:
         if not self.kv_bytes_per_token > 0:
@@ -306,8 +303,6 @@ class EngineSnapshot:
             raise InvalidSnapshotError(f"{self.model}@{self.device}: negative KV or request counts")
         if not 0 <= self.num_waiting <= self.num_running:
             raise InvalidSnapshotError(f"{self.model}@{self.device}: num_waiting must be in [0, num_running]")
-        if self.prefill_tokens_left < 0:
-            raise InvalidSnapshotError(f"{self.model}@{self.device}: prefill_tokens_left must be >= 0")
         if not (self.prefill_tokens_per_s is None or self.prefill_tokens_per_s > 0):
             raise InvalidSnapshotError(f"{self.model}@{self.device}: prefill_tokens_per_s must be > 0")
 

@@ -63,10 +63,6 @@ class WorkerEngine(Protocol):
     def num_waiting(self) -> int: ...
 
     @property
-    def prefill_tokens_left(self) -> int:
-        """Prompt tokens its running requests have yet to prefill."""
-
-    @property
     def num_cached_blocks(self) -> int:
         """KV blocks its prefix cache keeps that no request holds (reclaimable; 0 without one)."""
 
@@ -141,9 +137,3 @@ class RequestCounts:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-    @property
-    def prefill_tokens_left(self) -> int:
-        """Prompt tokens its running requests have yet to prefill (chunked prefill spreads a prompt
-        over steps): work a new request's first token waits behind, beside the waiting queue."""
-        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.scheduler.running)

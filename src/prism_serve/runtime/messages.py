@@ -116,8 +116,6 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     decode_sums: tuple[float, ...] = ()
     # KV blocks the prefix cache keeps that no request holds (not in used_kv_bytes): reclaimable
     cached_kv_bytes: int = 0
-    # prompt tokens its running requests have yet to prefill (EngineSnapshot.prefill_tokens_left)
-    prefill_tokens_left: int = 0
 
 
 class RequestTimings(msgspec.Struct, array_like=True, frozen=True):

@@ -440,7 +440,6 @@ def _engine_snapshot(name: str, m: ModelEntry) -> EngineSnapshot:
         prefill_tokens_per_s=stats.prefill_tokens_per_s if stats else None,
         # the worker's count is one step old: never more than the requests booked on it
         num_waiting=min(stats.num_waiting, m.num_running) if stats else 0,
-        prefill_tokens_left=stats.prefill_tokens_left if stats else 0,
     )
 
 

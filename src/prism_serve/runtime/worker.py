@@ -384,7 +384,6 @@ class Worker:
             cpu_seconds=time.process_time() - a.cpu_start,
             decode_sums=a.decode.values() if a.decode.steps else (),
             cached_kv_bytes=cached,
-            prefill_tokens_left=a.engine.prefill_tokens_left,
         )
 
     # ---- activation and eviction --------------------------------------------------------------

@@ -208,10 +208,6 @@ class SimEngine:
         for d in self.devices:
             d.claim(self._claim_key, need)
 
-    def prefill_tokens_left(self) -> int:
-        """Prompt tokens its running requests have yet to prefill (the live engines' count)."""
-        return sum(max(0, s.req.prompt_tokens - s.num_computed) for s in self.running)
-
     def claimed_bytes(self) -> int:
         return self.devices[0].claims.get(self._claim_key, 0)
 

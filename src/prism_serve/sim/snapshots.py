@@ -207,7 +207,6 @@ class SnapshotBuilder:
             e.max_num_seqs,
             m.prefill_speed,
             len(e.waiting),
-            e.prefill_tokens_left(),
         )
         m.engine_snapshot = snap
         self._changed_engines[name] = None
