@@ -319,7 +319,8 @@ class ControlLoop:
         self.stale_models[model] = None
         self._to_admit.add(device)
         self._touch((device,))
-        # the contract's "place() right after a model finishes activating" (it may move it again)
+        # the contract's "place() after a model finishes activating" (it may move it again): here
+        # and now, or by the body (coalesced with others, or off the body's event loop)
         if self.place_later is not None:
             self.place_later()
             self._admit_changed(now)
