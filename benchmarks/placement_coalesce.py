@@ -15,13 +15,13 @@ ratio of the CPU seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import common
 from plan_scale import config_of, traffic_of
-from prism_serve.sim.config import SimConfig
 from prism_serve.sim.deployment import deployment_config, sim_deployment
 from prism_serve.sim.plan_cli import _measured_slos
 from prism_serve.sim.simulator import Simulator
@@ -29,10 +29,7 @@ from prism_serve.workload.traffic import TrafficOptions, read_traffic
 
 
 def run(dep, workload, devices: int, coalesce: float) -> dict:
-    config = SimConfig(
-        num_devices=devices, hardware="h100", engine=dep.engine, policy="prism",
-        kept_prefix_bytes=dep.kept_prefix_bytes, placement_coalesce_s=coalesce,
-    )  # fmt: skip
+    config = dataclasses.replace(dep.sim_config(devices, "h100", "prism"), placement_coalesce_s=coalesce)
     sim = Simulator(dep.models, workload, dep.slos, config)
     calls = {"tick": 0, "after activations": 0}
     place, tick = sim.loop.place, sim.loop.tick

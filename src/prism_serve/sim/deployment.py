@@ -30,7 +30,7 @@ from prism_serve.engine.machine import resolve_dtype
 from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.sources import json_object
 from prism_serve.memory.kept import default_kept_prefix_bytes
-from prism_serve.sim.config import ModelSLO
+from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.models import ServedModel
 from prism_serve.sim.shapes import shape_of
@@ -55,6 +55,17 @@ class SimDeployment:
     aliases: dict[str, str] = field(default_factory=dict)
     kept_prefix_bytes: int = 0  # the config's policy.kept_prefix_bytes (unset: this host's default)
     placement_coalesce_s: float = PLACEMENT_COALESCE_S  # the config's policy.placement_coalesce_s
+
+    def sim_config(self, num_devices: int, hardware: str, policy: str | None = None) -> SimConfig:
+        """A simulation of this deployment on ``num_devices`` of ``hardware``: its engine knobs and
+        its policy settings, and its policy's knobs when ``policy`` is its own (None: the
+        simulator's default policy, with the deployment's knobs)."""
+        return SimConfig(
+            num_devices=num_devices, hardware=hardware, engine=self.engine,
+            **({} if policy is None else {"policy": policy}),
+            knobs=self.knobs if policy is None or policy == self.policy else (),
+            kept_prefix_bytes=self.kept_prefix_bytes, placement_coalesce_s=self.placement_coalesce_s,
+        )  # fmt: skip
 
 
 def deployment_config(name_or_path: str | Path) -> DeploymentConfig:

@@ -446,11 +446,7 @@ def plan(
     if missing := [m for m in workload.models if m not in names]:
         raise SimConfigError(f"the traffic names models the deployment lacks: {', '.join(missing[:5])}")
     if config is None:
-        base = SimConfig(
-            num_devices=1, hardware=hardware, engine=deployment.engine, knobs=deployment.knobs,
-            kept_prefix_bytes=deployment.kept_prefix_bytes,
-            placement_coalesce_s=deployment.placement_coalesce_s,
-        )  # fmt: skip
+        base = deployment.sim_config(1, hardware)
     else:
         base = dataclasses.replace(config, num_devices=1, hardware=hardware)
     if base.step_scale != 1.0:
@@ -554,11 +550,7 @@ def simulate_point(
     """One point of a plan run to its end (the search stops a point once it has missed more than the
     target allows; this never does): ``policy`` on ``devices`` devices of ``hardware``, what
     ``PolicyPlan.points`` holds for a count."""
-    config = SimConfig(
-        num_devices=devices, hardware=hardware, engine=deployment.engine, policy=policy,
-        knobs=deployment.knobs if policy == deployment.policy else (),
-        kept_prefix_bytes=deployment.kept_prefix_bytes, placement_coalesce_s=deployment.placement_coalesce_s,
-    )  # fmt: skip
+    config = deployment.sim_config(devices, hardware, policy)
     return _run(_Job(tuple(deployment.models), workload, deployment.slos, config))
 
 
