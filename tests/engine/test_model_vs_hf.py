@@ -13,6 +13,7 @@ from prism_serve.engine.models.config import PRESETS, ArchConfig
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.scheduler import ScheduledSeq
 from prism_serve.engine.weights import LoadedWeights, random_weights
+from prism_serve.errors import CorruptWeightsError
 
 
 def our_logits(engine: LLMEngine, token_ids: list[int], chunk: int) -> torch.Tensor:
@@ -83,20 +84,101 @@ TINY = ArchConfig("llama", 300, 64, 128, 2, 4, 2, 16, 512, 10000.0, 1e-5, tie_wo
         dataclasses.replace(TINY, tie_word_embeddings=True, num_kv_heads=4),
         dataclasses.replace(TINY, rope_scaling=PRESETS["llama-3.2-1b"].rope_scaling, rope_theta=500000.0),
         dataclasses.replace(TINY, architecture="qwen2", attention_bias=True, num_kv_heads=1),
+        # heads wider than hidden / heads, as Qwen3's are
+        dataclasses.replace(TINY, architecture="qwen3", qk_norm=True, head_dim=32),
     ],
-    ids=["llama-gqa", "tied-mha", "llama3-rope", "qwen2-bias"],
+    ids=["llama-gqa", "tied-mha", "llama3-rope", "qwen2-bias", "qwen3-qk-norm"],
 )
 def test_synthetic_shapes_match_hf(config):
-    weights = random_weights(config, seed=3)
-    # Biases from N(0, 0.02) are near zero; make them large enough to matter.
-    for name, t in weights.tensors.items():
-        if name.endswith("bias"):
-            t.normal_(0, 1.0)
+    weights = _matters(random_weights(config, seed=3))
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     engine = LLMEngine(EngineConfig(block_size=4, num_kv_blocks=64, dtype="float32"), weights=weights)
     ref = hf_logits(weights, ids, torch.float32)
     for chunk in (40, 7, 1):
         torch.testing.assert_close(our_logits(engine, ids, chunk), ref, atol=1e-4, rtol=1e-4)
+
+
+def _matters(weights: LoadedWeights) -> LoadedWeights:
+    """Biases from N(0, 0.02) are near zero, the q/k head norms' weights are ones, and queries and
+    keys so small that attention is near uniform (positions barely matter): draw them so that
+    getting any of them wrong shows."""
+    for name, t in weights.tensors.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            t.normal_(0, 0.5)
+        elif name.endswith("bias"):
+            t.normal_(0, 1.0)
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            t.normal_(1.0, 0.5)
+    return weights
+
+
+# One tiny model of each architecture the built-in engine reads, with the family's distinguishing
+# parts (GQA; Qwen2's q/k/v bias; Qwen3's head norms and heads wider than hidden / heads), a vocab
+# of the byte tokenizer's 256 so that the GGUF file carries the whole vocabulary. SYNTHETIC weights.
+_BYTE_TINY = dataclasses.replace(TINY, vocab_size=256)
+ARCHITECTURES = {
+    "llama": _BYTE_TINY,
+    "qwen2": dataclasses.replace(_BYTE_TINY, architecture="qwen2", attention_bias=True),
+    # transformers' GGUF reader takes Qwen3's head_dim from its default (128), not the file
+    "qwen3": dataclasses.replace(_BYTE_TINY, architecture="qwen3", qk_norm=True, head_dim=128),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_each_architecture_reads_from_gguf_and_hf_as_transformers_reads_it(arch, tmp_path):
+    """The same weights written as a GGUF file (llama.cpp's names and layout: only ``llama`` files
+    have their Q/K rows permuted) and as an HF directory: both loaders give back the tensors and the
+    shape written, and transformers' own GGUF reader (independent code) finds the same tensors."""
+    import transformers
+
+    from prism_serve.engine.weights import load_gguf, load_hf_dir, save_hf_dir
+    from tests.engine.gguf_export import write_gguf
+
+    config = ARCHITECTURES[arch]
+    weights = _matters(random_weights(config, seed=1))
+    path = write_gguf(weights, tmp_path / f"{arch}.gguf")
+    save_hf_dir(weights, tmp_path / "hf")
+    for loaded in (load_gguf(path), load_hf_dir(tmp_path / "hf")):
+        # GGUF stores the epsilon as float32
+        assert dataclasses.replace(loaded.config, rms_norm_eps=config.rms_norm_eps) == config
+        assert loaded.config.rms_norm_eps == pytest.approx(config.rms_norm_eps)
+        assert loaded.tensors.keys() == weights.tensors.keys()
+        for name, t in weights.tensors.items():
+            assert torch.equal(loaded.tensors[name], t), name
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).state_dict()
+    for name, t in weights.tensors.items():
+        assert torch.equal(theirs[name], t), name
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_each_architecture_generates_hf_transformers_greedy_tokens(arch, tmp_path):
+    """16 prompts of 3-60 tokens, 24 greedy tokens each, batched in one engine with chunked
+    prefill, from the GGUF file: every token equals transformers' greedy choice on the same weights."""
+    from prism_serve.engine.llm import LLM
+    from prism_serve.engine.weights import load_gguf
+    from tests.engine.gguf_export import write_gguf
+
+    weights = _matters(random_weights(ARCHITECTURES[arch], seed=2))
+    loaded = load_gguf(write_gguf(weights, tmp_path / f"{arch}.gguf"))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(0, 256, (int(n),), generator=gen).tolist()
+        for n in torch.randint(3, 61, (16,), generator=gen)
+    ]
+    llm = LLM(weights=loaded, block_size=4, num_kv_blocks=512, max_num_batched_tokens=64, dtype="float32")
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate(prompts, greedy)]
+    hf = build_hf_model(weights, torch.float32)
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        # greedy over transformers' own logits, the whole sequence each step (its ``generate`` also
+        # applies generation-config processors, which are not the model)
+        ids = list(prompt)
+        with torch.inference_mode():
+            for _ in range(24):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert tokens == ids[len(prompt) :]
 
 
 def test_gguf_dequantization_matches_transformers_own_gguf_loader(smollm):
@@ -113,3 +195,26 @@ def test_gguf_dequantization_matches_transformers_own_gguf_loader(smollm):
     theirs = hf.state_dict()
     for name, ours in smollm.tensors.items():
         torch.testing.assert_close(ours, theirs[name], atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_each_architecture_rebuilds_from_its_packed_tensors(arch):
+    """An activation rebuilds the model over ``packed_tensors()`` copied to the device's pages
+    (``from_packed``): every tensor the forward pass reads is in it, the Qwen3 head norms too."""
+    from prism_serve.engine.models.llama import LlamaForCausalLM
+
+    weights = _matters(random_weights(ARCHITECTURES[arch], seed=4))
+    built = LlamaForCausalLM(weights.config, weights.tensors, torch.float32, 64)
+    copies = {name: t.clone() for name, t in built.packed_tensors().items()}
+    rebuilt = LlamaForCausalLM.from_packed(weights.config, copies, torch.float32, 64)
+    assert [t.data_ptr() for t in rebuilt.tensors()] != [t.data_ptr() for t in built.tensors()]
+    for name, t in built.packed_tensors().items():
+        assert torch.equal(rebuilt.packed_tensors()[name], t), name
+    assert rebuilt.weight_bytes == built.weight_bytes
+    if weights.config.qk_norm:
+        assert all(layer.q_norm is not None and layer.k_norm is not None for layer in rebuilt.layers)
+    gone = "layers.0.q_norm" if weights.config.qk_norm else "layers.0.qkv"
+    with pytest.raises(CorruptWeightsError, match=gone):
+        LlamaForCausalLM.from_packed(
+            weights.config, {n: t for n, t in copies.items() if n != gone}, torch.float32, 64
+        )

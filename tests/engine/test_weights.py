@@ -42,6 +42,8 @@ def test_presets_describe_real_sizes(preset):
         "smollm2-135m": 134.5e6,
         "smollm2-360m": 361.8e6,
         "qwen2.5-0.5b": 494.0e6,
+        "qwen3-0.6b": 596.0e6,
+        "qwen3-8b": 8190.7e6,
         "llama-3.2-1b": 1235.8e6,
         "llama-3.2-3b": 3212.7e6,
         "llama-3.1-8b": 8030.3e6,

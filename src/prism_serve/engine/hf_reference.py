@@ -12,12 +12,13 @@ from prism_serve.engine.weights import LoadedWeights
 
 
 def build_hf_model(weights: LoadedWeights, dtype: torch.dtype = torch.float32) -> Any:
-    """An HF ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) holding exactly ``weights.tensors``."""
+    """An HF ``LlamaForCausalLM`` (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) holding exactly
+    ``weights.tensors``."""
     import transformers
 
     cfg_dict = weights.config.to_hf_config()
     cls_name = cfg_dict["architectures"][0]
-    config_cls = transformers.Qwen2Config if cls_name.startswith("Qwen2") else transformers.LlamaConfig
+    config_cls = getattr(transformers, cls_name.removesuffix("ForCausalLM") + "Config")
     config = config_cls(**{k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures")})
     config._attn_implementation = "sdpa"
     model = getattr(transformers, cls_name)(config)

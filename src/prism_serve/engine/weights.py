@@ -32,6 +32,8 @@ _GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -79,8 +81,10 @@ def load_weights(model: str, dtype: torch.dtype = torch.float32, seed: int = 0) 
 
 
 def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp stores Q/K rows so that RoPE rotates adjacent pairs; HF's rotate_half pairs
-    dimension i with i + head_dim/2. Reorder the rows of each head back to the half-split layout."""
+    """llama.cpp stores a ``llama`` file's Q/K rows so that RoPE rotates adjacent pairs; HF's
+    rotate_half pairs dimension i with i + head_dim/2. Reorder the rows of each head back to the
+    half-split layout. (Qwen2 and Qwen3 files keep HF's order: llama.cpp runs them with the
+    half-split rotation itself.)"""
     rows = w.shape[0]
     head_dim = rows // num_heads
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(rows, *w.shape[1:])
@@ -111,9 +115,9 @@ def load_gguf(path: Path) -> LoadedWeights:
                 freq_factors = torch.from_numpy(array.copy())
                 continue
             name = _gguf_to_hf_name(t.name)
-            if name.endswith(("q_proj.weight", "q_proj.bias")):
+            if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
                 array = _unpermute_rope(array, config.num_heads)
-            elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
                 array = _unpermute_rope(array, config.num_kv_heads)
             tensors[name] = torch.from_numpy(
                 np.array(array, dtype=np.float32, order="C")
@@ -140,7 +144,7 @@ def _gguf_to_hf_name(name: str) -> str:
 
 
 def load_hf_dir(path: Path) -> LoadedWeights:
-    """A directory in HF layout for the built-in engine (Llama and Qwen2 shapes), in float32."""
+    """A directory in HF layout for the built-in engine (models.config.BUILT_IN_HF), in float32."""
     return _read_hf_dir(
         path, any_architecture=False, cast=lambda t: t.float() if t.is_floating_point() else t
     )

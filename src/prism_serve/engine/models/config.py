@@ -1,4 +1,5 @@
-"""Shape of a Llama-family decoder, read from GGUF metadata, an HF config.json, or a named preset."""
+"""Shape of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), read from GGUF metadata, an HF
+config.json, or a named preset."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class ArchConfig:
     """A checkpoint's architecture (the HF ``config.json`` / GGUF metadata): what the engine builds.
     Not the deployment's model entry, which is ``prism_serve.config.ModelConfig``."""
 
-    architecture: str  # "llama" or "qwen2"; qwen2 only differs by the q/k/v bias
+    architecture: str  # "llama", "qwen2" (q/k/v bias) or "qwen3" (per-head q/k RMSNorm, no bias)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,6 +40,8 @@ class ArchConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     rope_scaling: RopeScaling | None = None
+    # RMSNorm of each query and key head (over head_dim, one weight shared by the heads) before RoPE
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -54,7 +57,7 @@ class ArchConfig:
         attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
             attn += h * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * d * self.intermediate_size + 2 * d
+        layer = attn + 3 * d * self.intermediate_size + 2 * d + (2 * h if self.qk_norm else 0)
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + d
 
@@ -87,8 +90,10 @@ class ArchConfig:
         whatever architecture llama.cpp wrote (the planner's cost model); ``tied``: the file has no
         ``output.weight`` (the loader, which sees the tensors, ties the head itself)."""
         arch = meta.get("general.architecture")
-        if arch not in ("llama", "qwen2") and not any_architecture:
-            raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+        if arch not in BUILT_IN_GGUF and not any_architecture:
+            raise UnsupportedModelError(
+                f"GGUF architecture {arch!r} is not supported ({', '.join(BUILT_IN_GGUF)})"
+            )
 
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{key}", default)
@@ -101,7 +106,9 @@ class ArchConfig:
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(meta.get("tokenizer.ggml.tokens") or [])
-        head_dim = meta.get(f"{arch}.attention.key_length") if any_architecture else None
+        # Qwen3's heads are wider than hidden / heads (key_length says so); llama.cpp writes
+        # key_length for other architectures too, always equal to the rotary dimension there.
+        head_dim = meta.get(f"{arch}.attention.key_length")
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -116,6 +123,7 @@ class ArchConfig:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings=tied,
             attention_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
         )
 
     @classmethod
@@ -126,8 +134,10 @@ class ArchConfig:
         if any_architecture and isinstance(cfg.get("text_config"), dict):
             cfg = {**cfg, **cfg["text_config"]}
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2", "mistral") and not any_architecture:
-            raise UnsupportedModelError(f"HF model_type {model_type!r} is not supported (llama, qwen2)")
+        if model_type not in BUILT_IN_HF and not any_architecture:
+            raise UnsupportedModelError(
+                f"HF model_type {model_type!r} is not supported ({', '.join(BUILT_IN_HF)})"
+            )
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -145,11 +155,7 @@ class ArchConfig:
                 elif kind != "default" and not any_architecture:
                     raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (llama3)")
             return cls(
-                architecture=model_type
-                if any_architecture
-                else "qwen2"
-                if model_type == "qwen2"
-                else "llama",
+                architecture=model_type if any_architecture or model_type != "mistral" else "llama",
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
@@ -163,6 +169,7 @@ class ArchConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
                 rope_scaling=scaling,
+                qk_norm=model_type == "qwen3",
             )
         except KeyError as e:
             raise CorruptWeightsError(f"config.json lacks {e.args[0]!r}") from None
@@ -171,7 +178,7 @@ class ArchConfig:
         """The same shape as an HF config.json dict (used to save checkpoints and build references)."""
         cfg: dict[str, Any] = {
             "model_type": self.architecture,
-            "architectures": ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"],
+            "architectures": [_HF_CLASSES[self.architecture]],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -185,13 +192,19 @@ class ArchConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
         }
-        if self.architecture == "llama":
+        if self.architecture != "qwen2":  # Qwen2's config has no such key: its q/k/v always have one
             cfg["attention_bias"] = self.attention_bias
+        if self.architecture == "llama":
             cfg["mlp_bias"] = False
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         return cfg
 
+
+# the architectures the built-in engine runs, by GGUF ``general.architecture`` and HF ``model_type``
+BUILT_IN_GGUF = ("llama", "qwen2", "qwen3")
+BUILT_IN_HF = ("llama", "mistral", "qwen2", "qwen3")
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _LLAMA3_SCALING = RopeScaling(
     factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
@@ -220,6 +233,24 @@ PRESETS: dict[str, ArchConfig] = {
         1e-6,
         tie_word_embeddings=True,
         attention_bias=True,
+    ),
+    "qwen3-0.6b": ArchConfig(
+        "qwen3",
+        151936,
+        1024,
+        3072,
+        28,
+        16,
+        8,
+        128,
+        40960,
+        1000000.0,
+        1e-6,
+        tie_word_embeddings=True,
+        qk_norm=True,
+    ),
+    "qwen3-8b": ArchConfig(
+        "qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 40960, 1000000.0, 1e-6, qk_norm=True
     ),
     "llama-3.2-1b": ArchConfig(
         "llama",
@@ -300,6 +331,9 @@ def parameter_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.q_proj.weight"] = (q_out, d)
         shapes[p + "self_attn.k_proj.weight"] = (kv_out, d)
         shapes[p + "self_attn.v_proj.weight"] = (kv_out, d)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)

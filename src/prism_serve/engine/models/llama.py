@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2 via ``attention_bias``) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 via ``attention_bias``, Qwen3 via
+``qk_norm``) over a paged KV cache.
 
 Plain tensors rather than nn.Modules: the forward pass is a short loop and module call overhead is
 measurable at one token per step on a CPU. Q/K/V and gate/up projections are fused into single
@@ -135,10 +136,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 _LAYER_LINEARS = ("qkv", "o_proj", "gate_up", "down")
 _LAYER_NORMS = ("input_norm", "post_norm")
+_HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3 (ArchConfig.qk_norm); None elsewhere
 
 
 class DecoderLayer:
-    __slots__ = ("down", "gate_up", "input_norm", "o_proj", "post_norm", "qkv")
+    __slots__ = ("down", "gate_up", "input_norm", "k_norm", "o_proj", "post_norm", "q_norm", "qkv")
 
     def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, config: ArchConfig, dtype: torch.dtype):
         def t(name: str) -> torch.Tensor:
@@ -161,6 +163,10 @@ class DecoderLayer:
         self.down = Linear(t("mlp.down_proj.weight"), None, dtype)
         self.input_norm = t("input_layernorm.weight").to(dtype).contiguous()
         self.post_norm = t("post_attention_layernorm.weight").to(dtype).contiguous()
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = t("self_attn.q_norm.weight").to(dtype).contiguous()
+            self.k_norm = t("self_attn.k_norm.weight").to(dtype).contiguous()
 
 
 class LlamaForCausalLM:
@@ -222,8 +228,9 @@ class LlamaForCausalLM:
                 out[f"layers.{i}.{name}"] = lin.weight
                 if lin.bias is not None:
                     out[f"layers.{i}.{name}.bias"] = lin.bias
-            for name in _LAYER_NORMS:
-                out[f"layers.{i}.{name}"] = getattr(layer, name)
+            for name in _LAYER_NORMS + _HEAD_NORMS:
+                if getattr(layer, name) is not None:
+                    out[f"layers.{i}.{name}"] = getattr(layer, name)
         return out
 
     @classmethod
@@ -236,7 +243,8 @@ class LlamaForCausalLM:
     ) -> LlamaForCausalLM:
         """The model over ``packed_tensors()``-style tensors, used in place (no copy, no check of
         values: the cache that wrote them built them with ``__init__``)."""
-        missing = [n for n in ("lm_head", "norm", "layers.0.qkv") if n not in tensors]
+        needed = ("lm_head", "norm", "layers.0.qkv", *(("layers.0.q_norm",) if config.qk_norm else ()))
+        missing = [n for n in needed if n not in tensors]
         if missing or len([n for n in tensors if n.endswith(".down")]) != config.num_layers:
             raise CorruptWeightsError(f"packed weights lack {missing or 'layers'} for this config")
         self = cls.__new__(cls)
@@ -257,6 +265,8 @@ class LlamaForCausalLM:
                 setattr(layer, name, Linear.laid_out(tensors[f"layers.{i}.{name}"], bias, transposed))
             for name in _LAYER_NORMS:
                 setattr(layer, name, tensors[f"layers.{i}.{name}"])
+            for name in _HEAD_NORMS:
+                setattr(layer, name, tensors[f"layers.{i}.{name}"] if config.qk_norm else None)
             self.layers.append(layer)
         self._init_rope(max_positions, tensors.get("rope_freq_factors"))
         return self
@@ -281,6 +291,9 @@ class LlamaForCausalLM:
                     yield lin.bias
             yield layer.input_norm
             yield layer.post_norm
+            if layer.q_norm is not None:
+                yield layer.q_norm
+                yield layer.k_norm
 
     @property
     def weight_bytes(self) -> int:
@@ -317,6 +330,11 @@ class LlamaForCausalLM:
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # Q and K heads sit side by side in the fused output: rotate them in one pass.
             qk = qk.view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:  # Qwen3: each head normed over head_dim, before RoPE
+                qk = torch.cat(
+                    (rms_norm(qk[:, : c.num_heads], layer.q_norm, eps),
+                     rms_norm(qk[:, c.num_heads :], layer.k_norm, eps)), dim=1,
+                )  # fmt: skip
             # the kernel rotates in place, looking cos and sin up by position
             qk = cpu_kernels.rope(qk, self.cos, self.sin, positions) if kernel else apply_rope(qk, cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)

@@ -1,0 +1,85 @@
+"""Write loaded weights as a GGUF file the way llama.cpp's converter does (gguf-py's writer): the
+metadata keys of the architecture, llama.cpp's tensor names, and for ``llama`` files the Q/K rows
+permuted for its adjacent-pair rotation (Qwen2 and Qwen3 files keep HF's order). Test fixtures
+for architectures the repository has no real file of; the byte-level tokenizer of synthetic
+weights is written as a ``gpt2`` vocabulary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from prism_serve.engine.weights import LoadedWeights
+
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF's half-split rows of each head to llama.cpp's interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(name: str) -> str:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    _, _, i, rest = name.split(".", 3)  # model.layers.{i}.{module}.{kind}
+    module, _, kind = rest.rpartition(".")
+    return f"blk.{i}.{_LAYER[module]}.{kind}"
+
+
+def write_gguf(weights: LoadedWeights, path: Path) -> Path:
+    c = weights.config
+    arch = c.architecture
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_layers)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    backend = weights.tokenizer.backend
+    vocab = backend.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    if weights.tokenizer.chat_template:
+        w.add_chat_template(weights.tokenizer.chat_template)
+    for name, t in weights.tensors.items():
+        array = t.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = _permute(array, c.num_heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = _permute(array, c.num_kv_heads)
+        w.add_tensor(gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
