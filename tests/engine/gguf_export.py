@@ -1,6 +1,7 @@
 """Write loaded weights as a GGUF file the way llama.cpp's converter does (gguf-py's writer): the
-metadata keys of the architecture, llama.cpp's tensor names, and for ``llama`` files the Q/K rows
-permuted for its adjacent-pair rotation (Qwen2 and Qwen3 files keep HF's order). Test fixtures
+metadata keys of the architecture, llama.cpp's tensor names (Phi-3's fused q/k/v and gate/up as one
+tensor each), and for ``llama`` files the Q/K rows permuted for its adjacent-pair rotation (the others
+keep HF's order). Test fixtures
 for architectures the repository has no real file of; the byte-level tokenizer of synthetic
 weights is written as a ``gpt2`` vocabulary."""
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from prism_serve.engine.weights import LoadedWeights
+from prism_serve.engine.weights import LoadedWeights, fused_checkpoint
 
 _LAYER = {
     "input_layernorm": "attn_norm",
@@ -22,6 +23,8 @@ _LAYER = {
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections
+    "mlp.gate_up_proj": "ffn_up",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
@@ -62,6 +65,8 @@ def write_gguf(weights: LoadedWeights, path: Path) -> Path:
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
+    if c.sliding_window is not None:
+        w.add_sliding_window(c.sliding_window)
     backend = weights.tokenizer.backend
     vocab = backend.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -69,9 +74,10 @@ def write_gguf(weights: LoadedWeights, path: Path) -> Path:
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_types([1] * len(tokens))
+    w.add_pad_token_id(0)  # else transformers' reader keeps its config class's default pad id
     if weights.tokenizer.chat_template:
         w.add_chat_template(weights.tokenizer.chat_template)
-    for name, t in weights.tensors.items():
+    for name, t in fused_checkpoint(c, weights.tensors).items():
         array = t.float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _permute(array, c.num_heads)

@@ -86,3 +86,31 @@ def test_device_names_are_checked_and_a_missing_gpu_is_a_named_error(smollm):
     absent = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a CPU machine)
     with pytest.raises(InvalidRequestError, match="CUDA devices"):
         LLMEngine(EngineConfig(dtype="float32", device=absent), weights=smollm)
+
+
+def test_hf_configs_of_each_family_read_as_their_models_compute() -> None:
+    """What config.json says that changes what the model computes: a sliding window (Mistral 7B
+    v0.1, Phi-3) bounds the context, one that Qwen names but does not use does not; transformers
+    5's ``rope_parameters`` carry the RoPE base; partial rotary embeddings are refused by name."""
+    from prism_serve.engine.config import resolve_max_model_len
+    from prism_serve.engine.models.config import ArchConfig
+    from prism_serve.errors import UnsupportedModelError
+
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128,
+            "vocab_size": 300, "max_position_embeddings": 32768}  # fmt: skip
+    mistral = ArchConfig.from_hf_config({**base, "model_type": "mistral", "sliding_window": 4096})
+    assert (mistral.architecture, mistral.sliding_window) == ("llama", 4096)
+    assert resolve_max_model_len(None, mistral) == 4096 and resolve_max_model_len(16384, mistral) == 4096
+    assert resolve_max_model_len(1000, mistral) == 1000
+    phi = ArchConfig.from_hf_config({**base, "model_type": "phi3", "sliding_window": 2047})
+    assert (phi.architecture, phi.sliding_window, resolve_max_model_len(None, phi)) == ("phi3", 2047, 2047)
+    qwen = ArchConfig.from_hf_config({**base, "model_type": "qwen3", "sliding_window": 4096, "head_dim": 32})
+    assert (qwen.sliding_window, qwen.qk_norm, qwen.head_dim, qwen.attention_bias) == (None, True, 32, False)
+    assert resolve_max_model_len(None, qwen) == 8192
+    v5 = ArchConfig.from_hf_config({**base, "model_type": "qwen3", "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1000000.0}})  # fmt: skip
+    assert v5.rope_theta == 1000000.0 and v5.rope_scaling is None
+    with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor 0\.75"):
+        ArchConfig.from_hf_config({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})
+    with pytest.raises(UnsupportedModelError, match="'gemma3_text' is not supported"):
+        ArchConfig.from_hf_config({**base, "model_type": "gemma3_text"})

@@ -86,8 +86,9 @@ TINY = ArchConfig("llama", 300, 64, 128, 2, 4, 2, 16, 512, 10000.0, 1e-5, tie_wo
         dataclasses.replace(TINY, architecture="qwen2", attention_bias=True, num_kv_heads=1),
         # heads wider than hidden / heads, as Qwen3's are
         dataclasses.replace(TINY, architecture="qwen3", qk_norm=True, head_dim=32),
+        dataclasses.replace(TINY, architecture="phi3", sliding_window=64),
     ],
-    ids=["llama-gqa", "tied-mha", "llama3-rope", "qwen2-bias", "qwen3-qk-norm"],
+    ids=["llama-gqa", "tied-mha", "llama3-rope", "qwen2-bias", "qwen3-qk-norm", "phi3"],
 )
 def test_synthetic_shapes_match_hf(config):
     weights = _matters(random_weights(config, seed=3))
@@ -121,6 +122,8 @@ ARCHITECTURES = {
     "qwen2": dataclasses.replace(_BYTE_TINY, architecture="qwen2", attention_bias=True),
     # transformers' GGUF reader takes Qwen3's head_dim from its default (128), not the file
     "qwen3": dataclasses.replace(_BYTE_TINY, architecture="qwen3", qk_norm=True, head_dim=128),
+    # fused q/k/v and gate/up in its files; a sliding window longer than the prompts
+    "phi3": dataclasses.replace(_BYTE_TINY, architecture="phi3", sliding_window=100),
 }
 
 
@@ -131,7 +134,7 @@ def test_each_architecture_reads_from_gguf_and_hf_as_transformers_reads_it(arch,
     shape written, and transformers' own GGUF reader (independent code) finds the same tensors."""
     import transformers
 
-    from prism_serve.engine.weights import load_gguf, load_hf_dir, save_hf_dir
+    from prism_serve.engine.weights import fused_checkpoint, load_gguf, load_hf_dir, save_hf_dir
     from tests.engine.gguf_export import write_gguf
 
     config = ARCHITECTURES[arch]
@@ -148,7 +151,7 @@ def test_each_architecture_reads_from_gguf_and_hf_as_transformers_reads_it(arch,
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32
     ).state_dict()
-    for name, t in weights.tensors.items():
+    for name, t in fused_checkpoint(config, weights.tensors).items():  # under transformers' names
         assert torch.equal(theirs[name], t), name
 
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from prism_serve.engine.weights import LoadedWeights
+from prism_serve.engine.weights import LoadedWeights, fused_checkpoint
 
 
 def build_hf_model(weights: LoadedWeights, dtype: torch.dtype = torch.float32) -> Any:
-    """An HF ``LlamaForCausalLM`` (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) holding exactly
-    ``weights.tensors``."""
+    """An HF ``LlamaForCausalLM`` (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``)
+    holding exactly ``weights.tensors`` (under the checkpoint's names: Phi-3's fused)."""
     import transformers
 
     cfg_dict = weights.config.to_hf_config()
@@ -22,7 +22,7 @@ def build_hf_model(weights: LoadedWeights, dtype: torch.dtype = torch.float32) -
     config = config_cls(**{k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures")})
     config._attn_implementation = "sdpa"
     model = getattr(transformers, cls_name)(config)
-    state = {k: v.to(dtype) for k, v in weights.tensors.items()}
+    state = {k: v.to(dtype) for k, v in fused_checkpoint(weights.config, weights.tensors).items()}
     if weights.config.tie_word_embeddings:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     missing, unexpected = model.load_state_dict(state, strict=False)

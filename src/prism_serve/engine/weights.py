@@ -34,6 +34,7 @@ _GGUF_LAYER_NAMES = {
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k and v in one matrix
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -115,6 +116,8 @@ def load_gguf(path: Path) -> LoadedWeights:
                 freq_factors = torch.from_numpy(array.copy())
                 continue
             name = _gguf_to_hf_name(t.name)
+            if config.architecture == "phi3" and name.endswith("mlp.up_proj.weight"):
+                name = name.replace("up_proj", "gate_up_proj")  # Phi-3's ffn_up is gate and up
             if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
                 array = _unpermute_rope(array, config.num_heads)
             elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -128,7 +131,52 @@ def load_gguf(path: Path) -> LoadedWeights:
         raise CorruptWeightsError(f"{path}: cannot read tensor data: {e}") from e
     if "lm_head.weight" not in tensors:
         config = dataclasses.replace(config, tie_word_embeddings=True)
-    return LoadedWeights(config, tensors, tokenizer, str(path), False, freq_factors)
+    return LoadedWeights(config, split_fused(config, tensors), tokenizer, str(path), False, freq_factors)
+
+
+# A checkpoint's fused projections (Phi-3) and the Llama projections they hold, in row order.
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}  # fmt: skip
+
+
+def _fused_rows(config: ArchConfig, fused: str) -> list[int]:
+    if fused == "mlp.gate_up_proj":
+        return [config.intermediate_size] * 2
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return [q, kv, kv]
+
+
+def split_fused(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) split into
+    the Llama names the engine reads (rows; copies, so the fused tensors can be freed)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        module, _, kind = name.rpartition(".")  # model.layers.{i}.{fused}, weight
+        fused = next((f for f in _FUSED if module.endswith("." + f)), None)
+        if fused is None:
+            out[name] = t
+            continue
+        rows = _fused_rows(config, fused)
+        if t.shape[0] != sum(rows):
+            raise CorruptWeightsError(f"tensor {name} has {t.shape[0]} rows, the config implies {sum(rows)}")
+        layer = module.removesuffix("." + fused)
+        for part, piece in zip(_FUSED[fused], t.split(rows), strict=True):
+            out[f"{layer}.{part}.{kind}"] = piece.clone()
+    return out
+
+
+def fused_checkpoint(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`split_fused` for an architecture whose checkpoints fuse (Phi-3):
+    ``tensors`` under the checkpoint's own names (to save an HF directory, build a reference)."""
+    if config.architecture != "phi3":
+        return dict(tensors)
+    out = {n: t for n, t in tensors.items() if not any(f".{p}." in n for ps in _FUSED.values() for p in ps)}
+    for i in range(config.num_layers):
+        for fused, parts in _FUSED.items():
+            out[f"model.layers.{i}.{fused}.weight"] = torch.cat(
+                [tensors[f"model.layers.{i}.{p}.weight"] for p in parts]
+            )
+    return out
 
 
 def _gguf_to_hf_name(name: str) -> str:
@@ -145,9 +193,8 @@ def _gguf_to_hf_name(name: str) -> str:
 
 def load_hf_dir(path: Path) -> LoadedWeights:
     """A directory in HF layout for the built-in engine (models.config.BUILT_IN_HF), in float32."""
-    return _read_hf_dir(
-        path, any_architecture=False, cast=lambda t: t.float() if t.is_floating_point() else t
-    )
+    w = _read_hf_dir(path, any_architecture=False, cast=lambda t: t.float() if t.is_floating_point() else t)
+    return dataclasses.replace(w, tensors=split_fused(w.config, w.tensors))
 
 
 # the checkpoint dtypes load_checkpoint casts to the model's dtype (others, quantized weights, stay)
@@ -195,7 +242,8 @@ def save_hf_dir(weights: LoadedWeights, path: Path) -> None:
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(weights.config.to_hf_config(), indent=2))
-    save_file({k: v.contiguous() for k, v in weights.tensors.items()}, str(path / "model.safetensors"))
+    tensors = fused_checkpoint(weights.config, weights.tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     tok = weights.tokenizer
     tok.backend.save(str(path / "tokenizer.json"))
     tok_cfg: dict[str, Any] = {"chat_template": tok.chat_template}

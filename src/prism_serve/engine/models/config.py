@@ -1,5 +1,5 @@
-"""Shape of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), read from GGUF metadata, an HF
-config.json, or a named preset."""
+"""Shape of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3), read from GGUF metadata, an
+HF config.json, or a named preset."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ class ArchConfig:
     """A checkpoint's architecture (the HF ``config.json`` / GGUF metadata): what the engine builds.
     Not the deployment's model entry, which is ``prism_serve.config.ModelConfig``."""
 
-    architecture: str  # "llama", "qwen2" (q/k/v bias) or "qwen3" (per-head q/k RMSNorm, no bias)
+    # "llama", "qwen2" (q/k/v bias), "qwen3" (per-head q/k RMSNorm, no bias) or "phi3" (Llama's
+    # layers; its checkpoints fuse q/k/v and gate/up, which the loaders split into Llama's names)
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,6 +44,10 @@ class ArchConfig:
     rope_scaling: RopeScaling | None = None
     # RMSNorm of each query and key head (over head_dim, one weight shared by the heads) before RoPE
     qk_norm: bool = False
+    # Every layer attends to at most this many tokens (Mistral 7B v0.1, Phi-3); None: the whole
+    # context. The built-in engine has no windowed attention, so its context stops at the window
+    # (engine.config.resolve_max_model_len), where the window changes nothing.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -106,9 +112,17 @@ class ArchConfig:
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(meta.get("tokenizer.ggml.tokens") or [])
-        # Qwen3's heads are wider than hidden / heads (key_length says so); llama.cpp writes
-        # key_length for other architectures too, always equal to the rotary dimension there.
-        head_dim = meta.get(f"{arch}.attention.key_length")
+        # Qwen3's heads are wider than hidden / heads (key_length says so); a llama file without
+        # key_length rotates whole heads (its rotary dimension is the head's); Phi's may rotate part.
+        rotary = meta.get(f"{arch}.rope.dimension_count")
+        head_dim = meta.get(f"{arch}.attention.key_length") or (
+            hidden // heads if arch == "phi3" else rotary or hidden // heads
+        )
+        if rotary is not None and int(rotary) != int(head_dim) and not any_architecture:
+            raise UnsupportedModelError(
+                f"rotary dimension {rotary} of {head_dim}-wide heads: partial rotary embeddings are not "
+                "supported by the built-in engine (serve this model with engine: vllm)"
+            )
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -117,13 +131,14 @@ class ArchConfig:
             num_layers=int(get("block_count")),
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(head_dim or get("rope.dimension_count", hidden // heads)),
+            head_dim=int(head_dim),
             max_position_embeddings=int(get("context_length")),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings=tied,
             attention_bias=arch == "qwen2",
             qk_norm=arch == "qwen3",
+            sliding_window=_window(meta.get(f"{arch}.attention.sliding_window")),
         )
 
     @classmethod
@@ -142,7 +157,16 @@ class ArchConfig:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             scaling = None
-            rs = cfg.get("rope_scaling") or None
+            # transformers 5 writes the RoPE settings as one ``rope_parameters`` dict
+            rope = cfg.get("rope_parameters") or {}
+            rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+            rs = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+            if partial != 1.0 and not any_architecture:
+                raise UnsupportedModelError(
+                    f"partial_rotary_factor {partial}: partial rotary embeddings are not supported by "
+                    "the built-in engine (serve this model with engine: vllm)"
+                )
             if rs is not None:
                 kind = rs.get("rope_type", rs.get("type"))
                 if kind == "llama3":
@@ -164,12 +188,16 @@ class ArchConfig:
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=rope_theta,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
                 rope_scaling=scaling,
                 qk_norm=model_type == "qwen3",
+                # Qwen2/3 configs name a window they do not use unless use_sliding_window is set
+                sliding_window=_window(cfg.get("sliding_window"))
+                if model_type in ("mistral", "phi3") or cfg.get("use_sliding_window")
+                else None,
             )
         except KeyError as e:
             raise CorruptWeightsError(f"config.json lacks {e.args[0]!r}") from None
@@ -191,6 +219,7 @@ class ArchConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
+            "pad_token_id": None,  # Phi3Config's default (32000) is past a small vocabulary
         }
         if self.architecture != "qwen2":  # Qwen2's config has no such key: its q/k/v always have one
             cfg["attention_bias"] = self.attention_bias
@@ -198,13 +227,25 @@ class ArchConfig:
             cfg["mlp_bias"] = False
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if self.architecture in ("phi3", "llama"):  # the keys their config classes read
+            cfg["sliding_window"] = self.sliding_window
+        elif self.sliding_window is not None:
+            cfg.update(sliding_window=self.sliding_window, use_sliding_window=True, max_window_layers=0)
         return cfg
 
 
+def _window(value: Any) -> int | None:
+    """A sliding window from a config (None, 0 or a negative number: none)."""
+    return int(value) if value is not None and int(value) > 0 else None
+
+
 # the architectures the built-in engine runs, by GGUF ``general.architecture`` and HF ``model_type``
-BUILT_IN_GGUF = ("llama", "qwen2", "qwen3")
-BUILT_IN_HF = ("llama", "mistral", "qwen2", "qwen3")
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+BUILT_IN_GGUF = ("llama", "qwen2", "qwen3", "phi3")
+BUILT_IN_HF = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_HF_CLASSES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}  # fmt: skip
 
 _LLAMA3_SCALING = RopeScaling(
     factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
