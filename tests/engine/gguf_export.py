@@ -25,6 +25,10 @@ _LAYER = {
     "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections
     "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp",  # Qwen3-MoE's router and experts (3-D tensors)
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
@@ -49,9 +53,27 @@ def gguf_name(name: str) -> str:
     return f"blk.{i}.{_LAYER[module]}.{kind}"
 
 
+def _gguf_tensors(weights: LoadedWeights) -> dict:
+    """The checkpoint's tensors, and each layer's stacked experts as llama.cpp stores them: one
+    3-D tensor per projection (gate and up apart)."""
+    c = weights.config
+    out = {}
+    for name, t in fused_checkpoint(c, weights.tensors).items():
+        layer, sep, proj = name.partition(".mlp.experts.")
+        if sep and proj == "gate_up_proj":
+            gate, up = t.chunk(2, dim=1)
+            out[f"{layer}.mlp.experts.gate_proj.weight"] = gate
+            out[f"{layer}.mlp.experts.up_proj.weight"] = up
+        elif sep:
+            out[f"{layer}.mlp.experts.down_proj.weight"] = t
+        else:
+            out[name] = t
+    return out
+
+
 def write_gguf(weights: LoadedWeights, path: Path) -> Path:
     c = weights.config
-    arch = c.architecture
+    arch = "qwen3moe" if c.architecture == "qwen3_moe" else c.architecture
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -67,6 +89,10 @@ def write_gguf(weights: LoadedWeights, path: Path) -> Path:
     w.add_vocab_size(c.vocab_size)
     if c.sliding_window is not None:
         w.add_sliding_window(c.sliding_window)
+    if c.num_experts:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.experts_per_token)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     backend = weights.tokenizer.backend
     vocab = backend.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -77,7 +103,7 @@ def write_gguf(weights: LoadedWeights, path: Path) -> Path:
     w.add_pad_token_id(0)  # else transformers' reader keeps its config class's default pad id
     if weights.tokenizer.chat_template:
         w.add_chat_template(weights.tokenizer.chat_template)
-    for name, t in fused_checkpoint(c, weights.tensors).items():
+    for name, t in _gguf_tensors(weights).items():
         array = t.float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _permute(array, c.num_heads)

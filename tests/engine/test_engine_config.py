@@ -112,5 +112,18 @@ def test_hf_configs_of_each_family_read_as_their_models_compute() -> None:
     assert v5.rope_theta == 1000000.0 and v5.rope_scaling is None
     with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor 0\.75"):
         ArchConfig.from_hf_config({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})
+    moe = {**base, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "norm_topk_prob": True}  # fmt: skip
+    experts = ArchConfig.from_hf_config(moe)
+    assert (experts.architecture, experts.num_experts, experts.experts_per_token) == ("qwen3_moe", 8, 2)
+    assert experts.moe_intermediate_size == 32 and experts.norm_topk_prob and experts.qk_norm
+    assert "gate_proj" not in experts.projection_shapes()  # adapters of experts: not supported
+    with pytest.raises(UnsupportedModelError, match="mlp_only_layers"):
+        ArchConfig.from_hf_config({**moe, "mlp_only_layers": [0]})
+    from prism_serve.engine.tensor_parallel import shard_plan
+
+    assert len(shard_plan(experts, 1)) == 1
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+        shard_plan(dataclasses.replace(experts, num_kv_heads=2), 2)
     with pytest.raises(UnsupportedModelError, match="'gemma3_text' is not supported"):
         ArchConfig.from_hf_config({**base, "model_type": "gemma3_text"})

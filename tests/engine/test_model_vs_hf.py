@@ -87,8 +87,16 @@ TINY = ArchConfig("llama", 300, 64, 128, 2, 4, 2, 16, 512, 10000.0, 1e-5, tie_wo
         # heads wider than hidden / heads, as Qwen3's are
         dataclasses.replace(TINY, architecture="qwen3", qk_norm=True, head_dim=32),
         dataclasses.replace(TINY, architecture="phi3", sliding_window=64),
+        dataclasses.replace(
+            TINY,
+            architecture="qwen3_moe",
+            qk_norm=True,
+            num_experts=6,
+            experts_per_token=3,
+            moe_intermediate_size=24,
+        ),
     ],
-    ids=["llama-gqa", "tied-mha", "llama3-rope", "qwen2-bias", "qwen3-qk-norm", "phi3"],
+    ids=["llama-gqa", "tied-mha", "llama3-rope", "qwen2-bias", "qwen3-qk-norm", "phi3", "qwen3-moe"],
 )
 def test_synthetic_shapes_match_hf(config):
     weights = _matters(random_weights(config, seed=3))
@@ -124,6 +132,18 @@ ARCHITECTURES = {
     "qwen3": dataclasses.replace(_BYTE_TINY, architecture="qwen3", qk_norm=True, head_dim=128),
     # fused q/k/v and gate/up in its files; a sliding window longer than the prompts
     "phi3": dataclasses.replace(_BYTE_TINY, architecture="phi3", sliding_window=100),
+    # 8 experts, 2 per token, renormalised as llama.cpp's files assume; transformers' GGUF reader
+    # also takes the experts' width from its default (768), not the file
+    "qwen3_moe": dataclasses.replace(
+        _BYTE_TINY,
+        architecture="qwen3_moe",
+        qk_norm=True,
+        head_dim=128,
+        num_experts=8,
+        experts_per_token=2,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
 }
 
 
@@ -174,14 +194,14 @@ def test_each_architecture_generates_hf_transformers_greedy_tokens(arch, tmp_pat
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, greedy)]
     hf = build_hf_model(weights, torch.float32)
-    for prompt, tokens in zip(prompts, ours, strict=True):
-        # greedy over transformers' own logits, the whole sequence each step (its ``generate`` also
-        # applies generation-config processors, which are not the model)
-        ids = list(prompt)
-        with torch.inference_mode():
-            for _ in range(24):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-        assert tokens == ids[len(prompt) :]
+    # all 16 in one batch, left-padded: the mask, not the pad id (which prompts contain), says where
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)  # fmt: skip
+    assert ours == out[:, longest:].tolist()
 
 
 def test_gguf_dequantization_matches_transformers_own_gguf_loader(smollm):

@@ -44,6 +44,7 @@ def test_presets_describe_real_sizes(preset):
         "qwen2.5-0.5b": 494.0e6,
         "qwen3-0.6b": 596.0e6,
         "qwen3-8b": 8190.7e6,
+        "qwen3-30b-a3b": 30532.1e6,
         "llama-3.2-1b": 1235.8e6,
         "llama-3.2-3b": 3212.7e6,
         "llama-3.1-8b": 8030.3e6,

@@ -97,6 +97,11 @@ def shard_plan(config: ArchConfig, world: int) -> list[Shard]:
     """Every rank's shard; UnsupportedModelError where ``world`` ranks cannot each take a KV head."""
     if world < 1:
         raise UnsupportedModelError(f"tensor parallel degree {world}: must be at least 1")
+    if world > 1 and config.num_experts:
+        raise UnsupportedModelError(
+            "tensor parallelism of a mixture-of-experts model is not supported by the built-in engine "
+            "(serve it on one device, or with engine: vllm)"
+        )
     if world > config.num_kv_heads:
         raise UnsupportedModelError(
             f"tensor parallel degree {world} is above the model's {config.num_kv_heads} KV heads: "

@@ -35,6 +35,10 @@ _GGUF_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k and v in one matrix
+    "ffn_gate_inp": "mlp.gate",  # Qwen3-MoE's router, and its experts (3-D: expert, out, in)
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -131,7 +135,7 @@ def load_gguf(path: Path) -> LoadedWeights:
         raise CorruptWeightsError(f"{path}: cannot read tensor data: {e}") from e
     if "lm_head.weight" not in tensors:
         config = dataclasses.replace(config, tie_word_embeddings=True)
-    return LoadedWeights(config, split_fused(config, tensors), tokenizer, str(path), False, freq_factors)
+    return LoadedWeights(config, engine_names(config, tensors), tokenizer, str(path), False, freq_factors)
 
 
 # A checkpoint's fused projections (Phi-3) and the Llama projections they hold, in row order.
@@ -144,6 +148,52 @@ def _fused_rows(config: ArchConfig, fused: str) -> list[int]:
         return [config.intermediate_size] * 2
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return [q, kv, kv]
+
+
+def engine_names(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under the names ``models.config.parameter_shapes`` lists: fused
+    projections split (Phi-3), experts stacked (Qwen3-MoE)."""
+    return stack_experts(config, split_fused(config, tensors))
+
+
+def stack_experts(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each layer's experts as transformers keeps them (``mlp.experts.gate_up_proj`` [experts,
+    2 x intermediate, hidden], ``mlp.experts.down_proj`` [experts, hidden, intermediate]), from a
+    checkpoint's one tensor per expert and projection (``mlp.experts.{e}.gate_proj.weight``) or
+    GGUF's one per projection (``mlp.experts.gate_proj.weight``, 3-D). Already stacked: unchanged."""
+    if not config.num_experts:
+        return tensors
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, projection) -> expert -> tensor
+    for name, t in tensors.items():
+        layer, sep, rest = name.partition(".mlp.experts.")
+        if not sep or rest in ("gate_up_proj", "down_proj"):
+            out[name] = t
+            continue
+        fields = rest.split(".")  # [e, proj, "weight"] or [proj, "weight"]
+        if len(fields) == 3 and fields[0].isdigit():
+            parts.setdefault((layer, fields[1]), {})[int(fields[0])] = t
+        elif len(fields) == 2 and t.dim() == 3:
+            parts.setdefault((layer, fields[0]), {}).update(enumerate(t.unbind(0)))
+        else:
+            raise CorruptWeightsError(f"unexpected expert tensor {name!r}")
+
+    def stacked(layer: str, proj: str) -> torch.Tensor:
+        per = parts.pop((layer, proj), {})
+        if sorted(per) != list(range(config.num_experts)):
+            raise CorruptWeightsError(
+                f"{layer}: {proj} of {len(per)} experts, the config has {config.num_experts}"
+            )
+        return torch.stack([per[e] for e in range(config.num_experts)])
+
+    for layer in sorted({layer for layer, _ in parts}):
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat(
+            [stacked(layer, "gate_proj"), stacked(layer, "up_proj")], dim=1
+        )
+        out[f"{layer}.mlp.experts.down_proj"] = stacked(layer, "down_proj")
+    if parts:
+        raise CorruptWeightsError(f"unexpected expert tensors: {sorted(proj for _, proj in parts)}")
+    return out
 
 
 def split_fused(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -194,7 +244,7 @@ def _gguf_to_hf_name(name: str) -> str:
 def load_hf_dir(path: Path) -> LoadedWeights:
     """A directory in HF layout for the built-in engine (models.config.BUILT_IN_HF), in float32."""
     w = _read_hf_dir(path, any_architecture=False, cast=lambda t: t.float() if t.is_floating_point() else t)
-    return dataclasses.replace(w, tensors=split_fused(w.config, w.tensors))
+    return dataclasses.replace(w, tensors=engine_names(w.config, w.tensors))
 
 
 # the checkpoint dtypes load_checkpoint casts to the model's dtype (others, quantized weights, stay)

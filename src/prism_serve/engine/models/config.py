@@ -1,5 +1,5 @@
-"""Shape of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3), read from GGUF metadata, an
-HF config.json, or a named preset."""
+"""Shape of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3), read from GGUF
+metadata, an HF config.json, or a named preset."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ class ArchConfig:
     """A checkpoint's architecture (the HF ``config.json`` / GGUF metadata): what the engine builds.
     Not the deployment's model entry, which is ``prism_serve.config.ModelConfig``."""
 
-    # "llama", "qwen2" (q/k/v bias), "qwen3" (per-head q/k RMSNorm, no bias) or "phi3" (Llama's
-    # layers; its checkpoints fuse q/k/v and gate/up, which the loaders split into Llama's names)
+    # "llama", "qwen2" (q/k/v bias), "qwen3" (per-head q/k RMSNorm, no bias), "qwen3_moe" (Qwen3's
+    # attention, a mixture of experts in every layer) or "phi3" (Llama's layers; its checkpoints
+    # fuse q/k/v and gate/up, which the loaders split into Llama's names)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -48,6 +49,13 @@ class ArchConfig:
     # context. The built-in engine has no windowed attention, so its context stops at the window
     # (engine.config.resolve_max_model_len), where the window changes nothing.
     sliding_window: int | None = None
+    # A mixture of experts instead of the MLP in every layer (num_experts > 0): a router picks
+    # experts_per_token of num_experts SwiGLU experts of moe_intermediate_size per token, weighted
+    # by their softmax probabilities (renormalised over the chosen ones with norm_topk_prob).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -63,7 +71,11 @@ class ArchConfig:
         attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
             attn += h * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * d * self.intermediate_size + 2 * d + (2 * h if self.qk_norm else 0)
+        if self.num_experts:
+            mlp = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # experts and router
+        else:
+            mlp = 3 * d * self.intermediate_size
+        layer = attn + mlp + 2 * d + (2 * h if self.qk_norm else 0)
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + d
 
@@ -75,10 +87,10 @@ class ArchConfig:
         a LoRA adapter's modules are: engine/lora.py)."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         h, m = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, m), "up_proj": (h, m), "down_proj": (m, h),
-        }  # fmt: skip
+        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        if self.num_experts:  # adapters of the experts are not supported: attention only
+            return attention
+        return {**attention, "gate_proj": (h, m), "up_proj": (h, m), "down_proj": (m, h)}
 
     def lora_params_per_rank(self, modules: Iterable[str] | None = None) -> int:
         """A LoRA adapter's weights per unit of rank on ``modules`` (None: every projection) of every
@@ -124,7 +136,7 @@ class ArchConfig:
                 "supported by the built-in engine (serve this model with engine: vllm)"
             )
         return cls(
-            architecture=arch,
+            architecture="qwen3_moe" if arch == "qwen3moe" else arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
@@ -137,8 +149,9 @@ class ArchConfig:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings=tied,
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3moe"),
             sliding_window=_window(meta.get(f"{arch}.attention.sliding_window")),
+            **(_gguf_experts(meta, arch) if arch == "qwen3moe" and not any_architecture else {}),
         )
 
     @classmethod
@@ -193,7 +206,8 @@ class ArchConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
                 rope_scaling=scaling,
-                qk_norm=model_type == "qwen3",
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                **(_hf_experts(cfg) if model_type == "qwen3_moe" and not any_architecture else {}),
                 # Qwen2/3 configs name a window they do not use unless use_sliding_window is set
                 sliding_window=_window(cfg.get("sliding_window"))
                 if model_type in ("mistral", "phi3") or cfg.get("use_sliding_window")
@@ -227,11 +241,43 @@ class ArchConfig:
             cfg["mlp_bias"] = False
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if self.num_experts:
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
         if self.architecture in ("phi3", "llama"):  # the keys their config classes read
             cfg["sliding_window"] = self.sliding_window
         elif self.sliding_window is not None:
             cfg.update(sliding_window=self.sliding_window, use_sliding_window=True, max_window_layers=0)
         return cfg
+
+
+def _hf_experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture of experts of a Qwen3-MoE config.json; every layer must have one."""
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+        raise UnsupportedModelError(
+            "dense layers between the mixture-of-experts ones (mlp_only_layers, decoder_sparse_step) are "
+            "not supported by the built-in engine (serve this model with engine: vllm)"
+        )
+    return {
+        "num_experts": int(cfg["num_experts"]),
+        "experts_per_token": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+    }
+
+
+def _gguf_experts(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The same from a GGUF header (llama.cpp normalises Qwen3-MoE's chosen weights)."""
+    try:
+        return {
+            "num_experts": int(meta[f"{arch}.expert_count"]),
+            "experts_per_token": int(meta[f"{arch}.expert_used_count"]),
+            "moe_intermediate_size": int(meta[f"{arch}.expert_feed_forward_length"]),
+            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        }
+    except KeyError as e:
+        raise CorruptWeightsError(f"GGUF metadata lacks {e.args[0]}") from None
 
 
 def _window(value: Any) -> int | None:
@@ -240,11 +286,11 @@ def _window(value: Any) -> int | None:
 
 
 # the architectures the built-in engine runs, by GGUF ``general.architecture`` and HF ``model_type``
-BUILT_IN_GGUF = ("llama", "qwen2", "qwen3", "phi3")
-BUILT_IN_HF = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+BUILT_IN_GGUF = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
+BUILT_IN_HF = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3")
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
 }  # fmt: skip
 
 _LLAMA3_SCALING = RopeScaling(
@@ -292,6 +338,24 @@ PRESETS: dict[str, ArchConfig] = {
     ),
     "qwen3-8b": ArchConfig(
         "qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 40960, 1000000.0, 1e-6, qk_norm=True
+    ),
+    "qwen3-30b-a3b": ArchConfig(
+        "qwen3_moe",
+        151936,
+        2048,
+        6144,
+        48,
+        32,
+        4,
+        128,
+        40960,
+        1000000.0,
+        1e-6,
+        qk_norm=True,
+        num_experts=128,
+        experts_per_token=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
     ),
     "llama-3.2-1b": ArchConfig(
         "llama",
@@ -380,6 +444,12 @@ def parameter_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
         shapes[p + "self_attn.o_proj.weight"] = (d, q_out)
+        if config.num_experts:  # transformers' own layout: each layer's experts in one tensor
+            e, m = config.num_experts, config.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (e, d)
+            shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * m, d)
+            shapes[p + "mlp.experts.down_proj"] = (e, d, m)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, d)
         shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, d)
         shapes[p + "mlp.down_proj.weight"] = (d, config.intermediate_size)

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 via ``attention_bias``, Qwen3 via
-``qk_norm``) over a paged KV cache.
+``qk_norm``, Qwen3-MoE via ``num_experts``, Phi-3) over a paged KV cache.
 
 Plain tensors rather than nn.Modules: the forward pass is a short loop and module call overhead is
 measurable at one token per step on a CPU. Q/K/V and gate/up projections are fused into single
@@ -137,10 +137,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 _LAYER_LINEARS = ("qkv", "o_proj", "gate_up", "down")
 _LAYER_NORMS = ("input_norm", "post_norm")
 _HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3 (ArchConfig.qk_norm); None elsewhere
+_EXPERTS = ("experts_gate_up", "experts_down")  # a mixture of experts (ArchConfig.num_experts)
 
 
 class DecoderLayer:
-    __slots__ = ("down", "gate_up", "input_norm", "k_norm", "o_proj", "post_norm", "q_norm", "qkv")
+    __slots__ = ("down", "experts_down", "experts_gate_up", "gate_up", "input_norm", "k_norm", "o_proj",
+                 "post_norm", "q_norm", "qkv", "router")  # fmt: skip
 
     def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, config: ArchConfig, dtype: torch.dtype):
         def t(name: str) -> torch.Tensor:
@@ -159,8 +161,16 @@ class DecoderLayer:
             dtype,
         )
         self.o_proj = Linear(t("self_attn.o_proj.weight"), None, dtype)
-        self.gate_up = Linear(torch.cat([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")]), None, dtype)
-        self.down = Linear(t("mlp.down_proj.weight"), None, dtype)
+        self.gate_up = self.down = self.router = self.experts_gate_up = self.experts_down = None
+        if config.num_experts:  # experts stay [expert, out, in]: each is a plain F.linear weight
+            self.router = Linear(t("mlp.gate.weight"), None, dtype)
+            self.experts_gate_up = t("mlp.experts.gate_up_proj").to(dtype).contiguous()
+            self.experts_down = t("mlp.experts.down_proj").to(dtype).contiguous()
+        else:
+            self.gate_up = Linear(
+                torch.cat([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")]), None, dtype
+            )
+            self.down = Linear(t("mlp.down_proj.weight"), None, dtype)
         self.input_norm = t("input_layernorm.weight").to(dtype).contiguous()
         self.post_norm = t("post_attention_layernorm.weight").to(dtype).contiguous()
         self.q_norm = self.k_norm = None
@@ -223,12 +233,14 @@ class LlamaForCausalLM:
         if self.rope_freq_factors is not None:
             out["rope_freq_factors"] = self.rope_freq_factors.float().contiguous()
         for i, layer in enumerate(self.layers):
-            for name in _LAYER_LINEARS:
+            for name in (*_LAYER_LINEARS, "router"):
                 lin = getattr(layer, name)
+                if lin is None:
+                    continue
                 out[f"layers.{i}.{name}"] = lin.weight
                 if lin.bias is not None:
                     out[f"layers.{i}.{name}.bias"] = lin.bias
-            for name in _LAYER_NORMS + _HEAD_NORMS:
+            for name in _LAYER_NORMS + _HEAD_NORMS + _EXPERTS:
                 if getattr(layer, name) is not None:
                     out[f"layers.{i}.{name}"] = getattr(layer, name)
         return out
@@ -245,7 +257,8 @@ class LlamaForCausalLM:
         values: the cache that wrote them built them with ``__init__``)."""
         needed = ("lm_head", "norm", "layers.0.qkv", *(("layers.0.q_norm",) if config.qk_norm else ()))
         missing = [n for n in needed if n not in tensors]
-        if missing or len([n for n in tensors if n.endswith(".down")]) != config.num_layers:
+        mlp = ".experts_down" if config.num_experts else ".down"
+        if missing or len([n for n in tensors if n.endswith(mlp)]) != config.num_layers:
             raise CorruptWeightsError(f"packed weights lack {missing or 'layers'} for this config")
         self = cls.__new__(cls)
         self.config, self.dtype = config, dtype
@@ -260,13 +273,21 @@ class LlamaForCausalLM:
         self.layers = []
         for i in range(config.num_layers):
             layer = DecoderLayer.__new__(DecoderLayer)
-            for name in _LAYER_LINEARS:
-                bias = tensors.get(f"layers.{i}.{name}.bias")
-                setattr(layer, name, Linear.laid_out(tensors[f"layers.{i}.{name}"], bias, transposed))
+            used = ("qkv", "o_proj", *(("router",) if config.num_experts else ("gate_up", "down")))
+            for name in (*_LAYER_LINEARS, "router"):
+                key = f"layers.{i}.{name}"
+                lin = (
+                    Linear.laid_out(tensors[key], tensors.get(f"{key}.bias"), transposed)
+                    if name in used
+                    else None
+                )
+                setattr(layer, name, lin)
             for name in _LAYER_NORMS:
                 setattr(layer, name, tensors[f"layers.{i}.{name}"])
             for name in _HEAD_NORMS:
                 setattr(layer, name, tensors[f"layers.{i}.{name}"] if config.qk_norm else None)
+            for name in _EXPERTS:
+                setattr(layer, name, tensors[f"layers.{i}.{name}"] if config.num_experts else None)
             self.layers.append(layer)
         self._init_rope(max_positions, tensors.get("rope_freq_factors"))
         return self
@@ -285,15 +306,16 @@ class LlamaForCausalLM:
             yield self.embed
         yield self.norm
         for layer in self.layers:
-            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.router):
+                if lin is None:
+                    continue
                 yield lin.weight
                 if lin.bias is not None:
                     yield lin.bias
-            yield layer.input_norm
-            yield layer.post_norm
-            if layer.q_norm is not None:
-                yield layer.q_norm
-                yield layer.k_norm
+            for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, *(
+                    layer.experts_gate_up, layer.experts_down)):  # fmt: skip
+                if t is not None:
+                    yield t
 
     @property
     def weight_bytes(self) -> int:
@@ -346,20 +368,51 @@ class LlamaForCausalLM:
             if self.reduce is not None:  # a rank's heads' part of the sum
                 self.reduce(o)
             h = add_rms_norm(x, o, layer.post_norm, eps, kernel)
-            gate_up = layer.gate_up(h)
-            if lora is not None:
-                lora.apply(i, "gate_up", h, gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            mid = F.silu(gate, inplace=True).mul_(up)
-            down = layer.down(mid)
-            if lora is not None:
-                lora.apply(i, "down", mid, down)
+            if layer.experts_gate_up is not None:
+                down = self._experts(layer, h)
+            else:
+                gate_up = layer.gate_up(h)
+                if lora is not None:
+                    lora.apply(i, "gate_up", h, gate_up)
+                gate, up = gate_up.chunk(2, dim=-1)
+                mid = F.silu(gate, inplace=True).mul_(up)
+                down = layer.down(mid)
+                if lora is not None:
+                    lora.apply(i, "down", mid, down)
             if self.reduce is not None:  # a rank's intermediate columns' part of the sum
                 self.reduce(down)
             # the MLP's output is added, then normed for the next layer (or the final norm)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h = add_rms_norm(x, down, after, eps, kernel)
         return h
+
+    def _experts(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts MLP: the router's top experts for each token, their softmax weights
+        (renormalised over the chosen ones with ``norm_topk_prob``), each expert run once over all
+        the tokens that chose it (grouped by a sort, not a loop over tokens), the weighted outputs
+        summed per token in expert order (as transformers sums them)."""
+        c = self.config
+        probs = torch.softmax(layer.router(h), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(c.experts_per_token, dim=-1)
+        if c.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(h.dtype).flatten()
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=c.num_experts).tolist()
+        tokens = order // c.experts_per_token
+        out = torch.zeros_like(h)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            pairs = order[start : start + n]
+            rows = tokens[start : start + n]
+            gate, up = F.linear(h.index_select(0, rows), layer.experts_gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate).mul_(up), layer.experts_down[e])
+            out.index_add_(0, rows, y.mul_(weights[pairs].unsqueeze(1)))
+            start += n
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
