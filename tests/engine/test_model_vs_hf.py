@@ -241,3 +241,37 @@ def test_each_architecture_rebuilds_from_its_packed_tensors(arch):
         LlamaForCausalLM.from_packed(
             weights.config, {n: t for n, t in copies.items() if n != gone}, torch.float32, 64
         )
+
+
+def test_a_checkpoint_of_one_tensor_per_expert_reads_as_the_stacked_one(tmp_path):
+    """Hub checkpoints of Qwen3-MoE name each expert's projections apart
+    (``mlp.experts.{e}.gate_proj.weight``); the loader stacks them as transformers does."""
+    from safetensors.torch import save_file
+
+    from prism_serve.engine.weights import load_hf_dir, save_hf_dir
+
+    config = ARCHITECTURES["qwen3_moe"]
+    weights = random_weights(dataclasses.replace(config, moe_intermediate_size=16), seed=6)
+    save_hf_dir(weights, tmp_path)
+    per_expert = {}
+    for name, t in weights.tensors.items():
+        layer, sep, proj = name.partition(".mlp.experts.")
+        if not sep:
+            per_expert[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if proj == "gate_up_proj":
+                gate, up = t[e].chunk(2)
+                per_expert[f"{layer}.mlp.experts.{e}.gate_proj.weight"] = gate.contiguous()
+                per_expert[f"{layer}.mlp.experts.{e}.up_proj.weight"] = up.contiguous()
+            else:
+                per_expert[f"{layer}.mlp.experts.{e}.down_proj.weight"] = t[e].contiguous()
+    save_file(per_expert, str(tmp_path / "model.safetensors"))
+    loaded = load_hf_dir(tmp_path)
+    assert loaded.tensors.keys() == weights.tensors.keys()
+    for name, t in weights.tensors.items():
+        assert torch.equal(loaded.tensors[name], t), name
+    del per_expert["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(per_expert, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CorruptWeightsError, match="up_proj of 7 experts"):
+        load_hf_dir(tmp_path)
