@@ -42,11 +42,13 @@ def merged_greedy(base_dir: Path, adapter: Path | None, prompts: list[list[int]]
     model.eval()
     outs = []
     with torch.no_grad():
-        for ids in prompts:
-            seq = list(ids)
-            for _ in range(n):
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-            outs.append(seq[len(ids) :])
+        for ids in prompts:  # the prompt once, then one token a step over transformers' KV cache
+            out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+            seq = [int(out.logits[0, -1].argmax())]
+            while len(seq) < n:
+                out = model(torch.tensor([seq[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+                seq.append(int(out.logits[0, -1].argmax()))
+            outs.append(seq)
     return outs
 
 
