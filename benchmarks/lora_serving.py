@@ -209,7 +209,7 @@ main(parser.parse_args(sys.argv[1:]))
 
 
 def vllm_bench(url: str, tokenizer: Path, out: Path, tag: str, loras: list[str], args) -> dict:
-    py = common.REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    py = common.REPO_ROOT / ".venv-vllm-server" / "bin" / "python"
     out.mkdir(parents=True, exist_ok=True)
     cmd = [str(py), "-c", BENCH, "--base-url", url, "--tokenizer", str(tokenizer), "--model", MODEL,
            "--dataset-name", "random", "--random-input-len", "260", "--random-output-len", "66",

