@@ -1,6 +1,7 @@
-"""An architecture only vLLM's engine serves here (Qwen3: per-head q/k norms, which the built-in
-engine does not implement), through `prism serve` with `engine: vllm`, against transformers' own
-implementation on the same weights.
+"""Another architecture than Llama's on vLLM's engine (Qwen3: per-head q/k norms, heads not
+hidden / heads wide), through `prism serve` with `engine: vllm`, against transformers' own
+implementation on the same weights; and the built-in engine reading the same checkpoint, as
+transformers itself saved it, to the same tokens.
 
 The checkpoint is SYNTHETIC: a two-layer Qwen3 with transformers' random initialisation (seeded,
 widened so that greedy choices are not near-ties), saved in fp32 with the SmolLM2 tokenizer."""
@@ -18,7 +19,6 @@ from openai import OpenAI
 
 from prism_serve.api.process import stop_server_process
 from prism_serve.engine.tokenizer import Tokenizer
-from prism_serve.errors import UnsupportedModelError
 from tests.api.conftest import ServerProcess, shm_files, start_server
 from tests.api.test_vllm_server import VLLM_PYTHON
 
@@ -77,11 +77,16 @@ server: {{namespace: "{{namespace}}"}}
     assert shm_files(srv.namespace) == []
 
 
-def test_the_builtin_engine_does_not_run_it(qwen3_dir: Path) -> None:
-    from prism_serve.engine.weights import load_weights
+def test_the_builtin_engine_reads_the_checkpoint_transformers_saved(qwen3_dir: Path) -> None:
+    """transformers' own ``save_pretrained`` (its config writes RoPE as ``rope_parameters``)."""
+    from prism_serve.engine.llm import LLM
+    from prism_serve.engine.sampling_params import SamplingParams
 
-    with pytest.raises(UnsupportedModelError, match="qwen3"):
-        load_weights(str(qwen3_dir))
+    llm = LLM(model=str(qwen3_dir), dtype="float32", num_kv_blocks=64)
+    assert llm.engine.model.config.qk_norm and llm.engine.model.config.head_dim == 64
+    ids = Tokenizer.from_hf_dir(qwen3_dir).encode(PROMPT)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert out.token_ids == transformers_greedy(qwen3_dir, ids, 8)
 
 
 def test_qwen3_on_vllm_in_prism_matches_transformers(server: ServerProcess, qwen3_dir: Path) -> None:
