@@ -110,6 +110,8 @@ def test_hf_configs_of_each_family_read_as_their_models_compute() -> None:
     v5 = ArchConfig.from_hf_config({**base, "model_type": "qwen3", "rope_parameters": {
         "rope_type": "default", "rope_theta": 1000000.0}})  # fmt: skip
     assert v5.rope_theta == 1000000.0 and v5.rope_scaling is None
+    nulls = ArchConfig.from_hf_config({**base, "model_type": "qwen3", "rope_theta": None, "rope_scaling": {}})
+    assert nulls.rope_theta == 10000.0  # keys present but null: the defaults
     with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor 0\.75"):
         ArchConfig.from_hf_config({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})
     moe = {**base, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,

@@ -172,9 +172,9 @@ class ArchConfig:
             scaling = None
             # transformers 5 writes the RoPE settings as one ``rope_parameters`` dict
             rope = cfg.get("rope_parameters") or {}
-            rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+            rope_theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
             rs = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-            partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+            partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
             if partial != 1.0 and not any_architecture:
                 raise UnsupportedModelError(
                     f"partial_rotary_factor {partial}: partial rotary embeddings are not supported by "
