@@ -12,8 +12,9 @@ from prism_serve.engine.weights import LoadedWeights, fused_checkpoint
 
 
 def build_hf_model(weights: LoadedWeights, dtype: torch.dtype = torch.float32) -> Any:
-    """An HF ``LlamaForCausalLM`` (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``)
-    holding exactly ``weights.tensors`` (under the checkpoint's names: Phi-3's fused)."""
+    """An HF ``LlamaForCausalLM`` (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
+    ``Phi3ForCausalLM``) holding exactly ``weights.tensors`` (under the checkpoint's names: Phi-3's
+    fused)."""
     import transformers
 
     cfg_dict = weights.config.to_hf_config()
