@@ -85,12 +85,11 @@ TINY = ArchConfig("llama", 300, 64, 128, 2, 4, 2, 16, 512, 10000.0, 1e-5, tie_wo
         dataclasses.replace(TINY, rope_scaling=PRESETS["llama-3.2-1b"].rope_scaling, rope_theta=500000.0),
         dataclasses.replace(TINY, architecture="qwen2", attention_bias=True, num_kv_heads=1),
         # heads wider than hidden / heads, as Qwen3's are
-        dataclasses.replace(TINY, architecture="qwen3", qk_norm=True, head_dim=32),
+        dataclasses.replace(TINY, architecture="qwen3", head_dim=32),
         dataclasses.replace(TINY, architecture="phi3", sliding_window=64),
         dataclasses.replace(
             TINY,
             architecture="qwen3_moe",
-            qk_norm=True,
             num_experts=6,
             experts_per_token=3,
             moe_intermediate_size=24,
@@ -129,7 +128,7 @@ ARCHITECTURES = {
     "llama": _BYTE_TINY,
     "qwen2": dataclasses.replace(_BYTE_TINY, architecture="qwen2", attention_bias=True),
     # transformers' GGUF reader takes Qwen3's head_dim from its default (128), not the file
-    "qwen3": dataclasses.replace(_BYTE_TINY, architecture="qwen3", qk_norm=True, head_dim=128),
+    "qwen3": dataclasses.replace(_BYTE_TINY, architecture="qwen3", head_dim=128),
     # fused q/k/v and gate/up in its files; a sliding window longer than the prompts
     "phi3": dataclasses.replace(_BYTE_TINY, architecture="phi3", sliding_window=100),
     # 8 experts, 2 per token, renormalised as llama.cpp's files assume; transformers' GGUF reader
@@ -137,7 +136,6 @@ ARCHITECTURES = {
     "qwen3_moe": dataclasses.replace(
         _BYTE_TINY,
         architecture="qwen3_moe",
-        qk_norm=True,
         head_dim=128,
         num_experts=8,
         experts_per_token=2,

@@ -43,8 +43,6 @@ class ArchConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     rope_scaling: RopeScaling | None = None
-    # RMSNorm of each query and key head (over head_dim, one weight shared by the heads) before RoPE
-    qk_norm: bool = False
     # Every layer attends to at most this many tokens (Mistral 7B v0.1, Phi-3); None: the whole
     # context. The built-in engine has no windowed attention, so its context stops at the window
     # (engine.config.resolve_max_model_len), where the window changes nothing.
@@ -56,6 +54,12 @@ class ArchConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMSNorm of each query and key head (over head_dim, one weight shared by the heads) before
+        RoPE: Qwen3's, dense and mixture of experts."""
+        return self.architecture in ("qwen3", "qwen3_moe")
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -149,7 +153,6 @@ class ArchConfig:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings=tied,
             attention_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "qwen3moe"),
             sliding_window=_window(meta.get(f"{arch}.attention.sliding_window")),
             **(_gguf_experts(meta, arch) if arch == "qwen3moe" and not any_architecture else {}),
         )
@@ -206,7 +209,6 @@ class ArchConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
                 rope_scaling=scaling,
-                qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 **(_hf_experts(cfg) if model_type == "qwen3_moe" and not any_architecture else {}),
                 # Qwen2/3 configs name a window they do not use unless use_sliding_window is set
                 sliding_window=_window(cfg.get("sliding_window"))
@@ -334,11 +336,8 @@ PRESETS: dict[str, ArchConfig] = {
         1000000.0,
         1e-6,
         tie_word_embeddings=True,
-        qk_norm=True,
     ),
-    "qwen3-8b": ArchConfig(
-        "qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 40960, 1000000.0, 1e-6, qk_norm=True
-    ),
+    "qwen3-8b": ArchConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 40960, 1000000.0, 1e-6),
     "qwen3-30b-a3b": ArchConfig(
         "qwen3_moe",
         151936,
@@ -351,7 +350,6 @@ PRESETS: dict[str, ArchConfig] = {
         40960,
         1000000.0,
         1e-6,
-        qk_norm=True,
         num_experts=128,
         experts_per_token=8,
         moe_intermediate_size=768,
