@@ -143,13 +143,6 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}  # fmt: skip
 
 
-def _fused_rows(config: ArchConfig, fused: str) -> list[int]:
-    if fused == "mlp.gate_up_proj":
-        return [config.intermediate_size] * 2
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return [q, kv, kv]
-
-
 def engine_names(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors under the names ``models.config.parameter_shapes`` lists: fused
     projections split (Phi-3), experts stacked (Qwen3-MoE)."""
@@ -206,7 +199,8 @@ def split_fused(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> dict[st
         if fused is None:
             out[name] = t
             continue
-        rows = _fused_rows(config, fused)
+        shapes = config.projection_shapes()  # (in, out) by projection: its rows are out
+        rows = [shapes[part.rpartition(".")[2]][1] for part in _FUSED[fused]]
         if t.shape[0] != sum(rows):
             raise CorruptWeightsError(f"tensor {name} has {t.shape[0]} rows, the config implies {sum(rows)}")
         layer = module.removesuffix("." + fused)

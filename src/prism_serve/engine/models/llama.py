@@ -271,9 +271,9 @@ class LlamaForCausalLM:
         self.norm = tensors["norm"]
         self.reduce = None
         self.layers = []
+        used = ("qkv", "o_proj", *(("router",) if config.num_experts else ("gate_up", "down")))
         for i in range(config.num_layers):
             layer = DecoderLayer.__new__(DecoderLayer)
-            used = ("qkv", "o_proj", *(("router",) if config.num_experts else ("gate_up", "down")))
             for name in (*_LAYER_LINEARS, "router"):
                 key = f"layers.{i}.{name}"
                 lin = (
