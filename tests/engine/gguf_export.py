@@ -1,9 +1,9 @@
 """Write loaded weights as a GGUF file the way llama.cpp's converter does (gguf-py's writer): the
 metadata keys of the architecture, llama.cpp's tensor names (Phi-3's fused q/k/v and gate/up as one
-tensor each), and for ``llama`` files the Q/K rows permuted for its adjacent-pair rotation (the others
-keep HF's order). Test fixtures
-for architectures the repository has no real file of; the byte-level tokenizer of synthetic
-weights is written as a ``gpt2`` vocabulary."""
+tensor each; Gemma's norms as 1 + w), and for ``llama`` files the Q/K rows permuted for its
+adjacent-pair rotation (the others keep HF's order). Test fixtures for architectures the repository
+has no real file of; the byte-level tokenizer of synthetic weights is written as a ``gpt2``
+vocabulary."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ _LAYER = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+_GEMMA = {  # Gemma's four norms a layer
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -45,12 +50,12 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, gemma: bool = False) -> str:
     if name in _GLOBAL:
         return _GLOBAL[name]
     _, _, i, rest = name.split(".", 3)  # model.layers.{i}.{module}.{kind}
     module, _, kind = rest.rpartition(".")
-    return f"blk.{i}.{_LAYER[module]}.{kind}"
+    return f"blk.{i}.{(_GEMMA if gemma and module in _GEMMA else _LAYER)[module]}.{kind}"
 
 
 def _gguf_tensors(weights: LoadedWeights) -> dict:
@@ -89,6 +94,16 @@ def write_gguf(weights: LoadedWeights, path: Path) -> Path:
     w.add_vocab_size(c.vocab_size)
     if c.sliding_window is not None:
         w.add_sliding_window(c.sliding_window)
+    if c.gemma:  # llama.cpp's code knows the global layers and the attention scale
+        if c.attn_softcap is not None:
+            w.add_attn_logit_softcapping(c.attn_softcap)
+        if c.final_softcap is not None:
+            w.add_final_logit_softcapping(c.final_softcap)
+        if c.rope_local_theta is not None:
+            w.add_rope_freq_base_swa(c.rope_local_theta)
+        if c.rope_linear_factor != 1.0:
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(c.rope_linear_factor)
     if c.num_experts:
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.experts_per_token)
@@ -109,7 +124,9 @@ def write_gguf(weights: LoadedWeights, path: Path) -> Path:
             array = _permute(array, c.num_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             array = _permute(array, c.num_kv_heads)
-        w.add_tensor(gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+        elif c.gemma and name.endswith("norm.weight"):
+            array = array + 1.0  # as llama.cpp's converter stores Gemma's norms
+        w.add_tensor(gguf_name(name, c.gemma), np.ascontiguousarray(array, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -103,7 +103,7 @@ def test_grouped_decodes_equal_each_decode_alone():
         padded = torch.tensor([tables[i] + [tables[i][0]] * (width - len(tables[i])) for i in g])
         glens = torch.tensor([lens[i] for i in g])
         mask = (torch.arange(width * BS)[None] < glens[:, None])[:, None, None, :]
-        groups.append(DecodeGroup(torch.tensor(g), padded, mask, max(lens[i] for i in g)))
+        groups.append(DecodeGroup(torch.tensor(g), padded, mask, max(lens[i] for i in g), glens))
     assert len(groups) > 1
     # the new tokens' K/V are written first: give them slots outside every table
     slot_rows = kv.slot_rows(torch.tensor([free[0]] * nd), torch.arange(nd) % BS)

@@ -90,8 +90,10 @@ def test_device_names_are_checked_and_a_missing_gpu_is_a_named_error(smollm):
 
 def test_hf_configs_of_each_family_read_as_their_models_compute() -> None:
     """What config.json says that changes what the model computes: a sliding window (Mistral 7B
-    v0.1, Phi-3) bounds the context, one that Qwen names but does not use does not; transformers
-    5's ``rope_parameters`` carry the RoPE base; partial rotary embeddings are refused by name."""
+    v0.1, Phi-3) is read, one that Qwen names but does not use is not, and neither bounds the
+    context (the engine attends through the window); transformers 5's ``rope_parameters`` carry
+    the RoPE base; Gemma's global layers, scale, caps and RoPE bases come from either format of its
+    config; partial rotary embeddings are refused by name."""
     from prism_serve.engine.config import resolve_max_model_len
     from prism_serve.engine.models.config import ArchConfig
     from prism_serve.errors import UnsupportedModelError
@@ -100,10 +102,42 @@ def test_hf_configs_of_each_family_read_as_their_models_compute() -> None:
             "vocab_size": 300, "max_position_embeddings": 32768}  # fmt: skip
     mistral = ArchConfig.from_hf_config({**base, "model_type": "mistral", "sliding_window": 4096})
     assert (mistral.architecture, mistral.sliding_window) == ("llama", 4096)
-    assert resolve_max_model_len(None, mistral) == 4096 and resolve_max_model_len(16384, mistral) == 4096
-    assert resolve_max_model_len(1000, mistral) == 1000
+    assert resolve_max_model_len(None, mistral) == 8192 and resolve_max_model_len(16384, mistral) == 16384
+    assert [mistral.layer_window(i) for i in range(2)] == [4096, 4096]
     phi = ArchConfig.from_hf_config({**base, "model_type": "phi3", "sliding_window": 2047})
-    assert (phi.architecture, phi.sliding_window, resolve_max_model_len(None, phi)) == ("phi3", 2047, 2047)
+    assert (phi.architecture, phi.sliding_window, resolve_max_model_len(None, phi)) == ("phi3", 2047, 8192)
+    # Gemma 2 as its Hub config.json writes it; Gemma 3's older config, then transformers 5's
+    gemma2 = ArchConfig.from_hf_config({**base, "model_type": "gemma2", "num_hidden_layers": 4,
+        "head_dim": 32, "query_pre_attn_scalar": 144, "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0, "sliding_window": 4096,
+        "hidden_activation": "gelu_pytorch_tanh"})  # fmt: skip
+    assert (gemma2.architecture, gemma2.gemma, gemma2.qk_norm, gemma2.global_layers) == (
+        "gemma2",
+        True,
+        False,
+        (1, 3),
+    )
+    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.attention_scale) == (50.0, 30.0, 144**-0.5)
+    assert [gemma2.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    old = {**base, "model_type": "gemma3_text", "num_hidden_layers": 12, "sliding_window": 512,
+           "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+           "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 16}  # fmt: skip
+    gemma3 = ArchConfig.from_hf_config(old)
+    assert (gemma3.architecture, gemma3.qk_norm, gemma3.global_layers, gemma3.attn_softcap) == (
+        "gemma3",
+        True,
+        (5, 11),
+        None,
+    )
+    assert (gemma3.rope_theta, gemma3.rope_local_theta, gemma3.rope_linear_factor) == (1e6, 10000.0, 8.0)
+    assert gemma3.query_pre_attn_scalar is None  # head_dim's, as most Gemma models have it
+    assert ArchConfig.from_hf_config(gemma3.to_hf_config()) == gemma3  # transformers 5's format
+    multimodal = {"model_type": "gemma3", "text_config": old, "vision_config": {"hidden_size": 1152}}
+    assert ArchConfig.from_hf_config(multimodal) == gemma3
+    with pytest.raises(UnsupportedModelError, match="bidirectional"):  # EmbeddingGemma
+        ArchConfig.from_hf_config({**old, "use_bidirectional_attention": True})
+    with pytest.raises(UnsupportedModelError, match="gelu_pytorch_tanh"):
+        ArchConfig.from_hf_config({**old, "hidden_activation": "relu"})
     qwen = ArchConfig.from_hf_config({**base, "model_type": "qwen3", "sliding_window": 4096, "head_dim": 32})
     assert (qwen.sliding_window, qwen.qk_norm, qwen.head_dim, qwen.attention_bias) == (None, True, 32, False)
     assert resolve_max_model_len(None, qwen) == 8192
@@ -127,5 +161,5 @@ def test_hf_configs_of_each_family_read_as_their_models_compute() -> None:
     assert len(shard_plan(experts, 1)) == 1
     with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
         shard_plan(dataclasses.replace(experts, num_kv_heads=2), 2)
-    with pytest.raises(UnsupportedModelError, match="'gemma3_text' is not supported"):
-        ArchConfig.from_hf_config({**base, "model_type": "gemma3_text"})
+    with pytest.raises(UnsupportedModelError, match="'gpt_oss' is not supported"):
+        ArchConfig.from_hf_config({**base, "model_type": "gpt_oss"})

@@ -94,8 +94,40 @@ TINY = ArchConfig("llama", 300, 64, 128, 2, 4, 2, 16, 512, 10000.0, 1e-5, tie_wo
             experts_per_token=3,
             moe_intermediate_size=24,
         ),
+        # a window shorter than the prompt beside a global layer; a query scale, soft caps that bind
+        dataclasses.replace(
+            TINY,
+            architecture="gemma2",
+            sliding_window=9,
+            global_layers=(1,),
+            query_pre_attn_scalar=24.0,
+            attn_softcap=2.0,
+            final_softcap=0.3,
+        ),
+        # Gemma 3: head norms, the windowed layers' own RoPE base, linear scaling in the global one
+        dataclasses.replace(
+            TINY,
+            architecture="gemma3",
+            sliding_window=9,
+            global_layers=(1,),
+            rope_local_theta=100.0,
+            rope_linear_factor=2.0,
+            tie_word_embeddings=True,
+        ),
+        dataclasses.replace(TINY, sliding_window=9),  # Mistral v0.1's window in every layer
     ],
-    ids=["llama-gqa", "tied-mha", "llama3-rope", "qwen2-bias", "qwen3-qk-norm", "phi3", "qwen3-moe"],
+    ids=[
+        "llama-gqa",
+        "tied-mha",
+        "llama3-rope",
+        "qwen2-bias",
+        "qwen3-qk-norm",
+        "phi3",
+        "qwen3-moe",
+        "gemma2",
+        "gemma3",
+        "mistral-window",
+    ],
 )
 def test_synthetic_shapes_match_hf(config):
     weights = _matters(random_weights(config, seed=3))
@@ -115,6 +147,9 @@ def _matters(weights: LoadedWeights) -> LoadedWeights:
             t.normal_(0, 0.5)
         elif name.endswith("bias"):
             t.normal_(0, 1.0)
+        elif weights.config.gemma and name.endswith("norm.weight"):
+            # a scale of 1 + w: w about 0, in steps of 2^-10 so that a GGUF file's 1 + w is exact
+            t.normal_(0.0, 0.5).mul_(1024).round_().div_(1024)
         elif name.endswith(("q_norm.weight", "k_norm.weight")):
             t.normal_(1.0, 0.5)
     return weights
@@ -131,6 +166,28 @@ ARCHITECTURES = {
     "qwen3": dataclasses.replace(_BYTE_TINY, architecture="qwen3", head_dim=128),
     # fused q/k/v and gate/up in its files; a sliding window longer than the prompts
     "phi3": dataclasses.replace(_BYTE_TINY, architecture="phi3", sliding_window=100),
+    # Gemma 2: every other layer windowed (shorter than most prompts), soft caps that bind;
+    # Gemma 3: 6 layers, so that llama.cpp's pattern makes the last global, with its two RoPE bases
+    "gemma2": dataclasses.replace(
+        _BYTE_TINY,
+        architecture="gemma2",
+        sliding_window=16,
+        global_layers=(1,),
+        attn_softcap=2.0,
+        final_softcap=0.25,
+        tie_word_embeddings=True,
+    ),
+    "gemma3": dataclasses.replace(
+        _BYTE_TINY,
+        architecture="gemma3",
+        num_layers=6,
+        sliding_window=16,
+        global_layers=(5,),
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        rope_linear_factor=8.0,
+        tie_word_embeddings=True,
+    ),
     # 8 experts, 2 per token, renormalised as llama.cpp's files assume; transformers' GGUF reader
     # also takes the experts' width from its default (768), not the file
     "qwen3_moe": dataclasses.replace(

@@ -40,10 +40,13 @@ def context_kv(k_cache, v_cache, block_table, length: int, num_heads: int):
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
-def reference_decode(q, k_cache, v_cache, block_tables, lens, scale) -> torch.Tensor:
+def reference_decode(
+    q, k_cache, v_cache, block_tables, lens, scale, window=None, softcap=None
+) -> torch.Tensor:
     """Paged decode attention in float64 with plain torch ops, one sequence at a time: its blocks
-    gathered, cut to its length (0: zeros), softmax over every key. The reference of both the CPU
-    kernel and the CUDA one (tests/engine/test_cuda_engine.py)."""
+    gathered, cut to its length (0: zeros) and to the last ``window`` keys, scores soft-capped,
+    softmax over the keys left. The reference of both the CPU kernel and the CUDA one
+    (tests/engine/test_cuda_engine.py)."""
     n, num_heads, head_dim = q.shape
     out = torch.zeros(n, num_heads, head_dim, dtype=torch.float64, device=q.device)
     for i in range(n):
@@ -51,7 +54,11 @@ def reference_decode(q, k_cache, v_cache, block_tables, lens, scale) -> torch.Te
         if length == 0:
             continue
         k, v = context_kv(k_cache, v_cache, block_tables[i], length, num_heads)
+        if window is not None:
+            k, v = k[-window:], v[-window:]
         scores = torch.einsum("hd,thd->ht", q[i].double(), k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         out[i] = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
     return out
 
@@ -73,7 +80,24 @@ def test_kernel_matches_the_float64_reference(
         torch.set_num_threads(before)
 
 
-def _check_against_reference(dtype, tol, heads, kv_heads, head_dim, block_size, num_seqs):
+@pytest.mark.parametrize("window, softcap", [(5, None), (None, 1.5), (13, 1.5), (1, None)])
+@pytest.mark.parametrize("num_seqs", [1, 3, 24])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_with_a_sliding_window_and_a_soft_cap_matches_the_reference(
+    window, softcap, num_seqs, threads
+):
+    """A window that starts mid-block, on a block edge, or covers the whole context (short
+    sequences), alone and with soft-capped scores (a cap low enough to change the softmax)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_against_reference(torch.float32, 2e-5, 8, 2, 16, 4, num_seqs, window, softcap)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_against_reference(dtype, tol, heads, kv_heads, head_dim, block_size, num_seqs, window=None,
+                             softcap=None):  # fmt: skip
     rng = random.Random(num_seqs * 100 + heads)
     cache = _cache(heads, kv_heads, head_dim, block_size, 160, dtype)
     layer = cache.layers[1]  # a middle layer: blocks are num_layers * 2 * block_size rows apart
@@ -85,10 +109,10 @@ def _check_against_reference(dtype, tol, heads, kv_heads, head_dim, block_size, 
     q = torch.randn(num_seqs, heads, head_dim).to(dtype)
     scale = head_dim**-0.5
 
-    got = paged_decode(q, *layer, tables, torch.tensor(lens), scale)
+    got = paged_decode(q, *layer, tables, torch.tensor(lens), scale, window=window, softcap=softcap)
 
     assert got.dtype == dtype and got.shape == q.shape
-    want = reference_decode(q, *layer, tables, lens, scale).float()
+    want = reference_decode(q, *layer, tables, lens, scale, window, softcap).float()
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 

@@ -45,6 +45,8 @@ def test_presets_describe_real_sizes(preset):
         "qwen3-0.6b": 596.0e6,
         "qwen3-8b": 8190.7e6,
         "qwen3-30b-a3b": 30532.1e6,
+        "gemma-3-1b": 999.9e6,
+        "gemma-2-2b": 2614.3e6,
         "llama-3.2-1b": 1235.8e6,
         "llama-3.2-3b": 3212.7e6,
         "llama-3.1-8b": 8030.3e6,

@@ -11,6 +11,11 @@ paged prefill kernel (``cuda_kernels.paged_prefill``; ``PRISM_CUDA_PREFILL_KERNE
 off), elsewhere one SDPA call each, attending to their cached prefix plus themselves (causal); a
 chunk that is its whole context (a prompt prefilled in one step) attends to the K and V it just
 computed, with no gather.
+
+A layer may attend through a sliding window (the query and the window - 1 tokens before it) and
+soft-cap its scores (``softcap * tanh(s / softcap)``, Gemma 2): the CPU kernel does both, the SDPA
+paths mask the window and compute soft-capped scores by hand; the CUDA kernels do neither, so the
+runner does not use them for a model that needs them.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [n, max_blocks]
     mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size]
     context_len: int  # keys attended when there is no mask
+    lens: torch.Tensor  # [n] keys each decode attends to (for a sliding window's mask)
 
 
 @dataclass(slots=True)
@@ -98,6 +104,16 @@ def causal_chunk_mask(
     return torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
 
 
+def window_mask(
+    query_len: int, context_len: int, window: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """A chunk's causal mask within a sliding window: query i (at position context_len -
+    query_len + i) sees itself and the window - 1 keys before it."""
+    q_pos = torch.arange(query_len, device=device).unsqueeze(1) + (context_len - query_len)
+    keys = torch.arange(context_len, device=device).unsqueeze(0)
+    return (keys <= q_pos) & (keys > q_pos - window)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, num_kv_heads, head_dim]
@@ -107,6 +123,8 @@ def paged_attention(
     rows: tuple[torch.Tensor, torch.Tensor],  # the same caches as token rows (KVCache.layer_rows)
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,  # a sliding window (ArchConfig.layer_window)
+    softcap: float | None = None,  # soft-capped scores (ArchConfig.attn_softcap)
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     if meta.cuda:  # skips negative slots (the padding rows of a CUDA graph's batch)
@@ -121,11 +139,13 @@ def paged_attention(
     if meta.paged_decodes is not None:
         pd = meta.paged_decodes
         if meta.cuda:
+            if window is not None or softcap is not None:
+                raise NotImplementedError("the CUDA decode kernel has no sliding window or soft cap")
             cuda_kernels.paged_decode(
                 q[:nd], k_cache, v_cache, pd.block_tables, pd.lens, scale, out[:nd], pd.splits
             )
         else:
-            paged_decode(q[:nd], k_cache, v_cache, pd.block_tables, pd.lens, scale, out=out[:nd])
+            paged_decode(q[:nd], k_cache, v_cache, pd.block_tables, pd.lens, scale, out[:nd], window, softcap)
     for g in meta.decode_groups:
         n = g.block_tables.shape[0]
         # Each KV head's query group acts as a short query sequence: [n, kv_heads, group, head_dim].
@@ -133,15 +153,22 @@ def paged_attention(
         qd = qg.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
         kd = _gather(k_cache, g.block_tables, meta.gather_k).transpose(1, 2)  # [n, kvh, L, hd]
         vd = _gather(v_cache, g.block_tables, meta.gather_v).transpose(1, 2)
-        if g.mask is None:
+        mask = g.mask
+        if mask is None:
             kd, vd = kd[:, :, : g.context_len], vd[:, :, : g.context_len]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+        if window is not None:  # keys before the window hidden too
+            keys = torch.arange(kd.shape[2], device=kd.device)
+            inside = (keys.unsqueeze(0) >= (g.lens - window).unsqueeze(1))[:, None, None, :]
+            mask = inside if mask is None else mask & inside
+        od = _attend(qd, kd, vd, mask, False, scale, softcap, gqa=False)
         if g.rows is None:
             out[:nd] = od.reshape(n, num_heads, head_dim)
         else:
             out.index_copy_(0, g.rows, od.reshape(n, num_heads, head_dim))
 
     if meta.paged_prefills is not None:
+        if window is not None or softcap is not None:
+            raise NotImplementedError("the CUDA prefill kernel has no sliding window or soft cap")
         pp = meta.paged_prefills
         cuda_kernels.paged_prefill(
             q, k_cache, v_cache, pp.block_tables, pp.query_starts, pp.query_lens, pp.context_lens,
@@ -158,11 +185,41 @@ def paged_attention(
             kp = _gather(k_cache, p.block_table, meta.gather_k)[: p.context_len].transpose(0, 1)[None]
             vp = _gather(v_cache, p.block_table, meta.gather_v)[: p.context_len].transpose(0, 1)[None]
         qp = q[p.query_start : end].transpose(0, 1)[None]  # [1, heads, qlen, hd]
-        op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
-        )
+        mask = p.mask
+        if window is not None and window < p.context_len:
+            mask = window_mask(p.query_len, p.context_len, window, q.device)
+        op = _attend(qp, kp, vp, mask, mask is None, scale, softcap, gqa=True)
         out[p.query_start : end] = op[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _attend(
+    q: torch.Tensor,  # [batch, heads, queries, head_dim]
+    k: torch.Tensor,  # [batch, kv_heads, keys, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # bool, broadcast to [batch, 1, queries, keys]; True: attended
+    causal: bool,
+    scale: float,
+    softcap: float | None,
+    gqa: bool,
+) -> torch.Tensor:
+    """SDPA, or with soft-capped scores (which SDPA cannot do) the same computed in steps: scores
+    in fp32, capped, masked, softmax, weighted values. Query heads share KV heads in groups."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+    b, heads, queries, head_dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    qg = q.view(b, kv_heads, heads // kv_heads, queries, head_dim)
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float().mul_(scale)
+    scores = torch.tanh(scores.div_(softcap)).mul_(softcap)  # [b, kv_heads, group, queries, keys]
+    if causal:
+        mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
+    if mask is not None:
+        scores.masked_fill_(~(mask if mask.dim() <= 2 else mask.unsqueeze(2)), float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(v.dtype), v.unsqueeze(2))
+    return out.view(b, heads, queries, head_dim)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:

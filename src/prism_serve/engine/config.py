@@ -79,10 +79,8 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
 
 
 def resolve_max_model_len(max_model_len: int | None, model: ArchConfig) -> int:
-    """``max_model_len``, or the model's context capped at 8192; never beyond the context, nor
-    beyond a sliding window (the engine attends to the whole context: up to the window that is what
-    the model computes)."""
-    ctx = min(model.max_position_embeddings, model.sliding_window or model.max_position_embeddings)
+    """``max_model_len``, or the model's context capped at 8192; never beyond the context."""
+    ctx = model.max_position_embeddings
     return min(max_model_len or min(ctx, MAX_DEFAULT_CONTEXT), ctx)
 
 

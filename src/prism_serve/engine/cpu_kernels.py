@@ -116,7 +116,7 @@ def _cache_dir() -> Path:
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # (argument types, result type) of every exported function, f32 and bf16 alike
-    "prism_paged_decode": ([_P] * 3 + [_I] * 2 + [_P] * 2 + [_I] * 6 + [_F, _P], ctypes.c_int),
+    "prism_paged_decode": ([_P] * 3 + [_I] * 2 + [_P] * 2 + [_I] * 6 + [_F, _I, _F, _P], ctypes.c_int),
     "prism_add_rms_norm": ([_P] * 4 + [_I] * 2 + [_F], None),
     "prism_rope": ([_P] + [_I] * 4 + [_P] * 3, None),
     "prism_lora_apply": ([_P, _I, _P, _I] + [_P] * 4 + [_I] * 4, None),
@@ -202,8 +202,12 @@ def paged_decode(
     lens: torch.Tensor,  # [n] int64: keys each query attends to
     scale: float,
     out: torch.Tensor | None = None,  # [n, num_heads, head_dim]
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its first ``lens[i]`` cached tokens."""
+    """Attention of one query token per sequence over its first ``lens[i]`` cached tokens, the
+    last ``window`` of them with a sliding window; scores soft-capped (``softcap * tanh(s /
+    softcap)``) when ``softcap`` is given."""
     fn = _fn("prism_paged_decode", q, k_cache, v_cache)
     if k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape:
         raise ValueError("K and V caches must have the same shape and strides")
@@ -229,7 +233,7 @@ def paged_decode(
     rc = fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
         tables.data_ptr(), lens.data_ptr(), n, tables.shape[1], num_heads, num_kv_heads, head_dim,
-        block_size, scale, out.data_ptr(),
+        block_size, scale, window or 0, softcap or 0.0, out.data_ptr(),
     )  # fmt: skip
     if rc:
         raise ValueError(f"paged_decode rejected its arguments (code {rc}): lens must be in "

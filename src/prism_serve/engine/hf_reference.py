@@ -13,15 +13,16 @@ from prism_serve.engine.weights import LoadedWeights, fused_checkpoint
 
 def build_hf_model(weights: LoadedWeights, dtype: torch.dtype = torch.float32) -> Any:
     """An HF ``LlamaForCausalLM`` (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
-    ``Phi3ForCausalLM``) holding exactly ``weights.tensors`` (under the checkpoint's names: Phi-3's
-    fused)."""
+    ``Phi3ForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``) holding exactly
+    ``weights.tensors`` (under the checkpoint's names: Phi-3's fused)."""
     import transformers
 
     cfg_dict = weights.config.to_hf_config()
     cls_name = cfg_dict["architectures"][0]
-    config_cls = getattr(transformers, cls_name.removesuffix("ForCausalLM") + "Config")
-    config = config_cls(**{k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures")})
-    config._attn_implementation = "sdpa"
+    kwargs = {k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures")}
+    config = transformers.AutoConfig.for_model(cfg_dict["model_type"], **kwargs)
+    # SDPA cannot soft-cap scores: transformers computes Gemma 2's attention eagerly
+    config._attn_implementation = "eager" if weights.config.attn_softcap else "sdpa"
     model = getattr(transformers, cls_name)(config)
     state = {k: v.to(dtype) for k, v in fused_checkpoint(weights.config, weights.tensors).items()}
     if weights.config.tie_word_embeddings:

@@ -69,7 +69,7 @@ class ModelRunner:
         # AttentionMetadata to attention and the model
         self.kernels = device.type == "cpu" and kernels_enabled()
         c = model.config
-        self.cuda = cuda_kernels.available(c.head_dim, self.block_size, device)
+        self.cuda = cuda_kernels.available(c.head_dim, self.block_size, device) and model.plain_attention
         # prefill chunks through the paged prefill kernel; PRISM_CUDA_PREFILL_KERNEL=0: one SDPA call
         # per chunk (for measuring one against the other)
         self.prefill_kernel = self.cuda and os.environ.get("PRISM_CUDA_PREFILL_KERNEL") != "0"
@@ -215,12 +215,13 @@ class ModelRunner:
             max_blocks = max(len(t) for t in tables)
             padded = _padded_tables(tables).to(dev)
             rows = None if len(groups) == 1 else torch.tensor(g, device=dev)
+            lens_t = torch.tensor(lens, device=dev)
             if min(lens) == max(lens):
-                meta.decode_groups.append(DecodeGroup(rows, padded, None, lens[0]))
+                meta.decode_groups.append(DecodeGroup(rows, padded, None, lens[0], lens_t))
             else:
                 keys = torch.arange(max_blocks * bs, device=dev)
-                mask = (keys.unsqueeze(0) < torch.tensor(lens, device=dev).unsqueeze(1))[:, None, None, :]
-                meta.decode_groups.append(DecodeGroup(rows, padded, mask, max(lens)))
+                mask = (keys.unsqueeze(0) < lens_t.unsqueeze(1))[:, None, None, :]
+                meta.decode_groups.append(DecodeGroup(rows, padded, mask, max(lens), lens_t))
         need = meta.max_gather_blocks * self.kv_cache.layer_block_numel
         if self._gather_k.numel() < need:  # grow (with headroom) and keep for later steps
             self._gather_k = self._gather_k.new_empty(need * 5 // 4)

@@ -43,6 +43,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's norms in llama.cpp's files: its ffn_norm is the norm before the MLP, and the attention's
+# and the MLP's outputs have their own
+_GGUF_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -119,7 +126,9 @@ def load_gguf(path: Path) -> LoadedWeights:
             if t.name == "rope_freqs.weight":
                 freq_factors = torch.from_numpy(array.copy())
                 continue
-            name = _gguf_to_hf_name(t.name)
+            name = _gguf_to_hf_name(t.name, config.gemma)
+            if config.gemma and name.endswith("norm.weight"):
+                array = array - 1.0  # llama.cpp's converter stores Gemma's norm weights as 1 + w
             if config.architecture == "phi3" and name.endswith("mlp.up_proj.weight"):
                 name = name.replace("up_proj", "gate_up_proj")  # Phi-3's ffn_up is gate and up
             if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -223,12 +232,13 @@ def fused_checkpoint(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> di
     return out
 
 
-def _gguf_to_hf_name(name: str) -> str:
+def _gguf_to_hf_name(name: str, gemma: bool = False) -> str:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA_NAMES} if gemma else _GGUF_LAYER_NAMES
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
 
 

@@ -1,5 +1,5 @@
-"""Shape of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3), read from GGUF
-metadata, an HF config.json, or a named preset."""
+"""Shape of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2 and 3), read
+from GGUF metadata, an HF config.json, or a named preset."""
 
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ class ArchConfig:
     Not the deployment's model entry, which is ``prism_serve.config.ModelConfig``."""
 
     # "llama", "qwen2" (q/k/v bias), "qwen3" (per-head q/k RMSNorm, no bias), "qwen3_moe" (Qwen3's
-    # attention, a mixture of experts in every layer) or "phi3" (Llama's layers; its checkpoints
-    # fuse q/k/v and gate/up, which the loaders split into Llama's names)
+    # attention, a mixture of experts in every layer), "phi3" (Llama's layers; its checkpoints
+    # fuse q/k/v and gate/up, which the loaders split into Llama's names), "gemma2" or "gemma3"
+    # (GeGLU, norms around attention and MLP both, norm weights as 1 + w, the embedding scaled by
+    # sqrt(hidden); Gemma 3 adds Qwen3's head norms)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -43,10 +45,11 @@ class ArchConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     rope_scaling: RopeScaling | None = None
-    # Every layer attends to at most this many tokens (Mistral 7B v0.1, Phi-3); None: the whole
-    # context. The built-in engine has no windowed attention, so its context stops at the window
-    # (engine.config.resolve_max_model_len), where the window changes nothing.
+    # A query attends to at most this many tokens (itself and the window - 1 before it) in every
+    # layer (Mistral 7B v0.1, Phi-3) or in every layer but ``global_layers`` (Gemma 2 and 3, which
+    # alternate windowed and global layers); None: every layer attends to the whole context.
     sliding_window: int | None = None
+    global_layers: tuple[int, ...] = ()
     # A mixture of experts instead of the MLP in every layer (num_experts > 0): a router picks
     # experts_per_token of num_experts SwiGLU experts of moe_intermediate_size per token, weighted
     # by their softmax probabilities (renormalised over the chosen ones with norm_topk_prob).
@@ -54,12 +57,36 @@ class ArchConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # RoPE: the base of the windowed layers where it differs from rope_theta (Gemma 3's local
+    # layers); positions divided by rope_linear_factor (``rope_type: linear``) in the other layers
+    rope_local_theta: float | None = None
+    rope_linear_factor: float = 1.0
+    # Gemma: the attention scale is query_pre_attn_scalar ** -0.5 (None: head_dim's), and scores
+    # and logits may be soft-capped (x -> cap * tanh(x / cap); Gemma 2's 50 and 30)
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     @property
     def qk_norm(self) -> bool:
         """RMSNorm of each query and key head (over head_dim, one weight shared by the heads) before
-        RoPE: Qwen3's, dense and mixture of experts."""
-        return self.architecture in ("qwen3", "qwen3_moe")
+        RoPE: Qwen3's, dense and mixture of experts, and Gemma 3's."""
+        return self.architecture in ("qwen3", "qwen3_moe", "gemma3")
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's layer: GeGLU (tanh-approximated GELU) instead of SwiGLU, RMSNorm weights stored as
+        w for a scale of 1 + w, the attention's and the MLP's outputs normed before the residual
+        add, and the embedding scaled by sqrt(hidden_size)."""
+        return self.architecture in ("gemma2", "gemma3")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention, None for the whole context."""
+        return None if layer in self.global_layers else self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -68,6 +95,10 @@ class ArchConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
+        if any(not 0 <= i < self.num_layers for i in self.global_layers):
+            raise UnsupportedModelError(
+                f"global_layers {self.global_layers} outside {self.num_layers} layers"
+            )
 
     @property
     def num_params(self) -> int:
@@ -79,7 +110,7 @@ class ArchConfig:
             mlp = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # experts and router
         else:
             mlp = 3 * d * self.intermediate_size
-        layer = attn + mlp + 2 * d + (2 * h if self.qk_norm else 0)
+        layer = attn + mlp + (4 if self.gemma else 2) * d + (2 * h if self.qk_norm else 0)
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + d
 
@@ -155,6 +186,11 @@ class ArchConfig:
             attention_bias=arch == "qwen2",
             sliding_window=_window(meta.get(f"{arch}.attention.sliding_window")),
             **(_gguf_experts(meta, arch) if arch == "qwen3moe" and not any_architecture else {}),
+            **(
+                _gguf_gemma(meta, arch, hidden // heads, int(head_dim))
+                if arch in ("gemma2", "gemma3")
+                else {}
+            ),
         )
 
     @classmethod
@@ -162,8 +198,15 @@ class ArchConfig:
         """The built-in engine's shape of an HF config.json. ``any_architecture``: only the shape
         (layers, heads, sizes) of a model another engine runs (vLLM), whatever its type; a
         multimodal config's ``text_config`` gives the language model's."""
-        if any_architecture and isinstance(cfg.get("text_config"), dict):
-            cfg = {**cfg, **cfg["text_config"]}
+        if (any_architecture or cfg.get("model_type") == "gemma3") and isinstance(
+            cfg.get("text_config"), dict
+        ):
+            # Gemma 3's multimodal checkpoints: the language model's config
+            cfg = {
+                **cfg,
+                **cfg["text_config"],
+                "model_type": cfg["text_config"].get("model_type", "gemma3_text"),
+            }
         model_type = cfg.get("model_type", "llama")
         if model_type not in BUILT_IN_HF and not any_architecture:
             raise UnsupportedModelError(
@@ -172,9 +215,10 @@ class ArchConfig:
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
-            scaling = None
+            scaling, linear = None, 1.0
             # transformers 5 writes the RoPE settings as one ``rope_parameters`` dict
             rope = cfg.get("rope_parameters") or {}
+            rope = rope.get("full_attention") or rope  # Gemma 3's, by layer type
             rope_theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
             rs = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
             partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
@@ -192,37 +236,53 @@ class ArchConfig:
                         high_freq_factor=float(rs["high_freq_factor"]),
                         original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
                     )
+                elif kind == "linear":
+                    linear = float(rs["factor"])
                 elif kind != "default" and not any_architecture:
-                    raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (llama3)")
+                    raise UnsupportedModelError(
+                        f"rope_scaling type {kind!r} is not supported (llama3, linear)"
+                    )
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            layers = int(cfg["num_hidden_layers"])
+            gemma = model_type in ("gemma2", "gemma3_text") and not any_architecture
             return cls(
-                architecture=model_type if any_architecture or model_type != "mistral" else "llama",
+                architecture=model_type if any_architecture else _ARCHITECTURE_OF.get(model_type, model_type),
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                head_dim=head_dim,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 rope_theta=rope_theta,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
                 rope_scaling=scaling,
+                rope_linear_factor=linear,
                 **(_hf_experts(cfg) if model_type == "qwen3_moe" and not any_architecture else {}),
                 # Qwen2/3 configs name a window they do not use unless use_sliding_window is set
                 sliding_window=_window(cfg.get("sliding_window"))
-                if model_type in ("mistral", "phi3") or cfg.get("use_sliding_window")
+                if model_type in ("mistral", "phi3", "gemma2", "gemma3_text") or cfg.get("use_sliding_window")
                 else None,
+                **(_hf_gemma(cfg, model_type.removesuffix("_text"), layers, head_dim) if gemma else {}),
             )
         except KeyError as e:
             raise CorruptWeightsError(f"config.json lacks {e.args[0]!r}") from None
 
+    @property
+    def hf_model_type(self) -> str:
+        """The HF model_type of this shape: Llama's layers with a sliding window are Mistral's."""
+        if self.architecture == "llama" and self.sliding_window is not None:
+            return "mistral"
+        return "gemma3_text" if self.architecture == "gemma3" else self.architecture
+
     def to_hf_config(self) -> dict[str, Any]:
         """The same shape as an HF config.json dict (used to save checkpoints and build references)."""
         cfg: dict[str, Any] = {
-            "model_type": self.architecture,
-            "architectures": [_HF_CLASSES[self.architecture]],
+            "model_type": self.hf_model_type,
+            "architectures": [_HF_CLASSES[self.hf_model_type]],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -234,12 +294,12 @@ class ArchConfig:
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": "gelu_pytorch_tanh" if self.gemma else "silu",
             "pad_token_id": None,  # Phi3Config's default (32000) is past a small vocabulary
         }
         if self.architecture != "qwen2":  # Qwen2's config has no such key: its q/k/v always have one
             cfg["attention_bias"] = self.attention_bias
-        if self.architecture == "llama":
+        if self.hf_model_type == "llama":
             cfg["mlp_bias"] = False
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
@@ -247,7 +307,32 @@ class ArchConfig:
             cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
                        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                        decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
-        if self.architecture in ("phi3", "llama"):  # the keys their config classes read
+        if self.rope_linear_factor != 1.0:
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_linear_factor}
+        if self.gemma:
+            cfg.update(
+                hidden_activation="gelu_pytorch_tanh",
+                query_pre_attn_scalar=_number(self.query_pre_attn_scalar or self.head_dim),
+                attn_logit_softcapping=self.attn_softcap,
+                final_logit_softcapping=self.final_softcap,
+                sliding_window=self.sliding_window,
+                layer_types=[
+                    "full_attention" if self.layer_window(i) is None else "sliding_attention"
+                    for i in range(self.num_layers)
+                ],
+            )
+            if self.architecture == "gemma3":  # transformers 5's RoPE settings by layer type
+                full = {"rope_type": "default", "rope_theta": self.rope_theta}
+                if self.rope_linear_factor != 1.0:
+                    full = {
+                        "rope_type": "linear",
+                        "rope_theta": self.rope_theta,
+                        "factor": self.rope_linear_factor,
+                    }
+                local = {"rope_type": "default", "rope_theta": self.rope_local_theta or self.rope_theta}
+                cfg["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+                cfg.pop("rope_theta"), cfg.pop("rope_scaling", None)
+        elif self.architecture in ("phi3", "llama"):  # the key their config classes read
             cfg["sliding_window"] = self.sliding_window
         elif self.sliding_window is not None:
             cfg.update(sliding_window=self.sliding_window, use_sliding_window=True, max_window_layers=0)
@@ -282,17 +367,88 @@ def _gguf_experts(meta: dict[str, Any], arch: str) -> dict[str, Any]:
         raise CorruptWeightsError(f"GGUF metadata lacks {e.args[0]}") from None
 
 
+def _gguf_gemma(meta: dict[str, Any], arch: str, width: int, head_dim: int) -> dict[str, Any]:
+    """Gemma's settings from a GGUF header, where llama.cpp's files leave most of them to its code:
+    global layers every 2nd (Gemma 2) or 6th (Gemma 3) unless the file says; Gemma 3's local RoPE
+    base 10000; Gemma 2's soft caps 50 and 30 unless the file says; queries scaled by
+    hidden / heads instead of head_dim in the 27B models (46 and 62 layers), as llama.cpp does."""
+    layers = int(meta[f"{arch}.block_count"])
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list | tuple):  # one flag per layer, true where it is windowed
+        global_layers = tuple(i for i, windowed in enumerate(pattern) if not windowed)
+    else:
+        global_layers = tuple(i for i in range(layers) if i % int(pattern) == int(pattern) - 1)
+    out: dict[str, Any] = {"global_layers": global_layers}
+    if layers == (46 if arch == "gemma2" else 62) and width != head_dim:
+        out["query_pre_attn_scalar"] = float(width)
+    if arch == "gemma2":
+        out["attn_softcap"] = float(meta.get(f"{arch}.attn_logit_softcapping", 50.0))
+        out["final_softcap"] = float(meta.get(f"{arch}.final_logit_softcapping", 30.0))
+    else:
+        out["rope_local_theta"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+        if meta.get(f"{arch}.rope.scaling.type") == "linear":
+            out["rope_linear_factor"] = float(meta[f"{arch}.rope.scaling.factor"])
+    return out
+
+
+def _hf_gemma(cfg: dict[str, Any], model_type: str, layers: int, head_dim: int) -> dict[str, Any]:
+    """Gemma's settings from an HF config.json: which layers are global (``layer_types``, or the
+    older ``sliding_window_pattern``), the attention scale and soft caps, and Gemma 3's two RoPE
+    bases (``rope_parameters`` by layer type in transformers 5, ``rope_local_base_freq`` before)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(
+            f"Gemma with activation {act!r}: the built-in engine runs gelu_pytorch_tanh"
+        )
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(
+            "bidirectional attention (an embedding model) is not a causal language model"
+        )
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
+        types = [
+            "full_attention" if i % pattern == pattern - 1 else "sliding_attention" for i in range(layers)
+        ]
+    if len(types) != layers:
+        raise CorruptWeightsError(f"layer_types names {len(types)} layers, the model has {layers}")
+    scalar = cfg.get("query_pre_attn_scalar")
+    out: dict[str, Any] = {
+        "global_layers": tuple(i for i, t in enumerate(types) if t != "sliding_attention"),
+        "query_pre_attn_scalar": None if scalar is None or float(scalar) == head_dim else float(scalar),
+        "attn_softcap": _cap(cfg.get("attn_logit_softcapping")),
+        "final_softcap": _cap(cfg.get("final_logit_softcapping")),
+    }
+    if model_type == "gemma3":
+        rope = cfg.get("rope_parameters") or {}
+        local = rope.get("sliding_attention") or {}
+        out["rope_local_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+    return out
+
+
+def _number(x: float) -> int | float:
+    """An int where the value is one (what config.json writes, and transformers' configs check)."""
+    return int(x) if float(x).is_integer() else x
+
+
+def _cap(value: Any) -> float | None:
+    return float(value) if value else None
+
+
 def _window(value: Any) -> int | None:
     """A sliding window from a config (None, 0 or a negative number: none)."""
     return int(value) if value is not None and int(value) > 0 else None
 
 
 # the architectures the built-in engine runs, by GGUF ``general.architecture`` and HF ``model_type``
-BUILT_IN_GGUF = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
-BUILT_IN_HF = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3")
+BUILT_IN_GGUF = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+BUILT_IN_HF = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gemma3")
+# HF model_type -> ArchConfig.architecture where they differ (Mistral's layers are Llama's)
+_ARCHITECTURE_OF = {"mistral": "llama", "gemma3_text": "gemma3"}
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
 }  # fmt: skip
 
 _LLAMA3_SCALING = RopeScaling(
@@ -354,6 +510,42 @@ PRESETS: dict[str, ArchConfig] = {
         experts_per_token=8,
         moe_intermediate_size=768,
         norm_topk_prob=True,
+    ),
+    # Gemma: windowed layers (every 6th global in Gemma 3, every 2nd in Gemma 2), tied embeddings
+    "gemma-3-1b": ArchConfig(
+        "gemma3",
+        262144,
+        1152,
+        6912,
+        26,
+        4,
+        1,
+        256,
+        32768,
+        1000000.0,
+        1e-6,
+        tie_word_embeddings=True,
+        sliding_window=512,
+        global_layers=(5, 11, 17, 23),
+        rope_local_theta=10000.0,
+    ),
+    "gemma-2-2b": ArchConfig(
+        "gemma2",
+        256000,
+        2304,
+        9216,
+        26,
+        8,
+        4,
+        256,
+        8192,
+        10000.0,
+        1e-6,
+        tie_word_embeddings=True,
+        sliding_window=4096,
+        global_layers=tuple(range(1, 26, 2)),
+        attn_softcap=50.0,
+        final_softcap=30.0,
     ),
     "llama-3.2-1b": ArchConfig(
         "llama",
@@ -431,6 +623,9 @@ def parameter_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
+        if config.gemma:  # Gemma's post_attention_layernorm norms the attention's output
+            shapes[p + "pre_feedforward_layernorm.weight"] = (d,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (d,)
         shapes[p + "self_attn.q_proj.weight"] = (q_out, d)
         shapes[p + "self_attn.k_proj.weight"] = (kv_out, d)
         shapes[p + "self_attn.v_proj.weight"] = (kv_out, d)

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 via ``attention_bias``, Qwen3 via
-``qk_norm``, Qwen3-MoE via ``num_experts``, Phi-3) over a paged KV cache.
+``qk_norm``, Qwen3-MoE via ``num_experts``, Phi-3, Gemma 2 and 3 via ``gemma``) over a paged KV cache.
 
 Plain tensors rather than nn.Modules: the forward pass is a short loop and module call overhead is
 measurable at one token per step on a CPU. Q/K/V and gate/up projections are fused into single
@@ -90,11 +90,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(config: ArchConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+def rope_inv_freq(
+    config: ArchConfig, freq_factors: torch.Tensor | None = None, local: bool = False
+) -> torch.Tensor:
+    """RoPE's frequencies; ``local``: those of the windowed layers where their base differs
+    (Gemma 3's, which are never scaled)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if local:
+        return inv_freq
     if config.rope_scaling is not None:
         inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    if config.rope_linear_factor != 1.0:
+        inv_freq = inv_freq / config.rope_linear_factor
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.float()
     return inv_freq
@@ -136,17 +145,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 _LAYER_LINEARS = ("qkv", "o_proj", "gate_up", "down")
 _LAYER_NORMS = ("input_norm", "post_norm")
+_OUTPUT_NORMS = ("attn_out_norm", "mlp_out_norm")  # Gemma's, of the attention's and MLP's outputs
 _HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3 (ArchConfig.qk_norm); None elsewhere
 _EXPERTS = ("experts_gate_up", "experts_down")  # a mixture of experts (ArchConfig.num_experts)
 
 
 class DecoderLayer:
-    __slots__ = ("down", "experts_down", "experts_gate_up", "gate_up", "input_norm", "k_norm", "o_proj",
-                 "post_norm", "q_norm", "qkv", "router")  # fmt: skip
+    __slots__ = ("attn_out_norm", "down", "experts_down", "experts_gate_up", "gate_up", "input_norm",
+                 "k_norm", "mlp_out_norm", "o_proj", "post_norm", "q_norm", "qkv", "router")  # fmt: skip
 
     def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, config: ArchConfig, dtype: torch.dtype):
         def t(name: str) -> torch.Tensor:
             return tensors[prefix + name]
+
+        def norm(name: str) -> torch.Tensor:  # Gemma's checkpoints store w for a scale of 1 + w
+            w = t(name).float() + 1.0 if config.gemma else t(name)
+            return w.to(dtype).contiguous()
 
         qkv_bias = None
         if config.attention_bias:
@@ -171,12 +185,18 @@ class DecoderLayer:
                 torch.cat([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")]), None, dtype
             )
             self.down = Linear(t("mlp.down_proj.weight"), None, dtype)
-        self.input_norm = t("input_layernorm.weight").to(dtype).contiguous()
-        self.post_norm = t("post_attention_layernorm.weight").to(dtype).contiguous()
+        self.input_norm = norm("input_layernorm.weight")
+        self.attn_out_norm = self.mlp_out_norm = None
+        if config.gemma:  # the norm before the MLP is Gemma's pre_feedforward_layernorm
+            self.post_norm = norm("pre_feedforward_layernorm.weight")
+            self.attn_out_norm = norm("post_attention_layernorm.weight")
+            self.mlp_out_norm = norm("post_feedforward_layernorm.weight")
+        else:
+            self.post_norm = norm("post_attention_layernorm.weight")
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = t("self_attn.q_norm.weight").to(dtype).contiguous()
-            self.k_norm = t("self_attn.k_norm.weight").to(dtype).contiguous()
+            self.q_norm = norm("self_attn.q_norm.weight")
+            self.k_norm = norm("self_attn.k_norm.weight")
 
 
 class LlamaForCausalLM:
@@ -197,7 +217,7 @@ class LlamaForCausalLM:
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        self.scale = c.head_dim**-0.5
+        self.scale = c.attention_scale
         embed = tensors["model.embed_tokens.weight"]
         # In fp32 the (tied) embedding is kept only as the lm_head's transposed matrix; a token
         # lookup then reads a column, which costs nothing next to the matmul it saves.
@@ -208,20 +228,46 @@ class LlamaForCausalLM:
         else:
             self.embed = None if self.lm_head.transposed else self.lm_head.weight  # one copy
         self.layers = [DecoderLayer(tensors, f"model.layers.{i}.", c, dtype) for i in range(c.num_layers)]
-        self.norm = tensors["model.norm.weight"].to(dtype).contiguous()
+        norm = tensors["model.norm.weight"]
+        self.norm = (norm.float() + 1.0 if c.gemma else norm).to(dtype).contiguous()
         # tensor parallel: the in-place sum over the ranks of a partial output (tensor_parallel.py)
         self.reduce: Callable[[torch.Tensor], None] | None = None
         self._init_rope(max_positions, rope_freq_factors)
 
     def _init_rope(self, max_positions: int | None, rope_freq_factors: torch.Tensor | None) -> None:
+        """cos and sin of every position, and each layer's: Gemma 3's windowed layers rotate with
+        their own base. Also the embedding's scale and the layers' windows, which ``from_packed``
+        needs as much as ``__init__``."""
+        c = self.config
         self.rope_freq_factors = rope_freq_factors
-        num_pos = max_positions or self.config.max_position_embeddings
+        num_pos = max_positions or c.max_position_embeddings
         factors = None if rope_freq_factors is None else rope_freq_factors.cpu()
-        inv_freq = rope_inv_freq(self.config, factors)
-        freqs = torch.outer(torch.arange(num_pos, dtype=torch.float32), inv_freq)
-        # computed on the host (the same values on every device), then kept beside the weights
-        self.cos = freqs.cos().to(self.dtype).to(self.norm.device)
-        self.sin = freqs.sin().to(self.dtype).to(self.norm.device)
+        positions = torch.arange(num_pos, dtype=torch.float32)
+
+        def table(local: bool) -> tuple[torch.Tensor, ...]:
+            freqs = torch.outer(positions, rope_inv_freq(c, factors, local))
+            # computed on the host (the same values on every device), then kept beside the weights
+            return tuple(f.to(self.dtype).to(self.norm.device) for f in (freqs.cos(), freqs.sin()))
+
+        self.cos, self.sin = table(False)
+        # the (cos, sin) tables, and which one each layer rotates with
+        self.rope_tables = [(self.cos, self.sin)]
+        self.layer_table = [0] * c.num_layers
+        if c.rope_local_theta is not None:
+            self.rope_tables.append(table(True))
+            self.layer_table = [0 if c.layer_window(i) is None else 1 for i in range(c.num_layers)]
+        # a window no shorter than the positions served never hides a key: no window
+        self.windows = [
+            w if w is not None and w < num_pos else None for w in map(c.layer_window, range(c.num_layers))
+        ]
+        # Gemma multiplies the embedding by sqrt(hidden) rounded to the model's dtype
+        self.embed_scale = torch.tensor(c.hidden_size**0.5, dtype=self.dtype).item() if c.gemma else None
+
+    @property
+    def plain_attention(self) -> bool:
+        """Every layer attends to its whole context with unbounded scores: what the CUDA kernels
+        compute (a sliding window or soft cap takes the SDPA path there)."""
+        return self.config.attn_softcap is None and not any(self.windows)
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the forward pass reads, in its final layout (fused, transposed in fp32), by a
@@ -240,7 +286,7 @@ class LlamaForCausalLM:
                 out[f"layers.{i}.{name}"] = lin.weight
                 if lin.bias is not None:
                     out[f"layers.{i}.{name}.bias"] = lin.bias
-            for name in _LAYER_NORMS + _HEAD_NORMS + _EXPERTS:
+            for name in _LAYER_NORMS + _OUTPUT_NORMS + _HEAD_NORMS + _EXPERTS:
                 if getattr(layer, name) is not None:
                     out[f"layers.{i}.{name}"] = getattr(layer, name)
         return out
@@ -264,7 +310,7 @@ class LlamaForCausalLM:
         self.config, self.dtype = config, dtype
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         transposed = dtype == torch.float32
         self.lm_head = Linear.laid_out(tensors["lm_head"], None, transposed)
         self.embed = tensors.get("embed", None if transposed else self.lm_head.weight)
@@ -286,6 +332,8 @@ class LlamaForCausalLM:
                 setattr(layer, name, tensors[f"layers.{i}.{name}"])
             for name in _HEAD_NORMS:
                 setattr(layer, name, tensors[f"layers.{i}.{name}"] if config.qk_norm else None)
+            for name in _OUTPUT_NORMS:
+                setattr(layer, name, tensors[f"layers.{i}.{name}"] if config.gemma else None)
             for name in _EXPERTS:
                 setattr(layer, name, tensors[f"layers.{i}.{name}"] if config.num_experts else None)
             self.layers.append(layer)
@@ -312,8 +360,8 @@ class LlamaForCausalLM:
                 yield lin.weight
                 if lin.bias is not None:
                     yield lin.bias
-            for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, *(
-                    layer.experts_gate_up, layer.experts_down)):  # fmt: skip
+            for t in (layer.input_norm, layer.post_norm, layer.attn_out_norm, layer.mlp_out_norm,
+                      layer.q_norm, layer.k_norm, layer.experts_gate_up, layer.experts_down):  # fmt: skip
                 if t is not None:
                     yield t
 
@@ -340,9 +388,13 @@ class LlamaForCausalLM:
         num_tokens = input_ids.shape[0]
         # the residual stream, added to in place (a fresh tensor: the lookup's own, or its copy)
         x = self.embed_tokens(input_ids).contiguous()
+        if self.embed_scale is not None:
+            x.mul_(self.embed_scale)
         kernel = meta.kernels  # decided once by the runner (a CPU cache, the kernels built)
         if not kernel:  # torch ops: the rows of cos and sin for these positions, once per pass
-            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+            rope_rows = [
+                (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for cos, sin in self.rope_tables
+            ]
         caches = zip(kv_cache.layers, kv_cache.layer_rows, strict=True)
         h = add_rms_norm(x, None, self.layers[0].input_norm, eps, kernel)
         for i, (layer, ((k_cache, v_cache), rows)) in enumerate(zip(self.layers, caches, strict=True)):
@@ -358,15 +410,22 @@ class LlamaForCausalLM:
                      rms_norm(qk[:, c.num_heads :], layer.k_norm, eps)), dim=1,
                 )  # fmt: skip
             # the kernel rotates in place, looking cos and sin up by position
-            qk = cpu_kernels.rope(qk, self.cos, self.sin, positions) if kernel else apply_rope(qk, cos, sin)
+            if kernel:
+                qk = cpu_kernels.rope(qk, *self.rope_tables[self.layer_table[i]], positions)
+            else:
+                qk = apply_rope(qk, *rope_rows[self.layer_table[i]])
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-            attn = paged_attention(q, k, v, k_cache, v_cache, rows, meta, self.scale)
+            attn = paged_attention(
+                q, k, v, k_cache, v_cache, rows, meta, self.scale, self.windows[i], c.attn_softcap
+            )
             o = layer.o_proj(attn)
             if lora is not None:
                 lora.apply(i, "o_proj", attn.reshape(num_tokens, -1), o)
             if self.reduce is not None:  # a rank's heads' part of the sum
                 self.reduce(o)
+            if layer.attn_out_norm is not None:  # Gemma: the whole output normed, then added
+                o = rms_norm(o, layer.attn_out_norm, eps)
             h = add_rms_norm(x, o, layer.post_norm, eps, kernel)
             if layer.experts_gate_up is not None:
                 down = self._experts(layer, h)
@@ -375,12 +434,17 @@ class LlamaForCausalLM:
                 if lora is not None:
                     lora.apply(i, "gate_up", h, gate_up)
                 gate, up = gate_up.chunk(2, dim=-1)
-                mid = F.silu(gate, inplace=True).mul_(up)
+                if c.gemma:  # GeGLU
+                    mid = F.gelu(gate, approximate="tanh").mul_(up)
+                else:
+                    mid = F.silu(gate, inplace=True).mul_(up)
                 down = layer.down(mid)
                 if lora is not None:
                     lora.apply(i, "down", mid, down)
             if self.reduce is not None:  # a rank's intermediate columns' part of the sum
                 self.reduce(down)
+            if layer.mlp_out_norm is not None:
+                down = rms_norm(down, layer.mlp_out_norm, eps)
             # the MLP's output is added, then normed for the next layer (or the final norm)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h = add_rms_norm(x, down, after, eps, kernel)
@@ -415,7 +479,11 @@ class LlamaForCausalLM:
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_softcap
+        if cap is not None:  # Gemma 2: logits soft-capped
+            logits = torch.tanh(logits.div_(cap)).mul_(cap)
+        return logits
 
 
 def _check_shapes(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> None:
