@@ -330,3 +330,31 @@ def test_a_checkpoint_of_one_tensor_per_expert_reads_as_the_stacked_one(tmp_path
     save_file(per_expert, str(tmp_path / "model.safetensors"))
     with pytest.raises(CorruptWeightsError, match="up_proj of 7 experts"):
         load_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_a_multimodal_gemma3_checkpoint_reads_as_its_language_model(prefix, tmp_path):
+    """Gemma 3 4B and up ship as image-text models: config.json's text_config and the language
+    model's tensors under a prefix (transformers 5's, or the older one), beside a vision tower the
+    built-in engine leaves out."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from prism_serve.engine.weights import load_hf_dir, save_hf_dir
+
+    weights = _matters(random_weights(ARCHITECTURES["gemma3"], seed=7))
+    save_hf_dir(weights, tmp_path)
+    text = json.loads((tmp_path / "config.json").read_text())
+    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+              "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {prefix + n.removeprefix("model."): t for n, t in weights.tensors.items()}
+    tensors["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3, 2, 2)
+    tensors["model.multi_modal_projector.mm_input_projection_weight"] = torch.zeros(8, 64)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = load_hf_dir(tmp_path)
+    assert loaded.config == weights.config
+    assert loaded.tensors.keys() == weights.tensors.keys()
+    for name, t in weights.tensors.items():
+        assert torch.equal(loaded.tensors[name], t), name

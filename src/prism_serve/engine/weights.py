@@ -248,7 +248,30 @@ def _gguf_to_hf_name(name: str, gemma: bool = False) -> str:
 def load_hf_dir(path: Path) -> LoadedWeights:
     """A directory in HF layout for the built-in engine (models.config.BUILT_IN_HF), in float32."""
     w = _read_hf_dir(path, any_architecture=False, cast=lambda t: t.float() if t.is_floating_point() else t)
-    return dataclasses.replace(w, tensors=engine_names(w.config, w.tensors))
+    return dataclasses.replace(w, tensors=engine_names(w.config, language_model(w.tensors)))
+
+
+# Where multimodal checkpoints (Gemma 3's) keep the language model: under the first name in
+# transformers 4.5x and later, the second before; the vision tower and projector are left out.
+_LANGUAGE_MODEL = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))  # fmt: skip
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multimodal checkpoint's language model under a text model's names; others unchanged."""
+    if not any(n.startswith(("model.language_model.", "language_model.")) for n in tensors):
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(_VISION):
+            continue
+        for old, new in _LANGUAGE_MODEL:
+            if name.startswith(old):
+                name = new + name.removeprefix(old)
+                break
+        out[name] = t
+    return out
 
 
 # the checkpoint dtypes load_checkpoint casts to the model's dtype (others, quantized weights, stay)
