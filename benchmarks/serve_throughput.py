@@ -184,10 +184,11 @@ def hf_model_dir(tmp: Path) -> Path:
 
 @contextlib.contextmanager
 def vllm_server(
-    python: str, tokenizer: Path, tmp: Path, args: argparse.Namespace, max_model_len: int = 2048
-) -> Iterator[tuple[str, float]]:
-    """vLLM's OpenAI server over the default model's weights (or ``args.vllm_model``), fp32: its
-    URL and start-up seconds; stopped on exit."""
+    python: str, tokenizer: Path, tmp: Path, args: argparse.Namespace, max_model_len: int = 2048,
+    extra: list[str] | tuple[str, ...] = (),
+) -> Iterator[tuple[str, float]]:  # fmt: skip
+    """vLLM's OpenAI server over the default model's weights (or ``args.vllm_model``), fp32, with
+    ``extra`` arguments: its URL and start-up seconds; stopped on exit."""
     port = free_port()
     model = args.vllm_model or str(hf_model_dir(tmp))
     # vLLM sizes its CPU KV cache from the machine's free memory unless told; 4 GiB holds 32 requests
@@ -200,7 +201,7 @@ def vllm_server(
     proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                              "--served-model-name", MODEL, "--tokenizer", str(tokenizer), "--port", str(port),
                              "--dtype", "float32", "--max-num-seqs", "32",
-                             "--max-model-len", str(max_model_len)],
+                             "--max-model-len", str(max_model_len), *extra],
                             env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"

@@ -288,3 +288,34 @@ def test_a_base_gets_adapter_slots_where_it_has_adapters_and_adapters_get_no_eng
         parse_config(
             ADAPTER_BASE + "  - {name: a, base: base, adapter: /x}\n  - {name: b, base: a, adapter: /y}\n"
         )
+
+
+def test_an_embedding_model_pools_as_its_sentence_transformers_files_say_unless_the_config_does(tmp_path):
+    from prism_serve.engine.sources import write_embedding_files
+
+    hf = _hf_dir(tmp_path, None)
+    write_embedding_files(hf, "mean", True, 576)
+    head = "devices: {count: 1, memory: 1GiB}\nmodels:\n"
+    text = head + "".join([
+        f'  - {{name: a, source: "{hf}", task: embed}}\n',
+        f'  - {{name: b, source: "{hf}", task: embed, pooling: last, normalize: false}}\n',
+        "  - {name: c, task: embed}\n  - {name: d}\n",
+    ])  # fmt: skip
+    a, b, c, d = parse_config(text).models
+    assert (a.embedding_settings(), b.embedding_settings()) == (("mean", True), ("last", False))
+    assert c.embedding_settings() == ("last", True) and d.embedding_settings() is None  # no files; chat
+    assert [s.embedding for s in model_specs(parse_config(text))] == [("mean", True), ("last", False),
+                                                                      ("last", True), None]  # fmt: skip
+    write_embedding_files(hf, "cls", False, 576)  # rewritten: no Normalize module any more
+    assert parse_config(text).models[0].embedding_settings() == ("cls", False)
+    (hf / "1_Pooling" / "config.json").write_text(
+        '{"pooling_mode_mean_tokens": true, "pooling_mode_cls_token": true}'
+    )
+    with pytest.raises(ConfigError, match=r"model a: .*one pooling mode"):
+        parse_config(text).models[0].embedding_settings()
+    with pytest.raises(ConfigError, match="pooling and normalize are for task: embed"):
+        parse_config(head + "  - {name: a, pooling: mean}\n")
+    with pytest.raises(ConfigError, match="task: embed runs on the built-in engine"):
+        parse_config(head + f'  - {{name: a, source: "{hf}", task: embed, engine: vllm}}\n')
+    with pytest.raises(ConfigError, match="task"):
+        parse_config(head + "  - {name: a, task: rerank}\n")

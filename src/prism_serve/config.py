@@ -180,6 +180,21 @@ class ModelConfig(_Strict):
     max_lora_rank: int = Field(
         16, ge=1, le=512, description="a base model: the largest adapter rank its slots hold"
     )
+    task: Literal["generate", "embed"] = Field(
+        "generate",
+        description="generate: chat, completions and responses; embed: /v1/embeddings (a decoder "
+        "embedding model such as Qwen3-Embedding, built-in engine)",
+    )
+    pooling: Literal["last", "mean", "cls"] | None = Field(
+        None,
+        description="embed: the final hidden state of the last token, their mean, or the first "
+        "token's; unset: what its sentence-transformers files say, else last",
+    )
+    normalize: bool | None = Field(
+        None,
+        description="embed: L2-normalise the vectors; unset: as its sentence-transformers files say "
+        "(a Normalize module), else true",
+    )
 
     _kv_limit = field_validator("kv_limit", mode="before")(_size)
 
@@ -215,6 +230,30 @@ class ModelConfig(_Strict):
     @property
     def is_adapter(self) -> bool:
         return self.base is not None
+
+    @model_validator(mode="after")
+    def _embedding(self) -> ModelConfig:
+        if self.task == "generate" and (self.pooling is not None or self.normalize is not None):
+            raise ValueError(f"model {self.name}: pooling and normalize are for task: embed")
+        if self.task == "embed" and self.engine == "vllm":
+            raise ValueError(f"model {self.name}: task: embed runs on the built-in engine (engine: builtin)")
+        return self
+
+    def embedding_settings(self) -> tuple[str, bool] | None:
+        """(pooling, normalize) of a task: embed model, the config's over its sentence-transformers
+        files' (engine.sources.embedding_defaults), else last-token pooling, normalised; None for
+        a generating model."""
+        if self.task != "embed":
+            return None
+        from prism_serve.engine.sources import embedding_defaults
+
+        try:
+            found = embedding_defaults(self.source)
+        except ValueError as e:
+            raise ConfigError(f"model {self.name}: {e}") from None
+        pooling = self.pooling or str(found.get("pooling", "last"))
+        normalize = self.normalize if self.normalize is not None else bool(found.get("normalize", True))
+        return pooling, normalize
 
     @model_validator(mode="after")
     def _vllm_source(self) -> ModelConfig:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +54,44 @@ def ledger_snapshot(server: ServerProcess, device: str = "cpu:0") -> LedgerSnaps
         return ledger.snapshot()
     finally:
         ledger.close()
+
+
+class LedgerWatch:
+    """Samples the device ledger every 10 ms while a block runs: each entry's peak mapped bytes, its
+    peak held bytes (mapped less what its prefix cache would give back), and the peak of all (the
+    budget must hold at every sample)."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.ledger = DeviceLedger("cpu:0", namespace=server.namespace)
+        self.peak: dict[str, int] = {}
+        self.peak_held: dict[str, int] = {}
+        self.peak_used = 0
+        self._stop = threading.Event()
+
+    def sample(self) -> None:
+        snap = self.ledger.snapshot()
+        for e in snap.entries:
+            self.peak[e.name] = max(self.peak.get(e.name, 0), e.mapped_bytes)
+            held = e.mapped_bytes - e.reclaimable_bytes
+            self.peak_held[e.name] = max(self.peak_held.get(e.name, 0), held)
+        self.peak_used = max(self.peak_used, snap.used_bytes)
+        self.budget = snap.budget_bytes
+
+    def __enter__(self) -> LedgerWatch:
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.sample()
+                time.sleep(0.01)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.ledger.close()
+        assert self.peak_used <= self.budget, "the ledger granted more than the device's budget"
 
 
 def shm_files(namespace: str) -> list[str]:

@@ -39,7 +39,15 @@ from openai import OpenAI
 
 from prism_serve.api.process import stop_server_process
 from prism_serve.memory.ledger import DeviceLedger
-from tests.api.conftest import ADMIN_KEY, API_KEY, ServerProcess, ledger_snapshot, shm_files, start_server
+from tests.api.conftest import (
+    ADMIN_KEY,
+    API_KEY,
+    LedgerWatch,
+    ServerProcess,
+    ledger_snapshot,
+    shm_files,
+    start_server,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("PRISM_VLLM_PYTHON", ROOT / ".venv-vllm-server/bin/python"))
@@ -199,44 +207,6 @@ def test_bad_request_gets_an_error_and_the_model_keeps_serving(server: ServerPro
 
 LONG = "word " * 1800  # 1,801 tokens
 OTHER_LONG = "text " * 1800
-
-
-class LedgerWatch:
-    """Samples the device ledger every 10 ms while a block runs: each entry's peak mapped bytes, its
-    peak held bytes (mapped less what its prefix cache would give back), and the peak of all (the
-    budget must hold at every sample)."""
-
-    def __init__(self, server: ServerProcess) -> None:
-        self.ledger = DeviceLedger("cpu:0", namespace=server.namespace)
-        self.peak: dict[str, int] = {}
-        self.peak_held: dict[str, int] = {}
-        self.peak_used = 0
-        self._stop = threading.Event()
-
-    def sample(self) -> None:
-        snap = self.ledger.snapshot()
-        for e in snap.entries:
-            self.peak[e.name] = max(self.peak.get(e.name, 0), e.mapped_bytes)
-            held = e.mapped_bytes - e.reclaimable_bytes
-            self.peak_held[e.name] = max(self.peak_held.get(e.name, 0), held)
-        self.peak_used = max(self.peak_used, snap.used_bytes)
-        self.budget = snap.budget_bytes
-
-    def __enter__(self) -> LedgerWatch:
-        def loop() -> None:
-            while not self._stop.is_set():
-                self.sample()
-                time.sleep(0.01)
-
-        self._thread = threading.Thread(target=loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.ledger.close()
-        assert self.peak_used <= self.budget, "the ledger granted more than the device's budget"
 
 
 def kv_bytes(server: ServerProcess, model: str) -> int:

@@ -390,6 +390,36 @@ class CompletionRequest(_Sampling):
         return 1 if self.max_tokens == 0 else self.max_tokens  # scoring runs one step, shown as none
 
 
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request (OpenAI's limit)
+
+
+class EmbeddingRequest(_Request):
+    """OpenAI's embeddings request: ``input`` one text or token id list, or a list of them;
+    ``dimensions`` keeps the first ones of each vector (models trained to be truncated: Matryoshka),
+    normalised after if the model normalises; ``user`` is accepted and unused."""
+
+    model: Text = Field(min_length=1)
+    input: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Count | None = None
+    user: Text | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
+        many = isinstance(v, list) and v and isinstance(v[0], str | list)
+        if many and len(v) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
+        if not v or (many and any(not p for p in v)):
+            raise ValueError("input is empty: each input must have text or tokens")
+        return v
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        v = self.input
+        return list(v) if isinstance(v, list) and isinstance(v[0], str | list) else [v]
+
+
 class TokenizeRequest(_Request):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the model's template."""
 

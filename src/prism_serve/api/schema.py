@@ -178,6 +178,24 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class _Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32s
+
+
+class _EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"]
+    data: list[_Embedding]
+    model: str
+    usage: _EmbeddingUsage
+
+
 class Tokenized(BaseModel):
     count: int
     max_model_len: int
@@ -302,6 +320,7 @@ _COMPLETE = (400, 401, 404, 413, 429, 500, 503, 504)
 CHAT = {**_ok(ChatCompletion, stream=True), **_errors(*_COMPLETE)}
 COMPLETION = {**_ok(TextCompletion, stream=True), **_errors(*_COMPLETE)}
 RESPONSES = {**_ok(ResponseObject, stream=True), **_errors(*_COMPLETE)}
+EMBEDDINGS = {**_ok(EmbeddingList), **_errors(*_COMPLETE)}
 MODELS = {**_ok(ModelList), **_errors(401)}
 MODEL = {**_ok(ModelCard), **_errors(401, 404)}
 TOKENIZE = {**_ok(Tokenized), **_errors(400, 401, 404, 413)}

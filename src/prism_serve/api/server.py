@@ -13,6 +13,7 @@ disconnects, while waiting or while streaming, aborts its request and frees its 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
@@ -20,11 +21,12 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -60,6 +62,7 @@ from prism_serve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     ToolSetup,
     chat_choice,
@@ -85,7 +88,8 @@ from prism_serve.api.tools import (
 )
 from prism_serve.config import DeploymentConfig
 from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID
-from prism_serve.errors import InvalidRequestError, PrismError, PromptTooLongError
+from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.errors import InternalError, InvalidRequestError, PrismError, PromptTooLongError
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.adapters import AdapterTable
 from prism_serve.runtime.build import build_controller
@@ -107,10 +111,13 @@ class _Served:
     max_model_len: int
     vocab_size: int
     sampling: dict[str, float | int]  # defaults for requests that leave a setting out
+    embedding: tuple[str, bool] | None  # an embedding model's (pooling, normalize); None: it generates
+    hidden_size: int  # an embedding's length
 
     @classmethod
     def of(cls, st: ModelStatus) -> _Served:
-        return cls(st.ttft_slo, st.tpot_slo, st.max_model_len, st.vocab_size, dict(st.sampling))
+        return cls(st.ttft_slo, st.tpot_slo, st.max_model_len, st.vocab_size, dict(st.sampling), st.embedding,
+                   st.hidden_size)  # fmt: skip
 
 
 class _ServedTable(Mapping[str, _Served]):
@@ -206,6 +213,11 @@ class PrismServer:
             s.authorize(http)
             return await s.complete(http, body, chat=False)
 
+        @app.post("/v1/embeddings", responses=api_schema.EMBEDDINGS)
+        async def embeddings(body: EmbeddingRequest, http: Request) -> Response:
+            s.authorize(http)
+            return await s.embed(http, body)
+
         @app.get("/v1/models", responses=api_schema.MODELS)
         async def models(http: Request) -> dict:
             s.authorize(http)
@@ -266,19 +278,26 @@ class PrismServer:
     async def complete(
         self, http: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool
     ) -> Response:
-        """One completion request, its line in the request log written when it ends (a stream's
-        when its last chunk has gone, in ``_sse``)."""
-        if self.request_log is None:
-            return await self._complete(http, body, chat, None)
-        entry = LogEntry(time.time(), body.model, body.stream, body.n, body.requested_max_tokens())
+        """One completion request, its line in the request log written when it ends."""
+        entry = None
+        if self.request_log is not None:
+            entry = LogEntry(time.time(), body.model, body.stream, body.n, body.requested_max_tokens())
+        return await self._logged(entry, self._complete(http, body, chat, entry))
+
+    async def _logged(self, entry: LogEntry | None, work: Awaitable[Response]) -> Response:
+        """``work``'s response, and ``entry``'s line in the request log once it ends: its status, or
+        the error's (499: the client went away). A stream's line is written when its last chunk has
+        gone, in ``_sse``."""
+        if entry is None or self.request_log is None:
+            return await work
         try:
-            response = await self._complete(http, body, chat, entry)
+            response = await work
         except BaseException as e:
-            disconnected = isinstance(e, asyncio.CancelledError)  # the client went away
+            disconnected = isinstance(e, asyncio.CancelledError)
             entry.status = e.status_code if isinstance(e, PrismError) else 499 if disconnected else 500
             self.request_log.write(entry)
             raise
-        if not isinstance(response, StreamingResponse):  # a stream's line is written as it ends
+        if not isinstance(response, StreamingResponse):
             entry.status = response.status_code
             self.request_log.write(entry)
         return response
@@ -295,6 +314,10 @@ class PrismServer:
         self._note_ignored(body)
         try:
             tok = self.controller.models.tokenizer(model)  # 404 before any work
+            if self.served[model].embedding is not None:
+                raise InvalidRequestError(
+                    f"model {model!r} is an embedding model (task: embed): ask /v1/embeddings", param="model"
+                )
             tools = body.tool_setup() if chat else None  # 400s naming the tool or message
             # Templates and tokenization run in a thread: a long prompt must not stall the event
             # loop (every other request, /health, token streams) while it is encoded.
@@ -485,12 +508,8 @@ class PrismServer:
         wanted = body.requested_max_tokens()
         if default_max and not body.model_fields_set & {"max_tokens", "max_completion_tokens"}:
             wanted = None  # the model's default, not the endpoint's (completions: 16)
-        n, limit = body.n * len(prompts), self.config.server.max_waiting_requests
-        if self.num_waiting and self.num_waiting + n > limit:  # alone, a request of many choices goes
-            raise OverloadedError(
-                f"{self.num_waiting} requests are waiting for their first token (limit {limit}); retry later",
-                self._retry_after(),
-            )
+        n = body.n * len(prompts)
+        self._check_waiting(n)
         chat = isinstance(body, ChatCompletionRequest)
         rid = new_id("chatcmpl" if chat else "cmpl")
         # the model's tool-call format, only for a request that may call a tool (it reads the template)
@@ -510,12 +529,29 @@ class PrismServer:
                                    max_tokens=params.max_tokens, num_prompt=len(ids),
                                    slos=(served.ttft_slo, served.tpot_slo)))  # fmt: skip
 
+        await self._first_deltas(http, runs)
+        return runs
+
+    def _check_waiting(self, n: int) -> None:
+        """429 for ``n`` more requests waiting for their first token beyond the server's limit (a
+        request of many choices or inputs goes alone)."""
+        limit = self.config.server.max_waiting_requests
+        if self.num_waiting and self.num_waiting + n > limit:
+            raise OverloadedError(
+                f"{self.num_waiting} requests are waiting for their first token (limit {limit}); retry later",
+                self._retry_after(),
+            )
+
+    async def _first_deltas(self, http: Request, runs: list[Choice]) -> None:
+        """Wait for the first delta of every run (or a disconnect, or an error: then every run is
+        aborted), counted as waiting meanwhile."""
+
         async def first(run: Choice) -> None:
             d = await anext(run.stream)
             run.first_at = run.last_at = time.perf_counter()
             self._take(run, d)
 
-        self.num_waiting += n
+        self.num_waiting += len(runs)
         try:
             await unless_disconnected(http, gather_or_cancel(first(run) for run in runs))
         except BaseException:
@@ -523,8 +559,100 @@ class PrismServer:
                 await run.stream.aclose()
             raise
         finally:
-            self.num_waiting -= n
-        return runs
+            self.num_waiting -= len(runs)
+
+    # ---- embeddings ---------------------------------------------------------------------------
+
+    async def embed(self, http: Request, body: EmbeddingRequest) -> Response:
+        """``POST /v1/embeddings``: each input one request to the model's engine (batched there with
+        the model's others), its vector pooled there, cut to ``dimensions`` and normalised here."""
+        self._note_ignored(body)
+        entry = None
+        if self.request_log is not None:  # max_tokens 1: prism plan reads it as a prompt-only request
+            entry = LogEntry(time.time(), body.model, False, len(body.inputs), 1)
+        return await self._logged(entry, self._embed(http, body, time.perf_counter(), entry))
+
+    async def _embed(
+        self, http: Request, body: EmbeddingRequest, arrival: float, entry: LogEntry | None
+    ) -> Response:
+        model = body.model
+        try:
+            self.controller.models.tokenizer(model)  # 404 before any work
+            served = self.served[model]
+            if served.embedding is None:
+                raise InvalidRequestError(
+                    f"model {model!r} generates text (task: generate); embeddings come from a model "
+                    "configured with task: embed", param="model",
+                )  # fmt: skip
+            pooling, normalize = served.embedding
+            if body.dimensions is not None and body.dimensions > served.hidden_size:
+                raise InvalidRequestError(
+                    f"dimensions must be at most the model's {served.hidden_size}", param="dimensions"
+                )
+            prompts = await asyncio.to_thread(self._embedding_inputs, body)
+            if entry is not None:
+                entry.prompt_tokens = sum(len(ids) for ids in prompts)
+            self._check_waiting(len(prompts))
+            rid = new_id("embd")
+            runs = []
+            for i, ids in enumerate(prompts):
+                params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+                stream = self.controller.generate(
+                    model, ids, params, req_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                    timeout_s=self.config.server.request_timeout_s,
+                )  # fmt: skip
+                runs.append(Choice(rid, model, arrival, stream, index=i, prompt=i, max_tokens=1,
+                                   num_prompt=len(ids), slos=(served.ttft_slo, served.tpot_slo)))  # fmt: skip
+            try:
+                await self._first_deltas(http, runs)
+            finally:
+                for run in runs:
+                    await run.stream.aclose()
+                if entry is not None:
+                    entry.served(runs, sum(len(ids) for ids in prompts), arrival)
+            self.metrics.on_request(model, 1, len(prompts))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except PrismError as e:
+            self._count_error(model, e)
+            raise
+        data = []
+        for run in runs:
+            if run.last is None or run.last.embedding is None:  # an engine that does not pool
+                raise InternalError(f"model {model!r} answered without an embedding")
+            vector = np.frombuffer(run.last.embedding, dtype="<f4")[: body.dimensions]
+            if normalize:
+                vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+            vector = vector.astype("<f4")
+            shown = (
+                base64.b64encode(vector.tobytes()).decode()
+                if body.encoding_format == "base64"
+                else vector.tolist()
+            )
+            data.append({"object": "embedding", "index": run.index, "embedding": shown})
+        num_prompt = sum(len(ids) for ids in prompts)
+        return JSONResponse(
+            {"object": "list", "data": data, "model": model,
+             "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}}
+        )  # fmt: skip
+
+    def _embedding_inputs(self, body: EmbeddingRequest) -> list[list[int]]:
+        """Each input's token ids, checked against the model's vocabulary and context (400s)."""
+        tok = self.controller.models.tokenizer(body.model)
+        served = self.served[body.model]
+        out = []
+        for text in body.inputs:
+            ids = tok.encode(text) if isinstance(text, str) else text
+            self._check_vocab(body.model, ids, "input")
+            if len(ids) + 1 > served.max_model_len:
+                raise PromptTooLongError(
+                    f"this model's maximum context length is {served.max_model_len} tokens; an input has "
+                    f"{len(ids)} tokens", param="input",
+                )  # fmt: skip
+            if not ids:
+                raise InvalidRequestError("an input encodes to no tokens", param="input")
+            out.append(ids)
+        return out
 
     def _take(self, run: Choice, d: msg.TokenDelta) -> None:
         """Book one delta: text, token counts, inter-token latency; metrics when it is the last."""

@@ -335,8 +335,17 @@ class LLMEngine(RequestCounts):
         outputs = []
         for s, token in zip(sched.scheduled, sampled, strict=True):
             seq = s.seq
+            last_chunk = s.samples  # (read before the count moves past the chunk)
             seq.num_computed_tokens += s.num_new_tokens
             self.scheduler.cache_computed(seq)
+            if seq.params.pooling is not None:  # an embedding: done once its prompt is
+                if last_chunk:
+                    seq.metrics.first_token_time = seq.metrics.finish_time = now
+                    seq.finish_reason = "stop"
+                    self.scheduler.finish(seq)
+                    del self._requests[seq.req_id]
+                    outputs.append(self._make_output(seq))
+                continue
             if token is None:
                 continue
             seq.token_ids.append(token)
@@ -405,6 +414,7 @@ class LLMEngine(RequestCounts):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
+            embedding=seq.pooled if seq.finished and seq.params.pooling is not None else None,
         )
 
 

@@ -101,8 +101,10 @@ class ModelRunner:
         for s, last in zip(batch, last_index, strict=True):
             if s.seq.prompt_logprobs is not None:
                 self._prompt_logprobs(hidden, s, last, s.seq.prompt_logprobs)
+            if s.seq.params.pooling is not None:
+                _pool(hidden, s, last)
 
-        sampling = [j for j, s in enumerate(batch) if s.samples]
+        sampling = [j for j, s in enumerate(batch) if s.samples and s.seq.params.pooling is None]
         out: list[int | None] = [None] * len(batch)
         if sampling:
             logits = self.model.compute_logits(hidden[[last_index[j] for j in sampling]])
@@ -231,6 +233,31 @@ class ModelRunner:
 
     def _splits(self, num_seqs: int, max_blocks: int) -> int:
         return cuda_kernels.num_splits(num_seqs, self.model.config.num_kv_heads, max_blocks, self.device)
+
+
+def _pool(hidden: torch.Tensor, s: ScheduledSeq, last: int) -> None:
+    """An embedding request's chunk: the last prompt token's final hidden state (copied to the host:
+    a CUDA graph's output buffer is reused), the first token's, or the sum of the positions not
+    summed yet (a prompt recomputed after preemption adds none twice), divided by their number at
+    the last chunk."""
+    seq = s.seq
+    start = seq.num_computed_tokens
+    if seq.params.pooling == "last":
+        if s.samples:
+            seq.pooled = hidden[last].float().cpu()
+        return
+    if seq.params.pooling == "cls":
+        if start == 0:
+            seq.pooled = hidden[last - s.num_new_tokens + 1].float().cpu()
+        return
+    begin, end = max(start, seq.num_pooled), start + s.num_new_tokens
+    if end > begin:
+        first_row = last - s.num_new_tokens + 1  # the hidden row of position `start`
+        part = hidden[first_row + begin - start : first_row + end - start].float().sum(0).cpu()
+        seq.pooled = part if seq.pooled is None else seq.pooled.add_(part)
+        seq.num_pooled = end
+    if s.samples:
+        seq.pooled = seq.pooled / seq.num_pooled
 
 
 def _argmax_only(seq: Sequence) -> bool:

@@ -68,6 +68,9 @@ class StructuredOutput(msgspec.Struct, array_like=True, frozen=True, forbid_unkn
             )
 
 
+POOLINGS = ("last", "mean", "cls")  # SamplingParams.pooling
+
+
 class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """How one request samples and when it stops.
 
@@ -100,6 +103,10 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    # An embedding instead of tokens: the prompt's final hidden states pooled ("last": the last
+    # token's; "mean": the average over its tokens; "cls": the first token's), in
+    # RequestOutput.embedding once the prompt is computed.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -136,6 +143,15 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParamsError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         self._validate_processing()
+        if self.pooling is not None:
+            if self.pooling not in POOLINGS:
+                raise InvalidSamplingParamsError(
+                    f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}"
+                )
+            if self.logprobs is not None or self.prompt_logprobs is not None or self.structured is not None:
+                raise InvalidSamplingParamsError(
+                    "an embedding (pooling) has no logprobs or structured output"
+                )
 
     def _validate_processing(self) -> None:
         if not _is_int(self.min_tokens, 0, self.max_tokens):

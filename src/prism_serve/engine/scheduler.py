@@ -137,7 +137,9 @@ class Scheduler:
 
     def _match(self, seq: Sequence) -> None:
         """A request starting from nothing takes the cached blocks of its longest cached prefix."""
-        if self.cache is None or seq.block_table or seq.params.prompt_logprobs is not None:
+        # positions before the last are read: scores of each prompt token, or a pooling of them
+        reads_all = seq.params.prompt_logprobs is not None or seq.params.pooling in ("mean", "cls")
+        if self.cache is None or seq.block_table or reads_all:
             return
         keys = block_keys(seq.token_ids, self.block_size, seq.cache_salt, seq.block_keys)
         seq.block_table = self.cache.match(keys, seq.num_tokens)

@@ -85,6 +85,10 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    # an embedding request (params.pooling): the pooled hidden states so far (mean: their sum over
+    # the first num_pooled prompt positions), then the vector itself
+    pooled: torch.Tensor | None = None
+    num_pooled: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -143,6 +147,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    embedding: torch.Tensor | None = None  # an embedding request's vector (float32, on the host)
 
     @property
     def num_prompt_tokens(self) -> int:

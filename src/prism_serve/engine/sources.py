@@ -84,6 +84,64 @@ _GENERATION_KEYS = {
 }  # fmt: skip
 
 
+def embedding_defaults(source: str) -> dict[str, str | bool]:
+    """How an embedding model pools and whether it normalises, as its sentence-transformers files
+    say: ``modules.json`` lists a Pooling module (its ``config.json``'s ``pooling_mode_*`` flag:
+    lasttoken, mean_tokens or cls_token) and a Normalize module or none. Empty for a source without
+    them. ValueError names a file that is not what sentence-transformers writes."""
+    root = Path(source).expanduser()
+    path = root / "modules.json"
+    if source.startswith(RANDOM_PREFIX) or not path.is_file():
+        return {}
+    try:
+        modules = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not JSON: {e}") from None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ValueError(f"{path}: expected a list of modules")
+    kinds = [str(m.get("type", "")).rpartition(".")[2] for m in modules]
+    out: dict[str, str | bool] = {"normalize": "Normalize" in kinds}
+    for m, kind in zip(modules, kinds, strict=True):
+        if kind != "Pooling":
+            continue
+        cfg = json_object(root / str(m.get("path", "")) / "config.json", ValueError)
+        found = [name for flag, name in _POOLING_FLAGS.items() if cfg.get(flag)]
+        if len(found) != 1:
+            where = root / str(m.get("path", ""))
+            flags = ", ".join(_POOLING_FLAGS)
+            raise ValueError(f"{where}: one pooling mode of {flags} must be set, found {found or 'none'}")
+        out["pooling"] = found[0]
+    return out
+
+
+def write_embedding_files(path: Path, pooling: str, normalize: bool, dimension: int) -> None:
+    """sentence-transformers' files beside an HF directory's weights, saying how it pools and
+    whether it normalises (what ``embedding_defaults`` reads back): to export an embedding model."""
+    path = Path(path)
+    kinds = ["Transformer", "Pooling", *(["Normalize"] if normalize else [])]
+    paths = {"Transformer": "", "Pooling": "1_Pooling", "Normalize": "2_Normalize"}
+    modules = [
+        {"idx": i, "name": str(i), "path": paths[k], "type": f"sentence_transformers.models.{k}"}
+        for i, k in enumerate(kinds)
+    ]
+    if normalize:
+        (path / "2_Normalize").mkdir(exist_ok=True)
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
+    flags = {flag: name == pooling for flag, name in _POOLING_FLAGS.items()}
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": dimension, **flags}, indent=2)
+    )
+
+
+# sentence-transformers' pooling flags and the engine's poolings (SamplingParams.pooling)
+_POOLING_FLAGS = {
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+}
+
+
 def generation_defaults(source: str) -> dict[str, float | int]:
     """The sampling settings a Hugging Face directory's ``generation_config.json`` gives (none for
     other sources, or a directory without the file). ``do_sample: false`` is greedy decoding

@@ -82,7 +82,8 @@ class Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise UnsupportedModelError(
-                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only)"
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only; for a "
+                "SentencePiece vocabulary, 'llama', serve the model's HF directory instead)"
             )
         tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
         merges_raw: list[str] = meta.get("tokenizer.ggml.merges") or []

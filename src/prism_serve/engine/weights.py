@@ -248,7 +248,22 @@ def _gguf_to_hf_name(name: str, gemma: bool = False) -> str:
 def load_hf_dir(path: Path) -> LoadedWeights:
     """A directory in HF layout for the built-in engine (models.config.BUILT_IN_HF), in float32."""
     w = _read_hf_dir(path, any_architecture=False, cast=lambda t: t.float() if t.is_floating_point() else t)
-    return dataclasses.replace(w, tensors=engine_names(w.config, language_model(w.tensors)))
+    config, tensors = headless(w.config, language_model(w.tensors))
+    return dataclasses.replace(w, config=config, tensors=engine_names(config, tensors))
+
+
+def headless(
+    config: ArchConfig, tensors: dict[str, torch.Tensor]
+) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
+    """A checkpoint of the decoder alone (transformers' ``Qwen3Model`` and the like, as embedding
+    models such as Qwen3-Embedding ship): its tensors under the causal LM's names, and the embedding
+    as the LM head it lacks (tied), which an embedding request never reads."""
+    if "model.embed_tokens.weight" in tensors or "embed_tokens.weight" not in tensors:
+        return config, tensors
+    tensors = {n if n.startswith("lm_head.") else "model." + n: t for n, t in tensors.items()}
+    if "lm_head.weight" not in tensors and not config.tie_word_embeddings:
+        config = dataclasses.replace(config, tie_word_embeddings=True)
+    return config, tensors
 
 
 # Where multimodal checkpoints (Gemma 3's) keep the language model: under the first name in

@@ -54,6 +54,9 @@ class ModelSpec:
     # tensor parallel degree: the built-in engine over ``tp`` workers, one per device of the group the
     # placement chose (engine/tensor_parallel.py); its KV is fixed at activation, the same on every rank
     tp: int = 1
+    # an embedding model (task: embed): how its vectors are pooled and whether they are normalised
+    # (ModelConfig.embedding_settings); None: a model that generates
+    embedding: tuple[str, bool] | None = None
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:

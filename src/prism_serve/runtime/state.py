@@ -217,6 +217,8 @@ class ModelStatus:
     devices: tuple[str, ...] = ()  # a resident tensor parallel model's devices, rank 0 first
     # KV blocks its engines' prefix caches keep that no request holds: reclaimable, not in use
     cached_kv_bytes: int = 0
+    embedding: tuple[str, bool] | None = None  # an embedding model's (pooling, normalize)
+    hidden_size: int = 0  # the width of its hidden states (an embedding's length)
 
     @classmethod
     def of(cls, entries: list[tuple[ModelEntry, int]]) -> ModelStatus:
@@ -240,7 +242,7 @@ class ModelStatus:
             sum(e.cpu_seconds for e, _ in entries), m.cached.source, m.cached.synthetic,
             m.spec.ttft_slo, m.spec.tpot_slo, m.max_model_len, int(m.cached.config["vocab_size"]),
             tuple(reps), m.spec.engine.dtype, m.spec.sampling, m.spec.tp, m.devices if m.spec.tp > 1 else (),
-            sum(r.cached_kv_bytes for r in reps),
+            sum(r.cached_kv_bytes for r in reps), m.spec.embedding, int(m.cached.config["hidden_size"]),
         )  # fmt: skip
 
 

@@ -364,6 +364,7 @@ class Worker:
                 o.prompt_logprobs,
                 _timings(o.metrics) if o.finished else None,
                 num_cached_tokens=o.num_cached_tokens,
+                embedding=None if o.embedding is None else o.embedding.numpy().astype("<f4").tobytes(),
             )
             for o in outs
         ]
