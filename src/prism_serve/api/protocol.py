@@ -361,10 +361,9 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v: Any) -> Any:
-        many = isinstance(v, list) and v and isinstance(v[0], str | list)
-        if many and len(v) > MAX_PROMPTS:
+        if _many(v) and len(v) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
-        if isinstance(v, list) and (not v or (many and any(isinstance(p, list) and not p for p in v))):
+        if isinstance(v, list) and any(isinstance(p, list) and not p for p in _one_or_many(v)):
             raise ValueError("prompt is empty")
         return v
 
@@ -379,8 +378,7 @@ class CompletionRequest(_Sampling):
     @property
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, one or several."""
-        p = self.prompt
-        return list(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
+        return _one_or_many(self.prompt)
 
     @property
     def score_only(self) -> bool:
@@ -407,17 +405,26 @@ class EmbeddingRequest(_Request):
     @field_validator("input")
     @classmethod
     def _inputs(cls, v: Any) -> Any:
-        many = isinstance(v, list) and v and isinstance(v[0], str | list)
-        if many and len(v) > MAX_EMBEDDING_INPUTS:
+        if _many(v) and len(v) > MAX_EMBEDDING_INPUTS:
             raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
-        if not v or (many and any(not p for p in v)):
+        if not all(_one_or_many(v)):
             raise ValueError("input is empty: each input must have text or tokens")
         return v
 
     @property
     def inputs(self) -> list[str | list[int]]:
-        v = self.input
-        return list(v) if isinstance(v, list) and isinstance(v[0], str | list) else [v]
+        """The request's inputs, one or several."""
+        return _one_or_many(self.input)
+
+
+def _many(v: Any) -> bool:
+    """Several prompts (texts or token id lists) rather than one (a text or a token id list)."""
+    return isinstance(v, list) and bool(v) and isinstance(v[0], str | list)
+
+
+def _one_or_many(v: Any) -> list:
+    """One prompt or several as a list of prompts (an empty list: one empty prompt)."""
+    return list(v) if _many(v) else [v]
 
 
 class TokenizeRequest(_Request):
