@@ -20,9 +20,14 @@ TEXTS = [
 ]
 
 
+_HF_MODELS: dict[int, torch.nn.Module] = {}  # by id of the weights: built once per session
+
+
 def hf_pooled(smollm, ids: list[int], pooling: str) -> torch.Tensor:
     """transformers' last hidden states (after the final norm) of ``ids``, pooled."""
-    model = build_hf_model(smollm, torch.float32)
+    model = _HF_MODELS.get(id(smollm))
+    if model is None:
+        model = _HF_MODELS[id(smollm)] = build_hf_model(smollm, torch.float32)
     with torch.inference_mode():
         hidden = model.model(torch.tensor([ids])).last_hidden_state[0]
     return {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
