@@ -176,10 +176,12 @@ class DecoderLayer:
         )
         self.o_proj = Linear(t("self_attn.o_proj.weight"), None, dtype)
         self.gate_up = self.down = self.router = self.experts_gate_up = self.experts_down = None
-        if config.num_experts:  # experts stay [expert, out, in]: each is a plain F.linear weight
+        if config.num_experts:  # stacked [expert, out, in]; in fp32 each expert transposed as Linear's
             self.router = Linear(t("mlp.gate.weight"), None, dtype)
-            self.experts_gate_up = t("mlp.experts.gate_up_proj").to(dtype).contiguous()
-            self.experts_down = t("mlp.experts.down_proj").to(dtype).contiguous()
+            fp32 = dtype == torch.float32
+            for name, key in (("experts_gate_up", "gate_up_proj"), ("experts_down", "down_proj")):
+                w = t(f"mlp.experts.{key}").to(dtype)
+                setattr(self, name, (w.transpose(1, 2) if fp32 else w).contiguous())
         else:
             self.gate_up = Linear(
                 torch.cat([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")]), None, dtype
@@ -465,6 +467,7 @@ class LlamaForCausalLM:
         order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=c.num_experts).tolist()
         tokens = order // c.experts_per_token
+        transposed = self.dtype == torch.float32  # each expert's weights laid out as Linear's
         out = torch.zeros_like(h)
         start = 0
         for e, n in enumerate(counts):
@@ -472,8 +475,9 @@ class LlamaForCausalLM:
                 continue
             pairs = order[start : start + n]
             rows = tokens[start : start + n]
-            gate, up = F.linear(h.index_select(0, rows), layer.experts_gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate).mul_(up), layer.experts_down[e])
+            gate_up = Linear.laid_out(layer.experts_gate_up[e], None, transposed)(h.index_select(0, rows))
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = Linear.laid_out(layer.experts_down[e], None, transposed)(F.silu(gate).mul_(up))
             out.index_add_(0, rows, y.mul_(weights[pairs].unsqueeze(1)))
             start += n
         return out
