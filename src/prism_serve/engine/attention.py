@@ -36,6 +36,18 @@ class PrefillChunk:
     context_len: int  # cached tokens + this chunk
     block_table: torch.Tensor  # [ceil(context_len / block_size)] block ids
     mask: torch.Tensor | None  # [query_len, context_len] bool; None when the chunk is the whole context
+    # the mask within each sliding window the model's layers use, made by the first such layer
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def windowed(self, window: int | None) -> torch.Tensor | None:
+        """The chunk's mask within ``window`` (None: no window, or one no shorter than its context)."""
+        if window is None or window >= self.context_len:
+            return self.mask
+        if window not in self.window_masks:
+            self.window_masks[window] = window_mask(
+                self.query_len, self.context_len, window, self.block_table.device
+            )
+        return self.window_masks[window]
 
 
 @dataclass(slots=True)
@@ -48,6 +60,19 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size]
     context_len: int  # keys attended when there is no mask
     lens: torch.Tensor  # [n] keys each decode attends to (for a sliding window's mask)
+    # the mask within each sliding window the model's layers use, made by the first such layer
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def windowed(self, window: int | None, num_keys: int) -> torch.Tensor | None:
+        """The group's mask over its first ``num_keys`` gathered keys, hiding those before
+        ``window`` too (None: no window and one length)."""
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            keys = torch.arange(num_keys, device=self.lens.device)
+            inside = (keys.unsqueeze(0) >= (self.lens - window).unsqueeze(1))[:, None, None, :]
+            self.window_masks[window] = inside if self.mask is None else self.mask & inside
+        return self.window_masks[window]
 
 
 @dataclass(slots=True)
@@ -153,14 +178,9 @@ def paged_attention(
         qd = qg.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
         kd = _gather(k_cache, g.block_tables, meta.gather_k).transpose(1, 2)  # [n, kvh, L, hd]
         vd = _gather(v_cache, g.block_tables, meta.gather_v).transpose(1, 2)
-        mask = g.mask
-        if mask is None:
+        if g.mask is None:
             kd, vd = kd[:, :, : g.context_len], vd[:, :, : g.context_len]
-        if window is not None:  # keys before the window hidden too
-            keys = torch.arange(kd.shape[2], device=kd.device)
-            inside = (keys.unsqueeze(0) >= (g.lens - window).unsqueeze(1))[:, None, None, :]
-            mask = inside if mask is None else mask & inside
-        od = _attend(qd, kd, vd, mask, False, scale, softcap, gqa=False)
+        od = _attend(qd, kd, vd, g.windowed(window, kd.shape[2]), False, scale, softcap, gqa=False)
         if g.rows is None:
             out[:nd] = od.reshape(n, num_heads, head_dim)
         else:
@@ -185,9 +205,7 @@ def paged_attention(
             kp = _gather(k_cache, p.block_table, meta.gather_k)[: p.context_len].transpose(0, 1)[None]
             vp = _gather(v_cache, p.block_table, meta.gather_v)[: p.context_len].transpose(0, 1)[None]
         qp = q[p.query_start : end].transpose(0, 1)[None]  # [1, heads, qlen, hd]
-        mask = p.mask
-        if window is not None and window < p.context_len:
-            mask = window_mask(p.query_len, p.context_len, window, q.device)
+        mask = p.windowed(window)
         op = _attend(qp, kp, vp, mask, mask is None, scale, softcap, gqa=True)
         out[p.query_start : end] = op[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)

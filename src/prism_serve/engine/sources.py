@@ -104,10 +104,10 @@ def embedding_defaults(source: str) -> dict[str, str | bool]:
     for m, kind in zip(modules, kinds, strict=True):
         if kind != "Pooling":
             continue
-        cfg = json_object(root / str(m.get("path", "")) / "config.json", ValueError)
+        where = root / str(m.get("path", ""))
+        cfg = json_object(where / "config.json", ValueError)
         found = [name for flag, name in _POOLING_FLAGS.items() if cfg.get(flag)]
         if len(found) != 1:
-            where = root / str(m.get("path", ""))
             flags = ", ".join(_POOLING_FLAGS)
             raise ValueError(f"{where}: one pooling mode of {flags} must be set, found {found or 'none'}")
         out["pooling"] = found[0]

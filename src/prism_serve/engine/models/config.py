@@ -324,11 +324,7 @@ class ArchConfig:
             if self.architecture == "gemma3":  # transformers 5's RoPE settings by layer type
                 full = {"rope_type": "default", "rope_theta": self.rope_theta}
                 if self.rope_linear_factor != 1.0:
-                    full = {
-                        "rope_type": "linear",
-                        "rope_theta": self.rope_theta,
-                        "factor": self.rope_linear_factor,
-                    }
+                    full.update(rope_type="linear", factor=self.rope_linear_factor)
                 local = {"rope_type": "default", "rope_theta": self.rope_local_theta or self.rope_theta}
                 cfg["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
                 cfg.pop("rope_theta"), cfg.pop("rope_scaling", None)
@@ -373,11 +369,11 @@ def _gguf_gemma(meta: dict[str, Any], arch: str, width: int, head_dim: int) -> d
     base 10000; Gemma 2's soft caps 50 and 30 unless the file says; queries scaled by
     hidden / heads instead of head_dim in the 27B models (46 and 62 layers), as llama.cpp does."""
     layers = int(meta[f"{arch}.block_count"])
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", _GEMMA_GLOBAL_EVERY[arch])
     if isinstance(pattern, list | tuple):  # one flag per layer, true where it is windowed
         global_layers = tuple(i for i, windowed in enumerate(pattern) if not windowed)
     else:
-        global_layers = tuple(i for i in range(layers) if i % int(pattern) == int(pattern) - 1)
+        global_layers = _every(int(pattern), layers)
     out: dict[str, Any] = {"global_layers": global_layers}
     if layers == (46 if arch == "gemma2" else 62) and width != head_dim:
         out["query_pre_attn_scalar"] = float(width)
@@ -406,15 +402,16 @@ def _hf_gemma(cfg: dict[str, Any], model_type: str, layers: int, head_dim: int) 
         )
     types = cfg.get("layer_types")
     if types is None:
-        pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
-        types = [
-            "full_attention" if i % pattern == pattern - 1 else "sliding_attention" for i in range(layers)
-        ]
-    if len(types) != layers:
+        global_layers = _every(
+            int(cfg.get("sliding_window_pattern") or _GEMMA_GLOBAL_EVERY[model_type]), layers
+        )
+    elif len(types) != layers:
         raise CorruptWeightsError(f"layer_types names {len(types)} layers, the model has {layers}")
+    else:
+        global_layers = tuple(i for i, t in enumerate(types) if t != "sliding_attention")
     scalar = cfg.get("query_pre_attn_scalar")
     out: dict[str, Any] = {
-        "global_layers": tuple(i for i, t in enumerate(types) if t != "sliding_attention"),
+        "global_layers": global_layers,
         "query_pre_attn_scalar": None if scalar is None or float(scalar) == head_dim else float(scalar),
         "attn_softcap": _cap(cfg.get("attn_logit_softcapping")),
         "final_softcap": _cap(cfg.get("final_logit_softcapping")),
@@ -424,6 +421,15 @@ def _hf_gemma(cfg: dict[str, Any], model_type: str, layers: int, head_dim: int) 
         local = rope.get("sliding_attention") or {}
         out["rope_local_theta"] = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
     return out
+
+
+# Gemma: every how many layers one attends globally, where a file does not say
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+
+
+def _every(pattern: int, layers: int) -> tuple[int, ...]:
+    """The global layers when every ``pattern``-th one is (the others windowed)."""
+    return tuple(i for i in range(layers) if i % pattern == pattern - 1)
 
 
 def _number(x: float) -> int | float:

@@ -90,6 +90,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def norm_weight(w: torch.Tensor, config: ArchConfig, dtype: torch.dtype) -> torch.Tensor:
+    """An RMSNorm's weight as the forward pass multiplies by it: Gemma's checkpoints store w for a
+    scale of 1 + w (added in fp32, as transformers does, then cast)."""
+    return (w.float() + 1.0 if config.gemma else w).to(dtype).contiguous()
+
+
 def rope_inv_freq(
     config: ArchConfig, freq_factors: torch.Tensor | None = None, local: bool = False
 ) -> torch.Tensor:
@@ -158,9 +164,8 @@ class DecoderLayer:
         def t(name: str) -> torch.Tensor:
             return tensors[prefix + name]
 
-        def norm(name: str) -> torch.Tensor:  # Gemma's checkpoints store w for a scale of 1 + w
-            w = t(name).float() + 1.0 if config.gemma else t(name)
-            return w.to(dtype).contiguous()
+        def norm(name: str) -> torch.Tensor:
+            return norm_weight(t(name), config, dtype)
 
         qkv_bias = None
         if config.attention_bias:
@@ -230,8 +235,7 @@ class LlamaForCausalLM:
         else:
             self.embed = None if self.lm_head.transposed else self.lm_head.weight  # one copy
         self.layers = [DecoderLayer(tensors, f"model.layers.{i}.", c, dtype) for i in range(c.num_layers)]
-        norm = tensors["model.norm.weight"]
-        self.norm = (norm.float() + 1.0 if c.gemma else norm).to(dtype).contiguous()
+        self.norm = norm_weight(tensors["model.norm.weight"], c, dtype)
         # tensor parallel: the in-place sum over the ranks of a partial output (tensor_parallel.py)
         self.reduce: Callable[[torch.Tensor], None] | None = None
         self._init_rope(max_positions, rope_freq_factors)
