@@ -302,20 +302,51 @@ def test_an_embedding_model_pools_as_its_sentence_transformers_files_say_unless_
         "  - {name: c, task: embed}\n  - {name: d}\n",
     ])  # fmt: skip
     a, b, c, d = parse_config(text).models
-    assert (a.embedding_settings(), b.embedding_settings()) == (("mean", True), ("last", False))
-    assert c.embedding_settings() == ("last", True) and d.embedding_settings() is None  # no files; chat
-    assert [s.embedding for s in model_specs(parse_config(text))] == [("mean", True), ("last", False),
-                                                                      ("last", True), None]  # fmt: skip
+
+    def pooled(m) -> tuple | None:
+        t = m.pooling_task()
+        return None if t is None else (t.task, t.pooling, t.normalize)
+
+    assert (pooled(a), pooled(b)) == (("embed", "mean", True), ("embed", "last", False))
+    assert pooled(c) == ("embed", "last", True) and pooled(d) is None  # no files; a chat model
+    assert [s.pooled for s in model_specs(parse_config(text))] == [a.pooling_task(), b.pooling_task(),
+                                                                   c.pooling_task(), None]  # fmt: skip
     write_embedding_files(hf, "cls", False, 576)  # rewritten: no Normalize module any more
-    assert parse_config(text).models[0].embedding_settings() == ("cls", False)
+    assert pooled(parse_config(text).models[0]) == ("embed", "cls", False)
     (hf / "1_Pooling" / "config.json").write_text(
         '{"pooling_mode_mean_tokens": true, "pooling_mode_cls_token": true}'
     )
     with pytest.raises(ConfigError, match=r"model a: .*one pooling mode"):
-        parse_config(text).models[0].embedding_settings()
+        parse_config(text).models[0].pooling_task()
     with pytest.raises(ConfigError, match="pooling and normalize are for task: embed"):
         parse_config(head + "  - {name: a, pooling: mean}\n")
     with pytest.raises(ConfigError, match="task: embed runs on the built-in engine"):
         parse_config(head + f'  - {{name: a, source: "{hf}", task: embed, engine: vllm}}\n')
     with pytest.raises(ConfigError, match="task"):
         parse_config(head + "  - {name: a, task: rerank}\n")
+
+
+def test_a_reranker_fills_its_template_and_reads_its_answer_tokens_from_the_config():
+    head = "devices: {count: 1, memory: 1GiB}\nmodels:\n"
+    default, own = parse_config(head + "".join([
+        "  - {name: a, task: score}\n",
+        "  - {name: b, task: score, score_template: 'Q={query} D={document} I={instruction} {x}',\n"
+        "     score_instruction: find it, score_tokens: ['No', 'Yes']}\n",
+    ])).models  # fmt: skip
+    task = default.pooling_task()
+    assert (task.task, task.pooling, task.tokens) == ("score", "last", ("no", "yes"))
+    prompt = task.prompt("q {document}", "the doc")  # a placeholder inside a text stays as it is
+    assert "<Query>: q {document}\n<Document>: the doc<|im_end|>" in prompt
+    assert f"<Instruct>: {task.instruction}\n" in prompt and prompt.startswith("<|im_start|>system\n")
+    mine = own.pooling_task()
+    assert mine.tokens == ("No", "Yes") and mine.prompt("a", "b") == "Q=a D=b I=find it {x}"
+    assert mine.prompt("a", "b", "other") == "Q=a D=b I=other {x}"
+    for bad, match in [
+        ("{name: a, score_tokens: ['no', 'yes']}", "score_tokens are for task: score"),
+        ("{name: a, task: score, score_tokens: ['yes', 'yes']}", "two different tokens"),
+        ("{name: a, task: score, score_tokens: [no, yes]}", "quote them: YAML reads a bare yes"),
+        ("{name: a, task: score, pooling: last}", "pooling and normalize are for task: embed"),
+        ("{name: a, task: score, engine: vllm, source: /tmp}", "task: score runs on the built-in engine"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            parse_config(head + f"  - {bad}\n")

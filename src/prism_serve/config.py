@@ -26,7 +26,7 @@ import math
 import os
 from collections.abc import Container
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -36,6 +36,9 @@ from prism_serve.engine.config import DEFAULT_MODEL, ENGINE_DEFAULTS, VLLM_LORA_
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.vmm import parse_size
+
+if TYPE_CHECKING:
+    from prism_serve.runtime.models import PoolingTask
 
 __all__ = [
     "ConfigError",
@@ -180,10 +183,12 @@ class ModelConfig(_Strict):
     max_lora_rank: int = Field(
         16, ge=1, le=512, description="a base model: the largest adapter rank its slots hold"
     )
-    task: Literal["generate", "embed"] = Field(
+    task: Literal["generate", "embed", "score"] = Field(
         "generate",
         description="generate: chat, completions and responses; embed: /v1/embeddings (a decoder "
-        "embedding model such as Qwen3-Embedding, built-in engine)",
+        "embedding model such as Qwen3-Embedding); score: /v1/rerank and /v1/score (a decoder "
+        "reranker such as Qwen3-Reranker: the probability of yes against no after the pair's prompt); "
+        "embed and score run on the built-in engine",
     )
     pooling: Literal["last", "mean", "cls"] | None = Field(
         None,
@@ -194,6 +199,21 @@ class ModelConfig(_Strict):
         None,
         description="embed: L2-normalise the vectors; unset: as its sentence-transformers files say "
         "(a Normalize module), else true",
+    )
+    score_template: str | None = Field(
+        None,
+        description="score: a (query, document) pair's prompt, with {query}, {document} and "
+        "{instruction} in it; unset: Qwen3-Reranker's",
+    )
+    score_instruction: str | None = Field(
+        None,
+        description="score: the {instruction} of a request that names none; unset: Qwen3-Reranker's "
+        "(a web search query and the passages that answer it)",
+    )
+    score_tokens: tuple[str, str] | None = Field(
+        None,
+        description="score: the answer tokens [no, yes], one token each in the model's vocabulary; the "
+        "score is sigmoid(logit(yes) - logit(no)); unset: [no, yes]",
     )
 
     _kv_limit = field_validator("kv_limit", mode="before")(_size)
@@ -231,18 +251,44 @@ class ModelConfig(_Strict):
     def is_adapter(self) -> bool:
         return self.base is not None
 
+    @field_validator("score_tokens", mode="before")
+    @classmethod
+    def _quoted_tokens(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple) and any(isinstance(t, bool) for t in v):
+            raise ValueError('quote them: YAML reads a bare yes or no as true or false (["no", "yes"])')
+        return v
+
     @model_validator(mode="after")
-    def _embedding(self) -> ModelConfig:
-        if self.task == "generate" and (self.pooling is not None or self.normalize is not None):
+    def _pooling_task(self) -> ModelConfig:
+        if self.task != "embed" and (self.pooling is not None or self.normalize is not None):
             raise ValueError(f"model {self.name}: pooling and normalize are for task: embed")
-        if self.task == "embed" and self.engine == "vllm":
-            raise ValueError(f"model {self.name}: task: embed runs on the built-in engine (engine: builtin)")
+        scoring = [f for f in ("score_template", "score_instruction", "score_tokens") if getattr(self, f)]
+        if self.task != "score" and scoring:
+            raise ValueError(f"model {self.name}: {', '.join(scoring)} are for task: score")
+        if self.task != "generate" and self.engine == "vllm":
+            raise ValueError(
+                f"model {self.name}: task: {self.task} runs on the built-in engine (engine: builtin)"
+            )
+        if self.score_tokens is not None and (
+            not all(self.score_tokens) or self.score_tokens[0] == self.score_tokens[1]
+        ):
+            raise ValueError(f"model {self.name}: score_tokens are two different tokens, [no, yes]")
         return self
 
-    def embedding_settings(self) -> tuple[str, bool] | None:
-        """(pooling, normalize) of a task: embed model, the config's over its sentence-transformers
-        files' (engine.sources.embedding_defaults), else last-token pooling, normalised; None for
-        a generating model."""
+    def pooling_task(self) -> PoolingTask | None:
+        """What a task: embed or score model answers with; None for a generating model. An embedder
+        pools as the config says, else as its sentence-transformers files say
+        (engine.sources.embedding_defaults), else the last token's state, normalised; a reranker
+        scores the last token's logits."""
+        from prism_serve.runtime.models import PoolingTask
+
+        if self.task == "score":
+            defaults = PoolingTask("score")
+            return PoolingTask(
+                "score", template=self.score_template or defaults.template,
+                instruction=self.score_instruction or defaults.instruction,
+                tokens=self.score_tokens or defaults.tokens,
+            )  # fmt: skip
         if self.task != "embed":
             return None
         from prism_serve.engine.sources import embedding_defaults
@@ -253,7 +299,7 @@ class ModelConfig(_Strict):
             raise ConfigError(f"model {self.name}: {e}") from None
         pooling = self.pooling or str(found.get("pooling", "last"))
         normalize = self.normalize if self.normalize is not None else bool(found.get("normalize", True))
-        return pooling, normalize
+        return PoolingTask("embed", pooling, normalize)
 
     @model_validator(mode="after")
     def _vllm_source(self) -> ModelConfig:

@@ -23,14 +23,24 @@ TEXTS = [
 _HF_MODELS: dict[int, torch.nn.Module] = {}  # by id of the weights: built once per session
 
 
-def hf_pooled(smollm, ids: list[int], pooling: str) -> torch.Tensor:
-    """transformers' last hidden states (after the final norm) of ``ids``, pooled."""
+def _hf_model(smollm) -> torch.nn.Module:
     model = _HF_MODELS.get(id(smollm))
     if model is None:
         model = _HF_MODELS[id(smollm)] = build_hf_model(smollm, torch.float32)
+    return model
+
+
+def hf_pooled(smollm, ids: list[int], pooling: str) -> torch.Tensor:
+    """transformers' last hidden states (after the final norm) of ``ids``, pooled."""
     with torch.inference_mode():
-        hidden = model.model(torch.tensor([ids])).last_hidden_state[0]
+        hidden = _hf_model(smollm).model(torch.tensor([ids])).last_hidden_state[0]
     return {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
+
+
+def hf_next_logits(smollm, ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' logits of ``tokens`` as the token after ``ids``."""
+    with torch.inference_mode():
+        return _hf_model(smollm)(torch.tensor([ids])).logits[0, -1, tokens]
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +101,27 @@ def test_an_embedding_request_refuses_what_only_generation_has():
         SamplingParams(pooling="max")
     with pytest.raises(InvalidSamplingParamsError, match="no logprobs"):
         SamplingParams(pooling="last", logprobs=2)
+
+
+def test_score_tokens_are_the_next_tokens_logits_as_transformers_computes_them(make_engine, smollm, prompts):
+    """A reranker's pairs (``score_tokens``: no and yes) prefilled in chunks of 16 in one batch with
+    an embedding of the same prompt: each answers the two logits of transformers at its last
+    position, so the scores sigmoid(yes - no) come out in transformers' order."""
+    tokens = [smollm.tokenizer.one_token("no"), smollm.tokenizer.one_token("yes")]
+    engine = make_engine(max_num_batched_tokens=16, num_kv_blocks=64)
+    engine.add_request(prompts[1], SamplingParams(max_tokens=1, pooling="last"), "embed")
+    for i, ids in enumerate(prompts):
+        engine.add_request(ids, SamplingParams(max_tokens=1, pooling="last", score_tokens=tokens), f"s{i}")
+    out = run_to_completion(engine)
+    wants = [hf_next_logits(smollm, ids, tokens) for ids in prompts]
+    for i, want in enumerate(wants):
+        assert out[f"s{i}"].embedding is not None and out[f"s{i}"].token_ids == []
+        torch.testing.assert_close(out[f"s{i}"].embedding, want, atol=2e-3, rtol=1e-3)
+    assert _cosine(out["embed"].embedding, hf_pooled(smollm, prompts[1], "last")) >= 0.9999
+
+    def order(logits: list[torch.Tensor]) -> list[int]:
+        return sorted(range(len(logits)), key=lambda i: -float(logits[i][1] - logits[i][0]))
+
+    assert order([out[f"s{i}"].embedding for i in range(len(prompts))]) == order(wants)
+    with pytest.raises(InvalidSamplingParamsError, match="need pooling last"):
+        SamplingParams(pooling="mean", score_tokens=tokens)

@@ -417,6 +417,94 @@ class EmbeddingRequest(_Request):
         return _one_or_many(self.input)
 
 
+MAX_SCORE_PAIRS = 2048  # (query, document) pairs in one rerank or score request
+
+
+class _Document(_Body):
+    """A document as Cohere's and Jina's clients may send it: an object with its text."""
+
+    text: Text
+
+
+class _ScoringRequest(_Request):
+    """What rerank and score requests share: the model; ``instruction``, the task the reranker is
+    told (its ``{instruction}``; unset: the model's ``score_instruction``); ``max_tokens_per_doc``
+    (Cohere's and vLLM's), where a longer document is cut."""
+
+    model: Text = Field(min_length=1)
+    instruction: Text | None = None
+    max_tokens_per_doc: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0  # 0: documents are not cut
+    user: Text | None = None
+
+    def pairs(self) -> list[tuple[str, str]]:
+        raise NotImplementedError
+
+
+class RerankRequest(_ScoringRequest):
+    """The rerank request of Jina's and Cohere's APIs (and vLLM's /rerank): one query, documents as
+    texts or ``{"text": ...}`` objects; ``top_n`` keeps the best n (0 or unset: all), and
+    ``return_documents`` false leaves the documents' texts out of the results."""
+
+    query: Text = Field(min_length=1)
+    documents: list[Text | _Document] = Field(min_length=1, max_length=MAX_SCORE_PAIRS)
+    top_n: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    return_documents: bool = True
+
+    @property
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+    def pairs(self) -> list[tuple[str, str]]:
+        return [(self.query, d) for d in self.texts]
+
+
+# vLLM's score request names its two sides in any of these ways
+_SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("text_1", "text_2"), ("data_1", "data_2"))
+
+
+class ScoreRequest(_ScoringRequest):
+    """vLLM's /score: two sides, each a text or a list of texts, under one of the pairs of names
+    of ``_SCORE_SIDES``. One text against N scores it with each; N against N pairs them in order."""
+
+    queries: Text | list[Text] | None = None
+    documents: Text | list[Text] | None = None
+    items: Text | list[Text] | None = None
+    text_1: Text | list[Text] | None = None
+    text_2: Text | list[Text] | None = None
+    data_1: Text | list[Text] | None = None
+    data_2: Text | list[Text] | None = None
+
+    @model_validator(mode="after")
+    def _two_sides(self) -> ScoreRequest:
+        given = self._sides()
+        if len(given) != 1:
+            names = "; ".join(f"{a} and {b}" for a, b in _SCORE_SIDES)
+            raise ValueError(f"send one pair of sides to score: {names}")
+        left, right = given[0]
+        if not left or not right or not all(left) or not all(right):
+            raise ValueError("each side needs at least one text, and no text may be empty")
+        if len(left) != 1 and len(left) != len(right):
+            raise ValueError(
+                f"one query against any number of documents, or as many queries as documents "
+                f"({len(left)} against {len(right)})"
+            )
+        if len(right) > MAX_SCORE_PAIRS:
+            raise ValueError(f"at most {MAX_SCORE_PAIRS} pairs per request")
+        return self
+
+    def _sides(self) -> list[tuple[list[str], list[str]]]:
+        """The texts of each pair of names the request fills."""
+        return [
+            (_one_or_many(getattr(self, a)), _one_or_many(getattr(self, b)))
+            for a, b in _SCORE_SIDES
+            if getattr(self, a) is not None and getattr(self, b) is not None
+        ]
+
+    def pairs(self) -> list[tuple[str, str]]:
+        left, right = self._sides()[0]
+        return list(zip(left * len(right) if len(left) == 1 else left, right, strict=True))
+
+
 def _many(v: Any) -> bool:
     """Several prompts (texts or token id lists) rather than one (a text or a token id list)."""
     return isinstance(v, list) and bool(v) and isinstance(v[0], str | list)

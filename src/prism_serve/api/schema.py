@@ -196,6 +196,44 @@ class EmbeddingList(BaseModel):
     usage: _EmbeddingUsage
 
 
+class _RerankDocument(BaseModel):
+    text: str
+
+
+class _RerankResult(BaseModel):
+    index: int  # the document's position in the request
+    relevance_score: float  # the probability the reranker answers yes, in [0, 1]
+    document: _RerankDocument | None = None  # left out with return_documents: false
+
+
+class RerankList(BaseModel):
+    id: str
+    model: str
+    results: list[_RerankResult]  # best first, top_n of them
+    usage: _EmbeddingUsage
+
+
+class _Score(BaseModel):
+    object: Literal["score"]
+    index: int
+    score: float
+
+
+class _ScoreUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ScoreList(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[_Score]  # pairs in the request's order
+    usage: _ScoreUsage
+
+
 class Tokenized(BaseModel):
     count: int
     max_model_len: int
@@ -321,6 +359,8 @@ CHAT = {**_ok(ChatCompletion, stream=True), **_errors(*_COMPLETE)}
 COMPLETION = {**_ok(TextCompletion, stream=True), **_errors(*_COMPLETE)}
 RESPONSES = {**_ok(ResponseObject, stream=True), **_errors(*_COMPLETE)}
 EMBEDDINGS = {**_ok(EmbeddingList), **_errors(*_COMPLETE)}
+RERANK = {**_ok(RerankList), **_errors(*_COMPLETE)}
+SCORE = {**_ok(ScoreList), **_errors(*_COMPLETE)}
 MODELS = {**_ok(ModelList), **_errors(401)}
 MODEL = {**_ok(ModelCard), **_errors(401, 404)}
 TOKENIZE = {**_ok(Tokenized), **_errors(400, 401, 404, 413)}

@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,8 @@ from prism_serve.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     ToolSetup,
     chat_choice,
@@ -86,14 +88,16 @@ from prism_serve.api.tools import (
     parser_for_template,
     render_conversation,
 )
-from prism_serve.config import DeploymentConfig
+from prism_serve.config import ConfigError, DeploymentConfig
 from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID
 from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import InternalError, InvalidRequestError, PrismError, PromptTooLongError
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.adapters import AdapterTable
 from prism_serve.runtime.build import build_controller
 from prism_serve.runtime.controller import Controller
+from prism_serve.runtime.models import PoolingTask
 from prism_serve.runtime.state import ModelStatus
 
 __all__ = ["PrismServer", "create_app"]
@@ -111,13 +115,38 @@ class _Served:
     max_model_len: int
     vocab_size: int
     sampling: dict[str, float | int]  # defaults for requests that leave a setting out
-    embedding: tuple[str, bool] | None  # an embedding model's (pooling, normalize); None: it generates
+    pooled: PoolingTask | None  # an embedder's or a reranker's task; None: it generates
     hidden_size: int  # an embedding's length
+    score_ids: tuple[int, ...] = ()  # a reranker's answer tokens (no, yes) in its vocabulary
 
     @classmethod
-    def of(cls, st: ModelStatus) -> _Served:
-        return cls(st.ttft_slo, st.tpot_slo, st.max_model_len, st.vocab_size, dict(st.sampling), st.embedding,
-                   st.hidden_size)  # fmt: skip
+    def of(cls, st: ModelStatus, tokenizer: Tokenizer) -> _Served:
+        """``tokenizer`` finds a reranker's answer tokens: a ConfigError where one is not one token."""
+        ids: list[int] = []
+        task = st.pooled
+        for text in task.tokens if task is not None and task.task == "score" else ():
+            found = tokenizer.one_token(text)
+            if found is None:
+                raise ConfigError(
+                    f"model {st.model}: score token {text!r} is not one token of its vocabulary; set "
+                    "score_tokens to its no and yes tokens"
+                )
+            ids.append(found)
+        return cls(st.ttft_slo, st.tpot_slo, st.max_model_len, st.vocab_size, dict(st.sampling), task,
+                   st.hidden_size, tuple(ids))  # fmt: skip
+
+    def refuse(self, model: str, task: str) -> None:
+        """A 400 naming the routes that serve this model, unless it serves ``task``."""
+        mine = self.pooled.task if self.pooled is not None else "generate"
+        if mine == task:
+            return
+        routes = {
+            "generate": "it generates text (task: generate): ask /v1/chat/completions, /v1/completions or "
+            "/v1/responses",
+            "embed": "it is an embedding model (task: embed): ask /v1/embeddings",
+            "score": "it is a reranker (task: score): ask /v1/rerank or /v1/score",
+        }  # fmt: skip
+        raise InvalidRequestError(f"model {model!r} cannot answer this: {routes[mine]}", param="model")
 
 
 class _ServedTable(Mapping[str, _Served]):
@@ -172,11 +201,13 @@ class PrismServer:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI):
             await self.controller.start()
-            self.served = _ServedTable(
-                {st.model: _Served.of(st) for st in self.controller.status()}, self.controller.models.adapters
-            )
-            logger.info("serving %s", ", ".join(self.served.names()))
             try:
+                tokenizer = self.controller.models.tokenizer
+                self.served = _ServedTable(
+                    {st.model: _Served.of(st, tokenizer(st.model)) for st in self.controller.status()},
+                    self.controller.models.adapters,
+                )
+                logger.info("serving %s", ", ".join(self.served.names()))
                 yield
             finally:
                 await self.controller.stop()
@@ -217,6 +248,20 @@ class PrismServer:
         async def embeddings(body: EmbeddingRequest, http: Request) -> Response:
             s.authorize(http)
             return await s.embed(http, body)
+
+        async def rerank(body: RerankRequest, http: Request) -> Response:
+            s.authorize(http)
+            return await s.score(http, body)
+
+        async def score(body: ScoreRequest, http: Request) -> Response:
+            s.authorize(http)
+            return await s.score(http, body)
+
+        # vLLM's paths for both (/v2/rerank: Cohere's client); the schema shows the /v1 ones
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            app.post(path, responses=api_schema.RERANK, include_in_schema=path == "/v1/rerank")(rerank)
+        for path in ("/v1/score", "/score"):
+            app.post(path, responses=api_schema.SCORE, include_in_schema=path == "/v1/score")(score)
 
         @app.get("/v1/models", responses=api_schema.MODELS)
         async def models(http: Request) -> dict:
@@ -314,10 +359,7 @@ class PrismServer:
         self._note_ignored(body)
         try:
             tok = self.controller.models.tokenizer(model)  # 404 before any work
-            if self.served[model].embedding is not None:
-                raise InvalidRequestError(
-                    f"model {model!r} is an embedding model (task: embed): ask /v1/embeddings", param="model"
-                )
+            self.served[model].refuse(model, "generate")
             tools = body.tool_setup() if chat else None  # 400s naming the tool or message
             # Templates and tokenization run in a thread: a long prompt must not stall the event
             # loop (every other request, /health, token streams) while it is encoded.
@@ -576,29 +618,57 @@ class PrismServer:
         self, http: Request, body: EmbeddingRequest, arrival: float, entry: LogEntry | None
     ) -> Response:
         model = body.model
+        done = await self._pooled(
+            http, model, "embed", lambda: self._embedding_inputs(body),
+            lambda served: SamplingParams(max_tokens=1, temperature=0.0, pooling=served.pooled.pooling),
+            arrival, entry,
+        )  # fmt: skip
+        if done is None:
+            return Response(status_code=499)
+        prompts, pooled = done
+        served = self.served[model]
+        assert served.pooled is not None
+        data = []
+        for i, raw in enumerate(pooled):
+            vector = np.frombuffer(raw, dtype="<f4")[: body.dimensions]
+            if served.pooled.normalize:
+                vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+            vector = vector.astype("<f4")
+            shown = (
+                base64.b64encode(vector.tobytes()).decode()
+                if body.encoding_format == "base64"
+                else vector.tolist()
+            )
+            data.append({"object": "embedding", "index": i, "embedding": shown})
+        num_prompt = sum(len(ids) for ids in prompts)
+        return JSONResponse(
+            {"object": "list", "data": data, "model": model,
+             "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}}
+        )  # fmt: skip
+
+    async def _pooled(
+        self, http: Request, model: str, task: str, inputs: Callable[[], list[list[int]]],
+        params: Callable[[_Served], SamplingParams], arrival: float, entry: LogEntry | None,
+    ) -> tuple[list[list[int]], list[bytes]] | None:  # fmt: skip
+        """An embed or score request (``task``): ``inputs`` tokenized in a thread, then each one
+        request to the model's engine (batched there with the model's others), answered by its one
+        delta: the pooled vector, or the score tokens' logits (float32 bytes). None: the client
+        went away."""
         try:
             self.controller.models.tokenizer(model)  # 404 before any work
             served = self.served[model]
-            if served.embedding is None:
-                raise InvalidRequestError(
-                    f"model {model!r} generates text (task: generate); embeddings come from a model "
-                    "configured with task: embed", param="model",
-                )  # fmt: skip
-            pooling, normalize = served.embedding
-            if body.dimensions is not None and body.dimensions > served.hidden_size:
-                raise InvalidRequestError(
-                    f"dimensions must be at most the model's {served.hidden_size}", param="dimensions"
-                )
-            prompts = await asyncio.to_thread(self._embedding_inputs, body)
+            served.refuse(model, task)
+            prompts = await asyncio.to_thread(inputs)
+            sampling = params(served)
+            num_prompt = sum(len(ids) for ids in prompts)
             if entry is not None:
-                entry.prompt_tokens = sum(len(ids) for ids in prompts)
+                entry.prompt_tokens = num_prompt
             self._check_waiting(len(prompts))
-            rid = new_id("embd")
+            rid = new_id("embd" if task == "embed" else task)
             runs = []
             for i, ids in enumerate(prompts):
-                params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
                 stream = self.controller.generate(
-                    model, ids, params, req_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                    model, ids, sampling, req_id=rid if len(prompts) == 1 else f"{rid}-{i}",
                     timeout_s=self.config.server.request_timeout_s,
                 )  # fmt: skip
                 runs.append(Choice(rid, model, arrival, stream, index=i, prompt=i, max_tokens=1,
@@ -609,37 +679,98 @@ class PrismServer:
                 for run in runs:
                     await run.stream.aclose()
                 if entry is not None:
-                    entry.served(runs, sum(len(ids) for ids in prompts), arrival)
+                    entry.served(runs, num_prompt, arrival)
             self.metrics.on_request(model, 1, len(prompts))
+            out = []
+            for run in runs:
+                if run.last is None or run.last.embedding is None:  # an engine that does not pool
+                    raise InternalError(f"model {model!r} answered without its pooled output")
+                out.append(run.last.embedding)
         except ClientDisconnected:
-            return Response(status_code=499)
+            return None
         except PrismError as e:
             self._count_error(model, e)
             raise
-        data = []
-        for run in runs:
-            if run.last is None or run.last.embedding is None:  # an engine that does not pool
-                raise InternalError(f"model {model!r} answered without an embedding")
-            vector = np.frombuffer(run.last.embedding, dtype="<f4")[: body.dimensions]
-            if normalize:
-                vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
-            vector = vector.astype("<f4")
-            shown = (
-                base64.b64encode(vector.tobytes()).decode()
-                if body.encoding_format == "base64"
-                else vector.tolist()
-            )
-            data.append({"object": "embedding", "index": run.index, "embedding": shown})
+        return prompts, out
+
+    # ---- rerank and score -----------------------------------------------------------------------
+
+    async def score(self, http: Request, body: RerankRequest | ScoreRequest) -> Response:
+        """``POST /v1/rerank`` and ``/v1/score``: each (query, document) pair's prompt (the model's
+        template) one request to the model's engine; its score the probability of the yes token
+        against the no token as the next one."""
+        self._note_ignored(body)
+        entry = None
+        if self.request_log is not None:
+            entry = LogEntry(time.time(), body.model, False, len(body.pairs()), 1)
+        return await self._logged(entry, self._score(http, body, time.perf_counter(), entry))
+
+    async def _score(
+        self, http: Request, body: RerankRequest | ScoreRequest, arrival: float, entry: LogEntry | None
+    ) -> Response:
+        model = body.model
+        done = await self._pooled(
+            http, model, "score", lambda: self._score_inputs(body),
+            lambda served: SamplingParams(max_tokens=1, temperature=0.0, pooling="last",
+                                          score_tokens=served.score_ids),
+            arrival, entry,
+        )  # fmt: skip
+        if done is None:
+            return Response(status_code=499)
+        prompts, pooled = done
+        scores = []
+        for raw in pooled:
+            no, yes = np.frombuffer(raw, dtype="<f4").astype(np.float64)
+            scores.append(1.0 / (1.0 + math.exp(min(no - yes, 700.0))))  # sigmoid(yes - no)
         num_prompt = sum(len(ids) for ids in prompts)
+        if isinstance(body, ScoreRequest):
+            return JSONResponse(
+                {"id": new_id("score"), "object": "list", "created": int(time.time()), "model": model,
+                 "data": [{"index": i, "object": "score", "score": v} for i, v in enumerate(scores)],
+                 "usage": usage(num_prompt, 0)}
+            )  # fmt: skip
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n or None]
+        texts = body.texts
+        results = []
+        for i in order:
+            result: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+            if body.return_documents:
+                result["document"] = {"text": texts[i]}
+            results.append(result)
         return JSONResponse(
-            {"object": "list", "data": data, "model": model,
+            {"id": new_id("rerank"), "model": model, "results": results,
              "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}}
         )  # fmt: skip
+
+    def _score_inputs(self, body: RerankRequest | ScoreRequest) -> list[list[int]]:
+        """Each pair's prompt as token ids (a document cut to ``max_tokens_per_doc`` first), checked
+        against the model's context (400s)."""
+        tok = self.controller.models.tokenizer(body.model)
+        served = self.served[body.model]
+        task = served.pooled
+        assert task is not None
+        out = []
+        for query, document in body.pairs():
+            if body.max_tokens_per_doc:
+                kept = tok.encode(document, add_special_tokens=False)[: body.max_tokens_per_doc]
+                document = tok.decode(kept)
+            ids = tok.encode(task.prompt(query, document, body.instruction))
+            if len(ids) + 1 > served.max_model_len:
+                raise PromptTooLongError(
+                    f"this model's maximum context length is {served.max_model_len} tokens; a query and "
+                    f"document make {len(ids)} tokens (max_tokens_per_doc cuts documents)", param="documents",
+                )  # fmt: skip
+            out.append(ids)
+        return out
 
     def _embedding_inputs(self, body: EmbeddingRequest) -> list[list[int]]:
         """Each input's token ids, checked against the model's vocabulary and context (400s)."""
         tok = self.controller.models.tokenizer(body.model)
         served = self.served[body.model]
+        if body.dimensions is not None and body.dimensions > served.hidden_size:
+            raise InvalidRequestError(
+                f"dimensions must be at most the model's {served.hidden_size}", param="dimensions"
+            )
         out = []
         for text in body.inputs:
             ids = tok.encode(text) if isinstance(text, str) else text

@@ -101,8 +101,14 @@ class ModelRunner:
         for s, last in zip(batch, last_index, strict=True):
             if s.seq.prompt_logprobs is not None:
                 self._prompt_logprobs(hidden, s, last, s.seq.prompt_logprobs)
-            if s.seq.params.pooling is not None:
+            if s.seq.params.pooling is not None and not s.seq.params.score_tokens:
                 _pool(hidden, s, last)
+        scoring = [j for j, s in enumerate(batch) if s.samples and s.seq.params.score_tokens]
+        if scoring:  # a reranker's pair: its answer tokens' logits at the last position
+            logits = self.model.compute_logits(hidden[[last_index[j] for j in scoring]])
+            for row, j in enumerate(scoring):
+                seq = batch[j].seq
+                seq.pooled = logits[row, list(seq.params.score_tokens)].float().cpu()
 
         sampling = [j for j, s in enumerate(batch) if s.samples and s.seq.params.pooling is None]
         out: list[int | None] = [None] * len(batch)

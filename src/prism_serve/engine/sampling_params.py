@@ -107,6 +107,9 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     # token's; "mean": the average over its tokens; "cls": the first token's), in
     # RequestOutput.embedding once the prompt is computed.
     pooling: str | None = None
+    # With pooling "last": the logits of these tokens at the last position instead of the hidden
+    # state (a reranker's no and yes), in RequestOutput.embedding.
+    score_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -152,6 +155,12 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
                 raise InvalidSamplingParamsError(
                     "an embedding (pooling) has no logprobs or structured output"
                 )
+        if self.score_tokens:
+            if self.pooling != "last" or not all(_is_int(t, 0) for t in self.score_tokens):
+                raise InvalidSamplingParamsError(
+                    "score_tokens are token ids read at the last position: they need pooling last"
+                )
+            self.score_tokens = tuple(self.score_tokens)
 
     def _validate_processing(self) -> None:
         if not _is_int(self.min_tokens, 0, self.max_tokens):

@@ -86,7 +86,8 @@ class Sequence:
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
     # an embedding request (params.pooling): the pooled hidden states so far (mean: their sum over
-    # the first num_pooled prompt positions), then the vector itself
+    # the first num_pooled prompt positions), then the vector itself; a score request
+    # (params.score_tokens): those tokens' logits
     pooled: torch.Tensor | None = None
     num_pooled: int = 0
 
@@ -147,7 +148,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    embedding: torch.Tensor | None = None  # an embedding request's vector (float32, on the host)
+    # an embedding request's vector, or a score request's logits (float32, on the host)
+    embedding: torch.Tensor | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -180,6 +180,15 @@ class Tokenizer:
             self._max_token_chars = max(1, *map(len, self.backend.get_vocab(with_added_tokens=True)))
         return len(text) // self._max_token_chars
 
+    def one_token(self, text: str) -> int | None:
+        """The id of ``text`` as one token: a vocabulary entry of that name, else the one token it
+        encodes to; None when it is several."""
+        found = self.backend.token_to_id(text)
+        if found is not None:
+            return found
+        ids = self.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
     def special_ids(self, texts: Iterable[str]) -> dict[str, int]:
         """The id of each of ``texts`` that is one special token of this vocabulary (a token the
         detokenizer drops unless told to keep special tokens)."""

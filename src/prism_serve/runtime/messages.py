@@ -153,7 +153,7 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     device: str | None = None
     replica: str | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the engine's prefix cache
-    embedding: bytes | None = None  # an embedding request's vector: float32, little-endian
+    embedding: bytes | None = None  # an embedding's vector or a score's logits: float32, little-endian
 
 
 # ---- controller -> worker --------------------------------------------------------------------

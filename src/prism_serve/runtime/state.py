@@ -33,7 +33,7 @@ from prism_serve.runtime import messages as msg
 from prism_serve.runtime.adapters import AdapterTable
 from prism_serve.runtime.cluster import LedgerMirror
 from prism_serve.runtime.devices import DeviceSpec
-from prism_serve.runtime.models import ModelSpec, UnknownModelError
+from prism_serve.runtime.models import ModelSpec, PoolingTask, UnknownModelError
 from prism_serve.runtime.weight_cache import CachedModel, config_from_dict
 from prism_serve.runtime.workers import WorkerHandle
 
@@ -217,7 +217,7 @@ class ModelStatus:
     devices: tuple[str, ...] = ()  # a resident tensor parallel model's devices, rank 0 first
     # KV blocks its engines' prefix caches keep that no request holds: reclaimable, not in use
     cached_kv_bytes: int = 0
-    embedding: tuple[str, bool] | None = None  # an embedding model's (pooling, normalize)
+    pooled: PoolingTask | None = None  # an embedder's or a reranker's task; None: it generates
     hidden_size: int = 0  # the width of its hidden states (an embedding's length)
 
     @classmethod
@@ -242,7 +242,7 @@ class ModelStatus:
             sum(e.cpu_seconds for e, _ in entries), m.cached.source, m.cached.synthetic,
             m.spec.ttft_slo, m.spec.tpot_slo, m.max_model_len, int(m.cached.config["vocab_size"]),
             tuple(reps), m.spec.engine.dtype, m.spec.sampling, m.spec.tp, m.devices if m.spec.tp > 1 else (),
-            sum(r.cached_kv_bytes for r in reps), m.spec.embedding, int(m.cached.config["hidden_size"]),
+            sum(r.cached_kv_bytes for r in reps), m.spec.pooled, int(m.cached.config["hidden_size"]),
         )  # fmt: skip
 
 
