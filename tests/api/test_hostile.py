@@ -10,6 +10,7 @@ import json
 import httpx
 import pytest
 
+from prism_serve.api.protocol import ChatCompletionRequest
 from tests.api.conftest import ADMIN_KEY, API_KEY
 from tests.api.test_server import admin, metrics, sample
 
@@ -97,9 +98,21 @@ def test_bad_values_while_the_model_is_evicted_do_not_break_its_activation(serve
         ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": True}, "best_of"),  # true == 1
         ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 1.0}, "best_of"),
     ],
-    ids=["surrogate-content", "surrogate-stop", "surrogate-prompt", "bool-token-id", "float-token-id",
-         "float-max-tokens", "int-stream", "str-bool", "logprobs-0", "bool-top-k", "bool-seed",
-         "bool-best-of", "float-best-of"],
+    ids=[
+        "surrogate-content",
+        "surrogate-stop",
+        "surrogate-prompt",
+        "bool-token-id",
+        "float-token-id",
+        "float-max-tokens",
+        "int-stream",
+        "str-bool",
+        "logprobs-0",
+        "bool-top-k",
+        "bool-seed",
+        "bool-best-of",
+        "float-best-of",
+    ],
 )
 def test_loose_types_and_bad_unicode_are_400(server, path, body, param):
     # json.dumps escapes a lone surrogate as \ud800: the body is valid JSON, the string is not Unicode
@@ -200,3 +213,41 @@ def test_admin_key_still_required(server):
     r = httpx.post(f"{server.base_url}/admin/models/tiny/pin", headers=AUTH, timeout=30)
     assert_error(r, 403)
     assert admin(server, "tiny", "unpin", key=ADMIN_KEY).status_code == 200
+
+
+def _nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_tool_schema_nested_150_deep_is_a_400_like_the_same_response_format(server, choice):
+    """Every JSON schema a request sends is checked in one place (api/tools.py check_json_schema):
+    nesting past the limit is a 400 naming the parameter, never a RecursionError's 500."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": _nested_schema(150)}}
+    err = assert_error(
+        post(server, "/v1/chat/completions", chat(tools=[tool], tool_choice=choice)), 400, "tools"
+    )
+    assert "deeper than" in err["message"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested_schema(150)}}
+    err = assert_error(
+        post(server, "/v1/chat/completions", chat(response_format=fmt)), 400, "response_format"
+    )
+    assert "deeper than" in err["message"]
+    assert_idle(server)
+    # 60 levels, within the limit, pass and compile into the call's grammar (not served here: the
+    # tool's schema in the prompt would be longer than this server's models take)
+    tool["function"]["parameters"] = _nested_schema(60)
+    assert ChatCompletionRequest.model_validate(chat(tools=[tool], tool_choice=choice)).tool_setup().tools
+
+
+def test_an_adapter_refusal_is_an_invalid_request(server):
+    """No model here has adapter slots: registering one is the caller's mistake (400,
+    invalid_request_error), not an internal error."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nowhere"},
+                   headers=headers, timeout=60)  # fmt: skip
+    err = assert_error(r, 400)
+    assert err["type"] == "invalid_request_error" and "max_loras" in err["message"], err

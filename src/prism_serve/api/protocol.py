@@ -38,6 +38,7 @@ from prism_serve.api.tools import (
     ToolFormat,
     auto_grammar,
     call_schema,
+    check_json_schema,
     check_tool_messages,
     parse_tool_choice,
     parse_tools,
@@ -333,6 +334,7 @@ def _structured(fmt: dict[str, Any] | None) -> StructuredOutput | None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise ValueError("response_format json_schema needs json_schema.schema, a JSON Schema object")
+        check_json_schema(schema, "response_format.json_schema.schema", "response_format")
         return StructuredOutput("json_schema", json.dumps(schema))
     raise ValueError(f"response_format {str(kind)[:32]!r} is not supported: text, json_object, json_schema")
 

@@ -103,11 +103,40 @@ class ToolCall:
         }
 
 
-def parse_tools(tools: Sequence[Any] | None) -> list[Tool]:
-    """The request's ``tools``, checked (a 400 naming ``tools``)."""
+# JSON containers (objects, arrays) a schema in a request may nest: some 64 levels of nested
+# objects (each a schema and its "properties"); checking 150 would exhaust Python's stack
+MAX_SCHEMA_DEPTH = 128
+
+
+def check_json_schema(schema: dict[str, Any], where: str, param: str) -> None:
+    """The one check of every JSON schema a request sends (a tool's parameters, response_format's):
+    nested at most MAX_SCHEMA_DEPTH deep, then valid for its draft. InvalidRequestError (400)
+    naming ``where`` and ``param`` otherwise."""
     from jsonschema.exceptions import SchemaError
     from jsonschema.validators import validator_for
 
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:  # iterative: the depth is what is being checked
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidRequestError(
+                f"{where} nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels", param=param
+            )
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        path = "/".join(str(p) for p in e.path) or "(root)"
+        raise InvalidRequestError(
+            f"{where} is not a valid JSON schema at {path}: {e.message[:200]}", param=param
+        ) from None
+    except RecursionError:  # a schema that refers to itself in a way the checker follows forever
+        raise InvalidRequestError(f"{where} cannot be checked: it recurses too deeply", param=param) from None
+
+
+def parse_tools(tools: Sequence[Any] | None) -> list[Tool]:
+    """The request's ``tools``, checked (a 400 naming ``tools``)."""
     out: list[Tool] = []
     if len(tools or ()) > MAX_TOOLS:
         raise InvalidRequestError(f"at most {MAX_TOOLS} tools", param="tools")
@@ -134,14 +163,7 @@ def parse_tools(tools: Sequence[Any] | None) -> list[Tool]:
             raise InvalidRequestError(
                 f"{where}.function.parameters must be a JSON schema object", param="tools"
             )
-        try:
-            validator_for(params).check_schema(params)
-        except SchemaError as e:
-            path = "/".join(str(p) for p in e.path) or "(root)"
-            raise InvalidRequestError(
-                f"{where}.function.parameters is not a valid JSON schema at {path}: {e.message[:200]}",
-                param="tools",
-            ) from None
+        check_json_schema(params, f"{where}.function.parameters", "tools")
         description = fn.get("description") or ""
         if not isinstance(description, str):
             raise InvalidRequestError(f"{where}.function.description must be a string", param="tools")

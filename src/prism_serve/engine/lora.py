@@ -30,7 +30,7 @@ import torch
 
 from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.sources import json_object
-from prism_serve.errors import PrismError, quoted
+from prism_serve.errors import ConflictError, InvalidRequestError, quoted
 
 __all__ = [
     "MODULES",
@@ -57,11 +57,10 @@ _UNSUPPORTED = {
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
-class InvalidAdapterError(PrismError):
+class InvalidAdapterError(InvalidRequestError):
     """An adapter that cannot be served on its base: its files are missing or unreadable, it is
     for another shape, its rank is above the base's limit, or it uses a feature not supported."""
 
-    status_code = 400
     code = "invalid_adapter"
 
 
@@ -310,10 +309,9 @@ def _apply_grouped(
         out.index_add_(0, rows, update.to(out.dtype))
 
 
-class AdapterInUseError(PrismError):
+class AdapterInUseError(ConflictError):
     """An adapter cannot be removed while requests use it (abort them, or remove with force)."""
 
-    status_code = 409
     code = "adapter_in_use"
 
 
