@@ -187,6 +187,17 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         time.sleep(args.watch)
 
 
+def _cmd_hash_key(args: argparse.Namespace) -> int:
+    from prism_serve.api.tenants import hash_key
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        print("prism: error: no key on standard input", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prism", description="prism-serve: many LLMs on few accelerators")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -247,6 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap an engine, e.g. llama=2GiB, or llama=none (needs --device)",
     )
     m.set_defaults(func=_cmd_memory)
+
+    hk = sub.add_parser(
+        "hash-key",
+        help="print how a keys file stores an API key (sha256:...)",
+        description="Reads the key from standard input (one line), so it stays out of the shell's "
+        "history, and prints the line to put in a tenant's keys (server.keys_file).",
+    )
+    hk.set_defaults(func=_cmd_hash_key)
 
     from prism_serve.bench.cli import add_bench_parser
     from prism_serve.ops_cli import add_ops_parsers

@@ -413,6 +413,11 @@ class ServerConfig(_Strict):
     admin_key: str | None = Field(
         None, description="needed by /v1/admin/*; unset: admin only without api_keys"
     )
+    keys_file: str | None = Field(
+        None,
+        description="tenants: a YAML file of keys (as sha256 hashes, `prism hash-key`), the models each "
+        "may call and its limits (api/tenants.py); read again when it changes or on SIGHUP",
+    )
     max_waiting_requests: int = Field(256, ge=1, description="requests not yet streaming; beyond: 429")
     request_timeout_s: float = Field(120.0, gt=0, description="wait for the first token (queue + activation)")
     max_request_bytes: Size = Field(

@@ -20,6 +20,7 @@ from prism_serve.api.protocol import (
     chat_logprobs,
     completion_logprobs,
 )
+from prism_serve.api.tenants import Tenant
 from prism_serve.engine.sequence import TokenLogprob
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import PrismError
@@ -64,6 +65,8 @@ class Choice:
     # its model's SLOs when it was submitted (for /metrics' attainment): an adapter may be unloaded
     # while its last tokens are still on their way to the client
     slos: tuple[float, float] = (0.0, 0.0)
+    # the caller's tenant and this choice's token reservation (api/tenants.py), settled when it ends
+    quota: tuple[Tenant, list] | None = None
 
 
 class ChoiceOutput:

@@ -89,6 +89,7 @@ def error_response(exc: PrismError) -> JSONResponse:
         headers["Retry-After"] = str(retry)
     if exc.status_code == 401:
         headers["WWW-Authenticate"] = "Bearer"
+    headers.update(getattr(exc, "headers", None) or {})  # a tenant's x-ratelimit-* (api/tenants.py)
     body = error_body(str(exc), exc.error_type, exc.status_code, exc.param)
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 

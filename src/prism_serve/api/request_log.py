@@ -84,6 +84,7 @@ class LogEntry:
     replica: str | None = None
     block_hashes: list[int] | None = None  # prompt_block_hashes of its one prompt
     block_tokens: int = LOG_BLOCK_TOKENS
+    tenant: str | None = None  # the caller's tenant (api/tenants.py), never its key
 
     def served(self, runs: list[Any], prompt_tokens: int, started: float) -> None:
         """What the request's choices (api/choices.py ``Choice``) got; ``started``: its arrival on
@@ -123,6 +124,7 @@ class LogEntry:
                 "cold": self.cold,
                 "device": self.device,
                 "replica": self.replica,
+                **({"tenant": self.tenant} if self.tenant is not None else {}),
                 **hashes,
             },
             separators=(", ", ": "),

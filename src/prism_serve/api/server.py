@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import math
+import signal
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -78,6 +79,7 @@ from prism_serve.api.protocol import (
 )
 from prism_serve.api.request_log import LogEntry, RequestLog, prompt_block_hashes
 from prism_serve.api.responses import ResponseEvents, to_chat, to_response
+from prism_serve.api.tenants import RateLimitError, Tenant, Tenants, TenantUsage
 from prism_serve.api.tools import (
     MARKERS,
     CallStream,
@@ -92,12 +94,12 @@ from prism_serve.config import ConfigError, DeploymentConfig
 from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
-from prism_serve.errors import InternalError, InvalidRequestError, PrismError, PromptTooLongError
+from prism_serve.errors import InternalError, InvalidRequestError, PrismError, PromptTooLongError, quoted
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.adapters import AdapterTable
 from prism_serve.runtime.build import build_controller
 from prism_serve.runtime.controller import Controller
-from prism_serve.runtime.models import PoolingTask
+from prism_serve.runtime.models import PoolingTask, UnknownModelError
 from prism_serve.runtime.state import ModelStatus
 
 __all__ = ["PrismServer", "create_app"]
@@ -179,6 +181,10 @@ class PrismServer:
 
     def __init__(self, config: DeploymentConfig, controller: Controller | None = None) -> None:
         self.config = config
+        try:  # before the controller: a bad keys file stops the server before it takes any memory
+            self.tenants = Tenants(config.server.keys_file, config.server.api_keys)
+        except ValueError as e:
+            raise ConfigError(f"server.keys_file: {e}") from None
         self.controller = controller or build_controller(config)
         self.metrics = ServerMetrics(self.controller)
         self.served = _ServedTable({}, self.controller.models.adapters)  # filled once the controller started
@@ -201,6 +207,9 @@ class PrismServer:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI):
             await self.controller.start()
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                loop.add_signal_handler(signal.SIGHUP, self.tenants.reload)
             try:
                 tokenizer = self.controller.models.tokenizer
                 self.served = _ServedTable(
@@ -210,6 +219,8 @@ class PrismServer:
                 logger.info("serving %s", ", ".join(self.served.names()))
                 yield
             finally:
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.remove_signal_handler(signal.SIGHUP)
                 await self.controller.stop()
                 if self.request_log is not None:
                     self.request_log.close()
@@ -226,6 +237,7 @@ class PrismServer:
                 allow_methods=cors.allow_methods, allow_headers=cors.allow_headers,
                 expose_headers=["x-request-id"],
             )  # fmt: skip
+        app.add_middleware(TenantUsage)  # a tenant's rate headers, and its request's end
         app.add_middleware(RequestIdHeader)  # outermost: errors from the others carry the id too
         s = self
 
@@ -266,23 +278,26 @@ class PrismServer:
         @app.get("/v1/models", responses=api_schema.MODELS)
         async def models(http: Request) -> dict:
             s.authorize(http)
-            return {"object": "list", "data": s.model_cards()}
+            return {"object": "list", "data": s.model_cards(http)}
 
         @app.get("/v1/models/{model:path}", responses=api_schema.MODEL)
         async def model(model: str, http: Request) -> dict:
             s.authorize(http)
+            s._visible(http, model)
             s.controller.models.tokenizer(model)  # UnknownModelError (404) for a name not served
             return next(c for c in s.model_cards() if c["id"] == model)
 
         @app.post("/tokenize", responses=api_schema.TOKENIZE)
         async def tokenize(body: TokenizeRequest, http: Request) -> dict:
             s.authorize(http)
+            s._visible(http, body.model)
             ids = await asyncio.to_thread(s._tokenize_only, body)
             return {"count": len(ids), "max_model_len": s.served[body.model].max_model_len, "tokens": ids}
 
         @app.post("/detokenize", responses=api_schema.DETOKENIZE)
         async def detokenize(body: DetokenizeRequest, http: Request) -> dict:
             s.authorize(http)
+            s._visible(http, body.model)
             tok = s.controller.models.tokenizer(body.model)
             s._check_vocab(body.model, body.tokens, "tokens")
             return {"prompt": await asyncio.to_thread(tok.decode, body.tokens, False)}
@@ -305,18 +320,52 @@ class PrismServer:
         return app
 
     def authorize(self, http: Request) -> None:
-        keys = self.config.server.api_keys
-        if not keys:
+        """A 401 unless the request carries a key: the admin key (every model, no limits), or a
+        tenant's (api/tenants.py), which ``http.state.tenant`` then names."""
+        if not self.tenants.enabled:
             return
         token = bearer_token(http)
         if token is None:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-        if not key_matches(token, [*keys, self.config.server.admin_key]):
+        if key_matches(token, [self.config.server.admin_key]):
+            return
+        tenant = self.tenants.identify(token)
+        if tenant is None:
             raise AuthenticationError("invalid API key")
+        http.state.tenant = tenant
 
-    def model_cards(self) -> list[dict[str, Any]]:
+    def _visible(self, http: Request, model: str) -> None:
+        """A 404, worded as for a model not served, for a model outside the caller's tenant."""
+        tenant = getattr(http.state, "tenant", None)
+        if tenant is not None and not tenant.may_use(model):
+            raise UnknownModelError(f"model {quoted(model)} is not served here; see /v1/models")
+
+    def _admit(self, http: Request, model: str) -> None:
+        """Count this request against the caller's tenant's limits (429 over one): its rate
+        headers go on the response, and TenantUsage counts its end."""
+        self._visible(http, model)
+        tenant = getattr(http.state, "tenant", None)
+        if tenant is not None:
+            http.state.tenant_headers = tenant.admit(time.monotonic())
+            http.state.tenant_release = tenant.release
+
+    def _reserve(self, http: Request, tokens: list[int]) -> list[tuple[Tenant, list] | None]:
+        """Each choice's tokens reserved against the caller's tenant's tokens a minute (429 past
+        it): (tenant, handle) per choice, settled when the choice ends; Nones without a tenant."""
+        tenant = getattr(http.state, "tenant", None)
+        if tenant is None:
+            return [None] * len(tokens)
+        now = time.monotonic()
+        handles = tenant.reserve(tokens, now)
+        http.state.tenant_headers = tenant.headers(now)  # the response shows the reservation
+        return [(tenant, h) for h in handles]
+
+    def model_cards(self, http: Request | None = None) -> list[dict[str, Any]]:
+        """Every served model's card, or those the request's tenant may call."""
         cards = model_cards(self.controller.status(), self._roots)
-        return cards + adapter_cards(self.controller.models.adapters.by_name.values(), cards)
+        cards += adapter_cards(self.controller.models.adapters.by_name.values(), cards)
+        tenant = getattr(http.state, "tenant", None) if http is not None else None
+        return [c for c in cards if tenant is None or tenant.may_use(c["id"])]
 
     # ---- completions --------------------------------------------------------------------------
 
@@ -324,10 +373,16 @@ class PrismServer:
         self, http: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool
     ) -> Response:
         """One completion request, its line in the request log written when it ends."""
+        self._admit(http, body.model)
         entry = None
         if self.request_log is not None:
-            entry = LogEntry(time.time(), body.model, body.stream, body.n, body.requested_max_tokens())
+            entry = self._log_entry(http, body.model, body.stream, body.n, body.requested_max_tokens())
         return await self._logged(entry, self._complete(http, body, chat, entry))
+
+    def _log_entry(self, http: Request, model: str, stream: bool, n: int, max_tokens: int | None) -> LogEntry:
+        """A request's line in the request log, begun as it is admitted."""
+        tenant = getattr(http.state, "tenant", None)
+        return LogEntry(time.time(), model, stream, n, max_tokens, tenant=tenant.name if tenant else None)
 
     async def _logged(self, entry: LogEntry | None, work: Awaitable[Response]) -> Response:
         """``work``'s response, and ``entry``'s line in the request log once it ends: its status, or
@@ -556,20 +611,23 @@ class PrismServer:
         rid = new_id("chatcmpl" if chat else "cmpl")
         # the model's tool-call format, only for a request that may call a tool (it reads the template)
         tool_format = self._tool_format(body.model) if chat and body.tool_setup().active else None
-        runs = []
+        choices = []
         for p, ids in enumerate(prompts):
             for j in range(body.n):
-                i = p * body.n + j
                 room = max_len - len(ids)  # a model's default max_tokens is capped by the context
                 max_tokens = wanted or (min(default_max, room) if default_max else room)
-                params = body.sampling_params(max_tokens, j, served.sampling, tool_format)
-                stream = c.generate(
-                    body.model, ids, params, req_id=rid if n == 1 else f"{rid}-{i}",
-                    timeout_s=self.config.server.request_timeout_s,
-                )  # fmt: skip
-                runs.append(Choice(rid, body.model, arrival, stream, index=i, prompt=p,
-                                   max_tokens=params.max_tokens, num_prompt=len(ids),
-                                   slos=(served.ttft_slo, served.tpot_slo)))  # fmt: skip
+                choices.append((p, j, ids, body.sampling_params(max_tokens, j, served.sampling, tool_format)))
+        quotas = self._reserve(http, [len(ids) + params.max_tokens for _, _, ids, params in choices])
+        runs = []
+        for (p, j, ids, params), quota in zip(choices, quotas, strict=True):
+            i = p * body.n + j
+            stream = c.generate(
+                body.model, ids, params, req_id=rid if n == 1 else f"{rid}-{i}",
+                timeout_s=self.config.server.request_timeout_s,
+            )  # fmt: skip
+            runs.append(Choice(rid, body.model, arrival, stream, index=i, prompt=p,
+                               max_tokens=params.max_tokens, num_prompt=len(ids),
+                               slos=(served.ttft_slo, served.tpot_slo), quota=quota))  # fmt: skip
 
         await self._first_deltas(http, runs)
         return runs
@@ -608,10 +666,11 @@ class PrismServer:
     async def embed(self, http: Request, body: EmbeddingRequest) -> Response:
         """``POST /v1/embeddings``: each input one request to the model's engine (batched there with
         the model's others), its vector pooled there, cut to ``dimensions`` and normalised here."""
+        self._admit(http, body.model)
         self._note_ignored(body)
         entry = None
         if self.request_log is not None:  # max_tokens 1: prism plan reads it as a prompt-only request
-            entry = LogEntry(time.time(), body.model, False, len(body.inputs), 1)
+            entry = self._log_entry(http, body.model, False, len(body.inputs), 1)
         return await self._logged(entry, self._embed(http, body, time.perf_counter(), entry))
 
     async def _embed(
@@ -666,13 +725,15 @@ class PrismServer:
             self._check_waiting(len(prompts))
             rid = new_id("embd" if task == "embed" else task)
             runs = []
-            for i, ids in enumerate(prompts):
+            quotas = self._reserve(http, [len(ids) for ids in prompts])
+            for i, (ids, quota) in enumerate(zip(prompts, quotas, strict=True)):
                 stream = self.controller.generate(
                     model, ids, sampling, req_id=rid if len(prompts) == 1 else f"{rid}-{i}",
                     timeout_s=self.config.server.request_timeout_s,
                 )  # fmt: skip
                 runs.append(Choice(rid, model, arrival, stream, index=i, prompt=i, max_tokens=1,
-                                   num_prompt=len(ids), slos=(served.ttft_slo, served.tpot_slo)))  # fmt: skip
+                                   num_prompt=len(ids), slos=(served.ttft_slo, served.tpot_slo),
+                                   quota=quota))  # fmt: skip
             try:
                 await self._first_deltas(http, runs)
             finally:
@@ -699,10 +760,11 @@ class PrismServer:
         """``POST /v1/rerank`` and ``/v1/score``: each (query, document) pair's prompt (the model's
         template) one request to the model's engine; its score the probability of the yes token
         against the no token as the next one."""
+        self._admit(http, body.model)
         self._note_ignored(body)
         entry = None
         if self.request_log is not None:
-            entry = LogEntry(time.time(), body.model, False, len(body.pairs()), 1)
+            entry = self._log_entry(http, body.model, False, len(body.pairs()), 1)
         return await self._logged(entry, self._score(http, body, time.perf_counter(), entry))
 
     async def _score(
@@ -802,6 +864,9 @@ class PrismServer:
         run.num_prompt = d.num_prompt_tokens or run.num_prompt
         run.num_cached = d.num_cached_tokens or run.num_cached
         if d.finished:
+            if run.quota is not None:  # what the choice did not use of its reservation goes back
+                tenant, handle = run.quota
+                tenant.settle(handle, run.num_prompt + run.num_output)
             self.metrics.on_finished(
                 run.model, d.finish_reason, run.first_at - run.arrival, now - run.arrival,
                 run.num_prompt, run.num_output, *run.slos, d.timings, run.num_cached,
@@ -898,8 +963,9 @@ class PrismServer:
                 self.request_log.write(entry)
 
     def _count_error(self, model: str, e: PrismError) -> None:
-        if model in self.served:
-            self.metrics.on_error(model, e.error_type, e.status_code, judged=e.status_code >= 429)
+        if model in self.served:  # a tenant over its own limit is not the server missing an SLO
+            judged = e.status_code >= 429 and not isinstance(e, RateLimitError)
+            self.metrics.on_error(model, e.error_type, e.status_code, judged=judged)
 
     def _retry_after(self) -> int:
         """Seconds until the waiting requests have likely drained, from the recent finish rate."""
