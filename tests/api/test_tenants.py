@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from prism_serve.api.process import stop_server_process
 from prism_serve.api.tenants import (
@@ -204,6 +205,21 @@ def test_requests_over_the_minutes_limit_get_429_with_openais_headers(server):
     headers = e.value.response.headers
     assert int(headers["retry-after"]) >= 1 and headers["x-ratelimit-remaining-requests"] == "0"
     assert ask(server, None).http_response.status_code == 200  # another tenant is not held up
+    m = tenant_metrics(server)
+    assert m["prism_tenant_requests_total", "rpm", None] == 4
+    assert m["prism_tenant_rate_limited_total", "rpm", "requests"] == 1
+    assert m["prism_tenant_rate_limited_total", "rpm", "tokens"] == 0
+
+
+def tenant_metrics(server) -> dict[tuple[str, str, str | None], float]:
+    """The prism_tenant_* samples of /metrics by (name, tenant, limit)."""
+    families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=60).text)
+    return {
+        (s.name, s.labels["tenant"], s.labels.get("limit")): s.value
+        for f in families
+        for s in f.samples
+        if s.name.startswith("prism_tenant_")
+    }
 
 
 def test_tokens_per_minute_reserve_prompt_and_max_tokens_as_openai_counts_them(server):
@@ -220,6 +236,9 @@ def test_tokens_per_minute_reserve_prompt_and_max_tokens_as_openai_counts_them(s
         ask(server, "tpm", max_tokens=200)  # could never fit
     r = ask(server, "tpm", max_tokens=room - prompt)
     assert r.http_response.status_code == 200
+    m = tenant_metrics(server)  # the tokens the two answered requests used, the three refusals
+    assert m["prism_tenant_tokens_total", "tpm", None] == used + r.parse().usage.total_tokens
+    assert m["prism_tenant_rate_limited_total", "tpm", "tokens"] == 2
 
 
 def test_a_stream_counts_against_concurrency_until_its_last_chunk(server):

@@ -79,7 +79,7 @@ from prism_serve.api.protocol import (
 )
 from prism_serve.api.request_log import LogEntry, RequestLog, prompt_block_hashes
 from prism_serve.api.responses import ResponseEvents, to_chat, to_response
-from prism_serve.api.tenants import RateLimitError, Tenant, Tenants, TenantUsage
+from prism_serve.api.tenants import RateLimitError, Tenant, TenantCollector, Tenants, TenantUsage
 from prism_serve.api.tools import (
     MARKERS,
     CallStream,
@@ -187,6 +187,8 @@ class PrismServer:
             raise ConfigError(f"server.keys_file: {e}") from None
         self.controller = controller or build_controller(config)
         self.metrics = ServerMetrics(self.controller)
+        if self.tenants.enabled:
+            self.metrics.registry.register(TenantCollector(self.tenants))
         self.served = _ServedTable({}, self.controller.models.adapters)  # filled once the controller started
         self.num_waiting = 0  # requests admitted by the server that have no first token yet
         self._finished_at: deque[float] = deque(maxlen=512)

@@ -36,16 +36,18 @@ from collections import deque
 from pathlib import Path
 
 import yaml
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prism_serve.errors import PrismError
 
-__all__ = ["KeysFile", "RateLimitError", "Tenant", "TenantUsage", "Tenants", "hash_key"]
+__all__ = ["KeysFile", "RateLimitError", "Tenant", "TenantCollector", "TenantUsage", "Tenants", "hash_key"]
 
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 60.0  # the sliding window of the per-minute limits
 DEFAULT_TENANT = "default"  # the tenant of the config's plain api_keys
+LIMIT_KINDS = ("requests", "tokens", "concurrency")  # what a 429 was over (prism_tenant_rate_limited)
 _HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
@@ -148,6 +150,10 @@ class Tenant:
         self._tokens: deque[list] = deque()
         self._token_sum = 0
         self.in_flight = 0
+        # since start, for /metrics (TenantCollector): admitted, tokens used, 429s by limit
+        self.admitted = 0
+        self.tokens_used = 0
+        self.limited = dict.fromkeys(LIMIT_KINDS, 0)
         self.update(entry)
 
     def update(self, entry: TenantEntry) -> None:
@@ -175,22 +181,25 @@ class Tenant:
         limits = self.entry.limits
         if limits.concurrent_requests is not None and self.in_flight >= limits.concurrent_requests:
             self._refuse(
-                now, f"{self.in_flight} requests in flight (limit {limits.concurrent_requests})", 1.0
+                now,
+                "concurrency",
+                f"{self.in_flight} requests in flight (limit {limits.concurrent_requests})",
+                1.0,
             )
         rpm = limits.requests_per_minute
         if rpm is not None and len(self._requests) >= rpm:
             wait = self._requests[len(self._requests) - rpm] + WINDOW_S - now
-            self._refuse(now, f"{len(self._requests)} requests in the last minute (limit {rpm})", wait)
+            self._refuse(
+                now, "requests", f"{len(self._requests)} requests in the last minute (limit {rpm})", wait
+            )
         tpm = limits.tokens_per_minute
         if tpm is not None and self._token_sum >= tpm:
-            self._refuse(
-                now,
-                f"{self._token_sum} tokens in the last minute (limit {tpm})",
-                self._token_wait(now, tpm - 1),
-            )
+            wait = self._token_wait(now, tpm - 1)
+            self._refuse(now, "tokens", f"{self._token_sum} tokens in the last minute (limit {tpm})", wait)
         if rpm is not None:
             self._requests.append(now)
         self.in_flight += 1
+        self.admitted += 1
         return self.headers(now)
 
     def _token_wait(self, now: float, room: int) -> float:
@@ -204,7 +213,8 @@ class Tenant:
                 return at + WINDOW_S - now
         return 0.0
 
-    def _refuse(self, now: float, what: str, wait_s: float) -> None:
+    def _refuse(self, now: float, kind: str, what: str, wait_s: float) -> None:
+        self.limited[kind] += 1
         raise RateLimitError(
             f"tenant {self.name}: {what}; retry later", max(1, math.ceil(wait_s)), self.headers(now)
         )
@@ -221,13 +231,14 @@ class Tenant:
             return [[now, n, False] for n in tokens]
         self._prune(now)
         if total > tpm:
+            self.limited["tokens"] += 1
             raise RateLimitError(
                 f"tenant {self.name}: this request may use {total} tokens (prompt and max_tokens), more "
                 f"than its limit of {tpm} a minute; lower max_tokens", 60, self.headers(now),
             )  # fmt: skip
         if self._token_sum + total > tpm:
             wait = self._token_wait(now, tpm - total)
-            self._refuse(now, f"{self._token_sum} tokens in the last minute (limit {tpm})", wait)
+            self._refuse(now, "tokens", f"{self._token_sum} tokens in the last minute (limit {tpm})", wait)
         handles = [[now, n, True] for n in tokens]
         self._tokens.extend(handles)
         self._token_sum += total
@@ -238,6 +249,7 @@ class Tenant:
         if handle[2]:
             self._token_sum += used - handle[1]
         handle[1] = used
+        self.tokens_used += used
 
     def headers(self, now: float) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for the limits the tenant has."""
@@ -294,6 +306,10 @@ class Tenants:
             plain |= hmac.compare_digest(given, key)
         return found or (self.default if plain else None)
 
+    def all(self) -> list[Tenant]:
+        """The keys file's tenants, and ``default`` if there are plain api_keys."""
+        return [*self.by_name.values(), *([self.default] if self.default is not None else [])]
+
     def reload(self, why: str = "SIGHUP") -> bool:
         """Read the file again (on SIGHUP, or it changed): False, and the tenants as they were,
         when it does not parse."""
@@ -333,6 +349,39 @@ class Tenants:
         self._checked = now
         if self._file_stamp() != self._stamp and not self.reload("it changed"):
             self._stamp = self._file_stamp()  # logged once, not at every request
+
+
+class TenantCollector:
+    """The tenants' counters in /metrics, read at scrape time: one series per configured tenant
+    (and ``default`` for the plain api_keys), so the labels stay as few as the tenants."""
+
+    def __init__(self, tenants: Tenants) -> None:
+        self.tenants = tenants
+
+    def collect(self):
+        requests = CounterMetricFamily(
+            "prism_tenant_requests", "Requests admitted, by tenant", labels=["tenant"]
+        )
+        tokens = CounterMetricFamily(
+            "prism_tenant_tokens",
+            "Prompt and output tokens of finished choices, by tenant",
+            labels=["tenant"],
+        )
+        limited = CounterMetricFamily(
+            "prism_tenant_rate_limited",
+            "Requests refused with 429 over a tenant's limit",
+            labels=["tenant", "limit"],
+        )
+        in_flight = GaugeMetricFamily(
+            "prism_tenant_requests_in_flight", "Requests in flight", labels=["tenant"]
+        )
+        for t in self.tenants.all():
+            requests.add_metric([t.name], t.admitted)
+            tokens.add_metric([t.name], t.tokens_used)
+            in_flight.add_metric([t.name], t.in_flight)
+            for kind in LIMIT_KINDS:
+                limited.add_metric([t.name, kind], t.limited[kind])
+        yield from (requests, tokens, limited, in_flight)
 
 
 class TenantUsage:
