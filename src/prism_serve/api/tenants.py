@@ -8,7 +8,8 @@ globs such as ``team-a-*``, LoRA adapters included; unset: every model) and its 
 - ``tokens_per_minute``: prompt plus output tokens in any sliding 60 s. As OpenAI counts them, a
   request reserves its prompt's tokens plus ``max_tokens`` for each choice once it is tokenized
   (refused if that would pass the limit), and each choice gives back what it did not use when it
-  ends, so the tokens in a window never pass the limit;
+  ends, so the tokens in a window never pass the limit (a choice that never finishes, its client
+  gone or an error, keeps its whole reservation until it leaves the window);
 - ``concurrent_requests``: requests in flight (a stream counts until its last chunk is sent).
 
 A request over a limit gets 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers
