@@ -188,6 +188,13 @@ def test_a_tenant_sees_and_calls_only_its_models(server):
         r = httpx.request(method, f"{server.url}{path}", json=body, headers=auth, timeout=60)
         assert r.status_code == 404 and r.json()["error"]["type"] == "model_not_found", (path, r.text)
     assert ask(server, "scope", "tiny-b").http_response.status_code == 200
+    # the dashboard shows every model: not for a tenant limited to some
+    r = httpx.get(f"{server.url}/dashboard/state", headers=auth, timeout=60)
+    assert r.status_code == 403 and "only some models" in r.json()["error"]["message"]
+    r = httpx.get(
+        f"{server.url}/dashboard/state", headers={"Authorization": f"Bearer {KEYS['rpm']}"}, timeout=60
+    )
+    assert r.status_code == 200
     # a key no tenant has is a 401
     with pytest.raises(openai.AuthenticationError):
         client(server, "scope").with_options(api_key="sk-wrong").models.list()

@@ -369,7 +369,7 @@ VERSION = _ok(Version)
 HEALTH = {**_ok(Health), 503: {"model": Health, "description": "still starting"}}
 METRICS = {200: {"description": "Prometheus text", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}}
 ADMIN = {**_ok(ModelCard), **_errors(400, 401, 403, 404, 409, 413, 500, 503)}
-DASHBOARD_STATE = {**_ok(DashboardState), **_errors(401)}
+DASHBOARD_STATE = {**_ok(DashboardState), **_errors(401, 403)}
 DASHBOARD = {200: {"description": "the dashboard page (HTML; it asks for a key to read /dashboard/state)"}}
 OPEN_PATHS = ("/health", "/metrics", "/version", "/dashboard")  # routes that need no key
 

@@ -50,6 +50,7 @@ from prism_serve.api.dashboard import add_dashboard_routes, dashboard_state
 from prism_serve.api.errors import (
     AuthenticationError,
     OverloadedError,
+    PermissionDeniedError,
     bearer_token,
     error_body,
     install_error_handlers,
@@ -318,7 +319,7 @@ class PrismServer:
             return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
         add_admin_routes(app, self.controller, self.config.server, self.model_cards)
-        add_dashboard_routes(app, lambda: dashboard_state(s.controller, s.metrics), self.authorize)
+        add_dashboard_routes(app, lambda: dashboard_state(s.controller, s.metrics), self._authorize_all)
         return app
 
     def authorize(self, http: Request) -> None:
@@ -335,6 +336,15 @@ class PrismServer:
         if tenant is None:
             raise AuthenticationError("invalid API key")
         http.state.tenant = tenant
+
+    def _authorize_all(self, http: Request) -> None:
+        """``authorize``, and a 403 for a tenant limited to some models: the dashboard shows all."""
+        self.authorize(http)
+        tenant = getattr(http.state, "tenant", None)
+        if tenant is not None and "*" not in tenant.entry.models:
+            raise PermissionDeniedError(
+                f"tenant {tenant.name} may call only some models; the dashboard shows every model"
+            )
 
     def _visible(self, http: Request, model: str) -> None:
         """A 404, worded as for a model not served, for a model outside the caller's tenant."""
