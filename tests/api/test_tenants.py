@@ -195,6 +195,9 @@ def test_a_tenant_sees_and_calls_only_its_models(server):
         f"{server.url}/dashboard/state", headers={"Authorization": f"Bearer {KEYS['rpm']}"}, timeout=60
     )
     assert r.status_code == 200
+    # a tenant's key is known but is not the admin key: 403 on the admin routes
+    r = httpx.post(f"{server.url}/v1/admin/models/tiny/pin", headers=auth, timeout=60)
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_denied"
     # a key no tenant has is a 401
     with pytest.raises(openai.AuthenticationError):
         client(server, "scope").with_options(api_key="sk-wrong").models.list()

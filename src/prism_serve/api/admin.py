@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from prism_serve.api.errors import AuthenticationError, PermissionDeniedError, bearer_token, key_matches
 from prism_serve.api.protocol import Text
 from prism_serve.api.schema import ADMIN
+from prism_serve.api.tenants import Tenants
 from prism_serve.config import ServerConfig
 from prism_serve.runtime.controller import Controller
 
@@ -57,21 +58,23 @@ class UnloadBody(BaseModel):
 
 
 def add_admin_routes(
-    app: FastAPI, c: Controller, settings: ServerConfig, cards: Callable[[], list[dict[str, Any]]]
-) -> None:
-    """The routes above on ``app``, over controller ``c``; ``cards``: the model cards of /v1/models."""
+    app: FastAPI, c: Controller, settings: ServerConfig, cards: Callable[[], list[dict[str, Any]]],
+    keys: Tenants,
+) -> None:  # fmt: skip
+    """The routes above on ``app``, over controller ``c``; ``cards``: the model cards of /v1/models;
+    ``keys``: the server's API keys (a known key that is not the admin key gets 403, not 401)."""
 
     def authorize(http: Request) -> None:
         admin_key = settings.admin_key
         token = bearer_token(http)
         if admin_key is None:
-            if settings.api_keys:
+            if keys.enabled:
                 raise PermissionDeniedError("admin routes are disabled: set server.admin_key in the config")
             return
         if token is None:
             raise AuthenticationError("admin routes need 'Authorization: Bearer <admin key>'")
         if not key_matches(token, [admin_key]):
-            raise (PermissionDeniedError if key_matches(token, settings.api_keys) else AuthenticationError)(
+            raise (PermissionDeniedError if keys.identify(token) is not None else AuthenticationError)(
                 "this key may not use the admin routes"
             )
 

@@ -318,7 +318,7 @@ class PrismServer:
         async def metrics() -> Response:
             return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
-        add_admin_routes(app, self.controller, self.config.server, self.model_cards)
+        add_admin_routes(app, self.controller, self.config.server, self.model_cards, self.tenants)
         add_dashboard_routes(app, lambda: dashboard_state(s.controller, s.metrics), self._authorize_all)
         return app
 
