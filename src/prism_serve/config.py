@@ -26,19 +26,22 @@ import math
 import os
 from collections.abc import Container
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prism_serve.control.types import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S, PLACEMENT_COALESCE_S
-from prism_serve.engine.config import DEFAULT_MODEL, ENGINE_DEFAULTS, VLLM_LORA_RANKS, EngineConfig
+from prism_serve.engine.config import (
+    DEFAULT_MODEL,
+    ENGINE_DEFAULTS,
+    VLLM_LORA_RANKS,
+    EngineConfig,
+    PoolingTask,
+)
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.vmm import parse_size
-
-if TYPE_CHECKING:
-    from prism_serve.runtime.models import PoolingTask
 
 __all__ = [
     "ConfigError",
@@ -280,8 +283,6 @@ class ModelConfig(_Strict):
         pools as the config says, else as its sentence-transformers files say
         (engine.sources.embedding_defaults), else the last token's state, normalised; a reranker
         scores the last token's logits."""
-        from prism_serve.runtime.models import PoolingTask
-
         if self.task == "score":
             defaults = PoolingTask("score")
             return PoolingTask(

@@ -79,6 +79,7 @@ def test_a_models_sampling_defaults_apply_where_the_request_says_nothing(client)
     cards = {m.id: m.model_dump() for m in client.models.list().data}
     assert cards["tiny"]["sampling_defaults"] == {"temperature": 0.0, "max_tokens": 6}
     assert cards["smol"]["sampling_defaults"] == {}  # the GGUF has no generation config
+
     def tokens(**kw) -> list[float]:  # what it sampled, by logprob (random weights' tokens have no text)
         r = client.completions.create(model="tiny", prompt="one two", logprobs=1, **kw)
         return r.choices[0].logprobs.token_logprobs

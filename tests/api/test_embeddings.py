@@ -19,9 +19,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from prism_serve.api.process import stop_server_process
+from prism_serve.engine.config import PoolingTask
 from prism_serve.engine.sources import write_embedding_files
 from prism_serve.engine.weights import save_hf_dir
-from prism_serve.runtime.models import PoolingTask
 from tests.api.conftest import API_KEY, LedgerWatch, shm_files, start_server
 from tests.engine.test_embeddings import TEXTS, hf_next_logits, hf_pooled
 

@@ -92,7 +92,7 @@ from prism_serve.api.tools import (
     render_conversation,
 )
 from prism_serve.config import ConfigError, DeploymentConfig
-from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID
+from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID, PoolingTask
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import InternalError, InvalidRequestError, PrismError, PromptTooLongError, quoted
@@ -100,7 +100,7 @@ from prism_serve.runtime import messages as msg
 from prism_serve.runtime.adapters import AdapterTable
 from prism_serve.runtime.build import build_controller
 from prism_serve.runtime.controller import Controller
-from prism_serve.runtime.models import PoolingTask, UnknownModelError
+from prism_serve.runtime.models import UnknownModelError
 from prism_serve.runtime.state import ModelStatus
 
 __all__ = ["PrismServer", "create_app"]

@@ -12,6 +12,7 @@ No torch here: the deployment config and the simulator import this module withou
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import msgspec
 
@@ -90,3 +91,39 @@ ENGINE_DEFAULTS = EngineConfig()  # read by the layers that mirror a knob (confi
 # With the CPU values above an H100 runs at most 32 requests a step, and that cap, not the policy,
 # decides the simulated results under load (paper-8 at rate x16: every policy ~40.5% TTFT attainment).
 GPU_ENGINE_DEFAULTS = msgspec.structs.replace(ENGINE_DEFAULTS, max_num_seqs=256, max_num_batched_tokens=8192)
+
+
+# Qwen3-Reranker's prompt for a (query, document) pair, the default of a task: score model; the
+# model answers with "yes" or "no" and the score is the probability of yes
+QWEN3_RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+    'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+    "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+QWEN3_RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingTask:
+    """A model that answers from its prompt's final hidden states rather than with text.
+
+    ``embed``: the hidden states pooled (``pooling``: last, mean or cls) into a vector, L2-normalised
+    if ``normalize``. ``score`` (a decoder reranker, /v1/rerank and /v1/score): ``template`` with a
+    pair's ``{query}``, ``{document}`` and ``{instruction}`` filled in is the prompt, and the score is
+    the probability of the second of ``tokens`` against the first (yes against no) as the next token,
+    sigmoid(logit(yes) - logit(no))."""
+
+    task: str  # embed or score
+    pooling: str = "last"
+    normalize: bool = False
+    template: str = QWEN3_RERANK_TEMPLATE
+    instruction: str = QWEN3_RERANK_INSTRUCTION  # when the request names none
+    tokens: tuple[str, str] = ("no", "yes")
+
+    def prompt(self, query: str, document: str, instruction: str | None = None) -> str:
+        """A score pair's prompt: each placeholder replaced once, so braces in the texts stay."""
+        out, fill = [], {"query": query, "document": document, "instruction": instruction or self.instruction}
+        for part in re.split(r"(\{query\}|\{document\}|\{instruction\})", self.template):
+            out.append(fill.get(part[1:-1], part) if part.startswith("{") else part)
+        return "".join(out)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import msgspec
 
 from prism_serve.control.types import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
-from prism_serve.engine.config import DEFAULT_MODEL, ENGINE_DEFAULTS, EngineConfig
+from prism_serve.engine.config import DEFAULT_MODEL, ENGINE_DEFAULTS, EngineConfig, PoolingTask
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.errors import InvalidRequestError, PrismError
 
@@ -31,42 +30,6 @@ class UnknownModelError(PrismError):
 
     status_code = 404
     error_type = "model_not_found"
-
-
-# Qwen3-Reranker's prompt for a (query, document) pair, the default of a task: score model; the
-# model answers with "yes" or "no" and the score is the probability of yes
-QWEN3_RERANK_TEMPLATE = (
-    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
-    'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
-    "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
-    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-)
-QWEN3_RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
-
-
-@dataclass(frozen=True, slots=True)
-class PoolingTask:
-    """A model that answers from its prompt's final hidden states rather than with text.
-
-    ``embed``: the hidden states pooled (``pooling``: last, mean or cls) into a vector, L2-normalised
-    if ``normalize``. ``score`` (a decoder reranker, /v1/rerank and /v1/score): ``template`` with a
-    pair's ``{query}``, ``{document}`` and ``{instruction}`` filled in is the prompt, and the score is
-    the probability of the second of ``tokens`` against the first (yes against no) as the next token,
-    sigmoid(logit(yes) - logit(no))."""
-
-    task: str  # embed or score
-    pooling: str = "last"
-    normalize: bool = False
-    template: str = QWEN3_RERANK_TEMPLATE
-    instruction: str = QWEN3_RERANK_INSTRUCTION  # when the request names none
-    tokens: tuple[str, str] = ("no", "yes")
-
-    def prompt(self, query: str, document: str, instruction: str | None = None) -> str:
-        """A score pair's prompt: each placeholder replaced once, so braces in the texts stay."""
-        out, fill = [], {"query": query, "document": document, "instruction": instruction or self.instruction}
-        for part in re.split(r"(\{query\}|\{document\}|\{instruction\})", self.template):
-            out.append(fill.get(part[1:-1], part) if part.startswith("{") else part)
-        return "".join(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from prism_serve.control import (
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.profiles import StepSums, measured_profile
 from prism_serve.control.types import REPLICA_SEPARATOR, replica_name
-from prism_serve.engine.config import resolve_max_model_len
+from prism_serve.engine.config import PoolingTask, resolve_max_model_len
 from prism_serve.engine.llm_engine import torch_dtype
 from prism_serve.engine.lora import LoraSlots
 from prism_serve.engine.tokenizer import Tokenizer
@@ -33,7 +33,7 @@ from prism_serve.runtime import messages as msg
 from prism_serve.runtime.adapters import AdapterTable
 from prism_serve.runtime.cluster import LedgerMirror
 from prism_serve.runtime.devices import DeviceSpec
-from prism_serve.runtime.models import ModelSpec, PoolingTask, UnknownModelError
+from prism_serve.runtime.models import ModelSpec, UnknownModelError
 from prism_serve.runtime.weight_cache import CachedModel, config_from_dict
 from prism_serve.runtime.workers import WorkerHandle
 
