@@ -412,7 +412,7 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     api_keys: list[str] = Field(default_factory=list, description="empty: no authentication")
     admin_key: str | None = Field(
-        None, description="needed by /v1/admin/*; unset: admin only without api_keys"
+        None, description="needed by /v1/admin/*; unset: admin only without api_keys or keys_file"
     )
     keys_file: str | None = Field(
         None,
