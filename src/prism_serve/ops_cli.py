@@ -123,6 +123,31 @@ def _cmd_adapter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tenants(args: argparse.Namespace) -> int:
+    tenants = _request(args, "GET", "/v1/admin/tenants", args.admin_key)["data"]
+    if args.json:
+        sys.stdout.write(json.dumps(tenants, indent=2) + "\n")
+        return 0
+
+    def used(n: int, limit: int | None) -> str:
+        return f"{n}/{limit}" if limit is not None else "-"
+
+    rows = [("TENANT", "IN FLIGHT", "REQUESTS/MIN", "TOKENS/MIN", "ADMITTED", "TOKENS", "429s", "MODELS")]
+    for t in tenants:
+        lim, limited = t["limits"], t["rate_limited"]
+        rows.append((
+            t["tenant"], used(t["in_flight"], lim["concurrent_requests"]),
+            used(t["requests_last_minute"], lim["requests_per_minute"]),
+            used(t["tokens_last_minute"], lim["tokens_per_minute"]), str(t["admitted"]),
+            str(t["tokens_used"]), ",".join(f"{k}={v}" for k, v in limited.items() if v) or "0",
+            ",".join(t["models"]),
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
 def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     def common(p: argparse.ArgumentParser, key: str) -> None:
         p.add_argument("--url", default=os.environ.get("PRISM_URL", "http://127.0.0.1:8000"),
@@ -155,6 +180,9 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
         if action == "unload":
             p.add_argument("--force", action="store_true", help="end its requests in flight now")
         p.set_defaults(func=_cmd_admin, action=action)
+    p = sub.add_parser("tenants", help="tenants of a running server: limits, use, 429s (admin key)")
+    common(p, "admin")
+    p.set_defaults(func=_cmd_tenants)
     p = sub.add_parser("load-adapter", help="serve a LoRA adapter (a PEFT directory) over a base model")
     p.add_argument("name")
     p.add_argument("path", help="the adapter's directory on the server's machine")

@@ -221,6 +221,26 @@ def test_requests_over_the_minutes_limit_get_429_with_openais_headers(server):
     assert m["prism_tenant_rate_limited_total", "rpm", "tokens"] == 0
 
 
+def test_operators_see_each_tenants_limits_and_use(server, capsys):
+    """GET /v1/admin/tenants (the admin key) and `prism tenants`, which prints it."""
+    from prism_serve.cli import main
+
+    r = httpx.get(
+        f"{server.url}/v1/admin/tenants", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    cards = {c["tenant"]: c for c in r.json()["data"]}
+    assert set(cards) >= {"scope", "rpm", "tpm", "conc", "default"}
+    assert cards["scope"]["models"] == ["tiny*"] and cards["rpm"]["limits"]["requests_per_minute"] == 4
+    r = httpx.get(
+        f"{server.url}/v1/admin/tenants", headers={"Authorization": f"Bearer {KEYS['rpm']}"}, timeout=60
+    )
+    assert r.status_code == 403  # a tenant's key is not the admin key
+    assert main(["tenants", "--url", server.url, "--admin-key", ADMIN_KEY]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:2] == ["TENANT", "IN"] and any(line.split()[0] == "rpm" for line in table[1:])
+
+
 def tenant_metrics(server) -> dict[tuple[str, str, str | None], float]:
     """The prism_tenant_* samples of /metrics by (name, tenant, limit)."""
     families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=60).text)

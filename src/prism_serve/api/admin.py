@@ -12,6 +12,7 @@ server has no API keys at all (a local, unauthenticated deployment), and refused
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prism_serve.api.errors import AuthenticationError, PermissionDeniedError, bearer_token, key_matches
 from prism_serve.api.protocol import Text
-from prism_serve.api.schema import ADMIN
+from prism_serve.api.schema import ADMIN, TENANTS
 from prism_serve.api.tenants import Tenants
 from prism_serve.config import ServerConfig
 from prism_serve.runtime.controller import Controller
@@ -120,6 +121,13 @@ def add_admin_routes(
         authorize(http)
         in_flight = await c.unload_adapter(body.lora_name, force=body.force)
         return {"id": body.lora_name, "object": "model", "unloaded": True, "in_flight": in_flight}
+
+    @app.get("/v1/admin/tenants", responses=TENANTS)
+    async def tenants(http: Request) -> dict:
+        """Each tenant of the keys file (and ``default``): its models, limits and use."""
+        authorize(http)
+        now = time.monotonic()
+        return {"object": "list", "data": [t.snapshot(now) for t in keys.all()]}
 
     @app.post("/v1/admin/models/{name:path}/pin", responses=ADMIN)
     async def pin(name: str, http: Request) -> dict:

@@ -234,6 +234,29 @@ class ScoreList(BaseModel):
     usage: _ScoreUsage
 
 
+class _TenantLimits(BaseModel):
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    concurrent_requests: int | None
+
+
+class TenantCard(BaseModel):
+    tenant: str
+    models: list[str]  # names or globs it may call
+    limits: _TenantLimits
+    in_flight: int
+    requests_last_minute: int  # counted only under a requests_per_minute limit
+    tokens_last_minute: int  # reserved or used, under a tokens_per_minute limit
+    admitted: int  # since start
+    tokens_used: int  # since start
+    rate_limited: dict[str, int]  # 429s since start, by limit: requests, tokens, concurrency
+
+
+class TenantList(BaseModel):
+    object: Literal["list"]
+    data: list[TenantCard]
+
+
 class Tokenized(BaseModel):
     count: int
     max_model_len: int
@@ -369,6 +392,7 @@ VERSION = _ok(Version)
 HEALTH = {**_ok(Health), 503: {"model": Health, "description": "still starting"}}
 METRICS = {200: {"description": "Prometheus text", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}}
 ADMIN = {**_ok(ModelCard), **_errors(400, 401, 403, 404, 409, 413, 500, 503)}
+TENANTS = {**_ok(TenantList), **_errors(401, 403)}
 DASHBOARD_STATE = {**_ok(DashboardState), **_errors(401, 403)}
 DASHBOARD = {200: {"description": "the dashboard page (HTML; it asks for a key to read /dashboard/state)"}}
 OPEN_PATHS = ("/health", "/metrics", "/version", "/dashboard")  # routes that need no key

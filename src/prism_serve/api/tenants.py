@@ -252,6 +252,16 @@ class Tenant:
         handle[1] = used
         self.tokens_used += used
 
+    def snapshot(self, now: float) -> dict:
+        """Its settings and use, for ``GET /v1/admin/tenants`` and ``prism tenants``."""
+        self._prune(now)
+        return {
+            "tenant": self.name, "models": list(self.entry.models), "limits": self.entry.limits.model_dump(),
+            "in_flight": self.in_flight, "requests_last_minute": len(self._requests),
+            "tokens_last_minute": self._token_sum, "admitted": self.admitted, "tokens_used": self.tokens_used,
+            "rate_limited": dict(self.limited),
+        }  # fmt: skip
+
     def headers(self, now: float) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for the limits the tenant has."""
         limits, out = self.entry.limits, {}
