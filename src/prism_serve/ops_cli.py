@@ -73,6 +73,11 @@ def _table(cards: list[dict]) -> str:
             str(c["num_running"]), str(c["num_queued"]), str(len(replicas)),
             "yes" if c["pinned"] else "", _sampling(c.get("sampling_defaults") or {}), c.get("root", ""),
         ))  # fmt: skip
+    return _columns(rows)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> str:
+    """Rows of cells as left-aligned columns, a header row first."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return (
         "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows) + "\n"
@@ -142,9 +147,7 @@ def _cmd_tenants(args: argparse.Namespace) -> int:
             str(t["tokens_used"]), ",".join(f"{k}={v}" for k, v in limited.items() if v) or "0",
             ",".join(t["models"]),
         ))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    sys.stdout.write(_columns(rows))
     return 0
 
 

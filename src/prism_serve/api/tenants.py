@@ -40,6 +40,7 @@ import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from prism_serve.api.errors import key_matches
 from prism_serve.errors import PrismError
 
 __all__ = ["KeysFile", "RateLimitError", "Tenant", "TenantCollector", "TenantUsage", "Tenants", "hash_key"]
@@ -285,7 +286,7 @@ class Tenants:
     def __init__(self, path: str | None, api_keys: list[str], clock=time.monotonic) -> None:
         self.path = Path(path).expanduser() if path else None
         self._clock = clock
-        self._plain = [k.encode() for k in api_keys]
+        self._plain = list(api_keys)
         # the plain keys' tenant: every model, no limits
         self.default = (
             Tenant(TenantEntry(name=DEFAULT_TENANT, keys=[hash_key(k) for k in api_keys]))
@@ -306,15 +307,12 @@ class Tenants:
         """The tenant whose key ``token`` is, comparing against every key in constant time."""
         self._maybe_reload()
         digest = hashlib.sha256(token.encode()).digest()
-        given = token.encode()
         found: Tenant | None = None
         for tenant in self.by_name.values():
             for d in tenant.digests:
                 if hmac.compare_digest(digest, d):
                     found = tenant
-        plain = False
-        for key in self._plain:
-            plain |= hmac.compare_digest(given, key)
+        plain = key_matches(token, self._plain)
         return found or (self.default if plain else None)
 
     def all(self) -> list[Tenant]:
