@@ -152,6 +152,11 @@ class _Served:
         raise InvalidRequestError(f"model {model!r} cannot answer this: {routes[mine]}", param="model")
 
 
+def _tenant(http: Request) -> Tenant | None:
+    """The caller's tenant, as ``PrismServer.authorize`` found it (None: the admin key, or no keys)."""
+    return getattr(http.state, "tenant", None)
+
+
 class _ServedTable(Mapping[str, _Served]):
     """The served models' fixed facts by name, and each LoRA adapter's (its base's, with its own
     SLOs): adapters come and go at run time (runtime/adapters.py)."""
@@ -340,7 +345,7 @@ class PrismServer:
     def _authorize_all(self, http: Request) -> None:
         """``authorize``, and a 403 for a tenant limited to some models: the dashboard shows all."""
         self.authorize(http)
-        tenant = getattr(http.state, "tenant", None)
+        tenant = _tenant(http)
         if tenant is not None and "*" not in tenant.entry.models:
             raise PermissionDeniedError(
                 f"tenant {tenant.name} may call only some models; the dashboard shows every model"
@@ -348,7 +353,7 @@ class PrismServer:
 
     def _visible(self, http: Request, model: str) -> None:
         """A 404, worded as for a model not served, for a model outside the caller's tenant."""
-        tenant = getattr(http.state, "tenant", None)
+        tenant = _tenant(http)
         if tenant is not None and not tenant.may_use(model):
             raise UnknownModelError(f"model {quoted(model)} is not served here; see /v1/models")
 
@@ -356,7 +361,7 @@ class PrismServer:
         """Count this request against the caller's tenant's limits (429 over one): its rate
         headers go on the response, and TenantUsage counts its end."""
         self._visible(http, model)
-        tenant = getattr(http.state, "tenant", None)
+        tenant = _tenant(http)
         if tenant is not None:
             http.state.tenant_headers = tenant.admit(time.monotonic())
             http.state.tenant_release = tenant.release
@@ -364,7 +369,7 @@ class PrismServer:
     def _reserve(self, http: Request, tokens: list[int]) -> list[tuple[Tenant, list] | None]:
         """Each choice's tokens reserved against the caller's tenant's tokens a minute (429 past
         it): (tenant, handle) per choice, settled when the choice ends; Nones without a tenant."""
-        tenant = getattr(http.state, "tenant", None)
+        tenant = _tenant(http)
         if tenant is None:
             return [None] * len(tokens)
         now = time.monotonic()
@@ -376,7 +381,7 @@ class PrismServer:
         """Every served model's card, or those the request's tenant may call."""
         cards = model_cards(self.controller.status(), self._roots)
         cards += adapter_cards(self.controller.models.adapters.by_name.values(), cards)
-        tenant = getattr(http.state, "tenant", None) if http is not None else None
+        tenant = _tenant(http) if http is not None else None
         return [c for c in cards if tenant is None or tenant.may_use(c["id"])]
 
     # ---- completions --------------------------------------------------------------------------
@@ -393,7 +398,7 @@ class PrismServer:
 
     def _log_entry(self, http: Request, model: str, stream: bool, n: int, max_tokens: int | None) -> LogEntry:
         """A request's line in the request log, begun as it is admitted."""
-        tenant = getattr(http.state, "tenant", None)
+        tenant = _tenant(http)
         return LogEntry(time.time(), model, stream, n, max_tokens, tenant=tenant.name if tenant else None)
 
     async def _logged(self, entry: LogEntry | None, work: Awaitable[Response]) -> Response:
