@@ -233,9 +233,16 @@ class Controller:
         *,
         req_id: str | None = None,
         timeout_s: float | None = None,
+        ttft_slo: float | None = None,
     ) -> AsyncIterator[msg.TokenDelta]:
-        """Stream ``model``'s output for ``prompt`` (requests.py ``Requests.stream``)."""
-        return self.requests.stream(model, prompt, params or SamplingParams(), req_id, timeout_s)
+        """Stream ``model``'s output for ``prompt`` (requests.py ``Requests.stream``); ``ttft_slo``:
+        this request's first-token deadline in place of the model's."""
+        return self.requests.stream(model, prompt, params or SamplingParams(), req_id, timeout_s, ttft_slo)
+
+    def is_active(self, model: str) -> bool:
+        """Whether a replica of ``model`` (or of an adapter's base) can take requests now."""
+        base = self.models.served(model).spec.name
+        return any(slot.state is ModelState.ACTIVE for slot in self.models.slots(base))
 
     def snapshot(self, now: float | None = None) -> ClusterSnapshot:
         """Every model, device and engine as the policies see them now."""

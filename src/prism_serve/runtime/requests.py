@@ -94,12 +94,14 @@ class RequestEntry:
     @classmethod
     def build(
         cls, req_id: str, m: ModelEntry, prompt: str | list[int], params: SamplingParams, now: float,
-        adapter: AdapterSpec | None = None, prefixes: bool = False,
+        adapter: AdapterSpec | None = None, prefixes: bool = False, ttft_slo: float | None = None,
     ) -> RequestEntry:  # fmt: skip
         """Tokenize and check the prompt, and encode the AddRequest once, here: a bad value set on a
         SamplingParams after it was built (out of range, or an int beyond 64 bits the wire cannot
         carry) is this request's 400 before anything of it is registered. ``prefixes``: the control
-        request carries the prompt's prefix keys (a prefix-aware policy routes and admits by them)."""
+        request carries the prompt's prefix keys (a prefix-aware policy routes and admits by them).
+        ``ttft_slo``: this request's own first-token deadline (the batch lane's: its batch's
+        window), in place of the model's or adapter's."""
         ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise EmptyPromptError("prompt has no tokens")
@@ -115,9 +117,9 @@ class RequestEntry:
             raise InvalidSamplingParamsError(f"the request cannot be sent to a worker: {e}") from None
         # an adapter's request is its base's load, queued by the adapter's own deadline
         keys = prefix_keys(ids, adapter.name if adapter else m.spec.name) if prefixes else ()
-        control = Request(
-            req_id, m.spec.name, now, len(ids), adapter.ttft_slo if adapter else m.spec.ttft_slo, keys
-        )
+        if ttft_slo is None:
+            ttft_slo = adapter.ttft_slo if adapter else m.spec.ttft_slo
+        control = Request(req_id, m.spec.name, now, len(ids), ttft_slo, keys)
         return cls(req_id, m.spec.name, payload, control, adapter=adapter.name if adapter else None)
 
     @property
@@ -154,11 +156,12 @@ class Requests:
         params: SamplingParams,
         req_id: str | None = None,
         timeout_s: float | None = None,
+        ttft_slo: float | None = None,
     ) -> AsyncIterator[msg.TokenDelta]:
         """``model``'s output for ``prompt``: one ``TokenDelta`` per engine step, the last with
         ``finished``. Raises a PrismError (404 unknown model, 400 bad prompt, 503 worker or model
         gone, 504 no first token within ``timeout_s``). Leaving the loop early aborts the request."""
-        r = self.submit(model, prompt, params, req_id)
+        r = self.submit(model, prompt, params, req_id, ttft_slo)
         first = True
         try:
             while True:
@@ -182,8 +185,9 @@ class Requests:
                 self._abort(r)
 
     def submit(
-        self, model: str, prompt: str | list[int], params: SamplingParams, req_id: str | None = None
-    ) -> RequestEntry:
+        self, model: str, prompt: str | list[int], params: SamplingParams, req_id: str | None = None,
+        ttft_slo: float | None = None,
+    ) -> RequestEntry:  # fmt: skip
         """Register a request and hand it to the control loop (which may dispatch it at once)."""
         m = self._models.served(model)  # an adapter's name gives its base
         adapter = self._models.adapters.get(model)
@@ -194,7 +198,7 @@ class Requests:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
         now = self._clock()
         # 400s: nothing registered yet
-        r = RequestEntry.build(req_id, m, prompt, params, now, adapter, self._loop.prefix_aware)
+        r = RequestEntry.build(req_id, m, prompt, params, now, adapter, self._loop.prefix_aware, ttft_slo)
         r.cold = all(slot.state is not ModelState.ACTIVE for slot in self._models.slots(m.spec.name))
         self._by_id[req_id] = r
         try:
