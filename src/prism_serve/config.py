@@ -433,9 +433,21 @@ class ServerConfig(_Strict):
     )
     request_log_max_bytes: Size = Field(64 * 2**20, description="rotate the request log at this size")
     request_log_keep: int = Field(5, ge=0, description="rotated request logs kept (.1 the newest)")
+    state_dir: str | None = Field(
+        None,
+        description="the batch lane's files, batches and results (an SQLite database, api/batch_store.py); "
+        "unset: /v1/files and /v1/batches are off",
+    )
+    batch_concurrency: int = Field(8, ge=1, description="batch lines running at once, over all batches")
+    batch_idle_s: float = Field(
+        5.0, ge=0, description="a batch line loads a model that is not active only after this long "
+        "without an interactive request (or once half its window is gone)"
+    )  # fmt: skip
+    max_file_bytes: Size = Field(200 * 2**20, description="largest file upload (/v1/files), e.g. 200MiB")
 
     _max_request_bytes = field_validator("max_request_bytes", mode="before")(_size)
     _request_log_max_bytes = field_validator("request_log_max_bytes", mode="before")(_size)
+    _max_file_bytes = field_validator("max_file_bytes", mode="before")(_size)
 
 
 class RayConfig(_Strict):

@@ -1,5 +1,6 @@
 """A real `prism serve` process for the API tests: real SmolLM2 weights under two names plus a
-synthetic-weight model, two CPU devices, API and admin keys, its own ledger/cache namespace."""
+synthetic-weight model, two CPU devices, API and admin keys, its own ledger/cache namespace and
+batch-lane state directory."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def start_server(tmp: Path, config_text: str, timeout_s: float = 180.0) -> Serve
     port = free_port()
     namespace = f"apitest-{uuid.uuid4().hex[:8]}"
     config = tmp / "prism.yaml"
-    config.write_text(config_text.replace("{namespace}", namespace))
+    config.write_text(
+        config_text.replace("{namespace}", namespace).replace("{state_dir}", str(tmp / "state"))
+    )
     log = tmp / "server.log"
     proc = start_server_process(config, port, log, log_level="info", timeout_s=timeout_s)
     return ServerProcess(f"http://127.0.0.1:{port}", namespace, proc, log)
@@ -116,6 +119,7 @@ server:
   max_waiting_requests: 3
   max_request_bytes: 2MiB
   namespace: "{{namespace}}"
+  state_dir: "{{state_dir}}"
 """
 
 

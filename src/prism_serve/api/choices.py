@@ -63,8 +63,9 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the output tokens', if asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's (completions with echo)
     # its model's SLOs when it was submitted (for /metrics' attainment): an adapter may be unloaded
-    # while its last tokens are still on their way to the client
-    slos: tuple[float, float] = (0.0, 0.0)
+    # while its last tokens are still on their way to the client; None: not judged (a batch line,
+    # whose deadline is its batch's window)
+    slos: tuple[float, float] | None = (0.0, 0.0)
     # the caller's tenant and this choice's token reservation (api/tenants.py), settled when it ends
     quota: tuple[Tenant, list] | None = None
 

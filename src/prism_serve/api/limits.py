@@ -3,6 +3,7 @@
 A body whose ``Content-Length`` says it is too large is answered 413 before a byte of it is read;
 a chunked body is counted as it arrives and refused at the first chunk over the limit. Either way
 the app never parses (or tokenizes) it, so one huge request costs the server almost nothing.
+A path may have its own limit (``per_path``: the batch lane's file uploads, ``server.max_file_bytes``).
 (uvicorn's h11 and httptools parsers enforce Content-Length, so a body cannot exceed what it said.)
 """
 
@@ -21,17 +22,20 @@ Message = dict[str, Any]
 
 
 class BodySizeLimit:
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, per_path: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.per_path = per_path or {}  # path -> (limit, the setting that sets it)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        default = (self.max_bytes, "server.max_request_bytes")
+        max_bytes, setting = self.per_path.get(scope.get("path", ""), default)
         length = _content_length(scope)
-        if length is not None and length > self.max_bytes:
-            await self._refuse(send, length)
+        if length is not None and length > max_bytes:
+            await self._refuse(send, length, max_bytes, setting)
             return
         if length is None and _has_body(scope):
             # Chunked: read it here, counting, and hand the app the whole body in one message.
@@ -42,8 +46,8 @@ class BodySizeLimit:
                     return  # the client went away while sending
                 chunks.append(message.get("body", b""))
                 seen += len(chunks[-1])
-                if seen > self.max_bytes:
-                    await self._refuse(send, None)
+                if seen > max_bytes:
+                    await self._refuse(send, None, max_bytes, setting)
                     return
                 if not message.get("more_body", False):
                     break
@@ -56,11 +60,11 @@ class BodySizeLimit:
             return
         await self.app(scope, receive, send)
 
-    async def _refuse(self, send: Any, length: int | None) -> None:
+    async def _refuse(self, send: Any, length: int | None, max_bytes: int, setting: str) -> None:
         size = f" ({format_size(length)})" if length is not None else ""
         body = json.dumps(error_body(
-            f"the request body{size} is larger than this server's limit of {format_size(self.max_bytes)} "
-            "(server.max_request_bytes)",
+            f"the request body{size} is larger than this server's limit of {format_size(max_bytes)} "
+            f"({setting})",
             "invalid_request_error", 413,
         )).encode()  # fmt: skip
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

@@ -207,12 +207,12 @@ class ServerMetrics:
         e2e: float,
         num_prompt: int,
         num_output: int,
-        ttft_slo: float,
-        tpot_slo: float,
+        slos: tuple[float, float] | None,
         timings: msg.RequestTimings | None = None,
         num_cached: int = 0,
     ) -> None:
-        """A finished request: ``ttft`` and ``e2e`` from its arrival at the server, ``timings`` the
+        """A finished request: ``ttft`` and ``e2e`` from its arrival at the server, ``slos`` the
+        (TTFT, TPOT) SLOs it is judged by (None: not judged, a batch line), ``timings`` the
         engine's (the finished TokenDelta's), ``num_cached`` its prompt tokens the cache served."""
         self.ttft.labels(model).observe(ttft)
         self.cache_queries.labels(model).inc(num_prompt)
@@ -231,7 +231,9 @@ class ServerMetrics:
         tpot = (e2e - ttft) / (num_output - 1) if num_output > 1 else 0.0
         if num_output > 1:
             self.tpot.labels(model).observe(tpot)
-        met_ttft, met_tpot = ttft <= ttft_slo, tpot <= tpot_slo
+        if slos is None:
+            return
+        met_ttft, met_tpot = ttft <= slos[0], tpot <= slos[1]
         for slo, ok in zip(_SLOS, (met_ttft, met_tpot), strict=True):
             self._judge(model, slo, ok)
         self._remember(model, ttft, met_ttft, met_tpot)

@@ -85,6 +85,7 @@ class LogEntry:
     block_hashes: list[int] | None = None  # prompt_block_hashes of its one prompt
     block_tokens: int = LOG_BLOCK_TOKENS
     tenant: str | None = None  # the caller's tenant (api/tenants.py), never its key
+    lane: str | None = None  # "batch" for a batch line (api/batches.py); unset: interactive
 
     def served(self, runs: list[Any], prompt_tokens: int, started: float) -> None:
         """What the request's choices (api/choices.py ``Choice``) got; ``started``: its arrival on
@@ -125,6 +126,7 @@ class LogEntry:
                 "device": self.device,
                 "replica": self.replica,
                 **({"tenant": self.tenant} if self.tenant is not None else {}),
+                **({"lane": self.lane} if self.lane is not None else {}),
                 **hashes,
             },
             separators=(", ", ": "),

@@ -267,6 +267,82 @@ class Detokenized(BaseModel):
     prompt: str
 
 
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "user_data", "batch_output", "batch_error"]
+    status: Literal["processed"]
+    expires_at: int | None
+    status_details: str | None
+
+
+class FileList(BaseModel):
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class _BatchError(BaseModel):
+    code: str
+    message: str
+    param: str | None
+    line: int | None
+
+
+class _BatchErrors(BaseModel):
+    object: Literal["list"]
+    data: list[_BatchError]
+
+
+class _RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    errors: _BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired",
+                    "cancelling", "cancelled"]  # fmt: skip
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    expires_at: int
+    in_progress_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: _RequestCounts
+    metadata: dict[str, str] | None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"]
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class Version(BaseModel):
     version: str
 
@@ -359,9 +435,9 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         400: "invalid parameter or prompt (beyond the context, bad token ids, bad Unicode)",
         401: "missing or wrong API key",
         403: "the key may not use this route",
-        404: "no such model",
+        404: "no such model (or file, or batch; or the batch lane is off)",
         409: "the model's state does not allow it (e.g. active on another device)",
-        413: "request body larger than server.max_request_bytes",
+        413: "request body larger than server.max_request_bytes (a file upload: server.max_file_bytes)",
         429: "too many requests waiting for their first token (Retry-After says when to retry)",
         500: "internal error (the request was released)",
         503: "the model could not be activated, or its worker died",
@@ -388,6 +464,13 @@ MODELS = {**_ok(ModelList), **_errors(401)}
 MODEL = {**_ok(ModelCard), **_errors(401, 404)}
 TOKENIZE = {**_ok(Tokenized), **_errors(400, 401, 404, 413)}
 DETOKENIZE = {**_ok(Detokenized), **_errors(400, 401, 404, 413)}
+FILE = {**_ok(FileObject), **_errors(400, 401, 404, 413)}
+FILES = {**_ok(FileList), **_errors(400, 401, 404)}
+FILE_DELETED = {**_ok(FileDeleted), **_errors(401, 404)}
+FILE_CONTENT = {200: {"description": "the file's bytes", "content": {"application/octet-stream": {
+    "schema": {"type": "string", "format": "binary"}}}}, **_errors(401, 404)}  # fmt: skip
+BATCH = {**_ok(BatchObject), **_errors(400, 401, 404, 413)}
+BATCHES = {**_ok(BatchList), **_errors(400, 401, 404)}
 VERSION = _ok(Version)
 HEALTH = {**_ok(Health), 503: {"model": Health, "description": "still starting"}}
 METRICS = {200: {"description": "Prometheus text", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}}

@@ -22,7 +22,7 @@ import math
 import signal
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,8 @@ from pydantic import ValidationError
 from prism_serve import __version__
 from prism_serve.api import schema as api_schema
 from prism_serve.api.admin import add_admin_routes
+from prism_serve.api.batch_store import BatchStore
+from prism_serve.api.batches import BatchCall, BatchRunner, add_batch_routes, call_app
 from prism_serve.api.cards import adapter_cards, model_cards
 from prism_serve.api.choices import (
     Choice,
@@ -157,6 +159,11 @@ def _tenant(http: Request) -> Tenant | None:
     return getattr(http.state, "tenant", None)
 
 
+def _batch(http: Request) -> BatchCall | None:
+    """The batch line this request runs (api/batches.py), None for a client's own request."""
+    return getattr(http.state, "batch", None)
+
+
 class _ServedTable(Mapping[str, _Served]):
     """The served models' fixed facts by name, and each LoRA adapter's (its base's, with its own
     SLOs): adapters come and go at run time (runtime/adapters.py)."""
@@ -207,6 +214,15 @@ class PrismServer:
             if srv.request_log
             else None
         )
+        # the batch lane (api/batches.py): its state, and the runner that starts with the controller
+        self.batches = BatchStore(srv.state_dir) if srv.state_dir else None
+        self.last_interactive = 0.0  # monotonic: when the last request not of the batch lane came
+        self.batch_runner = BatchRunner(
+            self.batches, lambda path, body, state: call_app(self.app, path, body, state),
+            concurrency=srv.batch_concurrency, idle_s=srv.batch_idle_s, waiting=lambda: self.num_waiting,
+            last_interactive=lambda: self.last_interactive, active=self.controller.is_active,
+            tenant=self.tenants.named,
+        )  # fmt: skip
         self.app = self._build()
 
     # ---- app ----------------------------------------------------------------------------------
@@ -225,8 +241,13 @@ class PrismServer:
                     self.controller.models.adapters,
                 )
                 logger.info("serving %s", ", ".join(self.served.names()))
+                if self.batches is not None:
+                    self.batch_runner.start()
                 yield
             finally:
+                await self.batch_runner.stop()
+                if self.batches is not None:
+                    self.batches.close()
                 with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                     loop.remove_signal_handler(signal.SIGHUP)
                 await self.controller.stop()
@@ -237,7 +258,10 @@ class PrismServer:
         app = FastAPI(title="prism-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
         install_error_handlers(app)
         api_schema.install_openapi(app)
-        app.add_middleware(BodySizeLimit, max_bytes=self.config.server.max_request_bytes)
+        app.add_middleware(
+            BodySizeLimit, max_bytes=self.config.server.max_request_bytes,
+            per_path={"/v1/files": (self.config.server.max_file_bytes, "server.max_file_bytes")},
+        )  # fmt: skip
         cors = self.config.server.cors
         if cors is not None:
             app.add_middleware(
@@ -323,14 +347,16 @@ class PrismServer:
         async def metrics() -> Response:
             return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
+        add_batch_routes(app, self)
         add_admin_routes(app, self.controller, self.config.server, self.model_cards, self.tenants)
         add_dashboard_routes(app, lambda: dashboard_state(s.controller, s.metrics), self._authorize_all)
         return app
 
     def authorize(self, http: Request) -> None:
         """A 401 unless the request carries a key: the admin key (every model, no limits), or a
-        tenant's (api/tenants.py), which ``http.state.tenant`` then names."""
-        if not self.tenants.enabled:
+        tenant's (api/tenants.py), which ``http.state.tenant`` then names. A batch line's in-process
+        request (api/batches.py) carries its batch's tenant there already."""
+        if not self.tenants.enabled or _batch(http) is not None:
             return
         token = bearer_token(http)
         if token is None:
@@ -361,6 +387,9 @@ class PrismServer:
         """Count this request against the caller's tenant's limits (429 over one): its rate
         headers go on the response, and TenantUsage counts its end."""
         self._visible(http, model)
+        if _batch(http) is not None:
+            return  # the batch lane has no rate limits: it runs on what interactive traffic leaves
+        self.last_interactive = time.monotonic()
         tenant = _tenant(http)
         if tenant is not None:
             http.state.tenant_headers = tenant.admit(time.monotonic())
@@ -370,7 +399,7 @@ class PrismServer:
         """Each choice's tokens reserved against the caller's tenant's tokens a minute (429 past
         it): (tenant, handle) per choice, settled when the choice ends; Nones without a tenant."""
         tenant = _tenant(http)
-        if tenant is None:
+        if tenant is None or _batch(http) is not None:
             return [None] * len(tokens)
         now = time.monotonic()
         handles = tenant.reserve(tokens, now)
@@ -399,7 +428,10 @@ class PrismServer:
     def _log_entry(self, http: Request, model: str, stream: bool, n: int, max_tokens: int | None) -> LogEntry:
         """A request's line in the request log, begun as it is admitted."""
         tenant = _tenant(http)
-        return LogEntry(time.time(), model, stream, n, max_tokens, tenant=tenant.name if tenant else None)
+        lane = "batch" if _batch(http) is not None else None
+        return LogEntry(
+            time.time(), model, stream, n, max_tokens, tenant=tenant.name if tenant else None, lane=lane
+        )
 
     async def _logged(self, entry: LogEntry | None, work: Awaitable[Response]) -> Response:
         """``work``'s response, and ``entry``'s line in the request log once it ends: its status, or
@@ -445,7 +477,7 @@ class PrismServer:
         except ClientDisconnected:
             return Response(status_code=499)
         except PrismError as e:
-            self._count_error(model, e)
+            self._count_error(model, e, http)
             raise
         texts = [None] if chat else body.prompts
         outs = [ChoiceOutput(tok, body, prompts[run.prompt], texts[run.prompt]) for run in runs]
@@ -460,7 +492,7 @@ class PrismServer:
         except ClientDisconnected:
             return Response(status_code=499)
         except PrismError as e:
-            self._count_error(model, e)
+            self._count_error(model, e, http)
             raise
         finally:
             for run in runs:
@@ -616,14 +648,13 @@ class PrismServer:
     ) -> list[Choice]:
         """Submit ``n`` choices of every prompt and wait for the first token of each (or a
         disconnect, or an error: then every choice is aborted)."""
-        c = self.controller
         served = self.served[body.model]
         max_len, default_max = served.max_model_len, served.sampling.get("max_tokens")
         wanted = body.requested_max_tokens()
         if default_max and not body.model_fields_set & {"max_tokens", "max_completion_tokens"}:
             wanted = None  # the model's default, not the endpoint's (completions: 16)
         n = body.n * len(prompts)
-        self._check_waiting(n)
+        self._check_waiting(http, n)
         chat = isinstance(body, ChatCompletionRequest)
         rid = new_id("chatcmpl" if chat else "cmpl")
         # the model's tool-call format, only for a request that may call a tool (it reads the template)
@@ -638,20 +669,36 @@ class PrismServer:
         runs = []
         for (p, j, ids, params), quota in zip(choices, quotas, strict=True):
             i = p * body.n + j
-            stream = c.generate(
-                body.model, ids, params, req_id=rid if n == 1 else f"{rid}-{i}",
-                timeout_s=self.config.server.request_timeout_s,
-            )  # fmt: skip
+            stream = self._generate(http, body.model, ids, params, rid if n == 1 else f"{rid}-{i}")
             runs.append(Choice(rid, body.model, arrival, stream, index=i, prompt=p,
                                max_tokens=params.max_tokens, num_prompt=len(ids),
-                               slos=(served.ttft_slo, served.tpot_slo), quota=quota))  # fmt: skip
+                               slos=self._slos(http, served), quota=quota))  # fmt: skip
 
         await self._first_deltas(http, runs)
         return runs
 
-    def _check_waiting(self, n: int) -> None:
+    def _generate(
+        self, http: Request, model: str, ids: list[int], params: SamplingParams, req_id: str
+    ) -> AsyncIterator[msg.TokenDelta]:
+        """One request to the runtime: a client's waits ``request_timeout_s`` at most for its first
+        token; a batch line's first-token deadline is its batch's window, and it has no timeout."""
+        batch = _batch(http)
+        if batch is not None:
+            return self.controller.generate(model, ids, params, req_id=req_id, ttft_slo=batch.ttft_slo)
+        return self.controller.generate(
+            model, ids, params, req_id=req_id, timeout_s=self.config.server.request_timeout_s
+        )
+
+    @staticmethod
+    def _slos(http: Request, served: _Served) -> tuple[float, float] | None:
+        """The SLOs a request is judged by in /metrics: its model's; a batch line's none."""
+        return None if _batch(http) is not None else (served.ttft_slo, served.tpot_slo)
+
+    def _check_waiting(self, http: Request, n: int) -> None:
         """429 for ``n`` more requests waiting for their first token beyond the server's limit (a
-        request of many choices or inputs goes alone)."""
+        request of many choices or inputs goes alone). The batch lane bounds its own."""
+        if _batch(http) is not None:
+            return
         limit = self.config.server.max_waiting_requests
         if self.num_waiting and self.num_waiting + n > limit:
             raise OverloadedError(
@@ -668,7 +715,8 @@ class PrismServer:
             run.first_at = run.last_at = time.perf_counter()
             self._take(run, d)
 
-        self.num_waiting += len(runs)
+        waiting = 0 if _batch(http) is not None else len(runs)  # interactive requests only
+        self.num_waiting += waiting
         try:
             await unless_disconnected(http, gather_or_cancel(first(run) for run in runs))
         except BaseException:
@@ -676,7 +724,7 @@ class PrismServer:
                 await run.stream.aclose()
             raise
         finally:
-            self.num_waiting -= len(runs)
+            self.num_waiting -= waiting
 
     # ---- embeddings ---------------------------------------------------------------------------
 
@@ -739,17 +787,15 @@ class PrismServer:
             num_prompt = sum(len(ids) for ids in prompts)
             if entry is not None:
                 entry.prompt_tokens = num_prompt
-            self._check_waiting(len(prompts))
+            self._check_waiting(http, len(prompts))
             rid = new_id("embd" if task == "embed" else task)
             runs = []
             quotas = self._reserve(http, [len(ids) for ids in prompts])
             for i, (ids, quota) in enumerate(zip(prompts, quotas, strict=True)):
-                stream = self.controller.generate(
-                    model, ids, sampling, req_id=rid if len(prompts) == 1 else f"{rid}-{i}",
-                    timeout_s=self.config.server.request_timeout_s,
-                )  # fmt: skip
+                req_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                stream = self._generate(http, model, ids, sampling, req_id)
                 runs.append(Choice(rid, model, arrival, stream, index=i, prompt=i, max_tokens=1,
-                                   num_prompt=len(ids), slos=(served.ttft_slo, served.tpot_slo),
+                                   num_prompt=len(ids), slos=self._slos(http, served),
                                    quota=quota))  # fmt: skip
             try:
                 await self._first_deltas(http, runs)
@@ -767,7 +813,7 @@ class PrismServer:
         except ClientDisconnected:
             return None
         except PrismError as e:
-            self._count_error(model, e)
+            self._count_error(model, e, http)
             raise
         return prompts, out
 
@@ -886,7 +932,7 @@ class PrismServer:
                 tenant.settle(handle, run.num_prompt + run.num_output)
             self.metrics.on_finished(
                 run.model, d.finish_reason, run.first_at - run.arrival, now - run.arrival,
-                run.num_prompt, run.num_output, *run.slos, d.timings, run.num_cached,
+                run.num_prompt, run.num_output, run.slos, d.timings, run.num_cached,
             )  # fmt: skip
             self._finished_at.append(now)
 
@@ -979,9 +1025,12 @@ class PrismServer:
                 entry.status = status
                 self.request_log.write(entry)
 
-    def _count_error(self, model: str, e: PrismError) -> None:
-        if model in self.served:  # a tenant over its own limit is not the server missing an SLO
-            judged = e.status_code >= 429 and not isinstance(e, RateLimitError)
+    def _count_error(self, model: str, e: PrismError, http: Request | None = None) -> None:
+        """A failed request in /metrics; judged against the SLOs when the server failed it, not when
+        the client's request was wrong, its tenant over its own limit, or it was a batch line."""
+        if model in self.served:
+            lane = http is not None and _batch(http) is not None
+            judged = e.status_code >= 429 and not isinstance(e, RateLimitError) and not lane
             self.metrics.on_error(model, e.error_type, e.status_code, judged=judged)
 
     def _retry_after(self) -> int:

@@ -315,6 +315,12 @@ class Tenants:
         plain = key_matches(token, self._plain)
         return found or (self.default if plain else None)
 
+    def named(self, name: str) -> Tenant | None:
+        """The tenant called ``name`` now (a batch's owner), None if the keys file dropped it."""
+        if name == DEFAULT_TENANT and self.default is not None:
+            return self.default
+        return self.by_name.get(name)
+
     def all(self) -> list[Tenant]:
         """The keys file's tenants, and ``default`` if there are plain api_keys."""
         return [*self.by_name.values(), *([self.default] if self.default is not None else [])]
