@@ -114,7 +114,8 @@ def test_a_keys_file_stores_hashes_and_names_its_mistakes(tmp_path):
 
 KEYS = {name: f"sk-{name}" for name in ("scope", "rpm", "tpm", "conc", "new")}
 TENANTS = [
-    {"name": "scope", "keys": [hash_key(KEYS["scope"])], "models": ["tiny*"]},
+    # slo_scale: its SLOs 1/10,000 of its models' (3 ms to a first token): every request misses
+    {"name": "scope", "keys": [hash_key(KEYS["scope"])], "models": ["tiny*"], "slo_scale": 0.0001},
     {"name": "rpm", "keys": [hash_key(KEYS["rpm"])], "limits": {"requests_per_minute": 4}},
     {"name": "tpm", "keys": [hash_key(KEYS["tpm"])], "limits": {"tokens_per_minute": 200}},
     {"name": "conc", "keys": [hash_key(KEYS["conc"])], "limits": {"concurrent_requests": 1}},
@@ -187,7 +188,12 @@ def test_a_tenant_sees_and_calls_only_its_models(server):
     ]:
         r = httpx.request(method, f"{server.url}{path}", json=body, headers=auth, timeout=60)
         assert r.status_code == 404 and r.json()["error"]["type"] == "model_not_found", (path, r.text)
+    before = slo_counts(server, "tiny-b")
     assert ask(server, "scope", "tiny-b").http_response.status_code == 200
+    assert ask(server, None, "tiny-b").http_response.status_code == 200
+    # judged by its tenant's scaled SLOs: the scope tenant's answer missed 3 ms, the plain key's met 30 s
+    after = slo_counts(server, "tiny-b")
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 2)
     # the dashboard shows every model: not for a tenant limited to some
     r = httpx.get(f"{server.url}/dashboard/state", headers=auth, timeout=60)
     assert r.status_code == 403 and "only some models" in r.json()["error"]["message"]
@@ -232,6 +238,7 @@ def test_operators_see_each_tenants_limits_and_use(server, capsys):
     cards = {c["tenant"]: c for c in r.json()["data"]}
     assert set(cards) >= {"scope", "rpm", "tpm", "conc", "default"}
     assert cards["scope"]["models"] == ["tiny*"] and cards["rpm"]["limits"]["requests_per_minute"] == 4
+    assert (cards["scope"]["slo_scale"], cards["rpm"]["slo_scale"]) == (0.0001, 1.0)
     r = httpx.get(
         f"{server.url}/v1/admin/tenants", headers={"Authorization": f"Bearer {KEYS['rpm']}"}, timeout=60
     )
@@ -239,6 +246,16 @@ def test_operators_see_each_tenants_limits_and_use(server, capsys):
     assert main(["tenants", "--url", server.url, "--admin-key", ADMIN_KEY]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:2] == ["TENANT", "IN"] and any(line.split()[0] == "rpm" for line in table[1:])
+
+
+def slo_counts(server, model: str) -> tuple[float, float]:
+    """(met, judged) TTFT SLO counts of ``model`` in /metrics."""
+    families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=60).text)
+    got = {(s.name, s.labels["model_name"], s.labels["slo"]): s.value for f in families for s in f.samples
+           if s.name in ("prism_slo_met_total", "prism_slo_requests_total")}  # fmt: skip
+    return got.get(("prism_slo_met_total", model, "ttft"), 0.0), got.get(
+        ("prism_slo_requests_total", model, "ttft"), 0.0
+    )
 
 
 def tenant_metrics(server) -> dict[tuple[str, str, str | None], float]:

@@ -96,6 +96,20 @@ def test_shared_weights_load_once(rt: Runtime) -> None:
     assert rt.c.models["smol"].tokenizer is rt.c.models["smol-b"].tokenizer
 
 
+def test_a_request_may_carry_its_own_first_token_deadline(rt: Runtime) -> None:
+    """The batch lane's and a scaled tenant's: admission sees the request's own TTFT SLO."""
+    from prism_serve.runtime.requests import RequestEntry
+
+    m = rt.c.models.served("smol")
+    own = RequestEntry.build("x", m, "hi", SamplingParams(), 100.0, ttft_slo=7.5)
+    default = RequestEntry.build("y", m, "hi", SamplingParams(), 100.0)
+    assert (own.control.deadline, default.control.deadline) == (107.5, 100.0 + m.spec.ttft_slo)
+    rt.generate("smol")
+    assert rt.c.is_active("smol")
+    with pytest.raises(UnknownModelError):
+        rt.c.is_active("nobody")
+
+
 def test_two_models_stream_at_once_on_two_devices(rt: Runtime) -> None:
     async def both():
         from .conftest import collect

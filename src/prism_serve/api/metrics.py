@@ -166,7 +166,10 @@ class ServerMetrics:
             registry=r,
         )
         self.slo_met = Counter(
-            "prism_slo_met", "Finished requests that met their model's SLO", [*label, "slo"], registry=r
+            "prism_slo_met",
+            "Finished requests that met their SLO (their model's, times their tenant's slo_scale)",
+            [*label, "slo"],
+            registry=r,
         )
         self.slo_total = Counter(
             "prism_slo_requests",

@@ -244,6 +244,7 @@ class TenantCard(BaseModel):
     tenant: str
     models: list[str]  # names or globs it may call
     limits: _TenantLimits
+    slo_scale: float  # its models' SLOs times this for its requests
     in_flight: int
     requests_last_minute: int  # counted only under a requests_per_minute limit
     tokens_last_minute: int  # reserved or used, under a tokens_per_minute limit

@@ -159,6 +159,12 @@ def _tenant(http: Request) -> Tenant | None:
     return getattr(http.state, "tenant", None)
 
 
+def _tenant_scale(http: Request) -> float:
+    """The caller's tenant's ``slo_scale`` (1 without a tenant)."""
+    tenant = _tenant(http)
+    return tenant.entry.slo_scale if tenant is not None else 1.0
+
+
 def _batch(http: Request) -> BatchCall | None:
     """The batch line this request runs (api/batches.py), None for a client's own request."""
     return getattr(http.state, "batch", None)
@@ -685,14 +691,20 @@ class PrismServer:
         batch = _batch(http)
         if batch is not None:
             return self.controller.generate(model, ids, params, req_id=req_id, ttft_slo=batch.ttft_slo)
+        slos = self._slos(http, self.served[model])
         return self.controller.generate(
-            model, ids, params, req_id=req_id, timeout_s=self.config.server.request_timeout_s
-        )
+            model, ids, params, req_id=req_id, timeout_s=self.config.server.request_timeout_s,
+            ttft_slo=slos[0] if _tenant_scale(http) != 1.0 else None,
+        )  # fmt: skip
 
     @staticmethod
     def _slos(http: Request, served: _Served) -> tuple[float, float] | None:
-        """The SLOs a request is judged by in /metrics: its model's; a batch line's none."""
-        return None if _batch(http) is not None else (served.ttft_slo, served.tpot_slo)
+        """The SLOs a request is held to (its first-token deadline, and /metrics' judging): its
+        model's, times its tenant's ``slo_scale``; a batch line's none (its deadline is its window)."""
+        if _batch(http) is not None:
+            return None
+        scale = _tenant_scale(http)
+        return (served.ttft_slo * scale, served.tpot_slo * scale)
 
     def _check_waiting(self, http: Request, n: int) -> None:
         """429 for ``n`` more requests waiting for their first token beyond the server's limit (a

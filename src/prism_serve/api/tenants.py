@@ -12,6 +12,10 @@ globs such as ``team-a-*``, LoRA adapters included; unset: every model) and its 
   gone or an error, keeps its whole reservation until it leaves the window);
 - ``concurrent_requests``: requests in flight (a stream counts until its last chunk is sent).
 
+``slo_scale`` (default 1) multiplies the tenant's models' TTFT and TPOT SLOs for its requests: a
+tenant at 4 asks for a first token within four times the model's TTFT SLO, so deadline admission
+serves a tenant at 1 first when the two compete, and /metrics judges its requests by the scaled SLOs.
+
 A request over a limit gets 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers
 (which every admitted request's response carries too); a model outside the tenant's list is a 404
 worded as for a model that does not exist. The server reads the file at start (a bad file stops
@@ -73,6 +77,9 @@ class TenantEntry(_Strict):
     keys: list[str] = Field(min_length=1)
     models: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
     limits: Limits = Limits()
+    # this tenant's SLOs are its models' times this: its requests' first-token deadlines in the
+    # device queues (deadline admission), and what /metrics judges them by
+    slo_scale: float = Field(1.0, gt=0, le=1000)
 
     @field_validator("keys")
     @classmethod
@@ -258,7 +265,8 @@ class Tenant:
         self._prune(now)
         return {
             "tenant": self.name, "models": list(self.entry.models), "limits": self.entry.limits.model_dump(),
-            "in_flight": self.in_flight, "requests_last_minute": len(self._requests),
+            "slo_scale": self.entry.slo_scale, "in_flight": self.in_flight,
+            "requests_last_minute": len(self._requests),
             "tokens_last_minute": self._token_sum, "admitted": self.admitted, "tokens_used": self.tokens_used,
             "rate_limited": dict(self.limited),
         }  # fmt: skip
