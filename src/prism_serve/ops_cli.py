@@ -137,8 +137,11 @@ def _cmd_tenants(args: argparse.Namespace) -> int:
     def used(n: int, limit: int | None) -> str:
         return f"{n}/{limit}" if limit is not None else "-"
 
-    rows = [("TENANT", "IN FLIGHT", "REQUESTS/MIN", "TOKENS/MIN", "ADMITTED", "TOKENS", "429s", "SLO x",
-             "MODELS")]  # fmt: skip
+    def share(x: float | None) -> str:
+        return f"{100 * x:.1f}%" if x is not None else "-"
+
+    rows = [("TENANT", "IN FLIGHT", "REQUESTS/MIN", "TOKENS/MIN", "ADMITTED", "TOKENS", "429s",
+             "TTFT/TPOT MET", "SLO x", "MODELS")]  # fmt: skip
     for t in tenants:
         lim, limited = t["limits"], t["rate_limited"]
         rows.append((
@@ -146,6 +149,7 @@ def _cmd_tenants(args: argparse.Namespace) -> int:
             used(t["requests_last_minute"], lim["requests_per_minute"]),
             used(t["tokens_last_minute"], lim["tokens_per_minute"]), str(t["admitted"]),
             str(t["tokens_used"]), ",".join(f"{k}={v}" for k, v in limited.items() if v) or "0",
+            f"{share(t['slo_attainment']['ttft'])}/{share(t['slo_attainment']['tpot'])}",
             f"{t['slo_scale']:g}", ",".join(t["models"]),
         ))  # fmt: skip
     sys.stdout.write(_columns(rows))

@@ -41,16 +41,18 @@ def browse(url: str, tmp: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 class Page(HTMLParser):
-    """The rendered DOM: devices (name -> fields and bar segments), model rows (id -> fields), and
-    a few single elements by id."""
+    """The rendered DOM: devices (name -> fields and bar segments), model rows (id -> fields),
+    tenant rows (name -> fields), and a few single elements by id."""
 
     def __init__(self, html: str) -> None:
         super().__init__()
         self.devices: dict[str, dict] = {}
         self.models: dict[str, dict] = {}
+        self.tenants: dict[str, dict] = {}
         self.by_id: dict[str, dict] = {}
         self._device: str | None = None
         self._model: str | None = None
+        self._tenant: str | None = None
         self._text_of: dict | None = None
         self.feed(html)
 
@@ -60,8 +62,11 @@ class Page(HTMLParser):
             self._device, self._model = a["data-device"], None
             self.devices[self._device] = {"fields": {}, "segments": []}
         elif tag == "tr" and "data-model" in a:
-            self._model, self._device = a["data-model"], None
+            self._model, self._device, self._tenant = a["data-model"], None, None
             self.models[self._model] = {}
+        elif tag == "tr" and "data-tenant" in a:
+            self._tenant, self._device, self._model = a["data-tenant"], None, None
+            self.tenants[self._tenant] = {}
         if "id" in a:
             self.by_id[a["id"]] = {**a, "text": ""}
             self._text_of = self.by_id[a["id"]] if a["id"] in ("status", "summary") else None
@@ -69,9 +74,10 @@ class Page(HTMLParser):
             self.devices[self._device]["segments"].append(a)
         elif self._device and "data-field" in a:
             self.devices[self._device]["fields"][a["data-field"]] = a["data-value"]
-        elif self._model and "data-field" in a:
+        elif (self._model or self._tenant) and "data-field" in a:
             field = {"value": a.get("data-value"), "text": ""}
-            self.models[self._model][a["data-field"]] = field
+            row = self.models[self._model] if self._model else self.tenants[self._tenant]
+            row[a["data-field"]] = field
             self._text_of = field
 
     def handle_endtag(self, tag: str) -> None:
@@ -165,6 +171,14 @@ def test_chromium_renders_live_state(url, tmp_path):
     assert float(p50["value"]) > 0 and p50["text"].endswith(("ms", " s")), p50
     assert page.models["tiny"]["ttft_attainment"]["text"].endswith("%")
     assert "of 3 models active" in page.by_id["summary"]["text"]
+
+    # tenants: the plain api_keys' tenant, its requests and SLO attainment as the JSON has them
+    (default,) = after["tenants"]
+    row = page.tenants["default"]
+    assert "hidden" not in page.by_id["tenants-section"] and row["tenant"]["text"] == "default"
+    assert int(row["admitted"]["value"]) >= 4 and row["in_flight"]["text"] == "\u2013"  # no limit
+    for field, want in (("ttft_attainment", default["slo_attainment"]["ttft"]), ("slo_scale", 1.0)):
+        assert float(row[field]["value"]) == want, field
 
 
 def test_chromium_without_a_key_asks_for_one(url, tmp_path):

@@ -239,6 +239,12 @@ def test_operators_see_each_tenants_limits_and_use(server, capsys):
     assert set(cards) >= {"scope", "rpm", "tpm", "conc", "default"}
     assert cards["scope"]["models"] == ["tiny*"] and cards["rpm"]["limits"]["requests_per_minute"] == 4
     assert (cards["scope"]["slo_scale"], cards["rpm"]["slo_scale"]) == (0.0001, 1.0)
+    # each tenant judged by its own SLOs: scope's one answer missed its 3 ms, the plain key's met 30 s
+    assert cards["scope"]["slo_attainment"]["ttft"] == 0.0
+    assert cards["default"]["slo_attainment"]["ttft"] == 1.0
+    m = tenant_metrics(server)
+    assert m["prism_tenant_slo_requests_total", "scope", "ttft"] >= 1
+    assert m["prism_tenant_slo_met_total", "scope", "ttft"] == 0
     r = httpx.get(
         f"{server.url}/v1/admin/tenants", headers={"Authorization": f"Bearer {KEYS['rpm']}"}, timeout=60
     )
@@ -259,10 +265,10 @@ def slo_counts(server, model: str) -> tuple[float, float]:
 
 
 def tenant_metrics(server) -> dict[tuple[str, str, str | None], float]:
-    """The prism_tenant_* samples of /metrics by (name, tenant, limit)."""
+    """The prism_tenant_* samples of /metrics by (name, tenant, limit or slo)."""
     families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=60).text)
     return {
-        (s.name, s.labels["tenant"], s.labels.get("limit")): s.value
+        (s.name, s.labels["tenant"], s.labels.get("limit", s.labels.get("slo"))): s.value
         for f in families
         for s in f.samples
         if s.name.startswith("prism_tenant_")

@@ -4,6 +4,9 @@
                             fetched from elsewhere), open to anyone who can reach the server
     GET /dashboard/state    the JSON the page polls every 1.5 s (schema: api/schema.py DashboardState)
 
+With tenants (api/tenants.py), the page also shows each tenant's load, limits, 429s and SLO
+attainment: every tenant to the admin key, its own row to a tenant's key.
+
 Keys: the page itself holds no data, so it is served without a key; its JSON needs one when
 ``server.api_keys`` is set (any API key or the admin key, as /v1/models). The page takes the key
 from its URL fragment (``/dashboard#key=sk-...``: browsers never send a fragment to the server, so
@@ -36,7 +39,7 @@ _KIND_ORDER = {"weights": 0, "kv": 1, "spare": 2, "other": 3}  # a model's weigh
 
 
 def add_dashboard_routes(
-    app: FastAPI, state: Callable[[], dict[str, Any]], authorize: Callable[[Request], None]
+    app: FastAPI, state: Callable[[Request], dict[str, Any]], authorize: Callable[[Request], None]
 ) -> None:
     """The page and its JSON on ``app``: ``state`` answers the JSON (``dashboard_state``) for a
     request ``authorize`` lets through."""
@@ -49,12 +52,15 @@ def add_dashboard_routes(
     @app.get("/dashboard/state", responses=DASHBOARD_STATE)
     async def dashboard_json(http: Request) -> dict:
         authorize(http)
-        return state()
+        return state(http)
 
 
-def dashboard_state(controller: Controller, metrics: ServerMetrics) -> dict[str, Any]:
-    """Devices with their memory split by model, and models with their state, load and recent SLO
-    numbers: one read of the controller and of each device's ledger."""
+def dashboard_state(
+    controller: Controller, metrics: ServerMetrics, tenants: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Devices with their memory split by model, models with their state, load and recent SLO
+    numbers (one read of the controller and of each device's ledger), and ``tenants``: the cards
+    of ``GET /v1/admin/tenants`` the caller may see."""
     attainment = metrics.attainment()
     models = []
     for s in controller.status():
@@ -92,6 +98,7 @@ def dashboard_state(controller: Controller, metrics: ServerMetrics) -> dict[str,
         "created": time.time(),
         "devices": devices,
         "models": models,
+        "tenants": tenants or [],
     }
 
 

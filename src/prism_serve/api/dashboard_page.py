@@ -2,11 +2,12 @@
 inline, so it needs nothing but this server (no CDN, works offline) and ships inside the package as
 a Python module, without package-data settings.
 
-The script polls ``dashboard/state`` next to the page's own path every 1.5 s and rebuilds two
-views from it: each device's budget as a stacked bar (weights and KV per model, then free), and a
-table of models. Every rendered number also sits raw in a ``data-value`` attribute (bars:
-``data-bytes``), so tests and scripts can read the page without parsing formatted text. Text from
-the server is set with ``textContent`` only (no HTML is built from data).
+The script polls ``dashboard/state`` next to the page's own path every 1.5 s and rebuilds three
+views from it: each device's budget as a stacked bar (weights and KV per model, then free), a
+table of models, and, with tenants, a table of the tenants the key may see. Every rendered
+number also sits raw in a ``data-value`` attribute (bars: ``data-bytes``), so tests and scripts
+can read the page without parsing formatted text. Text from the server is set with
+``textContent`` only (no HTML is built from data).
 """
 
 PAGE = r"""<!doctype html>
@@ -88,6 +89,17 @@ PAGE = r"""<!doctype html>
     <tbody></tbody>
   </table>
   <p class="muted" id="window"></p>
+  <section id="tenants-section" hidden>
+    <h2>Tenants</h2>
+    <table id="tenants">
+      <thead><tr>
+        <th>Tenant</th><th>In flight</th><th>Requests / min</th><th>Tokens / min</th><th>Admitted</th>
+        <th>Tokens</th><th>Rate limited (429)</th><th>TTFT SLO met</th><th>TPOT SLO met</th><th>SLO scale</th>
+      </tr></thead>
+      <tbody></tbody>
+    </table>
+    <p class="muted">Since the server started; a limit shows as used / limit, a dash without one.</p>
+  </section>
 </main>
 <script>
 "use strict";
@@ -210,10 +222,32 @@ function renderModel(m) {
     cell("num_activations", m.num_activations, m.num_activations, "num"));
 }
 
+function renderTenant(t) {
+  const lim = t.limits, att = t.slo_attainment;
+  const used = (n, limit) => (limit === null || limit === undefined ? "\u2013" : `${n} / ${limit}`);
+  const limited = Object.entries(t.rate_limited).filter(([, v]) => v).map(([k, v]) => `${k} ${v}`);
+  const missed = (x) => (x !== null && x !== undefined && x < 1 ? "num miss" : "num");
+  return el("tr", { "data-tenant": t.tenant },
+    el("td", {}, el("b", { "data-field": "tenant" }, t.tenant)),
+    cell("in_flight", t.in_flight, used(t.in_flight, lim.concurrent_requests), "num"),
+    cell("requests_last_minute", t.requests_last_minute,
+         used(t.requests_last_minute, lim.requests_per_minute), "num"),
+    cell("tokens_last_minute", t.tokens_last_minute,
+         used(t.tokens_last_minute, lim.tokens_per_minute), "num"),
+    cell("admitted", t.admitted, t.admitted, "num"),
+    cell("tokens_used", t.tokens_used, t.tokens_used, "num"),
+    cell("rate_limited", limited.length, limited.length ? limited.join(", ") : "0", "num"),
+    cell("ttft_attainment", att.ttft, fmtShare(att.ttft), missed(att.ttft)),
+    cell("tpot_attainment", att.tpot, fmtShare(att.tpot), missed(att.tpot)),
+    cell("slo_scale", t.slo_scale, "\u00d7" + t.slo_scale, "num"));
+}
+
 function render(s) {
   document.getElementById("version").textContent = "v" + s.version;
   document.getElementById("devices").replaceChildren(...s.devices.map(renderDevice));
   document.querySelector("#models tbody").replaceChildren(...s.models.map(renderModel));
+  document.querySelector("#tenants tbody").replaceChildren(...s.tenants.map(renderTenant));
+  document.getElementById("tenants-section").hidden = s.tenants.length === 0;
   const active = s.models.filter((m) => m.state === "active").length;
   const running = s.models.reduce((a, m) => a + m.num_running, 0);
   const queued = s.models.reduce((a, m) => a + m.num_queued, 0);

@@ -213,10 +213,11 @@ class ServerMetrics:
         slos: tuple[float, float] | None,
         timings: msg.RequestTimings | None = None,
         num_cached: int = 0,
-    ) -> None:
+    ) -> tuple[bool, bool] | None:
         """A finished request: ``ttft`` and ``e2e`` from its arrival at the server, ``slos`` the
         (TTFT, TPOT) SLOs it is judged by (None: not judged, a batch line), ``timings`` the
-        engine's (the finished TokenDelta's), ``num_cached`` its prompt tokens the cache served."""
+        engine's (the finished TokenDelta's), ``num_cached`` its prompt tokens the cache served.
+        Whether it met each SLO, None if not judged."""
         self.ttft.labels(model).observe(ttft)
         self.cache_queries.labels(model).inc(num_prompt)
         self.cache_hits.labels(model).inc(num_cached)
@@ -235,11 +236,12 @@ class ServerMetrics:
         if num_output > 1:
             self.tpot.labels(model).observe(tpot)
         if slos is None:
-            return
+            return None
         met_ttft, met_tpot = ttft <= slos[0], tpot <= slos[1]
         for slo, ok in zip(_SLOS, (met_ttft, met_tpot), strict=True):
             self._judge(model, slo, ok)
         self._remember(model, ttft, met_ttft, met_tpot)
+        return met_ttft, met_tpot
 
     def on_error(self, model: str, error_type: str, status: int, judged: bool) -> None:
         """A request that failed; ``judged``: it counts against the SLOs (server-side failures and

@@ -251,6 +251,7 @@ class TenantCard(BaseModel):
     admitted: int  # since start
     tokens_used: int  # since start
     rate_limited: dict[str, int]  # 429s since start, by limit: requests, tokens, concurrency
+    slo_attainment: dict[str, float | None]  # ttft, tpot: share of its judged requests that met them
 
 
 class TenantList(BaseModel):
@@ -415,6 +416,7 @@ class DashboardState(BaseModel):
     created: float
     devices: list[_DeviceState]
     models: list[_ModelState]
+    tenants: list[TenantCard]  # the admin key: every tenant; a tenant's key: its own; no keys: none
 
 
 _SSE = {

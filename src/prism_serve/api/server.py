@@ -355,7 +355,11 @@ class PrismServer:
 
         add_batch_routes(app, self)
         add_admin_routes(app, self.controller, self.config.server, self.model_cards, self.tenants)
-        add_dashboard_routes(app, lambda: dashboard_state(s.controller, s.metrics), self._authorize_all)
+        add_dashboard_routes(
+            app,
+            lambda http: dashboard_state(s.controller, s.metrics, s._tenant_cards(http)),
+            self._authorize_all,
+        )
         return app
 
     def authorize(self, http: Request) -> None:
@@ -382,6 +386,13 @@ class PrismServer:
             raise PermissionDeniedError(
                 f"tenant {tenant.name} may call only some models; the dashboard shows every model"
             )
+
+    def _tenant_cards(self, http: Request) -> list[dict[str, Any]]:
+        """The tenants' cards the caller may see: every one for the admin key, else its own."""
+        if not self.tenants.enabled:
+            return []
+        mine, now = _tenant(http), time.monotonic()
+        return [t.snapshot(now) for t in self.tenants.all() if mine is None or t is mine]
 
     def _visible(self, http: Request, model: str) -> None:
         """A 404, worded as for a model not served, for a model outside the caller's tenant."""
@@ -942,10 +953,12 @@ class PrismServer:
             if run.quota is not None:  # what the choice did not use of its reservation goes back
                 tenant, handle = run.quota
                 tenant.settle(handle, run.num_prompt + run.num_output)
-            self.metrics.on_finished(
+            met = self.metrics.on_finished(
                 run.model, d.finish_reason, run.first_at - run.arrival, now - run.arrival,
                 run.num_prompt, run.num_output, run.slos, d.timings, run.num_cached,
             )  # fmt: skip
+            if met is not None and run.quota is not None:
+                run.quota[0].judge(met)
             self._finished_at.append(now)
 
     async def _drain(self, run: Choice) -> None:
@@ -1024,7 +1037,7 @@ class PrismServer:
             status = 200
         except PrismError as e:
             status = e.status_code
-            self._count_error(model, e)
+            self._count_error(model, e, tenant=runs[0].quota[0] if runs[0].quota else None)
             yield sse_event(error_body(str(e), e.error_type, e.status_code)) + "data: [DONE]\n\n"
         except BaseException:
             status = 499  # a disconnect cancels this generator
@@ -1037,13 +1050,18 @@ class PrismServer:
                 entry.status = status
                 self.request_log.write(entry)
 
-    def _count_error(self, model: str, e: PrismError, http: Request | None = None) -> None:
+    def _count_error(
+        self, model: str, e: PrismError, http: Request | None = None, tenant: Tenant | None = None
+    ) -> None:
         """A failed request in /metrics; judged against the SLOs when the server failed it, not when
         the client's request was wrong, its tenant over its own limit, or it was a batch line."""
         if model in self.served:
             lane = http is not None and _batch(http) is not None
             judged = e.status_code >= 429 and not isinstance(e, RateLimitError) and not lane
             self.metrics.on_error(model, e.error_type, e.status_code, judged=judged)
+            tenant = tenant or (_tenant(http) if http is not None else None)
+            if judged and tenant is not None:
+                tenant.judge((False, False))
 
     def _retry_after(self) -> int:
         """Seconds until the waiting requests have likely drained, from the recent finish rate."""

@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 WINDOW_S = 60.0  # the sliding window of the per-minute limits
 DEFAULT_TENANT = "default"  # the tenant of the config's plain api_keys
 LIMIT_KINDS = ("requests", "tokens", "concurrency")  # what a 429 was over (prism_tenant_rate_limited)
+SLO_KINDS = ("ttft", "tpot")  # as /metrics' prism_slo_* judge them
 _HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
@@ -163,6 +164,8 @@ class Tenant:
         self.admitted = 0
         self.tokens_used = 0
         self.limited = dict.fromkeys(LIMIT_KINDS, 0)
+        self.slo_met = dict.fromkeys(SLO_KINDS, 0)  # its requests that met their (scaled) SLO
+        self.slo_judged = dict.fromkeys(SLO_KINDS, 0)  # ... and all that were judged
         self.update(entry)
 
     def update(self, entry: TenantEntry) -> None:
@@ -260,6 +263,16 @@ class Tenant:
         handle[1] = used
         self.tokens_used += used
 
+    def judge(self, met: tuple[bool, bool]) -> None:
+        """One of its requests judged against its SLOs (TTFT, TPOT), as /metrics judged it."""
+        for kind, ok in zip(SLO_KINDS, met, strict=True):
+            self.slo_judged[kind] += 1
+            self.slo_met[kind] += ok
+
+    def attainment(self) -> dict[str, float | None]:
+        """The share of its judged requests that met each SLO since the server started."""
+        return {k: self.slo_met[k] / n if (n := self.slo_judged[k]) else None for k in SLO_KINDS}
+
     def snapshot(self, now: float) -> dict:
         """Its settings and use, for ``GET /v1/admin/tenants`` and ``prism tenants``."""
         self._prune(now)
@@ -268,7 +281,7 @@ class Tenant:
             "slo_scale": self.entry.slo_scale, "in_flight": self.in_flight,
             "requests_last_minute": len(self._requests),
             "tokens_last_minute": self._token_sum, "admitted": self.admitted, "tokens_used": self.tokens_used,
-            "rate_limited": dict(self.limited),
+            "rate_limited": dict(self.limited), "slo_attainment": self.attainment(),
         }  # fmt: skip
 
     def headers(self, now: float) -> dict[str, str]:
@@ -398,13 +411,26 @@ class TenantCollector:
         in_flight = GaugeMetricFamily(
             "prism_tenant_requests_in_flight", "Requests in flight", labels=["tenant"]
         )
+        met = CounterMetricFamily(
+            "prism_tenant_slo_met",
+            "Finished requests that met their SLO (their model's times the tenant's slo_scale), by tenant",
+            labels=["tenant", "slo"],
+        )
+        judged = CounterMetricFamily(
+            "prism_tenant_slo_requests",
+            "Requests judged against their SLO, by tenant",
+            labels=["tenant", "slo"],
+        )
         for t in self.tenants.all():
             requests.add_metric([t.name], t.admitted)
             tokens.add_metric([t.name], t.tokens_used)
             in_flight.add_metric([t.name], t.in_flight)
             for kind in LIMIT_KINDS:
                 limited.add_metric([t.name, kind], t.limited[kind])
-        yield from (requests, tokens, limited, in_flight)
+            for kind in SLO_KINDS:
+                met.add_metric([t.name, kind], t.slo_met[kind])
+                judged.add_metric([t.name, kind], t.slo_judged[kind])
+        yield from (requests, tokens, limited, in_flight, met, judged)
 
 
 class TenantUsage:
