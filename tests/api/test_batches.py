@@ -6,6 +6,7 @@ and a SIGKILL mid-batch loses no line and runs none that had finished again."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -21,7 +22,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from prism_serve.api.batch_store import BatchStore, LineSpec
-from prism_serve.api.batches import check_lines, window_seconds
+from prism_serve.api.batches import BatchRunner, check_lines, window_seconds
 from prism_serve.api.process import free_port, start_server_process, stop_server_process
 from prism_serve.api.tenants import hash_key
 from prism_serve.errors import InvalidRequestError
@@ -100,6 +101,89 @@ def test_the_store_settles_each_line_once_and_finalizing_again_changes_nothing(t
     again = BatchStore(tmp_path)  # reopened: everything is still there
     assert again.batch(b)["request_counts"] == {"total": 4, "completed": 1, "failed": 3}
     again.close()
+
+
+class FakeServer:
+    """What BatchRunner asks of the server, in the test's hands: the calls it makes are recorded and
+    answered by ``answer(path, body)``."""
+
+    def __init__(self, answer) -> None:
+        self.calls: list[tuple[str, dict, dict]] = []
+        self.answer = answer
+        self.waiting = 0
+        self.active = {"hot"}
+        self.tenants = {"t": object()}
+        self.last_interactive = time.monotonic()
+
+    async def call(self, path: str, body: bytes, state: dict) -> tuple[int, dict, bytes]:
+        self.calls.append((path, json.loads(body), state))
+        await asyncio.sleep(0)
+        return self.answer(path, json.loads(body))
+
+    def runner(self, st: BatchStore, concurrency: int = 2) -> BatchRunner:
+        return BatchRunner(st, self.call, concurrency=concurrency, idle_s=3600.0,
+                           waiting=lambda: self.waiting, last_interactive=lambda: self.last_interactive,
+                           active=lambda m: m in self.active, tenant=self.tenants.get)  # fmt: skip
+
+
+async def settle(runner: BatchRunner, passes: int = 20) -> None:
+    for _ in range(passes):
+        runner._pass()
+        await asyncio.sleep(0.01)
+
+
+def test_the_runner_yields_to_interactive_requests_and_runs_active_models_first(tmp_path: Path):
+    async def go() -> None:
+        st = BatchStore(tmp_path)
+        fake = FakeServer(lambda path, body: (200, {"x-request-id": "r"}, b'{"ok": true}'))
+        runner = fake.runner(st)
+        specs = [LineSpec(f"c{i}", m, {"model": m}) for i, m in enumerate(["cold", "hot", "cold", "hot"])]
+        b = st.add_batch("t", "/v1/chat/completions", "file-x", "24h", 86400, None, specs, None)
+        fake.waiting = 1  # an interactive request waits for its first token: nothing starts
+        await settle(runner)
+        assert fake.calls == []
+        fake.waiting = 0
+        await settle(runner)
+        # the active model's lines ran; the cold model's wait (interactive traffic came just now)
+        assert [body["model"] for _, body, _ in fake.calls] == ["hot", "hot"]
+        assert all(state["tenant"] is fake.tenants["t"] and state["batch"].batch_id == b
+                   for _, _, state in fake.calls)  # fmt: skip
+        fake.last_interactive -= 3601  # no interactive request for a while: the cold model may be loaded
+        await settle(runner)
+        assert [body["model"] for _, body, _ in fake.calls] == ["hot", "hot", "cold", "cold"]
+        assert st.batch(b)["status"] == "completed"
+        await runner.stop()
+        st.close()
+
+    asyncio.run(go())
+
+
+def test_the_runner_retries_a_full_server_and_never_runs_a_dropped_tenants_lines(tmp_path: Path):
+    async def go() -> None:
+        st = BatchStore(tmp_path)
+        answers = iter([(429, {"retry-after": "0"}, b"{}"), (200, {}, b'{"n": 1}')])
+        fake = FakeServer(lambda path, body: next(answers))
+        runner = fake.runner(st, concurrency=1)
+        b = st.add_batch("t", "/v1/completions", "f", "24h", 86400, None, [LineSpec("a", "hot", {})], None)
+        await settle(runner)
+        await asyncio.sleep(0.6)  # the retry waits at least half a second
+        await settle(runner)
+        (line,) = [
+            json.loads(x) for x in st.file_path(st.batch(b)["output_file_id"]).read_text().splitlines()
+        ]
+        assert line["response"]["body"] == {"n": 1} and len(fake.calls) == 2  # the 429 was not recorded
+        gone = st.add_batch(
+            "nobody", "/v1/completions", "f", "24h", 86400, None, [LineSpec("a", "hot", {})], None
+        )
+        await settle(runner)
+        (line,) = [
+            json.loads(x) for x in st.file_path(st.batch(gone)["error_file_id"]).read_text().splitlines()
+        ]
+        assert line["response"]["status_code"] == 401 and len(fake.calls) == 2  # never called as admin
+        await runner.stop()
+        st.close()
+
+    asyncio.run(go())
 
 
 # ---- a real server ----------------------------------------------------------------------------------

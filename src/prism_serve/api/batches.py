@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prism_serve.api import schema as api_schema
 from prism_serve.api.batch_store import BatchStore, FileRecord, LineSpec, new_object_id
+from prism_serve.api.errors import error_body
 from prism_serve.errors import InvalidRequestError, PrismError, quoted
 
 if TYPE_CHECKING:
@@ -300,8 +301,13 @@ class BatchRunner:
         batch_id, idx = key
         try:
             tenant = self._tenant(b["owner"]) if b["owner"] else None
-            state: dict[str, Any] = {"batch": call, "tenant": tenant}
-            status, headers, answer = await self._call(b["endpoint"], row["body"].encode(), state)
+            if b["owner"] and tenant is None:  # the keys file dropped it: its lines must not run as admin
+                status, headers = 401, {}
+                answer = json.dumps(error_body(f"tenant {b['owner']} is no longer in the keys file",
+                                               "authentication_error", 401)).encode()  # fmt: skip
+            else:
+                state: dict[str, Any] = {"batch": call, "tenant": tenant}
+                status, headers, answer = await self._call(b["endpoint"], row["body"].encode(), state)
             if status in _RETRY:
                 retry = float(headers.get("retry-after", "1") or 1)
                 self._retry_at[row["model"]] = time.monotonic() + min(max(retry, 0.5), 30.0)
