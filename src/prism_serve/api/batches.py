@@ -376,6 +376,9 @@ def add_batch_routes(app: FastAPI, server) -> None:
     def store(http: Request) -> tuple[BatchStore, str, str | None]:
         """The store, the caller's owner name, and the owner filter (None: the admin sees all)."""
         server.authorize(http)
+        for name in set(http.query_params):  # FastAPI would take the last of a repeated one
+            if len(http.query_params.getlist(name)) > 1:
+                raise InvalidRequestError(f"query parameter {name} is given more than once", param=name)
         if server.batches is None:
             raise NotFoundError(
                 "the batch lane is off: set server.state_dir in the config to keep files and batches"
