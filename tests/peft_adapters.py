@@ -3,6 +3,8 @@ directory, fp32: the ``smollm_hf`` fixture), for the engine's and the server's a
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 import torch
@@ -31,12 +33,19 @@ def make_adapter(
     return path
 
 
+@functools.cache
+def _base(base_dir: Path):
+    """The base model read once per directory (each read takes seconds; a test reads it per adapter)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval()
+
+
 def merged_greedy(base_dir: Path, adapter: Path | None, prompts: list[list[int]], n: int) -> list[list[int]]:
     """transformers (+ peft's merged adapter) in fp32, greedy, ``n`` tokens per prompt (EOS ignored)."""
     from peft import PeftModel
-    from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    model = copy.deepcopy(_base(base_dir))  # merging changes the weights in place
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     model.eval()

@@ -44,8 +44,15 @@ def read_outputs(done: subprocess.CompletedProcess, out: Path) -> tuple[dict, li
     return json.loads(results.read_text()), [json.loads(line) for line in samples.read_text().splitlines()]
 
 
-def test_lm_eval_local_completions_loglikelihood(server, tokenizer_dir, tmp_path):
-    results, samples = read_outputs(run_lm_eval(server, tokenizer_dir, tmp_path), tmp_path)
+@pytest.fixture(scope="module")
+def one_by_one(server, tokenizer_dir, tmp_path_factory) -> tuple[dict, list[dict]]:
+    """lm-eval run once with one prompt a request: its results and samples (both tests read them)."""
+    out = tmp_path_factory.mktemp("lm-eval-single")
+    return read_outputs(run_lm_eval(server, tokenizer_dir, out), out)
+
+
+def test_lm_eval_local_completions_loglikelihood(server, one_by_one):
+    results, samples = one_by_one
     scores = results["results"][TASK]
     assert 0.0 <= scores["acc,none"] <= 1.0 and 0.0 <= scores["acc_norm,none"] <= 1.0
     assert len(samples) == LIMIT
@@ -72,16 +79,15 @@ def test_lm_eval_local_completions_loglikelihood(server, tokenizer_dir, tmp_path
     assert float(samples[0]["filtered_resps"][0][0]) == pytest.approx(by_hand, abs=1e-3)
 
 
-def test_lm_eval_batched_prompts(server, tokenizer_dir, tmp_path):
+def test_lm_eval_batched_prompts(server, tokenizer_dir, tmp_path, one_by_one):
     """lm-eval's documented local-completions setup batches: batch_size=N puts N token lists in one
     request's `prompt` and reads N choices back by index; the scores match those of one prompt per
     request."""
     done = run_lm_eval(server, tokenizer_dir, tmp_path / "batched", batch_size=4)
     results, samples = read_outputs(done, tmp_path / "batched")
     assert 0.0 <= results["results"][TASK]["acc,none"] <= 1.0 and len(samples) == LIMIT
-    _, one_by_one = read_outputs(run_lm_eval(server, tokenizer_dir, tmp_path / "single"), tmp_path / "single")
 
     def scores(docs: list[dict]) -> list[float]:
         return [float(r[0]) for d in sorted(docs, key=lambda d: d["doc_id"]) for r in d["filtered_resps"]]
 
-    assert scores(samples) == pytest.approx(scores(one_by_one), abs=1e-4)
+    assert scores(samples) == pytest.approx(scores(one_by_one[1]), abs=1e-4)
