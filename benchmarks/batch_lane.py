@@ -38,7 +38,7 @@ import common
 from prism_serve.api.process import free_port, start_server_process, stop_server_process
 
 KEY = "sk-bench"
-PROMPT = "Summarise the following notes in one paragraph. " + "The meeting covered plans and budgets. " * 12
+PROMPT = "Summarise the following notes in one paragraph. " + "The meeting covered plans and budgets. " * 3
 
 
 def body(text: str, max_tokens: int, stream: bool) -> dict:
@@ -46,8 +46,9 @@ def body(text: str, max_tokens: int, stream: bool) -> dict:
             "ignore_eos": True, "temperature": 0, "stream": stream}  # fmt: skip
 
 
-def interactive(url: str, arrivals: list[float], max_tokens: int) -> list[float]:
-    """Each request at its arrival (s from now), streamed; its time to first token."""
+def interactive(url: str, arrivals: list[float], max_tokens: int, phase: str) -> list[float]:
+    """Each request at its arrival (s from now), streamed; its time to first token. Prompts begin
+    with the phase's name: no phase finds another's prompts in the prefix cache."""
     ttfts: list[float] = []
     lock = threading.Lock()
     start = time.monotonic()
@@ -56,8 +57,8 @@ def interactive(url: str, arrivals: list[float], max_tokens: int) -> list[float]
         time.sleep(max(0.0, start + at - time.monotonic()))
         sent = time.monotonic()
         auth = {"Authorization": f"Bearer {KEY}"}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body(f"{i}. {PROMPT}", max_tokens, True),
-                          headers=auth, timeout=600) as s:  # fmt: skip
+        request = body(f"{phase} {i}. {PROMPT}", max_tokens, True)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=request, headers=auth, timeout=600) as s:
             s.raise_for_status()
             first = None
             for line in s.iter_lines():
@@ -72,8 +73,8 @@ def interactive(url: str, arrivals: list[float], max_tokens: int) -> list[float]
     return ttfts
 
 
-def offline_lines(n: int, max_tokens: int) -> list[dict]:
-    return [body(f"Offline item {i}: {PROMPT}", max_tokens, False) for i in range(n)]
+def offline_lines(n: int, max_tokens: int, phase: str) -> list[dict]:
+    return [body(f"{phase} offline item {i}: {PROMPT}", max_tokens, False) for i in range(n)]
 
 
 def run_clients(url: str, lines: list[dict], concurrency: int, stop: threading.Event) -> int:
@@ -119,7 +120,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--lines", type=int, default=400, help="offline requests (more than a phase finishes)")
     ap.add_argument("--concurrency", type=int, default=4, help="batch_concurrency and the offline clients")
-    ap.add_argument("--ttft-slo", type=float, default=1.0)
+    ap.add_argument("--ttft-slo", type=float, default=2.0)
     args = ap.parse_args()
     print(common.machine_info(dtype="float32")["line"])
     print(
@@ -141,17 +142,19 @@ def main() -> None:
             "models: [{name: tiny, source: 'random:smollm2-135m', max_model_len: 1024, dtype: float32,\n"
             f"          ttft_slo: {args.ttft_slo}, tpot_slo: 1.0}}]\n"
             f"server: {{api_keys: [{KEY}], state_dir: '{tmp / 'state'}', max_waiting_requests: 512,\n"
-            f"         batch_concurrency: {args.concurrency}, batch_idle_s: 1.0}}\n"
+            f"         batch_concurrency: {args.concurrency}}}\n"
         )
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         proc = start_server_process(cfg, port, tmp / "prism.log", log_level="warning")
         try:
-            interactive(url, arrivals[:3], args.max_tokens)  # warm: the model active, its steps traced
-            base = summary("alone", interactive(url, arrivals, args.max_tokens), args.ttft_slo, 0, None)
+            interactive(url, arrivals[:3], args.max_tokens, "warm")  # the model active, its steps traced
+            base = summary(
+                "alone", interactive(url, arrivals, args.max_tokens, "alone"), args.ttft_slo, 0, None
+            )
 
             c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=600)
-            offline = offline_lines(args.lines, args.max_tokens)
+            offline = offline_lines(args.lines, args.max_tokens, "lane")
             data = "\n".join(
                 json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions", "body": b})
                 for i, b in enumerate(offline)
@@ -160,7 +163,7 @@ def main() -> None:
             batch = c.batches.create(
                 input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
             )
-            ttfts = interactive(url, arrivals, args.max_tokens)
+            ttfts = interactive(url, arrivals, args.max_tokens, "lane")
             done = c.batches.retrieve(batch.id).request_counts.completed
             c.batches.cancel(batch.id)
             summary("lane", ttfts, args.ttft_slo, done, base)
@@ -169,9 +172,9 @@ def main() -> None:
 
             stop = threading.Event()
             with ThreadPoolExecutor(1) as pool:
-                offline = pool.submit(run_clients, url, offline_lines(args.lines, args.max_tokens),
+                offline = pool.submit(run_clients, url, offline_lines(args.lines, args.max_tokens, "clients"),
                                       args.concurrency, stop)  # fmt: skip
-                ttfts = interactive(url, arrivals, args.max_tokens)
+                ttfts = interactive(url, arrivals, args.max_tokens, "clients")
                 stop.set()
                 summary("clients", ttfts, args.ttft_slo, offline.result(), base)
         finally:

@@ -114,10 +114,14 @@ class FakeServer:
         self.active = {"hot"}
         self.tenants = {"t": object()}
         self.last_interactive = time.monotonic()
+        self.running = self.peak = 0
 
     async def call(self, path: str, body: bytes, state: dict) -> tuple[int, dict, bytes]:
         self.calls.append((path, json.loads(body), state))
-        await asyncio.sleep(0)
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        await asyncio.sleep(0.02)
+        self.running -= 1
         return self.answer(path, json.loads(body))
 
     def runner(self, st: BatchStore, concurrency: int = 2) -> BatchRunner:
@@ -146,11 +150,13 @@ def test_the_runner_yields_to_interactive_requests_and_runs_active_models_first(
         await settle(runner)
         # the active model's lines ran; the cold model's wait (interactive traffic came just now)
         assert [body["model"] for _, body, _ in fake.calls] == ["hot", "hot"]
+        assert fake.peak == 1  # one line at a time while interactive requests come
         assert all(state["tenant"] is fake.tenants["t"] and state["batch"].batch_id == b
                    for _, _, state in fake.calls)  # fmt: skip
         fake.last_interactive -= 3601  # no interactive request for a while: the cold model may be loaded
         await settle(runner)
         assert [body["model"] for _, body, _ in fake.calls] == ["hot", "hot", "cold", "cold"]
+        assert fake.peak == 2  # the whole lane once interactive traffic is idle
         assert st.batch(b)["status"] == "completed"
         await runner.stop()
         st.close()

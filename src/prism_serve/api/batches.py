@@ -20,7 +20,8 @@ process (an ASGI call, through every middleware, as the batch's tenant, with no 
 answer (status and body, any status) the line's output line; 2xx answers go to the output file,
 the rest to the error file, both in input order. Lines run in the ``batch`` lane:
 
-- at most ``server.batch_concurrency`` at once, over all batches, oldest batch first;
+- at most ``server.batch_concurrency`` at once, over all batches, oldest batch first, and only
+  one while interactive requests come (one has come within ``server.batch_idle_s``);
 - none starts while an interactive request waits for its first token;
 - a line's first-token deadline is its batch's expiry, not the model's TTFT SLO, so the device
   queue's deadline admission (control/admission.py) serves every interactive request first, and a
@@ -272,9 +273,11 @@ class BatchRunner:
         half_gone = now >= (b["created_at"] + b["expires_at"]) / 2
         idle = time.monotonic() - self._last_interactive() >= self.idle_s
         mono = time.monotonic()
+        # the whole lane when interactive traffic is idle; one line at a time while it flows
+        width = self.concurrency if idle else 1
         order = sorted(todo, key=lambda m: not self._safe_active(m))
         for model in order:
-            free = self.concurrency - len(self._running)
+            free = width - len(self._running)
             if free <= 0:
                 return
             if self._retry_at.get(model, 0.0) > mono:
