@@ -366,6 +366,9 @@ class WorkerPool:
             handle.ready.exception()  # retrieved: nobody may be waiting on a replacement's start
         if handle.reply is not None and not handle.reply.done():
             handle.reply.set_exception(error)
+            # retrieved: its waiter gets it, unless shutdown cancelled the waiter first (then asyncio
+            # would log "Future exception was never retrieved" as the server stops)
+            handle.reply.exception()
         if self._closing:
             return
         self._on_death(handle)
