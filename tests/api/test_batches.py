@@ -293,6 +293,12 @@ def test_a_batch_answers_as_the_same_requests_one_by_one(server: Server):
     b = wait_batch(c, b.id, ("completed",))
     assert (b.request_counts.completed, b.request_counts.failed) == (4, 1)
     assert slo_judged(server) == judged  # a batch line's deadline is its window: not in attainment
+    text = httpx.get(f"{server.base_url.removesuffix('/v1')}/metrics").text
+    lane = {(s.name, tuple(s.labels.values())): s.value for f in text_string_to_metric_families(text)
+            if f.name.startswith("prism_batch") for s in f.samples}  # fmt: skip
+    assert lane["prism_batch_lines_finished_total", ("completed",)] >= 4
+    assert lane["prism_batch_lines_finished_total", ("failed",)] >= 1
+    assert lane["prism_batches", ("completed",)] >= 1 and lane["prism_batch_lines_running", ()] == 0
     assert b.completed_at >= b.finalizing_at >= b.in_progress_at >= b.created_at
     out = read_jsonl(c, b.output_file_id)
     assert [x["custom_id"] for x in out] == ["q0", "q1", "q2", "q3"]  # input order

@@ -239,6 +239,19 @@ class BatchStore:
             statuses,
         ).fetchall()
 
+    def status_counts(self) -> dict[str, int]:
+        """Batches by status (for /metrics)."""
+        return dict(self.db.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall())
+
+    def pending_lines(self) -> int:
+        """Lines not yet done in batches still running (for /metrics)."""
+        statuses = (*RUNNING, "finalizing")
+        return self.db.execute(
+            "SELECT COUNT(*) FROM lines JOIN batches ON lines.batch_id = batches.id WHERE lines.done = 0 "
+            f"AND batches.status IN ({','.join('?' * len(statuses))})",
+            statuses,
+        ).fetchone()[0]
+
     # ---- lines --------------------------------------------------------------------------------
 
     def todo(self, batch_id: str, limit: int, skip: set[int]) -> list[sqlite3.Row]:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse, Response
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from prism_serve.api import schema as api_schema
@@ -60,7 +61,7 @@ from prism_serve.errors import InvalidRequestError, PrismError, quoted
 if TYPE_CHECKING:
     from prism_serve.api.tenants import Tenant
 
-__all__ = ["BatchCall", "BatchRunner", "add_batch_routes", "window_seconds"]
+__all__ = ["BatchCall", "BatchCollector", "BatchRunner", "add_batch_routes", "window_seconds"]
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +205,7 @@ class BatchRunner:
         self._retry_at: dict[str, float] = {}  # model -> when its lines may be tried again
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.finished = {"completed": 0, "failed": 0}  # lines this process ran to an answer
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -326,7 +328,9 @@ class BatchRunner:
                              "body": parsed},
                 "error": None,
             }  # fmt: skip
-            self.store.finish_line(batch_id, idx, result, failed=not 200 <= status < 300)
+            failed = not 200 <= status < 300
+            self.store.finish_line(batch_id, idx, result, failed=failed)
+            self.finished["failed" if failed else "completed"] += 1
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -334,6 +338,33 @@ class BatchRunner:
         finally:
             self._running.pop(key, None)
             self._wake.set()
+
+
+class BatchCollector:
+    """The batch lane in /metrics, read at scrape time: batches by status, lines waiting and running,
+    and lines answered by this process (2xx: completed, else failed)."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self.runner = runner
+
+    def collect(self):
+        statuses = GaugeMetricFamily("prism_batches", "Batches by status (the batch lane)", labels=["status"])
+        for status, n in sorted(self.runner.store.status_counts().items()):
+            statuses.add_metric([status], n)
+        pending = GaugeMetricFamily(
+            "prism_batch_lines_pending", "Lines of running batches not yet answered (running ones included)"
+        )
+        pending.add_metric([], self.runner.store.pending_lines())
+        running = GaugeMetricFamily("prism_batch_lines_running", "Batch lines running now")
+        running.add_metric([], self.runner.running)
+        finished = CounterMetricFamily(
+            "prism_batch_lines_finished",
+            "Batch lines answered, by outcome (completed: 2xx)",
+            labels=["outcome"],
+        )
+        for outcome, n in self.runner.finished.items():
+            finished.add_metric([outcome], n)
+        yield from (statuses, pending, running, finished)
 
 
 async def call_app(app, path: str, body: bytes, state: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:

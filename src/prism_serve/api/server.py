@@ -37,7 +37,7 @@ from prism_serve import __version__
 from prism_serve.api import schema as api_schema
 from prism_serve.api.admin import add_admin_routes
 from prism_serve.api.batch_store import BatchStore
-from prism_serve.api.batches import BatchCall, BatchRunner, add_batch_routes, call_app
+from prism_serve.api.batches import BatchCall, BatchCollector, BatchRunner, add_batch_routes, call_app
 from prism_serve.api.cards import adapter_cards, model_cards
 from prism_serve.api.choices import (
     Choice,
@@ -229,6 +229,8 @@ class PrismServer:
             last_interactive=lambda: self.last_interactive, active=self.controller.is_active,
             tenant=self.tenants.named,
         )  # fmt: skip
+        if self.batches is not None:
+            self.metrics.registry.register(BatchCollector(self.batch_runner))
         self.app = self._build()
 
     # ---- app ----------------------------------------------------------------------------------
