@@ -310,10 +310,16 @@ def test_a_batch_answers_as_the_same_requests_one_by_one(server: Server):
     (bad,) = read_jsonl(c, b.error_file_id)
     assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 400
     assert bad["response"]["body"]["error"]["param"] == "temperature"
+    # the Responses API in a batch: its own route's answer
+    body = {"model": "tiny", "input": "Say hi.", "max_output_tokens": 4, "temperature": 0}
+    r = c.batches.create(input_file_id=upload(c, [line("r", body, url="/v1/responses")]).id,
+                         endpoint="/v1/responses", completion_window="24h")  # fmt: skip
+    (answer,) = read_jsonl(c, wait_batch(c, r.id, ("completed",)).output_file_id)
+    assert answer["response"]["status_code"] == 200 and answer["response"]["body"]["object"] == "response"
     time.sleep(1.5)  # the request log writes its lines out every second
     log = [json.loads(x) for x in (server.tmp / "requests.jsonl").read_text().splitlines()]
     lane = [x for x in log if x.get("lane") == "batch"]  # the 400 never reached a model: not logged
-    assert len(lane) == 4 and {x["tenant"] for x in lane} == {"team-a"}
+    assert len(lane) == 5 and {x["tenant"] for x in lane} == {"team-a"}
     assert all(x["status"] == 200 for x in lane) and len(log) > len(lane)  # and the lone ones: no lane
 
 
