@@ -1,4 +1,5 @@
-"""Operator commands against a running server: ``prism ps`` and ``prism load|unload|pin|unpin MODEL``.
+"""Operator commands against a running server: ``prism ps``, ``prism load|unload|pin|unpin MODEL``,
+``prism tenants``, ``prism batches`` and the adapter commands.
 
 They speak the server's HTTP API (GET /v1/models, POST /v1/admin/models/{name}/...), so they work
 against any prism server the operator can reach, local or not. The URL and keys come from flags or
@@ -156,6 +157,25 @@ def _cmd_tenants(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_batches(args: argparse.Namespace) -> int:
+    import time
+
+    batches = _request(args, "GET", "/v1/batches?limit=100", args.api_key)["data"]
+    if args.json:
+        sys.stdout.write(json.dumps(batches, indent=2) + "\n")
+        return 0
+    rows = [("BATCH", "STATUS", "ENDPOINT", "DONE", "FAILED", "TOTAL", "CREATED", "OUTPUT")]
+    for b in batches:
+        counts = b["request_counts"]
+        rows.append((
+            b["id"], b["status"], b["endpoint"], str(counts["completed"]), str(counts["failed"]),
+            str(counts["total"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b["created_at"])),
+            b["output_file_id"] or "-",
+        ))  # fmt: skip
+    sys.stdout.write(_columns(rows))
+    return 0
+
+
 def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
     def common(p: argparse.ArgumentParser, key: str) -> None:
         p.add_argument("--url", default=os.environ.get("PRISM_URL", "http://127.0.0.1:8000"),
@@ -188,6 +208,9 @@ def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
         if action == "unload":
             p.add_argument("--force", action="store_true", help="end its requests in flight now")
         p.set_defaults(func=_cmd_admin, action=action)
+    p = sub.add_parser("batches", help="the batch lane's batches, newest first: status and progress")
+    common(p, "api")
+    p.set_defaults(func=_cmd_batches)
     p = sub.add_parser("tenants", help="tenants of a running server: limits, use, 429s (admin key)")
     common(p, "admin")
     p.set_defaults(func=_cmd_tenants)

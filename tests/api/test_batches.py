@@ -323,7 +323,7 @@ def test_a_batch_answers_as_the_same_requests_one_by_one(server: Server):
     assert all(x["status"] == 200 for x in lane) and len(log) > len(lane)  # and the lone ones: no lane
 
 
-def test_a_bad_file_fails_the_batch_and_bad_calls_get_openai_errors(server: Server):
+def test_a_bad_file_fails_the_batch_and_bad_calls_get_openai_errors(server: Server, capsys):
     c = server.client()
     f = upload(c, [line("a", chat("smol", "x")), "{", line("b", chat("smol", "y"), url="/v1/completions")])
     b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -348,6 +348,12 @@ def test_a_bad_file_fails_the_batch_and_bad_calls_get_openai_errors(server: Serv
     with pytest.raises(openai.NotFoundError):
         c.files.retrieve(notes.id)
     assert b.id in {x.id for x in c.batches.list()}
+    from prism_serve.cli import main  # `prism batches` prints the caller's batches
+
+    assert main(["batches", "--url", server.base_url.removesuffix("/v1"), "--api-key", KEY_A]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:2] == ["BATCH", "STATUS"]
+    assert any(row.split()[:2] == [b.id, "failed"] for row in table[1:])
 
 
 def test_tenants_see_only_their_own_files_and_batches_and_models(server: Server):
