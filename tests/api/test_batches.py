@@ -21,7 +21,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from prism_serve.api.batch_store import BatchStore, LineSpec
+from prism_serve.api.batch_store import BatchStore, LineSpec, StateDirInUseError
 from prism_serve.api.batches import BatchRunner, check_lines, window_seconds
 from prism_serve.api.process import free_port, start_server_process, stop_server_process
 from prism_serve.api.tenants import hash_key
@@ -97,6 +97,8 @@ def test_the_store_settles_each_line_once_and_finalizing_again_changes_nothing(t
     assert err[0]["error"]["code"] == "batch_cancelled" and err[1]["response"]["status_code"] == 400
     assert card["status"] == "cancelled" and card["cancelled_at"] is not None
     assert {x.purpose for x in st.files("t", None)} == {"batch", "batch_output", "batch_error"}
+    with pytest.raises(StateDirInUseError, match="another running server"):
+        BatchStore(tmp_path)  # a second server on the same directory would run the same lines
     st.close()
     again = BatchStore(tmp_path)  # reopened: everything is still there
     assert again.batch(b)["request_counts"] == {"total": 4, "completed": 1, "failed": 3}

@@ -6,6 +6,8 @@ Everything the Files and Batches routes accept is written here before they answe
 - ``<state_dir>/prism.sqlite3`` (WAL journal, ``synchronous=NORMAL``: a committed transaction
   survives the process dying at any point) holds the files' records, the batches and one row per
   batch line, with its request body and, once it ran, its output line;
+- ``<state_dir>/lock`` is held (flock) while a server runs, so a second server on the same
+  directory refuses to start instead of running the same lines;
 - ``<state_dir>/files/<file id>`` holds a file's bytes, written to a temporary name and renamed
   before its record is committed, so a record never names a partial file; a file with no record
   (the process died between the two) is removed at the next start.
@@ -18,6 +20,7 @@ Every call runs on the server's event loop; each is one short transaction.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sqlite3
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BatchStore", "FileRecord", "LineSpec"]
+__all__ = ["BatchStore", "FileRecord", "LineSpec", "StateDirInUseError"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -53,6 +56,10 @@ _BATCH_TIMES = ("created_at", "expires_at", "in_progress_at", "finalizing_at", "
 # a batch still to run, and one whose lines are all settled but whose files are not written yet
 RUNNING = ("validating", "in_progress", "cancelling")
 FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+class StateDirInUseError(RuntimeError):
+    """Another running server holds this state directory."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,15 @@ class BatchStore:
         self.root = Path(state_dir).expanduser()
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
+        # one server per state directory: two would both run its batches' lines
+        self._lock = open(self.root / "lock", "a+")  # noqa: SIM115 (held until close)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise StateDirInUseError(
+                f"{self.root} is the state directory of another running server; give each its own"
+            ) from None
         # made where the server is built, used on its event loop (one thread at a time)
         self.db = sqlite3.connect(self.root / "prism.sqlite3", isolation_level=None, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
@@ -104,6 +120,7 @@ class BatchStore:
 
     def close(self) -> None:
         self.db.close()
+        self._lock.close()  # the lock goes with the descriptor (and with the process, however it ends)
 
     # ---- files --------------------------------------------------------------------------------
 

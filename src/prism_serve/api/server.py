@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from prism_serve import __version__
 from prism_serve.api import schema as api_schema
 from prism_serve.api.admin import add_admin_routes
-from prism_serve.api.batch_store import BatchStore
+from prism_serve.api.batch_store import BatchStore, StateDirInUseError
 from prism_serve.api.batches import BatchCall, BatchCollector, BatchRunner, add_batch_routes, call_app
 from prism_serve.api.cards import adapter_cards, model_cards
 from prism_serve.api.choices import (
@@ -204,6 +204,11 @@ class PrismServer:
             self.tenants = Tenants(config.server.keys_file, config.server.api_keys)
         except ValueError as e:
             raise ConfigError(f"server.keys_file: {e}") from None
+        try:  # the batch lane's state (api/batch_store.py), also before any memory is taken
+            state_dir = config.server.state_dir
+            self.batches = BatchStore(state_dir) if state_dir else None
+        except (StateDirInUseError, OSError) as e:
+            raise ConfigError(f"server.state_dir: {e}") from None
         self.controller = controller or build_controller(config)
         self.metrics = ServerMetrics(self.controller)
         if self.tenants.enabled:
@@ -220,8 +225,7 @@ class PrismServer:
             if srv.request_log
             else None
         )
-        # the batch lane (api/batches.py): its state, and the runner that starts with the controller
-        self.batches = BatchStore(srv.state_dir) if srv.state_dir else None
+        # the batch lane (api/batches.py): the runner starts with the controller
         self.last_interactive = 0.0  # monotonic: when the last request not of the batch lane came
         self.batch_runner = BatchRunner(
             self.batches, lambda path, body, state: call_app(self.app, path, body, state),
