@@ -29,10 +29,12 @@ def test_the_request_log_is_traffic_from_its_first_arrival(tmp_path: Path) -> No
         log_line(1002.0, "a", 80, 0, status=503, output_tokens=0),  # overloaded: demand, max_tokens long
         log_line(1003.0, "a", None, 0, status=400, output_tokens=0),  # refused as invalid: not traffic
         log_line(1004.0, "b", 70, 0, status=429, output_tokens=0, max_tokens=None),  # like b's others
+        log_line(1004.5, "a", 90, 8, lane="batch"),  # the batch lane's: idle capacity, not planned for
     ]) + "\n")  # fmt: skip
     t = read_traffic(path, ["a", "b", "idle"])
     w = t.workload
     assert t.format == "log" and t.dropped_invalid == 1 and list(w.models) == ["a", "b", "idle"]
+    assert t.dropped_batch == 1
     assert w.timestamps.tolist() == [0.0, 1.5, 1.5, 2.0, 4.0]
     assert [w.models[i] for i in w.model_index] == ["a", "b", "b", "a", "b"]
     assert w.prompt_tokens.tolist() == [100, 50, 50, 80, 70]

@@ -127,6 +127,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         notes.append(f"{sum(traffic.dropped_unknown.values())} requests for models not served dropped")
     if traffic.dropped_invalid:
         notes.append(f"{traffic.dropped_invalid} requests the server refused as invalid left out")
+    if traffic.dropped_batch:
+        notes.append(f"{traffic.dropped_batch} batch-lane requests left out (they run on idle capacity)")
     print(
         f"traffic: {len(traffic.workload)} requests over {traffic.span_s:.0f} s from {traffic.source} "
         f"({traffic.format}){'; ' + '; '.join(notes) if notes else ''}",

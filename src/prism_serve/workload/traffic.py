@@ -7,7 +7,9 @@ Three formats, told apart by the file (``format="auto"``) or named:
   lengths are what the server counted. A request the server answered with an error after reading
   it (429, 503, 504: overload, no activation in time) is still demand: its output length is its
   ``max_tokens``, or the model's median output when it had none. A request refused as invalid
-  (other statuses) or without a prompt length is not traffic and is left out (counted). A line's
+  (other statuses) or without a prompt length is not traffic and is left out (counted), and so is
+  a line of the batch lane (``"lane": "batch"``: it runs on what interactive traffic leaves, so
+  the plan is for the interactive requests; counted). A line's
   ``block_hashes`` (the hashes of its prompt's full blocks) become the request's block hashes, so the
   simulated engines cache the prefixes the requests share.
 - ``jsonl``: the simulator's workload file (workload/format.py), block hashes included.
@@ -89,6 +91,7 @@ class Traffic:
     skipped_bad: int = 0  # malformed lines skipped (skip_bad)
     dropped_unknown: Counter = field(default_factory=Counter)  # requests of models not served
     dropped_invalid: int = 0  # log lines of requests refused as invalid, not traffic
+    dropped_batch: int = 0  # log lines of the batch lane: idle-capacity work, not planned for
 
 
 @dataclass(slots=True)
@@ -119,12 +122,15 @@ def read_traffic(
             raise TrafficError(f"{path}:{line}: {why} (--skip-bad skips such lines)")
         bad.append(why)
 
-    invalid = 0
+    invalid = batch = 0
     if fmt == "csv":
         rows = list(_csv_rows(path, opts.columns, fail))
     else:
         rows = []
         for line, obj in _json_lines(path, fail):
+            if fmt == "log" and isinstance(obj, dict) and obj.get("lane") == "batch":
+                batch += 1
+                continue
             try:
                 got = _log_rows(obj) if fmt == "log" else [_jsonl_row(obj)]
             except (KeyError, TypeError, ValueError) as e:
@@ -174,7 +180,7 @@ def read_traffic(
         [r.hashes for r in window] if sizes else None,
         sizes.pop() if sizes else 0,
     )
-    return Traffic(workload, str(path), fmt, span, len(bad), unknown, invalid)
+    return Traffic(workload, str(path), fmt, span, len(bad), unknown, invalid, batch)
 
 
 # ---- formats -------------------------------------------------------------------------------------
