@@ -81,7 +81,7 @@ def test_the_store_settles_each_line_once_and_finalizing_again_changes_nothing(t
     specs = [LineSpec(f"c{i}", "smol", {"model": "smol"}) for i in range(4)]
     b = st.add_batch("t", "/v1/chat/completions", f.id, "24h", 86400, {"k": "v"}, specs, None)
     assert st.batch(b)["status"] == "in_progress" and st.batch(b)["metadata"] == {"k": "v"}
-    assert [r["idx"] for r in st.todo(b, 2, skip={0})] == [1, 2]
+    assert [r["idx"] for r in st.todo_of(b, "smol", 2, skip={0})] == [1, 2]
     st.finish_line(b, 1, {"custom_id": "c1", "response": {"status_code": 200}}, failed=False)
     st.finish_line(b, 1, {"custom_id": "c1", "again": True}, failed=True)  # a second finish is ignored
     st.finish_line(b, 2, {"custom_id": "c2", "response": {"status_code": 400}}, failed=True)

@@ -53,9 +53,9 @@ CREATE INDEX IF NOT EXISTS lines_todo ON lines (done, batch_id, model);
 
 _BATCH_TIMES = ("created_at", "expires_at", "in_progress_at", "finalizing_at", "completed_at",
                 "failed_at", "expired_at", "cancelling_at", "cancelled_at")  # fmt: skip
-# a batch still to run, and one whose lines are all settled but whose files are not written yet
-RUNNING = ("validating", "in_progress", "cancelling")
-FINAL = ("completed", "failed", "expired", "cancelled")
+# batches not yet final: still to run, or settled but with their files not written yet
+OPEN = ("validating", "in_progress", "cancelling", "finalizing")
+_IN_OPEN = f"({','.join('?' * len(OPEN))})"
 
 
 class StateDirInUseError(RuntimeError):
@@ -150,8 +150,11 @@ class BatchStore:
         )
         return record
 
-    def file(self, file_id: str) -> FileRecord | None:
-        row = self.db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+    def file(self, file_id: str, owner: str | None = None) -> FileRecord | None:
+        """The file, if it exists and (``owner`` given) is ``owner``'s."""
+        row = self.db.execute(
+            "SELECT * FROM files WHERE id = ? AND (? IS NULL OR owner = ?)", (file_id, owner, owner)
+        ).fetchone()
         return FileRecord(**dict(row)) if row is not None else None
 
     def files(self, owner: str | None, purpose: str | None) -> list[FileRecord]:
@@ -195,8 +198,11 @@ class BatchStore:
             )
         return batch_id
 
-    def batch(self, batch_id: str) -> dict[str, Any] | None:
-        row = self.db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
+    def batch(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        """The batch's card, if it exists and (``owner`` given) is ``owner``'s."""
+        row = self.db.execute(
+            "SELECT * FROM batches WHERE id = ? AND (? IS NULL OR owner = ?)", (batch_id, owner, owner)
+        ).fetchone()
         return self._card(row) if row is not None else None
 
     def batches(self, owner: str | None) -> list[dict[str, Any]]:
@@ -208,10 +214,6 @@ class BatchStore:
                 "SELECT * FROM batches WHERE owner = ? ORDER BY created_at DESC, rowid DESC", (owner,)
             )
         return [self._card(r) for r in rows.fetchall()]
-
-    def owner(self, batch_id: str) -> str | None:
-        row = self.db.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
-        return row[0] if row is not None else None
 
     def _card(self, row: sqlite3.Row) -> dict[str, Any]:
         """OpenAI's batch object."""
@@ -249,11 +251,10 @@ class BatchStore:
 
     def running(self) -> list[sqlite3.Row]:
         """Batches not yet final, oldest first: the runner's work after a restart too."""
-        statuses = (*RUNNING, "finalizing")
         return self.db.execute(
             "SELECT id, status, owner, endpoint, created_at, expires_at FROM batches "
-            f"WHERE status IN ({','.join('?' * len(statuses))}) ORDER BY created_at, rowid",
-            statuses,
+            f"WHERE status IN {_IN_OPEN} ORDER BY created_at, rowid",
+            OPEN,
         ).fetchall()
 
     def status_counts(self) -> dict[str, int]:
@@ -262,23 +263,13 @@ class BatchStore:
 
     def pending_lines(self) -> int:
         """Lines not yet done in batches still running (for /metrics)."""
-        statuses = (*RUNNING, "finalizing")
         return self.db.execute(
             "SELECT COUNT(*) FROM lines JOIN batches ON lines.batch_id = batches.id WHERE lines.done = 0 "
-            f"AND batches.status IN ({','.join('?' * len(statuses))})",
-            statuses,
+            f"AND batches.status IN {_IN_OPEN}",
+            OPEN,
         ).fetchone()[0]
 
     # ---- lines --------------------------------------------------------------------------------
-
-    def todo(self, batch_id: str, limit: int, skip: set[int]) -> list[sqlite3.Row]:
-        """Up to ``limit`` lines not yet done, in file order, past those in ``skip`` (running now)."""
-        rows = self.db.execute(
-            "SELECT idx, custom_id, model, body FROM lines WHERE batch_id = ? AND done = 0 ORDER BY idx "
-            "LIMIT ?",
-            (batch_id, limit + len(skip)),
-        ).fetchall()
-        return [r for r in rows if r["idx"] not in skip][:limit]
 
     def todo_models(self, batch_id: str) -> dict[str, int]:
         rows = self.db.execute(
@@ -287,6 +278,8 @@ class BatchStore:
         return {m: n for m, n in rows}
 
     def todo_of(self, batch_id: str, model: str, limit: int, skip: set[int]) -> list[sqlite3.Row]:
+        """Up to ``limit`` of ``model``'s lines not yet done, in file order, past those in ``skip``
+        (running now)."""
         rows = self.db.execute(
             "SELECT idx, custom_id, model, body FROM lines WHERE batch_id = ? AND done = 0 AND model = ? "
             "ORDER BY idx LIMIT ?",
@@ -306,15 +299,14 @@ class BatchStore:
         rows = self.db.execute(
             "SELECT idx, custom_id FROM lines WHERE batch_id = ? AND done = 0", (batch_id,)
         ).fetchall()
+        error = {"code": code, "message": message}
         with self.db:
             self.db.execute("BEGIN")
-            for r in rows:
-                result = {"id": new_object_id("batch_req"), "custom_id": r["custom_id"], "response": None,
-                          "error": {"code": code, "message": message}}  # fmt: skip
-                self.db.execute(
-                    "UPDATE lines SET done = 1, failed = 1, result = ? WHERE batch_id = ? AND idx = ?",
-                    (json.dumps(result), batch_id, r["idx"]),
-                )
+            self.db.executemany(
+                "UPDATE lines SET done = 1, failed = 1, result = ? WHERE batch_id = ? AND idx = ?",
+                ((json.dumps({"id": new_object_id("batch_req"), "custom_id": r["custom_id"],
+                              "response": None, "error": error}), batch_id, r["idx"]) for r in rows),
+            )  # fmt: skip
 
     def finalize(self, batch_id: str, status: str, at: str) -> None:
         """Write the output file (lines answered 2xx) and the error file (the rest), in input order,

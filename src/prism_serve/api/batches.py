@@ -273,18 +273,18 @@ class BatchRunner:
             return
         batch_id = b["id"]
         half_gone = now >= (b["created_at"] + b["expires_at"]) / 2
-        idle = time.monotonic() - self._last_interactive() >= self.idle_s
         mono = time.monotonic()
+        idle = mono - self._last_interactive() >= self.idle_s
         # the whole lane when interactive traffic is idle; one line at a time while it flows
         width = self.concurrency if idle else 1
-        order = sorted(todo, key=lambda m: not self._safe_active(m))
-        for model in order:
+        active = {m: self._safe_active(m) for m in todo}
+        for model in sorted(todo, key=lambda m: not active[m]):
             free = width - len(self._running)
             if free <= 0:
                 return
             if self._retry_at.get(model, 0.0) > mono:
                 continue
-            if not self._safe_active(model) and not (idle or half_gone):
+            if not active[model] and not (idle or half_gone):
                 continue
             skip = {idx for (bid, idx) in self._running if bid == batch_id}
             for row in self.store.todo_of(batch_id, model, free, skip):
@@ -293,7 +293,7 @@ class BatchRunner:
                 self._running[key] = asyncio.get_running_loop().create_task(
                     self._line(key, b, row, call), name=f"batch-line-{batch_id}-{row['idx']}"
                 )
-            if not self._safe_active(model):
+            if not active[model]:
                 return  # one cold model at a time: its lines' arrival is what activates it
 
     def _safe_active(self, model: str) -> bool:
@@ -421,17 +421,17 @@ def add_batch_routes(app: FastAPI, server) -> None:
         name = tenant.name if tenant is not None else ""
         return server.batches, name, (name if tenant is not None else None)
 
-    def own_file(http: Request, file_id: str) -> tuple[BatchStore, FileRecord]:
-        st, _, owner = store(http)
-        record = st.file(file_id)
-        if record is None or (owner is not None and record.owner != owner):
+    def own_file(st: BatchStore, owner: str | None, file_id: str) -> FileRecord:
+        """The file ``owner`` (None: the admin) may see, else a 404."""
+        record = st.file(file_id, owner)
+        if record is None:
             raise NotFoundError(f"no file {quoted(file_id)}", param="file_id")
-        return st, record
+        return record
 
     def own_batch(http: Request, batch_id: str) -> tuple[BatchStore, dict[str, Any]]:
         st, _, owner = store(http)
-        card = st.batch(batch_id)
-        if card is None or (owner is not None and st.owner(batch_id) != owner):
+        card = st.batch(batch_id, owner)
+        if card is None:
             raise NotFoundError(f"no batch {quoted(batch_id)}", param="batch_id")
         return st, card
 
@@ -469,28 +469,31 @@ def add_batch_routes(app: FastAPI, server) -> None:
 
     @app.get("/v1/files/{file_id}", responses=api_schema.FILE)
     async def get_file(file_id: str, http: Request) -> dict:
-        return own_file(http, file_id)[1].card()
+        st, _, owner = store(http)
+        return own_file(st, owner, file_id).card()
 
     @app.get("/v1/files/{file_id}/content", responses=api_schema.FILE_CONTENT)
     async def file_content(file_id: str, http: Request) -> Response:
-        st, record = own_file(http, file_id)
+        st, _, owner = store(http)
+        record = own_file(st, owner, file_id)
         return FileResponse(st.file_path(record.id), media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}", responses=api_schema.FILE_DELETED)
     async def delete_file(file_id: str, http: Request) -> dict:
-        st, record = own_file(http, file_id)
+        st, _, owner = store(http)
+        record = own_file(st, owner, file_id)
         st.delete_file(record.id)
         return {"id": record.id, "object": "file", "deleted": True}
 
     @app.post("/v1/batches", responses=api_schema.BATCH)
     async def create_batch(body: CreateBatch, http: Request) -> dict:
-        st, owner, _ = store(http)
+        st, owner, visible = store(http)
         if body.endpoint not in ENDPOINTS:
             raise InvalidRequestError(
                 f"endpoint {quoted(body.endpoint)}: one of {', '.join(ENDPOINTS)}", param="endpoint"
             )
         window_s = window_seconds(body.completion_window)
-        _, record = own_file(http, body.input_file_id)
+        record = own_file(st, visible, body.input_file_id)
         if record.purpose != "batch":
             raise InvalidRequestError(
                 f"file {record.id} has purpose {record.purpose!r}; a batch's input needs purpose 'batch'",
