@@ -689,26 +689,27 @@ class PrismServer:
                 max_tokens = wanted or (min(default_max, room) if default_max else room)
                 choices.append((p, j, ids, body.sampling_params(max_tokens, j, served.sampling, tool_format)))
         quotas = self._reserve(http, [len(ids) + params.max_tokens for _, _, ids, params in choices])
-        runs = []
+        runs, slos = [], self._slos(http, served)
         for (p, j, ids, params), quota in zip(choices, quotas, strict=True):
             i = p * body.n + j
-            stream = self._generate(http, body.model, ids, params, rid if n == 1 else f"{rid}-{i}")
+            stream = self._generate(http, body.model, ids, params, rid if n == 1 else f"{rid}-{i}", slos)
             runs.append(Choice(rid, body.model, arrival, stream, index=i, prompt=p,
                                max_tokens=params.max_tokens, num_prompt=len(ids),
-                               slos=self._slos(http, served), quota=quota))  # fmt: skip
+                               slos=slos, quota=quota))  # fmt: skip
 
         await self._first_deltas(http, runs)
         return runs
 
     def _generate(
-        self, http: Request, model: str, ids: list[int], params: SamplingParams, req_id: str
-    ) -> AsyncIterator[msg.TokenDelta]:
+        self, http: Request, model: str, ids: list[int], params: SamplingParams, req_id: str,
+        slos: tuple[float, float] | None,
+    ) -> AsyncIterator[msg.TokenDelta]:  # fmt: skip
         """One request to the runtime: a client's waits ``request_timeout_s`` at most for its first
-        token; a batch line's first-token deadline is its batch's window, and it has no timeout."""
+        token, by the deadline of its ``slos`` (``_slos``); a batch line's first-token deadline is
+        its batch's window, and it has no timeout."""
         batch = _batch(http)
         if batch is not None:
             return self.controller.generate(model, ids, params, req_id=req_id, ttft_slo=batch.ttft_slo)
-        slos = self._slos(http, self.served[model])
         return self.controller.generate(
             model, ids, params, req_id=req_id, timeout_s=self.config.server.request_timeout_s,
             ttft_slo=slos[0] if _tenant_scale(http) != 1.0 else None,
@@ -818,14 +819,13 @@ class PrismServer:
                 entry.prompt_tokens = num_prompt
             self._check_waiting(http, len(prompts))
             rid = new_id("embd" if task == "embed" else task)
-            runs = []
+            runs, slos = [], self._slos(http, served)
             quotas = self._reserve(http, [len(ids) for ids in prompts])
             for i, (ids, quota) in enumerate(zip(prompts, quotas, strict=True)):
                 req_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-                stream = self._generate(http, model, ids, sampling, req_id)
+                stream = self._generate(http, model, ids, sampling, req_id, slos)
                 runs.append(Choice(rid, model, arrival, stream, index=i, prompt=i, max_tokens=1,
-                                   num_prompt=len(ids), slos=self._slos(http, served),
-                                   quota=quota))  # fmt: skip
+                                   num_prompt=len(ids), slos=slos, quota=quota))  # fmt: skip
             try:
                 await self._first_deltas(http, runs)
             finally:
