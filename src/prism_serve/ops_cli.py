@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
 from prism_serve.errors import PrismError
 
@@ -85,10 +86,14 @@ def _columns(rows: list[tuple[str, ...]]) -> str:
     )
 
 
-def _cmd_ps(args: argparse.Namespace) -> int:
-    cards = _request(args, "GET", "/v1/models", args.api_key)["data"]
-    sys.stdout.write(json.dumps(cards, indent=2) + "\n" if args.json else _table(cards))
+def _show(args: argparse.Namespace, data: list[dict], table: Callable[[list[dict]], str]) -> int:
+    """A listing as JSON (``--json``) or as the columns ``table`` makes of it."""
+    sys.stdout.write(json.dumps(data, indent=2) + "\n" if args.json else table(data))
     return 0
+
+
+def _cmd_ps(args: argparse.Namespace) -> int:
+    return _show(args, _request(args, "GET", "/v1/models", args.api_key)["data"], _table)
 
 
 def _cmd_admin(args: argparse.Namespace) -> int:
@@ -130,11 +135,10 @@ def _cmd_adapter(args: argparse.Namespace) -> int:
 
 
 def _cmd_tenants(args: argparse.Namespace) -> int:
-    tenants = _request(args, "GET", "/v1/admin/tenants", args.admin_key)["data"]
-    if args.json:
-        sys.stdout.write(json.dumps(tenants, indent=2) + "\n")
-        return 0
+    return _show(args, _request(args, "GET", "/v1/admin/tenants", args.admin_key)["data"], _tenant_table)
 
+
+def _tenant_table(tenants: list[dict]) -> str:
     def used(n: int, limit: int | None) -> str:
         return f"{n}/{limit}" if limit is not None else "-"
 
@@ -153,17 +157,16 @@ def _cmd_tenants(args: argparse.Namespace) -> int:
             f"{share(t['slo_attainment']['ttft'])}/{share(t['slo_attainment']['tpot'])}",
             f"{t['slo_scale']:g}", ",".join(t["models"]),
         ))  # fmt: skip
-    sys.stdout.write(_columns(rows))
-    return 0
+    return _columns(rows)
 
 
 def _cmd_batches(args: argparse.Namespace) -> int:
+    return _show(args, _request(args, "GET", "/v1/batches?limit=100", args.api_key)["data"], _batch_table)
+
+
+def _batch_table(batches: list[dict]) -> str:
     import time
 
-    batches = _request(args, "GET", "/v1/batches?limit=100", args.api_key)["data"]
-    if args.json:
-        sys.stdout.write(json.dumps(batches, indent=2) + "\n")
-        return 0
     rows = [("BATCH", "STATUS", "ENDPOINT", "DONE", "FAILED", "TOTAL", "CREATED", "OUTPUT")]
     for b in batches:
         counts = b["request_counts"]
@@ -172,8 +175,7 @@ def _cmd_batches(args: argparse.Namespace) -> int:
             str(counts["total"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b["created_at"])),
             b["output_file_id"] or "-",
         ))  # fmt: skip
-    sys.stdout.write(_columns(rows))
-    return 0
+    return _columns(rows)
 
 
 def add_ops_parsers(sub: argparse._SubParsersAction) -> None:
