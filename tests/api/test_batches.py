@@ -346,6 +346,10 @@ def test_a_bad_file_fails_the_batch_and_bad_calls_get_openai_errors(server: Serv
                      files={"file": ("x.jsonl", b"x" * 64)}, data={"purpose": "batch"})  # fmt: skip
     assert big.status_code == 200  # /v1/files has its own size limit, not max_request_bytes
     assert {x.id for x in c.files.list(purpose="user_data")} == {notes.id}
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    for query in ("purpose=batch&purpose=user_data", "limit=5&colour=red"):  # FastAPI would let both by
+        r = httpx.get(f"{server.base_url}/files?{query}", headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("purpose", "colour"), r.text
     assert c.files.delete(notes.id).deleted
     with pytest.raises(openai.NotFoundError):
         c.files.retrieve(notes.id)

@@ -51,6 +51,12 @@ def tame(case, rng: random.Random) -> None:
             body["max_tokens"] = rng.randint(1, 4)  # else a request runs to the end of the context
         if isinstance(body.get("model"), str) and body["model"] and rng.random() < 0.5:
             body["model"] = rng.choice(MODELS)
+    query = case.query if isinstance(case.query, dict) else {}
+    for key, value in query.items():
+        # no query parameter here is an array: a list of one value (or none) goes on the wire as a
+        # valid request (or as nothing), so a negative case must send it at least twice to stay one
+        if isinstance(value, list) and len(value) < 2:
+            query[key] = (value or [""]) * 2
     params = case.path_parameters or {}
     for key in ("model", "name"):
         if isinstance(params.get(key), str) and rng.random() < 0.5:

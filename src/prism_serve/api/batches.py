@@ -407,10 +407,14 @@ def add_batch_routes(app: FastAPI, server) -> None:
     """Files and Batches routes over ``server`` (api/server.py ``PrismServer``): its ``authorize``,
     its tenant lookup, and its ``batches`` (a BatchStore, None when the lane is off)."""
 
-    def store(http: Request) -> tuple[BatchStore, str, str | None]:
-        """The store, the caller's owner name, and the owner filter (None: the admin sees all)."""
+    def store(http: Request, query: tuple[str, ...] = ()) -> tuple[BatchStore, str, str | None]:
+        """The store, the caller's owner name, and the owner filter (None: the admin sees all).
+        ``query``: the route's query parameters; another, or one given twice, is a 400 (FastAPI
+        would ignore the one and take the last of the other)."""
         server.authorize(http)
-        for name in set(http.query_params):  # FastAPI would take the last of a repeated one
+        for name in set(http.query_params):
+            if name not in query:
+                raise InvalidRequestError(f"unknown query parameter {quoted(name)}", param=name)
             if len(http.query_params.getlist(name)) > 1:
                 raise InvalidRequestError(f"query parameter {name} is given more than once", param=name)
         if server.batches is None:
@@ -461,7 +465,7 @@ def add_batch_routes(app: FastAPI, server) -> None:
         http: Request, purpose: str | None = None, limit: int = Query(10000, ge=1, le=10000),
         after: str | None = None, order: Literal["asc", "desc"] = "desc",
     ) -> dict:  # fmt: skip
-        st, _, owner = store(http)
+        st, _, owner = store(http, ("purpose", "limit", "after", "order"))
         cards = [f.card() for f in st.files(owner, purpose)]
         if order == "asc":
             cards.reverse()
@@ -516,7 +520,7 @@ def add_batch_routes(app: FastAPI, server) -> None:
     async def list_batches(
         http: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None
     ) -> dict:
-        st, _, owner = store(http)
+        st, _, owner = store(http, ("limit", "after"))
         return _page(st.batches(owner), limit, after)
 
     @app.get("/v1/batches/{batch_id}", responses=api_schema.BATCH)
