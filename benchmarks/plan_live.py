@@ -208,13 +208,22 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
     printed = prism(
         "plan", "--config", str(plan_config), "--traffic", str(traffic), "--start", f"{start:.3f}",
         "--hardware", hardware, "--policies", "prism", "--target", str(args.target), "--max-devices", "2",
-        "--jobs", "2", "--out", str(plan_dir), log=folder / "plan.log",
+        "--jobs", "2", "--out", str(plan_dir), "--confidence", str(args.confidence), log=folder / "plan.log",
     )  # fmt: skip
     (folder / "plan.txt").write_text(printed)
     result = json.loads((plan_dir / "results.json").read_text())
-    answer = result["policies"]["prism"]["devices"]
-    out["plan"] = {"devices": answer, "points": {n: p["ttft_attainment"] for n, p in
-                                                 result["policies"]["prism"]["points"].items()}}  # fmt: skip
+    chosen = result["policies"]["prism"]
+    sure = chosen["confidence"]
+    # the count the plan tells the user to deploy: with --confidence, the confident one
+    answer = chosen["devices"] if sure is None else sure["devices"]
+    out["plan"] = {
+        "devices": answer, "on_the_traffic_given": chosen["devices"],
+        "points": {n: p["ttft_attainment"] for n, p in chosen["points"].items()},
+        "confidence": None if sure is None else {
+            "level": sure["level"], "seeds": sure["seeds"],
+            "passed": {n: f"{c['passed']} of {c['ran']}" for n, c in sure["counts"].items()},
+        },
+    }  # fmt: skip
     if answer is None:  # beyond this machine: compare at the most devices it has, and one less
         print(f"[{name}] no count up to 2 devices meets {args.target}; comparing at 2 and 1")
         deployed = config_dict(s, 2, s.memory, "prism")
@@ -253,6 +262,7 @@ def main() -> None:
     ap.add_argument("--rate-scale", type=float, default=1.0, help="times every scenario's rate")
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--hardware", default="fit", help="a CPU profile (name or file), or fit: fit one first")
+    ap.add_argument("--confidence", type=float, default=0.9, help="prism plan --confidence (0: off)")
     ap.add_argument("--plan-only", action="store_true", help="plan the generated traffic; serve nothing")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -271,7 +281,7 @@ def main() -> None:
     for name in args.scenarios.split(","):
         summary["scenarios"][name] = run_scenario(name, SCENARIOS[name], args, hardware)
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"\n{info['line']}; profile {hardware}; target {args.target:.0%}")
+    print(f"\n{info['line']}; profile {hardware}; target {args.target:.0%}; confidence {args.confidence}")
     print("| scenario | deployment | planned | live | live - planned |")
     print("|---|---|---|---|---|")
     for name, sc in summary["scenarios"].items():

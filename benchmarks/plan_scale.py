@@ -56,9 +56,9 @@ def traffic_of(config: Path, rate: float, duration: float, seed: int, folder: Pa
     return path, len(workload)
 
 
-def plan_point(config: Path, traffic: Path, out: Path, jobs: int | None) -> dict:
+def plan_point(config: Path, traffic: Path, out: Path, jobs: int | None, confidence: float = 0.9) -> dict:
     cmd = [sys.executable, "-m", "prism_serve.cli", "plan", "--config", str(config), "--traffic",
-           str(traffic), "--slo-scale", "5", "--out", str(out)]  # fmt: skip
+           str(traffic), "--slo-scale", "5", "--out", str(out), "--confidence", str(confidence)]  # fmt: skip
     cmd += ["--jobs", str(jobs)] if jobs else []
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -68,8 +68,12 @@ def plan_point(config: Path, traffic: Path, out: Path, jobs: int | None) -> dict
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     result = json.loads((out / "results.json").read_text())
     sims = sum(len(p["points"]) for p in result["policies"].values())
-    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "simulations": sims,
-            "devices": {k: p["devices"] for k, p in result["policies"].items()}}  # fmt: skip
+    # and the draws of the traffic --confidence ran for the chosen policy
+    sure = [p["confidence"] for p in result["policies"].values() if p.get("confidence")]
+    draws = sum(c["ran"] for s in sure for c in s["counts"].values())
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "simulations": sims + draws,
+            "devices": {k: p["devices"] for k, p in result["policies"].items()},
+            "confident_devices": sure[0]["devices"] if sure else None}  # fmt: skip
 
 
 def exponent(xs: list[float], ys: list[float]) -> float | None:
@@ -85,6 +89,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=3600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--confidence", type=float, default=0.9, help="prism plan --confidence (0: off)")
     ap.add_argument("--out", type=Path, default=Path("results/plan-scale"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -97,7 +102,7 @@ def main() -> None:
     for n, rate in points:
         config = config_of(n, args.out)
         traffic, requests = traffic_of(config, rate, args.duration, args.seed, args.out)
-        r = plan_point(config, traffic, args.out / f"plan-{n}-{rate:g}", args.jobs)
+        r = plan_point(config, traffic, args.out / f"plan-{n}-{rate:g}", args.jobs, args.confidence)
         r.update(models=n, rate=rate, requests=requests)
         rows.append(r)
         print(f"{n} models, {requests} requests ({rate:g} req/s): {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} "

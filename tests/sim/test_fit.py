@@ -52,6 +52,8 @@ def test_the_fit_recovers_the_profile_that_priced_the_steps() -> None:
         assert getattr(result.profile, name) == pytest.approx(getattr(known, name), rel=1e-3), name
     assert result.profile.seq_overhead_s == pytest.approx(known.seq_overhead_s, rel=1e-2, abs=1e-7)
     assert max(abs(result.errors(True))) < 1e-3 and max(abs(result.errors(False))) < 1e-3
+    # the profile carries its held-out errors, which prism plan --confidence draws from
+    assert result.profile.step_errors == tuple(result.errors(True).tolist()) and result.profile.step_errors
     assert result.profile.share_interference == base.share_interference and not result.profile.synthetic
     # SDPA attention (the engine without its decode kernel) reads contexts padded by group
     assert fit_points(dict(raw, decode_attention="sdpa"), start).profile.pad_decode_context
@@ -92,7 +94,12 @@ def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, cap
     assert results["hardware"] == "cpu-fitted" and results["policies"]["dedicated"]["devices"] == 2
     # the deployment found: one-core CPU devices, as the profile was fitted for, at the config's budget
     deployment = load_config(out / "prism.yaml")
-    n = results["policies"]["prism"]["devices"]
+    # the deployed count is the confident one, its draws run at the profile's measured step errors
+    sure = results["policies"]["prism"]["confidence"]
+    n = sure["devices"]
+    assert sure["step_errors"] == len(hw.step_errors) > 0
+    drawn = {d["step_error"] for c in sure["counts"].values() for d in c["draws"]}
+    assert drawn <= set(hw.step_errors)
     assert [(d.name, d.cores, d.memory) for d in deployment.devices] == [
         (f"cpu:{i}", str(i), 2 << 30) for i in range(n)
     ]
@@ -102,3 +109,17 @@ def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, cap
 def test_fit_hardware_wants_a_profile_file(tmp_path: Path, capsys) -> None:
     assert main(["fit-hardware", "--out", str(tmp_path / "cpu.yaml")]) == 2
     assert "--out must name a .json file" in capsys.readouterr().err
+
+
+def test_a_profile_s_step_errors_are_read_back_and_checked(tmp_path: Path) -> None:
+    import dataclasses
+
+    from prism_serve.sim.errors import SimConfigError
+    from prism_serve.sim.hardware import dump_hardware
+
+    path = tmp_path / "measured.json"
+    dump_hardware(dataclasses.replace(HARDWARE["h100"], step_errors=(-0.05, 0.02)), path)
+    assert get_hardware(str(path)).step_errors == (-0.05, 0.02)  # a list in the file, a tuple here
+    for bad in ((-1.0,), (float("nan"),)):
+        with pytest.raises(SimConfigError, match="step_errors"):
+            dataclasses.replace(HARDWARE["h100"], step_errors=bad)

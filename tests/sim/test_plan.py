@@ -268,8 +268,19 @@ def test_plan_answers_every_policy_and_writes_a_servable_deployment(
     page = (out / "plan.html").read_text()
     assert "<svg" in page and "prism plan" in page
     assert not re.search(r"(src|href)=[\"']?(https?:)?//", page) and "<link" not in page  # nothing fetched
+    # prism, the config's policy, is also planned with 90% confidence (the default): the count it
+    # deploys passes on 9 of 10 other draws of the traffic, and is never below the plain answer
+    sure = results["policies"]["prism"]["confidence"]
+    assert sure["level"] == 0.9 and sure["seeds"] == 10 and sure["need"] == 9 and sure["step_errors"] == 0
+    assert sure["devices"] >= results["policies"]["prism"]["devices"]
+    assert sure["counts"][str(sure["devices"])]["passed"] >= 9
+    assert all(c["passed"] < 9 for n, c in sure["counts"].items() if int(n) < sure["devices"])
+    assert all(p["confidence"] is None for name, p in results["policies"].items() if name != "prism")
+    assert f"prism with 90% confidence: **{sure['devices']} devices**" in printed
+    assert "the profile records no measured step error" in printed
     deployment = load_config(out / "prism.yaml")  # what prism serve --config reads
-    assert len(deployment.devices) == results["policies"]["prism"]["devices"]
+    assert len(deployment.devices) == sure["devices"]
+    assert "on at least 9 of 10 draws" in (out / "prism.yaml").read_text()
     assert [m.name for m in deployment.models] == [m.name for m in deployment_config("paper-8").models]
     assert len(model_specs(deployment)) == 8
 
@@ -504,3 +515,65 @@ def test_a_static_partition_answer_is_written_with_the_rates_it_was_planned_for(
         longest[m] = int((w.prompt_tokens[sel] + w.output_tokens[sel]).max())
     assert dict(result.provisioned["static-partition"]["longest"]) == longest == w.longest_requests()
     assert [list(r) for r in served.policy.knobs["longest"]] == [list(r) for r in sorted(longest.items())]
+
+
+def test_with_confidence_the_count_is_the_fewest_that_enough_other_draws_pass(monkeypatch, tmp_path) -> None:
+    """``confidence``: from the answer up, the first count that passes on at least ``ceil(level x
+    seeds)`` draws of the traffic, each draw at one of the profile's measured step errors; a
+    count's draws stop once its outcome is decided. The runs are stand-ins: the traffic given passes
+    from 3 devices; a draw passes at 3 only if it has no more requests than the traffic given, at 4
+    unless it is the largest draw, and always from 5."""
+    import dataclasses
+
+    import prism_serve.sim.plan as plan_mod
+    from prism_serve.sim.hardware import dump_hardware, get_hardware
+    from prism_serve.workload.resample import resample
+
+    names = ["m0", "m1"]
+    w = burst_traffic(names)
+    dep = burst_deployment(names)
+    hardware = tmp_path / "h100-measured.json"
+    dump_hardware(dataclasses.replace(get_hardware("h100"), step_errors=(-0.5, 0.25)), hardware)
+    sizes = [len(resample(w, s)) for s in range(1, 11)]
+    assert len(set(sizes)) == 10  # the stand-in tells draws apart by their size
+    scales: list[float] = []
+
+    def stand_in(job) -> dict:
+        n, k = job.config.num_devices, len(job.workload)
+        if k == len(w) and np.array_equal(job.workload.timestamps, w.timestamps):
+            ok = n >= 3  # the traffic given
+        else:
+            scales.append(job.config.step_scale)
+            ok = n >= 5 or (n == 4 and k != max(sizes)) or (n == 3 and k <= len(w))
+        met = 1.0 if ok else 0.9
+        return {"num_devices": n, "ttft_attainment": met, "tpot_attainment": met, "num_requests": k}
+
+    monkeypatch.setattr(plan_mod, "_run", stand_in)
+    result = plan(dep, w, hardware=str(hardware), policies=["prism"], max_devices=9, jobs=1,
+                  confidence=0.9, seeds=10)  # fmt: skip
+    p = result.policies["prism"]
+    c = p.confidence
+    assert p.devices == 3 and (c.need, c.seeds, c.step_errors) == (9, 10, 2)
+    at_three = [s <= len(w) for s in sizes]
+    assert sum(at_three) < 9  # so three fails, its draws stopping at the second failure
+    expected = 4
+    ran_at_three = [i for i, ok in enumerate(at_three) if not ok][1] + 1
+    assert c.devices == expected == p.headline
+    assert len(c.counts[3]) == ran_at_three and c.passed(3) == ran_at_three - 2
+    # at 4 every draw but the largest passes: decided after nine passes (the tenth run only if a
+    # failure came first)
+    assert c.passed(4) == 9 and len(c.counts[4]) == 9 + (sizes.index(max(sizes)) < 9)
+    assert [d["seed"] for d in c.counts[4]] == list(range(1, len(c.counts[4]) + 1))
+    # every draw's steps scaled by one measured error: predicted 50% fast runs 2x, 25% slow 0.8x
+    assert set(scales) <= {2.0, 0.8} and len(set(scales)) == 2
+    assert {d["step_error"] for n in c.counts for d in c.counts[n]} <= {-0.5, 0.25}
+    body = result.as_dict()["policies"]["prism"]["confidence"]
+    assert body["devices"] == expected and body["counts"]["4"]["passed"] == 9
+    # the same draws every time
+    again = plan(dep, w, hardware=str(hardware), policies=["prism"], max_devices=9, jobs=1,
+                 confidence=0.9, seeds=10).policies["prism"].confidence  # fmt: skip
+    assert again.counts == c.counts
+    with pytest.raises(SimConfigError, match="confidence"):
+        plan(dep, w, hardware="h100", policies=["prism"], jobs=1, confidence=1.5)
+    with pytest.raises(SimConfigError, match="to be sure of"):
+        plan(dep, w, hardware="h100", policies=["prism"], jobs=1, confidence=0.9, chosen="dedicated")

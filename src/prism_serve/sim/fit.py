@@ -444,7 +444,12 @@ def fit_points(
         dict(p, measured_s=float(m), predicted_s=float(predict(cm, spec, p["batch"])))
         for p, m in zip(pts, y, strict=True)
     ]
-    return FitResult(hw, float(crossover), out, mem_bandwidth)
+    result = FitResult(hw, float(crossover), out, mem_bandwidth)
+    # the profile carries its error where it was not fitted (the training points' where none is held out)
+    errors = result.errors(held_out=True)
+    if not len(errors):
+        errors = result.errors(held_out=False)
+    return dataclasses.replace(result, profile=dataclasses.replace(hw, step_errors=tuple(errors.tolist())))
 
 
 def fit_this_machine(

@@ -94,8 +94,16 @@ class HardwareProfile:
     # 0: the copy leaves the device's compute to the engines (a GPU's copy is DMA over the host link).
     activation_threads: int = 0
     synthetic: bool = True  # constants from datasheets and assumptions, not measured here
+    # The fit's relative errors on engine steps it was not fitted to (predicted / measured - 1, one
+    # per held-out point; sim/fit.py): how far a simulated step may be from the machine's.
+    # ``prism plan --confidence`` draws from them. Empty: none measured (the datasheet profiles).
+    step_errors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        errors = tuple(float(e) for e in self.step_errors)  # a profile file holds a list
+        if not all(math.isfinite(e) and e > -1 for e in errors):
+            raise SimConfigError(f"hardware {self.name}: step_errors must be finite and > -1")
+        object.__setattr__(self, "step_errors", errors)
         positive = ("peak_flops", "mem_bandwidth", "host_bandwidth", "link_bandwidth", "memory_bytes")
         for name in positive:
             if not getattr(self, name) > 0:

@@ -48,8 +48,20 @@ figure) and the most the whole traffic could attain with the misses it had; plot
 from the points run to the end.
 The policies are searched at once, their points sharing a pool of worker processes, one per core.
 
-The answer's deployment is written as a prism.yaml: the user's config with the devices found and the
-policy, which ``prism serve --config`` reads.
+**How sure** (``confidence``, ``prism plan --confidence 0.9``, on by default in the command). The
+answer above passes on the traffic given, which is one draw of the traffic to come. For the chosen
+policy the plan then runs ``seeds`` other draws of it (workload/resample.py: each request kept a
+Poisson(1) number of times, each copy moved within its model's local gap), each with every engine
+step scaled by one of the hardware profile's measured step errors (``HardwareProfile.step_errors``,
+drawn with the seed: a profile that predicted a step 5% fast runs that draw 1/0.95 times slower;
+a datasheet profile has none, and only the traffic varies). The count it answers is the fewest from
+the answer up that passes in at least ``ceil(confidence x seeds)`` draws; each draw's attainment at
+each count it ran is reported, so the plan gives a range, not a point. A count's draws run in
+batches of the worker pool and stop once the count's outcome is decided (enough draws passed, or
+too many failed), and each draw stops early as a count of the search does.
+
+The answer's deployment is written as a prism.yaml: the user's config with the devices found (the
+confident count where there is one) and the policy, which ``prism serve --config`` reads.
 """
 
 from __future__ import annotations
@@ -75,10 +87,11 @@ from prism_serve.sim.metrics import attainment
 from prism_serve.sim.models import ServedModel
 from prism_serve.sim.simulator import simulate
 from prism_serve.workload.format import Workload
+from prism_serve.workload.resample import resample
 
 __all__ = [
-    "HOURS_PER_MONTH", "POLICIES", "BusyWindow", "Plan", "PolicyPlan", "busy_window", "exclusive_floor",
-    "fewest_passing", "plan", "simulate_point",
+    "HOURS_PER_MONTH", "POLICIES", "BusyWindow", "Confidence", "Plan", "PolicyPlan", "busy_window",
+    "exclusive_floor", "fewest_passing", "plan", "simulate_point",
 ]  # fmt: skip
 
 POLICIES = ("prism", "static-partition", "dedicated", "muxserve")
@@ -165,6 +178,41 @@ def fewest_passing(
 
 
 @dataclass(slots=True)
+class Confidence:
+    """How the chosen policy's answer holds up on other draws of the traffic (the module's
+    docstring): ``devices``, the fewest count from the answer up that passed in at least ``need`` of
+    ``seeds`` draws (None: none up to the search's limit); ``counts``, per count tried, each draw's
+    outcome in seed order (those not run because the count was decided without them left out)."""
+
+    level: float
+    seeds: int
+    need: int
+    step_errors: int  # the profile's measured errors drawn from (0: the traffic alone varies)
+    devices: int | None = None
+    counts: dict[int, list[dict]] = field(default_factory=dict)
+
+    def passed(self, n: int) -> int:
+        return sum(d["passed"] for d in self.counts.get(n, ()))
+
+    def attainments(self, n: int) -> list[float]:
+        """The attainments of count ``n``'s draws run to their end (a stopped draw failed)."""
+        return sorted(d["attainment"] for d in self.counts.get(n, ()) if not d["stopped"])
+
+    def as_dict(self) -> dict:
+        return {
+            "level": self.level,
+            "seeds": self.seeds,
+            "need": self.need,
+            "step_errors": self.step_errors,
+            "devices": self.devices,
+            "counts": {
+                str(n): {"passed": self.passed(n), "ran": len(draws), "draws": draws}
+                for n, draws in sorted(self.counts.items())
+            },
+        }
+
+
+@dataclass(slots=True)
 class PolicyPlan:
     policy: str
     devices: int | None  # the fewest that meet the target; None: more than max_devices
@@ -177,10 +225,16 @@ class PolicyPlan:
     # variant tried with its answer when there were several
     variant: dict = field(default_factory=dict)
     variants: list[tuple[dict, int | None]] = field(default_factory=list)
+    confidence: Confidence | None = None  # the chosen policy's, with ``plan(confidence=...)``
 
     @property
     def answer(self) -> dict | None:
         return None if self.devices is None else self.points[self.devices]
+
+    @property
+    def headline(self) -> int | None:
+        """The count to deploy: the confident one where it was asked for, else the answer."""
+        return self.devices if self.confidence is None else self.confidence.devices
 
 
 @dataclass(slots=True)
@@ -239,6 +293,7 @@ class Plan:
                 "variant": p.variant,
                 "variants": [{"knobs": v, "devices": n} for v, n in p.variants],
                 "points": {str(n): pt for n, pt in sorted(p.points.items())},
+                "confidence": None if p.confidence is None else p.confidence.as_dict(),
             }
         return out
 
@@ -421,9 +476,14 @@ def plan(
     config: SimConfig | None = None,
     memory_window_s: float = 10.0,
     compute_window_s: float = 60.0,
+    confidence: float | None = None,
+    seeds: int = 10,
+    chosen: str | None = None,
 ) -> Plan:
     """The fewest devices per policy for ``deployment`` serving ``workload`` on ``hardware``;
     ``screen``: simulate each count on the busiest window first (the module's docstring).
+    ``confidence``: also the fewest count at which ``chosen`` (default: the first policy) passes on
+    that fraction of ``seeds`` other draws of the traffic (the module's docstring, "How sure").
 
     ``config``: the simulation settings every point starts from (tick, compute sharing, engine, cost
     model), its knobs given to every policy, as ``prism sim`` sets them; by default the deployment's
@@ -435,6 +495,13 @@ def plan(
         raise SimConfigError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
     if len(workload) == 0:
         raise SimConfigError("the traffic has no request")
+    if confidence is not None and not 0 < confidence <= 1:
+        raise SimConfigError(f"the confidence must be in (0, 1], got {confidence}")
+    if seeds < 1:
+        raise SimConfigError(f"seeds must be >= 1, got {seeds}")
+    chosen = chosen if chosen is not None else (policies[0] if policies else None)
+    if confidence is not None and policies and chosen not in policies:
+        raise SimConfigError(f"the policy to be sure of, {chosen!r}, is not among those planned")
     from prism_serve.control.policies import POLICIES as REGISTERED
 
     if unknown := [p for p in policies if p not in REGISTERED]:
@@ -487,7 +554,8 @@ def plan(
                 trial = PolicyPlan(pp.policy, None, sweep_from=pp.sweep_from, variant=dict(variant))
                 sweep(trial, given + tuple(sorted(variant.items())))
                 tried.append(trial)
-            best = min(tried, key=lambda t: (t.devices is None, t.devices or 0))  # the first of a tie
+            at = min(range(len(tried)), key=lambda i: (tried[i].devices is None, tried[i].devices or 0))
+            best = tried[at]  # the first of a tie
             pp.devices, pp.points, pp.confirmed, pp.variant = (
                 best.devices,
                 best.points,
@@ -496,6 +564,58 @@ def plan(
             )
             if len(tried) > 1:
                 pp.variants = [(t.variant, t.devices) for t in tried]
+            if confidence is not None and pp.policy == chosen and pp.devices is not None:
+                pp.confidence = sure(pp, given + tuple(sorted(variants[at].items())))
+
+        def sure(pp: PolicyPlan, knobs: tuple) -> Confidence:
+            """The fewest count from ``pp``'s answer up that passes on enough draws of the traffic."""
+            assert confidence is not None and pp.devices is not None
+            need = math.ceil(confidence * seeds - 1e-9)
+            out = Confidence(confidence, seeds, need, len(hw.step_errors))
+            searched = dataclasses.replace(base, policy=pp.policy, knobs=knobs)
+
+            def draw_job(n: int, drawn: Workload, error: float) -> _Job:
+                # a step the profile predicts ``error`` off runs 1 / (1 + error) times as long; the
+                # draw's own budget of misses stops it early, as a count of the search
+                budget = math.floor((1 - target) * len(drawn) + 1e-9)
+                cfg = dataclasses.replace(
+                    searched,
+                    num_devices=n,
+                    step_scale=searched.step_scale / (1 + error),
+                    stop_after_ttft_misses=budget if metric == "ttft" else None,
+                )
+                return _Job(models, drawn, deployment.slos, cfg)
+
+            draws = []
+            for seed in range(1, seeds + 1):
+                drawn = resample(workload, seed)
+                rng = np.random.default_rng((seed, 1))
+                error = float(rng.choice(hw.step_errors)) if hw.step_errors else 0.0
+                draws.append((seed, drawn, error))
+            for n in range(pp.devices, high + 1):
+                record = out.counts[n] = []
+                ok = bad = 0
+                for first in range(0, seeds, workers):
+                    if ok >= need or bad > seeds - need:
+                        break  # decided without the rest
+                    chunk = draws[first : first + workers]
+                    jobs = [draw_job(n, drawn, error) for _, drawn, error in chunk if len(drawn)]
+                    points = iter(pool.map(_run, jobs))
+                    for seed, drawn, error in chunk:
+                        # a draw with no request (a log of a few) misses nothing
+                        point = next(points) if len(drawn) else {METRICS[metric]: 1.0}
+                        good = passed(point, metric, target)
+                        ok, bad = ok + good, bad + (not good)
+                        record.append({
+                            "seed": seed, "requests": len(drawn), "step_error": error, "passed": good,
+                            "attainment": point[METRICS[metric]], "stopped": "stopped" in point,
+                        })  # fmt: skip
+                        if progress is not None:
+                            progress(1)
+                if ok >= need:
+                    out.devices = n
+                    break
+            return out
 
         def sweep(pp: PolicyPlan, knobs: tuple) -> None:
             searched = dataclasses.replace(

@@ -88,6 +88,13 @@ def add_plan_parser(sub) -> None:
         "the whole traffic: a count whose window alone misses more than the target allows fails there. "
         "Pays where failing counts miss in bursts (default: off)",
     )  # fmt: skip
+    p.add_argument(
+        "--confidence", type=float, default=0.9, metavar="P",
+        help="the policy written to prism.yaml gets the fewest devices that meet the target on at least "
+        "this fraction of --seeds other draws of the traffic, each with the hardware profile's measured "
+        "step error; its range of attainment is printed (default 0.9; 0: the answer on the traffic given)",
+    )  # fmt: skip
+    p.add_argument("--seeds", type=int, default=10, help="draws of the traffic for --confidence (default 10)")
     p.add_argument("--price-per-device-hour", type=float, default=None, metavar="USD")
     p.add_argument("--jobs", type=int, default=None, help="simulations at once (default: the cores)")
     p.add_argument("--out", type=Path, help="directory for results.json, plan.png, plan.html, prism.yaml")
@@ -137,14 +144,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.slo_scale is not None:
         deployment = _measured_slos(deployment, traffic.workload, hardware, args.slo_scale, args.jobs)
     policies = [p for p in args.policies.split(",") if p]
+    chosen = deployment.policy if deployment.policy in policies else (policies or [None])[0]
     with tqdm(desc="plan", unit="sim", file=sys.stderr) as bar:
         result = plan(
             deployment, traffic.workload, hardware=hardware, target=args.target, metric=args.metric,
             policies=policies, max_devices=args.max_devices, confirm=args.confirm,
             price_per_device_hour=args.price_per_device_hour, span_s=traffic.span_s, jobs=args.jobs,
-            progress=bar.update, screen=args.screen,
+            progress=bar.update, screen=args.screen, confidence=args.confidence or None,
+            seeds=args.seeds, chosen=chosen,
         )  # fmt: skip
-    chosen = deployment.policy if deployment.policy in result.policies else policies[0]
     print(format_plan(result, chosen))
     if args.out is not None:
         written = write_plan(result, config, chosen, args.out, sys.argv[1:])

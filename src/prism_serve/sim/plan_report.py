@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from prism_serve.config import DeploymentConfig
-from prism_serve.sim.plan import Plan, deployment_yaml
+from prism_serve.sim.plan import Confidence, Plan, deployment_yaml
 
 __all__ = ["format_plan", "write_plan"]
 
@@ -55,6 +55,8 @@ def format_plan(plan: Plan, chosen: str) -> str:
             "leave more devices idle); the others' answers pass with the counts above them too",
         ]
     p = plan.policies.get(chosen)
+    if p is not None and p.confidence is not None:
+        lines += ["", *_sure(plan, chosen, p.confidence, p.devices)]
     if p is not None and p.answer is not None and "prefix_hit_rate" in p.answer:
         lines += [
             "",
@@ -77,6 +79,41 @@ def format_plan(plan: Plan, chosen: str) -> str:
     return "\n".join(lines)
 
 
+def _sure(plan: Plan, chosen: str, c: Confidence, answer: int | None) -> list[str]:
+    """What ``--confidence`` found: the count to deploy, then each count tried with its draws'
+    attainment range."""
+    metric = plan.metric.upper()
+    varied = (
+        f"each with one of the profile's {c.step_errors} measured step errors"
+        if c.step_errors
+        else "the profile records no measured step error (prism fit-hardware records them): the traffic "
+        "alone varies"
+    )
+    if c.devices is not None:
+        head = (
+            f"{chosen} with {c.level:.0%} confidence: **{c.devices} devices** (the answer on the traffic "
+            f"given: {answer}); it meets {plan.target:.2%} {metric} attainment on at least {c.need} of "
+            f"{c.seeds} other draws of the traffic"
+        )
+    else:
+        head = (
+            f"{chosen} with {c.level:.0%} confidence: more than {plan.max_devices} devices (the answer on "
+            f"the traffic given: {answer}); no count up to the limit meets the target on {c.need} of "
+            f"{c.seeds} draws"
+        )
+    how = f"draws: the requests resampled (Poisson bootstrap, moved within their gaps), {varied}"
+    lines = [head, how, "", f"| devices | draws passed | {metric} attainment over the draws run to the end |"]
+    lines.append("|---|---|---|")
+    for n, draws in sorted(c.counts.items()):
+        att = c.attainments(n)
+        stopped = sum(d["stopped"] for d in draws)
+        span = "-" if not att else f"{att[0]:.2%} - {att[-1]:.2%} (median {att[len(att) // 2]:.2%})"
+        if stopped:
+            span += f"; {stopped} stopped early (failed)"
+        lines.append(f"| {n} | {c.passed(n)} of {len(draws)} run | {span} |")
+    return lines
+
+
 def write_plan(plan: Plan, config: DeploymentConfig, chosen: str, out: Path, argv: list[str]) -> list[Path]:
     """results.json, plan.png, plan.html and prism.yaml (``chosen``'s answer) under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -93,11 +130,18 @@ def write_plan(plan: Plan, config: DeploymentConfig, chosen: str, out: Path, arg
     (out / "plan.html").write_text(_html(plan, svg.getvalue(), chosen))
     written.append(out / "plan.html")
     answer = plan.policies.get(chosen)
-    if answer is not None and answer.devices is not None:
-        data = deployment_yaml(config, plan.hardware, answer.devices, chosen, plan.provisioned.get(chosen))
+    devices = answer.headline if answer is not None else None
+    if devices is not None:
+        data = deployment_yaml(config, plan.hardware, devices, chosen, plan.provisioned.get(chosen))
+        c = answer.confidence
+        sure = (
+            f" on at least {c.need} of {c.seeds} draws of the planned traffic ({c.level:.0%} confidence)"
+            if c is not None
+            else " on the planned traffic"
+        )
         header = (
-            f"# prism plan: {chosen} on {answer.devices} x {plan.hardware.name} meets {plan.target:.2%} "
-            f"{plan.metric.upper()} attainment on the planned traffic (simulated)\n"
+            f"# prism plan: {chosen} on {devices} x {plan.hardware.name} meets {plan.target:.2%} "
+            f"{plan.metric.upper()} attainment{sure} (simulated)\n"
             "# The devices are one machine's; more than a machine holds run on a Ray cluster (ray:),\n"
             "# where each node serves the devices its own `devices` section names.\n"
         )
@@ -134,6 +178,10 @@ def _figure(plan: Plan):
         if p.devices is not None:
             ax.plot([p.devices], [100 * p.points[p.devices][f"{plan.metric}_attainment"]], marker="*", ms=11,
                     color=line.get_color())  # fmt: skip
+        if p.confidence is not None:  # the other draws of the traffic, at each count they ran
+            drawn = [(n, d["attainment"]) for n, draws in p.confidence.counts.items() for d in draws]
+            ax.plot([n + 0.15 for n, _ in drawn], [y(a) for _, a in drawn], ls="none", marker="_", ms=6,
+                    color=line.get_color(), alpha=0.7, label=f"{name}: other draws")  # fmt: skip
     ax.axhline(100 * plan.target, ls="--", color="0.4", lw=1, label=f"target {plan.target:.0%}")
     ax.axvline(plan.bound.devices, ls=":", color="0.2", lw=1, label=f"lower bound {plan.bound.devices}")
     ax.set_xlabel(f"devices ({plan.hardware.name})")
