@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prism_serve.control import (
     Activate,
@@ -461,7 +463,7 @@ def test_a_light_busy_model_does_not_move_beside_an_engine_near_its_limit() -> N
     assert pol.place(cluster(quiet, DEVICES), 100.0) == [Activate("m#1", ("d2",))]
 
 
-def test_derived_values_are_kept_per_snapshot_and_never_carried_into_an_updated_one() -> None:
+def test_derived_values_are_per_snapshot_and_a_group_carries_only_while_its_replicas_are_the_same() -> None:
     from prism_serve.control.replicas import device_busy, group_rate, replica_capacity, resident_replicas
 
     c = cluster([hot(rate=4.0, on=("d0",)), hot(k=1, rate=2.0, on=("d1",)), hot(k=2)], DEVICES)
@@ -478,12 +480,69 @@ def test_derived_values_are_kept_per_snapshot_and_never_carried_into_an_updated_
     assert [m.model for m in resident_replicas(after, "m")] == ["m"]
     assert group_rate(after, "m") == 1.0 and device_busy(after, "d0") == after.models["m"].busy < busy
     assert group_rate(c, "m") == 6.0  # the first snapshot's stay as they were
-    # a snapshot built from another derives its own figures: nothing derived is handed on
+    # a snapshot updated from another derives its own figures, but a replica group made of the very
+    # same replica entries is the one the snapshot before it made (ClusterSnapshot.carried)
     d2 = after.devices["d2"]
     same = after.updated([], [replace(d2, mapped_bytes=d2.mapped_bytes + 1)])
     assert same.devices["d2"].mapped_bytes == d2.mapped_bytes + 1
     assert same.derived == {} and not hasattr(same, "kept")
-    assert group_rate(same, "m") == 1.0 and same.derived[("group", "m")] is not after.derived[("group", "m")]
+    assert group_rate(same, "m") == 1.0 and same.derived[("group", "m")] is after.derived[("group", "m")]
+    # one replica's entry changed (its queue): the group is made again
+    queued = same.updated([replace(same.models["m"], num_queued=1)])
+    assert group_rate(queued, "m") == 1.0
+    assert queued.derived[("group", "m")] is not same.derived[("group", "m")]
+    # a snapshot built afresh carries nothing
+    fresh = ClusterSnapshot(same.models, same.devices, same.engines)
+    assert fresh.carried == {} and group_rate(fresh, "m") == 1.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "a#1", "b", "b#1", "c"]),
+            st.sampled_from([(), ("d0",), ("d1",), ("d2",)]),
+            st.sampled_from([0.0, 1.0, 7.0]),
+            st.integers(0, 2),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_carried_replica_groups_equal_those_of_a_fresh_snapshot(steps) -> None:
+    """Along a chain of updates (replicas moving, evicted, their rates and queues changing), every
+    replica function of the chained snapshot answers as on a snapshot built afresh."""
+    from prism_serve.control.replicas import (
+        active_replicas,
+        group_rate,
+        replica_capacity,
+        resident_replicas,
+        yielding_replica,
+    )
+
+    def slot(name: str, on=(), rate: float = 0.0, queued: int = 0):
+        base, _, k = name.partition("#")
+        return hot(base, k=int(k or 0), rate=rate, on=on, queued=queued)
+
+    models = {n: slot(n) for n in ("a", "a#1", "b", "b#1", "c")}
+    snap = cluster(list(models.values()), DEVICES)
+    for i, (name, on, rate, queued) in enumerate(steps):
+        models[name] = slot(name, on, rate, queued if not on else 0)
+        devices = [
+            replace(snap.devices[d], models=tuple(n for n, m in models.items() if d in m.placement))
+            for d in DEVICES
+        ]
+        for served in ("a", "b", "c"):  # read some groups before the change, so that some carry
+            if (i + ord(served)) % 2:
+                group_rate(snap, served)
+        snap = snap.updated([models[name]], devices)
+        fresh = ClusterSnapshot(snap.models, snap.devices, snap.engines)
+        for served in ("a", "b", "c"):
+            assert resident_replicas(snap, served) == resident_replicas(fresh, served)
+            assert active_replicas(snap, served) == active_replicas(fresh, served)
+            assert group_rate(snap, served) == group_rate(fresh, served)
+            assert replica_capacity(snap, served) == replica_capacity(fresh, served)
+            assert yielding_replica(snap, served) == yielding_replica(fresh, served)
 
 
 # -- prefix-aware routing ---------------------------------------------------------------------------

@@ -87,10 +87,16 @@ def constrained_evictions(
     """
     projected = {d: dev.mapped_bytes for d, dev in cluster.devices.items()}
     limit = {d: watermark * dev.capacity_bytes for d, dev in cluster.devices.items()}
-    if not any(projected[d] >= limit[d] for d in projected):
+    constrained = [d for d in projected if projected[d] >= limit[d]]
+    if not constrained:
         return []  # no device is constrained (evictions only lower what is projected)
+    # only a model on a constrained device can be evicted: the others' devices stay below the
+    # watermark, as evictions only lower what is projected (names are unique, so the order below,
+    # which ends in the name, is the order of all the idle models with those left out)
+    models = cluster.models
+    on = {n: None for d in constrained for n in cluster.devices[d].models}
     idle = sorted(
-        (m for m in cluster.models.values() if is_idle(m, now, idle_threshold_s)),
+        (m for n in on if is_idle(m := models[n], now, idle_threshold_s)),
         key=lambda m: eviction_key(m, now),
     )
     evicted = []

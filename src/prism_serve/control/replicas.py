@@ -107,11 +107,13 @@ def _derived(cluster: ClusterSnapshot, kind: str, name: str, compute):
 
 class _Group:
     """A served model's replicas in one snapshot: those resident and those active (slot order),
-    the mean known ``max_rate`` (:func:`replica_capacity`) and the summed rate."""
+    the mean known ``max_rate`` (:func:`replica_capacity`) and the summed rate; a function of the
+    replicas' snapshot entries alone (``snaps``)."""
 
-    __slots__ = ("active", "capacity", "rate", "resident")
+    __slots__ = ("active", "capacity", "rate", "resident", "snaps")
 
     def __init__(self, snaps: tuple[ModelSnapshot, ...]) -> None:
+        self.snaps = snaps
         self.resident = tuple(m for m in snaps if m.state is not ModelState.EVICTED)
         self.active = tuple(m for m in self.resident if m.state is ModelState.ACTIVE)
         self.rate = sum(m.rate for m in snaps)
@@ -124,12 +126,29 @@ class _Group:
 
 
 def _group(cluster: ClusterSnapshot, model: str) -> _Group:
-    return _derived(cluster, "group", model, _new_group)
+    # _derived inlined: a placement at hundreds of models asks for groups millions of times
+    key = ("group", model)
+    group = cluster.derived.get(key)
+    if group is None:
+        group = cluster.derived[key] = _new_group(cluster, model)
+    return group
 
 
 def _new_group(cluster: ClusterSnapshot, model: str) -> _Group:
+    """``model``'s group in ``cluster``: the one an earlier snapshot of the chain made
+    (``ClusterSnapshot.carried``) when it was made of these very replica entries, else a new one.
+    Between two placements most served models' entries do not change, and at hundreds of models
+    building every group again was most of a placement's replica scaling."""
     models = cluster.models
-    return _Group(tuple(models[n] for n in cluster.replicas(model)))
+    names = cluster.replicas(model)
+    key = ("group", model)
+    group = cluster.carried.get(key)
+    if group is not None:
+        snaps = group.snaps
+        if len(snaps) == len(names) and all(models[n] is m for n, m in zip(names, snaps, strict=True)):
+            return group
+    group = cluster.carried[key] = _Group(tuple(models[n] for n in names))
+    return group
 
 
 def group_rate(cluster: ClusterSnapshot, model: str) -> float:
@@ -197,18 +216,19 @@ def surplus(cluster: ClusterSnapshot, model: str, low: float) -> ModelSnapshot |
     below ``low`` utilization (while the capacity is unknown: if it is :func:`misplaced`, the end of
     a move) and no replica of it predicts a TTFT above half its SLO with requests waiting (it is
     still working a burst off)."""
-    resident = _group(cluster, model).resident
+    group = _group(cluster, model)
+    resident = group.resident
     last = _last_to_go(cluster, resident)
     if last is None:
         return None
-    capacity = replica_capacity(cluster, model)
+    capacity = group.capacity
     if capacity is None:
         # nothing says how many replicas the rate needs: only a move (a misplaced replica) gives one up
         if last is not misplaced(cluster, model, MISPLACED_FACTOR):
             return None
-    elif group_rate(cluster, model) >= low * capacity * (len(resident) - 1):
+    elif group.rate >= low * capacity * (len(resident) - 1):
         return None
-    if _backlog(cluster, model, slack=0.5, every=False):
+    if _backlog(cluster, group, slack=0.5, every=False):
         return None
     return last
 
@@ -221,19 +241,24 @@ def backlogged(cluster: ClusterSnapshot, model: str) -> bool:
     the model's. Live, that is a model's first requests, which queue behind its own activation and
     its neighbours' (a copy of SmolLM2-135M made then sat beside SmolLM2-360M for the first 100 s
     of the decode-heavy sweep's x5, 96.0% TTFT)."""
-    active = active_replicas(cluster, model)
-    if not any(m.profile.busy_s_per_request is not None or m.profile.max_rate is not None for m in active):
+    return _backlogged(cluster, _group(cluster, model))
+
+
+def _backlogged(cluster: ClusterSnapshot, group: _Group) -> bool:
+    known = (m.profile for m in group.active)
+    if not any(p.busy_s_per_request is not None or p.max_rate is not None for p in known):
         return False
-    return _backlog(cluster, model, slack=1.0, every=True)
+    return _backlog(cluster, group, slack=1.0, every=True)
 
 
-def _backlog(cluster: ClusterSnapshot, model: str, slack: float, every: bool) -> bool:
-    """Whether requests of ``model`` wait (in a device queue or an engine's waiting queue) and every
-    (``every``) or any active replica's predicted TTFT exceeds ``slack`` x the TTFT SLO."""
-    active = active_replicas(cluster, model)
+def _backlog(cluster: ClusterSnapshot, group: _Group, slack: float, every: bool) -> bool:
+    """Whether requests of the group's served model wait (in a device queue or an engine's waiting
+    queue) and every (``every``) or any active replica's predicted TTFT exceeds ``slack`` x the TTFT
+    SLO."""
+    active = group.active
+    engines = cluster.engines
     if not active or not any(
-        cluster.models[n].num_queued or ((e := cluster.engines.get(n)) is not None and e.num_waiting)
-        for n in cluster.replicas(model)
+        m.num_queued or ((e := engines.get(m.model)) is not None and e.num_waiting) for m in group.snaps
     ):
         return False
     limit = slack * active[0].ttft_slo
@@ -354,17 +379,22 @@ def _by_prefix(
 def replicas_for_rate(cluster: ClusterSnapshot, model: str, high: float) -> int:
     """Replicas ``model``'s rate calls for at ``high`` utilization of one replica's capacity (1
     while the capacity is unknown)."""
-    capacity = replica_capacity(cluster, model)
-    return 1 if capacity is None else math.ceil(group_rate(cluster, model) / (high * capacity))
+    return _for_rate(_group(cluster, model), high)
+
+
+def _for_rate(group: _Group, high: float) -> int:
+    capacity = group.capacity
+    return 1 if capacity is None else math.ceil(group.rate / (high * capacity))
 
 
 def wanted_replicas(cluster: ClusterSnapshot, model: str, high: float, slots: int) -> int:
     """How many replicas ``model``'s demand calls for, in [1, slots]: by its rate against one
     replica's capacity (:func:`replicas_for_rate`), and one more than it has while it is
     :func:`backlogged`."""
-    need = replicas_for_rate(cluster, model, high)
-    if backlogged(cluster, model):
-        need = max(need, len(_group(cluster, model).resident) + 1)
+    group = _group(cluster, model)
+    need = _for_rate(group, high)
+    if _backlogged(cluster, group):
+        need = max(need, len(group.resident) + 1)
     return max(1, min(slots, need))
 
 

@@ -331,6 +331,12 @@ class ClusterSnapshot:
     # no reader can tell it from computing afresh. What a policy carries from one call to the next
     # is the control loop's (policies/base.py, PolicyMemo), never the snapshot's.
     derived: dict = field(init=False, default_factory=dict, repr=False, compare=False)
+    # derived values the snapshots before this one computed, shared along the chain of snapshots a
+    # body builds with ``updated`` (a snapshot from ``build`` starts an empty one). An entry is used
+    # only after checking that its inputs are the very entries of this snapshot (the same immutable
+    # objects: control/replicas.py's replica groups), so it is what computing afresh would give; a
+    # stale one is recomputed and replaced. Nothing a policy decides is kept here.
+    carried: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -412,13 +418,21 @@ class ClusterSnapshot:
         device's model list) is unchanged, because then every cross-check a build makes still
         holds. Anything else is rebuilt from scratch. For a body that rebuilds its snapshot often
         and changes a few entries in between (the simulator, once or twice per arrival)."""
+        models = list(models)
+        engines = list(engines)
         new_models, same, queued_evicted = self._with_models(models)
         # copy() of a MappingProxyType copies the dict under it, many times faster than dict(proxy)
         new_devices, new_engines = self.devices.copy(), self.engines.copy()
+        moved: list[str] = []  # devices whose model list changed
+        added = False
         for d in devices:
             old = new_devices.get(d.device)
             new_devices[d.device] = d
-            same = same and old is not None and old.models == d.models
+            if old is None:
+                added = True
+            elif old.models != d.models:
+                moved.append(d.device)
+        same = same and not (added or moved)
         for name in gone_engines:
             if new_engines.pop(name, None) is None:
                 raise InvalidSnapshotError(f"engine for {name!r} to drop is not in the snapshot")
@@ -426,10 +440,62 @@ class ClusterSnapshot:
             new_engines[e.model] = e
             m = new_models.get(e.model)
             same = same and _engine_fits(e, m)
-        if not same:
-            return ClusterSnapshot(new_models, new_devices, new_engines)
+        if same:
+            return self._successor(
+                new_models, MappingProxyType(new_devices), MappingProxyType(new_engines), queued_evicted
+            )
+        if not added:
+            snap = self._relaid(models, engines, new_models, new_devices, new_engines, moved)
+            if snap is not None:
+                return snap
+        snap = ClusterSnapshot(new_models, new_devices, new_engines)  # checked whole: it says what is wrong
+        object.__setattr__(snap, "carried", self.carried)
+        return snap
+
+    def _relaid(
+        self,
+        models: list[ModelSnapshot],
+        engines: list[EngineSnapshot],
+        new_models: dict[str, ModelSnapshot],
+        new_devices: dict[str, DeviceSnapshot],
+        new_engines: dict[str, EngineSnapshot],
+        moved: list[str],
+    ) -> ClusterSnapshot | None:
+        """``updated``'s snapshot when its change moves the layout (a placement, a residency, a
+        device's model list) of models already here: only the devices and engines the change
+        touches are checked again, each as a fresh build would (the rest held in this snapshot and
+        did not change). None when a fresh build must decide: a model added or relinked as a
+        replica, or any check failing (the build then names what is wrong)."""
+        old_models = self.models
+        if len(new_models) != len(old_models):
+            return None  # a model added
+        changed = {m.model: new_models[m.model] for m in models}
+        touched = set(moved)
+        for name, m in changed.items():
+            old = old_models[name]
+            if old.replica_of != m.replica_of:
+                return None
+            touched.update(old.placement)
+            touched.update(m.placement)
+        for d in touched:
+            dev = new_devices.get(d)
+            if dev is None:
+                return None
+            # what the placements put there now: the models it had that did not change, and the
+            # changed ones placed there
+            placed = [n for n in self.devices[d].models if n not in changed]
+            placed += [n for n, m in changed.items() if d in m.placement]
+            if len(placed) != len(dev.models) or not set(dev.models).issuperset(placed):
+                return None
+        for name, m in changed.items():
+            e = new_engines.get(name)
+            if e is not None and not _engine_fits(e, m):
+                return None
+        for e in engines:
+            if not _engine_fits(e, new_models.get(e.model)):
+                return None
         return self._successor(
-            new_models, MappingProxyType(new_devices), MappingProxyType(new_engines), queued_evicted
+            new_models, MappingProxyType(new_devices), MappingProxyType(new_engines), True
         )
 
     def deferring(
@@ -497,6 +563,7 @@ class ClusterSnapshot:
             ("extra_replicas", self.extra_replicas),
             ("starved", self.starved),
             ("derived", {}),
+            ("carried", self.carried),
         ):
             object.__setattr__(snap, name, value)
         if queued_evicted:

@@ -391,24 +391,23 @@ class PrismPolicy(Policy):
         k = self.knobs
         cluster, planned, gone, now = plan.cluster, plan.planned, plan.gone, plan.now
         loads = plan.loads()
-        by_device: dict[str, list[ModelSnapshot]] | None = None  # the movable models, by device
+        models = cluster.models
         for hot in sorted(loads, key=lambda load: (-load.busy, load.device)):
             if contention(hot.busy) < _CONTENDED:
                 return
-            if by_device is None:  # one pass over the models for every device the loop visits
-                by_device = {}
-                for m in cluster.models.values():
-                    if (
-                        m.state is ModelState.ACTIVE
-                        and m.tp_size == 1
-                        and m.model not in gone
-                        and planned.get(m.model) == m.placement
-                        and m.num_running == 0
-                        and self._busy(m) > 0
-                        and not (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
-                    ):
-                        by_device.setdefault(m.placement[0], []).append(m)
-            movable = by_device.get(hot.device)
+            # the models that can move off it: one-rank, active, idle now, kept where they are by
+            # the plan so far, with predicted work, and out of their cooldown
+            movable = [
+                m
+                for n in cluster.devices[hot.device].models
+                if (m := models[n]).state is ModelState.ACTIVE
+                and m.tp_size == 1
+                and n not in gone
+                and planned.get(n) == m.placement
+                and m.num_running == 0
+                and self._busy(m) > 0
+                and not (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
+            ]
             if not movable:
                 continue
             m = max(movable, key=lambda m: (self._busy(m), m.model))
