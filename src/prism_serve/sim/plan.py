@@ -50,8 +50,9 @@ The policies are searched at once, their points sharing a pool of worker process
 
 **How sure** (``confidence``, ``prism plan --confidence 0.9``, on by default in the command). The
 answer above passes on the traffic given, which is one draw of the traffic to come. For the chosen
-policy the plan then runs ``seeds`` other draws of it (workload/resample.py: each request kept a
-Poisson(1) number of times, each copy moved within its model's local gap), each with every engine
+policy the plan then runs ``seeds`` other draws of it (workload/resample.py: each model's minutes
+drawn from its own minutes nearby, independently per model, so bursts keep their shape and which
+models are busy together varies), each with every engine
 step scaled by one of the hardware profile's measured step errors (``HardwareProfile.step_errors``,
 drawn with the seed: a profile that predicted a step 5% fast runs that draw 1/0.95 times slower;
 a datasheet profile has none, and only the traffic varies). The count it answers is the fewest from

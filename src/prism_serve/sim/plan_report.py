@@ -101,7 +101,7 @@ def _sure(plan: Plan, chosen: str, c: Confidence, answer: int | None) -> list[st
             f"the traffic given: {answer}); no count up to the limit meets the target on {c.need} of "
             f"{c.seeds} draws"
         )
-    how = f"draws: the requests resampled (Poisson bootstrap, moved within their gaps), {varied}"
+    how = f"draws: each model's minutes drawn from its own nearby minutes (workload/resample.py), {varied}"
     lines = [head, how, "", f"| devices | draws passed | {metric} attainment over the draws run to the end |"]
     lines.append("|---|---|---|")
     for n, draws in sorted(c.counts.items()):
