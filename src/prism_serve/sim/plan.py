@@ -51,15 +51,15 @@ The policies are searched at once, their points sharing a pool of worker process
 **How sure** (``confidence``, ``prism plan --confidence 0.9``, on by default in the command). The
 answer above passes on the traffic given, which is one draw of the traffic to come. For the chosen
 policy the plan then runs ``seeds`` other draws of it (workload/resample.py: each model's minutes
-drawn from its own minutes nearby, independently per model, so bursts keep their shape and which
-models are busy together varies), each with every engine
-step scaled by one of the hardware profile's measured step errors (``HardwareProfile.step_errors``,
-drawn with the seed: a profile that predicted a step 5% fast runs that draw 1/0.95 times slower;
-a datasheet profile has none, and only the traffic varies). The count it answers is the fewest from
-the answer up that passes in at least ``ceil(confidence x seeds)`` draws; each draw's attainment at
-each count it ran is reported, so the plan gives a range, not a point. A count's draws run in
-batches of the worker pool and stop once the count's outcome is decided (enough draws passed, or
-too many failed), and each draw stops early as a count of the search does.
+drawn from its own minutes nearby, independently per model, then request by request, so bursts keep
+their shape and which models are busy together varies), each with every engine step scaled by one
+of the hardware profile's measured step errors (``HardwareProfile.step_errors``, drawn with the
+seed: a profile that predicted a step 5% fast runs that draw 1/0.95 times slower; a datasheet
+profile has none, and only the traffic varies). The count it answers is the fewest from the answer
+up that passes in at least ``ceil(confidence x seeds)`` draws; each draw's attainment at each count
+it ran is reported, so the plan gives a range, not a point. A count's draws run in batches of the
+worker pool and stop once the count's outcome is decided (enough draws passed, or too many failed),
+and each draw stops early as a count of the search does.
 
 The answer's deployment is written as a prism.yaml: the user's config with the devices found (the
 confident count where there is one) and the policy, which ``prism serve --config`` reads.
