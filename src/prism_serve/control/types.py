@@ -494,9 +494,7 @@ class ClusterSnapshot:
         for e in engines:
             if not _engine_fits(e, new_models.get(e.model)):
                 return None
-        return self._successor(
-            new_models, MappingProxyType(new_devices), MappingProxyType(new_engines), True
-        )
+        return self._successor(new_models, MappingProxyType(new_devices), MappingProxyType(new_engines), True)
 
     def deferring(
         self,
