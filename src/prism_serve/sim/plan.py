@@ -423,6 +423,11 @@ def _stopped(how: str, metric: str, seen: int, total: int, misses: int, at_s: fl
     }
 
 
+def _budget(target: float, requests: int) -> int:
+    """The misses ``target`` attainment allows over ``requests`` requests."""
+    return math.floor((1 - target) * requests + 1e-9)
+
+
 def passed(point: dict, metric: str, target: float) -> bool:
     """Whether a plan point meets ``target``: run to the end and its attainment there at least the
     target (a stopped point fails, whatever it had attained when it stopped)."""
@@ -529,7 +534,7 @@ def plan(
     low = max(bound.compute_devices, bound.tp_devices, widest, 1)
     # dedicated devices for every model, twice over, always suffice for a policy that can use them
     high = max_devices or max(low, 2 * sum(m.tp_size for m in deployment.models))
-    budget = math.floor((1 - target) * len(workload) + 1e-9)
+    budget = _budget(target, len(workload))
     models = tuple(deployment.models)
     workers = max(1, min(jobs or os.cpu_count() or 1, 8))
     window = busy_window(workload, screen_window_s, screen_warmup_s) if screen else None
@@ -578,12 +583,11 @@ def plan(
             def draw_job(n: int, drawn: Workload, error: float) -> _Job:
                 # a step the profile predicts ``error`` off runs 1 / (1 + error) times as long; the
                 # draw's own budget of misses stops it early, as a count of the search
-                budget = math.floor((1 - target) * len(drawn) + 1e-9)
                 cfg = dataclasses.replace(
                     searched,
                     num_devices=n,
                     step_scale=searched.step_scale / (1 + error),
-                    stop_after_ttft_misses=budget if metric == "ttft" else None,
+                    stop_after_ttft_misses=_budget(target, len(drawn)) if metric == "ttft" else None,
                 )
                 return _Job(models, drawn, deployment.slos, cfg)
 

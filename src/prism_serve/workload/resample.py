@@ -92,15 +92,15 @@ def _blocks(
     nblocks = int(np.ceil(span / block_s)) or 1
     targets = start + block_s * np.arange(nblocks)
     last = start + span - block_s  # the latest a stretch may start and still end within the log
+    # where each block's stretch may start: within reach of the block, within the log (every model)
+    lo_reach = np.maximum(start, targets - reach_s)
+    hi_reach = np.maximum(np.minimum(last, targets + reach_s), lo_reach)
     sources, times = [], []
     for model in range(num_models):
         mine = np.flatnonzero(model_index == model)  # in arrival order
         if not len(mine):
             continue
         t = ts[mine]
-        lo_reach = np.maximum(start, targets - reach_s)
-        hi_reach = np.minimum(last, targets + reach_s)
-        hi_reach = np.maximum(hi_reach, lo_reach)
         begin = lo_reach + rng.random(nblocks) * (hi_reach - lo_reach)
         lo = np.searchsorted(t, begin, side="left")
         hi = np.searchsorted(t, begin + block_s, side="left")
