@@ -11,7 +11,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prism_serve.control import DeadlineQueue, Dispatch, Reject, RejectReason, moore_hodgson
-from prism_serve.control.admission import NS, prefill_ns, to_ns
+from prism_serve.control.admission import NS, prefill_ns, ranked_moore_hodgson, to_ns
+from prism_serve.control.types import Origin, Priority
 from prism_serve.errors import DuplicateRequestError
 from tests.control.factories import GIB, device, engine, request
 
@@ -49,6 +50,42 @@ def test_moore_hodgson_drops_the_longest_prefill():
     assert moore_hodgson([(10, 4), (10, 6), (10, 5)], 0) == [0, 2]
 
 
+ranked_jobs = st.lists(
+    st.tuples(st.integers(0, 60), st.integers(0, 25), st.integers(0, 3)), min_size=0, max_size=9
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(jobs=job_lists, t0=st.integers(-5, 10), rank=st.integers(0, 3))
+def test_the_ranked_rule_with_one_rank_is_moore_hodgson(jobs, t0, rank):
+    schedulable = [j for j in jobs if t0 + j[1] <= j[0]]  # the ranked rule leaves out the late
+    kept = ranked_moore_hodgson([(d, p, rank) for d, p in schedulable], t0)
+    assert kept == moore_hodgson(schedulable, t0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(jobs=ranked_jobs, t0=st.integers(-5, 10))
+def test_the_ranked_rule_keeps_for_each_rank_and_above_what_they_would_keep_alone(jobs, t0):
+    """Lower ranks never cost a higher one a request: for every rank r, the kept jobs of rank r or
+    above are exactly what the rule keeps of those jobs alone (for the top rank: Moore-Hodgson's
+    optimum), and the whole kept schedule meets every deadline."""
+    kept = ranked_moore_hodgson(jobs, t0)
+    assert on_time_count([(d, p) for d, p, _ in jobs], tuple(kept), t0)
+    for r in range(4):
+        mine = [i for i, j in enumerate(jobs) if j[2] >= r]
+        alone = ranked_moore_hodgson([jobs[i] for i in mine], t0)
+        assert [i for i in kept if jobs[i][2] >= r] == [mine[k] for k in alone]
+    top = [i for i, j in enumerate(jobs) if j[2] == 3 and t0 + j[1] <= j[0]]
+    assert sum(jobs[i][2] == 3 for i in kept) == brute_force_best([jobs[i][:2] for i in top], t0)
+
+
+def test_the_ranked_rule_drops_the_lower_rank_even_when_shorter():
+    # one slot of 10: the long interactive job stays, the short batch job goes
+    assert ranked_moore_hodgson([(10, 4, 0), (10, 8, 1)], 0) == [1]
+    # several lower-rank drops may be needed to make room for one higher-rank job
+    assert ranked_moore_hodgson([(10, 3, 0), (10, 3, 0), (10, 3, 0), (10, 9, 1)], 0) == [3]
+
+
 # -- the incremental queue -------------------------------------------------------------------------
 
 SPEED = 1000.0  # tokens/s: a prompt of n tokens takes n ms to prefill
@@ -62,10 +99,18 @@ def fresh_run(q: DeadlineQueue, now: float, speeds: dict[str, float]) -> tuple[l
     reqs = q.requests()
     t0 = q.start_ns(now)
     jobs = [(to_ns(r.deadline), prefill_ns(r.prompt_tokens, speeds.get(r.model, SPEED))) for r in reqs]
-    kept = moore_hodgson(jobs, t0)
+    if len({rank(r) for r in reqs}) > 1:
+        kept = ranked_moore_hodgson([(d, p, rank(r)) for (d, p), r in zip(jobs, reqs, strict=True)], t0)
+    else:
+        kept = moore_hodgson(jobs, t0)
     late = {r.req_id for r, (d, p) in zip(reqs, jobs, strict=True) if t0 + p > d}
     deferred = {r.req_id for r in reqs} - {reqs[i].req_id for i in kept} - late
     return [reqs[i].req_id for i in kept], deferred, late
+
+
+def rank(r) -> tuple[int, int]:
+    """The order admission keeps requests in under overload: class first, then a lower share."""
+    return (-r.origin.priority, -r.share)
 
 
 def fresh_latest_starts(
@@ -101,7 +146,8 @@ def roomy_engines(slots: dict[str, int], ready: dict[str, bool], speeds: dict[st
 
 op = st.one_of(
     st.tuples(
-        st.just("push"), st.sampled_from("ab"), st.integers(0, 400), st.sampled_from([0.2, 0.5, 1.0, 3.0])
+        st.just("push"), st.sampled_from("ab"), st.integers(0, 400), st.sampled_from([0.2, 0.5, 1.0, 3.0]),
+        st.sampled_from(list(Priority)), st.integers(0, 3),
     ),
     st.tuples(st.just("advance"), st.floats(0, 0.6)),
     st.tuples(st.just("admit"), st.integers(0, 3), st.integers(0, 3), st.booleans()),
@@ -110,13 +156,18 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None)
-@given(ops=st.lists(op, max_size=60), abort=st.booleans())
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(op, max_size=60), abort=st.booleans(), ranked=st.booleans())
 @example(
-    ops=[("push", "a", 251, 0.5), ("speed", 500.0), ("push", "a", 250, 0.5), ("admit", 2, 0, False)],
-    abort=False,
+    ops=[
+        ("push", "a", 251, 0.5, Priority.STANDARD, 0), ("speed", 500.0),
+        ("push", "a", 250, 0.5, Priority.STANDARD, 0), ("admit", 2, 0, False),
+    ],
+    abort=False, ranked=False,
 )
-def test_incremental_queue_equals_a_fresh_algorithm_2_run(ops, abort):
+def test_incremental_queue_equals_a_fresh_algorithm_2_run(ops, abort, ranked):
+    """``ranked``: requests differ in class and fair-share level, and the queue follows the ranked
+    rule while they do (and plain Algorithm 2 again once the queue holds one rank)."""
     q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED, abort_on_miss=abort)
     now = 0.0
     speeds: dict[str, float] = {}
@@ -125,7 +176,8 @@ def test_incremental_queue_equals_a_fresh_algorithm_2_run(ops, abort):
     dev = device(cap_gib=80)
     for o in ops:
         if o[0] == "push":
-            q.push(request(f"r{n}", o[1], arrival=now, tokens=o[2], slo=o[3]))
+            r = request(f"r{n}", o[1], arrival=now, tokens=o[2], slo=o[3])
+            q.push(replace(r, origin=Origin(priority=o[4]), share=o[5]) if ranked else r)
             n += 1
         elif o[0] == "advance":
             now += o[1]

@@ -40,6 +40,23 @@ Anything else (a mid-queue arrival without that slack, a cancelled kept request,
 marks the schedule stale and the next call that can dispatch recomputes it: O(n) for n schedulable
 requests, about 0.2 us each in CPython. ``replans`` and the other counters in ``stats`` show how
 often each path ran. The pure algorithm is ``moore_hodgson.moore_hodgson``.
+
+Classes and fair share. Each request has a rank (``_rank``): its priority class first
+(``Priority``: interactive over standard over batch), then how little its tenant was over its fair
+share of the class when it arrived (``Request.share``, control/fairness.py). While every request in
+the queue has one rank, the schedule is Algorithm 2 exactly, kept as above. When ranks differ, a
+failing check drops the request of the lowest rank (longest prefill among those, then oldest),
+and keeps dropping until the check passes (dropping a short request may not be enough), so under
+overload batch requests yield first, then standard ones, then a class's requests of tenants over
+their share; ``moore_hodgson.ranked_moore_hodgson`` is that rule as a pure function. A queue of
+mixed ranks recomputes its schedule at every call (O(n log n); counted in ``stats["ranked"]``).
+A batch request, whose deadline is its batch's window, is scheduled after everything else anyway;
+it is *best-effort*, as is every request of a tenant over its fair share (its share level above
+0): a best-effort request starts only while no prefill is pending on the device and the device
+runs fewer requests of every class (those on its engines and those this call starts) than
+``best_effort_share`` of an engine's sequence slots (its largest ``max_num_seqs``), and while it
+waits it holds no one back. So best-effort work fills idle capacity and does not crowd the
+engines' steps, which every running request shares. Only its start yields: once running, it runs.
 """
 
 from __future__ import annotations
@@ -52,7 +69,8 @@ from itertools import repeat
 from operator import attrgetter, sub
 
 from prism_serve.control.capacity import DeviceRoom, Fit
-from prism_serve.control.moore_hodgson import NS, moore_hodgson, prefill_ns, to_ns
+from prism_serve.control.fairness import LEVELS
+from prism_serve.control.moore_hodgson import NS, moore_hodgson, prefill_ns, ranked_moore_hodgson, to_ns
 from prism_serve.control.queues import RequestQueue, _reject_never
 from prism_serve.control.types import (
     Action,
@@ -60,12 +78,13 @@ from prism_serve.control.types import (
     Dispatch,
     EngineSnapshot,
     InvalidSnapshotError,
+    Priority,
     Reject,
     RejectReason,
     Request,
 )
 
-__all__ = ["NS", "DeadlineQueue", "moore_hodgson", "prefill_ns", "to_ns"]
+__all__ = ["NS", "DeadlineQueue", "moore_hodgson", "prefill_ns", "ranked_moore_hodgson", "to_ns"]
 
 _FAR = 1 << 62  # "never binds": the margin of a position whose check failed (it stays failed)
 _SPEED_TOLERANCE = 0.02  # speed changes below this are noise; re-scheduling for them costs O(n)
@@ -73,12 +92,19 @@ _SEQ_BITS = 40  # a queue would need 10^12 pushes before sequence numbers spill 
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 
 
+def _rank(priority: Priority, share: int) -> int:
+    """Higher is kept longer under overload: the class first, then a lower share level."""
+    share = min(max(share, 0), LEVELS - 1)
+    return (Priority.BATCH - priority) * LEVELS + (LEVELS - 1 - share)
+
+
 class _Entry:
-    __slots__ = ("deadline", "key", "model", "p", "request", "seq", "sort", "where")
+    __slots__ = ("deadline", "key", "model", "p", "rank", "request", "seq", "sort", "where")
 
     def __init__(self, request: Request, seq: int, p: int) -> None:
         self.request = request
         self.model = request.model
+        self.rank = _rank(request.origin.priority, request.share)
         self.seq = seq
         self.deadline = to_ns(request.deadline)
         self.sort = (self.deadline, seq)
@@ -92,6 +118,12 @@ class _Entry:
         self.key = (-p << _SEQ_BITS) + self.seq
 
 
+_BATCH_RANKS = frozenset(range(LEVELS))  # _rank of the batch class, at every share level
+# the ranks of requests of the interactive and standard classes from tenants within their share
+_FIRST_RANKS = frozenset(
+    (Priority.BATCH - p) * LEVELS + LEVELS - 1 for p in (Priority.INTERACTIVE, Priority.STANDARD)
+)
+_BEST_EFFORT = frozenset(range(3 * LEVELS)) - _FIRST_RANKS  # batch, and tenants over their share
 _SORT = attrgetter("sort")
 _SEQ = attrgetter("seq")
 _MODEL = attrgetter("model")
@@ -107,10 +139,17 @@ class DeadlineQueue(RequestQueue):
         reserve_tokens: int = 0,
         abort_on_miss: bool = False,
         default_prefill_tokens_per_s: float = 8000.0,
+        best_effort_share: float = 0.125,
     ) -> None:
         super().__init__(device, reserve_tokens=reserve_tokens)
         if not default_prefill_tokens_per_s > 0:
             raise InvalidSnapshotError("default_prefill_tokens_per_s must be > 0")
+        if not 0 < best_effort_share <= 1:
+            raise InvalidSnapshotError("best_effort_share must be in (0, 1]")
+        self.best_effort_share = best_effort_share
+        self._running = 0  # requests the device's engines run, counted at admit (best_effort_share)
+        self._best_effort_below = 1  # best-effort requests start only while _running is below this
+        self._now_ns = 0  # the admit call's now
         self.abort_on_miss = abort_on_miss
         self.default_prefill_tokens_per_s = default_prefill_tokens_per_s
         self._entries: dict[str, _Entry] = {}
@@ -137,7 +176,11 @@ class DeadlineQueue(RequestQueue):
         self._models: list[str] = []
         self._moff = 0
         self._held: list[Action] = []  # rejections found outside admit, returned by the next admit
-        self.stats = {"replans": 0, "fast_appends": 0, "middle_inserts": 0, "fast_dispatches": 0, "reused": 0}
+        self._ranks: dict[int, int] = {}  # rank -> queued requests of it (more than one: a mixed queue)
+        self.stats = {
+            "replans": 0, "fast_appends": 0, "middle_inserts": 0, "fast_dispatches": 0, "reused": 0,
+            "ranked": 0,
+        }  # fmt: skip
 
     # -- queue contract ------------------------------------------------------------------------
 
@@ -146,10 +189,21 @@ class DeadlineQueue(RequestQueue):
         e = _Entry(request, self._seq, prefill_ns(request.prefill_tokens, speed))
         self._seq += 1
         self._entries[request.req_id] = e
+        self._ranks[e.rank] = self._ranks.get(e.rank, 0) + 1
         self._pending.append(e)
 
-    def _cancel(self, req_id: str) -> Request:
+    def _remove(self, req_id: str) -> _Entry:
+        """``req_id``'s entry leaves the queue's books (its lists are the caller's to mend)."""
         e = self._entries.pop(req_id)
+        left = self._ranks[e.rank] - 1
+        if left:
+            self._ranks[e.rank] = left
+        else:
+            del self._ranks[e.rank]
+        return e
+
+    def _cancel(self, req_id: str) -> Request:
+        e = self._remove(req_id)
         if e.where == "pending":
             self._pending.remove(e)
         elif e.where == "late":
@@ -215,6 +269,12 @@ class DeadlineQueue(RequestQueue):
             return out  # nothing can start: leave the work for a call that can dispatch
         t = self._t0_at(now)
         self._refresh(t, out)
+        self._now_ns, self._running = to_ns(now), 0
+        if not _BEST_EFFORT.isdisjoint(self._ranks):  # best-effort requests are queued
+            mine = [e for e in engines.values() if e.device == self.device]
+            self._running = sum(e.num_running for e in mine)
+            slots = max((e.max_num_seqs or 0 for e in mine), default=0)  # one engine's batch
+            self._best_effort_below = max(1, int(self.best_effort_share * slots))
         if self._cands and startable:
             t = self._dispatch_schedule(t, room, startable, out)
         limit = self._limit if self._cands else _FAR
@@ -223,10 +283,19 @@ class DeadlineQueue(RequestQueue):
             self._dispatch_late(t, limit, room, startable, out)
         return out
 
+    def _yields(self, t: int) -> bool:
+        """Whether a best-effort request (batch, or over its tenant's share) waits with the next
+        prefill due at ``t``: while prefills are pending or the device is busy (module docstring)."""
+        return t > self._now_ns or self._running >= self._best_effort_below
+
     def _t0_at(self, now: float) -> int:
         return max(to_ns(now), self._busy_until)
 
     def _refresh(self, t0: int, out: list[Action]) -> None:
+        if len(self._ranks) > 1:
+            self._valid = False  # a mixed queue: recomputed at every call (module docstring)
+            if self.shares is not None:
+                self._rerank()
         if self._valid and not self._t0 <= t0 <= self._limit:
             self._valid = False
         if self._pending:
@@ -236,6 +305,17 @@ class DeadlineQueue(RequestQueue):
         else:
             self.stats["reused"] += 1
             self._t0 = t0
+
+    def _rerank(self) -> None:
+        """Rank every queued request down to its tenant's level now (``shares``) if that is lower
+        than the one it arrived with: a tenant found over its share yields with the requests it
+        queued before. Never up: a backlog that turned first-rank at once would crowd the engines."""
+        shares, counts = self.shares, {}
+        for e in self._entries.values():
+            origin = e.request.origin
+            e.rank = r = min(e.rank, _rank(origin.priority, shares(origin)))
+            counts[r] = counts.get(r, 0) + 1
+        self._ranks = counts
 
     def _sync_speeds(self, engines: Mapping[str, EngineSnapshot]) -> None:
         for model, e in engines.items():
@@ -362,6 +442,9 @@ class DeadlineQueue(RequestQueue):
     def _replan(self, t0: int, out: list[Action]) -> None:
         """A fresh Algorithm 2 run at ``t0`` over every schedulable request."""
         self.stats["replans"] += 1
+        if len(self._ranks) > 1:
+            self._replan_ranked(t0, out)
+            return
         heap: list[int] = []
         push, pushpop = heapq.heappush, heapq.heappushpop
         dropped: set[int] = set()
@@ -434,6 +517,60 @@ class DeadlineQueue(RequestQueue):
         self._limit = limit + t0 if limit < _FAR else _FAR
         self._valid = True
 
+    def _replan_ranked(self, t0: int, out: list[Action]) -> None:
+        """Algorithm 2 over a queue of mixed ranks (module docstring). It leaves the schedule marked
+        stale, so the next call recomputes it too: the incremental paths hold for one rank only."""
+        self.stats["ranked"] += 1
+        heap: list[tuple[int, int, int]] = []
+        dropped: set[int] = set()
+        late: list[_Entry] = []
+        cum = 0
+        for e in self._cands:
+            d = e.deadline - t0
+            if e.p > d:
+                late.append(e)
+                continue
+            heapq.heappush(heap, (e.rank, -e.p, e.seq))
+            cum += e.p
+            while cum > d:
+                _, neg_p, seq = heapq.heappop(heap)
+                cum += neg_p
+                dropped.add(seq)
+        if late:
+            gone = {e.seq for e in late}
+            self._cands = [e for e in self._cands if e.seq not in gone]
+            for e in late:
+                self._make_late(e, out)
+        if self.abort_on_miss and dropped:
+            for e in self._cands:
+                if e.seq in dropped:
+                    self._reject_miss(e, out, "dropped by the deadline schedule")
+            self._cands = [e for e in self._cands if e.seq not in dropped]
+            dropped = set()
+        # each kept position's latest T0, over the kept requests before it; dropped ones never bind
+        margins: list[int] = []
+        cum, limit, min_p = 0, _FAR, _FAR
+        for e in self._cands:
+            min_p = min(min_p, e.p)
+            if e.seq in dropped:
+                margins.append(_FAR)
+                continue
+            cum += e.p
+            margins.append(e.deadline - cum)
+            limit = min(limit, e.deadline - cum)
+        self._margins = margins
+        self._models = list(map(_MODEL, self._cands))
+        self._heap = []
+        self._heap_gone.clear()
+        self._cum = cum
+        self._dropped = dropped
+        self._self_popped = set()
+        self._min_p = 0 if min_p == _FAR else min_p
+        self._moff = 0
+        self._t0 = t0
+        self._limit = limit
+        self._valid = False
+
     def _make_late(self, e: _Entry, out: list[Action]) -> None:
         if self.abort_on_miss:
             self._reject_miss(e, out, "cannot meet its TTFT deadline even if started now")
@@ -443,7 +580,7 @@ class DeadlineQueue(RequestQueue):
         self._late_min_p = min(self._late_min_p, e.p)
 
     def _reject_miss(self, e: _Entry, out: list[Action], why: str) -> None:
-        del self._entries[e.request.req_id]
+        self._remove(e.request.req_id)
         self._emit(
             out,
             Reject(
@@ -470,6 +607,10 @@ class DeadlineQueue(RequestQueue):
         never: list[_Entry] = []
         cands, margins, models = self._cands, self._margins, self._models
         dropped = self._dropped
+        effort = _BEST_EFFORT
+        if not effort.isdisjoint(self._ranks) and self._yields(t0):
+            # best-effort requests wait this call: like dropped ones, they hold no one back
+            dropped = dropped | {e.seq for e in cands if e.rank in effort}
         base = self._moff
         n = len(cands)
         idx = 0
@@ -501,11 +642,14 @@ class DeadlineQueue(RequestQueue):
             kept = e.seq not in dropped
             if kept:
                 req = e.request
-                fit = room.fit(e.model, req.prompt_tokens)
+                fit: Fit | None = room.fit(e.model, req.prompt_tokens)
+                if fit is Fit.OK and e.rank in effort and self._yields(t):
+                    fit = None  # batch fills idle capacity only (module docstring); others may start
                 if fit is Fit.OK and kept_min >= t + e.p:
                     room.take(e.model, req.prompt_tokens)
-                    del self._entries[req.req_id]
+                    self._remove(req.req_id)
                     self._emit(out, Dispatch(req, self.device))
+                    self._running += 1
                     t += e.p
                     shift += e.p
                     gone.append(nxt)
@@ -518,7 +662,7 @@ class DeadlineQueue(RequestQueue):
                 elif fit is Fit.NO_MEMORY and room.short_of_shared(e.model, req.prompt_tokens):
                     room.shared_blocked = True
                     startable.intersection_update(room.startable())
-                elif fit is not Fit.OK:
+                elif fit is not Fit.OK and fit is not None:
                     startable.discard(e.model)
             m = margins[nxt] + base + shift
             all_min = min(all_min, m)
@@ -560,17 +704,20 @@ class DeadlineQueue(RequestQueue):
             model = e.request.model
             if model not in startable or t + e.p > limit:
                 continue
+            if e.rank in _BEST_EFFORT and self._yields(t):
+                continue  # a batch request, or a tenant's over its share: idle capacity only
             fit = room.fit(model, e.request.prompt_tokens)
             if fit is Fit.OK:
                 room.take(model, e.request.prompt_tokens)
-                del self._entries[e.request.req_id]
+                self._remove(e.request.req_id)
                 self._emit(out, Dispatch(e.request, self.device))
+                self._running += 1
                 t += e.p
                 gone.append(idx)
                 if not room.can_start_any(model):
                     startable.discard(model)
             elif fit is Fit.NEVER:
-                del self._entries[e.request.req_id]
+                self._remove(e.request.req_id)
                 self._emit(out, _reject_never(e.request))
                 gone.append(idx)
             elif fit is Fit.NO_MEMORY and room.short_of_shared(model, e.request.prompt_tokens):

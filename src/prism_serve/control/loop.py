@@ -74,6 +74,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from prism_serve.control.eviction import keep_alive_expired
+from prism_serve.control.fairness import FairShare
 from prism_serve.control.forecast import RateEstimator, SeasonalForecaster
 from prism_serve.control.policies import Policy
 from prism_serve.control.prefix_index import PrefixIndex, capacity_blocks
@@ -180,7 +181,9 @@ class ControlLoop:
         self.device_versions: Counter[str] = Counter()
         self.rates = RateEstimator(rate_window_s)
         self.forecast = SeasonalForecaster(forecast_window_s)
-        self.queues: dict[str, RequestQueue] = {d: policy.new_queue(d) for d in devices}
+        # tokens asked and served per tenant of each class: an arrival's Request.share (control/fairness.py)
+        self.fair = FairShare()
+        self.queues: dict[str, RequestQueue] = {d: self._new_queue(d) for d in devices}
         self.backlog: dict[str, Request] = {}  # deferred requests, in deferral order
         self.where: dict[str, str] = {}  # req_id -> _NEW, _DEFERRED, ENGINE or the device it queues on
         self.requests: dict[str, Request] = {}
@@ -215,11 +218,20 @@ class ControlLoop:
             self.rates.start(m, start)
             self.forecast.start(m, start)
 
+    def _new_queue(self, device: str) -> RequestQueue:
+        q = self.policy.new_queue(device)
+        q.shares = self.fair.current
+        return q
+
     # ---- events ---------------------------------------------------------------------------------
 
     def arrival(self, request: Request, now: float) -> None:
         if request.req_id in self.requests:
             raise LoopStateError(f"request {request.req_id!r} is already in the loop")
+        self.fair.charge(request.origin, asked=request.prompt_tokens, now=now)
+        share = self.fair.level(request.origin, now)
+        if share != request.share:
+            request = replace(request, share=share)
         self.requests[request.req_id] = request
         self._route(request, now, arriving=True)
         self._admit_changed(now)
@@ -232,6 +244,7 @@ class ControlLoop:
         """A tick's first part, on the body's loop: the models' own keep-alive evictions, then the
         snapshot to place on."""
         self._mark_moved(now)
+        self.fair.forget_idle(now)
         cluster = self.body.cluster(now)
         expired = keep_alive_expired(cluster, now)
         if expired:  # the models' own keep-alive comes before the policy
@@ -359,11 +372,21 @@ class ControlLoop:
         self._admit_changed(now)
         return [] if replica else out
 
-    def request_left(self, req_id: str) -> None:
-        """A request on an engine is done (finished, failed or aborted); admission waits for the
-        body's ``capacity_freed``, so one step's many finishes admit once."""
+    def request_left(
+        self, req_id: str, output_tokens: int = 0, now: float | None = None, first_token: float | None = None
+    ) -> None:
+        """A request on an engine is done (finished, failed or aborted) after ``output_tokens``,
+        its first token at ``first_token`` (None: none came); both count in its tenant's fair
+        share at ``now`` (control/fairness.py). Admission waits for the body's ``capacity_freed``,
+        so one step's many finishes admit once."""
         if self.where.get(req_id) == ENGINE:
-            self._forget(self.requests[req_id])
+            request = self.requests[req_id]
+            if now is not None:
+                self.fair.left(
+                    request.origin, request.prompt_tokens, output_tokens,
+                    first_token is not None and first_token <= request.deadline, now,
+                )  # fmt: skip
+            self._forget(request)
 
     def capacity_freed(self, devices: Iterable[str], now: float) -> None:
         self.wake(devices)
@@ -377,7 +400,7 @@ class ControlLoop:
     def add_device(self, device: str) -> None:
         """A device joined (a node of a Ray cluster): the policy may place on it from now on."""
         if device not in self.queues:
-            self.queues[device] = self.policy.new_queue(device)
+            self.queues[device] = self._new_queue(device)
             self.stale_devices.add(device)
             self.version += 1
 

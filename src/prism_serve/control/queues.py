@@ -14,7 +14,7 @@ The deadline-ordered Algorithm 2 queue is in ``admission.py``.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from prism_serve.control.capacity import DeviceRoom, Fit
 from prism_serve.control.types import (
@@ -24,6 +24,7 @@ from prism_serve.control.types import (
     DuplicateRequestError,
     EngineSnapshot,
     InvalidSnapshotError,
+    Origin,
     Reject,
     RejectReason,
     Request,
@@ -40,6 +41,10 @@ class RequestQueue:
             raise InvalidSnapshotError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
         self.device = device
         self.reserve_tokens = reserve_tokens
+        # the fair-share level a request's tenant is at now (the control loop's FairShare.current),
+        # for queues that re-rank queued requests as their tenants' levels change; None: each
+        # request keeps the level it arrived with (Request.share)
+        self.shares: Callable[[Origin], int] | None = None
         self._model_counts: dict[str, int] = {}
         self._ids: set[str] = set()
 

@@ -38,6 +38,8 @@ __all__ = [
     "ModelProfile",
     "ModelSnapshot",
     "ModelState",
+    "Origin",
+    "Priority",
     "Reject",
     "RejectReason",
     "Request",
@@ -713,6 +715,33 @@ def _index(items: Iterable, attr: str) -> dict:
 PREFIX_BLOCK_TOKENS = 64
 
 
+class Priority(enum.IntEnum):
+    """A request's class in admission: under overload ``BATCH`` yields first, then ``STANDARD``
+    (control/admission.py). Lower is served first, as in vLLM's ``priority``."""
+
+    INTERACTIVE = 0
+    STANDARD = 1
+    BATCH = 2
+
+
+@dataclass(slots=True, frozen=True)
+class Origin:
+    """Who sent a request, as admission sees it: the tenant (its name, never its key), the tenant's
+    priority class and its weight in the fair share of its class (control/fairness.py)."""
+
+    tenant: str = ""
+    priority: Priority = Priority.STANDARD
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise InvalidSnapshotError(f"tenant {self.tenant!r}: weight must be > 0")
+        object.__setattr__(self, "priority", Priority(self.priority))
+
+
+DEFAULT_ORIGIN = Origin()
+
+
 @dataclass(slots=True, frozen=True)
 class Request:
     """A request as admission sees it: only what decides its deadline, its prefill time and where
@@ -724,6 +753,9 @@ class Request:
     ``cached_tokens``: the leading prompt tokens expected to be cached on the replica the request is
     routed to (the control loop sets it from its prefix index); admission's prefill estimate counts
     only the rest (:attr:`prefill_tokens`).
+    ``origin``: its tenant, class and weight. ``share``: how far its tenant was over its fair share
+    of its class when it arrived (0: at or under it; the control loop sets it, control/fairness.py);
+    under overload admission drops a lower class first, then a higher share, then a longer prefill.
     """
 
     req_id: str
@@ -733,6 +765,8 @@ class Request:
     ttft_slo: float  # s; the deadline is arrival + ttft_slo (paper section 6.3)
     prefix_keys: tuple[int, ...] = field(default=(), repr=False)
     cached_tokens: int = 0
+    origin: Origin = DEFAULT_ORIGIN
+    share: int = 0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.arrival):

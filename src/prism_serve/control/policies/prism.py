@@ -188,6 +188,7 @@ class PrismPolicy(Policy):
             reserve_tokens=k.reserve_tokens,
             abort_on_miss=k.abort_on_miss,
             default_prefill_tokens_per_s=k.default_prefill_tokens_per_s,
+            best_effort_share=k.best_effort_share,
         )
 
     @property

@@ -54,6 +54,11 @@ class PrismKnobs(Knobs):
     # (unless it would miss the TTFT SLO there and not elsewhere), and count only the uncached
     # prompt tokens in admission's prefill estimate (control/prefix_index.py); False: the ablation
     prefix_aware: bool = True
+    # a best-effort request (the batch class, or a tenant over its fair share) starts only while its
+    # device runs fewer requests (of every class) than this fraction of its engines' sequence slots,
+    # and no prefill is pending: it fills idle capacity without crowding the steps every running
+    # request shares (control/admission.py)
+    best_effort_share: float = 0.125
 
     def __post_init__(self) -> None:
         require(
@@ -71,6 +76,7 @@ class PrismKnobs(Knobs):
         )
         fraction("memory_watermark", self.memory_watermark, open_low=True)
         require(self.max_replicas >= 1, "max_replicas must be >= 1")
+        fraction("best_effort_share", self.best_effort_share, open_low=True)
         fraction("replica_high", self.replica_high, open_low=True)
         fraction("replica_low", self.replica_low)
         require(self.replica_low < self.replica_high, "replica_low must be below replica_high")
