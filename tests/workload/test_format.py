@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prism_serve.workload import Workload, WorkloadError, WorkloadRequest, read_jsonl, write_jsonl
+from prism_serve.workload.format import NO_ORIGIN, PRIORITIES
+from prism_serve.workload.resample import resample
 
 rows = st.lists(
     st.builds(
@@ -16,6 +18,8 @@ rows = st.lists(
         st.sampled_from(["a", "b", "model-c", 'q"uote']),
         st.integers(1, 20000),
         st.integers(1, 4000),
+        tenant=st.sampled_from(["", "team-a", 'te"am']),
+        priority=st.sampled_from(PRIORITIES),
     ),
     max_size=40,
 )
@@ -48,6 +52,8 @@ def test_models_without_requests_are_kept(tmp_path):
         ('{"timestamp": 1, "model": "", "prompt_tokens": 3, "output_tokens": 2}', "model"),
         ('{"timestamp": 1, "model": "a", "prompt_tokens": 0, "output_tokens": 2}', "prompt_tokens"),
         ('{"timestamp": 1, "model": "a", "prompt_tokens": 3, "output_tokens": 2.5}', "output_tokens"),
+        ('{"timestamp": 1, "model": "a", "prompt_tokens": 3, "output_tokens": 2, "priority": 1}', "priority"),
+        ('{"timestamp": 1, "model": "a", "prompt_tokens": 3, "output_tokens": 2, "tenant": 7}', "tenant"),
         ("[1, 2]", "object"),
         ("{not json", "not JSON"),
     ],
@@ -75,3 +81,23 @@ def test_restrict_keeps_the_named_models_requests_reindexed():
     assert list(r.models) == ["c", "b"] and r.timestamps.tolist() == [1.0, 2.0, 3.0]
     assert [r.models[i] for i in r.model_index] == ["b", "c", "b"] and r.prompt_tokens.tolist() == [6, 7, 8]
     assert len(w.only("a")) == 1
+
+
+def test_origins_follow_their_requests_through_selections_and_draws():
+    rows = [
+        WorkloadRequest(float(i), "ab"[i % 2], 10 + i, 5, tenant=f"t{i % 3}", priority=PRIORITIES[i % 3])
+        for i in range(30)
+    ]
+    w = Workload.from_rows(rows)
+    assert set(w.origins) == {r.origin for r in rows}
+    only_a = w.only("a")
+    assert [only_a.origin_of(i) for i in range(len(only_a))] == [r.origin for r in rows if r.model == "a"]
+    head = w.head(10.0)
+    assert [r.origin for r in head.rows()] == [r.origin for r in rows[:10]]
+    # a draw copies requests with their origins: each (prompt length, origin) pair is one of the log's
+    drawn = resample(w, seed=3)
+    known = {(r.prompt_tokens, r.origin) for r in rows}
+    assert {(r.prompt_tokens, r.origin) for r in drawn.rows()} <= known
+    # without any, the workload carries none
+    plain = Workload.from_rows([WorkloadRequest(0.0, "a", 1, 1)])
+    assert plain.origins is None and plain.origin_of(0) == NO_ORIGIN

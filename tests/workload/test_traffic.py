@@ -24,21 +24,26 @@ def log_line(arrival: float, model: str, prompt: int | None, output: int, **extr
 def test_the_request_log_is_traffic_from_its_first_arrival(tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join([
-        log_line(1000.0, "a", 100, 20),
+        log_line(1000.0, "a", 100, 20, tenant="team-a", priority="interactive"),
         log_line(1001.5, "b", 50, 10, n=2, output_tokens=30),  # two choices: two sequences of 15
         log_line(1002.0, "a", 80, 0, status=503, output_tokens=0),  # overloaded: demand, max_tokens long
         log_line(1003.0, "a", None, 0, status=400, output_tokens=0),  # refused as invalid: not traffic
         log_line(1004.0, "b", 70, 0, status=429, output_tokens=0, max_tokens=None),  # like b's others
-        log_line(1004.5, "a", 90, 8, lane="batch"),  # the batch lane's: idle capacity, not planned for
+        log_line(1004.5, "a", 90, 8, lane="batch", tenant="team-a"),  # the batch lane's: batch class
     ]) + "\n")  # fmt: skip
     t = read_traffic(path, ["a", "b", "idle"])
     w = t.workload
     assert t.format == "log" and t.dropped_invalid == 1 and list(w.models) == ["a", "b", "idle"]
-    assert t.dropped_batch == 1
-    assert w.timestamps.tolist() == [0.0, 1.5, 1.5, 2.0, 4.0]
-    assert [w.models[i] for i in w.model_index] == ["a", "b", "b", "a", "b"]
-    assert w.prompt_tokens.tolist() == [100, 50, 50, 80, 70]
-    assert w.output_tokens.tolist() == [20, 15, 15, 64, 15]
+    assert t.batch == 1
+    assert w.timestamps.tolist() == [0.0, 1.5, 1.5, 2.0, 4.0, 4.5]
+    assert [w.models[i] for i in w.model_index] == ["a", "b", "b", "a", "b", "a"]
+    assert w.prompt_tokens.tolist() == [100, 50, 50, 80, 70, 90]
+    assert w.output_tokens.tolist() == [20, 15, 15, 64, 15, 8]
+    # who sent each: the tenant, its class; the batch lane's line is batch; the rest standard
+    assert [w.origin_of(i) for i in range(len(w))] == [
+        ("team-a", "interactive"), *[("", "standard")] * 4, ("team-a", "batch")
+    ]
+    assert w.judged().tolist() == [True] * 5 + [False]
 
 
 def test_a_csv_export_with_its_own_columns_and_iso_times(tmp_path: Path) -> None:

@@ -74,6 +74,10 @@ class SimConfig:
     # host memory for evicted models' hottest cached prefixes, restored at their next activation
     # (live: policy.kept_prefix_bytes; memory/kept.py's rule); 0 keeps none
     kept_prefix_bytes: int = 0
+    # a ``batch`` request's first-token deadline (the live batch lane's: its batch's window), and
+    # the tenants' weights in their class's fair share (control/fairness.py; unnamed tenants: 1)
+    batch_window_s: float = 86400.0
+    tenant_weights: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.profiles not in ("cost-model", "live"):
@@ -82,6 +86,11 @@ class SimConfig:
             raise SimConfigError(f"step_scale must be a positive number, got {self.step_scale}")
         if self.num_devices < 1:
             raise SimConfigError("num_devices must be >= 1")
+        if not (self.batch_window_s > 0 and math.isfinite(self.batch_window_s)):
+            raise SimConfigError(f"batch_window_s must be a positive number, got {self.batch_window_s}")
+        for tenant, weight in self.tenant_weights:
+            if not (weight > 0 and math.isfinite(weight)):
+                raise SimConfigError(f"tenant {tenant!r}: weight must be a positive number, got {weight}")
         if self.cost_model not in COST_MODELS:
             raise SimConfigError(f"unknown cost model {self.cost_model!r}")
         get_hardware(self.hardware)

@@ -13,6 +13,11 @@
   cache when the request was first scheduled, over all prompt tokens (requests never scheduled count
   as misses); ``prefix_hit_rate_infinite`` is what one unbounded cache per model that never evicts,
   filled as requests arrive, would give on the same requests.
+- **Classes and tenants** (workloads that name them, workload/format.py): attainment counts the
+  requests of the ``interactive`` and ``standard`` classes (all of them when every request is
+  ``batch``). ``batch`` requests run on what the others leave, by their window: the summary reports
+  how many finished (``batch``), and each class's and each tenant's attainment apart
+  (``by_class``, ``by_tenant``).
 """
 
 from __future__ import annotations
@@ -22,27 +27,34 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from prism_serve.control.types import DEFAULT_ORIGIN, Priority
 from prism_serve.sim.engine import SimRequest
 
-__all__ = ["SimResult", "attainment"]
+__all__ = ["SimResult", "attainment", "judged_requests"]
 
 
 def _ttft_met(r: SimRequest) -> bool:
     return r.first_token is not None and r.first_token - r.arrival <= r.ttft_slo
 
 
+def _tpot_met(r: SimRequest) -> bool:
+    return r.finish is not None and (r.output_tokens <= 1 or r.tpot <= r.tpot_slo)
+
+
+def judged_requests(requests: list[SimRequest]) -> list[SimRequest]:
+    """The requests attainment counts: all but the batch class's (all when there is nothing else)."""
+    judged = [r for r in requests if r.control.origin.priority is not Priority.BATCH]
+    return judged if judged or not requests else requests
+
+
 def attainment(requests: list[SimRequest]) -> tuple[float, float]:
-    """(TTFT, TPOT) attainment over ``requests`` (1.0 for an empty list)."""
+    """(TTFT, TPOT) attainment over ``requests`` (1.0 for an empty list), batch requests left out
+    unless they are all there is."""
+    requests = judged_requests(requests)
     if not requests:
         return 1.0, 1.0
-    ttft_ok = tpot_ok = 0
-    for r in requests:
-        if _ttft_met(r):
-            ttft_ok += 1
-        if r.finish is not None and (r.output_tokens <= 1 or r.tpot <= r.tpot_slo):
-            tpot_ok += 1
     n = len(requests)
-    return ttft_ok / n, tpot_ok / n
+    return sum(map(_ttft_met, requests)) / n, sum(map(_tpot_met, requests)) / n
 
 
 @dataclass(slots=True)
@@ -105,9 +117,10 @@ class SimResult:
 
     def summary(self) -> dict:
         reqs = self.requests
+        judged = judged_requests(reqs)
         ttft, tpot = attainment(reqs)
         done = [r for r in reqs if r.finish is not None]
-        ttfts = np.array([r.ttft for r in reqs if r.first_token is not None])
+        ttfts = np.array([r.ttft for r in judged if r.first_token is not None])
         out_tokens = sum(r.output_tokens for r in done)
 
         def pct(a: np.ndarray, q: float) -> float | None:
@@ -116,6 +129,7 @@ class SimResult:
         return {
             **self.labels,
             "num_requests": len(reqs),
+            "num_judged": len(judged),  # the requests attainment counts (batch left out)
             "num_finished": len(done),
             "num_rejected": sum(1 for r in reqs if r.rejected is not None),
             "num_unfinished": sum(1 for r in reqs if r.finish is None and r.rejected is None),
@@ -126,8 +140,8 @@ class SimResult:
             "ttft_p50_s": pct(ttfts, 50),
             "ttft_p95_s": pct(ttfts, 95),
             "ttft_p99_s": pct(ttfts, 99),
-            "ttft_misses_cold": sum(1 for r in reqs if r.cold and not _ttft_met(r)),
-            "ttft_misses_warm": sum(1 for r in reqs if not r.cold and not _ttft_met(r)),
+            "ttft_misses_cold": sum(1 for r in judged if r.cold and not _ttft_met(r)),
+            "ttft_misses_warm": sum(1 for r in judged if not r.cold and not _ttft_met(r)),
             "activations": self.counters["activations"],
             "replica_activations": self.counters["replica_activations"],  # of replica slots >= 1
             "requests_on_replicas": sum(1 for r in reqs if r.replica and r.replica != r.model),
@@ -141,4 +155,29 @@ class SimResult:
             "simulated_s": self.end_time,
             "busy_s": self.busy_time,
             **(self._prefix(reqs, sum(self.infinite_cached.values())) if self.prefix_caching else {}),
+            **self._origins(reqs),
+        }
+
+    @staticmethod
+    def _origins(reqs: list[SimRequest]) -> dict:
+        """Per class and per tenant, when the workload names them (the module's docstring)."""
+        if all(r.control.origin == DEFAULT_ORIGIN for r in reqs):
+            return {}
+        by_class: dict[str, list[SimRequest]] = {}
+        by_tenant: dict[str, list[SimRequest]] = {}
+        for r in reqs:
+            by_class.setdefault(r.control.origin.priority.name.lower(), []).append(r)
+            by_tenant.setdefault(r.control.origin.tenant, []).append(r)
+
+        def part(rs: list[SimRequest]) -> dict:
+            n = len(rs)
+            return {"requests": n, "finished": sum(r.finish is not None for r in rs),
+                    "ttft_attainment": sum(map(_ttft_met, rs)) / n,
+                    "tpot_attainment": sum(map(_tpot_met, rs)) / n}  # fmt: skip
+
+        batch = by_class.get("batch", [])
+        return {
+            "batch": {"requests": len(batch), "finished": sum(r.finish is not None for r in batch)},
+            "by_class": {c: part(rs) for c, rs in sorted(by_class.items())},
+            "by_tenant": {t: part(rs) for t, rs in sorted(by_tenant.items())},
         }

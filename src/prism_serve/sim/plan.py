@@ -84,7 +84,7 @@ from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.deployment import SimDeployment
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.hardware import HardwareProfile, get_hardware
-from prism_serve.sim.metrics import attainment
+from prism_serve.sim.metrics import attainment, judged_requests
 from prism_serve.sim.models import ServedModel
 from prism_serve.sim.simulator import simulate
 from prism_serve.workload.format import Workload
@@ -309,12 +309,13 @@ def exclusive_floor(models: Sequence[ServedModel], workload: Workload, budget: i
     are at most the fractional knapsack's (models by requests per device, the last one split),
     so a count whose remaining requests exceed ``budget`` fails for certain, whichever models the
     policy picks. Sound for any traffic; it skips only counts a run would fail."""
-    per_model = np.bincount(workload.model_index, minlength=len(workload.models))
+    judged = workload.judged()  # batch requests miss nothing (sim/metrics.py)
+    per_model = np.bincount(workload.model_index[judged], minlength=len(workload.models))
     requests = {name: int(k) for name, k in zip(workload.models, per_model, strict=True)}
     items = sorted(
         ((requests.get(m.name, 0), m.tp_size) for m in models), key=lambda it: it[0] / it[1], reverse=True
     )
-    total = len(workload)
+    total = int(judged.sum())
     for n in range(1, sum(tp for _, tp in items) + 1):
         room, served = n, 0.0
         for k, tp in items:
@@ -371,7 +372,8 @@ def _screen(screen: _Screen) -> dict:
     runnable = np.array([m in names for m in job.workload.models])[job.workload.model_index]
     # the span's indices among the requests simulated; the window's requests that cannot be miss
     first, warmup, end = (int(runnable[:i].sum()) for i in (w.first, w.warmup, w.end))
-    lost = (w.end - w.first) - (end - first)
+    judged = job.workload.judged()  # the requests attainment counts (batch ones do not)
+    lost = int((judged[w.first : w.end] & ~runnable[w.first : w.end]).sum())
     misses, stopped, seen = lost, False, lost
     if lost <= screen.budget:
         cfg = dataclasses.replace(job.config, span=(warmup, end), count_from=first)
@@ -381,7 +383,8 @@ def _screen(screen: _Screen) -> dict:
                 cfg, stop_after_ttft_misses=screen.budget - lost, drain_s=longest + 2 * cfg.tick_s
             )
         res = simulate(models, served, job.slos, cfg)
-        counted = res.requests[first - warmup :]  # unarrived ones (a run stopped early): "at least"
+        # unarrived ones (a run stopped early): "at least"
+        counted = judged_requests(res.requests[first - warmup :])
         ttft, tpot = attainment(counted)
         met = ttft if screen.metric == "ttft" else tpot
         misses += len(counted) - round(met * len(counted))
@@ -397,10 +400,10 @@ def _screen(screen: _Screen) -> dict:
         },
         "ttft_attainment": None,
         "tpot_attainment": None,
-        "num_requests": len(wl),
+        "num_requests": int(judged.sum()),
     }  # fmt: skip
     if out["screened_out"]:  # failed on the window's requests alone
-        out["stopped"] = _stopped("screen", screen.metric, seen, len(wl), misses)
+        out["stopped"] = _stopped("screen", screen.metric, seen, out["num_requests"], misses)
         out[METRICS[screen.metric]] = out["stopped"]["attainment_seen"]
     out["wall_s"] = out["screen"]["wall_s"]
     return out
@@ -441,14 +444,16 @@ def _run(job: _Job) -> dict:
     res = simulate(models, workload, job.slos, cfg)
     out = res.summary()
     out["per_model"] = res.per_model()
-    total = len(job.workload)
-    lost = total - len(workload)
-    arrived = out["num_requests"]  # all of the workload's, or those before a stop
+    # counts of the requests attainment judges (sim/metrics.py: batch ones are not)
+    judged = job.workload.judged()
+    total = int(judged.sum())
+    lost = total - int(workload.judged().sum())
+    arrived = out["num_judged"]  # all of the workload's, or those before a stop
     seen = total
     if res.labels.get("stopped_early"):
         # the requests (of every model) up to the last one that arrived; the rest were never seen
-        last = float(workload.timestamps[arrived - 1]) if arrived else -math.inf
-        seen = int(np.searchsorted(job.workload.timestamps, last, side="right"))
+        last = float(workload.timestamps[out["num_requests"] - 1]) if out["num_requests"] else -math.inf
+        seen = int(judged[: int(np.searchsorted(job.workload.timestamps, last, side="right"))].sum())
     if lost or seen < total:
         # unserved models' requests miss; a run stopped early reports over the requests it saw
         met_ttft = out["ttft_attainment"] * arrived
@@ -534,7 +539,7 @@ def plan(
     low = max(bound.compute_devices, bound.tp_devices, widest, 1)
     # dedicated devices for every model, twice over, always suffice for a policy that can use them
     high = max_devices or max(low, 2 * sum(m.tp_size for m in deployment.models))
-    budget = _budget(target, len(workload))
+    budget = _budget(target, int(workload.judged().sum()))
     models = tuple(deployment.models)
     workers = max(1, min(jobs or os.cpu_count() or 1, 8))
     window = busy_window(workload, screen_window_s, screen_warmup_s) if screen else None
@@ -583,11 +588,12 @@ def plan(
             def draw_job(n: int, drawn: Workload, error: float) -> _Job:
                 # a step the profile predicts ``error`` off runs 1 / (1 + error) times as long; the
                 # draw's own budget of misses stops it early, as a count of the search
+                budget = _budget(target, int(drawn.judged().sum()))
                 cfg = dataclasses.replace(
                     searched,
                     num_devices=n,
                     step_scale=searched.step_scale / (1 + error),
-                    stop_after_ttft_misses=_budget(target, len(drawn)) if metric == "ttft" else None,
+                    stop_after_ttft_misses=budget if metric == "ttft" else None,
                 )
                 return _Job(models, drawn, deployment.slos, cfg)
 

@@ -134,8 +134,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         notes.append(f"{sum(traffic.dropped_unknown.values())} requests for models not served dropped")
     if traffic.dropped_invalid:
         notes.append(f"{traffic.dropped_invalid} requests the server refused as invalid left out")
-    if traffic.dropped_batch:
-        notes.append(f"{traffic.dropped_batch} batch-lane requests left out (they run on idle capacity)")
+    if traffic.batch:
+        notes.append(
+            f"{traffic.batch} batch requests run in the batch class on what the others leave; "
+            "the target judges the others"
+        )
     print(
         f"traffic: {len(traffic.workload)} requests over {traffic.span_s:.0f} s from {traffic.source} "
         f"({traffic.format}){'; ' + '; '.join(notes) if notes else ''}",

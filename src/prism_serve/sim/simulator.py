@@ -51,7 +51,14 @@ from prism_serve.control import (
 )
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.policies import POLICIES
-from prism_serve.control.types import PREFIX_BLOCK_TOKENS, REPLICA_SEPARATOR, replica_name
+from prism_serve.control.types import (
+    DEFAULT_ORIGIN,
+    PREFIX_BLOCK_TOKENS,
+    REPLICA_SEPARATOR,
+    Origin,
+    Priority,
+    replica_name,
+)
 from prism_serve.memory.kept import KeptBudget
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
@@ -170,6 +177,12 @@ class Simulator:
         self._names = workload.models
         # prefix caching: the workload's hashes, and the engines' block size its keys are made for
         self._hashes = workload.block_hashes if config.engine.prefix_caching else None
+        # each (tenant, priority) of the workload as admission sees it (control/fairness.py)
+        weights = dict(config.tenant_weights)
+        self._origins = [
+            Origin(tenant, Priority[priority.upper()], weights.get(tenant, 1.0))
+            for tenant, priority in workload.origins or ()
+        ]
         self._block_size = config.engine.block_size
         # an evicted model's hottest cached prefix keys, restored at its next activation
         self._kept: KeptBudget[tuple[int, ...]] = KeptBudget(
@@ -315,15 +328,24 @@ class Simulator:
                     if step and not rest
                     else block_keys(self._hashes[i], wl.block_tokens, prompt, PREFIX_BLOCK_TOKENS)
                 )
-        control = Request(req_id, model, now, prompt, m.slo.ttft_s, prefix_keys)
-        req = SimRequest(req_id, model, now, prompt, output, m.slo.ttft_s, m.slo.tpot_s, control)
+        ttft_slo, tpot_slo, origin = m.slo.ttft_s, m.slo.tpot_s, DEFAULT_ORIGIN
+        if self._origins:
+            origin = self._origins[wl.origin_index[i]]
+            if origin.priority is Priority.BATCH:  # its batch's window: attainment leaves it out
+                ttft_slo, tpot_slo = self.config.batch_window_s, math.inf
+        control = Request(req_id, model, now, prompt, ttft_slo, prefix_keys, origin=origin)
+        req = SimRequest(req_id, model, now, prompt, output, ttft_slo, tpot_slo, control)
         req.block_keys = keys
         # cold: no replica of the model had a ready engine when the request arrived
         req.cold = all(self.models[name].state is not ModelState.ACTIVE for name in self._replicas_of(model))
         self.requests.append(req)
         self.by_id[req_id] = req
         self.in_system += 1
-        if self.config.stop_after_ttft_misses is not None and i >= self.config.count_from:
+        if (
+            self.config.stop_after_ttft_misses is not None
+            and i >= self.config.count_from
+            and origin.priority is not Priority.BATCH  # not judged (metrics.attainment)
+        ):
             self._unsettled.append(req)
         self._next_arrival = i + 1
         if i + 1 < self._end:
@@ -394,7 +416,7 @@ class Simulator:
         for req in finished:
             self._leave(req)
             m.num_running -= 1
-            self.loop.request_left(req.req_id)
+            self.loop.request_left(req.req_id, req.output_tokens, now, req.first_token)
         if finished:
             self.loop.stale_models[m.served.name] = None
         self._start(e, now)

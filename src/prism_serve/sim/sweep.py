@@ -70,10 +70,12 @@ def run_point(exp: Experiment, policy: str, axis: str | None = None, value: floa
     out["per_model"] = res.per_model()
     lost = len(workload) - len(dropped)
     if lost:
-        n = out["num_requests"] + lost
-        out["ttft_attainment"] *= out["num_requests"] / n
-        out["tpot_attainment"] *= out["num_requests"] / n
-        out["num_requests"] = n
+        # attainment counts the judged requests (sim/metrics.py: batch ones are not)
+        judged = out["num_judged"] + int(workload.judged().sum()) - int(dropped.judged().sum())
+        out["ttft_attainment"] *= out["num_judged"] / judged
+        out["tpot_attainment"] *= out["num_judged"] / judged
+        out["num_requests"] += lost
+        out["num_judged"] = judged
         out["num_rejected"] += lost
     out.update(axis=axis, value=value, slo_scale=slo_scale, tpot_scale=tpot_scale or slo_scale)
     return out

@@ -10,7 +10,12 @@ Each line is a request::
 - optionally ``block_hashes`` and ``block_tokens`` together: one integer per ``block_tokens``-token
   block of the prompt, from its start (a last partial block may have one too); equal hashes at the
   same position of two prompts mean the same tokens there. They tell which requests share a prefix
-  (the simulator's prefix cache, workload/prefix.py); a request without them shares nothing.
+  (the simulator's prefix cache, workload/prefix.py); a request without them shares nothing;
+- optionally ``tenant`` (a name, 1-64 characters) and ``priority`` (``interactive``, ``standard`` or
+  ``batch``): who sent it and its class in admission (control/admission.py, control/fairness.py).
+  A request without them is ``standard`` from no tenant. The simulator serves a ``batch`` request
+  by its class (it yields to the others under overload) with its batch window as its deadline,
+  and its attainment counts the other classes only (a batch request is reported apart).
 
 Lines are written in arrival order; a reader accepts them in any order and sorts them (stably). Blank
 lines are ignored; any other key is an error, so a typo never silently changes a workload.
@@ -33,9 +38,13 @@ from prism_serve.errors import PrismError
 __all__ = [
     "FIELDS",
     "HASH_FIELDS",
+    "NO_ORIGIN",
+    "ORIGIN_FIELDS",
+    "PRIORITIES",
     "Workload",
     "WorkloadError",
     "WorkloadRequest",
+    "check_origin",
     "parse_hashes",
     "read_jsonl",
     "write_jsonl",
@@ -43,6 +52,9 @@ __all__ = [
 
 FIELDS = ("timestamp", "model", "prompt_tokens", "output_tokens")
 HASH_FIELDS = ("block_hashes", "block_tokens")  # optional, both or neither
+ORIGIN_FIELDS = ("tenant", "priority")  # optional, each alone
+PRIORITIES = ("interactive", "standard", "batch")  # as control.types.Priority, in its order
+NO_ORIGIN = ("", "standard")  # a request without tenant or priority
 
 
 class WorkloadError(PrismError, ValueError):
@@ -58,6 +70,12 @@ class WorkloadRequest:
     # one hash per ``block_tokens``-token block of the prompt from its start; () shares nothing
     block_hashes: tuple[int, ...] = ()
     block_tokens: int = 0
+    tenant: str = ""
+    priority: str = "standard"
+
+    @property
+    def origin(self) -> tuple[str, str]:
+        return (self.tenant, self.priority)
 
 
 class Workload:
@@ -66,7 +84,9 @@ class Workload:
     ``models`` lists every model name the workload serves, including models that get no request
     (a model idle for the whole run still occupies memory under some policies); ``model_index[i]``
     indexes it. ``block_hashes`` (None: no request has any) holds each request's prompt block hashes,
-    ``()`` for a request without, all of blocks of ``block_tokens`` tokens.
+    ``()`` for a request without, all of blocks of ``block_tokens`` tokens. ``origins`` (None: every
+    request is ``NO_ORIGIN``) lists the (tenant, priority) pairs that occur; ``origin_index[i]``
+    indexes it.
     """
 
     __slots__ = (
@@ -74,6 +94,8 @@ class Workload:
         "block_tokens",
         "model_index",
         "models",
+        "origin_index",
+        "origins",
         "output_tokens",
         "prompt_tokens",
         "timestamps",
@@ -88,7 +110,9 @@ class Workload:
         models: Sequence[str],
         block_hashes: Sequence[tuple[int, ...]] | None = None,
         block_tokens: int = 0,
+        origins: Sequence[tuple[str, str]] | None = None,
     ) -> None:
+        """``origins``: each request's (tenant, priority), or None for none."""
         n = len(timestamps)
         if not (len(model_index) == len(prompt_tokens) == len(output_tokens) == n):
             raise WorkloadError("workload columns differ in length")
@@ -117,6 +141,37 @@ class Workload:
         if block_hashes is not None and any(block_hashes):
             self.block_hashes = tuple(tuple(block_hashes[i]) for i in order.tolist())
             self.block_tokens = int(block_tokens)
+        self.origins: tuple[tuple[str, str], ...] | None = None
+        self.origin_index: np.ndarray | None = None
+        if origins is not None:
+            if len(origins) != n:
+                raise WorkloadError("origins needs one (tenant, priority) per request")
+            table: dict[tuple[str, str], int] = {}
+            for tenant, priority in dict.fromkeys(origins):
+                check_origin(tenant, priority, "workload")
+                table[(tenant, priority)] = len(table)
+            if set(table) - {NO_ORIGIN}:
+                self.origins = tuple(table)
+                self.origin_index = np.array([table[o] for o in origins], dtype=np.int32)[order]
+
+    def origin_of(self, i: int) -> tuple[str, str]:
+        """Request ``i``'s (tenant, priority)."""
+        return NO_ORIGIN if self.origins is None else self.origins[self.origin_index[i]]
+
+    def judged(self) -> np.ndarray:
+        """Which requests attainment judges (sim/metrics.py): all but the batch class's, or all
+        when every request is batch."""
+        if self.origins is None:
+            return np.ones(len(self), dtype=bool)
+        batch = np.array([p == "batch" for _, p in self.origins], dtype=bool)[self.origin_index]
+        return ~batch if not batch.all() else np.ones(len(self), dtype=bool)
+
+    def origins_at(self, index: np.ndarray) -> list[tuple[str, str]] | None:
+        """The origins of the requests at ``index`` (a mask or indices), for a new workload."""
+        if self.origins is None:
+            return None
+        table = self.origins
+        return [table[k] for k in self.origin_index[index].tolist()]
 
     def __len__(self) -> int:
         return len(self.timestamps)
@@ -144,16 +199,18 @@ class Workload:
     def rows(self) -> Iterator[WorkloadRequest]:
         names = self.models
         hashes = self.block_hashes or ((),) * len(self)
+        origins = self.origins_at(np.arange(len(self))) or (NO_ORIGIN,) * len(self)
         bt = self.block_tokens
-        for t, m, p, o, h in zip(
+        for t, m, p, o, h, who in zip(
             self.timestamps.tolist(),
             self.model_index.tolist(),
             self.prompt_tokens.tolist(),
             self.output_tokens.tolist(),
             hashes,
+            origins,
             strict=True,
         ):
-            yield WorkloadRequest(t, names[m], p, o, h, bt if h else 0)
+            yield WorkloadRequest(t, names[m], p, o, h, bt if h else 0, *who)
 
     def _hashes_of(self, mask: np.ndarray) -> list[tuple[int, ...]] | None:
         if self.block_hashes is None:
@@ -170,6 +227,7 @@ class Workload:
             self.models,
             self._hashes_of(mask),
             self.block_tokens,
+            self.origins_at(mask),
         )
 
     def only(self, model: str) -> Workload:
@@ -191,6 +249,7 @@ class Workload:
             list(models),
             self._hashes_of(mask),
             self.block_tokens,
+            self.origins_at(mask),
         )
 
     def head(self, seconds: float) -> Workload:
@@ -219,7 +278,16 @@ class Workload:
             names,
             [r.block_hashes for r in rows] if sizes else None,
             sizes.pop() if sizes else 0,
+            [r.origin for r in rows] if any(r.origin != NO_ORIGIN for r in rows) else None,
         )
+
+
+def check_origin(tenant: object, priority: object, where: str) -> None:
+    """A WorkloadError naming ``where`` unless ``tenant`` and ``priority`` are valid."""
+    if not isinstance(tenant, str) or len(tenant) > 64:
+        raise WorkloadError(f"{where}: tenant must be a string of at most 64 characters, got {tenant!r}")
+    if priority not in PRIORITIES:
+        raise WorkloadError(f"{where}: priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
 
 
 def write_jsonl(workload: Workload, path: str | Path) -> None:
@@ -231,9 +299,12 @@ def write_jsonl(workload: Workload, path: str | Path) -> None:
                 if r.block_hashes
                 else ""
             )
+            who = (f', "tenant": {json.dumps(r.tenant)}' if r.tenant else "") + (
+                f', "priority": "{r.priority}"' if r.priority != NO_ORIGIN[1] else ""
+            )
             f.write(
                 f'{{"timestamp": {round(r.timestamp, 6)}, "model": {json.dumps(r.model)}, '
-                f'"prompt_tokens": {r.prompt_tokens}, "output_tokens": {r.output_tokens}{hashes}}}\n'
+                f'"prompt_tokens": {r.prompt_tokens}, "output_tokens": {r.output_tokens}{hashes}{who}}}\n'
             )
 
 
@@ -255,13 +326,15 @@ def _parse(line: str, where: str) -> WorkloadRequest:
         raise WorkloadError(f"{where}: not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise WorkloadError(f"{where}: expected an object")
-    keys = set(obj)
+    keys = set(obj) - set(ORIGIN_FIELDS)
     if keys != set(FIELDS) and keys != set(FIELDS + HASH_FIELDS):
         missing = sorted(set(FIELDS) - keys) + sorted(
             set(HASH_FIELDS) - keys if keys & set(HASH_FIELDS) else ()
         )
         extra = sorted(keys - set(FIELDS + HASH_FIELDS))
         raise WorkloadError(f"{where}: missing keys {missing}, unknown keys {extra}")
+    who = (obj.get("tenant", ""), obj.get("priority", NO_ORIGIN[1]))
+    check_origin(*who, where)
     t, model, p, o = (obj[k] for k in FIELDS)
     if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
         raise WorkloadError(f"{where}: timestamp must be a finite number >= 0, got {t!r}")
@@ -271,9 +344,9 @@ def _parse(line: str, where: str) -> WorkloadRequest:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise WorkloadError(f"{where}: {name} must be an integer >= 1, got {v!r}")
     if "block_hashes" not in obj:
-        return WorkloadRequest(float(t), model, p, o)
+        return WorkloadRequest(float(t), model, p, o, (), 0, *who)
     return WorkloadRequest(
-        float(t), model, p, o, *parse_hashes(obj["block_hashes"], obj["block_tokens"], where)
+        float(t), model, p, o, *parse_hashes(obj["block_hashes"], obj["block_tokens"], where), *who
     )
 
 

@@ -75,6 +75,7 @@ def resample(workload: Workload, seed: int, block_s: float = BLOCK_S, reach_s: f
         workload.models,
         hashes,
         workload.block_tokens,
+        workload.origins_at(source),
     )
 
 

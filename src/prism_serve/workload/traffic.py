@@ -7,12 +7,14 @@ Three formats, told apart by the file (``format="auto"``) or named:
   lengths are what the server counted. A request the server answered with an error after reading
   it (429, 503, 504: overload, no activation in time) is still demand: its output length is its
   ``max_tokens``, or the model's median output when it had none. A request refused as invalid
-  (other statuses) or without a prompt length is not traffic and is left out (counted), and so is
-  a line of the batch lane (``"lane": "batch"``: it runs on what interactive traffic leaves, so
-  the plan is for the interactive requests; counted). A line's
+  (other statuses) or without a prompt length is not traffic and is left out (counted). A line's
+  ``tenant`` and ``priority`` become the request's (workload/format.py), and a line of the batch
+  lane (``"lane": "batch"``) is a ``batch`` request: the simulation runs it on what the other
+  classes leave, and the plan's attainment judges the others (counted). A line's
   ``block_hashes`` (the hashes of its prompt's full blocks) become the request's block hashes, so the
   simulated engines cache the prefixes the requests share.
-- ``jsonl``: the simulator's workload file (workload/format.py), block hashes included.
+- ``jsonl``: the simulator's workload file (workload/format.py), block hashes, tenants and
+  priorities included.
 - ``csv``: a table with a header, one row per request: arrival time, model, input tokens and output
   tokens under the column names ``CsvColumns`` gives (a gateway's or billing export, as it is).
   Times are seconds (any origin) or ISO-8601 date-times.
@@ -42,7 +44,16 @@ from typing import Any
 
 import numpy as np
 
-from prism_serve.workload.format import FIELDS, HASH_FIELDS, Workload, WorkloadError, parse_hashes
+from prism_serve.workload.format import (
+    FIELDS,
+    HASH_FIELDS,
+    NO_ORIGIN,
+    ORIGIN_FIELDS,
+    Workload,
+    WorkloadError,
+    check_origin,
+    parse_hashes,
+)
 
 __all__ = ["CsvColumns", "Traffic", "TrafficError", "TrafficOptions", "read_traffic"]
 
@@ -91,7 +102,7 @@ class Traffic:
     skipped_bad: int = 0  # malformed lines skipped (skip_bad)
     dropped_unknown: Counter = field(default_factory=Counter)  # requests of models not served
     dropped_invalid: int = 0  # log lines of requests refused as invalid, not traffic
-    dropped_batch: int = 0  # log lines of the batch lane: idle-capacity work, not planned for
+    batch: int = 0  # requests of the batch class (batch-lane log lines among them): run, not judged
 
 
 @dataclass(slots=True)
@@ -102,6 +113,7 @@ class _Row:
     output: int | None  # None: fill in from the model's other requests (a failed log line)
     hashes: tuple[int, ...] = ()  # its prompt's block hashes, of blocks of block_tokens tokens
     block_tokens: int = 0
+    origin: tuple[str, str] = NO_ORIGIN  # (tenant, priority)
 
 
 def read_traffic(
@@ -122,15 +134,12 @@ def read_traffic(
             raise TrafficError(f"{path}:{line}: {why} (--skip-bad skips such lines)")
         bad.append(why)
 
-    invalid = batch = 0
+    invalid = 0
     if fmt == "csv":
         rows = list(_csv_rows(path, opts.columns, fail))
     else:
         rows = []
         for line, obj in _json_lines(path, fail):
-            if fmt == "log" and isinstance(obj, dict) and obj.get("lane") == "batch":
-                batch += 1
-                continue
             try:
                 got = _log_rows(obj) if fmt == "log" else [_jsonl_row(obj)]
             except (KeyError, TypeError, ValueError) as e:
@@ -179,7 +188,9 @@ def read_traffic(
         list(served),
         [r.hashes for r in window] if sizes else None,
         sizes.pop() if sizes else 0,
+        [r.origin for r in window] if any(r.origin != NO_ORIGIN for r in window) else None,
     )
+    batch = sum(r.origin[1] == "batch" for r in window)
     return Traffic(workload, str(path), fmt, span, len(bad), unknown, invalid, batch)
 
 
@@ -222,10 +233,12 @@ def _number(value: Any, what: str, minimum: float = 0) -> float:
 
 
 def _jsonl_row(obj: Any) -> _Row:
-    if not isinstance(obj, dict) or set(obj) not in (set(FIELDS), set(FIELDS + HASH_FIELDS)):
+    keys = set(obj) - set(ORIGIN_FIELDS) if isinstance(obj, dict) else None
+    if keys not in (set(FIELDS), set(FIELDS + HASH_FIELDS)):
         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise ValueError(
-            f"expected the keys {', '.join(FIELDS)} (and {' and '.join(HASH_FIELDS)}), got {keys}"
+            f"expected the keys {', '.join(FIELDS)} (and {' and '.join(HASH_FIELDS)}; "
+            f"{' and '.join(ORIGIN_FIELDS)} optional), got {keys}"
         )
     return _Row(
         _number(obj["timestamp"], "timestamp"),
@@ -233,7 +246,16 @@ def _jsonl_row(obj: Any) -> _Row:
         int(_number(obj["prompt_tokens"], "prompt_tokens", 1)),
         int(_number(obj["output_tokens"], "output_tokens", 1)),
         *_hashes(obj),
+        _origin(obj.get("tenant") or "", obj.get("priority") or NO_ORIGIN[1]),
     )
+
+
+def _origin(tenant: object, priority: object) -> tuple[str, str]:
+    try:
+        check_origin(tenant, priority, "the line")
+    except WorkloadError as e:
+        raise ValueError(str(e)) from None
+    return (tenant, priority)  # type: ignore[return-value]
 
 
 def _hashes(obj: dict) -> tuple[tuple[int, ...], int]:
@@ -265,7 +287,10 @@ def _log_rows(obj: Any) -> list[_Row]:
     arrival, model = _number(obj["arrival"], "arrival"), _model(obj["model"])
     prompt = int(_number(prompt, "prompt_tokens", 1))
     hashes, block_tokens = _hashes(obj)
-    return [_Row(arrival, model, prompt, per_choice, hashes, block_tokens) for _ in range(n)]
+    # a batch-lane line runs in the batch class, whatever its tenant's
+    priority = "batch" if obj.get("lane") == "batch" else (obj.get("priority") or NO_ORIGIN[1])
+    origin = _origin(obj.get("tenant") or "", priority)
+    return [_Row(arrival, model, prompt, per_choice, hashes, block_tokens, origin) for _ in range(n)]
 
 
 def _csv_rows(path: Path, columns: CsvColumns, fail) -> Iterable[_Row]:
