@@ -27,6 +27,7 @@ from prism_serve.api.tenants import (
     _duration,
     hash_key,
 )
+from prism_serve.control.types import Origin, Priority
 from tests.api.conftest import ADMIN_KEY, API_KEY, shm_files, start_server
 
 # ---- the arithmetic, on a clock of the test's own ---------------------------------------------
@@ -97,15 +98,22 @@ def test_a_keys_file_stores_hashes_and_names_its_mistakes(tmp_path):
         ),
         ({"tenants": [{"name": "default", "keys": [hash_key("x")]}]}, "api_keys"),
         ({"tenants": [{"name": "a", "keys": [hash_key("x")], "limits": {"rpm": 3}}]}, "rpm"),
+        ({"tenants": [{"name": "a", "keys": [hash_key("x")], "priority": "urgent"}]}, "priority"),
+        ({"tenants": [{"name": "a", "keys": [hash_key("x")], "weight": 0}]}, "weight"),
     ]
     for data, match in cases:
         path.write_text(yaml.safe_dump(data))
         with pytest.raises(ValueError, match=match):
             KeysFile.read(path)
-    path.write_text(yaml.safe_dump({"tenants": [{"name": "a", "keys": [hash_key("ka")], "models": ["m-*"]}]}))
+    path.write_text(yaml.safe_dump({"tenants": [
+        {"name": "a", "keys": [hash_key("ka")], "models": ["m-*"], "priority": "interactive", "weight": 3}
+    ]}))  # fmt: skip
     tenants = Tenants(str(path), ["plain"])
     a = tenants.identify("ka")
     assert a is not None and a.name == "a" and a.may_use("m-1") and not a.may_use("n")
+    # what admission sees of its requests: its class and its weight in the class's fair share
+    assert a.origin == Origin("a", Priority.INTERACTIVE, 3.0)
+    assert tenants.default.origin == Origin("default", Priority.STANDARD, 1.0)
     assert tenants.identify("plain") is tenants.default and tenants.default.may_use("anything")
     assert tenants.identify("kb") is None and tenants.identify("") is None
 
@@ -115,7 +123,8 @@ def test_a_keys_file_stores_hashes_and_names_its_mistakes(tmp_path):
 KEYS = {name: f"sk-{name}" for name in ("scope", "rpm", "tpm", "conc", "new")}
 TENANTS = [
     # slo_scale: its SLOs 1/10,000 of its models' (3 ms to a first token): every request misses
-    {"name": "scope", "keys": [hash_key(KEYS["scope"])], "models": ["tiny*"], "slo_scale": 0.0001},
+    {"name": "scope", "keys": [hash_key(KEYS["scope"])], "models": ["tiny*"], "slo_scale": 0.0001,
+     "priority": "interactive", "weight": 2.0},
     {"name": "rpm", "keys": [hash_key(KEYS["rpm"])], "limits": {"requests_per_minute": 4}},
     {"name": "tpm", "keys": [hash_key(KEYS["tpm"])], "limits": {"tokens_per_minute": 200}},
     {"name": "conc", "keys": [hash_key(KEYS["conc"])], "limits": {"concurrent_requests": 1}},
@@ -239,6 +248,8 @@ def test_operators_see_each_tenants_limits_and_use(server, capsys):
     assert set(cards) >= {"scope", "rpm", "tpm", "conc", "default"}
     assert cards["scope"]["models"] == ["tiny*"] and cards["rpm"]["limits"]["requests_per_minute"] == 4
     assert (cards["scope"]["slo_scale"], cards["rpm"]["slo_scale"]) == (0.0001, 1.0)
+    assert (cards["scope"]["priority"], cards["scope"]["weight"]) == ("interactive", 2.0)
+    assert (cards["rpm"]["priority"], cards["rpm"]["weight"]) == ("standard", 1.0)
     # each tenant judged by its own SLOs: scope's one answer missed its 3 ms, the plain key's met 30 s
     assert cards["scope"]["slo_attainment"]["ttft"] == 0.0
     assert cards["default"]["slo_attainment"]["ttft"] == 1.0

@@ -16,6 +16,9 @@ Each line::
   seconds, null where the request got no token;
 - ``cold``: no replica of the model was active when the request arrived (it waited for an
   activation); ``device`` and ``replica``: what served its first choice;
+- ``tenant`` (with a keys file): the caller's tenant, never its key; ``priority``: its tenant's
+  class when not ``standard``; ``lane``: ``batch`` for a line of the batch lane. ``prism plan``
+  simulates each request in its class (workload/format.py);
 - ``block_hashes`` and ``block_tokens`` (only on requests with one prompt, where the server filled
   them in): ``prompt_block_hashes`` of the prompt's token ids, one 63-bit integer per full block of
   ``block_tokens`` (``LOG_BLOCK_TOKENS``, 64) tokens, chained, so two requests have equal hashes up to
@@ -86,6 +89,7 @@ class LogEntry:
     block_tokens: int = LOG_BLOCK_TOKENS
     tenant: str | None = None  # the caller's tenant (api/tenants.py), never its key
     lane: str | None = None  # "batch" for a batch line (api/batches.py); unset: interactive
+    priority: str | None = None  # its tenant's class, when not "standard"
 
     def served(self, runs: list[Any], prompt_tokens: int, started: float) -> None:
         """What the request's choices (api/choices.py ``Choice``) got; ``started``: its arrival on
@@ -126,6 +130,7 @@ class LogEntry:
                 "device": self.device,
                 "replica": self.replica,
                 **({"tenant": self.tenant} if self.tenant is not None else {}),
+                **({"priority": self.priority} if self.priority is not None else {}),
                 **({"lane": self.lane} if self.lane is not None else {}),
                 **hashes,
             },

@@ -94,6 +94,7 @@ from prism_serve.api.tools import (
     render_conversation,
 )
 from prism_serve.config import ConfigError, DeploymentConfig
+from prism_serve.control.types import DEFAULT_ORIGIN, Priority
 from prism_serve.engine.config import DEFAULT_MODEL, DEFAULT_MODEL_HF_ID, PoolingTask
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.tokenizer import Tokenizer
@@ -452,9 +453,11 @@ class PrismServer:
         """A request's line in the request log, begun as it is admitted."""
         tenant = _tenant(http)
         lane = "batch" if _batch(http) is not None else None
+        priority = tenant.entry.priority if tenant is not None else "standard"
         return LogEntry(
-            time.time(), model, stream, n, max_tokens, tenant=tenant.name if tenant else None, lane=lane
-        )
+            time.time(), model, stream, n, max_tokens, tenant=tenant.name if tenant else None, lane=lane,
+            priority=priority if priority != "standard" else None,
+        )  # fmt: skip
 
     async def _logged(self, entry: LogEntry | None, work: Awaitable[Response]) -> Response:
         """``work``'s response, and ``entry``'s line in the request log once it ends: its status, or
@@ -706,13 +709,18 @@ class PrismServer:
     ) -> AsyncIterator[msg.TokenDelta]:  # fmt: skip
         """One request to the runtime: a client's waits ``request_timeout_s`` at most for its first
         token, by the deadline of its ``slos`` (``_slos``); a batch line's first-token deadline is
-        its batch's window, and it has no timeout."""
-        batch = _batch(http)
+        its batch's window, and it has no timeout. Admission sees the caller's tenant, its class
+        and weight (a batch line's class is ``batch``)."""
+        batch, tenant = _batch(http), _tenant(http)
+        origin = tenant.origin if tenant is not None else DEFAULT_ORIGIN
         if batch is not None:
-            return self.controller.generate(model, ids, params, req_id=req_id, ttft_slo=batch.ttft_slo)
+            origin = dataclasses.replace(origin, priority=Priority.BATCH)
+            return self.controller.generate(
+                model, ids, params, req_id=req_id, ttft_slo=batch.ttft_slo, origin=origin
+            )
         return self.controller.generate(
             model, ids, params, req_id=req_id, timeout_s=self.config.server.request_timeout_s,
-            ttft_slo=slos[0] if _tenant_scale(http) != 1.0 else None,
+            ttft_slo=slos[0] if _tenant_scale(http) != 1.0 else None, origin=origin,
         )  # fmt: skip
 
     @staticmethod

@@ -16,6 +16,14 @@ globs such as ``team-a-*``, LoRA adapters included; unset: every model) and its 
 tenant at 4 asks for a first token within four times the model's TTFT SLO, so deadline admission
 serves a tenant at 1 first when the two compete, and /metrics judges its requests by the scaled SLOs.
 
+``priority`` (``interactive``, ``standard``, the default, or ``batch``) is the class its requests
+have in the device queues' deadline admission: under overload a batch request yields first, then a
+standard one (control/admission.py). ``weight`` (default 1) is its part of its class's fair share:
+when tenants of one class compete, admission drops first the requests of a tenant that has been
+served (in tokens, over the last minutes) well over its weight's part of what the class was served
+(control/fairness.py), so one tenant's flood costs that tenant, not the others. The batch lane's
+lines (api/batches.py) are ``batch`` whatever their tenant's class.
+
 A request over a limit gets 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers
 (which every admitted request's response carries too); a model outside the tenant's list is a 404
 worded as for a model that does not exist. The server reads the file at start (a bad file stops
@@ -39,12 +47,14 @@ import re
 import time
 from collections import deque
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prism_serve.api.errors import key_matches
+from prism_serve.control.types import Origin, Priority
 from prism_serve.errors import PrismError
 
 __all__ = ["KeysFile", "RateLimitError", "Tenant", "TenantCollector", "TenantUsage", "Tenants", "hash_key"]
@@ -81,6 +91,9 @@ class TenantEntry(_Strict):
     # this tenant's SLOs are its models' times this: its requests' first-token deadlines in the
     # device queues (deadline admission), and what /metrics judges them by
     slo_scale: float = Field(1.0, gt=0, le=1000)
+    # its requests' class in deadline admission, and its part of the class's fair share
+    priority: Literal["interactive", "standard", "batch"] = "standard"
+    weight: float = Field(1.0, gt=0, le=1e6)
 
     @field_validator("keys")
     @classmethod
@@ -171,6 +184,8 @@ class Tenant:
     def update(self, entry: TenantEntry) -> None:
         self.entry = entry
         self.digests = [bytes.fromhex(k.removeprefix("sha256:")) for k in entry.keys]
+        # who its requests come from, as admission sees them (control/types.py)
+        self.origin = Origin(entry.name, Priority[entry.priority.upper()], entry.weight)
 
     @property
     def name(self) -> str:
@@ -278,7 +293,8 @@ class Tenant:
         self._prune(now)
         return {
             "tenant": self.name, "models": list(self.entry.models), "limits": self.entry.limits.model_dump(),
-            "slo_scale": self.entry.slo_scale, "in_flight": self.in_flight,
+            "slo_scale": self.entry.slo_scale, "priority": self.entry.priority, "weight": self.entry.weight,
+            "in_flight": self.in_flight,
             "requests_last_minute": len(self._requests),
             "tokens_last_minute": self._token_sum, "admitted": self.admitted, "tokens_used": self.tokens_used,
             "rate_limited": dict(self.limited), "slo_attainment": self.attainment(),

@@ -44,7 +44,7 @@ from prism_serve.control import (
 )
 from prism_serve.control.loop import ControlLoop
 from prism_serve.control.policies import get_policy
-from prism_serve.control.types import REPLICA_SEPARATOR
+from prism_serve.control.types import DEFAULT_ORIGIN, REPLICA_SEPARATOR, Origin
 from prism_serve.engine.lora import InvalidAdapterError
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.errors import PrismError, WorkerDiedError, quoted
@@ -234,10 +234,14 @@ class Controller:
         req_id: str | None = None,
         timeout_s: float | None = None,
         ttft_slo: float | None = None,
+        origin: Origin = DEFAULT_ORIGIN,
     ) -> AsyncIterator[msg.TokenDelta]:
         """Stream ``model``'s output for ``prompt`` (requests.py ``Requests.stream``); ``ttft_slo``:
-        this request's first-token deadline in place of the model's."""
-        return self.requests.stream(model, prompt, params or SamplingParams(), req_id, timeout_s, ttft_slo)
+        this request's first-token deadline in place of the model's; ``origin``: its tenant, class
+        and weight in admission."""
+        return self.requests.stream(
+            model, prompt, params or SamplingParams(), req_id, timeout_s, ttft_slo, origin
+        )
 
     def is_active(self, model: str) -> bool:
         """Whether a replica of ``model`` (or of an adapter's base) can take requests now."""

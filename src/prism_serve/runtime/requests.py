@@ -20,6 +20,7 @@ import msgspec
 
 from prism_serve.control import PREFIX_BLOCK_TOKENS, ModelState, RejectReason, Request
 from prism_serve.control.loop import ControlLoop
+from prism_serve.control.types import DEFAULT_ORIGIN, Origin
 from prism_serve.engine.prefix_cache import block_keys
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.errors import (
@@ -90,18 +91,22 @@ class RequestEntry:
     replica: str | None = None  # the replica it was dispatched to (control/replicas.py)
     cold: bool = False  # no replica of its model was active when it arrived
     adapter: str | None = None  # the LoRA adapter it runs with (``model`` is then its base)
+    output_tokens: int = 0  # generated so far (its tenant's fair share is charged them when it leaves)
+    first_token: float | None = None  # when its first token came (clock time), for the fair share
 
     @classmethod
     def build(
         cls, req_id: str, m: ModelEntry, prompt: str | list[int], params: SamplingParams, now: float,
         adapter: AdapterSpec | None = None, prefixes: bool = False, ttft_slo: float | None = None,
+        origin: Origin = DEFAULT_ORIGIN,
     ) -> RequestEntry:  # fmt: skip
         """Tokenize and check the prompt, and encode the AddRequest once, here: a bad value set on a
         SamplingParams after it was built (out of range, or an int beyond 64 bits the wire cannot
         carry) is this request's 400 before anything of it is registered. ``prefixes``: the control
         request carries the prompt's prefix keys (a prefix-aware policy routes and admits by them).
         ``ttft_slo``: this request's own first-token deadline (the batch lane's: its batch's
-        window), in place of the model's or adapter's."""
+        window), in place of the model's or adapter's. ``origin``: its tenant, class and weight
+        (control/fairness.py)."""
         ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise EmptyPromptError("prompt has no tokens")
@@ -119,7 +124,7 @@ class RequestEntry:
         keys = prefix_keys(ids, adapter.name if adapter else m.spec.name) if prefixes else ()
         if ttft_slo is None:
             ttft_slo = adapter.ttft_slo if adapter else m.spec.ttft_slo
-        control = Request(req_id, m.spec.name, now, len(ids), ttft_slo, keys)
+        control = Request(req_id, m.spec.name, now, len(ids), ttft_slo, keys, origin=origin)
         return cls(req_id, m.spec.name, payload, control, adapter=adapter.name if adapter else None)
 
     @property
@@ -157,11 +162,12 @@ class Requests:
         req_id: str | None = None,
         timeout_s: float | None = None,
         ttft_slo: float | None = None,
+        origin: Origin = DEFAULT_ORIGIN,
     ) -> AsyncIterator[msg.TokenDelta]:
         """``model``'s output for ``prompt``: one ``TokenDelta`` per engine step, the last with
         ``finished``. Raises a PrismError (404 unknown model, 400 bad prompt, 503 worker or model
         gone, 504 no first token within ``timeout_s``). Leaving the loop early aborts the request."""
-        r = self.submit(model, prompt, params, req_id, ttft_slo)
+        r = self.submit(model, prompt, params, req_id, ttft_slo, origin)
         first = True
         try:
             while True:
@@ -186,7 +192,7 @@ class Requests:
 
     def submit(
         self, model: str, prompt: str | list[int], params: SamplingParams, req_id: str | None = None,
-        ttft_slo: float | None = None,
+        ttft_slo: float | None = None, origin: Origin = DEFAULT_ORIGIN,
     ) -> RequestEntry:  # fmt: skip
         """Register a request and hand it to the control loop (which may dispatch it at once)."""
         m = self._models.served(model)  # an adapter's name gives its base
@@ -198,7 +204,9 @@ class Requests:
             raise DuplicateRequestError(f"request id {req_id!r} is already in flight")
         now = self._clock()
         # 400s: nothing registered yet
-        r = RequestEntry.build(req_id, m, prompt, params, now, adapter, self._loop.prefix_aware, ttft_slo)
+        r = RequestEntry.build(
+            req_id, m, prompt, params, now, adapter, self._loop.prefix_aware, ttft_slo, origin
+        )
         r.cold = all(slot.state is not ModelState.ACTIVE for slot in self._models.slots(m.spec.name))
         self._by_id[req_id] = r
         try:
@@ -245,6 +253,9 @@ class Requests:
             r = self._by_id.get(d.req_id)
             if r is None:
                 continue
+            r.output_tokens = d.num_output_tokens
+            if r.first_token is None and d.num_output_tokens:
+                r.first_token = self._clock()
             if d.finished:
                 worker = r.worker
                 d = msgspec.structs.replace(
@@ -299,6 +310,6 @@ class Requests:
             served = self._models.entry(r.engine_model)
             served.num_running -= 1
             served.num_served += 1
-            self._loop.request_left(r.req_id)
+            self._loop.request_left(r.req_id, r.output_tokens, self._clock(), r.first_token)
         else:
             self._loop.abort(r.req_id)
