@@ -42,7 +42,7 @@ __all__ = ["ACTIVE_FRACTION", "LEVELS", "RECOVERED", "SLACK", "FairShare"]
 LEVELS = 4  # share levels 0..3 (admission.py packs them with the class into one rank)
 SLACK = 1.5  # a tenant is over its part only past this multiple of it
 RECOVERED = 1.2  # ... and stays over until it asks at most this multiple of it
-ACTIVE_FRACTION = 0.01  # a tenant with less of its class's recent service is not counted as sharing
+ACTIVE_FRACTION = 0.01  # a tenant with less of its class's recent asks is not counted as sharing
 TARGET = 0.99  # a tenant with fewer of its requests on time is hurt: others over their part yield
 PEAK_HALF_LIFE_S = 300.0  # the held peak of the service interactive and standard share decays so
 _REBASE = 600.0  # rebase the units when their exponent passes this (exp(700) overflows a float)
@@ -53,13 +53,14 @@ class _Tenant:
     weight: float
     asked: float = 0.0  # tokens, in units of exp(t / tau_asked) since ``FairShare._base``
     served: float = 0.0  # tokens, in units of exp(t / tau_served)
-    over: bool = False  # asked past SLACK times its part, and not back within its part since
+    over: bool = False  # asked past SLACK times its part, and not back within RECOVERED times since
     level: int = 0  # the level its last arrival got (``FairShare.current``)
     on_time: float = 0.0  # its requests that left with their first token by the deadline (decayed
     left: float = 0.0  # as the asks are), and all its requests that left
 
     def hurt(self) -> bool:
-        """Its requests miss their first-token deadline: below TARGET on time of late."""
+        """Its requests miss their first-token deadline: fewer than TARGET of those that left
+        lately had their first token on time."""
         return self.left > 0 and self.on_time < TARGET * self.left
 
 
@@ -220,6 +221,8 @@ class FairShare:
                 del tenants[name]
             if not tenants:
                 self._since.pop(priority, None)
+        if not self._classes[Priority.INTERACTIVE]:  # nothing left for standard to yield to
+            self._standard_over, self._peak, self._peak_at = False, 0.0, None
 
 
 def _over(was: bool, asks: float, part: float) -> bool:
