@@ -48,7 +48,8 @@ def stream(args, rate: float, origin: tuple[str, str], seed: int, *, start: floa
         rng = np.random.default_rng(seed)
         n = rng.poisson(rate * span)
         times, pick = np.sort(rng.uniform(0, span, n)), rng.integers(0, len(w), n)
-        w = Workload(times, rng.integers(0, len(MODELS), n), w.prompt_tokens[pick], w.output_tokens[pick], MODELS)
+        models = rng.integers(0, len(MODELS), n)
+        w = Workload(times, models, w.prompt_tokens[pick], w.output_tokens[pick], MODELS)
         index = w.model_index
     if model is not None:
         index = np.full(len(w), model, dtype=np.int32)
@@ -98,7 +99,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
     print(common.machine_info()["line"])
-    arrivals = f"{args.source} arrivals" if args.arrivals == "trace" else f"Poisson arrivals, {args.source} lengths"
+    arrivals = f"{args.source} arrivals"
+    if args.arrivals == "poisson":
+        arrivals = f"Poisson arrivals, {args.source} lengths"
     print(f"simulated: synthetic H100 profile, 2 x Llama-3.1-8B, one device; {arrivals}, "
           f"{args.window:.0f} s windows; TTFT SLO {args.ttft} s")  # fmt: skip
     start = time.monotonic()
