@@ -76,7 +76,7 @@ def test_bad_requests_raise_and_other_requests_keep_serving(make_engine):
 
 def test_prompt_larger_than_the_whole_kv_cache_is_refused(make_engine):
     engine = make_engine(num_kv_blocks=2, block_size=4)  # 8 tokens of KV in total
-    with pytest.raises(PromptTooLongError, match="KV cache 2 blocks"):
+    with pytest.raises(PromptTooLongError, match="KV cache has 2 blocks"):
         engine.add_request("a fairly long prompt that needs more than eight tokens of cache", GREEDY)
     out = solo(engine, "Hi", SamplingParams(temperature=0, max_tokens=50))
     assert out.finish_reason == "length" and out.num_prompt_tokens + out.num_output_tokens == 8

@@ -32,13 +32,13 @@ from prism_serve.engine.scheduler import Scheduler, SchedulerOutput
 from prism_serve.engine.sequence import RequestMetrics, RequestOutput, Sequence
 from prism_serve.engine.structured import GrammarCompiler
 from prism_serve.engine.tokenizer import IncrementalDetokenizer
+from prism_serve.engine.validation import check_prompt
 from prism_serve.engine.weights import LoadedWeights, load_weights
 from prism_serve.errors import (
     DuplicateRequestError,
     EmptyPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
-    PromptTooLongError,
     UnsupportedModelError,
 )
 from prism_serve.memory.kv_pool import ElasticKVPool, FixedKVPool
@@ -234,19 +234,13 @@ class LLMEngine(RequestCounts):
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
-            bad = [
-                t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-            ]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
-        if not token_ids:
-            raise EmptyPromptError("prompt has no tokens")
-        if len(token_ids) >= self.max_seq_len:
-            raise PromptTooLongError(
-                f"prompt has {len(token_ids)} tokens; this model accepts at most {self.max_seq_len - 1} "
-                f"(context {self.max_model_len}, KV cache {self.allocator.num_total_blocks} blocks of "
-                f"{self.config.block_size} tokens) so that at least one token can be generated"
-            )
+        limit = (
+            f" (here {self.max_seq_len}: its KV cache has {self.allocator.num_total_blocks} blocks of "
+            f"{self.config.block_size} tokens)"
+            if self.max_seq_len < self.max_model_len
+            else ""
+        )
+        check_prompt(token_ids, vocab, self.max_seq_len, limit=limit)
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         matcher = None if params.structured is None else self.grammars.matcher(params.structured)
         return Sequence(

@@ -77,6 +77,7 @@ from prism_serve.engine.interface import RequestCounts
 from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.sequence import RequestMetrics, RequestOutput, TokenLogprob
+from prism_serve.engine.validation import check_prompt
 from prism_serve.engine.vllm_kv import FromRange, LowestFirst, is_cached
 from prism_serve.engine.vllm_load import (
     LoadPlan,
@@ -86,10 +87,8 @@ from prism_serve.engine.vllm_load import (
     verify,
 )
 from prism_serve.errors import (
-    EmptyPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
-    PromptTooLongError,
     UnsupportedModelError,
 )
 from prism_serve.memory.ledger import Account, LedgerError
@@ -488,23 +487,7 @@ class VllmEngine(RequestCounts):
                 raise InvalidRequestError(f"adapter {adapter!r} is not registered on this engine")
         if req_id in self._requests:
             raise InvalidRequestError(f"request id {req_id!r} is already running")
-        if not prompt_token_ids:
-            raise EmptyPromptError("prompt has no tokens")
-        bad = [
-            t
-            for t in prompt_token_ids
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
-        ]
-        if bad:  # vLLM's kernels would index out of the embedding
-            raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}"
-            )
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(prompt_token_ids)} tokens; this model accepts at most "
-                f"{self.max_model_len - 1} (context {self.max_model_len}) so that at least one token "
-                "can be generated"
-            )
+        check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         sp = _vllm_params(params, self.max_model_len - len(prompt_token_ids))
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
         if lora is not None:  # vLLM hashes an adapter's blocks by its name and path, not its weights

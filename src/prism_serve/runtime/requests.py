@@ -23,9 +23,9 @@ from prism_serve.control.loop import ControlLoop
 from prism_serve.control.types import DEFAULT_ORIGIN, Origin
 from prism_serve.engine.prefix_cache import block_keys
 from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.validation import check_prompt
 from prism_serve.errors import (
     DuplicateRequestError,
-    EmptyPromptError,
     InternalError,
     InvalidSamplingParamsError,
     PrismError,
@@ -108,13 +108,7 @@ class RequestEntry:
         window), in place of the model's or adapter's. ``origin``: its tenant, class and weight
         (control/fairness.py)."""
         ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise EmptyPromptError("prompt has no tokens")
-        if len(ids) >= m.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; {m.spec.name} accepts at most {m.max_model_len - 1} so "
-                "that one token can be generated"
-            )
+        check_prompt(ids, None, m.max_model_len)  # on the loop: the ids are scanned off it (worker)
         params.validate()  # a field set after construction; the worker's decoder would refuse it
         try:
             payload = msg.encode(msg.AddRequest(req_id, ids, params, adapter.name if adapter else None))

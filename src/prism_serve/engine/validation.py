@@ -1,0 +1,57 @@
+"""Whether a prompt may be run: the one definition of the prompt checks.
+
+Every edge that takes a prompt (the HTTP layer, ``Controller.generate``, each engine's
+``add_request``) calls ``check_prompt``, so a prompt is refused for the same reasons with the same
+words wherever it comes in: no tokens (EmptyPromptError), a token id outside the vocabulary
+(InvalidRequestError), more tokens than the context leaves for the output (PromptTooLongError). The
+HTTP layer checks first, with the request's ``max_tokens`` and its parameter name, so that a client
+sees a 400 before any work; the inner edges run the same check for their direct callers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prism_serve.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
+
+__all__ = ["check_prompt", "prompt_too_long"]
+
+
+def prompt_too_long(
+    max_len: int, num_tokens: int | str, max_tokens: int | None = None, param: str | None = None,
+    limit: str = "",
+) -> PromptTooLongError:  # fmt: skip
+    """The error for a prompt of ``num_tokens`` (a number, or words such as "at least 900") that
+    leaves no room for ``max_tokens`` (None: one token) in ``max_len``; ``limit`` says what sets
+    ``max_len`` when it is not the context alone."""
+    wanted = f" and max_tokens is {max_tokens}" if max_tokens else ""
+    return PromptTooLongError(
+        f"this model's maximum context length is {max_len} tokens{limit}; the prompt has {num_tokens} "
+        f"tokens{wanted}: at most {max_len - (max_tokens or 1)} prompt tokens fit",
+        param=param,
+    )
+
+
+def check_prompt(
+    ids: Sequence[int], vocab_size: int | None, max_len: int, max_tokens: int | None = None,
+    param: str | None = None, limit: str = "",
+) -> None:  # fmt: skip
+    """Refuse ``ids`` (a prompt's token ids) unless it has a token, every id is an int in the
+    vocabulary, and ``max_tokens`` (None: at least one) still fit in ``max_len`` after it.
+    ``vocab_size`` None skips the scan of the ids (a caller on the serving loop, where the edge
+    before it scanned them off the loop and the engine scans them again in its worker). ``param``
+    names the request field in the error; ``limit`` as in ``prompt_too_long``."""
+    if not ids:
+        raise EmptyPromptError("prompt has no tokens", param=param)
+    bad = (
+        ()
+        if vocab_size is None
+        else [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    )
+    if bad:  # an engine's kernels would index outside the embedding
+        raise InvalidRequestError(
+            f"token ids must be integers from 0 to below the vocabulary size {vocab_size}, got {bad[:5]}",
+            param=param,
+        )
+    if len(ids) + (max_tokens or 1) > max_len:
+        raise prompt_too_long(max_len, len(ids), max_tokens, param, limit)
