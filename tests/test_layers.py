@@ -285,3 +285,24 @@ def test_the_checks_catch_a_violation(tmp_path):
     assert dynamic_violations("layered.clean", rule, tmp_path) == []
     assert dynamic_violations("layered.inner.lazy", rule, tmp_path) == []  # only the scan sees a lazy one
     assert dynamic_violations("layered.indirect", rule, tmp_path) == ["banned", "banned.deep"]  # transitive
+
+
+# The HTTP layer sees the runtime through its one face (runtime/serving.py); what wires the server
+# (server.py builds the controller) and the operator's views (admin routes, dashboard, /metrics'
+# memory and activations) take the controller itself, by its public methods.
+_API_SEES_THE_CONTROLLER = {"server", "admin", "dashboard", "metrics"}
+
+
+@pytest.mark.parametrize("module", modules_of("prism_serve.api"))
+def test_the_http_layer_sees_the_runtime_through_its_face(module):
+    allowed = ["prism_serve.runtime.serving"]
+    if module.rpartition(".")[2] in _API_SEES_THE_CONTROLLER:
+        allowed += ["prism_serve.runtime.controller", "prism_serve.runtime.build"]
+    bad = [
+        f"line {line}: {name}"
+        for line, name in imported_names(module)
+        if forbidden(name, ["prism_serve.runtime"])
+        and not forbidden(name, allowed)
+        and name != "prism_serve.runtime"
+    ]
+    assert not bad, f"{source_of(module)} reaches into the runtime past runtime/serving.py: {bad}"

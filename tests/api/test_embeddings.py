@@ -357,7 +357,7 @@ def test_a_score_token_that_is_not_one_token_stops_the_server_at_start(smollm):
     several tokens of its vocabulary fails that, naming it, instead of scoring with a wrong id."""
     from types import SimpleNamespace
 
-    from prism_serve.api.server import _Served
+    from prism_serve.api.serving import Served as _Served
     from prism_serve.config import ConfigError
 
     tok = smollm.tokenizer

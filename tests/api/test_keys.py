@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 
-from prism_serve.api import admin, server
+from prism_serve.api import admin, serving
 from prism_serve.api.errors import key_matches
 
 
@@ -18,7 +18,7 @@ def test_key_matches_answers_as_membership():
 
 
 def test_the_routes_compare_keys_only_through_it():
-    for module in (server, admin):
+    for module in (serving, admin):
         source = inspect.getsource(module)
         assert "key_matches(token" in source
         assert "token not in" not in source and "token != " not in source and "token in " not in source

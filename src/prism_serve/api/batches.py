@@ -403,27 +403,30 @@ async def call_app(app, path: str, body: bytes, state: dict[str, Any]) -> tuple[
 # ---- routes ---------------------------------------------------------------------------------------
 
 
-def add_batch_routes(app: FastAPI, server) -> None:
-    """Files and Batches routes over ``server`` (api/server.py ``PrismServer``): its ``authorize``,
-    its tenant lookup, and its ``batches`` (a BatchStore, None when the lane is off)."""
+def add_batch_routes(
+    app: FastAPI, batches: BatchStore | None, runner: BatchRunner, authorize: Callable[[Request], None],
+    served: Callable[[], list[str]],
+) -> None:  # fmt: skip
+    """Files and Batches routes over ``batches`` (None: the lane is off), run by ``runner``;
+    ``authorize`` finds the caller's tenant (api/serving.py), ``served`` names the models served now."""
 
     def store(http: Request, query: tuple[str, ...] = ()) -> tuple[BatchStore, str, str | None]:
         """The store, the caller's owner name, and the owner filter (None: the admin sees all).
         ``query``: the route's query parameters; another, or one given twice, is a 400 (FastAPI
         would ignore the one and take the last of the other)."""
-        server.authorize(http)
+        authorize(http)
         for name in set(http.query_params):
             if name not in query:
                 raise InvalidRequestError(f"unknown query parameter {quoted(name)}", param=name)
             if len(http.query_params.getlist(name)) > 1:
                 raise InvalidRequestError(f"query parameter {name} is given more than once", param=name)
-        if server.batches is None:
+        if batches is None:
             raise NotFoundError(
                 "the batch lane is off: set server.state_dir in the config to keep files and batches"
             )
         tenant = getattr(http.state, "tenant", None)
         name = tenant.name if tenant is not None else ""
-        return server.batches, name, (name if tenant is not None else None)
+        return batches, name, (name if tenant is not None else None)
 
     def own_file(st: BatchStore, owner: str | None, file_id: str) -> FileRecord:
         """The file ``owner`` (None: the admin) may see, else a 404."""
@@ -504,7 +507,7 @@ def add_batch_routes(app: FastAPI, server) -> None:
                 param="input_file_id",
             )
         tenant = getattr(http.state, "tenant", None)
-        names = set(server.served.names())
+        names = set(served())
 
         def may_call(model: str) -> bool:
             return model in names and (tenant is None or tenant.may_use(model))
@@ -513,7 +516,7 @@ def add_batch_routes(app: FastAPI, server) -> None:
         lines, errors = await asyncio.to_thread(check_lines, raw, body.endpoint, may_call)
         batch_id = st.add_batch(owner, body.endpoint, record.id, body.completion_window, window_s,
                                 body.metadata, None if errors else lines, errors or None)  # fmt: skip
-        server.batch_runner.wake()
+        runner.wake()
         return st.batch(batch_id)
 
     @app.get("/v1/batches", responses=api_schema.BATCHES)
@@ -532,7 +535,7 @@ def add_batch_routes(app: FastAPI, server) -> None:
         st, card = own_batch(http, batch_id)
         if card["status"] in ("in_progress", "validating"):
             st.set_status(batch_id, "cancelling", "cancelling_at")
-            server.batch_runner.wake()
+            runner.wake()
         elif card["status"] != "cancelling":
             raise InvalidRequestError(
                 f"batch {batch_id} is {card['status']}; only a running batch can be cancelled"

@@ -8,8 +8,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from prism_serve.runtime.adapters import AdapterSpec
-from prism_serve.runtime.state import ModelStatus
+from prism_serve.runtime.serving import AdapterSpec, ModelStatus
 
 __all__ = ["adapter_cards", "model_cards"]
 

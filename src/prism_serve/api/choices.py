@@ -14,17 +14,12 @@ from typing import Any
 
 from fastapi import Request
 
-from prism_serve.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_logprobs,
-    completion_logprobs,
-)
+from prism_serve.api.protocol import chat_logprobs, completion_logprobs
 from prism_serve.api.tenants import Tenant
 from prism_serve.engine.sequence import TokenLogprob
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import PrismError
-from prism_serve.runtime import messages as msg
+from prism_serve.runtime.serving import Delta
 
 __all__ = [
     "Choice",
@@ -49,11 +44,11 @@ class Choice:
     rid: str
     model: str
     arrival: float
-    stream: AsyncIterator[msg.TokenDelta]
+    stream: AsyncIterator[Delta]
     index: int = 0  # the choice's index
     prompt: int = 0  # which of the request's prompts (completions may send several)
     max_tokens: int = 0  # the engine's limit for it
-    last: msg.TokenDelta | None = None  # the latest delta
+    last: Delta | None = None  # the latest delta
     first_at: float = 0.0
     last_at: float = 0.0
     num_prompt: int = 0
@@ -75,18 +70,18 @@ class ChoiceOutput:
     OpenAI's chat or completions shape, token texts decoded once per token id."""
 
     def __init__(
-        self, tok: Tokenizer, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
-        prompt: str | list[int] | None = None,
+        self, tok: Tokenizer, ids: list[int], chat_logprobs: bool = False, completion_logprobs: bool = False,
+        echo: str = "", score_only: bool = False,
     ):  # fmt: skip
+        """``ids``: the prompt's; ``chat_logprobs`` / ``completion_logprobs``: logprobs shown in that
+        shape; ``echo``: the prompt text a completion repeats first; ``score_only``: a completion
+        that generates nothing (max_tokens 0, the prompt's logprobs only)."""
         self.tok = tok
-        chat = isinstance(body, ChatCompletionRequest)
-        self.chat_logprobs = chat and bool(body.logprobs)
-        self.completion_logprobs = not chat and body.logprobs is not None
-        self.score_only = not chat and body.score_only  # max_tokens 0: the prompt, nothing generated
+        self.chat_logprobs = chat_logprobs
+        self.completion_logprobs = completion_logprobs
+        self.score_only = score_only
         self.prompt_ids = ids
-        self.echo = ""
-        if not chat and body.echo:
-            self.echo = prompt if isinstance(prompt, str) else self.tok.decode(ids, False)
+        self.echo = echo
         self._pending_echo = self.echo
         self._offset = 0  # characters of the choice's text before the next token
         self._texts: dict[int, str] = {}
@@ -121,8 +116,8 @@ class ChoiceOutput:
 
 
 async def merged(
-    runs: list[Choice], take: Callable[[Choice, msg.TokenDelta], None]
-) -> AsyncIterator[tuple[Choice, msg.TokenDelta]]:
+    runs: list[Choice], take: Callable[[Choice, Delta], None]
+) -> AsyncIterator[tuple[Choice, Delta]]:
     """The unfinished choices' next deltas as they come, merged over the choices, each booked with
     ``take`` first."""
     if len(runs) == 1:
@@ -132,7 +127,7 @@ async def merged(
             take(run, d)
             yield run, d
         return
-    queue: asyncio.Queue[tuple[Choice, msg.TokenDelta | None, BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[Choice, Delta | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(run: Choice) -> None:
         try:

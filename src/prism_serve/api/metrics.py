@@ -14,7 +14,7 @@ The request-phase histograms carry vLLM's names and split a finished request's t
   admission queue and, for an evicted model, its activation. Measured as the server's TTFT minus the
   engine's prefill seconds (so the IPC of the first token, well under a millisecond, counts here).
 - ``vllm:request_prefill_time_seconds``: first engine step with the request to its first token, on
-  the worker's clock (``RequestTimings`` in the finished TokenDelta; a preemption's recompute
+  the worker's clock (``RequestTimings`` in the finished Delta; a preemption's recompute
   included, as in vLLM).
 - ``vllm:request_decode_time_seconds``: first token to last, on the worker's clock.
 - ``vllm:request_inference_time_seconds``: prefill plus decode.
@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -50,9 +50,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from prism_serve.control.types import REPLICA_SEPARATOR
-from prism_serve.runtime import messages as msg
 from prism_serve.runtime.controller import Controller
-from prism_serve.runtime.state import ModelStatus
+from prism_serve.runtime.serving import ActivationPhases, ModelStatus, RequestTimings
 
 __all__ = [
     "CONTENT_TYPE",
@@ -192,7 +191,7 @@ class ServerMetrics:
         r.register(_ControllerCollector(controller, self))
         controller.activation_listeners.append(self.on_activation)
 
-    def on_activation(self, model: str, device: str, phases: msg.ActivationPhases) -> None:
+    def on_activation(self, model: str, device: str, phases: ActivationPhases) -> None:
         self.activation.labels(model, device).observe(phases.total_s)
         for phase in ("take", "map", "copy", "ready"):
             self.activation_phase.labels(model, phase).inc(getattr(phases, f"{phase}_s"))
@@ -211,7 +210,7 @@ class ServerMetrics:
         num_prompt: int,
         num_output: int,
         slos: tuple[float, float] | None,
-        timings: msg.RequestTimings | None = None,
+        timings: RequestTimings | None = None,
         num_cached: int = 0,
     ) -> tuple[bool, bool] | None:
         """A finished request: ``ttft`` and ``e2e`` from its arrival at the server, ``slos`` the
@@ -337,17 +336,17 @@ def device_memory(controller: Controller) -> list[DeviceMemory]:
     "<engine> weights" and "<engine> kv" (runtime/worker.py), the engine being a served model or
     its replica slot "<model>#<k>"; entries the ledger flags spare are a worker's spare pages."""
     out = []
-    for device in controller.devices:
-        snap = controller.nodes.ledger(device).peek()
+    served = controller.specs  # the served models by name
+    for device, snap in controller.device_memory().items():
         summed: dict[tuple[str, bool], int] = {}
         for e in snap.entries:
             summed[e.name, e.spare] = summed.get((e.name, e.spare), 0) + e.mapped_bytes
-        uses = [_memory_use(name, spare, n, controller.specs) for (name, spare), n in summed.items()]
+        uses = [_memory_use(name, spare, n, served) for (name, spare), n in summed.items()]
         out.append(DeviceMemory(device, snap.budget_bytes, snap.used_bytes, tuple(uses)))
     return out
 
 
-def _memory_use(name: str, spare: bool, nbytes: int, served: dict) -> MemoryUse:
+def _memory_use(name: str, spare: bool, nbytes: int, served: Mapping[str, object]) -> MemoryUse:
     if spare:  # a worker's mapped pages that no model uses (memory/spare.py): reclaimable
         return MemoryUse(None, 0, "spare", name, nbytes)
     engine, _, kind = name.rpartition(" ")

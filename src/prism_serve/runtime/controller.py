@@ -47,7 +47,9 @@ from prism_serve.control.policies import get_policy
 from prism_serve.control.types import DEFAULT_ORIGIN, REPLICA_SEPARATOR, Origin
 from prism_serve.engine.lora import InvalidAdapterError
 from prism_serve.engine.sampling_params import SamplingParams
+from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import PrismError, WorkerDiedError, quoted
+from prism_serve.memory.ledger import LedgerSnapshot
 from prism_serve.memory.vmm import DEFAULT_PAGE_SIZE, format_size
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime.activation import Activator
@@ -255,6 +257,23 @@ class Controller:
     def status(self) -> list[ModelStatus]:
         """One status per served model, its replicas inside."""
         return self.models.status(self.snapshot())
+
+    def tokenizer(self, model: str) -> Tokenizer:
+        """``model``'s tokenizer (an adapter's is its base's); UnknownModelError (404) if not served."""
+        return self.models.tokenizer(model)
+
+    def adapter(self, name: str, finishing: bool = False) -> AdapterSpec | None:
+        """Adapter ``name`` if loaded; with ``finishing``, also while it is being unloaded."""
+        table = self.models.adapters
+        return table.by_name.get(name) if finishing else table.get(name)
+
+    def adapters(self) -> list[AdapterSpec]:
+        """Every adapter loaded (those being unloaded too), in load order."""
+        return list(self.models.adapters.by_name.values())
+
+    def device_memory(self) -> dict[str, LedgerSnapshot]:
+        """Each device's ledger as it is now (what is mapped, by whom)."""
+        return {device: self.nodes.ledger(device).peek() for device in self.devices}
 
     async def load(self, model: str, device: str | None = None) -> msg.ActivationPhases | None:
         return await self.admin.load(model, device)
