@@ -17,6 +17,7 @@ import pytest
 
 from prism_serve.api.process import free_port, start_server_process, stop_server_process
 from prism_serve.memory.ledger import DeviceLedger, LedgerSnapshot
+from tests.peft_adapters import make_adapter, merged_texts
 
 API_KEY = "sk-test-key"
 ADMIN_KEY = "admin-test-key"
@@ -138,3 +139,30 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     assert "stopped: workers ended, shared memory released" in srv.log_text()
     assert "Traceback" not in srv.log_text(), srv.log_text()
     assert shm_files(srv.namespace) == [], "shared memory left behind after shutdown"
+
+
+# The adapter tests' prompt and greedy length (test_adapters.py, test_vllm_adapters.py)
+LORA_PROMPT = "The three most useful things to pack for a hike are"
+LORA_TOKENS = 10
+
+
+@pytest.fixture(scope="package")
+def lora_adapters(tmp_path_factory: pytest.TempPathFactory, smollm_hf: Path) -> dict[str, Path]:
+    """The base (the real SmolLM2 as an HF directory) and two PEFT adapters of it, ranks 8 and 16
+    over different modules, made once for the package's adapter tests on both engines
+    (test_adapters.py, test_vllm_adapters.py; each adds its own): each takes seconds to make."""
+    root = tmp_path_factory.mktemp("adapters")
+    mlp = ["gate_proj", "up_proj", "down_proj"]
+    return {
+        "base": smollm_hf,
+        "qv": make_adapter(smollm_hf, root / "support-qv", 8, 16, ["q_proj", "v_proj"], seed=1),
+        "mlp": make_adapter(smollm_hf, root / "legal-mlp", 16, 32, mlp, seed=2),
+    }
+
+
+@pytest.fixture(scope="package")
+def lora_reference(lora_adapters: dict[str, Path], smollm) -> dict[str, str]:
+    """Each of ``lora_adapters``' greedy text for LORA_PROMPT (LORA_TOKENS tokens): transformers, with
+    peft's adapter merged into the weights (for the base, none); computed once for the package
+    (each merge takes seconds). merged_texts checks that they differ."""
+    return merged_texts(lora_adapters, smollm, LORA_PROMPT, LORA_TOKENS)

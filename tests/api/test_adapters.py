@@ -18,22 +18,26 @@ import pytest
 
 from prism_serve.api.process import stop_server_process
 from prism_serve.memory.ledger import DeviceLedger
-from tests.api.conftest import ADMIN_KEY, API_KEY, ServerProcess, shm_files, start_server
-from tests.peft_adapters import make_adapter, merged_texts
+from tests.api.conftest import (
+    ADMIN_KEY,
+    API_KEY,
+    LORA_PROMPT,
+    LORA_TOKENS,
+    ServerProcess,
+    shm_files,
+    start_server,
+)
+from tests.peft_adapters import make_adapter
 
-N = 10
-PROMPT = "The three most useful things to pack for a hike are"
+N = LORA_TOKENS
+PROMPT = LORA_PROMPT
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory, smollm_hf) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("adapters")
-    base = smollm_hf
-    out = {"base": base}
-    out["qv"] = make_adapter(base, root / "support-qv", 8, 16, ["q_proj", "v_proj"], seed=1)
-    out["mlp"] = make_adapter(base, root / "legal-mlp", 16, 32, ["gate_proj", "up_proj", "down_proj"], seed=2)
-    out["big"] = make_adapter(base, root / "too-big", 32, 32, ["q_proj"], seed=3)
-    return out
+def lora(tmp_path_factory, smollm_hf, lora_adapters) -> dict[str, Path]:
+    """The package's base and adapters (qv, mlp), and one of a rank above the base's maximum."""
+    root = tmp_path_factory.mktemp("adapters-big")
+    return {**lora_adapters, "big": make_adapter(smollm_hf, root / "too-big", 32, 32, ["q_proj"], seed=3)}
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +81,10 @@ def greedy(server: ServerProcess, model: str, max_tokens: int = N) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(lora, smollm) -> dict[str, str]:
-    """Each model's greedy text: transformers, with peft's adapter merged into the weights."""
-    return merged_texts({k: lora[k] for k in ("base", "qv", "mlp")}, smollm, PROMPT, N)
+def reference(lora_reference) -> dict[str, str]:
+    """Each model's greedy text (base, qv, mlp): transformers, with peft's adapter merged into the
+    weights (tests/api/conftest.py)."""
+    return lora_reference
 
 
 def test_models_lists_the_adapter_under_its_base(server):

@@ -23,25 +23,31 @@ from prism_serve.api.process import stop_server_process
 from prism_serve.config import ConfigError, parse_config
 from prism_serve.engine.models.config import PRESETS
 from prism_serve.engine.vllm_engine import lora_slot_bytes
-from tests.api.conftest import ADMIN_KEY, API_KEY, ServerProcess, ledger_snapshot, shm_files, start_server
+from tests.api.conftest import (
+    ADMIN_KEY,
+    API_KEY,
+    LORA_PROMPT,
+    LORA_TOKENS,
+    ServerProcess,
+    ledger_snapshot,
+    shm_files,
+    start_server,
+)
 from tests.api.test_vllm_server import VLLM_PYTHON
-from tests.peft_adapters import make_adapter, merged_texts
+from tests.peft_adapters import make_adapter, merged_greedy
 
-N = 10
-PROMPT = "The three most useful things to pack for a hike are"
+N = LORA_TOKENS
+PROMPT = LORA_PROMPT
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory, smollm_hf) -> dict[str, Path]:
+def lora(tmp_path_factory, smollm_hf, lora_adapters) -> dict[str, Path]:
+    """The package's base and adapters (qv, mlp: tests/api/conftest.py), and a rank-64 rsLoRA
+    adapter over every projection."""
     root = tmp_path_factory.mktemp("vllm-adapters")
-    base = smollm_hf
-    return {
-        "base": base,
-        "qv": make_adapter(base, root / "support-qv", 8, 16, ["q_proj", "v_proj"], seed=1),
-        "mlp": make_adapter(base, root / "legal-mlp", 16, 32, ["gate_proj", "up_proj", "down_proj"], seed=2),
-        "all": make_adapter(base, root / "all-r64", 64, 32, ALL, seed=3, rslora=True, b_scale=0.1),
-    }
+    all_r64 = make_adapter(smollm_hf, root / "all-r64", 64, 32, ALL, seed=3, rslora=True, b_scale=0.1)
+    return {**lora_adapters, "all": all_r64}
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +90,15 @@ def greedy(server: ServerProcess, model: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(lora, smollm) -> dict[str, str]:
-    return merged_texts(lora, smollm, PROMPT, N)
+def reference(lora, lora_reference, smollm) -> dict[str, str]:
+    """Each model's greedy text: transformers, with peft's adapter merged into the weights (the base's,
+    qv's and mlp's computed once for the package: tests/api/conftest.py); adapters that change
+    nothing prove nothing."""
+    tok = smollm.tokenizer
+    (tokens,) = merged_greedy(lora["base"], lora["all"], [tok.encode(PROMPT)], N)
+    out = {**lora_reference, "all": tok.decode(tokens)}
+    assert len(set(out.values())) == len(out), "adapters that change nothing prove nothing"
+    return out
 
 
 def all_together(server: ServerProcess, models: list[str]) -> dict[str, list[str]]:
