@@ -44,13 +44,17 @@ def _kv_peak(ledger, model: str) -> int:
     return max(e.peak_bytes for e in ledger.snapshot().entries if e.name == f"{model} kv")
 
 
-def _two_models_one_device(tmp_path: Path):
+@pytest.fixture(scope="module")
+def weight_bytes(tmp_path_factory: pytest.TempPathFactory) -> int:
+    """One model's weight bytes in the host cache (a and b have the same shape), measured once for
+    the module's tests: making the synthetic weights takes seconds."""
+    with HostWeightCache(namespace="colo", directory=tmp_path_factory.mktemp("probe")) as probe:
+        return probe.load(ModelSpec("x", source=SOURCE, engine=EngineConfig(seed=1, dtype=FP32))).weight_bytes
+
+
+def _two_models_one_device(weight_bytes: int):
     """Models a and b (synthetic weights, seeds 1 and 2) on one device whose budget holds both
     models' weights and SLACK more; the runtime, one model's weight bytes and the budget."""
-    with HostWeightCache(namespace="colo", directory=tmp_path) as probe:
-        weight_bytes = probe.load(
-            ModelSpec("x", source=SOURCE, engine=EngineConfig(seed=1, dtype=FP32))
-        ).weight_bytes
     budget = 2 * weight_bytes + SLACK
     models = [
         ModelSpec(n, source=SOURCE, engine=EngineConfig(seed=s, max_model_len=1024, dtype=FP32))
@@ -62,8 +66,8 @@ def _two_models_one_device(tmp_path: Path):
     return rt, weight_bytes, budget
 
 
-def test_kv_grows_into_memory_the_other_model_freed(tmp_path: Path) -> None:
-    rt, _, budget = _two_models_one_device(tmp_path)
+def test_kv_grows_into_memory_the_other_model_freed(weight_bytes: int) -> None:
+    rt, _, budget = _two_models_one_device(weight_bytes)
     try:
         c = rt.c
         ledger = c.nodes.ledger("cpu:0")
@@ -106,12 +110,12 @@ def test_a_model_larger_than_every_device_is_refused_at_load_time() -> None:
         start_runtime([DeviceSpec("cpu:0", 1024 * MiB, (), 1), DeviceSpec("cpu:1", 768 * MiB, (), 1)], models)
 
 
-def test_a_models_cached_prefixes_give_way_to_another_models_weights(tmp_path: Path) -> None:
+def test_a_models_cached_prefixes_give_way_to_another_models_weights(weight_bytes: int) -> None:
     """A device that fits model b only once a's prefix cache is dropped: a's cached KV (no request
     holds it) counts as reclaimable, b's weights are granted after a's worker gives that memory
     back, and a stays resident and serving. A cache never makes a device refuse what it would
     have taken without one."""
-    rt, weight_bytes, budget = _two_models_one_device(tmp_path)
+    rt, weight_bytes, budget = _two_models_one_device(weight_bytes)
     try:
         c = rt.c
         ledger = c.nodes.ledger("cpu:0")
