@@ -95,18 +95,17 @@ def test_prompt_logprobs_match_a_full_forward(make_engine, prompts, max_num_batc
     assert all(math.isfinite(e.logprob) for e in entries[1:])
 
 
-def test_prompt_logprobs_survive_preemption_without_duplicates(make_engine, prompts):
+def test_prompt_logprobs_survive_preemption_without_duplicates(make_engine, engine, prompts):
     # 10 blocks of 8 tokens and chunks of 16: requests preempt each other, some mid-prefill.
-    engine = make_engine(max_num_seqs=8, block_size=8, num_kv_blocks=10, max_num_batched_tokens=16)
+    tight = make_engine(max_num_seqs=8, block_size=8, num_kv_blocks=10, max_num_batched_tokens=16)
     params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=1, logprobs=1)
-    ids = [engine.add_request(p, params) for p in prompts]
-    outs = collect(engine)
+    ids = [tight.add_request(p, params) for p in prompts]
+    outs = collect(tight)
     assert sum(outs[i][-1].metrics.num_preemptions for i in ids) > 0
-    solo = make_engine(num_kv_blocks=64)
     for req, prompt in zip(ids, prompts, strict=True):
         entries = outs[req][0].prompt_logprobs
         assert len(entries) == len(prompt)
-        lp = reference(solo, prompt)
+        lp = reference(engine, prompt)  # the shared engine, never preempted: one full prefill
         for i in range(1, len(prompt)):
             assert_entry_matches(entries[i], prompt[i], lp[i - 1], 1)
         out_entries = [e for o in outs[req] for e in o.logprobs]
