@@ -324,14 +324,6 @@ class Serving:
         check_prompt(prompt, served.vocab_size, served.max_model_len, max_tokens, param)
         return prompt
 
-    def check_vocab(self, model: str, ids: list[int], param: str) -> None:
-        """A 400 for a token id outside ``model``'s vocabulary (ids that need not fit the context)."""
-        vocab = self.state.served[model].vocab_size
-        if any(isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(
-                f"token ids must be integers from 0 to below the vocabulary size {vocab}", param=param
-            )
-
     # ---- the runtime ----------------------------------------------------------------------------
 
     def slos(self, http: Request, served: Served) -> tuple[float, float] | None:

@@ -10,6 +10,7 @@ from fastapi import Request
 from prism_serve.api.protocol import DetokenizeRequest, TokenizeRequest
 from prism_serve.api.serving import Serving, ServingState
 from prism_serve.api.serving_chat import ChatServing
+from prism_serve.engine.validation import check_token_ids
 
 __all__ = ["TokenServing"]
 
@@ -40,5 +41,5 @@ class TokenServing(Serving):
     async def detokenize(self, http: Request, body: DetokenizeRequest) -> dict:
         self.state.visible(http, body.model)
         tok = self.runtime.tokenizer(body.model)  # 404 for a model not served
-        self.check_vocab(body.model, body.tokens, "tokens")
+        check_token_ids(body.tokens, self.state.served[body.model].vocab_size, "tokens")
         return {"prompt": await asyncio.to_thread(tok.decode, body.tokens, False)}

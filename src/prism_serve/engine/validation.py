@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from prism_serve.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
 
-__all__ = ["check_prompt", "prompt_too_long"]
+__all__ = ["check_prompt", "check_token_ids", "prompt_too_long"]
 
 
 def prompt_too_long(
@@ -32,6 +32,17 @@ def prompt_too_long(
     )
 
 
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str | None = None) -> None:
+    """Refuse any id that is not an int in ``[0, vocab_size)`` (an engine's kernels would index
+    outside the embedding); ``param`` names the request field in the error."""
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token ids must be integers from 0 to below the vocabulary size {vocab_size}, got {bad[:5]}",
+            param=param,
+        )
+
+
 def check_prompt(
     ids: Sequence[int], vocab_size: int | None, max_len: int, max_tokens: int | None = None,
     param: str | None = None, limit: str = "",
@@ -43,15 +54,7 @@ def check_prompt(
     names the request field in the error; ``limit`` as in ``prompt_too_long``."""
     if not ids:
         raise EmptyPromptError("prompt has no tokens", param=param)
-    bad = (
-        ()
-        if vocab_size is None
-        else [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
-    )
-    if bad:  # an engine's kernels would index outside the embedding
-        raise InvalidRequestError(
-            f"token ids must be integers from 0 to below the vocabulary size {vocab_size}, got {bad[:5]}",
-            param=param,
-        )
+    if vocab_size is not None:
+        check_token_ids(ids, vocab_size, param)
     if len(ids) + (max_tokens or 1) > max_len:
         raise prompt_too_long(max_len, len(ids), max_tokens, param, limit)
