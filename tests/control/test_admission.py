@@ -98,7 +98,7 @@ def fresh_run(q: DeadlineQueue, now: float, speeds: dict[str, float]) -> tuple[l
     """
     reqs = q.requests()
     t0 = q.start_ns(now)
-    jobs = [(to_ns(r.deadline), prefill_ns(r.prompt_tokens, speeds.get(r.model, SPEED))) for r in reqs]
+    jobs = [(checked_deadline(q, r), prefill_ns(r.prompt_tokens, speeds.get(r.model, SPEED))) for r in reqs]
     if len({rank(r) for r in reqs}) > 1:
         kept = ranked_moore_hodgson([(d, p, rank(r)) for (d, p), r in zip(jobs, reqs, strict=True)], t0)
     else:
@@ -106,6 +106,11 @@ def fresh_run(q: DeadlineQueue, now: float, speeds: dict[str, float]) -> tuple[l
     late = {r.req_id for r, (d, p) in zip(reqs, jobs, strict=True) if t0 + p > d}
     deferred = {r.req_id for r in reqs} - {reqs[i].req_id for i in kept} - late
     return [reqs[i].req_id for i in kept], deferred, late
+
+
+def checked_deadline(q: DeadlineQueue, r) -> int:
+    """The deadline the schedule checks: the SLO's less the model's learned margin, at most half the SLO."""
+    return to_ns(r.deadline) - min(q.margin_ns(r.model), to_ns(r.ttft_slo) // 2)
 
 
 def rank(r) -> tuple[int, int]:
@@ -119,8 +124,8 @@ def fresh_latest_starts(
     """What a fresh run records per schedulable position: d - (sum so far), None where it drops."""
     t0 = q.start_ns(now)
     out, heap, cum = [], [], 0
-    for r in sorted(q.requests(), key=lambda r: to_ns(r.deadline)):
-        d, p = to_ns(r.deadline), prefill_ns(r.prompt_tokens, speeds.get(r.model, SPEED))
+    for r in sorted(q.requests(), key=lambda r: checked_deadline(q, r)):
+        d, p = checked_deadline(q, r), prefill_ns(r.prompt_tokens, speeds.get(r.model, SPEED))
         if t0 + p > d:
             continue  # late: not a schedulable position
         cum += p
@@ -153,6 +158,8 @@ op = st.one_of(
     st.tuples(st.just("admit"), st.integers(0, 3), st.integers(0, 3), st.booleans()),
     st.tuples(st.just("cancel"), st.integers(0, 50)),
     st.tuples(st.just("speed"), st.sampled_from([500.0, 1000.0, 1010.0, 2000.0])),
+    # a dispatched request's first token, this late after now: the queue learns a margin
+    st.tuples(st.just("first"), st.integers(0, 50), st.sampled_from([0.0, 0.05, 0.2, 0.6, 2.0])),
 )
 
 
@@ -174,6 +181,7 @@ def test_incremental_queue_equals_a_fresh_algorithm_2_run(ops, abort, ranked):
     reported: dict[str, float] = {}
     n = 0
     dev = device(cap_gib=80)
+    dispatched: list[str] = []
     for o in ops:
         if o[0] == "push":
             r = request(f"r{n}", o[1], arrival=now, tokens=o[2], slo=o[3])
@@ -187,6 +195,9 @@ def test_incremental_queue_equals_a_fresh_algorithm_2_run(ops, abort, ranked):
                 assert q.cancel(reqs[o[1] % len(reqs)].req_id)
         elif o[0] == "speed":
             reported["a"] = o[1]
+        elif o[0] == "first":
+            if dispatched:
+                q.first_token(dispatched.pop(o[1] % len(dispatched)), now + o[2])
         else:
             for m, v in reported.items():  # the queue adopts a reported speed at admit unless within 2%
                 if abs(v - speeds.get(m, SPEED)) > 0.02 * speeds.get(m, SPEED):
@@ -200,6 +211,7 @@ def test_incremental_queue_equals_a_fresh_algorithm_2_run(ops, abort, ranked):
             for a in out:
                 if isinstance(a, Dispatch):
                     assert a.request.req_id in before | late_before
+                    dispatched.append(a.request.req_id)
                 else:
                     assert abort and a.reason is RejectReason.DEADLINE_MISS
         if o[0] == "speed":
@@ -490,3 +502,47 @@ def test_a_cached_prefix_shortens_the_prefill_the_schedule_counts_but_not_the_me
     tight = {"a": engine("a", free_gib=1000 * 1024 / GIB)}
     assert q2.admit(0.0, device(cap_gib=1, mapped_gib=1), tight) == []
     assert [a.request.req_id for a in q2.admit(0.0, device(), {"a": engine("a", free_gib=1)})] == ["hit2"]
+
+
+def dispatch_one(q: DeadlineQueue, req_id: str, tokens: int, now: float = 0.0) -> None:
+    q.push(request(req_id, arrival=now, tokens=tokens, slo=1.0))
+    out = q.admit(now, device(), {"a": engine("a", free_gib=1, speed=SPEED)})
+    assert [a.request.req_id for a in out if isinstance(a, Dispatch)] == [req_id]
+
+
+def test_first_tokens_later_than_predicted_tighten_the_deadlines_the_schedule_checks():
+    """The schedule predicted x's first token at 0.1 s (100 tokens at 1000/s); it came at 0.4 s. A
+    request the plain check keeps (0.8 s of prefill from 0.4 s, due at 1.4 s) is now late: its
+    checked deadline is 0.3 s earlier."""
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    dispatch_one(q, "x", 100)
+    q.push(request("y", arrival=0.4, tokens=800, slo=1.0))
+    assert [r.req_id for r in q.schedule(0.4)] == ["y"]
+    q.first_token("x", 0.4)
+    assert q.margin_ns("a") == to_ns(0.3)
+    assert q.schedule(0.4) == [] and [r.req_id for r in q.late(0.4)] == ["y"]
+    q.first_token("x", 9.0)  # reported twice (by the body, then at leave): counted once
+    assert q.margin_ns("a") == to_ns(0.3)
+
+
+def test_the_margin_is_a_high_quantile_of_recent_lateness_never_negative_and_at_most_half_the_slo():
+    q = DeadlineQueue("d0", default_prefill_tokens_per_s=SPEED)
+    dispatch_one(q, "early", 100)
+    q.first_token("early", 0.05)  # before the prediction: no margin
+    assert q.margin_ns("a") == 0
+    dispatch_one(q, "slow", 100, now=1.0)
+    q.first_token("slow", 1.0 + 0.1 + 5.0)  # 5 s late
+    assert q.margin_ns("a") == to_ns(5.0)
+    q.push(request("z", arrival=1.2, tokens=100, slo=1.0))
+    # the margin takes at most half of z's 1 s SLO: 0.1 s of prefill from 1.2 s meets 1.7 s
+    assert [r.req_id for r in q.schedule(1.2)] == ["z"]
+    assert q.cancel("z")
+    # the window forgets: after enough punctual first tokens the 5 s is out of its top tenth
+    for i in range(9):
+        dispatch_one(q, f"p{i}", 10, now=2.0 + i)
+        q.first_token(f"p{i}", 2.0 + i + 0.01)  # 10 tokens: predicted at 10 ms
+    assert q.margin_ns("a") == 0
+    q.first_token("never", 3.0)  # not dispatched here: ignored
+    dispatch_one(q, "gone", 10, now=20.0)
+    q.first_token("gone", None)  # left without a first token: forgotten, nothing learned
+    assert q.margin_ns("a") == 0 and not q._promised

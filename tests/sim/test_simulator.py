@@ -233,8 +233,8 @@ def test_misses_split_into_cold_and_warm():
 
 def test_a_model_hotter_than_one_device_gets_a_second_replica():
     """One 8B model at 90 req/s where one H100 serves about 62 within its SLO (cost model): prism
-    activates replica 1 on the other device and both serve; with replicas off the one engine falls
-    behind for good."""
+    activates replica 1 on the other device and both serve; with replicas off the one engine serves
+    what it can."""
     m = served("m")
     w = poisson(["m"], 90, 60, seed=1)
     slos = {"m": ModelSLO(1.0, 0.1)}
@@ -248,7 +248,8 @@ def test_a_model_hotter_than_one_device_gets_a_second_replica():
     assert replicated.counters["replica_activations"] == 1
     assert {r.replica for r in single.requests} == {"m"} and single.counters["replica_activations"] == 0
     assert all(r.model == "m" for r in replicated.requests)  # reports keep the served model's name
-    assert replicated.summary()["ttft_attainment"] > single.summary()["ttft_attainment"] + 0.3
+    # one engine serves about 62 of the 90 req/s in time, and admission sheds the rest (about 69%)
+    assert replicated.summary()["ttft_attainment"] >= 0.99 > 0.8 > single.summary()["ttft_attainment"]
     out = replicated.summary()
     assert out["replica_activations"] == 1
     assert out["requests_on_replicas"] == sum(r.replica == "m#1" for r in replicated.requests) > 0

@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 from bisect import bisect_left, insort
+from collections import deque
 from collections.abc import Mapping
 from itertools import repeat
 from operator import attrgetter, sub
@@ -88,6 +89,12 @@ __all__ = ["NS", "DeadlineQueue", "moore_hodgson", "prefill_ns", "ranked_moore_h
 
 _FAR = 1 << 62  # "never binds": the margin of a position whose check failed (it stays failed)
 _SPEED_TOLERANCE = 0.02  # speed changes below this are noise; re-scheduling for them costs O(n)
+# A model's deadline margin is this quantile of how late its last first tokens came after the
+# schedule's prediction (first_token); a new margin is taken only once it moves by more than a tenth
+# or a millisecond, whichever is more, since re-timing the queue costs O(n log n).
+_LATENESS_WINDOW = 32
+_LATENESS_QUANTILE = 0.9
+_MARGIN_STEP_NS = 1_000_000
 _SEQ_BITS = 40  # a queue would need 10^12 pushes before sequence numbers spill into the prefill bits
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 
@@ -99,17 +106,23 @@ def _rank(priority: Priority, share: int) -> int:
 
 
 class _Entry:
-    __slots__ = ("deadline", "key", "model", "p", "rank", "request", "seq", "sort", "where")
+    __slots__ = ("deadline", "due", "key", "model", "p", "rank", "request", "seq", "sort", "where")
 
-    def __init__(self, request: Request, seq: int, p: int) -> None:
+    def __init__(self, request: Request, seq: int, p: int, margin: int) -> None:
         self.request = request
         self.model = request.model
         self.rank = _rank(request.origin.priority, request.share)
         self.seq = seq
-        self.deadline = to_ns(request.deadline)
-        self.sort = (self.deadline, seq)
+        self.due = to_ns(request.deadline)
+        self.set_margin(margin)
         self.set_p(p)
         self.where = "pending"  # pending | cand | late
+
+    def set_margin(self, margin: int) -> None:
+        """The deadline the schedule checks: the SLO's, less ``margin`` (how late the engine's first
+        tokens come after the prefill the schedule predicts), at most half the TTFT SLO."""
+        self.deadline = self.due - min(margin, to_ns(self.request.ttft_slo) // 2)
+        self.sort = (self.deadline, self.seq)
 
     def set_p(self, p: int) -> None:
         self.p = p
@@ -140,6 +153,7 @@ class DeadlineQueue(RequestQueue):
         abort_on_miss: bool = False,
         default_prefill_tokens_per_s: float = 8000.0,
         best_effort_share: float = 0.125,
+        learn_lateness: bool = True,
     ) -> None:
         super().__init__(device, reserve_tokens=reserve_tokens)
         if not default_prefill_tokens_per_s > 0:
@@ -147,6 +161,7 @@ class DeadlineQueue(RequestQueue):
         if not 0 < best_effort_share <= 1:
             raise InvalidSnapshotError("best_effort_share must be in (0, 1]")
         self.best_effort_share = best_effort_share
+        self.learn_lateness = learn_lateness  # False: no margin (first_token learns nothing)
         self._running = 0  # requests the device's engines run, counted at admit (best_effort_share)
         self._best_effort_below = 1  # best-effort requests start only while _running is below this
         self._now_ns = 0  # the admit call's now
@@ -177,6 +192,12 @@ class DeadlineQueue(RequestQueue):
         self._moff = 0
         self._held: list[Action] = []  # rejections found outside admit, returned by the next admit
         self._ranks: dict[int, int] = {}  # rank -> queued requests of it (more than one: a mixed queue)
+        # the first token the schedule promised each dispatched request (its prefill's predicted end,
+        # ns), how much later than that the last first tokens of each model came, and the margin
+        # taken off that model's deadlines for it (``first_token``)
+        self._promised: dict[str, tuple[str, int]] = {}
+        self._lateness: dict[str, deque[int]] = {}
+        self._margin: dict[str, int] = {}
         self.stats = {
             "replans": 0, "fast_appends": 0, "middle_inserts": 0, "fast_dispatches": 0, "reused": 0,
             "ranked": 0,
@@ -186,7 +207,8 @@ class DeadlineQueue(RequestQueue):
 
     def _push(self, request: Request) -> None:
         speed = self._speed.get(request.model, self.default_prefill_tokens_per_s)
-        e = _Entry(request, self._seq, prefill_ns(request.prefill_tokens, speed))
+        margin = self._margin.get(request.model, 0)
+        e = _Entry(request, self._seq, prefill_ns(request.prefill_tokens, speed), margin)
         self._seq += 1
         self._entries[request.req_id] = e
         self._ranks[e.rank] = self._ranks.get(e.rank, 0) + 1
@@ -338,6 +360,50 @@ class DeadlineQueue(RequestQueue):
                 self._cands.extend(back)
                 self._cands.sort(key=_SORT)
                 self._realign()
+
+    def margin_ns(self, model: str) -> int:
+        """What ``model``'s deadlines have taken off for the lateness of its first tokens (ns; each
+        request's at most half its TTFT SLO; tests and tracing)."""
+        return self._margin.get(model, 0)
+
+    def first_token(self, req_id: str, at: float | None) -> None:
+        """Learn how late first tokens come after the schedule's prediction, the end of a request's
+        place in back-to-back prefills from T0. An engine's step that carries a prefill also carries
+        every running request's decode, prefills dispatched together end together with their step,
+        and a request joins a step only once the one in flight ends: none of that is in the prefill
+        speed. Under overload the schedule keeps requests with no slack to spare, so each such
+        second would be a miss. A model's margin is the ``_LATENESS_QUANTILE`` of the lateness of its
+        last ``_LATENESS_WINDOW`` first tokens (never below 0), and is taken off its requests'
+        deadlines (at most half the TTFT SLO) in every check the schedule makes."""
+        promised = self._promised.pop(req_id, None)
+        if promised is None or at is None or not self.learn_lateness:
+            return
+        model, due = promised
+        window = self._lateness.get(model)
+        if window is None:
+            window = self._lateness[model] = deque(maxlen=_LATENESS_WINDOW)
+        window.append(to_ns(at) - due)
+        ranked = sorted(window)
+        margin = max(0, ranked[min(len(ranked) - 1, int(_LATENESS_QUANTILE * len(ranked)))])
+        old = self._margin.get(model, 0)
+        if abs(margin - old) <= max(_MARGIN_STEP_NS, old // 10):
+            return
+        self._margin[model] = margin
+        mine = [entry for entry in self._entries.values() if entry.model == model]
+        for entry in mine:
+            entry.set_margin(margin)
+        # re-sorted as after a speed change, late ones included: a smaller margin can make them
+        # schedulable again, and the next run files whoever is late now
+        back = [entry for entry in self._late if entry.model == model]
+        if back:
+            self._late = [entry for entry in self._late if entry.model != model]
+            for entry in back:
+                entry.where = "cand"
+            self._cands.extend(back)
+        if back or any(entry.where == "cand" for entry in mine):
+            self._cands.sort(key=_SORT)
+            self._realign()
+            self._valid = False
 
     def _absorb_pending(self, t0: int, out: list[Action]) -> None:
         pending = []
@@ -651,6 +717,8 @@ class DeadlineQueue(RequestQueue):
                     self._emit(out, Dispatch(req, self.device))
                     self._running += 1
                     t += e.p
+                    if self.learn_lateness:
+                        self._promised[req.req_id] = (e.model, t)
                     shift += e.p
                     gone.append(nxt)
                     if not room.can_start_any(e.model):

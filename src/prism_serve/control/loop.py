@@ -186,6 +186,7 @@ class ControlLoop:
         self.queues: dict[str, RequestQueue] = {d: self._new_queue(d) for d in devices}
         self.backlog: dict[str, Request] = {}  # deferred requests, in deferral order
         self.where: dict[str, str] = {}  # req_id -> _NEW, _DEFERRED, ENGINE or the device it queues on
+        self._dispatched_to: dict[str, str] = {}  # req_id -> the device whose queue dispatched it
         self.requests: dict[str, Request] = {}
         self.num_queued: Counter[str] = Counter()  # per model: in a device queue or deferred
         self.counters: Counter[str] = Counter()  # evictions, migrations(_skipped), rejections, restarts
@@ -381,12 +382,23 @@ class ControlLoop:
         so one step's many finishes admit once."""
         if self.where.get(req_id) == ENGINE:
             request = self.requests[req_id]
+            self.first_token(req_id, first_token)  # where the body did not report it as it came
             if now is not None:
                 self.fair.left(
                     request.origin, request.prompt_tokens, output_tokens,
                     first_token is not None and first_token <= request.deadline, now,
                 )  # fmt: skip
             self._forget(request)
+
+    def first_token(self, req_id: str, at: float | None) -> None:
+        """A dispatched request's first token came at ``at`` (None: it left without one): the queue
+        that dispatched it learns how that compares with what it predicted (control/admission.py,
+        ``DeadlineQueue.first_token``). Bodies call it as the token comes; ``request_left`` calls it
+        for a request still unreported."""
+        device = self._dispatched_to.pop(req_id, None)
+        q = self.queues.get(device) if device is not None else None
+        if q is not None:
+            q.first_token(req_id, at)
 
     def capacity_freed(self, devices: Iterable[str], now: float) -> None:
         self.wake(devices)
@@ -561,6 +573,7 @@ class ControlLoop:
                     self._to_admit.add(d)
                 case Dispatch(request=r, device=d):
                     self._set_where(r, ENGINE)
+                    self._dispatched_to[r.req_id] = d
                     self.stale_devices.add(d)
                     if not body.dispatch(r, d, now):
                         self.request_left(r.req_id)
@@ -614,6 +627,7 @@ class ControlLoop:
         self._set_where(request, _NEW)
         del self.where[request.req_id]
         self.requests.pop(request.req_id, None)
+        self._dispatched_to.pop(request.req_id, None)
         self.stale_models[request.model] = None
 
     def _take_queued(self, model: str, keep: str | None = None) -> list[Request]:

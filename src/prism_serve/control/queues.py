@@ -81,6 +81,10 @@ class RequestQueue:
     def requests(self) -> list[Request]:
         raise NotImplementedError
 
+    def first_token(self, req_id: str, at: float | None) -> None:
+        """A request this queue dispatched got its first token at ``at`` (None: it left without
+        one). Queues that learn from their predictions override it."""
+
     # subclass hooks
     def _push(self, request: Request) -> None:
         raise NotImplementedError

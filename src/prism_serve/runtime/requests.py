@@ -250,6 +250,7 @@ class Requests:
             r.output_tokens = d.num_output_tokens
             if r.first_token is None and d.num_output_tokens:
                 r.first_token = self._clock()
+                self._loop.first_token(r.req_id, r.first_token)
             if d.finished:
                 worker = r.worker
                 d = msgspec.structs.replace(

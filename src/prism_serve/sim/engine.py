@@ -149,6 +149,7 @@ class SimEngine:
         self.start = 0.0
         self.end = 0.0
         self._scheduled: list[tuple[SimSeq, int]] = []
+        self.first_tokens: list[SimRequest] = []  # those the last step sampled a first token for
         self._run_k = 0  # > 0: a decode run of that many steps
         self._cum: list[float] | None = None  # when a run's steps end, alone on its devices
         self._work = 0.0  # a single step's time alone on its devices
@@ -480,10 +481,12 @@ class SimEngine:
         return len(self._scheduled), self._run_k, self._cum[self._run_k - 1]
 
     def finish_step(self, now: float) -> tuple[list[SimRequest], bool]:
-        """Apply the step that ends at ``now``: (requests finished, whether blocks were freed)."""
+        """Apply the step that ends at ``now``: (requests finished, whether blocks were freed); the
+        requests whose first token it sampled are in ``first_tokens`` until the next step ends."""
         self.busy = False
         self.dirty = True
         finished: list[SimRequest] = []
+        self.first_tokens = first = []
         k = self._run_k
         if k:
             self.num_steps += k
@@ -503,6 +506,7 @@ class SimEngine:
                     s.num_tokens += 1
                     if s.req.first_token is None:
                         s.req.first_token = now + self._reply_s
+                        first.append(s.req)
         freed = False
         for s, _ in self._scheduled:
             if s.generated >= s.req.output_tokens:

@@ -412,6 +412,8 @@ class Simulator:
             m.step_started = None
             if self._live_profiles:
                 self._stepped[m.served.name] = None
+        for req in e.first_tokens:
+            self.loop.first_token(req.req_id, req.first_token)
         m.num_served += len(finished)
         for req in finished:
             self._leave(req)

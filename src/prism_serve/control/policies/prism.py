@@ -189,6 +189,7 @@ class PrismPolicy(Policy):
             abort_on_miss=k.abort_on_miss,
             default_prefill_tokens_per_s=k.default_prefill_tokens_per_s,
             best_effort_share=k.best_effort_share,
+            learn_lateness=k.lateness_margin,
         )
 
     @property

@@ -24,6 +24,10 @@ class PrismKnobs(Knobs):
     migration_cooldown_s: float = 60.0
     rebalance: bool = True  # False: resident models never migrate (global scheduler off)
     deadline_admission: bool = True  # False: per-engine FIFO admission (local scheduler off)
+    # the deadline schedule checks each model's deadlines less how late its first tokens have come
+    # after the schedule's prediction (control/admission.py, DeadlineQueue.first_token); False: the
+    # prediction alone (the paper's Algorithm 2), the ablation
+    lateness_margin: bool = True
     # False: placement weighs KV pressure only (the paper's KVPR), not the compute colocated engines
     # share (placement.pressure); the ablation of compute-aware placement
     compute_aware: bool = True
