@@ -116,3 +116,13 @@ def test_under_overload_standard_yields_to_interactive():
     without = ttft_by_model(simulate(MODELS, workload(*plain), SLOS, SimConfig(num_devices=1)), 40.0)
     assert with_classes["m0"] > 0.97
     assert with_classes["m0"] > without["m0"] + 0.2
+
+
+def test_a_batch_of_one_model_does_not_read_as_its_demand():
+    """A batch file for m0, three times what an engine serves, with a second device free: batch
+    work waits for idle capacity, so its arrivals count in no rate: no replica is made for it and
+    no placement answers it as demand, and every line is still served."""
+    bulk = arrivals(3 * CAPACITY, ("eval", "batch"), 2, model=0, end=60.0)
+    res = simulate(MODELS, workload(bulk), SLOS, SimConfig(num_devices=2, drain_s=3600.0))
+    assert res.summary()["batch"] == {"requests": len(bulk[0]), "finished": len(bulk[0])}
+    assert res.counters["replica_activations"] == 0

@@ -367,11 +367,11 @@ class DeadlineQueue(RequestQueue):
         return self._margin.get(model, 0)
 
     def first_token(self, req_id: str, at: float | None) -> None:
-        """Learn how late first tokens come after the schedule's prediction, the end of a request's
-        place in back-to-back prefills from T0. An engine's step that carries a prefill also carries
-        every running request's decode, prefills dispatched together end together with their step,
-        and a request joins a step only once the one in flight ends: none of that is in the prefill
-        speed. Under overload the schedule keeps requests with no slack to spare, so each such
+        """Learn how late first tokens come after the schedule's prediction: the end of the
+        back-to-back prefills from T0 of the requests dispatched with it (they end together, with
+        the step that carries the last of them). That step also carries every running request's
+        decode, and a request joins a step only once the one in flight ends: neither is in the
+        prefill speed. Under overload the schedule keeps requests with no slack to spare, so each such
         second would be a miss. A model's margin is the ``_LATENESS_QUANTILE`` of the lateness of its
         last ``_LATENESS_WINDOW`` first tokens (never below 0), and is taken off its requests'
         deadlines (at most half the TTFT SLO) in every check the schedule makes."""
@@ -671,6 +671,7 @@ class DeadlineQueue(RequestQueue):
         all_min = _FAR  # the same over every position walked past
         gone: list[int] = []
         never: list[_Entry] = []
+        promised: list[tuple[str, str]] = []  # (request, model) dispatched by this walk
         cands, margins, models = self._cands, self._margins, self._models
         dropped = self._dropped
         effort = _BEST_EFFORT
@@ -717,8 +718,7 @@ class DeadlineQueue(RequestQueue):
                     self._emit(out, Dispatch(req, self.device))
                     self._running += 1
                     t += e.p
-                    if self.learn_lateness:
-                        self._promised[req.req_id] = (e.model, t)
+                    promised.append((req.req_id, e.model))
                     shift += e.p
                     gone.append(nxt)
                     if not room.can_start_any(e.model):
@@ -737,6 +737,10 @@ class DeadlineQueue(RequestQueue):
             if kept:
                 kept_min = min(kept_min, m)
             idx = nxt + 1
+        if self.learn_lateness:
+            # prefills dispatched together end together, with the step that carries the last of them
+            for req_id, model in promised:
+                self._promised[req_id] = (model, t)
         if gone:
             self.stats["fast_dispatches"] += len(gone)
             # Positions after a dispatched request lose its prefill from their sums while T0 gains it:

@@ -12,6 +12,8 @@ Events in (each a method; ``now`` on the caller's clock):
 - ``activation_done`` / ``activation_failed``: a model's engine is ready (``place`` runs, as the
   policy contract says, and its device admits), or its activation failed (its waiting requests are
   handed back to the body to fail).
+- ``first_token``: a request on an engine sampled its first token; the queue that dispatched it
+  compares that with the first token it predicted (control/admission.py).
 - ``request_left``: a request that was on an engine finished, failed or was aborted.
 - ``capacity_freed``: memory or a sequence slot came free on a device (a step finished requests,
   an eviction completed); the device admits.
@@ -92,6 +94,7 @@ from prism_serve.control.types import (
     Evict,
     Migrate,
     ModelState,
+    Priority,
     Reject,
     RejectReason,
     Request,
@@ -472,11 +475,15 @@ class ControlLoop:
 
     def _route(self, request: Request, now: float, *, arriving: bool = False) -> None:
         """Pick the request's replica, then let the policy route it. An arrival counts in the rate of
-        the replica it goes to and in the forecast of its served model."""
+        the replica it goes to and in the forecast of its served model, unless it is of the batch
+        class: batch work waits for idle capacity (control/admission.py), so it must not read as
+        demand that replicas, placement and prewarming answer (a batch file of 10,000 lines for one
+        model would make it the hottest model of the deployment)."""
         self.where[request.req_id] = _NEW
+        counted = request.origin.priority is not Priority.BATCH
         if arriving and request.model not in self._replicated:
             # one replica: it is the request's own model, so its arrival counts before the snapshot
-            self._observe(request.model, request.model, now)
+            self._observe(request.model, request.model, now, counted)
         cluster = self.body.cluster(now)
         prefixed = self.prefix_aware and bool(request.prefix_keys)
         cached = self._cached_by_replica(request, cluster) if prefixed else None
@@ -487,7 +494,7 @@ class ControlLoop:
             self.requests[routed.req_id] = routed
         if arriving and request.model in self._replicated:
             snap = cluster.models.get(routed.model)
-            self._observe(routed.model, snap.group if snap is not None else routed.model, now)
+            self._observe(routed.model, snap.group if snap is not None else routed.model, now, counted)
             cluster = self.body.cluster(now)
         self._routing[routed.model] += 1
         try:
@@ -523,11 +530,13 @@ class ControlLoop:
             routed = replace(routed, cached_tokens=cached[name])
         return routed
 
-    def _observe(self, replica: str, model: str, now: float) -> None:
+    def _observe(self, replica: str, model: str, now: float, counted: bool = True) -> None:
         """An arrival for ``replica`` of the served ``model``: rates are per replica, the forecast
-        per served model."""
-        self.rates.observe(replica, now)
-        self.forecast.observe(model, now)
+        per served model (``counted``: the arrival counts in both; either way the model is no longer
+        held or prewarmed)."""
+        if counted:
+            self.rates.observe(replica, now)
+            self.forecast.observe(model, now)
         self.held.discard(model)
         self.prewarmed.discard(replica)
         self.prewarmed.discard(model)
