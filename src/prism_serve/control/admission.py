@@ -12,6 +12,11 @@ one after another from ``T0``.
 ``T0`` is ``max(now, busy_until)``: ``busy_until`` is when the prefills this queue already dispatched
 are predicted to finish, so dispatched work is not scheduled twice.
 
+Each model's deadlines are checked less a margin: how late its first tokens have come after the
+schedule predicted them (``first_token``; the step that ends a prefill also carries the running
+decodes, which the prefill speed does not count), at most half the TTFT SLO. Without it, under
+sustained overload the schedule keeps requests that then miss by a few milliseconds each.
+
 Dispatch walks the kept schedule in deadline order and starts each request whose engine can start
 it now (see ``capacity.py``). A kept request may start before an earlier kept one that is waiting
 (its engine is still loading, say) only if every earlier request still meets its deadline after
@@ -49,7 +54,10 @@ failing check drops the request of the lowest rank (longest prefill among those,
 and keeps dropping until the check passes (dropping a short request may not be enough), so under
 overload batch requests yield first, then standard ones, then a class's requests of tenants over
 their share; ``moore_hodgson.ranked_moore_hodgson`` is that rule as a pure function. A queue of
-mixed ranks recomputes its schedule at every call (O(n log n); counted in ``stats["ranked"]``).
+mixed ranks keeps its schedule while only time passes, up to the latest T0 at which every position
+still passes its check after the same drops and no dropped request turns late; anything else (an
+arrival, a dispatch, a cancel, a speed, margin or rank change) recomputes it (O(n log n); counted
+in ``stats["ranked"]``).
 A batch request, whose deadline is its batch's window, is scheduled after everything else anyway;
 it is *best-effort*, as is every request of a tenant over its fair share (its share level above
 0): a best-effort request starts only while no prefill is pending on the device and the device
@@ -192,9 +200,10 @@ class DeadlineQueue(RequestQueue):
         self._moff = 0
         self._held: list[Action] = []  # rejections found outside admit, returned by the next admit
         self._ranks: dict[int, int] = {}  # rank -> queued requests of it (more than one: a mixed queue)
-        # the first token the schedule promised each dispatched request (its prefill's predicted end,
-        # ns), how much later than that the last first tokens of each model came, and the margin
-        # taken off that model's deadlines for it (``first_token``)
+        self._ranked_plan = False  # the schedule was made by _replan_ranked (no incremental paths)
+        # the first token the schedule promised each dispatched request (the predicted end of the
+        # prefills its walk dispatched, ns), how much later than that the last first tokens of each
+        # model came, and the margin taken off that model's deadlines for it (``first_token``)
         self._promised: dict[str, tuple[str, int]] = {}
         self._lateness: dict[str, deque[int]] = {}
         self._margin: dict[str, int] = {}
@@ -314,10 +323,11 @@ class DeadlineQueue(RequestQueue):
         return max(to_ns(now), self._busy_until)
 
     def _refresh(self, t0: int, out: list[Action]) -> None:
-        if len(self._ranks) > 1:
-            self._valid = False  # a mixed queue: recomputed at every call (module docstring)
-            if self.shares is not None:
-                self._rerank()
+        if len(self._ranks) > 1 and self.shares is not None and self._rerank():
+            self._valid = False  # a tenant's level fell: its requests rank lower from now on
+        if self._ranked_plan != (len(self._ranks) > 1):
+            # ranks mixed or one again: each kind of schedule is kept by its own rules
+            self._valid = False
         if self._valid and not self._t0 <= t0 <= self._limit:
             self._valid = False
         if self._pending:
@@ -328,16 +338,23 @@ class DeadlineQueue(RequestQueue):
             self.stats["reused"] += 1
             self._t0 = t0
 
-    def _rerank(self) -> None:
+    def _rerank(self) -> bool:
         """Rank every queued request down to its tenant's level now (``shares``) if that is lower
         than the one it arrived with: a tenant found over its share yields with the requests it
-        queued before. Never up: a backlog that turned first-rank at once would crowd the engines."""
-        shares, counts = self.shares, {}
+        queued before. Never up: a backlog that turned first-rank at once would crowd the engines.
+        Returns whether any rank changed."""
+        shares, counts, changed = self.shares, {}, False
+        levels: dict = {}  # one lookup per origin: a backlog's requests share a few
         for e in self._entries.values():
             origin = e.request.origin
-            e.rank = r = min(e.rank, _rank(origin.priority, shares(origin)))
-            counts[r] = counts.get(r, 0) + 1
+            level = levels.get(origin)
+            if level is None:
+                level = levels[origin] = _rank(origin.priority, shares(origin))
+            if level < e.rank:
+                e.rank, changed = level, True
+            counts[e.rank] = counts.get(e.rank, 0) + 1
         self._ranks = counts
+        return changed
 
     def _sync_speeds(self, engines: Mapping[str, EngineSnapshot]) -> None:
         for model, e in engines.items():
@@ -420,9 +437,10 @@ class DeadlineQueue(RequestQueue):
         if len(pending) > 1:
             pending.sort(key=_SORT)
         cands = self._cands
-        rest = pending if not self._valid else []
+        fast = self._valid and not self._ranked_plan  # the fast paths are Algorithm 2's, one rank
+        rest = pending if not fast else []
         heap, gone = self._heap, self._heap_gone
-        for i, e in enumerate(pending if self._valid else ()):
+        for i, e in enumerate(pending if fast else ()):
             if cands and e.sort < cands[-1].sort:
                 if self._insert_middle(e, t0):
                     continue
@@ -511,6 +529,7 @@ class DeadlineQueue(RequestQueue):
         if len(self._ranks) > 1:
             self._replan_ranked(t0, out)
             return
+        self._ranked_plan = False
         heap: list[int] = []
         push, pushpop = heapq.heappush, heapq.heappushpop
         dropped: set[int] = set()
@@ -584,13 +603,18 @@ class DeadlineQueue(RequestQueue):
         self._valid = True
 
     def _replan_ranked(self, t0: int, out: list[Action]) -> None:
-        """Algorithm 2 over a queue of mixed ranks (module docstring). It leaves the schedule marked
-        stale, so the next call recomputes it too: the incremental paths hold for one rank only."""
+        """Algorithm 2 over a queue of mixed ranks (module docstring). The result holds, unchanged,
+        for every T0 up to ``_limit``: at most the slack left at every position after its drops (so
+        each position drops the same requests: it failed at a smaller T0 with one drop fewer) and
+        the latest T0 at which no dropped request turns late (a late one leaves the walk, which
+        could change a later drop). Any other change (an arrival, a dispatch, a cancel, a speed,
+        margin or rank change) recomputes it: the incremental paths are Algorithm 2's."""
         self.stats["ranked"] += 1
         heap: list[tuple[int, int, int]] = []
         dropped: set[int] = set()
         late: list[_Entry] = []
         cum = 0
+        slack = _FAR  # the least slack any position has after its drops
         for e in self._cands:
             d = e.deadline - t0
             if e.p > d:
@@ -602,6 +626,7 @@ class DeadlineQueue(RequestQueue):
                 _, neg_p, seq = heapq.heappop(heap)
                 cum += neg_p
                 dropped.add(seq)
+            slack = min(slack, d - cum)
         if late:
             gone = {e.seq for e in late}
             self._cands = [e for e in self._cands if e.seq not in gone]
@@ -615,11 +640,12 @@ class DeadlineQueue(RequestQueue):
             dropped = set()
         # each kept position's latest T0, over the kept requests before it; dropped ones never bind
         margins: list[int] = []
-        cum, limit, min_p = 0, _FAR, _FAR
+        cum, limit, min_p = 0, t0 + slack, _FAR
         for e in self._cands:
             min_p = min(min_p, e.p)
             if e.seq in dropped:
                 margins.append(_FAR)
+                limit = min(limit, e.deadline - e.p)
                 continue
             cum += e.p
             margins.append(e.deadline - cum)
@@ -635,7 +661,8 @@ class DeadlineQueue(RequestQueue):
         self._moff = 0
         self._t0 = t0
         self._limit = limit
-        self._valid = False
+        self._valid = True
+        self._ranked_plan = True
 
     def _make_late(self, e: _Entry, out: list[Action]) -> None:
         if self.abort_on_miss:
@@ -675,11 +702,21 @@ class DeadlineQueue(RequestQueue):
         cands, margins, models = self._cands, self._margins, self._models
         dropped = self._dropped
         effort = _BEST_EFFORT
-        if not effort.isdisjoint(self._ranks) and self._yields(t0):
-            # best-effort requests wait this call: like dropped ones, they hold no one back
-            dropped = dropped | {e.seq for e in cands if e.rank in effort}
-        base = self._moff
         n = len(cands)
+        if not effort.isdisjoint(self._ranks) and self._yields(t0):
+            # best-effort requests wait this call: like dropped ones, they hold no one back, and
+            # the walk ends after the last other position (a batch's deadline, its window, puts
+            # thousands of them after everything else). The margins past it bound nothing: a
+            # queue of one rank is all best-effort or none, and one of mixed ranks is recomputed
+            # after any dispatch.
+            waiting, n = set(dropped), 0
+            for i, e in enumerate(cands):
+                if e.rank in effort:
+                    waiting.add(e.seq)
+                else:
+                    n = i + 1
+            dropped = waiting
+        base = self._moff
         idx = 0
         while idx < n and startable:
             nxt = n  # the next position whose model could start something
@@ -741,6 +778,8 @@ class DeadlineQueue(RequestQueue):
             # prefills dispatched together end together, with the step that carries the last of them
             for req_id, model in promised:
                 self._promised[req_id] = (model, t)
+        if gone and self._ranked_plan:
+            self._valid = False  # what a ranked schedule keeps after a dispatch is recomputed
         if gone:
             self.stats["fast_dispatches"] += len(gone)
             # Positions after a dispatched request lose its prefill from their sums while T0 gains it:
