@@ -196,7 +196,12 @@ def req(i: int, model: str = "a", t: float = 0.0) -> Request:
 
 
 def check_invariants(loop: ControlLoop, body: FakeBody) -> None:
-    """Every request the loop holds is in exactly one place, and the counts agree."""
+    """Every request the loop holds is in exactly one place, and the counts agree; only requests
+    on an engine have a first token promised (a restarted one's promise is forgotten)."""
+    on_engine = {rid for rid, where in loop.where.items() if where == ENGINE}
+    assert set(loop._dispatched_to) <= on_engine
+    for q in loop.queues.values():
+        assert set(getattr(q, "_promised", ())) <= on_engine
     queued = {r.req_id: d for d, q in loop.queues.items() for r in q.requests()}
     running = {rid for m in body.models.values() for rid in m.running}
     counts: dict[str, int] = {}

@@ -659,6 +659,7 @@ class ControlLoop:
     def _evicted(self, model: str, restarted: Iterable[Request]) -> None:
         for r in restarted:
             self.counters["restarts"] += 1
+            self.first_token(r.req_id, None)  # its queue forgets what it promised: it starts over
             self._set_where(r, _NEW)
             self._reroute.append(r)
 
