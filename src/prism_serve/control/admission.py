@@ -369,14 +369,20 @@ class DeadlineQueue(RequestQueue):
                 if entry.request.model == model:
                     entry.set_p(prefill_ns(entry.request.prefill_tokens, e.prefill_tokens_per_s))
             # a faster engine can make late requests schedulable again: let the next run re-sort them
-            back = [entry for entry in self._late if entry.request.model == model]
-            if back:
-                self._late = [entry for entry in self._late if entry.request.model != model]
-                for entry in back:
-                    entry.where = "cand"
-                self._cands.extend(back)
+            if self._late_rejoin(model):
                 self._cands.sort(key=_SORT)
                 self._realign()
+
+    def _late_rejoin(self, model: str) -> bool:
+        """``model``'s late requests rejoin the candidates (after a change that may make them
+        schedulable again; the next run files whoever is still late); whether there were any."""
+        back = [entry for entry in self._late if entry.model == model]
+        if back:
+            self._late = [entry for entry in self._late if entry.model != model]
+            for entry in back:
+                entry.where = "cand"
+            self._cands.extend(back)
+        return bool(back)
 
     def margin_ns(self, model: str) -> int:
         """What ``model``'s deadlines have taken off for the lateness of its first tokens (ns; each
@@ -410,14 +416,8 @@ class DeadlineQueue(RequestQueue):
         for entry in mine:
             entry.set_margin(margin)
         # re-sorted as after a speed change, late ones included: a smaller margin can make them
-        # schedulable again, and the next run files whoever is late now
-        back = [entry for entry in self._late if entry.model == model]
-        if back:
-            self._late = [entry for entry in self._late if entry.model != model]
-            for entry in back:
-                entry.where = "cand"
-            self._cands.extend(back)
-        if back or any(entry.where == "cand" for entry in mine):
+        # schedulable again
+        if self._late_rejoin(model) or any(entry.where == "cand" for entry in mine):
             self._cands.sort(key=_SORT)
             self._realign()
             self._valid = False
@@ -698,7 +698,6 @@ class DeadlineQueue(RequestQueue):
         all_min = _FAR  # the same over every position walked past
         gone: list[int] = []
         never: list[_Entry] = []
-        promised: list[tuple[str, str]] = []  # (request, model) dispatched by this walk
         cands, margins, models = self._cands, self._margins, self._models
         dropped = self._dropped
         effort = _BEST_EFFORT
@@ -755,7 +754,6 @@ class DeadlineQueue(RequestQueue):
                     self._emit(out, Dispatch(req, self.device))
                     self._running += 1
                     t += e.p
-                    promised.append((req.req_id, e.model))
                     shift += e.p
                     gone.append(nxt)
                     if not room.can_start_any(e.model):
@@ -776,8 +774,8 @@ class DeadlineQueue(RequestQueue):
             idx = nxt + 1
         if self.learn_lateness:
             # prefills dispatched together end together, with the step that carries the last of them
-            for req_id, model in promised:
-                self._promised[req_id] = (model, t)
+            for i in gone:
+                self._promised[cands[i].request.req_id] = (cands[i].model, t)
         if gone and self._ranked_plan:
             self._valid = False  # what a ranked schedule keeps after a dispatch is recomputed
         if gone:
