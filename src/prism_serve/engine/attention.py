@@ -110,6 +110,8 @@ class AttentionMetadata:
     # costs page faults that showed up as a third of a batched fp32 decode step.
     gather_k: torch.Tensor | None = None  # flat, at least max_gather_blocks * block numel
     gather_v: torch.Tensor | None = None
+    # an encoder's step (models/bert.py): each token's type (1 in a pair's second segment); None: all 0
+    token_types: torch.Tensor | None = None
 
     @property
     def max_gather_blocks(self) -> int:

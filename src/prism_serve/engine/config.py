@@ -112,7 +112,9 @@ class PoolingTask:
     if ``normalize``. ``score`` (a decoder reranker, /v1/rerank and /v1/score): ``template`` with a
     pair's ``{query}``, ``{document}`` and ``{instruction}`` filled in is the prompt, and the score is
     the probability of the second of ``tokens`` against the first (yes against no) as the next token,
-    sigmoid(logit(yes) - logit(no))."""
+    sigmoid(logit(yes) - logit(no)). A cross-encoder's score (``classifier``: a BERT-family encoder
+    with a one-output classification head) is the sigmoid of that output for the pair as its
+    tokenizer pairs it ([CLS] query [SEP] document [SEP]); it has no template or answer tokens."""
 
     task: str  # embed or score
     pooling: str = "last"
@@ -120,6 +122,7 @@ class PoolingTask:
     template: str = QWEN3_RERANK_TEMPLATE
     instruction: str = QWEN3_RERANK_INSTRUCTION  # when the request names none
     tokens: tuple[str, str] = ("no", "yes")
+    classifier: bool = False
 
     def prompt(self, query: str, document: str, instruction: str | None = None) -> str:
         """A score pair's prompt: each placeholder replaced once, so braces in the texts stay."""

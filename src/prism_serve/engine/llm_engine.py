@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,8 +24,8 @@ from prism_serve.engine.lora import (
     read_adapter,
 )
 from prism_serve.engine.machine import keep_freed_buffers, resolve_dtype
+from prism_serve.engine.models import build_model
 from prism_serve.engine.models.config import ArchConfig
-from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.prefix_cache import PrefixCache
 from prism_serve.engine.runner import ModelRunner
 from prism_serve.engine.sampling_params import SamplingParams
@@ -42,6 +43,9 @@ from prism_serve.errors import (
     UnsupportedModelError,
 )
 from prism_serve.memory.kv_pool import ElasticKVPool, FixedKVPool
+
+if TYPE_CHECKING:
+    from prism_serve.engine.models import Model
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ class LLMEngine(RequestCounts):
         weights: LoadedWeights | None = None,
         allocator: BlockAllocator | None = None,
         clock: Callable[[], float] = time.monotonic,
-        model: LlamaForCausalLM | None = None,
+        model: Model | None = None,
         lora_storage: torch.Tensor | None = None,
         reduce: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
@@ -94,16 +98,21 @@ class LLMEngine(RequestCounts):
                 f"device {config.device} asked for, but this torch ({torch.__version__}) sees "
                 f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices"
             )
-        self.model = model or LlamaForCausalLM(
+        self.model = model or build_model(
             weights.config, weights.tensors, dtype, self.max_model_len, weights.rope_freq_factors
         ).to(device)
         device = self.model.norm.device
+        # an encoder (models/bert.py) reads each input whole in one step and keeps no KV: its
+        # requests get no blocks, and a step's budget holds its longest input
+        encoder = weights.config.encoder
+        if encoder and (reduce is not None or config.max_loras):
+            raise UnsupportedModelError("an encoder runs on one device, without LoRA adapters")
         if reduce is not None:
             if config.max_loras:
                 raise UnsupportedModelError("LoRA adapters of a tensor-parallel model are not supported")
             self.model.reduce = reduce
         block_bytes = KVCache.block_bytes(weights.config, config.block_size, dtype)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
+        num_blocks = 1 if encoder else config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
         self._owned_pool: ElasticKVPool | None = None
         if allocator is None and config.elastic_kv is not None:
             allocator = self._owned_pool = ElasticKVPool.create(
@@ -131,12 +140,19 @@ class LLMEngine(RequestCounts):
             )
             self.adapters = AdapterSlots(slots)
         # prefix caching: full blocks kept by content after their requests end (engine/prefix_cache.py)
-        self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.prefix_caching else None
+        self.prefix_cache = (
+            PrefixCache(self.allocator, config.block_size) if config.prefix_caching and not encoder else None
+        )
         self._adapter_salts: dict[str, bytes] = {}  # each registration's own: a re-registered name misses
         self._registrations = itertools.count()
+        budget = (
+            max(config.max_num_batched_tokens, self.max_model_len)
+            if encoder
+            else config.max_num_batched_tokens
+        )
         self.scheduler = Scheduler(
-            self.allocator, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
-            self.adapters, self.prefix_cache,
+            self.allocator, config.block_size, config.max_num_seqs, budget, self.adapters, self.prefix_cache,
+            whole_inputs=encoder,
         )  # fmt: skip
         self.runner = ModelRunner(
             self.model,
@@ -176,6 +192,8 @@ class LLMEngine(RequestCounts):
     @property
     def max_seq_len(self) -> int:
         """Longest sequence (prompt + output) that fits both the context and the whole KV cache."""
+        if self.model_config.encoder:  # it keeps no KV
+            return self.max_model_len
         return min(self.max_model_len, self.allocator.num_total_blocks * self.config.block_size)
 
     # ---- LoRA adapters ------------------------------------------------------------------------
@@ -222,6 +240,8 @@ class LLMEngine(RequestCounts):
         if adapter is not None and (self.adapters is None or adapter not in self.adapters.adapters):
             raise InvalidAdapterError(f"adapter {adapter!r} is not registered on this engine")
         params = params or SamplingParams()
+        if self.model_config.encoder and params.pooling is None:
+            raise InvalidRequestError("this model is an encoder: it embeds or scores, it does not generate")
         vocab = self.model_config.vocab_size
         for t in params.logit_bias:
             if t >= vocab:
@@ -240,7 +260,8 @@ class LLMEngine(RequestCounts):
             if self.max_seq_len < self.max_model_len
             else ""
         )
-        check_prompt(token_ids, vocab, self.max_seq_len, limit=limit)
+        pooled = 0 if params.pooling is not None else None  # an embedding or score generates nothing
+        check_prompt(token_ids, vocab, self.max_seq_len, pooled, limit=limit)
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         matcher = None if params.structured is None else self.grammars.matcher(params.structured)
         return Sequence(

@@ -13,6 +13,7 @@ host and samples there, with the same code as on CPU.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,11 +30,13 @@ from prism_serve.engine.cpu_kernels import kernels_enabled
 from prism_serve.engine.grouping import group_decodes
 from prism_serve.engine.kv_cache import KVCache
 from prism_serve.engine.lora import AdapterSlots
-from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.sampler import sample, token_logprobs
 from prism_serve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from prism_serve.engine.sequence import Sequence, TokenLogprob
 from prism_serve.engine.structured import allowed_tokens
+
+if TYPE_CHECKING:
+    from prism_serve.engine.models import Model
 
 # Prompt positions whose logits are computed at once for prompt_logprobs: [rows, vocab] fp32 twice
 # (logits and log_softmax), about 100 MB for a 49k vocabulary, whatever the chunk length.
@@ -47,7 +50,7 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: Model,
         kv_cache: KVCache,
         seed: int = 0,
         eos_token_ids: tuple[int, ...] = (),
@@ -95,7 +98,8 @@ class ModelRunner:
             hidden = graphs.run(batch)  # decodes alone: replay the captured step
             last_index = list(range(len(batch)))
         else:
-            input_ids, positions, meta, last_index = self._prepare(batch)
+            prepare = self._prepare_encoder if self.model.encoder else self._prepare
+            input_ids, positions, meta, last_index = prepare(batch)
             hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, lora)
 
         for s, last in zip(batch, last_index, strict=True):
@@ -103,6 +107,12 @@ class ModelRunner:
                 self._prompt_logprobs(hidden, s, last, s.seq.prompt_logprobs)
             if s.seq.params.pooling is not None and not s.seq.params.score_tokens:
                 _pool(hidden, s, last)
+        if self.model.encoder and self.model.classifier is not None:  # a cross-encoder's pooled states
+            done = [s.seq for s in batch if s.samples and s.seq.params.pooling is not None]
+            if done:
+                out_rows = self.model.classify(torch.stack([seq.pooled for seq in done]).to(self.device))
+                for seq, row in zip(done, out_rows.cpu(), strict=True):
+                    seq.pooled = row
         scoring = [j for j, s in enumerate(batch) if s.samples and s.seq.params.score_tokens]
         if scoring:  # a reranker's pair: its answer tokens' logits at the last position
             logits = self.model.compute_logits(hidden[[last_index[j] for j in scoring]])
@@ -236,6 +246,31 @@ class ModelRunner:
             self._gather_v = self._gather_v.new_empty(need * 5 // 4)
         meta.gather_k, meta.gather_v = self._gather_k, self._gather_v
         return torch.tensor(ids, device=dev), positions, meta, last_index
+
+    def _prepare_encoder(
+        self, batch: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """An encoder's step: each input whole, one after another (no cache rows: it keeps no KV),
+        with each token's type (1 from a pair's second segment on, ``SamplingParams.pair_start``)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        types: list[int] = []
+        chunks, last_index = [], []
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
+        for s in batch:
+            seq, n = s.seq, s.num_new_tokens
+            ids.extend(seq.token_ids[:n])
+            pos.extend(range(n))
+            second = n if seq.params.pair_start is None else seq.params.pair_start
+            types.extend(0 if p < second else 1 for p in range(n))
+            chunks.append(PrefillChunk(query_start=len(ids) - n, query_len=n, context_len=n,
+                                       block_table=empty, mask=None))  # fmt: skip
+            last_index.append(len(ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata(slot_rows=empty, prefills=chunks)
+        if any(types):
+            meta.token_types = torch.tensor(types, device=dev)
+        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, last_index
 
     def _splits(self, num_seqs: int, max_blocks: int) -> int:
         return cuda_kernels.num_splits(num_seqs, self.model.config.num_kv_heads, max_blocks, self.device)

@@ -110,6 +110,9 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
     # With pooling "last": the logits of these tokens at the last position instead of the hidden
     # state (a reranker's no and yes), in RequestOutput.embedding.
     score_tokens: tuple[int, ...] = ()
+    # An encoder's pair (a cross-encoder's query and document): the position where the second
+    # segment starts (token type 1 from there on); None: one segment.
+    pair_start: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -161,6 +164,10 @@ class SamplingParams(msgspec.Struct, array_like=True, forbid_unknown_fields=True
                     "score_tokens are token ids read at the last position: they need pooling last"
                 )
             self.score_tokens = tuple(self.score_tokens)
+        if self.pair_start is not None and (self.pooling is None or not _is_int(self.pair_start, 1)):
+            raise InvalidSamplingParamsError(
+                f"pair_start is a positive position in a pooled pair, got {self.pair_start!r}"
+            )
 
     def _validate_processing(self) -> None:
         if not _is_int(self.min_tokens, 0, self.max_tokens):

@@ -10,6 +10,9 @@ request starting from nothing first takes the longest run of cached blocks its p
 full blocks name (unless it asks for prompt logprobs, which need every prompt position computed),
 and ``cache_computed`` registers each block once the model has computed all of its tokens. A
 preempted request's blocks stay cached, so its recompute is mostly hits.
+
+An encoder's scheduler (``whole_inputs``) admits a request only whole, in one step, and gives it no
+blocks: every token of an encoder's input attends to every other, and nothing is kept after it.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-        adapters: AdapterSlots | None = None, cache: PrefixCache | None = None,
+        adapters: AdapterSlots | None = None, cache: PrefixCache | None = None, whole_inputs: bool = False,
     ) -> None:  # fmt: skip
         self.allocator = allocator
         self.cache = cache  # prefix caching: blocks come from it (it sits on the allocator)
@@ -60,6 +63,7 @@ class Scheduler:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.whole_inputs = whole_inputs  # an encoder's: each request whole in one step, no KV blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -101,6 +105,8 @@ class Scheduler:
                 continue
             self._match(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.whole_inputs and n < seq.num_tokens:
+                break  # the next step has room for it (its budget holds the longest input)
             if not self._grow(seq, seq.num_computed_tokens + n):
                 self._release(seq)
                 seq.num_computed_tokens = 0
@@ -149,6 +155,8 @@ class Scheduler:
             seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        if self.whole_inputs:
+            return True
         need = -(-num_tokens // self.block_size) - len(seq.block_table)
         if need <= 0:
             return True

@@ -114,6 +114,21 @@ def embedding_defaults(source: str) -> dict[str, str | bool]:
     return out
 
 
+def encoder_head(source: str) -> int | None:
+    """What an HF directory's config.json says of a BERT-family encoder (models/config.py's
+    ``ENCODERS``): None for any other source (a decoder, a GGUF file, synthetic weights), 0 for an
+    embedder, the number of outputs of a cross-encoder's classification head."""
+    from prism_serve.engine.models.config import ArchConfig
+
+    root = Path(source).expanduser()
+    if source.startswith(RANDOM_PREFIX) or not (root / "config.json").is_file():
+        return None
+    cfg = json_object(root / "config.json", CorruptWeightsError)
+    if cfg.get("model_type") not in ("bert", "roberta", "xlm-roberta"):
+        return None
+    return ArchConfig.from_hf_config(cfg).num_labels
+
+
 def write_embedding_files(path: Path, pooling: str, normalize: bool, dimension: int) -> None:
     """sentence-transformers' files beside an HF directory's weights, saying how it pools and
     whether it normalises (what ``embedding_defaults`` reads back): to export an embedding model."""

@@ -169,6 +169,13 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], int | None]:
+        """A pair as the tokenizer's post-processor joins it (BERT: [CLS] first [SEP] second [SEP]),
+        and where its second segment starts (token type 1 from there; None where the tokenizer gives
+        every token type 0, as RoBERTa's does)."""
+        enc = self.backend.encode(first, second)
+        return enc.ids, enc.type_ids.index(1) if 1 in enc.type_ids else None
+
     def min_tokens(self, text: str) -> int:
         """A lower bound on ``len(encode(text))`` that costs no tokenization, so an oversized prompt
         is refused at once. Each token stands for at most as many characters as its vocabulary

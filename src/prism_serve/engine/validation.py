@@ -22,12 +22,13 @@ def prompt_too_long(
     limit: str = "",
 ) -> PromptTooLongError:  # fmt: skip
     """The error for a prompt of ``num_tokens`` (a number, or words such as "at least 900") that
-    leaves no room for ``max_tokens`` (None: one token) in ``max_len``; ``limit`` says what sets
-    ``max_len`` when it is not the context alone."""
+    leaves no room for ``max_tokens`` (None: one token; 0: a pooled input, which generates none) in
+    ``max_len``; ``limit`` says what sets ``max_len`` when it is not the context alone."""
     wanted = f" and max_tokens is {max_tokens}" if max_tokens else ""
+    room = 1 if max_tokens is None else max_tokens
     return PromptTooLongError(
         f"this model's maximum context length is {max_len} tokens{limit}; the prompt has {num_tokens} "
-        f"tokens{wanted}: at most {max_len - (max_tokens or 1)} prompt tokens fit",
+        f"tokens{wanted}: at most {max_len - room} prompt tokens fit",
         param=param,
     )
 
@@ -48,7 +49,8 @@ def check_prompt(
     param: str | None = None, limit: str = "",
 ) -> None:  # fmt: skip
     """Refuse ``ids`` (a prompt's token ids) unless it has a token, every id is an int in the
-    vocabulary, and ``max_tokens`` (None: at least one) still fit in ``max_len`` after it.
+    vocabulary, and ``max_tokens`` (None: at least one; 0 for a pooled input, which generates
+    none) still fit in ``max_len`` after it.
     ``vocab_size`` None skips the scan of the ids (a caller on the serving loop, where the edge
     before it scanned them off the loop and the engine scans them again in its worker). ``param``
     names the request field in the error; ``limit`` as in ``prompt_too_long``."""
@@ -56,5 +58,5 @@ def check_prompt(
         raise EmptyPromptError("prompt has no tokens", param=param)
     if vocab_size is not None:
         check_token_ids(ids, vocab_size, param)
-    if len(ids) + (max_tokens or 1) > max_len:
+    if len(ids) + (1 if max_tokens is None else max_tokens) > max_len:
         raise prompt_too_long(max_len, len(ids), max_tokens, param, limit)

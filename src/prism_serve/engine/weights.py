@@ -248,8 +248,29 @@ def _gguf_to_hf_name(name: str, gemma: bool = False) -> str:
 def load_hf_dir(path: Path) -> LoadedWeights:
     """A directory in HF layout for the built-in engine (models.config.BUILT_IN_HF), in float32."""
     w = _read_hf_dir(path, any_architecture=False, cast=lambda t: t.float() if t.is_floating_point() else t)
+    if w.config.encoder:
+        return dataclasses.replace(w, tensors=encoder_names(w.tensors))
     config, tensors = headless(w.config, language_model(w.tensors))
     return dataclasses.replace(w, config=config, tensors=engine_names(config, tensors))
+
+
+# a sequence classifier's model prefix, and RoBERTa's classification head under BERT's names
+_ENCODER_PREFIXES = ("bert.", "roberta.")
+_ENCODER_HEAD = {"classifier.dense.": "pooler.dense.", "classifier.out_proj.": "classifier."}
+
+
+def encoder_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An encoder checkpoint's tensors under ``models.config.encoder_shapes``' names: the model
+    prefix of a ``...ForSequenceClassification`` checkpoint stripped, RoBERTa's head renamed."""
+    out = {}
+    for name, t in tensors.items():
+        for prefix in _ENCODER_PREFIXES:
+            name = name.removeprefix(prefix)
+        for old, new in _ENCODER_HEAD.items():
+            if name.startswith(old):
+                name = new + name.removeprefix(old)
+        out[name] = t
+    return out
 
 
 def headless(
@@ -376,8 +397,10 @@ def random_weights(
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for pname, shape in parameter_shapes(config).items():
-        if pname.endswith("norm.weight"):
+        if pname.endswith(("norm.weight", "LayerNorm.weight")):
             tensors[pname] = torch.ones(shape, dtype=dtype)
+        elif pname.endswith("LayerNorm.bias"):
+            tensors[pname] = torch.zeros(shape, dtype=dtype)
         else:
             tensors[pname] = torch.empty(shape, dtype=dtype).normal_(0.0, 0.02, generator=gen)
     return LoadedWeights(config, tensors, byte_tokenizer(), f"random:{name} seed={seed}", True)

@@ -108,7 +108,8 @@ class RequestEntry:
         window), in place of the model's or adapter's. ``origin``: its tenant, class and weight
         (control/fairness.py)."""
         ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        check_prompt(ids, None, m.max_model_len)  # on the loop: the ids are scanned off it (worker)
+        # on the loop: the ids are scanned off it (worker); a pooled input generates no token
+        check_prompt(ids, None, m.max_model_len, 0 if params.pooling is not None else None)
         params.validate()  # a field set after construction; the worker's decoder would refuse it
         try:
             payload = msg.encode(msg.AddRequest(req_id, ids, params, adapter.name if adapter else None))

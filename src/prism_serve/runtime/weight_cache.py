@@ -3,7 +3,7 @@ exact layout the engine computes with, so any worker activates a model with one 
 nothing passes through the controller.
 
 A cache file is ``/dev/shm/prism-weights-<namespace>-<controller pid>-<n>``: the tensors of
-``LlamaForCausalLM.packed_tensors()`` back to back, each at a 4 KiB-aligned offset. A worker maps
+the model's ``packed_tensors()`` back to back, each at a 4 KiB-aligned offset. A worker maps
 the file read-only (``SharedWeights``) and copies byte ranges into the model's device pages at the
 same offsets, then builds the model over views of those pages. The tokenizer travels in a JSON file
 next to it, one file per distinct tokenizer (fine-tunes of one base share it, and a worker parses it
@@ -38,8 +38,8 @@ import torch
 
 from prism_serve.engine.llm_engine import DTYPES
 from prism_serve.engine.lora import LoraAdapter
+from prism_serve.engine.models import build_model
 from prism_serve.engine.models.config import ArchConfig, RopeScaling
-from prism_serve.engine.models.llama import LlamaForCausalLM
 from prism_serve.engine.tensor_parallel import shard_plan, shard_weights
 from prism_serve.engine.weights import load_checkpoint, load_weights
 from prism_serve.errors import PrismError
@@ -232,7 +232,7 @@ class HostWeightCache:
                 # Build the model once here to get the engine's own layout (fused QKV, transposed
                 # fp32), so activations never redo that work. One RoPE position: the tables are not
                 # cached.
-                packed = LlamaForCausalLM(
+                packed = build_model(
                     part.config, part.tensors, dtype, 1, weights.rope_freq_factors
                 ).packed_tensors()
                 files.append((part.config, *self._write(packed)))

@@ -1,9 +1,11 @@
-"""Shape of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2 and 3), read
-from GGUF metadata, an HF config.json, or a named preset."""
+"""Shape of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2 and 3) or a
+BERT-family encoder (BERT, RoBERTa, XLM-RoBERTa: embedders and cross-encoders), read from GGUF
+metadata, an HF config.json, or a named preset."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,9 @@ class ArchConfig:
     # attention, a mixture of experts in every layer), "phi3" (Llama's layers; its checkpoints
     # fuse q/k/v and gate/up, which the loaders split into Llama's names), "gemma2" or "gemma3"
     # (GeGLU, norms around attention and MLP both, norm weights as 1 + w, the embedding scaled by
-    # sqrt(hidden); Gemma 3 adds Qwen3's head norms)
+    # sqrt(hidden); Gemma 3 adds Qwen3's head norms); "bert" or "roberta" (an encoder: learned
+    # absolute positions, token types, LayerNorm after each residual add, GELU MLP, every linear
+    # with a bias, attention over the whole input both ways; rms_norm_eps is its LayerNorm's eps)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -66,6 +70,17 @@ class ArchConfig:
     query_pre_attn_scalar: float | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # An encoder's (``encoder``): token types (segments A and B of a pair; 0: no table), where
+    # positions start in the position table (RoBERTa's padding index + 1), and the classification
+    # head a cross-encoder adds on the first token (num_labels outputs; 0: none, an embedder)
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    num_labels: int = 0
+
+    @property
+    def encoder(self) -> bool:
+        """A BERT-family encoder: it reads a whole input at once and pools it, and keeps no KV."""
+        return self.architecture in ENCODERS
 
     @property
     def qk_norm(self) -> bool:
@@ -93,7 +108,7 @@ class ArchConfig:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.head_dim % 2:
+        if self.head_dim % 2 and not self.encoder:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
         if any(not 0 <= i < self.num_layers for i in self.global_layers):
             raise UnsupportedModelError(
@@ -102,6 +117,8 @@ class ArchConfig:
 
     @property
     def num_params(self) -> int:
+        if self.encoder:
+            return sum(math.prod(shape) for shape in parameter_shapes(self).values())
         d, h = self.hidden_size, self.head_dim
         attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
@@ -208,6 +225,8 @@ class ArchConfig:
                 "model_type": cfg["text_config"].get("model_type", "gemma3_text"),
             }
         model_type = cfg.get("model_type", "llama")
+        if model_type in _ENCODER_OF and not any_architecture:
+            return _hf_encoder(cfg, _ENCODER_OF[model_type])
         if model_type not in BUILT_IN_HF and not any_architecture:
             raise UnsupportedModelError(
                 f"HF model_type {model_type!r} is not supported ({', '.join(BUILT_IN_HF)})"
@@ -280,6 +299,8 @@ class ArchConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """The same shape as an HF config.json dict (used to save checkpoints and build references)."""
+        if self.encoder:
+            return _encoder_hf_config(self)
         cfg: dict[str, Any] = {
             "model_type": self.hf_model_type,
             "architectures": [_HF_CLASSES[self.hf_model_type]],
@@ -333,6 +354,67 @@ class ArchConfig:
         elif self.sliding_window is not None:
             cfg.update(sliding_window=self.sliding_window, use_sliding_window=True, max_window_layers=0)
         return cfg
+
+
+def _hf_encoder(cfg: dict[str, Any], architecture: str) -> ArchConfig:
+    """A BERT-family encoder's shape from its config.json: an embedder (``BertModel``,
+    ``XLMRobertaModel``) or a cross-encoder (``...ForSequenceClassification``: a head of
+    ``num_labels`` outputs on the first token)."""
+    act = cfg.get("hidden_act", "gelu")
+    if act != "gelu":
+        raise UnsupportedModelError(f"an encoder with activation {act!r}: the built-in engine runs gelu")
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise UnsupportedModelError(
+            f"position_embedding_type {cfg['position_embedding_type']!r}: the built-in engine's encoders "
+            "have absolute positions"
+        )
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        # RoBERTa numbers positions from its padding index + 1: the table's first rows are unused
+        offset = int(cfg.get("pad_token_id", 1)) + 1 if architecture == "roberta" else 0
+        classifier = any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ())
+        labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2) if classifier else 0
+        return ArchConfig(
+            architecture=architecture,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 512)) - offset,
+            rms_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+            type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+            position_offset=offset,
+            num_labels=labels,
+        )
+    except KeyError as e:
+        raise CorruptWeightsError(f"config.json lacks {e.args[0]!r}") from None
+
+
+def _encoder_hf_config(c: ArchConfig) -> dict[str, Any]:
+    """An encoder's config.json, as transformers' ``BertConfig`` / ``XLMRobertaConfig`` writes it."""
+    head = "ForSequenceClassification" if c.num_labels else "Model"
+    family = "Bert" if c.architecture == "bert" else "XLMRoberta"
+    cfg: dict[str, Any] = {
+        "model_type": "bert" if c.architecture == "bert" else "xlm-roberta",
+        "architectures": [family + head],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "max_position_embeddings": c.max_position_embeddings + c.position_offset,
+        "type_vocab_size": c.type_vocab_size,
+        "layer_norm_eps": c.rms_norm_eps,
+        "hidden_act": "gelu",
+        "pad_token_id": max(0, c.position_offset - 1),
+    }
+    if c.num_labels:
+        cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(c.num_labels)}
+        cfg["label2id"] = {f"LABEL_{i}": i for i in range(c.num_labels)}
+    return cfg
 
 
 def _hf_experts(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -448,7 +530,23 @@ def _window(value: Any) -> int | None:
 
 # the architectures the built-in engine runs, by GGUF ``general.architecture`` and HF ``model_type``
 BUILT_IN_GGUF = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
-BUILT_IN_HF = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gemma3")
+BUILT_IN_HF = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "bert",
+    "roberta",
+    "xlm-roberta",
+)
+# the encoders (ArchConfig.architecture), and the HF model_types read as each
+ENCODERS = ("bert", "roberta")
+_ENCODER_OF = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
 # HF model_type -> ArchConfig.architecture where they differ (Mistral's layers are Llama's)
 _ARCHITECTURE_OF = {"mistral": "llama", "gemma3_text": "gemma3"}
 _HF_CLASSES = {
@@ -621,7 +719,38 @@ PRESETS: dict[str, ArchConfig] = {
 }
 
 
+def encoder_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """An encoder's tensors under BERT's names without the model prefix (the loaders strip
+    ``bert.`` / ``roberta.`` and name RoBERTa's classification head as BERT's pooler and
+    classifier: the same two linears, tanh between)."""
+    d, m = config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embeddings.word_embeddings.weight": (config.vocab_size, d),
+        "embeddings.position_embeddings.weight": (config.max_position_embeddings + config.position_offset, d),
+        "embeddings.LayerNorm.weight": (d,),
+        "embeddings.LayerNorm.bias": (d,),
+    }
+    if config.type_vocab_size:
+        shapes["embeddings.token_type_embeddings.weight"] = (config.type_vocab_size, d)
+    for i in range(config.num_layers):
+        p = f"encoder.layer.{i}."
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value",
+                     "attention.output.dense"):  # fmt: skip
+            shapes[p + name + ".weight"], shapes[p + name + ".bias"] = (d, d), (d,)
+        shapes[p + "intermediate.dense.weight"], shapes[p + "intermediate.dense.bias"] = (m, d), (m,)
+        shapes[p + "output.dense.weight"], shapes[p + "output.dense.bias"] = (d, m), (d,)
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            shapes[p + norm + ".weight"], shapes[p + norm + ".bias"] = (d,), (d,)
+    if config.num_labels:
+        shapes["pooler.dense.weight"], shapes["pooler.dense.bias"] = (d, d), (d,)
+        shapes["classifier.weight"] = (config.num_labels, d)
+        shapes["classifier.bias"] = (config.num_labels,)
+    return shapes
+
+
 def parameter_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
+    if config.encoder:
+        return encoder_shapes(config)
     d, hd = config.hidden_size, config.head_dim
     q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, d)}

@@ -210,6 +210,8 @@ class LlamaForCausalLM:
     """The decoder. Built from HF-named checkpoint tensors (``__init__``: fuses and re-lays them out),
     or from tensors already in its own layout (``from_packed``: no copy, for activation)."""
 
+    encoder = False  # (models/bert.py's encoders are True)
+
     def __init__(
         self,
         config: ArchConfig,
@@ -220,7 +222,7 @@ class LlamaForCausalLM:
     ) -> None:
         self.config = config
         self.dtype = dtype
-        _check_shapes(config, tensors)
+        check_shapes(config, tensors)
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
@@ -494,7 +496,7 @@ class LlamaForCausalLM:
         return logits
 
 
-def _check_shapes(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> None:
+def check_shapes(config: ArchConfig, tensors: dict[str, torch.Tensor]) -> None:
     for name, shape in parameter_shapes(config).items():
         t = tensors.get(name)
         if t is None:
