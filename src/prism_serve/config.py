@@ -40,7 +40,7 @@ from prism_serve.engine.config import (
     PoolingTask,
 )
 from prism_serve.engine.machine import resolve_dtype
-from prism_serve.errors import InvalidRequestError
+from prism_serve.errors import InvalidRequestError, PrismError
 from prism_serve.memory.vmm import parse_size
 
 __all__ = [
@@ -189,9 +189,10 @@ class ModelConfig(_Strict):
     task: Literal["generate", "embed", "score"] = Field(
         "generate",
         description="generate: chat, completions and responses; embed: /v1/embeddings (a decoder "
-        "embedding model such as Qwen3-Embedding); score: /v1/rerank and /v1/score (a decoder "
-        "reranker such as Qwen3-Reranker: the probability of yes against no after the pair's prompt); "
-        "embed and score run on the built-in engine",
+        "embedding model such as Qwen3-Embedding, or a BERT-family encoder such as bge, gte or e5); "
+        "score: /v1/rerank and /v1/score (a cross-encoder such as bge-reranker: the sigmoid of its "
+        "head's output for the pair; or a decoder reranker such as Qwen3-Reranker: the probability of "
+        "yes against no after the pair's prompt); embed and score run on the built-in engine",
     )
     pooling: Literal["last", "mean", "cls"] | None = Field(
         None,
@@ -281,9 +282,21 @@ class ModelConfig(_Strict):
     def pooling_task(self) -> PoolingTask | None:
         """What a task: embed or score model answers with; None for a generating model. An embedder
         pools as the config says, else as its sentence-transformers files say
-        (engine.sources.embedding_defaults), else the last token's state, normalised; a reranker
-        scores the last token's logits."""
+        (engine.sources.embedding_defaults), else the last token's state (an encoder's first),
+        normalised; a decoder reranker scores the last token's logits, a cross-encoder (a BERT-family
+        classifier) its head's one output. A task the weights cannot do is a ConfigError."""
+        from prism_serve.engine.sources import embedding_defaults, encoder_head
+
+        try:
+            head = encoder_head(self.source) if self.engine == "builtin" else None
+            found = embedding_defaults(self.source) if self.task == "embed" else {}
+        except (ValueError, PrismError) as e:
+            raise ConfigError(f"model {self.name}: {e}") from None
+        if head is not None:
+            self._check_encoder_task(head)
         if self.task == "score":
+            if head:
+                return PoolingTask("score", pooling="cls", classifier=True)
             defaults = PoolingTask("score")
             return PoolingTask(
                 "score", template=self.score_template or defaults.template,
@@ -292,15 +305,28 @@ class ModelConfig(_Strict):
             )  # fmt: skip
         if self.task != "embed":
             return None
-        from prism_serve.engine.sources import embedding_defaults
-
-        try:
-            found = embedding_defaults(self.source)
-        except ValueError as e:
-            raise ConfigError(f"model {self.name}: {e}") from None
-        pooling = self.pooling or str(found.get("pooling", "last"))
+        pooling = self.pooling or str(found.get("pooling", "last" if head is None else "cls"))
         normalize = self.normalize if self.normalize is not None else bool(found.get("normalize", True))
         return PoolingTask("embed", pooling, normalize)
+
+    def _check_encoder_task(self, head: int) -> None:
+        """An encoder (``head`` outputs of a classification head, 0 for an embedder) embeds or,
+        with a one-output head, scores pairs; it never generates."""
+        what = f"{self.source} is a BERT-family {'cross-encoder' if head else 'embedding model'}"
+        if self.task == "generate":
+            raise ConfigError(
+                f"model {self.name}: {what}; it cannot generate (task: {'score' if head else 'embed'})"
+            )
+        if self.task == "embed" and head:
+            raise ConfigError(f"model {self.name}: {what}: it scores pairs (task: score)")
+        if self.task == "score" and head != 1:
+            raise ConfigError(
+                f"model {self.name}: {what}" + (" with no classification head (task: embed)" if not head
+                else f" with {head} outputs; a score reads one")
+            )  # fmt: skip
+        used = [f for f in ("score_template", "score_instruction", "score_tokens") if getattr(self, f)]
+        if used:
+            raise ConfigError(f"model {self.name}: {', '.join(used)} are a decoder reranker's; {what}")
 
     @model_validator(mode="after")
     def _vllm_source(self) -> ModelConfig:

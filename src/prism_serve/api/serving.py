@@ -69,7 +69,7 @@ class Served:
         """``tokenizer`` finds a reranker's answer tokens: a ConfigError where one is not one token."""
         ids: list[int] = []
         task = st.pooled
-        for text in task.tokens if task is not None and task.task == "score" else ():
+        for text in task.tokens if task is not None and task.task == "score" and not task.classifier else ():
             found = tokenizer.one_token(text)
             if found is None:
                 raise ConfigError(

@@ -1,8 +1,9 @@
 """Pooled answers: /v1/embeddings (``EmbeddingServing``), /v1/rerank and /v1/score (``ScoreServing``).
 
 Each input (an embedding's text, a reranker's query and document) is one request to the model's
-engine, batched there with the model's others, answered by its one delta: the pooled vector, or
-the score tokens' logits (float32 bytes). ``PooledServing.pooled`` is the part they share.
+engine, batched there with the model's others, answered by its one delta: the pooled vector, the
+score tokens' logits (a decoder reranker), or a cross-encoder's head output (float32 bytes).
+``PooledServing.pooled`` is the part they share.
 """
 
 from __future__ import annotations
@@ -34,16 +35,16 @@ class PooledServing(Serving):
 
     async def pooled(
         self, http: Request, model: str, task: str, inputs: Callable[[], list[list[int]]],
-        params: Callable[[Served], SamplingParams], arrival: float, entry: LogEntry | None,
+        params: Callable[[Served, int], SamplingParams], arrival: float, entry: LogEntry | None,
     ) -> tuple[list[list[int]], list[bytes]] | None:  # fmt: skip
         """An embed or score request (``task``): ``inputs`` tokenized in a thread, then each one
-        request to the model's engine, answered by its one delta. None: the client went away."""
+        request to the model's engine (``params(served, i)`` its settings), answered by its one
+        delta. None: the client went away."""
         try:
             self.runtime.tokenizer(model)  # 404 before any work
             served = self.state.served[model]
             served.refuse(model, task)
             prompts = await asyncio.to_thread(inputs)
-            sampling = params(served)
             num_prompt = sum(len(ids) for ids in prompts)
             if entry is not None:
                 entry.prompt_tokens = num_prompt
@@ -53,7 +54,7 @@ class PooledServing(Serving):
             quotas = self.reserve(http, [len(ids) for ids in prompts])
             for i, (ids, quota) in enumerate(zip(prompts, quotas, strict=True)):
                 req_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-                stream = self.generate(http, model, ids, sampling, req_id, slos)
+                stream = self.generate(http, model, ids, params(served, i), req_id, slos)
                 runs.append(Choice(rid, model, arrival, stream, index=i, prompt=i, max_tokens=1,
                                    num_prompt=len(ids), slos=slos, quota=quota))  # fmt: skip
             try:
@@ -94,7 +95,7 @@ class EmbeddingServing(PooledServing):
         model = body.model
         done = await self.pooled(
             http, model, "embed", lambda: self._inputs(body),
-            lambda served: SamplingParams(max_tokens=1, temperature=0.0, pooling=served.pooled.pooling),
+            lambda served, _: SamplingParams(max_tokens=1, temperature=0.0, pooling=served.pooled.pooling),
             arrival, entry,
         )  # fmt: skip
         if done is None:
@@ -133,15 +134,16 @@ class EmbeddingServing(PooledServing):
             ids = tok.encode(text) if isinstance(text, str) else text
             if not ids:
                 raise InvalidRequestError("an input encodes to no tokens", param="input")
-            check_prompt(ids, served.vocab_size, served.max_model_len, param="input")
+            check_prompt(ids, served.vocab_size, served.max_model_len, 0, param="input")
             out.append(ids)
         return out
 
 
 class ScoreServing(PooledServing):
-    """``POST /v1/rerank`` and ``/v1/score``: each (query, document) pair's prompt (the model's
-    template) one request; its score the probability of the yes token against the no token as the
-    next one."""
+    """``POST /v1/rerank`` and ``/v1/score``: each (query, document) pair one request. A decoder
+    reranker reads the pair's prompt (the model's template) and its score is the probability of the
+    yes token against the no token as the next one; a cross-encoder reads the pair as its tokenizer
+    joins it, and its score is the sigmoid of its head's output."""
 
     async def score(self, http: Request, body: RerankRequest | ScoreRequest) -> Response:
         self.admit(http, body.model)
@@ -153,19 +155,27 @@ class ScoreServing(PooledServing):
         self, http: Request, body: RerankRequest | ScoreRequest, arrival: float, entry: LogEntry | None
     ) -> Response:
         model = body.model
+        starts: list[int | None] = []  # a cross-encoder's pairs: where each one's second segment starts
+
+        def params(served: Served, i: int) -> SamplingParams:
+            if served.pooled is not None and served.pooled.classifier:
+                return SamplingParams(max_tokens=1, temperature=0.0, pooling="cls", pair_start=starts[i])
+            return SamplingParams(
+                max_tokens=1, temperature=0.0, pooling="last", score_tokens=served.score_ids
+            )
+
         done = await self.pooled(
-            http, model, "score", lambda: self._inputs(body),
-            lambda served: SamplingParams(max_tokens=1, temperature=0.0, pooling="last",
-                                          score_tokens=served.score_ids),
-            arrival, entry,
-        )  # fmt: skip
+            http, model, "score", lambda: self._inputs(body, starts), params, arrival, entry
+        )
         if done is None:
             return Response(status_code=499)
         prompts, pooled = done
         scores = []
         for raw in pooled:
-            no, yes = np.frombuffer(raw, dtype="<f4").astype(np.float64)
-            scores.append(1.0 / (1.0 + math.exp(min(no - yes, 700.0))))  # sigmoid(yes - no)
+            logits = np.frombuffer(raw, dtype="<f4").astype(np.float64)
+            # a decoder reranker's (no, yes): sigmoid(yes - no); a cross-encoder's one output: sigmoid
+            margin = logits[1] - logits[0] if len(logits) == 2 else logits[0]
+            scores.append(1.0 / (1.0 + math.exp(min(-margin, 700.0))))
         num_prompt = sum(len(ids) for ids in prompts)
         if isinstance(body, ScoreRequest):
             return JSONResponse(
@@ -186,9 +196,10 @@ class ScoreServing(PooledServing):
              "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}}
         )  # fmt: skip
 
-    def _inputs(self, body: RerankRequest | ScoreRequest) -> list[list[int]]:
+    def _inputs(self, body: RerankRequest | ScoreRequest, starts: list[int | None]) -> list[list[int]]:
         """Each pair's prompt as token ids (a document cut to ``max_tokens_per_doc`` first), checked
-        against the model's context (400s)."""
+        against the model's context (400s); a cross-encoder's pair as its tokenizer joins it, with
+        where its second segment starts appended to ``starts``."""
         tok = self.runtime.tokenizer(body.model)
         served = self.state.served[body.model]
         task = served.pooled
@@ -198,8 +209,12 @@ class ScoreServing(PooledServing):
             if body.max_tokens_per_doc:
                 kept = tok.encode(document, add_special_tokens=False)[: body.max_tokens_per_doc]
                 document = tok.decode(kept)
-            ids = tok.encode(task.prompt(query, document, body.instruction))
-            if len(ids) + 1 > served.max_model_len:
+            if task.classifier:
+                ids, start = tok.encode_pair(query, document)
+                starts.append(start)
+            else:
+                ids = tok.encode(task.prompt(query, document, body.instruction))
+            if len(ids) > served.max_model_len:
                 raise prompt_too_long(
                     served.max_model_len, f"{len(ids)} (a query and document; max_tokens_per_doc cuts "
                     "documents)", param="documents",
