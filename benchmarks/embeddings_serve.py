@@ -3,14 +3,20 @@ own OpenAI server with its pooling runner, on the same weights and requests, in 
 
 Model: SmolLM2-135M-Instruct fp32, written as an HF directory with sentence-transformers' files
 (mean pooling, then normalisation); vLLM serves it with ``--runner pooling --convert embed`` and the
-same pooling. Workload: ``--inputs`` token-id inputs of 16-``--max-len`` tokens (seeded), sent as
-``/v1/embeddings`` requests of ``--batch`` inputs each, ``--concurrency`` requests in flight; every
-server gets the same requests, after a warm-up. Reported: inputs/s and prompt tokens/s (median of
-``--repeats``), and the cosine between the two servers' vectors for the same inputs (both must
-compute the same thing for the comparison to mean anything). vLLM's start-up is not timed.
+same pooling. ``--encoder``: instead a BERT encoder of bge-base's shape (768 wide, 12 layers, 12
+heads, 512 positions; SYNTHETIC random weights, a small WordPiece vocabulary), pooling its [CLS]
+state, which vLLM serves with ``--runner pooling`` and CLS pooling.
+
+Workload: ``--inputs`` token-id inputs of 16-``--max-len`` tokens (seeded), sent as
+``/v1/embeddings`` requests of ``--batch`` inputs each, ``--concurrency`` requests in flight;
+every server gets the same requests, after a warm-up. Reported: inputs/s and prompt tokens/s
+(median of ``--repeats``), and the cosine between the two servers' vectors for the same inputs
+(both must compute the same thing for the comparison to mean anything). vLLM's start-up is not
+timed.
 
     python benchmarks/embeddings_serve.py --vllm
     python benchmarks/embeddings_serve.py --vllm --batch 1 --concurrency 8
+    python benchmarks/embeddings_serve.py --vllm --encoder
 """
 
 from __future__ import annotations
@@ -32,12 +38,17 @@ from prism_serve.api.process import free_port, start_server_process, stop_server
 from serve_throughput import MODEL, export_tokenizer, vllm_server
 
 
-def model_dir(tmp: Path) -> Path:
+def model_dir(tmp: Path, encoder: bool = False) -> Path:
     """The default model as an HF directory with sentence-transformers' files: mean pooling, then
-    normalisation."""
+    normalisation; or (``encoder``) a synthetic BERT of bge-base's shape pooling its [CLS] state."""
     from prism_serve.engine.sources import write_embedding_files
     from prism_serve.engine.weights import load_weights, save_hf_dir
 
+    if encoder:
+        from prism_serve.engine.hf_reference import write_synthetic_encoder
+
+        return write_synthetic_encoder(tmp / "bert-base", "bert", pooling="cls", hidden=768, layers=12,
+                                       heads=12, max_positions=512)  # fmt: skip
     path = tmp / "smol-embed"
     weights = load_weights(MODEL)
     save_hf_dir(weights, path)
@@ -45,9 +56,9 @@ def model_dir(tmp: Path) -> Path:
     return path
 
 
-def workload(n: int, max_len: int, batch: int, seed: int = 0) -> list[list[list[int]]]:
+def workload(n: int, max_len: int, batch: int, vocab: int, seed: int = 0) -> list[list[list[int]]]:
     rng = random.Random(seed)
-    inputs = [[rng.randrange(100, 49000) for _ in range(rng.randint(16, max_len))] for _ in range(n)]
+    inputs = [[rng.randrange(100, vocab) for _ in range(rng.randint(16, max_len))] for _ in range(n)]
     return [inputs[i : i + batch] for i in range(0, n, batch)]
 
 
@@ -57,7 +68,8 @@ def measure(url: str, requests: list[list[list[int]]], concurrency: int) -> tupl
     def one(batch: list[list[int]]) -> list[np.ndarray]:
         body = {"model": MODEL, "input": batch, "encoding_format": "float"}
         r = httpx.post(f"{url}/v1/embeddings", json=body, timeout=600)
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {r.text[:400]}")
         return [
             np.asarray(d["embedding"], dtype=np.float32)
             for d in sorted(r.json()["data"], key=lambda d: d["index"])
@@ -98,6 +110,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm", action="store_true", help="also vLLM's server (.venv-vllm-server)")
+    ap.add_argument("--encoder", action="store_true", help="a BERT of bge-base's shape (synthetic)")
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--vllm-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND, e.g. 0-1")
     ap.add_argument("--out", default=None)
@@ -107,17 +120,20 @@ def main() -> None:
     print(info["line"])
     shape = f"{args.batch} a request, {args.concurrency} requests in flight"
     print(f"{args.inputs} inputs of 16-{args.max_len} tokens, {shape}")
-    requests = workload(args.inputs, args.max_len, args.batch)
     results = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        src = model_dir(tmp)
+        src = model_dir(tmp, args.encoder)
+        vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+        requests = workload(args.inputs, args.max_len, args.batch, min(vocab, 49000))
+        context = 512 if args.encoder else 2048
+        print(f"model: {'BERT of bge-base shape, SYNTHETIC weights, [CLS]' if args.encoder else MODEL}")
         port = free_port()
         cfg = tmp / "prism.yaml"
         cfg.write_text(
             "devices: [{name: 'cpu:0', memory: 6GiB, workers: 1}]\n"
-            f"models: [{{name: {MODEL}, source: '{src}', task: embed, dtype: float32, max_model_len: 2048, "
-            "max_num_seqs: 32, ttft_slo: 60, tpot_slo: 5}]\n"
+            f"models: [{{name: {MODEL}, source: '{src}', task: embed, dtype: float32, "
+            f"max_model_len: {context}, max_num_seqs: 32, ttft_slo: 60, tpot_slo: 5}}]\n"
         )
         proc = start_server_process(cfg, port, tmp / "prism.log")
         try:
@@ -126,17 +142,12 @@ def main() -> None:
             stop_server_process(proc)
         python = args.vllm_python or (str(common.vllm_server_python()) if args.vllm else None)
         if python:
-            tokenizer = export_tokenizer(tmp / "tokenizer")
+            tokenizer = src if args.encoder else export_tokenizer(tmp / "tokenizer")
             args.vllm_model = str(src)
-            extra = [
-                "--runner",
-                "pooling",
-                "--convert",
-                "embed",
-                "--pooler-config",
-                '{"pooling_type": "MEAN"}',
-            ]
-            with vllm_server(python, tokenizer, tmp, args, extra=extra) as (url, startup):
+            pooling = "CLS" if args.encoder else "MEAN"
+            extra = ["--runner", "pooling", *([] if args.encoder else ["--convert", "embed"]),
+                     "--pooler-config", json.dumps({"pooling_type": pooling})]  # fmt: skip
+            with vllm_server(python, tokenizer, tmp, args, context, extra) as (url, startup):
                 results.append(run("vLLM's server (pooling runner)", url, requests, args))
                 results[-1]["startup_s"] = startup
     if len(results) == 2:
