@@ -76,7 +76,9 @@ def _gguf_tensors(weights: LoadedWeights) -> dict:
     return out
 
 
-def write_gguf(weights: LoadedWeights, path: Path) -> Path:
+def write_gguf(weights: LoadedWeights, path: Path, tokenizer: dict | None = None) -> Path:
+    """``tokenizer``: the file's tokenizer keys (``tokenizer.ggml.*``) in place of the weights'
+    byte-level vocabulary written as gpt2 (a SentencePiece vocabulary, say)."""
     c = weights.config
     arch = "qwen3moe" if c.architecture == "qwen3_moe" else c.architecture
     w = gguf.GGUFWriter(str(path), arch)
@@ -108,14 +110,20 @@ def write_gguf(weights: LoadedWeights, path: Path) -> Path:
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.experts_per_token)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    backend = weights.tokenizer.backend
-    vocab = backend.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_pad_token_id(0)  # else transformers' reader keeps its config class's default pad id
+    if tokenizer is not None:
+        for key, value in tokenizer.items():
+            if key.startswith("tokenizer."):
+                (w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int)
+                 else w.add_string if isinstance(value, str) else w.add_array)(key, value)  # fmt: skip
+    else:
+        backend = weights.tokenizer.backend
+        vocab = backend.get_vocab()
+        tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * len(tokens))
+        w.add_pad_token_id(0)  # else transformers' reader keeps its config class's default pad id
     if weights.tokenizer.chat_template:
         w.add_chat_template(weights.tokenizer.chat_template)
     for name, t in _gguf_tensors(weights).items():

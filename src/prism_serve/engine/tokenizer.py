@@ -11,7 +11,7 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from prism_serve.errors import CorruptWeightsError, InvalidRequestError, UnsupportedModelError
@@ -29,6 +29,7 @@ _QWEN2_SPLIT = (
 # Texts from this many characters on are encoded without holding the GIL, so a server thread
 # tokenizing a long prompt leaves the event loop running.
 _LONG_TEXT = 8192
+_GGUF_NORMAL = 1  # llama.cpp's token types
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
 
@@ -48,6 +49,46 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
+
+
+def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) -> HFTokenizer:
+    """A GGUF file's SentencePiece vocabulary as a ``tokenizers`` BPE: spaces are U+2581, and a
+    space is put before the text unless the file says not (``add_space_prefix``: Gemma's files).
+    SentencePiece merges the adjacent pair whose joined piece scores highest; the same as BPE whose
+    merges are every split of a normal token into two tokens, ranked by that token's score (by its
+    place in the file for Gemma, whose scores do not follow its merge order). A character with no
+    token falls back to its UTF-8 bytes' tokens (<0xNN>)."""
+    gemma = str(meta.get("general.architecture", "")).startswith("gemma")
+    if gemma:  # Gemma's files store a token of several spaces as spaces, not as U+2581s
+        tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    scores = meta.get("tokenizer.ggml.scores")
+    if gemma or scores is None or len(scores) != len(tokens):
+        scores = [-float(i) for i in range(len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for merged, (kind, score) in zip(tokens, zip(types, scores, strict=True), strict=True):
+        if kind != _GGUF_NORMAL:  # control, byte and unknown tokens are never merged into
+            continue
+        for cut in range(1, len(merged)):
+            left, right = merged[:cut], merged[cut:]
+            if left in vocab and right in vocab:
+                merges.append((-score, -len(left), -len(right), vocab[left], vocab[right], left, right))
+    merges.sort()
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab, merges=[(m[5], m[6]) for m in merges], byte_fallback=True, fuse_unk=True,
+            unk_token=tokens[int(unk)] if unk is not None else None,
+        )
+    )  # fmt: skip
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", not gemma))
+    # spaces as U+2581, and the prefix before each stretch of text between special tokens, as
+    # llama.cpp puts it (before the text's start, and again after each special token in it)
+    steps = [normalizers.Prepend("\u2581")] if prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    out = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence([*out, *([decoders.Strip(" ", 1, 0)] if prefix else [])])
+    return backend
 
 
 def _raise_template_error(message: str) -> None:
@@ -79,22 +120,30 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        """The tokenizer a GGUF header describes: byte-level BPE (``tokenizer.ggml.model`` gpt2:
+        Llama 3, Qwen, SmolLM2) or a SentencePiece vocabulary (llama: Llama 2, Mistral, Phi-3,
+        Gemma), with the file's control and user-defined tokens kept whole."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise UnsupportedModelError(
-                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only; for a "
-                "SentencePiece vocabulary, 'llama', serve the model's HF directory instead)"
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+                "SentencePiece 'llama'; serve the model's HF directory instead)"
             )
         tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
-        merges_raw: list[str] = meta.get("tokenizer.ggml.merges") or []
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         if not tokens or len(types) != len(tokens):
             raise CorruptWeightsError("GGUF tokenizer vocabulary is missing or inconsistent")
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
-        backend.decoder = decoders.ByteLevel()
+        if kind == "llama":
+            backend = _sentencepiece(meta, tokens, types)
+            add_bos = meta.get("tokenizer.ggml.add_bos_token", True)  # llama.cpp's default for these
+        else:
+            vocab = {tok: i for i, tok in enumerate(tokens)}
+            merges_raw: list[str] = meta.get("tokenizer.ggml.merges") or []
+            merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+            backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+            backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
+            backend.decoder = decoders.ByteLevel()
+            add_bos = meta.get("tokenizer.ggml.add_bos_token", False)
         specials = [
             AddedToken(tok, special=True, normalized=False)
             for tok, kind_ in zip(tokens, types, strict=True)
@@ -106,7 +155,7 @@ class Tokenizer:
             backend,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(e) for e in eos],
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(add_bos),
             chat_template=meta.get("tokenizer.chat_template"),
         )
 
