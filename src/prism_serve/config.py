@@ -352,14 +352,25 @@ class ModelConfig(_Strict):
 
     def engine_config(self, device_kind: str = "cpu", max_loras: int = 0) -> EngineConfig:
         """The knobs this model's engine runs with (``dtype: auto`` resolved for ``device_kind``:
-        bf16 on GPUs, the CPU's fast type on CPU devices)."""
+        bf16 on GPUs, the CPU's fast type on CPU devices). An embedder whose entry leaves
+        ``max_model_len`` unset reads at most its sentence-transformers ``max_seq_length``."""
+        max_len = self.max_model_len
+        if self.task == "embed" and "max_model_len" not in self.model_fields_set:
+            from prism_serve.engine.sources import embedding_defaults
+
+            try:
+                found = embedding_defaults(self.source).get("max_length")
+            except ValueError as e:
+                raise ConfigError(f"model {self.name}: {e}") from None
+            if isinstance(found, int) and max_len is not None:
+                max_len = min(max_len, found)
         return EngineConfig(
             model=self.name,
             dtype=resolve_dtype(self.dtype, device_kind),
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+            max_model_len=max_len,
             seed=self.seed,
             max_loras=max_loras,
             max_lora_rank=self.max_lora_rank,

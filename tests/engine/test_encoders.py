@@ -194,3 +194,23 @@ def test_the_config_checks_an_encoders_task(embedders, cross_encoders):
             ModelConfig(name="m", source=source, task=kind).pooling_task()
     with pytest.raises(ConfigError, match="a decoder reranker's"):
         ModelConfig(name="m", source=cross, task="score", score_tokens=("no", "yes")).pooling_task()
+
+
+def test_sentence_transformers_files_cap_the_input_and_refuse_what_is_not_applied(tmp_path):
+    """An embedder's ``max_seq_length`` caps the inputs it reads unless the entry sets
+    ``max_model_len``; a module the server does not apply (a Dense projection after pooling) is a
+    ConfigError naming it, rather than vectors that silently differ from sentence-transformers'."""
+    import json
+
+    path = write_synthetic_encoder(tmp_path / "st", "bert", pooling="mean")
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32}))
+    assert ModelConfig(name="e", source=str(path), task="embed").engine_config().max_model_len == 32
+    entry = ModelConfig(name="e", source=str(path), task="embed", max_model_len=100)
+    assert entry.engine_config().max_model_len == 100
+    modules = json.loads((path / "modules.json").read_text())
+    modules.insert(
+        2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    )
+    (path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ConfigError, match="module Dense is not applied"):
+        ModelConfig(name="e", source=str(path), task="embed").pooling_task()

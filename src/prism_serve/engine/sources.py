@@ -84,11 +84,14 @@ _GENERATION_KEYS = {
 }  # fmt: skip
 
 
-def embedding_defaults(source: str) -> dict[str, str | bool]:
+def embedding_defaults(source: str) -> dict[str, str | bool | int]:
     """How an embedding model pools and whether it normalises, as its sentence-transformers files
     say: ``modules.json`` lists a Pooling module (its ``config.json``'s ``pooling_mode_*`` flag:
-    lasttoken, mean_tokens or cls_token) and a Normalize module or none. Empty for a source without
-    them. ValueError names a file that is not what sentence-transformers writes."""
+    lasttoken, mean_tokens or cls_token) and a Normalize module or none; ``max_length``: the
+    longest input it reads (``sentence_bert_config.json``'s ``max_seq_length``), where it says.
+    Empty for a source without them. ValueError names a file that is not what sentence-transformers
+    writes, or a module the server does not apply (a Dense projection, say), whose vectors would
+    otherwise come out silently different."""
     root = Path(source).expanduser()
     path = root / "modules.json"
     if source.startswith(RANDOM_PREFIX) or not path.is_file():
@@ -100,7 +103,18 @@ def embedding_defaults(source: str) -> dict[str, str | bool]:
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise ValueError(f"{path}: expected a list of modules")
     kinds = [str(m.get("type", "")).rpartition(".")[2] for m in modules]
-    out: dict[str, str | bool] = {"normalize": "Normalize" in kinds}
+    unknown = [k for k in kinds if k not in ("Transformer", "Pooling", "Normalize")]
+    if unknown:
+        raise ValueError(
+            f"{path}: sentence-transformers module {unknown[0]} is not applied by this server (it "
+            "applies Transformer, Pooling and Normalize)"
+        )
+    out: dict[str, str | bool | int] = {"normalize": "Normalize" in kinds}
+    bert_config = root / "sentence_bert_config.json"
+    if bert_config.is_file():
+        length = json_object(bert_config, ValueError).get("max_seq_length")
+        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+            out["max_length"] = length
     for m, kind in zip(modules, kinds, strict=True):
         if kind != "Pooling":
             continue
