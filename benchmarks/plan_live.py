@@ -25,8 +25,10 @@ logs, each prism bench report and the plan's outputs under ``--out``, and summar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -136,15 +138,20 @@ def live(config: dict, traffic: Path, start_s: float, folder: Path, tag: str, lo
         time.sleep(1.0)
         start = time.time()
         load = common.cpu_seconds()
+        cpu_before, bench_before = process_cpu(proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
         prism(
             "bench", "--workload", str(traffic), "--start", f"{start_s:.3f}", "--prompt", "ids",
             "--url", f"http://127.0.0.1:{port}", "--out", str(folder / f"bench-{tag}"), "--no-progress",
             "--timeout", "300", log=folder / f"bench-{tag}.log",
         )  # fmt: skip
         wall = time.time() - start
+        cpu_after, bench_after = process_cpu(proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
         wait_idle(port)
     finally:
         stop_server_process(proc)
+    server_s = cpu_after["server"] - cpu_before["server"]
+    workers_s = sum(v - cpu_before.get(k, 0.0) for k, v in cpu_after.items() if k != "server")
+    bench_s = sum(getattr(bench_after, f) - getattr(bench_before, f) for f in ("ru_utime", "ru_stime"))
     body = json.loads((folder / f"bench-{tag}" / "bench.json").read_text())
     return {
         "overall": body["overall"],
@@ -152,8 +159,24 @@ def live(config: dict, traffic: Path, start_s: float, folder: Path, tag: str, lo
         "replay_start": start,
         "wall_s": round(wall, 1),
         "other_load_cores": round(max(0.0, common.other_load_since(load, wall) - 2.0), 2),
+        # cores kept busy during the replay: the server's own process (HTTP, tokenizer, controller
+        # ticks), its workers (the engines), and prism bench (the client), on the same two cores
+        "cores": {"server": round(server_s / wall, 3), "workers": round(workers_s / wall, 3),
+                  "bench": round(bench_s / wall, 3)},
         "request_log": str(request_log) if log else None,
     }
+
+
+def process_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the server process (``server``) and of each of its descendants (by pid)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    out = {"server": sum(root.cpu_times()[:2])}
+    for child in root.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out[str(child.pid)] = sum(child.cpu_times()[:2])
+    return out
 
 
 def planned(config: Path, traffic: Path, start_s: float, hardware: str, devices: int, policy: str,
@@ -248,10 +271,11 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
             print(f"[{name}] serving {tag}: {n} device(s) of {row['memory']}", flush=True)
             run = live(config, traffic, start, folder, tag, log=False)
             row.update(live=run["overall"]["ttft_attainment"], wall_s=run["wall_s"],
-                       other_load_cores=run["other_load_cores"],
+                       other_load_cores=run["other_load_cores"], cores=run["cores"],
                        per_model={m: v["ttft_attainment"] for m, v in run["models"].items()})  # fmt: skip
         out["deployments"].append(row)
-        print(f"[{name}] {tag}: planned {points(row['planned'])}, live {points(row.get('live'))}", flush=True)
+        print(f"[{name}] {tag}: planned {points(row['planned'])}, live {points(row.get('live'))}, "
+              f"cores {row.get('cores')}", flush=True)  # fmt: skip
     return out
 
 

@@ -103,3 +103,14 @@ def test_forecast_without_a_past_period_is_persistence_plus_trend():
         SeasonalForecaster(0.0)
     with pytest.raises(InvalidKnobError):
         SeasonalForecaster(10.0, period_s=5.0)
+
+
+def test_history_at_a_placement_is_the_time_since_the_model_was_first_seen():
+    est = RateEstimator(window_s=60.0)
+    assert est.history_at("m", 5.0) == 0.0 and est.history_at("m", None) is None
+    est.observe("m", 10.0)
+    est.observe("m", 50.0)
+    assert est.history_at("m", 40.0) == 30.0
+    assert est.history_at("m", 5.0) == 0.0  # placed before it was ever seen: blind
+    est.start("n", 20.0)
+    assert est.history_at("n", 25.0) == 5.0

@@ -86,6 +86,14 @@ class RateEstimator:
     def last_arrival(self, model: str) -> float | None:
         return self._last.get(model)
 
+    def history_at(self, model: str, t: float | None) -> float | None:
+        """Seconds of ``model``'s arrivals the estimate had seen at ``t`` (since it first saw the
+        model; 0 before that or for a model never seen); None where ``t`` is None."""
+        if t is None:
+            return None
+        first = self._first_seen.get(model)
+        return 0.0 if first is None else max(0.0, t - first)
+
     def moving(self) -> list[str]:
         """The models whose rate may read differently at a later ``now`` without a new arrival: those
         with arrivals not yet known to have left the window (a model with none reads 0.0 whenever)."""

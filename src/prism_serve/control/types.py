@@ -148,6 +148,10 @@ class ModelSnapshot:
     # when its current placement was decided (activation or migration started, caller's clock);
     # None: unknown, so prism's migration_cooldown_s does not hold it in place
     placed_at: float | None = None
+    # how many seconds of the model's arrivals the rate estimate had seen when that placement was
+    # decided (0: none, a placement made blind, as at start-up; None: unknown): prism's cooldown
+    # holds a placement no longer than the history it was made on
+    placed_history_s: float | None = None
     # forecast arrivals/s over the current forecast window (control.forecast.SeasonalForecaster);
     # None: no complete window yet (nothing known: prism prewarms such models into free memory)
     forecast_rate: float | None = None
@@ -181,6 +185,8 @@ class ModelSnapshot:
             raise InvalidSnapshotError(f"{self.model}: negative request counts")
         if not (self.placed_at is None or math.isfinite(self.placed_at)):
             raise InvalidSnapshotError(f"{self.model}: placed_at must be finite")
+        if not (self.placed_history_s is None or _finite_nonneg(self.placed_history_s)):
+            raise InvalidSnapshotError(f"{self.model}: placed_history_s must be finite and >= 0")
         if not (self.forecast_rate is None or _finite_nonneg(self.forecast_rate)):
             raise InvalidSnapshotError(f"{self.model}: forecast_rate must be finite and >= 0")
         if self.replica_of is not None:

@@ -402,6 +402,7 @@ def _model_snapshot(name: str, m: ModelEntry, loop: ControlLoop, now: float) -> 
         state=m.state,
         last_request_time=_latest(rates.last_arrival(name), m.activated_at),
         placed_at=m.placed_at if resident else None,
+        placed_history_s=rates.history_at(m.replica_of or name, m.placed_at) if resident else None,
         num_queued=loop.num_queued.get(name, 0),
         num_running=m.num_running,
         pinned=m.pinned and m.replica_of is None,

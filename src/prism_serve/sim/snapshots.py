@@ -137,6 +137,7 @@ class SnapshotBuilder:
             False,
             profile,
             placed_at=placed_at,
+            placed_history_s=rates.history_at(self.replica_of.get(name, name), placed_at),
             forecast_rate=forecast,
             prewarmed=prewarmed,
             replica_of=self.replica_of.get(name),

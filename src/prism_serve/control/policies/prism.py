@@ -299,7 +299,7 @@ class PrismPolicy(Policy):
                     m.state is ModelState.ACTIVATING
                     or m.num_running > 0
                     or not k.rebalance
-                    or (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
+                    or self._cooling(m, now)
                 )
                 # the parts of the same snapshot at an earlier tick, if it stays as fixed as it was
                 # (most resident models' snapshots are unchanged from one tick to the next)
@@ -408,7 +408,7 @@ class PrismPolicy(Policy):
                 and planned.get(n) == m.placement
                 and m.num_running == 0
                 and self._busy(m) > 0
-                and not (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
+                and not self._cooling(m, now)
             ]
             if not movable:
                 continue
@@ -516,6 +516,20 @@ class PrismPolicy(Policy):
             for n in cluster.devices[load.device].models
         )
 
+    def _cooling(self, m: ModelSnapshot, now: float) -> bool:
+        """``m``'s placement is too recent to be undone (``migration_cooldown_s``): a move then acts
+        on a rate estimate renewed since that placement rather than on its noise. A placement is
+        held no longer than the history it was decided on (``placed_history_s``): one made blind
+        (the start-up fill, a first request's activation, a warm-up) had no estimate to renew, and
+        may be corrected as soon as the rates say it is wrong; the cooldown grows with each
+        placement made on more history."""
+        if m.placed_at is None:
+            return False
+        hold = self.knobs.migration_cooldown_s
+        if m.placed_history_s is not None:
+            hold = min(hold, m.placed_history_s)
+        return now - m.placed_at < hold
+
     def _relocate_busy(self, plan: _TickPlan, served: dict[str, None]) -> list[ModelSnapshot]:
         """Make-before-break moves of busy models (at most one per tick, each costs an activation).
 
@@ -547,7 +561,7 @@ class PrismPolicy(Policy):
                 m.state is not ModelState.ACTIVE
                 or m.num_running == 0  # an idle model is Algorithm 1's to move
                 or planned.get(m.model) != m.placement
-                or (m.placed_at is not None and now - m.placed_at < k.migration_cooldown_s)
+                or self._cooling(m, now)
             ):
                 continue
             capacity = replica_capacity(cluster, model)
