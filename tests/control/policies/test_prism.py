@@ -223,6 +223,11 @@ def test_a_recently_placed_model_does_not_migrate_until_its_cooldown_ends():
     p = get_policy("prism", migration_threshold=0.05)  # default cooldown: 60 s
     assert p.knobs.migration_cooldown_s == 60.0
     assert p.place(cluster(placed(NOW - 10), {"d0": 80, "d1": 80}), NOW) == []
+    # an idle model placed blind (no rate history then) keeps the whole cooldown too: right after
+    # such a placement one request reads as 1 req/s (only a busy model slowed by its neighbours
+    # is relocated sooner: tests/control/test_replicas.py)
+    blind = [placed(NOW - 10)[0], replace(placed(NOW - 10)[1], placed_history_s=0.0)]
+    assert p.place(cluster(blind, {"d0": 80, "d1": 80}), NOW) == []
     # the same gain once the cooldown is over, or with no record of when it was placed, moves it
     moved = [Migrate("small", ("d0",), ("d1",))]
     assert p.place(cluster(placed(NOW - 60), {"d0": 80, "d1": 80}), NOW) == moved
