@@ -129,16 +129,21 @@ def default_test_config() -> str:
     return CONFIG.format(core1=cores[-1], api_key=API_KEY, admin_key=ADMIN_KEY)
 
 
+def stop_clean(srv: ServerProcess) -> None:
+    """Stop a test's server and check it went cleanly: a graceful exit (uvicorn re-raises SIGTERM
+    after shutting down: status -15), no traceback in its log, no shared memory left behind."""
+    code = stop_server_process(srv.proc)
+    assert code in (0, -signal.SIGTERM), srv.log_text()
+    assert "Traceback" not in srv.log_text(), srv.log_text()
+    assert shm_files(srv.namespace) == [], "shared memory left behind after shutdown"
+
+
 @pytest.fixture(scope="package")
 def server(tmp_path_factory: pytest.TempPathFactory):
     srv = start_server(tmp_path_factory.mktemp("serve"), default_test_config())
     yield srv
-    code = stop_server_process(srv.proc)
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal (exit status -15)
-    assert code in (0, -signal.SIGTERM), srv.log_text()
+    stop_clean(srv)
     assert "stopped: workers ended, shared memory released" in srv.log_text()
-    assert "Traceback" not in srv.log_text(), srv.log_text()
-    assert shm_files(srv.namespace) == [], "shared memory left behind after shutdown"
 
 
 # The adapter tests' prompt and greedy length (test_adapters.py, test_vllm_adapters.py)

@@ -8,7 +8,6 @@ LlamaIndex's ``OpenAILikeEmbedding`` and Cohere's SDK (its rerank call, as RAG f
 from __future__ import annotations
 
 import base64
-import signal
 from pathlib import Path
 
 import httpx
@@ -18,12 +17,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from prism_serve.api.process import stop_server_process
 from prism_serve.engine.config import PoolingTask
 from prism_serve.engine.sources import write_embedding_files
 from prism_serve.engine.weights import save_hf_dir
-from tests.api.conftest import API_KEY, LedgerWatch, shm_files, start_server
-from tests.engine.test_embeddings import TEXTS, hf_next_logits, hf_pooled
+from tests.api.conftest import API_KEY, LedgerWatch, start_server, stop_clean
+from tests.engine.test_embeddings import DOCUMENTS, QUERY, TEXTS, hf_next_logits, hf_pooled
 
 # 1.4 GiB: two of the six models' fp32 weights (0.54 GB each) and their KV, not three; a model idle
 # for 2 s may be evicted (the default, 30 s, would make each turn below wait that long)
@@ -60,10 +58,7 @@ def server(smollm, tmp_path_factory: pytest.TempPathFactory):
     st_dir = write_sentence_transformers(smollm, tmp / "smol-embed")
     srv = start_server(tmp, CONFIG.format(st_dir=st_dir, api_key=API_KEY))
     yield srv
-    code = stop_server_process(srv.proc)
-    assert code in (0, -signal.SIGTERM), srv.log_text()
-    assert "Traceback" not in srv.log_text(), srv.log_text()
-    assert shm_files(srv.namespace) == [], "shared memory left behind after shutdown"
+    stop_clean(srv)
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +88,6 @@ def post(server, body: dict, route: str = "/v1/embeddings") -> httpx.Response:
     return httpx.post(f"{server.url}{route}", json=body, headers=auth, timeout=180)
 
 
-QUERY = "What is the capital of France?"
-DOCUMENTS = [
-    "Bananas are yellow and grow in bunches.",
-    "Paris is the capital and largest city of France.",
-    "The Eiffel Tower stands in Paris.",
-    "A paged KV cache keeps keys and values in fixed-size blocks.",
-]
 
 
 def hf_scores(smollm, pairs: list[tuple[str, str]], instruction: str | None = None) -> list[float]:

@@ -7,17 +7,14 @@ HTTP and Cohere's SDK."""
 
 from __future__ import annotations
 
-import signal
-
 import httpx
 import numpy as np
 import openai
 import pytest
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
-from prism_serve.api.process import stop_server_process
 from prism_serve.engine.hf_reference import write_synthetic_encoder
-from tests.api.conftest import API_KEY, shm_files, start_server
+from tests.api.conftest import API_KEY, start_server, stop_clean
 from tests.engine.test_encoders import DOCUMENTS, QUERY, TEXTS
 
 CONFIG = """
@@ -53,10 +50,7 @@ def server(dirs, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("encoders-server")
     srv = start_server(tmp, CONFIG.format(api_key=API_KEY, **dirs))
     yield srv
-    code = stop_server_process(srv.proc)
-    assert code in (0, -signal.SIGTERM), srv.log_text()
-    assert "Traceback" not in srv.log_text(), srv.log_text()
-    assert shm_files(srv.namespace) == [], "shared memory left behind after shutdown"
+    stop_clean(srv)
 
 
 @pytest.fixture(scope="module")

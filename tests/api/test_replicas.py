@@ -6,7 +6,6 @@ TTFT, one host copy of the weights) is the default path."""
 from __future__ import annotations
 
 import os
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,8 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prism_serve.api.process import stop_server_process
-from tests.api.conftest import API_KEY, shm_files, start_server
+from tests.api.conftest import API_KEY, start_server, stop_clean
 
 CONFIG = """
 devices:
@@ -39,10 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     cores = sorted(os.sched_getaffinity(0))
     srv = start_server(tmp_path_factory.mktemp("replicas"), CONFIG.format(core1=cores[-1], api_key=API_KEY))
     yield srv
-    code = stop_server_process(srv.proc)
-    assert code in (0, -signal.SIGTERM), srv.log_text()
-    assert "Traceback" not in srv.log_text(), srv.log_text()
-    assert shm_files(srv.namespace) == [], "shared memory left behind after shutdown"
+    stop_clean(srv)
 
 
 def card(server) -> dict:

@@ -6,13 +6,11 @@ it from disk: nothing here reaches a model hub."""
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
 
-from prism_serve.api.process import stop_server_process
-from tests.api.conftest import ServerProcess, shm_files, start_server
+from tests.api.conftest import ServerProcess, start_server, stop_clean
 
 API_KEY = "sk-clients-key"
 MODEL = "smol"
@@ -38,10 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     """Shared by the whole package (one start-up, about 10 s, for all client tests)."""
     srv = start_server(tmp_path_factory.mktemp("clients-serve"), CONFIG)
     yield srv
-    code = stop_server_process(srv.proc)
-    assert code in (0, -signal.SIGTERM), srv.log_text()
-    assert "Traceback" not in srv.log_text(), srv.log_text()
-    assert shm_files(srv.namespace) == [], "shared memory left behind after shutdown"
+    stop_clean(srv)
 
 
 def export_tokenizer(path: Path) -> Path:

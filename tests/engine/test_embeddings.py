@@ -18,6 +18,14 @@ TEXTS = [
     "Embeddings map text to vectors; similar texts land near each other. " * 6,
     "Hi",
 ]
+# a query and documents for the rerankers (decoder here, cross-encoders in test_encoders.py)
+QUERY = "What is the capital of France?"
+DOCUMENTS = [
+    "Bananas are yellow and grow in bunches.",
+    "Paris is the capital and largest city of France.",
+    "The Eiffel Tower stands in Paris.",
+    "A paged KV cache keeps keys and values in fixed-size blocks.",
+]
 
 
 _HF_MODELS: dict[int, torch.nn.Module] = {}  # by id of the weights: built once per session

@@ -24,6 +24,8 @@ from prism_serve.engine.sources import encoder_head, hf_config
 from prism_serve.engine.weights import load_weights
 from prism_serve.errors import InvalidRequestError, PromptTooLongError
 from tests.conftest import run_to_completion
+from tests.engine.test_embeddings import DOCUMENTS as RERANKED
+from tests.engine.test_embeddings import QUERY
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -31,14 +33,7 @@ TEXTS = [
     "hi",
     "Embeddings map text to vectors; similar texts land near each other. " * 2,
 ]
-QUERY = "What is the capital of France?"
-DOCUMENTS = [
-    "Bananas are yellow and grow in bunches.",
-    "Paris is the capital and largest city of France.",
-    "The Eiffel Tower stands in Paris.",
-    "A paged KV cache keeps keys and values in fixed-size blocks.",
-    "capital",
-]
+DOCUMENTS = [*RERANKED, "capital"]
 
 
 def _engine(path, **overrides) -> LLMEngine:
