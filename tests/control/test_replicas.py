@@ -326,9 +326,9 @@ def test_a_busy_model_does_not_move_for_a_small_gain_or_when_two_copies_are_need
     # within its migration cooldown it stays
     recent = [replace(light[0], placed_at=90.0), hot(k=1), _neighbour("n", ("d0",), 0.8)]
     assert pol.place(cluster(recent, DEVICES), 100.0) == []
-    # ... a cooldown no longer than the history its placement was made on: placed on 30 s of its
-    # arrivals, 10 s ago, it stays; placed blind (its first request, a warm-up, the start-up fill),
-    # it moves as soon as the rates say its neighbour slows it
+    # ... a cooldown no longer than the history its placement was made on: placed 10 s ago with
+    # 30 s of rate history, it stays; placed blind (right after start-up: a warm-up, the start-up
+    # fill), it moves as soon as the rates say its neighbour slows it
     for history, moves in ((30.0, False), (5.0, True), (0.0, True), (None, False)):
         placed = [replace(recent[0], placed_history_s=history), *recent[1:]]
         assert (pol.place(cluster(placed, DEVICES), 100.0) == [Activate("m#1", ("d1",))]) is moves, history

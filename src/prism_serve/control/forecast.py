@@ -87,8 +87,9 @@ class RateEstimator:
         return self._last.get(model)
 
     def history_at(self, model: str, t: float | None) -> float | None:
-        """Seconds of ``model``'s arrivals the estimate had seen at ``t`` (since it first saw the
-        model; 0 before that or for a model never seen); None where ``t`` is None."""
+        """Seconds the estimator had been watching ``model`` at ``t`` (since ``start`` or its first
+        arrival, whichever came first; 0 before that or for a model never seen); None where ``t``
+        is None."""
         if t is None:
             return None
         first = self._first_seen.get(model)

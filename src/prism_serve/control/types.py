@@ -148,9 +148,10 @@ class ModelSnapshot:
     # when its current placement was decided (activation or migration started, caller's clock);
     # None: unknown, so prism's migration_cooldown_s does not hold it in place
     placed_at: float | None = None
-    # how many seconds of the model's arrivals the rate estimate had seen when that placement was
-    # decided (0: none, a placement made blind, as at start-up; None: unknown): prism's cooldown
-    # holds a placement no longer than the history it was made on
+    # how many seconds the rate estimator had been watching the model (since the control loop
+    # started, or since its first arrival) when that placement was decided (near 0: a placement
+    # made blind, as at start-up or on a warm-up; None: unknown): prism holds a busy model's
+    # placement no longer than the history it was decided on
     placed_history_s: float | None = None
     # forecast arrivals/s over the current forecast window (control.forecast.SeasonalForecaster);
     # None: no complete window yet (nothing known: prism prewarms such models into free memory)

@@ -521,8 +521,8 @@ class PrismPolicy(Policy):
         on a rate estimate renewed since that placement rather than on its noise. ``by_history``
         (a busy model slowed by its neighbours, ``_relocate_busy``): the placement is held no longer
         than the history it was decided on (``placed_history_s``): one made blind (the start-up
-        fill, a first request's activation, a warm-up) had no estimate to renew, and the contention
-        it caused is corrected as soon as the rates show it. Moves of idle models (Algorithm 1, the
+        fill, an activation right after start, a warm-up) had no estimate to renew, and the
+        contention it caused is corrected as soon as the rates show it. Moves of idle models (Algorithm 1, the
         compute-balancing move) keep the whole cooldown: right after a blind placement one request
         reads as 1 req/s, and moving on such estimates churned (the Azure code trace at 40 req/s
         needed 21 simulated GPUs instead of 14)."""
