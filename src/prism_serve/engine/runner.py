@@ -254,22 +254,26 @@ class ModelRunner:
         with each token's type (1 from a pair's second segment on, ``SamplingParams.pair_start``)."""
         ids: list[int] = []
         pos: list[int] = []
-        types: list[int] = []
+        seconds: list[tuple[int, int]] = []  # (first row of type 1, end of its input) of each pair
         chunks, last_index = [], []
         empty = torch.empty(0, dtype=torch.long, device=self.device)
         for s in batch:
             seq, n = s.seq, s.num_new_tokens
             ids.extend(seq.token_ids[:n])
             pos.extend(range(n))
-            second = n if seq.params.pair_start is None else seq.params.pair_start
-            types.extend(0 if p < second else 1 for p in range(n))
-            chunks.append(PrefillChunk(query_start=len(ids) - n, query_len=n, context_len=n,
+            start = len(ids) - n
+            if seq.params.pair_start is not None:
+                seconds.append((start + seq.params.pair_start, len(ids)))
+            chunks.append(PrefillChunk(query_start=start, query_len=n, context_len=n,
                                        block_table=empty, mask=None))  # fmt: skip
             last_index.append(len(ids) - 1)
         dev = self.device
         meta = AttentionMetadata(slot_rows=empty, prefills=chunks)
-        if any(types):
-            meta.token_types = torch.tensor(types, device=dev)
+        if seconds:  # an embedder's inputs are all type 0: no tensor for them
+            types = torch.zeros(len(ids), dtype=torch.long)
+            for begin, end in seconds:
+                types[begin:end] = 1
+            meta.token_types = types.to(dev)
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, last_index
 
     def _splits(self, num_seqs: int, max_blocks: int) -> int:
