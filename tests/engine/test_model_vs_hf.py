@@ -18,21 +18,24 @@ from prism_serve.errors import CorruptWeightsError
 
 def our_logits(engine: LLMEngine, token_ids: list[int], chunk: int) -> torch.Tensor:
     """Logits at every position, computed through the paged cache in chunks of ``chunk`` tokens
-    (chunk=1 is pure decode: every token after the first attends only to cached keys)."""
+    (chunk=1 is pure decode: every token after the first attends only to cached keys). Blocks come
+    and go as the scheduler's do: a sliding window's old blocks are freed as the chunks pass."""
     seq = engine.make_sequence(token_ids, SamplingParams(max_tokens=1))
-    bs = engine.config.block_size
-    seq.block_table = engine.allocator.allocate(-(-len(token_ids) // bs))
+    scheduler = engine.scheduler
+    free = engine.allocator.num_free_blocks + engine.num_cached_blocks  # the cache's unheld blocks too
     rows = []
     try:
         with torch.inference_mode():
             while seq.num_computed_tokens < len(token_ids):
                 n = min(chunk, len(token_ids) - seq.num_computed_tokens)
+                assert scheduler._grow(seq, seq.num_computed_tokens + n)
                 ids, pos, meta, _ = engine.runner._prepare([ScheduledSeq(seq, n)])
                 hidden = engine.model.forward(ids, pos, meta, engine.kv_cache)
                 rows.append(engine.model.compute_logits(hidden))
                 seq.num_computed_tokens += n
     finally:
-        engine.allocator.free(seq.block_table)
+        scheduler._release(seq)
+    assert engine.allocator.num_free_blocks + engine.num_cached_blocks == free
     return torch.cat(rows)
 
 
@@ -358,3 +361,43 @@ def test_a_multimodal_gemma3_checkpoint_reads_as_its_language_model(prefix, tmp_
     assert loaded.tensors.keys() == weights.tensors.keys()
     for name, t in weights.tensors.items():
         assert torch.equal(loaded.tensors[name], t), name
+
+
+def test_a_windowed_model_keeps_its_global_layers_and_one_window_of_the_others():
+    """Gemma 3's shape (1 global layer of 6, a 16-token window): a request's KV grows like the global
+    layer alone; the windowed layers hold their window and a step's chunk, so a 100-token request
+    holds 25 + 5 x 5 blocks near its end where one group of all layers held 6 x 25. With the
+    prefix cache on, a second request over the same prompt takes its prefix from the cache (the
+    windowed blocks it reads came back from the cache's unheld ones) and gives the same tokens."""
+    from prism_serve.engine.kv_cache import KVGroups
+
+    config = ARCHITECTURES["gemma3"]
+    weights = _matters(random_weights(config, seed=6))
+    groups = KVGroups.of(config, 4096)
+    assert groups.windowed == (False, True, True, True, True, True) and groups.layers_per_group == 1
+    prompt = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outputs = []
+    for caching in (False, True):
+        engine = LLMEngine(
+            EngineConfig(block_size=4, num_kv_blocks=400, max_num_batched_tokens=8, dtype="float32",
+                         prefix_caching=caching), weights=weights,
+        )  # fmt: skip
+        assert engine.kv_groups == groups
+        for _ in range(2 if caching else 1):
+            rid = engine.add_request(prompt, greedy)
+            held = []
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        outputs.append((out.token_ids, out.num_cached_tokens))
+                        break
+                else:
+                    held.append(engine.allocator.num_total_blocks - engine.allocator.num_free_blocks)
+            assert rid
+            if not caching:  # the last step but one computed position 97, windowed over 82..97
+                assert held[-1] == 25 + 5 * (97 // 4 - 82 // 4 + 1)
+                assert max(held) <= groups.max_blocks(100, 4, 8) < 6 * 25
+    (tokens, cached), *rest = outputs
+    assert cached == 0 and all(t == tokens for t, _ in rest)
+    assert [c for _, c in rest] == [0, 56]  # the second request: 14 of the prompt's 15 blocks

@@ -5,16 +5,18 @@ n > 1 and preemptions, give the tokens and logprobs of an engine without the cac
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prism_serve.engine.kv_cache import KVGroups
 from prism_serve.engine.prefix_cache import PrefixCache, block_keys
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.scheduler import Scheduler
-from prism_serve.engine.sequence import RequestMetrics, RequestOutput, Sequence
+from prism_serve.engine.sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus
 from prism_serve.memory.blocks import FixedBlockAllocator
 from tests.conftest import run_to_completion
 
@@ -212,18 +214,83 @@ class _Refusing(FixedBlockAllocator):
         return None if self.rng.random() < 0.2 else super().allocate(num_blocks)
 
 
-@settings(max_examples=100, deadline=None)
+def test_kv_groups_split_full_context_layers_from_windowed_ones() -> None:
+    """Gemma 3 1B (4 global layers of 26): 1 + 6 groups of 4 layers, the last windowed group
+    padded by 2; Gemma 2 2B (every other layer windowed): 2 groups of 13; Mistral v0.1 (one window
+    everywhere) and Llama (none): one group of every layer; a window no shorter than the context
+    served hides nothing, so it is no group of its own."""
+    from prism_serve.engine.models.config import PRESETS
+
+    g3 = KVGroups.of(PRESETS["gemma-3-1b"])
+    assert (g3.layers_per_group, g3.num_groups, g3.window) == (4, 7, 512)
+    assert g3.windowed == (False, *[True] * 6)
+    assert [i for i, g in enumerate(g3.group_of) if g == 0] == [5, 11, 17, 23]
+    assert len(set(zip(g3.group_of, g3.slot_of, strict=True))) == 26  # one place in a block each
+    g2 = KVGroups.of(PRESETS["gemma-2-2b"])
+    assert (g2.layers_per_group, g2.windowed) == (13, (False, True))
+    mistral = KVGroups.of(dataclasses.replace(PRESETS["gemma-2-2b"], global_layers=()))
+    assert (mistral.layers_per_group, mistral.windowed) == (26, (True,))
+    assert KVGroups.of(PRESETS["smollm2-135m"]).windowed == (False,)
+    assert KVGroups.of(PRESETS["gemma-3-1b"], 512).windowed == (False,)
+    # a block per group for each run of tokens; a windowed group holds its window and a chunk
+    assert g3.max_blocks(4096, 16, 256) == 256 + 6 * ((511 + 256) // 16 + 2)
+    assert g3.first_read(600, 16) == (600 - 511) // 16
+
+
+def test_a_windowed_group_matches_only_the_blocks_the_next_query_reads() -> None:
+    """A 6-block prefix cached in a full-context group and two windowed ones (window 6, blocks of
+    4), whose windowed groups lost their first 4 blocks: a 26-token prompt matches all 6 blocks
+    (the next query, at position 24, reads from position 19: blocks 4 and 5), with the windowed
+    tables starting at block 4; a 13-token prompt, whose next query would read the lost blocks,
+    matches nothing and holds nothing."""
+    alloc = FixedBlockAllocator(64)
+    cache = PrefixCache(alloc, BS)
+    groups = _groups(_SPLIT, 6)
+    tokens = list(range(24))
+    keys = keys_of(tokens)
+    tables = [alloc.allocate(6) for _ in groups.windowed]
+    for group, table in enumerate(tables):
+        cache.register(keys, table, 0, 6, b"", group)
+    cache.free(tables[1][:4] + tables[2][:4])  # the windowed groups' window moved on
+    cache.free(tables[0] + tables[1][4:] + tables[2][4:])  # the request ends
+    assert sorted(cache.drop(8)) == sorted(tables[1][:4] + tables[2][:4])
+    got, first = cache.match_groups(keys_of([*tokens, 99, 98]), 26, groups)
+    assert first == 4 and got == [tables[0], [-1] * 4 + tables[1][4:], [-1] * 4 + tables[2][4:]]
+    assert cache.num_evictable_blocks == 0  # all held by the match
+    cache.free(got[0] + got[1][4:] + got[2][4:])
+    assert cache.match_groups(keys_of(tokens[:13]), 13, groups) == ([[], [], []], 0)
+    assert cache.num_evictable_blocks == 10
+
+
+# KV groups of a 3-layer model: one full-context layer and two windowed ones (Gemma's split), and
+# one windowed group of every layer (Mistral v0.1's window)
+_SPLIT = (False, True, True)
+_ALL_WINDOWED = (True,)
+
+
+def _groups(windowed: tuple[bool, ...], window: int) -> KVGroups:
+    n = len(windowed)
+    return KVGroups(1, tuple(range(n)), (0,) * n, windowed, window)
+
+
+@settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_the_scheduler_over_the_cache_never_loses_or_doubles_a_block(seed: int) -> None:
     """The scheduler's own loop (no model: each chunk is "computed" as the engine's postprocess
     counts it) over long shared prompts with chunked prefill, refusals, preemption, aborts and the
-    device taking cached blocks back: no block is ever in one table twice, a block in two tables is
-    a registered one, and every block is held, cached or free, once."""
+    device taking cached blocks back, with the cache or without, for a model of one KV group or of
+    several with sliding windows: no block is ever in one table twice, a block in two tables is a
+    registered one, every block is held, cached or free, once, and a windowed group holds no more
+    than its window and a step's chunk."""
     rng = random.Random(seed)
-    num_blocks = rng.randint(6, 40)
+    groups = rng.choice([None, None, _groups(_SPLIT, rng.choice([1, 5, 9, 30])), _groups(_ALL_WINDOWED, 7)])
+    num_groups = 1 if groups is None else groups.num_groups
+    num_blocks = rng.randint(6, 40) * num_groups
     alloc = _Refusing(num_blocks, rng)
-    cache = PrefixCache(alloc, BS)
-    sched = Scheduler(alloc, BS, rng.choice([1, 2, 4, 8]), rng.choice([8, 16, 64]), None, cache)
+    cache = PrefixCache(alloc, BS) if rng.random() < 0.8 else None
+    budget = rng.choice([8, 16, 64])
+    sched = Scheduler(alloc, BS, rng.choice([1, 2, 4, 8]), budget, None, cache, groups=groups)
+    evictable = (lambda: 0) if cache is None else (lambda: cache.num_evictable_blocks)
     prefixes = [[rng.randrange(50) for _ in range(90)] for _ in range(3)]
     live: list[Sequence] = []
     for step in range(120):
@@ -249,17 +316,30 @@ def test_the_scheduler_over_the_cache_never_loses_or_doubles_a_block(seed: int) 
                     sched.finish(seq)
         if rng.random() < 0.1 and (unfinished := [q for q in live if not q.finished]):
             sched.finish(rng.choice(unfinished))  # an abort, running or waiting
-        if rng.random() < 0.1:
+        if cache is not None and rng.random() < 0.1:
             cache.drop(rng.randint(0, 3))
-        tables = [q.block_table for q in live if not q.finished]
+        tables = []
+        for q in live:
+            if q.finished or not q.block_table:
+                assert not any(q.group_tables)
+                continue
+            for windowed, t in zip(num_groups * (False,) if groups is None else groups.windowed,
+                                   [q.block_table, *q.group_tables], strict=True):  # fmt: skip
+                assert len(t) == len(q.block_table)
+                lo = q.window_start if windowed else 0
+                assert all(b == -1 for b in t[:lo]) and all(b >= 0 for b in t[lo:])
+                if windowed and q.status is SequenceStatus.RUNNING:
+                    assert len(t) - lo <= (groups.window - 1 + budget) // BS + 2
+                tables.append(t[lo:])
         assert all(len(t) == len(set(t)) for t in tables)
         held = [b for t in tables for b in t]
         assert all(b in cache._key_of for b in held if held.count(b) > 1)
-        assert len(set(held)) + cache.num_evictable_blocks + alloc.num_free_blocks == num_blocks
+        assert len(set(held)) + evictable() + alloc.num_free_blocks == num_blocks
     for seq in live:
         if not seq.finished:
             sched.finish(seq)
-    cache.drop()
+    if cache is not None:
+        cache.drop()
     assert alloc.num_free_blocks == num_blocks
 
 

@@ -112,6 +112,12 @@ class AttentionMetadata:
     gather_v: torch.Tensor | None = None
     # an encoder's step (models/bert.py): each token's type (1 in a pair's second segment); None: all 0
     token_types: torch.Tensor | None = None
+    # a model with several KV groups (kv_cache.KVGroups): each group's metadata, this one first
+    by_group: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_layer(self, group: int) -> AttentionMetadata:
+        """The metadata of the layers of KV group ``group``."""
+        return self.by_group[group] if self.by_group else self
 
     @property
     def max_gather_blocks(self) -> int:

@@ -61,6 +61,9 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     max_lora_rank: int = 16  # the largest adapter rank the slots hold
     # automatic prefix caching (engine/prefix_cache.py): full KV blocks kept and shared by content
     prefix_caching: bool = True
+    # sliding-window layers (Gemma 2/3) keep KV blocks of their own and free those that left the
+    # window (engine/kv_cache.py KVGroups); false: every block holds every layer, as for any model
+    windowed_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:

@@ -15,7 +15,7 @@ import torch
 from prism_serve.engine.config import EngineConfig
 from prism_serve.engine.config import resolve_max_model_len as resolve_max_model_len  # re-exported
 from prism_serve.engine.interface import RequestCounts
-from prism_serve.engine.kv_cache import BlockAllocator, FixedBlockAllocator, KVCache
+from prism_serve.engine.kv_cache import BlockAllocator, FixedBlockAllocator, KVCache, KVGroups
 from prism_serve.engine.lora import (
     AdapterSlots,
     InvalidAdapterError,
@@ -111,7 +111,9 @@ class LLMEngine(RequestCounts):
             if config.max_loras:
                 raise UnsupportedModelError("LoRA adapters of a tensor-parallel model are not supported")
             self.model.reduce = reduce
-        block_bytes = KVCache.block_bytes(weights.config, config.block_size, dtype)
+        # sliding-window layers apart from full-context ones, so their old blocks can go (KVGroups)
+        self.kv_groups = KVGroups.of(weights.config, self.max_model_len, config.windowed_kv)
+        block_bytes = KVCache.block_bytes(weights.config, config.block_size, dtype, self.kv_groups)
         num_blocks = 1 if encoder else config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
         self._owned_pool: ElasticKVPool | None = None
         if allocator is None and config.elastic_kv is not None:
@@ -130,8 +132,9 @@ class LLMEngine(RequestCounts):
                     f"KV pool blocks are {self.allocator.block_bytes} bytes; this model needs {block_bytes}"
                 )
             storage = self.allocator.kv_tensor(dtype)
+        blocks = self.allocator.num_total_blocks
         self.kv_cache = KVCache(
-            weights.config, self.allocator.num_total_blocks, config.block_size, dtype, storage, device
+            weights.config, blocks, config.block_size, dtype, storage, device, self.kv_groups
         )
         self.adapters: AdapterSlots | None = None  # LoRA slots, with max_loras
         if config.max_loras:
@@ -152,7 +155,7 @@ class LLMEngine(RequestCounts):
         )
         self.scheduler = Scheduler(
             self.allocator, config.block_size, config.max_num_seqs, budget, self.adapters, self.prefix_cache,
-            whole_inputs=encoder,
+            whole_inputs=encoder, groups=self.kv_groups,
         )  # fmt: skip
         self.runner = ModelRunner(
             self.model,
@@ -194,7 +197,16 @@ class LLMEngine(RequestCounts):
         """Longest sequence (prompt + output) that fits both the context and the whole KV cache."""
         if self.model_config.encoder:  # it keeps no KV
             return self.max_model_len
-        return min(self.max_model_len, self.allocator.num_total_blocks * self.config.block_size)
+        bs, blocks = self.config.block_size, self.allocator.num_total_blocks
+        groups, chunk = self.kv_groups, self.config.max_num_batched_tokens
+        if groups.num_groups == 1:
+            return min(self.max_model_len, blocks * bs)
+        # the longest whose blocks of every group fit at once (a windowed group holds its window)
+        lo, hi = 0, self.max_model_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if groups.max_blocks(mid, bs, chunk) <= blocks else (lo, mid - 1)
+        return lo
 
     # ---- LoRA adapters ------------------------------------------------------------------------
 

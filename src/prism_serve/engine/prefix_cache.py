@@ -17,6 +17,12 @@ in least-recently-used order; those blocks are the first memory given up: ``allo
 when the device needs the memory elsewhere. A block is unregistered before it is handed out for
 other content, so a key can never name a block that was rewritten.
 
+A model whose layers are split into KV groups (kv_cache.KVGroups) registers each group's block
+under the block's key tagged with the group (group 0's untagged), chained on the block's own group-0
+key, so a group's block is never kept without its full-context sibling. A windowed group's early
+blocks may be gone while the prefix is cached; a match needs only the blocks the next query reads
+(``match_groups``).
+
 A model's hottest prefixes can outlive its engine: ``hottest`` lists the cached blocks of the base
 model's chains, most recently used first and every block after its parent, and a new engine's
 cache ``adopt``s such a list (engine/kept_prefixes.py copies the blocks' KV to host memory and back).
@@ -30,7 +36,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prism_serve.engine.kv_cache import BlockAllocator
+from prism_serve.engine.kv_cache import BlockAllocator, KVGroups
 
 __all__ = ["CacheStats", "PrefixCache", "block_keys"]
 
@@ -49,6 +55,11 @@ def block_keys(
             ids.byteswap()
         keys.append(hashlib.blake2b(ids.tobytes(), digest_size=digest_size, key=parent[:64]).digest())
     return keys
+
+
+def group_key(key: bytes, group: int) -> bytes:
+    """A block's key in KV group ``group`` (group 0's is the block's own)."""
+    return key + bytes((group,)) if group else key
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,35 +152,71 @@ class PrefixCache:
         blocks) for a request of ``num_prompt_tokens``: at most ``num_prompt_tokens - 1`` tokens,
         so that its last token is computed and gives the next token's logits. The caller holds
         them until it ``free``s them."""
+        return self.match_groups(keys, num_prompt_tokens)[0][0]
+
+    def match_groups(
+        self, keys: Sequence[bytes], num_prompt_tokens: int, groups: KVGroups | None = None
+    ) -> tuple[list[list[int]], int]:
+        """``match`` for a model with KV ``groups``: the block tables of each group for the longest
+        prefix whose full-context groups have every block and whose windowed groups have the blocks
+        the next query reads, and how many leading blocks the windowed groups' tables lack (-1)."""
         limit = min(len(keys), (num_prompt_tokens - 1) // self.block_size)
-        found: list[int] = []
-        for key in keys[:limit]:
-            b = self._block_of.get(key)
-            if b is None:
-                break
-            found.append(b)
-        for b in found:
-            if self._refs[b] == 0:
-                del self._lru[b]
-            self._refs[b] += 1
+        windowed = (False,) if groups is None else groups.windowed
+        block_of = self._block_of
+
+        def block(group: int, i: int) -> int | None:
+            return block_of.get(group_key(keys[i], group))
+
+        n = limit
+        for group, w in enumerate(windowed):
+            if not w:
+                run = 0
+                while run < n and block(group, run) is not None:
+                    run += 1
+                n = run
+        first = 0
+        if groups is not None and groups.window is not None:
+            while n > 0:
+                first = groups.first_read(n * self.block_size, self.block_size)
+                lost = [
+                    i for g, w in enumerate(windowed) if w for i in range(first, n) if block(g, i) is None
+                ]
+                if not lost:
+                    break
+                n = max(lost)  # every longer prefix reads that block too
+            first = first if n else 0
+        tables = [
+            [-1] * first + [block(g, i) for i in range(first, n)] if w else [block(g, i) for i in range(n)]
+            for g, w in enumerate(windowed)
+        ]
+        for table in tables:
+            for b in table:
+                if b is None or b < 0:
+                    continue
+                if self._refs[b] == 0:
+                    del self._lru[b]
+                self._refs[b] += 1
         self._queries += num_prompt_tokens
-        self._hits += len(found) * self.block_size
-        return found
+        self._hits += n * self.block_size
+        return tables, first  # type: ignore[return-value]
 
     def register(
-        self, keys: Sequence[bytes], block_table: Sequence[int], start: int, end: int, salt: bytes = b""
-    ) -> int:
+        self, keys: Sequence[bytes], block_table: Sequence[int], start: int, end: int, salt: bytes = b"",
+        group: int = 0,
+    ) -> int:  # fmt: skip
         """Register blocks ``start..end-1`` of a request (computed in full; ``keys`` the request's
         block keys, at least ``end`` of them, chained from ``salt``) and return ``end``, the next
         call's ``start``. A key another block holds already leaves this one private (two requests
-        computed the same prefix at once): it is freed to the allocator with its request."""
+        computed the same prefix at once): it is freed to the allocator with its request.
+        ``block_table`` is KV group ``group``'s (its freed blocks, -1, are skipped)."""
         for i in range(start, end):
             b = block_table[i]
-            if b in self._refs or keys[i] in self._block_of:
-                continue  # matched from the cache (already registered), or a duplicate
-            self._block_of[keys[i]] = b
-            self._key_of[b] = keys[i]
-            self._parent[keys[i]] = keys[i - 1] if i else salt
+            key = group_key(keys[i], group)
+            if b < 0 or b in self._refs or key in self._block_of:
+                continue  # freed, matched from the cache (already registered), or a duplicate
+            self._block_of[key] = b
+            self._key_of[b] = key
+            self._parent[key] = keys[i] if group else keys[i - 1] if i else salt
             self._refs[b] = 1
         return end
 

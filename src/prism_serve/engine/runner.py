@@ -13,6 +13,7 @@ host and samples there, with the same code as on CPU.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -177,75 +178,102 @@ class ModelRunner:
         dev = self.device
         ids: list[int] = []
         pos: list[int] = []
-        slot_blocks: list[int] = []
         last_index: list[int] = []
-        decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        prefill_rows: list[list[int]] = []  # CUDA: [query_start, query_len, context_len] per chunk
-        prefill_tables: list[list[int]] = []
-        for s in batch:
+        decodes: list[int] = []  # index in batch of each decode, in batch order
+        chunks: list[tuple[int, int, int, int]] = []  # (index in batch, query_start, query_len, context_len)
+        tables = [self._tables(s.seq) for s in batch]  # each sequence's table of each KV group
+        for j, s in enumerate(batch):
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             end = start + n
-            table = seq.block_table
             ids.extend(seq.token_ids[start:end])
-            span = range(start, end)
-            pos.extend(span)
-            slot_blocks.extend(table[p // bs] for p in span)
+            pos.extend(range(start, end))
             if n == 1:
-                decode_tables.append(table[: -(-end // bs)])
+                decodes.append(j)
                 decode_lens.append(end)
-            elif self.prefill_kernel:
-                prefill_rows.append([len(ids) - n, n, end])
-                prefill_tables.append(table[: -(-end // bs)])
             else:
-                prefills.append(
-                    PrefillChunk(
-                        query_start=len(ids) - n,
-                        query_len=n,
-                        context_len=end,
-                        block_table=torch.tensor(table[: -(-end // bs)], device=dev),
-                        mask=causal_chunk_mask(n, end, dev),
-                    )
-                )
+                chunks.append((j, len(ids) - n, n, end))
             last_index.append(len(ids) - 1)
 
         positions = torch.tensor(pos, device=dev)
-        meta = AttentionMetadata(
-            slot_rows=self.kv_cache.slot_rows(torch.tensor(slot_blocks, device=dev), positions % bs),
-            prefills=prefills,
-        )
-        meta.num_decodes = len(decode_tables)
+        offsets = positions % bs
+        block_of = (positions // bs).tolist()
+        step = (batch, tables, block_of, offsets, decodes, decode_lens, chunks)
+        meta = self._group_meta(*step, 0, None)
+        metas = [meta, *(self._group_meta(*step, g, meta) for g in range(1, len(tables[0]) if tables else 1))]
+        if len(metas) > 1:
+            meta.by_group = metas
+        need = max(m.max_gather_blocks for m in metas) * self.kv_cache.layer_block_numel
+        if self._gather_k.numel() < need:  # grow (with headroom) and keep for later steps
+            self._gather_k = self._gather_k.new_empty(need * 5 // 4)
+            self._gather_v = self._gather_v.new_empty(need * 5 // 4)
+        for m in metas:
+            m.gather_k, m.gather_v = self._gather_k, self._gather_v
+        return torch.tensor(ids, device=dev), positions, meta, last_index
+
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        """The sequence's block table of each KV group, freed entries (-1: before the window) given
+        its first live block: a valid id that the window's mask hides or the kernel never reads."""
+        tables = [seq.block_table, *seq.group_tables]
+        if seq.window_start:
+            lo = seq.window_start
+            tables = [t if t[0] >= 0 else [t[lo]] * lo + t[lo:] for t in tables]
+        return tables
+
+    def _group_meta(
+        self, batch: list[ScheduledSeq], tables: list[list[list[int]]], block_of: list[int],
+        offsets: torch.Tensor, decodes: list[int], decode_lens: list[int],
+        chunks: list[tuple[int, int, int, int]], g: int, first: AttentionMetadata | None,
+    ) -> AttentionMetadata:  # fmt: skip
+        """The step's attention metadata for the layers of KV group ``g``: its own block tables,
+        and ``first``'s masks (group 0's, the same for every group)."""
+        bs, dev = self.block_size, self.device
+        slot_blocks: list[int] = []
+        row = 0
+        for j, s in enumerate(batch):
+            table = tables[j][g]
+            slot_blocks.extend(table[b] for b in block_of[row : row + s.num_new_tokens])
+            row += s.num_new_tokens
+        meta = AttentionMetadata(self.kv_cache.slot_rows(torch.tensor(slot_blocks, device=dev), offsets))
         meta.kernels, meta.cuda = self.kernels, self.cuda
+        meta.num_decodes = len(decodes)
+        decode_tables = [tables[j][g][: -(-n // bs)] for j, n in zip(decodes, decode_lens, strict=True)]
         if (self.kernels or self.cuda) and decode_tables:
-            tables = _padded_tables(decode_tables).to(dev)
-            splits = self._splits(len(decode_tables), tables.shape[1]) if self.cuda else 1
-            meta.paged_decodes = PagedDecodes(tables, torch.tensor(decode_lens, device=dev), splits)
-        if prefill_rows:
-            rows = torch.tensor(prefill_rows).T.contiguous().to(dev)
+            padded = _padded_tables(decode_tables).to(dev)
+            splits = self._splits(len(decode_tables), padded.shape[1]) if self.cuda else 1
+            meta.paged_decodes = PagedDecodes(padded, torch.tensor(decode_lens, device=dev), splits)
+        if self.prefill_kernel and chunks:
+            rows = torch.tensor([c[1:] for c in chunks]).T.contiguous().to(dev)
             meta.paged_prefills = PagedPrefills(
-                _padded_tables(prefill_tables).to(dev), rows[0], rows[1], rows[2],
-                max(r[1] for r in prefill_rows),
+                _padded_tables([tables[c[0]][g][: -(-c[3] // bs)] for c in chunks]).to(dev),
+                rows[0], rows[1], rows[2], max(c[2] for c in chunks),
             )  # fmt: skip
+        elif chunks:
+            meta.prefills = [
+                PrefillChunk(
+                    query_start=start, query_len=n, context_len=end,
+                    block_table=torch.tensor(tables[j][g][: -(-end // bs)], device=dev),
+                    mask=causal_chunk_mask(n, end, dev) if first is None else first.prefills[i].mask,
+                    window_masks={} if first is None else first.prefills[i].window_masks,
+                )
+                for i, (j, start, n, end) in enumerate(chunks)
+            ]  # fmt: skip
         groups = [] if self.kernels or self.cuda else group_decodes(decode_lens)
-        for g in groups:
-            tables, lens = [decode_tables[i] for i in g], [decode_lens[i] for i in g]
-            max_blocks = max(len(t) for t in tables)
-            padded = _padded_tables(tables).to(dev)
-            rows = None if len(groups) == 1 else torch.tensor(g, device=dev)
+        for i, group in enumerate(groups):
+            lens = [decode_lens[k] for k in group]
+            padded = _padded_tables([decode_tables[k] for k in group]).to(dev)
+            if first is not None:  # group 0's rows, lengths and masks, this group's tables
+                meta.decode_groups.append(replace(first.decode_groups[i], block_tables=padded))
+                continue
+            rows = None if len(groups) == 1 else torch.tensor(group, device=dev)
             lens_t = torch.tensor(lens, device=dev)
             if min(lens) == max(lens):
                 meta.decode_groups.append(DecodeGroup(rows, padded, None, lens[0], lens_t))
             else:
-                keys = torch.arange(max_blocks * bs, device=dev)
+                keys = torch.arange(padded.shape[1] * bs, device=dev)
                 mask = (keys.unsqueeze(0) < lens_t.unsqueeze(1))[:, None, None, :]
                 meta.decode_groups.append(DecodeGroup(rows, padded, mask, max(lens), lens_t))
-        need = meta.max_gather_blocks * self.kv_cache.layer_block_numel
-        if self._gather_k.numel() < need:  # grow (with headroom) and keep for later steps
-            self._gather_k = self._gather_k.new_empty(need * 5 // 4)
-            self._gather_v = self._gather_v.new_empty(need * 5 // 4)
-        meta.gather_k, meta.gather_v = self._gather_k, self._gather_v
-        return torch.tensor(ids, device=dev), positions, meta, last_index
+        return meta
 
     def _prepare_encoder(
         self, batch: list[ScheduledSeq]

@@ -11,6 +11,11 @@ full blocks name (unless it asks for prompt logprobs, which need every prompt po
 and ``cache_computed`` registers each block once the model has computed all of its tokens. A
 preempted request's blocks stay cached, so its recompute is mostly hits.
 
+A model whose layers are split into KV groups (kv_cache.KVGroups: Gemma's sliding-window layers
+apart from its global ones) takes one block per group for each run of ``block_size`` tokens, and
+before each step a windowed group gives back the blocks no query of that step or a later one
+reads (they become -1 in its table; with the prefix cache, registered ones stay cached, unheld).
+
 An encoder's scheduler (``whole_inputs``) admits a request only whole, in one step, and gives it no
 blocks: every token of an encoder's input attends to every other, and nothing is kept after it.
 """
@@ -21,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prism_serve.engine.kv_cache import BlockAllocator
+from prism_serve.engine.kv_cache import BlockAllocator, KVGroups
 from prism_serve.engine.prefix_cache import block_keys
 from prism_serve.engine.sequence import Sequence, SequenceStatus
 
@@ -55,6 +60,7 @@ class Scheduler:
     def __init__(
         self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
         adapters: AdapterSlots | None = None, cache: PrefixCache | None = None, whole_inputs: bool = False,
+        groups: KVGroups | None = None,
     ) -> None:  # fmt: skip
         self.allocator = allocator
         self.cache = cache  # prefix caching: blocks come from it (it sits on the allocator)
@@ -64,6 +70,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.whole_inputs = whole_inputs  # an encoder's: each request whole in one step, no KV blocks
+        self.groups = groups  # the layers' KV groups (None: one group, every layer in each block)
+        self.num_groups = 1 if groups is None else groups.num_groups
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -139,7 +147,13 @@ class Scheduler:
             seq.token_ids[: full * self.block_size], self.block_size, seq.cache_salt, seq.block_keys
         )
         start = seq.num_registered_blocks
-        seq.num_registered_blocks = self.cache.register(keys, seq.block_table, start, full, seq.cache_salt)
+        for group, table in enumerate(self._tables(seq)):
+            self.cache.register(keys, table, start, full, seq.cache_salt, group)
+        seq.num_registered_blocks = full
+
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        """The sequence's block table of each KV group."""
+        return [seq.block_table, *seq.group_tables]
 
     def _match(self, seq: Sequence) -> None:
         """A request starting from nothing takes the cached blocks of its longest cached prefix."""
@@ -148,7 +162,8 @@ class Scheduler:
         if self.cache is None or seq.block_table or reads_all:
             return
         keys = block_keys(seq.token_ids, self.block_size, seq.cache_salt, seq.block_keys)
-        seq.block_table = self.cache.match(keys, seq.num_tokens)
+        tables, seq.window_start = self.cache.match_groups(keys, seq.num_tokens, self.groups)
+        seq.block_table, *seq.group_tables = tables
         seq.num_registered_blocks = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         if seq.metrics.first_scheduled_time is None:  # the first admission: what usage reports
@@ -157,14 +172,34 @@ class Scheduler:
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         if self.whole_inputs:
             return True
+        self._slide(seq)
         need = -(-num_tokens // self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
-        blocks = self.blocks.allocate(need)
+        blocks = self.blocks.allocate(need * self.num_groups)  # one per group, all or none
         if blocks is None:
             return False
-        seq.block_table.extend(blocks)
+        if self.num_groups > 1 and not seq.group_tables:
+            seq.group_tables = [[] for _ in range(self.num_groups - 1)]
+        for i, table in enumerate(self._tables(seq)):
+            table.extend(blocks[i * need : (i + 1) * need])
         return True
+
+    def _slide(self, seq: Sequence) -> None:
+        """Free the windowed groups' blocks that no query from the next one computed on reads."""
+        if self.groups is None or self.groups.window is None:
+            return
+        first = self.groups.first_read(seq.num_computed_tokens, self.block_size)
+        if first <= seq.window_start:
+            return
+        freed = []
+        for table, windowed in zip(self._tables(seq), self.groups.windowed, strict=True):
+            if windowed:
+                freed += [b for b in table[seq.window_start : first] if b >= 0]
+                table[seq.window_start : first] = [-1] * (first - seq.window_start)
+        seq.window_start = first
+        if freed:
+            self.blocks.free(freed)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -176,7 +211,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if self.adapters is not None:
             self.adapters.release(seq)
-        if seq.block_table:
-            self.blocks.free(seq.block_table)
-            seq.block_table = []
+        held = [b for table in self._tables(seq) for b in table if b >= 0]
+        if held:
+            self.blocks.free(held)
+        seq.block_table, seq.group_tables, seq.window_start = [], [], 0
         seq.num_registered_blocks = 0

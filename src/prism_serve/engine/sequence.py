@@ -65,6 +65,11 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # a model whose layers are split into KV groups (kv_cache.KVGroups): the block tables of groups
+    # 1.. (block_table is group 0's), and how many leading blocks the windowed groups have freed
+    # (those entries are -1: no query reads them again)
+    group_tables: list[list[int]] = field(default_factory=list)
+    window_start: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     output_text: str = ""
     num_sent_chars: int = 0

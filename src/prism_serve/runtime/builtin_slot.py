@@ -20,7 +20,7 @@ import msgspec
 import torch
 
 from prism_serve.engine.kept_prefixes import restore_prefixes, save_prefixes
-from prism_serve.engine.kv_cache import KVCache
+from prism_serve.engine.kv_cache import KVCache, KVGroups
 from prism_serve.engine.llm_engine import LLMEngine, torch_dtype
 from prism_serve.engine.models import model_from_packed
 from prism_serve.engine.tensor_parallel import (
@@ -220,7 +220,8 @@ class BuiltinSlot:
         dtype = torch_dtype(engine_config)
         max_len = engine_config.resolve_max_model_len(config)
         model = model_from_packed(config, tensor_views(flat, m.tensors), dtype, max_len)
-        block_bytes = KVCache.block_bytes(config, engine_config.block_size, dtype)
+        groups = KVGroups.of(config, max_len, engine_config.windowed_kv)  # as the engine splits its KV
+        block_bytes = KVCache.block_bytes(config, engine_config.block_size, dtype, groups)
         pool: ElasticKVPool | FixedKVPool
         if group is not None:  # a rank's scheduler must see the blocks every other rank sees
             pool = FixedKVPool(self.kv_range, block_bytes, m.kv_blocks, kv_account)

@@ -99,6 +99,13 @@ class ArchConfig:
         """The sliding window of ``layer``'s attention, None for the whole context."""
         return None if layer in self.global_layers else self.sliding_window
 
+    def layer_windows(self, max_positions: int | None = None) -> list[int | None]:
+        """Each layer's window as served up to ``max_positions`` (the model's own maximum when
+        None): a window no shorter than that never hides a key, so it is none."""
+        limit = max_positions or self.max_position_embeddings
+        windows = map(self.layer_window, range(self.num_layers))
+        return [w if w is not None and w < limit else None for w in windows]
+
     @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5

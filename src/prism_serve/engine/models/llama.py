@@ -264,10 +264,7 @@ class LlamaForCausalLM:
         if c.rope_local_theta is not None:
             self.rope_tables.append(table(True))
             self.layer_table = [0 if c.layer_window(i) is None else 1 for i in range(c.num_layers)]
-        # a window no shorter than the positions served never hides a key: no window
-        self.windows = [
-            w if w is not None and w < num_pos else None for w in map(c.layer_window, range(c.num_layers))
-        ]
+        self.windows = c.layer_windows(num_pos)
         # Gemma multiplies the embedding by sqrt(hidden) rounded to the model's dtype
         self.embed_scale = torch.tensor(c.hidden_size**0.5, dtype=self.dtype).item() if c.gemma else None
 
@@ -404,6 +401,7 @@ class LlamaForCausalLM:
                 (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for cos, sin in self.rope_tables
             ]
         caches = zip(kv_cache.layers, kv_cache.layer_rows, strict=True)
+        group_of = kv_cache.groups.group_of  # each layer's KV group: its block tables in ``meta``
         h = add_rms_norm(x, None, self.layers[0].input_norm, eps, kernel)
         for i, (layer, ((k_cache, v_cache), rows)) in enumerate(zip(self.layers, caches, strict=True)):
             qkv = layer.qkv(h)
@@ -424,8 +422,9 @@ class LlamaForCausalLM:
                 qk = apply_rope(qk, *rope_rows[self.layer_table[i]])
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            m = meta.for_layer(group_of[i])
             attn = paged_attention(
-                q, k, v, k_cache, v_cache, rows, meta, self.scale, self.windows[i], c.attn_softcap
+                q, k, v, k_cache, v_cache, rows, m, self.scale, self.windows[i], c.attn_softcap
             )
             o = layer.o_proj(attn)
             if lora is not None:
