@@ -23,6 +23,12 @@ Sections (each runs even if an earlier one failed; every number is from this run
   pages: no page created, only the copy); seconds, GB/s, and the ratio to the link's bandwidth.
 * ``hf``: HF transformers' ``generate`` on the same SmolLM2-shaped weights, batch 32, as a
   baseline in the same run (vLLM's CUDA wheels are ~400 MB and cannot be carried to the machine).
+* ``architectures``: each architecture of the built-in engine (Llama, Qwen3, Qwen3-MoE, Phi-3,
+  Gemma 2 and 3 with sliding windows past which the prompts run and their blocks freed) as a tiny
+  SYNTHETIC model in fp32: 16 prompts of 3-60 tokens, 24 greedy tokens each, batched in one engine
+  with chunked prefill, against transformers' greedy tokens on the same weights and device; and
+  a BERT embedder's mean-pooled vectors against transformers' (cosine). ``--device cpu`` runs this
+  section on the host, to check the section itself.
 
     python benchmarks/cuda_checks.py --out results/cuda            # everything (~3 min on an H100)
     python benchmarks/cuda_checks.py --sections vmm,smollm        # some of it
@@ -31,6 +37,7 @@ Sections (each runs even if an earlier one failed; every number is from this run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -562,16 +569,106 @@ def section_hf() -> dict:
     return out
 
 
+# ---- architectures against transformers ----------------------------------------------------------
+
+_TINY = ArchConfig("llama", 256, 64, 128, 2, 4, 2, 16, 512, 10000.0, 1e-5, tie_word_embeddings=False)
+TINY_ARCHITECTURES = {
+    "llama": _TINY,
+    "qwen3": dataclasses.replace(_TINY, architecture="qwen3", head_dim=32),
+    "qwen3_moe": dataclasses.replace(_TINY, architecture="qwen3_moe", head_dim=32, num_experts=8,
+                                     experts_per_token=2, moe_intermediate_size=64, norm_topk_prob=True),
+    "phi3": dataclasses.replace(_TINY, architecture="phi3", sliding_window=100),
+    "gemma2": dataclasses.replace(_TINY, architecture="gemma2", sliding_window=16, global_layers=(1,),
+                                  attn_softcap=2.0, final_softcap=0.25, tie_word_embeddings=True),
+    "gemma3": dataclasses.replace(_TINY, architecture="gemma3", num_layers=6, sliding_window=16,
+                                  global_layers=(5,), rope_theta=1e6, rope_local_theta=1e4,
+                                  rope_linear_factor=8.0, tie_word_embeddings=True),
+}  # fmt: skip
+
+
+def _distinct(weights: LoadedWeights) -> LoadedWeights:
+    """Queries, keys and biases drawn large enough that positions and biases change the tokens."""
+    for name, t in weights.tensors.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            t.normal_(0, 0.5)
+        elif name.endswith("bias"):
+            t.normal_(0, 1.0)
+    return weights
+
+
+def section_architectures() -> dict:
+    from prism_serve.engine.hf_reference import build_hf_model, write_synthetic_encoder
+    from prism_serve.engine.llm import LLM
+    from prism_serve.engine.weights import random_weights
+
+    out = {}
+    gen = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(0, 256, (int(n),), generator=gen).tolist()
+        for n in torch.randint(3, 61, (16,), generator=gen)
+    ]
+    for arch, config in TINY_ARCHITECTURES.items():
+        weights = _distinct(random_weights(config, seed=2))
+        llm = LLM(weights=weights, block_size=16, num_kv_blocks=512, max_num_batched_tokens=64,
+                  dtype="float32", device=DEV)  # fmt: skip
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        ours = [o.token_ids for o in llm.generate(prompts, greedy)]
+        hf = build_hf_model(weights, torch.float32).to(DEV)
+        same = total = 0
+        with torch.inference_mode():
+            for p, mine in zip(prompts, ours, strict=True):
+                ids = torch.tensor([p], device=DEV)
+                theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+                theirs = theirs[0, len(p) :].tolist()
+                same += sum(a == b for a, b in zip(mine, theirs, strict=True))
+                total += len(theirs)
+        out[arch] = {"tokens_equal": same, "tokens": total, "kv_groups": llm.engine.kv_groups.num_groups}
+        log(f"  {arch:10s}: {same}/{total} greedy tokens equal to transformers' "
+            f"({llm.engine.kv_groups.num_groups} KV groups)")  # fmt: skip
+        del llm, hf
+    with tempfile.TemporaryDirectory() as tmp:
+        import transformers
+
+        from prism_serve.engine.weights import load_hf_dir
+
+        weights = load_hf_dir(write_synthetic_encoder(Path(tmp) / "bert", "bert", pooling="mean"))
+        engine = LLMEngine(EngineConfig(dtype="float32", device=DEV), weights=weights)
+        vocab = weights.config.vocab_size
+        texts = [[t % vocab for t in p[:40]] for p in prompts[:8]]
+        for i, ids in enumerate(texts):
+            engine.add_request(ids, SamplingParams(max_tokens=1, pooling="mean"), f"e{i}")
+        vectors = {}
+        while engine.has_unfinished_requests():
+            vectors.update({o.req_id: o.embedding for o in engine.step() if o.finished})
+        hf = transformers.AutoModel.from_pretrained(Path(tmp) / "bert", dtype=torch.float32).to(DEV).eval()
+        cos = []
+        with torch.inference_mode():
+            for i, ids in enumerate(texts):
+                ref = hf(torch.tensor([ids], device=DEV)).last_hidden_state[0].mean(0).float().cpu()
+                cos.append(float(torch.nn.functional.cosine_similarity(vectors[f"e{i}"].float(), ref, dim=0)))
+        out["bert"] = {"min_cosine": min(cos)}
+        log(f"  bert      : mean-pooled vectors, min cosine to transformers' {min(cos):.8f}")
+    return out
+
+
 def main() -> int:
+    global DEV
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sections", default="link,vmm,stridedkv,smollm,llama8b,pool8b,prefill,activation,hf")
+    sections = "link,vmm,stridedkv,smollm,llama8b,pool8b,prefill,activation,hf,architectures"
+    p.add_argument("--sections", default=sections)
     p.add_argument("--out", default=os.environ.get("OUT", "results/cuda"))
+    p.add_argument("--device", default=DEV, help="cpu: the architectures section on the host")
     args = p.parse_args()
-    props = torch.cuda.get_device_properties(0)
-    RESULTS["device"] = (
-        f"{props.name}, {props.total_memory / GiB:.0f} GiB, {props.multi_processor_count} SMs, "
-        f"torch {torch.__version__}, CUDA {torch.version.cuda}"
-    )
+    DEV = args.device
+    if DEV == "cpu":
+        RESULTS["device"] = f"cpu (a check of the script), torch {torch.__version__}"
+    else:
+        props = torch.cuda.get_device_properties(0)
+        RESULTS["device"] = (
+            f"{props.name}, {props.total_memory / GiB:.0f} GiB, {props.multi_processor_count} SMs, "
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+        )
     log("device:", RESULTS["device"])
     failed = []
     for name in args.sections.split(","):
@@ -587,7 +684,8 @@ def main() -> int:
             failed.append(name)
             RESULTS[name] = {"error": traceback.format_exc(limit=3)}
         log(f"   ({time.perf_counter() - t0:.1f} s)")
-        torch.cuda.empty_cache()
+        if DEV != "cpu":
+            torch.cuda.empty_cache()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "cuda_checks.json").write_text(json.dumps(RESULTS, indent=1, default=str))
     log("failed sections:", failed or "none")
