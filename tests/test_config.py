@@ -326,6 +326,27 @@ def test_an_embedding_model_pools_as_its_sentence_transformers_files_say_unless_
         parse_config(head + "  - {name: a, task: rerank}\n")
 
 
+def test_a_pooled_models_slo_is_one_latency_for_the_whole_request():
+    """latency_slo (embed and score) is the deadline every input of a request shares: the TTFT SLO
+    admission, placement and the simulator hold each input to; a generating model has none, and a
+    pooled model given both must give one."""
+    head = "devices: {count: 1, memory: 1GiB}\nmodels:\n"
+    e, r, g = parse_config(head + "  - {name: e, task: embed, latency_slo: 0.5}\n"
+                           "  - {name: r, task: score}\n  - {name: g}\n").models  # fmt: skip
+    assert (e.ttft_slo, e.latency_slo) == (0.5, 0.5) and r.latency_slo is None and r.ttft_slo == g.ttft_slo
+    assert [
+        s.ttft_slo for s in model_specs(parse_config(head + "  - {name: e, task: embed, latency_slo: 0.5}\n"))
+    ] == [0.5]
+    again = parse_config(head + "  - {name: e, task: embed, latency_slo: 0.5}\n")
+    assert type(again).model_validate(again.model_dump()).models[0].ttft_slo == 0.5  # dumped and read again
+    with pytest.raises(ConfigError, match="latency_slo is for task: embed or score"):
+        parse_config(head + "  - {name: g, latency_slo: 1.0}\n")
+    with pytest.raises(ConfigError, match="give latency_slo or ttft_slo, not both"):
+        parse_config(head + "  - {name: e, task: embed, latency_slo: 1.0, ttft_slo: 2.0}\n")
+    with pytest.raises(ConfigError, match="latency_slo"):
+        parse_config(head + "  - {name: e, task: embed, latency_slo: 0}\n")
+
+
 def test_a_reranker_fills_its_template_and_reads_its_answer_tokens_from_the_config():
     head = "devices: {count: 1, memory: 1GiB}\nmodels:\n"
     default, own = parse_config(head + "".join([

@@ -141,6 +141,13 @@ class ModelConfig(_Strict):
     )
     ttft_slo: float = Field(DEFAULT_TTFT_SLO_S, gt=0, description="seconds")
     tpot_slo: float = Field(DEFAULT_TPOT_SLO_S, gt=0, description="seconds")
+    latency_slo: float | None = Field(
+        None,
+        gt=0,
+        description="embed and score: seconds from a request's arrival until every one of its inputs "
+        "is answered (its SLO kind: one latency for the whole batch of inputs, each input's deadline "
+        "in admission); unset: ttft_slo",
+    )
     pinned: bool = Field(False, description="activated at start-up and never evicted by the policy")
     keep_alive: float | None = Field(
         None,
@@ -261,6 +268,22 @@ class ModelConfig(_Strict):
         if isinstance(v, list | tuple) and any(isinstance(t, bool) for t in v):
             raise ValueError('quote them: YAML reads a bare yes or no as true or false (["no", "yes"])')
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _latency_slo(cls, data: Any) -> Any:
+        """A pooled model's latency SLO is its requests' deadline: the TTFT SLO admission, placement
+        and the simulator hold each of its inputs to (they answer with their one output)."""
+        if not isinstance(data, dict) or data.get("latency_slo") is None:
+            return data
+        if data.get("task", "generate") == "generate":
+            raise ValueError(
+                f"model {data.get('name')}: latency_slo is for task: embed or score (a generating model "
+                "has ttft_slo and tpot_slo)"
+            )
+        if data.get("ttft_slo") not in (None, data["latency_slo"]):
+            raise ValueError(f"model {data.get('name')}: give latency_slo or ttft_slo, not both")
+        return {**data, "ttft_slo": data["latency_slo"]}
 
     @model_validator(mode="after")
     def _pooling_task(self) -> ModelConfig:

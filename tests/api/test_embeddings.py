@@ -8,6 +8,8 @@ LlamaIndex's ``OpenAILikeEmbedding`` and Cohere's SDK (its rerank call, as RAG f
 from __future__ import annotations
 
 import base64
+import json
+import time
 from pathlib import Path
 
 import httpx
@@ -30,10 +32,10 @@ devices:
   - {{name: "cpu:0", memory: 1.4GiB, workers: 1}}
 models:
   - {{name: embedder, source: "{st_dir}", task: embed, dtype: float32, max_model_len: 512,
-     ttft_slo: 30.0, tpot_slo: 2.0}}
+     latency_slo: 30.0}}
   - {{name: embed-last, source: "{st_dir}", task: embed, pooling: last, normalize: false, dtype: float32,
      max_model_len: 512, ttft_slo: 30.0, tpot_slo: 2.0}}
-  - {{name: reranker, task: score, dtype: float32, max_model_len: 512, ttft_slo: 30.0, tpot_slo: 2.0}}
+  - {{name: reranker, task: score, dtype: float32, max_model_len: 512, latency_slo: 30.0}}
   - {{name: smol, dtype: float32, max_model_len: 512, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: chat-b, dtype: float32, max_model_len: 512, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: chat-c, dtype: float32, max_model_len: 512, ttft_slo: 30.0, tpot_slo: 2.0}}
@@ -41,6 +43,7 @@ policy: {{name: prism, knobs: {{idle_threshold_s: 2.0}}}}
 server:
   api_keys: [{api_key}]
   namespace: "{{namespace}}"
+  request_log: "{{state_dir}}/requests.jsonl"
 """
 
 
@@ -359,3 +362,43 @@ def test_a_score_token_that_is_not_one_token_stops_the_server_at_start(smollm):
         _Served.of(status, tok)
     status.pooled = PoolingTask("embed", "mean", True)
     assert _Served.of(status, tok).score_ids == ()
+
+
+def test_a_pooled_request_is_judged_once_by_its_latency_and_logged_as_its_inputs(server, client):
+    """An embedder's or reranker's SLO kind is the latency of the whole request (every input
+    answered, ``latency_slo``): /metrics judges each request once under slo="latency", none of its
+    inputs under ttft or tpot; the request log marks the line with its task, and ``prism plan``
+    reads it as one prompt-only request per input, each with its share of the prompt tokens."""
+    from prism_serve.workload.traffic import read_traffic
+
+    def judged() -> dict[tuple[str, str], float]:
+        return {
+            (s.labels["model_name"], s.labels["slo"]): s.value
+            for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+            for s in f.samples
+            if s.name == "prism_slo_requests_total"
+        }
+
+    before = judged()
+    texts = ["one short text", "a second, somewhat longer text to embed", "three"]
+    out = client.embeddings.create(model="embedder", input=texts)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "reranker", "query": QUERY, "documents": DOCUMENTS[:2]}
+    httpx.post(f"{server.base_url}/rerank", headers=auth, json=body, timeout=180).raise_for_status()
+    after = judged()
+    for model in ("embedder", "reranker"):
+        assert after[(model, "latency")] - before.get((model, "latency"), 0) == 1
+        assert (model, "ttft") not in after and (model, "tpot") not in after
+    log = server.log.parent / "state" / "requests.jsonl"
+    deadline = time.monotonic() + 10  # the log's writer flushes within a second
+    while time.monotonic() < deadline and '"task": "score"' not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.2)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    embed = [line for line in lines if line["model"] == "embedder" and line["n"] == 3][-1]
+    assert embed["task"] == "embed" and embed["prompt_tokens"] == out.usage.prompt_tokens
+    assert any(line["task"] == "score" and line["n"] == 2 for line in lines if line["model"] == "reranker")
+    w = read_traffic(log, None).workload
+    rows = [(int(p), int(o)) for m, p, o in zip(w.model_index, w.prompt_tokens, w.output_tokens, strict=True)
+            if w.models[m] == "embedder"]  # fmt: skip
+    assert rows.count((round(out.usage.prompt_tokens / 3), 1)) >= 3
+

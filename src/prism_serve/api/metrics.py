@@ -242,12 +242,20 @@ class ServerMetrics:
         self._remember(model, ttft, met_ttft, met_tpot)
         return met_ttft, met_tpot
 
-    def on_error(self, model: str, error_type: str, status: int, judged: bool) -> None:
+    def on_latency(self, model: str, latency: float, slo: float) -> bool:
+        """A pooled request (embed or score: every input answered) judged once by its latency SLO
+        (``latency``, from its arrival to its last input's answer); whether it met it."""
+        met = latency <= slo
+        self._judge(model, "latency", met)
+        self._remember(model, latency, met, met)
+        return met
+
+    def on_error(self, model: str, error_type: str, status: int, judged: bool, pooled: bool = False) -> None:
         """A request that failed; ``judged``: it counts against the SLOs (server-side failures and
-        overload do, a client's own bad request does not)."""
+        overload do, a client's own bad request does not); ``pooled``: against its latency SLO."""
         self.errors.labels(model, error_type, str(status)).inc()
         if judged:
-            for slo in _SLOS:
+            for slo in ("latency",) if pooled else _SLOS:
                 self._judge(model, slo, False)
             self._remember(model, None, False, False)
 

@@ -16,6 +16,8 @@ Each line::
   seconds, null where the request got no token;
 - ``cold``: no replica of the model was active when the request arrived (it waited for an
   activation); ``device`` and ``replica``: what served its first choice;
+- ``task`` (embed and score requests only): ``embed`` or ``score``; ``n`` is then its inputs (texts,
+  or query-document pairs), each answered by its one output, and ``prompt_tokens`` their sum;
 - ``tenant`` (with a keys file): the caller's tenant, never its key; ``priority``: its tenant's
   class when not ``standard``; ``lane``: ``batch`` for a line of the batch lane. ``prism plan``
   simulates each request in its class (workload/format.py);
@@ -90,6 +92,7 @@ class LogEntry:
     tenant: str | None = None  # the caller's tenant (api/tenants.py), never its key
     lane: str | None = None  # "batch" for a batch line (api/batches.py); unset: interactive
     priority: str | None = None  # its tenant's class, when not "standard"
+    task: str | None = None  # "embed" or "score": n inputs sharing prompt_tokens; unset: generation
 
     def served(self, runs: list[Any], prompt_tokens: int, started: float) -> None:
         """What the request's choices (api/choices.py ``Choice``) got; ``started``: its arrival on
@@ -129,6 +132,7 @@ class LogEntry:
                 "cold": self.cold,
                 "device": self.device,
                 "replica": self.replica,
+                **({"task": self.task} if self.task is not None else {}),
                 **({"tenant": self.tenant} if self.tenant is not None else {}),
                 **({"priority": self.priority} if self.priority is not None else {}),
                 **({"lane": self.lane} if self.lane is not None else {}),

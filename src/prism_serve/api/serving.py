@@ -267,9 +267,10 @@ class Serving:
     # ---- the request log ------------------------------------------------------------------------
 
     def log_entry(
-        self, http: Request, model: str, stream: bool, n: int, max_tokens: int | None
+        self, http: Request, model: str, stream: bool, n: int, max_tokens: int | None, task: str | None = None
     ) -> LogEntry | None:
-        """A request's line in the request log, begun as it is admitted (None: no log)."""
+        """A request's line in the request log, begun as it is admitted (None: no log); ``task``:
+        embed or score (``n`` inputs, one output each)."""
         if self.state.request_log is None:
             return None
         tenant = tenant_of(http)
@@ -277,7 +278,7 @@ class Serving:
         priority = tenant.entry.priority if tenant is not None else "standard"
         return LogEntry(
             time.time(), model, stream, n, max_tokens, tenant=tenant.name if tenant else None, lane=lane,
-            priority=priority if priority != "standard" else None,
+            priority=priority if priority != "standard" else None, task=task,
         )  # fmt: skip
 
     async def logged(self, entry: LogEntry | None, work: Awaitable[Any]) -> Any:
@@ -414,7 +415,8 @@ class Serving:
         if model in self.state.served:
             lane = http is not None and batch_of(http) is not None
             judged = e.status_code >= 429 and not isinstance(e, RateLimitError) and not lane
-            self.metrics.on_error(model, e.error_type, e.status_code, judged=judged)
+            pooled = self.state.served[model].pooled is not None
+            self.metrics.on_error(model, e.error_type, e.status_code, judged=judged, pooled=pooled)
             tenant = tenant or (tenant_of(http) if http is not None else None)
             if judged and tenant is not None:
                 tenant.judge((False, False))

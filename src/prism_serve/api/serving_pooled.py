@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prism_serve.api.choices import Choice, ClientDisconnected
 from prism_serve.api.protocol import EmbeddingRequest, RerankRequest, ScoreRequest, new_id, usage
 from prism_serve.api.request_log import LogEntry
-from prism_serve.api.serving import Served, Serving
+from prism_serve.api.serving import Served, Serving, tenant_of
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.validation import check_prompt, prompt_too_long
 from prism_serve.errors import InternalError, InvalidRequestError, PrismError
@@ -55,8 +55,9 @@ class PooledServing(Serving):
             for i, (ids, quota) in enumerate(zip(prompts, quotas, strict=True)):
                 req_id = rid if len(prompts) == 1 else f"{rid}-{i}"
                 stream = self.generate(http, model, ids, params(served, i), req_id, slos)
+                # each input shares the request's deadline; the request is judged once, below
                 runs.append(Choice(rid, model, arrival, stream, index=i, prompt=i, max_tokens=1,
-                                   num_prompt=len(ids), slos=slos, quota=quota))  # fmt: skip
+                                   num_prompt=len(ids), slos=None, quota=quota))  # fmt: skip
             try:
                 await self.first_deltas(http, runs)
             finally:
@@ -65,6 +66,11 @@ class PooledServing(Serving):
                 if entry is not None:
                     entry.served(runs, num_prompt, arrival)
             self.metrics.on_request(model, 1, len(prompts))
+            if slos is not None:  # its SLO kind: the latency of the whole request, all inputs answered
+                met = self.metrics.on_latency(model, max(r.first_at for r in runs) - arrival, slos[0])
+                tenant = tenant_of(http)
+                if tenant is not None:
+                    tenant.judge((met, met))
             out = []
             for run in runs:
                 if run.last is None or run.last.embedding is None:  # an engine that does not pool
@@ -86,7 +92,7 @@ class EmbeddingServing(PooledServing):
         self.admit(http, body.model)
         self.note_ignored(body)
         # max_tokens 1: prism plan reads it as a prompt-only request
-        entry = self.log_entry(http, body.model, False, len(body.inputs), 1)
+        entry = self.log_entry(http, body.model, False, len(body.inputs), 1, task="embed")
         return await self.logged(entry, self._embed(http, body, time.perf_counter(), entry))
 
     async def _embed(
@@ -148,7 +154,7 @@ class ScoreServing(PooledServing):
     async def score(self, http: Request, body: RerankRequest | ScoreRequest) -> Response:
         self.admit(http, body.model)
         self.note_ignored(body)
-        entry = self.log_entry(http, body.model, False, len(body.pairs()), 1)
+        entry = self.log_entry(http, body.model, False, len(body.pairs()), 1, task="score")
         return await self.logged(entry, self._score(http, body, time.perf_counter(), entry))
 
     async def _score(

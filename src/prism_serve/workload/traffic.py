@@ -270,7 +270,9 @@ def _hashes(obj: dict) -> tuple[tuple[int, ...], int]:
 
 def _log_rows(obj: Any) -> list[_Row]:
     """A request log line's requests: ``n`` choices are ``n`` sequences of the engine, each with
-    its share of the prompt and output tokens; none for a request refused as invalid."""
+    the prompt and its share of the output tokens; an embed or score line's ``n`` inputs are ``n``
+    requests of one output token, each with its share of the prompt tokens (their sum); none for a
+    request refused as invalid."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected an object, got {type(obj).__name__}")
     status = int(_number(obj.get("status", 200), "status"))
@@ -286,6 +288,8 @@ def _log_rows(obj: Any) -> list[_Row]:
         per_choice = int(_number(obj["max_tokens"], "max_tokens", 1))
     arrival, model = _number(obj["arrival"], "arrival"), _model(obj["model"])
     prompt = int(_number(prompt, "prompt_tokens", 1))
+    if obj.get("task") in ("embed", "score"):  # n inputs, their prompt tokens summed
+        prompt, per_choice = max(1, round(prompt / n)), 1
     hashes, block_tokens = _hashes(obj)
     # a batch-lane line runs in the batch class, whatever its tenant's
     priority = "batch" if obj.get("lane") == "batch" else (obj.get("priority") or NO_ORIGIN[1])
