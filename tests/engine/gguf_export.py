@@ -29,6 +29,10 @@ _LAYER = {
     "mlp.experts.gate_proj": "ffn_gate_exps",
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",  # Qwen2-MoE's shared expert and its gate
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
@@ -71,6 +75,8 @@ def _gguf_tensors(weights: LoadedWeights) -> dict:
             out[f"{layer}.mlp.experts.up_proj.weight"] = up
         elif sep:
             out[f"{layer}.mlp.experts.down_proj.weight"] = t
+        elif name.endswith("mlp.shared_expert_gate.weight"):
+            out[name] = t.reshape(-1)  # a vector in llama.cpp's files ({n_embd})
         else:
             out[name] = t
     return out
@@ -80,7 +86,7 @@ def write_gguf(weights: LoadedWeights, path: Path, tokenizer: dict | None = None
     """``tokenizer``: the file's tokenizer keys (``tokenizer.ggml.*``) in place of the weights'
     byte-level vocabulary written as gpt2 (a SentencePiece vocabulary, say)."""
     c = weights.config
-    arch = "qwen3moe" if c.architecture == "qwen3_moe" else c.architecture
+    arch = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}.get(c.architecture, c.architecture)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -110,6 +116,9 @@ def write_gguf(weights: LoadedWeights, path: Path, tokenizer: dict | None = None
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.experts_per_token)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_weights_norm(c.norm_topk_prob)
+        if c.shared_expert_intermediate_size:
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if tokenizer is not None:
         for key, value in tokenizer.items():
             if key.startswith("tokenizer."):

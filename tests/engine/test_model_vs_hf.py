@@ -117,6 +117,15 @@ TINY = ArchConfig("llama", 300, 64, 128, 2, 4, 2, 16, 512, 10000.0, 1e-5, tie_wo
             rope_linear_factor=2.0,
             tie_word_embeddings=True,
         ),
+        dataclasses.replace(
+            TINY,
+            architecture="qwen2_moe",
+            attention_bias=True,
+            num_experts=4,
+            experts_per_token=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+        ),
         dataclasses.replace(TINY, sliding_window=9),  # Mistral v0.1's window in every layer
     ],
     ids=[
@@ -129,6 +138,7 @@ TINY = ArchConfig("llama", 300, 64, 128, 2, 4, 2, 16, 512, 10000.0, 1e-5, tie_wo
         "qwen3-moe",
         "gemma2",
         "gemma3",
+        "qwen2-moe",
         "mistral-window",
     ],
 )
@@ -201,6 +211,18 @@ ARCHITECTURES = {
         experts_per_token=2,
         moe_intermediate_size=768,
         norm_topk_prob=True,
+    ),
+    # Qwen2-MoE: Qwen2's biased attention, 8 experts, 2 per token (not renormalised, as its configs
+    # say), and the shared expert every token goes through, gated per token; transformers' GGUF
+    # reader takes both widths from its defaults (1408 and 5632), not the file
+    "qwen2_moe": dataclasses.replace(
+        _BYTE_TINY,
+        architecture="qwen2_moe",
+        attention_bias=True,
+        num_experts=8,
+        experts_per_token=2,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
     ),
 }
 

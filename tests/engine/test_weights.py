@@ -45,6 +45,7 @@ def test_presets_describe_real_sizes(preset):
         "qwen3-0.6b": 596.0e6,
         "qwen3-8b": 8190.7e6,
         "qwen3-30b-a3b": 30532.1e6,
+        "qwen1.5-moe-a2.7b": 14.3e9,  # its model card: 14.3B in all, 2.7B active
         "gemma-3-1b": 999.9e6,
         "gemma-2-2b": 2614.3e6,
         "llama-3.2-1b": 1235.8e6,

@@ -39,6 +39,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's shared expert and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -129,6 +133,8 @@ def load_gguf(path: Path) -> LoadedWeights:
             name = _gguf_to_hf_name(t.name, config.gemma)
             if config.gemma and name.endswith("norm.weight"):
                 array = array - 1.0  # llama.cpp's converter stores Gemma's norm weights as 1 + w
+            if name.endswith("mlp.shared_expert_gate.weight"):
+                array = array.reshape(1, -1)  # llama.cpp's files may keep it as one row or a vector
             if config.architecture == "phi3" and name.endswith("mlp.up_proj.weight"):
                 name = name.replace("up_proj", "gate_up_proj")  # Phi-3's ffn_up is gate and up
             if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):

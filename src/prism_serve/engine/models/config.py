@@ -29,7 +29,8 @@ class ArchConfig:
     Not the deployment's model entry, which is ``prism_serve.config.ModelConfig``."""
 
     # "llama", "qwen2" (q/k/v bias), "qwen3" (per-head q/k RMSNorm, no bias), "qwen3_moe" (Qwen3's
-    # attention, a mixture of experts in every layer), "phi3" (Llama's layers; its checkpoints
+    # attention, a mixture of experts in every layer), "qwen2_moe" (Qwen2's attention, experts and
+    # a shared expert in every layer), "phi3" (Llama's layers; its checkpoints
     # fuse q/k/v and gate/up, which the loaders split into Llama's names), "gemma2" or "gemma3"
     # (GeGLU, norms around attention and MLP both, norm weights as 1 + w, the embedding scaled by
     # sqrt(hidden); Gemma 3 adds Qwen3's head norms); "bert" or "roberta" (an encoder: learned
@@ -61,6 +62,9 @@ class ArchConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Qwen2-MoE's shared expert beside the routed ones (0: none): a SwiGLU MLP of this width that
+    # every token goes through, its output scaled by sigmoid(a per-token gate) and added
+    shared_expert_intermediate_size: int = 0
     # RoPE: the base of the windowed layers where it differs from rope_theta (Gemma 3's local
     # layers); positions divided by rope_linear_factor (``rope_type: linear``) in the other layers
     rope_local_theta: float | None = None
@@ -132,6 +136,8 @@ class ArchConfig:
             attn += h * (self.num_heads + 2 * self.num_kv_heads)
         if self.num_experts:
             mlp = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # experts and router
+            if self.shared_expert_intermediate_size:  # its MLP and its gate
+                mlp += 3 * d * self.shared_expert_intermediate_size + d
         else:
             mlp = 3 * d * self.intermediate_size
         layer = attn + mlp + (4 if self.gemma else 2) * d + (2 * h if self.qk_norm else 0)
@@ -195,7 +201,7 @@ class ArchConfig:
                 "supported by the built-in engine (serve this model with engine: vllm)"
             )
         return cls(
-            architecture="qwen3_moe" if arch == "qwen3moe" else arch,
+            architecture=_GGUF_ARCHITECTURES.get(arch, arch),
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
@@ -207,9 +213,9 @@ class ArchConfig:
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings=tied,
-            attention_bias=arch == "qwen2",
+            attention_bias=arch in ("qwen2", "qwen2moe"),
             sliding_window=_window(meta.get(f"{arch}.attention.sliding_window")),
-            **(_gguf_experts(meta, arch) if arch == "qwen3moe" and not any_architecture else {}),
+            **(_gguf_experts(meta, arch) if arch in _GGUF_ARCHITECTURES and not any_architecture else {}),
             **(
                 _gguf_gemma(meta, arch, hidden // heads, int(head_dim))
                 if arch in ("gemma2", "gemma3")
@@ -284,10 +290,14 @@ class ArchConfig:
                 rope_theta=rope_theta,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                attention_bias=bool(
+                    cfg.get("qkv_bias", True)
+                    if model_type == "qwen2_moe"
+                    else cfg.get("attention_bias", model_type == "qwen2")
+                ),
                 rope_scaling=scaling,
                 rope_linear_factor=linear,
-                **(_hf_experts(cfg) if model_type == "qwen3_moe" and not any_architecture else {}),
+                **(_hf_experts(cfg) if model_type in _MOE_HF and not any_architecture else {}),
                 # Qwen2/3 configs name a window they do not use unless use_sliding_window is set
                 sliding_window=_window(cfg.get("sliding_window"))
                 if model_type in ("mistral", "phi3", "gemma2", "gemma3_text") or cfg.get("use_sliding_window")
@@ -325,7 +335,9 @@ class ArchConfig:
             "hidden_act": "gelu_pytorch_tanh" if self.gemma else "silu",
             "pad_token_id": None,  # Phi3Config's default (32000) is past a small vocabulary
         }
-        if self.architecture != "qwen2":  # Qwen2's config has no such key: its q/k/v always have one
+        if self.architecture == "qwen2_moe":
+            cfg["qkv_bias"] = self.attention_bias
+        elif self.architecture != "qwen2":  # Qwen2's config has no such key: its q/k/v always have one
             cfg["attention_bias"] = self.attention_bias
         if self.hf_model_type == "llama":
             cfg["mlp_bias"] = False
@@ -335,6 +347,8 @@ class ArchConfig:
             cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
                        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                        decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+            if self.architecture == "qwen2_moe":
+                cfg["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         if self.rope_linear_factor != 1.0:
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_linear_factor}
         if self.gemma:
@@ -425,7 +439,8 @@ def _encoder_hf_config(c: ArchConfig) -> dict[str, Any]:
 
 
 def _hf_experts(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The mixture of experts of a Qwen3-MoE config.json; every layer must have one."""
+    """The mixture of experts of a Qwen3-MoE or Qwen2-MoE config.json (with its shared expert);
+    every layer must have one."""
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
         raise UnsupportedModelError(
             "dense layers between the mixture-of-experts ones (mlp_only_layers, decoder_sparse_step) are "
@@ -436,17 +451,24 @@ def _hf_experts(cfg: dict[str, Any]) -> dict[str, Any]:
         "experts_per_token": int(cfg["num_experts_per_tok"]),
         "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
         "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)
+        if cfg.get("model_type") == "qwen2_moe"
+        else 0,
     }
 
 
 def _gguf_experts(meta: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The same from a GGUF header (llama.cpp normalises Qwen3-MoE's chosen weights)."""
+    """The same from a GGUF header (llama.cpp normalises Qwen3-MoE's chosen weights, not
+    Qwen2-MoE's)."""
     try:
         return {
             "num_experts": int(meta[f"{arch}.expert_count"]),
             "experts_per_token": int(meta[f"{arch}.expert_used_count"]),
             "moe_intermediate_size": int(meta[f"{arch}.expert_feed_forward_length"]),
-            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
+            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe")),
+            "shared_expert_intermediate_size": int(
+                meta.get(f"{arch}.expert_shared_feed_forward_length") or 0
+            ),
         }
     except KeyError as e:
         raise CorruptWeightsError(f"GGUF metadata lacks {e.args[0]}") from None
@@ -536,13 +558,17 @@ def _window(value: Any) -> int | None:
 
 
 # the architectures the built-in engine runs, by GGUF ``general.architecture`` and HF ``model_type``
-BUILT_IN_GGUF = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+BUILT_IN_GGUF = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3", "gemma2", "gemma3")
+# the mixtures of experts, by GGUF architecture (and their ArchConfig name) and by HF model_type
+_GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+_MOE_HF = ("qwen3_moe", "qwen2_moe")
 BUILT_IN_HF = (
     "llama",
     "mistral",
     "qwen2",
     "qwen3",
     "qwen3_moe",
+    "qwen2_moe",
     "phi3",
     "gemma2",
     "gemma3_text",
@@ -559,7 +585,7 @@ _ARCHITECTURE_OF = {"mistral": "llama", "gemma3_text": "gemma3"}
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
 }  # fmt: skip
 
 _LLAMA3_SCALING = RopeScaling(
@@ -621,6 +647,25 @@ PRESETS: dict[str, ArchConfig] = {
         experts_per_token=8,
         moe_intermediate_size=768,
         norm_topk_prob=True,
+    ),
+    # 60 small experts (4 per token) and a shared expert 4x their width in every layer
+    "qwen1.5-moe-a2.7b": ArchConfig(
+        "qwen2_moe",
+        151936,
+        2048,
+        5632,
+        24,
+        16,
+        16,
+        128,
+        8192,
+        1000000.0,
+        1e-6,
+        attention_bias=True,
+        num_experts=60,
+        experts_per_token=4,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
     ),
     # Gemma: windowed layers (every 6th global in Gemma 3, every 2nd in Gemma 2), tied embeddings
     "gemma-3-1b": ArchConfig(
@@ -784,6 +829,11 @@ def parameter_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.gate.weight"] = (e, d)
             shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * m, d)
             shapes[p + "mlp.experts.down_proj"] = (e, d, m)
+            if s := config.shared_expert_intermediate_size:
+                shapes[p + "mlp.shared_expert.gate_proj.weight"] = (s, d)
+                shapes[p + "mlp.shared_expert.up_proj.weight"] = (s, d)
+                shapes[p + "mlp.shared_expert.down_proj.weight"] = (d, s)
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, d)
             continue
         shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, d)
         shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, d)

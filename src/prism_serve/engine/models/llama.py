@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 via ``attention_bias``, Qwen3 via
-``qk_norm``, Qwen3-MoE via ``num_experts``, Phi-3, Gemma 2 and 3 via ``gemma``) over a paged KV cache.
+``qk_norm``, Qwen3-MoE and Qwen2-MoE via ``num_experts``, Phi-3, Gemma 2 and 3 via ``gemma``) over
+a paged KV cache.
 
 Plain tensors rather than nn.Modules: the forward pass is a short loop and module call overhead is
 measurable at one token per step on a CPU. Q/K/V and gate/up projections are fused into single
@@ -154,11 +155,14 @@ _LAYER_NORMS = ("input_norm", "post_norm")
 _OUTPUT_NORMS = ("attn_out_norm", "mlp_out_norm")  # Gemma's, of the attention's and MLP's outputs
 _HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3 (ArchConfig.qk_norm); None elsewhere
 _EXPERTS = ("experts_gate_up", "experts_down")  # a mixture of experts (ArchConfig.num_experts)
+# a mixture of experts' router, and Qwen2-MoE's shared expert's gate (its MLP is gate_up and down)
+_MOE_LINEARS = ("router", "shared_gate")
 
 
 class DecoderLayer:
     __slots__ = ("attn_out_norm", "down", "experts_down", "experts_gate_up", "gate_up", "input_norm",
-                 "k_norm", "mlp_out_norm", "o_proj", "post_norm", "q_norm", "qkv", "router")  # fmt: skip
+                 "k_norm", "mlp_out_norm", "o_proj", "post_norm", "q_norm", "qkv", "router",
+                 "shared_gate")  # fmt: skip
 
     def __init__(self, tensors: dict[str, torch.Tensor], prefix: str, config: ArchConfig, dtype: torch.dtype):
         def t(name: str) -> torch.Tensor:
@@ -181,12 +185,20 @@ class DecoderLayer:
         )
         self.o_proj = Linear(t("self_attn.o_proj.weight"), None, dtype)
         self.gate_up = self.down = self.router = self.experts_gate_up = self.experts_down = None
+        self.shared_gate = None
         if config.num_experts:  # stacked [expert, out, in]; in fp32 each expert transposed as Linear's
             self.router = Linear(t("mlp.gate.weight"), None, dtype)
             fp32 = dtype == torch.float32
             for name, key in (("experts_gate_up", "gate_up_proj"), ("experts_down", "down_proj")):
                 w = t(f"mlp.experts.{key}").to(dtype)
                 setattr(self, name, (w.transpose(1, 2) if fp32 else w).contiguous())
+            if config.shared_expert_intermediate_size:  # Qwen2-MoE: the MLP every token goes through
+                shared = "mlp.shared_expert."
+                self.gate_up = Linear(
+                    torch.cat([t(shared + "gate_proj.weight"), t(shared + "up_proj.weight")]), None, dtype
+                )
+                self.down = Linear(t(shared + "down_proj.weight"), None, dtype)
+                self.shared_gate = Linear(t("mlp.shared_expert_gate.weight"), None, dtype)
         else:
             self.gate_up = Linear(
                 torch.cat([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")]), None, dtype
@@ -284,7 +296,7 @@ class LlamaForCausalLM:
         if self.rope_freq_factors is not None:
             out["rope_freq_factors"] = self.rope_freq_factors.float().contiguous()
         for i, layer in enumerate(self.layers):
-            for name in (*_LAYER_LINEARS, "router"):
+            for name in (*_LAYER_LINEARS, *_MOE_LINEARS):
                 lin = getattr(layer, name)
                 if lin is None:
                     continue
@@ -322,10 +334,12 @@ class LlamaForCausalLM:
         self.norm = tensors["norm"]
         self.reduce = None
         self.layers = []
-        used = ("qkv", "o_proj", *(("router",) if config.num_experts else ("gate_up", "down")))
+        used = ["qkv", "o_proj", *(("router",) if config.num_experts else ("gate_up", "down"))]
+        if config.shared_expert_intermediate_size:
+            used += ["gate_up", "down", "shared_gate"]
         for i in range(config.num_layers):
             layer = DecoderLayer.__new__(DecoderLayer)
-            for name in (*_LAYER_LINEARS, "router"):
+            for name in (*_LAYER_LINEARS, *_MOE_LINEARS):
                 key = f"layers.{i}.{name}"
                 lin = (
                     Linear.laid_out(tensors[key], tensors.get(f"{key}.bias"), transposed)
@@ -359,7 +373,7 @@ class LlamaForCausalLM:
             yield self.embed
         yield self.norm
         for layer in self.layers:
-            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.router):
+            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.router, layer.shared_gate):
                 if lin is None:
                     continue
                 yield lin.weight
@@ -436,6 +450,10 @@ class LlamaForCausalLM:
             h = add_rms_norm(x, o, layer.post_norm, eps, kernel)
             if layer.experts_gate_up is not None:
                 down = self._experts(layer, h)
+                if layer.shared_gate is not None:  # Qwen2-MoE's shared expert, gated per token
+                    gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                    shared = layer.down(F.silu(gate, inplace=True).mul_(up))
+                    down = down + torch.sigmoid(layer.shared_gate(h)) * shared
             else:
                 gate_up = layer.gate_up(h)
                 if lora is not None:
