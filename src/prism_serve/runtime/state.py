@@ -23,6 +23,7 @@ from prism_serve.control.loop import ControlLoop
 from prism_serve.control.profiles import StepSums, measured_profile
 from prism_serve.control.types import REPLICA_SEPARATOR, replica_name
 from prism_serve.engine.config import PoolingTask, resolve_max_model_len
+from prism_serve.engine.kv_cache import KVGroups
 from prism_serve.engine.llm_engine import torch_dtype
 from prism_serve.engine.lora import LoraSlots
 from prism_serve.engine.tokenizer import Tokenizer
@@ -115,7 +116,12 @@ class ModelEntry:
         per_token = self.device_kv_bytes_per_token
         limit = self.spec.kv_limit_bytes
         tokens = limit // per_token if limit is not None else TP_KV_REQUESTS * self.max_model_len
-        return max(1, tokens // self.spec.engine.block_size)
+        blocks = max(1, tokens // self.spec.engine.block_size)
+        # windowed layers apart (engine/kv_cache.py KVGroups): a block holds one group's layers, so
+        # the same bytes make more, smaller blocks
+        config = config_from_dict(self.cached.config)
+        groups = KVGroups.of(config, self.max_model_len, self.spec.engine.windowed_kv)
+        return blocks * config.num_layers // groups.layers_per_group
 
     def left_devices(self) -> None:
         """No longer resident anywhere."""
