@@ -385,12 +385,13 @@ def test_a_multimodal_gemma3_checkpoint_reads_as_its_language_model(prefix, tmp_
         assert torch.equal(loaded.tensors[name], t), name
 
 
-def test_a_windowed_model_keeps_its_global_layers_and_one_window_of_the_others():
+def test_a_windowed_model_keeps_its_global_layers_and_one_window_of_the_others(tmp_path):
     """Gemma 3's shape (1 global layer of 6, a 16-token window): a request's KV grows like the global
     layer alone; the windowed layers hold their window and a step's chunk, so a 100-token request
     holds 25 + 5 x 5 blocks near its end where one group of all layers held 6 x 25. With the
     prefix cache on, a second request over the same prompt takes its prefix from the cache (the
-    windowed blocks it reads came back from the cache's unheld ones) and gives the same tokens."""
+    windowed blocks it reads came back from the cache's unheld ones) and gives the same tokens, as
+    does a new engine the cached blocks were kept for and restored into."""
     from prism_serve.engine.kv_cache import KVGroups
 
     config = ARCHITECTURES["gemma3"]
@@ -423,3 +424,19 @@ def test_a_windowed_model_keeps_its_global_layers_and_one_window_of_the_others()
     (tokens, cached), *rest = outputs
     assert cached == 0 and all(t == tokens for t, _ in rest)
     assert [c for _, c in rest] == [0, 56]  # the second request: 14 of the prompt's 15 blocks
+    # the cached prefix kept across an eviction (engine/kept_prefixes.py): every group's blocks go to
+    # the file and come back into a new engine, where the same prompt hits as it did before
+    from prism_serve.engine.kept_prefixes import restore_prefixes, save_prefixes
+
+    path = tmp_path / "kept.kv"
+    assert save_prefixes(engine.prefix_cache, engine.kv_cache, path, 2**30, "gemma") > 0
+    fresh = LLMEngine(
+        EngineConfig(block_size=4, num_kv_blocks=400, max_num_batched_tokens=8, dtype="float32"),
+        weights=weights,
+    )
+    assert restore_prefixes(fresh.prefix_cache, fresh.kv_cache, path, "gemma") > 0
+    rid = fresh.add_request(prompt, greedy)
+    done = {}
+    while fresh.has_unfinished_requests():
+        done.update({o.req_id: o for o in fresh.step() if o.finished})
+    assert (done[rid].token_ids, done[rid].num_cached_tokens) == (tokens, 56)
