@@ -45,3 +45,23 @@ def test_readiness_slots_and_prompts_that_never_fit():
 def test_engines_on_other_devices_are_ignored():
     room = DeviceRoom(device("d0"), {"a": engine("a", "d1", free_gib=1)}, 0)
     assert room.fit("a", 1) is Fit.NOT_READY
+
+
+def test_an_engine_whose_windowed_layers_free_their_past_needs_their_window_only():
+    """A Gemma-like engine (engine/kv_cache.py KVGroups): its full-context layers hold every token
+    (1 KiB each here), its windowed layers at most their last 100 tokens (3 KiB each). A 999-token
+    prompt needs 1000 + 300 KiB, not 4000: it fits an engine that could never hold 4000 KiB; and
+    the reserve for the running requests' next tokens counts every layer."""
+    import dataclasses
+
+    dev = device(cap_gib=1, mapped_gib=1 - 2000 * KIB / GIB)  # 2000 KiB shared
+    windowed = dataclasses.replace(
+        engine("g", free_gib=0, kvpt=KIB, max_kv=1500 * KIB), kv_window=(100, 3 * KIB)
+    )
+    assert windowed.kv_bytes(50) == 50 * 4 * KIB and windowed.kv_bytes(1000) == 1300 * KIB
+    assert DeviceRoom(dev, {"g": windowed}, 0).fit("g", 999) is Fit.OK
+    every_layer = engine("g", kvpt=4 * KIB, max_kv=1500 * KIB)  # the same model without the split
+    assert DeviceRoom(dev, {"g": every_layer}, 0).fit("g", 999) is Fit.NEVER
+    # 10 tokens of reserve at 4 KiB: 2000 - 40 KiB of room, a 1659-token prompt needs 1660 + 300
+    room = DeviceRoom(dev, {"g": dataclasses.replace(windowed, max_kv_bytes=None)}, reserve_tokens=10)
+    assert room.fit("g", 1659) is Fit.OK and room.fit("g", 1660) is Fit.NO_MEMORY

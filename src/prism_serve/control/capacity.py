@@ -28,15 +28,17 @@ class Fit(enum.Enum):
 
 
 class _Room:
-    __slots__ = ("kvpt", "max_kv", "private", "quota_room", "ready", "reserve", "slots")
+    __slots__ = ("engine", "max_kv", "private", "quota_room", "ready", "reserve", "slots")
 
     def __init__(self, e: EngineSnapshot, reserve_tokens: int, final_quotas: bool) -> None:
         self.ready = e.ready
-        self.kvpt = e.kv_bytes_per_token
+        self.engine = e  # what a prompt's KV takes there (EngineSnapshot.kv_bytes)
         self.private = e.free_kv_bytes
         self.quota_room = None if e.kv_quota_bytes is None else e.kv_quota_bytes - e.used_kv_bytes
         self.slots = math.inf if e.max_num_seqs is None else e.max_num_seqs - e.num_running
-        self.reserve = reserve_tokens * e.kv_bytes_per_token
+        # the running requests' next tokens: every layer holds them
+        per_token = e.kv_bytes_per_token + (e.kv_window[1] if e.kv_window is not None else 0)
+        self.reserve = reserve_tokens * per_token
         self.max_kv = e.max_kv_bytes
         if final_quotas and e.kv_quota_bytes is not None:  # a slice that never grows: the most it holds
             held = max(0, e.kv_quota_bytes - self.reserve)
@@ -64,8 +66,8 @@ class DeviceRoom:
         }
 
     @staticmethod
-    def need_bytes(kv_bytes_per_token: int, prompt_tokens: int) -> int:
-        return (prompt_tokens + 1) * kv_bytes_per_token  # the prompt plus the first generated token
+    def need_bytes(r: _Room, prompt_tokens: int) -> int:
+        return r.engine.kv_bytes(prompt_tokens + 1)  # the prompt plus the first generated token
 
     def _room_bytes(self, r: _Room) -> int:
         room = r.private + (0 if self.shared_blocked else self.shared)
@@ -77,7 +79,7 @@ class DeviceRoom:
         r = self._rooms.get(model)
         if r is None or not r.ready:
             return Fit.NOT_READY
-        need = self.need_bytes(r.kvpt, prompt_tokens)
+        need = self.need_bytes(r, prompt_tokens)
         if r.max_kv is not None and need > r.max_kv:
             return Fit.NEVER
         if r.slots <= 0:
@@ -89,7 +91,7 @@ class DeviceRoom:
         r = self._rooms.get(model)
         if r is None:
             return False
-        need = self.need_bytes(r.kvpt, prompt_tokens) + r.reserve
+        need = self.need_bytes(r, prompt_tokens) + r.reserve
         return r.private + self.shared < need and (r.quota_room is None or r.quota_room >= need)
 
     def can_start_any(self, model: str) -> bool:
@@ -101,7 +103,7 @@ class DeviceRoom:
 
     def take(self, model: str, prompt_tokens: int) -> None:
         r = self._rooms[model]
-        need = self.need_bytes(r.kvpt, prompt_tokens)
+        need = self.need_bytes(r, prompt_tokens)
         from_private = min(need, r.private)
         r.private -= from_private
         self.shared = max(0, self.shared - (need - from_private))

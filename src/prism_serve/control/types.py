@@ -292,7 +292,7 @@ class EngineSnapshot:
 
     model: str
     device: str
-    kv_bytes_per_token: int  # on this device (one TP rank)
+    kv_bytes_per_token: int  # on this device (one TP rank); with ``kv_window``, its full-context layers'
     ready: bool = True  # weights loaded and accepting requests
     free_kv_bytes: int = 0
     used_kv_bytes: int = 0
@@ -304,10 +304,21 @@ class EngineSnapshot:
     # of num_running, those the engine holds but has not started yet (its waiting queue): the
     # prefill backlog a new request of this engine queues behind
     num_waiting: int = 0
+    # an engine whose sliding-window layers free what their window has passed (engine/kv_cache.py
+    # KVGroups): (tokens, bytes per token) of those layers, which hold a request's last ``tokens``
+    # tokens at most; None: every layer holds every token (kv_bytes_per_token is all of them)
+    kv_window: tuple[int, int] | None = None
+
+    def kv_bytes(self, tokens: int) -> int:
+        """KV bytes a request of ``tokens`` tokens holds at most in this engine."""
+        window = 0 if self.kv_window is None else min(tokens, self.kv_window[0]) * self.kv_window[1]
+        return tokens * self.kv_bytes_per_token + window
 
     def __post_init__(self) -> None:
         if not self.kv_bytes_per_token > 0:
             raise InvalidSnapshotError(f"{self.model}@{self.device}: kv_bytes_per_token must be > 0")
+        if self.kv_window is not None and not (self.kv_window[0] > 0 and self.kv_window[1] > 0):
+            raise InvalidSnapshotError(f"{self.model}@{self.device}: kv_window must be positive")
         if not (self.free_kv_bytes >= 0 and self.used_kv_bytes >= 0 and self.num_running >= 0):
             raise InvalidSnapshotError(f"{self.model}@{self.device}: negative KV or request counts")
         if not 0 <= self.num_waiting <= self.num_running:

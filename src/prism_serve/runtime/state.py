@@ -109,6 +109,25 @@ class ModelEntry:
         """The workers it runs on, rank 0 first (resident or activating)."""
         return [self.worker, *self.followers] if self.worker is not None else []
 
+    def engine_kv_split(self) -> tuple[int, tuple[int, int] | None]:
+        """KV bytes a token takes in its engine on one device (rank 0's): every layer's, or for a
+        built-in engine whose sliding-window layers free what their window has passed
+        (engine/kv_cache.py KVGroups), the full-context layers' per token and the windowed ones'
+        (tokens held at most: the window, a step's chunk and a block each side; bytes per token)."""
+        rank = self.cached.ranks[0] if self.spec.tp > 1 else self.cached
+        config, per_token = rank.config, rank.kv_bytes_per_token
+        engine = self.spec.engine
+        if self.spec.engine_kind != "builtin" or not engine.windowed_kv:
+            return per_token, None
+        arch = config_from_dict(config)
+        groups = KVGroups.of(arch, self.max_model_len)
+        if groups.window is None or groups.num_groups == 1:
+            return per_token, None
+        per_group = per_token * groups.layers_per_group // arch.num_layers
+        windowed = sum(groups.windowed)
+        held = groups.window - 1 + engine.max_num_batched_tokens + 2 * engine.block_size
+        return per_group * (groups.num_groups - windowed), (held, per_group * windowed)
+
     def tp_kv_blocks(self) -> int:
         """A tensor parallel model's KV blocks, fixed at activation and the same on every rank:
         ``kv_limit`` of its largest rank's KV if set, else room for ``TP_KV_REQUESTS`` requests
@@ -433,12 +452,12 @@ def _model_inputs(name: str, m: ModelEntry, loop: ControlLoop, now: float) -> tu
 
 def _engine_snapshot(name: str, m: ModelEntry) -> EngineSnapshot:
     stats = m.worker.stats if m.worker is not None else None
+    per_token, window = m.engine_kv_split()
     return EngineSnapshot(
         model=name,
         device=m.device,
-        kv_bytes_per_token=m.cached.ranks[0].kv_bytes_per_token
-        if m.spec.tp > 1
-        else m.cached.kv_bytes_per_token,
+        kv_bytes_per_token=per_token,
+        kv_window=window,
         ready=m.state is ModelState.ACTIVE,
         free_kv_bytes=max(0, stats.mapped_kv_bytes - stats.used_kv_bytes) if stats else 0,
         used_kv_bytes=stats.used_kv_bytes if stats else 0,

@@ -1,6 +1,9 @@
-"""A tensor parallel model's KV blocks, fixed at activation: the bytes its rule gives (kv_limit, or
-room for four requests of max_model_len), in blocks of the size its engine lays out, which for a
-model whose windowed layers keep their own blocks (engine/kv_cache.py KVGroups) are smaller."""
+"""What the controller takes a model's KV to be in its engine. A tensor parallel model's KV blocks,
+fixed at activation: the bytes its rule gives (kv_limit, or room for four requests of
+max_model_len), in blocks of the size its engine lays out, which for a model whose windowed layers
+keep their own blocks (engine/kv_cache.py KVGroups) are smaller. And the KV a request takes there,
+which admission checks before it dispatches: for such a model, its full-context layers' for every
+token and its windowed layers' for a window's worth at most."""
 
 from __future__ import annotations
 
@@ -32,3 +35,12 @@ def test_the_same_bytes_in_blocks_of_the_engines_size():
     assert gemma.tp_kv_blocks() == TP_KV_REQUESTS * 4096 // 16 * 26 // 4
     assert _entry("gemma-3-1b", windowed_kv=False).tp_kv_blocks() == TP_KV_REQUESTS * 4096 // 16
     assert config_from_dict(gemma.cached.config) == PRESETS["gemma-3-1b"]
+
+
+def test_a_request_holds_the_full_context_layers_and_one_window_of_the_others():
+    gemma = _entry("gemma-3-1b")
+    per_layer = PRESETS["gemma-3-1b"].kv_bytes_per_token(2) // 26
+    # 4 global layers; 6 windowed groups of 4 slots (2 of them padding) hold 512 - 1 + 512 + 32
+    assert gemma.engine_kv_split() == (4 * per_layer, (1055, 24 * per_layer))
+    for flat in (_entry("gemma-3-1b", windowed_kv=False), _entry("llama-3.2-1b")):
+        assert flat.engine_kv_split() == (flat.cached.kv_bytes_per_token, None)
