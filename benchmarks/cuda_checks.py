@@ -23,8 +23,8 @@ Sections (each runs even if an earlier one failed; every number is from this run
   pages: no page created, only the copy); seconds, GB/s, and the ratio to the link's bandwidth.
 * ``hf``: HF transformers' ``generate`` on the same SmolLM2-shaped weights, batch 32, as a
   baseline in the same run (vLLM's CUDA wheels are ~400 MB and cannot be carried to the machine).
-* ``architectures``: each architecture of the built-in engine (Llama, Qwen3, Qwen3-MoE, Phi-3,
-  Gemma 2 and 3 with sliding windows past which the prompts run and their blocks freed) as a tiny
+* ``architectures``: each architecture of the built-in engine (Llama, Qwen3, Qwen3-MoE, Qwen2-MoE,
+  Phi-3, Gemma 2 and 3 with sliding windows past which the prompts run and their blocks freed) as a tiny
   SYNTHETIC model in fp32: 16 prompts of 3-60 tokens, 24 greedy tokens each, batched in one engine
   with chunked prefill, against transformers' greedy tokens on the same weights and device; and
   a BERT embedder's mean-pooled vectors against transformers' (cosine). ``--device cpu`` runs this
@@ -577,6 +577,9 @@ TINY_ARCHITECTURES = {
     "qwen3": dataclasses.replace(_TINY, architecture="qwen3", head_dim=32),
     "qwen3_moe": dataclasses.replace(_TINY, architecture="qwen3_moe", head_dim=32, num_experts=8,
                                      experts_per_token=2, moe_intermediate_size=64, norm_topk_prob=True),
+    "qwen2_moe": dataclasses.replace(_TINY, architecture="qwen2_moe", attention_bias=True, num_experts=8,
+                                     experts_per_token=2, moe_intermediate_size=64,
+                                     shared_expert_intermediate_size=128),
     "phi3": dataclasses.replace(_TINY, architecture="phi3", sliding_window=100),
     "gemma2": dataclasses.replace(_TINY, architecture="gemma2", sliding_window=16, global_layers=(1,),
                                   attn_softcap=2.0, final_softcap=0.25, tie_word_embeddings=True),
