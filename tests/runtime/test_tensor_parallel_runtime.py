@@ -4,7 +4,9 @@ device's ledger. Checked: the greedy tokens of TP 1 for the real SmolLM2-135M (9
 heads: split 6+3 on 2+1) and for a synthetic shape whose head counts divide by 2 (labelled: random
 weights, written as an HF directory); a SIGKILL of either rank mid-stream fails that model's
 requests with 503 while another model keeps serving, gives every rank's memory back and the model
-activates again on its next request; activate/evict cycles leave the ledgers at zero; a tp above
+activates again on its next request; a synthetic Gemma 3 shape, its windowed layers' KV freed as the
+window passes, gives the same tokens on two ranks (fixed KV) as on one (elastic KV) past its window;
+activate/evict cycles leave the ledgers at zero; a tp above
 the devices of a node, vLLM with tp > 1, and adapters on a TP model are refused."""
 
 from __future__ import annotations
@@ -34,18 +36,29 @@ GiB = 2**30
 SYNTHETIC = ArchConfig("llama", 384, 256, 512, 3, 8, 4, 32, 512, tie_word_embeddings=False)
 FP32 = EngineConfig(dtype="float32", max_model_len=512)
 SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Memory bandwidth limits decoding because"]
+# Gemma 3's layers (5 of 6 windowed, 16 tokens), head counts that divide by 2: its windowed layers'
+# KV in blocks of their own (engine/kv_cache.py KVGroups), freed as the window passes; random weights
+GEMMA = ArchConfig(
+    "gemma3", 384, 256, 512, 6, 8, 4, 32, 512, sliding_window=16, global_layers=(5,), rope_local_theta=1e4,
+    tie_word_embeddings=True,
+)  # fmt: skip
+LONG_PROMPTS = ["a prompt that runs well past a sixteen-token window", "0123456789 " * 4, "hello there"]
 
 
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory):
     synthetic = tmp_path_factory.mktemp("tp-synthetic")
     save_hf_dir(random_weights(SYNTHETIC, seed=3, name="tp-synthetic"), synthetic)
+    gemma = tmp_path_factory.mktemp("tp-gemma")
+    save_hf_dir(random_weights(GEMMA, seed=4, name="tp-gemma"), gemma)
     devices = [DeviceSpec("cpu:0", 2 * GiB, (0,), 1), DeviceSpec("cpu:1", 2 * GiB, (1,), 1)]
     models = [
         ModelSpec("smol-tp2", engine=FP32, tp=2),
         ModelSpec("smol", engine=FP32),
         ModelSpec("synth-tp2", source=str(synthetic), engine=FP32, tp=2),
         ModelSpec("synth", source=str(synthetic), engine=FP32),
+        ModelSpec("gemma-tp2", source=str(gemma), engine=FP32, tp=2),
+        ModelSpec("gemma", source=str(gemma), engine=FP32),
     ]
     rt = start_runtime(devices, models, policy=PolicyConfig(tick_interval_s=0.2))
     yield rt
@@ -79,6 +92,7 @@ def _model_bytes(rt, model: str) -> dict[str, int]:
 @pytest.mark.parametrize(("tp2", "tp1", "prompts"), [
     ("smol-tp2", "smol", SMOL_PROMPTS),
     ("synth-tp2", "synth", ["abc", "hello there", "0123456789"]),
+    ("gemma-tp2", "gemma", LONG_PROMPTS),
 ])  # fmt: skip
 def test_tp2_gives_the_greedy_tokens_of_tp1(rt, tp2, tp1, prompts):
     want = _tokens(rt, tp1, prompts)
