@@ -182,12 +182,14 @@ class ModelRunner:
         decode_lens: list[int] = []
         decodes: list[int] = []  # index in batch of each decode, in batch order
         chunks: list[tuple[int, int, int, int]] = []  # (index in batch, query_start, query_len, context_len)
+        block_of: list[int] = []  # each new token's block, by its index in its sequence's tables
         tables = [self._tables(s.seq) for s in batch]  # each sequence's table of each KV group
         for j, s in enumerate(batch):
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             end = start + n
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
+            block_of.extend(p // bs for p in range(start, end))
             if n == 1:
                 decodes.append(j)
                 decode_lens.append(end)
@@ -197,7 +199,6 @@ class ModelRunner:
 
         positions = torch.tensor(pos, device=dev)
         offsets = positions % bs
-        block_of = (positions // bs).tolist()
         step = (batch, tables, block_of, offsets, decodes, decode_lens, chunks)
         meta = self._group_meta(*step, 0, None)
         metas = [meta, *(self._group_meta(*step, g, meta) for g in range(1, len(tables[0]) if tables else 1))]
