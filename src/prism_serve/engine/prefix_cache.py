@@ -185,20 +185,21 @@ class PrefixCache:
                     break
                 n = max(lost)  # every longer prefix reads that block too
             first = first if n else 0
-        tables = [
-            [-1] * first + [block(g, i) for i in range(first, n)] if w else [block(g, i) for i in range(n)]
+        # every block named here was found above: the full groups' run, the windowed groups' reads
+        tables: list[list[int]] = [
+            [-1] * first + [block_of[group_key(keys[i], g)] for i in range(first, n)]
+            if w
+            else [block_of[group_key(keys[i], g)] for i in range(n)]
             for g, w in enumerate(windowed)
         ]
-        for table in tables:
-            for b in table:
-                if b is None or b < 0:
-                    continue
+        for table, w in zip(tables, windowed, strict=True):
+            for b in table[first:] if w else table:
                 if self._refs[b] == 0:
                     del self._lru[b]
                 self._refs[b] += 1
         self._queries += num_prompt_tokens
         self._hits += n * self.block_size
-        return tables, first  # type: ignore[return-value]
+        return tables, first
 
     def register(
         self, keys: Sequence[bytes], block_table: Sequence[int], start: int, end: int, salt: bytes = b"",
