@@ -91,8 +91,6 @@ def post(server, body: dict, route: str = "/v1/embeddings") -> httpx.Response:
     return httpx.post(f"{server.url}{route}", json=body, headers=auth, timeout=180)
 
 
-
-
 def hf_scores(smollm, pairs: list[tuple[str, str]], instruction: str | None = None) -> list[float]:
     """transformers' probability of yes against no after each pair's prompt (Qwen3-Reranker's)."""
     task, tok = PoolingTask("score"), smollm.tokenizer
@@ -401,4 +399,3 @@ def test_a_pooled_request_is_judged_once_by_its_latency_and_logged_as_its_inputs
     rows = [(int(p), int(o)) for m, p, o in zip(w.model_index, w.prompt_tokens, w.output_tokens, strict=True)
             if w.models[m] == "embedder"]  # fmt: skip
     assert rows.count((round(out.usage.prompt_tokens / 3), 1)) >= 3
-
