@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from prism_serve.engine.models.config import ArchConfig
+from prism_serve.errors import UnsupportedModelError
 from prism_serve.memory.blocks import FixedBlockAllocator
 
 __all__ = ["BlockAllocator", "FixedBlockAllocator", "KVCache", "KVGroups"]
@@ -69,7 +70,9 @@ class KVGroups:
         full = [i for i, w in enumerate(windows) if w is None]
         local = [i for i, w in enumerate(windows) if w is not None]
         if len(sizes) > 1:
-            raise ValueError(f"layers with different sliding windows {sorted(sizes)} are not supported")
+            raise UnsupportedModelError(
+                f"sliding windows of different sizes {sorted(sizes)} are not supported"
+            )
         window = next(iter(sizes), None)
         if not full or not local:  # one group: every layer alike
             return cls(n, (0,) * n, tuple(range(n)), (window is not None,), window)
