@@ -41,6 +41,6 @@ def test_a_request_holds_the_full_context_layers_and_one_window_of_the_others():
     gemma = _entry("gemma-3-1b")
     per_layer = PRESETS["gemma-3-1b"].kv_bytes_per_token(2) // 26
     # 4 global layers; 6 windowed groups of 4 slots (2 of them padding) hold 512 - 1 + 512 + 32
-    assert gemma.engine_kv_split() == (4 * per_layer, (1055, 24 * per_layer))
+    assert gemma.engine_kv_split == (4 * per_layer, (1055, 24 * per_layer))
     for flat in (_entry("gemma-3-1b", windowed_kv=False), _entry("llama-3.2-1b")):
-        assert flat.engine_kv_split() == (flat.cached.kv_bytes_per_token, None)
+        assert flat.engine_kv_split == (flat.cached.kv_bytes_per_token, None)

@@ -36,9 +36,7 @@ class _Room:
         self.private = e.free_kv_bytes
         self.quota_room = None if e.kv_quota_bytes is None else e.kv_quota_bytes - e.used_kv_bytes
         self.slots = math.inf if e.max_num_seqs is None else e.max_num_seqs - e.num_running
-        # the running requests' next tokens: every layer holds them
-        per_token = e.kv_bytes_per_token + (e.kv_window[1] if e.kv_window is not None else 0)
-        self.reserve = reserve_tokens * per_token
+        self.reserve = reserve_tokens * e.kv_bytes(1)  # the running requests' next tokens: every layer
         self.max_kv = e.max_kv_bytes
         if final_quotas and e.kv_quota_bytes is not None:  # a slice that never grows: the most it holds
             held = max(0, e.kv_quota_bytes - self.reserve)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -192,9 +193,10 @@ class LLMEngine(RequestCounts):
 
     # ---- requests -----------------------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def max_seq_len(self) -> int:
-        """Longest sequence (prompt + output) that fits both the context and the whole KV cache."""
+        """Longest sequence (prompt + output) that fits both the context and the whole KV cache (a
+        fixed number of blocks: found once, not at every request and step that checks it)."""
         if self.model_config.encoder:  # it keeps no KV
             return self.max_model_len
         bs, blocks = self.config.block_size, self.allocator.num_total_blocks

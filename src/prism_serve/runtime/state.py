@@ -5,6 +5,7 @@ ClusterSnapshot built from that state for every policy call."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
@@ -109,22 +110,26 @@ class ModelEntry:
         """The workers it runs on, rank 0 first (resident or activating)."""
         return [self.worker, *self.followers] if self.worker is not None else []
 
+    @functools.cached_property
+    def kv_groups(self) -> KVGroups:
+        """How its engine splits its layers' KV (engine/kv_cache.py KVGroups; every rank alike):
+        fixed by its weights and settings, so found once."""
+        split = self.spec.engine_kind == "builtin" and self.spec.engine.windowed_kv
+        return KVGroups.of(config_from_dict(self.cached.config), self.max_model_len, split)
+
+    @functools.cached_property
     def engine_kv_split(self) -> tuple[int, tuple[int, int] | None]:
         """KV bytes a token takes in its engine on one device (rank 0's): every layer's, or for a
-        built-in engine whose sliding-window layers free what their window has passed
-        (engine/kv_cache.py KVGroups), the full-context layers' per token and the windowed ones'
-        (tokens held at most: the window, a step's chunk and a block each side; bytes per token)."""
+        built-in engine whose sliding-window layers free what their window has passed, the
+        full-context layers' per token and the windowed ones' (tokens held at most: the window, a
+        step's chunk and a block each side; bytes per token). Found once."""
         rank = self.cached.ranks[0] if self.spec.tp > 1 else self.cached
-        config, per_token = rank.config, rank.kv_bytes_per_token
-        engine = self.spec.engine
-        if self.spec.engine_kind != "builtin" or not engine.windowed_kv:
-            return per_token, None
-        arch = config_from_dict(config)
-        groups = KVGroups.of(arch, self.max_model_len)
+        per_token, groups = rank.kv_bytes_per_token, self.kv_groups
         if groups.window is None or groups.num_groups == 1:
             return per_token, None
-        per_group = per_token * groups.layers_per_group // arch.num_layers
+        per_group = per_token * groups.layers_per_group // len(groups.group_of)
         windowed = sum(groups.windowed)
+        engine = self.spec.engine
         held = groups.window - 1 + engine.max_num_batched_tokens + 2 * engine.block_size
         return per_group * (groups.num_groups - windowed), (held, per_group * windowed)
 
@@ -136,11 +141,10 @@ class ModelEntry:
         limit = self.spec.kv_limit_bytes
         tokens = limit // per_token if limit is not None else TP_KV_REQUESTS * self.max_model_len
         blocks = max(1, tokens // self.spec.engine.block_size)
-        # windowed layers apart (engine/kv_cache.py KVGroups): a block holds one group's layers, so
-        # the same bytes make more, smaller blocks
-        config = config_from_dict(self.cached.config)
-        groups = KVGroups.of(config, self.max_model_len, self.spec.engine.windowed_kv)
-        return blocks * config.num_layers // groups.layers_per_group
+        # windowed layers apart (kv_groups): a block holds one group's layers, so the same bytes
+        # make more, smaller blocks
+        groups = self.kv_groups
+        return blocks * len(groups.group_of) // groups.layers_per_group
 
     def left_devices(self) -> None:
         """No longer resident anywhere."""
@@ -452,7 +456,7 @@ def _model_inputs(name: str, m: ModelEntry, loop: ControlLoop, now: float) -> tu
 
 def _engine_snapshot(name: str, m: ModelEntry) -> EngineSnapshot:
     stats = m.worker.stats if m.worker is not None else None
-    per_token, window = m.engine_kv_split()
+    per_token, window = m.engine_kv_split
     return EngineSnapshot(
         model=name,
         device=m.device,
