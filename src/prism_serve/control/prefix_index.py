@@ -133,6 +133,8 @@ def capacity_blocks(cluster: ClusterSnapshot, replica: str, block_tokens: int) -
     if m is None or not m.resident:
         return None
     engine = cluster.engines.get(replica)
+    if engine is not None and not engine.kv_bytes_per_token:
+        return 0  # an encoder's: it keeps no KV
     if engine is not None and engine.max_kv_bytes is not None:
         tokens = engine.max_kv_bytes // engine.kv_bytes_per_token
     else:

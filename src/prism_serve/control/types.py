@@ -292,7 +292,9 @@ class EngineSnapshot:
 
     model: str
     device: str
-    kv_bytes_per_token: int  # on this device (one TP rank); with ``kv_window``, its full-context layers'
+    # on this device (one TP rank); with ``kv_window``, its full-context layers'; 0: an encoder, which
+    # keeps no KV (each input is read whole and pooled)
+    kv_bytes_per_token: int
     ready: bool = True  # weights loaded and accepting requests
     free_kv_bytes: int = 0
     used_kv_bytes: int = 0
@@ -315,8 +317,8 @@ class EngineSnapshot:
         return tokens * self.kv_bytes_per_token + window
 
     def __post_init__(self) -> None:
-        if not self.kv_bytes_per_token > 0:
-            raise InvalidSnapshotError(f"{self.model}@{self.device}: kv_bytes_per_token must be > 0")
+        if not self.kv_bytes_per_token >= 0:
+            raise InvalidSnapshotError(f"{self.model}@{self.device}: kv_bytes_per_token must be >= 0")
         if self.kv_window is not None and not (self.kv_window[0] > 0 and self.kv_window[1] > 0):
             raise InvalidSnapshotError(f"{self.model}@{self.device}: kv_window must be positive")
         if not (self.free_kv_bytes >= 0 and self.used_kv_bytes >= 0 and self.num_running >= 0):

@@ -27,6 +27,7 @@ from prism_serve.engine.config import PoolingTask, resolve_max_model_len
 from prism_serve.engine.kv_cache import KVGroups
 from prism_serve.engine.llm_engine import torch_dtype
 from prism_serve.engine.lora import LoraSlots
+from prism_serve.engine.sources import VLLM_ENCODER_TYPES
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.engine.vllm_engine import lora_slot_bytes
 from prism_serve.errors import quoted
@@ -118,11 +119,21 @@ class ModelEntry:
         return KVGroups.of(config_from_dict(self.cached.config), self.max_model_len, split)
 
     @functools.cached_property
+    def encoder(self) -> bool:
+        """An encoder (bidirectional: each input read whole and pooled) keeps no KV: the built-in
+        engine's BERT family, or an encoder on vLLM's engine (engine/sources.py VLLM_ENCODER_TYPES)."""
+        arch = config_from_dict(self.cached.config)
+        return arch.encoder or (self.spec.engine_kind == "vllm" and arch.architecture in VLLM_ENCODER_TYPES)
+
+    @functools.cached_property
     def engine_kv_split(self) -> tuple[int, tuple[int, int] | None]:
         """KV bytes a token takes in its engine on one device (rank 0's): every layer's, or for a
         built-in engine whose sliding-window layers free what their window has passed, the
         full-context layers' per token and the windowed ones' (tokens held at most: the window, a
-        step's chunk and a block each side; bytes per token). Found once."""
+        step's chunk and a block each side; bytes per token); 0 for an encoder, which keeps no KV.
+        Found once."""
+        if self.encoder:
+            return 0, None
         rank = self.cached.ranks[0] if self.spec.tp > 1 else self.cached
         per_token, groups = rank.kv_bytes_per_token, self.kv_groups
         if groups.window is None or groups.num_groups == 1:
