@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 from prism_serve.cli import main
-from prism_serve.config import ConfigError, default_config, load_config, parse_config
+from prism_serve.config import ConfigError, ModelConfig, default_config, load_config, parse_config
 from prism_serve.engine.machine import resolve_dtype
 from prism_serve.runtime.build import device_specs, model_specs
 from prism_serve.runtime.devices import DeviceSpec
@@ -320,8 +321,17 @@ def test_an_embedding_model_pools_as_its_sentence_transformers_files_say_unless_
         parse_config(text).models[0].pooling_task()
     with pytest.raises(ConfigError, match="pooling and normalize are for task: embed"):
         parse_config(head + "  - {name: a, pooling: mean}\n")
-    with pytest.raises(ConfigError, match="task: embed runs on the built-in engine"):
-        parse_config(head + f'  - {{name: a, source: "{hf}", task: embed, engine: vllm}}\n')
+    # on vLLM's engine: built as a pooling model, pooling as the files say
+    write_embedding_files(hf, "cls", False, 576)
+    on_vllm = parse_config(head + f'  - {{name: a, source: "{hf}", task: embed, engine: vllm}}\n').models[0]
+    assert pooled(on_vllm) == ("embed", "cls", False) and on_vllm.engine_config().pooling == "cls"
+    # the built-in engine pools as each request says
+    assert parse_config(text).models[0].engine_config().pooling is None
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForSequenceClassification"]}))
+    with pytest.raises(ConfigError, match="has a classification head: it scores pairs"):
+        on_vllm = parse_config(head + f'  - {{name: a, source: "{hf}", task: embed, engine: vllm}}\n')
+        on_vllm.models[0].pooling_task()
     with pytest.raises(ConfigError, match="task"):
         parse_config(head + "  - {name: a, task: rerank}\n")
 
@@ -367,7 +377,34 @@ def test_a_reranker_fills_its_template_and_reads_its_answer_tokens_from_the_conf
         ("{name: a, task: score, score_tokens: ['yes', 'yes']}", "two different tokens"),
         ("{name: a, task: score, score_tokens: [no, yes]}", "quote them: YAML reads a bare yes"),
         ("{name: a, task: score, pooling: last}", "pooling and normalize are for task: embed"),
-        ("{name: a, task: score, engine: vllm, source: /tmp}", "task: score runs on the built-in engine"),
     ]:
         with pytest.raises(ConfigError, match=match):
             parse_config(head + f"  - {bad}\n")
+
+
+def test_vllm_pools_embedders_and_cross_encoders_but_not_decoder_rerankers(tmp_path):
+    """On engine: vllm, what config.json says decides: a classification head of one output scores
+    pairs ("classify"), an encoder embeds from its first token unless its files say otherwise, a
+    decoder from its last; a reranker without a head (yes/no logits) is the built-in engine's."""
+    head = "devices: {count: 1, memory: 1GiB}\nmodels:\n"
+
+    def model(name: str, task: str, **config) -> ModelConfig:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+        entry = f'  - {{name: {name}, task: {task}, engine: vllm, source: "{path}"}}\n'
+        return parse_config(head + entry).models[0]
+
+    cross = model("cross", "score", model_type="modernbert", id2label={"0": "LABEL_0"},
+                  architectures=["ModernBertForSequenceClassification"])  # fmt: skip
+    assert cross.pooling_task().classifier and cross.engine_config().pooling == "classify"
+    assert model("enc", "embed", model_type="modernbert").engine_config().pooling == "cls"
+    assert model("dec", "embed", model_type="qwen3").engine_config().pooling == "last"
+    for name, task, config, match in [
+        ("two", "score", {"model_type": "bert", "architectures": ["BertForSequenceClassification"],
+                          "num_labels": 2}, "classification head has 2 outputs"),
+        ("rr", "score", {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+         "no classification head: on engine vllm, task: score is a cross-encoder's"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            model(name, task, **config).pooling_task()

@@ -199,7 +199,7 @@ class ModelConfig(_Strict):
         "embedding model such as Qwen3-Embedding, or a BERT-family encoder such as bge, gte or e5); "
         "score: /v1/rerank and /v1/score (a cross-encoder such as bge-reranker: the sigmoid of its "
         "head's output for the pair; or a decoder reranker such as Qwen3-Reranker: the probability of "
-        "yes against no after the pair's prompt); embed and score run on the built-in engine",
+        "yes against no after the pair's prompt); on engine vllm, embed and a cross-encoder's score",
     )
     pooling: Literal["last", "mean", "cls"] | None = Field(
         None,
@@ -292,10 +292,6 @@ class ModelConfig(_Strict):
         scoring = [f for f in ("score_template", "score_instruction", "score_tokens") if getattr(self, f)]
         if self.task != "score" and scoring:
             raise ValueError(f"model {self.name}: {', '.join(scoring)} are for task: score")
-        if self.task != "generate" and self.engine == "vllm":
-            raise ValueError(
-                f"model {self.name}: task: {self.task} runs on the built-in engine (engine: builtin)"
-            )
         if self.score_tokens is not None and (
             not all(self.score_tokens) or self.score_tokens[0] == self.score_tokens[1]
         ):
@@ -308,15 +304,22 @@ class ModelConfig(_Strict):
         (engine.sources.embedding_defaults), else the last token's state (an encoder's first),
         normalised; a decoder reranker scores the last token's logits, a cross-encoder (a BERT-family
         classifier) its head's one output. A task the weights cannot do is a ConfigError."""
-        from prism_serve.engine.sources import embedding_defaults, encoder_head
+        from prism_serve.engine.sources import embedding_defaults, encoder_head, pooling_shape
 
         try:
-            head = encoder_head(self.source) if self.engine == "builtin" else None
+            encoder, head = False, None
+            if self.engine == "builtin":
+                head = encoder_head(self.source)
+                encoder = head is not None
+            elif self.task != "generate":
+                encoder, head = pooling_shape(self.source)
             found = embedding_defaults(self.source) if self.task == "embed" else {}
         except (ValueError, PrismError) as e:
             raise ConfigError(f"model {self.name}: {e}") from None
-        if head is not None:
+        if self.engine == "builtin" and head is not None:
             self._check_encoder_task(head)
+        elif self.engine == "vllm" and self.task != "generate":
+            self._check_vllm_task(head)
         if self.task == "score":
             if head:
                 return PoolingTask("score", pooling="cls", classifier=True)
@@ -328,7 +331,7 @@ class ModelConfig(_Strict):
             )  # fmt: skip
         if self.task != "embed":
             return None
-        pooling = self.pooling or str(found.get("pooling", "last" if head is None else "cls"))
+        pooling = self.pooling or str(found.get("pooling", "cls" if encoder else "last"))
         normalize = self.normalize if self.normalize is not None else bool(found.get("normalize", True))
         return PoolingTask("embed", pooling, normalize)
 
@@ -350,6 +353,21 @@ class ModelConfig(_Strict):
         used = [f for f in ("score_template", "score_instruction", "score_tokens") if getattr(self, f)]
         if used:
             raise ConfigError(f"model {self.name}: {', '.join(used)} are a decoder reranker's; {what}")
+
+    def _check_vllm_task(self, head: int | None) -> None:
+        """What vLLM's engine pools here: an embedder (no classification head), or a cross-encoder
+        (a one-output head) that scores pairs. A decoder reranker (the yes/no logits) runs on the
+        built-in engine."""
+        where = f"model {self.name}: {self.source}"
+        if self.task == "embed" and head is not None:
+            raise ConfigError(f"{where} has a classification head: it scores pairs (task: score)")
+        if self.task == "score" and head is None:
+            raise ConfigError(
+                f"{where} has no classification head: on engine vllm, task: score is a cross-encoder's "
+                "(a decoder reranker's yes/no logits run on the built-in engine)"
+            )
+        if self.task == "score" and head != 1:
+            raise ConfigError(f"{where}'s classification head has {head} outputs; a score reads one")
 
     @model_validator(mode="after")
     def _vllm_source(self) -> ModelConfig:
@@ -398,7 +416,16 @@ class ModelConfig(_Strict):
             max_loras=max_loras,
             max_lora_rank=self.max_lora_rank,
             prefix_caching=self.prefix_caching,
+            pooling=self._vllm_pooling(),
         )
+
+    def _vllm_pooling(self) -> str | None:
+        """EngineConfig.pooling: how vLLM's engine is built for this model (None: built-in, or it
+        generates)."""
+        task = self.pooling_task() if self.engine == "vllm" else None
+        if task is None:
+            return None
+        return "classify" if task.classifier else task.pooling
 
 
 # what an adapter entry may set (the rest is its base's)

@@ -64,6 +64,10 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     # sliding-window layers (Gemma 2/3) keep KV blocks of their own and free those that left the
     # window (engine/kv_cache.py KVGroups); false: every block holds every layer, as for any model
     windowed_kv: bool = True
+    # vLLM's engine only (engine/vllm_engine.py), which builds its pooler with the model: a pooling
+    # model's engine, pooling "last", "mean" or "cls" (an embedder) or "classify" (a cross-encoder's
+    # head); None: it generates. The built-in engine pools as each request says (SamplingParams).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -77,6 +81,8 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
             raise InvalidRequestError("num_kv_blocks must be positive")
         if self.max_loras < 0 or not 1 <= self.max_lora_rank <= 512:
             raise InvalidRequestError("max_loras must be >= 0 and max_lora_rank in 1..512")
+        if self.pooling not in (None, "last", "mean", "cls", "classify"):
+            raise InvalidRequestError(f"pooling must be last, mean, cls or classify, got {self.pooling!r}")
 
     def resolve_max_model_len(self, model: ArchConfig) -> int:
         return resolve_max_model_len(self.max_model_len, model)

@@ -143,6 +143,28 @@ def encoder_head(source: str) -> int | None:
     return ArchConfig.from_hf_config(cfg).num_labels
 
 
+# HF model types of encoders (bidirectional attention, no KV cache) that vLLM's engine pools: they
+# pool their first token's state unless told otherwise, as a decoder pools its last
+VLLM_ENCODER_TYPES = frozenset(
+    {"bert", "roberta", "xlm-roberta", "modernbert", "nomic_bert", "new", "gte", "jina_bert", "electra"}
+)
+
+
+def pooling_shape(source: str) -> tuple[bool, int | None]:
+    """What an HF directory's config.json says of a model vLLM's engine pools: whether it is an
+    encoder (``VLLM_ENCODER_TYPES``), and the number of outputs of its classification head (a
+    ``...ForSequenceClassification``: its labels) or None (no head)."""
+    root = Path(source).expanduser()
+    if source.startswith(RANDOM_PREFIX) or not (root / "config.json").is_file():
+        return False, None
+    cfg = json_object(root / "config.json", CorruptWeightsError)
+    head = None
+    if any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ()):
+        labels = cfg.get("id2label")
+        head = len(labels) if isinstance(labels, dict) and labels else int(cfg.get("num_labels", 2))
+    return cfg.get("model_type") in VLLM_ENCODER_TYPES, head
+
+
 def write_embedding_files(path: Path, pooling: str, normalize: bool, dimension: int) -> None:
     """sentence-transformers' files beside an HF directory's weights, saying how it pools and
     whether it normalises (what ``embedding_defaults`` reads back): to export an embedding model."""

@@ -52,6 +52,12 @@ Memory (every byte in the device ledger):
   adapter is removed from vLLM (its slots' pages may go), and the next activation registers them
   again.
 
+- **Pooling models** (``EngineConfig.pooling``: an embedder or a cross-encoder). The engine is vLLM's
+  pooling runner, built with the model's pooling (a decoder checkpoint is converted to an
+  embedding model by vLLM). A request answers with the raw pooled state or head output; the server
+  normalises or takes the sigmoid, as for the built-in engine. An encoder has no KV cache: vLLM
+  allocates none, and its ``StridedKVPages`` has no layers, so nothing is mapped or granted for KV.
+
 The engine itself (scheduler, compiled kernels, tokenizer) stays built between models of one shape,
 which is what makes an activation a weight load and not a vLLM start.
 """
@@ -72,7 +78,7 @@ from typing import Any
 import msgspec
 import torch
 
-from prism_serve.engine.config import EngineConfig
+from prism_serve.engine.config import MAX_DEFAULT_CONTEXT, EngineConfig
 from prism_serve.engine.interface import RequestCounts
 from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.sampling_params import SamplingParams
@@ -205,8 +211,13 @@ class VllmEngine(RequestCounts):
         self._pool = self.scheduler.kv_cache_manager.block_pool
         self.num_kv_blocks = int(self._pool.num_gpu_blocks)
         self.block_bytes = kv.block_stride * kv.num_layers  # one block id in every layer
-        spec = self.scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = int(spec.block_size)
+        groups = self.scheduler.kv_cache_config.kv_cache_groups
+        # an encoder (bidirectional attention) has no KV cache: no group, no layer in ``kv``
+        self.block_size = int(groups[0].kv_cache_spec.block_size) if groups else config.block_size
+        self.pooling = config.pooling  # a pooling model's engine (EngineConfig.pooling); None: generates
+        hf_config = engine.model_config.hf_config
+        # BERT's token types: a pair's second segment is type 1 (vLLM's compressed_token_type_ids)
+        self._token_types = int(getattr(hf_config, "type_vocab_size", 0) or 0) > 1
         self._step_tokens = int(engine.vllm_config.scheduler_config.max_num_batched_tokens)
         self.kv_bytes_per_token = self.block_bytes // self.block_size
         # vLLM hands out the lowest free block ids and sees only the blocks below the watermark
@@ -267,6 +278,10 @@ class VllmEngine(RequestCounts):
 
         def allocate_in_range(kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
             tensors = kv_cache_config.kv_cache_tensors
+            if not tensors:  # an encoder: vLLM keeps no KV, and neither do the pages
+                made.append(StridedKVPages(kv_range, 0, 0, 1, 1))
+                made[-1].attach(account)
+                return original(kv_cache_config, *args, **kwargs)
             if len(tensors) != 1:
                 raise UnsupportedModelError(
                     f"{source}: vLLM lays its KV cache out in {len(tensors)} buffers; prism maps one"
@@ -287,10 +302,12 @@ class VllmEngine(RequestCounts):
 
         args = EngineArgs(
             model=source, dtype=config.dtype, load_format="dummy", enforce_eager=not compiled,
-            max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_model_len=_max_model_len(source, config.max_model_len), max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.prefix_caching, kv_cache_memory_bytes=kv_range.size,
-            seed=config.seed,
+            # a pooling model: vLLM's own choice (an encoder has no KV to cache)
+            enable_prefix_caching=config.prefix_caching if config.pooling is None else None,
+            kv_cache_memory_bytes=kv_range.size,
+            seed=config.seed, **_pooling_args(config.pooling),
             # one slot more than max_loras, kept zero: ``_zero_slot_for_the_base``
             **(
                 dict(enable_lora=True, max_loras=config.max_loras + 1, max_cpu_loras=config.max_loras + 1,
@@ -487,8 +504,19 @@ class VllmEngine(RequestCounts):
                 raise InvalidRequestError(f"adapter {adapter!r} is not registered on this engine")
         if req_id in self._requests:
             raise InvalidRequestError(f"request id {req_id!r} is already running")
-        check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
-        sp = _vllm_params(params, self.max_model_len - len(prompt_token_ids))
+        pooled = params.pooling is not None
+        check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len, 0 if pooled else None)
+        if pooled != (self.pooling is not None):
+            raise InvalidRequestError(
+                f"{self.source}: this vLLM engine was built to "
+                f"{'pool (embed or score)' if self.pooling else 'generate'}; the request "
+                f"{'pools' if pooled else 'generates'}"
+            )
+        sp = (
+            self._pooling_params(params)
+            if pooled
+            else _vllm_params(params, self.max_model_len - len(prompt_token_ids))
+        )
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
         if lora is not None:  # vLLM hashes an adapter's blocks by its name and path, not its weights
             prompt["cache_salt"] = f"lora-{lora.lora_int_id}"
@@ -501,6 +529,23 @@ class VllmEngine(RequestCounts):
             list(prompt_token_ids), RequestMetrics(arrival_time=now), params.logprobs,
             params.prompt_logprobs, adapter=adapter,
         )  # fmt: skip
+
+    def _pooling_params(self, params: SamplingParams) -> Any:
+        """vLLM's request for an embedding or a cross-encoder's score: the raw pooled state or head
+        output (no normalisation or sigmoid: the server applies those, as for the built-in engine),
+        a pair's token types where the model has them."""
+        from vllm import PoolingParams
+
+        if params.score_tokens:
+            raise InvalidRequestError(
+                f"{self.source}: a decoder reranker's yes/no logits are the built-in engine's; this "
+                "vLLM engine pools"
+            )
+        extra = None
+        if params.pair_start is not None and self._token_types:
+            extra = {"compressed_token_type_ids": int(params.pair_start)}
+        task = "classify" if self.pooling == "classify" else "embed"
+        return PoolingParams(task=task, use_activation=False, extra_kwargs=extra)
 
     # ---- KV pages -------------------------------------------------------------------------------
 
@@ -537,6 +582,8 @@ class VllmEngine(RequestCounts):
         """Map the blocks the next step may need (as far as the ledger allows) and unmap those
         above what it needs twice over, unless a cached block lies there: pages follow the
         requests, a step ahead, and keep the prefix cache until the device wants them back."""
+        if not self.kv.num_layers:  # an encoder's engine: no KV to map
+            return
         high = self._highest_used() + 1
         headroom = self._headroom()
         need = high + headroom
@@ -640,6 +687,9 @@ class VllmEngine(RequestCounts):
             r = self._requests.get(o.request_id)
             if r is None:
                 continue
+            if self.pooling is not None:
+                outs.append(self._pooled_output(o, r))
+                continue
             c = o.outputs[0]
             stats = o.metrics
             m = r.metrics
@@ -680,6 +730,21 @@ class VllmEngine(RequestCounts):
             )
         return outs
 
+    def _pooled_output(self, o: Any, r: _Request) -> RequestOutput:
+        """A pooling request's one output: its vector (or head outputs) as float32 on the host."""
+        now = time.monotonic()
+        m = r.metrics
+        m.first_scheduled_time = m.first_scheduled_time or now
+        m.first_token_time = m.finish_time = now
+        del self._requests[o.request_id]
+        data = o.outputs.data
+        return RequestOutput(
+            req_id=o.request_id, prompt_token_ids=r.prompt_token_ids, token_ids=[], text="",
+            delta_text="", delta_token_ids=[], finished=True, finish_reason="stop", stop_reason=None,
+            metrics=m, num_cached_tokens=o.num_cached_tokens or 0,
+            embedding=data.detach().to("cpu", torch.float32).reshape(-1),
+        )  # fmt: skip
+
     def abort_request(self, req_id: str) -> bool:
         if self._requests.pop(req_id, None) is None:
             return False
@@ -702,6 +767,31 @@ class VllmEngine(RequestCounts):
         """The model leaves the engine: its requests and adapters go (the engine stays built)."""
         self.abort_all()
         self._drop_adapters()
+
+
+def _max_model_len(source: str, asked: int | None) -> int | None:
+    """``EngineConfig.max_model_len`` as the built-in engine reads it (resolve_max_model_len):
+    never beyond the context config.json gives (vLLM refuses a longer one: a 512-token encoder
+    under the default 2048), None's default capped; None where config.json gives no context."""
+    path = Path(source) / "config.json"
+    cfg = msgspec.json.decode(path.read_bytes()) if path.is_file() else {}
+    ctx = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+    if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx <= 0:
+        return asked
+    return min(asked or min(ctx, MAX_DEFAULT_CONTEXT), ctx)
+
+
+def _pooling_args(pooling: str | None) -> dict[str, Any]:
+    """EngineArgs for ``EngineConfig.pooling``: vLLM's pooling runner (a decoder checkpoint is
+    converted to an embedding model), pooling as the model's config says; a classifier pools as
+    its own model does."""
+    if pooling is None:
+        return {}
+    if pooling == "classify":
+        return {"runner": "pooling"}
+    from vllm.config import PoolerConfig
+
+    return {"runner": "pooling", "pooler_config": PoolerConfig(seq_pooling_type=pooling.upper())}
 
 
 def _vllm_params(p: SamplingParams, room: int) -> Any:

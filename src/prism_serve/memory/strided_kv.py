@@ -9,7 +9,8 @@ the current account. ``resize`` moves the watermark, all or nothing: growing gra
 missing pages (refused by the ledger: nothing changes), shrinking unmaps the pages no block below the
 new watermark needs and releases their bytes. The caller keeps its used blocks below the watermark
 (vLLM hands out the lowest free block ids, engine/vllm_engine.py), so a page is never unmapped under
-a block in use. Growing costs up to one page per layer beyond the blocks' own bytes.
+a block in use. Growing costs up to one page per layer beyond the blocks' own bytes. A buffer of
+no layers (an encoder's: vLLM gives it no KV cache) maps nothing at any watermark.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ class StridedKVPages:
         num_blocks: int,
         offset: int = 0,
     ) -> None:
-        if num_layers < 1 or block_stride < 1 or num_blocks < 1:
-            raise ValueError("need at least one layer, one block and a positive block stride")
+        if num_layers < 0 or block_stride < 1 or num_blocks < 1:
+            raise ValueError("need one block, a positive block stride and no negative layer count")
         if layer_stride < num_blocks * block_stride and num_layers > 1:
             raise ValueError("layers overlap: layer_stride is below num_blocks * block_stride")
-        end = offset + (num_layers - 1) * layer_stride + num_blocks * block_stride
+        end = offset + (num_layers - 1) * layer_stride + num_blocks * block_stride if num_layers else 0
         if end > vrange.size:
             raise ValueError(f"the buffer ends at byte {end}; the range has {vrange.size}")
         self.vrange = vrange
