@@ -382,29 +382,45 @@ def test_a_reranker_fills_its_template_and_reads_its_answer_tokens_from_the_conf
             parse_config(head + f"  - {bad}\n")
 
 
-def test_vllm_pools_embedders_and_cross_encoders_but_not_decoder_rerankers(tmp_path):
+def test_vllm_pools_embedders_cross_encoders_and_decoder_rerankers(tmp_path):
     """On engine: vllm, what config.json says decides: a classification head of one output scores
     pairs ("classify"), an encoder embeds from its first token unless its files say otherwise, a
-    decoder from its last; a reranker without a head (yes/no logits) is the built-in engine's."""
+    decoder from its last; a decoder without a head scores with its answer tokens' ids, found in
+    its tokenizer."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
     head = "devices: {count: 1, memory: 1GiB}\nmodels:\n"
 
-    def model(name: str, task: str, **config) -> ModelConfig:
+    def model(name: str, task: str, extra: str = "", **config) -> ModelConfig:
         path = tmp_path / name
         path.mkdir()
         (path / "config.json").write_text(json.dumps(config))
-        entry = f'  - {{name: {name}, task: {task}, engine: vllm, source: "{path}"}}\n'
+        backend = Backend(models.WordLevel({"[UNK]": 0, "no": 1, "yes": 2, "Yes": 3}, unk_token="[UNK]"))
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+        backend.save(str(path / "tokenizer.json"))
+        entry = f'  - {{name: {name}, task: {task}, engine: vllm, source: "{path}"{extra}}}\n'
         return parse_config(head + entry).models[0]
 
     cross = model("cross", "score", model_type="modernbert", id2label={"0": "LABEL_0"},
                   architectures=["ModernBertForSequenceClassification"])  # fmt: skip
     assert cross.pooling_task().classifier and cross.engine_config().pooling == "classify"
+    assert cross.engine_config().score_tokens is None
     assert model("enc", "embed", model_type="modernbert").engine_config().pooling == "cls"
     assert model("dec", "embed", model_type="qwen3").engine_config().pooling == "last"
-    for name, task, config, match in [
-        ("two", "score", {"model_type": "bert", "architectures": ["BertForSequenceClassification"],
-                          "num_labels": 2}, "classification head has 2 outputs"),
-        ("rr", "score", {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
-         "no classification head: on engine vllm, task: score is a cross-encoder's"),
+    reranker = model("rr", "score", model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    engine = reranker.engine_config()
+    assert (engine.pooling, engine.score_tokens) == (
+        "classify",
+        (1, 2),
+    ) and not reranker.pooling_task().classifier
+    own = model("own", "score", ", score_tokens: ['no', 'Yes']", model_type="qwen3")
+    assert own.engine_config().score_tokens == (1, 3)
+    for name, task, extra, config, match in [
+        ("two", "score", "", {"model_type": "bert", "architectures": ["BertForSequenceClassification"],
+                              "num_labels": 2}, "classification head has 2 outputs"),
+        ("enc-score", "score", "", {"model_type": "modernbert"}, "an encoder with no classification head"),
+        ("many", "score", ", score_tokens: ['no', 'yes no']", {"model_type": "qwen3"}, "is not one token"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=match):
-            model(name, task, **config).pooling_task()
+            model(name, task, extra, **config).engine_config()

@@ -199,7 +199,7 @@ class ModelConfig(_Strict):
         "embedding model such as Qwen3-Embedding, or a BERT-family encoder such as bge, gte or e5); "
         "score: /v1/rerank and /v1/score (a cross-encoder such as bge-reranker: the sigmoid of its "
         "head's output for the pair; or a decoder reranker such as Qwen3-Reranker: the probability of "
-        "yes against no after the pair's prompt); on engine vllm, embed and a cross-encoder's score",
+        "yes against no after the pair's prompt); both run on either engine",
     )
     pooling: Literal["last", "mean", "cls"] | None = Field(
         None,
@@ -319,7 +319,7 @@ class ModelConfig(_Strict):
         if self.engine == "builtin" and head is not None:
             self._check_encoder_task(head)
         elif self.engine == "vllm" and self.task != "generate":
-            self._check_vllm_task(head)
+            self._check_vllm_task(encoder, head)
         if self.task == "score":
             if head:
                 return PoolingTask("score", pooling="cls", classifier=True)
@@ -354,19 +354,15 @@ class ModelConfig(_Strict):
         if used:
             raise ConfigError(f"model {self.name}: {', '.join(used)} are a decoder reranker's; {what}")
 
-    def _check_vllm_task(self, head: int | None) -> None:
-        """What vLLM's engine pools here: an embedder (no classification head), or a cross-encoder
-        (a one-output head) that scores pairs. A decoder reranker (the yes/no logits) runs on the
-        built-in engine."""
+    def _check_vllm_task(self, encoder: bool, head: int | None) -> None:
+        """What vLLM's engine pools here: an embedder (no classification head), a cross-encoder (a
+        one-output head) or a decoder reranker (a decoder without a head: its yes/no logits)."""
         where = f"model {self.name}: {self.source}"
         if self.task == "embed" and head is not None:
             raise ConfigError(f"{where} has a classification head: it scores pairs (task: score)")
-        if self.task == "score" and head is None:
-            raise ConfigError(
-                f"{where} has no classification head: on engine vllm, task: score is a cross-encoder's "
-                "(a decoder reranker's yes/no logits run on the built-in engine)"
-            )
-        if self.task == "score" and head != 1:
+        if self.task == "score" and head is None and encoder:
+            raise ConfigError(f"{where} is an encoder with no classification head: it embeds (task: embed)")
+        if self.task == "score" and head is not None and head != 1:
             raise ConfigError(f"{where}'s classification head has {head} outputs; a score reads one")
 
     @model_validator(mode="after")
@@ -416,16 +412,31 @@ class ModelConfig(_Strict):
             max_loras=max_loras,
             max_lora_rank=self.max_lora_rank,
             prefix_caching=self.prefix_caching,
-            pooling=self._vllm_pooling(),
+            **self._vllm_pooling(),
         )
 
-    def _vllm_pooling(self) -> str | None:
-        """EngineConfig.pooling: how vLLM's engine is built for this model (None: built-in, or it
-        generates)."""
+    def _vllm_pooling(self) -> dict[str, Any]:
+        """EngineConfig.pooling and score_tokens: how vLLM's engine is built for this model (none:
+        the built-in engine, or a model that generates). A decoder reranker's answer tokens must be
+        one token each of its vocabulary."""
         task = self.pooling_task() if self.engine == "vllm" else None
         if task is None:
-            return None
-        return "classify" if task.classifier else task.pooling
+            return {}
+        if task.task == "embed":
+            return {"pooling": task.pooling}
+        if task.classifier:
+            return {"pooling": "classify"}
+        from prism_serve.engine.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_hf_dir(Path(self.source).expanduser())
+        ids = [tok.one_token(text) for text in task.tokens]
+        for text, found in zip(task.tokens, ids, strict=True):
+            if found is None:
+                raise ConfigError(
+                    f"model {self.name}: score token {text!r} is not one token of its vocabulary; set "
+                    "score_tokens to its no and yes tokens"
+                )
+        return {"pooling": "classify", "score_tokens": (ids[0], ids[1])}
 
 
 # what an adapter entry may set (the rest is its base's)

@@ -1,8 +1,9 @@
 """Embeddings and cross-encoder scores on vLLM's engine (``engine: vllm`` with ``task: embed`` or
 ``task: score``), for an architecture the built-in engine does not read (ModernBERT), through
 `prism serve` and the official clients, against sentence-transformers and transformers on the same
-weights; and a decoder embedder (SmolLM2 as an embedding model) on vLLM against the same model on
-the built-in engine, both served at once.
+weights; a decoder embedder (SmolLM2 as an embedding model) on vLLM against the same model on the
+built-in engine, both served at once; and SmolLM2 as a decoder reranker on vLLM against
+transformers' yes/no logits.
 
 The ModernBERT checkpoints are SYNTHETIC: transformers' random initialisation (seeded), two layers,
 saved in fp32 with the SmolLM2 tokenizer; the embedder carries sentence-transformers' files (mean
@@ -22,6 +23,7 @@ import torch
 from openai import OpenAI
 
 from prism_serve.api.process import stop_server_process
+from prism_serve.engine.config import PoolingTask
 from prism_serve.engine.sources import write_embedding_files
 from prism_serve.engine.tokenizer import Tokenizer
 from tests.api.conftest import ServerProcess, ledger_snapshot, shm_files, start_server
@@ -80,6 +82,8 @@ models:
   - {{name: mb-rerank, engine: vllm, task: score, source: "{encoders["rerank"]}", dtype: float32}}
   - {{name: smol-vllm, engine: vllm, task: embed, source: "{smollm_hf}", dtype: float32, max_model_len: 512}}
   - {{name: smol-builtin, task: embed, source: "{smollm_hf}", dtype: float32, max_model_len: 512}}
+  - {{name: smol-rerank, engine: vllm, task: score, source: "{smollm_hf}", dtype: float32,
+     max_model_len: 512}}
 policy: {{name: prism, activation_timeout_s: 240}}
 vllm_python: "{VLLM_PYTHON}"
 server: {{namespace: "{{namespace}}"}}
@@ -137,6 +141,30 @@ def test_a_cross_encoder_on_vllm_scores_pairs_as_transformers_does(server, encod
     )
     assert s.status_code == 200, s.text
     assert [d["score"] for d in s.json()["data"]] == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_decoder_reranker_on_vllm_scores_with_its_yes_and_no_logits(server, smollm_hf) -> None:
+    """SmolLM2 with Qwen3-Reranker's prompt (the default): vLLM runs it as a one-output classifier
+    whose weight is the head's yes row less its no row; the score is transformers'
+    sigmoid(logit(yes) - logit(no)) at the prompt's last position."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm_hf, dtype=torch.float32).eval()
+    tok = Tokenizer.from_hf_dir(smollm_hf)
+    no, yes = tok.one_token("no"), tok.one_token("yes")
+    task = PoolingTask("score")
+    expected = []
+    with torch.no_grad():
+        for doc in TEXTS:
+            logits = model(torch.tensor([tok.encode(task.prompt(QUERY, doc))])).logits[0, -1]
+            expected.append(float(torch.sigmoid(logits[yes] - logits[no])))
+    body = {"model": "smol-rerank", "query": QUERY, "documents": TEXTS}
+    r = httpx.post(f"{server.base_url}/rerank", json=body, timeout=240)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(len(TEXTS)), key=lambda i: -expected[i])
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-4)
 
 
 def test_a_decoder_embedder_on_vllm_gives_the_builtin_engines_vectors(client) -> None:

@@ -68,6 +68,10 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     # model's engine, pooling "last", "mean" or "cls" (an embedder) or "classify" (a cross-encoder's
     # head); None: it generates. The built-in engine pools as each request says (SamplingParams).
     pooling: str | None = None
+    # vLLM's engine, pooling "classify": a decoder reranker's (no, yes) token ids; vLLM builds it as a
+    # one-output classifier whose weight is the LM head's yes row less its no row (its score,
+    # sigmoid(logit(yes) - logit(no)), is the built-in engine's)
+    score_tokens: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -83,6 +87,8 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
             raise InvalidRequestError("max_loras must be >= 0 and max_lora_rank in 1..512")
         if self.pooling not in (None, "last", "mean", "cls", "classify"):
             raise InvalidRequestError(f"pooling must be last, mean, cls or classify, got {self.pooling!r}")
+        if self.score_tokens is not None and self.pooling != "classify":
+            raise InvalidRequestError("score_tokens are a decoder reranker's: they need pooling classify")
 
     def resolve_max_model_len(self, model: ArchConfig) -> int:
         return resolve_max_model_len(self.max_model_len, model)

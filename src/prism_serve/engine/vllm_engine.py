@@ -54,7 +54,9 @@ Memory (every byte in the device ledger):
 
 - **Pooling models** (``EngineConfig.pooling``: an embedder or a cross-encoder). The engine is vLLM's
   pooling runner, built with the model's pooling (a decoder checkpoint is converted to an
-  embedding model by vLLM). A request answers with the raw pooled state or head output; the server
+  embedding model by vLLM; a decoder reranker, ``score_tokens``, to a one-output classifier whose
+  weight ``load`` makes from the LM head: yes row less no row). A request answers with the raw
+  pooled state or head output; the server
   normalises or takes the sigmoid, as for the built-in engine. An encoder has no KV cache: vLLM
   allocates none, and its ``StridedKVPages`` has no layers, so nothing is mapped or granted for KV.
 
@@ -307,7 +309,7 @@ class VllmEngine(RequestCounts):
             # a pooling model: vLLM's own choice (an encoder has no KV to cache)
             enable_prefix_caching=config.prefix_caching if config.pooling is None else None,
             kv_cache_memory_bytes=kv_range.size,
-            seed=config.seed, **_pooling_args(config.pooling),
+            seed=config.seed, **_pooling_args(source, config),
             # one slot more than max_loras, kept zero: ``_zero_slot_for_the_base``
             **(
                 dict(enable_lora=True, max_loras=config.max_loras + 1, max_cpu_loras=config.max_loras + 1,
@@ -432,7 +434,9 @@ class VllmEngine(RequestCounts):
         self._forget_cached_from(1, self.kv.watermark)
         named = dict(tensors)
         tied = bool(getattr(self._engine.model_config.hf_config, "tie_word_embeddings", False))
-        if tied and "lm_head.weight" not in named:
+        if self.config.score_tokens is not None:
+            named = _reranker_checkpoint(named, self.config.score_tokens)
+        elif tied and "lm_head.weight" not in named:
             embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
             if embed is not None:
                 named["lm_head.weight"] = embed
@@ -536,10 +540,10 @@ class VllmEngine(RequestCounts):
         a pair's token types where the model has them."""
         from vllm import PoolingParams
 
-        if params.score_tokens:
+        if tuple(params.score_tokens) != (self.config.score_tokens or ()):
             raise InvalidRequestError(
-                f"{self.source}: a decoder reranker's yes/no logits are the built-in engine's; this "
-                "vLLM engine pools"
+                f"{self.source}: this vLLM engine scores with answer tokens {self.config.score_tokens}; "
+                f"the request asks for {tuple(params.score_tokens) or 'none'}"
             )
         extra = None
         if params.pair_start is not None and self._token_types:
@@ -769,6 +773,21 @@ class VllmEngine(RequestCounts):
         self._drop_adapters()
 
 
+def _reranker_checkpoint(named: dict[str, torch.Tensor], tokens: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """A decoder's checkpoint as its one-output classifier's: the LM head (the embedding where they
+    are tied) gives way to ``score.weight``, its yes row less its no row, so that the classifier's
+    output is logit(yes) - logit(no)."""
+    out = dict(named)
+    head = out.pop("lm_head.weight", None)
+    if head is None:
+        head = next((t for n, t in out.items() if n.endswith("embed_tokens.weight")), None)
+    if head is None:
+        raise UnsupportedModelError("a decoder reranker's checkpoint has no LM head or embedding")
+    no, yes = tokens
+    out["score.weight"] = (head[yes].float() - head[no].float()).to(head.dtype).unsqueeze(0).contiguous()
+    return out
+
+
 def _max_model_len(source: str, asked: int | None) -> int | None:
     """``EngineConfig.max_model_len`` as the built-in engine reads it (resolve_max_model_len):
     never beyond the context config.json gives (vLLM refuses a longer one: a 512-token encoder
@@ -781,12 +800,23 @@ def _max_model_len(source: str, asked: int | None) -> int | None:
     return min(asked or min(ctx, MAX_DEFAULT_CONTEXT), ctx)
 
 
-def _pooling_args(pooling: str | None) -> dict[str, Any]:
+def _pooling_args(source: str, config: EngineConfig) -> dict[str, Any]:
     """EngineArgs for ``EngineConfig.pooling``: vLLM's pooling runner (a decoder checkpoint is
     converted to an embedding model), pooling as the model's config says; a classifier pools as
-    its own model does."""
+    its own model does. A decoder reranker (``score_tokens``) is built as its architecture's
+    one-output sequence classifier (``VllmEngine.load`` makes the weight)."""
+    pooling = config.pooling
     if pooling is None:
         return {}
+    if config.score_tokens is not None:
+        cfg = msgspec.json.decode((Path(source) / "config.json").read_bytes())
+        arch = next(iter(cfg.get("architectures") or ()), "")
+        if not arch.endswith("ForCausalLM"):
+            raise UnsupportedModelError(
+                f"{source}: a decoder reranker on vLLM needs a ...ForCausalLM checkpoint, found {arch!r}"
+            )
+        classifier = arch.removesuffix("ForCausalLM") + "ForSequenceClassification"
+        return {"runner": "pooling", "hf_overrides": {"architectures": [classifier], "num_labels": 1}}
     if pooling == "classify":
         return {"runner": "pooling"}
     from vllm.config import PoolerConfig
