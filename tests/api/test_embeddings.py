@@ -399,3 +399,12 @@ def test_a_pooled_request_is_judged_once_by_its_latency_and_logged_as_its_inputs
     rows = [(int(p), int(o)) for m, p, o in zip(w.model_index, w.prompt_tokens, w.output_tokens, strict=True)
             if w.models[m] == "embedder"]  # fmt: skip
     assert rows.count((round(out.usage.prompt_tokens / 3), 1)) >= 3
+    # the line's three inputs are one group: the plan judges them once, as /metrics did
+    share = round(out.usage.prompt_tokens / 3)
+    embedder = w.model_index == w.models.index("embedder")
+    threes = [
+        members for gid in set(w.groups[embedder].tolist()) - {-1}
+        if len(members := np.flatnonzero(w.groups == gid)) == 3 and set(w.prompt_tokens[members]) == {share}
+    ]  # fmt: skip
+    assert threes and all(int(w.judged()[members].sum()) == 1 for members in threes)
+    assert all(len(set(w.timestamps[members].tolist())) == 1 for members in threes)

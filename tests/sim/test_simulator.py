@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -341,3 +343,32 @@ def test_placements_after_activations_are_coalesced():
         first = min(a for a in finished if a >= p - w - 1e-9)
         assert first == pytest.approx(p - w)
         assert not any(first <= t < p for t in ticks)
+
+
+def test_a_groups_inputs_are_judged_once_met_only_if_every_one_is():
+    """An embed request's inputs (one group, Workload.groups) answer the client together: the run
+    judges the group once, and a miss of any input misses it. Eight inputs arriving while the
+    model activates all miss: one miss, not eight, for attainment and for the early stop."""
+    m = served()
+    n_alone = 40
+    times = np.r_[np.zeros(8), 30.0 + np.arange(n_alone)]
+    groups = np.r_[np.full(8, 0), np.full(n_alone, -1)]
+    w = Workload(times, np.zeros(len(times), dtype=np.int32), np.full(len(times), 128), np.ones(len(times)),
+                 [m.name], groups=groups)  # fmt: skip
+    alone = Workload(w.timestamps, w.model_index, w.prompt_tokens, w.output_tokens, w.models)
+    slo = {m.name: ModelSLO(ttft_s=0.5, tpot_s=1.0)}  # the activation at the start takes longer
+    cfg = SimConfig(num_devices=1, policy="prism", warmup_s=0.0)
+    grouped, each = simulate([m], w, slo, cfg), simulate([m], alone, slo, cfg)
+    assert [r.group for r in grouped.requests[:9]] == [0] * 8 + [-1]
+    assert all(r.ttft > 0.5 for r in each.requests[:8]) and all(r.ttft <= 0.5 for r in each.requests[8:])
+    g, e = grouped.summary(), each.summary()
+    assert (g["num_judged"], e["num_judged"]) == (n_alone + 1, n_alone + 8)
+    assert g["ttft_attainment"] == pytest.approx(n_alone / (n_alone + 1))
+    assert e["ttft_attainment"] == pytest.approx(n_alone / (n_alone + 8))
+    assert (
+        g["ttft_misses_cold"] + g["ttft_misses_warm"] == 1 and grouped.per_model()[m.name]["ttft_misses"] == 1
+    )
+    # stopping once more than one judgement missed: the group is one miss, eight lone inputs eight
+    stop = dataclasses.replace(cfg, stop_after_ttft_misses=1)
+    assert not simulate([m], w, slo, stop).labels.get("stopped_early")
+    assert simulate([m], alone, slo, stop).labels.get("stopped_early")

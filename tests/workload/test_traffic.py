@@ -41,7 +41,9 @@ def test_the_request_log_is_traffic_from_its_first_arrival(tmp_path: Path) -> No
     assert w.output_tokens.tolist() == [20, 15, 15, 64, 15, 8]
     # who sent each: the tenant, its class; the batch lane's line is batch; the rest standard
     assert [w.origin_of(i) for i in range(len(w))] == [
-        ("team-a", "interactive"), *[("", "standard")] * 4, ("team-a", "batch")
+        ("team-a", "interactive"),
+        *[("", "standard")] * 4,
+        ("team-a", "batch"),
     ]
     assert w.judged().tolist() == [True] * 5 + [False]
 
@@ -112,3 +114,34 @@ def test_unreadable_input_says_why(tmp_path: Path) -> None:
         read_traffic(text, ["a"])
     with pytest.raises(TrafficError, match="rate scale must be a positive number"):
         TrafficOptions(rate_scale=0)
+
+
+def test_an_embed_or_score_lines_inputs_are_one_group_judged_once(tmp_path: Path) -> None:
+    """The inputs of one embed or score request answer one client together: the log's line of n
+    inputs is n requests of one group (Workload.groups), which attainment judges once. Choices of a
+    chat request stand alone; the group survives selecting and restricting, and a resampled draw
+    keeps each copy of a group together."""
+    from prism_serve.workload.resample import resample
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join([
+        log_line(10.0, "e", 90, 1, n=3, task="embed"),
+        log_line(10.5, "c", 40, 20, n=2, output_tokens=40),  # two choices: two judgements
+        log_line(11.0, "r", 60, 1, n=2, task="score"),
+        log_line(11.2, "e", 30, 1, n=1, task="embed"),  # one input: alone
+    ]) + "\n")  # fmt: skip
+    w = read_traffic(path, ["e", "c", "r"]).workload
+    assert [w.models[i] for i in w.model_index] == ["e"] * 3 + ["c"] * 2 + ["r"] * 2 + ["e"]
+    assert w.prompt_tokens.tolist() == [30, 30, 30, 40, 40, 30, 30, 30]
+    g = w.groups.tolist()
+    assert g[0] == g[1] == g[2] >= 0 and g[5] == g[6] >= 0 and g[0] != g[5]
+    assert g[3] == g[4] == g[7] == -1
+    assert w.judged().tolist() == [True, False, False, True, True, True, False, True]
+    assert int(w.restrict(["r", "e"]).judged().sum()) == 3  # two groups and the lone input
+    assert w.select(w.timestamps > 0.4).groups.tolist() == g[3:]
+    for seed in range(20):
+        d = resample(w, seed)
+        for gid in set(d.groups.tolist()) - {-1}:  # a copy of a group: inputs of one model
+            members = np.flatnonzero(d.groups == gid)
+            assert len(set(d.model_index[members].tolist())) == 1
+        assert int(d.judged().sum()) == (d.groups == -1).sum() + len(set(d.groups.tolist()) - {-1})

@@ -68,6 +68,7 @@ class SimRequest:
     replica: str = ""  # the replica (model or replica slot name) it was last dispatched to
     block_keys: tuple[int, ...] = field(default=(), repr=False)  # its full prompt blocks' cache keys
     cached_tokens: int | None = None  # prompt tokens found cached when first scheduled (None: never)
+    group: int = -1  # the client request it is an input of (Workload.groups); -1: alone
 
     @property
     def ttft(self) -> float | None:

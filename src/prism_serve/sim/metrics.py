@@ -1,7 +1,10 @@
 """What a simulation run measured, and the summary numbers the CLI prints and plots.
 
 - **TTFT attainment**: share of all requests whose first token came within their TTFT SLO. Rejected
-  requests and requests unfinished when the run stopped count as misses.
+  requests and requests unfinished when the run stopped count as misses. The inputs of one embed or
+  score request (``SimRequest.group``, from ``Workload.groups``) are judged once, together: met
+  only if every one of them is, as the live server judges the request by its latency. Counts of
+  judged requests count such a group once.
 - **TPOT attainment**: share of all requests that finished with (finish - first token) /
   (output tokens - 1) within their TPOT SLO (a one-token output counts as met once it finished).
 - **TTFT misses, cold and warm**: a miss is *cold* when the request's model had no ready engine at
@@ -30,7 +33,7 @@ import numpy as np
 from prism_serve.control.types import DEFAULT_ORIGIN, Priority
 from prism_serve.sim.engine import SimRequest
 
-__all__ = ["SimResult", "attainment", "judged_requests"]
+__all__ = ["SimResult", "attainment", "judged_requests", "judged_units"]
 
 
 def _ttft_met(r: SimRequest) -> bool:
@@ -47,14 +50,57 @@ def judged_requests(requests: list[SimRequest]) -> list[SimRequest]:
     return judged if judged or not requests else requests
 
 
+def _units(requests: list[SimRequest]) -> list[list[SimRequest]]:
+    """``requests`` as the units attainment judges: a group's inputs together (in the order of
+    its first), every other request on its own."""
+    out: list[list[SimRequest]] = []
+    groups: dict[int, list[SimRequest]] = {}
+    for r in requests:
+        if r.group < 0:
+            out.append([r])
+        elif r.group in groups:
+            groups[r.group].append(r)
+        else:
+            groups[r.group] = [r]
+            out.append(groups[r.group])
+    return out
+
+
+def _unit_attainment(requests: list[SimRequest]) -> tuple[float, float]:
+    """(TTFT, TPOT) attainment of ``requests``' units, all of them judged (1.0 for none)."""
+    if all(r.group < 0 for r in requests):  # the common case, without building units
+        n = len(requests)
+        return (sum(map(_ttft_met, requests)) / n, sum(map(_tpot_met, requests)) / n) if n else (1.0, 1.0)
+    units = _units(requests)
+    n = len(units)
+    ttft = sum(all(map(_ttft_met, u)) for u in units)
+    tpot = sum(all(map(_tpot_met, u)) for u in units)
+    return ttft / n, tpot / n
+
+
+def judged_units(requests: list[SimRequest]) -> int:
+    """How many judgements attainment makes over ``requests`` (a group counts once), batch
+    requests left out unless they are all there is."""
+    judged = judged_requests(requests)
+    return len(judged) if all(r.group < 0 for r in judged) else len(_units(judged))
+
+
 def attainment(requests: list[SimRequest]) -> tuple[float, float]:
     """(TTFT, TPOT) attainment over ``requests`` (1.0 for an empty list), batch requests left out
-    unless they are all there is."""
-    requests = judged_requests(requests)
-    if not requests:
-        return 1.0, 1.0
-    n = len(requests)
-    return sum(map(_ttft_met, requests)) / n, sum(map(_tpot_met, requests)) / n
+    unless they are all there is, a group's inputs judged once together."""
+    return _unit_attainment(judged_requests(requests))
+
+
+def _missed(requests: list[SimRequest]) -> list[SimRequest]:
+    """The units of ``requests`` that missed their TTFT SLO, each by its first request."""
+    return [u[0] for u in _units(requests) if not all(map(_ttft_met, u))]
+
+
+def _unit_ttft(unit: list[SimRequest]) -> float | None:
+    """A unit's TTFT: its last input's (None until every one has its first token)."""
+    if any(r.first_token is None for r in unit):
+        return None
+    return max(r.first_token - r.arrival for r in unit)
 
 
 @dataclass(slots=True)
@@ -99,7 +145,7 @@ class SimResult:
             for r in rs:
                 if r.replica:
                     served[r.replica] = served.get(r.replica, 0) + 1
-            missed = [r for r in rs if not _ttft_met(r)]
+            missed = _missed(rs)
             cold = sum(1 for r in missed if r.cold)
             out[m] = {
                 "requests": len(rs),
@@ -120,7 +166,8 @@ class SimResult:
         judged = judged_requests(reqs)
         ttft, tpot = attainment(reqs)
         done = [r for r in reqs if r.finish is not None]
-        ttfts = np.array([r.ttft for r in judged if r.first_token is not None])
+        ttfts = np.array([t for u in _units(judged) if (t := _unit_ttft(u)) is not None])
+        missed = _missed(judged)
         out_tokens = sum(r.output_tokens for r in done)
 
         def pct(a: np.ndarray, q: float) -> float | None:
@@ -129,7 +176,8 @@ class SimResult:
         return {
             **self.labels,
             "num_requests": len(reqs),
-            "num_judged": len(judged),  # the requests attainment counts (batch left out)
+            # the judgements attainment makes (batch left out, a group of inputs once)
+            "num_judged": judged_units(reqs),
             "num_finished": len(done),
             "num_rejected": sum(1 for r in reqs if r.rejected is not None),
             "num_unfinished": sum(1 for r in reqs if r.finish is None and r.rejected is None),
@@ -140,8 +188,8 @@ class SimResult:
             "ttft_p50_s": pct(ttfts, 50),
             "ttft_p95_s": pct(ttfts, 95),
             "ttft_p99_s": pct(ttfts, 99),
-            "ttft_misses_cold": sum(1 for r in judged if r.cold and not _ttft_met(r)),
-            "ttft_misses_warm": sum(1 for r in judged if not r.cold and not _ttft_met(r)),
+            "ttft_misses_cold": sum(1 for r in missed if r.cold),
+            "ttft_misses_warm": sum(1 for r in missed if not r.cold),
             "activations": self.counters["activations"],
             "replica_activations": self.counters["replica_activations"],  # of replica slots >= 1
             "requests_on_replicas": sum(1 for r in reqs if r.replica and r.replica != r.model),
@@ -170,10 +218,9 @@ class SimResult:
             by_tenant.setdefault(r.control.origin.tenant, []).append(r)
 
         def part(rs: list[SimRequest]) -> dict:
-            n = len(rs)
-            return {"requests": n, "finished": sum(r.finish is not None for r in rs),
-                    "ttft_attainment": sum(map(_ttft_met, rs)) / n,
-                    "tpot_attainment": sum(map(_tpot_met, rs)) / n}  # fmt: skip
+            ttft, tpot = _unit_attainment(rs)
+            return {"requests": len(rs), "finished": sum(r.finish is not None for r in rs),
+                    "ttft_attainment": ttft, "tpot_attainment": tpot}  # fmt: skip
 
         batch = by_class.get("batch", [])
         return {

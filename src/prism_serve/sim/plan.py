@@ -84,7 +84,7 @@ from prism_serve.sim.cost import COST_MODELS
 from prism_serve.sim.deployment import SimDeployment
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.hardware import HardwareProfile, get_hardware
-from prism_serve.sim.metrics import attainment, judged_requests
+from prism_serve.sim.metrics import attainment, judged_units
 from prism_serve.sim.models import ServedModel
 from prism_serve.sim.simulator import simulate
 from prism_serve.workload.format import Workload
@@ -384,12 +384,13 @@ def _screen(screen: _Screen) -> dict:
             )
         res = simulate(models, served, job.slos, cfg)
         # unarrived ones (a run stopped early): "at least"
-        counted = judged_requests(res.requests[first - warmup :])
+        counted = res.requests[first - warmup :]
         ttft, tpot = attainment(counted)
         met = ttft if screen.metric == "ttft" else tpot
-        misses += len(counted) - round(met * len(counted))
+        units = judged_units(counted)  # a group of inputs once
+        misses += units - round(met * units)
         stopped = bool(res.labels.get("stopped_early"))
-        seen += len(counted)
+        seen += units
     wl = job.workload
     out = {
         "num_devices": job.config.num_devices,

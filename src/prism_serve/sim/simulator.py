@@ -191,7 +191,8 @@ class Simulator:
         # early stop (SimConfig.stop_after_ttft_misses): requests not yet known to meet or miss
         # their TTFT SLO, and those known to have missed it
         self._unsettled: list[SimRequest] = []
-        self.ttft_misses = 0
+        self.ttft_misses = 0  # judgements missed: a group of inputs counts once (sim/metrics.py)
+        self._missed_groups: set[int] = set()
         self.stopped_early = False
         # the other models each one was resident with on a device, at any time
         self.colocated: dict[str, set[str]] = {}
@@ -336,6 +337,8 @@ class Simulator:
         control = Request(req_id, model, now, prompt, ttft_slo, prefix_keys, origin=origin)
         req = SimRequest(req_id, model, now, prompt, output, ttft_slo, tpot_slo, control)
         req.block_keys = keys
+        if wl.groups is not None:
+            req.group = int(wl.groups[i])
         # cold: no replica of the model had a ready engine when the request arrived
         req.cold = all(self.models[name].state is not ModelState.ACTIVE for name in self._replicas_of(model))
         self.requests.append(req)
@@ -358,11 +361,16 @@ class Simulator:
         still = []
         for r in self._unsettled:
             if r.first_token is not None:
-                self.ttft_misses += r.first_token - r.arrival > r.ttft_slo
+                missed = r.first_token - r.arrival > r.ttft_slo
             elif r.rejected is not None or now - r.arrival > r.ttft_slo:
-                self.ttft_misses += 1
+                missed = True
             else:
                 still.append(r)
+                continue
+            if missed and r.group >= 0:  # its group misses once, whichever input missed first
+                missed = r.group not in self._missed_groups
+                self._missed_groups.add(r.group)
+            self.ttft_misses += missed
         self._unsettled = still
         limit = self.config.stop_after_ttft_misses
         if limit is not None and self.ttft_misses > limit:

@@ -86,12 +86,16 @@ class Workload:
     indexes it. ``block_hashes`` (None: no request has any) holds each request's prompt block hashes,
     ``()`` for a request without, all of blocks of ``block_tokens`` tokens. ``origins`` (None: every
     request is ``NO_ORIGIN``) lists the (tenant, priority) pairs that occur; ``origin_index[i]``
-    indexes it.
+    indexes it. ``groups`` (None: every request stands alone) gives each request the id of the
+    client request it is part of: the inputs of one embed or score request (a request log's line
+    of ``n`` inputs) share an id >= 0 and are judged together, met only if every one is; -1 stands
+    alone.
     """
 
     __slots__ = (
         "block_hashes",
         "block_tokens",
+        "groups",
         "model_index",
         "models",
         "origin_index",
@@ -111,8 +115,10 @@ class Workload:
         block_hashes: Sequence[tuple[int, ...]] | None = None,
         block_tokens: int = 0,
         origins: Sequence[tuple[str, str]] | None = None,
+        groups: Sequence[int] | np.ndarray | None = None,
     ) -> None:
-        """``origins``: each request's (tenant, priority), or None for none."""
+        """``origins``: each request's (tenant, priority), or None for none; ``groups`` as the
+        class says."""
         n = len(timestamps)
         if not (len(model_index) == len(prompt_tokens) == len(output_tokens) == n):
             raise WorkloadError("workload columns differ in length")
@@ -153,18 +159,34 @@ class Workload:
             if set(table) - {NO_ORIGIN}:
                 self.origins = tuple(table)
                 self.origin_index = np.array([table[o] for o in origins], dtype=np.int32)[order]
+        self.groups: np.ndarray | None = None
+        if groups is not None:
+            g = np.asarray(groups, dtype=np.int64)
+            if len(g) != n or (n and g.min() < -1):
+                raise WorkloadError("groups needs one id (>= 0, or -1: alone) per request")
+            if n and g.max() >= 0:
+                self.groups = g[order]
 
     def origin_of(self, i: int) -> tuple[str, str]:
         """Request ``i``'s (tenant, priority)."""
         return NO_ORIGIN if self.origins is None else self.origins[self.origin_index[i]]
 
     def judged(self) -> np.ndarray:
-        """Which requests attainment judges (sim/metrics.py): all but the batch class's, or all
-        when every request is batch."""
-        if self.origins is None:
-            return np.ones(len(self), dtype=bool)
-        batch = np.array([p == "batch" for _, p in self.origins], dtype=bool)[self.origin_index]
-        return ~batch if not batch.all() else np.ones(len(self), dtype=bool)
+        """Which requests attainment counts (sim/metrics.py), one per judgement: all but the batch
+        class's (all when every request is batch), and of a group's inputs only its first (the
+        group is judged once, on all of them)."""
+        out = np.ones(len(self), dtype=bool)
+        if self.origins is not None:
+            batch = np.array([p == "batch" for _, p in self.origins], dtype=bool)[self.origin_index]
+            if not batch.all():
+                out = ~batch
+        if self.groups is not None:  # every grouped input after its group's first
+            grouped = np.flatnonzero(self.groups >= 0)
+            later = np.zeros(len(self), dtype=bool)
+            later[grouped] = True
+            later[grouped[np.unique(self.groups[grouped], return_index=True)[1]]] = False
+            out &= ~later
+        return out
 
     def origins_at(self, index: np.ndarray) -> list[tuple[str, str]] | None:
         """The origins of the requests at ``index`` (a mask or indices), for a new workload."""
@@ -212,6 +234,10 @@ class Workload:
         ):
             yield WorkloadRequest(t, names[m], p, o, h, bt if h else 0, *who)
 
+    def groups_at(self, index: np.ndarray) -> np.ndarray | None:
+        """The group ids of the requests at ``index`` (a mask or indices), for a new workload."""
+        return None if self.groups is None else self.groups[index]
+
     def _hashes_of(self, mask: np.ndarray) -> list[tuple[int, ...]] | None:
         if self.block_hashes is None:
             return None
@@ -228,6 +254,7 @@ class Workload:
             self._hashes_of(mask),
             self.block_tokens,
             self.origins_at(mask),
+            self.groups_at(mask),
         )
 
     def only(self, model: str) -> Workload:
@@ -250,6 +277,7 @@ class Workload:
             self._hashes_of(mask),
             self.block_tokens,
             self.origins_at(mask),
+            self.groups_at(mask),
         )
 
     def head(self, seconds: float) -> Workload:

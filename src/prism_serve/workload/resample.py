@@ -76,7 +76,21 @@ def resample(workload: Workload, seed: int, block_s: float = BLOCK_S, reach_s: f
         hashes,
         workload.block_tokens,
         workload.origins_at(source),
+        _copied_groups(workload.groups_at(source), source),
     )
+
+
+def _copied_groups(groups: np.ndarray | None, source: np.ndarray) -> np.ndarray | None:
+    """The group ids of a draw whose requests are copies of ``source``'s: the k-th copy of each
+    of a group's inputs (in arrival order) joins the group's k-th copy, judged on its own."""
+    if groups is None:
+        return None
+    order = np.argsort(source, kind="stable")
+    starts = np.r_[0, np.flatnonzero(np.diff(source[order])) + 1]
+    rank = np.empty(len(source), dtype=np.int64)
+    rank[order] = np.arange(len(source)) - np.repeat(starts, np.diff(np.r_[starts, len(source)]))
+    copies = int(rank.max()) + 1 if len(rank) else 1
+    return np.where(groups >= 0, groups * copies + rank, -1)
 
 
 def _blocks(

@@ -114,6 +114,7 @@ class _Row:
     hashes: tuple[int, ...] = ()  # its prompt's block hashes, of blocks of block_tokens tokens
     block_tokens: int = 0
     origin: tuple[str, str] = NO_ORIGIN  # (tenant, priority)
+    group: int = -1  # an embed or score line's inputs share one (Workload.groups); -1: alone
 
 
 def read_traffic(
@@ -141,7 +142,7 @@ def read_traffic(
         rows = []
         for line, obj in _json_lines(path, fail):
             try:
-                got = _log_rows(obj) if fmt == "log" else [_jsonl_row(obj)]
+                got = _log_rows(obj, line) if fmt == "log" else [_jsonl_row(obj)]
             except (KeyError, TypeError, ValueError) as e:
                 fail(line, f"not a {fmt} record: {e}")
                 continue
@@ -189,6 +190,7 @@ def read_traffic(
         [r.hashes for r in window] if sizes else None,
         sizes.pop() if sizes else 0,
         [r.origin for r in window] if any(r.origin != NO_ORIGIN for r in window) else None,
+        [r.group for r in window] if any(r.group >= 0 for r in window) else None,
     )
     batch = sum(r.origin[1] == "batch" for r in window)
     return Traffic(workload, str(path), fmt, span, len(bad), unknown, invalid, batch)
@@ -268,10 +270,11 @@ def _hashes(obj: dict) -> tuple[tuple[int, ...], int]:
         raise ValueError(str(e)) from None
 
 
-def _log_rows(obj: Any) -> list[_Row]:
+def _log_rows(obj: Any, line: int = -1) -> list[_Row]:
     """A request log line's requests: ``n`` choices are ``n`` sequences of the engine, each with
     the prompt and its share of the output tokens; an embed or score line's ``n`` inputs are ``n``
-    requests of one output token, each with its share of the prompt tokens (their sum); none for a
+    requests of one output token, each with its share of the prompt tokens (their sum), one group
+    (``line``: the client waits for all of them, and its SLO judges them together); none for a
     request refused as invalid."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected an object, got {type(obj).__name__}")
@@ -288,13 +291,15 @@ def _log_rows(obj: Any) -> list[_Row]:
         per_choice = int(_number(obj["max_tokens"], "max_tokens", 1))
     arrival, model = _number(obj["arrival"], "arrival"), _model(obj["model"])
     prompt = int(_number(prompt, "prompt_tokens", 1))
+    group = -1
     if obj.get("task") in ("embed", "score"):  # n inputs, their prompt tokens summed
         prompt, per_choice = max(1, round(prompt / n)), 1
+        group = line if n > 1 and line >= 0 else -1
     hashes, block_tokens = _hashes(obj)
     # a batch-lane line runs in the batch class, whatever its tenant's
     priority = "batch" if obj.get("lane") == "batch" else (obj.get("priority") or NO_ORIGIN[1])
     origin = _origin(obj.get("tenant") or "", priority)
-    return [_Row(arrival, model, prompt, per_choice, hashes, block_tokens, origin) for _ in range(n)]
+    return [_Row(arrival, model, prompt, per_choice, hashes, block_tokens, origin, group) for _ in range(n)]
 
 
 def _csv_rows(path: Path, columns: CsvColumns, fail) -> Iterable[_Row]:
