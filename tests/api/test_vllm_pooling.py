@@ -13,7 +13,6 @@ SmolLM2-135M-Instruct."""
 from __future__ import annotations
 
 import shutil
-import signal
 from pathlib import Path
 
 import httpx
@@ -22,11 +21,10 @@ import pytest
 import torch
 from openai import OpenAI
 
-from prism_serve.api.process import stop_server_process
 from prism_serve.engine.config import PoolingTask
 from prism_serve.engine.sources import write_embedding_files
 from prism_serve.engine.tokenizer import Tokenizer
-from tests.api.conftest import ServerProcess, ledger_snapshot, shm_files, start_server
+from tests.api.conftest import ServerProcess, ledger_snapshot, start_server, stop_clean
 from tests.api.test_vllm_server import VLLM_PYTHON
 
 TEXTS = [
@@ -90,9 +88,7 @@ server: {{namespace: "{{namespace}}"}}
 """
     srv = start_server(tmp_path_factory.mktemp("vllm-pooling"), config, timeout_s=300)
     yield srv
-    code = stop_server_process(srv.proc)
-    assert code in (0, -signal.SIGTERM), srv.log_text()[-4000:]
-    assert shm_files(srv.namespace) == []
+    stop_clean(srv)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +114,17 @@ def test_an_encoder_embedder_on_vllm_matches_sentence_transformers(client, encod
     assert len(cut) == 32 and np.allclose(cut, part, atol=1e-5)
 
 
+def check_rerank(server: ServerProcess, model: str, expected: list[float], tolerance: float) -> None:
+    """/v1/rerank of QUERY against TEXTS: ``expected``'s order, each score within ``tolerance``."""
+    body = {"model": model, "query": QUERY, "documents": TEXTS}
+    r = httpx.post(f"{server.base_url}/rerank", json=body, timeout=240)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(len(TEXTS)), key=lambda i: -expected[i])
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=tolerance)
+
+
 def test_a_cross_encoder_on_vllm_scores_pairs_as_transformers_does(server, encoders) -> None:
     from transformers import AutoModelForSequenceClassification
 
@@ -129,13 +136,7 @@ def test_a_cross_encoder_on_vllm_scores_pairs_as_transformers_does(server, encod
             ids, _ = ours.encode_pair(QUERY, doc)
             logit = float(model(torch.tensor([ids])).logits[0, 0])
             expected.append(1.0 / (1.0 + np.exp(-logit)))
-    body = {"model": "mb-rerank", "query": QUERY, "documents": TEXTS}
-    r = httpx.post(f"{server.base_url}/rerank", json=body, timeout=240)
-    assert r.status_code == 200, r.text
-    results = r.json()["results"]
-    assert [x["index"] for x in results] == sorted(range(len(TEXTS)), key=lambda i: -expected[i])
-    for x in results:
-        assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-5)
+    check_rerank(server, "mb-rerank", expected, 1e-5)
     s = httpx.post(
         f"{server.base_url}/score", json={"model": "mb-rerank", "text_1": QUERY, "text_2": TEXTS}, timeout=240
     )
@@ -158,13 +159,7 @@ def test_a_decoder_reranker_on_vllm_scores_with_its_yes_and_no_logits(server, sm
         for doc in TEXTS:
             logits = model(torch.tensor([tok.encode(task.prompt(QUERY, doc))])).logits[0, -1]
             expected.append(float(torch.sigmoid(logits[yes] - logits[no])))
-    body = {"model": "smol-rerank", "query": QUERY, "documents": TEXTS}
-    r = httpx.post(f"{server.base_url}/rerank", json=body, timeout=240)
-    assert r.status_code == 200, r.text
-    results = r.json()["results"]
-    assert [x["index"] for x in results] == sorted(range(len(TEXTS)), key=lambda i: -expected[i])
-    for x in results:
-        assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-4)
+    check_rerank(server, "smol-rerank", expected, 1e-4)
 
 
 def test_a_decoder_embedder_on_vllm_gives_the_builtin_engines_vectors(client) -> None:
