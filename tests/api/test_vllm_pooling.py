@@ -170,6 +170,10 @@ def test_a_decoder_embedder_on_vllm_gives_the_builtin_engines_vectors(client) ->
     assert a.shape == b.shape == (len(TEXTS), 576)
     assert (a * b).sum(1).min() >= 0.9999  # both normalised: the last token's state, as configured
     assert on_vllm.usage.prompt_tokens == builtin.usage.prompt_tokens
+    # its weights came in by the checked load plan: the LM head vLLM's embedding model never
+    # calls is neither loaded nor kept
+    card = {m.id: m for m in client.models.list().data}["smol-vllm"].model_extra
+    assert card["weights_loaded_by"] == "plan", card
 
 
 def test_the_encoders_hold_no_kv_and_answer_only_their_routes(server, client) -> None:

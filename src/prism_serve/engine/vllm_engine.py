@@ -208,6 +208,7 @@ class VllmEngine(RequestCounts):
         self.scheduler = core.scheduler
         self._runner = core.model_executor.driver_worker.worker.model_runner
         self._model = self._runner.get_model()
+        self._drop_unused_layers()
         self.max_model_len = int(engine.model_config.max_model_len)
         self.vocab_size = int(engine.model_config.get_vocab_size())
         self._pool = self.scheduler.kv_cache_manager.block_pool
@@ -333,6 +334,21 @@ class VllmEngine(RequestCounts):
             out._zero_slot_for_the_base(config.max_loras)
         return out
 
+    def _drop_unused_layers(self) -> None:
+        """Empty the layers vLLM keeps but never calls (its ``StageMissingLayer``: a pooling model's
+        LM head, converted away): their weights, dummy values of the vocabulary's size allocated
+        at the build (113 MB for SmolLM2 in fp32), would stay in the worker for nothing and
+        outside the ledger."""
+        for m in self._model.modules():
+            inner = m.__dict__.get("module") if type(m).__name__ == "StageMissingLayer" else None
+            if inner is None:
+                continue
+            for sub in inner.modules():
+                for name, p in list(sub.named_parameters(recurse=False)):
+                    setattr(sub, name, torch.nn.Parameter(p.new_empty(0), requires_grad=False))
+                if getattr(sub, "cpu_linear", None) is not None:
+                    sub.cpu_linear = None
+
     def _zero_slot_for_the_base(self, max_loras: int) -> None:
         """vLLM 0.32's CPU LoRA ops (torch ops) index the stacked slots with each token's slot, -1
         for a token without an adapter, which reads the last slot: with every slot holding an
@@ -436,6 +452,8 @@ class VllmEngine(RequestCounts):
         tied = bool(getattr(self._engine.model_config.hf_config, "tie_word_embeddings", False))
         if self.config.score_tokens is not None:
             named = _reranker_checkpoint(named, self.config.score_tokens)
+        elif self.pooling is not None:  # an embedder or a cross-encoder: no LM head to load
+            named.pop("lm_head.weight", None)
         elif tied and "lm_head.weight" not in named:
             embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
             if embed is not None:

@@ -123,6 +123,8 @@ def make_plan(model: torch.nn.Module, named: dict[str, torch.Tensor], tied_head:
         params.append((name, src))
     linears = []
     for name, m in model.named_modules():
+        if type(m).__name__ == "StageMissingLayer":  # never called (a pooling model's LM head)
+            continue
         method = getattr(m, "quant_method", None)
         own = [p for p in m.parameters(recurse=False) if p.numel()]
         if method is not None and own and type(method).__name__ not in _UNQUANTIZED:
