@@ -160,6 +160,9 @@ def test_a_decoder_reranker_on_vllm_scores_with_its_yes_and_no_logits(server, sm
             logits = model(torch.tensor([tok.encode(task.prompt(QUERY, doc))])).logits[0, -1]
             expected.append(float(torch.sigmoid(logits[yes] - logits[no])))
     check_rerank(server, "smol-rerank", expected, 1e-4)
+    cards = httpx.get(f"{server.base_url}/models", timeout=60).json()["data"]
+    loaded = {c["id"]: c["weights_loaded_by"] for c in cards}
+    assert loaded["smol-rerank"] == "plan", loaded  # its score weight made at load, then the plan
 
 
 def test_a_decoder_embedder_on_vllm_gives_the_builtin_engines_vectors(client) -> None:

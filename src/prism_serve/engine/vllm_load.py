@@ -136,7 +136,8 @@ def make_plan(model: torch.nn.Module, named: dict[str, torch.Tensor], tied_head:
         if m.weight.numel():
             linears.append((name, ()))  # repacked from its own weight, a data parameter
             continue
-        rows = getattr(m, "output_size_per_partition", None)
+        # a ReplicatedLinear (a classifier's score head) names its sizes without the partition
+        rows = getattr(m, "output_size_per_partition", None) or getattr(m, "output_size", None)
         src = sources(f"{name}.weight", rows, (_input_size(m),)) if rows else None
         if src is None:
             return None
@@ -149,7 +150,11 @@ def make_plan(model: torch.nn.Module, named: dict[str, torch.Tensor], tied_head:
 
 
 def _input_size(m: torch.nn.Module) -> int | None:
-    return getattr(m, "input_size_per_partition", None) or getattr(m, "embedding_dim", None)
+    return (
+        getattr(m, "input_size_per_partition", None)
+        or getattr(m, "embedding_dim", None)
+        or getattr(m, "input_size", None)
+    )
 
 
 def verify(
