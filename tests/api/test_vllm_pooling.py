@@ -192,3 +192,19 @@ def test_the_encoders_hold_no_kv_and_answer_only_their_routes(server, client) ->
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     # the engines still answer afterwards
     assert len(client.embeddings.create(model="mb-embed", input="still here").data[0].embedding) == 128
+
+
+def test_an_evicted_pooled_model_comes_back_with_the_same_answers(server, client) -> None:
+    """Unloaded by hand, an encoder on vLLM gives back its weights' pages (the ledger holds nothing
+    under its name); its next request activates it again, and the vectors are the same."""
+    before = np.array([d.embedding for d in client.embeddings.create(model="mb-embed", input=TEXTS[:2]).data])
+    activations = {m.id: m.model_extra["num_activations"] for m in client.models.list().data}
+    r = httpx.post(f"{server.base_url}/admin/models/mb-embed/unload", json={}, timeout=240)
+    assert r.status_code == 200, r.text
+    held = {e.name: e.mapped_bytes for e in ledger_snapshot(server).entries}
+    assert held.get("mb-embed weights", 0) == 0 and held.get("mb-embed kv", 0) == 0, held
+    after = np.array([d.embedding for d in client.embeddings.create(model="mb-embed", input=TEXTS[:2]).data])
+    assert np.allclose(after, before, atol=1e-6)
+    cards = {m.id: m.model_extra for m in client.models.list().data}
+    assert cards["mb-embed"]["num_activations"] == activations["mb-embed"] + 1
+    assert cards["mb-embed"]["state"] == "active"
