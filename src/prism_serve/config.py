@@ -428,15 +428,23 @@ class ModelConfig(_Strict):
             return {"pooling": "classify"}
         from prism_serve.engine.tokenizer import Tokenizer
 
-        tok = Tokenizer.from_hf_dir(Path(self.source).expanduser())
-        ids = [tok.one_token(text) for text in task.tokens]
-        for text, found in zip(task.tokens, ids, strict=True):
-            if found is None:
-                raise ConfigError(
-                    f"model {self.name}: score token {text!r} is not one token of its vocabulary; set "
-                    "score_tokens to its no and yes tokens"
-                )
-        return {"pooling": "classify", "score_tokens": (ids[0], ids[1])}
+        no, yes = score_token_ids(self.name, task, Tokenizer.from_hf_dir(Path(self.source).expanduser()))
+        return {"pooling": "classify", "score_tokens": (no, yes)}
+
+
+def score_token_ids(model: str, task: PoolingTask, tokenizer: Any) -> tuple[int, ...]:
+    """A decoder reranker's answer tokens (no, yes) as ids of ``tokenizer`` (engine/tokenizer.py's
+    ``one_token``); a ConfigError names one that is not one token."""
+    ids = []
+    for text in task.tokens:
+        found = tokenizer.one_token(text)
+        if found is None:
+            raise ConfigError(
+                f"model {model}: score token {text!r} is not one token of its vocabulary; set "
+                "score_tokens to its no and yes tokens"
+            )
+        ids.append(found)
+    return tuple(ids)
 
 
 # what an adapter entry may set (the rest is its base's)

@@ -36,7 +36,7 @@ from prism_serve.api.errors import (
 from prism_serve.api.metrics import ServerMetrics
 from prism_serve.api.request_log import LogEntry, RequestLog
 from prism_serve.api.tenants import RateLimitError, Tenant, Tenants
-from prism_serve.config import ConfigError, ServerConfig
+from prism_serve.config import ServerConfig, score_token_ids
 from prism_serve.control.types import DEFAULT_ORIGIN, Priority
 from prism_serve.engine.config import PoolingTask
 from prism_serve.engine.sampling_params import SamplingParams
@@ -67,18 +67,11 @@ class Served:
     @classmethod
     def of(cls, st: ModelStatus, tokenizer: Tokenizer) -> Served:
         """``tokenizer`` finds a reranker's answer tokens: a ConfigError where one is not one token."""
-        ids: list[int] = []
         task = st.pooled
-        for text in task.tokens if task is not None and task.task == "score" and not task.classifier else ():
-            found = tokenizer.one_token(text)
-            if found is None:
-                raise ConfigError(
-                    f"model {st.model}: score token {text!r} is not one token of its vocabulary; set "
-                    "score_tokens to its no and yes tokens"
-                )
-            ids.append(found)
+        scored = task is not None and task.task == "score" and not task.classifier
+        ids = score_token_ids(st.model, task, tokenizer) if scored else ()
         return cls(st.ttft_slo, st.tpot_slo, st.max_model_len, st.vocab_size, dict(st.sampling), task,
-                   st.hidden_size, tuple(ids))  # fmt: skip
+                   st.hidden_size, ids)  # fmt: skip
 
     def refuse(self, model: str, task: str) -> None:
         """A 400 naming the routes that serve this model, unless it serves ``task``."""
