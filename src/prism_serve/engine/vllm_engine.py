@@ -56,9 +56,9 @@ Memory (every byte in the device ledger):
   pooling runner, built with the model's pooling (a decoder checkpoint is converted to an
   embedding model by vLLM; a decoder reranker, ``score_tokens``, to a one-output classifier whose
   weight ``load`` makes from the LM head: yes row less no row). A request answers with the raw
-  pooled state or head output; the server
-  normalises or takes the sigmoid, as for the built-in engine. An encoder has no KV cache: vLLM
-  allocates none, and its ``StridedKVPages`` has no layers, so nothing is mapped or granted for KV.
+  pooled state or head output; the server normalises or takes the sigmoid, as for the built-in
+  engine. An encoder has no KV cache: vLLM allocates none, and its ``StridedKVPages`` has no
+  layers, so nothing is mapped or granted for KV.
 
 The engine itself (scheduler, compiled kernels, tokenizer) stays built between models of one shape,
 which is what makes an activation a weight load and not a vLLM start.
@@ -809,7 +809,8 @@ def _reranker_checkpoint(named: dict[str, torch.Tensor], tokens: tuple[int, int]
 def _max_model_len(source: str, asked: int | None) -> int | None:
     """``EngineConfig.max_model_len`` as the built-in engine reads it (resolve_max_model_len):
     never beyond the context config.json gives (vLLM refuses a longer one: a 512-token encoder
-    under the default 2048), None's default capped; None where config.json gives no context."""
+    under the default 2048), None's default capped; ``asked`` as it is where config.json gives no
+    context."""
     path = Path(source) / "config.json"
     cfg = msgspec.json.decode(path.read_bytes()) if path.is_file() else {}
     ctx = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
