@@ -96,8 +96,13 @@ class EngineConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
 
 def resolve_max_model_len(max_model_len: int | None, model: ArchConfig) -> int:
     """``max_model_len``, or the model's context capped at 8192; never beyond the context."""
-    ctx = model.max_position_embeddings
-    return min(max_model_len or min(ctx, MAX_DEFAULT_CONTEXT), ctx)
+    return within_context(max_model_len, model.max_position_embeddings)
+
+
+def within_context(max_model_len: int | None, context: int) -> int:
+    """``resolve_max_model_len`` for a model known by its context (``max_position_embeddings``)
+    alone: vLLM's engine reads the rest of config.json itself."""
+    return min(max_model_len or min(context, MAX_DEFAULT_CONTEXT), context)
 
 
 ENGINE_DEFAULTS = EngineConfig()  # read by the layers that mirror a knob (config.py, runtime/models.py)

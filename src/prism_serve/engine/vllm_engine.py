@@ -80,7 +80,7 @@ from typing import Any
 import msgspec
 import torch
 
-from prism_serve.engine.config import MAX_DEFAULT_CONTEXT, EngineConfig
+from prism_serve.engine.config import EngineConfig, within_context
 from prism_serve.engine.interface import RequestCounts
 from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.sampling_params import SamplingParams
@@ -303,14 +303,15 @@ class VllmEngine(RequestCounts):
             finally:
                 worker_utils.torch = torch
 
+        hf = _hf_config(source)  # read once: the context and a reranker's architecture
         args = EngineArgs(
             model=source, dtype=config.dtype, load_format="dummy", enforce_eager=not compiled,
-            max_model_len=_max_model_len(source, config.max_model_len), max_num_seqs=config.max_num_seqs,
+            max_model_len=_max_model_len(hf, config.max_model_len), max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             # a pooling model: vLLM's own choice (an encoder has no KV to cache)
             enable_prefix_caching=config.prefix_caching if config.pooling is None else None,
             kv_cache_memory_bytes=kv_range.size,
-            seed=config.seed, **_pooling_args(source, config),
+            seed=config.seed, **_pooling_args(source, hf, config),
             # one slot more than max_loras, kept zero: ``_zero_slot_for_the_base``
             **(
                 dict(enable_lora=True, max_loras=config.max_loras + 1, max_cpu_loras=config.max_loras + 1,
@@ -806,29 +807,34 @@ def _reranker_checkpoint(named: dict[str, torch.Tensor], tokens: tuple[int, int]
     return out
 
 
-def _max_model_len(source: str, asked: int | None) -> int | None:
-    """``EngineConfig.max_model_len`` as the built-in engine reads it (resolve_max_model_len):
-    never beyond the context config.json gives (vLLM refuses a longer one: a 512-token encoder
-    under the default 2048), None's default capped; ``asked`` as it is where config.json gives no
-    context."""
+def _hf_config(source: str) -> dict[str, Any]:
+    """``source``'s config.json as a dict (empty where there is none, or it is not an object)."""
     path = Path(source) / "config.json"
     cfg = msgspec.json.decode(path.read_bytes()) if path.is_file() else {}
-    ctx = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _max_model_len(cfg: dict[str, Any], asked: int | None) -> int | None:
+    """``EngineConfig.max_model_len`` as the built-in engine reads it (resolve_max_model_len):
+    never beyond the context config.json (``cfg``) gives (vLLM refuses a longer one: a 512-token
+    encoder under the default 2048), None's default capped; ``asked`` as it is where config.json
+    gives no context."""
+    ctx = cfg.get("max_position_embeddings")
     if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx <= 0:
         return asked
-    return min(asked or min(ctx, MAX_DEFAULT_CONTEXT), ctx)
+    return within_context(asked, ctx)
 
 
-def _pooling_args(source: str, config: EngineConfig) -> dict[str, Any]:
+def _pooling_args(source: str, cfg: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
     """EngineArgs for ``EngineConfig.pooling``: vLLM's pooling runner (a decoder checkpoint is
     converted to an embedding model), pooling as the model's config says; a classifier pools as
     its own model does. A decoder reranker (``score_tokens``) is built as its architecture's
-    one-output sequence classifier (``VllmEngine.load`` makes the weight)."""
+    one-output sequence classifier (``VllmEngine.load`` makes the weight); ``cfg``: its
+    config.json."""
     pooling = config.pooling
     if pooling is None:
         return {}
     if config.score_tokens is not None:
-        cfg = msgspec.json.decode((Path(source) / "config.json").read_bytes())
         arch = next(iter(cfg.get("architectures") or ()), "")
         if not arch.endswith("ForCausalLM"):
             raise UnsupportedModelError(
