@@ -92,6 +92,7 @@ from prism_serve.engine.vllm_load import (
     checkpoint_signature,
     make_plan,
     synthetic_checkpoint,
+    unused_layer,
     verify,
 )
 from prism_serve.errors import (
@@ -341,7 +342,7 @@ class VllmEngine(RequestCounts):
         at the build (113 MB for SmolLM2 in fp32), would stay in the worker for nothing and
         outside the ledger."""
         for m in self._model.modules():
-            inner = m.__dict__.get("module") if type(m).__name__ == "StageMissingLayer" else None
+            inner = m.__dict__.get("module") if unused_layer(m) else None
             if inner is None:
                 continue
             for sub in inner.modules():

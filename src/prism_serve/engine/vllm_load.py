@@ -31,7 +31,7 @@ import torch
 
 from prism_serve.engine.weights import CHECKPOINT_FLOATS
 
-__all__ = ["LoadPlan", "checkpoint_signature", "make_plan", "synthetic_checkpoint", "verify"]
+__all__ = ["LoadPlan", "checkpoint_signature", "make_plan", "synthetic_checkpoint", "unused_layer", "verify"]
 
 _UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 _IGNORED = ("rotary_emb.inv_freq",)  # computed by vLLM, present in some checkpoints
@@ -123,7 +123,7 @@ def make_plan(model: torch.nn.Module, named: dict[str, torch.Tensor], tied_head:
         params.append((name, src))
     linears = []
     for name, m in model.named_modules():
-        if type(m).__name__ == "StageMissingLayer":  # never called (a pooling model's LM head)
+        if unused_layer(m):
             continue
         method = getattr(m, "quant_method", None)
         own = [p for p in m.parameters(recurse=False) if p.numel()]
@@ -147,6 +147,12 @@ def make_plan(model: torch.nn.Module, named: dict[str, torch.Tensor], tied_head:
     if tied_head:
         left.discard("lm_head.weight")  # the embedding's, which the plan loads already
     return LoadPlan(tuple(params), tuple(linears)) if not left else None
+
+
+def unused_layer(m: torch.nn.Module) -> bool:
+    """vLLM's stand-in for a layer the model keeps but never calls (``StageMissingLayer``: a
+    pooling model's LM head, converted away); the real layer is its ``module``."""
+    return type(m).__name__ == "StageMissingLayer"
 
 
 def _input_size(m: torch.nn.Module) -> int | None:
