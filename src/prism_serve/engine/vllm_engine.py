@@ -218,7 +218,6 @@ class VllmEngine(RequestCounts):
         groups = self.scheduler.kv_cache_config.kv_cache_groups
         # an encoder (bidirectional attention) has no KV cache: no group, no layer in ``kv``
         self.block_size = int(groups[0].kv_cache_spec.block_size) if groups else config.block_size
-        self.pooling = config.pooling  # a pooling model's engine (EngineConfig.pooling); None: generates
         hf_config = engine.model_config.hf_config
         # BERT's token types: a pair's second segment is type 1 (vLLM's compressed_token_type_ids)
         self._token_types = int(getattr(hf_config, "type_vocab_size", 0) or 0) > 1
@@ -454,7 +453,7 @@ class VllmEngine(RequestCounts):
         tied = bool(getattr(self._engine.model_config.hf_config, "tie_word_embeddings", False))
         if self.config.score_tokens is not None:
             named = _reranker_checkpoint(named, self.config.score_tokens)
-        elif self.pooling is not None:  # an embedder or a cross-encoder: no LM head to load
+        elif self.config.pooling is not None:  # an embedder or a cross-encoder: no LM head to load
             named.pop("lm_head.weight", None)
         elif tied and "lm_head.weight" not in named:
             embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
@@ -530,10 +529,10 @@ class VllmEngine(RequestCounts):
             raise InvalidRequestError(f"request id {req_id!r} is already running")
         pooled = params.pooling is not None
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len, 0 if pooled else None)
-        if pooled != (self.pooling is not None):
+        if pooled != (self.config.pooling is not None):
             raise InvalidRequestError(
                 f"{self.source}: this vLLM engine was built to "
-                f"{'pool (embed or score)' if self.pooling else 'generate'}; the request "
+                f"{'pool (embed or score)' if self.config.pooling else 'generate'}; the request "
                 f"{'pools' if pooled else 'generates'}"
             )
         sp = (
@@ -568,7 +567,7 @@ class VllmEngine(RequestCounts):
         extra = None
         if params.pair_start is not None and self._token_types:
             extra = {"compressed_token_type_ids": int(params.pair_start)}
-        task = "classify" if self.pooling == "classify" else "embed"
+        task = "classify" if self.config.pooling == "classify" else "embed"
         return PoolingParams(task=task, use_activation=False, extra_kwargs=extra)
 
     # ---- KV pages -------------------------------------------------------------------------------
@@ -711,7 +710,7 @@ class VllmEngine(RequestCounts):
             r = self._requests.get(o.request_id)
             if r is None:
                 continue
-            if self.pooling is not None:
+            if self.config.pooling is not None:
                 outs.append(self._pooled_output(o, r))
                 continue
             c = o.outputs[0]
