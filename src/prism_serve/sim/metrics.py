@@ -71,11 +71,15 @@ def _unit_attainment(requests: list[SimRequest]) -> tuple[float, float]:
     if all(r.group < 0 for r in requests):  # the common case, without building units
         n = len(requests)
         return (sum(map(_ttft_met, requests)) / n, sum(map(_tpot_met, requests)) / n) if n else (1.0, 1.0)
-    units = _units(requests)
+    return _attainment_of(_units(requests))
+
+
+def _attainment_of(units: list[list[SimRequest]]) -> tuple[float, float]:
+    """(TTFT, TPOT) attainment of ``units`` (1.0 for none): a unit meets an SLO if every input does."""
     n = len(units)
-    ttft = sum(all(map(_ttft_met, u)) for u in units)
-    tpot = sum(all(map(_tpot_met, u)) for u in units)
-    return ttft / n, tpot / n
+    if not n:
+        return 1.0, 1.0
+    return sum(all(map(_ttft_met, u)) for u in units) / n, sum(all(map(_tpot_met, u)) for u in units) / n
 
 
 def judged_units(requests: list[SimRequest]) -> int:
@@ -91,9 +95,9 @@ def attainment(requests: list[SimRequest]) -> tuple[float, float]:
     return _unit_attainment(judged_requests(requests))
 
 
-def _missed(requests: list[SimRequest]) -> list[SimRequest]:
-    """The units of ``requests`` that missed their TTFT SLO, each by its first request."""
-    return [u[0] for u in _units(requests) if not all(map(_ttft_met, u))]
+def _missed(units: list[list[SimRequest]]) -> list[SimRequest]:
+    """The ``units`` that missed their TTFT SLO, each by its first request."""
+    return [u[0] for u in units if not all(map(_ttft_met, u))]
 
 
 def _unit_ttft(unit: list[SimRequest]) -> float | None:
@@ -145,7 +149,7 @@ class SimResult:
             for r in rs:
                 if r.replica:
                     served[r.replica] = served.get(r.replica, 0) + 1
-            missed = _missed(rs)
+            missed = _missed(_units(rs))
             cold = sum(1 for r in missed if r.cold)
             out[m] = {
                 "requests": len(rs),
@@ -163,11 +167,11 @@ class SimResult:
 
     def summary(self) -> dict:
         reqs = self.requests
-        judged = judged_requests(reqs)
-        ttft, tpot = attainment(reqs)
+        units = _units(judged_requests(reqs))  # what attainment judges, each once
+        ttft, tpot = _attainment_of(units)
         done = [r for r in reqs if r.finish is not None]
-        ttfts = np.array([t for u in _units(judged) if (t := _unit_ttft(u)) is not None])
-        missed = _missed(judged)
+        ttfts = np.array([t for u in units if (t := _unit_ttft(u)) is not None])
+        missed = _missed(units)
         out_tokens = sum(r.output_tokens for r in done)
 
         def pct(a: np.ndarray, q: float) -> float | None:
@@ -177,7 +181,7 @@ class SimResult:
             **self.labels,
             "num_requests": len(reqs),
             # the judgements attainment makes (batch left out, a group of inputs once)
-            "num_judged": judged_units(reqs),
+            "num_judged": len(units),
             "num_finished": len(done),
             "num_rejected": sum(1 for r in reqs if r.rejected is not None),
             "num_unfinished": sum(1 for r in reqs if r.finish is None and r.rejected is None),
