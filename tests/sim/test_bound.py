@@ -52,6 +52,17 @@ def test_memory_counts_each_models_largest_request_of_the_window():
     assert b.memory_peak_bytes == m.spec.weight_bytes + m.spec.kv_bytes_per_token * (4000 + 96 - 1)
 
 
+def test_memory_counts_a_windowed_models_window_not_its_length_in_its_windowed_layers():
+    """Gemma 3 1B: 4 global layers of 26 and a 512-token window. A request of 4095 tokens fed holds
+    them all in the global layers (one group of 4), and 512 in the 6 windowed groups of 4."""
+    m = served("g", "gemma-3-1b")
+    w = _workload([(0.0, 0, 4000, 96)], ["g"])
+    per_group = m.spec.kv_bytes_per_token * 4 // 26
+    assert _bound([m], w).memory_peak_bytes == m.spec.weight_bytes + per_group * (4095 + 6 * 512)
+    short = _workload([(0.0, 0, 300, 12)], ["g"])  # within the window: every group holds every token
+    assert _bound([m], short).memory_peak_bytes == m.spec.weight_bytes + per_group * 7 * 311
+
+
 def test_compute_bound_grows_linearly_with_the_requests_of_a_window():
     m = served("a")
     cost = RooflineCostModel(H100)

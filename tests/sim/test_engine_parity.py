@@ -8,11 +8,14 @@ is compared whole: the requests scheduled and the tokens each is fed, the ones t
 preempted, the ones finished (in order), the running and waiting queues after it, and the blocks
 every running request holds. That is with ``max_run_steps=1``; with the default, decode runs must
 give the same steps (all but the blocks, which a run grants up front) and so the same first-token
-and finish steps.
+and finish steps. A model whose sliding-window layers sit beside full-context ones (KVGroups) is
+compared the same way: its blocks are one group's, and its windowed groups free what their window
+has passed, step by step on both sides.
 """
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from collections import deque
@@ -23,6 +26,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prism_serve.engine.kv_cache import KVGroups
 from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
 from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.models.llama import LlamaForCausalLM
@@ -32,12 +36,19 @@ from prism_serve.engine.weights import random_weights
 from prism_serve.sim import HARDWARE, RooflineCostModel, SimConfig
 from prism_serve.sim.engine import SimEngine, SimRequest
 from prism_serve.sim.memory import SimDevice
+from prism_serve.sim.models import ModelShape, ServedModel
 
 from .helpers import served
 
 TOKEN = 7  # what the fake model samples; the synthetic byte tokenizer has no EOS
 MAX_STEPS = 20_000  # a schedule that runs longer than this is stuck
 TINY = ArchConfig("llama", 256, 16, 32, 1, 2, 1, 8, 8192)  # SYNTHETIC: only the engine's loop matters
+
+
+def windowed(window: int) -> ArchConfig:
+    """TINY with five layers, two of them global and three windowed (SYNTHETIC): KV groups of two
+    layers, one full-context and two windowed, the last padded, as Gemma's are split."""
+    return replace(TINY, num_layers=5, sliding_window=window, global_layers=(1, 3))
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,17 +86,26 @@ class Step:
 class Tiny:
     """A synthetic model built once; engines of any KV size share it."""
 
-    def __init__(self) -> None:
-        self.weights = random_weights(TINY)
-        self.model = LlamaForCausalLM(TINY, self.weights.tensors, torch.float32, TINY.max_position_embeddings)
+    def __init__(self, config: ArchConfig = TINY) -> None:
+        self.config = config
+        self.weights = random_weights(config)
+        self.model = LlamaForCausalLM(
+            config, self.weights.tensors, torch.float32, config.max_position_embeddings
+        )
+        self.groups = KVGroups.of(config, config.max_position_embeddings)
 
     def __repr__(self) -> str:
-        return "Tiny()"  # hypothesis prints the arguments of a failing example
+        return f"Tiny(window={self.config.sliding_window})"  # hypothesis prints a failing example's
 
 
 @pytest.fixture(scope="module")
 def tiny() -> Tiny:
     return Tiny()
+
+
+@functools.cache
+def tiny_windowed(window: int) -> Tiny:
+    return Tiny(windowed(window))
 
 
 class FakeRunner:
@@ -102,7 +122,7 @@ def live_engine(tiny: Tiny, lim: Limits, *, real_model: bool = False) -> LLMEngi
         max_num_seqs=lim.max_num_seqs,
         max_num_batched_tokens=lim.max_num_batched_tokens,
         num_kv_blocks=lim.num_blocks,
-        max_model_len=TINY.max_position_embeddings,  # so max_seq_len is the whole KV cache
+        max_model_len=tiny.config.max_position_embeddings,  # so max_seq_len is the whole KV cache
         dtype="float32",  # the tiny model's (auto is bfloat16 on a CPU with native bf16 matmuls)
         # the prompts here are all one token, and SimEngine below gets no block keys: compared
         # without prefix caching (tests/sim/test_prefix_cache.py covers the simulated cache)
@@ -151,7 +171,9 @@ def run_live(tiny: Tiny, arrivals: list[Arrival], lim: Limits, *, real_model: bo
                 tuple(r.req_id for r in results if r.finished),
                 tuple(s.req_id for s in sched.running),
                 tuple(s.req_id for s in sched.waiting),
-                tuple(len(s.block_table) for s in sched.running),
+                tuple(
+                    sum(b >= 0 for t in (s.block_table, *s.group_tables) for b in t) for s in sched.running
+                ),
             )
         )
         t += 1
@@ -161,12 +183,14 @@ def run_live(tiny: Tiny, arrivals: list[Arrival], lim: Limits, *, real_model: bo
 # -- the simulated side ----------------------------------------------------------------------------
 
 
-def sim_engine(lim: Limits, max_run_steps: int) -> SimEngine:
-    m = served("m", "llama-3.2-1b")
-    block_bytes = m.spec.kv_bytes_per_token * lim.block_size
+def sim_engine(lim: Limits, max_run_steps: int, config: ArchConfig = TINY) -> SimEngine:
+    # a windowed model's own shape: its groups' blocks are bytes of its layers
+    m = served("m", "llama-3.2-1b") if config is TINY else ServedModel("m", ModelShape("w", config, 4))
+    groups = KVGroups.of(config, config.max_position_embeddings)
+    block_bytes = m.spec.kv_bytes_per_token * groups.layers_per_group // config.num_layers * lim.block_size
     # one block per page, as many pages as the live allocator has blocks
     dev = SimDevice("d", lim.num_blocks * block_bytes, block_bytes)
-    return SimEngine(
+    e = SimEngine(
         m,
         [dev],
         RooflineCostModel(HARDWARE["h100"]),
@@ -174,13 +198,18 @@ def sim_engine(lim: Limits, max_run_steps: int) -> SimEngine:
         max_num_seqs=lim.max_num_seqs,
         max_num_batched_tokens=lim.max_num_batched_tokens,
         max_run_steps=max_run_steps,
+        kv_groups=groups,
     )
+    assert e.block_bytes == block_bytes
+    return e
 
 
-def run_sim(arrivals: list[Arrival], lim: Limits, max_run_steps: int = 1) -> list[Step]:
+def run_sim(
+    arrivals: list[Arrival], lim: Limits, max_run_steps: int = 1, config: ArchConfig = TINY
+) -> list[Step]:
     """SimEngine driven through start_step / cut / finish_step. A decode run of k steps is reported
     as k steps (blocks are then not compared: a run holds its blocks for all k steps up front)."""
-    e = sim_engine(lim, max_run_steps)
+    e = sim_engine(lim, max_run_steps, config)
     pending = deque(sorted(enumerate(arrivals), key=lambda x: x[1].step))
     steps: list[Step] = []
     t = 0
@@ -218,7 +247,7 @@ def run_sim(arrivals: list[Arrival], lim: Limits, max_run_steps: int = 1) -> lis
             last = j == k - 1
             if last:
                 queues = (tuple(s.req.req_id for s in e.running), tuple(s.req.req_id for s in e.waiting))
-            blocks = tuple(s.num_blocks for s in e.running) if last and max_run_steps == 1 else None
+            blocks = tuple(e.held_blocks(s) for s in e.running) if last and max_run_steps == 1 else None
             done = tuple(r.req_id for r in finished) if last else ()
             steps.append(Step(t + j, scheduled, sampled, preempted if j == 0 else (), done, *queues, blocks))
         t += k
@@ -249,7 +278,7 @@ def first_token_and_finish(steps: list[Step]) -> tuple[dict[str, int], dict[str,
 
 def check(tiny: Tiny, arrivals: list[Arrival], lim: Limits) -> list[Step]:
     live = run_live(tiny, arrivals, lim)
-    assert_same(live, run_sim(arrivals, lim), case=f"{arrivals} {lim}")
+    assert_same(live, run_sim(arrivals, lim, config=tiny.config), case=f"{arrivals} {lim} {tiny}")
     assert sorted(r for s in live for r in s.finished) == sorted(str(i) for i in range(len(arrivals)))
     return live
 
@@ -365,7 +394,7 @@ def test_the_check_fails_when_the_simulator_admits_after_a_preemption(tiny, monk
 
 
 @st.composite
-def workloads(draw) -> tuple[list[Arrival], Limits]:
+def workloads(draw, groups: KVGroups | None = None) -> tuple[list[Arrival], Limits]:
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     arrivals = draw(
         st.lists(
@@ -374,16 +403,24 @@ def workloads(draw) -> tuple[list[Arrival], Limits]:
             max_size=12,
         )
     )
+    chunk = draw(st.sampled_from([1, 3, 8, 16, 32, 64, 256]))
     # the longest request must fit the whole cache (the live engine refuses longer prompts and
     # ends a request at max_seq_len); half the time little more than that, so preemption is common
-    need = max(-(-(a.prompt + a.output) // block_size) for a in arrivals)
+    groups = groups or KVGroups.of(TINY)
+    need = max(groups.max_blocks(a.prompt + a.output, block_size, chunk) for a in arrivals)
     lim = Limits(
         num_blocks=need + draw(st.integers(0, 4) | st.integers(0, 3 * need)),
         block_size=block_size,
         max_num_seqs=draw(st.integers(1, 8)),
-        max_num_batched_tokens=draw(st.sampled_from([1, 3, 8, 16, 32, 64, 256])),
+        max_num_batched_tokens=chunk,
     )
     return arrivals, lim
+
+
+@st.composite
+def windowed_workloads(draw) -> tuple[Tiny, list[Arrival], Limits]:
+    tiny = tiny_windowed(draw(st.sampled_from([3, 8, 16])))
+    return (tiny, *draw(workloads(tiny.groups)))
 
 
 @settings(max_examples=300, deadline=None)
@@ -403,3 +440,29 @@ def test_decode_runs_keep_every_request_on_the_same_steps(case):
     runs = run_sim(arrivals, lim, max_run_steps=SimConfig(num_devices=1).max_run_steps)
     assert_same(one, runs, blocks=False, case=f"{arrivals} {lim}")
     assert first_token_and_finish(one) == first_token_and_finish(runs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(windowed_workloads())
+def test_windowed_layers_free_the_same_blocks_step_by_step(case):
+    """A model with sliding-window layers beside global ones: the same schedule and, every step,
+    the same blocks held by each request, its windowed groups' passed blocks freed on both sides."""
+    tiny, arrivals, lim = case
+    check(tiny, arrivals, lim)
+
+
+def test_a_long_request_holds_its_window_not_its_length_in_windowed_groups():
+    """Window 8, blocks of 4, one request of 60 + 30 tokens in chunks of 16: the full-context group
+    holds all 23 blocks at the end, each of the two windowed groups the few its window reads."""
+    tiny = tiny_windowed(8)
+    lim = Limits(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    steps = check(tiny, [Arrival(0, 60, 30)], lim)
+    assert tiny.groups.num_groups == 3 and sum(tiny.groups.windowed) == 2
+    last = steps[-2]  # the step before the one that finishes it
+    assert last.running == ("0",) and last.scheduled == (("0", 1),)
+    # it computes position 87 (4 prefill steps, then one token a step): the full-context group
+    # holds 88 / 4 = 22 blocks, a windowed one those from token 87 - 7 = 80 on, blocks 20 and 21
+    assert len(steps) == 4 + 29 and last.blocks == (22 + 2 * 2,)
+    e = sim_engine(lim, 1, tiny.config)
+    assert e.kv_window == (8 - 1 + 16 + 2 * 4, 2 * e.kv_bytes_per_token)
+    assert e.kv_bytes(90) == 90 * e.kv_bytes_per_token + 31 * 2 * e.kv_bytes_per_token

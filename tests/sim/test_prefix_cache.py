@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prism_serve.engine.kv_cache import KVGroups
+from prism_serve.engine.models.config import PRESETS
 from prism_serve.sim import (
     HARDWARE,
     ModelSLO,
@@ -23,6 +25,7 @@ from prism_serve.sim import (
 )
 from prism_serve.sim.engine import SimEngine, SimRequest
 from prism_serve.sim.memory import SimDevice
+from prism_serve.sim.models import ModelShape
 from prism_serve.sim.prefix_cache import PrefixCache
 from prism_serve.workload import Workload, WorkloadSpec, build_workload
 from prism_serve.workload.prefix import block_keys, infinite_cache_hits
@@ -95,18 +98,24 @@ def _req(i: int, prompt: int, output: int, keys: tuple[int, ...] = ()) -> SimReq
     return SimRequest(str(i), "m", 0.0, prompt, output, 1.0, 1.0, control=None, block_keys=keys)
 
 
-def _engine(pages: int, dev: SimDevice | None = None, name: str = "m", **kw) -> tuple[SimEngine, SimDevice]:
+def _engine(
+    pages: int, dev: SimDevice | None = None, name: str = "m", shape: ModelShape | None = None, **kw
+) -> tuple[SimEngine, SimDevice]:
     dev = dev or SimDevice("d", pages * (2 << 20), 2 << 20)
     args = dict(block_size=BS, max_num_seqs=8, max_num_batched_tokens=4096, max_run_steps=32)
     args.update(kw)
-    m = served(name, "llama-3.2-1b")
-    return SimEngine(m, [dev], RooflineCostModel(HARDWARE["h100"]), prefix_caching=True, **args), dev
+    m = ServedModel(name, shape) if shape else served(name, "llama-3.2-1b")
+    groups = KVGroups.of(m.spec.config, m.spec.config.max_position_embeddings)
+    cost = RooflineCostModel(HARDWARE["h100"])
+    return SimEngine(m, [dev], cost, prefix_caching=True, kv_groups=groups, **args), dev
 
 
 def _check(e: SimEngine) -> None:
-    """Running requests' blocks counted once; free cached blocks within the memory left."""
-    private = sum(s.num_blocks - len(s.cached) for s in e.running)
-    assert e.used_blocks == private + e.cache.num_in_use
+    """Running requests' blocks counted once (a cached block's full-context groups shared, its
+    windowed groups each request's own); free cached blocks within the memory left."""
+    shared = e.cached_block_bytes // e.block_bytes
+    private = sum(e.held_blocks(s) - len(s.cached) * shared for s in e.running)
+    assert e.used_blocks == private + e.cache.num_in_use * shared
     assert e.cache.num_free <= e.cache_room()
     for d in e.devices:
         assert d.used_pages <= d.total_pages
@@ -235,6 +244,7 @@ def test_memory_another_engine_takes_evicts_the_cache_and_an_eviction_empties_it
     assert e.cache.num_free == 0 and e.name not in dev.shrink_watchers
 
 
+@pytest.mark.parametrize("windowed", [False, True], ids=["one-group", "windowed"])
 @settings(max_examples=25, deadline=None)
 @given(
     st.lists(
@@ -244,10 +254,20 @@ def test_memory_another_engine_takes_evicts_the_cache_and_an_eviction_empties_it
     ),
     st.integers(4, 12),  # a request holds at most 16 blocks: 4 pages
 )
-def test_random_shared_prefixes_keep_the_accounting_exact(reqs, pages):
+def test_random_shared_prefixes_keep_the_accounting_exact(windowed, reqs, pages):
     """Requests sharing 0-6 leading blocks of one of 4 prefixes, on little memory: every step keeps
-    the counts exact, everything finishes, and every block goes back."""
-    e, dev = _engine(pages=pages, max_num_batched_tokens=64)
+    the counts exact, everything finishes, and every block goes back. Windowed: Gemma 3 1B's
+    layers with a window of 40 tokens (SYNTHETIC), so requests pass it. Its blocks are one group's
+    layers, and a request holds at most 16 full-context blocks and 6 x 8 windowed ones (the window,
+    a chunk, a block each side): 16 blocks to a page keep the same 4 pages a request."""
+    if windowed:
+        shape = ModelShape("w", dataclasses.replace(PRESETS["gemma-3-1b"], sliding_window=40), 2)
+        block = shape.kv_bytes_per_token * 4 // 26 * BS  # groups of 4 layers
+        dev = SimDevice("d", pages * 16 * block, 16 * block)
+        e, _ = _engine(0, dev, shape=shape, max_num_batched_tokens=64)
+        assert e.block_bytes == block and e.cached_block_bytes == block  # one full-context group
+    else:
+        e, dev = _engine(pages=pages, max_num_batched_tokens=64)
     for i, (family, shared, extra, output) in enumerate(reqs):
         prompt = shared * BS + extra
         hashes = tuple(range(family * 100, family * 100 + shared)) + tuple(

@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 
 from prism_serve.control import POLICIES
+from prism_serve.engine.kv_cache import KVGroups
+from prism_serve.engine.models.config import PRESETS, ArchConfig
 from prism_serve.sim import HARDWARE, ModelSLO, RooflineCostModel, SimConfig, SimConfigError, simulate
 from prism_serve.sim.engine import SimEngine, SimRequest
 from prism_serve.sim.memory import SimDevice
+from prism_serve.sim.models import ModelShape, ServedModel
 from prism_serve.workload import Workload
 
 from .helpers import loose, poisson, served
@@ -111,12 +114,63 @@ def _req(i: int, prompt: int, output: int) -> SimRequest:
     return SimRequest(str(i), "m", 0.0, prompt, output, 1.0, 1.0, control=None)
 
 
-def _engine(pages: int, **kw) -> tuple[SimEngine, SimDevice]:
-    m = served("m", "llama-3.2-1b")  # 32 KiB of KV per token: one 16-token block is 512 KiB
+def _engine(pages: int, shape: str = "llama-3.2-1b", **kw) -> tuple[SimEngine, SimDevice]:
+    m = served("m", shape)  # llama-3.2-1b: 32 KiB of KV per token, one 16-token block is 512 KiB
     dev = SimDevice("d", pages * (2 << 20), 2 << 20)
     args = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_run_steps=32)
     args.update(kw)
     return SimEngine(m, [dev], RooflineCostModel(HARDWARE["h100"]), **args), dev
+
+
+def _drain(e: SimEngine, dev: SimDevice) -> tuple[int, int]:
+    """Run ``e`` until idle: (most requests running at once, most pages used)."""
+    t, most, peak = 0.0, 0, 0
+    while (end := e.start_step(t)) is not None:
+        most, peak = max(most, len(e.running)), max(peak, dev.used_pages)
+        e.finish_step(end)
+        t = end
+    assert not e.waiting and e.used_blocks == 0 and dev.used_pages == 0
+    return most, peak
+
+
+def test_a_windowed_models_engine_holds_its_window_not_its_length_in_windowed_layers():
+    """Gemma 3 1B (4 global layers of 26, window 512): 8 requests of 3000 + 64 tokens on 256 MiB of
+    KV (benchmarks/windowed_kv.py's case on the live engine). Split into KV groups as the live
+    engine splits them, a request's windowed groups hold about a window, so more run at once than
+    with every layer holding every token, with fewer preemptions; the engine reports the split as
+    the live one does (EngineSnapshot.kv_window)."""
+    groups = KVGroups.of(PRESETS["gemma-3-1b"], 8192)
+    runs = {}
+    for split in (True, False):
+        e, dev = _engine(128, "gemma-3-1b", max_num_batched_tokens=512, kv_groups=groups if split else None)
+        for i in range(8):
+            e.add(_req(i, prompt=3000, output=64))
+        runs[split] = (*_drain(e, dev), e.num_preemptions, e.kv_window)
+    (most, peak, preempted, window), (most_all, peak_all, preempted_all, no_window) = runs[True], runs[False]
+    assert window == (512 - 1 + 512 + 2 * 16, 6 * 4 * 1024) and no_window is None
+    assert most > most_all and preempted < preempted_all
+    assert peak <= 128 and peak_all <= 128
+
+
+def test_an_encoders_engine_holds_no_kv_and_reads_each_input_whole():
+    """An encoder (BERT's shape) keeps no KV, and an input is never cut into chunks: one that does
+    not fit the step's budget left waits for the next step (the live scheduler's whole inputs)."""
+    bert = ModelShape("bert", ArchConfig("bert", 30522, 384, 1536, 12, 12, 12, 32, 512), 4)
+    e = SimEngine(
+        ServedModel("m", bert), [SimDevice("d", 2 << 20, 2 << 20)], RooflineCostModel(HARDWARE["h100"]),
+        block_size=16, max_num_seqs=8, max_num_batched_tokens=512, max_run_steps=32, prefix_caching=True,
+    )  # fmt: skip
+    assert e.kv_bytes_per_token == 0 and e.cache is None
+    for i, n in enumerate((300, 300, 200)):
+        e.add(_req(i, prompt=n, output=1))
+    steps = []
+    t = 0.0
+    while (end := e.start_step(t)) is not None:
+        steps.append([(s.req.req_id, n) for s, n in e._scheduled])
+        e.finish_step(end)
+        t = end
+    assert steps == [[("0", 300)], [("1", 300), ("2", 200)]]
+    assert not e.running and not e.waiting and e.used_blocks == 0
 
 
 def test_engine_chunks_long_prompts_and_coalesces_decode_runs():

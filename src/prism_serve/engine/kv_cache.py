@@ -90,6 +90,12 @@ class KVGroups:
     def num_groups(self) -> int:
         return len(self.windowed)
 
+    @property
+    def splits(self) -> bool:
+        """Whether windowed groups sit beside full-context ones (so a sequence's KV shrinks behind
+        its window); one group of every layer never frees a block."""
+        return self.window is not None and self.num_groups > 1
+
     def first_read(self, position: int, block_size: int) -> int:
         """The first block a query at ``position``, or any after it, reads in a windowed group."""
         if self.window is None:
@@ -105,6 +111,19 @@ class KVGroups:
             return blocks * self.num_groups
         window_blocks = min(blocks, (self.window - 1 + chunk) // block_size + 2)
         return sum(window_blocks if w else blocks for w in self.windowed)
+
+    def kv_split(self, per_token: int, chunk: int, block_size: int) -> tuple[int, tuple[int, int] | None]:
+        """How a sequence's KV grows with its length, for a model whose every layer together takes
+        ``per_token`` bytes a token: (bytes per token of its full-context groups, (tokens a windowed
+        group holds at most: the window, a step's ``chunk`` and a block each side; bytes per token
+        of the windowed groups)), or (``per_token``, None) where nothing is freed. Groups are
+        counted whole, the last windowed group's padding included."""
+        if not self.splits:
+            return per_token, None
+        per_group = per_token * self.layers_per_group // len(self.group_of)
+        windowed = sum(self.windowed)
+        held = self.window - 1 + chunk + 2 * block_size
+        return per_group * (self.num_groups - windowed), (held, per_group * windowed)
 
 
 class KVCache:

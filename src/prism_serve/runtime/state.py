@@ -135,14 +135,10 @@ class ModelEntry:
         if self.encoder:
             return 0, None
         rank = self.cached.ranks[0] if self.spec.tp > 1 else self.cached
-        per_token, groups = rank.kv_bytes_per_token, self.kv_groups
-        if groups.window is None or groups.num_groups == 1:
-            return per_token, None
-        per_group = per_token * groups.layers_per_group // len(groups.group_of)
-        windowed = sum(groups.windowed)
         engine = self.spec.engine
-        held = groups.window - 1 + engine.max_num_batched_tokens + 2 * engine.block_size
-        return per_group * (groups.num_groups - windowed), (held, per_group * windowed)
+        return self.kv_groups.kv_split(
+            rank.kv_bytes_per_token, engine.max_num_batched_tokens, engine.block_size
+        )
 
     def tp_kv_blocks(self) -> int:
         """A tensor parallel model's KV blocks, fixed at activation and the same on every rank:

@@ -6,9 +6,11 @@ with it, so a policy's GPUs-needed divided by the bound says how far it is from 
 **Memory.** Cut the run into windows of ``memory_window_s`` by arrival time (``[k W, (k+1) W)``,
 ``W = memory_window_s``, timestamps in seconds from 0). A model with at least one arrival in a window
 needs its weights plus the KV of its largest request of the window (``kv_bytes_per_token * (prompt +
-output - 1)``: the last sampled token is never fed); the window needs the sum over those models,
-and the memory count is ``ceil(max over windows of that sum / hw.capacity_bytes)`` (devices are
-bins of ``capacity_bytes``; packing whole models into them needs at least as many).
+output - 1)``: the last sampled token is never fed; a model whose sliding-window layers sit beside
+full-context ones, as Gemma's, holds at least the window's tokens in those: ``KVGroups.kv_split``);
+the window needs the sum over those models, and the memory count is ``ceil(max over windows of that
+sum / hw.capacity_bytes)`` (devices are bins of ``capacity_bytes``; packing whole models into them
+needs at least as many).
 Assumption that makes it a bound: every model with a request in a window is resident, with room for
 its largest request of the window, at one common instant of the window. A policy breaks it only by
 taking turns inside a window: serving one model, evicting it and loading another in its place, which
@@ -72,6 +74,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from prism_serve.engine.kv_cache import KVGroups
 from prism_serve.sim.config import ModelSLO
 from prism_serve.sim.cost import RooflineCostModel
 from prism_serve.sim.errors import SimConfigError
@@ -160,8 +163,14 @@ def lower_bound(
     largest = np.zeros((int(mw.max()) + 1, len(served)), dtype=np.int64)
     np.maximum.at(largest, (mw, j), prompt + output - 1)
     weights = np.array([m.spec.weight_bytes for m in served], dtype=np.float64)
-    kv = np.array([m.spec.kv_bytes_per_token for m in served], dtype=np.float64)
-    mem_bytes = ((largest > 0) * weights + largest * kv).sum(axis=1)
+    # (full-context bytes per token, (window, windowed bytes per token)): a query reads at least the
+    # window's tokens of the windowed layers (chunk 1, no block rounding)
+    splits = [KVGroups.of(m.spec.config).kv_split(m.spec.engine_kv_bytes_per_token, 1, 0) for m in served]
+    kv = np.array([full for full, _ in splits], dtype=np.float64)
+    window = np.array([w[0] if w else 0 for _, w in splits], dtype=np.int64)
+    kv_window = np.array([w[1] if w else 0 for _, w in splits], dtype=np.float64)
+    held = largest * kv + np.minimum(largest, window) * kv_window
+    mem_bytes = ((largest > 0) * weights + held).sum(axis=1)
     mem_peak = int(np.argmax(mem_bytes))
     memory_devices = _ceil(mem_bytes[mem_peak] / hw.capacity_bytes)
 

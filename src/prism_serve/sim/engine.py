@@ -28,6 +28,14 @@ quota), so a grant never waits for them; whenever the free memory shrinks (a gra
 the device, weights mapped, a smaller quota) the cache evicts what no longer fits. Stopping the
 engine (an eviction) empties it; the simulator keeps its hottest keys for the model's next engine
 (``PrefixCache.hottest``/``adopt``), as the live runtime does.
+
+KV groups (``kv_groups``: engine/kv_cache.py ``KVGroups``, for a model whose sliding-window layers
+sit beside full-context ones): a block is one group's layers, a request's run of ``block_size``
+tokens takes one block in every group, and before each step its windowed groups free the blocks no
+later query reads, as the live scheduler's ``_slide``. With the prefix cache, a cached run's
+full-context blocks are what the cache shares; its windowed blocks stay each request's own (those
+of a cached prefix that the request's window still reads are granted again at a hit). An encoder
+keeps no KV (``ModelShape.engine_kv_bytes_per_token``) and is fed each input whole.
 """
 
 from __future__ import annotations
@@ -38,13 +46,20 @@ from dataclasses import dataclass, field
 
 from prism_serve.control.types import Request
 from prism_serve.engine.grouping import padded_decode_context
+from prism_serve.engine.kv_cache import KVGroups
 from prism_serve.sim.cost import RooflineCostModel
 from prism_serve.sim.memory import SimDevice
 from prism_serve.sim.models import ServedModel
 from prism_serve.sim.prefix_cache import PrefixCache
 from prism_serve.workload.prefix import cacheable_blocks
 
-__all__ = ["SimEngine", "SimRequest", "SimSeq"]
+__all__ = ["SimEngine", "SimRequest", "SimSeq", "split_kv_bytes"]
+
+
+def split_kv_bytes(split: tuple[int, tuple[int, int] | None], tokens: float) -> float:
+    """KV bytes a request of ``tokens`` tokens holds at most, by ``KVGroups.kv_split``'s split."""
+    per_token, window = split
+    return tokens * per_token + (0 if window is None else min(tokens, window[0]) * window[1])
 
 
 @dataclass(slots=True, eq=False)
@@ -91,6 +106,7 @@ class SimSeq:
         "num_registered",
         "num_tokens",
         "req",
+        "window_start",
     )
 
     def __init__(self, req: SimRequest) -> None:
@@ -102,6 +118,7 @@ class SimSeq:
         self.num_blocks = 0  # its block table's length
         self.cached: list[int] = []  # keys of its blocks held through the prefix cache (shared)
         self.num_registered = 0  # its leading blocks the cache has seen (matched or registered)
+        self.window_start = 0  # its windowed groups' leading blocks freed (KVGroups.first_read)
 
 
 class SimEngine:
@@ -120,6 +137,7 @@ class SimEngine:
         quota: int | None = None,
         changed: dict[str, None] | None = None,
         prefix_caching: bool = False,
+        kv_groups: KVGroups | None = None,
     ) -> None:
         self.model = model
         self.name = model.name
@@ -134,11 +152,28 @@ class SimEngine:
         self.quota = quota  # KV bytes per device, None: no cap
         # what the serving path adds to a request's first token and finish outside the engine
         self._reply_s = cost.hw.request_overhead_s
-        kvpt = -(-model.spec.kv_bytes_per_token // model.tp_size)
-        self.kv_bytes_per_token = kvpt  # per device
-        self.block_bytes = kvpt * block_size
+        kvpt = -(-model.spec.engine_kv_bytes_per_token // model.tp_size)  # per device, every layer
+        # KV groups (engine/kv_cache.py KVGroups): a block here is ``block_size`` tokens of one
+        # group's layers, as the live engine's; a token run takes ``_units`` of them, ``_shared`` of
+        # the full-context groups (cached and shared by prefix) and ``_own`` of the windowed ones
+        # (each request's own, freed as its window passes: ``_slide``). One group: 1, 1, 0.
+        groups = kv_groups if kv_groups is not None and kv_groups.splits else None
+        self.groups = groups
+        self.kv_bytes_per_token, self.kv_window = (
+            groups.kv_split(kvpt, max_num_batched_tokens, block_size) if groups else (kvpt, None)
+        )
+        if groups is None:
+            self._shared, self._own = 1, 0
+            self.block_bytes = kvpt * block_size
+        else:
+            self._own = sum(groups.windowed)
+            self._shared = groups.num_groups - self._own
+            self.block_bytes = kvpt * groups.layers_per_group // len(groups.group_of) * block_size
+        self._units = self._shared + self._own
         self.used_blocks = 0  # blocks mapped for running requests (a shared block once)
-        self.cache = PrefixCache() if prefix_caching else None
+        # an encoder keeps no KV (nothing to cache) and reads each input whole, never in chunks
+        self.whole_inputs = model.spec.config.encoder
+        self.cache = PrefixCache() if prefix_caching and not self.whole_inputs else None
         if self.cache is not None:
             for d in devices:
                 d.shrink_watchers[self.name] = self.trim_cache
@@ -204,9 +239,16 @@ class SimEngine:
         self.version += 1
         return out
 
+    def kv_bytes(self, tokens: int) -> int:
+        """KV bytes a request of ``tokens`` tokens holds at most (EngineSnapshot.kv_bytes)."""
+        return split_kv_bytes((self.kv_bytes_per_token, self.kv_window), tokens)
+
     def _update_claim(self) -> None:
         # prompts dispatched but not yet holding blocks: promised memory (see memory.py)
-        need = sum(s.num_tokens + 1 for s in self.waiting) * self.kv_bytes_per_token
+        if self.kv_window is None:
+            need = sum(s.num_tokens + 1 for s in self.waiting) * self.kv_bytes_per_token
+        else:
+            need = sum(self.kv_bytes(s.num_tokens + 1) for s in self.waiting)
         for d in self.devices:
             d.claim(self._claim_key, need)
 
@@ -245,32 +287,50 @@ class SimEngine:
                 d.set_kv(self.name, self.used_blocks * self.block_bytes)
 
     def _grow(self, seq: SimSeq, num_tokens: int) -> bool:
+        if self.groups is not None:
+            self._slide(seq)
         need = -(-num_tokens // self.block_size) - seq.num_blocks
         if need <= 0:
             return True
-        if not self._try_blocks(need):
+        if not self._try_blocks(need * self._units):
             return False
         seq.num_blocks += need
         return True
 
+    def _slide(self, seq: SimSeq) -> None:
+        """Free its windowed groups' blocks that no query from its next token on reads."""
+        first = min(self.groups.first_read(seq.num_computed, self.block_size), seq.num_blocks)
+        if first > seq.window_start:
+            self._return_blocks((first - seq.window_start) * self._own)
+            seq.window_start = first
+
+    def held_blocks(self, seq: SimSeq) -> int:
+        """Blocks ``seq`` holds (those shared through the prefix cache included)."""
+        return seq.num_blocks * self._units - seq.window_start * self._own
+
     def _release(self, seq: SimSeq) -> None:
-        n = seq.num_blocks
+        n = self.held_blocks(seq)
         if seq.cached:  # shared ones go back to the cache; those no one holds now free memory
-            n += self.cache.release(seq.cached) - len(seq.cached)
+            n += (self.cache.release(seq.cached) - len(seq.cached)) * self._shared
             seq.cached = []
         seq.num_registered = 0
         self._return_blocks(n)
-        seq.num_blocks = 0
+        seq.num_blocks = seq.window_start = 0
 
     # -- prefix cache ----------------------------------------------------------------------------
 
+    @property
+    def cached_block_bytes(self) -> int:
+        """Bytes of one prefix-cache entry: a token run's full-context blocks."""
+        return self.block_bytes * self._shared
+
     def cache_room(self) -> int:
-        """Blocks the engine could still be granted now: the most free cached blocks it keeps."""
+        """Cache entries the engine could still be granted now: the most free ones it keeps."""
         bb = self.block_bytes
         room = min((d.kv_pages.get(self.name, 0) + d.free_pages) * d.page_size // bb for d in self.devices)
         if self.quota is not None:
             room = min(room, self.quota // bb)
-        return max(0, room - self.used_blocks)
+        return max(0, room - self.used_blocks) // self._shared
 
     def trim_cache(self) -> None:
         """Evict the free cached blocks that no longer fit in the memory the engine could be granted."""
@@ -294,14 +354,18 @@ class SimEngine:
         start = hit * bs
         n = min(seq.num_tokens - start, budget)
         need = -(-(start + n) // bs) - hit
-        # the free cached blocks it takes are counted as in use again: granted with its new ones
-        if not self._fits(free + need):
+        # the free cached blocks it takes are counted as in use again: granted with its new ones;
+        # a windowed group's blocks are its own, those of the cached prefix its window still reads
+        first = 0 if self.groups is None else min(self.groups.first_read(start, bs), hit)
+        units = free * self._shared + need * self._units + (hit - first) * self._own
+        if not self._fits(units):
             return None
         if hit:
             seq.cached = list(seq.keys[:hit])
             self.cache.acquire(seq.cached)
-        self._try_blocks(free + need)
+        self._try_blocks(units)
         seq.num_blocks, seq.num_registered, seq.num_computed = hit + need, hit, start
+        seq.window_start = first
         if seq.req.cached_tokens is None:
             seq.req.cached_tokens = start
         return n
@@ -323,8 +387,11 @@ class SimEngine:
         running = self.running
         bs = self.block_size
         i = 0
+        groups = self.groups
         while i < len(running) and budget > 0:
             seq = running[i]
+            if groups is not None:
+                self._slide(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if -(-(seq.num_computed + n) // bs) <= seq.num_blocks:
                 # it holds the blocks already (a decode run granted them): _grow's first test, inline
@@ -357,6 +424,8 @@ class SimEngine:
                     break
             else:
                 n = min(seq.num_tokens - seq.num_computed, budget)
+                if self.whole_inputs and n < seq.num_tokens <= self.max_num_batched_tokens:
+                    break  # an encoder's input is read in one step: the next has room for it
                 if not self._grow(seq, seq.num_computed + n):
                     break
             self.waiting.popleft()
@@ -425,7 +494,7 @@ class SimEngine:
         while k > 1:
             bs = self.block_size
             extra = sum(-(-(s.num_computed + k) // bs) - s.num_blocks for s, _ in self._scheduled)
-            if self._try_blocks(extra):
+            if self._try_blocks(extra * self._units):
                 for s, _ in self._scheduled:
                     s.num_blocks = -(-(s.num_computed + k) // bs)
                 return k
@@ -447,7 +516,7 @@ class SimEngine:
             keep = -(-(s.num_computed + k) // bs)
             extra += s.num_blocks - keep
             s.num_blocks = keep
-        self._return_blocks(extra)
+        self._return_blocks(extra * self._units)
         self._run_k = k
         self.end = self.start + self._cum[j] * self.factor
         self.version += 1

@@ -99,6 +99,12 @@ class ModelShape:
         return self.config.kv_bytes_per_token(self.dtype_bytes)
 
     @property
+    def engine_kv_bytes_per_token(self) -> int:
+        """What its engine keeps for a token: ``kv_bytes_per_token``, but nothing for an encoder,
+        which reads each input whole and pools it (the live control plane's ``ModelEntry.encoder``)."""
+        return 0 if self.config.encoder else self.kv_bytes_per_token
+
+    @property
     def matmul_flops_per_token(self) -> float:
         """2 FLOPs per weight used in a matmul; the input embedding is a lookup, not a matmul."""
         c = self.config

@@ -59,10 +59,11 @@ from prism_serve.control.types import (
     Priority,
     replica_name,
 )
+from prism_serve.engine.kv_cache import KVGroups
 from prism_serve.memory.kept import KeptBudget
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
-from prism_serve.sim.engine import SimEngine, SimRequest
+from prism_serve.sim.engine import SimEngine, SimRequest, split_kv_bytes
 from prism_serve.sim.errors import SimConfigError, SimStateError
 from prism_serve.sim.events import ActivationDone, Arrival, EventQueue, Place, StepDone, Tick
 from prism_serve.sim.hardware import get_hardware
@@ -216,19 +217,31 @@ class Simulator:
         step = float(
             self.cost.decode_steps(m.spec, m.tp_size, batch, int(batch * (prompt + output / 2)), 1)[0]
         )
+        engine = self.config.engine
+        groups = KVGroups.of(m.spec.config, engine.resolve_max_model_len(m.spec.config), engine.windowed_kv)
+        per_token = -(-m.spec.engine_kv_bytes_per_token // m.tp_size)
+        kv_split = groups.kv_split(per_token, engine.max_num_batched_tokens, engine.block_size)
         profile = ModelProfile(
-            prompt, output, speed, step, max_rate=self._max_rate(m, slo, prompt, output, speed)
+            prompt, output, speed, step, max_rate=self._max_rate(m, slo, prompt, output, speed, kv_split)
         )
-        return SimModel(m, slo, profile, speed)
+        return SimModel(m, slo, profile, speed, kv_groups=groups)
 
-    def _max_rate(self, m: ServedModel, slo: ModelSLO, prompt: float, output: float, speed: float) -> float:
+    def _max_rate(
+        self,
+        m: ServedModel,
+        slo: ModelSLO,
+        prompt: float,
+        output: float,
+        speed: float,
+        kv_split: tuple[int, tuple[int, int] | None],
+    ) -> float:
         """Requests/s one replica of ``m`` serves alone on its devices within its SLOs, from the cost
         model: the smaller of
 
-        - the decode bound: the largest decode batch ``B`` (at most ``max_num_seqs``, its KV within the
-          memory its weights leave) whose step at the mean context takes at most ``tpot_s``, each
-          request's prefill taking the whole engine: ``1 / (p + output * step(B) / B)`` with
-          ``p = prompt / prefill_speed``;
+        - the decode bound: the largest decode batch ``B`` (at most ``max_num_seqs``, its KV by
+          ``kv_split`` within the memory its weights leave) whose step at the mean context takes
+          at most ``tpot_s``, each request's prefill taking the whole engine:
+          ``1 / (p + output * step(B) / B)`` with ``p = prompt / prefill_speed``;
         - the TTFT bound: prefills queue for the engine one after another, so the load ``rho = rate * p``
           must keep the queueing delay's tail within the SLO's slack. With the M/D/1 mean wait
           ``rho p / (2 (1 - rho))`` and an exponential tail (p99 = 4.6 x the mean):
@@ -236,7 +249,7 @@ class Simulator:
         """
         c = self.config
         kv_room = self.hw.capacity_bytes - m.spec.weight_bytes / m.tp_size
-        kv_per_request = (prompt + output) * m.spec.kv_bytes_per_token / m.tp_size
+        kv_per_request = split_kv_bytes(kv_split, prompt + output)
         top = max(1, min(c.engine.max_num_seqs, int(kv_room // max(1.0, kv_per_request))))
 
         def step(b: int) -> float:
@@ -443,17 +456,22 @@ class Simulator:
         devices = [self.devices[d] for d in m.placement]
         quota = m.quota.get(m.placement[0])
         c = self.config
+        budget = c.engine.max_num_batched_tokens
+        arch = m.served.spec.config
+        if arch.encoder:  # a step holds the longest input whole (the live engine's budget)
+            budget = max(budget, c.engine.resolve_max_model_len(arch))
         m.engine = SimEngine(
             m.served,
             devices,
             self.cost,
             block_size=c.engine.block_size,
             max_num_seqs=c.engine.max_num_seqs,
-            max_num_batched_tokens=c.engine.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             max_run_steps=c.max_run_steps,
             quota=quota,
             changed=self._changed_engines,
             prefix_caching=self._hashes is not None,
+            kv_groups=m.kv_groups,
         )
         kept = self._kept.take(model)
         if kept is not None and m.engine.cache is not None:  # restored before it serves
@@ -657,9 +675,9 @@ class Simulator:
         if engine.cache is None or tp != 1 or not self._kept.budget_bytes:
             return
         allowance, _ = self._kept.room(model)
-        keys = engine.cache.hottest(allowance // engine.block_bytes)
+        keys = engine.cache.hottest(allowance // engine.cached_block_bytes)
         if keys:
-            self._kept.keep(model, tuple(keys), len(keys) * engine.block_bytes)
+            self._kept.keep(model, tuple(keys), len(keys) * engine.cached_block_bytes)
 
     def _memory_freed(self, devs: list[SimDevice], now: float) -> None:
         """Activations waiting for memory and engines waiting for blocks may go on."""

@@ -208,6 +208,7 @@ class SnapshotBuilder:
             e.max_num_seqs,
             m.prefill_speed,
             len(e.waiting),
+            kv_window=e.kv_window,
         )
         m.engine_snapshot = snap
         self._changed_engines[name] = None

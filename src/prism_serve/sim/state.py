@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from prism_serve.control import EngineSnapshot, ModelProfile, ModelState
 from prism_serve.control.profiles import StepSums
+from prism_serve.engine.kv_cache import KVGroups
 from prism_serve.sim.config import ModelSLO
 from prism_serve.sim.engine import SimEngine
 from prism_serve.sim.models import ServedModel
@@ -40,3 +41,4 @@ class SimModel:
     num_served: int = 0
     step_started: float | None = None
     steps: StepSums = field(default_factory=StepSums)  # its decode steps (measured_profile's fit)
+    kv_groups: KVGroups | None = None  # how its engine splits its layers' KV (engine/kv_cache.py)
