@@ -15,6 +15,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from prism_serve.engine.hf_reference import write_synthetic_encoder
 from tests.api.conftest import API_KEY, start_server, stop_clean
+from tests.engine.gguf_export import write_encoder_gguf
 from tests.engine.test_encoders import DOCUMENTS, QUERY, TEXTS
 
 CONFIG = """
@@ -23,6 +24,7 @@ devices:
 models:
   - {{name: bge, source: "{bge}", task: embed, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: e5, source: "{e5}", task: embed, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
+  - {{name: bge-gguf, source: "{bge_gguf}", task: embed, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: cross, source: "{cross}", task: score, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: xcross, source: "{xcross}", task: score, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: smol, dtype: float32, max_model_len: 512, ttft_slo: 30.0, tpot_slo: 2.0}}
@@ -35,8 +37,10 @@ server:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("encoder-models")
+    bge = write_synthetic_encoder(root / "bge", "bert", pooling="cls", seed=11)
     return {
-        "bge": str(write_synthetic_encoder(root / "bge", "bert", pooling="cls", seed=11)),
+        "bge": str(bge),
+        "bge_gguf": str(write_encoder_gguf(bge, root / "bge.gguf", "cls")),  # as llama.cpp converts it
         "e5": str(write_synthetic_encoder(root / "e5", "roberta", pooling="mean", seed=12)),
         "cross": str(write_synthetic_encoder(root / "cross", "bert", num_labels=1, seed=13, init_std=0.3)),
         "xcross": str(
@@ -68,11 +72,12 @@ def _cosine(a, b) -> float:
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("model", ["bge", "e5"])
+@pytest.mark.parametrize("model", ["bge", "e5", "bge-gguf"])
 def test_the_openai_client_gets_sentence_transformers_vectors(client, dirs, model):
     """base64 (the client's default), in input order, normalised as the model's files say, and
-    the usage counts the tokens with the tokenizer's [CLS] and [SEP]."""
-    st = SentenceTransformer(dirs[model], device="cpu")
+    the usage counts the tokens with the tokenizer's [CLS] and [SEP]. bge-gguf is bge's GGUF file
+    as llama.cpp's converter writes it: the same vectors as bge's directory."""
+    st = SentenceTransformer(dirs["bge" if model == "bge-gguf" else model], device="cpu")
     want = st.encode(TEXTS)
     r = client.embeddings.create(model=model, input=TEXTS)
     assert [d.index for d in r.data] == list(range(len(TEXTS)))

@@ -149,3 +149,56 @@ def write_gguf(weights: LoadedWeights, path: Path, tokenizer: dict | None = None
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_encoder_gguf(hf_dir: Path, path: Path, pooling: str | None = None) -> Path:
+    """A BERT model's HF directory (``hf_reference.write_synthetic_encoder``) as llama.cpp's
+    converter writes it: architecture ``bert``; the WordPiece vocabulary in its phantom-space form
+    (a word's first piece after U+2581, a ``##`` piece without its ``##``, control tokens as they
+    are) with the special tokens gguf-py's ``SpecialVocab`` finds; the tensors under gguf-py's own
+    BERT names, the pooler left out and a classifier's ``classifier`` renamed to its output
+    projection, as the converter does; ``pooling`` (mean or cls) as ``bert.pooling_type``."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    specials = {t["id"] for t in tok["added_tokens"] if t["special"]}
+    words = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    types = [gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for _, i in words]
+    tokens = [
+        t if kind == gguf.TokenType.CONTROL else t[2:] if t.startswith("##") else "\u2581" + t
+        for (t, _), kind in zip(words, types, strict=True)
+    ]
+    w = gguf.GGUFWriter(str(path), "bert")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    w.add_causal_attention(False)
+    if pooling is not None:
+        w.add_pooling_type({"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS}[pooling])
+    w.add_token_type_count(cfg.get("type_vocab_size", 1))
+    w.add_tokenizer_model("bert")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(hf_dir, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, cfg["num_hidden_layers"])
+    for name, array in load_file(str(hf_dir / "model.safetensors")).items():
+        name = name.removeprefix("bert.")
+        if name.startswith(("pooler.", "embeddings.position_ids")):
+            continue
+        if name.startswith("classifier."):
+            name = name.replace("classifier.", "classifier.out_proj.")
+        gguf_name_ = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name_ is not None, name
+        w.add_tensor(gguf_name_, np.ascontiguousarray(array, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

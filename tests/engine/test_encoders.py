@@ -22,8 +22,10 @@ from prism_serve.engine.models.config import ArchConfig
 from prism_serve.engine.sampling_params import SamplingParams
 from prism_serve.engine.sources import encoder_head, hf_config
 from prism_serve.engine.weights import load_weights
-from prism_serve.errors import InvalidRequestError, PromptTooLongError
+from prism_serve.errors import InvalidRequestError, PromptTooLongError, UnsupportedModelError
+from prism_serve.sim.shapes import shape_of
 from tests.conftest import run_to_completion
+from tests.engine.gguf_export import write_encoder_gguf
 from tests.engine.test_embeddings import DOCUMENTS as RERANKED
 from tests.engine.test_embeddings import QUERY
 
@@ -209,3 +211,72 @@ def test_sentence_transformers_files_cap_the_input_and_refuse_what_is_not_applie
     (path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ConfigError, match="module Dense is not applied"):
         ModelConfig(name="e", source=str(path), task="embed").pooling_task()
+
+
+# -- from GGUF files, as llama.cpp's converter writes them --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_embedders(embedders, tmp_path_factory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("gguf-encoders")
+    return {
+        pooling: write_encoder_gguf(embedders["bert", pooling], root / f"bert-{pooling}.gguf", pooling)
+        for pooling in ("cls", "mean")
+    }
+
+
+def test_a_bert_gguf_files_wordpiece_tokenizes_as_the_models_own(embedders, gguf_embedders):
+    """The vocabulary read back from llama.cpp's phantom-space form gives the HF tokenizer's ids:
+    mixed case, accents, punctuation, characters outside the vocabulary ([UNK]) and pairs with
+    their token types."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    want = HFTokenizer.from_file(str(embedders["bert", "cls"] / "tokenizer.json"))
+    got = load_weights(str(gguf_embedders["cls"])).tokenizer
+    texts = [*TEXTS, "Crème Brûlée, S.V.P.!", "naïve café: 3.14 — ok?", "日本 emoji 🙂 [SEP] x", ""]
+    for text in texts:
+        assert got.encode(text) == want.encode(text).ids, text
+    pair = want.encode(QUERY, DOCUMENTS[0])
+    ids, start = got.encode_pair(QUERY, DOCUMENTS[0])
+    assert ids == pair.ids and start == pair.type_ids.index(1)
+    assert got.eos_token_ids == () and got.chat_template is None
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_bert_embedders_from_gguf_match_sentence_transformers(embedders, gguf_embedders, pooling):
+    """The GGUF file of a BERT embedder: its shape from the header (positions, token types from the
+    table), the pooling its header names (the config's default for task: embed, normalised as
+    llama.cpp serves it), and the same vectors as sentence-transformers on the HF directory."""
+    path = gguf_embedders[pooling]
+    w = load_weights(str(path))
+    assert w.config.encoder and w.config.type_vocab_size == 2 and w.config.num_labels == 0
+    assert w.config.max_position_embeddings == 128 and w.config.position_offset == 0
+    task = ModelConfig(name="e", source=str(path), task="embed").pooling_task()
+    assert (task.pooling, task.normalize) == (pooling, True)
+    assert encoder_head(str(path)) == 0
+    shape = shape_of("e", str(path), 4)  # the planner's reading of the same header: no KV kept
+    assert shape.config == w.config and shape.engine_kv_bytes_per_token == 0
+    with pytest.raises(ConfigError, match="cannot generate"):
+        ModelConfig(name="e", source=str(path)).pooling_task()
+    want = SentenceTransformer(str(embedders["bert", pooling]), device="cpu").encode(
+        TEXTS, convert_to_tensor=True
+    )
+    engine = _engine(path)
+    for i, text in enumerate(TEXTS):
+        engine.add_request(
+            engine.tokenizer.encode(text), SamplingParams(max_tokens=1, pooling=pooling), f"e{i}"
+        )
+    out = run_to_completion(engine)
+    for i in range(len(TEXTS)):
+        assert _cosine(out[f"e{i}"].embedding, want[i]) >= 0.9999, (pooling, i)
+
+
+def test_a_gguf_cross_encoder_without_its_pooler_is_refused_by_name(cross_encoders, tmp_path):
+    """llama.cpp's converter drops a BERT cross-encoder's pooler (dense and tanh before the
+    classifier), so the file cannot give the model's scores: refused at config time and at load,
+    saying so, rather than served wrong."""
+    path = write_encoder_gguf(cross_encoders["bert"], tmp_path / "cross.gguf")
+    with pytest.raises(ConfigError, match="without its pooler"):
+        ModelConfig(name="c", source=str(path), task="score").pooling_task()
+    with pytest.raises(UnsupportedModelError, match="without its pooler"):
+        load_weights(str(path))

@@ -89,10 +89,15 @@ def embedding_defaults(source: str) -> dict[str, str | bool | int]:
     say: ``modules.json`` lists a Pooling module (its ``config.json``'s ``pooling_mode_*`` flag:
     lasttoken, mean_tokens or cls_token) and a Normalize module or none; ``max_length``: the
     longest input it reads (``sentence_bert_config.json``'s ``max_seq_length``), where it says.
-    Empty for a source without them. ValueError names a file that is not what sentence-transformers
-    writes, or a module the server does not apply (a Dense projection, say), whose vectors would
-    otherwise come out silently different."""
+    A BERT-family GGUF file says it in its header (``bert.pooling_type``: mean, cls or last), and
+    is normalised, as llama.cpp serves it. Empty for a source without them. ValueError names a file
+    that is not what sentence-transformers writes, or a module the server does not apply (a Dense
+    projection, say), whose vectors would otherwise come out silently different."""
     root = Path(source).expanduser()
+    if (found := _gguf_encoder(source)) is not None:  # llama.cpp's pooling type; it normalises
+        kind = found[0].get("bert.pooling_type")
+        pooling = {1: "mean", 2: "cls", 3: "last"}.get(int(kind)) if kind is not None else None
+        return {"normalize": True, **({"pooling": pooling} if pooling else {})}
     path = root / "modules.json"
     if source.startswith(RANDOM_PREFIX) or not path.is_file():
         return {}
@@ -128,13 +133,41 @@ def embedding_defaults(source: str) -> dict[str, str | bool | int]:
     return out
 
 
+def _gguf_encoder(source: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]] | None:
+    """A GGUF file of a BERT-family encoder (architecture ``bert``): its metadata and its tensors'
+    shapes (the file's order: fastest-varying dimension first); None for any other source."""
+    from prism_serve.engine.gguf_file import read_gguf
+
+    path = Path(source).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    try:
+        meta, tensors = read_gguf(path)
+    except Exception as e:  # ValueError, struct.error, IndexError, ... from a file that is not one
+        raise CorruptWeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    if meta.get("general.architecture") != "bert":
+        return None
+    return meta, {t.name: t.shape for t in tensors}
+
+
 def encoder_head(source: str) -> int | None:
-    """What an HF directory's config.json says of a BERT-family encoder (models/config.py's
-    ``ENCODERS``): None for any other source (a decoder, a GGUF file, synthetic weights), 0 for an
-    embedder, the number of outputs of a cross-encoder's classification head."""
+    """What a BERT-family encoder's config.json (models/config.py's ``ENCODERS``) or GGUF file says
+    of it: None for any other source (a decoder, synthetic weights), 0 for an embedder, the number
+    of outputs of a cross-encoder's classification head. A GGUF cross-encoder whose converter left
+    out its pooler is UnsupportedModelError (weights.load_gguf says why)."""
     from prism_serve.engine.models.config import ArchConfig
 
     root = Path(source).expanduser()
+    if (found := _gguf_encoder(source)) is not None:
+        shapes = found[1]
+        if "cls.output.weight" not in shapes:
+            return 0
+        if "cls.weight" not in shapes:
+            raise UnsupportedModelError(
+                f"{root}: a BERT cross-encoder without its pooler (llama.cpp's converter leaves it out), "
+                "so its scores would not be the model's; serve its HF directory instead"
+            )
+        return shapes["cls.output.weight"][-1]
     if source.startswith(RANDOM_PREFIX) or not (root / "config.json").is_file():
         return None
     cfg = json_object(root / "config.json", CorruptWeightsError)

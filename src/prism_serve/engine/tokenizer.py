@@ -11,7 +11,7 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from prism_serve.errors import CorruptWeightsError, InvalidRequestError, UnsupportedModelError
@@ -91,6 +91,41 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) ->
     return backend
 
 
+def _wordpiece(meta: dict[str, Any], tokens: list[str], types: list[int]) -> HFTokenizer:
+    """A GGUF file's BERT vocabulary (``tokenizer.ggml.model: bert``) as the WordPiece it was made
+    from. llama.cpp's converter writes a word's first piece with a U+2581 in front and a
+    continuation piece (``##x``) without its ``##``, control tokens as they are: each is read back
+    to its WordPiece spelling. A BERT file does not say whether its vocabulary is cased; it is
+    read uncased (lower case, accents stripped), as llama.cpp reads every such file and as the
+    BERT embedders it converts (bge, gte, e5, MiniLM) were trained. Single inputs are put between
+    [CLS] and [SEP], and pairs as BERT joins them (the second segment's tokens of type 1)."""
+    vocab: dict[str, int] = {}
+    for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
+        word = tok if kind == _GGUF_CONTROL else tok[1:] if tok.startswith("\u2581") else "##" + tok
+        vocab.setdefault(word, i)
+
+    def special(key: str, fallback: str) -> str:
+        value = meta.get(key)
+        if value is not None and 0 <= int(value) < len(tokens):
+            return tokens[int(value)]
+        if fallback not in vocab:
+            raise CorruptWeightsError(f"GGUF BERT vocabulary has no {key} and no {fallback} token")
+        return fallback
+
+    unk = special("tokenizer.ggml.unknown_token_id", "[UNK]")
+    cls_ = special("tokenizer.ggml.bos_token_id", "[CLS]")  # the converter writes [CLS] as BOS
+    sep = special("tokenizer.ggml.seperator_token_id", "[SEP]")  # (sic: llama.cpp's key)
+    backend = HFTokenizer(models.WordPiece(vocab=vocab, unk_token=unk))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{cls_}:0 $A:0 {sep}:0", pair=f"{cls_}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls_, vocab[cls_]), (sep, vocab[sep])],
+    )  # fmt: skip
+    return backend
+
+
 def _raise_template_error(message: str) -> None:
     raise InvalidRequestError(f"chat template: {message}")
 
@@ -121,13 +156,14 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         """The tokenizer a GGUF header describes: byte-level BPE (``tokenizer.ggml.model`` gpt2:
-        Llama 3, Qwen, SmolLM2) or a SentencePiece vocabulary (llama: Llama 2, Mistral, Phi-3,
-        Gemma), with the file's control and user-defined tokens kept whole."""
+        Llama 3, Qwen, SmolLM2), a SentencePiece vocabulary (llama: Llama 2, Mistral, Phi-3,
+        Gemma) or BERT's WordPiece (bert: the BERT-family embedders), with the file's control and
+        user-defined tokens kept whole."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind not in ("gpt2", "llama"):
+        if kind not in ("gpt2", "llama", "bert"):
             raise UnsupportedModelError(
-                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
-                "SentencePiece 'llama'; serve the model's HF directory instead)"
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', "
+                "SentencePiece 'llama' and BERT's WordPiece 'bert'; serve the model's HF directory instead)"
             )
         tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -136,6 +172,8 @@ class Tokenizer:
         if kind == "llama":
             backend = _sentencepiece(meta, tokens, types)
             add_bos = meta.get("tokenizer.ggml.add_bos_token", True)  # llama.cpp's default for these
+        elif kind == "bert":  # its post-processor adds [CLS] and [SEP]
+            backend, add_bos = _wordpiece(meta, tokens, types), False
         else:
             vocab = {tok: i for i, tok in enumerate(tokens)}
             merges_raw: list[str] = meta.get("tokenizer.ggml.merges") or []
@@ -147,9 +185,12 @@ class Tokenizer:
         specials = [
             AddedToken(tok, special=True, normalized=False)
             for tok, kind_ in zip(tokens, types, strict=True)
-            if kind_ in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
+            # a BERT file's user-defined tokens carry the converter's U+2581: read as WordPiece
+            if kind_ == _GGUF_CONTROL or (kind_ == _GGUF_USER_DEFINED and kind != "bert")
         ]
         backend.add_special_tokens(specials)
+        if kind == "bert":  # an encoder never generates, so it has no stop tokens
+            return cls(backend, bos_token_id=None, eos_token_ids=[], add_bos=False, chat_template=None)
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
         return cls(
             backend,

@@ -130,6 +130,9 @@ def load_gguf(path: Path) -> LoadedWeights:
             if t.name == "rope_freqs.weight":
                 freq_factors = torch.from_numpy(array.copy())
                 continue
+            if config.encoder:
+                tensors[_gguf_encoder_name(t.name)] = torch.from_numpy(np.array(array, dtype=np.float32))
+                continue
             name = _gguf_to_hf_name(t.name, config.gemma)
             if config.gemma and name.endswith("norm.weight"):
                 array = array - 1.0  # llama.cpp's converter stores Gemma's norm weights as 1 + w
@@ -144,10 +147,12 @@ def load_gguf(path: Path) -> LoadedWeights:
             tensors[name] = torch.from_numpy(
                 np.array(array, dtype=np.float32, order="C")
             )  # own, writable copy
-    except CorruptWeightsError:
+    except (CorruptWeightsError, UnsupportedModelError):
         raise
     except Exception as e:
         raise CorruptWeightsError(f"{path}: cannot read tensor data: {e}") from e
+    if config.encoder:
+        return LoadedWeights(_encoder_config(path, config, tensors), tensors, tokenizer, str(path), False)
     if "lm_head.weight" not in tensors:
         config = dataclasses.replace(config, tie_word_embeddings=True)
     return LoadedWeights(config, engine_names(config, tensors), tokenizer, str(path), False, freq_factors)
@@ -246,6 +251,48 @@ def _gguf_to_hf_name(name: str, gemma: bool = False) -> str:
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
+
+
+# llama.cpp's names of a BERT-family encoder's tensors (architecture ``bert``) -> BERT's
+_GGUF_ENCODER_GLOBAL = {
+    "token_embd": "embeddings.word_embeddings", "position_embd": "embeddings.position_embeddings",
+    "token_types": "embeddings.token_type_embeddings", "token_embd_norm": "embeddings.LayerNorm",
+    "cls": "pooler.dense", "cls.output": "classifier",
+}  # fmt: skip
+_GGUF_ENCODER_LAYER = {
+    "attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
+    "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
+    "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm",
+}  # fmt: skip
+
+
+def _gguf_encoder_name(name: str) -> str:
+    base, _, kind = name.rpartition(".")
+    if base in _GGUF_ENCODER_GLOBAL:
+        return f"{_GGUF_ENCODER_GLOBAL[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_ENCODER_LAYER:
+        return f"encoder.layer.{parts[1]}.{_GGUF_ENCODER_LAYER[parts[2]]}.{kind}"
+    raise UnsupportedModelError(f"unexpected tensor {name!r} in a BERT GGUF file")
+
+
+def _encoder_config(path: Path, config: ArchConfig, tensors: dict[str, torch.Tensor]) -> ArchConfig:
+    """An encoder's shape as its tensors give what its header may not: the token types (rows of
+    ``token_types``) and a classifier's outputs (rows of ``cls.output``). llama.cpp's converter
+    drops BERT's pooler (a dense layer and tanh before the classifier) from a cross-encoder it
+    writes, so such a file cannot give the scores the model was trained to give: refused."""
+    types = tensors.get("embeddings.token_type_embeddings.weight")
+    head = tensors.get("classifier.weight")
+    if head is not None and "pooler.dense.weight" not in tensors:
+        raise UnsupportedModelError(
+            f"{path}: a BERT cross-encoder without its pooler (llama.cpp's converter leaves it out), so "
+            "its scores would not be the model's; serve its HF directory instead"
+        )
+    return dataclasses.replace(
+        config,
+        type_vocab_size=0 if types is None else types.shape[0],
+        num_labels=0 if head is None else head.shape[0],
+    )
 
 
 # ---- HF layout -------------------------------------------------------------------------------

@@ -173,6 +173,8 @@ class ArchConfig:
         whatever architecture llama.cpp wrote (the planner's cost model); ``tied``: the file has no
         ``output.weight`` (the loader, which sees the tensors, ties the head itself)."""
         arch = meta.get("general.architecture")
+        if arch == "bert":
+            return _gguf_encoder(meta)
         if arch not in BUILT_IN_GGUF and not any_architecture:
             raise UnsupportedModelError(
                 f"GGUF architecture {arch!r} is not supported ({', '.join(BUILT_IN_GGUF)})"
@@ -412,6 +414,37 @@ def _hf_encoder(cfg: dict[str, Any], architecture: str) -> ArchConfig:
         )
     except KeyError as e:
         raise CorruptWeightsError(f"config.json lacks {e.args[0]!r}") from None
+
+
+def _gguf_encoder(meta: dict[str, Any]) -> ArchConfig:
+    """A BERT-family encoder's shape from a GGUF header as llama.cpp's converter writes it
+    (architecture ``bert``): its positions start at 0 (RoBERTa's unused leading rows are cut off
+    by the converter), and a classifier's outputs are its ``classifier.output_labels``, else one
+    (the loader, which sees the ``cls.output`` tensor, reads them from its shape)."""
+
+    def get(key: str) -> Any:
+        value = meta.get(f"bert.{key}")
+        if value is None:
+            raise CorruptWeightsError(f"GGUF metadata lacks bert.{key}")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    vocab = meta.get("bert.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    labels = meta.get("bert.classifier.output_labels") or ()
+    return ArchConfig(
+        architecture="bert",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(meta.get("bert.attention.layer_norm_epsilon", 1e-12)),
+        type_vocab_size=int(meta.get("tokenizer.ggml.token_type_count", 2)),
+        num_labels=len(labels),
+    )
 
 
 def _encoder_hf_config(c: ArchConfig) -> dict[str, Any]:
