@@ -15,7 +15,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from prism_serve.engine.hf_reference import write_synthetic_encoder
 from tests.api.conftest import API_KEY, start_server, stop_clean
-from tests.engine.gguf_export import write_encoder_gguf
+from tests.engine.gguf_export import write_encoder_gguf, write_unigram_xlmr
 from tests.engine.test_encoders import DOCUMENTS, QUERY, TEXTS
 
 CONFIG = """
@@ -27,6 +27,7 @@ models:
   - {{name: bge-gguf, source: "{bge_gguf}", task: embed, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: cross, source: "{cross}", task: score, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: xcross, source: "{xcross}", task: score, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
+  - {{name: m3-gguf, source: "{m3_gguf}", task: score, dtype: float32, ttft_slo: 30.0, tpot_slo: 2.0}}
   - {{name: smol, dtype: float32, max_model_len: 512, ttft_slo: 30.0, tpot_slo: 2.0}}
 server:
   api_keys: [{api_key}]
@@ -38,7 +39,10 @@ server:
 def dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("encoder-models")
     bge = write_synthetic_encoder(root / "bge", "bert", pooling="cls", seed=11)
+    m3 = write_unigram_xlmr(root / "m3", num_labels=1, seed=15)  # bge-reranker-v2-m3's kind
     return {
+        "m3": str(m3),
+        "m3_gguf": str(write_encoder_gguf(m3, root / "m3.gguf")),
         "bge": str(bge),
         "bge_gguf": str(write_encoder_gguf(bge, root / "bge.gguf", "cls")),  # as llama.cpp converts it
         "e5": str(write_synthetic_encoder(root / "e5", "roberta", pooling="mean", seed=12)),
@@ -87,13 +91,19 @@ def test_the_openai_client_gets_sentence_transformers_vectors(client, dirs, mode
     assert r.usage.prompt_tokens == sum(len(st.tokenizer(t)["input_ids"]) for t in TEXTS)
 
 
-@pytest.mark.parametrize("model", ["cross", "xcross"])
+@pytest.mark.parametrize("model", ["cross", "xcross", "m3-gguf"])
 def test_rerank_and_score_read_the_cross_encoders_head(server, dirs, model):
     """/v1/rerank orders the documents as CrossEncoder.predict scores them, with its scores; /v1/score
-    pairs them one against many; Cohere's SDK gets the same order."""
+    pairs them one against many; Cohere's SDK gets the same order. m3-gguf is an XLM-RoBERTa
+    cross-encoder with a unigram vocabulary as llama.cpp's GGUF file of it; the reference reads
+    its HF directory."""
     import cohere
 
-    want = CrossEncoder(dirs[model], device="cpu").predict([(QUERY, d) for d in DOCUMENTS]).astype(float)
+    want = (
+        CrossEncoder(dirs["m3" if model == "m3-gguf" else model], device="cpu")
+        .predict([(QUERY, d) for d in DOCUMENTS])
+        .astype(float)
+    )
     order = sorted(range(len(DOCUMENTS)), key=lambda i: -want[i])
     r = post(server, {"model": model, "query": QUERY, "documents": DOCUMENTS}, "/v1/rerank")
     assert r.status_code == 200, r.text

@@ -7,6 +7,7 @@ vocabulary."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -151,28 +152,79 @@ def write_gguf(weights: LoadedWeights, path: Path, tokenizer: dict | None = None
     return path
 
 
-def write_encoder_gguf(hf_dir: Path, path: Path, pooling: str | None = None) -> Path:
-    """A BERT model's HF directory (``hf_reference.write_synthetic_encoder``) as llama.cpp's
-    converter writes it: architecture ``bert``; the WordPiece vocabulary in its phantom-space form
-    (a word's first piece after U+2581, a ``##`` piece without its ``##``, control tokens as they
-    are) with the special tokens gguf-py's ``SpecialVocab`` finds; the tensors under gguf-py's own
-    BERT names, the pooler left out and a classifier's ``classifier`` renamed to its output
-    projection, as the converter does; ``pooling`` (mean or cls) as ``bert.pooling_type``."""
-    import json
+# text the synthetic unigram vocabulary is trained on (fixed, so the vocabulary is the same every run)
+_UNIGRAM_TEXT = [
+    "The capital of France is Paris, and the capital of Japan is Tokyo.",
+    "A paged KV cache keeps each request's keys and values in fixed-size blocks.",
+    "Embeddings map text to vectors; similar texts land near each other.",
+    "Rerankers score a query against each document and sort the documents by relevance.",
+    "Models are activated when requests arrive and evicted when they idle, sharing one device.",
+    "Prefill reads the whole prompt at once; decode then adds one token a step.",
+    "Numbers like 3.14, 2026 and 42 appear in text, as do names such as Ada and Linus.",
+]
 
+
+def write_unigram_xlmr(path: Path, num_labels: int = 0, pooling: str = "mean", seed: int = 0) -> Path:
+    """An XLM-RoBERTa model of seeded random weights (SYNTHETIC, ``write_synthetic_encoder``) whose
+    tokenizer is what XLM-RoBERTa's is: a SentencePiece unigram vocabulary trained here (NFKC rules
+    compiled in, its pieces after XLM-R's <s> <pad> </s> <unk>, <mask> last), saved by
+    transformers' ``XLMRobertaTokenizer``. The model's embedding table is at least as large."""
+    import io
+
+    import sentencepiece as spm
+    import transformers
+    from sentencepiece import sentencepiece_model_pb2
+
+    from prism_serve.engine.hf_reference import write_synthetic_encoder
+
+    write_synthetic_encoder(path, "roberta", num_labels=num_labels, pooling=pooling, seed=seed,
+                            init_std=0.3 if num_labels else 0.02)  # fmt: skip
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_UNIGRAM_TEXT * 4), model_writer=buf, vocab_size=100, model_type="unigram",
+        character_coverage=1.0, normalization_rule_name="nmt_nfkc", hard_vocab_limit=False,
+        pad_id=-1, bos_id=-1, eos_id=-1, unk_id=0, minloglevel=2,
+    )  # fmt: skip
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(buf.getvalue())
+    pieces = [(p.piece, p.score) for p in proto.pieces[1:]]  # its <unk> is XLM-R's fourth token
+    vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), *pieces, ("<mask>", 0.0)]
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    charsmap = list(proto.normalizer_spec.precompiled_charsmap)
+    tok = transformers.XLMRobertaTokenizer(  # XLM-R's own tokenizer_config cleans up spaces
+        vocab=vocab, _spm_precompiled_charsmap=charsmap, model_max_length=128,
+        clean_up_tokenization_spaces=True,
+    )  # fmt: skip
+    tok.save_pretrained(str(path))
+    assert len(vocab) <= transformers.AutoConfig.from_pretrained(str(path)).vocab_size
+    return path
+
+
+def write_encoder_gguf(hf_dir: Path, path: Path, pooling: str | None = None) -> Path:
+    """A BERT-family model's HF directory as llama.cpp's converter writes it (architecture ``bert``):
+    - BERT: the WordPiece vocabulary in its phantom-space form (a word's first piece after U+2581,
+      a ``##`` piece without its ``##``, control tokens as they are);
+    - XLM-RoBERTa (``write_unigram_xlmr``): the unigram vocabulary as ``t5``, pieces with their
+      scores and types, padded with unused tokens to the model's table, the tokenizer's prefix
+      space, whitespace cleaning and precompiled normalisation map; its positions' unused leading
+      rows (the padding index and before) cut off, and its context shortened by as many;
+    - the special tokens gguf-py's ``SpecialVocab`` finds, the tensors under gguf-py's own BERT
+      names with the model prefix stripped and the pooler left out, BERT's ``classifier`` renamed
+      to the output projection (RoBERTa's head maps as it is), as the converter does; ``pooling``
+      (mean or cls) as ``bert.pooling_type``."""
+    import base64
+
+    import transformers
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     specials = {t["id"] for t in tok["added_tokens"] if t["special"]}
-    words = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    types = [gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for _, i in words]
-    tokens = [
-        t if kind == gguf.TokenType.CONTROL else t[2:] if t.startswith("##") else "\u2581" + t
-        for (t, _), kind in zip(words, types, strict=True)
-    ]
+    unigram = tok["model"]["type"] == "Unigram"
+    offset = cfg["pad_token_id"] + 1 if unigram else 0
     w = gguf.GGUFWriter(str(path), "bert")
-    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_context_length(cfg["max_position_embeddings"] - offset)
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -182,18 +234,47 @@ def write_encoder_gguf(hf_dir: Path, path: Path, pooling: str | None = None) -> 
     if pooling is not None:
         w.add_pooling_type({"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS}[pooling])
     w.add_token_type_count(cfg.get("type_vocab_size", 1))
-    w.add_tokenizer_model("bert")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
+    if unigram:
+        hf_tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+        n = max(cfg["vocab_size"], len(tok["model"]["vocab"]))
+        tokens = [f"[PAD{i}]" for i in range(n)]
+        scores = [-10000.0] * n
+        types = [gguf.TokenType.UNUSED] * n
+        for i, (piece, score) in enumerate(tok["model"]["vocab"]):
+            tokens[i], scores[i] = piece, score
+            types[i] = (
+                gguf.TokenType.UNKNOWN if i == tok["model"]["unk_id"]
+                else gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL
+            )  # fmt: skip
+        w.add_tokenizer_model("t5")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_add_space_prefix(hf_tok.add_prefix_space)
+        w.add_remove_extra_whitespaces(hf_tok.clean_up_tokenization_spaces)
+        w.add_precompiled_charsmap(base64.b64decode(tok["normalizer"]["precompiled_charsmap"]))
+    else:
+        words = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+        types = [gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for _, i in words]
+        tokens = [
+            t if kind == gguf.TokenType.CONTROL else t[2:] if t.startswith("##") else "\u2581" + t
+            for (t, _), kind in zip(words, types, strict=True)
+        ]
+        w.add_tokenizer_model("bert")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
     gguf.SpecialVocab(hf_dir, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, cfg["num_hidden_layers"])
     for name, array in load_file(str(hf_dir / "model.safetensors")).items():
-        name = name.removeprefix("bert.")
+        name = name.removeprefix("bert.").removeprefix("roberta.")
         if name.startswith(("pooler.", "embeddings.position_ids")):
             continue
-        if name.startswith("classifier."):
+        if name in ("classifier.weight", "classifier.bias"):  # BERT's head: one linear
             name = name.replace("classifier.", "classifier.out_proj.")
+        if name == "embeddings.position_embeddings.weight":
+            array = array[offset:]
         gguf_name_ = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name_ is not None, name
         w.add_tensor(gguf_name_, np.ascontiguousarray(array, dtype=np.float32))

@@ -25,7 +25,7 @@ from prism_serve.engine.weights import load_weights
 from prism_serve.errors import InvalidRequestError, PromptTooLongError, UnsupportedModelError
 from prism_serve.sim.shapes import shape_of
 from tests.conftest import run_to_completion
-from tests.engine.gguf_export import write_encoder_gguf
+from tests.engine.gguf_export import write_encoder_gguf, write_unigram_xlmr
 from tests.engine.test_embeddings import DOCUMENTS as RERANKED
 from tests.engine.test_embeddings import QUERY
 
@@ -271,12 +271,82 @@ def test_bert_embedders_from_gguf_match_sentence_transformers(embedders, gguf_em
         assert _cosine(out[f"e{i}"].embedding, want[i]) >= 0.9999, (pooling, i)
 
 
-def test_a_gguf_cross_encoder_without_its_pooler_is_refused_by_name(cross_encoders, tmp_path):
+def test_gguf_encoders_the_engine_cannot_serve_right_are_refused_by_name(cross_encoders, tmp_path):
     """llama.cpp's converter drops a BERT cross-encoder's pooler (dense and tanh before the
     classifier), so the file cannot give the model's scores: refused at config time and at load,
-    saying so, rather than served wrong."""
+    saying so, rather than served wrong; so is a RoBERTa file's byte-level BPE vocabulary."""
     path = write_encoder_gguf(cross_encoders["bert"], tmp_path / "cross.gguf")
     with pytest.raises(ConfigError, match="without its pooler"):
         ModelConfig(name="c", source=str(path), task="score").pooling_task()
     with pytest.raises(UnsupportedModelError, match="without its pooler"):
         load_weights(str(path))
+    # RoBERTa's byte-level BPE vocabulary in a bert file: no rule here would add <s> and </s>
+    with pytest.raises(UnsupportedModelError, match="'gpt2' vocabulary"):
+        ArchConfig.from_gguf_metadata({"general.architecture": "bert", "tokenizer.ggml.model": "gpt2"})
+
+
+@pytest.fixture(scope="module")
+def gguf_xlmr(tmp_path_factory) -> dict[str, tuple[object, object]]:
+    """XLM-RoBERTa's embedder and cross-encoder with a unigram vocabulary (bge-m3's and
+    bge-reranker-v2-m3's kind), each as an HF directory and as llama.cpp's GGUF file of it."""
+    root = tmp_path_factory.mktemp("gguf-xlmr")
+    emb = write_unigram_xlmr(root / "emb", pooling="mean", seed=7)
+    cross = write_unigram_xlmr(root / "cross", num_labels=1, seed=8)
+    return {
+        "embed": (emb, write_encoder_gguf(emb, root / "emb.gguf", "mean")),
+        "score": (cross, write_encoder_gguf(cross, root / "cross.gguf")),
+    }
+
+
+def test_an_xlm_roberta_gguf_files_unigram_vocabulary_tokenizes_as_its_own(gguf_xlmr):
+    """The t5 (SentencePiece unigram) vocabulary with its scores and precompiled NFKC map gives the
+    HF tokenizer's ids: runs of spaces, full-width and circled characters folded, characters it
+    lacks as <unk>, its special tokens in the text, and pairs joined as RoBERTa joins them."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf_dir, path = gguf_xlmr["embed"]
+    want = HFTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    got = load_weights(str(path)).tokenizer
+    texts = [*TEXTS, "Hello  World, naïve café! ＡＢＣ ①", "  lead  and trail  ", "<unk> <mask> x", ""]
+    for text in texts:
+        assert got.encode(text) == want.encode(text).ids, text
+    ids, start = got.encode_pair(QUERY, DOCUMENTS[0])
+    assert ids == want.encode(QUERY, DOCUMENTS[0]).ids and start is None
+
+
+def test_xlm_roberta_from_gguf_embeds_and_scores_as_sentence_transformers(gguf_xlmr):
+    """bge-m3's kind (mean pooling from the header) gives sentence-transformers' vectors; the
+    cross-encoder's head (RoBERTa's dense, tanh and output projection, which the converter keeps)
+    gives CrossEncoder.predict's scores within 1e-5 and its order."""
+    hf_dir, path = gguf_xlmr["embed"]
+    w = load_weights(str(path))
+    assert w.config.position_offset == 0 and w.config.max_position_embeddings == 128
+    assert w.config.type_vocab_size == 1
+    task = ModelConfig(name="e", source=str(path), task="embed").pooling_task()
+    assert (task.pooling, task.normalize) == ("mean", True)
+    want = SentenceTransformer(str(hf_dir), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    engine = _engine(path)
+    for i, text in enumerate(TEXTS):
+        engine.add_request(
+            engine.tokenizer.encode(text), SamplingParams(max_tokens=1, pooling="mean"), f"e{i}"
+        )
+    out = run_to_completion(engine)
+    for i in range(len(TEXTS)):
+        assert _cosine(out[f"e{i}"].embedding, want[i]) >= 0.9999, i
+
+    hf_dir, path = gguf_xlmr["score"]
+    assert encoder_head(str(path)) == 1
+    assert ModelConfig(name="c", source=str(path), task="score").pooling_task().classifier
+    pairs = [(QUERY, d) for d in DOCUMENTS]
+    want = torch.tensor(CrossEncoder(str(hf_dir), device="cpu").predict(pairs), dtype=torch.float64)
+    engine = _engine(path)
+    for i, (q, d) in enumerate(pairs):
+        ids, start = engine.tokenizer.encode_pair(q, d)
+        engine.add_request(ids, SamplingParams(max_tokens=1, pooling="cls", pair_start=start), f"p{i}")
+    out = run_to_completion(engine)
+    got = torch.tensor(
+        [torch.sigmoid(out[f"p{i}"].embedding.double()).item() for i in range(len(pairs))],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert float(want.max() - want.min()) > 0.05 and got.argsort().tolist() == want.argsort().tolist()

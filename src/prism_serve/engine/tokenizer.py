@@ -30,6 +30,7 @@ _QWEN2_SPLIT = (
 # tokenizing a long prompt leaves the event loop running.
 _LONG_TEXT = 8192
 _GGUF_NORMAL = 1  # llama.cpp's token types
+_GGUF_UNKNOWN = 2
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
 
@@ -126,6 +127,42 @@ def _wordpiece(meta: dict[str, Any], tokens: list[str], types: list[int]) -> HFT
     return backend
 
 
+def _unigram(meta: dict[str, Any], tokens: list[str], types: list[int]) -> HFTokenizer:
+    """A GGUF file's SentencePiece unigram vocabulary (``tokenizer.ggml.model: t5``, as llama.cpp's
+    converter writes XLM-RoBERTa's: bge-m3, bge-reranker-v2-m3): each piece with its score, the
+    file's precompiled normalisation map (SentencePiece's NFKC rules), spaces as U+2581 with one
+    before each word unless the file says not (``add_space_prefix``), runs of spaces as one where
+    it says so (``remove_extra_whitespaces``). Single inputs are put between its BOS and EOS
+    (``<s> A </s>``), pairs as RoBERTa joins them (``<s> A </s></s> B </s>``, all of type 0)."""
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise CorruptWeightsError("GGUF unigram vocabulary has no score for every token")
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    if unk is None:
+        unk = next((i for i, kind in enumerate(types) if kind == _GGUF_UNKNOWN), None)
+    backend = HFTokenizer(
+        models.Unigram([(t, float(x)) for t, x in zip(tokens, scores, strict=True)], unk_id=unk)
+    )
+    charsmap = meta.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap:
+        backend.normalizer = normalizers.Precompiled(list(bytes(charsmap)))
+    prefix = "always" if meta.get("tokenizer.ggml.add_space_prefix", True) else "never"
+    metaspace = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prefix)
+    squeeze = meta.get("tokenizer.ggml.remove_extra_whitespaces", True)
+    split = [pre_tokenizers.WhitespaceSplit()] if squeeze else []
+    backend.pre_tokenizer = pre_tokenizers.Sequence([*split, metaspace])
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=prefix)
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    if bos is None or eos is None:
+        raise CorruptWeightsError("GGUF unigram vocabulary of an encoder has no BOS or EOS token")
+    first, last = tokens[int(bos)], tokens[int(eos)]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{first} $A {last}", pair=f"{first} $A {last} {last} $B {last}",
+        special_tokens=[(first, int(bos)), (last, int(eos))],
+    )  # fmt: skip
+    return backend
+
+
 def _raise_template_error(message: str) -> None:
     raise InvalidRequestError(f"chat template: {message}")
 
@@ -157,13 +194,13 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         """The tokenizer a GGUF header describes: byte-level BPE (``tokenizer.ggml.model`` gpt2:
         Llama 3, Qwen, SmolLM2), a SentencePiece vocabulary (llama: Llama 2, Mistral, Phi-3,
-        Gemma) or BERT's WordPiece (bert: the BERT-family embedders), with the file's control and
-        user-defined tokens kept whole."""
+        Gemma), BERT's WordPiece (bert: the BERT embedders) or a SentencePiece unigram (t5:
+        XLM-RoBERTa's), with the file's control and user-defined tokens kept whole."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind not in ("gpt2", "llama", "bert"):
+        if kind not in ("gpt2", "llama", "bert", "t5"):
             raise UnsupportedModelError(
-                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', "
-                "SentencePiece 'llama' and BERT's WordPiece 'bert'; serve the model's HF directory instead)"
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', SentencePiece "
+                "'llama' and unigram 't5', BERT's WordPiece 'bert'; serve the model's HF directory instead)"
             )
         tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -172,8 +209,8 @@ class Tokenizer:
         if kind == "llama":
             backend = _sentencepiece(meta, tokens, types)
             add_bos = meta.get("tokenizer.ggml.add_bos_token", True)  # llama.cpp's default for these
-        elif kind == "bert":  # its post-processor adds [CLS] and [SEP]
-            backend, add_bos = _wordpiece(meta, tokens, types), False
+        elif kind in ("bert", "t5"):  # its post-processor adds [CLS] and [SEP], or <s> and </s>
+            backend, add_bos = (_wordpiece if kind == "bert" else _unigram)(meta, tokens, types), False
         else:
             vocab = {tok: i for i, tok in enumerate(tokens)}
             merges_raw: list[str] = meta.get("tokenizer.ggml.merges") or []
@@ -185,11 +222,14 @@ class Tokenizer:
         specials = [
             AddedToken(tok, special=True, normalized=False)
             for tok, kind_ in zip(tokens, types, strict=True)
-            # a BERT file's user-defined tokens carry the converter's U+2581: read as WordPiece
-            if kind_ == _GGUF_CONTROL or (kind_ == _GGUF_USER_DEFINED and kind != "bert")
+            # a BERT file's user-defined tokens carry the converter's U+2581: read as WordPiece;
+            # a unigram encoder's <unk> is one of its special tokens, as its HF tokenizer has it
+            if kind_ == _GGUF_CONTROL
+            or (kind_ == _GGUF_USER_DEFINED and kind != "bert")
+            or (kind_ == _GGUF_UNKNOWN and kind == "t5")
         ]
         backend.add_special_tokens(specials)
-        if kind == "bert":  # an encoder never generates, so it has no stop tokens
+        if kind in ("bert", "t5"):  # an encoder never generates, so it has no stop tokens
             return cls(backend, bos_token_id=None, eos_token_ids=[], add_bos=False, chat_template=None)
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
         return cls(

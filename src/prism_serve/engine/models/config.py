@@ -418,9 +418,10 @@ def _hf_encoder(cfg: dict[str, Any], architecture: str) -> ArchConfig:
 
 def _gguf_encoder(meta: dict[str, Any]) -> ArchConfig:
     """A BERT-family encoder's shape from a GGUF header as llama.cpp's converter writes it
-    (architecture ``bert``): its positions start at 0 (RoBERTa's unused leading rows are cut off
-    by the converter), and a classifier's outputs are its ``classifier.output_labels``, else one
-    (the loader, which sees the ``cls.output`` tensor, reads them from its shape)."""
+    (architecture ``bert``: BERT with its WordPiece vocabulary, XLM-RoBERTa with its unigram one):
+    its positions start at 0 (the converter cuts off XLM-RoBERTa's unused leading rows), and a
+    classifier's outputs are its ``classifier.output_labels`` (the loader, which sees the
+    ``cls.output`` tensor, reads them from its shape)."""
 
     def get(key: str) -> Any:
         value = meta.get(f"bert.{key}")
@@ -428,6 +429,12 @@ def _gguf_encoder(meta: dict[str, Any]) -> ArchConfig:
             raise CorruptWeightsError(f"GGUF metadata lacks bert.{key}")
         return value
 
+    vocabulary = meta.get("tokenizer.ggml.model")
+    if vocabulary not in ("bert", "t5"):  # RoBERTa's byte-level BPE: no rule here adds <s> and </s>
+        raise UnsupportedModelError(
+            f"a BERT-family GGUF file with a {vocabulary!r} vocabulary: the built-in engine reads BERT's "
+            "WordPiece ('bert') and XLM-RoBERTa's unigram ('t5'); serve its HF directory instead"
+        )
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     vocab = meta.get("bert.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
     labels = meta.get("bert.classifier.output_labels") or ()
