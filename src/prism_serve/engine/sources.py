@@ -9,8 +9,10 @@ the simulator and the planner read shapes from these).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +97,7 @@ def embedding_defaults(source: str) -> dict[str, str | bool | int]:
     projection, say), whose vectors would otherwise come out silently different."""
     root = Path(source).expanduser()
     if (found := _gguf_encoder(source)) is not None:  # llama.cpp's pooling type; it normalises
-        kind = found[0].get("bert.pooling_type")
-        pooling = {1: "mean", 2: "cls", 3: "last"}.get(int(kind)) if kind is not None else None
-        return {"normalize": True, **({"pooling": pooling} if pooling else {})}
+        return {"normalize": True, **({"pooling": found.pooling} if found.pooling else {})}
     path = root / "modules.json"
     if source.startswith(RANDOM_PREFIX) or not path.is_file():
         return {}
@@ -133,21 +133,52 @@ def embedding_defaults(source: str) -> dict[str, str | bool | int]:
     return out
 
 
-def _gguf_encoder(source: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]] | None:
-    """A GGUF file of a BERT-family encoder (architecture ``bert``): its metadata and its tensors'
-    shapes (the file's order: fastest-varying dimension first); None for any other source."""
-    from prism_serve.engine.gguf_file import read_gguf
+@dataclass(frozen=True, slots=True)
+class GGUFEncoder:
+    """What a BERT-family GGUF file's header says of how it is served."""
 
+    pooling: str | None  # bert.pooling_type: mean, cls or last; None: not said
+    head: int  # outputs of its classification head (cls.output); 0: an embedder
+    pooler: bool  # its head's dense layer and tanh (cls) are in the file
+
+
+def _gguf_encoder(source: str) -> GGUFEncoder | None:
+    """A GGUF file of a BERT-family encoder (architecture ``bert``), read once per file version
+    (every model entry naming a GGUF file asks, at each config check); None for any other source."""
     path = Path(source).expanduser()
     if path.suffix != ".gguf" or not path.is_file():
         return None
+    st = path.stat()
+    return _gguf_encoder_of(str(path), (st.st_mtime_ns, st.st_size, st.st_ino))
+
+
+@functools.lru_cache(maxsize=256)
+def _gguf_encoder_of(path: str, version: tuple[int, int, int]) -> GGUFEncoder | None:
+    from prism_serve.engine.gguf_file import read_gguf
+
     try:
-        meta, tensors = read_gguf(path)
+        meta, tensors = read_gguf(Path(path))
     except Exception as e:  # ValueError, struct.error, IndexError, ... from a file that is not one
         raise CorruptWeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     if meta.get("general.architecture") != "bert":
         return None
-    return meta, {t.name: t.shape for t in tensors}
+    shapes = {t.name: t.shape for t in tensors}
+    kind = meta.get("bert.pooling_type")
+    head = shapes.get("cls.output.weight")
+    return GGUFEncoder(
+        {1: "mean", 2: "cls", 3: "last"}.get(int(kind)) if kind is not None else None,
+        0 if head is None else head[-1],  # the file's order: (hidden, outputs)
+        "cls.weight" in shapes,
+    )
+
+
+def missing_pooler(path: Any) -> UnsupportedModelError:
+    """A BERT cross-encoder's GGUF file without the dense layer and tanh before its classifier:
+    llama.cpp's converter leaves BERT's pooler out, so no reader can give the model's scores."""
+    return UnsupportedModelError(
+        f"{path}: a BERT cross-encoder without its pooler (llama.cpp's converter leaves it out), so its "
+        "scores would not be the model's; serve its HF directory instead"
+    )
 
 
 def encoder_head(source: str) -> int | None:
@@ -159,15 +190,9 @@ def encoder_head(source: str) -> int | None:
 
     root = Path(source).expanduser()
     if (found := _gguf_encoder(source)) is not None:
-        shapes = found[1]
-        if "cls.output.weight" not in shapes:
-            return 0
-        if "cls.weight" not in shapes:
-            raise UnsupportedModelError(
-                f"{root}: a BERT cross-encoder without its pooler (llama.cpp's converter leaves it out), "
-                "so its scores would not be the model's; serve its HF directory instead"
-            )
-        return shapes["cls.output.weight"][-1]
+        if found.head and not found.pooler:
+            raise missing_pooler(root)
+        return found.head
     if source.startswith(RANDOM_PREFIX) or not (root / "config.json").is_file():
         return None
     cfg = json_object(root / "config.json", CorruptWeightsError)

@@ -21,7 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from prism_serve.engine.config import DEFAULT_MODEL
 from prism_serve.engine.gguf_file import read_gguf
 from prism_serve.engine.models.config import PRESETS, ArchConfig, parameter_shapes
-from prism_serve.engine.sources import RANDOM_PREFIX, default_gguf_path
+from prism_serve.engine.sources import RANDOM_PREFIX, default_gguf_path, missing_pooler
 from prism_serve.engine.tokenizer import Tokenizer
 from prism_serve.errors import CorruptWeightsError, UnsupportedModelError, WeightsNotFoundError
 
@@ -284,10 +284,7 @@ def _encoder_config(path: Path, config: ArchConfig, tensors: dict[str, torch.Ten
     types = tensors.get("embeddings.token_type_embeddings.weight")
     head = tensors.get("classifier.weight")
     if head is not None and "pooler.dense.weight" not in tensors:
-        raise UnsupportedModelError(
-            f"{path}: a BERT cross-encoder without its pooler (llama.cpp's converter leaves it out), so "
-            "its scores would not be the model's; serve its HF directory instead"
-        )
+        raise missing_pooler(path)
     return dataclasses.replace(
         config,
         type_vocab_size=0 if types is None else types.shape[0],
