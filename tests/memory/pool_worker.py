@@ -13,6 +13,7 @@ Commands: {"op": "alloc", "n": N} -> {"ids": [...] | null}; {"op": "free", "ids"
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import os
 import random
@@ -26,6 +27,7 @@ from prism_serve.memory.vmm import HostVirtualRange
 
 
 def main() -> None:
+    faulthandler.enable()  # a crash (a page unmapped under a live block, say) prints where it was
     cfg = json.loads(sys.argv[1])
     ledger = DeviceLedger("cpu:0", namespace=cfg["namespace"])
     account = ledger.account(cfg["name"])

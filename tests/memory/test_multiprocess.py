@@ -58,7 +58,12 @@ class Worker:
 
     def physical_bytes(self) -> int:
         """What the kernel backs this worker's pool with, read from outside the process."""
-        return os.stat(f"/proc/{self.pid}/fd/{self.fd}").st_blocks * 512
+        try:
+            return os.stat(f"/proc/{self.pid}/fd/{self.fd}").st_blocks * 512
+        except FileNotFoundError:  # say how the worker ended (its stderr, faulthandler's, is captured)
+            raise AssertionError(
+                f"worker {self.pid} is gone: exit status {self.proc.wait(timeout=5)}"
+            ) from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
