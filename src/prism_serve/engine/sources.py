@@ -48,15 +48,26 @@ def default_gguf_path() -> Path:
 def gguf_header(path: Path) -> tuple[dict[str, Any], list[str]]:
     """A GGUF file's metadata and tensor names (the header: the tensors' data is not read);
     CorruptWeightsError names the file when it is not one."""
+    meta, tensors = _gguf_tables(path)
+    return meta, [t.name for t in tensors]
+
+
+def _gguf_tables(path: Path) -> tuple[dict[str, Any], list[Any]]:
+    """``gguf_file.read_gguf``: WeightsNotFoundError or CorruptWeightsError names the file."""
     from prism_serve.engine.gguf_file import read_gguf
 
     if not path.is_file():
         raise WeightsNotFoundError(f"{path}: no such file")
     try:
-        meta, tensors = read_gguf(path)
+        return read_gguf(path)
     except Exception as e:  # ValueError, struct.error, IndexError, ... from a file that is not one
         raise CorruptWeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    return meta, [t.name for t in tensors]
+
+
+def file_version(path: Path) -> tuple[int, int, int]:
+    """What changes when a file is rewritten or replaced: the key of a cache of what it says."""
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size, st.st_ino
 
 
 def hf_config(path: Path) -> dict[str, Any]:
@@ -148,18 +159,12 @@ def _gguf_encoder(source: str) -> GGUFEncoder | None:
     path = Path(source).expanduser()
     if path.suffix != ".gguf" or not path.is_file():
         return None
-    st = path.stat()
-    return _gguf_encoder_of(str(path), (st.st_mtime_ns, st.st_size, st.st_ino))
+    return _gguf_encoder_of(str(path), file_version(path))
 
 
 @functools.lru_cache(maxsize=256)
 def _gguf_encoder_of(path: str, version: tuple[int, int, int]) -> GGUFEncoder | None:
-    from prism_serve.engine.gguf_file import read_gguf
-
-    try:
-        meta, tensors = read_gguf(Path(path))
-    except Exception as e:  # ValueError, struct.error, IndexError, ... from a file that is not one
-        raise CorruptWeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    meta, tensors = _gguf_tables(Path(path))
     if meta.get("general.architecture") != "bert":
         return None
     shapes = {t.name: t.shape for t in tensors}

@@ -19,7 +19,7 @@ from typing import Any
 
 from prism_serve.engine.config import DEFAULT_MODEL
 from prism_serve.engine.models.config import PRESETS, ArchConfig
-from prism_serve.engine.sources import RANDOM_PREFIX, default_gguf_path, gguf_header, hf_config
+from prism_serve.engine.sources import RANDOM_PREFIX, default_gguf_path, file_version, gguf_header, hf_config
 from prism_serve.errors import PrismError
 from prism_serve.sim.errors import SimConfigError
 from prism_serve.sim.models import ModelShape, MoE
@@ -57,10 +57,10 @@ def _gguf_shape(name: str, path: Path, dtype_bytes: int) -> ModelShape:
     field, the 49k-string vocabulary included, which takes seconds; a plan or a config check reads
     the same file for every model that names it."""
     try:
-        st = path.stat()
+        version = file_version(path)
     except OSError:
         return shape_from_gguf(name, *gguf_header(path), dtype_bytes)  # its error names the file
-    return _gguf_shape_of(name, str(path), (st.st_mtime_ns, st.st_size, st.st_ino), dtype_bytes)
+    return _gguf_shape_of(name, str(path), version, dtype_bytes)
 
 
 @functools.lru_cache(maxsize=64)
