@@ -456,7 +456,7 @@ class VllmEngine(RequestCounts):
         elif self.config.pooling is not None:  # an embedder or a cross-encoder: no LM head to load
             named.pop("lm_head.weight", None)
         elif tied and "lm_head.weight" not in named:
-            embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
+            embed = _embedding(named)
             if embed is not None:
                 named["lm_head.weight"] = embed
         signature = checkpoint_signature(named)
@@ -799,12 +799,17 @@ def _reranker_checkpoint(named: dict[str, torch.Tensor], tokens: tuple[int, int]
     out = dict(named)
     head = out.pop("lm_head.weight", None)
     if head is None:
-        head = next((t for n, t in out.items() if n.endswith("embed_tokens.weight")), None)
+        head = _embedding(out)
     if head is None:
         raise UnsupportedModelError("a decoder reranker's checkpoint has no LM head or embedding")
     no, yes = tokens
     out["score.weight"] = (head[yes].float() - head[no].float()).to(head.dtype).unsqueeze(0).contiguous()
     return out
+
+
+def _embedding(named: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """A checkpoint's input embedding (under any model prefix), the LM head of a tied model."""
+    return next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
 
 
 def _hf_config(source: str) -> dict[str, Any]:
