@@ -131,6 +131,35 @@ def test_blocks_that_straddle_pages_need_every_page_they_touch(make_ledger):
     pool.close()
 
 
+def test_a_page_being_unmapped_makes_no_straddling_block_ready(make_ledger, monkeypatch):
+    """The prefetch thread unmaps with the lock released; an allocation meanwhile may map the page
+    below. A block straddling both pages must not become ready then: once the unmap lands it would
+    be handed out over an unmapped page (a worker segfaulted writing one)."""
+    ledger = make_ledger(budget_bytes=16 * P)
+    pool = make_pool(ledger, 40 * KiB, buffer_max_pages=4)  # block 1 straddles pages 0 and 1
+    pool.free(pool.allocate(3))  # blocks 0-2: pages 0 and 1 mapped, empty, kept
+    pool._unmap_in_background(0)  # page 0 goes; page 1 stays, so nothing free is ready
+    unmap = pool.vrange.unmap_page
+    taken: list[int] = []
+
+    def unmap_with_an_allocation_meanwhile(page: int) -> None:
+        if page == 1 and not taken:
+            taken.extend(pool.allocate(1))  # maps page 0 while page 1 is in flight
+        unmap(page)
+
+    monkeypatch.setattr(pool.vrange, "unmap_page", unmap_with_an_allocation_meanwhile)
+    pool._unmap_in_background(1)
+    assert taken == [0] and not pool.vrange.is_mapped(1)
+    ids = []
+    for _ in range(3):  # each handed out over mapped pages, and never twice
+        ids += pool.allocate(1)
+        b = ids[-1]
+        assert all(pool.vrange.is_mapped(q) for q in pool._pages_of(b)), f"block {b} over an unmapped page"
+    assert len(set(ids + taken)) == 4
+    pool.free(ids + taken)
+    pool.close()
+
+
 def test_blocks_larger_than_a_page(make_ledger):
     ledger = make_ledger(budget_bytes=16 * P)
     pool = make_pool(ledger, 3 * P // 2)

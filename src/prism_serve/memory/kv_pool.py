@@ -564,10 +564,15 @@ class ElasticKVPool:
         return True
 
     def _adopt_page(self, p: int) -> None:
-        """Bookkeeping for a freshly mapped page: it is empty, and blocks on it may now be ready."""
+        """Bookkeeping for a freshly mapped page: it is empty, and blocks on it may now be ready. A
+        neighbour in flight does not count as mapped: the prefetch thread may be unmapping it (it
+        still reads as mapped until the call returns), and a block straddling both would then be
+        handed out over an unmapped page."""
         self._empty[p] = time.monotonic()
         for b in self._blocks_of(p):
-            if not self._allocated[b] and all(self.vrange.is_mapped(q) for q in self._pages_of(b)):
+            if not self._allocated[b] and all(
+                self.vrange.is_mapped(q) and q not in self._in_flight for q in self._pages_of(b)
+            ):
                 self._add_ready(b)
 
     def _map(self, p: int) -> bool:
