@@ -83,6 +83,7 @@ __all__ = [
     "replica_capacity",
     "replicas_for_rate",
     "resident_replicas",
+    "settled",
     "spare_replicas",
     "surplus",
     "wanted_replicas",
@@ -385,6 +386,22 @@ def replicas_for_rate(cluster: ClusterSnapshot, model: str, high: float) -> int:
 def _for_rate(group: _Group, high: float) -> int:
     capacity = group.capacity
     return 1 if capacity is None else math.ceil(group.rate / (high * capacity))
+
+
+def settled(cluster: ClusterSnapshot, model: str, high: float) -> bool:
+    """Whether ``model`` has nothing to scale: one replica resident, a rate that one replica serves
+    at ``high`` utilization (or no capacity known), and no request of it waiting in a device queue
+    or an engine. Then :func:`wanted_replicas` is 1 (it can only be more with requests waiting) and
+    there is no :func:`surplus` (it needs two resident), whatever the rest of the cluster holds.
+    Most served models of a large deployment are so at every placement: asking this first spares
+    them the full test (at 500 models it was a third of each placement)."""
+    group = _group(cluster, model)
+    if len(group.resident) != 1 or _for_rate(group, high) > 1:
+        return False
+    engines = cluster.engines
+    return not any(
+        m.num_queued or ((e := engines.get(m.model)) is not None and e.num_waiting) for m in group.snaps
+    )
 
 
 def wanted_replicas(cluster: ClusterSnapshot, model: str, high: float, slots: int) -> int:

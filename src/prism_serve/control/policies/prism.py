@@ -66,6 +66,7 @@ from prism_serve.control.replicas import (
     replica_capacity,
     replicas_for_rate,
     resident_replicas,
+    settled,
     spare_replicas,
     surplus,
     wanted_replicas,
@@ -439,8 +440,8 @@ class PrismPolicy(Policy):
         cluster, planned, gone = plan.cluster, plan.planned, plan.gone
         out = []
         for model in cluster.extra_replicas:
-            if model not in served:
-                continue
+            if model not in served or settled(cluster, model, k.replica_high):
+                continue  # neither a copy more nor one fewer, whatever the rest of the plan is
             resident = [m for m in resident_replicas(cluster, model) if m.model not in gone]
             if not resident or any(m.state is ModelState.ACTIVATING for m in resident):
                 continue  # nothing to replicate yet, or a replica is still coming up: wait for it
