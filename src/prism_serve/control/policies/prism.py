@@ -343,8 +343,12 @@ class PrismPolicy(Policy):
             if m.model in gone or not (m.state is not evicted_state or m.model in waiting_names):
                 continue
             where = result.placement(m.model, m.tp_size)
-            # a resident model that no longer fits anywhere in the plan stays put: its memory is real
-            planned[m.model] = where if where is not None else m.placement
+            # a resident model that no longer fits anywhere in the plan stays put: its memory is real;
+            # and so does one whose ranks the plan only shuffles among its own devices (a TP model's
+            # ranks are alike to Algorithm 1, but a move reloads every rank and stops the model)
+            if where is None or (m.tp_size > 1 and set(where) == set(m.placement)):
+                where = m.placement
+            planned[m.model] = where
         activations = [m for m in waiting if planned.get(m.model)]
 
         # evicted models Algorithm 1 could not fit: make room by evicting idle models (section 6.2)
