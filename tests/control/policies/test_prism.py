@@ -455,3 +455,19 @@ def test_prewarm_passing_over_models_heavier_than_a_failed_one_decides_as_asking
     alone = [m for m in models for m in policy._place_prewarm([m], loads1, room1, planned1, by_room=by_room)]
     assert [m.model for m in together] == [m.model for m in alone]
     assert planned == planned1 and room == room1
+
+
+def test_a_tp_model_whose_ranks_the_plan_only_permutes_is_not_moved():
+    """Algorithm 1 places a TP model's ranks one at a time: rank 0 leaves the busier d1 for d0, and
+    rank 1, whose device rank 0 now holds, takes d1. The same two devices: a move would reload
+    both ranks for nothing, so the model stays as it is."""
+    models = [
+        model("tp", tp=2, on=("d1", "d0"), last=NOW),
+        model("x", rate=5, on=("d1",), last=NOW, running=1),  # running: fixed on d1
+    ]
+    c = cluster(models, {"d0": 80, "d1": 80})
+    assert get_policy("prism", migration_threshold=0.0).place(c, NOW) == []
+    # a real move (a third device, emptier than both) still happens
+    c = cluster(models, {"d0": 80, "d1": 80, "d2": 80})
+    (move,) = get_policy("prism", migration_threshold=0.0).place(c, NOW)
+    assert isinstance(move, Migrate) and move.model == "tp" and set(move.dst) == {"d0", "d2"}
