@@ -29,6 +29,7 @@ from prism_serve.control.replicas import (
     misplaced,
     pick_replica,
     predicted_ttft,
+    settled,
     surplus,
     wanted_replicas,
 )
@@ -105,6 +106,35 @@ def test_the_replica_count_follows_demand_with_hysteresis() -> None:
     assert surplus(cooled, "m", 0.5).model == "m#1"
     # the surplus replica gets no new requests while another is resident
     assert get_policy("prism").pick_replica(request("m"), cooled, 0.0).model == "m"
+
+
+def test_a_settled_model_is_one_resident_replica_with_nothing_to_scale() -> None:
+    assert settled(cluster([hot(rate=7, on=("d0",)), hot(k=1), hot(k=2)], DEVICES), "m", 0.8)
+    assert not settled(cluster([hot(rate=9, on=("d0",)), hot(k=1), hot(k=2)], DEVICES), "m", 0.8)
+    assert not settled(cluster([hot(rate=1, on=("d0",), queued=1), hot(k=1), hot(k=2)], DEVICES), "m", 0.8)
+    two = cluster([hot(rate=1, on=("d0",)), hot(k=1, rate=1, on=("d1",)), hot(k=2)], DEVICES)
+    assert not settled(two, "m", 0.8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rates=st.lists(st.floats(0, 30), min_size=3, max_size=3),
+    resident=st.lists(st.booleans(), min_size=3, max_size=3),
+    queued=st.lists(st.integers(0, 2), min_size=3, max_size=3),
+    known=st.booleans(),
+)
+def test_settled_means_no_copy_more_and_none_fewer(rates, resident, queued, known) -> None:
+    """What replica scaling skips on ``settled``: wanted_replicas says one and surplus says none."""
+    models = [
+        hot(k=k, rate=rates[k], on=(f"d{k}",) if resident[k] else (), queued=queued[k] if resident[k] else 0)
+        for k in range(3)
+    ]
+    if not known:
+        models = [replace(m, profile=ModelProfile()) for m in models]
+    c = cluster(models, DEVICES)
+    if settled(c, "m", 0.8):
+        assert wanted_replicas(c, "m", 0.8, 3) == 1
+        assert surplus(c, "m", 0.5) is None
 
 
 def test_prism_adds_a_replica_on_another_device_when_demand_exceeds_one() -> None:
