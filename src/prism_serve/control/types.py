@@ -46,6 +46,7 @@ __all__ = [
     "SetKVQuota",
     "UnknownPolicyError",
     "replica_name",
+    "split_kv_bytes",
 ]
 
 
@@ -281,6 +282,14 @@ class DeviceSnapshot:
         return max(0, self.capacity_bytes - self.mapped_bytes)
 
 
+def split_kv_bytes(split: tuple[int, tuple[int, int] | None], tokens: float) -> float:
+    """KV bytes a request of ``tokens`` tokens holds at most in an engine whose KV grows by
+    ``split``: (bytes per token of its full-context layers, (tokens its windowed layers hold at
+    most, their bytes per token) or None), as engine/kv_cache.py's ``KVGroups.kv_split`` gives it."""
+    per_token, window = split
+    return tokens * per_token + (0 if window is None else min(tokens, window[0]) * window[1])
+
+
 @dataclass(slots=True, frozen=True)
 class EngineSnapshot:
     """The engine serving ``model`` on ``device`` (its rank-0 device for a TP model).
@@ -313,8 +322,7 @@ class EngineSnapshot:
 
     def kv_bytes(self, tokens: int) -> int:
         """KV bytes a request of ``tokens`` tokens holds at most in this engine."""
-        window = 0 if self.kv_window is None else min(tokens, self.kv_window[0]) * self.kv_window[1]
-        return tokens * self.kv_bytes_per_token + window
+        return split_kv_bytes((self.kv_bytes_per_token, self.kv_window), tokens)
 
     def __post_init__(self) -> None:
         if not self.kv_bytes_per_token >= 0:

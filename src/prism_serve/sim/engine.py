@@ -44,7 +44,7 @@ from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
-from prism_serve.control.types import Request
+from prism_serve.control.types import Request, split_kv_bytes
 from prism_serve.engine.grouping import padded_decode_context
 from prism_serve.engine.kv_cache import KVGroups
 from prism_serve.sim.cost import RooflineCostModel
@@ -53,13 +53,7 @@ from prism_serve.sim.models import ServedModel
 from prism_serve.sim.prefix_cache import PrefixCache
 from prism_serve.workload.prefix import cacheable_blocks
 
-__all__ = ["SimEngine", "SimRequest", "SimSeq", "split_kv_bytes"]
-
-
-def split_kv_bytes(split: tuple[int, tuple[int, int] | None], tokens: float) -> float:
-    """KV bytes a request of ``tokens`` tokens holds at most, by ``KVGroups.kv_split``'s split."""
-    per_token, window = split
-    return tokens * per_token + (0 if window is None else min(tokens, window[0]) * window[1])
+__all__ = ["SimEngine", "SimRequest", "SimSeq"]
 
 
 @dataclass(slots=True, eq=False)

@@ -58,12 +58,13 @@ from prism_serve.control.types import (
     Origin,
     Priority,
     replica_name,
+    split_kv_bytes,
 )
 from prism_serve.engine.kv_cache import KVGroups
 from prism_serve.memory.kept import KeptBudget
 from prism_serve.sim.config import ModelSLO, SimConfig
 from prism_serve.sim.cost import COST_MODELS
-from prism_serve.sim.engine import SimEngine, SimRequest, split_kv_bytes
+from prism_serve.sim.engine import SimEngine, SimRequest
 from prism_serve.sim.errors import SimConfigError, SimStateError
 from prism_serve.sim.events import ActivationDone, Arrival, EventQueue, Place, StepDone, Tick
 from prism_serve.sim.hardware import get_hardware
