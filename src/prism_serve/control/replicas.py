@@ -257,10 +257,7 @@ def _backlog(cluster: ClusterSnapshot, group: _Group, slack: float, every: bool)
     queue) and every (``every``) or any active replica's predicted TTFT exceeds ``slack`` x the TTFT
     SLO."""
     active = group.active
-    engines = cluster.engines
-    if not active or not any(
-        m.num_queued or ((e := engines.get(m.model)) is not None and e.num_waiting) for m in group.snaps
-    ):
+    if not active or not _waiting(cluster, group):
         return False
     limit = slack * active[0].ttft_slo
     late = (predicted_ttft(m, cluster) > limit for m in active)
@@ -396,10 +393,13 @@ def settled(cluster: ClusterSnapshot, model: str, high: float) -> bool:
     Most served models of a large deployment are so at every placement: asking this first spares
     them the full test (at 500 models it was a third of each placement)."""
     group = _group(cluster, model)
-    if len(group.resident) != 1 or _for_rate(group, high) > 1:
-        return False
+    return len(group.resident) == 1 and _for_rate(group, high) <= 1 and not _waiting(cluster, group)
+
+
+def _waiting(cluster: ClusterSnapshot, group: _Group) -> bool:
+    """Whether a request of the group's served model waits in a device queue or an engine."""
     engines = cluster.engines
-    return not any(
+    return any(
         m.num_queued or ((e := engines.get(m.model)) is not None and e.num_waiting) for m in group.snaps
     )
 
