@@ -149,6 +149,14 @@ class ModelConfig(_Strict):
         "in admission); unset: ttft_slo",
     )
     pinned: bool = Field(False, description="activated at start-up and never evicted by the policy")
+    expected_rate: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="requests/s this model is expected to get (prism plan writes the rate of the traffic "
+        "it planned on): until a whole rate window of its arrivals has been seen, the unseen part counts "
+        "at this rate, so start-up placement follows the expected load; unset: arrivals alone",
+    )
     keep_alive: float | None = Field(
         None,
         description="evict after this long idle, whatever the policy: seconds or 30s / 5m / 1h; "

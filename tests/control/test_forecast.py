@@ -42,6 +42,41 @@ def test_young_history_is_not_diluted_by_the_whole_window():
     assert est.rate("a", 2.0) == pytest.approx(2.0)  # 4 arrivals over the 2 s seen so far
 
 
+def test_a_prior_counts_for_the_part_of_the_window_not_yet_watched():
+    est = RateEstimator(window_s=60.0)
+    est.start("a", 0.0)
+    est.set_prior("a", 0.5)
+    assert est.rate("a", 0.0) == pytest.approx(0.5)  # nothing watched: the prior alone
+    est.observe("a", 1.0)  # one arrival in the first seconds is not a rate of 1/s
+    assert est.rate("a", 2.0) == pytest.approx((1 + 0.5 * 58) / 60)
+    for t in range(2, 30):
+        est.observe("a", float(t))  # then 1 req/s
+    assert est.rate("a", 30.0) == pytest.approx((29 + 0.5 * 30) / 60)
+    for t in range(30, 60):
+        est.observe("a", float(t))
+    assert est.rate("a", 60.0) == pytest.approx(59 / 60)  # a whole window watched: arrivals alone
+    assert est.rate("a", 90.0) == pytest.approx(29 / 60)
+    est.set_prior("never", 0.25)
+    assert est.rate("never", 5.0) == 0.25  # a model not started reads its prior
+    with pytest.raises(InvalidKnobError):
+        est.set_prior("a", -1.0)
+    with pytest.raises(InvalidKnobError):
+        est.set_prior("a", float("nan"))
+
+
+def test_a_prior_keeps_a_model_moving_until_a_window_has_been_watched():
+    est = RateEstimator(window_s=10.0)
+    est.start("a", 0.0)
+    est.start("b", 0.0)
+    est.set_prior("a", 2.0)
+    assert est.moving(5.0) == ["a"]  # its rate falls with time, no arrival needed
+    assert est.rate("a", 5.0) == pytest.approx(1.0)
+    assert est.moving() == []  # without a time, arrivals alone
+    assert est.moving(10.0) == ["a"]  # its last move: the prior no longer counts
+    assert est.rate("a", 10.0) == 0.0
+    assert est.moving(11.0) == []
+
+
 def test_idle_gaps_and_threshold():
     est = RateEstimator(window_s=60.0, min_gap_s=10.0)
     for t in (0.0, 5.0, 30.0, 31.0, 100.0):

@@ -4,6 +4,8 @@ gives."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from prism_serve.control import ClusterSnapshot
@@ -14,11 +16,15 @@ from prism_serve.sim.snapshots import SnapshotBuilder
 
 from .helpers import loose, poisson, served
 
+TICK_S = SimConfig(num_devices=1).tick_s
 
-@pytest.mark.parametrize("read_every", [1, 3])
-def test_every_cluster_snapshot_equals_a_fresh_build(monkeypatch, read_every):
+
+@pytest.mark.parametrize(("read_every", "expected"), [(1, False), (3, False), (1, True)])
+def test_every_cluster_snapshot_equals_a_fresh_build(monkeypatch, read_every, expected):
     """``read_every`` 3: the devices and engines of two snapshots in three are read one by one
-    first (ClusterSnapshot.deferring builds only those), the third's only whole."""
+    first (ClusterSnapshot.deferring builds only those), the third's only whole. ``expected``: half
+    the models have an expected rate, whose share of their rates falls with time alone for the
+    first window: every snapshot's rates are the estimator's at its time."""
     calls = []
     incremental = SnapshotBuilder.cluster
 
@@ -37,19 +43,29 @@ def test_every_cluster_snapshot_equals_a_fresh_build(monkeypatch, read_every):
         for part in ("models", "devices", "engines", "extra_replicas"):
             assert dict(getattr(snap, part)) == dict(getattr(fresh, part)), (now, part)
         assert snap.starved == fresh.starved, now
+        rates = self.loop.rates
+        for n, m in snap.models.items():  # a prior's share, refreshed at every tick
+            if m.expected_rate is not None and rates.last_arrival(n) is None:
+                now_reads = m.expected_rate * max(0.0, rates.window_s - now) / rates.window_s
+                assert now_reads <= m.rate <= now_reads + m.expected_rate * TICK_S / rates.window_s + 1e-12
         calls.append(snap)
         return snap
 
     monkeypatch.setattr(SnapshotBuilder, "cluster", checked)
-    result, arrivals = _twelve_on_two()
+    result, arrivals = _twelve_on_two(expected)
     assert len(calls) > arrivals  # at least one snapshot per arrival
+    if expected:  # and a prior's share was seen falling, then gone
+        assert any(0 < m.rate < 0.1 and m.expected_rate for c in calls for m in c.models.values())
     assert result.counters["activations"] > 2 and result.counters["evictions"] > 0
 
 
-def _twelve_on_two():
+def _twelve_on_two(expected: bool = False):
     """Twelve 8B models on two GPUs under prism: more than fit, so models are activated, evicted
-    and moved. The run's result and its number of arrivals."""
+    and moved (``expected``: the even ones expect 0.15 req/s). The run's result and its number of
+    arrivals."""
     ms = [served(f"m{i}", "llama-3.1-8b") for i in range(12)]
+    if expected:
+        ms = [dataclasses.replace(m, expected_rate=0.15) if i % 2 == 0 else m for i, m in enumerate(ms)]
     w = poisson([m.name for m in ms], 0.15, 120.0, prompt=(64, 1024), output=(8, 128), seed=3)
     sim = Simulator(ms, w, loose(ms, ttft=2.0, tpot=0.2), SimConfig(num_devices=2, policy="prism"))
     return sim.run(), len(w)

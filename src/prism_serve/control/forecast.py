@@ -22,6 +22,13 @@ class RateEstimator:
     first saw that model (at least ``min_span_s``), so a burst right after start-up is not diluted by a
     window of silence that never happened.
 
+    A model may have a *prior* (``set_prior``: the rate it is expected to get, as ``prism plan``
+    writes it into a deployment's models). While its history is shorter than the window, the part
+    of the window not yet watched counts at the prior: ``(count + prior * (window_s - watched)) /
+    window_s``, the prior alone at start and the arrivals alone after one window. Without a prior, a
+    rate right after start-up is a handful of arrivals over a second or two, which says little about
+    which models are busy.
+
     It also keeps the gaps between consecutive arrivals longer than ``min_gap_s`` (the idle periods of
     the paper's section 3.1), up to ``max_gaps`` per model, for :func:`idle_threshold_from_gaps`.
     """
@@ -47,6 +54,7 @@ class RateEstimator:
         self._first_seen: dict[str, float] = {}
         self._last: dict[str, float] = {}
         self._gaps: dict[str, deque[float]] = {}
+        self._priors: dict[str, float] = {}
         self._max_gaps = max_gaps
 
     def observe(self, model: str, t: float) -> None:
@@ -68,18 +76,30 @@ class RateEstimator:
         """Start counting ``model`` at ``t`` with no arrivals (so its rate decays from a known origin)."""
         self._first_seen.setdefault(model, t)
 
+    def set_prior(self, model: str, rate: float) -> None:
+        """``model`` is expected to get ``rate`` requests/s: its rate counts the part of the window
+        not yet watched at this rate (the class docstring)."""
+        if not (rate >= 0 and math.isfinite(rate)):
+            raise InvalidKnobError(f"{model}: a prior rate must be finite and >= 0, got {rate}")
+        self._priors[model] = float(rate)
+
     def rate(self, model: str, now: float) -> float:
-        """Arrivals/s of ``model`` over the window ending at ``now`` (0.0 for a model never seen)."""
+        """Arrivals/s of ``model`` over the window ending at ``now`` (0.0 for a model never seen and
+        without a prior)."""
         q = self._arrivals.get(model)
         first = self._first_seen.get(model)
+        prior = self._priors.get(model)
         if first is None:
-            return 0.0
+            return 0.0 if prior is None else prior
         count = 0
         if q is not None:
             horizon = now - self.window_s  # _trim, inline: this runs for every model at every tick
             while q and q[0] <= horizon:
                 q.popleft()
             count = len(q)
+        if prior is not None:
+            unseen = max(0.0, self.window_s - max(0.0, now - first))
+            return (count + prior * unseen) / self.window_s
         span = min(self.window_s, max(self.min_span_s, now - first))
         return count / span
 
@@ -95,10 +115,20 @@ class RateEstimator:
         first = self._first_seen.get(model)
         return 0.0 if first is None else max(0.0, t - first)
 
-    def moving(self) -> list[str]:
+    def moving(self, now: float | None = None) -> list[str]:
         """The models whose rate may read differently at a later ``now`` without a new arrival: those
-        with arrivals not yet known to have left the window (a model with none reads 0.0 whenever)."""
-        return [model for model, q in self._arrivals.items() if q]
+        with arrivals not yet known to have left the window (a model with none reads 0.0 whenever),
+        and (given ``now``) those whose prior still covers part of the window."""
+        out = [model for model, q in self._arrivals.items() if q]
+        if now is not None and self._priors:
+            seen = set(out)
+            horizon = now - self.window_s
+            for m in [m for m in self._priors if m in self._first_seen]:
+                if self._first_seen[m] <= horizon:  # watched a whole window: its last move
+                    del self._priors[m]
+                if m not in seen:
+                    out.append(m)
+        return out
 
     def idle_gaps(self, model: str) -> list[float]:
         """Gaps longer than ``min_gap_s`` between consecutive arrivals of ``model``, oldest first."""

@@ -172,6 +172,7 @@ class ControlLoop:
         rate_window_s: float = RATE_WINDOW_S,
         forecast_window_s: float = 300.0,
         place_later: Callable[[], None] | None = None,
+        rate_priors: Mapping[str, float] | None = None,
     ) -> None:
         self.policy = policy
         # what the policy carries from one placement to the next (PolicyMemo): the loop's, handed
@@ -221,6 +222,11 @@ class ControlLoop:
         for m in self._models:
             self.rates.start(m, start)
             self.forecast.start(m, start)
+        # the rates the models are expected to get (their config's expected_rate, RateEstimator's
+        # prior): what their rates read before a window of arrivals has been seen
+        for m, rate in (rate_priors or {}).items():
+            if m in self._models:
+                self.rates.set_prior(m, rate)
 
     def _new_queue(self, device: str) -> RequestQueue:
         q = self.policy.new_queue(device)
@@ -330,7 +336,7 @@ class ControlLoop:
             self.stale_models.update(self._models)
             return
         models = self._models
-        self.stale_models.update((m, None) for m in self.rates.moving() if m in models)
+        self.stale_models.update((m, None) for m in self.rates.moving(now) if m in models)
 
     def activation_done(self, model: str, device: str, now: float) -> None:
         self.stale_models[model] = None

@@ -166,6 +166,10 @@ class ModelSnapshot:
     # the model's own keep-alive (YAML keep_alive): idle this long, it is evicted whatever the
     # policy and the memory pressure; negative: never evicted for being idle; None: the policy decides
     keep_alive_s: float | None = None
+    # requests/s the model is expected to get (its config's expected_rate, which ``prism plan``
+    # writes): ``rate`` counts it for the part of the rate window not yet watched; None: none given,
+    # so a rate right after start-up is only its first arrivals
+    expected_rate: float | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -191,6 +195,8 @@ class ModelSnapshot:
             raise InvalidSnapshotError(f"{self.model}: placed_history_s must be finite and >= 0")
         if not (self.forecast_rate is None or _finite_nonneg(self.forecast_rate)):
             raise InvalidSnapshotError(f"{self.model}: forecast_rate must be finite and >= 0")
+        if not (self.expected_rate is None or _finite_nonneg(self.expected_rate)):
+            raise InvalidSnapshotError(f"{self.model}: expected_rate must be finite and >= 0")
         if self.replica_of is not None:
             prefix, _, index = self.model.rpartition(REPLICA_SEPARATOR)
             if not (prefix == self.replica_of and index.isdigit() and int(index) > 0):

@@ -49,7 +49,7 @@ def model_spec(m: ModelConfig, device_kind: str = "cpu", max_loras: int = 0) -> 
         name=m.name, source=m.source, engine=m.engine_config(device_kind, max_loras), ttft_slo=m.ttft_slo,
         tpot_slo=m.tpot_slo, pinned=m.pinned, kv_limit_bytes=m.kv_limit, keep_alive_s=m.keep_alive,
         engine_kind=m.engine, sampling=tuple(sorted(m.sampling_defaults().items())), tp=m.tp,
-        pooled=m.pooling_task(),
+        pooled=m.pooling_task(), expected_rate=m.expected_rate,
     )  # fmt: skip
 
 

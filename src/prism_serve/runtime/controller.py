@@ -108,6 +108,7 @@ class Controller:
                 if self.settings.placement_thread or self.settings.placement_coalesce_s > 0
                 else None
             ),
+            rate_priors={n: s.expected_rate for n, s in self.specs.items() if s.expected_rate is not None},
         )  # fmt: skip
         self._placer = ThreadPoolExecutor(1, thread_name_prefix="prism-placement")
         # each snapshot the last one with what changed rebuilt; PRISM_CHECK_SNAPSHOTS=1 (the tests)

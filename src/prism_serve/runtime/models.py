@@ -48,6 +48,7 @@ class ModelSpec:
     pinned: bool = False  # never evicted by the policy
     kv_limit_bytes: int | None = None  # cap on its KV pages in the device ledger (PoolConfig.limit_bytes)
     keep_alive_s: float | None = None  # evicted after this long idle; negative: never; None: the policy's
+    expected_rate: float | None = None  # requests/s expected (the rate estimator's prior); None: none
     engine_kind: str = "builtin"  # builtin, or vllm (vLLM's engine in a vLLM worker; source: an HF directory)
     # sampling settings for requests that leave them out (ModelConfig.sampling_defaults), sorted pairs
     sampling: tuple[tuple[str, float | int], ...] = ()

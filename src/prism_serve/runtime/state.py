@@ -447,6 +447,7 @@ def _model_snapshot(name: str, m: ModelEntry, loop: ControlLoop, now: float) -> 
         keep_alive_s=m.spec.keep_alive_s,
         forecast_rate=loop.forecast_rate(name, now),
         prewarmed=resident and name in loop.prewarmed,
+        expected_rate=None if m.replica_of is not None else m.spec.expected_rate,
     )
 
 
@@ -619,7 +620,7 @@ class Snapshots:
         else:
             stale = dict.fromkeys(models.changed)
             stale.update(loop.stale_models)
-            stale.update((n, None) for n in loop.rates.moving())
+            stale.update((n, None) for n in loop.rates.moving(now))
             stale.update(dict.fromkeys(resident))
         models.changed.clear()
         loop.stale_models.clear()

@@ -96,7 +96,7 @@ def sim_deployment(config: DeploymentConfig, gpu: bool = True) -> SimDeployment:
                 adapter_params=max(params, default=0),
             )  # fmt: skip
         aliases.update((a.name, m.name) for a in adapters)
-        models.append(ServedModel(m.name, shape, m.tp))
+        models.append(ServedModel(m.name, shape, m.tp, m.expected_rate))
         slos[m.name] = ModelSLO(m.ttft_slo, m.tpot_slo)
     first = config.models[0]
     engine = first.engine_config("cuda" if gpu else "cpu")

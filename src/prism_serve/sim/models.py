@@ -131,10 +131,13 @@ class ServedModel:
     name: str
     spec: ModelShape
     tp_size: int = 1
+    expected_rate: float | None = None  # the config's expected_rate (the rate estimator's prior)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.tp_size & (self.tp_size - 1):
             raise SimConfigError(f"{self.name}: tp_size must be a power of two, got {self.tp_size}")
+        if self.expected_rate is not None and not (0 <= self.expected_rate < float("inf")):
+            raise SimConfigError(f"{self.name}: expected_rate must be finite and >= 0")
 
 
 MODEL_SHAPES: Mapping[str, ArchConfig] = MappingProxyType(dict(PRESETS))

@@ -150,6 +150,7 @@ class Simulator:
             0.0,
             rate_window_s=config.rate_window_s,
             place_later=self._place_later if config.placement_coalesce_s > 0 else None,
+            rate_priors={m.name: m.expected_rate for m in models if m.expected_rate is not None},
         )
         # the coalesced placement after activations (Place): whether one is due, the last finish
         # it is for, and when the last tick ran (which places anyway)

@@ -141,6 +141,7 @@ class SnapshotBuilder:
             forecast_rate=forecast,
             prewarmed=prewarmed,
             replica_of=self.replica_of.get(name),
+            expected_rate=None if name in self.replica_of else sv.expected_rate,
         )
         return snap
 

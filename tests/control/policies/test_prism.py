@@ -377,6 +377,25 @@ def test_the_startup_fill_chooses_smallest_first_and_places_largest_first():
     assert placed == {"big": "d1", "mid": "d0"}
 
 
+def test_models_with_an_expected_rate_are_placed_at_start_by_pressure_hottest_first():
+    """A deployment told what each model will get (expected_rate, which prism plan writes) places
+    by that load from the first tick: the hottest model first, each next one beside the lighter
+    load, instead of by room and weight alone (which pairs the hot model with a third as likely as
+    not). The models' rates read the expected rate until arrivals are measured (RateEstimator)."""
+    rates = {"a": 0.15, "hot": 0.5, "c": 0.2}
+    models = [replace(model(n, rate=r, weight_gib=1), expected_rate=r) for n, r in rates.items()]
+    c = cluster(models, {"d0": 10, "d1": 10})
+    out = get_policy("prism").place(c, NOW)
+    assert [a.model for a in out] == ["hot", "c", "a"]
+    where = {a.model: a.devices for a in out}
+    assert where["hot"] != where["c"] and where["c"] == where["a"], "the hot model has a device alone"
+    # without expected rates the same rates (a few arrivals in the first seconds) say little: the
+    # fill goes by room, and the hot model shares a device
+    blind = cluster([model(n, rate=r, weight_gib=1) for n, r in rates.items()], {"d0": 10, "d1": 10})
+    by_room = {a.model: a.devices for a in get_policy("prism").place(blind, NOW)}
+    assert set(by_room) == set(rates) and len({by_room[m] for m in ("a", "c")}) == 2
+
+
 def test_prewarmed_memory_yields_first_to_a_real_request():
     models = [
         replace(model("warm", ttft=0.5, on=("d0",), weight_gib=35, last=NOW - 1), prewarmed=True),

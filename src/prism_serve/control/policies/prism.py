@@ -625,8 +625,10 @@ class PrismPolicy(Policy):
         """Evicted models the forecast expects a request for within ``prewarm_horizon_s``, then those
         with no forecast yet (``_prewarm_rank``), activated (and added to ``planned``) in that order
         where they fit in memory that stays below the watermark without evicting anything; those
-        with no forecast are chosen in that order and placed largest first (``fill_largest_first``).
-        Their memory yields first (eviction.is_idle)."""
+        with no forecast and no expected rate are chosen in that order and placed largest first
+        (``fill_largest_first``); those with an expected rate (``ModelSnapshot.expected_rate``) go
+        by pressure in rate order, their rates being known. Their memory yields first
+        (eviction.is_idle)."""
         k = self.knobs
         cluster, planned = plan.cluster, plan.planned
         extra = cluster.extra_replicas
@@ -647,10 +649,10 @@ class PrismPolicy(Policy):
         # memory each device can still give without crossing the watermark: what is mapped now, plus
         # the weights this tick moves or loads there (evictions are not credited: they may not be done)
         room = room_now(cluster, planned, k.memory_watermark)
-        blind = [m for m in candidates if m.forecast_rate is None]
+        blind = [m for m in candidates if m.forecast_rate is None and m.expected_rate is None]
         if not (k.fill_largest_first and len(blind) > 1):
             return self._place_prewarm(candidates, loads, room, planned)
-        expected = [m for m in candidates if m.forecast_rate is not None]
+        expected = [m for m in candidates if m.forecast_rate is not None or m.expected_rate is not None]
         out = self._place_prewarm(expected, loads, room, planned)
         # the startup fill: which models, smallest first (as many as fit; a trial on copies), then
         # where, largest first, each on the devices with the most room (worst-fit decreasing): with
