@@ -59,11 +59,36 @@ def test_the_fit_recovers_the_profile_that_priced_the_steps() -> None:
     assert fit_points(dict(raw, decode_attention="sdpa"), start).profile.pad_decode_context
 
 
+def test_other_models_are_predicted_from_their_own_shape_and_not_fitted_to() -> None:
+    """The deployment's other models: held-out points priced from their own shape, which say how
+    far off the profile is on them, join the step errors, and leave the fitted constants alone."""
+    base = HARDWARE["cpu-smollm2-avx512bf16"]
+    known = dataclasses.replace(base, step_overhead_s=6e-3, peak_flops=1.5e11, mem_bandwidth=2.5e10)
+    cm, own, big = RooflineCostModel(known), model_shape(FIT_MODEL, 4), model_shape("smollm2-360m", 4)
+    points = [dict(p, batch=batch_of(p), times=[predict(cm, own, batch_of(p))]) for p in step_points("quick")]
+    # this machine runs the bigger model 25% slower than the profile prices it
+    held = [p for p in step_points("quick") if p["held_out"]]
+    points += [
+        dict(p, shape="random:smollm2-360m", batch=batch_of(p), times=[1.25 * predict(cm, big, batch_of(p))])
+        for p in held
+    ]
+    raw = {"points": points, "decode_attention": "kernel"}
+    result = fit_points(raw, base, mem_bandwidth=known.mem_bandwidth, shapes={"random:smollm2-360m": big})
+    for name in ("step_overhead_s", "peak_flops"):
+        assert getattr(result.profile, name) == pytest.approx(getattr(known, name), rel=1e-3), name
+    assert max(abs(result.errors(True, shape=None))) < 1e-3
+    assert result.errors(True, shape="random:smollm2-360m") == pytest.approx([1 / 1.25 - 1] * len(held))
+    assert len(result.profile.step_errors) == 2 * len(held)
+    assert "held-out points of random:smollm2-360m: mean |error| 20.0%, mean -20.0%" in result.report()
+
+
 def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, capsys) -> None:
     profile = tmp_path / "cpu.json"
-    assert main(["fit-hardware", "--rounds", "1", "--reps", "1", "--out", str(profile)]) == 0
+    shapes = ["--shapes", "random:smollm2-360m"]  # a second shape, measured and predicted, not fitted
+    assert main(["fit-hardware", "--rounds", "1", "--reps", "1", *shapes, "--out", str(profile)]) == 0
     err = capsys.readouterr().err
     assert "held-out points: mean |error|" in err and "weight pass fixed at the measured" in err
+    assert "held-out points of random:smollm2-360m: mean |error|" in err
     hw = get_hardware(str(profile))
     base = get_hardware(host_cpu_profile())
     assert hw.name == "cpu-fitted" and not hw.synthetic and not hw.overlap

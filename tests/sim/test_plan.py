@@ -20,9 +20,16 @@ from prism_serve.runtime.build import model_specs
 from prism_serve.sim import ModelSLO, SimConfig
 from prism_serve.sim.deployment import SimDeployment, deployment_config, get_setup, sim_deployment
 from prism_serve.sim.errors import SimConfigError
-from prism_serve.sim.plan import busy_window, exclusive_floor, fewest_passing, plan, simulate_point
+from prism_serve.sim.plan import (
+    busy_window,
+    exclusive_floor,
+    fewest_passing,
+    plan,
+    simulate_point,
+    with_expected_rates,
+)
 from prism_serve.sim.simulator import Simulator
-from prism_serve.workload import Workload, WorkloadSpec, build_workload, write_jsonl
+from prism_serve.workload import Workload, WorkloadSpec, build_workload, read_jsonl, write_jsonl
 
 from .helpers import loose, poisson, served
 
@@ -284,6 +291,26 @@ def test_plan_answers_every_policy_and_writes_a_servable_deployment(
     assert "on at least 4 of 5 draws" in (out / "prism.yaml").read_text()
     assert [m.name for m in deployment.models] == [m.name for m in deployment_config("paper-8").models]
     assert len(model_specs(deployment)) == 8
+    # each model is told the rate the plan simulated it at: its mean rate in the traffic
+    rates = read_jsonl(traffic, tuple(m.name for m in deployment.models)).mean_rates()
+    assert {m.name: m.expected_rate for m in deployment.models} == pytest.approx(rates, abs=1e-6)
+    assert {s.name: s.expected_rate for s in model_specs(deployment)} == pytest.approx(rates, abs=1e-6)
+
+
+def test_expected_rates_fill_only_what_the_config_leaves_unset(traffic: Path) -> None:
+    config = deployment_config("paper-8")
+    first = config.models[0].name
+    config = config.model_copy(
+        update={"models": [config.models[0].model_copy(update={"expected_rate": 7.5}), *config.models[1:]]}
+    )
+    w = read_jsonl(traffic, tuple(m.name for m in config.models))
+    filled, count = with_expected_rates(config, w)
+    assert count == len(config.models) - 1
+    got = {m.name: m.expected_rate for m in filled.models}
+    assert got[first] == 7.5  # the user's own stays
+    assert all(got[n] == pytest.approx(r, abs=1e-6) for n, r in w.mean_rates().items() if n != first)
+    # the simulated deployment carries them to the simulator's rate estimator
+    assert {m.name: m.expected_rate for m in sim_deployment(filled).models} == got
 
 
 def test_plan_refuses_traffic_for_models_it_does_not_serve(traffic: Path, tmp_path: Path, capsys) -> None:
@@ -327,8 +354,6 @@ def test_plan_in_process_matches_the_command(traffic: Path) -> None:
     """The library call the command makes, with a target no policy can meet on the devices allowed:
     no answer, never a wrong one."""
     dep = sim_deployment(deployment_config("paper-8"))
-    from prism_serve.workload import read_jsonl
-
     w = read_jsonl(traffic, tuple(m.name for m in dep.models))
     result = plan(dep, w, hardware="h100", target=1.0, policies=["dedicated"], max_devices=3, jobs=1)
     got = result.policies["dedicated"]

@@ -21,6 +21,13 @@ is a non-negative least squares on relative error of the cost model's summed CPU
 engines of one core, interference between cores, the serving path's per-request overhead, and the
 activation copy. ``benchmarks/fit_cpu_profile.py`` adds held-out points, other shapes and fits to
 live step traces.
+
+**The deployment's own shapes** (``fit_this_machine(shapes=...)``, ``prism fit-hardware --shapes``,
+and ``prism plan --hardware fit`` with the config's models): the same quick held-out points are
+measured on each other model's weights (a ``random:<preset>`` source, a GGUF file, an HF directory)
+and predicted by the fit from that model's shape. They are not fitted to: they say how far the
+profile is off on the models it will price, per shape in the report, and their errors join the
+profile's ``step_errors``, which ``prism plan --confidence`` draws each draw's step error from.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,7 +139,8 @@ class StepBench:
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         engine = self.engine
-        req = engine.add_request(self.rng.integers(17, 49152, prompt).tolist(), params)
+        vocab = min(49152, engine.model_config.vocab_size)
+        req = engine.add_request(self.rng.integers(17, vocab, prompt).tolist(), params)
         if cached:
             seq = engine._requests[req]
             if not engine.scheduler._grow(seq, cached):
@@ -399,12 +407,16 @@ class FitResult:
     points: list[dict]  # the raw points, each with "measured_s" and "predicted_s" added
     mem_bandwidth: float | None  # the fixed weight pass, bytes/s (None: fitted)
 
-    def errors(self, held_out: bool, kind: str | None = None) -> np.ndarray:
+    def errors(self, held_out: bool, kind: str | None = None, shape: str | bool | None = True) -> np.ndarray:
+        """predicted / measured - 1 of the points ``held_out`` or not (of ``kind``; of ``shape``: a
+        source of the other models, None for the fitted model's own, True for every model's)."""
         return np.array(
             [
                 p["predicted_s"] / p["measured_s"] - 1
                 for p in self.points
-                if p["held_out"] == held_out and (kind is None or p["kind"] == kind)
+                if p["held_out"] == held_out
+                and (kind is None or p["kind"] == kind)
+                and (shape is True or p.get("shape") == shape)
             ]
         )
 
@@ -415,35 +427,49 @@ class FitResult:
         else:
             lines.append(f"small-batch crossover {self.crossover:g} rows")
         for held in (False, True):
-            e = np.abs(self.errors(held))
+            e = np.abs(self.errors(held, shape=None))
             if len(e):
                 lines.append(
                     f"{'held-out' if held else 'training'} points: mean |error| {e.mean():.1%}, max "
                     f"{e.max():.1%} ({len(e)} points)"
                 )
+        for shape in dict.fromkeys(p["shape"] for p in self.points if p.get("shape") is not None):
+            e = self.errors(True, shape=shape)
+            lines.append(
+                f"held-out points of {shape}: mean |error| {np.abs(e).mean():.1%}, mean {e.mean():+.1%} "
+                f"(predicted / measured - 1), max |error| {np.abs(e).max():.1%} ({len(e)} points)"
+            )
         return "\n".join(lines)
 
 
 def fit_points(
-    raw: dict, base: HardwareProfile, mem_bandwidth: float | None = None, quantile: float = 0.0
+    raw: dict,
+    base: HardwareProfile,
+    mem_bandwidth: float | None = None,
+    quantile: float = 0.0,
+    shapes: Mapping[str, object] | None = None,
 ) -> FitResult:
     """Fit ``raw`` (``measure_points``'s result) on ``base``: its step constants replaced by the fit,
-    ``pad_decode_context`` set from the engine's decode attention the points ran with."""
+    ``pad_decode_context`` set from the engine's decode attention the points ran with. Points with a
+    ``shape`` (a source of ``shapes``, which gives its ModelShape) are other models' held-out points,
+    predicted from their own shape; the fit is on the fitted model's training points alone."""
     from prism_serve.sim.cost import RooflineCostModel
     from prism_serve.sim.models import model_shape
 
     base = dataclasses.replace(base, pad_decode_context=raw.get("decode_attention", "sdpa") == "sdpa")
     spec = model_shape(FIT_MODEL, dtype_bytes=4)
     pts = raw["points"]
-    y = np.array([np.quantile(p["times"], quantile) for p in pts])
-    train = np.array([not p["held_out"] for p in pts])
-    crossover, coef, _ = best_fit(spec, [p["batch"] for p in pts], y, train, base, None, mem_bandwidth)
+    own = [p for p in pts if p.get("shape") is None]
+    y = np.array([np.quantile(p["times"], quantile) for p in own])
+    train = np.array([not p["held_out"] for p in own])
+    crossover, coef, _ = best_fit(spec, [p["batch"] for p in own], y, train, base, None, mem_bandwidth)
     hw = profile_from(coef, base)
     cm = RooflineCostModel(hw)
-    out = [
-        dict(p, measured_s=float(m), predicted_s=float(predict(cm, spec, p["batch"])))
-        for p, m in zip(pts, y, strict=True)
-    ]
+    out = []
+    for p in pts:
+        shape = spec if p.get("shape") is None else (shapes or {})[p["shape"]]
+        measured = float(np.quantile(p["times"], quantile))
+        out.append(dict(p, measured_s=measured, predicted_s=float(predict(cm, shape, p["batch"]))))
     result = FitResult(hw, float(crossover), out, mem_bandwidth)
     # the profile carries its error where it was not fitted (the training points' where none is held out)
     errors = result.errors(held_out=True)
@@ -460,10 +486,13 @@ def fit_this_machine(
     held_out: str = "quick",
     core: int | None = None,
     progress: Callable[[int], None] | None = None,
+    shapes: Mapping[str, object] | None = None,
 ) -> FitResult:
     """Measure and fit this machine's one-core CPU profile (see the module docstring). ``base``:
     the profile whose unmeasured fields are kept (default: the registered one for this CPU's
-    vector class). Runs in this process, pinned to ``core`` for the duration and unpinned after."""
+    vector class). ``shapes``: other models (engine source -> its ModelShape) whose quick held-out
+    points are measured too (one round each) and predicted by the fit. Runs in this process,
+    pinned to ``core`` for the duration and unpinned after."""
     import torch
 
     from prism_serve.sim.hardware import get_hardware, host_cpu_profile
@@ -476,7 +505,11 @@ def fit_this_machine(
         if progress is not None:
             progress(1)
         raw = measure_points(step_points(held_out), rounds, reps, progress=progress)
+        for source in shapes or {}:
+            held = [p for p in step_points("quick") if p["held_out"]]
+            other = measure_points(held, 1, reps, model=source, progress=progress)
+            raw["points"] += [dict(p, shape=source) for p in other["points"]]
     finally:
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
-    return fit_points(raw, dataclasses.replace(base, name=name), mem_bandwidth=rate)
+    return fit_points(raw, dataclasses.replace(base, name=name), mem_bandwidth=rate, shapes=shapes)

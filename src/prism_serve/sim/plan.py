@@ -62,7 +62,12 @@ worker pool and stop once the count's outcome is decided (enough draws passed, o
 and each draw stops early as a count of the search does.
 
 The answer's deployment is written as a prism.yaml: the user's config with the devices found (the
-confident count where there is one) and the policy, which ``prism serve --config`` reads.
+confident count where there is one) and the policy, which ``prism serve --config`` reads. Each
+model's ``expected_rate`` is its mean rate in the traffic (``with_expected_rates``) where the config
+leaves it unset, and every simulation of the plan runs with it: the control plane counts it for the
+part of its rate window not yet watched, so the deployment places by the load the plan saw from its
+first second, as it was simulated (a server that starts blind pairs models by whichever asked first,
+which no simulation of the traffic can foresee).
 """
 
 from __future__ import annotations
@@ -698,6 +703,19 @@ class _InProcess:
     @staticmethod
     def map(fn, items):
         return [fn(x) for x in items]
+
+
+def with_expected_rates(config: DeploymentConfig, workload: Workload) -> tuple[DeploymentConfig, int]:
+    """``config`` with each served model's ``expected_rate`` set to its mean rate in ``workload``
+    (requests/s over its span) where the config leaves it unset; and how many were set."""
+    rates = workload.mean_rates()
+    models, count = [], 0
+    for m in config.models:
+        if m.expected_rate is None and m.base is None and m.name in rates:
+            m = m.model_copy(update={"expected_rate": round(rates[m.name], 6)})
+            count += 1
+        models.append(m)
+    return config.model_copy(update={"models": models}), count
 
 
 def deployment_yaml(

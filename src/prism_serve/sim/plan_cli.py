@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["add_fit_parser", "add_plan_parser"]
@@ -97,16 +98,24 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--seeds", type=int, default=10, help="draws of the traffic for --confidence (default 10)")
     p.add_argument("--price-per-device-hour", type=float, default=None, metavar="USD")
     p.add_argument("--jobs", type=int, default=None, help="simulations at once (default: the cores)")
+    p.add_argument(
+        "--no-expected-rates", dest="expected_rates", action="store_false",
+        help="leave the models' expected_rate as the config has it (default: each model's mean rate in "
+        "the traffic where unset, simulated and written to prism.yaml; the control plane's rates "
+        "start from it)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, help="directory for results.json, plan.png, plan.html, prism.yaml")
     p.set_defaults(func=_cmd_plan)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from tqdm import tqdm
 
     from prism_serve.sim.deployment import deployment_config, sim_deployment
     from prism_serve.sim.hardware import get_hardware
-    from prism_serve.sim.plan import plan
+    from prism_serve.sim.plan import plan, with_expected_rates
     from prism_serve.sim.plan_report import format_plan, write_plan
     from prism_serve.workload.traffic import CsvColumns, TrafficOptions, read_traffic
 
@@ -144,6 +153,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         f"({traffic.format}){'; ' + '; '.join(notes) if notes else ''}",
         file=sys.stderr,
     )
+    if args.expected_rates:  # what the deployment is told to expect, simulated as it will run
+        config, count = with_expected_rates(config, traffic.workload)
+        if count:
+            deployment = dataclasses.replace(deployment, models=sim_deployment(config, gpu=hw.overlap).models)
+            print(f"expected_rate: {count} models' mean rates in the traffic", file=sys.stderr)
     if args.slo_scale is not None:
         deployment = _measured_slos(deployment, traffic.workload, hardware, args.slo_scale, args.jobs)
     policies = [p for p in args.policies.split(",") if p]
@@ -174,7 +188,10 @@ def _hardware(args: argparse.Namespace, config) -> str:
     from prism_serve.sim.hardware import dump_hardware, get_hardware
 
     fitted = args.hardware == FIT
-    hw = _fit(args.fit_rounds) if fitted else get_hardware(args.hardware)
+    if fitted:  # on the deployment's own models too: their held-out errors (sim/fit.py)
+        hw = _fit(args.fit_rounds, shapes=[m.source for m in config.served_models()])
+    else:
+        hw = get_hardware(args.hardware)
     memory = parse_size(args.device_memory) if args.device_memory else None
     if memory is None and not hw.overlap:  # a CPU profile: the config's CPU devices, if they agree
         devices = [config.devices] if isinstance(config.devices, DeviceGroup) else config.devices
@@ -195,19 +212,31 @@ def _hardware(args: argparse.Namespace, config) -> str:
     return str(path)
 
 
-def _fit(rounds: int, name: str = "cpu-fitted", core: int | None = None, reps: int = 3):
-    """This machine's one-core CPU profile, measured now with a progress bar (sim/fit.py)."""
+def _fit(
+    rounds: int, name: str = "cpu-fitted", core: int | None = None, reps: int = 3, shapes: Sequence[str] = ()
+):
+    """This machine's one-core CPU profile, measured now with a progress bar (sim/fit.py);
+    ``shapes``: model sources whose held-out points are measured too (the fitted model's own, and
+    repeats, left out)."""
     from tqdm import tqdm
 
     from prism_serve.engine.machine import cpu_model, vector_flags
-    from prism_serve.sim.fit import fit_this_machine, step_points
+    from prism_serve.sim.fit import FIT_MODEL, fit_source, fit_this_machine, step_points
+    from prism_serve.sim.shapes import RANDOM_PREFIX, shape_of
 
+    own = {fit_source(), f"{RANDOM_PREFIX}{FIT_MODEL}", "smollm2-135m-instruct", "default"}
+    others = {s: shape_of(s, s, 4) for s in dict.fromkeys(shapes) if s not in own}  # fp32, as fitted
     print(
-        f"fitting a CPU profile on this machine: {cpu_model()} ({vector_flags()}), one core", file=sys.stderr
+        f"fitting a CPU profile on this machine: {cpu_model()} ({vector_flags()}), one core"
+        + (f"; held-out points of {', '.join(others)} too" if others else ""),
+        file=sys.stderr,
     )
-    total = 1 + rounds * len(step_points("quick"))
+    held = sum(p["held_out"] for p in step_points("quick"))
+    total = 1 + rounds * len(step_points("quick")) + held * len(others)
     with tqdm(total=total, desc="fit", unit="point", file=sys.stderr) as bar:
-        result = fit_this_machine(name=name, rounds=rounds, reps=reps, core=core, progress=bar.update)
+        result = fit_this_machine(
+            name=name, rounds=rounds, reps=reps, core=core, progress=bar.update, shapes=others
+        )
     print(result.report(), file=sys.stderr)
     return result.profile
 
@@ -228,6 +257,11 @@ def add_fit_parser(sub) -> None:
     p.add_argument("--reps", type=int, default=3, help="steps per point and round")
     p.add_argument("--core", type=int, default=None, help="the core to run on (default: the last one)")
     p.add_argument(
+        "--shapes", default="", metavar="SOURCES",
+        help="other models' weights (random:<preset>, a .gguf, an HF directory), comma-separated: their "
+        "held-out steps are measured and predicted too, and their errors join the profile's step errors",
+    )  # fmt: skip
+    p.add_argument(
         "--device-memory", metavar="SIZE", help="the profile's device memory (default: the base's)"
     )
     p.set_defaults(func=_cmd_fit)
@@ -242,7 +276,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     if args.out.suffix != ".json":
         raise SimConfigError(f"--out must name a .json file (what --hardware reads), got {str(args.out)!r}")
-    hw = _fit(args.rounds, args.name, args.core, args.reps)
+    hw = _fit(args.rounds, args.name, args.core, args.reps, [x for x in args.shapes.split(",") if x])
     if args.device_memory:
         hw = dataclasses.replace(hw, memory_bytes=parse_size(args.device_memory))
     args.out.parent.mkdir(parents=True, exist_ok=True)
