@@ -3,7 +3,8 @@
 For each scenario (a multi-model deployment and real-trace traffic for it):
 
 1. ``prism serve`` the scenario's deployment with its request log on, and replay the traffic with
-   ``prism bench`` (after one warm-up request per model, as a long-running server has served them);
+   ``prism bench`` (after one warm-up request per model, as a long-running server has served them;
+   ``--from-traffic``: no such run, the generated traffic is planned and replayed);
 2. ``prism plan`` that log (the window from the replay's start) on this machine's CPU profile:
    fitted on the spot by ``prism fit-hardware`` at the start of the run, or a profile file given;
 3. ``prism serve`` the deployment the plan found (its prism.yaml), replaying the same log with
@@ -14,7 +15,8 @@ the live one (``prism bench``'s, against each model's SLO from the server's /v1/
 live attainment at the planned deployment >= the target minus 1 point; planned and live within 3
 points at every deployment tried.
 
-    python benchmarks/plan_live.py --out results/plan-live                  # every scenario (~35 min)
+    python benchmarks/plan_live.py --out results/plan-live                  # every scenario (~50 min)
+    python benchmarks/plan_live.py --rate-scales 0.7,1,1.3,1.5 --out results/plan-grid   # the grid
     python benchmarks/plan_live.py --scenarios three --duration 60 --out /tmp/pl   # a quick look
     python benchmarks/plan_live.py --plan-only --out /tmp/pl   # plan the generated traffic, no server
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
 import yaml
 
 import common
@@ -44,6 +47,7 @@ from prism_serve.api.process import free_port, start_server_process, stop_server
 from prism_serve.config import load_config, parse_size
 from prism_serve.workload.builder import WorkloadSpec, build_workload
 from prism_serve.workload.format import write_jsonl
+from prism_serve.workload.traffic import TrafficOptions, read_traffic
 
 PRISM = [sys.executable, "-m", "prism_serve.cli"]
 REAL = "smollm2-135m-instruct"
@@ -77,6 +81,15 @@ SCENARIOS = {
         "at once, so cold models swap in; idle models may go after 10 s",
         tuple((f"smol-{c}", REAL) for c in "abcde"), "1536MiB", "azure:conv", "azure:conv", 0.6, 1.5,
         policy="prism", knobs={"idle_threshold_s": 10.0},
+    ),
+    "shapes": Scenario(
+        "4 model shapes (the real SmolLM2-135M; synthetic SmolLM2-360M, Qwen2.5-0.5B and Qwen3-0.6B "
+        "weights), Azure conversation arrivals and lengths, Zipf 0.8, 2.5 GiB devices: about two models "
+        "a device at once, so models swap in and out",
+        (("smol-135m", REAL), ("syn-360m", "random:smollm2-360m"), ("syn-qwen2.5", "random:qwen2.5-0.5b"),
+         ("syn-qwen3", "random:qwen3-0.6b")),
+        "2560MiB", "azure:conv", "azure:conv", 0.15, 0.8, policy="prism", ttft_slo=6.0, tpot_slo=0.6,
+        knobs={"idle_threshold_s": 10.0}, max_prompt=192, max_output=32,
     ),
     "mixed": Scenario(
         "2 copies of SmolLM2-135M and 2 synthetic-weight models (SmolLM2-360M and -135M shapes), Azure code "
@@ -161,8 +174,11 @@ def live(config: dict, traffic: Path, start_s: float, folder: Path, tag: str, lo
         "other_load_cores": round(max(0.0, common.other_load_since(load, wall) - 2.0), 2),
         # cores kept busy during the replay: the server's own process (HTTP, tokenizer, controller
         # ticks), its workers (the engines), and prism bench (the client), on the same two cores
-        "cores": {"server": round(server_s / wall, 3), "workers": round(workers_s / wall, 3),
-                  "bench": round(bench_s / wall, 3)},
+        "cores": {
+            "server": round(server_s / wall, 3),
+            "workers": round(workers_s / wall, 3),
+            "bench": round(bench_s / wall, 3),
+        },
         "request_log": str(request_log) if log else None,
     }
 
@@ -186,7 +202,6 @@ def planned(config: Path, traffic: Path, start_s: float, hardware: str, devices:
     from prism_serve.sim.deployment import deployment_config, sim_deployment
     from prism_serve.sim.hardware import dump_hardware, get_hardware
     from prism_serve.sim.plan import simulate_point
-    from prism_serve.workload.traffic import TrafficOptions, read_traffic
 
     dep = sim_deployment(deployment_config(config), gpu=False)
     wl = read_traffic(traffic, [m.name for m in dep.models], TrafficOptions(start_s=start_s)).workload
@@ -199,16 +214,19 @@ def planned(config: Path, traffic: Path, start_s: float, hardware: str, devices:
     return simulate_point(dep, wl, hardware=hardware, policy=policy, devices=devices)
 
 
+LATENCIES = ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s")  # compared per model
+
+
 def points(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str) -> dict:
-    folder = args.out / name
+def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str, scale: float) -> dict:
+    folder = args.out / (name if scale == 1.0 else f"{name}@{scale:g}")
     folder.mkdir(parents=True, exist_ok=True)
     spec = WorkloadSpec(
         models=tuple(n for n, _ in s.models), source=s.source, lengths=s.lengths, duration_s=args.duration,
-        total_rate=s.total_rate * args.rate_scale, zipf=s.zipf, max_prompt_tokens=s.max_prompt,
+        total_rate=s.total_rate * scale, zipf=s.zipf, max_prompt_tokens=s.max_prompt,
         max_output_tokens=s.max_output, seed=s.seed,
     )  # fmt: skip
     generated = folder / "traffic.jsonl"
@@ -217,8 +235,9 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
     plan_config = folder / "prism.yaml"
     plan_config.write_text(yaml.safe_dump(config_dict(s, 2, s.memory, "prism"), sort_keys=False))
     keys = ("source", "lengths", "duration_s", "total_rate", "zipf")
-    out: dict = {"description": s.description, "workload": {k: getattr(spec, k) for k in keys}}
-    if args.plan_only:
+    out: dict = {"description": s.description, "rate_scale": scale}
+    out["workload"] = {k: getattr(spec, k) for k in keys}
+    if args.plan_only or args.from_traffic:
         traffic, start = generated, 0.0
     else:
         print(f"[{name}] serving the deployment ({s.policy}, 2 devices) with its request log", flush=True)
@@ -231,7 +250,8 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
     printed = prism(
         "plan", "--config", str(plan_config), "--traffic", str(traffic), "--start", f"{start:.3f}",
         "--hardware", hardware, "--policies", "prism", "--target", str(args.target), "--max-devices", "2",
-        "--jobs", "2", "--out", str(plan_dir), "--confidence", str(args.confidence), log=folder / "plan.log",
+        "--jobs", "2", "--out", str(plan_dir), "--confidence", str(args.confidence),
+        *(() if args.expected_rates else ("--no-expected-rates",)), log=folder / "plan.log",
     )  # fmt: skip
     (folder / "plan.txt").write_text(printed)
     result = json.loads((plan_dir / "results.json").read_text())
@@ -251,6 +271,11 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
         print(f"[{name}] no count up to 2 devices meets {args.target}; comparing at 2 and 1")
         deployed = config_dict(s, 2, s.memory, "prism")
         deployed["devices"] = [dict(d, memory=parse_size(d["memory"])) for d in deployed["devices"]]
+        if args.expected_rates:  # as the plan simulated it (what its prism.yaml would have said)
+            wl = read_traffic(traffic, [n for n, _ in s.models], TrafficOptions(start_s=start)).workload
+            rates = wl.mean_rates()
+            for m in deployed["models"]:
+                m["expected_rate"] = round(rates[m["name"]], 6)
         tries = [("most-2", 2, None), ("less-1", 1, None)]
     else:
         deployed = load_config(plan_dir / "prism.yaml").model_dump(mode="json")
@@ -260,9 +285,11 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
         else:  # one device: one memory budget step less (a quarter of the budget)
             tries.append(("less-memory", 1, f"{int(parse_size(s.memory) * 0.75) >> 20}MiB"))
     out["deployments"] = []
+    served = folder / "deployed.yaml"  # what is served, and simulated as planned
+    served.write_text(yaml.safe_dump(deployed, sort_keys=False))
     for tag, n, memory in tries:
         # the profile prism plan ran on (written there: the CPU profile with the config's budget)
-        sim = planned(plan_config, traffic, start, str(plan_dir / "hardware.json"), n, "prism", memory)
+        sim = planned(served, traffic, start, str(plan_dir / "hardware.json"), n, "prism", memory)
         row = {"tag": tag, "devices": n, "memory": memory or s.memory, "planned": sim["ttft_attainment"]}
         if not args.plan_only:
             config = dict(deployed, devices=deployed["devices"][:n])
@@ -273,6 +300,12 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
             row.update(live=run["overall"]["ttft_attainment"], wall_s=run["wall_s"],
                        other_load_cores=run["other_load_cores"], cores=run["cores"],
                        per_model={m: v["ttft_attainment"] for m, v in run["models"].items()})  # fmt: skip
+            # model by model, the simulator's latencies against the live run's
+            row["latency_error"] = {
+                m: {k: sim["per_model"][m][k] / v[k] - 1 for k in LATENCIES
+                    if v.get(k) and sim["per_model"].get(m, {}).get(k) is not None}
+                for m, v in run["models"].items()
+            }  # fmt: skip
         out["deployments"].append(row)
         print(f"[{name}] {tag}: planned {points(row['planned'])}, live {points(row.get('live'))}, "
               f"cores {row.get('cores')}", flush=True)  # fmt: skip
@@ -283,11 +316,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"of {', '.join(SCENARIOS)}")
     ap.add_argument("--duration", type=float, default=150.0, help="seconds of traffic per scenario")
-    ap.add_argument("--rate-scale", type=float, default=1.0, help="times every scenario's rate")
+    ap.add_argument(
+        "--rate-scales", "--rate-scale", default="1", type=lambda v: [float(x) for x in v.split(",") if x],
+        help="times every scenario's rate, one run of every scenario per value (the grid: 0.7,1,1.3,1.5)",
+    )  # fmt: skip
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--hardware", default="fit", help="a CPU profile (name or file), or fit: fit one first")
     ap.add_argument("--confidence", type=float, default=0.9, help="prism plan --confidence (0: off)")
     ap.add_argument("--plan-only", action="store_true", help="plan the generated traffic; serve nothing")
+    ap.add_argument(
+        "--from-traffic", action="store_true",
+        help="plan the generated traffic and replay it, without the logged run first (a third less time)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--no-expected-rates", dest="expected_rates", action="store_false",
+        help="prism plan --no-expected-rates: the deployment starts with no expected rate per model",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
@@ -299,21 +343,53 @@ def main() -> None:
     if hardware == "fit":
         hardware = str(args.out / "cpu-fitted.json")
         print("fitting this machine's CPU profile (prism fit-hardware)", flush=True)
-        prism("fit-hardware", "--out", hardware, log=args.out / "fit.log")
+        # with the held-out steps of every model shape the scenarios serve (their errors join the
+        # profile's step errors, which the plan's --confidence draws from)
+        sources = dict.fromkeys(src for n in args.scenarios.split(",") for _, src in SCENARIOS[n].models)
+        prism("fit-hardware", "--out", hardware, "--shapes", ",".join(sources), log=args.out / "fit.log")
     summary = {"machine": info["line"], "date": time.strftime("%Y-%m-%d"), "hardware": hardware,
                "target": args.target, "scenarios": {}}  # fmt: skip
-    for name in args.scenarios.split(","):
-        summary["scenarios"][name] = run_scenario(name, SCENARIOS[name], args, hardware)
-        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for scale in args.rate_scales:
+        for name in args.scenarios.split(","):
+            key = name if scale == 1.0 else f"{name}@{scale:g}"
+            summary["scenarios"][key] = run_scenario(name, SCENARIOS[name], args, hardware, scale)
+            (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\n{info['line']}; profile {hardware}; target {args.target:.0%}; confidence {args.confidence}")
-    print("| scenario | deployment | planned | live | live - planned |")
-    print("|---|---|---|---|---|")
-    for name, sc in summary["scenarios"].items():
+    print("| scenario | load | deployment | planned | live | live - planned |")
+    print("|---|---|---|---|---|---|")
+    diffs = []
+    for key, sc in summary["scenarios"].items():
         for row in sc.get("deployments", []):
-            diff = "" if row.get("live") is None else f"{100 * (row['live'] - row['planned']):+.1f}"
+            diff = None if row.get("live") is None else 100 * (row["live"] - row["planned"])
+            diffs += [] if diff is None else [diff]
             what = f"{row['devices']} x {row['memory']}"
             what += " (the plan)" if row["tag"].startswith("plan") else ""
-            print(f"| {name} | {what} | {points(row['planned'])} | {points(row.get('live'))} | {diff} |")
+            print(f"| {key.split('@')[0]} | {sc['rate_scale']:g}x | {what} | {points(row['planned'])} | "
+                  f"{points(row.get('live'))} | {'' if diff is None else f'{diff:+.1f}'} |")  # fmt: skip
+    if diffs:
+        worst = max(diffs, key=abs)
+        within = sum(abs(d) <= 3.0 for d in diffs)
+        bias = sum(diffs) / len(diffs)
+        summary["error"] = {"bias": bias, "worst": worst, "within_3": within, "n": len(diffs)}
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(f"live - planned, points: mean (bias) {bias:+.2f}, worst {worst:+.1f}, "
+              f"within 3 points at {within} of {len(diffs)} deployments")  # fmt: skip
+    errors = [
+        (e, f"{key} {row['tag']} {m} {k}")
+        for key, sc in summary["scenarios"].items() for row in sc.get("deployments", [])
+        for m, by in row.get("latency_error", {}).items() for k, e in by.items()
+    ]  # fmt: skip
+    if errors:
+        summary["latency_error"] = {k: [e for e, what in errors if what.endswith(k)] for k in LATENCIES}
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        print("simulated / live - 1, per model and deployment:")
+        for k in LATENCIES:
+            es = np.array(summary["latency_error"][k])
+            if len(es):
+                print(f"  {k}: median |error| {np.median(np.abs(es)):.1%}, mean {es.mean():+.1%}, "
+                      f"within 10% at {int((np.abs(es) <= 0.10).sum())} of {len(es)}")  # fmt: skip
+        e, what = max(errors, key=lambda x: abs(x[0]))
+        print(f"  worst: {what} {e:+.1%}")
     print(f"written: {args.out}/summary.json")
 
 

@@ -100,6 +100,10 @@ def _missed(units: list[list[SimRequest]]) -> list[SimRequest]:
     return [u[0] for u in units if not all(map(_ttft_met, u))]
 
 
+def _pct(a: np.ndarray, q: float) -> float | None:
+    return float(np.percentile(a, q)) if len(a) else None
+
+
 def _unit_ttft(unit: list[SimRequest]) -> float | None:
     """A unit's TTFT: its last input's (None until every one has its first token)."""
     if any(r.first_token is None for r in unit):
@@ -149,12 +153,20 @@ class SimResult:
             for r in rs:
                 if r.replica:
                     served[r.replica] = served.get(r.replica, 0) + 1
-            missed = _missed(_units(rs))
+            units = _units(rs)
+            missed = _missed(units)
             cold = sum(1 for r in missed if r.cold)
+            ttfts = np.array([t for u in units if (t := _unit_ttft(u)) is not None])
+            tpots = np.array([r.tpot for r in rs if r.output_tokens > 1 and r.tpot is not None])
             out[m] = {
                 "requests": len(rs),
                 "ttft_attainment": ttft,
                 "tpot_attainment": tpot,
+                # as prism bench reports a live run's, to compare them model by model
+                "ttft_p50_s": _pct(ttfts, 50),
+                "ttft_p95_s": _pct(ttfts, 95),
+                "tpot_p50_s": _pct(tpots, 50),
+                "tpot_p95_s": _pct(tpots, 95),
                 "ttft_misses": len(missed),
                 "ttft_misses_cold": cold,  # its model had no ready engine when it arrived
                 "ttft_misses_warm": len(missed) - cold,
@@ -173,10 +185,7 @@ class SimResult:
         ttfts = np.array([t for u in units if (t := _unit_ttft(u)) is not None])
         missed = _missed(units)
         out_tokens = sum(r.output_tokens for r in done)
-
-        def pct(a: np.ndarray, q: float) -> float | None:
-            return float(np.percentile(a, q)) if len(a) else None
-
+        pct = _pct
         return {
             **self.labels,
             "num_requests": len(reqs),
