@@ -78,7 +78,11 @@ def test_other_models_are_predicted_from_their_own_shape_and_not_fitted_to() -> 
         assert getattr(result.profile, name) == pytest.approx(getattr(known, name), rel=1e-3), name
     assert max(abs(result.errors(True, shape=None))) < 1e-3
     assert result.errors(True, shape="random:smollm2-360m") == pytest.approx([1 / 1.25 - 1] * len(held))
-    assert len(result.profile.step_errors) == 2 * len(held)
+    # the profile keeps them by shape: a plan of SmolLM2-135M alone does not draw from them
+    assert result.profile.step_errors == pytest.approx(result.errors(True, shape=None).tolist())
+    ((name, errors),) = result.profile.shape_errors
+    assert name == "smollm2-360m" and errors == pytest.approx([1 / 1.25 - 1] * len(held))
+    assert len(result.profile.errors_for([FIT_MODEL, "smollm2-360m"])) == 2 * len(held)
     assert "held-out points of random:smollm2-360m: mean |error| 20.0%, mean -20.0%" in result.report()
 
 
@@ -148,3 +152,13 @@ def test_a_profile_s_step_errors_are_read_back_and_checked(tmp_path: Path) -> No
     for bad in ((-1.0,), (float("nan"),)):
         with pytest.raises(SimConfigError, match="step_errors"):
             dataclasses.replace(HARDWARE["h100"], step_errors=bad)
+    # other shapes' errors, by shape: read back, and drawn only for a deployment that serves them
+    by_shape = (("qwen3-0.6b", (0.1, 0.3)), ("smollm2-360m", (-0.2,)))
+    dump_hardware(dataclasses.replace(HARDWARE["h100"], step_errors=(-0.05,), shape_errors=by_shape), path)
+    hw = get_hardware(str(path))
+    assert hw.shape_errors == by_shape
+    assert hw.errors_for(["smollm2-135m"]) == (-0.05,)
+    assert hw.errors_for(["smollm2-135m", "qwen3-0.6b"]) == (-0.05, 0.1, 0.3)
+    for bad in ((("x", (-2.0,)),), (("x", 0.5),)):
+        with pytest.raises(SimConfigError, match="shape_errors"):
+            dataclasses.replace(HARDWARE["h100"], shape_errors=bad)

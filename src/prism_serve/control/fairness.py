@@ -157,9 +157,7 @@ class FairShare:
             1.0 / (units[1] * self._tau_served * -math.expm1(-age / self._tau_served)),
         )
 
-    def _tenant_level(
-        self, priority: Priority, me: _Tenant, now: float, units: tuple[float, float]
-    ) -> int:
+    def _tenant_level(self, priority: Priority, me: _Tenant, now: float, units: tuple[float, float]) -> int:
         tenants = self._classes[priority]
         rates = self._rates(priority, now, units)
         if len(tenants) < 2 or rates is None:

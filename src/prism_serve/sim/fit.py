@@ -26,8 +26,9 @@ live step traces.
 and ``prism plan --hardware fit`` with the config's models): the same quick held-out points are
 measured on each other model's weights (a ``random:<preset>`` source, a GGUF file, an HF directory)
 and predicted by the fit from that model's shape. They are not fitted to: they say how far the
-profile is off on the models it will price, per shape in the report, and their errors join the
-profile's ``step_errors``, which ``prism plan --confidence`` draws each draw's step error from.
+profile is off on the models it will price, per shape in the report, and the profile keeps them by
+shape (``shape_errors``): ``prism plan --confidence`` draws each draw's step error from the fitted
+model's errors and those of the shapes its deployment serves.
 """
 
 from __future__ import annotations
@@ -471,11 +472,17 @@ def fit_points(
         measured = float(np.quantile(p["times"], quantile))
         out.append(dict(p, measured_s=measured, predicted_s=float(predict(cm, shape, p["batch"]))))
     result = FitResult(hw, float(crossover), out, mem_bandwidth)
-    # the profile carries its error where it was not fitted (the training points' where none is held out)
-    errors = result.errors(held_out=True)
+    # the profile carries its error where it was not fitted (the training points' where none is held
+    # out), the fitted model's and each other shape's apart: a plan draws those of its own models
+    errors = result.errors(held_out=True, shape=None)
     if not len(errors):
-        errors = result.errors(held_out=False)
-    return dataclasses.replace(result, profile=dataclasses.replace(hw, step_errors=tuple(errors.tolist())))
+        errors = result.errors(held_out=False, shape=None)
+    by_shape = tuple(
+        (shapes[source].name, tuple(result.errors(True, shape=source).tolist()))
+        for source in dict.fromkeys(p["shape"] for p in pts if p.get("shape") is not None)
+    )
+    profile = dataclasses.replace(hw, step_errors=tuple(errors.tolist()), shape_errors=by_shape)
+    return dataclasses.replace(result, profile=profile)
 
 
 def fit_this_machine(

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -98,12 +98,24 @@ class HardwareProfile:
     # per held-out point; sim/fit.py): how far a simulated step may be from the machine's.
     # ``prism plan --confidence`` draws from them. Empty: none measured (the datasheet profiles).
     step_errors: tuple[float, ...] = ()
+    # The same on other models' steps, by shape name (ModelShape.name; ``prism fit-hardware
+    # --shapes``): a plan draws from these too for a deployment that serves that shape
+    # (``errors_for``), and not for one that does not.
+    shape_errors: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         errors = tuple(float(e) for e in self.step_errors)  # a profile file holds a list
         if not all(math.isfinite(e) and e > -1 for e in errors):
             raise SimConfigError(f"hardware {self.name}: step_errors must be finite and > -1")
         object.__setattr__(self, "step_errors", errors)
+        try:  # a profile file holds [name, [errors]] pairs
+            by_shape = tuple((str(n), tuple(float(e) for e in es)) for n, es in self.shape_errors)
+        except (TypeError, ValueError):
+            bad = f"hardware {self.name}: shape_errors must be [shape, [errors]] pairs"
+            raise SimConfigError(bad) from None
+        if not all(math.isfinite(e) and e > -1 for _, es in by_shape for e in es):
+            raise SimConfigError(f"hardware {self.name}: shape_errors must be finite and > -1")
+        object.__setattr__(self, "shape_errors", by_shape)
         positive = ("peak_flops", "mem_bandwidth", "host_bandwidth", "link_bandwidth", "memory_bytes")
         for name in positive:
             if not getattr(self, name) > 0:
@@ -128,6 +140,12 @@ class HardwareProfile:
                 raise SimConfigError(f"hardware {self.name}: {name} must be > 0 or None")
         if self.row_bandwidth is not None and self.overlap:
             raise SimConfigError(f"hardware {self.name}: row_bandwidth needs the summed form (overlap=False)")
+
+    def errors_for(self, shapes: Iterable[str]) -> tuple[float, ...]:
+        """The measured step errors of a deployment of ``shapes`` (ModelShape names): the fitted
+        model's, and those measured on each of its other shapes."""
+        wanted = set(shapes)
+        return self.step_errors + tuple(e for n, es in self.shape_errors if n in wanted for e in es)
 
     def share_slowdown(self, num_busy: int) -> float:
         """The factor by which each busy engine's step time is multiplied while ``num_busy`` engines

@@ -53,7 +53,8 @@ answer above passes on the traffic given, which is one draw of the traffic to co
 policy the plan then runs ``seeds`` other draws of it (workload/resample.py: each model's minutes
 drawn from its own minutes nearby, independently per model, then request by request, so bursts keep
 their shape and which models are busy together varies), each with every engine step scaled by one
-of the hardware profile's measured step errors (``HardwareProfile.step_errors``, drawn with the
+of the hardware profile's measured step errors on the deployment's models (``HardwareProfile.
+errors_for``: the fitted model's and its other shapes', drawn with the
 seed: a profile that predicted a step 5% fast runs that draw 1/0.95 times slower; a datasheet
 profile has none, and only the traffic varies). The count it answers is the fewest from the answer
 up that passes in at least ``ceil(confidence x seeds)`` draws; each draw's attainment at each count
@@ -588,7 +589,8 @@ def plan(
             """The fewest count from ``pp``'s answer up that passes on enough draws of the traffic."""
             assert confidence is not None and pp.devices is not None
             need = math.ceil(confidence * seeds - 1e-9)
-            out = Confidence(confidence, seeds, need, len(hw.step_errors))
+            measured = hw.errors_for(m.spec.name for m in models)  # on this deployment's shapes
+            out = Confidence(confidence, seeds, need, len(measured))
             searched = dataclasses.replace(base, policy=pp.policy, knobs=knobs)
 
             def draw_job(n: int, drawn: Workload, error: float) -> _Job:
@@ -607,7 +609,7 @@ def plan(
             for seed in range(1, seeds + 1):
                 drawn = resample(workload, seed)
                 rng = np.random.default_rng((seed, 1))
-                error = float(rng.choice(hw.step_errors)) if hw.step_errors else 0.0
+                error = float(rng.choice(measured)) if measured else 0.0
                 draws.append((seed, drawn, error))
             for n in range(pp.devices, high + 1):
                 record = out.counts[n] = []
