@@ -156,6 +156,18 @@ def test_model_names_cannot_contain_the_replica_separator():
         parse_config("models:\n  - {name: 'a#1'}\n")
 
 
+def test_an_expected_rate_is_a_finite_non_negative_rate_given_to_the_model_spec():
+    c = parse_config(
+        "devices: {count: 1, memory: 1GiB}\nmodels:\n  - {name: a, expected_rate: 0.25}\n  - {name: b}\n"
+    )
+    assert [s.expected_rate for s in model_specs(c)] == [0.25, None]
+    for bad in ("-1", ".nan", ".inf", "fast"):
+        with pytest.raises(ConfigError, match=r"models\.0\.expected_rate"):
+            parse_config(
+                f"devices: {{count: 1, memory: 1GiB}}\nmodels:\n  - {{name: a, expected_rate: {bad}}}\n"
+            )
+
+
 def test_a_vllm_model_needs_a_local_directory_and_a_python_with_vllm(tmp_path, monkeypatch):
     from prism_serve.runtime.build import vllm_python
 
