@@ -350,6 +350,31 @@ def test_a_model_whose_shape_cannot_be_read_is_named(traffic: Path, tmp_path: Pa
     assert "model mine: cannot read its shape" in capsys.readouterr().err
 
 
+def test_only_the_chosen_policy_runs_with_the_expected_rates_it_will_be_deployed_with() -> None:
+    """The expected rates go into the deployment written for the chosen policy; the baselines are
+    what the user runs today, as configured. Dedicated places the busiest models first: told that
+    only c is asked for, one device serves it; as configured (no rate known at start) it takes a
+    device per model, c last."""
+    ms = [served(n, "llama-3.1-8b") for n in ("a", "b", "c")]
+    n = 40
+    w = Workload(np.arange(n) * 3.0, np.full(n, 2), np.full(n, 300), np.full(n, 20), ["a", "b", "c"])
+    dep = SimDeployment(ms, loose(ms, ttft=2.0, tpot=0.2), ENGINE_DEFAULTS, "prism", ())
+    rates = {"a": 0.0, "b": 0.0, "c": n / w.duration}
+
+    def dedicated(chosen: str, expected) -> dict:
+        result = plan(
+            dep, w, hardware="h100", policies=["prism", "dedicated"], jobs=1, chosen=chosen,
+            expected_rates=expected, max_devices=3,
+        )  # fmt: skip
+        p = result.policies["dedicated"]
+        return {"devices": p.devices, **{k: v["ttft_attainment"] for k, v in p.points.items()}}
+
+    as_configured = dedicated("prism", None)
+    assert as_configured["devices"] == 3 and as_configured[2] == 0.0
+    assert dedicated("prism", rates) == as_configured
+    assert dedicated("dedicated", rates)["devices"] == 1
+
+
 def test_plan_in_process_matches_the_command(traffic: Path) -> None:
     """The library call the command makes, with a target no policy can meet on the devices allowed:
     no answer, never a wrong one."""

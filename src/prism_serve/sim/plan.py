@@ -497,6 +497,7 @@ def plan(
     confidence: float | None = None,
     seeds: int = 10,
     chosen: str | None = None,
+    expected_rates: Mapping[str, float] | None = None,
 ) -> Plan:
     """The fewest devices per policy for ``deployment`` serving ``workload`` on ``hardware``;
     ``screen``: simulate each count on the busiest window first (the module's docstring).
@@ -506,7 +507,11 @@ def plan(
     ``config``: the simulation settings every point starts from (tick, compute sharing, engine, cost
     model), its knobs given to every policy, as ``prism sim`` sets them; by default the deployment's
     engine, and its knobs to its own policy only. ``memory_window_s`` and ``compute_window_s``: the
-    lower bound's windows (sim/bound.py)."""
+    lower bound's windows (sim/bound.py).
+
+    ``expected_rates``: each model's expected rate in the deployment written for ``chosen``
+    (``with_expected_rates``), which its runs simulate; the other policies run the deployment as
+    given, the practice they stand for."""
     if not 0 < target <= 1:
         raise SimConfigError(f"the target must be in (0, 1], got {target}")
     if metric not in METRICS:
@@ -548,6 +553,16 @@ def plan(
     high = max_devices or max(low, 2 * sum(m.tp_size for m in deployment.models))
     budget = _budget(target, int(workload.judged().sum()))
     models = tuple(deployment.models)
+    told = models
+    if expected_rates:
+        told = tuple(
+            dataclasses.replace(m, expected_rate=expected_rates[m.name]) if m.name in expected_rates else m
+            for m in models
+        )
+
+    def models_of(policy: str) -> tuple[ServedModel, ...]:
+        return told if policy == chosen else models
+
     workers = max(1, min(jobs or os.cpu_count() or 1, 8))
     window = busy_window(workload, screen_window_s, screen_warmup_s) if screen else None
     if window is not None and 2 * (window.end - window.warmup) > len(workload):
@@ -603,7 +618,7 @@ def plan(
                     step_scale=searched.step_scale / (1 + error),
                     stop_after_ttft_misses=budget if metric == "ttft" else None,
                 )
-                return _Job(models, drawn, deployment.slos, cfg)
+                return _Job(models_of(pp.policy), drawn, deployment.slos, cfg)
 
             draws = []
             for seed in range(1, seeds + 1):
@@ -645,7 +660,8 @@ def plan(
             )
 
             def job(n: int) -> _Job:
-                return _Job(models, workload, deployment.slos, dataclasses.replace(searched, num_devices=n))
+                cfg = dataclasses.replace(searched, num_devices=n)
+                return _Job(models_of(pp.policy), workload, deployment.slos, cfg)
 
             def passes(counts: Sequence[int]) -> dict[int, bool]:
                 for n, point in zip(counts, pool.map(_run, [job(n) for n in counts]), strict=True):

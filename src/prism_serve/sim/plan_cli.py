@@ -109,7 +109,6 @@ def add_plan_parser(sub) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    import dataclasses
 
     from tqdm import tqdm
 
@@ -153,10 +152,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         f"({traffic.format}){'; ' + '; '.join(notes) if notes else ''}",
         file=sys.stderr,
     )
-    if args.expected_rates:  # what the deployment is told to expect, simulated as it will run
+    expected = None
+    if args.expected_rates:  # what the deployment written is told to expect, simulated as it will run
         config, count = with_expected_rates(config, traffic.workload)
+        expected = {m.name: m.expected_rate for m in config.models if m.expected_rate is not None}
         if count:
-            deployment = dataclasses.replace(deployment, models=sim_deployment(config, gpu=hw.overlap).models)
             print(f"expected_rate: {count} models' mean rates in the traffic", file=sys.stderr)
     if args.slo_scale is not None:
         deployment = _measured_slos(deployment, traffic.workload, hardware, args.slo_scale, args.jobs)
@@ -168,7 +168,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             policies=policies, max_devices=args.max_devices, confirm=args.confirm,
             price_per_device_hour=args.price_per_device_hour, span_s=traffic.span_s, jobs=args.jobs,
             progress=bar.update, screen=args.screen, confidence=args.confidence or None,
-            seeds=args.seeds, chosen=chosen,
+            seeds=args.seeds, chosen=chosen, expected_rates=expected,
         )  # fmt: skip
     print(format_plan(result, chosen))
     if args.out is not None:
