@@ -65,10 +65,11 @@ and each draw stops early as a count of the search does.
 The answer's deployment is written as a prism.yaml: the user's config with the devices found (the
 confident count where there is one) and the policy, which ``prism serve --config`` reads. Each
 model's ``expected_rate`` is its mean rate in the traffic (``with_expected_rates``) where the config
-leaves it unset, and every simulation of the plan runs with it: the control plane counts it for the
-part of its rate window not yet watched, so the deployment places by the load the plan saw from its
-first second, as it was simulated (a server that starts blind pairs models by whichever asked first,
-which no simulation of the traffic can foresee).
+leaves it unset, and every simulation of the chosen policy runs with it (the baselines run the
+config as given, the practice they stand for): the control plane counts it for the part of its rate
+window not yet watched, so the deployment places by the load the plan saw from its first second, as
+it was simulated (a server that starts blind pairs models by whichever asked first, which no
+simulation of the traffic can foresee).
 """
 
 from __future__ import annotations
