@@ -44,7 +44,8 @@ import yaml
 
 import common
 from prism_serve.api.process import free_port, start_server_process, stop_server_process
-from prism_serve.config import load_config, parse_size
+from prism_serve.config import DeploymentConfig, load_config, parse_size
+from prism_serve.sim.plan import with_expected_rates
 from prism_serve.workload.builder import WorkloadSpec, build_workload
 from prism_serve.workload.format import write_jsonl
 from prism_serve.workload.traffic import TrafficOptions, read_traffic
@@ -221,8 +222,13 @@ def points(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def cell(name: str, scale: float) -> str:
+    """A scenario at a load: its folder under --out and its key in summary.json."""
+    return name if scale == 1.0 else f"{name}@{scale:g}"
+
+
 def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str, scale: float) -> dict:
-    folder = args.out / (name if scale == 1.0 else f"{name}@{scale:g}")
+    folder = args.out / cell(name, scale)
     folder.mkdir(parents=True, exist_ok=True)
     spec = WorkloadSpec(
         models=tuple(n for n, _ in s.models), source=s.source, lengths=s.lengths, duration_s=args.duration,
@@ -273,9 +279,8 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
         deployed["devices"] = [dict(d, memory=parse_size(d["memory"])) for d in deployed["devices"]]
         if args.expected_rates:  # as the plan simulated it (what its prism.yaml would have said)
             wl = read_traffic(traffic, [n for n, _ in s.models], TrafficOptions(start_s=start)).workload
-            rates = wl.mean_rates()
-            for m in deployed["models"]:
-                m["expected_rate"] = round(rates[m["name"]], 6)
+            told, _ = with_expected_rates(DeploymentConfig.model_validate(deployed), wl)
+            deployed = told.model_dump(mode="json")
         tries = [("most-2", 2, None), ("less-1", 1, None)]
     else:
         deployed = load_config(plan_dir / "prism.yaml").model_dump(mode="json")
@@ -351,8 +356,8 @@ def main() -> None:
                "target": args.target, "scenarios": {}}  # fmt: skip
     for scale in args.rate_scales:
         for name in args.scenarios.split(","):
-            key = name if scale == 1.0 else f"{name}@{scale:g}"
-            summary["scenarios"][key] = run_scenario(name, SCENARIOS[name], args, hardware, scale)
+            result = run_scenario(name, SCENARIOS[name], args, hardware, scale)
+            summary["scenarios"][cell(name, scale)] = result
             (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\n{info['line']}; profile {hardware}; target {args.target:.0%}; confidence {args.confidence}")
     print("| scenario | load | deployment | planned | live | live - planned |")

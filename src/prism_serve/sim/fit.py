@@ -408,6 +408,10 @@ class FitResult:
     points: list[dict]  # the raw points, each with "measured_s" and "predicted_s" added
     mem_bandwidth: float | None  # the fixed weight pass, bytes/s (None: fitted)
 
+    def shapes(self) -> list[str]:
+        """The sources of the other models measured (points with a ``shape``), in measured order."""
+        return list(dict.fromkeys(p["shape"] for p in self.points if p.get("shape") is not None))
+
     def errors(self, held_out: bool, kind: str | None = None, shape: str | bool | None = True) -> np.ndarray:
         """predicted / measured - 1 of the points ``held_out`` or not (of ``kind``; of ``shape``: a
         source of the other models, None for the fitted model's own, True for every model's)."""
@@ -434,7 +438,7 @@ class FitResult:
                     f"{'held-out' if held else 'training'} points: mean |error| {e.mean():.1%}, max "
                     f"{e.max():.1%} ({len(e)} points)"
                 )
-        for shape in dict.fromkeys(p["shape"] for p in self.points if p.get("shape") is not None):
+        for shape in self.shapes():
             e = self.errors(True, shape=shape)
             lines.append(
                 f"held-out points of {shape}: mean |error| {np.abs(e).mean():.1%}, mean {e.mean():+.1%} "
@@ -460,17 +464,18 @@ def fit_points(
     base = dataclasses.replace(base, pad_decode_context=raw.get("decode_attention", "sdpa") == "sdpa")
     spec = model_shape(FIT_MODEL, dtype_bytes=4)
     pts = raw["points"]
-    own = [p for p in pts if p.get("shape") is None]
-    y = np.array([np.quantile(p["times"], quantile) for p in own])
-    train = np.array([not p["held_out"] for p in own])
-    crossover, coef, _ = best_fit(spec, [p["batch"] for p in own], y, train, base, None, mem_bandwidth)
+    measured = [float(np.quantile(p["times"], quantile)) for p in pts]
+    own = [i for i, p in enumerate(pts) if p.get("shape") is None]
+    y = np.array([measured[i] for i in own])
+    train = np.array([not pts[i]["held_out"] for i in own])
+    batches = [pts[i]["batch"] for i in own]
+    crossover, coef, _ = best_fit(spec, batches, y, train, base, None, mem_bandwidth)
     hw = profile_from(coef, base)
     cm = RooflineCostModel(hw)
     out = []
-    for p in pts:
+    for p, m in zip(pts, measured, strict=True):
         shape = spec if p.get("shape") is None else (shapes or {})[p["shape"]]
-        measured = float(np.quantile(p["times"], quantile))
-        out.append(dict(p, measured_s=measured, predicted_s=float(predict(cm, shape, p["batch"]))))
+        out.append(dict(p, measured_s=m, predicted_s=float(predict(cm, shape, p["batch"]))))
     result = FitResult(hw, float(crossover), out, mem_bandwidth)
     # the profile carries its error where it was not fitted (the training points' where none is held
     # out), the fitted model's and each other shape's apart: a plan draws those of its own models
@@ -478,8 +483,7 @@ def fit_points(
     if not len(errors):
         errors = result.errors(held_out=False, shape=None)
     by_shape = tuple(
-        (shapes[source].name, tuple(result.errors(True, shape=source).tolist()))
-        for source in dict.fromkeys(p["shape"] for p in pts if p.get("shape") is not None)
+        (shapes[source].name, tuple(result.errors(True, shape=source).tolist())) for source in result.shapes()
     )
     profile = dataclasses.replace(hw, step_errors=tuple(errors.tolist()), shape_errors=by_shape)
     return dataclasses.replace(result, profile=profile)
@@ -512,8 +516,8 @@ def fit_this_machine(
         if progress is not None:
             progress(1)
         raw = measure_points(step_points(held_out), rounds, reps, progress=progress)
+        held = [p for p in step_points("quick") if p["held_out"]]
         for source in shapes or {}:
-            held = [p for p in step_points("quick") if p["held_out"]]
             other = measure_points(held, 1, reps, model=source, progress=progress)
             raw["points"] += [dict(p, shape=source) for p in other["points"]]
     finally:

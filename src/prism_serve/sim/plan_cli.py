@@ -220,11 +220,12 @@ def _fit(
     repeats, left out)."""
     from tqdm import tqdm
 
+    from prism_serve.engine.config import DEFAULT_MODEL
     from prism_serve.engine.machine import cpu_model, vector_flags
     from prism_serve.sim.fit import FIT_MODEL, fit_source, fit_this_machine, step_points
     from prism_serve.sim.shapes import RANDOM_PREFIX, shape_of
 
-    own = {fit_source(), f"{RANDOM_PREFIX}{FIT_MODEL}", "smollm2-135m-instruct", "default"}
+    own = {fit_source(), f"{RANDOM_PREFIX}{FIT_MODEL}", DEFAULT_MODEL, "default"}
     others = {s: shape_of(s, s, 4) for s in dict.fromkeys(shapes) if s not in own}  # fp32, as fitted
     print(
         f"fitting a CPU profile on this machine: {cpu_model()} ({vector_flags()}), one core"

@@ -649,10 +649,11 @@ class PrismPolicy(Policy):
         # memory each device can still give without crossing the watermark: what is mapped now, plus
         # the weights this tick moves or loads there (evictions are not credited: they may not be done)
         room = room_now(cluster, planned, k.memory_watermark)
-        blind = [m for m in candidates if m.forecast_rate is None and m.expected_rate is None]
+        expected, blind = [], []  # a rate known (forecast or expected_rate), or none
+        for m in candidates:
+            (blind if m.forecast_rate is None and m.expected_rate is None else expected).append(m)
         if not (k.fill_largest_first and len(blind) > 1):
             return self._place_prewarm(candidates, loads, room, planned)
-        expected = [m for m in candidates if m.forecast_rate is not None or m.expected_rate is not None]
         out = self._place_prewarm(expected, loads, room, planned)
         # the startup fill: which models, smallest first (as many as fit; a trial on copies), then
         # where, largest first, each on the devices with the most room (worst-fit decreasing): with
