@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from prism_serve.engine.machine import cpu_model, native_bf16, vector_flags
+from prism_serve.engine.machine import cpu_model, cpu_seconds, native_bf16, vector_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,14 +37,6 @@ def machine_info(**extra: str) -> dict:
         + f"Python {m['python']}"
     )
     return m
-
-
-def cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    t = os.times()
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), t.user + t.system
 
 
 def other_load_since(start: tuple[float, float], wall: float) -> float:

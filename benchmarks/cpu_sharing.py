@@ -48,185 +48,17 @@ from pathlib import Path
 
 import numpy as np
 
-from common import REPO_ROOT, cpu_seconds, machine_info, wait_quiet
+from common import REPO_ROOT, machine_info, wait_quiet
+from prism_serve.sim.sharing import MAX_BUSY, SHAPES, Device, fit_interference
 
 RAW = REPO_ROOT / "results" / "cpu_sharing.json"
 
-# (name, kind, args): decode (batch, context), prefill (tokens,)
-SHAPES = [("decode 1 @256", "decode", (1, 256)), ("decode 8 @256", "decode", (8, 256))]
-SHAPES += [("prefill 256", "prefill", (256,))]
-DECODE_CHUNK = 8  # decode steps per set of requests; then they are aborted and added again
-MAX_BUSY = 3
 CROSS = "cross"  # the group of points with one busy engine on each of two one-core devices
 QUIET = 0.15  # other load (cores) under which a point counts as measured on a quiet machine
 
 
-# -- one engine process -----------------------------------------------------------------------------
-
-
-class Engine:
-    """The real engine as fit_cpu_profile.py's Bench sets it up, with a KV pool of 256 MiB (six
-    processes with Bench's 4 GiB would not fit in this machine's memory; the pool size does not
-    change the step time)."""
-
-    def __init__(self) -> None:
-        from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
-
-        config = EngineConfig(
-            model="smollm2-135m-instruct", dtype="float32", max_num_seqs=64, kv_cache_bytes=256 << 20
-        )
-        self.engine = LLMEngine(config)
-        self.rng = np.random.default_rng(0)
-
-    def add(self, prompt: int, cached: int, max_tokens: int) -> None:
-        """A request of ``prompt`` tokens whose first ``cached`` are allocated, not computed."""
-        from prism_serve.engine.sampling_params import SamplingParams
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        req = self.engine.add_request(self.rng.integers(17, 49152, prompt).tolist(), params)
-        if cached:
-            seq = self.engine._requests[req]
-            if not self.engine.scheduler._grow(seq, cached):
-                raise RuntimeError("KV cache too small for the point")
-            seq.num_computed_tokens = cached
-
-    def step(self) -> tuple[float, float]:
-        """(wall seconds, CPU seconds of this process: every torch thread) of one engine step."""
-        t0, c0 = time.perf_counter(), time.process_time()
-        self.engine.step()
-        return time.perf_counter() - t0, time.process_time() - c0
-
-
-def engine_process(name: str, cores: tuple[int, ...], conn, stop, counts, slot: int) -> None:
-    """Pin like a live worker, load the engine, then run the points the parent sends."""
-    import torch
-
-    from prism_serve.runtime.devices import DeviceSpec, pin_process
-
-    pin_process(DeviceSpec(name, 1 << 30, cores, 1))
-    bench = Engine()
-    for _, kind, args in SHAPES:  # warm-up, alone
-        run_steps(bench, kind, args, lambda: False, 2)
-    conn.send(("ready", torch.get_num_threads(), sorted(os.sched_getaffinity(0))))
-    parent = os.getppid()
-    while True:
-        while not conn.poll(1.0):
-            if os.getppid() != parent:  # the parent was killed: do not linger
-                return
-        msg = conn.recv()
-        if msg[0] == "exit":
-            break
-        _, kind, args, start_at = msg
-        while time.monotonic() < start_at:
-            time.sleep(max(0.0, min(0.01, start_at - time.monotonic())))
-        cpu0 = time.process_time()
-        steps: list[tuple[float, float, float]] = []  # (wall s, CPU s, monotonic end) of each step
-
-        def stopped() -> bool:
-            return time.monotonic() >= stop.value or os.getppid() != parent
-
-        while not stopped():
-            run_steps(bench, kind, args, stopped, DECODE_CHUNK, steps, counts, slot)
-        conn.send((steps, time.process_time() - cpu0))
-    bench.engine.close()
-
-
-def run_steps(bench, kind, args, is_stopped, num_steps, steps=None, counts=None, slot=0) -> None:
-    """Up to ``num_steps`` steps of one shape (a decode set of requests; one prefill); each step's
-    (wall, CPU, end) goes to ``steps``, and ``counts[slot]`` counts them for the parent."""
-    if kind == "prefill":
-        bench.add(args[0], 0, 1)
-        num_steps = 1
-    else:
-        batch, context = args
-        for _ in range(batch):  # the last prompt token is the first step's decode input
-            bench.add(context, context - 1, num_steps + 1)
-    for _ in range(num_steps):
-        if is_stopped():
-            break
-        wall, cpu = bench.step()
-        if steps is not None:
-            steps.append((wall, cpu, time.monotonic()))
-            counts[slot] += 1
-    bench.engine.abort_all()
-
-
-# -- the parent: points and rounds ------------------------------------------------------------------
-
-
-class Device:
-    """MAX_BUSY engine processes pinned to ``cores``."""
-
-    def __init__(self, ctx, name: str, cores: tuple[int, ...], slots: int = MAX_BUSY) -> None:
-        self.name, self.cores = name, cores
-        self.stop = ctx.Value("d", math.inf, lock=False)
-        self.counts = ctx.Array("i", MAX_BUSY, lock=False)
-        self.conns, self.procs = [], []
-        for slot in range(slots):  # one at a time: loading is not what is measured
-            parent, child = ctx.Pipe()
-            p = ctx.Process(
-                target=engine_process, args=(name, cores, child, self.stop, self.counts, slot), daemon=True
-            )
-            p.start()
-            _, threads, affinity = parent.recv()
-            print(
-                f"  {name} engine {slot}: pid {p.pid}, cores {affinity}, {threads} torch threads", flush=True
-            )
-            self.conns.append(parent)
-            self.procs.append(p)
-
-    def point(
-        self, kind: str, args: tuple, n: int, min_steps: int, window: float, max_window: float,
-        partner: Device | None = None,
-    ) -> dict:  # fmt: skip
-        """n engines step at once (and, with ``partner``, that device's first engine too, on its own
-        cores). Per engine of this device, over the steps that ended in time: the mean wall and CPU
-        time of a step, and the cores it got while stepping (CPU / wall)."""
-        both = [self] + ([partner] if partner else [])
-        for dev in both:
-            dev.stop.value = math.inf
-            for i in range(MAX_BUSY):
-                dev.counts[i] = 0
-        start, t0 = cpu_seconds(), time.monotonic()
-        start_at = t0 + 0.1
-        conns = self.conns[:n] + (partner.conns[:1] if partner else [])
-        for c in conns:
-            c.send(("run", kind, args, start_at))
-        while True:
-            time.sleep(0.05)
-            elapsed = time.monotonic() - start_at
-            done = min(self.counts[:n]) >= min_steps and (partner is None or partner.counts[0] >= min_steps)
-            if elapsed >= max_window or (elapsed >= window and done):
-                stop_at = time.monotonic()
-                for dev in both:
-                    dev.stop.value = stop_at
-                break
-        everything = [c.recv() for c in conns]
-        results = everything[:n]
-        wall = time.monotonic() - t0
-        busy, own = cpu_seconds()
-        engines_cpu = sum(cpu for _, cpu in everything)
-        other = max(0.0, (busy - start[0] - (own - start[1]) - engines_cpu) / wall)
-        out: dict = {"step_s": [], "cpu_s": [], "cores": [], "steps": []}
-        for steps, _ in results:
-            counted = np.array([(w, c) for w, c, end in steps if end <= stop_at]).reshape(-1, 2)
-            if len(counted):
-                wall, cpu = counted.mean(axis=0)
-            else:  # no step ended in the window: the step took at least the window (a lower bound)
-                wall, cpu = stop_at - start_at, math.nan
-            out["step_s"].append(float(wall))
-            out["cpu_s"].append(float(cpu))
-            out["cores"].append(
-                float(counted[:, 1].sum() / counted[:, 0].sum()) if len(counted) else math.nan
-            )
-            out["steps"].append(len(counted))
-        return {**out, "window_s": stop_at - start_at, "other_load": other}
-
-    def close(self) -> None:
-        for c in self.conns:
-            c.send(("exit",))
-        for p in self.procs:
-            p.join(30)
+def _log(line: str) -> None:
+    print(line, flush=True)
 
 
 def measure(args) -> dict:
@@ -238,12 +70,12 @@ def measure(args) -> dict:
     for label, cores in (("1 core", (args.core,)), ("2 cores", (0, 1))):
         if label in groups or (label == "1 core" and CROSS in groups):
             print(f"starting the engines of the device of {label} (cores {cores})", flush=True)
-            devices[label] = Device(ctx, f"cpu:{len(devices)}", cores)
+            devices[label] = Device(ctx, f"cpu:{len(devices)}", cores, log=_log)
     partner = None
     if CROSS in groups:  # one engine on the other core: a second one-core device of this host
         other = 1 - args.core if args.core in (0, 1) else 0
         print(f"starting the engine of a second one-core device (core {other})", flush=True)
-        partner = Device(ctx, f"cpu:{len(devices) + 1}", (other,), slots=1)
+        partner = Device(ctx, f"cpu:{len(devices) + 1}", (other,), slots=1, log=_log)
     rounds = []
     t_all = time.monotonic()
     for r in range(args.rounds):
@@ -315,13 +147,6 @@ def ratios(raw: dict) -> dict[tuple[str, str, int], dict[str, list[float]]]:
             r.setdefault("other", []).append(max(p["other_load"], a["other_load"]))
             r.setdefault("steps", []).append(min(p["steps"]))
     return out
-
-
-def fit_interference(values: dict[int, float]) -> float:
-    """``a`` of slowdown(n) = n * (1 + a * (n - 1)), least squares over n -> slowdown."""
-    x = np.array([n * (n - 1) for n in values], dtype=float)
-    y = np.array([v - n for n, v in values.items()])
-    return float(x @ y / (x @ x))
 
 
 def spread(v: list[float]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -98,8 +99,15 @@ def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, cap
     assert hw.name == "cpu-fitted" and not hw.synthetic and not hw.overlap
     assert all(getattr(hw, c) is None or getattr(hw, c) >= 0 for c in CONSTANTS)
     assert 1e9 < hw.mem_bandwidth < 1e12  # one thread's weight pass: GB/s, not a fitted leftover
-    # what a step cannot show is the registered profile's of this CPU's vector class
-    assert (hw.share_interference, hw.host_bandwidth) == (base.share_interference, base.host_bandwidth)
+    # compute sharing measured here, by engines in their own processes (sim/sharing.py): two on one
+    # core cost each other at least time slicing's 2x and well under 4x; one core more cannot cost
+    # that much either
+    assert "compute sharing (real engines in their own processes): two on one core" in err
+    assert 0 <= hw.share_interference < 1
+    if len(os.sched_getaffinity(0)) > 1:
+        assert "one on each of two cores" in err and 0 <= hw.cross_interference < 1
+    # what neither shows (activation copy, serving path) is the registered profile's of this CPU's
+    assert (hw.host_bandwidth, hw.request_overhead_s) == (base.host_bandwidth, base.request_overhead_s)
 
     traffic = tmp_path / "w.jsonl"
     models = ["smollm2-135m-00", "smollm2-135m-01"]

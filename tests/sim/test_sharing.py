@@ -10,6 +10,7 @@ import pytest
 
 from prism_serve.sim import HARDWARE, SimConfigError
 from prism_serve.sim.hardware import HardwareProfile
+from prism_serve.sim.sharing import Interference, _median_excess, fit_interference
 
 NS = range(0, 9)
 
@@ -46,3 +47,19 @@ def test_cpu_profile_reproduces_the_measured_one_core_slowdown(n, measured):
 def test_negative_interference_is_a_named_error():
     with pytest.raises(SimConfigError, match="share_interference"):
         HardwareProfile("x", 1e12, 1e12, 1e9, 1e9, 1 << 30, share_interference=-0.1)
+
+
+def test_the_form_fitted_to_slowdowns_recovers_its_constant():
+    a = 0.07
+    assert fit_interference({n: n * (1 + a * (n - 1)) for n in (2, 3)}) == pytest.approx(a)
+    # two engines alone: 2 x the CPU-time ratio is the slowdown, so a is the ratio's excess over 1
+    assert fit_interference({2: 2 * 1.03}) == pytest.approx(0.03)
+
+
+def test_measured_ratios_become_constants_without_noise_below_zero_or_missing_points():
+    assert _median_excess({"a": 1.02, "b": 1.05, "c": 1.10}) == pytest.approx(0.05)
+    assert _median_excess({"a": 0.98, "b": 0.99}) == 0.0  # faster together is noise: no negative term
+    assert _median_excess({"a": float("nan"), "b": 1.04}) == pytest.approx(0.04)  # a point with no step
+    assert _median_excess({}) is None and _median_excess({"a": float("nan")}) is None
+    report = Interference(0.03, None, {"decode": 1.03}).report()
+    assert "two on one core 2.06x" in report and "two cores" not in report

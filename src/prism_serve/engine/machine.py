@@ -9,6 +9,7 @@ backend) has bf16 tensor cores and takes bf16. No torch here: the deployment con
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -16,6 +17,7 @@ __all__ = [
     "BF16_FLAGS",
     "cpu_flags",
     "cpu_model",
+    "cpu_seconds",
     "keep_freed_buffers",
     "native_bf16",
     "resolve_dtype",
@@ -92,3 +94,12 @@ def keep_freed_buffers() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, 256 * 2**20))
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine since boot, CPU seconds of this process): two readings
+    give the cores other processes kept busy in between."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    t = os.times()
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), t.user + t.system

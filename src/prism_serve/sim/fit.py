@@ -16,11 +16,20 @@ live CPU device of one core runs (runtime/devices.py). Measured, on the spot:
 
 Each point is summarized by the minimum of its steps (other processes only ever add time). The fit
 is a non-negative least squares on relative error of the cost model's summed CPU form
-(sim/cost.py, ``overlap=False``). What a step measurement cannot see is kept from the base profile
-(the registered profile of this CPU's vector class, else ``cpu-smollm2``): compute sharing between
-engines of one core, interference between cores, the serving path's per-request overhead, and the
-activation copy. ``benchmarks/fit_cpu_profile.py`` adds held-out points, other shapes and fits to
-live step traces.
+(sim/cost.py, ``overlap=False``).
+
+**Engines at once** (``sharing=True``, the default): one engine's steps cannot show what other
+engines cost it, so real engines in their own processes are then timed alone, two on the fit's core,
+and one there with one on another core (sim/sharing.py, about half a minute): the profile's
+``share_interference`` (two engines on one core take 2 x (1 + it) a step alone) and
+``cross_interference`` (an engine slows by 1 + it while another core steps) are this machine's, from
+the CPU time per step, which other processes barely change. On the AVX-512 host the registered
+profile's 0.090 and 0.146 measured 0.029 and 0.008 on another day (2026-12-01).
+
+What the fit does not measure is kept from the base profile (the registered profile of this CPU's
+vector class, else ``cpu-smollm2``): the serving path's per-request overhead and the activation
+copy. ``benchmarks/fit_cpu_profile.py`` adds held-out points, other shapes and fits to live step
+traces.
 
 **The deployment's own shapes** (``fit_this_machine(shapes=...)``, ``prism fit-hardware --shapes``,
 and ``prism plan --hardware fit`` with the config's models): the same quick held-out points are
@@ -42,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prism_serve.sim.hardware import HardwareProfile
+from prism_serve.sim.sharing import Interference
 
 __all__ = [
     "FitResult",
@@ -119,13 +129,15 @@ def fit_source() -> str:
 class StepBench:
     """One engine of the fitted model, whose steps are timed point by point."""
 
-    def __init__(self, reps: int, model: str | None = None, dtype: str = "float32") -> None:
+    def __init__(
+        self, reps: int, model: str | None = None, dtype: str = "float32", kv_cache_bytes: int = 4 << 30
+    ) -> None:
         from prism_serve.engine.llm_engine import EngineConfig, LLMEngine
 
         # room for 32 x 2048 and contexts up to 4096 (the default caps at 2048); every point's
         # tokens computed as asked (its repetitions would otherwise find their prompts cached)
         config = EngineConfig(
-            model=model or fit_source(), dtype=dtype, max_num_seqs=64, kv_cache_bytes=4 << 30,
+            model=model or fit_source(), dtype=dtype, max_num_seqs=64, kv_cache_bytes=kv_cache_bytes,
             max_model_len=None, prefix_caching=False,
         )  # fmt: skip
         self.engine = LLMEngine(config)
@@ -407,6 +419,7 @@ class FitResult:
     crossover: float
     points: list[dict]  # the raw points, each with "measured_s" and "predicted_s" added
     mem_bandwidth: float | None  # the fixed weight pass, bytes/s (None: fitted)
+    interference: Interference | None = None  # compute sharing measured (sim/sharing.py), if it was
 
     def shapes(self) -> list[str]:
         """The sources of the other models measured (points with a ``shape``), in measured order."""
@@ -444,6 +457,8 @@ class FitResult:
                 f"held-out points of {shape}: mean |error| {np.abs(e).mean():.1%}, mean {e.mean():+.1%} "
                 f"(predicted / measured - 1), max |error| {np.abs(e).max():.1%} ({len(e)} points)"
             )
+        if self.interference is not None:
+            lines.append(self.interference.report())
         return "\n".join(lines)
 
 
@@ -498,19 +513,23 @@ def fit_this_machine(
     core: int | None = None,
     progress: Callable[[int], None] | None = None,
     shapes: Mapping[str, object] | None = None,
+    sharing: bool = True,
 ) -> FitResult:
     """Measure and fit this machine's one-core CPU profile (see the module docstring). ``base``:
     the profile whose unmeasured fields are kept (default: the registered one for this CPU's
     vector class). ``shapes``: other models (engine source -> its ModelShape) whose quick held-out
     points are measured too (one round each) and predicted by the fit. Runs in this process,
-    pinned to ``core`` for the duration and unpinned after."""
+    pinned to ``core`` for the duration and unpinned after. ``sharing``: then measure compute
+    sharing with engines in their own processes (sim/sharing.py: two on ``core``, one there and one
+    on another core), for the profile's ``share_interference`` and ``cross_interference`` (the base's
+    are kept where it is off, and the cross term where this process may use one core only)."""
     import torch
 
     from prism_serve.sim.hardware import get_hardware, host_cpu_profile
 
     base = base or get_hardware(host_cpu_profile())
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    pin_one_core(core)
+    core = pin_one_core(core)
     try:
         rate = weight_pass_rate()
         if progress is not None:
@@ -523,4 +542,17 @@ def fit_this_machine(
     finally:
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
-    return fit_points(raw, dataclasses.replace(base, name=name), mem_bandwidth=rate, shapes=shapes)
+    result = fit_points(raw, dataclasses.replace(base, name=name), mem_bandwidth=rate, shapes=shapes)
+    if not sharing:
+        return result
+    from prism_serve.sim.sharing import measure_interference
+
+    found = measure_interference(core, min(affinity - {core}, default=None))
+    if progress is not None:
+        progress(1)
+    profile = result.profile
+    if found.share is not None:
+        profile = dataclasses.replace(profile, share_interference=found.share)
+    if found.cross is not None:
+        profile = dataclasses.replace(profile, cross_interference=found.cross)
+    return dataclasses.replace(result, profile=profile, interference=found)

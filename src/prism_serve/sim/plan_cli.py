@@ -213,11 +213,16 @@ def _hardware(args: argparse.Namespace, config) -> str:
 
 
 def _fit(
-    rounds: int, name: str = "cpu-fitted", core: int | None = None, reps: int = 3, shapes: Sequence[str] = ()
+    rounds: int,
+    name: str = "cpu-fitted",
+    core: int | None = None,
+    reps: int = 3,
+    shapes: Sequence[str] = (),
+    sharing: bool = True,
 ):
     """This machine's one-core CPU profile, measured now with a progress bar (sim/fit.py);
     ``shapes``: model sources whose held-out points are measured too (the fitted model's own, and
-    repeats, left out)."""
+    repeats, left out); ``sharing``: compute sharing between engines measured too (sim/sharing.py)."""
     from tqdm import tqdm
 
     from prism_serve.engine.config import DEFAULT_MODEL
@@ -233,11 +238,12 @@ def _fit(
         file=sys.stderr,
     )
     held = sum(p["held_out"] for p in step_points("quick"))
-    total = 1 + rounds * len(step_points("quick")) + held * len(others)
+    total = 1 + rounds * len(step_points("quick")) + held * len(others) + sharing
     with tqdm(total=total, desc="fit", unit="point", file=sys.stderr) as bar:
         result = fit_this_machine(
-            name=name, rounds=rounds, reps=reps, core=core, progress=bar.update, shapes=others
-        )
+            name=name, rounds=rounds, reps=reps, core=core, progress=bar.update, shapes=others,
+            sharing=sharing,
+        )  # fmt: skip
     print(result.report(), file=sys.stderr)
     return result.profile
 
@@ -248,9 +254,10 @@ def add_fit_parser(sub) -> None:
         help="fit this machine's one-core CPU profile for prism sim and prism plan",
         description="Times this project's engine on one core with one torch thread (SmolLM2-135M in "
         "fp32: prefills, prefill chunks after a cached prefix, decode batches at several contexts) "
-        "and one thread's weight pass, and fits the simulator's CPU cost model to them; the fields a "
-        "step cannot show (compute sharing, activation) come from the registered profile of this "
-        "CPU's vector class. Writes the profile as a file for --hardware.",
+        "and one thread's weight pass, and fits the simulator's CPU cost model to them; then times "
+        "engines in their own processes alone, two on one core and one on each of two cores (compute "
+        "sharing). The fields it does not measure (activation, the serving path) come from the "
+        "registered profile of this CPU's vector class. Writes the profile as a file for --hardware.",
     )
     p.add_argument("--out", type=Path, required=True, help="the profile file to write (*.json)")
     p.add_argument("--name", default="cpu-fitted", help="the profile's name")
@@ -265,6 +272,10 @@ def add_fit_parser(sub) -> None:
     p.add_argument(
         "--device-memory", metavar="SIZE", help="the profile's device memory (default: the base's)"
     )
+    p.add_argument(
+        "--no-sharing", dest="sharing", action="store_false",
+        help="do not measure compute sharing between engines (keep the registered profile's)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_fit)
 
 
@@ -277,7 +288,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     if args.out.suffix != ".json":
         raise SimConfigError(f"--out must name a .json file (what --hardware reads), got {str(args.out)!r}")
-    hw = _fit(args.rounds, args.name, args.core, args.reps, [x for x in args.shapes.split(",") if x])
+    shapes = [x for x in args.shapes.split(",") if x]
+    hw = _fit(args.rounds, args.name, args.core, args.reps, shapes, args.sharing)
     if args.device_memory:
         hw = dataclasses.replace(hw, memory_bytes=parse_size(args.device_memory))
     args.out.parent.mkdir(parents=True, exist_ok=True)
