@@ -20,7 +20,7 @@ is a non-negative least squares on relative error of the cost model's summed CPU
 
 **Engines at once** (``sharing=True``, the default): one engine's steps cannot show what other
 engines cost it, so real engines in their own processes are then timed alone, two on the fit's core,
-and one there with one on another core (sim/sharing.py, about half a minute): the profile's
+and one there with one on another core (sim/sharing.py, about 40 s): the profile's
 ``share_interference`` (two engines on one core take 2 x (1 + it) a step alone) and
 ``cross_interference`` (an engine slows by 1 + it while another core steps) are this machine's, from
 the CPU time per step, which other processes barely change. On the AVX-512 host the registered

@@ -17,8 +17,9 @@ costs beyond time slicing (caches, context switches). ``n x`` the CPU ratio is t
 one-core device shows, to which the simulator's form n * (1 + a * (n - 1)) is fitted; one engine on
 each of two cores gives the cross-core term (one memory system and last-level cache) the same way.
 
-``measure_interference``: the quick version ``prism fit-hardware`` runs (about half a minute): each
-shape alone, two engines on the fit's core, and one engine there with one on another core.
+``measure_interference``: the quick version ``prism fit-hardware`` runs (about 40 s): each shape
+alone, two engines on the fit's core, and one engine there with one on another core, each twice in
+mirrored order.
 """
 
 from __future__ import annotations
@@ -226,8 +227,9 @@ def measure_interference(
     core: int, other_core: int | None, window_s: float = 1.0, min_steps: int = 4, log=None
 ) -> Interference:
     """Each shape alone on ``core``, two engines there at once, and (with ``other_core``) one there
-    with one on ``other_core``; the CPU time per step against the alone one's, the median over shapes
-    (negative medians, noise below processor sharing, read as 0)."""
+    with one on ``other_core``, in the order alone, two, cross, cross, two, alone (a drift of the
+    machine's speed during a shape cancels in the means); the CPU time per step against the alone
+    one's, the median over shapes (negative medians, noise below processor sharing, read as 0)."""
     ctx = mp.get_context("spawn")
     dev = partner = None
     shared: dict[str, float] = {}
@@ -240,14 +242,16 @@ def measure_interference(
         for name, kind, shape in SHAPES:
             steps = 2 if kind == "prefill" else min_steps
             window = 2 * window_s if kind == "prefill" else window_s
-            alone = dev.point(kind, shape, 1, steps, window, 10 * window)
-            two = dev.point(kind, shape, 2, steps, window, 10 * window)
-            shared[name] = float(np.nanmean(two["cpu_s"])) / alone["cpu_s"][0]
-            load = max(load, alone["other_load"], two["other_load"])
+            order = [(1, None), (2, None)] + ([(1, partner)] if partner is not None else [])
+            cpu: dict[tuple[int, bool], list[float]] = {}
+            for n, other in order + order[::-1]:
+                p = dev.point(kind, shape, n, steps, window, 10 * window, partner=other)
+                cpu.setdefault((n, other is not None), []).append(float(np.nanmean(p["cpu_s"])))
+                load = max(load, p["other_load"])
+            alone = float(np.mean(cpu[1, False]))
+            shared[name] = float(np.mean(cpu[2, False])) / alone
             if partner is not None:
-                cross = dev.point(kind, shape, 1, steps, window, 10 * window, partner=partner)
-                crossed[name] = cross["cpu_s"][0] / alone["cpu_s"][0]
-                load = max(load, cross["other_load"])
+                crossed[name] = float(np.mean(cpu[1, True])) / alone
     finally:
         for d in (dev, partner):
             if d is not None:
