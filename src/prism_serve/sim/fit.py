@@ -23,8 +23,9 @@ engines cost it, so real engines in their own processes are then timed alone, tw
 and one there with one on another core (sim/sharing.py, about 40 s): the profile's
 ``share_interference`` (two engines on one core take 2 x (1 + it) a step alone) and
 ``cross_interference`` (an engine slows by 1 + it while another core steps) are this machine's, from
-the CPU time per step, which other processes barely change. On the AVX-512 host the registered
-profile's 0.090 and 0.146 measured 0.029 and 0.008 on another day (2026-12-01).
+the CPU time per step, which other processes barely change. A host of the registered AVX-512
+profile's CPU model measured 0.027-0.057 and 0.000-0.013 on 2026-12-01, where that profile has
+0.090 and 0.146.
 
 What the fit does not measure is kept from the base profile (the registered profile of this CPU's
 vector class, else ``cpu-smollm2``): the serving path's per-request overhead and the activation
