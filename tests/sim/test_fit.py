@@ -84,7 +84,9 @@ def test_other_models_are_predicted_from_their_own_shape_and_not_fitted_to() -> 
     ((name, errors),) = result.profile.shape_errors
     assert name == "smollm2-360m" and errors == pytest.approx([1 / 1.25 - 1] * len(held))
     assert len(result.profile.errors_for([FIT_MODEL, "smollm2-360m"])) == 2 * len(held)
-    assert "held-out points of random:smollm2-360m: mean |error| 20.0%, mean -20.0%" in result.report()
+    report = result.report()
+    assert "held-out points of random:smollm2-360m: mean |error| 20.0%, mean -20.0%" in report
+    assert "(predicted / measured - 1; decode -20.0%, prefill -20.0%, mixed -20.0%)" in report
 
 
 def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, capsys) -> None:

@@ -454,9 +454,13 @@ class FitResult:
                 )
         for shape in self.shapes():
             e = self.errors(True, shape=shape)
+            # by kind: a shape's compute rate and its weight pass can be off in opposite directions
+            # (prefills priced slow, decodes fast), which the mean over its points hides
+            kinds = dict.fromkeys(p["kind"] for p in self.points if p.get("shape") == shape and p["held_out"])
+            by_kind = ", ".join(f"{k} {self.errors(True, k, shape).mean():+.1%}" for k in kinds)
             lines.append(
                 f"held-out points of {shape}: mean |error| {np.abs(e).mean():.1%}, mean {e.mean():+.1%} "
-                f"(predicted / measured - 1), max |error| {np.abs(e).max():.1%} ({len(e)} points)"
+                f"(predicted / measured - 1; {by_kind}), max |error| {np.abs(e).max():.1%} ({len(e)} points)"
             )
         if self.interference is not None:
             lines.append(self.interference.report())
