@@ -45,7 +45,7 @@ def fit_trace(
     profile's ``cross_interference`` prices, estimated from them here). Returns the fitted profile."""
     from prism_serve.sim.cost import RooflineCostModel
     from prism_serve.sim.models import model_shape
-    from step_overlap import IDLE, cross_estimate, device_steps, other_device_overlap
+    from step_overlap import IDLE, cross_estimate, device_steps, other_device_overlap, serving_estimate
 
     spec = model_shape("smollm2-135m", dtype_bytes=4)
     dirs = [(d, False) for d in train_dirs] + [(d, True) for d in held_dirs]
@@ -119,6 +119,7 @@ def fit_trace(
     fitted = RooflineCostModel(hw)
     own = np.array([r.cpu / max(r.dt, 1e-9) >= 0.8 for _, r in traced])
     all_cpu = np.array([r.cpu for _, r in traced])
+    all_wall = np.array([r.dt for _, r in traced])
     all_pred = np.array([predict(fitted, spec, [tuple(b) for b in r.batch]) for _, r in traced])
     all_kinds = np.array([step_kind([tuple(b) for b in r.batch]) for _, r in traced])
     for kind in ("decode", "prefill", "all"):
@@ -132,6 +133,15 @@ def fit_trace(
             )
         if kind == "all" and est is not None and not keep_crossed:
             hw = dataclasses.replace(hw, cross_interference=round(max(0.0, est[0]), 3))
+        serving = serving_estimate(all_wall[sel], all_cpu[sel], overlap[sel])
+        if serving is not None:
+            print(
+                f"serving path, {kind} steps: with another device stepping throughout they last "
+                f"{1 + serving[0]:.3f}x the wall over CPU of steps with it idle ({serving[1]} / "
+                f"{serving[2]} steps): serving_share {serving[0]:.3f}"
+            )
+        if kind == "all" and serving is not None:
+            hw = dataclasses.replace(hw, serving_share=round(max(0.0, serving[0]), 3))
     registered = RooflineCostModel(compare)
     reg = np.array([predict(registered, spec, b) for b in batches])
     for name, p in (("fit", pred), (f"profile {compare.name}", reg)):

@@ -20,7 +20,7 @@ from prism_serve.engine.step_trace import StepRecord, read_step_traces
 
 __all__ = [
     "cross_estimate", "device_of", "device_steps", "host_speed", "host_speed_profile", "host_speeds",
-    "other_device_overlap",
+    "other_device_overlap", "serving_estimate",
 ]  # fmt: skip
 
 BUSY = 0.9  # share of a step overlapped by other devices' steps above which it counts as crossed
@@ -94,6 +94,20 @@ def cross_estimate(
     if not crossed.any() or not solo.any():
         return None
     ratio = (cpu[crossed].sum() / predicted[crossed].sum()) / (cpu[solo].sum() / predicted[solo].sum())
+    return float(ratio - 1.0), int(crossed.sum()), int(solo.sum())
+
+
+def serving_estimate(wall: np.ndarray, cpu: np.ndarray, overlap: np.ndarray) -> tuple[float, int, int] | None:
+    """(serving_share, crossed steps, solo steps) from steps that each ran alone on their own core:
+    the wall-over-CPU ratio of steps with the other devices busy (overlap >= BUSY) over that of
+    steps with them idle (overlap <= IDLE), minus one. With a core idle the serving path (server,
+    clients, the workers' own threads) runs there; with none, it takes wall time from the steps
+    (sim/hardware.py ``serving_share``). Exact for two devices, where "another device busy" is
+    "every device busy". None without both kinds of step."""
+    crossed, solo = overlap >= BUSY, overlap <= IDLE
+    if not crossed.any() or not solo.any():
+        return None
+    ratio = (wall[crossed].sum() / cpu[crossed].sum()) / (wall[solo].sum() / cpu[solo].sum())
     return float(ratio - 1.0), int(crossed.sum()), int(solo.sum())
 
 

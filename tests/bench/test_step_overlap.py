@@ -66,6 +66,15 @@ def test_cross_estimate_is_the_ratio_of_crossed_to_solo_cost(so):
     assert so.cross_estimate(cpu[:2], predicted[:2], overlap[:2]) is None
 
 
+def test_serving_estimate_is_the_ratio_of_crossed_to_solo_wall_over_cpu(so):
+    cpu = np.array([1.0, 2.0, 1.0, 2.0, 1.0])
+    wall = np.array([1.01, 2.02, 1.04 * 1.01, 2.08 * 1.01, 3.0])  # the last is partly crossed
+    overlap = np.array([0.0, 0.01, 1.0, 0.95, 0.5])
+    est, crossed, solo = so.serving_estimate(wall, cpu, overlap)
+    assert est == pytest.approx(0.04) and (crossed, solo) == (2, 2)
+    assert so.serving_estimate(wall[:2], cpu[:2], overlap[:2]) is None
+
+
 def test_host_speed_prices_the_uncontended_decode_steps_only(so, tmp_path):
     """Decode steps alone cost 1.1x the price; a step crossed by the other device, a prefill step
     and a step that lost its core (CPU < 0.8 wall) are left out."""

@@ -161,14 +161,18 @@ def test_on_a_cpu_device_an_activations_copy_shares_the_core_with_the_engines_th
     assert shared["b"].first_token - apart["b"].first_token == pytest.approx(copy - t, rel=1e-6)
 
 
-def _host_shared(tmp_path, cross: float) -> str:
-    """The h100 profile with devices that share one memory system (as CPU cores do)."""
+def _host_shared(tmp_path, cross: float, serving: float = 0.0) -> str:
+    """The h100 profile with devices that share one memory system (as CPU cores do) and, with
+    ``serving``, whose cores the serving path takes a share of once they are all busy."""
     import dataclasses
 
     from prism_serve.sim.hardware import dump_hardware
 
     path = tmp_path / "shared-host.json"
-    dump_hardware(dataclasses.replace(HARDWARE["h100"], name="shared-host", cross_interference=cross), path)
+    hw = dataclasses.replace(
+        HARDWARE["h100"], name="shared-host", cross_interference=cross, serving_share=serving
+    )
+    dump_hardware(hw, path)
     return str(path)
 
 
@@ -219,3 +223,42 @@ def test_the_cross_term_counts_devices_not_engines(tmp_path):
     # the pair: (1 + cross) * 2 slower until the single one ends, then 2x
     done = (1 + cross) * t / ((1 + cross) * 2)  # work each of the pair did by then
     assert reqs[pair[0]].ttft == pytest.approx((1 + cross) * t + 2 * (t - done), rel=1e-6)
+
+
+def test_the_serving_share_slows_steps_only_while_every_device_is_busy(tmp_path):
+    """Serving share s, no cross term: one device of two busy, its step as alone (the serving path
+    has the idle core); both busy, each 1 + s; one device of one busy, 1 + s already."""
+    s = 0.1
+    hw = _host_shared(tmp_path, 0.0, serving=s)
+    t = _alone()
+    (alone,) = _run([(0.0, 0)], devices=2, hardware=hw)
+    assert alone.ttft == pytest.approx(t, rel=1e-9)
+    a, b = _run([(0.0, 0), (0.0, 1)], devices=2, hardware=hw)
+    assert a.ttft == pytest.approx((1 + s) * t, rel=1e-9) and b.ttft == pytest.approx((1 + s) * t, rel=1e-9)
+    (only,) = _run([(0.0, 0)], devices=1, hardware=hw)
+    assert only.ttft == pytest.approx((1 + s) * t, rel=1e-9)
+    # with compute sharing off, as alone
+    a, b = _run([(0.0, 0), (0.0, 1)], devices=2, hardware=hw, sharing=False)
+    assert a.ttft == pytest.approx(t, rel=1e-9) and b.ttft == pytest.approx(t, rel=1e-9)
+
+
+def test_the_serving_share_starts_when_the_last_device_turns_busy(tmp_path):
+    """b starts on the other device halfway through a's step: a's second half runs 1 + s slower;
+    b runs at 1 + s until a ends, then alone; with the cross term too, both factors multiply."""
+    s, c = 0.1, 0.25
+    t = _alone()
+    a, b = _run([(0.0, 0), (t / 2, 1)], devices=2, hardware=_host_shared(tmp_path, 0.0, serving=s))
+    assert a.ttft == pytest.approx(t / 2 + (1 + s) * t / 2, rel=1e-6)
+    overlap = (1 + s) * t / 2
+    assert b.ttft == pytest.approx(overlap + (t - overlap / (1 + s)), rel=1e-6)
+    a, b = _run([(0.0, 0), (0.0, 1)], devices=2, hardware=_host_shared(tmp_path, c, serving=s))
+    assert a.ttft == pytest.approx((1 + c) * (1 + s) * t, rel=1e-9)
+
+
+def test_the_serving_share_is_a_named_error_when_negative():
+    from prism_serve.sim.hardware import HardwareProfile
+
+    with pytest.raises(SimConfigError, match="serving_share"):
+        HardwareProfile("x", 1e12, 1e12, 1e9, 1e9, 1 << 30, serving_share=-0.01)
+    assert all(hw.serving_share == 0.0 for name, hw in HARDWARE.items() if not name.startswith("cpu"))
+    assert HARDWARE["h100"].serving_slowdown(True) == 1.0

@@ -28,8 +28,9 @@ profile's CPU model measured 0.027-0.057 and 0.000-0.013 on 2026-12-01, where th
 0.090 and 0.146.
 
 What the fit does not measure is kept from the base profile (the registered profile of this CPU's
-vector class, else ``cpu-smollm2``): the serving path's per-request overhead and the activation
-copy. ``benchmarks/fit_cpu_profile.py`` adds held-out points, other shapes and fits to live step
+vector class, else ``cpu-smollm2``): the serving path's per-request overhead and its share of the
+cores once every device is busy (``serving_share``, measured on live step traces), and the
+activation copy. ``benchmarks/fit_cpu_profile.py`` adds held-out points, other shapes and fits to live step
 traces.
 
 **The deployment's own shapes** (``fit_this_machine(shapes=...)``, ``prism fit-hardware --shapes``,

@@ -83,6 +83,14 @@ class HardwareProfile:
     # long while k other devices of the simulation have an engine step or activation copy in flight
     # (cross_slowdown). 0: devices do not slow each other (GPUs, each with its own memory).
     cross_interference: float = 0.0
+    # CPU devices that are every core of the host (a plan writes one device per core): while every
+    # device has an engine step or activation copy in flight, the serving path (the server process,
+    # its clients, the workers' own threads) takes its cores from the busy devices, and each step
+    # runs 1 + serving_share times as long (serving_slowdown); with a device idle it runs there.
+    # Measured on live step traces (fit_cpu_profile.py --trace, step_overlap.py serving_estimate:
+    # wall over CPU time of steps with the other devices stepping, over the same with them idle).
+    # 0: GPUs, whose host cores are not the devices.
+    serving_share: float = 0.0
     # The serving path's part of every time to first token outside the engine (HTTP, tokenization,
     # the controller-worker hop, SSE framing), added to each simulated first token and finish; the
     # fitted CPU profiles measure it (sim_vs_live.py prints it for each live run), the GPU ones leave it 0
@@ -130,6 +138,7 @@ class HardwareProfile:
             "seq_overhead_s",
             "share_interference",
             "cross_interference",
+            "serving_share",
             "request_overhead_s",
         ):
             if getattr(self, name) < 0:
@@ -160,6 +169,11 @@ class HardwareProfile:
         """The factor by which a step is multiplied while ``other_busy_devices`` other devices of the
         host have work (the memory system they share); 1.0 for devices that share nothing."""
         return 1.0 + self.cross_interference * max(0, other_busy_devices)
+
+    def serving_slowdown(self, every_device_busy: bool) -> float:
+        """The factor by which a step is multiplied while ``every_device_busy`` (the serving path then
+        takes its CPU from the devices' cores); 1.0 otherwise, and on the GPU profiles."""
+        return 1.0 + self.serving_share if every_device_busy else 1.0
 
     def slowed(self, factor: float, compute_factor: float | None = None) -> HardwareProfile:
         """This profile with every engine step ``factor`` times as long (activation unchanged): a
@@ -297,6 +311,11 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 # cost 1.146x the CPU of those with it idle (decode 1.160x, prefill 1.088x; 798 / 3,333
                 # steps); those steps are left out of the constants above
                 cross_interference=0.146,
+                # a live run's step traces on an AVX-512 host of this CPU model, 2026-12-01 (plan_live.py's
+                # "three" at 1x on 2 devices, PRISM_STEP_TRACE; fit_cpu_profile.py --trace DIR): steps with
+                # the other core stepping last 1.029x the wall over CPU of those with it idle (984 / 149
+                # steps), the cores the server, the client and the workers' threads take once none is idle
+                serving_share=0.029,
                 # the same measure on this host's light training runs: median 6.3 ms (p90 9.6 ms)
                 # before the refit, 7.5 ms (p90 12.0 ms) after it
                 request_overhead_s=7.5e-3,

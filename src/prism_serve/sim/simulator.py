@@ -119,6 +119,8 @@ class Simulator:
         self._share = self.hw.share_slowdown if config.compute_sharing else None
         # devices with a step or copy in flight, for the host-wide term (hardware.cross_slowdown)
         self._cross = config.compute_sharing and self.hw.cross_interference > 0
+        # ... and for the serving path's share once every device is busy (hardware.serving_slowdown)
+        self._serving = config.compute_sharing and self.hw.serving_share > 0
         self._busy_devices = 0
         self._live_profiles = config.profiles == "live"
         # live profiles: models whose step sums moved since the last tick, when their snapshot
@@ -543,9 +545,14 @@ class Simulator:
         included (``joining``: about to start a step, not counted yet)."""
         extra = 1 if joining and not e.shared else 0
         factor = self._share(max(self.num_busy[d.name] for d in e.devices) + extra)
-        if self._cross:  # the other devices with work: the memory system they share with e's
-            own = sum(1 for d in e.devices if self.num_busy[d.name] > 0)
-            factor *= self.hw.cross_slowdown(self._busy_devices - own)
+        if self._cross or self._serving:
+            # the other devices with work: the memory system they share with e's, and no core left
+            # idle for the serving path once they are all of them
+            others = self._busy_devices - sum(1 for d in e.devices if self.num_busy[d.name] > 0)
+            if self._cross:
+                factor *= self.hw.cross_slowdown(others)
+            if self._serving:
+                factor *= self.hw.serving_slowdown(others + len(e.devices) >= len(self.devices))
         return factor
 
     def _sync_busy(self, e: SimEngine, now: float) -> None:
@@ -560,13 +567,14 @@ class Simulator:
     def _device_busy(self, devices, delta: int, now: float, joined: SimEngine | None = None) -> None:
         """``delta`` more busy sharers on ``devices``: every busy engine there other than ``joined``
         goes on at the new speed; when a device starts or stops having work and devices share the
-        host's memory system (hardware.cross_interference), every busy engine does."""
+        host's memory system (hardware.cross_interference) or its serving path takes their cores
+        once all are busy (hardware.serving_share), every busy engine does."""
         was = self._busy_devices
         for d in devices:
             before = self.num_busy[d] > 0
             self.num_busy[d] += delta
             self._busy_devices += (self.num_busy[d] > 0) - before
-        if self._cross and self._busy_devices != was:
+        if (self._cross or self._serving) and self._busy_devices != was:
             devices = self.devices
         for d in devices:
             for name in self.on_device[d]:
