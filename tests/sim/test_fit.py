@@ -109,7 +109,8 @@ def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, cap
     if len(os.sched_getaffinity(0)) > 1:
         assert "one on each of two cores" in err and 0 <= hw.cross_interference < 1
     # what neither shows (activation copy, serving path) is the registered profile's of this CPU's
-    assert (hw.host_bandwidth, hw.request_overhead_s) == (base.host_bandwidth, base.request_overhead_s)
+    kept = ("host_bandwidth", "request_overhead_s", "serving_share")
+    assert [getattr(hw, k) for k in kept] == [getattr(base, k) for k in kept]
 
     traffic = tmp_path / "w.jsonl"
     models = ["smollm2-135m-00", "smollm2-135m-01"]
