@@ -173,3 +173,26 @@ def test_a_profile_s_step_errors_are_read_back_and_checked(tmp_path: Path) -> No
     for bad in ((("x", (-2.0,)),), (("x", 0.5),)):
         with pytest.raises(SimConfigError, match="shape_errors"):
             dataclasses.replace(HARDWARE["h100"], shape_errors=bad)
+
+
+def test_a_fit_whose_sharing_measurement_fails_keeps_the_base_terms_and_says_why(monkeypatch):
+    """The step fit is minutes of work: engines that cannot be started for the sharing points (no
+    memory for more processes) cost only those points, named in the report. The failure is
+    injected, and the step measurement skipped (its fit is tested above)."""
+    import prism_serve.sim.fit as fit
+    import prism_serve.sim.sharing as sharing
+
+    def no_processes(*_a, **_k):
+        raise RuntimeError("engine 0 of cpu:0 did not start")
+
+    base = HARDWARE["cpu-smollm2-avx512bf16"]
+    monkeypatch.setattr(sharing, "measure_interference", no_processes)
+    monkeypatch.setattr(fit, "measure_points", lambda *a, **k: {"points": []})
+    monkeypatch.setattr(fit, "fit_points", lambda raw, b, **kw: fit.FitResult(b, 0.5, [], None))
+    monkeypatch.setattr(fit, "weight_pass_rate", lambda: 1e10)
+    result = fit.fit_this_machine(base=base, held_out="none")
+    hw = result.profile
+    kept = ("share_interference", "cross_interference")
+    assert [getattr(hw, k) for k in kept] == [getattr(base, k) for k in kept]
+    assert result.interference is None
+    assert "compute sharing not measured (RuntimeError: engine 0 of cpu:0 did not start)" in result.report()

@@ -422,6 +422,7 @@ class FitResult:
     points: list[dict]  # the raw points, each with "measured_s" and "predicted_s" added
     mem_bandwidth: float | None  # the fixed weight pass, bytes/s (None: fitted)
     interference: Interference | None = None  # compute sharing measured (sim/sharing.py), if it was
+    sharing_error: str | None = None  # why it could not be measured (the base profile's terms kept)
 
     def shapes(self) -> list[str]:
         """The sources of the other models measured (points with a ``shape``), in measured order."""
@@ -465,6 +466,12 @@ class FitResult:
             )
         if self.interference is not None:
             lines.append(self.interference.report())
+        if self.sharing_error is not None:
+            hw = self.profile
+            lines.append(
+                f"compute sharing not measured ({self.sharing_error}): share_interference "
+                f"{hw.share_interference:.3f} and cross_interference {hw.cross_interference:.3f} kept"
+            )
         return "\n".join(lines)
 
 
@@ -553,9 +560,13 @@ def fit_this_machine(
         return result
     from prism_serve.sim.sharing import measure_interference
 
-    found = measure_interference(core, min(affinity - {core}, default=None))
-    if progress is not None:
-        progress(1)
+    try:
+        found = measure_interference(core, min(affinity - {core}, default=None))
+    except (OSError, RuntimeError, EOFError) as e:  # no processes to spare, or an engine died
+        return dataclasses.replace(result, sharing_error=f"{type(e).__name__}: {e}")
+    finally:
+        if progress is not None:
+            progress(1)
     profile = result.profile
     if found.share is not None:
         profile = dataclasses.replace(profile, share_interference=found.share)
