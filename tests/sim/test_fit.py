@@ -15,7 +15,7 @@ from prism_serve.cli import main
 from prism_serve.config import load_config
 from prism_serve.sim.cost import RooflineCostModel
 from prism_serve.sim.fit import CONSTANTS, FIT_MODEL, fit_points, predict, step_points
-from prism_serve.sim.hardware import HARDWARE, get_hardware, host_cpu_profile
+from prism_serve.sim.hardware import HARDWARE, dump_hardware, get_hardware, host_cpu_profile
 from prism_serve.sim.models import model_shape
 from prism_serve.workload import write_jsonl
 
@@ -87,6 +87,42 @@ def test_other_models_are_predicted_from_their_own_shape_and_not_fitted_to() -> 
     report = result.report()
     assert "held-out points of random:smollm2-360m: mean |error| 20.0%, mean -20.0%" in report
     assert "(predicted / measured - 1; decode -20.0%, prefill -20.0%, mixed -20.0%)" in report
+
+
+def test_a_shape_measured_at_its_own_rates_is_priced_at_them(tmp_path: Path) -> None:
+    """A shape whose weights this core streams 30% slower and whose matmuls it runs 40% faster than
+    the fitted model's rates say: its two training steps give the two factors, its held-out points
+    are then priced within rounding, and the profile keeps them for the simulator (sim/cost.py)."""
+    from prism_serve.sim.fit import SHAPE_TRAIN, shape_factors
+
+    base = HARDWARE["cpu-smollm2-avx512bf16"]
+    known = dataclasses.replace(base, step_overhead_s=6e-3, peak_flops=1.5e11, mem_bandwidth=2.5e10)
+    own, big = model_shape(FIT_MODEL, 4), model_shape("qwen2.5-0.5b", 4)
+    truth = dataclasses.replace(known, shape_scales=(("qwen2.5-0.5b", 1.3, 1 / 1.4),))
+    cm = RooflineCostModel(truth)
+    points = [dict(p, batch=batch_of(p), times=[predict(cm, own, batch_of(p))]) for p in step_points("quick")]
+    trained = [{"kind": k, "args": list(a), "held_out": False} for k, a in SHAPE_TRAIN]
+    held = [p for p in step_points("quick") if p["held_out"]]
+    points += [
+        dict(p, shape="random:qwen2.5-0.5b", batch=batch_of(p), times=[predict(cm, big, batch_of(p))])
+        for p in trained + held
+    ]
+    raw = {"points": points, "decode_attention": "kernel"}
+    result = fit_points(raw, base, mem_bandwidth=known.mem_bandwidth, shapes={"random:qwen2.5-0.5b": big})
+    ((name, memory, compute),) = result.profile.shape_scales
+    assert name == "qwen2.5-0.5b"
+    assert (memory, compute) == (pytest.approx(1.3, rel=1e-3), pytest.approx(1 / 1.4, rel=1e-3))
+    assert max(abs(result.errors(True, shape="random:qwen2.5-0.5b"))) < 1e-3
+    # without its training steps the same shape is priced at the fitted model's rates, and misses
+    unscaled = RooflineCostModel(dataclasses.replace(result.profile, shape_scales=()))
+    prefill = batch_of(held[4])
+    assert predict(unscaled, big, prefill) != pytest.approx(predict(cm, big, prefill), rel=0.05)
+    # a profile file keeps them; one step alone, or a GPU's roofline, gives none
+    path = tmp_path / "cpu.json"
+    dump_hardware(result.profile, path)
+    assert get_hardware(str(path)).shape_scales == result.profile.shape_scales
+    assert shape_factors(result.profile, big, [(batch_of(trained[0]), 0.2)]) is None
+    assert shape_factors(HARDWARE["h100"], big, [(batch_of(p), 0.2) for p in trained]) is None
 
 
 def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, capsys) -> None:
@@ -196,3 +232,14 @@ def test_a_fit_whose_sharing_measurement_fails_keeps_the_base_terms_and_says_why
     assert [getattr(hw, k) for k in kept] == [getattr(base, k) for k in kept]
     assert result.interference is None
     assert "compute sharing not measured (RuntimeError: engine 0 of cpu:0 did not start)" in result.report()
+
+
+BAD_SCALES = [[["qwen2.5-0.5b", 1.2]], [["qwen2.5-0.5b", 0.0, 1.0]], [["x", "fast", 1.0]]]
+
+
+@pytest.mark.parametrize("scales", BAD_SCALES)
+def test_bad_shape_scales_in_a_profile_are_a_named_error(scales) -> None:
+    from prism_serve.sim.errors import SimConfigError
+
+    with pytest.raises(SimConfigError, match="shape_scales"):
+        dataclasses.replace(HARDWARE["cpu-smollm2-avx512bf16"], shape_scales=scales)

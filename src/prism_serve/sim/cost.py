@@ -87,28 +87,30 @@ class RooflineCostModel:
                     2 * layers * spec.config.hidden_size * spec.dtype_bytes * 2 * (tp - 1) / tp
                 ) / hw.link_bandwidth
             groups = None
+            # this shape's own rates where the profile measured them (HardwareProfile.shape_scales)
+            mem, comp = hw.scales_for(spec.name)
             if not hw.overlap:
                 # (pass, per row when packed, per row when streamed) for the body, then the LM head
                 row = hw.row_bandwidth or 0.0
                 groups = tuple(
                     (
-                        nbytes / tp / self._mem_rate,
-                        flops / tp / self._flops_rate,
-                        nbytes / tp / row if row else math.inf,
+                        mem * nbytes / tp / self._mem_rate,
+                        comp * flops / tp / self._flops_rate,
+                        mem * nbytes / tp / row if row else math.inf,
                     )
                     for nbytes, flops in zip(split_matmul(spec)[::2], split_matmul(spec)[1::2], strict=True)
                 )
             c = (
-                spec.matmul_flops_per_token / tp / self._flops_rate,  # s per token, compute
-                spec.attn_flops_per_pair / tp / self._attn_rate,  # s per attention pair
+                comp * spec.matmul_flops_per_token / tp / self._flops_rate,  # s per token, compute
+                comp * spec.attn_flops_per_pair / tp / self._attn_rate,  # s per attention pair
                 # s to stream the weights once (a MoE model's dense part: its experts are the last)
-                spec.step_read_bytes / tp / self._mem_rate,
-                spec.kv_bytes_per_token / tp / self._kv_rate,  # s per KV token read or written
+                mem * spec.step_read_bytes / tp / self._mem_rate,
+                mem * spec.kv_bytes_per_token / tp / self._kv_rate,  # s per KV token read or written
                 hw.step_overhead_s + comm_fixed,
                 comm_per_token,
                 hw.seq_overhead_s,
                 groups,
-                spec.expert_params * spec.dtype_bytes / tp / self._mem_rate,  # s to stream every expert
+                mem * spec.expert_params * spec.dtype_bytes / tp / self._mem_rate,  # s to stream every expert
             )
             self._consts[key] = c
         return c

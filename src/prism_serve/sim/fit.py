@@ -34,12 +34,18 @@ activation copy. ``benchmarks/fit_cpu_profile.py`` adds held-out points, other s
 traces.
 
 **The deployment's own shapes** (``fit_this_machine(shapes=...)``, ``prism fit-hardware --shapes``,
-and ``prism plan --hardware fit`` with the config's models): the same quick held-out points are
-measured on each other model's weights (a ``random:<preset>`` source, a GGUF file, an HF directory)
-and predicted by the fit from that model's shape. They are not fitted to: they say how far the
-profile is off on the models it will price, per shape in the report, and the profile keeps them by
-shape (``shape_errors``): ``prism plan --confidence`` draws each draw's step error from the fitted
-model's errors and those of the shapes its deployment serves.
+and ``prism plan --hardware fit`` with the config's models): one core streams and multiplies the
+matrices of another model at other rates than SmolLM2-135M's (on the AVX-512 host Qwen2.5-0.5B's
+896/4,864-wide matmuls ran at 136 GFLOP/s against 89, while the larger models' small decodes were
+11-20% slower than its weight pass prices them). So each other model (a ``random:<preset>``
+source, a GGUF file, an HF directory) gets two training steps of its own, a one-row decode and a
+256-token prefill (``SHAPE_TRAIN``), which give its memory and compute factors on the fitted rates
+(``shape_factors``; the profile's ``shape_scales``, which sim/cost.py applies to that shape). The
+same quick held-out points are then measured on its weights and predicted from its shape at its
+factors; they are not fitted to: they say how far the profile is off on the models it will price,
+per shape and step kind in the report, and the profile keeps them by shape (``shape_errors``):
+``prism plan --confidence`` draws each draw's step error from the fitted model's errors and those
+of the shapes its deployment serves.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ __all__ = [
     "measure_points",
     "predict",
     "profile_from",
+    "shape_factors",
     "step_kind",
     "step_points",
     "weight_pass_rate",
@@ -84,6 +91,12 @@ QUICK_HELD = [
     ("decode", (3, 128)), ("decode", (12, 1024)), ("decode", (5, 64)), ("prefill", (32, 0)),
     ("prefill", (384, 0)), ("prefill", (200, 300)), ("mixed", (128, 0, 8, 256)), ("mixed", (32, 0, 2, 64)),
 ]  # fmt: skip
+
+
+# each other shape's own training steps: a one-row decode (almost all weight pass) and a 256-token
+# prefill (almost all matmul FLOPs), from which its memory and compute factors are solved
+# (HardwareProfile.shape_scales); its quick held-out points then measure the scaled prediction
+SHAPE_TRAIN = [("decode", (1, 16)), ("prefill", (256, 0))]
 
 
 def step_points(held_out: str = "all") -> list[dict]:
@@ -352,6 +365,35 @@ def profile_from(coef: np.ndarray, base: HardwareProfile) -> HardwareProfile:
     )
 
 
+def shape_factors(hw: HardwareProfile, spec, steps: list[tuple[list, float]]) -> tuple[float, float] | None:
+    """(memory factor, compute factor) that price ``steps`` ((batch, measured seconds) of ``spec``)
+    exactly on ``hw`` at the shape's own rates: each step's time apart from its fixed costs is
+    a x its memory traffic + b x its compute as ``hw`` prices them (the CPU form is a sum), two
+    steps give a and b. None without two such steps, or where they do not separate the two (a
+    factor outside [1/4, 4] is clamped: a step that small in one part cannot tell it)."""
+    from prism_serve.sim.cost import RooflineCostModel
+
+    if len(steps) < 2 or hw.overlap:
+        return None
+    free = 1e30  # a rate no step notices: that part priced at 0
+    no_memory = {"mem_bandwidth": free, "kv_bandwidth": free}
+    no_compute = {"peak_flops": free, "attn_flops": free}
+    parts = [{**no_memory, **no_compute}, no_compute, no_memory]  # fixed costs; + memory; + compute
+    at_fixed, with_memory, with_compute = (
+        RooflineCostModel(dataclasses.replace(hw, shape_scales=(), **changes)) for changes in parts
+    )
+    a, b = [], []
+    for batch, seconds in steps:
+        base = predict(at_fixed, spec, batch)
+        a.append([predict(with_memory, spec, batch) - base, predict(with_compute, spec, batch) - base])
+        b.append(seconds - base)
+    a, b = np.array(a), np.array(b)
+    if abs(np.linalg.det(a[:2])) < 1e-12 * np.abs(a[:2]).max() ** 2:
+        return None
+    memory, compute = np.linalg.solve(a[:2], b[:2])
+    return float(np.clip(memory, 0.25, 4.0)), float(np.clip(compute, 0.25, 4.0))
+
+
 def predict(cm, spec, batch: list) -> float:
     tokens, seqs, pairs, kv_read = counts(batch, cm.hw.pad_decode_context)
     return cm.step_time(spec, 1, tokens, pairs, kv_read, seqs)
@@ -499,6 +541,14 @@ def fit_points(
     batches = [pts[i]["batch"] for i in own]
     crossover, coef, _ = best_fit(spec, batches, y, train, base, None, mem_bandwidth)
     hw = profile_from(coef, base)
+    # each other shape's memory and compute factors, from its own training steps
+    scales = []
+    for source in dict.fromkeys(p["shape"] for p in pts if p.get("shape") is not None):
+        mine = [(p, m) for p, m in zip(pts, measured, strict=True) if p.get("shape") == source]
+        factors = shape_factors(hw, shapes[source], [(p["batch"], m) for p, m in mine if not p["held_out"]])
+        if factors is not None:
+            scales.append((shapes[source].name, *factors))
+    hw = dataclasses.replace(hw, shape_scales=tuple(scales))
     cm = RooflineCostModel(hw)
     out = []
     for p, m in zip(pts, measured, strict=True):
@@ -549,8 +599,9 @@ def fit_this_machine(
             progress(1)
         raw = measure_points(step_points(held_out), rounds, reps, progress=progress)
         held = [p for p in step_points("quick") if p["held_out"]]
+        own = [{"kind": k, "args": list(a), "held_out": False} for k, a in SHAPE_TRAIN]
         for source in shapes or {}:
-            other = measure_points(held, 1, reps, model=source, progress=progress)
+            other = measure_points(own + held, 1, reps, model=source, progress=progress)
             raw["points"] += [dict(p, shape=source) for p in other["points"]]
     finally:
         os.sched_setaffinity(0, affinity)

@@ -110,6 +110,12 @@ class HardwareProfile:
     # --shapes``): a plan draws from these too for a deployment that serves that shape
     # (``errors_for``), and not for one that does not.
     shape_errors: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # Per other shape (ModelShape name): (memory factor, compute factor) by which that model's
+    # memory traffic (weights, KV) and compute (matmuls, attention) take longer than the fitted
+    # rates price them: one core streams and multiplies matrices of other widths at other rates.
+    # ``prism fit-hardware --shapes`` measures them on two training steps of each shape (a one-row
+    # decode, a 256-token prefill; sim/fit.py); a shape not listed runs at the fitted rates.
+    shape_scales: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         errors = tuple(float(e) for e in self.step_errors)  # a profile file holds a list
@@ -124,6 +130,14 @@ class HardwareProfile:
         if not all(math.isfinite(e) and e > -1 for _, es in by_shape for e in es):
             raise SimConfigError(f"hardware {self.name}: shape_errors must be finite and > -1")
         object.__setattr__(self, "shape_errors", by_shape)
+        try:  # a profile file holds [name, memory, compute] triples
+            scales = tuple((str(n), float(m), float(c)) for n, m, c in self.shape_scales)
+        except (TypeError, ValueError):
+            bad = f"hardware {self.name}: shape_scales must be [shape, memory factor, compute factor] triples"
+            raise SimConfigError(bad) from None
+        if not all(math.isfinite(f) and f > 0 for _, m, c in scales for f in (m, c)):
+            raise SimConfigError(f"hardware {self.name}: shape_scales factors must be finite and > 0")
+        object.__setattr__(self, "shape_scales", scales)
         positive = ("peak_flops", "mem_bandwidth", "host_bandwidth", "link_bandwidth", "memory_bytes")
         for name in positive:
             if not getattr(self, name) > 0:
@@ -155,6 +169,13 @@ class HardwareProfile:
         model's, and those measured on each of its other shapes."""
         wanted = set(shapes)
         return self.step_errors + tuple(e for n, es in self.shape_errors if n in wanted for e in es)
+
+    def scales_for(self, shape: str) -> tuple[float, float]:
+        """(memory factor, compute factor) of ``shape`` (a ModelShape name): (1, 1) unless measured."""
+        for name, memory, compute in self.shape_scales:
+            if name == shape:
+                return memory, compute
+        return 1.0, 1.0
 
     def share_slowdown(self, num_busy: int) -> float:
         """The factor by which each busy engine's step time is multiplied while ``num_busy`` engines

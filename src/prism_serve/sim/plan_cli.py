@@ -227,7 +227,7 @@ def _fit(
 
     from prism_serve.engine.config import DEFAULT_MODEL
     from prism_serve.engine.machine import cpu_model, vector_flags
-    from prism_serve.sim.fit import FIT_MODEL, fit_source, fit_this_machine, step_points
+    from prism_serve.sim.fit import FIT_MODEL, SHAPE_TRAIN, fit_source, fit_this_machine, step_points
     from prism_serve.sim.shapes import RANDOM_PREFIX, shape_of
 
     own = {fit_source(), f"{RANDOM_PREFIX}{FIT_MODEL}", DEFAULT_MODEL, "default"}
@@ -237,8 +237,8 @@ def _fit(
         + (f"; held-out points of {', '.join(others)} too" if others else ""),
         file=sys.stderr,
     )
-    held = sum(p["held_out"] for p in step_points("quick"))
-    total = 1 + rounds * len(step_points("quick")) + held * len(others) + sharing
+    per_shape = sum(p["held_out"] for p in step_points("quick")) + len(SHAPE_TRAIN)
+    total = 1 + rounds * len(step_points("quick")) + per_shape * len(others) + sharing
     with tqdm(total=total, desc="fit", unit="point", file=sys.stderr) as bar:
         result = fit_this_machine(
             name=name, rounds=rounds, reps=reps, core=core, progress=bar.update, shapes=others,
@@ -266,8 +266,9 @@ def add_fit_parser(sub) -> None:
     p.add_argument("--core", type=int, default=None, help="the core to run on (default: the last one)")
     p.add_argument(
         "--shapes", default="", metavar="SOURCES",
-        help="other models' weights (random:<preset>, a .gguf, an HF directory), comma-separated: their "
-        "held-out steps are measured and predicted too, and their errors join the profile's step errors",
+        help="other models' weights (random:<preset>, a .gguf, an HF directory), comma-separated: two "
+        "steps of each set its own memory and compute rates, and its held-out steps, predicted at them, "
+        "give its errors, which join the profile's step errors",
     )  # fmt: skip
     p.add_argument(
         "--device-memory", metavar="SIZE", help="the profile's device memory (default: the base's)"
