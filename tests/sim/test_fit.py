@@ -214,24 +214,25 @@ def test_a_profile_s_step_errors_are_read_back_and_checked(tmp_path: Path) -> No
 def test_a_fit_whose_sharing_measurement_fails_keeps_the_base_terms_and_says_why(monkeypatch):
     """The step fit is minutes of work: engines that cannot be started for the sharing points (no
     memory for more processes) cost only those points, named in the report. The failure is
-    injected, and the step measurement skipped (its fit is tested above)."""
-    import prism_serve.sim.fit as fit
+    injected; the fit is one of measured-looking points."""
     import prism_serve.sim.sharing as sharing
+    from prism_serve.sim.fit import FitResult
 
     def no_processes(*_a, **_k):
         raise RuntimeError("engine 0 of cpu:0 did not start")
 
     base = HARDWARE["cpu-smollm2-avx512bf16"]
     monkeypatch.setattr(sharing, "measure_interference", no_processes)
-    monkeypatch.setattr(fit, "measure_points", lambda *a, **k: {"points": []})
-    monkeypatch.setattr(fit, "fit_points", lambda raw, b, **kw: fit.FitResult(b, 0.5, [], None))
-    monkeypatch.setattr(fit, "weight_pass_rate", lambda: 1e10)
-    result = fit.fit_this_machine(base=base, held_out="none")
-    hw = result.profile
+    result = sharing.with_sharing(FitResult(base, 0.5, [], None))
     kept = ("share_interference", "cross_interference")
-    assert [getattr(hw, k) for k in kept] == [getattr(base, k) for k in kept]
-    assert result.interference is None
+    assert [getattr(result.profile, k) for k in kept] == [getattr(base, k) for k in kept]
     assert "compute sharing not measured (RuntimeError: engine 0 of cpu:0 did not start)" in result.report()
+    # and what was measured replaces them, with its report line
+    found = sharing.Interference(0.03, 0.01, {"decode 1 @256": 1.03}, {"decode 1 @256": 1.01})
+    monkeypatch.setattr(sharing, "measure_interference", lambda *_a, **_k: found)
+    result = sharing.with_sharing(FitResult(base, 0.5, [], None))
+    assert (result.profile.share_interference, result.profile.cross_interference) == (0.03, 0.01)
+    assert found.report() in result.report()
 
 
 BAD_SCALES = [[["qwen2.5-0.5b", 1.2]], [["qwen2.5-0.5b", 0.0, 1.0]], [["x", "fast", 1.0]]]

@@ -18,9 +18,10 @@ Each point is summarized by the minimum of its steps (other processes only ever 
 is a non-negative least squares on relative error of the cost model's summed CPU form
 (sim/cost.py, ``overlap=False``).
 
-**Engines at once** (``sharing=True``, the default): one engine's steps cannot show what other
-engines cost it, so real engines in their own processes are then timed alone, two on the fit's core,
-and one there with one on another core (sim/sharing.py, about 40 s): the profile's
+**Engines at once** (sim/sharing.py ``with_sharing``, which ``prism fit-hardware`` runs on the fit
+unless ``--no-sharing``): one engine's steps cannot show what other engines cost it, so real engines
+in their own processes are then timed alone, two on the fit's core, and one there with one on
+another core (about 40 s): the profile's
 ``share_interference`` (two engines on one core take 2 x (1 + it) a step alone) and
 ``cross_interference`` (an engine slows by 1 + it while another core steps) are this machine's, from
 the CPU time per step, which other processes barely change. A host of the registered AVX-512
@@ -59,7 +60,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from prism_serve.sim.hardware import HardwareProfile
-from prism_serve.sim.sharing import Interference
 
 __all__ = [
     "FitResult",
@@ -463,8 +463,7 @@ class FitResult:
     crossover: float
     points: list[dict]  # the raw points, each with "measured_s" and "predicted_s" added
     mem_bandwidth: float | None  # the fixed weight pass, bytes/s (None: fitted)
-    interference: Interference | None = None  # compute sharing measured (sim/sharing.py), if it was
-    sharing_error: str | None = None  # why it could not be measured (the base profile's terms kept)
+    notes: tuple[str, ...] = ()  # more lines for the report (sim/sharing.py: what sharing measured)
 
     def shapes(self) -> list[str]:
         """The sources of the other models measured (points with a ``shape``), in measured order."""
@@ -506,14 +505,7 @@ class FitResult:
                 f"held-out points of {shape}: mean |error| {np.abs(e).mean():.1%}, mean {e.mean():+.1%} "
                 f"(predicted / measured - 1; {by_kind}), max |error| {np.abs(e).max():.1%} ({len(e)} points)"
             )
-        if self.interference is not None:
-            lines.append(self.interference.report())
-        if self.sharing_error is not None:
-            hw = self.profile
-            lines.append(
-                f"compute sharing not measured ({self.sharing_error}): share_interference "
-                f"{hw.share_interference:.3f} and cross_interference {hw.cross_interference:.3f} kept"
-            )
+        lines += self.notes
         return "\n".join(lines)
 
 
@@ -576,23 +568,20 @@ def fit_this_machine(
     core: int | None = None,
     progress: Callable[[int], None] | None = None,
     shapes: Mapping[str, object] | None = None,
-    sharing: bool = True,
 ) -> FitResult:
     """Measure and fit this machine's one-core CPU profile (see the module docstring). ``base``:
     the profile whose unmeasured fields are kept (default: the registered one for this CPU's
     vector class). ``shapes``: other models (engine source -> its ModelShape) whose quick held-out
     points are measured too (one round each) and predicted by the fit. Runs in this process,
-    pinned to ``core`` for the duration and unpinned after. ``sharing``: then measure compute
-    sharing with engines in their own processes (sim/sharing.py: two on ``core``, one there and one
-    on another core), for the profile's ``share_interference`` and ``cross_interference`` (the base's
-    are kept where it is off, and the cross term where this process may use one core only)."""
+    pinned to ``core`` for the duration and unpinned after. Compute sharing is measured apart, on
+    the result (sim/sharing.py ``with_sharing``)."""
     import torch
 
     from prism_serve.sim.hardware import get_hardware, host_cpu_profile
 
     base = base or get_hardware(host_cpu_profile())
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    core = pin_one_core(core)
+    pin_one_core(core)
     try:
         rate = weight_pass_rate()
         if progress is not None:
@@ -606,21 +595,4 @@ def fit_this_machine(
     finally:
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
-    result = fit_points(raw, dataclasses.replace(base, name=name), mem_bandwidth=rate, shapes=shapes)
-    if not sharing:
-        return result
-    from prism_serve.sim.sharing import measure_interference
-
-    try:
-        found = measure_interference(core, min(affinity - {core}, default=None))
-    except (OSError, RuntimeError, EOFError) as e:  # no processes to spare, or an engine died
-        return dataclasses.replace(result, sharing_error=f"{type(e).__name__}: {e}")
-    finally:
-        if progress is not None:
-            progress(1)
-    profile = result.profile
-    if found.share is not None:
-        profile = dataclasses.replace(profile, share_interference=found.share)
-    if found.cross is not None:
-        profile = dataclasses.replace(profile, cross_interference=found.cross)
-    return dataclasses.replace(result, profile=profile, interference=found)
+    return fit_points(raw, dataclasses.replace(base, name=name), mem_bandwidth=rate, shapes=shapes)

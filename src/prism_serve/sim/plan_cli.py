@@ -229,6 +229,7 @@ def _fit(
     from prism_serve.engine.machine import cpu_model, vector_flags
     from prism_serve.sim.fit import FIT_MODEL, SHAPE_TRAIN, fit_source, fit_this_machine, step_points
     from prism_serve.sim.shapes import RANDOM_PREFIX, shape_of
+    from prism_serve.sim.sharing import with_sharing
 
     own = {fit_source(), f"{RANDOM_PREFIX}{FIT_MODEL}", DEFAULT_MODEL, "default"}
     others = {s: shape_of(s, s, 4) for s in dict.fromkeys(shapes) if s not in own}  # fp32, as fitted
@@ -241,9 +242,11 @@ def _fit(
     total = 1 + rounds * len(step_points("quick")) + per_shape * len(others) + sharing
     with tqdm(total=total, desc="fit", unit="point", file=sys.stderr) as bar:
         result = fit_this_machine(
-            name=name, rounds=rounds, reps=reps, core=core, progress=bar.update, shapes=others,
-            sharing=sharing,
+            name=name, rounds=rounds, reps=reps, core=core, progress=bar.update, shapes=others
         )  # fmt: skip
+        if sharing:
+            result = with_sharing(result, core)
+            bar.update(1)
     print(result.report(), file=sys.stderr)
     return result.profile
 

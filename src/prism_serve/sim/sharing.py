@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prism_serve.engine.machine import cpu_seconds
+from prism_serve.sim.fit import FitResult
 
-__all__ = ["SHAPES", "Device", "Interference", "fit_interference", "measure_interference"]
+__all__ = ["SHAPES", "Device", "Interference", "fit_interference", "measure_interference", "with_sharing"]
 
 # (name, kind, args): decode (batch, context), prefill (tokens,)
 SHAPES = [("decode 1 @256", "decode", (1, 256)), ("decode 8 @256", "decode", (8, 256))]
@@ -49,10 +50,11 @@ def _engine_process(name: str, cores: tuple[int, ...], conn, stop, counts, slot:
     """Pin like a live worker, load the engine, then run the points the parent sends."""
     import torch
 
-    from prism_serve.runtime.devices import DeviceSpec, pin_process
     from prism_serve.sim.fit import StepBench
 
-    pin_process(DeviceSpec(name, 1 << 30, cores, 1))
+    # as a live CPU device's worker runs (runtime/devices.py pin_process): its cores, a thread each
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(len(cores))
     bench = StepBench(1, kv_cache_bytes=KV_BYTES)
     for _, kind, args in SHAPES:  # warm-up, alone
         _run_steps(bench, kind, args, lambda: False, 2)
@@ -264,3 +266,30 @@ def _median_excess(ratios: dict[str, float]) -> float | None:
     in its window has none); None where none was."""
     v = [r for r in ratios.values() if math.isfinite(r)]
     return max(0.0, float(np.median(v)) - 1) if v else None
+
+
+def with_sharing(result: FitResult, core: int | None = None) -> FitResult:
+    """``result`` (``fit.fit_this_machine``'s, fitted on ``core``: default the last one this process
+    may use, as there) with compute sharing measured on this machine (``measure_interference`` on
+    that core and another one): its profile's ``share_interference`` and ``cross_interference``
+    replaced by what was measured, and a report line saying what. Engines that cannot be started
+    (no memory for more processes) or that die keep the base terms, and the report says why: the
+    minutes of step fit before it are not lost."""
+    import dataclasses
+
+    affinity = os.sched_getaffinity(0)
+    core = max(affinity) if core is None else core
+    hw = result.profile
+    try:
+        found = measure_interference(core, min(affinity - {core}, default=None))
+    except (OSError, RuntimeError, EOFError) as e:
+        note = (
+            f"compute sharing not measured ({type(e).__name__}: {e}): share_interference "
+            f"{hw.share_interference:.3f} and cross_interference {hw.cross_interference:.3f} kept"
+        )
+        return dataclasses.replace(result, notes=(*result.notes, note))
+    if found.share is not None:
+        hw = dataclasses.replace(hw, share_interference=found.share)
+    if found.cross is not None:
+        hw = dataclasses.replace(hw, cross_interference=found.cross)
+    return dataclasses.replace(result, profile=hw, notes=(*result.notes, found.report()))
