@@ -122,26 +122,25 @@ def fit_trace(
     all_wall = np.array([r.dt for _, r in traced])
     all_pred = np.array([predict(fitted, spec, [tuple(b) for b in r.batch]) for _, r in traced])
     all_kinds = np.array([step_kind([tuple(b) for b in r.batch]) for _, r in traced])
+    # (what, how a step fares, of what, the profile field, its estimate and inputs, whether it is set)
+    terms = (
+        ("host-wide interference", "cost", "the CPU", "cross_interference", cross_estimate,
+         lambda sel: (all_cpu[sel], all_pred[sel]), not keep_crossed),
+        ("serving path", "last", "the wall over CPU", "serving_share", serving_estimate,
+         lambda sel: (all_wall[sel], all_cpu[sel]), True),
+    )  # fmt: skip
     for kind in ("decode", "prefill", "all"):
         sel = own & ((all_kinds == kind) if kind != "all" else True)
-        est = cross_estimate(all_cpu[sel], all_pred[sel], overlap[sel])
-        if est is not None:
+        for what, verb, of, field, estimate, inputs, sets in terms:
+            est = estimate(*inputs(sel), overlap[sel])
+            if est is None:
+                continue
             print(
-                f"host-wide interference, {kind} steps: with another device stepping throughout they cost "
-                f"{1 + est[0]:.3f}x the CPU of steps with it idle ({est[1]} / {est[2]} steps): "
-                f"cross_interference {est[0]:.3f}"
+                f"{what}, {kind} steps: with another device stepping throughout they {verb} {1 + est[0]:.3f}x "
+                f"{of} of steps with it idle ({est[1]} / {est[2]} steps): {field} {est[0]:.3f}"
             )
-        if kind == "all" and est is not None and not keep_crossed:
-            hw = dataclasses.replace(hw, cross_interference=round(max(0.0, est[0]), 3))
-        serving = serving_estimate(all_wall[sel], all_cpu[sel], overlap[sel])
-        if serving is not None:
-            print(
-                f"serving path, {kind} steps: with another device stepping throughout they last "
-                f"{1 + serving[0]:.3f}x the wall over CPU of steps with it idle ({serving[1]} / "
-                f"{serving[2]} steps): serving_share {serving[0]:.3f}"
-            )
-        if kind == "all" and serving is not None:
-            hw = dataclasses.replace(hw, serving_share=round(max(0.0, serving[0]), 3))
+            if kind == "all" and sets:
+                hw = dataclasses.replace(hw, **{field: round(max(0.0, est[0]), 3)})
     registered = RooflineCostModel(compare)
     reg = np.array([predict(registered, spec, b) for b in batches])
     for name, p in (("fit", pred), (f"profile {compare.name}", reg)):
