@@ -136,8 +136,9 @@ def fit_trace(
             if est is None:
                 continue
             print(
-                f"{what}, {kind} steps: with another device stepping throughout they {verb} {1 + est[0]:.3f}x "
-                f"{of} of steps with it idle ({est[1]} / {est[2]} steps): {field} {est[0]:.3f}"
+                f"{what}, {kind} steps: with another device stepping throughout they {verb} "
+                f"{1 + est[0]:.3f}x {of} of steps with it idle ({est[1]} / {est[2]} steps): "
+                f"{field} {est[0]:.3f}"
             )
             if kind == "all" and sets:
                 hw = dataclasses.replace(hw, **{field: round(max(0.0, est[0]), 3)})
