@@ -21,18 +21,17 @@ is a non-negative least squares on relative error of the cost model's summed CPU
 **Engines at once** (sim/sharing.py ``with_sharing``, which ``prism fit-hardware`` runs on the fit
 unless ``--no-sharing``): one engine's steps cannot show what other engines cost it, so real engines
 in their own processes are then timed alone, two on the fit's core, and one there with one on
-another core (about 40 s): the profile's
-``share_interference`` (two engines on one core take 2 x (1 + it) a step alone) and
-``cross_interference`` (an engine slows by 1 + it while another core steps) are this machine's, from
-the CPU time per step, which other processes barely change. A host of the registered AVX-512
-profile's CPU model measured 0.027-0.057 and 0.000-0.013 on 2026-12-01, where that profile has
-0.090 and 0.146.
+another core (about 40 s): the profile's ``share_interference`` (two engines on one core take
+2 x (1 + it) a step alone) and ``cross_interference`` (an engine slows by 1 + it while another
+core steps) are this machine's, from the CPU time per step, which other processes barely change.
+A host of the registered AVX-512 profile's CPU model measured 0.027-0.057 and 0.000-0.013 on
+2026-12-01, where that profile has 0.090 and 0.146.
 
 What the fit does not measure is kept from the base profile (the registered profile of this CPU's
 vector class, else ``cpu-smollm2``): the serving path's per-request overhead and its share of the
 cores once every device is busy (``serving_share``, measured on live step traces), and the
-activation copy. ``benchmarks/fit_cpu_profile.py`` adds held-out points, other shapes and fits to live step
-traces.
+activation copy. ``benchmarks/fit_cpu_profile.py`` adds held-out points, other shapes and fits to
+live step traces.
 
 **The deployment's own shapes** (``fit_this_machine(shapes=...)``, ``prism fit-hardware --shapes``,
 and ``prism plan --hardware fit`` with the config's models): one core streams and multiplies the
