@@ -364,6 +364,11 @@ def profile_from(coef: np.ndarray, base: HardwareProfile) -> HardwareProfile:
     )
 
 
+def _sources(points: list[dict]) -> list[str]:
+    """The sources of the other models among ``points`` (those with a ``shape``), in order."""
+    return list(dict.fromkeys(p["shape"] for p in points if p.get("shape") is not None))
+
+
 def shape_factors(hw: HardwareProfile, spec, steps: list[tuple[list, float]]) -> tuple[float, float] | None:
     """(memory factor, compute factor) that price ``steps`` ((batch, measured seconds) of ``spec``)
     exactly on ``hw`` at the shape's own rates: each step's time apart from its fixed costs is
@@ -466,7 +471,7 @@ class FitResult:
 
     def shapes(self) -> list[str]:
         """The sources of the other models measured (points with a ``shape``), in measured order."""
-        return list(dict.fromkeys(p["shape"] for p in self.points if p.get("shape") is not None))
+        return _sources(self.points)
 
     def errors(self, held_out: bool, kind: str | None = None, shape: str | bool | None = True) -> np.ndarray:
         """predicted / measured - 1 of the points ``held_out`` or not (of ``kind``; of ``shape``: a
@@ -517,8 +522,10 @@ def fit_points(
 ) -> FitResult:
     """Fit ``raw`` (``measure_points``'s result) on ``base``: its step constants replaced by the fit,
     ``pad_decode_context`` set from the engine's decode attention the points ran with. Points with a
-    ``shape`` (a source of ``shapes``, which gives its ModelShape) are other models' held-out points,
-    predicted from their own shape; the fit is on the fitted model's training points alone."""
+    ``shape`` (a source of ``shapes``, which gives its ModelShape) are other models': their training
+    points give that shape's factors (``shape_factors``, the profile's ``shape_scales``), their
+    held-out points are predicted from their own shape at them; the fit is on the fitted model's
+    training points alone."""
     from prism_serve.sim.cost import RooflineCostModel
     from prism_serve.sim.models import model_shape
 
@@ -534,9 +541,13 @@ def fit_points(
     hw = profile_from(coef, base)
     # each other shape's memory and compute factors, from its own training steps
     scales = []
-    for source in dict.fromkeys(p["shape"] for p in pts if p.get("shape") is not None):
-        mine = [(p, m) for p, m in zip(pts, measured, strict=True) if p.get("shape") == source]
-        factors = shape_factors(hw, shapes[source], [(p["batch"], m) for p, m in mine if not p["held_out"]])
+    for source in _sources(pts):
+        steps = [
+            (p["batch"], m)
+            for p, m in zip(pts, measured, strict=True)
+            if p.get("shape") == source and not p["held_out"]
+        ]
+        factors = shape_factors(hw, shapes[source], steps)
         if factors is not None:
             scales.append((shapes[source].name, *factors))
     hw = dataclasses.replace(hw, shape_scales=tuple(scales))

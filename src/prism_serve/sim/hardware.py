@@ -118,26 +118,25 @@ class HardwareProfile:
     shape_scales: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
-        errors = tuple(float(e) for e in self.step_errors)  # a profile file holds a list
-        if not all(math.isfinite(e) and e > -1 for e in errors):
-            raise SimConfigError(f"hardware {self.name}: step_errors must be finite and > -1")
-        object.__setattr__(self, "step_errors", errors)
-        try:  # a profile file holds [name, [errors]] pairs
-            by_shape = tuple((str(n), tuple(float(e) for e in es)) for n, es in self.shape_errors)
-        except (TypeError, ValueError):
-            bad = f"hardware {self.name}: shape_errors must be [shape, [errors]] pairs"
-            raise SimConfigError(bad) from None
-        if not all(math.isfinite(e) and e > -1 for _, es in by_shape for e in es):
-            raise SimConfigError(f"hardware {self.name}: shape_errors must be finite and > -1")
-        object.__setattr__(self, "shape_errors", by_shape)
-        try:  # a profile file holds [name, memory, compute] triples
-            scales = tuple((str(n), float(m), float(c)) for n, m, c in self.shape_scales)
-        except (TypeError, ValueError):
-            bad = f"hardware {self.name}: shape_scales must be [shape, memory factor, compute factor] triples"
-            raise SimConfigError(bad) from None
-        if not all(math.isfinite(f) and f > 0 for _, m, c in scales for f in (m, c)):
-            raise SimConfigError(f"hardware {self.name}: shape_scales factors must be finite and > 0")
-        object.__setattr__(self, "shape_scales", scales)
+        def error(e: float) -> bool:  # predicted / measured - 1
+            return math.isfinite(e) and e > -1
+
+        # a profile file holds lists where the profile has tuples
+        self._entries(
+            "step_errors", lambda v: tuple(float(e) for e in v), "a list of numbers",
+            lambda v: all(map(error, v)), "must be finite and > -1",
+        )  # fmt: skip
+        self._entries(
+            "shape_errors", lambda v: tuple((str(n), tuple(float(e) for e in es)) for n, es in v),
+            "[shape, [errors]] pairs", lambda v: all(error(e) for _, es in v for e in es),
+            "must be finite and > -1",
+        )  # fmt: skip
+        self._entries(
+            "shape_scales", lambda v: tuple((str(n), float(m), float(c)) for n, m, c in v),
+            "[shape, memory factor, compute factor] triples",
+            lambda v: all(math.isfinite(f) and f > 0 for _, m, c in v for f in (m, c)),
+            "factors must be finite and > 0",
+        )  # fmt: skip
         positive = ("peak_flops", "mem_bandwidth", "host_bandwidth", "link_bandwidth", "memory_bytes")
         for name in positive:
             if not getattr(self, name) > 0:
@@ -163,6 +162,17 @@ class HardwareProfile:
                 raise SimConfigError(f"hardware {self.name}: {name} must be > 0 or None")
         if self.row_bandwidth is not None and self.overlap:
             raise SimConfigError(f"hardware {self.name}: row_bandwidth needs the summed form (overlap=False)")
+
+    def _entries(self, field: str, parse, form: str, valid, rule: str) -> None:
+        """``field`` set to ``parse`` of its value, or a SimConfigError naming it where the value
+        does not have that ``form`` or is not ``valid`` (``rule`` says what)."""
+        try:
+            value = parse(getattr(self, field))
+        except (TypeError, ValueError):
+            raise SimConfigError(f"hardware {self.name}: {field} must be {form}") from None
+        if not valid(value):
+            raise SimConfigError(f"hardware {self.name}: {field} {rule}")
+        object.__setattr__(self, field, value)
 
     def errors_for(self, shapes: Iterable[str]) -> tuple[float, ...]:
         """The measured step errors of a deployment of ``shapes`` (ModelShape names): the fitted

@@ -109,7 +109,6 @@ def add_plan_parser(sub) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-
     from tqdm import tqdm
 
     from prism_serve.sim.deployment import deployment_config, sim_deployment

@@ -121,6 +121,7 @@ class Simulator:
         self._cross = config.compute_sharing and self.hw.cross_interference > 0
         # ... and for the serving path's share once every device is busy (hardware.serving_slowdown)
         self._serving = config.compute_sharing and self.hw.serving_share > 0
+        self._host_wide = self._cross or self._serving  # a device turning busy or idle moves everyone
         self._busy_devices = 0
         self._live_profiles = config.profiles == "live"
         # live profiles: models whose step sums moved since the last tick, when their snapshot
@@ -545,7 +546,7 @@ class Simulator:
         included (``joining``: about to start a step, not counted yet)."""
         extra = 1 if joining and not e.shared else 0
         factor = self._share(max(self.num_busy[d.name] for d in e.devices) + extra)
-        if self._cross or self._serving:
+        if self._host_wide:
             # the other devices with work: the memory system they share with e's, and no core left
             # idle for the serving path once they are all of them
             others = self._busy_devices - sum(1 for d in e.devices if self.num_busy[d.name] > 0)
@@ -574,7 +575,7 @@ class Simulator:
             before = self.num_busy[d] > 0
             self.num_busy[d] += delta
             self._busy_devices += (self.num_busy[d] > 0) - before
-        if (self._cross or self._serving) and self._busy_devices != was:
+        if self._host_wide and self._busy_devices != was:
             devices = self.devices
         for d in devices:
             for name in self.on_device[d]:
