@@ -196,7 +196,7 @@ def test_a_profile_s_step_errors_are_read_back_and_checked(tmp_path: Path) -> No
     path = tmp_path / "measured.json"
     dump_hardware(dataclasses.replace(HARDWARE["h100"], step_errors=(-0.05, 0.02)), path)
     assert get_hardware(str(path)).step_errors == (-0.05, 0.02)  # a list in the file, a tuple here
-    for bad in ((-1.0,), (float("nan"),)):
+    for bad in ((-1.0,), (float("nan"),), ("fast",)):
         with pytest.raises(SimConfigError, match="step_errors"):
             dataclasses.replace(HARDWARE["h100"], step_errors=bad)
     # other shapes' errors, by shape: read back, and drawn only for a deployment that serves them
