@@ -17,6 +17,7 @@ from prism_serve.sim.cost import RooflineCostModel
 from prism_serve.sim.fit import CONSTANTS, FIT_MODEL, fit_points, predict, step_points
 from prism_serve.sim.hardware import HARDWARE, dump_hardware, get_hardware, host_cpu_profile
 from prism_serve.sim.models import model_shape
+from prism_serve.sim.shapes import shape_of
 from prism_serve.workload import write_jsonl
 
 from .helpers import poisson
@@ -144,8 +145,17 @@ def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, cap
     assert 0 <= hw.share_interference < 1
     if len(os.sched_getaffinity(0)) > 1:
         assert "one on each of two cores" in err and 0 <= hw.cross_interference < 1
-    # what neither shows (activation copy, serving path) is the registered profile's of this CPU's
-    kept = ("host_bandwidth", "request_overhead_s", "serving_share")
+    # the runtime activated the shape on the fit's core (sim/activations.py): its time around the
+    # copy and the copy's rate, which the simulator prices its activations at, and the medians
+    # become the terms for shapes not measured
+    assert "activations on core" in err and "smollm2-360m: " in err
+    [(name, around, rate)] = hw.shape_activations
+    assert name == "smollm2-360m" and 0 < around < 30 and 1e8 < rate < 1e12
+    assert (hw.activation_overhead_s, hw.host_bandwidth) == (around, rate)
+    spec = shape_of("x", "random:smollm2-360m", 4)
+    assert RooflineCostModel(hw).activation_time(spec, 1) == pytest.approx(around + spec.weight_bytes / rate)
+    # what none shows (the serving path) is the registered profile's of this CPU's
+    kept = ("request_overhead_s", "serving_share")
     assert [getattr(hw, k) for k in kept] == [getattr(base, k) for k in kept]
 
     traffic = tmp_path / "w.jsonl"
@@ -233,6 +243,52 @@ def test_a_fit_whose_sharing_measurement_fails_keeps_the_base_terms_and_says_why
     result = sharing.with_sharing(FitResult(base, 0.5, [], None))
     assert (result.profile.share_interference, result.profile.cross_interference) == (0.03, 0.01)
     assert found.report() in result.report()
+
+
+def test_a_fit_whose_activation_probe_fails_keeps_the_base_terms_and_says_why(monkeypatch):
+    """A probe that cannot run (a source the runtime cannot load, no memory for its workers) costs
+    only the activation terms, named in the report; what a probe found replaces them. Failure and
+    findings are injected here; the CLI test above runs the real probe."""
+    import prism_serve.sim.activations as activations
+    from prism_serve.sim.fit import FitResult
+
+    def fails(*_a, **_k):
+        raise RuntimeError("activation probe exited 1: no such file")
+
+    base = HARDWARE["cpu-smollm2-avx512bf16"]
+    shapes = {s: shape_of("x", s, 4) for s in ("random:qwen3-0.6b", "smollm2-135m-instruct")}
+    monkeypatch.setattr(activations, "measure_activations", fails)
+    result = activations.with_activations(FitResult(base, 0.5, [], None), shapes)
+    kept = ("shape_activations", "activation_overhead_s", "host_bandwidth")
+    assert [getattr(result.profile, k) for k in kept] == [getattr(base, k) for k in kept]
+    assert "activations not measured (RuntimeError: activation probe exited 1: no such file)" in (
+        result.report()
+    )
+    found = {
+        "random:qwen3-0.6b": {"take_s": 0.01, "map_s": 0.3, "copy_s": 0.25, "ready_s": 0.02,
+                              "total_s": 0.58, "weight_bytes": 2_500_000_000, "activations": 3},
+        "smollm2-135m-instruct": {"take_s": 0.01, "map_s": 0.0, "copy_s": 0.05, "ready_s": 0.01,
+                                  "total_s": 0.07, "weight_bytes": 500_000_000, "activations": 3},
+    }  # fmt: skip
+    monkeypatch.setattr(activations, "measure_activations", lambda *_a, **_k: found)
+    hw = activations.with_activations(FitResult(base, 0.5, [], None), shapes).profile
+    assert hw.activation_for("qwen3-0.6b") == pytest.approx((0.33, 1e10))
+    assert hw.activation_for("smollm2-135m-instruct") == pytest.approx((0.02, 1e10))
+    # a shape not measured: the medians
+    assert hw.activation_for("llama-3.2-1b") == pytest.approx((0.175, 1e10))
+    qwen = shapes["random:qwen3-0.6b"]
+    assert RooflineCostModel(hw).activation_time(qwen, 1) == pytest.approx(0.33 + qwen.weight_bytes / 1e10)
+
+
+@pytest.mark.parametrize("bad", [[["x", 0.1]], [["x", -0.1, 1e9]], [["x", 0.1, 0.0]], [["x", "slow", 1e9]]])
+def test_bad_shape_activations_in_a_profile_are_a_named_error(bad, tmp_path: Path) -> None:
+    from prism_serve.sim.errors import SimConfigError
+
+    with pytest.raises(SimConfigError, match="shape_activations"):
+        dataclasses.replace(HARDWARE["cpu-smollm2-avx512bf16"], shape_activations=bad)
+    good = dataclasses.replace(HARDWARE["cpu-smollm2-avx512bf16"], shape_activations=[["x", 0.1, 5e9]])
+    dump_hardware(good, tmp_path / "cpu.json")
+    assert get_hardware(str(tmp_path / "cpu.json")).shape_activations == (("x", 0.1, 5e9),)
 
 
 BAD_SCALES = [[["qwen2.5-0.5b", 1.2]], [["qwen2.5-0.5b", 0.0, 1.0]], [["x", "fast", 1.0]]]

@@ -234,9 +234,15 @@ class RooflineCostModel:
         return p / self.prefill_time(spec, tp, p)
 
     def activation_time(self, spec: ModelShape, tp: int) -> float:
-        """Load one TP rank's weights from host memory (ranks load in parallel over their own links)."""
-        hw = self.hw
-        return hw.activation_overhead_s + spec.weight_bytes / tp / (hw.host_bandwidth * hw.host_efficiency)
+        """Load one TP rank's weights from host memory (ranks load in parallel over their own links),
+        at this shape's measured activation cost where the profile has one (``activation_for``)."""
+        return sum(self.activation_parts(spec, tp))
+
+    def activation_parts(self, spec: ModelShape, tp: int) -> tuple[float, float]:
+        """``activation_time`` as (the time around the copy, the copy): one worker thread does the
+        first (take the job, grant and map pages, build the engine), the loader threads the second."""
+        seconds, rate = self.hw.activation_for(spec.name)
+        return seconds, spec.weight_bytes / tp / rate
 
 
 COST_MODELS: Mapping[str, type[RooflineCostModel]] = MappingProxyType({"roofline": RooflineCostModel})

@@ -116,6 +116,12 @@ class HardwareProfile:
     # ``prism fit-hardware --shapes`` measures them on two training steps of each shape (a one-row
     # decode, a 256-token prefill; sim/fit.py); a shape not listed runs at the fitted rates.
     shape_scales: tuple[tuple[str, float, float], ...] = ()
+    # Per shape (ModelShape name): (seconds, bytes/s) of its activation on a one-core device of
+    # this machine's runtime: the time around the weights' copy (the worker taking the job, its
+    # pages granted and mapped or created, the engine built) and the copy's own rate there.
+    # ``prism fit-hardware --shapes`` measures them (sim/activations.py); a shape not listed is
+    # priced by activation_overhead_s and host_bandwidth, which that fit sets to the medians.
+    shape_activations: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         def error(e: float) -> bool:  # predicted / measured - 1
@@ -136,6 +142,12 @@ class HardwareProfile:
             "[shape, memory factor, compute factor] triples",
             lambda v: all(math.isfinite(f) and f > 0 for _, m, c in v for f in (m, c)),
             "factors must be finite and > 0",
+        )  # fmt: skip
+        self._entries(
+            "shape_activations", lambda v: tuple((str(n), float(t), float(r)) for n, t, r in v),
+            "[shape, seconds, copy bytes/s] triples",
+            lambda v: all(math.isfinite(t) and t >= 0 and math.isfinite(r) and r > 0 for _, t, r in v),
+            "seconds must be finite and >= 0, copy rates finite and > 0",
         )  # fmt: skip
         positive = ("peak_flops", "mem_bandwidth", "host_bandwidth", "link_bandwidth", "memory_bytes")
         for name in positive:
@@ -186,6 +198,14 @@ class HardwareProfile:
             if name == shape:
                 return memory, compute
         return 1.0, 1.0
+
+    def activation_for(self, shape: str) -> tuple[float, float]:
+        """(seconds around the copy, the copy's bytes/s) of activating ``shape`` (a ModelShape
+        name): as measured for it (``shape_activations``), else the profile's overhead and host rate."""
+        for name, seconds, rate in self.shape_activations:
+            if name == shape:
+                return seconds, rate
+        return self.activation_overhead_s, self.host_bandwidth * self.host_efficiency
 
     def share_slowdown(self, num_busy: int) -> float:
         """The factor by which each busy engine's step time is multiplied while ``num_busy`` engines

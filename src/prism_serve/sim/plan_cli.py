@@ -187,17 +187,17 @@ def _hardware(args: argparse.Namespace, config) -> str:
     from prism_serve.sim.hardware import dump_hardware, get_hardware
 
     fitted = args.hardware == FIT
-    if fitted:  # on the deployment's own models too: their held-out errors (sim/fit.py)
-        hw = _fit(args.fit_rounds, shapes=[m.source for m in config.served_models()])
+    memory = parse_size(args.device_memory) if args.device_memory else None
+    devices = [config.devices] if isinstance(config.devices, DeviceGroup) else config.devices
+    budgets = {d.memory for d in devices if getattr(d, "name", "cpu").startswith("cpu")}
+    cpu_memory = memory if memory is not None or len(budgets) != 1 else next(iter(budgets))
+    if fitted:  # on the deployment's own models too: their held-out errors and swaps (sim/fit.py)
+        hw = _fit(args.fit_rounds, shapes=[m.source for m in config.served_models()], memory=cpu_memory)
     else:
         hw = get_hardware(args.hardware)
-    memory = parse_size(args.device_memory) if args.device_memory else None
-    if memory is None and not hw.overlap:  # a CPU profile: the config's CPU devices, if they agree
-        devices = [config.devices] if isinstance(config.devices, DeviceGroup) else config.devices
-        budgets = {d.memory for d in devices if getattr(d, "name", "cpu").startswith("cpu")}
-        if len(budgets) == 1:
-            memory = budgets.pop()
-            print(f"device memory: {memory / 2**20:.0f} MiB, the config's CPU devices'", file=sys.stderr)
+    if memory is None and not hw.overlap and cpu_memory is not None:  # a CPU profile: the config's
+        memory = cpu_memory
+        print(f"device memory: {memory / 2**20:.0f} MiB, the config's CPU devices'", file=sys.stderr)
     resized = memory is not None and memory != hw.memory_bytes
     if resized:
         hw = dataclasses.replace(hw, memory_bytes=memory)
@@ -218,33 +218,42 @@ def _fit(
     reps: int = 3,
     shapes: Sequence[str] = (),
     sharing: bool = True,
+    activations: bool = True,
+    memory: int | None = None,
 ):
     """This machine's one-core CPU profile, measured now with a progress bar (sim/fit.py);
     ``shapes``: model sources whose held-out points are measured too (the fitted model's own, and
-    repeats, left out); ``sharing``: compute sharing between engines measured too (sim/sharing.py)."""
+    repeats, left out); ``sharing``: compute sharing between engines measured too (sim/sharing.py);
+    ``activations``: the runtime's activation of each of ``shapes`` (the default model where none
+    is given) timed too (sim/activations.py), on a device of ``memory`` bytes (None: the profile's)."""
     from tqdm import tqdm
 
     from prism_serve.engine.config import DEFAULT_MODEL
     from prism_serve.engine.machine import cpu_model, vector_flags
+    from prism_serve.sim.activations import with_activations
     from prism_serve.sim.fit import FIT_MODEL, SHAPE_TRAIN, fit_source, fit_this_machine, step_points
     from prism_serve.sim.shapes import RANDOM_PREFIX, shape_of
     from prism_serve.sim.sharing import with_sharing
 
     own = {fit_source(), f"{RANDOM_PREFIX}{FIT_MODEL}", DEFAULT_MODEL, "default"}
     others = {s: shape_of(s, s, 4) for s in dict.fromkeys(shapes) if s not in own}  # fp32, as fitted
+    activated = {s: shape_of(s, s, 4) for s in dict.fromkeys(shapes or [DEFAULT_MODEL])}
     print(
         f"fitting a CPU profile on this machine: {cpu_model()} ({vector_flags()}), one core"
         + (f"; held-out points of {', '.join(others)} too" if others else ""),
         file=sys.stderr,
     )
     per_shape = sum(p["held_out"] for p in step_points("quick")) + len(SHAPE_TRAIN)
-    total = 1 + rounds * len(step_points("quick")) + per_shape * len(others) + sharing
+    total = 1 + rounds * len(step_points("quick")) + per_shape * len(others) + sharing + activations
     with tqdm(total=total, desc="fit", unit="point", file=sys.stderr) as bar:
         result = fit_this_machine(
             name=name, rounds=rounds, reps=reps, core=core, progress=bar.update, shapes=others
         )  # fmt: skip
         if sharing:
             result = with_sharing(result, core)
+            bar.update(1)
+        if activations:
+            result = with_activations(result, activated, core, memory)
             bar.update(1)
     print(result.report(), file=sys.stderr)
     return result.profile
@@ -258,8 +267,9 @@ def add_fit_parser(sub) -> None:
         "fp32: prefills, prefill chunks after a cached prefix, decode batches at several contexts) "
         "and one thread's weight pass, and fits the simulator's CPU cost model to them; then times "
         "engines in their own processes alone, two on one core and one on each of two cores (compute "
-        "sharing). The fields it does not measure (activation, the serving path) come from the "
-        "registered profile of this CPU's vector class. Writes the profile as a file for --hardware.",
+        "sharing), and the runtime activating each model on one core. The fields it does not measure "
+        "(the serving path) come from the registered profile of this CPU's vector class. Writes the "
+        "profile as a file for --hardware.",
     )
     p.add_argument("--out", type=Path, required=True, help="the profile file to write (*.json)")
     p.add_argument("--name", default="cpu-fitted", help="the profile's name")
@@ -273,11 +283,16 @@ def add_fit_parser(sub) -> None:
         "give its errors, which join the profile's step errors",
     )  # fmt: skip
     p.add_argument(
-        "--device-memory", metavar="SIZE", help="the profile's device memory (default: the base's)"
-    )
+        "--device-memory", metavar="SIZE",
+        help="the profile's device memory, and the budget the models are activated in (default: the base's)",
+    )  # fmt: skip
     p.add_argument(
         "--no-sharing", dest="sharing", action="store_false",
         help="do not measure compute sharing between engines (keep the registered profile's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-activations", dest="activations", action="store_false",
+        help="do not time the runtime's activation of each model (keep the registered profile's terms)",
     )  # fmt: skip
     p.set_defaults(func=_cmd_fit)
 
@@ -292,9 +307,10 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     if args.out.suffix != ".json":
         raise SimConfigError(f"--out must name a .json file (what --hardware reads), got {str(args.out)!r}")
     shapes = [x for x in args.shapes.split(",") if x]
-    hw = _fit(args.rounds, args.name, args.core, args.reps, shapes, args.sharing)
-    if args.device_memory:
-        hw = dataclasses.replace(hw, memory_bytes=parse_size(args.device_memory))
+    memory = parse_size(args.device_memory) if args.device_memory else None
+    hw = _fit(args.rounds, args.name, args.core, args.reps, shapes, args.sharing, args.activations, memory)
+    if memory is not None:
+        hw = dataclasses.replace(hw, memory_bytes=memory)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     dump_hardware(hw, args.out)
     print(f"wrote {args.out}: prism plan ... --hardware {args.out}")

@@ -168,6 +168,7 @@ class Simulator:
         self.by_id: dict[str, SimRequest] = {}
         self.pending_activations: list[str] = []
         self.counters: Counter = Counter()
+        self._activation_s: dict[str, list[float]] = {}  # SimResult.activation_s
         self.now = 0.0
         self.in_system = 0
         self._integral = 0.0
@@ -311,9 +312,11 @@ class Simulator:
             for m, h in zip(simulated.model_index.tolist(), hits.tolist(), strict=True):
                 name = self._names[m]
                 infinite[name] = infinite.get(name, 0) + h
-        return SimResult(
+        result = SimResult(
             self.requests, self.now, self._busy, self._integral, counters, labels, colocated, infinite
         )
+        result.activation_s = self._activation_s
+        return result
 
     def _arrival_time(self, i: int) -> float:
         return self.config.warmup_s + float(self.workload.timestamps[i]) - self._t0
@@ -486,6 +489,7 @@ class Simulator:
         m.activated_at = now
         self.loop.stale_models[m.served.name] = None
         self.counters["activations"] += 1
+        self._activation_s.setdefault(self.replica_of.get(model, model), []).append(now - m.placed_at)
         if model in self.replica_of:
             self.counters["replica_activations"] += 1
         self.loop.activation_done(model, m.placement[0], now)
@@ -628,14 +632,17 @@ class Simulator:
                     d.claim(key, 0)
                     d.map_weights(model, part)
                 m.pending = False
-                took = self.cost.activation_time(m.served.spec, m.served.tp_size)
+                around, copy = self.cost.activation_parts(m.served.spec, m.served.tp_size)
                 # its kept prefixes come back over the same link
-                took += self._kept.size_of(model) / (self.hw.host_bandwidth * self.hw.host_efficiency)
+                copy += self._kept.size_of(model) / (self.hw.host_bandwidth * self.hw.host_efficiency)
+                took = around + copy
                 k = self.hw.activation_threads
                 if self._share is not None and k:
-                    # the copy's k threads share the cores with the engines stepping there (for
-                    # as long as the count at its start says: it is short), and they with it
-                    took *= (max(self.num_busy[d] for d in m.placement) + k) / k
+                    # the copy's k threads share the cores with the engines stepping there, as
+                    # does the one worker thread around it (for as long as the count at its start
+                    # says: it is short), and they with it
+                    busy = max(self.num_busy[d] for d in m.placement)
+                    took = around * (busy + 1) + copy * (busy + k) / k
                     m.copying = k
                     self._device_busy(m.placement, k, now)
                 self.events.push(now + took, ActivationDone(model, m.activation_version))
