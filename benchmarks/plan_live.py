@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +54,8 @@ from prism_serve.workload.traffic import TrafficOptions, read_traffic
 
 PRISM = [sys.executable, "-m", "prism_serve.cli"]
 REAL = "smollm2-135m-instruct"
+# one warm-up request per model before each replay, as a long-running server has served them
+WARMUP_PROMPT, WARMUP_TOKENS = [1000, 1001, 1002], 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -146,10 +150,14 @@ def live(config: dict, traffic: Path, start_s: float, folder: Path, tag: str, lo
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     proc = start_server_process(path, port, folder / f"server-{tag}.log")
     try:
+        warm = []  # (wall clock at the send, model): the planned run serves the same warm-up first
         for m in data["models"]:
-            body = {"model": m["name"], "prompt": [1000, 1001, 1002], "max_tokens": 2, "ignore_eos": True}
+            body = {"model": m["name"], "prompt": WARMUP_PROMPT, "max_tokens": WARMUP_TOKENS}
+            body["ignore_eos"] = True
+            warm.append((time.time(), m["name"]))
             httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300).raise_for_status()
         time.sleep(1.0)
+        before = activation_stats(port)  # the warm-up's activations, left out
         start = time.time()
         load = common.cpu_seconds()
         cpu_before, bench_before = process_cpu(proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -161,6 +169,7 @@ def live(config: dict, traffic: Path, start_s: float, folder: Path, tag: str, lo
         wall = time.time() - start
         cpu_after, bench_after = process_cpu(proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
         wait_idle(port)
+        activations = activation_stats(port, before)
     finally:
         stop_server_process(proc)
     server_s = cpu_after["server"] - cpu_before["server"]
@@ -168,6 +177,8 @@ def live(config: dict, traffic: Path, start_s: float, folder: Path, tag: str, lo
     bench_s = sum(getattr(bench_after, f) - getattr(bench_before, f) for f in ("ru_utime", "ru_stime"))
     body = json.loads((folder / f"bench-{tag}" / "bench.json").read_text())
     return {
+        # each warm-up's send, in seconds from the replay's start (so negative), and its model
+        "warmup": [(round(t - body["started_unix"], 3), m) for t, m in warm],
         "overall": body["overall"],
         "models": body["models"],
         "replay_start": start,
@@ -181,7 +192,32 @@ def live(config: dict, traffic: Path, start_s: float, folder: Path, tag: str, lo
             "bench": round(bench_s / wall, 3),
         },
         "request_log": str(request_log) if log else None,
+        "activations": activations,
     }
+
+
+def activation_stats(port: int, since: dict | None = None) -> dict[str, dict]:
+    """Per model, the server's activations (prism_activation_seconds: the worker's phases from its
+    memory's grant to a ready engine), their summed seconds and each phase's, less those of ``since``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    out: dict[str, dict] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "prism_activation_seconds_count":
+                key = "count"
+            elif sample.name == "prism_activation_seconds_sum":
+                key = "sum_s"
+            elif family.name == "prism_activation_phase_seconds":
+                key = f"{sample.labels['phase']}_s"
+            else:
+                continue
+            entry = out.setdefault(sample.labels["model_name"], {})
+            entry[key] = entry.get(key, 0.0) + sample.value
+    for m, v in (since or {}).items():
+        out[m] = {k: x - v.get(k, 0.0) for k, x in out[m].items()}
+    return {m: v for m, v in out.items() if v.get("count", 0) > 0}
 
 
 def process_cpu(pid: int) -> dict[str, float]:
@@ -197,22 +233,30 @@ def process_cpu(pid: int) -> dict[str, float]:
 
 
 def planned(config: Path, traffic: Path, start_s: float, hardware: str, devices: int, policy: str,
-            memory: str | None = None) -> dict:  # fmt: skip
+            memory: str | None = None, warmup: Sequence[tuple[float, str]] = ()) -> dict:  # fmt: skip
     """The simulator's attainment for ``config`` on ``devices`` devices of ``hardware`` (the profile
-    the plan ran on: its memory is the config's budget), run to its end; ``memory``: another budget."""
+    the plan ran on: its memory is the config's budget), run to its end; ``memory``: another budget.
+    ``warmup``: the live run's warm-up requests, (seconds from the replay's start, model), served
+    first and left out of the result, as the live run served them before its replay."""
     from prism_serve.sim.deployment import deployment_config, sim_deployment
     from prism_serve.sim.hardware import dump_hardware, get_hardware
     from prism_serve.sim.plan import simulate_point
+    from prism_serve.workload.format import Workload, WorkloadRequest
 
     dep = sim_deployment(deployment_config(config), gpu=False)
-    wl = read_traffic(traffic, [m.name for m in dep.models], TrafficOptions(start_s=start_s)).workload
+    names = [m.name for m in dep.models]
+    wl = read_traffic(traffic, names, TrafficOptions(start_s=start_s)).workload
+    if warmup:
+        first = float(wl.timestamps[0])  # the replay's start (prism bench sends its first request then)
+        shift = max(0.0, -min(first + t for t, _ in warmup))
+        front = [WorkloadRequest(first + t + shift, m, len(WARMUP_PROMPT), WARMUP_TOKENS) for t, m in warmup]
+        rest = [dataclasses.replace(r, timestamp=r.timestamp + shift) for r in wl.rows()]
+        wl = Workload.from_rows(front + rest, names)
     if memory is not None:  # a profile with this device memory, as a file the simulator reads
-        import dataclasses
-
         hw = dataclasses.replace(get_hardware(hardware), memory_bytes=parse_size(memory))
         hardware = str(config.parent / f"hardware-{memory}.json")
         dump_hardware(hw, Path(hardware))
-    return simulate_point(dep, wl, hardware=hardware, policy=policy, devices=devices)
+    return simulate_point(dep, wl, hardware=hardware, policy=policy, devices=devices, warmup=len(warmup))
 
 
 LATENCIES = ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s")  # compared per model
@@ -294,7 +338,8 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
     served.write_text(yaml.safe_dump(deployed, sort_keys=False))
     for tag, n, memory in tries:
         # the profile prism plan ran on (written there: the CPU profile with the config's budget)
-        sim = planned(served, traffic, start, str(plan_dir / "hardware.json"), n, "prism", memory)
+        profile = str(plan_dir / "hardware.json")
+        sim = planned(served, traffic, start, profile, n, "prism", memory)
         row = {"tag": tag, "devices": n, "memory": memory or s.memory, "planned": sim["ttft_attainment"]}
         if not args.plan_only:
             config = dict(deployed, devices=deployed["devices"][:n])
@@ -302,6 +347,11 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
                 config["devices"] = [dict(d, memory=parse_size(memory)) for d in config["devices"]]
             print(f"[{name}] serving {tag}: {n} device(s) of {row['memory']}", flush=True)
             run = live(config, traffic, start, folder, tag, log=False)
+            # what the live run served: its warm-up requests first (recently used models are not
+            # idle to the policy), then the replay; the plan's own figure starts from no history
+            row["planned_fresh"] = row["planned"]
+            sim = planned(served, traffic, start, profile, n, "prism", memory, run["warmup"])
+            row["planned"] = sim["ttft_attainment"]
             row.update(live=run["overall"]["ttft_attainment"], wall_s=run["wall_s"],
                        other_load_cores=run["other_load_cores"], cores=run["cores"],
                        per_model={m: v["ttft_attainment"] for m, v in run["models"].items()})  # fmt: skip
@@ -311,10 +361,36 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
                     if v.get(k) and sim["per_model"].get(m, {}).get(k) is not None}
                 for m, v in run["models"].items()
             }  # fmt: skip
+            # model by model, the simulator's activations (count, mean seconds) against the live run's
+            acts = run["activations"]
+            row["activations"] = {
+                m: {"live": [acts[m]["count"], acts[m]["sum_s"] / acts[m]["count"]] if m in acts
+                    else [0, None],
+                    "planned": [v.get("activations", 0), v.get("activation_mean_s")]}
+                for m, v in sorted(sim["per_model"].items()) if m in acts or v.get("activations")
+            }  # fmt: skip
         out["deployments"].append(row)
         print(f"[{name}] {tag}: planned {points(row['planned'])}, live {points(row.get('live'))}, "
               f"cores {row.get('cores')}", flush=True)  # fmt: skip
     return out
+
+
+def with_swaps(hardware: str, name: str, s: Scenario, out: Path) -> str:
+    """The fitted profile with the scenario's models activated by the runtime in its device budget
+    (sim/activations.py), as `prism plan --hardware fit` measures them for a config; its file."""
+    from prism_serve.sim.activations import with_activations
+    from prism_serve.sim.fit import FitResult
+    from prism_serve.sim.hardware import dump_hardware, get_hardware
+    from prism_serve.sim.shapes import shape_of
+
+    shapes = {src: shape_of(src, src, 4) for _, src in s.models}  # fp32, as the scenarios serve them
+    result = with_activations(
+        FitResult(get_hardware(hardware), 0.0, [], None), shapes, memory=parse_size(s.memory)
+    )
+    print(f"[{name}] " + result.notes[-1], flush=True)
+    path = out / f"cpu-fitted-{name}.json"
+    dump_hardware(result.profile, path)
+    return str(path)
 
 
 def main() -> None:
@@ -351,12 +427,19 @@ def main() -> None:
         # with the held-out steps of every model shape the scenarios serve (their errors join the
         # profile's step errors, which the plan's --confidence draws from)
         sources = dict.fromkeys(src for n in args.scenarios.split(",") for _, src in SCENARIOS[n].models)
-        prism("fit-hardware", "--out", hardware, "--shapes", ",".join(sources), log=args.out / "fit.log")
+        prism(
+            "fit-hardware", "--out", hardware, "--shapes", ",".join(sources), "--no-activations",
+            log=args.out / "fit.log",
+        )  # fmt: skip
+        # each scenario's swaps, in its own device budget, as `prism plan --hardware fit` measures them
+        profiles = {n: with_swaps(hardware, n, SCENARIOS[n], args.out) for n in args.scenarios.split(",")}
+    else:
+        profiles = dict.fromkeys(args.scenarios.split(","), hardware)
     summary = {"machine": info["line"], "date": time.strftime("%Y-%m-%d"), "hardware": hardware,
                "target": args.target, "scenarios": {}}  # fmt: skip
     for scale in args.rate_scales:
         for name in args.scenarios.split(","):
-            result = run_scenario(name, SCENARIOS[name], args, hardware, scale)
+            result = run_scenario(name, SCENARIOS[name], args, profiles[name], scale)
             summary["scenarios"][cell(name, scale)] = result
             (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\n{info['line']}; profile {hardware}; target {args.target:.0%}; confidence {args.confidence}")

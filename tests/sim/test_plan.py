@@ -18,8 +18,10 @@ from prism_serve.config import load_config, parse_config
 from prism_serve.engine.config import ENGINE_DEFAULTS
 from prism_serve.runtime.build import model_specs
 from prism_serve.sim import ModelSLO, SimConfig
+from prism_serve.sim.cost import RooflineCostModel
 from prism_serve.sim.deployment import SimDeployment, deployment_config, get_setup, sim_deployment
 from prism_serve.sim.errors import SimConfigError
+from prism_serve.sim.hardware import get_hardware
 from prism_serve.sim.plan import (
     busy_window,
     exclusive_floor,
@@ -628,3 +630,38 @@ def test_with_confidence_the_count_is_the_fewest_that_enough_other_draws_pass(mo
         plan(dep, w, hardware="h100", policies=["prism"], jobs=1, confidence=1.5)
     with pytest.raises(SimConfigError, match="to be sure of"):
         plan(dep, w, hardware="h100", policies=["prism"], jobs=1, confidence=0.9, chosen="dedicated")
+
+
+def test_a_point_with_a_warm_up_in_front_reports_the_replay_alone() -> None:
+    """``simulate_point(warmup=k)``: the first k requests are served (a live run's warm-up before its
+    replay) and left out of the result, whose counts and latencies are the replay's."""
+    ms = [served("a"), served("b")]
+    engine = sim_deployment(deployment_config("paper-8")).engine
+    dep = SimDeployment(ms, loose(ms), engine, "prism", (("prewarm", False),))  # loaded on demand
+    replay = poisson(["a", "b"], 0.2, 60.0, prompt=64, output=8, seed=1)
+    ts = replay.timestamps + 10.0
+    replay = Workload(ts, replay.model_index, replay.prompt_tokens, replay.output_tokens, ["a", "b"])
+    # one warm-up request per model 3 s before the replay
+    w = Workload(
+        np.concatenate([[7.0, 7.5], ts]),
+        np.concatenate([[0, 1], replay.model_index]),
+        np.concatenate([[3, 3], replay.prompt_tokens]),
+        np.concatenate([[2, 2], replay.output_tokens]),
+        ["a", "b"],
+    )
+    fresh = simulate_point(dep, replay, hardware="h100", policy="prism", devices=1)
+    warm = simulate_point(dep, w, hardware="h100", policy="prism", devices=1, warmup=2)
+    assert warm["num_requests"] == fresh["num_requests"] == len(replay)
+    assert {m: v["requests"] for m, v in warm["per_model"].items()} == {
+        m: v["requests"] for m, v in fresh["per_model"].items()
+    }
+    # fresh, each model's first request waits for its activation (an 8B model's copy on the h100
+    # profile, 0.7 s); after the warm-up every model is resident and no request waits for one
+    activation = RooflineCostModel(get_hardware("h100")).activation_time(ms[0].spec, 1)
+    assert fresh["ttft_p99_s"] > activation > 0.1 > warm["ttft_p99_s"]
+    # a warm-up needs every model runnable (its requests are counted by position)
+    wide = [served("a"), served("c", tp=2)]
+    dep2 = SimDeployment(wide, loose(wide), engine, "prism", ())
+    w2 = Workload(w.timestamps, w.model_index, w.prompt_tokens, w.output_tokens, ["a", "c"])
+    with pytest.raises(SimConfigError, match="warm-up"):
+        simulate_point(dep2, w2, hardware="h100", policy="prism", devices=1, warmup=2)

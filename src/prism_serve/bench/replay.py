@@ -316,7 +316,7 @@ async def replay(
                 bar.update()
 
         started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        t0 = time.perf_counter()
+        t0, started_unix = time.perf_counter(), time.time()
         tasks = []
         for rec, row in zip(records, rows, strict=True):
             # before the wait, so it does not delay the send
@@ -337,6 +337,7 @@ async def replay(
         slos=targets,
         records=records,
         started_at=started_at,
+        started_unix=started_unix,
         duration_s=end - first,
         peak_in_flight=peak,
         machine=machine_info(),

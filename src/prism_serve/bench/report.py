@@ -180,6 +180,7 @@ class BenchResult:
     slos: dict[str, SLOTarget]
     records: list[RequestRecord]
     started_at: str  # ISO 8601, UTC
+    started_unix: float  # the wall clock (seconds since the epoch) at which scheduled_s is 0
     duration_s: float  # first send to the last request's end
     peak_in_flight: int
     machine: dict  # the client's machine: the endpoint may be elsewhere
@@ -192,6 +193,7 @@ class BenchResult:
         return {
             "url": self.url,
             "started_at": self.started_at,
+            "started_unix": self.started_unix,
             "duration_s": self.duration_s,
             "peak_in_flight": self.peak_in_flight,
             "machine": self.machine,

@@ -450,12 +450,18 @@ def _run(job: _Job) -> dict:
     cfg = job.config
     models, workload = _runnable(job)
     res = simulate(models, workload, job.slos, cfg)
+    # counts of the requests attainment judges (sim/metrics.py: batch ones are not)
+    judged, runnable = job.workload.judged(), workload.judged()
+    if cfg.span is None and cfg.count_from:
+        # the first requests are a warm-up (simulate_point's): served, left out of what is reported
+        if len(workload) != len(job.workload):
+            raise SimConfigError("a warm-up in front of the traffic needs every model runnable")
+        res = dataclasses.replace(res, requests=res.requests[cfg.count_from :])
+        judged = runnable = np.concatenate([np.zeros(cfg.count_from, bool), judged[cfg.count_from :]])
     out = res.summary()
     out["per_model"] = res.per_model()
-    # counts of the requests attainment judges (sim/metrics.py: batch ones are not)
-    judged = job.workload.judged()
     total = int(judged.sum())
-    lost = total - int(workload.judged().sum())
+    lost = total - int(runnable.sum())
     arrived = out["num_judged"]  # all of the workload's, or those before a stop
     seen = total
     if res.labels.get("stopped_early"):
@@ -701,12 +707,19 @@ def plan(
 
 
 def simulate_point(
-    deployment: SimDeployment, workload: Workload, *, hardware: str, policy: str, devices: int
+    deployment: SimDeployment,
+    workload: Workload,
+    *,
+    hardware: str,
+    policy: str,
+    devices: int,
+    warmup: int = 0,
 ) -> dict:
     """One point of a plan run to its end (the search stops a point once it has missed more than the
     target allows; this never does): ``policy`` on ``devices`` devices of ``hardware``, what
-    ``PolicyPlan.points`` holds for a count."""
-    config = deployment.sim_config(devices, hardware, policy)
+    ``PolicyPlan.points`` holds for a count. ``warmup``: the workload's first requests are served
+    and left out of the result (a live run's warm-up requests before its replay)."""
+    config = dataclasses.replace(deployment.sim_config(devices, hardware, policy), count_from=warmup)
     return _run(_Job(tuple(deployment.models), workload, deployment.slos, config))
 
 
