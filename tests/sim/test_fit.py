@@ -149,8 +149,9 @@ def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, cap
     # copy and the copy's rate, which the simulator prices its activations at, and the medians
     # become the terms for shapes not measured
     assert "activations on core" in err and "smollm2-360m: " in err
-    [(name, around, rate)] = hw.shape_activations
-    assert name == "smollm2-360m" and 0 < around < 30 and 1e8 < rate < 1e12
+    [(name, around, rate, evict)] = hw.shape_activations
+    assert name == "smollm2-360m" and 0 < around < 30 and 1e8 < rate < 1e12 and 0 < evict < 30
+    assert hw.eviction_for(name) == evict and hw.eviction_for("qwen3-0.6b") == 0.0
     assert (hw.activation_overhead_s, hw.host_bandwidth) == (around, rate)
     spec = shape_of("x", "random:smollm2-360m", 4)
     assert RooflineCostModel(hw).activation_time(spec, 1) == pytest.approx(around + spec.weight_bytes / rate)
@@ -266,9 +267,11 @@ def test_a_fit_whose_activation_probe_fails_keeps_the_base_terms_and_says_why(mo
     )
     found = {
         "random:qwen3-0.6b": {"take_s": 0.01, "map_s": 0.3, "copy_s": 0.25, "ready_s": 0.02,
-                              "total_s": 0.58, "weight_bytes": 2_500_000_000, "activations": 3},
+                              "total_s": 0.58, "weight_bytes": 2_500_000_000, "activations": 3,
+                              "evict_s": 0.15},
         "smollm2-135m-instruct": {"take_s": 0.01, "map_s": 0.0, "copy_s": 0.05, "ready_s": 0.01,
-                                  "total_s": 0.07, "weight_bytes": 500_000_000, "activations": 3},
+                                  "total_s": 0.07, "weight_bytes": 500_000_000, "activations": 3,
+                                  "evict_s": None},
     }  # fmt: skip
     monkeypatch.setattr(activations, "measure_activations", lambda *_a, **_k: found)
     hw = activations.with_activations(FitResult(base, 0.5, [], None), shapes).profile
@@ -276,19 +279,24 @@ def test_a_fit_whose_activation_probe_fails_keeps_the_base_terms_and_says_why(mo
     assert hw.activation_for("smollm2-135m-instruct") == pytest.approx((0.02, 1e10))
     # a shape not measured: the medians
     assert hw.activation_for("llama-3.2-1b") == pytest.approx((0.175, 1e10))
+    assert (hw.eviction_for("qwen3-0.6b"), hw.eviction_for("smollm2-135m-instruct")) == (0.15, 0.0)
     qwen = shapes["random:qwen3-0.6b"]
     assert RooflineCostModel(hw).activation_time(qwen, 1) == pytest.approx(0.33 + qwen.weight_bytes / 1e10)
 
 
-@pytest.mark.parametrize("bad", [[["x", 0.1]], [["x", -0.1, 1e9]], [["x", 0.1, 0.0]], [["x", "slow", 1e9]]])
+BAD_ACTIVATIONS = [[["x", 0.1, 1e9]], [["x", -0.1, 1e9, 0]], [["x", 0.1, 0.0, 0]], [["x", 0.1, 1e9, -1]]]
+BAD_ACTIVATIONS += [[["x", "slow", 1e9, 0]]]
+
+
+@pytest.mark.parametrize("bad", BAD_ACTIVATIONS)
 def test_bad_shape_activations_in_a_profile_are_a_named_error(bad, tmp_path: Path) -> None:
     from prism_serve.sim.errors import SimConfigError
 
     with pytest.raises(SimConfigError, match="shape_activations"):
         dataclasses.replace(HARDWARE["cpu-smollm2-avx512bf16"], shape_activations=bad)
-    good = dataclasses.replace(HARDWARE["cpu-smollm2-avx512bf16"], shape_activations=[["x", 0.1, 5e9]])
+    good = dataclasses.replace(HARDWARE["cpu-smollm2-avx512bf16"], shape_activations=[["x", 0.1, 5e9, 0.2]])
     dump_hardware(good, tmp_path / "cpu.json")
-    assert get_hardware(str(tmp_path / "cpu.json")).shape_activations == (("x", 0.1, 5e9),)
+    assert get_hardware(str(tmp_path / "cpu.json")).shape_activations == (("x", 0.1, 5e9, 0.2),)
 
 
 BAD_SCALES = [[["qwen2.5-0.5b", 1.2]], [["qwen2.5-0.5b", 0.0, 1.0]], [["x", "fast", 1.0]]]

@@ -54,6 +54,28 @@ def test_the_serving_path_overhead_delays_every_first_token_and_finish_and_nothi
         assert b.tpot == pytest.approx(a.tpot, abs=1e-9)
 
 
+def test_an_activation_waits_for_the_eviction_that_makes_its_room(tmp_path):
+    """A fitted CPU profile's measured eviction time (HardwareProfile.eviction_for: the engine
+    stopped, its pages unmapped) comes before the activation it makes room for, as the live
+    activator waits for the evictions its decision ordered: one device that holds one of two models,
+    the second model's first request waits exactly that much longer."""
+    from prism_serve.sim.hardware import dump_hardware
+
+    a, b = served("a"), served("b")
+    room = int(a.spec.weight_bytes * 1.5)  # one model's weights and its KV, not two
+    one = dataclasses.replace(HARDWARE["h100"], memory_bytes=room, usable_fraction=1.0)
+    slow = dataclasses.replace(one, shape_activations=((a.spec.name, *one.activation_for(a.spec.name), 2.0),))
+    w = Workload(np.array([0.0, 10.0]), np.array([0, 1]), np.array([256, 256]), np.array([8, 8]), ["a", "b"])
+    runs = []
+    for name, hw in (("one", one), ("slow", slow)):
+        path = tmp_path / f"{name}.json"
+        dump_hardware(dataclasses.replace(hw, name=name), path)
+        cfg = SimConfig(num_devices=1, policy="prism", hardware=str(path), knobs=(("prewarm", False),))
+        runs.append({r.model: r for r in simulate([a, b], w, loose([a, b], ttft=100.0), cfg).requests})
+    assert runs[0]["a"].ttft == pytest.approx(runs[1]["a"].ttft)  # nothing to wait for
+    assert runs[1]["b"].ttft == pytest.approx(runs[0]["b"].ttft + 2.0)
+
+
 def test_littles_law_on_a_steady_run():
     m = served(shape="llama-3.2-3b")
     w = poisson([m.name], rate=4.0, duration=600, prompt=(64, 2048), output=(16, 512), seed=2)

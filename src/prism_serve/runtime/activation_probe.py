@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import uuid
 
 from prism_serve.config import PolicyConfig
@@ -39,8 +40,8 @@ ROOM = 0.8  # two models' weights stay under this share of the budget to be resi
 
 async def probe(sources: list[str], core: int, rounds: int, budget: int, dtype: str) -> dict[str, dict]:
     """Per source: ``weight_bytes`` and the median seconds of each of ``PHASES`` over its
-    activations after the first round, and their sum (``total_s``); or ``error``, why the runtime
-    could not activate it (the others are measured still)."""
+    activations after the first round, their sum (``total_s``) and its unloads' (``evict_s``); or
+    ``error``, why the runtime could not activate it (the others are measured still)."""
     ns = f"probe{uuid.uuid4().hex[:8]}"
     device = DeviceSpec("cpu:0", budget, (core,), 2)
     # one source alone rotates with a twin of itself, so that it too activates beside a resident model
@@ -53,7 +54,16 @@ async def probe(sources: list[str], core: int, rounds: int, budget: int, dtype: 
     runs: dict[str, list] = {s: [] for s in sources}
     failed: dict[str, str] = {}  # a source the runtime could not activate, and why
     weights: dict[str, int] = {}  # each model's weight bytes, from its first activation
+    evictions: dict[str, list[float]] = {s: [] for s in sources}  # seconds to unload, per source
     resident: str | None = None
+    source_of = {spec.name: spec.source for spec in specs}
+
+    async def evict(name: str, r: int) -> None:
+        t0 = time.monotonic()
+        await c.unload(name)
+        if r > 0:
+            evictions[source_of[name]].append(time.monotonic() - t0)
+
     try:
         await c.start()
         for r in range(rounds + 1):
@@ -66,11 +76,11 @@ async def probe(sources: list[str], core: int, rounds: int, budget: int, dtype: 
                     # where both fit the budget with room for KV; else it goes first
                     both = weights.get(spec.name, budget) + weights.get(resident or "", budget)
                     if resident is not None and both > ROOM * budget:
-                        await c.unload(resident)
+                        await evict(resident, r)
                         resident = None
                     phases = await c.load(spec.name, "cpu:0")
                     if resident is not None:
-                        await c.unload(resident)
+                        await evict(resident, r)
                     resident = spec.name
                 except PrismError as e:
                     failed[spec.source] = f"{type(e).__name__}: {e}"
@@ -90,6 +100,9 @@ async def probe(sources: list[str], core: int, rounds: int, budget: int, dtype: 
             continue
         row = {k: statistics.median(getattr(p, k) for p in ps) for k in PHASES}
         row["total_s"] = statistics.median(p.total_s for p in ps)
+        # its unloads: the engine stopped and its pages unmapped, which an activation that the same
+        # decision ordered after them waits for
+        row["evict_s"] = statistics.median(evictions[source]) if evictions[source] else None
         row["weight_bytes"] = ps[0].copy_bytes
         row["activations"] = len(ps)
         out[source] = row

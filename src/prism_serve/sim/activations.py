@@ -74,11 +74,12 @@ def with_activations(
         if rate is None:
             continue
         name = shapes[source].name
-        rows.append((name, around, rate))
+        rows.append((name, around, rate, m.get("evict_s") or 0.0))
         lines.append(
             f"{name}: {m['total_s'] * 1000:.0f} ms ({m['weight_bytes'] / 2**30:.2f} GiB copied at "
             f"{rate / 1e9:.1f} GB/s, {around * 1000:.0f} ms around it; take {m['take_s'] * 1000:.0f}, "
             f"map {m['map_s'] * 1000:.0f}, ready {m['ready_s'] * 1000:.0f} ms)"
+            + (f"; unloaded in {m['evict_s'] * 1000:.0f} ms" if m.get("evict_s") is not None else "")
         )
     if not rows:
         note = "activations not measured (the probe timed none): the base's activation terms kept"

@@ -116,12 +116,14 @@ class HardwareProfile:
     # ``prism fit-hardware --shapes`` measures them on two training steps of each shape (a one-row
     # decode, a 256-token prefill; sim/fit.py); a shape not listed runs at the fitted rates.
     shape_scales: tuple[tuple[str, float, float], ...] = ()
-    # Per shape (ModelShape name): (seconds, bytes/s) of its activation on a one-core device of
-    # this machine's runtime: the time around the weights' copy (the worker taking the job, its
-    # pages granted and mapped or created, the engine built) and the copy's own rate there.
-    # ``prism fit-hardware --shapes`` measures them (sim/activations.py); a shape not listed is
-    # priced by activation_overhead_s and host_bandwidth, which that fit sets to the medians.
-    shape_activations: tuple[tuple[str, float, float], ...] = ()
+    # Per shape (ModelShape name): (seconds, bytes/s, seconds) of its swaps on a one-core device of
+    # this machine's runtime: the time around an activation's weight copy (the worker taking the
+    # job, its pages granted and mapped or created, the engine built), the copy's own rate there,
+    # and the time its eviction takes (the engine stopped, its pages unmapped), which an
+    # activation on that device waits for. ``prism fit-hardware --shapes`` measures them
+    # (sim/activations.py); a shape not listed is priced by activation_overhead_s and
+    # host_bandwidth, which that fit sets to the medians, and evicts at once.
+    shape_activations: tuple[tuple[str, float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         def error(e: float) -> bool:  # predicted / measured - 1
@@ -144,9 +146,13 @@ class HardwareProfile:
             "factors must be finite and > 0",
         )  # fmt: skip
         self._entries(
-            "shape_activations", lambda v: tuple((str(n), float(t), float(r)) for n, t, r in v),
-            "[shape, seconds, copy bytes/s] triples",
-            lambda v: all(math.isfinite(t) and t >= 0 and math.isfinite(r) and r > 0 for _, t, r in v),
+            "shape_activations",
+            lambda v: tuple((str(n), float(t), float(r), float(e)) for n, t, r, e in v),
+            "[shape, seconds, copy bytes/s, eviction seconds] lists",
+            lambda v: all(
+                math.isfinite(t) and t >= 0 and math.isfinite(r) and r > 0 and math.isfinite(e) and e >= 0
+                for _, t, r, e in v
+            ),
             "seconds must be finite and >= 0, copy rates finite and > 0",
         )  # fmt: skip
         positive = ("peak_flops", "mem_bandwidth", "host_bandwidth", "link_bandwidth", "memory_bytes")
@@ -202,10 +208,15 @@ class HardwareProfile:
     def activation_for(self, shape: str) -> tuple[float, float]:
         """(seconds around the copy, the copy's bytes/s) of activating ``shape`` (a ModelShape
         name): as measured for it (``shape_activations``), else the profile's overhead and host rate."""
-        for name, seconds, rate in self.shape_activations:
+        for name, seconds, rate, _ in self.shape_activations:
             if name == shape:
                 return seconds, rate
         return self.activation_overhead_s, self.host_bandwidth * self.host_efficiency
+
+    def eviction_for(self, shape: str) -> float:
+        """Seconds an eviction of ``shape`` takes before its device can start an activation: as
+        measured for it (``shape_activations``), else 0."""
+        return next((e for name, _, _, e in self.shape_activations if name == shape), 0.0)
 
     def share_slowdown(self, num_busy: int) -> float:
         """The factor by which each busy engine's step time is multiplied while ``num_busy`` engines

@@ -168,7 +168,8 @@ class Simulator:
         self.by_id: dict[str, SimRequest] = {}
         self.pending_activations: list[str] = []
         self.counters: Counter = Counter()
-        self._activation_s: dict[str, list[float]] = {}  # SimResult.activation_s
+        self._activation_s: dict[str, list[tuple[float, float]]] = {}  # SimResult.activation_s
+        self._unmapping: dict[str, float] = {}  # per device, when the evictions under way end
         self.now = 0.0
         self.in_system = 0
         self._integral = 0.0
@@ -489,7 +490,8 @@ class Simulator:
         m.activated_at = now
         self.loop.stale_models[m.served.name] = None
         self.counters["activations"] += 1
-        self._activation_s.setdefault(self.replica_of.get(model, model), []).append(now - m.placed_at)
+        took = (m.placed_at, now - m.placed_at)
+        self._activation_s.setdefault(self.replica_of.get(model, model), []).append(took)
         if model in self.replica_of:
             self.counters["replica_activations"] += 1
         self.loop.activation_done(model, m.placement[0], now)
@@ -645,6 +647,8 @@ class Simulator:
                     took = around * (busy + 1) + copy * (busy + k) / k
                     m.copying = k
                     self._device_busy(m.placement, k, now)
+                # an eviction still under way on its devices goes first (HardwareProfile.eviction_for)
+                took += max(0.0, max(self._unmapping.get(d, 0.0) for d in m.placement) - now)
                 self.events.push(now + took, ActivationDone(model, m.activation_version))
             else:
                 for d in devs:
@@ -665,6 +669,10 @@ class Simulator:
             restarted = m.engine.drop_all()
             self._sync_busy(m.engine, now)
         devs = [self.devices[d] for d in m.placement]
+        if m.state is ModelState.ACTIVE:  # its engine stops and its pages go before the next activation
+            until = now + self.hw.eviction_for(m.served.spec.name)
+            for d in m.placement:
+                self._unmapping[d] = max(self._unmapping.get(d, 0.0), until)
         for d in devs:
             d.unmap_weights(model)
             d.claim(f"{model}#weights", 0)
