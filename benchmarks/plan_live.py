@@ -256,7 +256,33 @@ def planned(config: Path, traffic: Path, start_s: float, hardware: str, devices:
         hw = dataclasses.replace(get_hardware(hardware), memory_bytes=parse_size(memory))
         hardware = str(config.parent / f"hardware-{memory}.json")
         dump_hardware(hw, Path(hardware))
-    return simulate_point(dep, wl, hardware=hardware, policy=policy, devices=devices, warmup=len(warmup))
+    return simulate_point(
+        dep, wl, hardware=hardware, policy=policy, devices=devices, warmup=len(warmup), per_request=True
+    )
+
+
+def per_request(sim: dict, bench: Path, slos: dict[str, float], out: Path) -> dict:
+    """The planned run's requests beside the live run's, in arrival order (the same traffic): each
+    one's model, arrival, TTFT and (planned) cold start, written to ``out`` as JSON lines; returns
+    how many met their TTFT SLO (``slos``, per model) in one run and not in the other."""
+    live = sorted(json.loads(bench.read_text())["requests"], key=lambda r: r["scheduled_s"])
+    rows, only = [], {"planned": 0, "live": 0}
+    for p, r in zip(sim["requests"], live, strict=False):
+        if p["model"] != r["model"]:
+            raise SystemExit(
+                f"{out}: planned and live requests differ in order ({p['model']} / {r['model']})"
+            )
+        met = {
+            k: t is not None and t <= slos[p["model"]]
+            for k, t in (("planned", p["ttft_s"]), ("live", r["ttft_s"] if r["error"] is None else None))
+        }
+        only["planned"] += met["planned"] and not met["live"]
+        only["live"] += met["live"] and not met["planned"]
+        rows.append({"model": p["model"], "arrival_s": round(r["scheduled_s"], 3),
+                     "planned_ttft_s": p["ttft_s"], "planned_cold": p["cold"],
+                     "live_ttft_s": r["ttft_s"]})  # fmt: skip
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {"met_planned_only": only["planned"], "met_live_only": only["live"], "requests": len(rows)}
 
 
 LATENCIES = ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s")  # compared per model
@@ -349,9 +375,13 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
             run = live(config, traffic, start, folder, tag, log=False)
             # what the live run served: its warm-up requests first (recently used models are not
             # idle to the policy), then the replay; the plan's own figure starts from no history
-            row["planned_fresh"] = row["planned"]
+            row["planned_fresh"], row["warmup"] = row["planned"], run["warmup"]
             sim = planned(served, traffic, start, profile, n, "prism", memory, run["warmup"])
             row["planned"] = sim["ttft_attainment"]
+            # request by request: which met their SLO in one run and not the other
+            slos = {m["name"]: m["ttft_slo"] for m in deployed["models"]}
+            bench = folder / f"bench-{tag}" / "bench.json"
+            row["per_request"] = per_request(sim, bench, slos, folder / f"per-request-{tag}.jsonl")
             row.update(live=run["overall"]["ttft_attainment"], wall_s=run["wall_s"],
                        other_load_cores=run["other_load_cores"], cores=run["cores"],
                        per_model={m: v["ttft_attainment"] for m, v in run["models"].items()})  # fmt: skip
@@ -371,6 +401,7 @@ def run_scenario(name: str, s: Scenario, args: argparse.Namespace, hardware: str
             }  # fmt: skip
         out["deployments"].append(row)
         print(f"[{name}] {tag}: planned {points(row['planned'])}, live {points(row.get('live'))}, "
+              f"{row.get('per_request', {})}, "
               f"cores {row.get('cores')}", flush=True)  # fmt: skip
     return out
 

@@ -649,8 +649,8 @@ def test_a_point_with_a_warm_up_in_front_reports_the_replay_alone() -> None:
         np.concatenate([[2, 2], replay.output_tokens]),
         ["a", "b"],
     )
-    fresh = simulate_point(dep, replay, hardware="h100", policy="prism", devices=1)
-    warm = simulate_point(dep, w, hardware="h100", policy="prism", devices=1, warmup=2)
+    fresh = simulate_point(dep, replay, hardware="h100", policy="prism", devices=1, per_request=True)
+    warm = simulate_point(dep, w, hardware="h100", policy="prism", devices=1, warmup=2, per_request=True)
     assert warm["num_requests"] == fresh["num_requests"] == len(replay)
     assert {m: v["requests"] for m, v in warm["per_model"].items()} == {
         m: v["requests"] for m, v in fresh["per_model"].items()
@@ -659,6 +659,19 @@ def test_a_point_with_a_warm_up_in_front_reports_the_replay_alone() -> None:
     # profile, 0.7 s); after the warm-up every model is resident and no request waits for one
     activation = RooflineCostModel(get_hardware("h100")).activation_time(ms[0].spec, 1)
     assert fresh["ttft_p99_s"] > activation > 0.1 > warm["ttft_p99_s"]
+    # request by request (per_request): the replay's, in arrival order from its first arrival
+    names = [["a", "b"][i] for i in replay.model_index]
+    for got in (fresh, warm):
+        assert [r["model"] for r in got["requests"]] == names
+        assert [r["arrival_s"] for r in got["requests"]] == pytest.approx(ts - ts[0])
+    firsts = {names.index(m) for m in ("a", "b")}
+    assert {i for i, r in enumerate(fresh["requests"]) if r["cold"]} == firsts
+    assert not any(r["cold"] for r in warm["requests"])
+    # the warm-up's activations are left out with its requests
+    assert [v["activations"] for v in fresh["per_model"].values()] == [1, 1]
+    assert [v["activations"] for v in warm["per_model"].values()] == [0, 0]
+    assert fresh["per_model"]["a"]["activation_mean_s"] == pytest.approx(activation, rel=0.01)
+    assert max(r["ttft_s"] for r in fresh["requests"]) > activation
     # a warm-up needs every model runnable (its requests are counted by position)
     wide = [served("a"), served("c", tp=2)]
     dep2 = SimDeployment(wide, loose(wide), engine, "prism", ())

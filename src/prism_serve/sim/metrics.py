@@ -123,9 +123,10 @@ class SimResult:
     # prefix caching (labels["prefix_caching"]): per model, the prompt tokens an unbounded cache
     # would have held on the same requests
     infinite_cached: dict[str, int] = field(default_factory=dict)
-    # per served model, each finished activation's seconds from the decision to a ready engine
-    # (waiting for memory included), as a live server's prism_activation_seconds measures it
-    activation_s: dict[str, list[float]] = field(default_factory=dict)
+    # per served model, each finished activation's (decision time, seconds from the decision to a
+    # ready engine, waiting for memory included), as a live server's prism_activation_seconds
+    # measures it
+    activation_s: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     @property
     def prefix_caching(self) -> bool:
@@ -175,7 +176,7 @@ class SimResult:
                 "ttft_misses_warm": len(missed) - cold,
                 "by_replica": served,  # requests each replica (model or slot name) last served
                 "colocated": self.colocated.get(m, []),  # the models it shared a device with
-                "activations": len(took := self.activation_s.get(m, [])),
+                "activations": len(took := [t for _, t in self.activation_s.get(m, [])]),
                 "activation_mean_s": float(np.mean(took)) if took else None,
             }
             if self.prefix_caching:

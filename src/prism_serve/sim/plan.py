@@ -445,7 +445,7 @@ def passed(point: dict, metric: str, target: float) -> bool:
     return "stopped" not in point and point[METRICS[metric]] >= target
 
 
-def _run(job: _Job) -> dict:
+def _run(job: _Job, per_request: bool = False) -> dict:
     start = time.monotonic()
     cfg = job.config
     models, workload = _runnable(job)
@@ -456,10 +456,19 @@ def _run(job: _Job) -> dict:
         # the first requests are a warm-up (simulate_point's): served, left out of what is reported
         if len(workload) != len(job.workload):
             raise SimConfigError("a warm-up in front of the traffic needs every model runnable")
-        res = dataclasses.replace(res, requests=res.requests[cfg.count_from :])
+        kept = res.requests[cfg.count_from :]
+        start = kept[0].arrival if kept else math.inf  # and the activations decided before the replay
+        acts = {m: [a for a in v if a[0] >= start] for m, v in res.activation_s.items()}
+        res = dataclasses.replace(res, requests=kept, activation_s=acts)
         judged = runnable = np.concatenate([np.zeros(cfg.count_from, bool), judged[cfg.count_from :]])
     out = res.summary()
     out["per_model"] = res.per_model()
+    if per_request:  # in arrival order, from the first reported request's arrival
+        t0 = res.requests[0].arrival if res.requests else 0.0
+        out["requests"] = [
+            {"model": r.model, "arrival_s": r.arrival - t0, "ttft_s": r.ttft, "cold": r.cold}
+            for r in res.requests
+        ]
     total = int(judged.sum())
     lost = total - int(runnable.sum())
     arrived = out["num_judged"]  # all of the workload's, or those before a stop
@@ -714,13 +723,16 @@ def simulate_point(
     policy: str,
     devices: int,
     warmup: int = 0,
+    per_request: bool = False,
 ) -> dict:
     """One point of a plan run to its end (the search stops a point once it has missed more than the
     target allows; this never does): ``policy`` on ``devices`` devices of ``hardware``, what
     ``PolicyPlan.points`` holds for a count. ``warmup``: the workload's first requests are served
-    and left out of the result (a live run's warm-up requests before its replay)."""
+    and left out of the result (a live run's warm-up requests before its replay). ``per_request``:
+    the result's ``requests`` lists each request's model, arrival, TTFT (None: no first token) and
+    whether its model was cold, in arrival order."""
     config = dataclasses.replace(deployment.sim_config(devices, hardware, policy), count_from=warmup)
-    return _run(_Job(tuple(deployment.models), workload, deployment.slos, config))
+    return _run(_Job(tuple(deployment.models), workload, deployment.slos, config), per_request)
 
 
 class _InProcess:
