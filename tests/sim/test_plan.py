@@ -652,6 +652,7 @@ def test_a_point_with_a_warm_up_in_front_reports_the_replay_alone() -> None:
     fresh = simulate_point(dep, replay, hardware="h100", policy="prism", devices=1, per_request=True)
     warm = simulate_point(dep, w, hardware="h100", policy="prism", devices=1, warmup=2, per_request=True)
     assert warm["num_requests"] == fresh["num_requests"] == len(replay)
+    assert 0 < warm["wall_s"] < 600  # this run's seconds, not a simulated time
     assert {m: v["requests"] for m, v in warm["per_model"].items()} == {
         m: v["requests"] for m, v in fresh["per_model"].items()
     }

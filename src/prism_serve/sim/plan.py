@@ -457,8 +457,8 @@ def _run(job: _Job, per_request: bool = False) -> dict:
         if len(workload) != len(job.workload):
             raise SimConfigError("a warm-up in front of the traffic needs every model runnable")
         kept = res.requests[cfg.count_from :]
-        start = kept[0].arrival if kept else math.inf  # and the activations decided before the replay
-        acts = {m: [a for a in v if a[0] >= start] for m, v in res.activation_s.items()}
+        first = kept[0].arrival if kept else math.inf  # and the activations decided before the replay
+        acts = {m: [a for a in v if a[0] >= first] for m, v in res.activation_s.items()}
         res = dataclasses.replace(res, requests=kept, activation_s=acts)
         judged = runnable = np.concatenate([np.zeros(cfg.count_from, bool), judged[cfg.count_from :]])
     out = res.summary()
