@@ -6,9 +6,9 @@ and around the copy it hands the job to a pooled worker, grants and maps (or cre
 pages and builds the engine; for a shape larger than the pages a worker kept from the model before,
 creating pages costs more than the copy. So the runtime's own activations are timed, per model:
 ``prism_serve.runtime.activation_probe`` in a process of its own (the simulator may not import the
-runtime), on the fit's core, and each shape gets its measured time around the copy and its copy rate.
-The profile's ``activation_overhead_s`` and ``host_bandwidth`` become their medians, for shapes not
-measured.
+runtime), on the fit's core in the deployment's budget, and each shape gets its measured time
+around the copy, its copy rate and the time its eviction takes. The profile's
+``activation_overhead_s`` and ``host_bandwidth`` become the medians, for shapes not measured.
 """
 
 from __future__ import annotations
