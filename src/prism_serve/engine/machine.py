@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+from collections.abc import Iterable
 from pathlib import Path
 
 __all__ = [
@@ -103,3 +104,13 @@ def cpu_seconds() -> tuple[float, float]:
         v = [int(x) for x in f.readline().split()[1:9]]
     t = os.times()
     return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), t.user + t.system
+
+
+def pin_to_cores(cores: Iterable[int]) -> None:
+    """Run this process on ``cores`` with one torch thread per core, as a live CPU device's workers
+    run (runtime/devices.py ``pin_process``; the fit and its compute-sharing engines do the same)."""
+    import torch
+
+    cores = set(cores)
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))

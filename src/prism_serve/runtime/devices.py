@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prism_serve.control.placement import node_of
+from prism_serve.engine.machine import pin_to_cores
 from prism_serve.errors import InvalidRequestError
 from prism_serve.memory.vmm import format_size, parse_size
 
@@ -109,5 +110,6 @@ def pin_process(spec: DeviceSpec) -> None:
         torch.cuda.set_device(torch.device(spec.local_name))
         return
     if spec.cores:
-        os.sched_setaffinity(0, spec.cores)
-    torch.set_num_threads(spec.num_threads)
+        pin_to_cores(spec.cores)
+    else:
+        torch.set_num_threads(spec.num_threads)

@@ -215,11 +215,10 @@ class StepBench:
 def pin_one_core(core: int | None = None) -> int:
     """Run this process on one core (default: the last one it may use) with one torch thread, as a
     live CPU device of one core does. Returns the core."""
-    import torch
+    from prism_serve.engine.machine import pin_to_cores
 
     core = max(os.sched_getaffinity(0)) if core is None else core
-    os.sched_setaffinity(0, {core})
-    torch.set_num_threads(1)
+    pin_to_cores({core})
     return core
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prism_serve.engine.machine import cpu_seconds
+from prism_serve.engine.machine import cpu_seconds, pin_to_cores
 from prism_serve.sim.fit import FitResult
 
 __all__ = ["SHAPES", "Device", "Interference", "fit_interference", "measure_interference", "with_sharing"]
@@ -52,9 +52,7 @@ def _engine_process(name: str, cores: tuple[int, ...], conn, stop, counts, slot:
 
     from prism_serve.sim.fit import StepBench
 
-    # as a live CPU device's worker runs (runtime/devices.py pin_process): its cores, a thread each
-    os.sched_setaffinity(0, set(cores))
-    torch.set_num_threads(len(cores))
+    pin_to_cores(cores)  # as a live CPU device's worker runs: its cores, a thread each
     bench = StepBench(1, kv_cache_bytes=KV_BYTES)
     for _, kind, args in SHAPES:  # warm-up, alone
         _run_steps(bench, kind, args, lambda: False, 2)
