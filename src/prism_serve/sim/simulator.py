@@ -313,11 +313,17 @@ class Simulator:
             for m, h in zip(simulated.model_index.tolist(), hits.tolist(), strict=True):
                 name = self._names[m]
                 infinite[name] = infinite.get(name, 0) + h
-        result = SimResult(
-            self.requests, self.now, self._busy, self._integral, counters, labels, colocated, infinite
+        return SimResult(
+            self.requests,
+            self.now,
+            self._busy,
+            self._integral,
+            counters,
+            labels,
+            colocated,
+            infinite,
+            activation_s=self._activation_s,
         )
-        result.activation_s = self._activation_s
-        return result
 
     def _arrival_time(self, i: int) -> float:
         return self.config.warmup_s + float(self.workload.timestamps[i]) - self._t0
