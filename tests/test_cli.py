@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -30,3 +31,14 @@ def test_generate_labels_synthetic_weights():
     res = run_prism("generate", "hi", "--model", "random:smollm2-135m", "--max-tokens", "3", "--raw")
     assert res.returncode == 0, res.stderr
     assert "synthetic weights" in res.stderr
+
+
+def test_serve_refuses_a_taken_port_before_starting_anything():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        res = run_prism("serve", "--port", str(port), "--log-level", "info")
+    assert res.returncode == 2, res.stderr
+    assert f"ListenError: cannot listen on 127.0.0.1:{port}" in res.stderr
+    assert "Application startup" not in res.stderr and "serving" not in res.stderr.split("OpenAI endpoint")[1]

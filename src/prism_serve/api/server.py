@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -146,13 +147,51 @@ def create_app(config: DeploymentConfig) -> FastAPI:
     return PrismServer(config).app
 
 
+class ListenError(ConfigError):
+    """``server.host``/``server.port`` cannot be bound (another process holds it, or the host is not
+    this machine's)."""
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything else starts.
+
+    uvicorn binds only after the app's start-up, and start-up launches workers, Ray agents and vLLM
+    processes that open ephemeral ports of their own; a port chosen free before start-up could be
+    theirs by the time uvicorn asked for it. Bound first, the port is the server's, and a port
+    already taken is refused before any worker starts. The socket is not inherited by children."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as e:
+        raise ListenError(f"server.host {host!r} does not resolve: {e}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run_server(config: DeploymentConfig, log_level: str = "info") -> None:
     """Serve ``config`` with uvicorn until SIGINT/SIGTERM (then requests in flight fail with 503,
-    workers stop and the shared memory is released)."""
+    workers stop and the shared memory is released). The port is bound before the runtime starts
+    (``bind_listener``)."""
     import uvicorn
 
-    server = PrismServer(config)
-    uvicorn.run(
-        server.app, host=config.server.host, port=config.server.port, log_level=log_level,
-        timeout_graceful_shutdown=5, access_log=log_level == "debug",
-    )  # fmt: skip
+    sock = bind_listener(config.server.host, config.server.port)
+    try:
+        server = PrismServer(config)
+        served = uvicorn.Server(
+            uvicorn.Config(
+                server.app, host=config.server.host, port=config.server.port, log_level=log_level,
+                timeout_graceful_shutdown=5, access_log=log_level == "debug",
+            )
+        )  # fmt: skip
+        served.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not served.started:  # start-up failed (logged by uvicorn): exit as uvicorn.run does
+        raise SystemExit(3)
