@@ -457,3 +457,32 @@ def test_a_fixed_pool_maps_every_block_at_once_and_gives_them_back_at_close(make
         FixedKVPool(vrange, P, 5, ledger.account("too big"))
     assert vrange.mapped_bytes == 0 and ledger.snapshot().used_bytes == 4 * P
     vrange.close()
+
+
+def test_a_refused_allocation_asks_spare_memory_for_all_it_lacks(make_ledger):
+    """Spare pages (another worker's, kept for its next activation) hold the device's free budget:
+    a refused allocation of many blocks asks their holder for the bytes of every block it lacks,
+    not for the one page it was refused, so one round of giving back lets the retry through."""
+    ledger = make_ledger(budget_bytes=16 * P)
+    spare = ledger.account("w1 spare", spare=True)
+    assert spare.try_reserve(12 * P)
+    pool = make_pool(ledger, 16 * KiB)  # 4 blocks a page; block 0's page is mapped at creation
+    assert pool.allocate(24) is None  # 6 pages: the budget has 3 free
+    wanted = ledger.snapshot().reclaim_bytes
+    assert wanted >= 2 * P  # what the allocation lacked beyond the 3 free pages, not one page
+    spare.release(wanted)  # the holder gives back what was asked, in one round
+    assert pool.allocate(24) is not None
+    assert ledger.snapshot().used_bytes <= 16 * P
+    pool.close()
+    spare.close()
+
+
+def test_a_refusal_by_the_engines_own_limit_asks_nobody(make_ledger):
+    ledger = make_ledger(budget_bytes=16 * P)
+    spare = ledger.account("w1 spare", spare=True)
+    assert spare.try_reserve(12 * P)
+    pool = make_pool(ledger, 16 * KiB, limit_bytes=2 * P)
+    assert pool.allocate(24) is None
+    assert ledger.snapshot().reclaim_bytes == 0
+    pool.close()
+    spare.close()

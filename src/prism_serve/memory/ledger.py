@@ -381,6 +381,19 @@ class DeviceLedger:
             e["peak"] = max(int(e["peak"]), mapped)
             return True
 
+    def ask_back(self, slot: int, num_bytes: int) -> None:
+        """``slot`` needs ``num_bytes`` more than it holds (an allocation the budget refused part of
+        the way): ask the holders of spare pages and cached KV for the whole shortfall now. A grant
+        refused asks only for its own bytes, so an allocation that maps page by page, retried once a
+        step, would otherwise get its memory back a page per step."""
+        if num_bytes <= 0:
+            return
+        with self:
+            short = self._used() + num_bytes - self.budget_bytes
+            if short > 0:
+                self._header["refused_at"] = time.time()
+                self._ask_reclaim(short, exclude=slot)
+
     def _ask_reclaim(self, num_bytes: int, exclude: int) -> None:
         spare = self._entries["spare"] != 0
         spare[exclude] = False
@@ -560,6 +573,12 @@ class Account:
 
     def try_reserve(self, num_bytes: int, reclaim: bool | None = None) -> bool:
         return self.ledger.try_reserve(self.slot, num_bytes, self.reclaim if reclaim is None else reclaim)
+
+    def ask_back(self, num_bytes: int) -> None:
+        """This account wants ``num_bytes`` more (``DeviceLedger.ask_back``); nothing for an account
+        that asks no one for spare pages."""
+        if self.reclaim:
+            self.ledger.ask_back(self.slot, num_bytes)
 
     def move_to(self, other: Account, num_bytes: int) -> bool:
         return self.ledger.move(self.slot, other.slot, num_bytes)
