@@ -486,3 +486,14 @@ def test_a_refusal_by_the_engines_own_limit_asks_nobody(make_ledger):
     assert ledger.snapshot().reclaim_bytes == 0
     pool.close()
     spare.close()
+
+
+def test_a_refusal_by_a_full_range_asks_nobody(make_ledger):
+    ledger = make_ledger(budget_bytes=12 * P)  # the pool's 4 pages and the spare ones fill it
+    spare = ledger.account("w1 spare", spare=True)
+    assert spare.try_reserve(8 * P)
+    pool = make_pool(ledger, 16 * KiB, num_pages=4)  # 16 blocks at most, whatever the device has
+    assert pool.allocate(20) is None
+    assert ledger.snapshot().reclaim_bytes == 0
+    pool.close()
+    spare.close()

@@ -639,8 +639,12 @@ class ElasticKVPool:
         """An allocation of ``num_blocks`` was refused: ask the device's spare pages and cached KV
         for all the bytes it lacks at once (the blocks beyond the ready ones, a page more for a
         block straddling a page already mapped), so that the step that retries it finds them. Not
-        when the engine's own limit is what refused it."""
-        need = (num_blocks - self._num_ready) * self.block_bytes + self.page_size
+        when the engine's own limit or its reserved range is what refused it: memory given back
+        would not let it through."""
+        lacking = (num_blocks - self._num_ready) * self.block_bytes
+        if lacking > (self._num_pages - self.vrange.num_mapped_pages) * self.page_size:
+            return  # the range is full: only blocks freed by its own requests can help
+        need = lacking + self.page_size
         if self._limit is not None and self.vrange.mapped_bytes + need > self._limit:
             return
         self.account.ask_back(need)
