@@ -42,3 +42,9 @@ def test_serve_refuses_a_taken_port_before_starting_anything():
     assert res.returncode == 2, res.stderr
     assert f"ListenError: cannot listen on 127.0.0.1:{port}" in res.stderr
     assert "Application startup" not in res.stderr and "serving" not in res.stderr.split("OpenAI endpoint")[1]
+
+
+def test_serve_names_a_host_it_cannot_listen_on():
+    res = run_prism("serve", "--host", "no-such-host.invalid", "--port", "8000")
+    assert res.returncode == 2, res.stderr
+    assert "ListenError: cannot listen on no-such-host.invalid:8000" in res.stderr

@@ -159,17 +159,12 @@ def bind_listener(host: str, port: int) -> socket.socket:
     processes that open ephemeral ports of their own; a port chosen free before start-up could be
     theirs by the time uvicorn asked for it. Bound first, the port is the server's, and a port
     already taken is refused before any worker starts. The socket is not inherited by children."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except socket.gaierror as e:
-        raise ListenError(f"server.host {host!r} does not resolve: {e}") from None
-    sock = socket.socket(family, kind, proto)
+    # the address family as uvicorn chooses it (a name such as localhost binds IPv4)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(address)
-    except OSError as e:
+        sock.bind((host, port))
+    except OSError as e:  # taken, not this machine's address, or a name that does not resolve
         sock.close()
         raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
