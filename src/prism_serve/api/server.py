@@ -185,7 +185,8 @@ def run_server(config: DeploymentConfig, log_level: str = "info") -> None:
                 timeout_graceful_shutdown=5, access_log=log_level == "debug",
             )
         )  # fmt: skip
-        served.run(sockets=[sock])
+        with contextlib.suppress(KeyboardInterrupt):  # SIGINT, re-raised after the shutdown: done
+            served.run(sockets=[sock])
     finally:
         sock.close()
     if not served.started:  # start-up failed (logged by uvicorn): exit as uvicorn.run does
