@@ -108,3 +108,35 @@ def test_a_failure_while_placing_after_an_activation_does_not_fail_it(rt, monkey
     rt.run(rt.c.unload("tiny"))
     fail_once(rt.c.policy, "place", monkeypatch)
     still_serves(rt)  # activation went through; the request was admitted (by then or by a tick)
+
+
+def test_a_shield_left_behind_retrieves_its_workers_death():
+    """take() waits for the first of several starting workers; the shields of the others are left
+    behind, and a worker dying later (at shutdown) must not log "Future exception was never
+    retrieved" (asyncio reports an unretrieved exception when the future is collected)."""
+    import asyncio
+    import gc
+
+    from prism_serve.errors import WorkerDiedError
+    from prism_serve.runtime.workers import shielded
+
+    reported: list[dict] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, context: reported.append(context))
+        first, other = loop.create_future(), loop.create_future()
+        waiting = asyncio.ensure_future(asyncio.wait([shielded(first), shielded(other)],
+                                                     return_when=asyncio.FIRST_COMPLETED))  # fmt: skip
+        await asyncio.sleep(0)
+        first.set_result(None)
+        await waiting
+        other.set_exception(WorkerDiedError("worker cpu:0/w1 died (exit status -15)"))
+        other.exception()  # the manager retrieves its own future (workers.py _died)
+        await asyncio.sleep(0)
+        del waiting, first, other
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert not [c for c in reported if "never retrieved" in c.get("message", "")], reported

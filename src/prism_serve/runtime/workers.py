@@ -36,6 +36,15 @@ from prism_serve.runtime.loading import LOAD_THREADS
 logger = logging.getLogger(__name__)
 
 
+def shielded(fut: asyncio.Future) -> asyncio.Future:
+    """``asyncio.shield(fut)`` whose outcome is retrieved even when nobody awaits it any more: a
+    wait for one of several starting workers leaves the others' shields behind, and one of those
+    workers dying later (at shutdown, say) would log "Future exception was never retrieved"."""
+    outer = asyncio.shield(fut)
+    outer.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return outer
+
+
 class WorkerStartError(PrismError):
     """A worker process exited or did not report ready in time."""
 
@@ -221,7 +230,7 @@ class WorkerPool:
 
     async def wait_ready(self, handle: WorkerHandle) -> WorkerHandle:
         try:
-            await asyncio.wait_for(asyncio.shield(handle.ready), self._start_timeout_s)
+            await asyncio.wait_for(shielded(handle.ready), self._start_timeout_s)
         except TimeoutError:
             handle.proc.kill()
             raise WorkerStartError(
@@ -259,9 +268,7 @@ class WorkerPool:
                 handle.state = WorkerState.ACTIVATING
                 return handle  # the caller refills the pool once this activation is done
             starting = self._starting(device, engine) or [self.spawn(spec, engine)]
-            await asyncio.wait(
-                [asyncio.shield(h.ready) for h in starting], return_when=asyncio.FIRST_COMPLETED
-            )
+            await asyncio.wait([shielded(h.ready) for h in starting], return_when=asyncio.FIRST_COMPLETED)
 
     def refill(self, device: str, engine: str = "builtin") -> None:
         """Keep one idle worker of ``engine`` ready on ``device`` for the next activation. Called
