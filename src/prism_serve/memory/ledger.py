@@ -374,8 +374,7 @@ class DeviceLedger:
             short = self._used() + num_bytes - self.budget_bytes
             if short > 0:
                 if reclaim:  # a grant made ahead of need (spare pages) asks nobody for anything
-                    self._header["refused_at"] = time.time()
-                    self._ask_reclaim(short, exclude=slot)
+                    self._refused(short, exclude=slot)
                 return False
             e["mapped"] = mapped
             e["peak"] = max(int(e["peak"]), mapped)
@@ -391,10 +390,13 @@ class DeviceLedger:
         with self:
             short = self._used() + num_bytes - self.budget_bytes
             if short > 0:
-                self._header["refused_at"] = time.time()
-                self._ask_reclaim(short, exclude=slot)
+                self._refused(short, exclude=slot)
 
-    def _ask_reclaim(self, num_bytes: int, exclude: int) -> None:
+    def _refused(self, num_bytes: int, exclude: int) -> None:
+        """A grant ``num_bytes`` short of the budget was refused (lock held): note when, and ask
+        the entries other than ``exclude`` holding spare pages or cached KV for the shortfall."""
+        now = time.time()
+        self._header["refused_at"] = now
         spare = self._entries["spare"] != 0
         spare[exclude] = False
         cached = self._entries["reclaimable"].copy()
@@ -403,7 +405,6 @@ class DeviceLedger:
         held = int(self._entries["mapped"][spare].sum()) + int(cached.sum())
         if held < num_bytes:
             return  # even every spare page would not make room: ask for none
-        now = time.time()
         pending = int(self._header["reclaim"]) if float(self._header["reclaim_until"]) > now else 0
         # the largest shortfall asked for, not their sum: one requester retries the same shortfall
         self._header["reclaim"] = min(held, max(pending, num_bytes))
