@@ -91,15 +91,16 @@ def test_other_models_are_predicted_from_their_own_shape_and_not_fitted_to() -> 
 
 
 def test_a_shape_measured_at_its_own_rates_is_priced_at_them(tmp_path: Path) -> None:
-    """A shape whose weights this core streams 30% slower and whose matmuls it runs 40% faster than
-    the fitted model's rates say: its two training steps give the two factors, its held-out points
-    are then priced within rounding, and the profile keeps them for the simulator (sim/cost.py)."""
+    """A shape whose weights this core streams 30% slower, whose matmuls it runs 40% faster and whose
+    attention it runs in 0.6 of the time the fitted model's rates say: its three training steps give
+    the three factors, its held-out points are then priced within rounding, and the profile keeps
+    them for the simulator (sim/cost.py)."""
     from prism_serve.sim.fit import SHAPE_TRAIN, shape_factors
 
     base = HARDWARE["cpu-smollm2-avx512bf16"]
     known = dataclasses.replace(base, step_overhead_s=6e-3, peak_flops=1.5e11, mem_bandwidth=2.5e10)
     own, big = model_shape(FIT_MODEL, 4), model_shape("qwen2.5-0.5b", 4)
-    truth = dataclasses.replace(known, shape_scales=(("qwen2.5-0.5b", 1.3, 1 / 1.4),))
+    truth = dataclasses.replace(known, shape_scales=(("qwen2.5-0.5b", 1.3, 1 / 1.4, 0.6),))
     cm = RooflineCostModel(truth)
     points = [dict(p, batch=batch_of(p), times=[predict(cm, own, batch_of(p))]) for p in step_points("quick")]
     trained = [{"kind": k, "args": list(a), "held_out": False} for k, a in SHAPE_TRAIN]
@@ -110,9 +111,13 @@ def test_a_shape_measured_at_its_own_rates_is_priced_at_them(tmp_path: Path) -> 
     ]
     raw = {"points": points, "decode_attention": "kernel"}
     result = fit_points(raw, base, mem_bandwidth=known.mem_bandwidth, shapes={"random:qwen2.5-0.5b": big})
-    ((name, memory, compute),) = result.profile.shape_scales
+    ((name, *factors),) = result.profile.shape_scales
     assert name == "qwen2.5-0.5b"
-    assert (memory, compute) == (pytest.approx(1.3, rel=1e-3), pytest.approx(1 / 1.4, rel=1e-3))
+    assert factors == [
+        pytest.approx(1.3, rel=1e-3),
+        pytest.approx(1 / 1.4, rel=1e-3),
+        pytest.approx(0.6, rel=1e-3),
+    ]
     assert max(abs(result.errors(True, shape="random:qwen2.5-0.5b"))) < 1e-3
     # without its training steps the same shape is priced at the fitted model's rates, and misses
     unscaled = RooflineCostModel(dataclasses.replace(result.profile, shape_scales=()))
@@ -122,7 +127,7 @@ def test_a_shape_measured_at_its_own_rates_is_priced_at_them(tmp_path: Path) -> 
     path = tmp_path / "cpu.json"
     dump_hardware(result.profile, path)
     assert get_hardware(str(path)).shape_scales == result.profile.shape_scales
-    assert shape_factors(result.profile, big, [(batch_of(trained[0]), 0.2)]) is None
+    assert shape_factors(result.profile, big, [(batch_of(p), 0.2) for p in trained[:2]]) is None
     assert shape_factors(HARDWARE["h100"], big, [(batch_of(p), 0.2) for p in trained]) is None
 
 
@@ -299,7 +304,22 @@ def test_bad_shape_activations_in_a_profile_are_a_named_error(bad, tmp_path: Pat
     assert get_hardware(str(tmp_path / "cpu.json")).shape_activations == (("x", 0.1, 5e9, 0.2),)
 
 
-BAD_SCALES = [[["qwen2.5-0.5b", 1.2]], [["qwen2.5-0.5b", 0.0, 1.0]], [["x", "fast", 1.0]]]
+BAD_SCALES = [
+    [["qwen2.5-0.5b", 1.2]], [["qwen2.5-0.5b", 0.0, 1.0]], [["x", "fast", 1.0]], [["x", 1.0, 1.0, -1.0]],
+    [["x", 1.0, 1.0, 1.0, 1.0]],
+]  # fmt: skip
+
+
+def test_a_profile_file_without_attention_factors_runs_attention_at_the_fitted_rates(tmp_path: Path) -> None:
+    """A file written when shape_scales held two factors still loads: its attention unscaled."""
+    profile = HARDWARE["cpu-smollm2-avx512bf16"]
+    dump_hardware(profile, tmp_path / "cpu.json")
+    data = json.loads((tmp_path / "cpu.json").read_text())
+    data["shape_scales"] = [["qwen2.5-0.5b", 1.2, 0.9]]
+    (tmp_path / "cpu.json").write_text(json.dumps(data))
+    loaded = get_hardware(str(tmp_path / "cpu.json"))
+    assert loaded.scales_for("qwen2.5-0.5b") == (1.2, 0.9, 1.0)
+    assert loaded.scales_for("another") == (1.0, 1.0, 1.0)
 
 
 @pytest.mark.parametrize("scales", BAD_SCALES)

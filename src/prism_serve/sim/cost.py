@@ -88,7 +88,7 @@ class RooflineCostModel:
                 ) / hw.link_bandwidth
             groups = None
             # this shape's own rates where the profile measured them (HardwareProfile.shape_scales)
-            mem, comp = hw.scales_for(spec.name)
+            mem, comp, attn = hw.scales_for(spec.name)
             if not hw.overlap:
                 # (pass, per row when packed, per row when streamed) for the body, then the LM head
                 row = hw.row_bandwidth or 0.0
@@ -102,10 +102,10 @@ class RooflineCostModel:
                 )
             c = (
                 comp * spec.matmul_flops_per_token / tp / self._flops_rate,  # s per token, compute
-                comp * spec.attn_flops_per_pair / tp / self._attn_rate,  # s per attention pair
+                attn * spec.attn_flops_per_pair / tp / self._attn_rate,  # s per attention pair
                 # s to stream the weights once (a MoE model's dense part: its experts are the last)
                 mem * spec.step_read_bytes / tp / self._mem_rate,
-                mem * spec.kv_bytes_per_token / tp / self._kv_rate,  # s per KV token read or written
+                attn * spec.kv_bytes_per_token / tp / self._kv_rate,  # s per KV token read or written
                 hw.step_overhead_s + comm_fixed,
                 comm_per_token,
                 hw.seq_overhead_s,

@@ -38,9 +38,11 @@ and ``prism plan --hardware fit`` with the config's models): one core streams an
 matrices of another model at other rates than SmolLM2-135M's (on the AVX-512 host Qwen2.5-0.5B's
 896/4,864-wide matmuls ran at 136 GFLOP/s against 89, while the larger models' small decodes were
 11-20% slower than its weight pass prices them). So each other model (a ``random:<preset>``
-source, a GGUF file, an HF directory) gets two training steps of its own, a one-row decode and a
-256-token prefill (``SHAPE_TRAIN``), which give its memory and compute factors on the fitted rates
-(``shape_factors``; the profile's ``shape_scales``, which sim/cost.py applies to that shape). The
+source, a GGUF file, an HF directory) gets three training steps of its own, a one-row decode, a
+256-token prefill and a long-context decode batch (``SHAPE_TRAIN``), which give its memory, compute
+and attention factors on the fitted rates (``shape_factors``; the profile's ``shape_scales``, which
+sim/cost.py applies to that shape: the weight pass, the matmuls, and the KV traffic and attention
+FLOPs; another head size and grouping runs attention at other rates than SmolLM2-135M's). The
 same quick held-out points are then measured on its weights and predicted from its shape at its
 factors; they are not fitted to: they say how far the profile is off on the models it will price,
 per shape and step kind in the report, and the profile keeps them by shape (``shape_errors``):
@@ -92,10 +94,11 @@ QUICK_HELD = [
 ]  # fmt: skip
 
 
-# each other shape's own training steps: a one-row decode (almost all weight pass) and a 256-token
-# prefill (almost all matmul FLOPs), from which its memory and compute factors are solved
+# each other shape's own training steps: a one-row decode (almost all weight pass), a 256-token
+# prefill (almost all matmul FLOPs) and eight decodes at 1,024 tokens of context (the most attention
+# of the three), from which its memory, compute and attention factors are solved
 # (HardwareProfile.shape_scales); its quick held-out points then measure the scaled prediction
-SHAPE_TRAIN = [("decode", (1, 16)), ("prefill", (256, 0))]
+SHAPE_TRAIN = [("decode", (1, 16)), ("prefill", (256, 0)), ("decode", (8, 1024))]
 
 
 def step_points(held_out: str = "all") -> list[dict]:
@@ -368,33 +371,44 @@ def _sources(points: list[dict]) -> list[str]:
     return list(dict.fromkeys(p["shape"] for p in points if p.get("shape") is not None))
 
 
-def shape_factors(hw: HardwareProfile, spec, steps: list[tuple[list, float]]) -> tuple[float, float] | None:
-    """(memory factor, compute factor) that price ``steps`` ((batch, measured seconds) of ``spec``)
-    exactly on ``hw`` at the shape's own rates: each step's time apart from its fixed costs is
-    a x its memory traffic + b x its compute as ``hw`` prices them (the CPU form is a sum), two
-    steps give a and b. None without two such steps, or where they do not separate the two (a
-    factor outside [1/4, 4] is clamped: a step that small in one part cannot tell it)."""
+def shape_factors(
+    hw: HardwareProfile, spec, steps: list[tuple[list, float]]
+) -> tuple[float, float, float] | None:
+    """(memory, compute, attention factors) that price ``steps`` ((batch, measured seconds) of
+    ``spec``) on ``hw`` at the shape's own rates: each step's time apart from its fixed costs is
+    a x its weight pass + b x its matmul FLOPs + c x its attention (KV traffic and attention FLOPs)
+    as ``hw`` prices them (the CPU form is a sum); three steps give a, b and c (more: least
+    squares). None without three such steps, or where they do not separate the three (a factor
+    outside [1/4, 4] is clamped: a step that small in one part cannot tell it)."""
     from prism_serve.sim.cost import RooflineCostModel
 
-    if len(steps) < 2 or hw.overlap:
+    if len(steps) < 3 or hw.overlap:
         return None
     free = 1e30  # a rate no step notices: that part priced at 0
-    no_memory = {"mem_bandwidth": free, "kv_bandwidth": free}
-    no_compute = {"peak_flops": free, "attn_flops": free}
-    parts = [{**no_memory, **no_compute}, no_compute, no_memory]  # fixed costs; + memory; + compute
-    at_fixed, with_memory, with_compute = (
-        RooflineCostModel(dataclasses.replace(hw, shape_scales=(), **changes)) for changes in parts
+    # None (attention at the weights' and matmuls' rates) made explicit, so that each part is apart
+    hw = dataclasses.replace(
+        hw, kv_bandwidth=hw.kv_bandwidth or hw.mem_bandwidth, attn_flops=hw.attn_flops or hw.peak_flops
     )
+    rates = ("mem_bandwidth", "peak_flops", "kv_bandwidth", "attn_flops")
+    # fixed costs; + the weight pass; + the matmuls; + attention
+    parts = [(), ("mem_bandwidth",), ("peak_flops",), ("kv_bandwidth", "attn_flops")]
+    at_fixed, *priced = [
+        RooflineCostModel(
+            dataclasses.replace(hw, shape_scales=(), **{k: free for k in rates if k not in kept})
+        )
+        for kept in parts
+    ]
     a, b = [], []
     for batch, seconds in steps:
         base = predict(at_fixed, spec, batch)
-        a.append([predict(with_memory, spec, batch) - base, predict(with_compute, spec, batch) - base])
+        a.append([predict(cm, spec, batch) - base for cm in priced])
         b.append(seconds - base)
     a, b = np.array(a), np.array(b)
-    if abs(np.linalg.det(a[:2])) < 1e-12 * np.abs(a[:2]).max() ** 2:
+    scale = np.abs(a).max(axis=0)
+    if not (scale > 0).all() or np.linalg.matrix_rank(a / scale, tol=1e-6) < 3:
         return None
-    memory, compute = np.linalg.solve(a[:2], b[:2])
-    return float(np.clip(memory, 0.25, 4.0)), float(np.clip(compute, 0.25, 4.0))
+    factors = np.linalg.lstsq(a, b, rcond=None)[0]
+    return tuple(float(f) for f in np.clip(factors, 0.25, 4.0))  # type: ignore[return-value]
 
 
 def predict(cm, spec, batch: list) -> float:
@@ -538,7 +552,7 @@ def fit_points(
     batches = [pts[i]["batch"] for i in own]
     crossover, coef, _ = best_fit(spec, batches, y, train, base, None, mem_bandwidth)
     hw = profile_from(coef, base)
-    # each other shape's memory and compute factors, from its own training steps
+    # each other shape's memory, compute and attention factors, from its own training steps
     scales = []
     for source in _sources(pts):
         steps = [

@@ -110,12 +110,15 @@ class HardwareProfile:
     # --shapes``): a plan draws from these too for a deployment that serves that shape
     # (``errors_for``), and not for one that does not.
     shape_errors: tuple[tuple[str, tuple[float, ...]], ...] = ()
-    # Per other shape (ModelShape name): (memory factor, compute factor) by which that model's
-    # memory traffic (weights, KV) and compute (matmuls, attention) take longer than the fitted
-    # rates price them: one core streams and multiplies matrices of other widths at other rates.
-    # ``prism fit-hardware --shapes`` measures them on two training steps of each shape (a one-row
-    # decode, a 256-token prefill; sim/fit.py); a shape not listed runs at the fitted rates.
-    shape_scales: tuple[tuple[str, float, float], ...] = ()
+    # Per other shape (ModelShape name): (memory factor, compute factor, attention factor) by which
+    # that model's weight pass, its matmuls and its attention (KV read and written, attention FLOPs)
+    # take longer than the fitted rates price them: one core streams and multiplies matrices of
+    # other widths at other rates, and runs attention of other head sizes and groupings at others.
+    # ``prism fit-hardware --shapes`` measures them on three training steps of each shape (a one-row
+    # decode, a 256-token prefill, a long-context decode; sim/fit.py); a shape not listed runs at the
+    # fitted rates. An entry of two factors (a file written before the attention factor was
+    # measured) runs its attention at the fitted rates.
+    shape_scales: tuple[tuple[str, float, float, float], ...] = ()
     # Per shape (ModelShape name): (seconds, bytes/s, seconds) of its swaps on a one-core device of
     # this machine's runtime: the time around an activation's weight copy (the worker taking the
     # job, its pages granted and mapped or created, the engine built), the copy's own rate there,
@@ -140,9 +143,9 @@ class HardwareProfile:
             "must be finite and > -1",
         )  # fmt: skip
         self._entries(
-            "shape_scales", lambda v: tuple((str(n), float(m), float(c)) for n, m, c in v),
-            "[shape, memory factor, compute factor] triples",
-            lambda v: all(math.isfinite(f) and f > 0 for _, m, c in v for f in (m, c)),
+            "shape_scales", lambda v: tuple(_scales(*e) for e in v),
+            "[shape, memory factor, compute factor, attention factor] entries",
+            lambda v: all(math.isfinite(f) and f > 0 for _, *fs in v for f in fs),
             "factors must be finite and > 0",
         )  # fmt: skip
         self._entries(
@@ -198,12 +201,12 @@ class HardwareProfile:
         wanted = set(shapes)
         return self.step_errors + tuple(e for n, es in self.shape_errors if n in wanted for e in es)
 
-    def scales_for(self, shape: str) -> tuple[float, float]:
-        """(memory factor, compute factor) of ``shape`` (a ModelShape name): (1, 1) unless measured."""
-        for name, memory, compute in self.shape_scales:
+    def scales_for(self, shape: str) -> tuple[float, float, float]:
+        """(memory, compute, attention factors) of ``shape`` (a ModelShape name): 1s unless measured."""
+        for name, memory, compute, attention in self.shape_scales:
             if name == shape:
-                return memory, compute
-        return 1.0, 1.0
+                return memory, compute, attention
+        return 1.0, 1.0, 1.0
 
     def activation_for(self, shape: str) -> tuple[float, float]:
         """(seconds around the copy, the copy's bytes/s) of activating ``shape`` (a ModelShape
@@ -387,6 +390,13 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
         )
     }
 )
+
+
+def _scales(
+    name: object, memory: object, compute: object, attention: object = 1.0
+) -> tuple[str, float, float, float]:
+    """One shape_scales entry; an older file's (shape, memory, compute): attention at the fitted rates."""
+    return str(name), float(memory), float(compute), float(attention)  # type: ignore[arg-type]
 
 
 def vector_class_profile() -> str:

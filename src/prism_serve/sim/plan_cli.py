@@ -278,9 +278,9 @@ def add_fit_parser(sub) -> None:
     p.add_argument("--core", type=int, default=None, help="the core to run on (default: the last one)")
     p.add_argument(
         "--shapes", default="", metavar="SOURCES",
-        help="other models' weights (random:<preset>, a .gguf, an HF directory), comma-separated: two "
-        "steps of each set its own memory and compute rates, and its held-out steps, predicted at them, "
-        "give its errors, which join the profile's step errors",
+        help="other models' weights (random:<preset>, a .gguf, an HF directory), comma-separated: three "
+        "steps of each set its own weight-pass, matmul and attention rates, and its held-out steps, "
+        "predicted at them, give its errors, which join the profile's step errors",
     )  # fmt: skip
     p.add_argument(
         "--device-memory", metavar="SIZE",
