@@ -73,6 +73,7 @@ __all__ = [
     "profile_from",
     "shape_factors",
     "step_kind",
+    "step_parts",
     "step_points",
     "weight_pass_rate",
 ]
@@ -371,39 +372,48 @@ def _sources(points: list[dict]) -> list[str]:
     return list(dict.fromkeys(p["shape"] for p in points if p.get("shape") is not None))
 
 
+PARTS = ("mem_bandwidth", "peak_flops", "kv_bandwidth", "attn_flops")  # step_parts' columns, in order
+
+
+def step_parts(hw: HardwareProfile, spec, batches: list[list]) -> tuple[np.ndarray, np.ndarray]:
+    """How ``hw`` prices each of ``batches`` (steps of ``spec``, its shape factors left out), part by
+    part: (fixed seconds per step, [steps x 4] seconds of its weight pass, matmul FLOPs, KV traffic
+    and attention FLOPs, the rates of ``PARTS``). The CPU form's step is their sum."""
+    from prism_serve.sim.cost import RooflineCostModel
+
+    free = 1e30  # a rate no step notices: that part priced at 0
+    # None (attention at the weights' and matmuls' rates) made explicit, so that each part is apart
+    hw = dataclasses.replace(
+        hw,
+        shape_scales=(),
+        kv_bandwidth=hw.kv_bandwidth or hw.mem_bandwidth * hw.mem_efficiency,
+        attn_flops=hw.attn_flops or hw.peak_flops * hw.flops_efficiency,
+    )
+    at_fixed, *alone = [
+        RooflineCostModel(dataclasses.replace(hw, **{k: free for k in PARTS if k != kept}))
+        for kept in (None, *PARTS)
+    ]
+    fixed = np.array([predict(at_fixed, spec, batch) for batch in batches])
+    parts = np.array([[predict(cm, spec, batch) for cm in alone] for batch in batches]).reshape(
+        -1, len(PARTS)
+    )
+    return fixed, parts - fixed[:, None]
+
+
 def shape_factors(
     hw: HardwareProfile, spec, steps: list[tuple[list, float]]
 ) -> tuple[float, float, float] | None:
     """(memory, compute, attention factors) that price ``steps`` ((batch, measured seconds) of
     ``spec``) on ``hw`` at the shape's own rates: each step's time apart from its fixed costs is
     a x its weight pass + b x its matmul FLOPs + c x its attention (KV traffic and attention FLOPs)
-    as ``hw`` prices them (the CPU form is a sum); three steps give a, b and c (more: least
-    squares). None without three such steps, or where they do not separate the three (a factor
-    outside [1/4, 4] is clamped: a step that small in one part cannot tell it)."""
-    from prism_serve.sim.cost import RooflineCostModel
-
+    as ``hw`` prices them (``step_parts``; the CPU form is a sum); three steps give a, b and c (more:
+    least squares). None without three such steps, or where they do not separate the three (a
+    factor outside [1/4, 4] is clamped: a step that small in one part cannot tell it)."""
     if len(steps) < 3 or hw.overlap:
         return None
-    free = 1e30  # a rate no step notices: that part priced at 0
-    # None (attention at the weights' and matmuls' rates) made explicit, so that each part is apart
-    hw = dataclasses.replace(
-        hw, kv_bandwidth=hw.kv_bandwidth or hw.mem_bandwidth, attn_flops=hw.attn_flops or hw.peak_flops
-    )
-    rates = ("mem_bandwidth", "peak_flops", "kv_bandwidth", "attn_flops")
-    # fixed costs; + the weight pass; + the matmuls; + attention
-    parts = [(), ("mem_bandwidth",), ("peak_flops",), ("kv_bandwidth", "attn_flops")]
-    at_fixed, *priced = [
-        RooflineCostModel(
-            dataclasses.replace(hw, shape_scales=(), **{k: free for k in rates if k not in kept})
-        )
-        for kept in parts
-    ]
-    a, b = [], []
-    for batch, seconds in steps:
-        base = predict(at_fixed, spec, batch)
-        a.append([predict(cm, spec, batch) - base for cm in priced])
-        b.append(seconds - base)
-    a, b = np.array(a), np.array(b)
+    fixed, parts = step_parts(hw, spec, [batch for batch, _ in steps])
+    a = np.column_stack([parts[:, 0], parts[:, 1], parts[:, 2] + parts[:, 3]])
+    b = np.array([seconds for _, seconds in steps]) - fixed
     scale = np.abs(a).max(axis=0)
     if not (scale > 0).all() or np.linalg.matrix_rank(a / scale, tol=1e-6) < 3:
         return None
