@@ -331,6 +331,8 @@ def pick_replica(
     candidates = [r for r in _group(cluster, model).resident if r.model != draining]
     if not candidates:
         return _to(request, draining or model)
+    if len(candidates) == 1:  # the only choice, whatever the predictions (most requests, most models)
+        return _to(request, candidates[0].model)
     if cached:
         return _to(request, _by_prefix(request, cluster, candidates, cached, now).model)
     best = min(

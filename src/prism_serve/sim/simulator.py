@@ -443,10 +443,10 @@ class Simulator:
         if m.step_started is not None:
             m.step_seconds += now - m.step_started
             m.busy_seconds += work
-            if steps:  # decode steps, timed alone: what StepSums fits (the live worker: CPU time)
-                m.steps = m.steps.plus(batch, alone, steps)
             m.step_started = None
-            if self._live_profiles:
+            if self._live_profiles:  # only what the live controller would measure reads the sums
+                if steps:  # decode steps, timed alone: what StepSums fits (the live worker: CPU time)
+                    m.steps = m.steps.plus(batch, alone, steps)
                 self._stepped[m.served.name] = None
         for req in e.first_tokens:
             self.loop.first_token(req.req_id, req.first_token)
