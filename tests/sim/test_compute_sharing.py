@@ -264,3 +264,44 @@ def test_the_serving_share_is_a_named_error_when_negative():
         HardwareProfile("x", 1e12, 1e12, 1e9, 1e9, 1 << 30, serving_share=-0.01)
     assert all(hw.serving_share == 0.0 for name, hw in HARDWARE.items() if not name.startswith("cpu"))
     assert HARDWARE["h100"].serving_slowdown(True) == 1.0
+
+
+def _by_shape(tmp_path, share: float, table, cross: float = 0.0) -> str:
+    """The h100 profile with ``share`` (and ``cross``) for steps with a prefill and ``table``
+    (``decode_interference``) for decode steps."""
+    import dataclasses
+
+    from prism_serve.sim.hardware import dump_hardware
+
+    path = tmp_path / "by-shape.json"
+    hw = dataclasses.replace(
+        HARDWARE["h100"], name="by-shape", share_interference=share, cross_interference=cross,
+        decode_interference=table,
+    )  # fmt: skip
+    dump_hardware(hw, path)
+    return str(path)
+
+
+def test_decode_steps_share_a_device_by_their_own_measured_term(tmp_path):
+    """Two one-row decodes on one device: each step 2 x (1 + the table's term at one row), while
+    their prefills, stepping together before, take the profile's own term."""
+    hw = _by_shape(tmp_path, 0.1, ((1, 0.3, 0.0), (8, 0.05, 0.0)))
+    (alone,) = _run([(0.0, 0)], output=20, hardware=hw)
+    a, b = _run([(0.0, 0), (0.0, 1)], output=20, hardware=hw)
+    for r in (a, b):
+        assert r.ttft == pytest.approx(2 * 1.1 * alone.ttft, rel=1e-6)
+        assert r.tpot == pytest.approx(2 * 1.3 * alone.tpot, rel=1e-6)
+    # with sharing off the table does nothing either
+    a, _ = _run([(0.0, 0), (0.0, 1)], output=20, hardware=hw, sharing=False)
+    assert a.tpot == pytest.approx(alone.tpot, rel=1e-9)
+
+
+def test_a_decode_step_slows_by_the_cross_term_of_its_rows(tmp_path):
+    """One one-row decode on each of two devices of one host: each step 1 + the table's cross term
+    at one row; the profile's own cross term prices their prefills."""
+    hw = _by_shape(tmp_path, 0.0, ((1, 0.0, 0.4),), cross=0.1)
+    (alone,) = _run([(0.0, 0)], devices=2, output=20, hardware=hw)
+    a, b = _run([(0.0, 0), (0.0, 1)], devices=2, output=20, hardware=hw)
+    for r in (a, b):
+        assert r.ttft == pytest.approx(1.1 * alone.ttft, rel=1e-6)
+        assert r.tpot == pytest.approx(1.4 * alone.tpot, rel=1e-6)

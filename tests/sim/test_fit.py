@@ -150,6 +150,11 @@ def test_fit_hardware_measures_this_machine_and_plan_uses_it(tmp_path: Path, cap
     assert 0 <= hw.share_interference < 1
     if len(os.sched_getaffinity(0)) > 1:
         assert "one on each of two cores" in err and 0 <= hw.cross_interference < 1
+    # and per decode shape measured (one row and eight; a shape whose window saw no step has none),
+    # the terms its decode steps take
+    rows = [rows for rows, _, _ in hw.decode_interference]
+    assert rows and rows == sorted(rows) and set(rows) <= {1, 8}
+    assert all(0 <= share < 1 and 0 <= cross < 1 for _, share, cross in hw.decode_interference)
     # the runtime activated the shape on the fit's core (sim/activations.py): its time around the
     # copy and the copy's rate, which the simulator prices its activations at, and the medians
     # become the terms for shapes not measured
@@ -248,6 +253,7 @@ def test_a_fit_whose_sharing_measurement_fails_keeps_the_base_terms_and_says_why
     monkeypatch.setattr(sharing, "measure_interference", lambda *_a, **_k: found)
     result = sharing.with_sharing(FitResult(base, 0.5, [], None))
     assert (result.profile.share_interference, result.profile.cross_interference) == (0.03, 0.01)
+    assert result.profile.decode_interference == found.decode_terms(0.01)
     assert found.report() in result.report()
 
 

@@ -63,3 +63,42 @@ def test_measured_ratios_become_constants_without_noise_below_zero_or_missing_po
     assert _median_excess({}) is None and _median_excess({"a": float("nan")}) is None
     report = Interference(0.03, None, {"decode": 1.03}).report()
     assert "two on one core 2.06x" in report and "two cores" not in report
+
+
+def test_decode_terms_interpolate_by_rows_and_other_steps_take_the_profile_terms():
+    hw = HardwareProfile(
+        "x", 1e12, 1e12, 1e9, 1e9, 1 << 30, share_interference=0.05, cross_interference=0.02,
+        decode_interference=((1, 0.2, 0.3), (8, 0.06, 0.1)),
+    )  # fmt: skip
+    assert hw.interference(0) == (0.05, 0.02)  # a step with a prefill chunk
+    assert hw.interference(1) == (0.2, 0.3)
+    assert hw.interference(8) == pytest.approx((0.06, 0.1))
+    assert hw.interference(32) == pytest.approx((0.06, 0.1))  # the nearest entry outside
+    s, c = hw.interference(4)  # 3/7 of the way from one row to eight
+    assert s == pytest.approx(0.2 + 3 / 7 * (0.06 - 0.2)) and c == pytest.approx(0.3 + 3 / 7 * (0.1 - 0.3))
+    assert hw.share_slowdown(2, 1) == pytest.approx(2 * 1.2) and hw.share_slowdown(2) == pytest.approx(2.1)
+    assert hw.cross_slowdown(1, 1) == pytest.approx(1.3) and hw.cross_slowdown(1) == pytest.approx(1.02)
+    plain = HardwareProfile("y", 1e12, 1e12, 1e9, 1e9, 1 << 30, share_interference=0.05)
+    assert plain.interference(1) == (0.05, 0.0)  # none measured: the profile's terms for every step
+
+
+@pytest.mark.parametrize(
+    "table",
+    [((2, 0.1, 0.1), (1, 0.1, 0.1)), ((1, 0.1, 0.1), (1, 0.2, 0.1)), ((0, 0.1, 0.1),),
+     ((1, -0.1, 0.1),), ((1, 0.1, float("nan")),), ((1, 0.1),), "x"],
+)  # fmt: skip
+def test_bad_decode_terms_are_a_named_error(table):
+    with pytest.raises(SimConfigError, match="decode_interference"):
+        HardwareProfile("x", 1e12, 1e12, 1e9, 1e9, 1 << 30, decode_interference=table)
+
+
+def test_measured_decode_shapes_become_the_profiles_decode_terms():
+    found = Interference(
+        0.05, 0.04, {"decode 1 @256": 1.13, "decode 8 @256": 0.99, "prefill 256": 1.09},
+        {"decode 1 @256": 1.26, "decode 8 @256": float("nan"), "prefill 256": 1.06},
+    )  # fmt: skip
+    # below 1 reads as 0; a cross point with no step in its window takes the given term
+    (one, share1, cross1), (eight, share8, cross8) = found.decode_terms(0.04)
+    assert (one, eight, share8, cross8) == (1, 8, 0.0, 0.04)
+    assert share1 == pytest.approx(0.13) and cross1 == pytest.approx(0.26)
+    assert Interference(None, None).decode_terms(0.1) == ()

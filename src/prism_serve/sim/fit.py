@@ -23,7 +23,9 @@ unless ``--no-sharing``): one engine's steps cannot show what other engines cost
 in their own processes are then timed alone, two on the fit's core, and one there with one on
 another core (about 40 s): the profile's ``share_interference`` (two engines on one core take
 2 x (1 + it) a step alone) and ``cross_interference`` (an engine slows by 1 + it while another
-core steps) are this machine's, from the CPU time per step, which other processes barely change.
+core steps) are this machine's, from the CPU time per step, which other processes barely change;
+the one-row and eight-row decodes' own terms go in ``decode_interference`` (a one-row decode pays
+the most).
 A host of the registered AVX-512 profile's CPU model measured 0.027-0.057 and 0.000-0.013 on
 2026-12-01, where that profile has 0.090 and 0.146.
 

@@ -27,6 +27,7 @@ SmolLM2-360M and bf16, measured with an earlier fit).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -83,6 +84,15 @@ class HardwareProfile:
     # long while k other devices of the simulation have an engine step or activation copy in flight
     # (cross_slowdown). 0: devices do not slow each other (GPUs, each with its own memory).
     cross_interference: float = 0.0
+    # The same two terms for decode steps of a given number of sequences, as measured on this
+    # machine: (sequences, share_interference, cross_interference) entries, fewest sequences first.
+    # A one-row decode streams the weights for one token and suffers most from another stream on
+    # its core or its memory system; a wider batch or a prefill computes more per byte. A decode
+    # step of b sequences takes the terms linear in b between the entries around it (the nearest
+    # entry's outside them); a step with a prefill chunk, and every step while this is empty, takes
+    # share_interference and cross_interference (``interference``). ``prism fit-hardware``
+    # measures the entries (sim/sharing.py).
+    decode_interference: tuple[tuple[int, float, float], ...] = ()
     # CPU devices that are every core of the host (a plan writes one device per core): while every
     # device has an engine step or activation copy in flight, the serving path (the server process,
     # its clients, the workers' own threads) takes its cores from the busy devices, and each step
@@ -147,6 +157,14 @@ class HardwareProfile:
             "[shape, memory factor, compute factor, attention factor] entries",
             lambda v: all(math.isfinite(f) and f > 0 for _, *fs in v for f in fs),
             "factors must be finite and > 0",
+        )  # fmt: skip
+        self._entries(
+            "decode_interference",
+            lambda v: tuple((int(b), float(sh), float(cr)) for b, sh, cr in v),
+            "[sequences, share_interference, cross_interference] entries",
+            lambda v: all(b >= 1 and 0 <= sh < math.inf and 0 <= cr < math.inf for b, sh, cr in v)
+            and all(x[0] < y[0] for x, y in itertools.pairwise(v)),
+            "needs sequences >= 1 in increasing order and terms finite and >= 0",
         )  # fmt: skip
         self._entries(
             "shape_activations",
@@ -221,19 +239,36 @@ class HardwareProfile:
         measured for it (``shape_activations``), else 0."""
         return next((e for name, _, _, e in self.shape_activations if name == shape), 0.0)
 
-    def share_slowdown(self, num_busy: int) -> float:
+    def interference(self, decode_sequences: int = 0) -> tuple[float, float]:
+        """(share_interference, cross_interference) of a step: for a decode step of
+        ``decode_sequences`` sequences, from ``decode_interference`` where it has entries; for any
+        other step (0: one with a prefill chunk), the profile's two terms."""
+        table = self.decode_interference
+        if decode_sequences <= 0 or not table:
+            return self.share_interference, self.cross_interference
+        if decode_sequences <= table[0][0]:
+            return table[0][1], table[0][2]
+        for (b0, s0, c0), (b1, s1, c1) in itertools.pairwise(table):
+            if decode_sequences <= b1:
+                w = (decode_sequences - b0) / (b1 - b0)
+                return s0 + w * (s1 - s0), c0 + w * (c1 - c0)
+        return table[-1][1], table[-1][2]
+
+    def share_slowdown(self, num_busy: int, decode_sequences: int = 0) -> float:
         """The factor by which each busy engine's step time is multiplied while ``num_busy`` engines
         on this device have work (1.0 alone). The GPU profiles are processor sharing (n): their
         roofline step already saturates compute or memory bandwidth, so n concurrent steps share it.
-        The CPU profile adds what its measured interference costs beyond time slicing."""
+        The CPU profile adds what its measured interference costs beyond time slicing, for a step of
+        the given shape (``interference``)."""
         if num_busy <= 1:
             return 1.0
-        return num_busy * (1.0 + self.share_interference * (num_busy - 1))
+        return num_busy * (1.0 + self.interference(decode_sequences)[0] * (num_busy - 1))
 
-    def cross_slowdown(self, other_busy_devices: int) -> float:
-        """The factor by which a step is multiplied while ``other_busy_devices`` other devices of the
-        host have work (the memory system they share); 1.0 for devices that share nothing."""
-        return 1.0 + self.cross_interference * max(0, other_busy_devices)
+    def cross_slowdown(self, other_busy_devices: int, decode_sequences: int = 0) -> float:
+        """The factor by which a step (of the given shape, ``interference``) is multiplied while
+        ``other_busy_devices`` other devices of the host have work (the memory system they share);
+        1.0 for devices that share nothing."""
+        return 1.0 + self.interference(decode_sequences)[1] * max(0, other_busy_devices)
 
     def serving_slowdown(self, every_device_busy: bool) -> float:
         """The factor by which a step is multiplied while ``every_device_busy`` (the serving path then

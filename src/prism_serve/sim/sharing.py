@@ -205,6 +205,21 @@ class Interference:
     crossed: dict[str, float] = field(default_factory=dict)
     other_load: float = 0.0  # the most other processes used during a point, cores
 
+    def decode_terms(self, cross: float) -> tuple[tuple[int, float, float], ...]:
+        """The profile's ``decode_interference``: per decode shape measured, (its sequences, its
+        share term, its cross term), each term its CPU ratio's excess over 1 (at least 0); a cross
+        term not measured (no other core) is ``cross``. Empty where no decode shape was measured
+        on one core with two engines."""
+        out = []
+        for name, kind, args in SHAPES:
+            shared = self.shared.get(name, math.nan)
+            if kind != "decode" or not math.isfinite(shared):
+                continue
+            crossed = self.crossed.get(name, math.nan)
+            crossed = max(0.0, crossed - 1) if math.isfinite(crossed) else cross
+            out.append((args[0], max(0.0, shared - 1), crossed))
+        return tuple(sorted(out))
+
     def report(self) -> str:
         line = "compute sharing (real engines in their own processes): "
         if self.share is not None:
@@ -270,7 +285,8 @@ def with_sharing(result: FitResult, core: int | None = None) -> FitResult:
     """``result`` (``fit.fit_this_machine``'s, fitted on ``core``: default the last one this process
     may use, as there) with compute sharing measured on this machine (``measure_interference`` on
     that core and another one): its profile's ``share_interference`` and ``cross_interference``
-    replaced by what was measured, and a report line saying what. Engines that cannot be started
+    replaced by what was measured (the median over the shapes; the decode shapes' own terms in
+    ``decode_interference``), and a report line saying what. Engines that cannot be started
     (no memory for more processes) or that die keep the base terms, and the report says why: the
     minutes of step fit before it are not lost."""
     import dataclasses
@@ -290,4 +306,6 @@ def with_sharing(result: FitResult, core: int | None = None) -> FitResult:
         hw = dataclasses.replace(hw, share_interference=found.share)
     if found.cross is not None:
         hw = dataclasses.replace(hw, cross_interference=found.cross)
+    if terms := found.decode_terms(hw.cross_interference):
+        hw = dataclasses.replace(hw, decode_interference=terms)
     return dataclasses.replace(result, profile=hw, notes=(*result.notes, found.report()))

@@ -118,7 +118,12 @@ class Simulator:
         self.num_busy: dict[str, int] = dict.fromkeys(self.devices, 0)  # engines with a step in flight
         self._share = self.hw.share_slowdown if config.compute_sharing else None
         # devices with a step or copy in flight, for the host-wide term (hardware.cross_slowdown)
-        self._cross = config.compute_sharing and self.hw.cross_interference > 0
+        self._cross = config.compute_sharing and (
+            self.hw.cross_interference > 0 or any(c > 0 for _, _, c in self.hw.decode_interference)
+        )
+        # the terms depend on the shape of the step in flight (hardware.interference): known once the
+        # step is scheduled, so its factor is set after
+        self._by_shape = config.compute_sharing and bool(self.hw.decode_interference)
         # ... and for the serving path's share once every device is busy (hardware.serving_slowdown)
         self._serving = config.compute_sharing and self.hw.serving_share > 0
         self._host_wide = self._cross or self._serving  # a device turning busy or idle moves everyone
@@ -544,8 +549,11 @@ class Simulator:
             m.engine.set_quota(quota_bytes)
 
     def _start(self, e: SimEngine, now: float) -> None:
-        factor = 1.0 if self._share is None else self._slowdown(e, joining=True)
+        factor = 1.0 if self._share is None or self._by_shape else self._slowdown(e, joining=True)
         end = e.start_step(now, factor)
+        if end is not None and self._by_shape:  # its terms by the shape just scheduled
+            shared = e.rescale(now, self._slowdown(e, joining=True))
+            end = end if shared is None else shared
         if end is not None:
             self.events.push(end, StepDone(e.name, e.version))
             self.models[e.name].step_started = now
@@ -557,13 +565,14 @@ class Simulator:
         """How much slower than alone ``e`` steps: by its most loaded device's busy engines, itself
         included (``joining``: about to start a step, not counted yet)."""
         extra = 1 if joining and not e.shared else 0
-        factor = self._share(max(self.num_busy[d.name] for d in e.devices) + extra)
+        rows = e.decode_shape[0] if self._by_shape else 0  # 0: a step with a prefill chunk
+        factor = self._share(max(self.num_busy[d.name] for d in e.devices) + extra, rows)
         if self._host_wide:
             # the other devices with work: the memory system they share with e's, and no core left
             # idle for the serving path once they are all of them
             others = self._busy_devices - sum(1 for d in e.devices if self.num_busy[d.name] > 0)
             if self._cross:
-                factor *= self.hw.cross_slowdown(others)
+                factor *= self.hw.cross_slowdown(others, rows)
             if self._serving:
                 factor *= self.hw.serving_slowdown(others + len(e.devices) >= len(self.devices))
         return factor
