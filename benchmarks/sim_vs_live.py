@@ -98,7 +98,8 @@ KNOWN_DIFFERENCES = (
     "activations and this client also take CPU from the devices' cores, which the simulator does not "
     "count (the 'sim, no sharing' column is the simulator with compute_sharing=False); devices of one "
     "host slow each other by the profile's cross_interference while several have a step in flight "
-    "(cores share the socket's memory bandwidth)",
+    "(cores share the socket's memory bandwidth); both terms by the step's shape where the profile "
+    "measured them per decode width (HardwareProfile.decode_interference)",
     "host speed: the profile is one fixed speed; live, this machine's uncontended decode steps cost "
     "several percent more or less CPU from one run to the next (the host's memory and its other tenants). "
     "Each live run prints its speed against the profile (its memory and compute speeds apart, from "
