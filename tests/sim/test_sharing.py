@@ -85,7 +85,7 @@ def test_decode_terms_interpolate_by_rows_and_other_steps_take_the_profile_terms
 @pytest.mark.parametrize(
     "table",
     [((2, 0.1, 0.1), (1, 0.1, 0.1)), ((1, 0.1, 0.1), (1, 0.2, 0.1)), ((0, 0.1, 0.1),),
-     ((1, -0.1, 0.1),), ((1, 0.1, float("nan")),), ((1, 0.1),), "x"],
+     ((1, -0.1, 0.1),), ((1, 0.1, float("nan")),), ((1, 0.1),), ((1.5, 0.1, 0.1),), "x"],
 )  # fmt: skip
 def test_bad_decode_terms_are_a_named_error(table):
     with pytest.raises(SimConfigError, match="decode_interference"):

@@ -160,7 +160,7 @@ class HardwareProfile:
         )  # fmt: skip
         self._entries(
             "decode_interference",
-            lambda v: tuple((int(b), float(sh), float(cr)) for b, sh, cr in v),
+            lambda v: tuple((_whole(b), float(sh), float(cr)) for b, sh, cr in v),
             "[sequences, share_interference, cross_interference] entries",
             lambda v: all(b >= 1 and 0 <= sh < math.inf and 0 <= cr < math.inf for b, sh, cr in v)
             and all(x[0] < y[0] for x, y in itertools.pairwise(v)),
@@ -425,6 +425,14 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
         )
     }
 )
+
+
+def _whole(value: object) -> int:
+    """A count read from a profile file: an int, or a float with no fractional part."""
+    number = float(value)  # type: ignore[arg-type]
+    if not number.is_integer():
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(number)
 
 
 def _scales(
