@@ -51,16 +51,23 @@ def measure(shapes: list[str], rounds: int, reps: int) -> dict:
     return {"weight_pass_rate": rate, "raw": raw}
 
 
+TWO_GROUPS = ((0, 2), (1, 3))  # memory: weight pass and KV traffic; compute: matmuls and attention
+
+
 def two_factor_prices(hw, spec, points: list[dict]) -> list[float]:
     """Each point's price at the two-factor form, solved from its TWO_TRAIN steps."""
+    trained = [
+        (p["batch"], p["measured_s"])
+        for p in points
+        if not p["held_out"] and [p["kind"], p["args"]] in TWO_TRAIN
+    ]
+    factors = fit.shape_factors(hw, spec, trained, groups=TWO_GROUPS)
+    if factors is None:
+        raise SystemExit(f"{spec.name}: the two-factor form's training steps do not separate its factors")
     fixed, parts = fit.step_parts(hw, spec, [p["batch"] for p in points])
-    weights, matmuls, kv, attention = parts.T
-    memory_part, compute_part = weights + kv, matmuls + attention
-    rows = [i for i, p in enumerate(points) if not p["held_out"] and [p["kind"], p["args"]] in TWO_TRAIN]
-    a = np.array([[memory_part[i], compute_part[i]] for i in rows])
-    b = np.array([points[i]["measured_s"] - fixed[i] for i in rows])
-    memory, compute = np.clip(np.linalg.solve(a, b), 0.25, 4.0)
-    return list(fixed + memory * memory_part + compute * compute_part)
+    return list(
+        fixed + sum(f * parts[:, list(g)].sum(axis=1) for f, g in zip(factors, TWO_GROUPS, strict=True))
+    )
 
 
 def summary(errors: np.ndarray) -> str:

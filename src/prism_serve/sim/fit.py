@@ -402,25 +402,33 @@ def step_parts(hw: HardwareProfile, spec, batches: list[list]) -> tuple[np.ndarr
     return fixed, parts - fixed[:, None]
 
 
+# shape_factors' factors as the step_parts columns each scales: weight pass, matmuls, attention
+SHAPE_GROUPS = ((0,), (1,), (2, 3))
+
+
 def shape_factors(
-    hw: HardwareProfile, spec, steps: list[tuple[list, float]]
-) -> tuple[float, float, float] | None:
+    hw: HardwareProfile,
+    spec,
+    steps: list[tuple[list, float]],
+    groups: tuple[tuple[int, ...], ...] = SHAPE_GROUPS,
+) -> tuple[float, ...] | None:
     """(memory, compute, attention factors) that price ``steps`` ((batch, measured seconds) of
     ``spec``) on ``hw`` at the shape's own rates: each step's time apart from its fixed costs is
     a x its weight pass + b x its matmul FLOPs + c x its attention (KV traffic and attention FLOPs)
     as ``hw`` prices them (``step_parts``; the CPU form is a sum); three steps give a, b and c (more:
     least squares). None without three such steps, or where they do not separate the three (a
-    factor outside [1/4, 4] is clamped: a step that small in one part cannot tell it)."""
-    if len(steps) < 3 or hw.overlap:
+    factor outside [1/4, 4] is clamped: a step that small in one part cannot tell it).
+    ``groups``: other factors, each over the ``step_parts`` columns it names (one per factor)."""
+    if len(steps) < len(groups) or hw.overlap:
         return None
     fixed, parts = step_parts(hw, spec, [batch for batch, _ in steps])
-    a = np.column_stack([parts[:, 0], parts[:, 1], parts[:, 2] + parts[:, 3]])
+    a = np.column_stack([parts[:, list(g)].sum(axis=1) for g in groups])
     b = np.array([seconds for _, seconds in steps]) - fixed
     scale = np.abs(a).max(axis=0)
-    if not (scale > 0).all() or np.linalg.matrix_rank(a / scale, tol=1e-6) < 3:
+    if not (scale > 0).all() or np.linalg.matrix_rank(a / scale, tol=1e-6) < len(groups):
         return None
     factors = np.linalg.lstsq(a, b, rcond=None)[0]
-    return tuple(float(f) for f in np.clip(factors, 0.25, 4.0))  # type: ignore[return-value]
+    return tuple(float(f) for f in np.clip(factors, 0.25, 4.0))
 
 
 def predict(cm, spec, batch: list) -> float:
