@@ -223,7 +223,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
             file=sys.stderr,
         ) as bar:
             if args.sweep:
-                rows = sweep(exp, args.sweep, values, policies, progress=bar.update)
+                rows = sweep(exp, args.sweep, values, policies, progress=bar.update, metric=args.metric)
             else:
                 rows = []
                 for p in policies:
@@ -239,6 +239,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
                 f"misses cold {r['ttft_misses_cold']:5d} warm {r['ttft_misses_warm']:5d}  "
                 f"replicas {r['replica_activations']:4d} ({r['requests_on_replicas']} requests)"
                 + _prefix_cells(r)
+                + _kept_cell(r)
             )
         if args.out is not None and args.sweep:
             plot_sweep(rows, args.out / "sweep.png", title=title)
@@ -246,6 +247,14 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         (args.out / "results.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
         print(f"results in {args.out}/ [simulated: {config.hardware} profile]", file=sys.stderr)
     return 0
+
+
+def _kept_cell(point: dict) -> str:
+    """Where a baseline keeps a smaller count's assignment (sim/sweep.py ``keep_fewer``)."""
+    kept = point.get("kept")
+    if kept is None:
+        return ""
+    return f"  keeps {kept['from_devices']}'s assignment: TTFT {kept['ttft_attainment']:7.2%}"
 
 
 def _prefix_cells(point: dict) -> str:

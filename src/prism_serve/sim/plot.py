@@ -1,7 +1,8 @@
 """PNG plots of sweep results in the layout of the Prism paper's Figure 7 (TTFT and TPOT attainment
 against the swept axis, one line per policy, a dotted vertical line where a policy first reaches the
-target) and Figure 12b (GPUs needed for the target attainment, per policy). Every figure is titled as
-simulated."""
+target; on the device-count axis, hollow triangles where a baseline keeps a smaller count's
+assignment) and Figure 12b (GPUs needed for the target attainment, per policy). Every figure is
+titled as simulated."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ def plot_sweep(rows: list[dict], path: str | Path, *, title: str, target: float 
             pts = sorted((r["value"], r[metric]) for r in rows if r["policy"] == p)
             xs = [x for x, _ in pts]
             line = ax.plot(xs, [100 * y for _, y in pts], marker="o", ms=3, label=p)[0]
+            # a baseline's count that keeps a smaller count's assignment (sim/sweep.py keep_fewer):
+            # what it runs there, apart from its own placement's point
+            kept = sorted((r["value"], r["kept"][metric]) for r in rows if r["policy"] == p and "kept" in r)
+            if kept:
+                ax.plot(
+                    [x for x, _ in kept], [100 * y for _, y in kept], ls="none", marker="^", ms=5,
+                    fillstyle="none", color=line.get_color(), label=f"{p}, keeping fewer devices' assignment",
+                )  # fmt: skip
             reached = [x for x, y in pts if y >= target]
             if reached:
                 ax.axvline(reached[0], ls=":", color=line.get_color(), lw=1)

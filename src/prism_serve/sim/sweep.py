@@ -19,7 +19,7 @@ from prism_serve.sim.slo import scale_slos
 from prism_serve.workload.builder import WorkloadSpec, build_workload
 from prism_serve.workload.format import Workload
 
-__all__ = ["AXES", "Experiment", "run_point", "sweep"]
+__all__ = ["AXES", "Experiment", "keep_fewer", "run_point", "sweep"]
 
 AXES = ("rate", "slo", "gpus")
 
@@ -81,17 +81,47 @@ def run_point(exp: Experiment, policy: str, axis: str | None = None, value: floa
     return out
 
 
+def keep_fewer(rows: list[dict], metric: str = "ttft_attainment") -> None:
+    """Mark, in place, each point of a device-count sweep of one baseline that may keep its
+    assignment for fewer devices and leave the rest idle (``Policy.keeps_fewer_devices``) where a
+    smaller count of the sweep did better by ``metric``: its ``kept`` entry is what that deployment
+    attains on this count (the smaller count's run exactly: the idle devices change nothing), the
+    count it comes from, and the metrics the point's own placement gave stay as they were. So a
+    baseline given one more device never does worse than with one fewer, as an operator would run
+    it, and its own placement's figure at each count stays visible beside it."""
+    best: dict | None = None
+    for r in sorted(rows, key=lambda r: r["value"]):
+        if best is not None and best[metric] > r[metric]:
+            r["kept"] = {
+                "from_devices": int(best["value"]),
+                "ttft_attainment": best["ttft_attainment"],
+                "tpot_attainment": best["tpot_attainment"],
+            }
+        elif best is None or r[metric] > best[metric]:
+            best = r
+
+
 def sweep(
     exp: Experiment,
     axis: str,
     values: Iterable[float],
     policies: Iterable[str],
     progress: Callable[[], None] | None = None,
+    metric: str = "ttft_attainment",
 ) -> list[dict]:
+    """Every point of ``axis`` at ``values`` for each policy. On the device-count axis a baseline
+    that may keep a smaller count's assignment (``Policy.keeps_fewer_devices``) has its points
+    marked where it would (``keep_fewer``, by ``metric``)."""
+    from prism_serve.control.policies import POLICIES
+
     rows = []
     for policy in policies:
+        own = []
         for v in values:
-            rows.append(run_point(exp, policy, axis, v))
+            own.append(run_point(exp, policy, axis, v))
             if progress is not None:
                 progress()
+        if axis == "gpus" and POLICIES[policy].keeps_fewer_devices:
+            keep_fewer(own, metric)
+        rows += own
     return rows
