@@ -490,30 +490,79 @@ def test_prefix_caching_off_keeps_nothing(make_engine, chat_prompts) -> None:
 # ---- prefixes kept across engines (engine/kept_prefixes.py) ------------------------------------
 
 
-def test_hottest_lists_whole_base_prefixes_most_recent_first_and_adopt_keeps_that_order() -> None:
-    cache = PrefixCache(FixedBlockAllocator(32), BS)
-    old, new = list(range(12)), list(range(100, 108))
+def test_hottest_lists_hit_prefixes_most_hits_first_then_the_rest_and_adopt_keeps_order_and_counts():
+    cache = PrefixCache(FixedBlockAllocator(40), BS)
+    old, new, once = list(range(12)), list(range(100, 108)), list(range(300, 308))
     adapter = list(range(200, 208))
-    for tokens, salt in ((old, b""), (adapter, b"lora"), (new, b"")):
+    for tokens, salt in ((old, b""), (adapter, b"lora"), (new, b""), (once, b"")):
         table = cache.allocate(len(tokens) // BS)
         cache.register(block_keys(tokens, BS, salt, []), table, 0, len(table), salt)
         cache.free(table)
+
+    def ask(tokens: list[int], salt: bytes = b"") -> None:  # a request with these leading tokens
+        cache.free(cache.match(keys_of([*tokens, 1], salt), len(tokens) + 1))
+
+    ask(old[:8])  # the first two blocks of old: two hits each, its third one
+    ask(old)
+    ask(new)  # one hit each, more recent than old's
+    ask(adapter, b"lora")
     listed = cache.hottest(10)
     keys = [k for _, k, _ in listed]
-    # the adapter's chain is not listed (its salt names a registration in this engine only); the
-    # newest prefix first; every block after its parent
-    assert keys == keys_of(new) + keys_of(old)
-    assert [p for _, _, p in listed] == [b"", keys_of(new)[0], b"", *keys_of(old)[:2]]
-    assert [k for _, k, _ in cache.hottest(3)] == keys_of(new) + keys_of(old)[:1]  # cut: still prefixes
+    # most hits first, then the most recent; every block after its parent; then the prompt no
+    # request hit (nothing adopted yet: no evidence against keeping it); the adapter's chain is not
+    # listed (its salt names a registration in this engine only)
+    assert keys == keys_of(old)[:2] + keys_of(new) + keys_of(old)[2:] + keys_of(once)
+    assert [p for _, _, p in listed][:5] == [b"", keys_of(old)[0], b"", keys_of(new)[0], keys_of(old)[1]]
+    assert [cache.hits_of(b) for b, _, _ in listed] == [2, 2, 1, 1, 1, 0, 0]
+    assert [k for _, k, _ in cache.hottest(3)] == keys_of(old)[:2] + keys_of(new)[:1]  # cut: still prefixes
 
-    fresh = PrefixCache(FixedBlockAllocator(4), BS)  # room for 4 of the 5 listed
-    taken = fresh.adopt(keys, [p for _, _, p in listed])
+    fresh = PrefixCache(FixedBlockAllocator(4), BS)  # room for 4 of the 7 listed
+    hits = [cache.hits_of(b) for b, _, _ in listed]
+    taken = fresh.adopt(keys, [p for _, _, p in listed], hits)
     assert [i for i, _ in taken] == [0, 1, 2, 3] and fresh.num_evictable_blocks == 4  # the leading 4
+    # the counts come along: kept again at the next eviction with no new hit, in the same order
+    assert [k for _, k, _ in fresh.hottest(10)] == keys[:4]
     assert len(fresh.match(keys_of([*new, 1]), len(new) + 1)) == 2  # a hit: the whole new prefix
     # an entry whose parent was not adopted is skipped, its block given back
     orphan = PrefixCache(FixedBlockAllocator(8), BS)
-    assert [i for i, _ in orphan.adopt(keys[3:], [p for _, _, p in listed][3:])] == []
+    assert [i for i, _ in orphan.adopt(keys[3:5], [p for _, _, p in listed][3:5])] == []
     assert orphan.allocator.num_free_blocks == 8
+
+
+def test_blocks_no_request_hit_are_kept_while_the_last_return_shows_them_asked_for_again():
+    """Prompts seen once (each block computed for one request) are all kept at a first eviction;
+    a return that hits none of them keeps, at the next, only the most recent request's blocks (and
+    every block hit); a return that hits one of them keeps them all again."""
+
+    def serve(cache: PrefixCache, prompts: list[list[int]]) -> None:
+        for tokens in prompts:
+            got = cache.match(keys_of([*tokens, 1]), len(tokens) + 1)
+            n = len(tokens) // BS
+            table = got + cache.allocate(n - len(got))
+            cache.register(keys_of(tokens), table, len(got), n)
+            cache.free(table)
+
+    def evicted_and_back(cache: PrefixCache) -> PrefixCache:
+        listed = cache.hottest(100)
+        back = PrefixCache(FixedBlockAllocator(64), BS)
+        hits = [cache.hits_of(b) for b, _, _ in listed]
+        back.adopt([k for _, k, _ in listed], [p for _, _, p in listed], hits)
+        return back
+
+    one_off = [list(range(100 * i, 100 * i + 12)) for i in range(8)]  # three blocks each
+    first = PrefixCache(FixedBlockAllocator(64), BS)
+    serve(first, one_off[:4])
+    assert first.keeps_unhit and len(first.hottest(100)) == 12  # no evidence yet: all of them
+    second = evicted_and_back(first)
+    serve(second, one_off[4:])  # nothing it was given is asked for again
+    assert not second.keeps_unhit and (second.adopted_unhit, second.adopted_unhit_hit) == (12, 0)
+    assert [k for _, k, _ in second.hottest(100)] == keys_of(one_off[7])[:1]  # the probe
+    third = evicted_and_back(second)
+    serve(third, [[*one_off[7], 5, 6, 7, 8]])  # a conversation's next turn: the probe is hit
+    assert third.keeps_unhit and third.adopted_unhit_hit == 1
+    # its hit block first, then the rest of the turn, computed again; nothing else was cached
+    assert [k for _, k, _ in third.hottest(100)] == keys_of([*one_off[7], 5, 6, 7, 8])
+    assert [third.hits_of(b) for b, _, _ in third.hottest(100)] == [1, 0, 0, 0]
 
 
 def test_kept_prefixes_restored_in_a_new_engine_give_its_uncached_outputs(
@@ -532,6 +581,10 @@ def test_kept_prefixes_restored_in_a_new_engine_give_its_uncached_outputs(
     size = save_prefixes(first.prefix_cache, first.kv_cache, path, 64 * 2**20, "smollm2|f32")
     header, _ = read_header(path.read_bytes())
     assert size == path.stat().st_size and len(header.keys) == first.prefix_cache.num_evictable_blocks
+    assert header.hits == [0] * len(header.keys)  # computed once: none hit yet
+    shared = 0
+    while chat_prompts[0][shared] == chat_prompts[1][shared]:
+        shared += 1
     block_bytes = header.block_bytes
     assert save_prefixes(first.prefix_cache, first.kv_cache, tmp_path / "none.kv", block_bytes, "x") == 0
     assert not (tmp_path / "none.kv").exists()
@@ -541,11 +594,12 @@ def test_kept_prefixes_restored_in_a_new_engine_give_its_uncached_outputs(
     assert restore_prefixes(second.prefix_cache, second.kv_cache, path, "smollm2|f32") == len(header.keys)
     rid = second.add_request(chat_prompts[1], greedy)
     out = run_to_completion(second)[rid]
-    shared = 0
-    while chat_prompts[0][shared] == chat_prompts[1][shared]:
-        shared += 1
     assert out.num_cached_tokens == shared // 16 * 16 > 0
     _same(out, reference[1])
+    # the restored blocks that were hit go first at the next eviction, with their counts
+    again = tmp_path / "again.kv"
+    save_prefixes(second.prefix_cache, second.kv_cache, again, 64 * 2**20, "smollm2|f32")
+    assert read_header(again.read_bytes())[0].hits[: shared // 16 + 1] == [1] * (shared // 16) + [0]
     # everything restored is reclaimable, and nothing leaked
     assert (
         second.allocator.num_free_blocks + second.prefix_cache.num_evictable_blocks

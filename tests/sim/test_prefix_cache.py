@@ -77,6 +77,44 @@ def test_a_block_computed_twice_at_once_is_cached_once():
     assert c.release([7]) == 0 and c.release([7]) == 1
 
 
+def test_what_an_eviction_keeps_is_the_live_engines_choice():
+    """engine/prefix_cache.py's rule: the blocks requests found cached, most hits first, then in
+    use, then most recently freed, with their counts; then those not hit, all of them until a
+    return shows that none it was given is asked for again, then only the latest release's."""
+    c = PrefixCache()
+    for k in (1, 2, 3, 4, 5):
+        c.register(k)
+    c.release([1, 2, 3, 4, 5])
+    assert c.keeps_unhit and c.hottest(10) == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0)]
+    c.acquire([1, 2])
+    c.acquire([1, 2])
+    c.release([1, 2])
+    c.release([1, 2])
+    c.acquire([4])
+    c.release([4])
+    c.acquire([5])  # in use at the eviction
+    assert c.hottest(10) == [(1, 2), (2, 2), (5, 1), (4, 1), (3, 0)]
+    assert c.hottest(3) == [(1, 2), (2, 2), (5, 1)]
+    back = PrefixCache()
+    assert back.adopt(c.hottest(10)) == 5 and back.adopted_unhit == 1
+    for k in (6, 7, 8, 9):  # prompts seen once: the one unhit block it was given is not asked for
+        back.register(k)
+    back.release([6, 7])
+    back.release([8, 9])
+    assert not back.keeps_unhit
+    assert back.hottest(10) == [(1, 2), (2, 2), (5, 1), (4, 1), (8, 0)]  # 3, 6, 7, 9 go
+    again = PrefixCache()
+    again.adopt(back.hottest(10))
+    again.acquire([8])  # the next turn of the latest request: all unhit blocks are kept again
+    for k in (9, 10):
+        again.register(k)
+    again.release([8, 9, 10])
+    assert again.keeps_unhit and again.adopted_unhit_hit == 1
+    assert again.hottest(10) == [(1, 2), (2, 2), (8, 1), (5, 1), (4, 1), (9, 0), (10, 0)]  # recent first
+    again.evict(7)  # what is evicted goes with its count
+    assert again.hottest(10) == [] and again.num_evicted == 7
+
+
 def test_keys_differ_from_the_first_differing_hashed_block_on():
     a = block_keys((1, 2, 3, 4), 32, 128, BS)  # 8 engine blocks from 4 hashed ones
     b = block_keys((1, 2, 9, 4), 32, 128, BS)

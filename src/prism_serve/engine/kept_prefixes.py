@@ -3,9 +3,11 @@ prefix-cached blocks is written to a file in host memory, and the next engine of
 it back into its own prefix cache before it serves anything, so the system prompts a returning
 model needs first are hits.
 
-What goes is ``PrefixCache.hottest``'s list: blocks of the base model's chains, those in use first,
-then most recently used first, each after its parent, so every leading part of the file is whole
-prefixes and a restore that gets fewer blocks than the file holds keeps the most useful ones.
+What goes is ``PrefixCache.hottest``'s list: blocks of the base model's chains that requests have
+hit, most hits first, then those in use, then the most recently used, each after its parent, so
+every leading part of the file is whole prefixes and a restore that gets fewer blocks than the file
+holds keeps the most useful ones. Each block's hit count goes with it, so a block the next engine
+does not hit before the model goes again is kept again on its earlier hits.
 
 The file: ``MAGIC``, the header's length (8 bytes, little-endian), the header (MessagePack,
 ``KeptHeader``), zeros up to a 4 KiB boundary, then each listed block's KV bytes (one block's
@@ -45,6 +47,7 @@ class KeptHeader(msgspec.Struct, frozen=True):
     block_bytes: int
     keys: list[bytes]  # each block's prefix-cache key, in file order
     parents: list[bytes]  # the key each is chained on (b"": a first block of the base model)
+    hits: list[int] = []  # how many times requests had found each cached (PrefixCache.hits_of)
 
 
 def _block_rows(kv: KVCache) -> torch.Tensor:
@@ -65,8 +68,10 @@ def save_prefixes(cache: PrefixCache, kv: KVCache, path: str | Path, max_bytes: 
     chosen = cache.hottest(max(0, (max_bytes - _ALIGN) // block_bytes))
     n = len(chosen)
     while n:
+        part = chosen[:n]
+        keys, parents = [k for _, k, _ in part], [p for _, _, p in part]
         header = msgspec.msgpack.encode(
-            KeptHeader(fingerprint, block_bytes, [k for _, k, _ in chosen[:n]], [p for _, _, p in chosen[:n]])
+            KeptHeader(fingerprint, block_bytes, keys, parents, [cache.hits_of(b) for b, _, _ in part])
         )
         over = _data_offset(header) + n * block_bytes - max_bytes
         if over <= 0:
@@ -131,7 +136,7 @@ def restore_prefixes(cache: PrefixCache, kv: KVCache, path: str | Path, fingerpr
         if header.fingerprint != fingerprint or header.block_bytes != rows.shape[1]:
             logger.warning("cached prefixes in %s are of another engine; not restored", path)
             return 0
-        taken = cache.adopt(header.keys, header.parents)
+        taken = cache.adopt(header.keys, header.parents, header.hits)
         if not taken:
             return 0
         n = len(header.keys)

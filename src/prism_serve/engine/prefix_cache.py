@@ -23,9 +23,16 @@ key, so a group's block is never kept without its full-context sibling. A window
 blocks may be gone while the prefix is cached; a match needs only the blocks the next query reads
 (``match_groups``).
 
-A model's hottest prefixes can outlive its engine: ``hottest`` lists the cached blocks of the base
-model's chains, most recently used first and every block after its parent, and a new engine's
-cache ``adopt``s such a list (engine/kept_prefixes.py copies the blocks' KV to host memory and back).
+A model's hottest prefixes can outlive its engine: ``hottest`` lists cached blocks of the base
+model's chains, every block after its parent, and a new engine's cache ``adopt``s such a list with
+its hit counts (engine/kept_prefixes.py copies the blocks' KV to host memory and back). First the
+blocks requests have hit (found cached by ``match``), most hits first, then the most recently used.
+Then the blocks no request has hit yet, most recent first: a conversation's latest turn, which its
+next turn will ask for, or a prompt seen once, which nothing will; keeping those costs a copy at
+each eviction and activation, on every swap. So they go by the evidence of the last return: all
+of them unless this engine adopted blocks without hits and not one of those was hit since (the
+traffic resends nothing), and then only the first of the most recent request's, a probe (one
+block's copy) whose hit puts all of them back at the next eviction.
 """
 
 from __future__ import annotations
@@ -82,6 +89,10 @@ class PrefixCache:
         self._key_of: dict[int, bytes] = {}  # registered block -> its key
         self._refs: dict[int, int] = {}  # registered block -> requests holding it (0: evictable)
         self._lru: dict[int, None] = {}  # registered blocks nobody holds, least recently used first
+        self._hit_count: dict[int, int] = {}  # registered block -> times a request found it cached
+        # blocks adopted without a hit and not hit since, and how many were adopted and hit so
+        self._unproven: set[int] = set()
+        self.adopted_unhit = self.adopted_unhit_hit = 0
         # key -> the key it is chained on: the previous block's, or the salt for a first block
         self._parent: dict[bytes, bytes] = {}
         self._queries = self._hits = self._evictions = 0
@@ -192,11 +203,16 @@ class PrefixCache:
             else [block_of[group_key(keys[i], g)] for i in range(n)]
             for g, w in enumerate(windowed)
         ]
+        hit_count = self._hit_count
         for table, w in zip(tables, windowed, strict=True):
             for b in table[first:] if w else table:
                 if self._refs[b] == 0:
                     del self._lru[b]
                 self._refs[b] += 1
+                hit_count[b] = hit_count.get(b, 0) + 1
+                if b in self._unproven:
+                    self._unproven.discard(b)
+                    self.adopted_unhit_hit += 1
         self._queries += num_prompt_tokens
         self._hits += n * self.block_size
         return tables, first
@@ -221,13 +237,34 @@ class PrefixCache:
             self._refs[b] = 1
         return end
 
+    def hits_of(self, block: int) -> int:
+        """How many times requests found ``block`` cached (in this engine, plus the count it was
+        adopted with)."""
+        return self._hit_count.get(block, 0)
+
+    @property
+    def keeps_unhit(self) -> bool:
+        """Whether ``hottest`` lists every block no request has hit, or only the first of the most
+        recent request's: False once blocks this engine adopted without a hit were never hit here."""
+        return self.adopted_unhit == 0 or self.adopted_unhit_hit > 0
+
     def hottest(self, max_blocks: int) -> list[tuple[int, bytes, bytes]]:
         """Up to ``max_blocks`` registered blocks of the base model's chains (salt ``b""``; an
-        adapter's salt names its registration in this engine only) as ``(block, key, parent key)``:
-        blocks in use first, then the unheld ones most recently used first, each listed only after
-        its parent, so every leading part of the list is a set of whole prefixes."""
-        held = [b for b, refs in self._refs.items() if refs > 0]  # registration order: parents first
-        candidates = held + list(reversed(self._lru))
+        adapter's salt names its registration in this engine only) as ``(block, key, parent
+        key)``: those requests have hit, most hits first, then those in use, then the unheld ones
+        most recently used first; then, in the same order of use, those not hit (all of them, or
+        the most recent request's first one: ``keeps_unhit``, the module's doc). Each is listed only
+        after its parent, so every leading part of the list is a set of whole prefixes."""
+        hit_count = self._hit_count
+        recent = [b for b, refs in self._refs.items() if refs > 0] + list(reversed(self._lru))
+        candidates = [b for b in recent if b in hit_count]  # held ones in registration order
+        candidates.sort(key=lambda b: -hit_count[b])  # stable: recency within a count
+        unhit = [b for b in recent if b not in hit_count]
+        if not self.keeps_unhit:
+            # the probe: the most recent one whose chain before it is kept (or that starts one)
+            known = {self._key_of[b] for b in candidates} | {b""}
+            unhit = [b for b in unhit if self._parent[self._key_of[b]] in known][:1]
+        candidates += unhit
         chosen: list[tuple[int, bytes, bytes]] = []
         kept: set[bytes] = set()
         while candidates and len(chosen) < max_blocks:
@@ -247,11 +284,15 @@ class PrefixCache:
             candidates = later
         return chosen
 
-    def adopt(self, keys: Sequence[bytes], parents: Sequence[bytes]) -> list[tuple[int, int]]:
+    def adopt(
+        self, keys: Sequence[bytes], parents: Sequence[bytes], hits: Sequence[int] = ()
+    ) -> list[tuple[int, int]]:
         """Register blocks from a list ``hottest`` made (in its order) as cached and unheld, keeping
-        its recency order, in blocks the allocator grants now: as many leading entries as it grants.
-        Entries already registered, or whose parent is not, are skipped. Returns ``(entry, block)``
-        for each block taken; the caller writes each entry's KV into its block."""
+        its order as their recency, in blocks the allocator grants now: as many leading entries as
+        it grants, each with its count of ``hits`` (none given: 0, a block no request has hit; this
+        engine counts how many of those requests then hit, ``keeps_unhit``). Entries already
+        registered, or whose parent is not, are skipped. Returns ``(entry, block)`` for each block
+        taken; the caller writes each entry's KV into its block."""
         n = min(len(keys), self.allocator.num_free_blocks)
         blocks = None
         while n and blocks is None:  # an elastic allocator may grant fewer than it has free
@@ -271,6 +312,11 @@ class PrefixCache:
             self._key_of[b] = key
             self._parent[key] = parent
             self._refs[b] = 0
+            if i < len(hits) and hits[i] > 0:
+                self._hit_count[b] = hits[i]
+            else:
+                self._unproven.add(b)
+                self.adopted_unhit += 1
             taken.append((i, b))
         if unused:
             self.allocator.free(unused)
@@ -285,6 +331,8 @@ class PrefixCache:
         b = next(iter(self._lru))
         del self._lru[b]
         del self._refs[b]
+        self._hit_count.pop(b, None)
+        self._unproven.discard(b)
         key = self._key_of.pop(b)
         del self._block_of[key]
         del self._parent[key]

@@ -197,8 +197,9 @@ class Simulator:
             for tenant, priority in workload.origins or ()
         ]
         self._block_size = config.engine.block_size
-        # an evicted model's hottest cached prefix keys, restored at its next activation
-        self._kept: KeptBudget[tuple[int, ...]] = KeptBudget(
+        # an evicted model's hottest cached prefix keys with their hit counts, restored at its next
+        # activation
+        self._kept: KeptBudget[tuple[tuple[int, int], ...]] = KeptBudget(
             config.kept_prefix_bytes if self._hashes is not None else 0
         )
         # early stop (SimConfig.stop_after_ttft_misses): requests not yet known to meet or miss
