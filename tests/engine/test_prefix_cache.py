@@ -530,9 +530,10 @@ def test_hottest_lists_hit_prefixes_most_hits_first_then_the_rest_and_adopt_keep
 
 
 def test_blocks_no_request_hit_are_kept_while_the_last_return_shows_them_asked_for_again():
-    """Prompts seen once (each block computed for one request) are all kept at a first eviction;
-    a return that hits none of them keeps, at the next, only the most recent request's blocks (and
-    every block hit); a return that hits one of them keeps them all again."""
+    """Prompts seen once (each block computed for one request) are all kept at a first eviction,
+    and after a return that served nothing; a return that serves requests and hits none of them
+    keeps, at the next, only the most recent request's first block (and every block hit); a return
+    that hits one of them keeps them all again."""
 
     def serve(cache: PrefixCache, prompts: list[list[int]]) -> None:
         for tokens in prompts:
@@ -553,7 +554,9 @@ def test_blocks_no_request_hit_are_kept_while_the_last_return_shows_them_asked_f
     first = PrefixCache(FixedBlockAllocator(64), BS)
     serve(first, one_off[:4])
     assert first.keeps_unhit and len(first.hottest(100)) == 12  # no evidence yet: all of them
-    second = evicted_and_back(first)
+    idle = evicted_and_back(first)  # a return that serves nothing (warmed ahead) says nothing
+    assert idle.keeps_unhit and len(idle.hottest(100)) == 12
+    second = evicted_and_back(idle)
     serve(second, one_off[4:])  # nothing it was given is asked for again
     assert not second.keeps_unhit and (second.adopted_unhit, second.adopted_unhit_hit) == (12, 0)
     assert [k for _, k, _ in second.hottest(100)] == keys_of(one_off[7])[:1]  # the probe

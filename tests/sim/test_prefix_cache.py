@@ -97,6 +97,8 @@ def test_what_an_eviction_keeps_is_the_live_engines_choice():
     assert c.hottest(3) == [(1, 2), (2, 2), (5, 1)]
     back = PrefixCache()
     assert back.adopt(c.hottest(10)) == 5 and back.adopted_unhit == 1
+    assert back.keeps_unhit  # no request looked anything up yet: no evidence
+    assert back.match([6], 9) == (0, 0)
     for k in (6, 7, 8, 9):  # prompts seen once: the one unhit block it was given is not asked for
         back.register(k)
     back.release([6, 7])

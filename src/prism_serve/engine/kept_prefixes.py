@@ -4,10 +4,11 @@ it back into its own prefix cache before it serves anything, so the system promp
 model needs first are hits.
 
 What goes is ``PrefixCache.hottest``'s list: blocks of the base model's chains that requests have
-hit, most hits first, then those in use, then the most recently used, each after its parent, so
-every leading part of the file is whole prefixes and a restore that gets fewer blocks than the file
-holds keeps the most useful ones. Each block's hit count goes with it, so a block the next engine
-does not hit before the model goes again is kept again on its earlier hits.
+hit, most hits first, then those in use, then the most recently used, then those not hit yet while
+the model's returns show them asked for again, each after its parent, so every leading part of the
+file is whole prefixes and a restore that gets fewer blocks than the file holds keeps the most
+useful ones. Each block's hit count goes with it, so a block the next engine does not hit before
+the model goes again is kept again on its earlier hits.
 
 The file: ``MAGIC``, the header's length (8 bytes, little-endian), the header (MessagePack,
 ``KeptHeader``), zeros up to a 4 KiB boundary, then each listed block's KV bytes (one block's

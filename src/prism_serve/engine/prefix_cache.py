@@ -30,9 +30,10 @@ blocks requests have hit (found cached by ``match``), most hits first, then the 
 Then the blocks no request has hit yet, most recent first: a conversation's latest turn, which its
 next turn will ask for, or a prompt seen once, which nothing will; keeping those costs a copy at
 each eviction and activation, on every swap. So they go by the evidence of the last return: all
-of them unless this engine adopted blocks without hits and not one of those was hit since (the
-traffic resends nothing), and then only the first of the most recent request's, a probe (one
-block's copy) whose hit puts all of them back at the next eviction.
+of them unless this engine adopted blocks without hits, served requests, and not one of those
+blocks was hit since (the traffic resends nothing), and then only the first of the most recent
+request's, a probe (one block's copy) whose hit puts all of them back at the next eviction. A
+return that served nothing (a model warmed ahead of demand) says nothing, and keeps them all.
 """
 
 from __future__ import annotations
@@ -245,8 +246,9 @@ class PrefixCache:
     @property
     def keeps_unhit(self) -> bool:
         """Whether ``hottest`` lists every block no request has hit, or only the first of the most
-        recent request's: False once blocks this engine adopted without a hit were never hit here."""
-        return self.adopted_unhit == 0 or self.adopted_unhit_hit > 0
+        recent request's: False once this engine, given blocks without a hit, served requests and
+        none of them hit one of those blocks."""
+        return self.adopted_unhit == 0 or self.adopted_unhit_hit > 0 or self._queries == 0
 
     def hottest(self, max_blocks: int) -> list[tuple[int, bytes, bytes]]:
         """Up to ``max_blocks`` registered blocks of the base model's chains (salt ``b""``; an

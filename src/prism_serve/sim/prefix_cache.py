@@ -9,8 +9,8 @@ what most requests share). Integer keys only: the engine does the memory account
 What a model evicted keeps in host memory (``hottest``) is the live engine's rule
 (engine/prefix_cache.py): the blocks requests have found cached, most hits first, then those in
 use, then the most recently freed, each with its hit count; then those no request has hit, all of
-them unless this engine adopted such blocks and none was hit since, and then only the first of
-the most recent request's (here: of the last ``release``'s blocks).
+them unless this engine adopted such blocks, served requests and none was hit since, and then only
+the first of the most recent request's (here: of the last ``release``'s blocks).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["PrefixCache"]
 
 class PrefixCache:
     __slots__ = ("_free", "_hits", "_last", "_refs", "_unproven", "adopted_unhit", "adopted_unhit_hit",
-                 "num_evicted")  # fmt: skip
+                 "lookups", "num_evicted")  # fmt: skip
 
     def __init__(self) -> None:
         self._refs: dict[int, int] = {}  # in use: key -> running requests holding it
@@ -33,6 +33,7 @@ class PrefixCache:
         self._unproven: set[int] = set()
         self.adopted_unhit = self.adopted_unhit_hit = 0
         self._last: list[int] = []  # the keys the latest release freed, its first block first
+        self.lookups = 0  # requests matched against the cache
         self.num_evicted = 0
 
     @property
@@ -49,6 +50,7 @@ class PrefixCache:
 
     def match(self, keys: Sequence[int], max_blocks: int) -> tuple[int, int]:
         """(n, f): the first ``n`` of ``keys`` (at most ``max_blocks``) are cached, ``f`` of them free."""
+        self.lookups += 1
         n = f = 0
         refs, free = self._refs, self._free
         for key in keys[:max_blocks]:
@@ -111,14 +113,15 @@ class PrefixCache:
 
     @property
     def keeps_unhit(self) -> bool:
-        """Whether ``hottest`` lists every key no request has hit, or only the latest release's first."""
-        return self.adopted_unhit == 0 or self.adopted_unhit_hit > 0
+        """Whether ``hottest`` lists every key no request has hit, or only the latest release's first
+        (the live engine's rule: engine/prefix_cache.py ``keeps_unhit``)."""
+        return self.adopted_unhit == 0 or self.adopted_unhit_hit > 0 or self.lookups == 0
 
     def hottest(self, n: int) -> list[tuple[int, int]]:
         """Up to ``n`` cached keys with their hit counts: those requests have hit, most hits first,
         then those in use, then the free ones most recently freed first; then, in the same order,
-        those not hit (all of them, or the latest release's first: ``keeps_unhit``): what a model evicted
-        now keeps in host memory (memory/kept.py)."""
+        those not hit (all of them, or the latest release's first: ``keeps_unhit``): what a model
+        evicted now keeps in host memory (memory/kept.py)."""
         hits, refs, free = self._hits, self._refs, self._free
         recent = [*refs, *reversed(free)]
         keys = [k for k in recent if k in hits]
@@ -151,4 +154,4 @@ class PrefixCache:
         self._hits.clear()
         self._unproven.clear()
         self._last = []
-        self.adopted_unhit = self.adopted_unhit_hit = 0
+        self.adopted_unhit = self.adopted_unhit_hit = self.lookups = 0
