@@ -92,7 +92,7 @@ def fit_trace(
         source = np.concatenate([source, np.array(["points"] * len(pts), dtype=object)])
         print(f"with {len(pts)} measured points from {points} ({int((~p_held).sum())} training)")
     crossover, coef, pred = best_fit(spec, batches, y, ~held, base, weights, mem_bandwidth)
-    hw = profile_from(coef, base)
+    hw = profile_from(coef, base, step_seconds="cpu")
     print(machine_info()["line"])
     print(
         f"{len(steps)} live steps ({int((~held).sum())} training, {int(held.sum())} held out) from "

@@ -102,7 +102,9 @@ KNOWN_DIFFERENCES = (
     "measured them per decode width (HardwareProfile.decode_interference)",
     "host speed: the profile is one fixed speed; live, this machine's uncontended decode steps cost "
     "several percent more or less CPU from one run to the next (the host's memory and its other tenants). "
-    "Each live run prints its speed against the profile (its memory and compute speeds apart, from "
+    "Each live run prints its speed against the profile, in the seconds the profile was fitted to "
+    "(wall for prism fit-hardware's, CPU for those fitted to live steps; on a VM a busy core gives "
+    "its thread about 95% of the wall time), its memory and compute speeds apart (from "
     "its decode and prefill steps), and the 'sim, host speed' column is the simulator with the "
     "profile's memory and compute rates at the runs' mean speeds: what is left there is the "
     "simulator's error, not the host's",
@@ -539,9 +541,10 @@ def main() -> None:
             split = f", memory {s['memory']:.3f} / compute {s['compute']:.3f}" if "memory" in s else ""
             return f"decode {s['ratio']:.3f} ({s['steps']} steps){split}"
 
+        unit = "wall" if get_hardware(args.hardware).step_seconds == "wall" else "CPU"
         print(
-            "host speed in each live run (steps with their core and the other devices idle, CPU "
-            "seconds over the profile's): "
+            "host speed in each live run (steps with their core and the other devices idle, their "
+            f"{unit} seconds over the profile's, HardwareProfile.step_seconds): "
             + "; ".join(f"run {i + 1} {speed(s)}" for i, s in speeds_of_runs.items())
         )
         at_speed = host_speed_profile(get_hardware(args.hardware), speeds_of_runs)

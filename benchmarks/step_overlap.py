@@ -115,12 +115,15 @@ def host_speed(
     steps_dir: Path,
     predict: Callable[[StepRecord], float | None],
     memory_part: Callable[[StepRecord], float | None] | None = None,
+    seconds: str = "cpu",
 ) -> dict | None:
     """How fast the host ran during one live run, against a profile: the CPU seconds of the run's
     decode steps that had their core and no other device stepping (overlap <= IDLE), over what
     ``predict`` gives for them (None: a step of a model it cannot price, left out). A host whose
     memory or neighbours change between runs moves this by several percent; the simulator has one
-    fixed profile. None when the run has no such steps.
+    fixed profile. None when the run has no such steps. ``seconds="wall"``: the same steps' wall
+    seconds instead, for a profile fitted to wall seconds (HardwareProfile.step_seconds): on a VM a
+    busy core gives its thread about 95% of the wall time, which such a profile already carries.
 
     With ``memory_part`` (the part of ``predict`` spent on memory traffic: weights and KV), the
     prefill steps count too, and the two speeds are solved for separately: ``memory`` and
@@ -142,7 +145,7 @@ def host_speed(
         m = memory_part(r) if memory_part is not None else 0.0
         if p is None or m is None:
             continue
-        sums[kind] += (r.cpu, p, m, 1)
+        sums[kind] += (r.dt if seconds == "wall" else r.cpu, p, m, 1)
     cpu, pred, _, n = sums["decode"]
     if not n:
         return None
@@ -160,10 +163,10 @@ def host_speed(
 
 
 def host_speeds(live_runs: list[dict], specs: dict, hardware: str) -> dict[int, dict]:
-    """Per live run (index), ``host_speed`` against the ``hardware`` profile, with the memory and
-    compute speeds apart: how much more (> 1) or less CPU than the profile the run's uncontended
-    steps took. ``specs``: model name -> its simulated shape; ``live_runs``: live_run.py's runs
-    (each with its ``steps_dir``)."""
+    """Per live run (index), ``host_speed`` against the ``hardware`` profile, with the memory and compute
+    speeds apart: how much more (> 1) or less time than the profile the run's uncontended steps took, in
+    the seconds the profile was fitted to (``HardwareProfile.step_seconds``). ``specs``: model name -> its
+    simulated shape; ``live_runs``: live_run.py's runs (each with its ``steps_dir``)."""
     import dataclasses
 
     from prism_serve.control.types import REPLICA_SEPARATOR
@@ -188,7 +191,8 @@ def host_speeds(live_runs: list[dict], specs: dict, hardware: str) -> dict[int, 
     out = {}
     for i, run in enumerate(live_runs):
         steps_dir = run.get("steps_dir")
-        if steps_dir and (speed := host_speed(Path(steps_dir), price, memory)) is not None:
+        speed = host_speed(Path(steps_dir), price, memory, hw.step_seconds) if steps_dir else None
+        if speed is not None:
             out[i] = speed
     return out
 

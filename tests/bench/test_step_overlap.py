@@ -98,6 +98,18 @@ def test_host_speed_prices_the_uncontended_decode_steps_only(so, tmp_path):
     assert so.host_speed(tmp_path / "missing", lambda r: 1.0) is None
 
 
+def test_host_speed_in_wall_seconds_for_a_profile_fitted_to_them(so, tmp_path):
+    """The same uncontended steps, their wall seconds over the price (a profile timed in wall
+    seconds, HardwareProfile.step_seconds "wall"); which steps count is still decided by CPU."""
+    trace = StepTrace(tmp_path / "cpu_0_w0.jsonl")
+    for t, cpu, dt in ((0.0, 1.0, 1.05), (2.0, 2.0, 2.1), (4.0, 1.0, 2.0)):  # the last lost its core
+        trace.write(StepRecord(model="m#1", t=t, dt=dt, cpu=cpu, batch=[(1, 10, True)]))
+    trace.close()
+    assert so.host_speed(tmp_path, lambda r: 1.0 if r.t != 2.0 else 2.0) == {"ratio": 1.0, "steps": 2}
+    wall = so.host_speed(tmp_path, lambda r: 1.0 if r.t != 2.0 else 2.0, seconds="wall")
+    assert wall == {"ratio": 1.05, "steps": 2}
+
+
 def test_host_speed_solves_memory_and_compute_speeds_apart(so, tmp_path):
     """Decode steps priced 1.0 s (0.9 memory), prefill steps 2.0 s (0.4 memory); the run's memory is
     1.2x slower than the profile and its compute 0.9x: each step's CPU is 1.2 x memory + 0.9 x the

@@ -100,6 +100,22 @@ def cm_act(shape: str) -> float:
 def test_bad_profile_is_a_named_error():
     with pytest.raises(SimConfigError):
         HardwareProfile("x", 0, 1, 1, 1, 1)
+    with pytest.raises(SimConfigError, match="step_seconds must be 'wall' or 'cpu'"):
+        HardwareProfile("x", 1, 1, 1, 1, 1, step_seconds="thread")
+
+
+def test_profiles_name_the_seconds_their_steps_were_fitted_to():
+    """The CPU profiles fitted to live steps' CPU seconds say so; a datasheet and a fit of steps
+    timed in a process of their own (sim/fit.py profile_from) price wall seconds."""
+    import numpy as np
+
+    from prism_serve.sim.fit import profile_from
+
+    assert [HARDWARE[n].step_seconds for n in ("cpu-smollm2", "cpu-smollm2-avx512bf16")] == ["cpu", "cpu"]
+    assert HARDWARE["h100"].step_seconds == "wall"
+    coef = np.array([0.0, 1e-10, 1e-11, 0.0, 0.0, 1e-11, 1e-10])
+    assert profile_from(coef, HARDWARE["cpu-smollm2"]).step_seconds == "wall"
+    assert profile_from(coef, HARDWARE["h100"], step_seconds="cpu").step_seconds == "cpu"
 
 
 # -- the fitted CPU profile (benchmarks/fit_cpu_profile.py) -------------------------------------------

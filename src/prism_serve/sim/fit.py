@@ -351,9 +351,10 @@ def features(spec, batch: list, crossover: float, pad: bool) -> np.ndarray:
     )
 
 
-def profile_from(coef: np.ndarray, base: HardwareProfile) -> HardwareProfile:
-    """``base`` with the fitted step constants; its other fields (memory, activation, compute
-    sharing) are kept."""
+def profile_from(coef: np.ndarray, base: HardwareProfile, step_seconds: str = "wall") -> HardwareProfile:
+    """``base`` with the fitted step constants, fitted to ``step_seconds`` ("wall": steps timed in
+    a process of their own, as the measured points are; "cpu": live steps' CPU seconds); its other
+    fields (memory, activation, compute sharing) are kept."""
     overhead, inv_b, inv_f, inv_row, per_seq, inv_attn, inv_kv = coef
     big = 1e15  # a coefficient of 0 means that cost is not visible at this machine's noise
     return dataclasses.replace(
@@ -366,6 +367,7 @@ def profile_from(coef: np.ndarray, base: HardwareProfile) -> HardwareProfile:
         attn_flops=1 / inv_attn if inv_attn > 0 else big,
         kv_bandwidth=1 / inv_kv if inv_kv > 0 else big,
         synthetic=False,
+        step_seconds=step_seconds,
     )
 
 

@@ -137,6 +137,12 @@ class HardwareProfile:
     # (sim/activations.py); a shape not listed is priced by activation_overhead_s and
     # host_bandwidth, which that fit sets to the medians, and evicts at once.
     shape_activations: tuple[tuple[str, float, float, float], ...] = ()
+    # What the step constants were fitted to: "wall" (steps timed in a process of their own, as
+    # ``prism fit-hardware`` times them, or a datasheet) or "cpu" (the stepping thread's CPU seconds
+    # of live steps, fit_cpu_profile.py --trace). A live run's host speed is measured in the same
+    # seconds (benchmarks/step_overlap.py ``host_speed``): on a VM a busy core gives its thread 95%
+    # of the wall time, which a wall fit carries and a CPU fit does not.
+    step_seconds: str = "wall"
 
     def __post_init__(self) -> None:
         def error(e: float) -> bool:  # predicted / measured - 1
@@ -176,6 +182,10 @@ class HardwareProfile:
             ),
             "seconds must be finite and >= 0, copy rates finite and > 0",
         )  # fmt: skip
+        if self.step_seconds not in ("wall", "cpu"):
+            raise SimConfigError(
+                f"hardware {self.name}: step_seconds must be 'wall' or 'cpu', not {self.step_seconds!r}"
+            )
         positive = ("peak_flops", "mem_bandwidth", "host_bandwidth", "link_bandwidth", "memory_bytes")
         for name in positive:
             if not getattr(self, name) > 0:
@@ -360,6 +370,7 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 # alone: median 7.9 ms (p90 14 ms) on that host's light runs (docs/results.md)
                 request_overhead_s=7.9e-3,
                 activation_threads=4,  # the runtime's (runtime/loading.py LOAD_THREADS)
+                step_seconds="cpu",  # fitted to live steps' CPU seconds
                 synthetic=False,
             ),
             # The same engine and model on a host of the same VM type with AVX-512 and native bf16,
@@ -420,6 +431,7 @@ HARDWARE: Mapping[str, HardwareProfile] = MappingProxyType(
                 # before the refit, 7.5 ms (p90 12.0 ms) after it
                 request_overhead_s=7.5e-3,
                 activation_threads=4,  # the runtime's (runtime/loading.py LOAD_THREADS)
+                step_seconds="cpu",  # fitted to live steps' CPU seconds
                 synthetic=False,
             ),
         )
