@@ -541,13 +541,13 @@ def main() -> None:
             split = f", memory {s['memory']:.3f} / compute {s['compute']:.3f}" if "memory" in s else ""
             return f"decode {s['ratio']:.3f} ({s['steps']} steps){split}"
 
-        unit = "wall" if get_hardware(args.hardware).step_seconds == "wall" else "CPU"
+        hw = get_hardware(args.hardware)
         print(
             "host speed in each live run (steps with their core and the other devices idle, their "
-            f"{unit} seconds over the profile's, HardwareProfile.step_seconds): "
+            f"{hw.step_seconds} seconds over the profile's, HardwareProfile.step_seconds): "
             + "; ".join(f"run {i + 1} {speed(s)}" for i, s in speeds_of_runs.items())
         )
-        at_speed = host_speed_profile(get_hardware(args.hardware), speeds_of_runs)
+        at_speed = host_speed_profile(hw, speeds_of_runs)
         path = args.out / "host-speed-profile.json"
         args.out.mkdir(parents=True, exist_ok=True)
         dump_hardware(at_speed, path)

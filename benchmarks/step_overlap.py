@@ -134,7 +134,8 @@ def host_speed(
     if not steps:
         return None
     overlap = other_device_overlap(steps)
-    sums = {"decode": np.zeros(4), "prefill": np.zeros(4)}  # CPU, predicted, memory part, steps
+    # seconds spent (CPU or wall: ``seconds``), predicted, memory part, steps
+    sums = {"decode": np.zeros(4), "prefill": np.zeros(4)}
     for (_, r), o in zip(steps, overlap, strict=True):
         if o > IDLE or r.cpu < 0.8 * r.dt:
             continue
@@ -146,12 +147,12 @@ def host_speed(
         if p is None or m is None:
             continue
         sums[kind] += (r.dt if seconds == "wall" else r.cpu, p, m, 1)
-    cpu, pred, _, n = sums["decode"]
+    spent, pred, _, n = sums["decode"]
     if not n:
         return None
-    out = {"ratio": round(cpu / pred, 4), "steps": int(n)}
+    out = {"ratio": round(spent / pred, 4), "steps": int(n)}
     if memory_part is not None and sums["prefill"][3]:
-        # [memory part, compute part] . [memory, compute] = CPU, one row per kind
+        # [memory part, compute part] . [memory, compute] = seconds spent, one row per kind
         a = np.array([[s[2], s[1] - s[2]] for s in sums.values()])
         b = np.array([s[0] for s in sums.values()])
         if abs(np.linalg.det(a)) > 1e-12 * np.abs(a).max() ** 2:
