@@ -275,6 +275,7 @@ def test_plan_answers_every_policy_and_writes_a_servable_deployment(
         == dedicated - results["policies"]["prism"]["devices"]
     )
     assert (out / "plan.png").stat().st_size > 1000
+    assert not (out / "progress.json").exists()  # what the running plan kept: in results.json now
     page = (out / "plan.html").read_text()
     assert "<svg" in page and "prism plan" in page
     assert not re.search(r"(src|href)=[\"']?(https?:)?//", page) and "<link" not in page  # nothing fetched
@@ -536,6 +537,77 @@ def test_a_baseline_is_answered_at_its_first_passing_count_and_prism_is_confirme
     assert base.variants == [({"packing": "demand"}, 3), ({"packing": "memory"}, 4)]
     assert result.provisioned["static-partition"]["packing"] == "demand"
     assert "rates" in result.provisioned["static-partition"] and result.provisioned["prism"] == {}
+
+
+def _stand_in_runs(monkeypatch, w: Workload) -> None:
+    """Plan points without simulating: counts below 3 miss half the requests, count 4 stops early,
+    the others meet every one."""
+    import prism_serve.sim.plan as plan_mod
+
+    def stand_in(job) -> dict:
+        n = job.config.num_devices
+        met = 0.5 if n < 3 else 1.0
+        point = {"num_devices": n, "ttft_attainment": met, "tpot_attainment": met, "num_requests": len(w)}
+        if n == 4:
+            point["stopped"] = {"after_s": 10.0}
+        return {**point, "wall_s": 0.01 * n}
+
+    monkeypatch.setattr(plan_mod, "_run", stand_in)
+
+
+def test_a_running_plan_shows_and_keeps_each_count_it_has_decided(monkeypatch, tmp_path: Path) -> None:
+    from prism_serve.sim.plan_report import PROGRESS_FILE, PlanProgress
+
+    names = ["m0", "m1"]
+    w = burst_traffic(names)
+    dep = burst_deployment(names)
+    _stand_in_runs(monkeypatch, w)
+    lines: list[str] = []
+    found = PlanProgress("ttft", 0.99, tmp_path / "out", lines.append)
+    result = plan(dep, w, hardware="h100", policies=["prism", "static-partition"], max_devices=9, jobs=1,
+                  on_point=found)  # fmt: skip
+    # every sweep, each packing of static partitioning apart, with every count the plan simulated
+    packings = {f"static-partition packing={p}" for p in ("demand", "memory")}
+    assert set(found.points) == {"prism", *packings}
+    prism, base = result.policies["prism"], result.policies["static-partition"]
+    assert set(found.points["prism"]) == set(prism.points)
+    assert set(found.points[f"static-partition packing={base.variant['packing']}"]) == set(base.points)
+    for label, points in found.points.items():
+        for n, e in points.items():
+            assert e["passed"] == (n >= 3 and n != 4), (label, n)
+            assert e["stopped"] == ({"after_s": 10.0} if n == 4 else None)
+            assert e["wall_s"] == pytest.approx(0.01 * n)
+    # prism fails at 4 (stopped), so it answers 5 once 6 and 7 pass
+    assert prism.devices == 5 and found.points["prism"][5]["attainment"] == 1.0
+    assert len(lines) == sum(len(p) for p in found.points.values())  # one line per point
+    assert lines[-1] == found.summary() and "prism 7: 100.00%" in found.summary()
+    kept = json.loads((tmp_path / "out" / PROGRESS_FILE).read_text())
+    assert kept == {k: {str(n): e for n, e in v.items()} for k, v in found.points.items()}
+    found.done()  # the report has it all
+    assert not (tmp_path / "out" / PROGRESS_FILE).exists()
+    found("qlm", 4, {"ttft_attainment": 0.97, "stopped": {"after_s": 1.0}, "wall_s": 1.0})
+    assert found.summary().endswith("; qlm 4: stopped at 97.00%")
+
+
+def test_a_plan_stopped_midway_leaves_what_it_had_found(monkeypatch, tmp_path: Path) -> None:
+    from prism_serve.sim.plan_report import PROGRESS_FILE, PlanProgress
+
+    names = ["m0", "m1"]
+    w = burst_traffic(names)
+    dep = burst_deployment(names)
+    _stand_in_runs(monkeypatch, w)
+    found = PlanProgress("ttft", 0.99, tmp_path)
+
+    def then_stop(label: str, n: int, point: dict) -> None:
+        found(label, n, point)
+        if sum(len(p) for p in found.points.values()) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        plan(dep, w, hardware="h100", policies=["prism"], max_devices=9, jobs=1, on_point=then_stop)
+    kept = json.loads((tmp_path / PROGRESS_FILE).read_text())
+    assert kept == {"prism": {"1": kept["prism"]["1"], "2": kept["prism"]["2"], "3": kept["prism"]["3"]}}
+    assert [kept["prism"][k]["passed"] for k in ("1", "2", "3")] == [False, False, True]
 
 
 def test_a_static_partition_answer_is_written_with_the_rates_it_was_planned_for() -> None:

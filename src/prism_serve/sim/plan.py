@@ -504,6 +504,7 @@ def plan(
     span_s: float | None = None,
     jobs: int | None = None,
     progress: Callable[[int], None] | None = None,
+    on_point: Callable[[str, int, dict], None] | None = None,
     screen: bool = False,
     screen_window_s: float = SCREEN_WINDOW_S,
     screen_warmup_s: float = SCREEN_WARMUP_S,
@@ -527,7 +528,12 @@ def plan(
 
     ``expected_rates``: each model's expected rate in the deployment written for ``chosen``
     (``with_expected_rates``), which its runs simulate; the other policies run the deployment as
-    given, the practice they stand for."""
+    given, the practice they stand for.
+
+    ``progress(1)`` once per simulation; ``on_point(label, count, point)`` as each count's point
+    comes back (``label``: the policy, with the knobs of its variant, or ``"<policy> draw <seed>"``
+    for a draw of ``confidence``), from the searches' threads, so a long plan can be followed and
+    what it has found kept if it is stopped."""
     if not 0 < target <= 1:
         raise SimConfigError(f"the target must be in (0, 1], got {target}")
     if metric not in METRICS:
@@ -662,6 +668,8 @@ def plan(
                         })  # fmt: skip
                         if progress is not None:
                             progress(1)
+                        if on_point is not None:
+                            on_point(f"{pp.policy} draw {seed}", n, point)
                 if ok >= need:
                     out.devices = n
                     break
@@ -679,22 +687,28 @@ def plan(
                 cfg = dataclasses.replace(searched, num_devices=n)
                 return _Job(models_of(pp.policy), workload, deployment.slos, cfg)
 
+            label = " ".join([pp.policy, *(f"{k}={v}" for k, v in sorted(pp.variant.items()))])
+
+            def decided(n: int) -> None:
+                if progress is not None:
+                    progress(1)
+                if on_point is not None:
+                    on_point(label, n, pp.points[n])
+
             def passes(counts: Sequence[int]) -> dict[int, bool]:
                 for n, point in zip(counts, pool.map(_run, [job(n) for n in counts]), strict=True):
                     if n in pp.points:  # its screen, passed
                         point.update(screened_out=False, screen=pp.points[n]["screen"])
                         point["wall_s"] += pp.points[n]["wall_s"]
                     pp.points[n] = point
-                    if progress is not None:
-                        progress(1)
+                    decided(n)
                 return {n: passed(pp.points[n], metric, target) for n in counts}
 
             def screened(counts: Sequence[int]) -> dict[int, bool]:
                 batch = [_Screen(job(n), window, budget, metric) for n in counts]
                 for n, point in zip(counts, pool.map(_screen, batch), strict=True):
                     pp.points[n] = point
-                    if progress is not None:
-                        progress(1)
+                    decided(n)
                 return {n: not pp.points[n]["screened_out"] for n in counts}
 
             # a baseline that may leave spare devices idle passes wherever a count below passed

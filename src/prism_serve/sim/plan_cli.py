@@ -114,7 +114,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from prism_serve.sim.deployment import deployment_config, sim_deployment
     from prism_serve.sim.hardware import get_hardware
     from prism_serve.sim.plan import plan, with_expected_rates
-    from prism_serve.sim.plan_report import format_plan, write_plan
+    from prism_serve.sim.plan_report import PlanProgress, format_plan, write_plan
     from prism_serve.workload.traffic import CsvColumns, TrafficOptions, read_traffic
 
     config = deployment_config(args.config)
@@ -162,16 +162,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     policies = [p for p in args.policies.split(",") if p]
     chosen = deployment.policy if deployment.policy in policies else (policies or [None])[0]
     with tqdm(desc="plan", unit="sim", file=sys.stderr) as bar:
+        # each sweep's last count beside the bar, and in --out/progress.json until the report
+        found = PlanProgress(args.metric, args.target, args.out, bar.set_postfix_str)
         result = plan(
             deployment, traffic.workload, hardware=hardware, target=args.target, metric=args.metric,
             policies=policies, max_devices=args.max_devices, confirm=args.confirm,
             price_per_device_hour=args.price_per_device_hour, span_s=traffic.span_s, jobs=args.jobs,
-            progress=bar.update, screen=args.screen, confidence=args.confidence or None,
+            progress=bar.update, on_point=found, screen=args.screen, confidence=args.confidence or None,
             seeds=args.seeds, chosen=chosen, expected_rates=expected,
         )  # fmt: skip
     print(format_plan(result, chosen))
     if args.out is not None:
         written = write_plan(result, config, chosen, args.out, sys.argv[1:])
+        found.done()
         print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     return 0
 
