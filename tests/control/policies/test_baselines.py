@@ -85,6 +85,40 @@ def test_static_partition_splits_memory_into_fixed_slices():
     assert p.place(apply(c, out), NOW) == [], "slices never change and nothing moves"
 
 
+def test_static_partition_packs_again_only_when_what_it_packs_from_changes():
+    # a (40 GiB) and b (50 GiB) cannot share the device: one is left out, and every request of it
+    # asks place() whether a packing would take it (on_request), on snapshot after snapshot
+    from dataclasses import replace
+
+    p = get_policy("static-partition", rates=(("a", 1.0), ("b", 2.0)))
+    packings = []
+    compute = p._packing
+    p._packing = lambda c: packings.append(c) or compute(c)
+    c = apply(cluster([model("a", weight_gib=40), model("b", weight_gib=50)], {"d0": 80}), [])
+    first = p.place(c, NOW)
+    placed = [a.model for a in first if isinstance(a, Activate)]
+    assert len(placed) == 1
+    out = ({"a", "b"} - set(placed)).pop()
+    c = apply(c, first)
+    left_out = p.place(c, NOW)
+    assert left_out == [] and len(packings) == 2
+    # the same models and devices along the snapshots' chain: the last packing, not a new one,
+    # though the measured rates moved (the packing reads the knobs' rates, not those)
+    later = c.updated([replace(c.models["a"], rate=7.0), replace(c.models["b"], rate=0.1)])
+    assert p.place(later, NOW) == left_out and p.place(later, NOW + 5) == [] and len(packings) == 2
+    assert compute(later) == left_out  # what packing anew gives
+    # a change it packs from (the left-out model's weights, now small enough) is packed anew
+    changed = later.updated([replace(later.models[out], weight_bytes=10 * GIB)])
+    now_placed = [(a.model, a.devices) for a in p.place(changed, NOW) if isinstance(a, Activate)]
+    assert now_placed == [(out, ("d0",))]
+    assert len(packings) == 3
+    # and so is the same snapshot for a policy with other knobs
+    other = get_policy("static-partition", rates=(("a", 1.0), ("b", 3.0)))
+    other._packing = lambda c: packings.append(c) or compute(c)
+    other.place(later, NOW)
+    assert len(packings) == 4
+
+
 def test_static_partition_gives_every_slice_room_for_its_longest_request():
     # d0 holds "big"'s weights with 6 GiB to spare, but its longest request needs 8 GiB of KV: a
     # slice that could never start it would block its queue for good, so it goes to d1 only
