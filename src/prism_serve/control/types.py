@@ -370,8 +370,10 @@ class ClusterSnapshot:
     # derived values the snapshots before this one computed, shared along the chain of snapshots a
     # body builds with ``updated`` (a snapshot from ``build`` starts an empty one). An entry is used
     # only after checking that its inputs are the very entries of this snapshot (the same immutable
-    # objects: control/replicas.py's replica groups), so it is what computing afresh would give; a
-    # stale one is recomputed and replaced. Nothing a policy decides is kept here.
+    # objects: control/replicas.py's replica groups) or equal to them (static partitioning's last
+    # packing, with the knobs it was made with), so it is what computing afresh would give; a stale
+    # one is recomputed and replaced. Nothing a policy carries from one decision to the next is kept
+    # here: only what it would compute again from this snapshot.
     carried: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     @classmethod
