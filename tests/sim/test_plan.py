@@ -5,6 +5,7 @@ answers, its outputs, and the deployment it writes, which ``prism serve`` reads.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -83,6 +84,59 @@ def test_the_answer_is_the_fewest_count_that_passes_with_its_neighbours_above(pa
     assert len(asked) == len(set(asked))
     if n is not None:
         assert set(range(low, n)) <= set(asked)  # every count below it was simulated
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    passing=st.sets(st.integers(1, 60)),
+    first=st.one_of(st.none(), st.integers(1, 61)),  # monotone from ``first`` on, or any pattern
+    low=st.integers(1, 30),
+    confirm=st.integers(0, 3),
+    width=st.integers(1, 3),
+    sweep=st.integers(0, 12),
+    stride=st.one_of(st.none(), st.integers(1, 3)),
+)
+def test_past_its_sweep_the_search_steps_and_still_answers_a_count_that_passes_with_its_neighbours(
+    passing, first, low, confirm, width, sweep, stride
+) -> None:
+    """With ``sweep`` counts swept and steps past them: the answer passes with its ``confirm``
+    counts above, the count below it was asked and failed (or it is the floor), no count is asked
+    twice; where attainment is monotone the answer is exactly the fewest, found in a number of
+    simulations logarithmic in its distance from the sweep."""
+    high = 60
+    if first is not None:
+        passing = set(range(first, high + 1))
+    passes, asked = counting(passing)
+    n = fewest_passing(passes, low, high, confirm=confirm, width=width, sweep=sweep, stride=stride)
+    assert len(asked) == len(set(asked))
+    # the sweep: every count up to the answer
+    assert set(range(low, min(high, low + sweep - 1, high if n is None else n) + 1)) <= set(asked)
+    if n is not None:
+        assert n in passing and set(range(n + 1, min(high, n + confirm) + 1)) <= passing & set(asked)
+        assert n == low or (n - 1 in asked and n - 1 not in passing)
+    if first is not None:
+        fewest = first if first <= high else None
+        if fewest is not None and fewest < low:
+            fewest = low
+        assert n == fewest
+        beyond = [k for k in asked if k >= low + sweep]
+        assert len(beyond) <= 2 * (max(1, stride or width)) * (math.log2(high) + 2) + confirm
+
+
+def test_stepping_spares_the_counts_far_from_the_answer() -> None:
+    """500 models' shape: the floor at 13, the answer at 67. A sweep asks all 57 counts; past a
+    sweep of 10 the search asks 23 (the cheap ones far below the answer among them), the same
+    answer, and the count below it fails."""
+    passes, asked = counting(set(range(67, 200)))
+    assert fewest_passing(passes, 13, 150) == 67 and len(asked) == 57
+    passes, asked = counting(set(range(67, 200)))
+    assert fewest_passing(passes, 13, 150, width=2, sweep=10, stride=1) == 67
+    assert set(range(13, 23)) <= set(asked) and {66, 67, 68, 69} <= set(asked) and len(asked) <= 24
+    # a pass below the answer that steps went past: not found (a sweep of every count finds it)
+    passes, asked = counting({40, 41, 42, *range(67, 200)})
+    assert fewest_passing(passes, 13, 150, sweep=10) == 67 and 40 not in asked
+    passes, asked = counting({40, 41, 42, *range(67, 200)})
+    assert fewest_passing(passes, 13, 150) == 40
 
 
 def screening(maybe: set[int]):
@@ -587,6 +641,48 @@ def test_a_running_plan_shows_and_keeps_each_count_it_has_decided(monkeypatch, t
     assert not (tmp_path / "out" / PROGRESS_FILE).exists()
     found("qlm", 4, {"ttft_attainment": 0.97, "stopped": {"after_s": 1.0}, "wall_s": 1.0})
     assert found.summary().endswith("; qlm 4: stopped at 97.00%")
+
+
+def test_a_plan_that_steps_past_its_sweep_says_which_counts_it_did_not_try(monkeypatch) -> None:
+    """Both policies pass from 29 devices on (stand-in runs, the cost of a run growing with its
+    count): swept one by one from the floor for 3 counts, then stepped. Each answer is the fewest
+    count that passes and the one below it failed; the counts stepped over are listed in the plan,
+    results.json and the report, and a sweep of every count finds the same answers."""
+    import prism_serve.sim.plan as plan_mod
+    from prism_serve.sim.plan_report import format_plan
+
+    names = ["m0", "m1"]
+    w = burst_traffic(names)
+    dep = burst_deployment(names)
+    asked: list[tuple[str, int]] = []
+
+    def stand_in(job) -> dict:
+        n = job.config.num_devices
+        asked.append((job.config.policy, n))
+        met = 1.0 if n >= 29 else 0.5
+        return {"num_devices": n, "ttft_attainment": met, "tpot_attainment": met, "num_requests": len(w),
+                "per_model": {}}  # fmt: skip
+
+    monkeypatch.setattr(plan_mod, "_run", stand_in)
+    policies = ["prism", "dedicated"]
+    result = plan(dep, w, hardware="h100", policies=policies, max_devices=60, jobs=1, sweep_counts=3)
+    report, out = format_plan(result, "prism"), result.as_dict()["policies"]
+    for name in policies:
+        got = result.policies[name]
+        assert got.devices == 29 and not got.points[28]["ttft_attainment"] >= 0.99
+        assert {got.sweep_from, got.sweep_from + 1, got.sweep_from + 2} <= set(got.points)
+        assert got.skipped == [n for n in range(got.sweep_from, 29) if n not in got.points] != []
+        assert out[name]["skipped"] == got.skipped
+        assert f"{name} {len(got.skipped)}" in report
+    assert len(asked) == len(set(asked)) and len(asked) < 2 * (29 - 1)
+    assert {p: q.confirmed for p, q in result.policies.items()} == {"prism": 2, "dedicated": 0}
+    assert {30, 31} <= set(result.policies["prism"].points)  # prism's answer confirmed above it
+    asked.clear()
+    every = plan(dep, w, hardware="h100", policies=policies, max_devices=60, jobs=1, sweep_counts=None)
+    assert {p: q.devices for p, q in every.policies.items()} == {"prism": 29, "dedicated": 29}
+    assert all(not q.skipped for q in every.policies.values()) and "stepped over" not in format_plan(
+        every, "prism"
+    )
 
 
 def test_a_plan_stopped_midway_leaves_what_it_had_found(monkeypatch, tmp_path: Path) -> None:

@@ -8,9 +8,16 @@ The search, per policy, over the device count ``n`` (every point a simulation of
 a sweep upward from the hard floor (the lower bound's compute and tensor-parallel counts: no
 policy passes below them, sim/bound.py), ``width`` counts at a time; the first count that passes,
 with its ``confirm`` counts above it passing too, is the answer (where a confirm count fails, the
-sweep goes on). Every count below the answer is simulated and fails: attainment need not be
-monotone in the device count (a placement that fits at ``n`` may not at ``n + 1``), so a search
-that skips counts can answer far above the fewest. A baseline that may keep its assignment for
+sweep goes on). Every count the sweep covers below the answer is simulated and fails: attainment
+need not be monotone in the device count (a placement that fits at ``n`` may not at ``n + 1``),
+so a search that skips counts can answer far above the fewest. The sweep covers the first
+``sweep`` counts (``SWEEP_COUNTS``, 10; ``--sweep-counts``); an answer further up, as for hundreds
+of models whose answer lies tens of counts above the floor, is found by growing steps and then
+halving the gap (``fewest_passing``), one count at a time per policy where the policies share the
+workers: each count just below an answer runs nearly to the end before it fails, so sweeping 50
+of them costs 50 near-full runs, where stepping costs about ten. The counts stepped over are
+listed (``PolicyPlan.skipped``, results.json's ``skipped``, a line of the report): the count below
+such an answer fails, but these were not tried. A baseline that may keep its assignment for
 fewer devices and leave the rest idle (``Policy.keeps_fewer_devices``: static-partition, muxserve,
 dedicated, qlm) is answered at its first passing count, with no confirmation: on any count above it
 could do as well, so prism's saving is counted against its best packing, not its unluckiest; prism
@@ -77,6 +84,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -107,6 +115,7 @@ HOURS_PER_MONTH = 730.0
 METRICS = {"ttft": "ttft_attainment", "tpot": "tpot_attainment"}
 SCREEN_WINDOW_S = 600.0  # the busiest window a count is screened on
 SCREEN_WARMUP_S = 180.0  # the traffic before it that is served, not counted
+SWEEP_COUNTS = 10  # counts each search asks one by one from its floor before it steps (fewest_passing)
 
 
 @dataclass(slots=True, frozen=True)
@@ -145,6 +154,8 @@ def fewest_passing(
     confirm: int = 2,
     width: int = 1,
     screen: Callable[[Sequence[int]], Mapping[int, bool]] | None = None,
+    sweep: int | None = None,
+    stride: int | Callable[[], int] | None = None,
 ) -> int | None:
     """The fewest count in ``low..high`` that passes and whose next ``confirm`` counts (up to
     ``high``) pass too; None when there is none. ``passes`` evaluates a batch of counts (in
@@ -156,6 +167,19 @@ def fewest_passing(
     fail at 26 on the 58-model hour), so a search that skips counts (doubling steps, a bisection)
     can answer a count far above the fewest. A failing count costs little: its simulation stops
     once its misses pass the target's budget, the sooner the farther it is below the answer.
+
+    ``sweep``: the counts asked one by one from ``low`` (None: all of them) before the search
+    steps: past them it asks counts at growing distances (1, 2, 4, ... above the last count that
+    failed) until one passes, then halves the gap between the highest count that failed and the
+    lowest that passed until they are neighbours, and asks the ``confirm`` counts above; where one
+    of those fails, it steps on from it. The answer then passes with its ``confirm`` counts above
+    and the count below it fails, but counts between the sweep and the answer may not have been
+    asked: if attainment is not monotone one of them could pass. Near a far floor (hundreds of
+    models, whose answer is tens of counts above it) a sweep costs a simulation per count, and the
+    counts just below the answer nearly a full run each. ``stride``: the counts asked at once past
+    the sweep (default ``width``; fewer spend less where other searches share the workers), or a
+    function asked before each batch for it (a search that finishes leaves its workers to the
+    others).
 
     ``screen``: a cheaper test asked first, each count at most once: False says the count fails,
     and ``passes`` is not asked; True, that it may pass, and ``passes`` decides. A screen that never
@@ -171,17 +195,45 @@ def fewest_passing(
         if todo:
             known.update(passes(todo))
 
+    def confirmed(m: int) -> bool:
+        above = range(m + 1, min(high, m + confirm) + 1)
+        ask(above)
+        return all(known[k] for k in above)
+
     step = max(1, width)
-    for first in range(low, high + 1, step):
-        batch = range(first, min(high, first + step - 1) + 1)
+    at_once = (lambda: step) if stride is None else stride if callable(stride) else (lambda: stride)
+    last = high if sweep is None else min(high, low + max(0, sweep) - 1)
+    for first in range(low, last + 1, step):
+        batch = range(first, min(last, first + step - 1) + 1)
         ask(batch)
         for m in batch:
-            if not known[m]:
-                continue
-            above = range(m + 1, min(high, m + confirm) + 1)
-            ask(above)
-            if all(known[k] for k in above):
+            if known[m] and confirmed(m):
                 return m
+    failed = last  # every count up to it was asked, and none is the answer
+    while failed < high:
+        # up from the highest failure until a count passes, at distances 1, 2, 4, ...
+        passing = min((n for n, ok in known.items() if ok and n > failed), default=None)
+        base, gap = failed, 1
+        while passing is None:
+            batch, wide = [], max(1, at_once())
+            while len(batch) < wide and (not batch or batch[-1] < high):
+                batch.append(min(high, base + gap))
+                gap *= 2
+            ask(batch)
+            passing = min((n for n in batch if known[n]), default=None)
+            if passing is None and batch[-1] >= high:
+                return None
+        # then close the gap: the highest failure below the lowest pass, until they are neighbours
+        while True:
+            failed = max((n for n, ok in known.items() if not ok and n < passing), default=low - 1)
+            if passing - failed <= 1:
+                break
+            gap, wide = passing - failed, max(1, at_once())
+            ask(sorted({failed + max(1, gap * i // (wide + 1)) for i in range(1, wide + 1)} - {passing}))
+            passing = min(n for n, ok in known.items() if ok and n > failed)
+        if confirmed(passing):
+            return passing
+        failed = max(n for n in range(passing + 1, min(high, passing + confirm) + 1) if not known[n])
     return None
 
 
@@ -238,6 +290,14 @@ class PolicyPlan:
     @property
     def answer(self) -> dict | None:
         return None if self.devices is None else self.points[self.devices]
+
+    @property
+    def skipped(self) -> list[int]:
+        """The counts between the sweep's start and the answer that the search stepped over
+        (``fewest_passing``'s ``sweep``): not simulated, so not known to fail."""
+        if self.devices is None:
+            return []
+        return [n for n in range(self.sweep_from, self.devices) if n not in self.points]
 
     @property
     def headline(self) -> int | None:
@@ -297,6 +357,7 @@ class Plan:
                     if other != name
                 },
                 "sweep_from": p.sweep_from,
+                "skipped": p.skipped,
                 "confirmed": p.confirmed,
                 "variant": p.variant,
                 "variants": [{"knobs": v, "devices": n} for v, n in p.variants],
@@ -515,6 +576,7 @@ def plan(
     seeds: int = 10,
     chosen: str | None = None,
     expected_rates: Mapping[str, float] | None = None,
+    sweep_counts: int | None = SWEEP_COUNTS,
 ) -> Plan:
     """The fewest devices per policy for ``deployment`` serving ``workload`` on ``hardware``;
     ``screen``: simulate each count on the busiest window first (the module's docstring).
@@ -533,7 +595,11 @@ def plan(
     ``progress(1)`` once per simulation; ``on_point(label, count, point)`` as each count's point
     comes back (``label``: the policy, with the knobs of its variant, or ``"<policy> draw <seed>"``
     for a draw of ``confidence``), from the searches' threads, so a long plan can be followed and
-    what it has found kept if it is stopped."""
+    what it has found kept if it is stopped.
+
+    ``sweep_counts``: the counts each search asks one by one from its floor before it steps
+    (``fewest_passing``; None: every count, so that every count below an answer is known to
+    fail)."""
     if not 0 < target <= 1:
         raise SimConfigError(f"the target must be in (0, 1], got {target}")
     if metric not in METRICS:
@@ -596,6 +662,20 @@ def plan(
         )
         for policy in policies
     }  # fmt: skip
+    # past its sweep a search asks as many counts at once as it has workers to itself: counts near an
+    # answer cost nearly a full run each, and the other searches fill the pool until they finish
+    searching, counted = [len(out)], threading.Lock()
+
+    def stride() -> int:
+        return max(1, workers // max(1, searching[0]))
+
+    def search_then_leave(pp: PolicyPlan) -> None:
+        try:
+            search(pp)
+        finally:
+            with counted:
+                searching[0] -= 1
+
     with ProcessPoolExecutor(workers) if workers > 1 else _InProcess() as pool:
 
         def search(pp: PolicyPlan) -> None:
@@ -715,12 +795,12 @@ def plan(
             pp.confirmed = 0 if REGISTERED[pp.policy].keeps_fewer_devices else confirm
             pp.devices = fewest_passing(
                 passes, pp.sweep_from, high, pp.confirmed, width=workers,
-                screen=screened if window is not None else None,
+                screen=screened if window is not None else None, sweep=sweep_counts, stride=stride,
             )  # fmt: skip
 
         # every policy's search at once: each waits for its own points, the pool keeps the cores busy
         with ThreadPoolExecutor(len(out) if workers > 1 else 1) as searches:
-            list(searches.map(search, out.values()))
+            list(searches.map(search_then_leave, out.values()))
     rates, longest = workload.mean_rates(), workload.longest_requests()
     return Plan(
         hw, target, metric, bound, out, high, len(workload),

@@ -27,10 +27,22 @@ def _mapping(text: str) -> tuple[str, str]:
     return old.strip(), new.strip()
 
 
+def _sweep_counts(text: str) -> int | None:
+    if text.strip().lower() == "all":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or 'all', got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'all', got {n}")
+    return n
+
+
 def add_plan_parser(sub) -> None:
     from prism_serve.sim.deployment import PRESETS
     from prism_serve.sim.hardware import HARDWARE
-    from prism_serve.sim.plan import POLICIES
+    from prism_serve.sim.plan import POLICIES, SWEEP_COUNTS
     from prism_serve.workload.traffic import FORMATS
 
     p = sub.add_parser(
@@ -83,6 +95,12 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
     p.add_argument("--max-devices", type=int, default=None, help="search no further (default: 2 per TP rank)")
     p.add_argument("--confirm", type=int, default=2, help="counts above the answer that must pass too")
+    p.add_argument(
+        "--sweep-counts", type=_sweep_counts, default=SWEEP_COUNTS, metavar="N|all",
+        help=f"counts each policy's search tries one by one from its floor before it takes growing steps "
+        f"and halves the gap (default {SWEEP_COUNTS}; all: every count, so every count below an answer "
+        "is known to fail, at a simulation per count)",
+    )  # fmt: skip
     p.add_argument(
         "--screen", action=argparse.BooleanOptionalAction, default=False,
         help="simulate each count on the traffic's busiest 10 minutes (after 3 minutes of warm-up) before "
@@ -169,7 +187,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             policies=policies, max_devices=args.max_devices, confirm=args.confirm,
             price_per_device_hour=args.price_per_device_hour, span_s=traffic.span_s, jobs=args.jobs,
             progress=bar.update, on_point=found, screen=args.screen, confidence=args.confidence or None,
-            seeds=args.seeds, chosen=chosen, expected_rates=expected,
+            seeds=args.seeds, chosen=chosen, expected_rates=expected, sweep_counts=args.sweep_counts,
         )  # fmt: skip
     print(format_plan(result, chosen))
     if args.out is not None:

@@ -116,6 +116,15 @@ def format_plan(plan: Plan, chosen: str) -> str:
             f"{', '.join(firsts)}: the first count that passes (a baseline may keep that assignment and "
             "leave more devices idle); the others' answers pass with the counts above them too",
         ]
+    stepped = [f"{name} {len(q.skipped)}" for name, q in plan.policies.items() if q.skipped]
+    if stepped:
+        lines += [
+            "",
+            f"counts stepped over below the answer (not simulated): {', '.join(stepped)}. Past its first "
+            "counts the search took growing steps and then halved the gap, so the count below each answer "
+            "fails but these were not tried; if attainment is not monotone in the devices one could pass "
+            "(--sweep-counts all tries every count)",
+        ]
     p = plan.policies.get(chosen)
     if p is not None and p.confidence is not None:
         lines += ["", *_sure(plan, chosen, p.confidence, p.devices)]
