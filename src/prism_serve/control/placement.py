@@ -184,6 +184,9 @@ class PlacementResult:
         return max((kvpr(w, s) for w, s in zip(self.weighted_rate, self.shared_kv, strict=True)), default=0.0)
 
     def placement(self, model: str, tp_size: int) -> tuple[str, ...] | None:
+        if tp_size == 1:  # most models: asked for every model at every placement
+            d = self.assignment.get((model, 0))
+            return None if d is None else (d,)
         devs = tuple(self.assignment.get((model, r)) for r in range(tp_size))
         return None if any(d is None for d in devs) else devs  # type: ignore[return-value]
 

@@ -118,12 +118,16 @@ class _Group:
         self.resident = tuple(m for m in snaps if m.state is not ModelState.EVICTED)
         self.active = tuple(m for m in self.resident if m.state is ModelState.ACTIVE)
         self.rate = sum(m.rate for m in snaps)
-        self.capacity = None
-        for pool in (self.resident, snaps):
-            known = [m.profile.max_rate for m in pool if m.profile.max_rate is not None]
-            if known:
-                self.capacity = sum(known) / len(known)
-                break
+        self.capacity = _capacity(self.resident, snaps)
+
+
+def _capacity(resident: Sequence[ModelSnapshot], snaps: Sequence[ModelSnapshot]) -> float | None:
+    """The mean known ``max_rate`` of the resident replicas, else of every replica (None: none knows)."""
+    for pool in (resident, snaps):
+        known = [m.profile.max_rate for m in pool if m.profile.max_rate is not None]
+        if known:
+            return sum(known) / len(known)
+    return None
 
 
 def _group(cluster: ClusterSnapshot, model: str) -> _Group:
@@ -393,9 +397,35 @@ def settled(cluster: ClusterSnapshot, model: str, high: float) -> bool:
     or an engine. Then :func:`wanted_replicas` is 1 (it can only be more with requests waiting) and
     there is no :func:`surplus` (it needs two resident), whatever the rest of the cluster holds.
     Most served models of a large deployment are so at every placement: asking this first spares
-    them the full test (at 500 models it was a third of each placement)."""
-    group = _group(cluster, model)
-    return len(group.resident) == 1 and _for_rate(group, high) <= 1 and not _waiting(cluster, group)
+    them the full test (at 500 models it was a third of each placement), and the answer is read from
+    the replicas' entries without building their group (:func:`_group`) where none is built yet.
+    Only a resident replica has an engine (``ClusterSnapshot``), so only its engine is asked."""
+    group = cluster.derived.get(("group", model))
+    if group is not None:
+        return len(group.resident) == 1 and _for_rate(group, high) <= 1 and not _waiting(cluster, group)
+    models = cluster.models
+    snaps = (model, *cluster.extra_replicas.get(model, ()))
+    resident = None
+    rate = 0.0  # summed in slot order, as the group sums it
+    evicted = ModelState.EVICTED
+    for name in snaps:
+        m = models[name]
+        if m.num_queued:
+            return False
+        if m.state is not evicted:
+            if resident is not None:
+                return False  # two resident
+            resident = m
+        rate += m.rate
+    if resident is None:
+        return False
+    e = cluster.engines.get(resident.model)
+    if e is not None and e.num_waiting:
+        return False
+    capacity = resident.profile.max_rate
+    if capacity is None:
+        capacity = _capacity((), [models[n] for n in snaps])
+    return capacity is None or math.ceil(rate / (high * capacity)) <= 1
 
 
 def _waiting(cluster: ClusterSnapshot, group: _Group) -> bool:

@@ -377,7 +377,9 @@ class PrismPolicy(Policy):
             served = {m.group: None for m in considered if m.state is not evicted_state}
             activations.extend(self._scale_replicas(plan, served))
             if k.compute_aware and k.rebalance and k.relocate_busy:
-                activations.extend(self._relocate_busy(plan, served))
+                active = ModelState.ACTIVE
+                running = [m for m in considered if m.state is active and m.num_running > 0]
+                activations.extend(self._relocate_busy(plan, served, running))
         if k.prewarm:
             activations.extend(self._prewarm(plan))
 
@@ -538,7 +540,9 @@ class PrismPolicy(Policy):
             hold = min(hold, m.placed_history_s)
         return now - m.placed_at < hold
 
-    def _relocate_busy(self, plan: _TickPlan, served: dict[str, None]) -> list[ModelSnapshot]:
+    def _relocate_busy(
+        self, plan: _TickPlan, served: dict[str, None], running: list[ModelSnapshot]
+    ) -> list[ModelSnapshot]:
         """Make-before-break moves of busy models (at most one per tick, each costs an activation).
 
         A served model with one resident replica that is running requests, placed at least
@@ -554,23 +558,21 @@ class PrismPolicy(Policy):
         replica is active
         the old one is :func:`replicas.misplaced`: the router sends it nothing and it is evicted
         once it has nothing queued or running, as a surplus replica is. ``served``: the served models
-        with a replica resident (the others have nothing to move)."""
+        with a replica resident (the others have nothing to move); ``running``: the active replicas
+        with requests running."""
         k = self.knobs
         cluster, planned, gone, now = plan.cluster, plan.planned, plan.gone, plan.now
         candidates = []
-        for model in cluster.extra_replicas:
-            if model not in served:
+        extra = cluster.extra_replicas
+        # the active replicas running requests (an idle model is Algorithm 1's to move): a model
+        # qualifies through its one resident replica, so looking at these alone finds the same
+        for m in running:
+            model = m.group
+            if model not in served or model not in extra or m.model in gone:
                 continue
-            resident = [m for m in resident_replicas(cluster, model) if m.model not in gone]
-            if len(resident) != 1:
-                continue
-            (m,) = resident
-            if (
-                m.state is not ModelState.ACTIVE
-                or m.num_running == 0  # an idle model is Algorithm 1's to move
-                or planned.get(m.model) != m.placement
-                or self._cooling(m, now, by_history=True)
-            ):
+            if sum(r.model not in gone for r in resident_replicas(cluster, model)) != 1:
+                continue  # it has another copy: that one serves while this drains, or the reverse
+            if planned.get(m.model) != m.placement or self._cooling(m, now, by_history=True):
                 continue
             capacity = replica_capacity(cluster, model)
             if capacity is not None and group_rate(cluster, model) >= k.replica_low * capacity:
