@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prism_serve.control import (
@@ -135,6 +135,40 @@ def test_settled_means_no_copy_more_and_none_fewer(rates, resident, queued, know
     if settled(c, "m", 0.8):
         assert wanted_replicas(c, "m", 0.8, 3) == 1
         assert surplus(c, "m", 0.5) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rates=st.lists(st.floats(0, 30), min_size=3, max_size=3),
+    resident=st.lists(st.booleans(), min_size=3, max_size=3),
+    queued=st.lists(st.sampled_from([0, 0, 0, 1]), min_size=3, max_size=3),  # mostly none
+    known=st.lists(st.booleans(), min_size=3, max_size=3),
+    waiting=st.lists(st.sampled_from([0, 0, 1, 2]), min_size=3, max_size=3),
+)
+@example(rates=[1.0, 0.0, 0.0], resident=[True, False, False], queued=[0, 0, 0], known=[True] * 3,
+         waiting=[1, 0, 0])  # fmt: skip
+def test_settled_read_from_the_entries_is_the_group_s_answer(rates, resident, queued, known, waiting) -> None:
+    """``settled`` answers from the replicas' entries where no group is built yet; with the group
+    built first (``replicas._group``, as another call of the same placement may) it answers from
+    the group: both the same, whichever replicas are resident, queued, waiting in their engines, or
+    know their capacity."""
+    from prism_serve.control.replicas import _group
+
+    models = [
+        hot(k=k, rate=rates[k], on=(f"d{k}",) if resident[k] else (), queued=queued[k], running=waiting[k])
+        for k in range(3)
+    ]
+    models = [m if known[k] else replace(m, profile=ModelProfile()) for k, m in enumerate(models)]
+    engines = [
+        EngineSnapshot(m.model, m.placement[0], 1024, num_running=waiting[k], num_waiting=waiting[k])
+        for k, m in enumerate(models)
+        if m.placement
+    ]
+    for high in (0.5, 0.8, 1.0):
+        fresh, grouped = cluster(models, DEVICES, engines=engines), cluster(models, DEVICES, engines=engines)
+        _group(grouped, "m")
+        assert settled(fresh, "m", high) == settled(grouped, "m", high)
+        assert ("group", "m") not in fresh.derived  # answered without building it
 
 
 def test_prism_adds_a_replica_on_another_device_when_demand_exceeds_one() -> None:
