@@ -685,6 +685,19 @@ def test_a_plan_that_steps_past_its_sweep_says_which_counts_it_did_not_try(monke
     )
 
 
+def test_sweep_counts_on_the_command_line(traffic: Path, capsys) -> None:
+    """``--sweep-counts``: a count, or ``all`` (every count); anything else is refused by name."""
+    from prism_serve.sim.plan_cli import _sweep_counts
+
+    assert _sweep_counts("all") is None and _sweep_counts(" ALL ") is None and _sweep_counts("3") == 3
+    assert _sweep_counts("0") == 0
+    for bad in ("-1", "many", "2.5"):
+        with pytest.raises(SystemExit) as stop:
+            main(["plan", "--config", "paper-8", "--traffic", str(traffic), "--sweep-counts", bad])
+        assert stop.value.code == 2
+        assert "--sweep-counts" in capsys.readouterr().err
+
+
 def test_a_plan_stopped_midway_leaves_what_it_had_found(monkeypatch, tmp_path: Path) -> None:
     from prism_serve.sim.plan_report import PROGRESS_FILE, PlanProgress
 
