@@ -229,7 +229,7 @@ def fewest_passing(
             if passing - failed <= 1:
                 break
             gap, wide = passing - failed, max(1, at_once())
-            ask(sorted({failed + max(1, gap * i // (wide + 1)) for i in range(1, wide + 1)} - {passing}))
+            ask({failed + max(1, gap * i // (wide + 1)) for i in range(1, wide + 1)})  # all below passing
             passing = min(n for n, ok in known.items() if ok and n > failed)
         if confirmed(passing):
             return passing

@@ -373,13 +373,13 @@ class PrismPolicy(Policy):
         if k.compute_aware and k.rebalance and contention(plan.peak_busy()) >= _CONTENDED:
             self._move_through_idle(plan)
         if cluster.extra_replicas:
-            # the served models with a copy resident: the only ones either step below looks at
+            # the served models with a copy resident: the only ones replica scaling looks at
             served = {m.group: None for m in considered if m.state is not evicted_state}
             activations.extend(self._scale_replicas(plan, served))
             if k.compute_aware and k.rebalance and k.relocate_busy:
                 active = ModelState.ACTIVE
                 running = [m for m in considered if m.state is active and m.num_running > 0]
-                activations.extend(self._relocate_busy(plan, served, running))
+                activations.extend(self._relocate_busy(plan, running))
         if k.prewarm:
             activations.extend(self._prewarm(plan))
 
@@ -540,9 +540,7 @@ class PrismPolicy(Policy):
             hold = min(hold, m.placed_history_s)
         return now - m.placed_at < hold
 
-    def _relocate_busy(
-        self, plan: _TickPlan, served: dict[str, None], running: list[ModelSnapshot]
-    ) -> list[ModelSnapshot]:
+    def _relocate_busy(self, plan: _TickPlan, running: list[ModelSnapshot]) -> list[ModelSnapshot]:
         """Make-before-break moves of busy models (at most one per tick, each costs an activation).
 
         A served model with one resident replica that is running requests, placed at least
@@ -557,9 +555,8 @@ class PrismPolicy(Policy):
         1-3 requests a minute back and forth beside the one model near its limit). Once the new
         replica is active
         the old one is :func:`replicas.misplaced`: the router sends it nothing and it is evicted
-        once it has nothing queued or running, as a surplus replica is. ``served``: the served models
-        with a replica resident (the others have nothing to move); ``running``: the active replicas
-        with requests running."""
+        once it has nothing queued or running, as a surplus replica is. ``running``: the active
+        replicas with requests running (a model with none resident has nothing to move)."""
         k = self.knobs
         cluster, planned, gone, now = plan.cluster, plan.planned, plan.gone, plan.now
         candidates = []
@@ -568,7 +565,7 @@ class PrismPolicy(Policy):
         # qualifies through its one resident replica, so looking at these alone finds the same
         for m in running:
             model = m.group
-            if model not in served or model not in extra or m.model in gone:
+            if model not in extra or m.model in gone:
                 continue
             if sum(r.model not in gone for r in resident_replicas(cluster, model)) != 1:
                 continue  # it has another copy: that one serves while this drains, or the reverse
