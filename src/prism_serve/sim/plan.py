@@ -82,6 +82,7 @@ simulation of the traffic can foresee).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import threading
@@ -229,7 +230,12 @@ def fewest_passing(
             if passing - failed <= 1:
                 break
             gap, wide = passing - failed, max(1, at_once())
-            ask({failed + max(1, gap * i // (wide + 1)) for i in range(1, wide + 1)})  # all below passing
+            batch = {failed + max(1, gap * i // (wide + 1)) for i in range(1, wide + 1)}  # below passing
+            # a narrow gap leaves workers over: they ask the counts confirming ``passing``, which
+            # the answer needs unless it lies two or more below it (with a gap of 2, always)
+            above = (n for n in range(passing + 1, min(high, passing + confirm) + 1) if n not in known)
+            batch.update(itertools.islice(above, max(0, wide - len(batch))))
+            ask(batch)
             passing = min(n for n, ok in known.items() if ok and n > failed)
         if confirmed(passing):
             return passing
@@ -673,8 +679,11 @@ def plan(
         try:
             search(pp)
         finally:
-            with counted:
-                searching[0] -= 1
+            leave()
+
+    def leave() -> None:
+        with counted:
+            searching[0] -= 1
 
     with ProcessPoolExecutor(workers) if workers > 1 else _InProcess() as pool:
 
@@ -684,11 +693,25 @@ def plan(
             # the policy's own ways of placing that an operator would try (a baseline's packings);
             # one the user's knobs fix is not tried
             variants = [v for v in REGISTERED[pp.policy].plan_variants() if not set_by_user & set(v)] or [{}]
-            tried = []
-            for variant in variants:
-                trial = PolicyPlan(pp.policy, None, sweep_from=pp.sweep_from, variant=dict(variant))
-                sweep(trial, given + tuple(sorted(variant.items())))
-                tried.append(trial)
+            tried = [PolicyPlan(pp.policy, None, sweep_from=pp.sweep_from, variant=dict(v)) for v in variants]
+            if len(tried) > 1 and workers > 1:
+                # the variants search side by side, each a search of its own for the workers' share
+                with counted:
+                    searching[0] += len(tried) - 1
+
+                def sweep_then_leave(trial: PolicyPlan) -> None:
+                    try:
+                        sweep(trial, given + tuple(sorted(trial.variant.items())))
+                    finally:
+                        leave()
+
+                with ThreadPoolExecutor(len(tried) - 1) as others:
+                    rest = others.map(sweep_then_leave, tried[1:])
+                    sweep(tried[0], given + tuple(sorted(tried[0].variant.items())))
+                    list(rest)
+            else:
+                for trial in tried:
+                    sweep(trial, given + tuple(sorted(trial.variant.items())))
             at = min(range(len(tried)), key=lambda i: (tried[i].devices is None, tried[i].devices or 0))
             best = tried[at]  # the first of a tie
             pp.devices, pp.points, pp.confirmed, pp.variant = (
