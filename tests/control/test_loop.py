@@ -174,9 +174,6 @@ class Scripted:
         out, self.next_place = self.next_place, None
         return self.inner.place(cluster, now, memo) if out is None else out
 
-    def place_after_activation(self, cluster, model):
-        return self.inner.place_after_activation(cluster, model)
-
     def on_request(self, request, cluster, now):
         out, self.next_request = self.next_request, None
         return self.inner.on_request(request, cluster, now) if out is None else out
@@ -234,34 +231,6 @@ def test_an_arrival_for_an_evicted_model_activates_it_and_dispatches_once_it_is_
     assert loop.num_queued["a"] == 0
     body.finish("r1", 1.0)
     assert not loop.requests and not loop.where
-    check_invariants(loop, body)
-
-
-@pytest.mark.parametrize("wait", [True, False])
-def test_a_finished_prewarm_leaves_placement_to_the_next_tick(wait):
-    """prism's ``prewarms_wait_for_tick``: a finished activation ahead of any request places at
-    once only with the knob off; one with a request waiting always does."""
-    loop, body, pol = make(knobs={"prewarms_wait_for_tick": wait})
-    placed = []
-    inner_place = pol.place
-
-    def counting(cluster, now, memo=None):
-        placed.append(now)
-        return inner_place(cluster, now, memo)
-
-    pol.place = counting
-    pol.next_place = [Activate("a", ("d0",))]  # ahead of any request (as prewarming does)
-    loop.tick(0.0)
-    assert placed == [0.0] and body.models["a"].state is ModelState.ACTIVATING
-    body.activated("a", 0.5)
-    assert placed == ([0.0] if wait else [0.0, 0.5])
-    loop.tick(1.0)  # the tick places either way
-    assert placed[-1] == 1.0
-    # an arrival for an evicted model: its activation finishes with the request waiting
-    loop.arrival(req(1, "b", 1.2), 1.2)
-    assert body.models["b"].state is ModelState.ACTIVATING and loop.num_queued["b"] == 1
-    body.activated("b", 1.5)
-    assert placed[-1] == 1.5 and loop.where["r1"] == ENGINE
     check_invariants(loop, body)
 
 

@@ -343,11 +343,8 @@ class ControlLoop:
         self._to_admit.add(device)
         self._touch((device,))
         # the contract's "place() after a model finishes activating" (it may move it again): here
-        # and now, or by the body (coalesced with others, or off the body's event loop); unless the
-        # policy leaves it to the next tick (Policy.place_after_activation)
-        if not self.policy.place_after_activation(self.body.cluster(now), model):
-            self._admit_changed(now)
-        elif self.place_later is not None:
+        # and now, or by the body (coalesced with others, or off the body's event loop)
+        if self.place_later is not None:
             self.place_later()
             self._admit_changed(now)
         else:

@@ -157,12 +157,6 @@ class Policy:
     def place(self, cluster: ClusterSnapshot, now: float, memo: PolicyMemo | None = None) -> list[Action]:
         return []
 
-    def place_after_activation(self, cluster: ClusterSnapshot, model: str) -> bool:
-        """Whether ``model`` finishing its activation calls for ``place`` at once (the loop's
-        default, the contract's "place() after a model finishes activating"); False: the next tick
-        places, and meanwhile only admission runs (the model's requests start as they would)."""
-        return True
-
     def on_request(self, request: Request, cluster: ClusterSnapshot, now: float) -> list[Action]:
         raise NotImplementedError
 

@@ -390,21 +390,6 @@ class PrismPolicy(Policy):
         actions.extend(Activate(m.model, planned[m.model]) for m in activations)
         return actions
 
-    def place_after_activation(self, cluster: ClusterSnapshot, model: str) -> bool:
-        """Not after a prewarm (knob ``prewarms_wait_for_tick``): a model activated ahead of any
-        request, still without one, whose served model has nothing to scale (``replicas.settled``).
-        Nothing waits for it, and the next tick places with what it changed; placing at once would
-        re-run Algorithm 1 over every resident model. At 500 models over half of all finished
-        activations are prewarms, and skipping their placements made a simulation 1.3x faster. Every
-        other activation places at once: a burst's next copy is asked for as soon as the last one is
-        up. (Skipping every activation with nothing to scale, cold starts included, was 1.9x faster
-        at 500 models but moved the 58-model answers: ServeGen 20 req/s 15 -> 16, Azure code 40
-        req/s 14 -> 18, with 16 and 17 failing.)"""
-        m = cluster.models.get(model)
-        if m is None or not m.prewarmed or not self.knobs.prewarms_wait_for_tick:
-            return True
-        return not settled(cluster, m.group, self.knobs.replica_high)
-
     def _move_through_idle(self, plan: _TickPlan) -> None:
         """Compute balancing where memory blocks Algorithm 1: on the most contended device
         (contention >= 2, i.e. busy fraction >= 0.5) where it works, the busiest movable model moves

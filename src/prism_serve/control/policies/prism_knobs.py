@@ -54,10 +54,6 @@ class PrismKnobs(Knobs):
     relocate_busy: bool = True
     replica_high: float = 0.8
     replica_low: float = 0.5
-    # a finished prewarm (an activation ahead of any request, for a model with nothing to scale:
-    # replicas.settled) leaves placement to the next tick instead of placing at once; False: every
-    # finished activation places (at 500 models a prewarm finishes about twice a second)
-    prewarms_wait_for_tick: bool = True
     # route a request to the replica that probably holds the longest cached prefix of its prompt
     # (unless it would miss the TTFT SLO there and not elsewhere), and count only the uncached
     # prompt tokens in admission's prefill estimate (control/prefix_index.py); False: the ablation
