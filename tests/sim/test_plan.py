@@ -139,6 +139,31 @@ def test_stepping_spares_the_counts_far_from_the_answer() -> None:
     assert fewest_passing(passes, 13, 150) == 40
 
 
+def test_a_narrow_bisection_asks_the_confirm_counts_with_its_last_count() -> None:
+    """Two workers, a gap of 2 between the highest failure and the lowest pass: the count between
+    them and the nearer confirm count above the pass go together (each is needed whichever way the
+    count between goes), so the search takes a round less; with one worker they go one by one."""
+    for answer in (29, 30):
+        batches: list[list[int]] = []
+
+        def passes(counts, answer=answer, batches=batches):
+            batches.append(sorted(counts))
+            return {n: n >= answer for n in counts}
+
+        assert fewest_passing(passes, 13, 150, width=2, sweep=10, stride=2) == answer
+        assert [29, 31] in batches  # 28 failed and 30 passed: 29 and 30's confirm count 31
+        asked = [n for b in batches for n in b]
+        assert len(asked) == len(set(asked))
+    batches = []
+
+    def one_by_one(counts):
+        batches.append(sorted(counts))
+        return {n: n >= 29 for n in counts}
+
+    assert fewest_passing(one_by_one, 13, 150, width=2, sweep=10, stride=1) == 29
+    assert all(len(b) == 1 for b in batches[5:]) and [29] in batches and [31] in batches
+
+
 def screening(maybe: set[int]):
     asked: list[int] = []
 
@@ -591,6 +616,29 @@ def test_a_baseline_is_answered_at_its_first_passing_count_and_prism_is_confirme
     assert base.variants == [({"packing": "demand"}, 3), ({"packing": "memory"}, 4)]
     assert result.provisioned["static-partition"]["packing"] == "demand"
     assert "rates" in result.provisioned["static-partition"] and result.provisioned["prism"] == {}
+
+
+def test_the_packings_of_a_policy_search_side_by_side(monkeypatch) -> None:
+    """With two workers static partitioning's two packings are two searches at once: a run of the
+    memory packing starts before the demand packing's last run ends (one after the other, none
+    would). Stand-in runs of 0.3 s in the plan's worker processes; the answers are a sweep's."""
+    import prism_serve.sim.plan as plan_mod
+
+    from .helpers import timed_stand_in
+
+    names = ["m0", "m1"]
+    w = burst_traffic(names)
+    monkeypatch.setattr(plan_mod, "_run", timed_stand_in)
+    seen: dict[str, list[dict]] = {}
+    result = plan(
+        burst_deployment(names), w, hardware="h100", policies=["static-partition"], max_devices=9, jobs=2,
+        on_point=lambda label, n, point: seen.setdefault(label, []).append(point),
+    )  # fmt: skip
+    got = result.policies["static-partition"]
+    assert got.devices == 3 and got.variants == [({"packing": "demand"}, 3), ({"packing": "memory"}, 3)]
+    demand, memory = seen["static-partition packing=demand"], seen["static-partition packing=memory"]
+    assert min(p["started"] for p in memory) < max(p["ended"] for p in demand)
+    assert min(p["started"] for p in demand) < max(p["ended"] for p in memory)
 
 
 def _stand_in_runs(monkeypatch, w: Workload) -> None:

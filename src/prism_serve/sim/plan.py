@@ -180,7 +180,8 @@ def fewest_passing(
     counts just below the answer nearly a full run each. ``stride``: the counts asked at once past
     the sweep (default ``width``; fewer spend less where other searches share the workers), or a
     function asked before each batch for it (a search that finishes leaves its workers to the
-    others).
+    others); where the halving has fewer counts left to ask than that, the rest of the batch asks
+    the counts confirming the lowest pass.
 
     ``screen``: a cheaper test asked first, each count at most once: False says the count fails,
     and ``passes`` is not asked; True, that it may pass, and ``passes`` decides. A screen that never
@@ -231,8 +232,10 @@ def fewest_passing(
                 break
             gap, wide = passing - failed, max(1, at_once())
             batch = {failed + max(1, gap * i // (wide + 1)) for i in range(1, wide + 1)}  # below passing
-            # a narrow gap leaves workers over: they ask the counts confirming ``passing``, which
-            # the answer needs unless it lies two or more below it (with a gap of 2, always)
+            # a narrow gap leaves workers over: they ask the counts confirming ``passing``, nearest
+            # first, which the answer needs unless it lies two or more below ``passing`` (the
+            # nearest, with a gap of 2, always). The batch then lasts a passing run; so close to the
+            # answer a failing count nearly does too.
             above = (n for n in range(passing + 1, min(high, passing + confirm) + 1) if n not in known)
             batch.update(itertools.islice(above, max(0, wide - len(batch))))
             ask(batch)
