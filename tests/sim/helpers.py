@@ -34,16 +34,3 @@ def poisson(
 
 def loose(models: list[ServedModel], ttft: float = 10.0, tpot: float = 1.0) -> dict[str, ModelSLO]:
     return {m.name: ModelSLO(ttft, tpot) for m in models}
-
-
-def timed_stand_in(job) -> dict:
-    """A stand-in for ``sim.plan._run`` at module level, so a plan's worker processes can run it:
-    every count from 3 devices passes; each run takes 0.3 s and reports when it started and ended."""
-    import time
-
-    start = time.time()
-    time.sleep(0.3)
-    n = job.config.num_devices
-    met = 1.0 if n >= 3 else 0.5
-    return {"num_devices": n, "ttft_attainment": met, "tpot_attainment": met,
-            "num_requests": len(job.workload), "started": start, "ended": time.time()}  # fmt: skip

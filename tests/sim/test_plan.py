@@ -141,8 +141,9 @@ def test_stepping_spares_the_counts_far_from_the_answer() -> None:
 
 def test_a_narrow_bisection_asks_the_confirm_counts_with_its_last_count() -> None:
     """Two workers, a gap of 2 between the highest failure and the lowest pass: the count between
-    them and the nearer confirm count above the pass go together (each is needed whichever way the
-    count between goes), so the search takes a round less; with one worker they go one by one."""
+    them and the nearer confirm count above the pass go together (that one is needed whichever way
+    the count between goes; where it passes, nothing is left to ask); with one worker they go one
+    by one."""
     for answer in (29, 30):
         batches: list[list[int]] = []
 
@@ -616,29 +617,6 @@ def test_a_baseline_is_answered_at_its_first_passing_count_and_prism_is_confirme
     assert base.variants == [({"packing": "demand"}, 3), ({"packing": "memory"}, 4)]
     assert result.provisioned["static-partition"]["packing"] == "demand"
     assert "rates" in result.provisioned["static-partition"] and result.provisioned["prism"] == {}
-
-
-def test_the_packings_of_a_policy_search_side_by_side(monkeypatch) -> None:
-    """With two workers static partitioning's two packings are two searches at once: a run of the
-    memory packing starts before the demand packing's last run ends (one after the other, none
-    would). Stand-in runs of 0.3 s in the plan's worker processes; the answers are a sweep's."""
-    import prism_serve.sim.plan as plan_mod
-
-    from .helpers import timed_stand_in
-
-    names = ["m0", "m1"]
-    w = burst_traffic(names)
-    monkeypatch.setattr(plan_mod, "_run", timed_stand_in)
-    seen: dict[str, list[dict]] = {}
-    result = plan(
-        burst_deployment(names), w, hardware="h100", policies=["static-partition"], max_devices=9, jobs=2,
-        on_point=lambda label, n, point: seen.setdefault(label, []).append(point),
-    )  # fmt: skip
-    got = result.policies["static-partition"]
-    assert got.devices == 3 and got.variants == [({"packing": "demand"}, 3), ({"packing": "memory"}, 3)]
-    demand, memory = seen["static-partition packing=demand"], seen["static-partition packing=memory"]
-    assert min(p["started"] for p in memory) < max(p["ended"] for p in demand)
-    assert min(p["started"] for p in demand) < max(p["ended"] for p in memory)
 
 
 def _stand_in_runs(monkeypatch, w: Workload) -> None:

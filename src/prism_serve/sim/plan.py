@@ -682,11 +682,8 @@ def plan(
         try:
             search(pp)
         finally:
-            leave()
-
-    def leave() -> None:
-        with counted:
-            searching[0] -= 1
+            with counted:
+                searching[0] -= 1
 
     with ProcessPoolExecutor(workers) if workers > 1 else _InProcess() as pool:
 
@@ -696,25 +693,11 @@ def plan(
             # the policy's own ways of placing that an operator would try (a baseline's packings);
             # one the user's knobs fix is not tried
             variants = [v for v in REGISTERED[pp.policy].plan_variants() if not set_by_user & set(v)] or [{}]
-            tried = [PolicyPlan(pp.policy, None, sweep_from=pp.sweep_from, variant=dict(v)) for v in variants]
-            if len(tried) > 1 and workers > 1:
-                # the variants search side by side, each a search of its own for the workers' share
-                with counted:
-                    searching[0] += len(tried) - 1
-
-                def sweep_then_leave(trial: PolicyPlan) -> None:
-                    try:
-                        sweep(trial, given + tuple(sorted(trial.variant.items())))
-                    finally:
-                        leave()
-
-                with ThreadPoolExecutor(len(tried) - 1) as others:
-                    rest = others.map(sweep_then_leave, tried[1:])
-                    sweep(tried[0], given + tuple(sorted(tried[0].variant.items())))
-                    list(rest)
-            else:
-                for trial in tried:
-                    sweep(trial, given + tuple(sorted(trial.variant.items())))
+            tried = []
+            for variant in variants:
+                trial = PolicyPlan(pp.policy, None, sweep_from=pp.sweep_from, variant=dict(variant))
+                sweep(trial, given + tuple(sorted(variant.items())))
+                tried.append(trial)
             at = min(range(len(tried)), key=lambda i: (tried[i].devices is None, tried[i].devices or 0))
             best = tried[at]  # the first of a tie
             pp.devices, pp.points, pp.confirmed, pp.variant = (
