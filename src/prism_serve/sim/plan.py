@@ -233,9 +233,9 @@ def fewest_passing(
             gap, wide = passing - failed, max(1, at_once())
             batch = {failed + max(1, gap * i // (wide + 1)) for i in range(1, wide + 1)}  # below passing
             # a narrow gap leaves workers over: they ask the counts confirming ``passing``, nearest
-            # first, which the answer needs unless it lies two or more below ``passing`` (the
-            # nearest, with a gap of 2, always). The batch then lasts a passing run; so close to the
-            # answer a failing count nearly does too.
+            # first, which the answer needs unless it lies two or more below ``passing`` (with a gap
+            # of 2 and two confirm counts, the nearest always). The batch then lasts a passing run;
+            # so close to the answer a failing count nearly does too.
             above = (n for n in range(passing + 1, min(high, passing + confirm) + 1) if n not in known)
             batch.update(itertools.islice(above, max(0, wide - len(batch))))
             ask(batch)
