@@ -197,10 +197,13 @@ def fewest_passing(
         if todo:
             known.update(passes(todo))
 
+    def above(m: int) -> range:
+        """The counts that must pass too for ``m`` to be the answer."""
+        return range(m + 1, min(high, m + confirm) + 1)
+
     def confirmed(m: int) -> bool:
-        above = range(m + 1, min(high, m + confirm) + 1)
-        ask(above)
-        return all(known[k] for k in above)
+        ask(above(m))
+        return all(known[k] for k in above(m))
 
     step = max(1, width)
     at_once = (lambda: step) if stride is None else stride if callable(stride) else (lambda: stride)
@@ -236,13 +239,13 @@ def fewest_passing(
             # first, which the answer needs unless it lies two or more below ``passing`` (with a gap
             # of 2 and two confirm counts, the nearest always). The batch then lasts a passing run;
             # so close to the answer a failing count nearly does too.
-            above = (n for n in range(passing + 1, min(high, passing + confirm) + 1) if n not in known)
-            batch.update(itertools.islice(above, max(0, wide - len(batch))))
+            unknown = (n for n in above(passing) if n not in known)
+            batch.update(itertools.islice(unknown, max(0, wide - len(batch))))
             ask(batch)
             passing = min(n for n, ok in known.items() if ok and n > failed)
         if confirmed(passing):
             return passing
-        failed = max(n for n in range(passing + 1, min(high, passing + confirm) + 1) if not known[n])
+        failed = max(n for n in above(passing) if not known[n])
     return None
 
 
