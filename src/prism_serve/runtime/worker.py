@@ -18,6 +18,7 @@ The loop: drain control messages, run one engine step, send that step's tokens. 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import logging
@@ -562,7 +563,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
         return 1  # the controller died before the death signal was armed
     logging.basicConfig(level=logging.WARNING, format=f"[worker {args.worker_id}] %(levelname)s %(message)s")
-    device = DeviceSpec(args.device, args.memory_bytes, parse_cores(args.cores), 1)  # its own view
+    cores = parse_cores(args.cores)
+    if cores and not args.device.startswith("cuda"):
+        # on its device's cores, whatever it inherited (the pool pins it as it starts it; a node
+        # agent may not): what the check below asks of a worker is that it can run there
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cores)
+    device = DeviceSpec(args.device, args.memory_bytes, cores, 1)  # its own view
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     worker = Worker(
         args.worker_id,

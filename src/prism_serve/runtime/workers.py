@@ -6,6 +6,13 @@ needs it; the pool keeps ``DeviceSpec.num_workers`` of them per device at start 
 worker per device afterwards, so an activation never waits for a process to start unless many
 models activate on one device at once. A worker that reports ready is sent ``prepare()`` (the host
 cache files and tokenizers to open while it waits), so its first activation costs what later ones do.
+
+A worker of a CPU device runs on that device's cores from its first instruction: the pool pins the
+process as it starts it, so an interpreter and torch starting up take the device's cores, not the
+server's. Where a device's workers keep dying before they report ready (a core list the machine no
+longer grants, a broken driver, a Python without vLLM), each further start of one waits twice as
+long as the last (1 s, 2 s, ... 60 s), and from the third an error says so: every start is an
+interpreter and its imports, which a start failing in a loop would spend forever.
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ from prism_serve.runtime.devices import DeviceSpec
 from prism_serve.runtime.loading import LOAD_THREADS
 
 logger = logging.getLogger(__name__)
+
+# the pause before a device's next worker start after its workers died before reporting ready, n
+# times in a row: _RESPAWN_FIRST_S * 2 ** (n - 1), at most _RESPAWN_MAX_S
+_RESPAWN_FIRST_S = 1.0
+_RESPAWN_MAX_S = 60.0
 
 
 def shielded(fut: asyncio.Future) -> asyncio.Future:
@@ -166,6 +178,10 @@ class WorkerPool:
         self._decoder = msg.from_worker_decoder()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        # (device, engine) -> workers of it that died before ready, in a row, and when the last did
+        self._failed_starts: dict[tuple[str, str], tuple[int, float]] = {}
+        # (device, engine) -> the start that waits for its pause to pass
+        self._due: dict[tuple[str, str], asyncio.TimerHandle] = {}
 
     async def start(
         self, *, spare_bytes: int = 0, prepare: Callable[[WorkerHandle], msg.Prepare] | None = None
@@ -215,6 +231,11 @@ class WorkerPool:
             cmd = [python or sys.executable, "-m", "prism_serve.runtime.worker", *args]
             cmd += ["--parent-pid", str(os.getpid())]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+            if device.cores and not device.is_cuda:
+                # on the device's cores before its imports run, whatever this process runs on now;
+                # if it cannot be, the worker's own check of its cores says why and it exits
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(proc.pid, device.cores)
         handle = WorkerHandle(worker_id, device, proc, pid=proc.pid, engine=engine)
         self.workers[worker_id] = handle
         return handle
@@ -267,18 +288,50 @@ class WorkerPool:
                     handle = idle[0]
                 handle.state = WorkerState.ACTIVATING
                 return handle  # the caller refills the pool once this activation is done
-            starting = self._starting(device, engine) or [self.spawn(spec, engine)]
+            starting = self._starting(device, engine)
+            if not starting:
+                pause = self._pause_left(device, engine)
+                if pause > 0:  # its workers keep dying at start: the next one after the pause
+                    await asyncio.sleep(pause)
+                    continue
+                starting = [self.spawn(spec, engine)]
             await asyncio.wait([shielded(h.ready) for h in starting], return_when=asyncio.FIRST_COMPLETED)
 
     def refill(self, device: str, engine: str = "builtin") -> None:
         """Keep one idle worker of ``engine`` ready on ``device`` for the next activation. Called
         when an activation that took one is done, not as it takes it: a new worker's start (and a
         vLLM worker's engine build) would compete for the cores with that activation."""
+        self._spawn_when_due(
+            device, engine, lambda: not self.idle(device, engine) and not self._starting(device, engine)
+        )
+
+    def _pause_left(self, device: str, engine: str) -> float:
+        """Seconds until a worker of ``engine`` may start on ``device`` (> 0 only while its workers
+        keep dying before they report ready)."""
+        failed = self._failed_starts.get((device, engine))
+        if failed is None:
+            return 0.0
+        n, at = failed
+        return at + min(_RESPAWN_MAX_S, _RESPAWN_FIRST_S * 2 ** (n - 1)) - time.monotonic()
+
+    def _spawn_when_due(self, device: str, engine: str, wanted: Callable[[], bool]) -> None:
+        """Start a worker of ``engine`` on ``device`` if ``wanted()``: now, or once the pause after
+        failed starts has passed (``wanted`` is asked then; one start waits per device and engine)."""
+        key = (device, engine)
         spec = self.devices.get(device)
-        if self._closing or spec is None:
+        if self._closing or spec is None or key in self._due:
             return
-        if not self.idle(device, engine) and not self._starting(device, engine):
-            self.spawn(spec, engine)
+        pause = self._pause_left(device, engine)
+        if pause <= 0:
+            if wanted():
+                self.spawn(spec, engine)
+            return
+
+        def due() -> None:
+            del self._due[key]
+            self._spawn_when_due(device, engine, wanted)
+
+        self._due[key] = asyncio.get_running_loop().call_later(pause, due)
 
     def _starting(self, device: str, engine: str = "builtin") -> list[WorkerHandle]:
         return [w for w in self.on_device(device) if w.state is WorkerState.STARTING and w.engine == engine]
@@ -334,6 +387,7 @@ class WorkerPool:
                 continue
             if isinstance(m, msg.WorkerReady):
                 handle.state = WorkerState.IDLE
+                self._failed_starts.pop((handle.device.name, handle.engine), None)
                 if self._prepare is not None:
                     with contextlib.suppress(WorkerDiedError):
                         self.send(handle, self._prepare(handle))
@@ -378,20 +432,35 @@ class WorkerPool:
             handle.reply.exception()
         if self._closing:
             return
+        name, engine = handle.device.name, handle.engine
+        if was is WorkerState.STARTING:
+            n = self._failed_starts.get((name, engine), (0, 0.0))[0] + 1
+            self._failed_starts[name, engine] = (n, time.monotonic())
+            if n >= 3:
+                logger.error(
+                    "%s: %d %s workers in a row died before they were ready; the next starts in %.0f s",
+                    name, n, engine, self._pause_left(name, engine),
+                )  # fmt: skip
         self._on_death(handle)
-        if handle.engine == "vllm":
-            if handle.device.name in self.devices and not self.idle(handle.device.name, "vllm"):
-                self.spawn(handle.device, "vllm")  # the replacement
-        elif handle.device.name in self.devices and (
-            len([w for w in self.on_device(handle.device.name) if w.engine == "builtin"])
-            < handle.device.num_workers
-        ):
-            self.spawn(handle.device)  # the replacement
+        # the replacement
+        if engine == "vllm":
+            self._spawn_when_due(name, engine, lambda: not self.idle(name, "vllm"))
+        else:
+            self._spawn_when_due(
+                name,
+                engine,
+                lambda: (
+                    len([w for w in self.on_device(name) if w.engine == "builtin"])
+                    < self.devices[name].num_workers
+                ),
+            )
 
     def add_device(self, device: DeviceSpec, reserve_bytes: int) -> None:
         """A device of a node that joined: its ``num_workers`` workers start now."""
         self.devices[device.name] = device
         self._reserve_bytes[device.name] = reserve_bytes
+        for key in [k for k in self._failed_starts if k[0] == device.name]:  # a new node's start
+            del self._failed_starts[key]
         for _ in range(device.num_workers):
             self.spawn(device)
 
@@ -408,6 +477,9 @@ class WorkerPool:
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         self._closing = True
+        for timer in self._due.values():
+            timer.cancel()
+        self._due.clear()
         for handle in list(self.workers.values()):
             if handle.state is WorkerState.STARTING:  # not connected yet: it cannot hear Shutdown
                 handle.proc.terminate()
