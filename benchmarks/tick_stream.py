@@ -15,7 +15,14 @@ gap between consecutive tokens as it receives them. Three servers, one after ano
 Prints each setting's gap p50/p99/max and its p99 over the paused one (target <= 1.2x). Nothing is
 asserted.
 
+With the default ``--settle`` the streams run during the start-up fill: prewarming activates
+fine-tunes into the device's free memory, each in a worker of its own that starts on the device's
+core, beside the streaming engine, in every setting (``paused`` too: a finished activation asks
+for the next placement at once). ``--settle 90`` lets the fill finish first (about 30 s here), so
+what is left between the settings is the ticks alone.
+
     python benchmarks/tick_stream.py                    # the recorded run
+    python benchmarks/tick_stream.py --settle 90        # after the start-up fill
     python benchmarks/tick_stream.py --models 2000 --streams 2 --tokens 64   # a quick look
 """
 
