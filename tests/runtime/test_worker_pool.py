@@ -16,7 +16,17 @@ from prism_serve.errors import WorkerDiedError
 from prism_serve.runtime import messages as msg
 from prism_serve.runtime import workers as workers_mod
 from prism_serve.runtime.devices import DeviceSpec
-from prism_serve.runtime.workers import WorkerPool, WorkerState
+from prism_serve.runtime.workers import WorkerHandle, WorkerPool, WorkerState
+
+
+async def until(started: list, n: int, timeout_s: float = 10.0) -> None:
+    """Wait until ``n`` workers were started (a test that expects none more fails, not hangs)."""
+
+    async def wait() -> None:
+        while len(started) < n:
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(wait(), timeout_s)
 
 
 def make_pool(devices: list[DeviceSpec], **kw) -> WorkerPool:
@@ -106,8 +116,7 @@ def test_workers_dying_before_ready_are_started_again_after_doubling_pauses(monk
         try:
             with pytest.raises(WorkerDiedError):
                 await pool.start()
-            while len(launcher.started) < 6:
-                await asyncio.sleep(0.01)
+            await until(launcher.started, 6)
         finally:
             await pool.stop(timeout_s=1.0)
 
@@ -145,8 +154,7 @@ def test_an_activation_waits_out_the_pause_and_a_ready_worker_ends_it(monkeypatc
         taking = asyncio.ensure_future(asyncio.wait_for(pool.take("n1/cpu:0"), 5.0))
         await asyncio.sleep(0.02)
         assert len(launcher.started) == 1 and not taking.done()  # still in the pause
-        while len(launcher.started) < 2:
-            await asyncio.sleep(0.005)
+        await until(launcher.started, 2)
         worker_id = launcher.started[-1][0]
         assert launcher.started[-1][1] - launcher.started[0][1] >= 0.05 - 1e-3
         # the worker reports ready over the pool's socket, as a real one does
@@ -190,3 +198,30 @@ def test_stopping_cancels_a_start_that_waits_for_its_pause(monkeypatch) -> None:
 
     asyncio.run(run())
     assert len(launcher.started) == 1 and not pool._due and reported == []
+
+
+def test_a_refill_asked_during_a_pause_starts_its_worker_when_the_pause_ends(monkeypatch) -> None:
+    """The replacement waiting out the pause is not needed (the device has its one worker, busy
+    with a model), but an activation finished meanwhile asked for an idle worker: the start that
+    ends the pause serves both."""
+    monkeypatch.setattr(workers_mod, "_RESPAWN_FIRST_S", 0.05)
+    launcher = _Launcher()
+    pool = make_pool([DeviceSpec("n1/cpu:0", 2**28, (), 1)], launcher=launcher, poll_interval_s=0.005)
+
+    async def run() -> None:
+        try:
+            with pytest.raises(WorkerDiedError):
+                await pool.start()
+            await asyncio.sleep(0.01)
+            assert ("n1/cpu:0", "builtin") in pool._due
+            busy = WorkerHandle("n1/cpu:0/w9", pool.devices["n1/cpu:0"], _Running(), WorkerState.ACTIVATING)
+            pool.workers[busy.worker_id] = busy  # the device's one worker, serving a model
+            launcher.survive = True
+            pool.refill("n1/cpu:0")  # its activation is done: the pool wants an idle worker again
+            assert len(launcher.started) == 1  # not before the pause ends
+            await until(launcher.started, 2)
+            assert launcher.started[1][1] - launcher.started[0][1] >= 0.05 - 1e-3
+        finally:
+            await pool.stop(timeout_s=0.1)
+
+    asyncio.run(run())

@@ -180,8 +180,8 @@ class WorkerPool:
         self._closing = False
         # (device, engine) -> workers of it that died before ready, in a row, and when the last did
         self._failed_starts: dict[tuple[str, str], tuple[int, float]] = {}
-        # (device, engine) -> the start that waits for its pause to pass
-        self._due: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        # (device, engine) -> the start that waits for its pause to pass, and what asked for it
+        self._due: dict[tuple[str, str], tuple[asyncio.TimerHandle, list[Callable[[], bool]]]] = {}
 
     async def start(
         self, *, spare_bytes: int = 0, prepare: Callable[[WorkerHandle], msg.Prepare] | None = None
@@ -316,10 +316,14 @@ class WorkerPool:
 
     def _spawn_when_due(self, device: str, engine: str, wanted: Callable[[], bool]) -> None:
         """Start a worker of ``engine`` on ``device`` if ``wanted()``: now, or once the pause after
-        failed starts has passed (``wanted`` is asked then; one start waits per device and engine)."""
+        failed starts has passed (one start waits per device and engine; it starts then if any
+        of those that asked for it meanwhile still wants it)."""
         key = (device, engine)
         spec = self.devices.get(device)
-        if self._closing or spec is None or key in self._due:
+        if self._closing or spec is None:
+            return
+        if key in self._due:
+            self._due[key][1].append(wanted)
             return
         pause = self._pause_left(device, engine)
         if pause <= 0:
@@ -328,10 +332,10 @@ class WorkerPool:
             return
 
         def due() -> None:
-            del self._due[key]
-            self._spawn_when_due(device, engine, wanted)
+            wants = self._due.pop(key)[1]
+            self._spawn_when_due(device, engine, lambda: any(w() for w in wants))
 
-        self._due[key] = asyncio.get_running_loop().call_later(pause, due)
+        self._due[key] = (asyncio.get_running_loop().call_later(pause, due), [wanted])
 
     def _starting(self, device: str, engine: str = "builtin") -> list[WorkerHandle]:
         return [w for w in self.on_device(device) if w.state is WorkerState.STARTING and w.engine == engine]
@@ -477,7 +481,7 @@ class WorkerPool:
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         self._closing = True
-        for timer in self._due.values():
+        for timer, _ in self._due.values():
             timer.cancel()
         self._due.clear()
         for handle in list(self.workers.values()):
